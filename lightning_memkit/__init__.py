@@ -1,0 +1,25 @@
+"""lightning-memkit: training memory for PyTorch Lightning, measured, explained and fixed.
+
+The public API is what this module exports; everything else may change.
+"""
+
+from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.callbacks.memory_tracker import MemoryTracker
+from lightning_memkit.meter import MemoryMeter, training_state_tensors
+from lightning_memkit.oom import is_out_of_memory
+from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MemoryTracker",
+    "MemoryMeter",
+    "TensorAccountant",
+    "StepReading",
+    "RunSummary",
+    "training_state_tensors",
+    "is_out_of_memory",
+    "format_bytes",
+    "parse_bytes",
+]

@@ -1,0 +1,260 @@
+"""The exact live-tensor accountant: a TorchDispatchMode that counts every tensor storage.
+
+It owns the one number the rest of memkit trusts on any device (CPU, CUDA, meta, fake):
+the bytes of live tensor storages, current and peak, with a label per storage.
+
+How it counts, and why:
+
+* Every aten op passes through ``__torch_dispatch__``. After the op runs, each output
+  storage that was not an input storage and is not yet known is a *new allocation*;
+  views and in-place results share an input's storage, so they are never counted twice.
+* A storage's Python object is preserved by torch for the storage's whole life, so a
+  ``weakref`` callback on it fires exactly when the memory is released. That is how
+  frees are seen, including frees that happen outside the mode.
+* Tensors that existed before the accountant started (parameters, optimizer state,
+  the batch) are not counted unless they are *adopted* with :meth:`TensorAccountant.adopt`;
+  adoption is idempotent, so re-adopting the same parameters every step is cheap.
+* ``__torch_dispatch__`` must never raise: an exception while dispatching a view op can
+  abort the interpreter. Every failure is caught and kept in :attr:`TensorAccountant.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageRecord", "TensorAccountant", "storage_of"]
+
+#: at most this many distinct error messages are kept; later ones are only counted.
+_MAX_ERRORS = 20
+
+
+def storage_of(tensor: Any) -> torch.UntypedStorage | None:
+    """Return the untyped storage behind ``tensor``, or ``None`` when it has none.
+
+    Sparse, nested and most wrapper-subclass tensors have no single storage; they are
+    skipped rather than guessed at.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if tensor.layout is not torch.strided:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+@dataclass
+class StorageRecord:
+    """What the accountant knows about one live storage.
+
+    Attributes:
+        nbytes: size of the storage in bytes (as allocated, before any allocator rounding).
+        device: the storage's device, e.g. ``"cpu"`` or ``"cuda:0"``.
+        label: the accountant's label when the storage was allocated or adopted
+            (``"adopted"`` for adopted tensors unless a label was given).
+        sequence: allocation order within this accountant, 0-based.
+        adopted: ``True`` when the storage existed before and was adopted, not allocated.
+    """
+
+    nbytes: int
+    device: str
+    label: str
+    sequence: int
+    adopted: bool = False
+
+
+class TensorAccountant(TorchDispatchMode):
+    """Count the bytes of every live tensor storage, exactly, on any device.
+
+    Usage::
+
+        acc = TensorAccountant()
+        acc.adopt(model.parameters())          # count what already exists, once
+        with acc:
+            loss = model(x).sum(); loss.backward(); opt.step()
+        acc.peak_bytes, acc.current_bytes      # bytes, exact
+
+    Counters (all in bytes): :attr:`current_bytes` live now, :attr:`peak_bytes` the maximum
+    of ``current_bytes`` since the last :meth:`reset_peak`. :attr:`peak_bytes_by_label` is the
+    per-label split at that peak. Labels are set with :meth:`labelled` and let callers tell
+    forward from backward from optimizer allocations.
+
+    The accountant can be entered and exited many times (once per training step, say); frees
+    are seen whether or not it is active, so its counters stay right between steps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: dict[int, StorageRecord] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._label = "unlabelled"
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.current_bytes_by_label: dict[str, int] = {}
+        self.peak_bytes_by_label: dict[str, int] = {}
+        self.allocated_bytes_total = 0
+        self.errors: list[str] = []
+        self.error_count = 0
+        self._peak_listeners: list[Callable[[int], None]] = []
+
+    # ------------------------------------------------------------------ labels
+    @property
+    def label(self) -> str:
+        """The label given to storages allocated from now on."""
+        return self._label
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """Give ``label`` to every storage allocated inside the ``with`` block."""
+        previous, self._label = self._label, label
+        try:
+            yield
+        finally:
+            self._label = previous
+
+    def set_label(self, label: str) -> str:
+        """Set the allocation label and return the previous one (for hook-style callers)."""
+        previous, self._label = self._label, label
+        return previous
+
+    # ------------------------------------------------------------------ counting
+    def reset_peak(self) -> None:
+        """Start a new peak window: the peak becomes the current live bytes."""
+        self.peak_bytes = self.current_bytes
+        self.peak_bytes_by_label = dict(self.current_bytes_by_label)
+
+    def add_peak_listener(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(peak_bytes)`` each time a new peak is reached (keep it cheap)."""
+        self._peak_listeners.append(listener)
+
+    def is_tracked(self, tensor: torch.Tensor) -> bool:
+        """Whether the storage behind ``tensor`` is counted by this accountant."""
+        storage = storage_of(tensor)
+        return storage is not None and id(storage) in self._records
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        """The :class:`StorageRecord` of ``tensor``'s storage, or ``None`` if untracked."""
+        storage = storage_of(tensor)
+        return None if storage is None else self._records.get(id(storage))
+
+    def live_records(self) -> list[StorageRecord]:
+        """A snapshot of the records of every live, tracked storage."""
+        with self._lock:
+            return list(self._records.values())
+
+    def storage_key(self, tensor: torch.Tensor) -> int | None:
+        """A key that identifies ``tensor``'s storage while it lives (``None`` if it has none)."""
+        storage = storage_of(tensor)
+        return None if storage is None else id(storage)
+
+    def live_keys(self) -> set[int]:
+        """The keys (see :meth:`storage_key`) of every live, tracked storage."""
+        with self._lock:
+            return set(self._records)
+
+    def adopt(self, tensors: Iterable[Any], label: str = "adopted") -> int:
+        """Count tensors that already exist; return the bytes newly counted.
+
+        Storages that are already tracked are skipped, so adopting the same tensors every
+        step costs a dictionary lookup per tensor. Non-tensors and ``None`` are ignored.
+        """
+        added = 0
+        for tensor in tensors:
+            storage = storage_of(tensor)
+            if storage is not None and id(storage) not in self._records:
+                added += self._track(storage, label, adopted=True)
+        return added
+
+    def _track(self, storage: torch.UntypedStorage, label: str, adopted: bool) -> int:
+        key = id(storage)
+        nbytes = int(storage.nbytes())
+        record = StorageRecord(nbytes, str(storage.device), label, self._sequence, adopted)
+        self._sequence += 1
+        # The callback holds no reference to the storage; it fires when torch frees it.
+        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        with self._lock:
+            self._records[key] = record
+            self._refs[key] = ref
+            self.current_bytes += nbytes
+            self.current_bytes_by_label[label] = self.current_bytes_by_label.get(label, 0) + nbytes
+        if not adopted:
+            self.allocated_bytes_total += nbytes
+        self._update_peak()
+        return nbytes
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            record = self._records.pop(key, None)
+            self._refs.pop(key, None)
+            if record is None:
+                return
+            self.current_bytes -= record.nbytes
+            remaining = self.current_bytes_by_label.get(record.label, 0) - record.nbytes
+            if remaining:
+                self.current_bytes_by_label[record.label] = remaining
+            else:
+                self.current_bytes_by_label.pop(record.label, None)
+
+    def _resize(self, storage: torch.UntypedStorage) -> None:
+        """An in-place op (``resize_``, ``set_``) may change a tracked storage's size."""
+        record = self._records.get(id(storage))
+        if record is None:
+            return
+        nbytes = int(storage.nbytes())
+        delta = nbytes - record.nbytes
+        if delta:
+            with self._lock:
+                record.nbytes = nbytes
+                self.current_bytes += delta
+                self.current_bytes_by_label[record.label] = (
+                    self.current_bytes_by_label.get(record.label, 0) + delta
+                )
+            self._update_peak()
+
+    def _update_peak(self) -> None:
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self.peak_bytes_by_label = dict(self.current_bytes_by_label)
+            for listener in self._peak_listeners:
+                listener(self.peak_bytes)
+
+    def _record_error(self, message: str) -> None:
+        self.error_count += 1
+        if len(self.errors) < _MAX_ERRORS and message not in self.errors:
+            self.errors.append(message)
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        result = func(*args, **(kwargs or {}))
+        try:
+            self._account(args, kwargs, result)
+        except BaseException as error:  # never raise here: see the module docstring
+            self._record_error(f"{func}: {type(error).__name__}: {error}")
+        return result
+
+    def _account(self, args: Any, kwargs: Any, result: Any) -> None:
+        outputs, _ = tree_flatten(result)
+        if not outputs:
+            return
+        inputs, _ = tree_flatten((args, kwargs))
+        input_keys = {id(s) for s in map(storage_of, inputs) if s is not None}
+        for output in outputs:
+            storage = storage_of(output)
+            if storage is None:
+                continue
+            key = id(storage)
+            if key in input_keys:
+                self._resize(storage)
+            elif key not in self._records:
+                self._track(storage, self._label, adopted=False)

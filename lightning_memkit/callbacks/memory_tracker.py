@@ -1,0 +1,289 @@
+"""MemoryTracker: per-step memory in every Lightning logger, wired from MemoryMeter.
+
+The callback decides *when* (which steps, which hooks, which ranks) and *where* (loggers,
+history, checkpoints, OOM report); measuring is MemoryMeter's job.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
+from lightning_memkit.distributed import ReadingReducer
+from lightning_memkit.meter import MemoryMeter, training_state_tensors
+from lightning_memkit.oom import is_out_of_memory, write_oom_report
+from lightning_memkit.probes.cuda import dump_memory_snapshot, start_memory_history, stop_memory_history
+from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.summary_table import format_summary
+from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, step_metrics, summary_metrics
+
+__all__ = ["MemoryTracker"]
+
+
+class MemoryTracker(Callback):
+    r"""Log each training step's memory to every logger: allocated, reserved, peaks, fragmentation.
+
+    Usage::
+
+        from lightning_memkit import MemoryTracker
+        trainer = Trainer(callbacks=[MemoryTracker()])
+        trainer.fit(model)              # then: tensorboard --logdir lightning_logs
+
+    Logged keys (training steps under ``memory/train/``, validation runs under ``memory/val/``,
+    at the same step axis as your own ``self.log`` metrics). Every ``_MiB`` value is bytes/2**20.
+    A key appears only where its source exists (CUDA keys on CUDA, ``tensor`` keys when the
+    accountant is on):
+
+    ============================  =====  ==================================================
+    key (after ``memory/train/``)  unit   meaning
+    ============================  =====  ==================================================
+    ``allocated_MiB``             MiB    CUDA: live tensor memory at step end
+    ``peak_allocated_MiB``        MiB    CUDA: highest allocated during the step (reset each step)
+    ``reserved_MiB``              MiB    CUDA: memory the caching allocator holds at step end
+    ``peak_reserved_MiB``         MiB    CUDA: highest reserved during the step
+    ``active_MiB``                MiB    CUDA: active blocks (allocated + rounding)
+    ``fragmentation_MiB``         MiB    CUDA: inactive split blocks (reserved, free, unusable for big requests)
+    ``alloc_retries``             count  CUDA: cumulative cudaMalloc retries after flushing the cache
+    ``ooms``                      count  CUDA: cumulative out-of-memory errors
+    ``device_used_MiB``           MiB    NVML: device memory used by all processes
+    ``device_total_MiB``          MiB    NVML: device capacity
+    ``process_device_MiB``        MiB    NVML: this process's device memory (context, libraries included)
+    ``host_rss_MiB``              MiB    host: process resident set size at step end
+    ``host_peak_rss_MiB``         MiB    host: peak RSS during the step (Linux; see docs for fallback)
+    ``tensor_MiB``                MiB    accountant: live tensor bytes at step end (exact)
+    ``peak_tensor_MiB``           MiB    accountant: peak live tensor bytes during the step (exact)
+    ============================  =====  ==================================================
+
+    At fit end ``memory/summary/run_peak_MiB``, ``run_peak_step``, ``capacity_MiB`` and
+    ``run_peak_fraction`` are logged and a summary table is printed.
+
+    Args:
+        every_n_steps: measure and log every n-th optimizer step (1 = every step). Steps in
+            between run with no probe active.
+        log_validation: also measure each validation run (one reading per run, ``memory/val/``).
+        tensor_accounting: run the exact tensor accountant during measured steps. ``"auto"``
+            (default) turns it on where there are no allocator counters (CPU and other
+            non-CUDA devices); it costs a Python call per aten op (docs/memory_tracker.md).
+        nvml: read NVML on CUDA devices.
+        host: read host RSS and per-step peak RSS.
+        per_rank: under DDP also log each rank's values (``memory/train/rank{r}/...``);
+            the unprefixed keys are always the maximum over ranks.
+        cuda_memory_history: on CUDA, record allocator history with this many entries so an
+            out-of-memory error leaves a ``torch.cuda.memory._dump_snapshot`` file (0 = off).
+        oom_dir: where the OOM report goes; default: the first logger's log dir, else the
+            trainer's ``default_root_dir``.
+        max_history: readings kept in :attr:`history` (and checkpoints); older ones are
+            dropped, the run summary is unaffected.
+        prefix: the first part of every logged key.
+        verbose: print the summary table at fit end (global rank zero only).
+
+    Attributes:
+        history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
+        summary: the run's :class:`~lightning_memkit.records.RunSummary`.
+        oom_report_path: the path of the OOM report, if one was written.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        log_validation: bool = True,
+        tensor_accounting: bool | str = "auto",
+        nvml: bool = True,
+        host: bool = True,
+        per_rank: bool = False,
+        cuda_memory_history: int = 0,
+        oom_dir: str | None = None,
+        max_history: int = 10_000,
+        prefix: str = DEFAULT_PREFIX,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
+        if tensor_accounting not in (True, False, "auto"):
+            raise MisconfigurationException(f"MemoryTracker(tensor_accounting={tensor_accounting!r}): choose True, False or 'auto'")
+        if not isinstance(max_history, int) or max_history < 1:
+            raise MisconfigurationException(f"MemoryTracker(max_history={max_history!r}): give a positive integer")
+        if not isinstance(cuda_memory_history, int) or cuda_memory_history < 0:
+            raise MisconfigurationException(f"MemoryTracker(cuda_memory_history={cuda_memory_history!r}): give 0 (off) or a number of entries, e.g. 100000")
+        self.every_n_steps = every_n_steps
+        self.log_validation = log_validation
+        self.tensor_accounting = tensor_accounting
+        self.nvml = nvml
+        self.host = host
+        self.per_rank = per_rank
+        self.cuda_memory_history = cuda_memory_history
+        self.oom_dir = oom_dir
+        self.max_history = max_history
+        self.prefix = prefix
+        self.verbose = verbose
+        self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
+        self.summary = RunSummary()
+        self.oom_report_path: str | None = None
+        self._meter: MemoryMeter | None = None
+        self._reducer: ReadingReducer | None = None
+        self._history_recording = False
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._meter is not None:
+            return
+        device = trainer.strategy.root_device
+        self._meter = MemoryMeter(device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host)
+        self._reducer = ReadingReducer()
+        self.summary.device = str(device)
+        try:
+            self.summary.capacity_bytes = self._meter.capacity_bytes()
+        except Exception:
+            self.summary.capacity_bytes = None
+        if self.cuda_memory_history and device.type == "cuda":
+            self._history_recording = start_memory_history(self.cuda_memory_history)
+            if not self._history_recording:
+                rank_zero_warn("memkit: this torch cannot record CUDA memory history; OOM reports will have no snapshot.")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._meter is not None:
+            self._meter.shutdown()
+            self._meter = None
+        if self._history_recording:
+            stop_memory_history()
+            self._history_recording = False
+
+    # ------------------------------------------------------------------ training steps
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        meter = self._meter
+        if meter is None:
+            return
+        if not meter.is_open:
+            step = logging_step(trainer)
+            if step % self.every_n_steps:
+                return
+            meter.open(step, "train", trainer.global_rank)
+        meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        meter = self._meter
+        if meter is None or not meter.is_open:
+            return
+        meter.pause()
+        if optimizer_steps_after_batch(trainer):
+            self._log(trainer, meter.close())
+
+    # ------------------------------------------------------------------ validation runs
+    def _validating(self, trainer: Trainer) -> bool:
+        return self.log_validation and self._meter is not None and not trainer.sanity_checking
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validating(trainer) and not self._meter.is_open:
+            self._meter.open(logging_step(trainer), "validate", trainer.global_rank)
+
+    @override
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._validating(trainer) and self._meter.is_open:
+            self._meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._validating(trainer):
+            self._meter.pause()
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validating(trainer) and self._meter.is_open:
+            self._log(trainer, self._meter.close())
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, trainer: Trainer, reading: StepReading) -> None:
+        logged, ranks = self._reducer.reduce(reading, self.per_rank) if self._reducer else (reading, [])
+        self.history.append(logged)
+        self.summary.update(logged)
+        metrics = step_metrics(logged, self.prefix)
+        for rank_reading in ranks:
+            metrics.update(step_metrics(rank_reading, self.prefix, rank=rank_reading.rank))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=logged.step)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.summary.peak_bytes is None:
+            return
+        metrics = summary_metrics(self.summary, self.prefix)
+        step = logging_step(trainer)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            logger.save()
+        if self.verbose and trainer.is_global_zero:
+            print(format_summary(self.summary, list(self.history)))
+
+    # ------------------------------------------------------------------ failures
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        meter = self._meter
+        reading = None
+        if meter is not None:
+            meter.pause()  # never leave the dispatch mode on the stack after a failure
+            if meter.is_open:
+                reading = meter.close()
+        if is_out_of_memory(exception):
+            self._write_oom_report(trainer, exception, reading)
+        for logger in trainer.loggers:
+            try:
+                logger.save()
+            except Exception:
+                pass
+
+    def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
+        directory = self.oom_dir or _log_dir(trainer)
+        stem = os.path.join(directory, f"memkit_oom_rank{trainer.global_rank}")
+        snapshot = None
+        if self._history_recording and dump_memory_snapshot(stem + ".pickle"):
+            snapshot = stem + ".pickle"
+        payload = {
+            "step": logging_step(trainer),
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "rank": trainer.global_rank,
+            "device": self.summary.device,
+            "capacity_bytes": self.summary.capacity_bytes,
+            "failing_step_reading": reading.to_dict() if reading else None,
+            "last_readings": [r.to_dict() for r in list(self.history)[-10:]],
+            "summary": self.summary.to_dict(),
+            "cuda_snapshot": snapshot,
+        }
+        try:
+            self.oom_report_path = write_oom_report(stem + ".json", payload, exception)
+            rank_zero_warn(f"memkit: out of memory at step {payload['step']}; report written to {self.oom_report_path}")
+        except OSError as error:
+            rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [r.to_dict() for r in self.history], "summary": self.summary.to_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history.clear()
+        self.history.extend(StepReading.from_dict(r) for r in state_dict.get("history", []))
+        if "summary" in state_dict:
+            self.summary = RunSummary.from_dict(state_dict["summary"])
+
+
+def _log_dir(trainer: Trainer) -> str:
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None)
+        if directory:
+            return str(directory)
+    return str(trainer.default_root_dir)

@@ -1,0 +1,41 @@
+"""The ``memkit`` command: one sub-command per module in this package.
+
+Each verb module has ``add_parser(subparsers)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+#: sub-command name -> module under lightning_memkit.cli
+VERBS = {
+    "demo": "demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``memkit`` argument parser."""
+    parser = argparse.ArgumentParser(prog="memkit", description="Training memory for PyTorch Lightning: measure, explain, fix.")
+    subparsers = parser.add_subparsers(dest="verb", metavar="COMMAND")
+    for verb, module_name in VERBS.items():
+        module = importlib.import_module(f"lightning_memkit.cli.{module_name}")
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``memkit``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

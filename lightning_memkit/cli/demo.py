@@ -1,0 +1,59 @@
+"""``memkit demo``: train a built-in model on synthetic data with MemoryTracker and show the result."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["add_parser", "run", "MODELS"]
+
+MODELS = ("mlp", "cnn", "transformer")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="train a small built-in model with MemoryTracker and write TensorBoard logs",
+                                   description="Train a small built-in LightningModule on synthetic data with MemoryTracker, "
+                                               "write TensorBoard logs and print the memory summary.")
+    parser.add_argument("--model", choices=MODELS, default="cnn", help="which built-in model (default: cnn)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    parser.add_argument("--logdir", default="memkit_logs", help="TensorBoard log root (default: memkit_logs)")
+    parser.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
+    parser.set_defaults(run=run)
+
+
+def build_model(name: str, batch_size: int):
+    """The built-in model ``name`` ('mlp', 'cnn' or 'transformer')."""
+    from lightning_memkit import zoo
+
+    if name == "mlp":
+        return zoo.DemoMLP(batch_size=batch_size)
+    if name == "cnn":
+        return zoo.DemoCNN(batch_size=batch_size)
+    if name == "transformer":
+        return zoo.DemoTransformer(batch_size=batch_size)
+    raise ValueError(f"unknown model {name!r}; choose from: {', '.join(MODELS)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.batch_size < 1:
+        print("memkit demo: --steps and --batch-size must be positive integers")
+        return 2
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_memkit import MemoryTracker
+
+    pl.seed_everything(0, verbose=False)
+    model = build_model(args.model, args.batch_size)
+    tracker = MemoryTracker()
+    loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
+        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker], logger=loggers,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+    )
+    trainer.fit(model)
+    print(f"\nTensorBoard logs: {os.path.abspath(loggers[0].log_dir)}")
+    print(f"Open them with:   tensorboard --logdir {args.logdir}")
+    return 0

@@ -1,0 +1,77 @@
+"""Readings across ranks: a side gloo group so the reduction never touches the GPU stream.
+
+Every rank sends a vector of the same length (missing values as -1), so ranks whose probes
+differ (NVML off on one node, say) still agree on the collective's shape; the group has a
+timeout, so a rank that stops reducing turns into an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lightning_memkit.records import StepReading
+
+__all__ = ["ReadingReducer"]
+
+_MISSING = -1
+
+
+def _encode(reading: StepReading) -> torch.Tensor:
+    return torch.tensor(
+        [_MISSING if getattr(reading, name) is None else int(getattr(reading, name)) for name in StepReading.value_fields()],
+        dtype=torch.int64,
+    )
+
+
+def _decode(vector: torch.Tensor, step: int, stage: str, rank: int) -> StepReading:
+    values = {name: (None if int(v) == _MISSING else int(v)) for name, v in zip(StepReading.value_fields(), vector.tolist())}
+    return StepReading(step=step, stage=stage, rank=rank, **values)
+
+
+class ReadingReducer:
+    """Max (and optionally every rank's value) of a StepReading over the ranks.
+
+    Build it on every rank at the same point (it creates a process group when the default
+    one is not gloo). Outside torch.distributed it returns the reading unchanged.
+    """
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.group = None
+        self.world_size = 1
+        self.rank = 0
+        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not self.enabled:
+            return
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        if dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def reduce(self, reading: StepReading, per_rank: bool = False) -> tuple[StepReading, list[StepReading]]:
+        """Return (max over ranks with ``rank=-1``, every rank's reading if ``per_rank``)."""
+        if not self.enabled:
+            return reading, ([reading] if per_rank else [])
+        vector = _encode(reading)
+        try:
+            if per_rank:
+                gathered = [torch.empty_like(vector) for _ in range(self.world_size)]
+                dist.all_gather(gathered, vector, group=self.group)
+                stacked = torch.stack(gathered)
+                maximum = stacked.max(dim=0).values
+                ranks = [_decode(row, reading.step, reading.stage, r) for r, row in enumerate(stacked)]
+            else:
+                maximum = vector.clone()
+                dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
+                ranks = []
+        except Exception as error:  # a rank out of step: log locally, never hang or crash
+            warnings.warn(
+                f"memkit: cross-rank memory reduction failed ({error}); logging this rank's values only from now on.",
+                RuntimeWarning,
+            )
+            self.enabled = False
+            return reading, ([reading] if per_rank else [])
+        return _decode(maximum, reading.step, reading.stage, -1), ranks

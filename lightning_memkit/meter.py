@@ -1,0 +1,131 @@
+"""A step's memory, measured: open a window, run the step, close it into a StepReading.
+
+This is the core that MemoryTracker wires to Lightning's hooks; it works the same around a
+plain PyTorch training loop (see ``MemoryMeter.measure``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from lightning_memkit.probes import ProbeSet, TensorProbe, build_probes
+from lightning_memkit.probes.cuda import CudaAllocatorProbe
+from lightning_memkit.records import StepReading
+
+__all__ = ["MemoryMeter", "training_state_tensors"]
+
+
+def training_state_tensors(module: torch.nn.Module | None, optimizers: Iterable[Any] = (), batch: Any = None) -> Iterator[torch.Tensor]:
+    """Every tensor a training step starts with: parameters, their gradients, buffers,
+    optimizer state and the batch (nested lists, tuples and dicts are walked)."""
+    if module is not None:
+        for parameter in module.parameters():
+            yield parameter
+            if parameter.grad is not None:
+                yield parameter.grad
+        yield from module.buffers()
+    for optimizer in optimizers:
+        for state in getattr(optimizer, "state", {}).values():
+            for value in state.values() if isinstance(state, dict) else ():
+                if isinstance(value, torch.Tensor):
+                    yield value
+    if batch is not None:
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+
+
+class MemoryMeter:
+    """Measure the memory of steps on one device.
+
+    Args:
+        device: the device the step runs on (``"cpu"``, ``"cuda:0"``, ...).
+        tensor_accounting: run the exact tensor accountant during each step. ``"auto"``
+            turns it on where no allocator counters exist (every device but CUDA).
+        nvml: read NVML on CUDA devices.
+        host: read the process's RSS and per-step peak RSS.
+
+    Plain PyTorch::
+
+        meter = MemoryMeter("cpu")
+        with meter.measure(step=0, existing=training_state_tensors(model, [opt], batch)):
+            loss = model(x).sum(); loss.backward(); opt.step()
+        print(meter.last.peak_tensor_bytes)
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto", nvml: bool = True, host: bool = True) -> None:
+        self.device = torch.device(device)
+        if tensor_accounting == "auto":
+            tensor_accounting = self.device.type != "cuda"
+        elif not isinstance(tensor_accounting, bool):
+            raise ValueError(f"tensor_accounting must be True, False or 'auto', not {tensor_accounting!r}")
+        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting, nvml=nvml, host=host)
+        self.last: StepReading | None = None
+        self._open: tuple[int, str, int] | None = None
+
+    @property
+    def tensor_probe(self) -> TensorProbe | None:
+        """The accountant's probe, when tensor accounting is on and working."""
+        return self.probes.find(TensorProbe)  # type: ignore[return-value]
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a window is open."""
+        return self._open is not None
+
+    def capacity_bytes(self) -> int | None:
+        """The measured device's memory capacity in bytes: the CUDA device's total, or host RAM."""
+        cuda = self.probes.find(CudaAllocatorProbe)
+        if cuda is not None:
+            return cuda.capacity_bytes()  # type: ignore[attr-defined]
+        if self.device.type == "cpu":
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        return None
+
+    def open(self, step: int, stage: str = "train", rank: int = 0) -> None:
+        """Open a window: every probe's peak starts from now."""
+        self._open = (step, stage, rank)
+        self.probes.reset_peak()
+
+    def resume(self, existing: Iterable[Any] = ()) -> None:
+        """Activate the accountant for a (micro-)batch, counting ``existing`` tensors once."""
+        probe = self.tensor_probe
+        if probe is not None:
+            probe.start(existing)
+
+    def pause(self) -> None:
+        """Deactivate the accountant between (micro-)batches of one window."""
+        probe = self.tensor_probe
+        if probe is not None:
+            probe.stop()
+
+    def close(self) -> StepReading:
+        """Close the window and return its reading (also kept as :attr:`last`)."""
+        if self._open is None:
+            raise RuntimeError("MemoryMeter.close() called with no open window; call open() first")
+        self.pause()
+        step, stage, rank = self._open
+        self._open = None
+        self.last = StepReading(step=step, stage=stage, rank=rank, **self.probes.read())
+        return self.last
+
+    @contextlib.contextmanager
+    def measure(self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0) -> Iterator["MemoryMeter"]:
+        """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`."""
+        self.open(step, stage, rank)
+        self.resume(existing)
+        try:
+            yield self
+        finally:
+            self.close()
+
+    def shutdown(self) -> None:
+        """Deactivate and release every probe."""
+        self.pause()
+        self.probes.close()

@@ -1,0 +1,43 @@
+"""Memory probes: one small interface over every place memory can be read.
+
+``build_probes`` picks the probes that make sense for a device; none of them imports Lightning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lightning_memkit.probes.base import MemoryProbe, ProbeSet, ProbeUnavailable
+from lightning_memkit.probes.cuda import CudaAllocatorProbe
+from lightning_memkit.probes.host import HostProbe
+from lightning_memkit.probes.nvml import NvmlProbe
+from lightning_memkit.probes.tensor import TensorProbe
+
+__all__ = [
+    "MemoryProbe", "ProbeSet", "ProbeUnavailable", "CudaAllocatorProbe", "HostProbe",
+    "NvmlProbe", "TensorProbe", "build_probes",
+]
+
+
+def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: bool = True, host: bool = True) -> ProbeSet:
+    """The probes for ``device``: CUDA allocator and NVML on CUDA, host RSS, and optionally
+    the tensor accountant. A probe whose source is missing warns once and is left out."""
+    device = torch.device(device)
+    probes: list[MemoryProbe] = []
+    factories = []
+    if device.type == "cuda":
+        factories.append(lambda: CudaAllocatorProbe(device))
+        if nvml:
+            factories.append(lambda: NvmlProbe(device))
+    if host:
+        factories.append(HostProbe)
+    if tensor_accounting:
+        factories.append(TensorProbe)
+    for factory in factories:
+        try:
+            probes.append(factory())
+        except ProbeUnavailable as error:
+            warnings.warn(f"memkit: a memory probe is unavailable ({error}); continuing without it.", RuntimeWarning, stacklevel=2)
+    return ProbeSet(probes)

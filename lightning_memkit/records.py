@@ -1,0 +1,160 @@
+"""Plain records of what was measured: one step's memory reading and a run's summary.
+
+Probes fill records; sinks (loggers, TensorBoard, CSV, the report) only read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "StepReading", "RunSummary"]
+
+#: Byte-valued fields of :class:`StepReading`, in display order, with their meaning.
+MEMORY_FIELDS: dict[str, str] = {
+    "allocated_bytes": "CUDA: bytes held by live tensors at step end (torch.cuda.memory_allocated)",
+    "peak_allocated_bytes": "CUDA: highest allocated bytes during this step (peak reset every step)",
+    "reserved_bytes": "CUDA: bytes the caching allocator holds from the driver at step end",
+    "peak_reserved_bytes": "CUDA: highest reserved bytes during this step",
+    "active_bytes": "CUDA: bytes in active blocks (allocated plus their rounding)",
+    "fragmentation_bytes": "CUDA: inactive split bytes: reserved, free, but cut off from larger blocks",
+    "device_used_bytes": "NVML: device memory used by every process (what nvidia-smi shows)",
+    "device_total_bytes": "NVML: device memory capacity",
+    "process_device_bytes": "NVML: device memory used by this process (CUDA context and libraries included)",
+    "host_rss_bytes": "host: resident set size of this process at step end",
+    "host_peak_rss_bytes": "host: peak resident set size during this step (Linux VmHWM, reset every step)",
+    "tensor_bytes": "accountant: bytes of live tensor storages at step end (exact, any device)",
+    "peak_tensor_bytes": "accountant: highest live tensor bytes during this step (exact, any device)",
+}
+
+#: Count-valued fields of :class:`StepReading`.
+COUNT_FIELDS: dict[str, str] = {
+    "alloc_retries": "CUDA: cumulative allocator retries (cudaMalloc failed, cache flushed, retried)",
+    "ooms": "CUDA: cumulative out-of-memory errors raised by the allocator",
+}
+
+
+@dataclass
+class StepReading:
+    """One step's memory, as read by the probes. Every memory field is in bytes.
+
+    ``step`` is the training-step axis that Lightning's own logged metrics use, so memory
+    lines up with the loss curve; ``stage`` is ``"train"`` or ``"validate"`` (a validation
+    reading covers the whole validation run and sits at the training step it followed).
+    Fields a probe could not read on this device are ``None``.
+    """
+
+    step: int
+    stage: str = "train"
+    rank: int = 0
+    allocated_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    active_bytes: int | None = None
+    fragmentation_bytes: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    device_used_bytes: int | None = None
+    device_total_bytes: int | None = None
+    process_device_bytes: int | None = None
+    host_rss_bytes: int | None = None
+    host_peak_rss_bytes: int | None = None
+    tensor_bytes: int | None = None
+    peak_tensor_bytes: int | None = None
+
+    @staticmethod
+    def value_fields() -> list[str]:
+        """Names of the measured fields (bytes and counts), in display order."""
+        return [f for f in MEMORY_FIELDS] + [f for f in COUNT_FIELDS]
+
+    def values(self) -> dict[str, int]:
+        """The measured fields that have a value."""
+        return {name: getattr(self, name) for name in self.value_fields() if getattr(self, name) is not None}
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The step's best peak: CUDA peak allocated, else the accountant's, else host peak RSS."""
+        for name in ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                return value
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepReading":
+        """Inverse of :meth:`to_dict`; unknown keys are ignored so old files still load."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class RunSummary:
+    """The run's memory in one line: its peak, where it happened and the room there was.
+
+    Attributes:
+        peak_bytes: the highest per-step peak of the run, in bytes (see :attr:`peak_source`).
+        peak_source: which reading the peak comes from, e.g. ``"peak_allocated_bytes"``.
+        peak_step: the training step at which it happened.
+        peak_stage: ``"train"`` or ``"validate"``.
+        capacity_bytes: the device's memory capacity in bytes when known (CUDA device total,
+            or host RAM for a CPU run), else ``None``.
+        device: the device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
+        steps_measured: how many readings the run produced.
+        peak_reserved_bytes: the highest per-step reserved peak (CUDA), or ``None``.
+        max_fragmentation_bytes: the highest fragmentation seen (CUDA), or ``None``.
+        alloc_retries: allocator retries by the end of the run (CUDA), or ``None``.
+    """
+
+    peak_bytes: int | None = None
+    peak_source: str | None = None
+    peak_step: int | None = None
+    peak_stage: str | None = None
+    capacity_bytes: int | None = None
+    device: str = "cpu"
+    steps_measured: int = 0
+    peak_reserved_bytes: int | None = None
+    max_fragmentation_bytes: int | None = None
+    alloc_retries: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, reading: StepReading) -> None:
+        """Fold one reading into the summary (constant memory, whatever the run's length)."""
+        self.steps_measured += 1
+        peak = reading.peak_bytes
+        if peak is not None and (self.peak_bytes is None or peak > self.peak_bytes):
+            self.peak_bytes = peak
+            self.peak_step = reading.step
+            self.peak_stage = reading.stage
+            self.peak_source = next(
+                n for n in ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
+                if getattr(reading, n) is not None
+            )
+        if reading.peak_reserved_bytes is not None:
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, reading.peak_reserved_bytes)
+        if reading.fragmentation_bytes is not None:
+            self.max_fragmentation_bytes = max(self.max_fragmentation_bytes or 0, reading.fragmentation_bytes)
+        if reading.alloc_retries is not None:
+            self.alloc_retries = reading.alloc_retries
+
+    @property
+    def peak_fraction(self) -> float | None:
+        """The peak as a fraction of the capacity, when both are known."""
+        if self.peak_bytes is None or not self.capacity_bytes:
+            return None
+        return self.peak_bytes / self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunSummary":
+        """Inverse of :meth:`to_dict`; unknown keys are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

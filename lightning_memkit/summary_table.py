@@ -1,0 +1,45 @@
+"""Plain-text tables of memory records, for the terminal and TensorBoard's text tab."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.units import format_bytes
+
+__all__ = ["format_table", "format_summary"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A fixed-width table; the first column is left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> str:
+    """The run summary as a table: the peak, where it happened, capacity and headroom."""
+    rows = [
+        ("device", summary.device),
+        ("run peak", f"{format_bytes(summary.peak_bytes)} ({summary.peak_source or 'no reading'})"),
+        ("peak at", f"step {summary.peak_step} ({summary.peak_stage})" if summary.peak_step is not None else "-"),
+        ("capacity", format_bytes(summary.capacity_bytes)),
+    ]
+    if summary.peak_fraction is not None:
+        rows.append(("peak / capacity", f"{summary.peak_fraction:.1%}"))
+    if summary.peak_reserved_bytes is not None:
+        rows.append(("peak reserved", format_bytes(summary.peak_reserved_bytes)))
+    if summary.max_fragmentation_bytes is not None:
+        rows.append(("max fragmentation", format_bytes(summary.max_fragmentation_bytes)))
+    if summary.alloc_retries is not None:
+        rows.append(("allocator retries", str(summary.alloc_retries)))
+    last = history[-1] if history else None
+    if last is not None and last.host_rss_bytes is not None:
+        rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
+    rows.append(("steps measured", str(summary.steps_measured)))
+    return "memkit memory summary\n" + format_table(("", "value"), rows)

@@ -1,0 +1,55 @@
+"""The names memkit logs under: one place, so sinks, the dashboard and tests agree.
+
+Byte fields are logged in MiB (bytes / 2**20, exact in float64) with the unit in the name:
+``peak_allocated_bytes`` of a training step becomes ``memory/train/peak_allocated_MiB``.
+"""
+
+from __future__ import annotations
+
+from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
+from lightning_memkit.units import MiB
+
+__all__ = ["DEFAULT_PREFIX", "STAGE_TAGS", "metric_name", "step_tag", "step_metrics", "summary_metrics"]
+
+DEFAULT_PREFIX = "memory"
+#: StepReading.stage -> the path part in the tag.
+STAGE_TAGS = {"train": "train", "validate": "val"}
+
+
+def metric_name(field: str) -> str:
+    """``peak_allocated_bytes`` -> ``peak_allocated_MiB``; count fields keep their name."""
+    if field in MEMORY_FIELDS:
+        return field[: -len("_bytes")] + "_MiB"
+    if field in COUNT_FIELDS:
+        return field
+    raise KeyError(f"unknown StepReading field {field!r}")
+
+
+def step_tag(field: str, stage: str = "train", prefix: str = DEFAULT_PREFIX, rank: int | None = None) -> str:
+    """The full tag of one field, e.g. ``memory/train/peak_allocated_MiB``.
+
+    With ``rank`` the per-rank tag, e.g. ``memory/train/rank1/peak_allocated_MiB``.
+    """
+    middle = f"{STAGE_TAGS.get(stage, stage)}/" + (f"rank{rank}/" if rank is not None else "")
+    return f"{prefix}/{middle}{metric_name(field)}"
+
+
+def step_metrics(reading: StepReading, prefix: str = DEFAULT_PREFIX, rank: int | None = None) -> dict[str, float]:
+    """The logger metrics of a reading: MiB for bytes, plain numbers for counts."""
+    metrics = {}
+    for field, value in reading.values().items():
+        metrics[step_tag(field, reading.stage, prefix, rank)] = value / MiB if field in MEMORY_FIELDS else float(value)
+    return metrics
+
+
+def summary_metrics(summary: RunSummary, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
+    """The run summary's scalars: ``memory/summary/run_peak_MiB`` and friends."""
+    metrics = {}
+    if summary.peak_bytes is not None:
+        metrics[f"{prefix}/summary/run_peak_MiB"] = summary.peak_bytes / MiB
+        metrics[f"{prefix}/summary/run_peak_step"] = float(summary.peak_step)
+    if summary.capacity_bytes:
+        metrics[f"{prefix}/summary/capacity_MiB"] = summary.capacity_bytes / MiB
+    if summary.peak_fraction is not None:
+        metrics[f"{prefix}/summary/run_peak_fraction"] = summary.peak_fraction
+    return metrics
