@@ -6,10 +6,15 @@ Probes fill records; sinks (loggers, TensorBoard, CSV, the report) only read the
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "StepReading", "RunSummary"]
+__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "RECORDS_FILENAME", "StepReading", "RunSummary", "write_records", "read_records"]
+
+#: the file MemoryTracker writes in the log dir at fit end, and `memkit report` reads.
+RECORDS_FILENAME = "memkit_memory.json"
 
 #: Byte-valued fields of :class:`StepReading`, in display order, with their meaning.
 MEMORY_FIELDS: dict[str, str] = {
@@ -158,3 +163,24 @@ class RunSummary:
         """Inverse of :meth:`to_dict`; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def write_records(path: str, summary: RunSummary, history: list[StepReading]) -> str:
+    """Write a run's summary and readings as JSON (``{"summary": ..., "history": [...]}``)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as file:
+        json.dump({"format": "lightning-memkit/memory/1", "summary": summary.to_dict(), "history": [r.to_dict() for r in history]}, file)
+    return path
+
+
+def read_records(path: str) -> tuple[RunSummary, list[StepReading]]:
+    """Read what :func:`write_records` wrote.
+
+    Raises:
+        ValueError: if the file is not a memkit memory file.
+    """
+    with open(path) as file:
+        data = json.load(file)
+    if not isinstance(data, dict) or data.get("format", "").split("/")[:2] != ["lightning-memkit", "memory"]:
+        raise ValueError(f"{path} is not a memkit memory file (written by MemoryTracker at fit end)")
+    return RunSummary.from_dict(data["summary"]), [StepReading.from_dict(r) for r in data["history"]]

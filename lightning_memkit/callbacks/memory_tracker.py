@@ -21,7 +21,7 @@ from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
 from lightning_memkit.probes.cuda import dump_memory_snapshot, start_memory_history, stop_memory_history
-from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, write_records
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, step_metrics, summary_metrics
 
@@ -89,6 +89,8 @@ class MemoryTracker(Callback):
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
         summary: the run's :class:`~lightning_memkit.records.RunSummary`.
         oom_report_path: the path of the OOM report, if one was written.
+        records_path: the ``memkit_memory.json`` written at fit end (summary and history),
+            which ``memkit report`` reads.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class MemoryTracker(Callback):
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
+        self.records_path: str | None = None
         self._meter: MemoryMeter | None = None
         self._reducer: ReadingReducer | None = None
         self._history_recording = False
@@ -224,8 +227,12 @@ class MemoryTracker(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             logger.save()
-        if self.verbose and trainer.is_global_zero:
-            print(format_summary(self.summary, list(self.history)))
+        if trainer.is_global_zero:
+            self.records_path = write_records(
+                os.path.join(_log_dir(trainer), RECORDS_FILENAME), self.summary, list(self.history)
+            )
+            if self.verbose:
+                print(format_summary(self.summary, list(self.history)))
 
     # ------------------------------------------------------------------ failures
     @override
