@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_memkit.probes import ProbeSet, TensorProbe, build_probes
+from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
 from lightning_memkit.records import StepReading
 
@@ -48,6 +48,8 @@ class MemoryMeter:
             turns it on where no allocator counters exist (every device but CUDA).
         nvml: read NVML on CUDA devices.
         host: read the process's RSS and per-step peak RSS.
+        extra_probes: more :class:`~lightning_memkit.probes.MemoryProbe` instances to read each
+            step (a failing one warns once and is switched off, like the built-in ones).
 
     Plain PyTorch::
 
@@ -57,13 +59,13 @@ class MemoryMeter:
         print(meter.last.peak_tensor_bytes)
     """
 
-    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto", nvml: bool = True, host: bool = True) -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto", nvml: bool = True, host: bool = True, extra_probes: Iterable[MemoryProbe] = ()) -> None:
         self.device = torch.device(device)
         if tensor_accounting == "auto":
             tensor_accounting = self.device.type != "cuda"
         elif not isinstance(tensor_accounting, bool):
             raise ValueError(f"tensor_accounting must be True, False or 'auto', not {tensor_accounting!r}")
-        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting, nvml=nvml, host=host)
+        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting, nvml=nvml, host=host, extra=extra_probes)
         self.last: StepReading | None = None
         self._open: tuple[int, str, int] | None = None
 

@@ -96,7 +96,9 @@ class TensorAccountant(TorchDispatchMode):
         super().__init__()
         self._records: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a weakref callback (a free) can fire while the lock is held, when an
+        # allocation inside the critical section triggers the cyclic garbage collector.
+        self._lock = threading.RLock()
         self._sequence = 0
         self._label = "unlabelled"
         self.current_bytes = 0

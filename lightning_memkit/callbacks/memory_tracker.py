@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -20,6 +20,7 @@ from lightning_memkit._lightning_compat import logging_step, optimizer_steps_aft
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
+from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.probes.cuda import dump_memory_snapshot, start_memory_history, stop_memory_history
 from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, write_records
 from lightning_memkit.summary_table import format_summary
@@ -83,6 +84,9 @@ class MemoryTracker(Callback):
         max_history: readings kept in :attr:`history` (and checkpoints); older ones are
             dropped, the run summary is unaffected.
         prefix: the first part of every logged key.
+        extra_probes: your own :class:`~lightning_memkit.probes.MemoryProbe` instances, read
+            with the built-in ones every measured step (a failing probe warns once and is
+            switched off; training continues).
         verbose: print the summary table at fit end (global rank zero only).
 
     Attributes:
@@ -106,6 +110,7 @@ class MemoryTracker(Callback):
         max_history: int = 10_000,
         prefix: str = DEFAULT_PREFIX,
         verbose: bool = True,
+        extra_probes: Sequence[MemoryProbe] = (),
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
@@ -126,6 +131,7 @@ class MemoryTracker(Callback):
         self.max_history = max_history
         self.prefix = prefix
         self.verbose = verbose
+        self.extra_probes = list(extra_probes)
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -140,7 +146,9 @@ class MemoryTracker(Callback):
         if self._meter is not None:
             return
         device = trainer.strategy.root_device
-        self._meter = MemoryMeter(device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host)
+        self._meter = MemoryMeter(
+            device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host, extra_probes=self.extra_probes
+        )
         self._reducer = ReadingReducer()
         self.summary.device = str(device)
         try:
@@ -219,6 +227,12 @@ class MemoryTracker(Callback):
             logger.log_metrics(metrics, step=logged.step)
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
+
+        register_dashboard(trainer)
+
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.summary.peak_bytes is None:
             return
@@ -233,6 +247,9 @@ class MemoryTracker(Callback):
             )
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
+            from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
+
+            log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)
 
     # ------------------------------------------------------------------ failures
     @override

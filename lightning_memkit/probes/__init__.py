@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Iterable
 
 import torch
 
@@ -21,9 +22,10 @@ __all__ = [
 ]
 
 
-def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: bool = True, host: bool = True) -> ProbeSet:
-    """The probes for ``device``: CUDA allocator and NVML on CUDA, host RSS, and optionally
-    the tensor accountant. A probe whose source is missing warns once and is left out."""
+def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: bool = True, host: bool = True, extra: Iterable[MemoryProbe] = ()) -> ProbeSet:
+    """The probes for ``device``: CUDA allocator and NVML on CUDA, host RSS, optionally
+    the tensor accountant, then the caller's ``extra`` probes (user-defined sources).
+    A probe whose source is missing warns once and is left out."""
     device = torch.device(device)
     probes: list[MemoryProbe] = []
     factories = []
@@ -40,4 +42,8 @@ def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: b
             probes.append(factory())
         except ProbeUnavailable as error:
             warnings.warn(f"memkit: a memory probe is unavailable ({error}); continuing without it.", RuntimeWarning, stacklevel=2)
+    for probe in extra:
+        if not isinstance(probe, MemoryProbe):
+            raise TypeError(f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; subclass lightning_memkit.probes.MemoryProbe")
+        probes.append(probe)
     return ProbeSet(probes)

@@ -31,12 +31,17 @@ class NvmlProbe(MemoryProbe):
             raise ProbeUnavailable(f"pynvml cannot be imported ({error})") from error
         self._nvml = pynvml
         device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
+        if device.type != "cuda":
             raise ProbeUnavailable(f"NVML reads CUDA devices only, not {device}")
+        # nvmlInit first: with no driver it fails with NVML's own reason, which is what the
+        # user needs to see ("NVML Shared Library Not Found"), not a generic "no CUDA".
         try:
             pynvml.nvmlInit()
         except Exception as error:
-            raise ProbeUnavailable(f"nvmlInit failed ({error})") from error
+            raise ProbeUnavailable(f"nvmlInit failed ({type(error).__name__}: {error})") from error
+        if not torch.cuda.is_available():
+            self.close()
+            raise ProbeUnavailable("NVML works but torch sees no CUDA device")
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
             uuid = str(torch.cuda.get_device_properties(index).uuid)

@@ -1,0 +1,115 @@
+"""Shared test helpers: a Linear stack whose tensor bytes are computable by hand, a small
+CPU Trainer factory, and a reader for TensorBoard event files (tensorboard's own reader)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+FLOAT32 = 4  # bytes per element
+
+
+class LinearStack(pl.LightningModule):
+    """``Linear(d0, d1) -> ReLU -> ... -> Linear(d_{L-1}, d_L)``, loss ``out.pow(2).sum()``.
+
+    The batch is ``(x,)`` with ``x`` of shape ``(batch_size, d0)``. Nothing is logged from
+    ``training_step`` unless ``log_loss`` is set, so every live tensor is one a test can name.
+    """
+
+    def __init__(self, dims=(32, 64, 48, 16), batch_size: int = 8, optimizer: str = "sgd", samples: int = 64,
+                 log_loss: bool = False, val_batches: int = 0) -> None:
+        super().__init__()
+        self.dims = tuple(dims)
+        self.batch_size = batch_size
+        self.optimizer_name = optimizer
+        self.log_loss = log_loss
+        self.val_batches = val_batches
+        layers: list[nn.Module] = []
+        for index in range(len(dims) - 1):
+            layers.append(nn.Linear(dims[index], dims[index + 1]))
+            if index < len(dims) - 2:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+        generator = torch.Generator().manual_seed(0)
+        self.data = torch.randn(samples, dims[0], generator=generator)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).sum()
+        if self.log_loss:
+            self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).sum()
+        if self.log_loss:
+            self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.data), batch_size=self.batch_size, drop_last=True)
+
+    def val_dataloader(self):
+        size = self.batch_size * max(self.val_batches, 1)
+        return DataLoader(TensorDataset(self.data[:size]), batch_size=self.batch_size)
+
+    # ---- sizes, by hand, in bytes (float32) --------------------------------------------
+    def parameter_bytes(self) -> int:
+        """Weights ``d_i * d_{i+1}`` plus biases ``d_{i+1}`` of every layer."""
+        d = self.dims
+        return sum(d[i] * d[i + 1] + d[i + 1] for i in range(len(d) - 1)) * FLOAT32
+
+    def activation_bytes(self, layer: int) -> int:
+        """Bytes of the output of Linear ``layer`` (0-based) for one batch: ``B * d_{layer+1}``."""
+        return self.batch_size * self.dims[layer + 1] * FLOAT32
+
+
+def make_trainer(tmp_path, **overrides) -> pl.Trainer:
+    """A small, quiet CPU Trainer writing under ``tmp_path``."""
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, default_root_dir=str(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    options.update(overrides)
+    return pl.Trainer(**options)
+
+
+def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under ``log_dir``: ``{tag: [(step, value), ...]}`` (by step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True))
+    assert files, f"no TensorBoard event file under {log_dir}"
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in files:
+        accumulator = EventAccumulator(path, size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return {tag: sorted(values) for tag, values in scalars.items()}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    """Lightning's advice about dataloader workers and the like is noise in these tests."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*number of training batches.*")
+        warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+        yield

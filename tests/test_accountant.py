@@ -1,0 +1,207 @@
+"""TensorAccountant: exact live-storage bytes, views never double counted, frees seen anywhere."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_memkit import TensorAccountant
+from lightning_memkit.probes import ProbeSet, TensorProbe
+
+F32 = 4
+
+
+def test_new_tensor_counts_its_storage_bytes_exactly():
+    acc = TensorAccountant()
+    with acc:
+        a = torch.empty(100)                  # 400 B
+        b = torch.empty(3, 5, dtype=torch.float64)  # 120 B
+        c = torch.empty(7, dtype=torch.uint8)  # 7 B
+    assert acc.current_bytes == 400 + 120 + 7
+    assert acc.peak_bytes == 527
+    assert acc.allocated_bytes_total == 527
+    del a, b, c
+
+
+def test_views_inplace_and_detach_are_not_double_counted():
+    acc = TensorAccountant()
+    with acc:
+        a = torch.zeros(10, 10)               # 400 B: the only allocation
+        views = [a.view(100), a.t(), a[2:5], a.reshape(100), a.expand(1, 10, 10), a.view(torch.int32), a.detach(), a.unsqueeze(0)]
+        a.add_(1.0)
+        a.mul_(2.0)
+        a[0].fill_(3.0)
+        a.t().abs_()
+    assert acc.current_bytes == 400
+    assert acc.peak_bytes == 400
+    assert len(acc.live_records()) == 1
+    # every alias maps to the same record
+    assert {id(acc.record_of(v)) for v in views} == {id(acc.record_of(a))}
+    with acc:
+        copy = a.t().contiguous()             # a real copy: a new storage
+    assert acc.current_bytes == 800
+    del views, copy
+    assert acc.current_bytes == 400
+    del a
+    assert acc.current_bytes == 0
+
+
+def test_frees_outside_the_mode_are_seen():
+    acc = TensorAccountant()
+    with acc:
+        a = torch.empty(1000)
+        b = torch.empty(500)
+    assert acc.current_bytes == 6000
+    del a  # outside the mode
+    assert acc.current_bytes == 2000
+    assert acc.peak_bytes == 6000
+    acc.reset_peak()
+    assert acc.peak_bytes == 2000
+    del b
+    assert acc.current_bytes == 0 and acc.live_keys() == set()
+
+
+def test_a_view_keeps_the_storage_alive_after_the_base_is_deleted():
+    acc = TensorAccountant()
+    with acc:
+        a = torch.empty(256)
+        v = a[:10]
+    del a
+    assert acc.current_bytes == 1024  # the storage lives on through the view
+    del v
+    assert acc.current_bytes == 0
+
+
+def test_tensors_from_before_are_ignored_until_adopted_and_adoption_is_idempotent():
+    weight = torch.empty(64, 32)  # 8192 B
+    bias = torch.empty(32)  # 128 B
+    acc = TensorAccountant()
+    with acc:
+        y = weight.sum()  # 4 B result; the operand existed before and is not counted
+    assert acc.current_bytes == 4
+    assert acc.adopt([weight, bias, None, "not a tensor"]) == 8192 + 128
+    assert acc.adopt([weight, bias, weight.t(), weight[0]]) == 0  # views of adopted storages too
+    assert acc.current_bytes == 8192 + 128 + 4
+    assert acc.record_of(weight).adopted and acc.record_of(weight).label == "adopted"
+    assert not acc.record_of(y).adopted
+    assert acc.allocated_bytes_total == 4  # adoption is not allocation
+    del weight
+    assert acc.current_bytes == 128 + 4
+
+
+def test_resize_is_tracked():
+    acc = TensorAccountant()
+    with acc:
+        x = torch.empty(10)
+        assert acc.current_bytes == 40
+        x.resize_(1000)
+        assert acc.current_bytes == 4000
+        x.resize_(2000)
+    assert acc.current_bytes == 8000 and acc.peak_bytes == 8000
+    # shrinking a tensor keeps its storage's allocation (torch never shrinks a storage)
+    with acc:
+        x.resize_(5)
+    assert acc.current_bytes == 8000
+    del x
+    assert acc.current_bytes == 0
+
+
+def test_labels_split_current_and_peak():
+    acc = TensorAccountant()
+    with acc:
+        with acc.labelled("forward"):
+            a = torch.empty(100)
+        previous = acc.set_label("backward")
+        b = torch.empty(50)
+        acc.set_label(previous)
+    assert acc.current_bytes_by_label == {"forward": 400, "backward": 200}
+    assert acc.peak_bytes_by_label == {"forward": 400, "backward": 200}
+    del a
+    assert acc.current_bytes_by_label == {"backward": 200}
+    assert acc.peak_bytes_by_label == {"forward": 400, "backward": 200}  # the split at the peak
+    del b
+
+
+def test_many_short_lived_tensors_return_to_zero():
+    # storage ids are reused by Python; the weakref callback must retire the old record first
+    acc = TensorAccountant()
+    with acc:
+        total = torch.zeros(())
+        for _ in range(200):
+            total = total + torch.ones(17).sum()
+    del total
+    gc.collect()
+    assert acc.current_bytes == 0
+    # at the peak: the running total, ones(17) and its sum (the temporary ones(17) is freed
+    # before the addition allocates the new total)
+    assert acc.peak_bytes == 4 + 68 + 4
+
+
+def test_fake_tensor_mode_counts_fake_storages_exactly():
+    with FakeTensorMode():
+        weight = torch.empty(1024, 1024)  # 4 MiB, fake: no real memory
+        acc = TensorAccountant()
+        acc.adopt([weight])
+        with acc:
+            y = weight @ weight
+            z = y.relu()
+            del y
+            w = z.view(-1)
+        assert acc.current_bytes == 2 * 1024 * 1024 * F32
+        assert acc.peak_bytes == 3 * 1024 * 1024 * F32
+        del z, w
+        assert acc.current_bytes == 1024 * 1024 * F32
+    assert acc.errors == []
+
+
+def test_meta_tensors_are_counted():
+    acc = TensorAccountant()
+    with acc:
+        m = torch.empty(1000, device="meta")
+        n = (m + 1).to(torch.float16)
+    assert acc.current_bytes == 4000 + 2000
+    assert acc.peak_bytes == 4000 + 4000 + 2000
+    del m, n
+
+
+def test_an_error_in_our_accounting_never_propagates_out_of_dispatch():
+    acc = TensorAccountant()
+
+    def broken_listener(peak):
+        raise ValueError("listener bug")
+
+    acc.add_peak_listener(broken_listener)
+    with acc:
+        x = torch.ones(8)  # a new peak: the listener raises inside __torch_dispatch__
+        v = x.view(2, 4)  # a view op after the failure still works
+        y = x * 2
+    assert torch.equal(y, torch.full((8,), 2.0))
+    assert v.shape == (2, 4)
+    assert acc.error_count == 2  # two new peaks, two failures
+    assert acc.errors == ["aten.ones.default: ValueError: listener bug", "aten.mul.Tensor: ValueError: listener bug"]
+    # counting itself went on
+    assert acc.current_bytes == 64
+
+
+def test_errors_are_reported_after_the_step_by_switching_the_probe_off():
+    probe = TensorProbe()
+    probe.accountant.add_peak_listener(lambda peak: 1 / 0)
+    probes = ProbeSet([probe])
+    probes.reset_peak()
+    probe.start()
+    x = torch.ones(4)
+    probe.stop()
+    with pytest.warns(RuntimeWarning, match="'tensor' memory probe is switched off.*ZeroDivisionError"):
+        assert probes.read() == {}
+    assert probes.probes == [] and "tensor" in probes.disabled
+    del x
+
+
+def test_the_ops_own_errors_still_reach_the_caller():
+    acc = TensorAccountant()
+    with acc, pytest.raises(RuntimeError, match="size"):
+        torch.ones(3) + torch.ones(4)
+    assert acc.errors == []
