@@ -1,0 +1,126 @@
+"""memkit's TensorBoard extras for a Lightning run: the dashboard layout, the memory figure, the summary table.
+
+Sinks only: everything here reads records (RunSummary, StepReading) and writes them to the
+first TensorBoardLogger's ``SummaryWriter`` on global rank zero; without one it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Sequence
+
+from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.tensorboard.layout import dashboard_layout
+from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
+
+__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG"]
+
+#: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
+SUMMARY_TEXT_TAG = "summary/table"
+#: the TensorBoard image tag of the memory-per-step figure (``<prefix>/`` + this).
+FIGURE_TAG = "summary/memory_per_step"
+
+
+# realpaths of the log dirs that have a memkit layout, so several callbacks register it once
+_REGISTERED: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def tensorboard_experiment(trainer: Any) -> Any | None:
+    """The ``SummaryWriter`` of the first TensorBoardLogger among ``trainer.loggers``.
+
+    ``None`` off global rank zero or when the trainer has no TensorBoardLogger: memkit's
+    TensorBoard extras (layout, figures, tables) are skipped there, silently.
+    """
+    if not getattr(trainer, "is_global_zero", True):
+        return None
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for logger in getattr(trainer, "loggers", []):
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+    """The layout that fits this trainer's device, world size and memkit callbacks."""
+    from lightning_memkit.callbacks.memory_tracker import MemoryTracker
+
+    trackers = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, MemoryTracker)]
+    tracer_names = {"LayerTrace"}
+    trace = any(type(c).__name__ in tracer_names and type(c).__module__.startswith("lightning_memkit") for c in trainer.callbacks)
+    try:
+        cuda = trainer.strategy.root_device.type == "cuda"
+    except Exception:
+        cuda = False
+    tracker = trackers[0] if trackers else None
+    prefix = getattr(tracker, "prefix", DEFAULT_PREFIX)
+    accountant = getattr(tracker, "tensor_accounting", "auto")
+    options = dict(
+        prefix=prefix,
+        cuda=cuda,
+        tensors=accountant is True or (accountant == "auto" and not cuda),
+        host=getattr(tracker, "host", True),
+        validation=getattr(tracker, "log_validation", True),
+        trace=trace,
+        ranks=bool(getattr(tracker, "per_rank", False)) and getattr(trainer, "world_size", 1) > 1,
+    )
+    options.update(overrides)
+    return dashboard_layout(**options)
+
+
+def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
+    """Write memkit's custom-scalars layout into the run's TensorBoard log, once per log dir.
+
+    Call it from any memkit callback's ``on_fit_start``; the first call writes the layout that
+    fits the trainer (its device, world size and memkit callbacks), later calls for the same
+    log dir do nothing. Only on global rank zero and only when a TensorBoardLogger is among
+    ``trainer.loggers``; otherwise it does nothing. ``layout_options`` override what is read
+    from the trainer (the keyword arguments of :func:`dashboard_layout`, e.g. ``compare=True``
+    from ``memkit compare``).
+
+    Returns:
+        whether this call wrote the layout.
+    """
+    experiment = tensorboard_experiment(trainer)
+    if experiment is None or not hasattr(experiment, "add_custom_scalars"):
+        return False
+    key = os.path.realpath(str(getattr(experiment, "log_dir", None) or getattr(experiment, "logdir", "")))
+    with _LOCK:
+        if key in _REGISTERED:
+            return False
+        _REGISTERED.add(key)
+    experiment.add_custom_scalars(_layout_for(trainer, layout_options))
+    experiment.flush()
+    return True
+
+
+def markdown_code(text: str) -> str:
+    """Fixed-width text as a Markdown code block (TensorBoard's text tab renders Markdown)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def log_memory_summary(trainer: Any, summary: RunSummary, history: Sequence[StepReading], step: int,
+                       prefix: str = DEFAULT_PREFIX) -> bool:
+    """Log the run summary table (text) and the memory-per-step figure (image) at ``step``.
+
+    Both come from the same records: the table is :func:`~lightning_memkit.summary_table.format_summary`,
+    the figure :func:`~lightning_memkit.tensorboard.figures.memory_per_step_figure`.
+    Tags: ``<prefix>/summary/table`` and ``<prefix>/summary/memory_per_step``.
+
+    Returns:
+        whether anything was written (False off rank zero or without a TensorBoardLogger).
+    """
+    experiment = tensorboard_experiment(trainer)
+    if experiment is None:
+        return False
+    from lightning_memkit.summary_table import format_summary
+    from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
+
+    experiment.add_text(f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)), global_step=step)
+    if history:
+        image = figure_rgb(memory_per_step_figure(summary, history))
+        experiment.add_image(f"{prefix}/{FIGURE_TAG}", image, global_step=step, dataformats="HWC")
+    experiment.flush()
+    return True

@@ -1,0 +1,139 @@
+"""Figures of memkit's records (matplotlib, no pyplot state), for TensorBoard and the report.
+
+Every figure reads records only; the peak it marks is the one the record already holds
+(``RunSummary.peak_bytes`` at ``peak_step``), never a second computation of it.
+Shared helpers (:func:`new_figure`, :func:`mark_peak`, :func:`figure_png`, :func:`figure_rgb`)
+give memkit's other figures the same look.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from lightning_memkit.records import RunSummary, StepReading  # noqa: E402
+from lightning_memkit.units import MiB, format_bytes  # noqa: E402
+
+__all__ = [
+    "PEAK_COLOR",
+    "SERIES_STYLE",
+    "new_figure",
+    "mark_peak",
+    "figure_png",
+    "figure_rgb",
+    "memory_per_step_figure",
+]
+
+#: the colour of every "peak" marker memkit draws.
+PEAK_COLOR = "#d62728"
+
+#: StepReading field -> (legend label, colour, line style). Peaks solid, end-of-step values dashed.
+SERIES_STYLE: dict[str, tuple[str, str, str]] = {
+    "peak_allocated_bytes": ("CUDA peak allocated (per step)", "#1f77b4", "-"),
+    "allocated_bytes": ("CUDA allocated (step end)", "#1f77b4", "--"),
+    "peak_reserved_bytes": ("CUDA peak reserved (per step)", "#ff7f0e", "-"),
+    "reserved_bytes": ("CUDA reserved (step end)", "#ff7f0e", "--"),
+    "fragmentation_bytes": ("CUDA fragmentation", "#8c564b", ":"),
+    "process_device_bytes": ("NVML: this process", "#7f7f7f", "-."),
+    "peak_tensor_bytes": ("tensors: peak (per step, exact)", "#2ca02c", "-"),
+    "tensor_bytes": ("tensors: live at step end (exact)", "#2ca02c", "--"),
+    "host_peak_rss_bytes": ("host RSS: peak (per step)", "#9467bd", "-"),
+    "host_rss_bytes": ("host RSS (step end)", "#9467bd", "--"),
+}
+_DEVICE_FIELDS = ("peak_allocated_bytes", "allocated_bytes", "peak_reserved_bytes", "reserved_bytes",
+                  "fragmentation_bytes", "process_device_bytes", "peak_tensor_bytes", "tensor_bytes")
+_HOST_FIELDS = ("host_peak_rss_bytes", "host_rss_bytes")
+
+
+def new_figure(title: str, nrows: int = 1, width: float = 9.0, row_height: float = 3.4, sharex: bool = True) -> tuple[Figure, list]:
+    """A figure with ``nrows`` stacked axes, a bold title and a light grid; returns (figure, axes)."""
+    figure = Figure(figsize=(width, row_height * nrows + 0.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(nrows, 1, sharex=sharex, squeeze=False)[:, 0].tolist()
+    figure.suptitle(title, fontsize=13, fontweight="bold")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return figure, axes
+
+
+def mark_peak(ax, x: float, nbytes: int, text: str | None = None) -> None:
+    """Mark a peak of ``nbytes`` bytes at ``x`` (drawn in MiB) with a red dot and its value."""
+    y = nbytes / MiB
+    ax.plot([x], [y], marker="o", markersize=9, color=PEAK_COLOR, zorder=5, linestyle="none")
+    label = text or f"peak {format_bytes(nbytes)}"
+    ax.annotate(label, xy=(x, y), xytext=(0, 12), textcoords="offset points", ha="center", va="bottom",
+                fontsize=9, fontweight="bold", color=PEAK_COLOR,
+                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=PEAK_COLOR, alpha=0.9))
+    low, high = ax.get_ylim()
+    if y * 1.15 > high:  # room for the label above the marker
+        ax.set_ylim(low, y * 1.18)
+
+
+def figure_png(figure: Figure, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def figure_rgb(figure: Figure):
+    """The figure as an ``(height, width, 3)`` uint8 array, as ``SummaryWriter.add_image(dataformats="HWC")`` takes it."""
+    import numpy as np
+
+    canvas = figure.canvas if isinstance(figure.canvas, FigureCanvasAgg) else FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def _series(readings: Sequence[StepReading], field: str) -> tuple[list[int], list[float]]:
+    points = [(r.step, getattr(r, field)) for r in readings if getattr(r, field) is not None]
+    return [p[0] for p in points], [p[1] / MiB for p in points]
+
+
+def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], title: str | None = None) -> Figure:
+    """Memory per training step (MiB), with the run's peak marked.
+
+    The top panel has device / tensor memory (CUDA allocator counters, the exact accountant),
+    the bottom one host RSS when it was read. Validation runs show as ``x`` markers at the
+    training step they followed. The red marker is ``summary.peak_bytes`` at
+    ``summary.peak_step`` (from ``summary.peak_source``), on the panel of that source.
+    """
+    train = [r for r in history if r.stage == "train"]
+    val = [r for r in history if r.stage != "train"]
+    device_fields = [f for f in _DEVICE_FIELDS if any(getattr(r, f) is not None for r in history)]
+    host_fields = [f for f in _HOST_FIELDS if any(getattr(r, f) is not None for r in history)]
+    panels = [fields for fields in (device_fields, host_fields) if fields]
+    device = summary.device or "?"
+    figure, axes = new_figure(title or f"memkit: memory per step ({device})", nrows=max(1, len(panels)))
+    if not panels:
+        axes[0].text(0.5, 0.5, "no readings", ha="center", va="center", transform=axes[0].transAxes)
+        return figure
+    for ax, fields in zip(axes, panels):
+        for field in fields:
+            label, color, style = SERIES_STYLE[field]
+            steps, values = _series(train, field)
+            if steps:
+                ax.plot(steps, values, style, color=color, label=label, linewidth=1.8,
+                        marker="." if len(steps) < 40 else None)
+            if field.startswith("peak_") or field == "host_peak_rss_bytes":
+                vsteps, vvalues = _series(val, field)
+                if vsteps:
+                    ax.plot(vsteps, vvalues, "x", color=color, markersize=8, markeredgewidth=2,
+                            label=label.split(" (")[0] + " (validation run)")
+        ax.set_ylabel("MiB")
+        if summary.peak_bytes is not None and summary.peak_source in fields:
+            stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
+            mark_peak(ax, summary.peak_step, summary.peak_bytes,
+                      f"run peak {format_bytes(summary.peak_bytes)} at step {summary.peak_step}{stage}")
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
+        low, high = ax.get_ylim()
+        ax.set_ylim(min(0.0, low), high)
+    axes[-1].set_xlabel("training step")
+    axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
+    return figure

@@ -1,0 +1,113 @@
+"""The memkit dashboard: which logged memory scalars TensorBoard draws together, and how.
+
+The layout is a custom-scalars layout (TensorBoard's "Custom Scalars" tab) built from the tag
+names in :mod:`lightning_memkit.tensorboard.tags`; ``dashboard.register_dashboard`` writes it
+once per run from whichever memkit callback reaches fit start first.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS
+
+__all__ = ["TRACE_TAG_PART", "COMPARE_TAG_PART", "dashboard_layout"]
+
+#: the path part of LayerTrace's category scalars: ``memory/trace/<category>_MiB``.
+TRACE_TAG_PART = "trace"
+#: the path part under which ``memkit compare`` may log per-mode scalars: ``memory/compare/...``.
+COMPARE_TAG_PART = "compare"
+
+#: Multiline charts: (title, [tag regex, ...]); "{train}" is ``<prefix>/train``.
+_CUDA_CHARTS = [
+    ("CUDA allocator: allocated vs reserved vs step peak (MiB)",
+     [r"{train}/(allocated|reserved|peak_allocated|peak_reserved)_MiB$"]),
+    ("CUDA allocator: fragmentation (MiB)", [r"{train}/fragmentation_MiB$"]),
+    ("CUDA allocator: retries after flushing the cache, OOMs (count)", [r"{train}/(alloc_retries|ooms)$"]),
+    ("NVML device memory vs what the allocator holds (MiB)",
+     [r"{train}/(device_used|process_device|reserved|device_total)_MiB$"]),
+]
+_TENSOR_CHARTS = [
+    ("tensors: live at step end vs step peak, exact (MiB)", [r"{train}/(tensor|peak_tensor)_MiB$"]),
+]
+_HOST_CHARTS = [
+    ("host: tensor bytes vs step peak vs process RSS (MiB)",
+     [r"{train}/(tensor|peak_tensor|host_rss|host_peak_rss)_MiB$"]),
+]
+_VALIDATION_CHARTS = [
+    ("validation runs: peaks (MiB)", [r"{val}/peak_[a-z_]+_MiB$"]),
+]
+_TRACE_CHARTS = [
+    ("layer trace: memory by category (MiB)", [r"{trace}/.*_MiB$"]),
+]
+_RANK_CHARTS = [
+    ("per rank: step peak (MiB)", [r"{train}/rank[0-9]+/peak_(allocated|tensor)_MiB$"]),
+    ("per rank: reserved (MiB)", [r"{train}/rank[0-9]+/reserved_MiB$"]),
+    ("per rank: host RSS (MiB)", [r"{train}/rank[0-9]+/host_rss_MiB$"]),
+]
+_COMPARE_CHARTS = [
+    ("modes overlaid: step peak (MiB; one line per mode's run)", [r"{train}/peak_(allocated|tensor)_MiB$"]),
+    ("modes overlaid: reserved (MiB; one line per mode's run)", [r"{train}/reserved_MiB$"]),
+    ("modes overlaid: compare scalars", [r"{compare}/.*$"]),
+]
+
+
+def dashboard_layout(
+    prefix: str = DEFAULT_PREFIX,
+    cuda: bool = False,
+    tensors: bool = True,
+    host: bool = True,
+    validation: bool = True,
+    trace: bool = False,
+    ranks: bool = False,
+    compare: bool = False,
+) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout as ``SummaryWriter.add_custom_scalars`` takes it.
+
+    ``{category title: {chart title: ["Multiline", [tag regex, ...]]}}``; each regex is
+    anchored (TensorBoard matches it from the tag's start), so a chart shows exactly the tags
+    memkit logs under ``prefix``. Switch off the groups a run cannot have, so the dashboard
+    shows no empty charts.
+
+    Args:
+        prefix: the first part of every memkit tag (MemoryTracker's ``prefix``).
+        cuda: CUDA allocator and NVML charts (allocated vs reserved vs peak, fragmentation,
+            allocator retries, NVML device memory vs reserved).
+        tensors: the exact tensor accountant's chart (live tensor bytes vs step peak).
+        host: tensor bytes vs host RSS.
+        validation: the per-validation-run peaks.
+        trace: LayerTrace's per-category scalars (``<prefix>/trace/...``).
+        ranks: per-rank charts (DDP with ``MemoryTracker(per_rank=True)``).
+        compare: the ``memkit compare`` category (each mode is a run; the charts overlay them).
+    """
+    escaped = re.escape(prefix)
+    parts = {
+        "train": f"{escaped}/{STAGE_TAGS['train']}",
+        "val": f"{escaped}/{STAGE_TAGS['validate']}",
+        "trace": f"{escaped}/{TRACE_TAG_PART}",
+        "compare": f"{escaped}/{COMPARE_TAG_PART}",
+    }
+
+    def charts(specs: list[tuple[str, list[str]]]) -> dict[str, list[Any]]:
+        return {title: ["Multiline", ["^" + regex.format(**parts) for regex in regexes]] for title, regexes in specs}
+
+    layout: dict[str, dict[str, list[Any]]] = {}
+    if compare:
+        layout["memkit: modes compared"] = charts(_COMPARE_CHARTS)
+    step_charts: list[tuple[str, list[str]]] = []
+    if cuda:
+        step_charts += _CUDA_CHARTS
+    if tensors:
+        step_charts += _TENSOR_CHARTS
+    if host:
+        step_charts += _HOST_CHARTS
+    if validation:
+        step_charts += _VALIDATION_CHARTS
+    if step_charts:
+        layout["memkit: memory per step"] = charts(step_charts)
+    if trace:
+        layout["memkit: layer trace"] = charts(_TRACE_CHARTS)
+    if ranks:
+        layout["memkit: per rank (DDP)"] = charts(_RANK_CHARTS)
+    return layout
