@@ -14,6 +14,7 @@ __all__ = ["main"]
 #: sub-command name -> module under lightning_memkit.cli
 VERBS = {
     "demo": "demo",
+    "report": "report",
 }
 
 

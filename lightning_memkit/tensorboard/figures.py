@@ -131,9 +131,10 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
             stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
             mark_peak(ax, summary.peak_step, summary.peak_bytes,
                       f"run peak {format_bytes(summary.peak_bytes)} at step {summary.peak_step}{stage}")
-        ax.legend(loc="best", fontsize=8, framealpha=0.9)
         low, high = ax.get_ylim()
-        ax.set_ylim(min(0.0, low), high)
+        top = max((v for f in fields for v in _series(history, f)[1]), default=high)
+        ax.set_ylim(min(0.0, low), max(high, top * 1.3))  # headroom for the legend and the peak label
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
     axes[-1].set_xlabel("training step")
     axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
     return figure

@@ -1,0 +1,39 @@
+"""``memkit report LOGDIR``: an offline, self-contained HTML report of what memkit wrote under LOGDIR."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report", help="write a self-contained HTML memory report from a log dir",
+        description="Read memkit's files under LOGDIR (memkit_memory.json, memkit_trace_step<N>.json, compare.json/.csv, "
+                    "TensorBoard event files; never pickles) and write one HTML file with the summary table, figures, "
+                    "layer table and mode comparison. Exits 1 when LOGDIR holds nothing memkit wrote.")
+    parser.add_argument("logdir", help="the log dir (searched recursively), e.g. lightning_logs or memkit_logs")
+    parser.add_argument("-o", "--output", default="memkit_report.html", help="HTML file to write (default: memkit_report.html)")
+    parser.add_argument("--png", metavar="DIR", default=None, help="also write each figure as a PNG into DIR")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memkit.report import ReportInputError, write_report
+
+    try:
+        sources, written = write_report(args.logdir, args.output, args.png)
+    except ReportInputError as error:
+        print(f"memkit report: {error}", file=sys.stderr)
+        return 1
+    print(f"memkit report: {len(sources.runs)} run(s), {len(sources.traces)} layer trace(s), "
+          f"{len(sources.compares)} mode comparison(s) from {sources.logdir}")
+    for line in sources.missing:
+        print(f"  not found: {line}")
+    for line in sources.problems:
+        print(f"  could not read: {line}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0

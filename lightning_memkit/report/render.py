@@ -1,0 +1,212 @@
+"""The offline report: one self-contained HTML file (inline CSS, PNGs as base64) from ReportSources.
+
+Every table and figure is produced by the same functions that feed TensorBoard
+(``format_summary``, ``memory_per_step_figure``, the trace and compare modules' own
+renderers when present), so the report and the dashboard never disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, StepReading
+from lightning_memkit.report.sources import CompareFile, ReportSources, RunRecords, TraceFile
+from lightning_memkit.summary_table import format_summary, format_table
+from lightning_memkit.units import MiB
+
+__all__ = ["ReportFigure", "Report", "build_report", "readings_table"]
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
+h1{border-bottom:3px solid #f57c00;padding-bottom:.3em}
+h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+pre{background:#f6f8fa;border:1px solid #e1e4e8;border-radius:4px;padding:.8em;overflow-x:auto;font-size:13px;line-height:1.35}
+table.data{border-collapse:collapse;font-size:13px;margin:.5em 0}
+table.data th,table.data td{border:1px solid #ddd;padding:.25em .6em;text-align:right}
+table.data th{background:#f6f8fa}
+table.data td:first-child,table.data th:first-child{text-align:left}
+img{max-width:100%;border:1px solid #eee;margin:.5em 0}
+.missing li{color:#8a6d3b}.problems li{color:#a94442}.found li{color:#2e7d32}
+.meta{color:#666;font-size:13px}
+"""
+
+
+@dataclass
+class ReportFigure:
+    """A rendered figure: ``slug`` (file name stem for ``--png``), ``title``, PNG bytes."""
+
+    slug: str
+    title: str
+    png: bytes
+
+
+@dataclass
+class Report:
+    """The rendered report: ``html`` (self-contained) and the ``figures`` it embeds."""
+
+    html: str
+    figures: list[ReportFigure] = field(default_factory=list)
+
+    def write(self, path: str, png_dir: str | None = None) -> list[str]:
+        """Write the HTML to ``path`` and, with ``png_dir``, each figure as ``<png_dir>/<slug>.png``; the paths written."""
+        written = []
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(self.html)
+        written.append(path)
+        if png_dir:
+            os.makedirs(png_dir, exist_ok=True)
+            for figure in self.figures:
+                target = os.path.join(png_dir, figure.slug + ".png")
+                with open(target, "wb") as file:
+                    file.write(figure.png)
+                written.append(target)
+        return written
+
+
+def _slug(*parts: str) -> str:
+    text = "_".join(p for p in parts if p and p != ".")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def readings_table(history: list[StepReading]) -> str:
+    """The readings as a fixed-width table: step, stage, then each measured field (MiB or count)."""
+    fields = [f for f in StepReading.value_fields() if any(getattr(r, f) is not None for r in history)]
+    headers = ["step", "stage"] + [f[: -len("_bytes")] + " MiB" if f in MEMORY_FIELDS else f for f in fields]
+    rows = []
+    for reading in history:
+        row: list[Any] = [reading.step, reading.stage]
+        for name in fields:
+            value = getattr(reading, name)
+            row.append("-" if value is None else (f"{value / MiB:.2f}" if name in MEMORY_FIELDS else str(value)))
+        rows.append(row)
+    return format_table(headers, rows)
+
+
+def _pre(text: str) -> str:
+    return f"<pre>{html.escape(text)}</pre>"
+
+
+def _img(figure: ReportFigure) -> str:
+    data = base64.b64encode(figure.png).decode("ascii")
+    return f'<img alt="{html.escape(figure.title)}" title="{html.escape(figure.title)}" src="data:image/png;base64,{data}">'
+
+
+def _html_table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="data"><tr>{head}</tr>{body}</table>'
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.figures: list[ReportFigure] = []
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def figure(self, slug: str, title: str, make: Callable[[], Any]) -> None:
+        """Render ``make()`` (a matplotlib Figure) to PNG and embed it; a failure is said, not raised."""
+        from lightning_memkit.tensorboard.figures import figure_png
+
+        try:
+            png = figure_png(make())
+        except Exception as error:  # a broken figure must not lose the rest of the report
+            self.add(f'<p class="problems">figure "{html.escape(title)}" could not be drawn: {html.escape(repr(error))}</p>')
+            return
+        figure = ReportFigure(slug, title, png)
+        self.figures.append(figure)
+        self.add(_img(figure))
+
+
+def _run_section(builder: _Builder, run: RunRecords) -> None:
+    from lightning_memkit.tensorboard.figures import memory_per_step_figure
+
+    builder.add(f"<h2>Run <code>{html.escape(run.name)}</code></h2>")
+    source = "" if run.exact else " (rebuilt from TensorBoard scalars: float32 MiB, not exact bytes)"
+    builder.add(f'<p class="meta">from {html.escape(os.path.basename(run.path))}{html.escape(source)}</p>')
+    builder.add(_pre(format_summary(run.summary, run.history)))
+    if run.history:
+        builder.figure(_slug(run.name, "memory_per_step"), f"memory per step: {run.name}",
+                       lambda: memory_per_step_figure(run.summary, run.history, title=f"memkit: memory per step ({run.name})"))
+        builder.add(f"<details><summary>all {len(run.history)} readings</summary>{_pre(readings_table(run.history))}</details>")
+
+
+def _trace_section(builder: _Builder, trace: TraceFile) -> None:
+    builder.add(f"<h2>Layer trace <code>{html.escape(trace.name)}</code>, step {trace.step}</h2>")
+    rendered = _render_with_module("lightning_memkit.trace.report", "render_trace", trace.data)
+    if rendered is None:
+        builder.add("<p>this memkit has no layer-trace renderer; the raw keys are: "
+                    f"{html.escape(', '.join(sorted(trace.data)))}</p>")
+        return
+    _add_rendered(builder, _slug(trace.name, f"trace_step{trace.step}"), rendered)
+
+
+def _compare_section(builder: _Builder, compare: CompareFile) -> None:
+    builder.add(f"<h2>Mode comparison <code>{html.escape(compare.name)}</code></h2>")
+    rendered = _render_with_module("lightning_memkit.modes.report", "render_compare", compare.data) if compare.data else None
+    if rendered is None:
+        if compare.rows:
+            builder.add(_html_table(compare.csv_header, [[row.get(h, "") for h in compare.csv_header] for row in compare.rows]))
+        else:
+            builder.add("<p>compare.json has no table this memkit can render, and there is no compare.csv.</p>")
+        return
+    _add_rendered(builder, _slug(compare.name, "compare"), rendered)
+
+
+def _render_with_module(module_name: str, function: str, data: Any) -> dict[str, Any] | None:
+    """The trace/compare modules' own renderer: ``{"tables": {title: text}, "figures": {title: Figure}}``."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    render = getattr(module, function, None)
+    return render(data) if callable(render) else None
+
+
+def _add_rendered(builder: _Builder, slug: str, rendered: dict[str, Any]) -> None:
+    for title, text in rendered.get("tables", {}).items():
+        builder.add(f"<h3>{html.escape(title)}</h3>" + _pre(text))
+    for index, (title, make) in enumerate(rendered.get("figures", {}).items()):
+        builder.figure(f"{slug}_{index}", title, make if callable(make) else (lambda make=make: make))
+
+
+def build_report(sources: ReportSources, title: str = "memkit memory report") -> Report:
+    """Render everything in ``sources`` into a :class:`Report` (self-contained HTML plus figures)."""
+    from lightning_memkit import __version__
+
+    builder = _Builder()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    builder.add(f"<h1>{html.escape(title)}</h1>")
+    builder.add(f'<p class="meta">log dir <code>{html.escape(sources.logdir)}</code> &middot; {now} &middot; '
+                f"lightning-memkit {html.escape(__version__)}</p>")
+    found = [f"{len(sources.runs)} run(s) with memory readings: " + ", ".join(r.name for r in sources.runs)] if sources.runs else []
+    if sources.traces:
+        found.append(f"{len(sources.traces)} layer trace(s)")
+    if sources.compares:
+        found.append(f"{len(sources.compares)} mode comparison(s)")
+    builder.add('<h2>What was found</h2><ul class="found">' + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
+    if sources.missing:
+        builder.add('<p>Not found:</p><ul class="missing">' + "".join(f"<li>{html.escape(m)}</li>" for m in sources.missing) + "</ul>")
+    if sources.problems:
+        builder.add('<p>Could not read:</p><ul class="problems">' + "".join(f"<li>{html.escape(p)}</li>" for p in sources.problems) + "</ul>")
+    for compare in sources.compares:
+        _compare_section(builder, compare)
+    for run in sources.runs:
+        _run_section(builder, run)
+    for trace in sources.traces:
+        _trace_section(builder, trace)
+    page = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+            + "\n".join(builder.parts) + "</body></html>\n")
+    return Report(page, builder.figures)

@@ -1,0 +1,256 @@
+"""Finding and reading what memkit wrote under a log dir, for the offline report.
+
+Reads only memkit's own JSON and CSV files and TensorBoard event files (never unpickles);
+every file is recognised by its name and its ``"format"`` key, and whatever is missing is
+said in words (``ReportSources.missing``).
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, read_records
+
+__all__ = [
+    "TRACE_FORMAT", "COMPARE_FORMAT", "MEMORY_FORMAT", "TRACE_PATTERN", "COMPARE_JSON", "COMPARE_CSV",
+    "RunRecords", "TraceFile", "CompareFile", "ReportSources", "ReportInputError", "find_sources",
+]
+
+MEMORY_FORMAT = "lightning-memkit/memory"
+TRACE_FORMAT = "lightning-memkit/trace"
+COMPARE_FORMAT = "lightning-memkit/compare"
+#: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``.
+TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+)\.json$")
+COMPARE_JSON = "compare.json"
+COMPARE_CSV = "compare.csv"
+_EVENTS_GLOB = "events.out.tfevents.*"
+#: at most this many files are looked at (a report of a huge tree says so instead of hanging)
+MAX_FILES = 200_000
+
+
+class ReportInputError(Exception):
+    """The log dir holds nothing the report can show; the message says what is missing and what to do."""
+
+
+@dataclass
+class RunRecords:
+    """One run's memory readings: from ``memkit_memory.json`` (exact bytes), or rebuilt from
+    TensorBoard scalars when the run never reached fit end (``exact=False``: float32 MiB).
+
+    Attributes:
+        name: the run's directory relative to the log dir (``.`` for the log dir itself).
+        path: the file read (the JSON, or the run directory for event files).
+        summary: the run summary (from the file, or folded from the readings by ``RunSummary.update``).
+        history: the readings, oldest first.
+        exact: whether the bytes are exact (JSON) or rounded from TensorBoard's float32 MiB.
+    """
+
+    name: str
+    path: str
+    summary: RunSummary
+    history: list[StepReading]
+    exact: bool = True
+
+
+@dataclass
+class TraceFile:
+    """A LayerTrace file ``memkit_trace_step{N}.json`` (``"format": "lightning-memkit/trace/1"``)."""
+
+    name: str
+    path: str
+    step: int
+    data: dict[str, Any]
+
+
+@dataclass
+class CompareFile:
+    """A ``memkit compare`` result: ``compare.json`` (``"format": "lightning-memkit/compare/1"``)
+    and/or ``compare.csv`` at the compare root. ``rows`` are the CSV's rows (header -> text)."""
+
+    name: str
+    root: str
+    data: dict[str, Any] | None
+    csv_header: list[str]
+    rows: list[dict[str, str]]
+
+
+@dataclass
+class ReportSources:
+    """Everything found under a log dir, and what was not.
+
+    Attributes:
+        logdir: the directory searched.
+        runs: memory readings per run.
+        traces: layer-trace files.
+        compares: compare results.
+        problems: files that looked like memkit's but could not be read, with why.
+        missing: one sentence per kind of data that was not found, saying what writes it.
+        files_seen: how many files were looked at.
+    """
+
+    logdir: str
+    runs: list[RunRecords] = field(default_factory=list)
+    traces: list[TraceFile] = field(default_factory=list)
+    compares: list[CompareFile] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    files_seen: int = 0
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing at all can be shown."""
+        return not (self.runs or self.traces or self.compares)
+
+
+def _format_of(data: Any) -> str:
+    value = data.get("format", "") if isinstance(data, dict) else ""
+    return "/".join(str(value).split("/")[:2])
+
+
+def _relative(logdir: str, directory: str) -> str:
+    name = os.path.relpath(directory, logdir)
+    return "." if name == os.curdir else name.replace(os.sep, "/")
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def _scalar_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
+    """Readings rebuilt from the memkit scalars in a run's event files (no memkit_memory.json there)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
+
+    stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
+    field_of = {metric_name(f): f for f in StepReading.value_fields()}
+    accumulator = EventAccumulator(directory, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    readings: dict[tuple[str, int], StepReading] = {}
+    for tag in accumulator.Tags().get("scalars", []):
+        parts = tag.split("/")
+        if len(parts) != 3 or parts[0] != prefix or parts[1] not in stage_of or parts[2] not in field_of:
+            continue  # per-rank, summary and foreign scalars are not step readings
+        stage, name = stage_of[parts[1]], field_of[parts[2]]
+        for event in accumulator.Scalars(tag):
+            reading = readings.setdefault((stage, event.step), StepReading(step=event.step, stage=stage, rank=-1))
+            value = event.value * 2**20 if name.endswith("_bytes") else event.value
+            setattr(reading, name, int(round(value)))
+    if not readings:
+        return None
+    history = sorted(readings.values(), key=lambda r: (r.step, r.stage != "train"))
+    summary = RunSummary(device="? (from TensorBoard scalars)")
+    for reading in history:
+        summary.update(reading)
+    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=False)
+
+
+def find_sources(logdir: str) -> ReportSources:
+    """Find memkit's files under ``logdir`` (recursively) and read them.
+
+    Raises:
+        ReportInputError: when ``logdir`` is not a directory, or holds nothing memkit wrote
+            (the message lists what the report looks for and how to produce it).
+    """
+    if not os.path.isdir(logdir):
+        raise ReportInputError(f"{logdir!r} is not a directory; give the log dir of a run trained with memkit "
+                               "(e.g. the --logdir of `memkit demo`, or lightning_logs)")
+    logdir = os.path.abspath(logdir)
+    sources = ReportSources(logdir)
+    event_dirs: list[str] = []
+    record_dirs: set[str] = set()
+    seen_examples: list[str] = []
+    for directory, subdirs, files in os.walk(logdir):
+        subdirs.sort()
+        for name in sorted(files):
+            sources.files_seen += 1
+            if sources.files_seen > MAX_FILES:
+                sources.problems.append(f"stopped after {MAX_FILES} files; point memkit report at a smaller directory")
+                break
+            path = os.path.join(directory, name)
+            run = _relative(logdir, directory)
+            if len(seen_examples) < 5:
+                seen_examples.append(os.path.relpath(path, logdir))
+            try:
+                if name == RECORDS_FILENAME:
+                    summary, history = read_records(path)
+                    sources.runs.append(RunRecords(run, path, summary, history))
+                    record_dirs.add(directory)
+                elif TRACE_PATTERN.match(name):
+                    data = _read_json(path)
+                    if _format_of(data) != TRACE_FORMAT:
+                        raise ValueError(f"no \"format\": \"{TRACE_FORMAT}/1\" key")
+                    step = int(TRACE_PATTERN.match(name).group(1))
+                    sources.traces.append(TraceFile(run, path, step, data))
+                elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
+                    sources.compares.append(_read_compare(run, directory, files))
+                elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
+                    event_dirs.append(directory)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                sources.problems.append(f"{os.path.relpath(path, logdir)}: cannot read it ({error})")
+        if sources.files_seen > MAX_FILES:
+            break
+    for directory in event_dirs:
+        if directory in record_dirs:
+            continue
+        try:
+            run = _scalar_run(logdir, directory)
+        except Exception as error:  # a damaged event file must not stop the report
+            sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
+            continue
+        if run is not None:
+            sources.runs.append(run)
+    sources.runs.sort(key=lambda r: r.name)
+    _say_what_is_missing(sources, seen_examples)
+    if sources.empty:
+        found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, none of them memkit's"
+                 if sources.files_seen else "it is empty")
+        problems = "".join(f"\n  - {p}" for p in sources.problems)
+        raise ReportInputError(
+            f"nothing to report in {logdir}: {found}.{problems}\n"
+            "memkit report looks for:\n"
+            f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end) or TensorBoard event files with memory/ scalars\n"
+            "  - memkit_trace_step<N>.json (LayerTrace)\n"
+            f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
+            "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
+        )
+    return sources
+
+
+def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
+    data = None
+    if COMPARE_JSON in files:
+        data = _read_json(os.path.join(directory, COMPARE_JSON))
+        if _format_of(data) != COMPARE_FORMAT:
+            raise ValueError(f"no \"format\": \"{COMPARE_FORMAT}/1\" key")
+    header: list[str] = []
+    rows: list[dict[str, str]] = []
+    if COMPARE_CSV in files:
+        with open(os.path.join(directory, COMPARE_CSV), newline="", encoding="utf-8") as file:
+            reader = csv.DictReader(file)
+            header = list(reader.fieldnames or [])
+            rows = [dict(row) for row in reader]
+    return CompareFile(run, directory, data, header, rows)
+
+
+def _say_what_is_missing(sources: ReportSources, seen_examples: list[str]) -> None:
+    if not sources.runs:
+        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME} and no TensorBoard event file with memory/ "
+                               "scalars; add MemoryTracker() to the Trainer's callbacks")
+    elif not all(r.exact for r in sources.runs):
+        inexact = ", ".join(r.name for r in sources.runs if not r.exact)
+        sources.missing.append(f"no {RECORDS_FILENAME} for {inexact} (the run did not reach fit end?): its readings "
+                               "come from TensorBoard scalars, rounded to float32 MiB")
+    if not sources.traces:
+        sources.missing.append("no layer trace (memkit_trace_step<N>.json): add LayerTrace() to the callbacks, "
+                               "or run `memkit trace FILE.py:Module`")
+    if not sources.compares:
+        sources.missing.append(f"no mode comparison ({COMPARE_JSON} / {COMPARE_CSV}): run `memkit compare FILE.py:Module "
+                               "--modes baseline,amp,checkpoint`")
