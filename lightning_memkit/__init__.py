@@ -4,8 +4,10 @@ The public API is what this module exports; everything else may change.
 """
 
 from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
+from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.units import format_bytes, parse_bytes
@@ -13,6 +15,11 @@ from lightning_memkit.units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "Mode",
+    "parse_mode",
+    "apply_checkpointing",
+    "CheckpointBudget",
+    "ActivationCheckpointing",
     "MemoryTracker",
     "MemoryMeter",
     "TensorAccountant",

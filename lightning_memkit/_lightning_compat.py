@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["logging_step", "optimizer_steps_after_batch"]
+__all__ = ["logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured"]
 
 
 def logging_step(trainer: Any) -> int:
@@ -34,3 +34,15 @@ def optimizer_steps_after_batch(trainer: Any) -> bool:
         return not trainer.fit_loop.epoch_loop._should_accumulate()
     except AttributeError:
         return True
+
+
+def fsdp_activation_checkpointing_configured(strategy: Any) -> bool | None:
+    """``None`` when ``strategy`` is not Lightning's FSDPStrategy; else whether it was given an
+    ``activation_checkpointing_policy`` (read from the private ``_activation_checkpointing_kwargs``)."""
+    try:
+        from lightning.pytorch.strategies import FSDPStrategy
+    except ImportError:
+        return None
+    if not isinstance(strategy, FSDPStrategy):
+        return None
+    return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))

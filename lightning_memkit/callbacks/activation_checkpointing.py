@@ -1,0 +1,173 @@
+"""ActivationCheckpointing: non-reentrant activation checkpointing for any LightningModule, as a callback.
+
+Wiring only: the policies, the measuring and the wrapping live in lightning_memkit.modes.checkpointing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_memkit._lightning_compat import fsdp_activation_checkpointing_configured
+from lightning_memkit.modes.checkpointing import (
+    CheckpointBudget,
+    CheckpointHandle,
+    CheckpointPlan,
+    apply_checkpointing,
+    describe_policy,
+    normalize_policy,
+    plan_checkpointing,
+)
+from lightning_memkit.units import MiB
+
+__all__ = ["ActivationCheckpointing"]
+
+
+class ActivationCheckpointing(Callback):
+    """Checkpoint a LightningModule's blocks during training: less activation memory, one more forward.
+
+    Usage::
+
+        from lightning_memkit import ActivationCheckpointing
+        trainer = Trainer(callbacks=[ActivationCheckpointing(policy="auto")])
+        trainer.fit(model)        # model's code is untouched; it is restored at the end of fit
+
+    Before the first training batch the chosen submodules are wrapped with torch's non-reentrant
+    ``torch.utils.checkpoint`` (every parameter gets its gradient; dropout masks replay exactly;
+    BatchNorm running statistics are updated once, not again on recompute). Works on one device and
+    under DDP. Under ``FSDPStrategy`` it wraps nothing and defers, with a warning, to the strategy's
+    own ``activation_checkpointing_policy``.
+
+    Args:
+        policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/Sequential), a set of
+            module classes, a callable ``(qualified_name, module) -> bool``, or a budget:
+            ``CheckpointBudget(fraction=0.5)`` / ``"budget=0.5"`` (of the baseline activation memory) or
+            ``CheckpointBudget(bytes="512MiB")``. See docs/modes.md.
+        budget: shorthand for ``policy=CheckpointBudget(...)``: a fraction (``0 < f <= 1``) or a size
+            (bytes, or a string such as ``"512MiB"``).
+        measure: measure on the first training batch what each region saves (bytes) and costs
+            (FLOPs): one to three extra forward passes, no backward, RNG and running statistics
+            restored. Budgets always measure.
+        sample_fn: ``(pl_module, batch) -> output`` running the forward to measure; default
+            ``pl_module.training_step(batch, 0)`` with ``self.log`` muted (required for manual
+            optimization, whose training_step also steps the optimizer).
+        verbose: print the plan (names, count, predicted and measured saving) on global rank 0.
+
+    Logged once, at the first training step, to every logger: ``memory/checkpoint/regions`` (count)
+    and, when measured, ``memory/checkpoint/predicted_saving_MiB`` and
+    ``memory/checkpoint/activation_MiB`` (activation memory with checkpointing, exact).
+
+    Attributes:
+        plan: the :class:`~lightning_memkit.modes.checkpointing.CheckpointPlan` once applied.
+    """
+
+    def __init__(self, policy: Any = "auto", *, budget: float | int | str | None = None, measure: bool = True,
+                 sample_fn: Callable[[LightningModule, Any], Any] | None = None, verbose: bool = True) -> None:
+        try:
+            if budget is not None:
+                policy = f"budget={budget}"  # a number <= 1 is a fraction, anything else a size
+            self.policy = normalize_policy(policy)
+        except ValueError as error:
+            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
+        self.measure = measure
+        self.sample_fn = sample_fn
+        self.verbose = verbose
+        self.plan: CheckpointPlan | None = None
+        self._handle: CheckpointHandle | None = None
+        self._pending = False
+
+    @property
+    def state_key(self) -> str:
+        return f"ActivationCheckpointing[{describe_policy(self.policy)}]"
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self._handle is not None:
+            return
+        configured = fsdp_activation_checkpointing_configured(trainer.strategy)
+        if configured is not None:
+            rank_zero_warn(
+                "ActivationCheckpointing: the FSDPStrategy wraps its own modules, so this callback does nothing. "
+                + ("The strategy's activation_checkpointing_policy is used." if configured else
+                   "Pass FSDPStrategy(activation_checkpointing_policy={YourBlock}) to checkpoint under FSDP.")
+            )
+            return
+        needs_sample = isinstance(self.policy, CheckpointBudget)
+        if needs_sample and not pl_module.automatic_optimization and self.sample_fn is None:
+            raise MisconfigurationException("ActivationCheckpointing(budget=...) with manual optimization: pass "
+                                            "sample_fn=lambda module, batch: module(batch[0]) so the measuring forward does not step")
+        if not needs_sample:
+            try:
+                plan_checkpointing(pl_module, self.policy)  # fail before training when the policy matches nothing
+            except ValueError as error:
+                raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
+        self._pending = True
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        measure = self.measure or isinstance(self.policy, CheckpointBudget)
+        if measure and not pl_module.automatic_optimization and self.sample_fn is None:
+            measure = False
+        sample = self._sample(trainer, pl_module, batch) if measure else None
+        try:
+            self._handle = apply_checkpointing(pl_module, self.policy, sample=sample)
+        except ValueError as error:
+            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
+        if isinstance(self.policy, CheckpointBudget) and trainer.world_size > 1:
+            self._agree_across_ranks(trainer, pl_module)
+        self.plan = self._handle.plan
+        if self.verbose:
+            rank_zero_info(self.plan.summary())
+        metrics = {"memory/checkpoint/regions": float(self.plan.count)}
+        if self.plan.predicted_saving_bytes is not None:
+            metrics["memory/checkpoint/predicted_saving_MiB"] = self.plan.predicted_saving_bytes / MiB
+        if self.plan.measured_activation_bytes is not None:
+            metrics["memory/checkpoint/activation_MiB"] = self.plan.measured_activation_bytes / MiB
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _agree_across_ranks(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Each rank measured its own batch; all ranks take rank 0's choice so every replica does the same work.
+        names = trainer.strategy.broadcast(sorted(self._handle.plan.names), src=0)
+        if sorted(self._handle.plan.names) != names:
+            plan = self._handle.plan
+            self._handle.remove()
+            chosen = set(names)
+            self._handle = apply_checkpointing(pl_module, lambda name, module: name in chosen)
+            self._handle.plan.policy, self._handle.plan.budget_bytes = plan.policy, plan.budget_bytes
+            self._handle.plan.note = "rank 0's choice, broadcast"
+
+    def _sample(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            # Mute self.log for the measuring forward: the real step logs as usual.
+            muted = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+            pl_module.__dict__["log"] = lambda *args, **kwargs: None
+            pl_module.__dict__["log_dict"] = lambda *args, **kwargs: None
+            try:
+                with trainer.precision_plugin.train_step_context():
+                    if self.sample_fn is not None:
+                        return self.sample_fn(pl_module, batch)
+                    return pl_module.training_step(batch, 0)
+            finally:
+                for name, previous in muted.items():
+                    if previous is None:
+                        pl_module.__dict__.pop(name, None)
+                    else:
+                        pl_module.__dict__[name] = previous
+
+        return run
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._pending = False

@@ -1,0 +1,31 @@
+"""Memory modes: precision and activation checkpointing as one value, and the comparison of modes.
+
+Core code (no Lightning import except in compare.py, which runs Trainers).
+"""
+
+from lightning_memkit.modes.checkpointing import (
+    CheckpointBudget,
+    CheckpointHandle,
+    CheckpointPlan,
+    CheckpointSegment,
+    apply_checkpointing,
+    find_repeated_blocks,
+    measure_activation_bytes,
+    plan_checkpointing,
+)
+from lightning_memkit.modes.mode import Mode, parse_mode, parse_modes, resolve_precision
+
+__all__ = [
+    "Mode",
+    "parse_mode",
+    "parse_modes",
+    "resolve_precision",
+    "CheckpointBudget",
+    "CheckpointHandle",
+    "CheckpointPlan",
+    "CheckpointSegment",
+    "apply_checkpointing",
+    "plan_checkpointing",
+    "find_repeated_blocks",
+    "measure_activation_bytes",
+]

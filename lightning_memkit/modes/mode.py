@@ -1,0 +1,244 @@
+"""A training memory mode: precision and activation checkpointing as one value, parsed from a string.
+
+``parse_mode("amp+checkpoint:auto")`` gives a :class:`Mode`; ``mode.trainer_kwargs("cpu")`` gives the
+Trainer arguments for it, and ``mode.autocast("cpu")`` / ``apply_checkpointing`` apply it to a plain module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+
+from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
+from lightning_memkit.units import parse_bytes
+
+__all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "MODE_WORDS"]
+
+#: precision words -> the precision they ask for ("amp" is resolved per device by :func:`resolve_precision`).
+PRECISION_WORDS: dict[str, str | None] = {
+    "baseline": None,
+    "fp32": None,
+    "amp": "amp",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "fp16": "16-mixed",
+    "16-mixed": "16-mixed",
+}
+#: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction or a size).
+CHECKPOINT_WORDS = ("checkpoint", "checkpoint:auto", "checkpoint:budget=FRACTION", "checkpoint:budget=SIZE")
+#: every word a mode string may combine with ``+``.
+MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS
+
+_LIGHTNING_PRECISION = {None: "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _device_type(device: Any) -> str:
+    """``"cpu"``, ``"cuda"``, ``"mps"``... from an accelerator name, a torch.device or a Lightning Accelerator."""
+    if isinstance(device, torch.device):
+        return device.type
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        name = device.split(":")[0].lower()
+        return "cuda" if name == "gpu" else name
+    # a Lightning Accelerator instance
+    name = type(device).__name__.lower()
+    for kind in ("cuda", "mps", "xla", "cpu"):
+        if kind in name:
+            return kind
+    raise ValueError(f"cannot tell the device type of accelerator {device!r}; pass 'cpu', 'cuda' or a torch.device")
+
+
+def resolve_precision(precision: str | None, device: Any) -> str | None:
+    """The concrete mixed precision for ``device``: ``None`` (full precision), ``"bf16-mixed"`` or ``"16-mixed"``.
+
+    ``"amp"`` is ``"16-mixed"`` on CUDA (and MPS) and ``"bf16-mixed"`` elsewhere (CPU). ``"16-mixed"``
+    on CPU falls back to ``"bf16-mixed"`` with a warning, exactly as Lightning's Trainer does.
+    """
+    device_type = _device_type(device)
+    if precision == "amp":
+        return "16-mixed" if device_type in ("cuda", "mps") else "bf16-mixed"
+    if precision == "16-mixed" and device_type == "cpu":
+        warnings.warn("memkit: fp16 mixed precision is not supported on CPU; using bf16-mixed instead (as Lightning does)", stacklevel=3)
+        return "bf16-mixed"
+    if precision not in (None, "bf16-mixed", "16-mixed"):
+        raise ValueError(f"unknown precision {precision!r}; choose None, 'amp', 'bf16-mixed' or '16-mixed'")
+    return precision
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to train the same module: a precision and an activation-checkpointing policy.
+
+    Attributes:
+        precision: ``None`` (full fp32), ``"amp"`` (``16-mixed`` on CUDA, ``bf16-mixed`` on CPU, see
+            :func:`resolve_precision`), ``"bf16-mixed"`` or ``"16-mixed"``.
+        checkpoint: ``None`` (no checkpointing) or a policy for
+            :func:`~lightning_memkit.modes.checkpointing.apply_checkpointing`: ``"auto"``, a frozenset of
+            module classes, a callable ``(name, module) -> bool`` or a
+            :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`.
+        name: the label used in tables, CSV and TensorBoard run names (default: built from the parts,
+            e.g. ``"amp+checkpoint"``).
+
+    Usage::
+
+        mode = parse_mode("amp+checkpoint")
+        trainer = Trainer(max_steps=100, **mode.trainer_kwargs("cpu"))      # Lightning
+        handle = apply_checkpointing(model, mode.checkpoint)                 # plain PyTorch
+        with mode.autocast("cpu"):
+            loss = model(x).sum()
+    """
+
+    precision: str | None = None
+    checkpoint: Any = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.precision not in (None, "amp", "bf16-mixed", "16-mixed"):
+            raise ValueError(f"Mode(precision={self.precision!r}): choose None, 'amp', 'bf16-mixed' or '16-mixed'")
+        if self.checkpoint is not None:
+            object.__setattr__(self, "checkpoint", normalize_policy(self.checkpoint))
+        if not self.name:
+            object.__setattr__(self, "name", self._default_name())
+
+    def _default_name(self) -> str:
+        parts = []
+        if self.precision is not None:
+            parts.append({"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16"}[self.precision])
+        if self.checkpoint is not None:
+            parts.append("checkpoint" if self.checkpoint == "auto" else f"checkpoint:{describe_policy(self.checkpoint)}")
+        return "+".join(parts) or "baseline"
+
+    @property
+    def is_baseline(self) -> bool:
+        """Whether the mode changes nothing (full precision, no checkpointing)."""
+        return self.precision is None and self.checkpoint is None
+
+    def precision_for(self, device: Any) -> str | None:
+        """The concrete mixed precision on ``device`` (``None`` for full precision); see :func:`resolve_precision`."""
+        return resolve_precision(self.precision, device)
+
+    def autocast_dtype(self, device: Any) -> torch.dtype | None:
+        """The autocast dtype on ``device`` (``torch.bfloat16``/``torch.float16``), or ``None`` for fp32."""
+        precision = self.precision_for(device)
+        return None if precision is None else _AUTOCAST_DTYPE[precision]
+
+    def autocast(self, device_type: Any = "cpu") -> ContextManager[Any]:
+        """``torch.autocast(device_type, dtype)`` for this mode's precision, or a no-op context for fp32.
+
+        For plain PyTorch loops; under a Trainer use :meth:`trainer_kwargs`, which lets Lightning's
+        own precision plugin do the same.
+        """
+        dtype = self.autocast_dtype(device_type)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=_device_type(device_type), dtype=dtype)
+
+    def trainer_kwargs(self, accelerator: Any = "auto", **callback_kwargs: Any) -> dict[str, Any]:
+        """Keyword arguments for ``lightning.pytorch.Trainer`` that train in this mode.
+
+        Returns ``{"precision": ..., "callbacks": [...]}``: the Lightning precision flag (``"32-true"``,
+        ``"bf16-mixed"`` or ``"16-mixed"``, so Lightning's own ``MixedPrecision`` plugin does the
+        autocast and, for fp16, the gradient scaling) and an
+        :class:`~lightning_memkit.callbacks.activation_checkpointing.ActivationCheckpointing` callback
+        when the mode checkpoints (``callback_kwargs`` are passed to it). Merge ``callbacks`` with your own.
+        """
+        kwargs: dict[str, Any] = {"precision": _LIGHTNING_PRECISION[self.precision_for(accelerator)], "callbacks": []}
+        if self.checkpoint is not None:
+            from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+
+            kwargs["callbacks"].append(ActivationCheckpointing(policy=self.checkpoint, **callback_kwargs))
+        return kwargs
+
+    def with_name(self, name: str) -> "Mode":
+        """A copy with another display name."""
+        return dataclasses.replace(self, name=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description: name, precision word and checkpoint policy description."""
+        return {
+            "name": self.name,
+            "precision": self.precision,
+            "checkpoint": None if self.checkpoint is None else describe_policy(self.checkpoint),
+        }
+
+
+def _parse_checkpoint_word(word: str, text: str) -> Any:
+    if word == "checkpoint":
+        return "auto"
+    argument = word[len("checkpoint:"):]
+    if argument == "auto":
+        return "auto"
+    if argument.startswith("budget="):
+        value = argument[len("budget="):]
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and 0 < number <= 1:
+            return CheckpointBudget(fraction=number)
+        try:
+            return CheckpointBudget(bytes=parse_bytes(value))
+        except ValueError:
+            pass
+        raise ValueError(
+            f"mode {text!r}: bad budget {value!r}; write checkpoint:budget=0.5 (a fraction of the baseline "
+            "activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size)"
+        )
+    raise ValueError(f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}")
+
+
+def parse_mode(text: str | Mode) -> Mode:
+    """Parse a mode string such as ``"baseline"``, ``"amp"``, ``"bf16+checkpoint"`` or ``"checkpoint:budget=0.5"``.
+
+    Words are joined with ``+``: at most one precision word (``baseline``/``fp32``, ``amp``, ``bf16``,
+    ``fp16``) and at most one checkpoint word (``checkpoint`` = ``checkpoint:auto``,
+    ``checkpoint:budget=0.5`` for a fraction of the baseline activation memory,
+    ``checkpoint:budget=512MiB`` for a size). The mode's name is the text as written.
+
+    Raises:
+        ValueError: naming the bad word and listing the valid ones.
+    """
+    if isinstance(text, Mode):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"not a mode: {text!r}; write e.g. baseline, amp, checkpoint or amp+checkpoint")
+    cleaned = text.strip().lower()
+    precision: str | None = None
+    checkpoint: Any = None
+    seen_precision = seen_checkpoint = False
+    for word in (w.strip() for w in cleaned.split("+")):
+        if word in PRECISION_WORDS:
+            if seen_precision:
+                raise ValueError(f"mode {text!r} names two precisions; use one of: {', '.join(PRECISION_WORDS)}")
+            precision, seen_precision = PRECISION_WORDS[word], True
+        elif word == "checkpoint" or word.startswith("checkpoint:"):
+            if seen_checkpoint:
+                raise ValueError(f"mode {text!r} names checkpointing twice; use one of: {', '.join(CHECKPOINT_WORDS)}")
+            checkpoint, seen_checkpoint = _parse_checkpoint_word(word, text), True
+        else:
+            raise ValueError(f"unknown mode word {word!r} in {text!r}; valid words (join with '+'): {', '.join(MODE_WORDS)}")
+    return Mode(precision=precision, checkpoint=checkpoint, name=cleaned)
+
+
+def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[Mode]:
+    """Parse a comma-separated list (``"baseline,amp,checkpoint"``) or a list of mode strings.
+
+    Raises:
+        ValueError: for an empty list, a bad mode, or two modes with the same name.
+    """
+    items = [t for t in (text.split(",") if isinstance(text, str) else list(text))]
+    modes = [parse_mode(t) for t in items if not (isinstance(t, str) and not t.strip())]
+    if not modes:
+        raise ValueError(f"no modes in {text!r}; write e.g. baseline,amp,checkpoint,amp+checkpoint")
+    names = [m.name for m in modes]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"modes named twice: {', '.join(duplicates)}; give each mode once")
+    return modes
