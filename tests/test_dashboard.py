@@ -1,0 +1,149 @@
+"""The dashboard: layout regexes agree with the logged tags, one layout per run, figures mark the record's peak."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from conftest import LinearStack, make_trainer
+from lightning_memkit import MemoryTracker
+from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading, read_records
+from lightning_memkit.tensorboard.dashboard import register_dashboard
+from lightning_memkit.tensorboard.figures import PEAK_COLOR, memory_per_step_figure
+from lightning_memkit.tensorboard.layout import dashboard_layout
+from lightning_memkit.tensorboard.tags import step_tag
+from lightning_memkit.units import MiB
+
+ALL_FIELDS = list(MEMORY_FIELDS) + list(COUNT_FIELDS)
+
+
+def _regexes(layout):
+    return {title: spec[1] for category in layout.values() for title, spec in category.items()}
+
+
+def _matches(layout, tags):
+    return {title: {t for t in tags for r in regexes if re.match(r, t)} for title, regexes in _regexes(layout).items()}
+
+
+def test_every_chart_matches_tags_memory_tracker_logs():
+    train = {step_tag(f, "train") for f in ALL_FIELDS}
+    val = {step_tag(f, "validate") for f in ALL_FIELDS}
+    ranks = {step_tag(f, "train", rank=r) for f in ALL_FIELDS for r in (0, 1)}
+    layout = dashboard_layout(cuda=True, ranks=True)
+    matched = _matches(layout, train | val | ranks)
+    assert all(matched.values()), [t for t, m in matched.items() if not m]
+    assert matched["CUDA allocator: allocated vs reserved vs step peak (MiB)"] == {
+        "memory/train/allocated_MiB", "memory/train/reserved_MiB", "memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
+    assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {"memory/train/alloc_retries", "memory/train/ooms"}
+    assert matched["NVML device memory vs what the allocator holds (MiB)"] == {
+        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB", "memory/train/device_total_MiB"}
+    assert matched["per rank: step peak (MiB)"] == {"memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB",
+                                                    "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB"}
+    # every train-stage field is on some chart; per-rank tags stay off the run-level charts
+    on_charts = set().union(*matched.values())
+    assert train - {"memory/train/active_MiB"} <= on_charts
+    run_level = set().union(*(m for t, m in matched.items() if not t.startswith("per rank")))
+    assert not run_level & ranks
+
+
+def test_layout_follows_prefix_and_switches():
+    layout = dashboard_layout(prefix="mem.x", cuda=False, trace=True, compare=True)
+    assert list(layout) == ["memkit: modes compared", "memkit: memory per step", "memkit: layer trace"]
+    regexes = [r for rs in _regexes(layout).values() for r in rs]
+    assert all(r.startswith("^mem\\.x/") for r in regexes)
+    assert not any("CUDA" in title or "NVML" in title for title in _regexes(layout))
+    assert re.match(_regexes(layout)["layer trace: memory by category (MiB)"][0], "mem.x/trace/activations_MiB")
+    assert not re.match(_regexes(layout)["layer trace: memory by category (MiB)"][0], "memAx/trace/activations_MiB")
+
+
+def _layout_events(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    count = 0
+    for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        accumulator = EventAccumulator(path, size_guidance={"tensors": 0})
+        accumulator.Reload()
+        if "custom_scalars__config__" in accumulator.Tags()["tensors"]:
+            count += len(accumulator.Tensors("custom_scalars__config__"))
+    return count
+
+
+class _OtherMemkitCallback(Callback):
+    """Stands for a second memkit callback (LayerTrace, ...): it registers the dashboard too."""
+
+    def __init__(self):
+        self.registered = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.registered = register_dashboard(trainer)
+
+
+def test_layout_written_once_per_run_with_several_callbacks(tmp_path):
+    first, last = _OtherMemkitCallback(), _OtherMemkitCallback()
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[first, MemoryTracker(verbose=False), last])
+    trainer.fit(LinearStack())
+    assert first.registered is True and last.registered is False
+    assert register_dashboard(trainer) is False
+    assert _layout_events(logger.log_dir) == 1
+    # a second fit into a new version is a new run: it gets its own layout
+    logger2 = TensorBoardLogger(str(tmp_path), name="run", version=1)
+    trainer2 = make_trainer(tmp_path, max_steps=1, logger=logger2, callbacks=[MemoryTracker(verbose=False)])
+    trainer2.fit(LinearStack())
+    assert _layout_events(logger2.log_dir) == 1
+
+
+def test_no_tensorboard_logger_is_skipped_silently(tmp_path, recwarn):
+    other = _OtherMemkitCallback()
+    tracker = MemoryTracker(verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=2, logger=CSVLogger(str(tmp_path)), callbacks=[tracker, other])
+    trainer.fit(LinearStack())
+    assert other.registered is False
+    assert not glob.glob(os.path.join(str(tmp_path), "**", "events.out.tfevents.*"), recursive=True)
+    assert not [w for w in recwarn if "memkit" in str(w.message)]
+    summary, history = read_records(tracker.records_path)
+    assert summary.steps_measured == 2
+
+
+def _peak_markers(figure):
+    return [(list(line.get_xdata()), list(line.get_ydata()), ax) for ax in figure.axes for line in ax.get_lines()
+            if line.get_color() == PEAK_COLOR]
+
+
+def test_figure_marks_the_records_peak_with_title_units_legend():
+    history = [StepReading(step=s, peak_tensor_bytes=(s + 1) * MiB, tensor_bytes=MiB // 2, host_rss_bytes=300 * MiB,
+                           host_peak_rss_bytes=310 * MiB) for s in range(5)]
+    history.append(StepReading(step=4, stage="validate", peak_tensor_bytes=9 * MiB))
+    summary = RunSummary(device="cpu")
+    for reading in history:
+        summary.update(reading)
+    figure = memory_per_step_figure(summary, history)
+    markers = _peak_markers(figure)
+    assert len(markers) == 1
+    xs, ys, ax = markers[0]
+    assert (xs, ys) == ([summary.peak_step], [summary.peak_bytes / MiB]) == ([4], [9.0])
+    assert "validate" in "".join(t.get_text() for t in ax.texts) and "9.00 MiB" in "".join(t.get_text() for t in ax.texts)
+    assert figure._suptitle.get_text() == "memkit: memory per step (cpu)"
+    assert [a.get_ylabel() for a in figure.axes] == ["MiB", "MiB"]
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert labels == ["tensors: peak (per step, exact)", "tensors: peak (validation run)", "tensors: live at step end (exact)"]
+    assert figure.axes[1].get_legend() is not None and figure.axes[-1].get_xlabel() == "training step"
+
+
+def test_figure_marks_a_cuda_peak_on_the_allocator_panel():
+    history = [StepReading(step=s, allocated_bytes=MiB, peak_allocated_bytes=(3 - abs(s - 2)) * MiB,
+                           reserved_bytes=4 * MiB, peak_reserved_bytes=4 * MiB) for s in range(5)]
+    summary = RunSummary(device="cuda:0")
+    for reading in history:
+        summary.update(reading)
+    [(xs, ys, _)] = _peak_markers(memory_per_step_figure(summary, history))
+    assert (xs, ys) == ([2], [3.0])
+
+
+def test_figure_without_readings():
+    figure = memory_per_step_figure(RunSummary(), [])
+    assert "no readings" in [t.get_text() for t in figure.axes[0].texts]
