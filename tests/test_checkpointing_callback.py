@@ -1,0 +1,169 @@
+"""ActivationCheckpointing in real Trainer runs: same training as baseline, reported plan, restored
+module, budgets, FSDP deferral and DDP with two CPU processes."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memkit import ActivationCheckpointing, parse_mode
+
+from conftest import make_trainer, read_scalars
+
+
+class DropoutBatchNormNet(pl.LightningModule):
+    """Four residual blocks with BatchNorm and dropout, in a ModuleList; logs its loss."""
+
+    def __init__(self, blocks: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.BatchNorm1d(2 * width), nn.Dropout(0.2), nn.ReLU(), nn.Linear(2 * width, width))
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(width, 1)
+        self.data = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch[0]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.data), batch_size=16)
+
+
+def _fit(model, tmp_path, callbacks=(), **kwargs):
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=3, callbacks=list(callbacks), **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+def test_callback_trains_exactly_like_baseline_and_restores_the_module(tmp_path):
+    torch.manual_seed(0)
+    base = DropoutBatchNormNet()
+    model = copy.deepcopy(base)
+    _fit(base, tmp_path / "base")
+    callback = ActivationCheckpointing("auto")
+    logger = TensorBoardLogger(str(tmp_path), name="ckpt", version="")
+    _fit(model, tmp_path / "ckpt", [callback], logger=logger)
+    for (name, p), (_, q) in zip(base.named_parameters(), model.named_parameters()):
+        assert (p - q).abs().max().item() <= 1e-6, name
+    for (name, a), (_, b) in zip(base.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+    assert callback.plan.names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert callback.plan.measured_activation_bytes < callback.plan.baseline_activation_bytes
+    assert not any("forward" in m.__dict__ for m in model.modules())  # restored at teardown
+    scalars = read_scalars(logger.log_dir)
+    assert scalars["memory/checkpoint/regions"] == [(0, 4.0)]
+    assert "memory/checkpoint/predicted_saving_MiB" in scalars
+
+
+def test_budget_callback_meets_its_budget_in_a_trainer(tmp_path):
+    model = DropoutBatchNormNet(blocks=6)
+    callback = ActivationCheckpointing(budget=0.5)
+    _fit(model, tmp_path, [callback])
+    plan = callback.plan
+    assert plan.budget_bytes == int(0.5 * plan.baseline_activation_bytes)
+    assert plan.measured_activation_bytes <= plan.budget_bytes
+    assert 0 < plan.count <= 6
+
+
+def test_mode_trainer_kwargs_checkpoints_through_the_callback(tmp_path):
+    kwargs = parse_mode("bf16+checkpoint").trainer_kwargs("cpu", verbose=False)
+    assert kwargs["precision"] == "bf16-mixed"
+    model = DropoutBatchNormNet()
+    trainer = _fit(model, tmp_path, kwargs["callbacks"], precision=kwargs["precision"])
+    assert kwargs["callbacks"][0].plan.count == 4
+    assert trainer.precision == "bf16-mixed"
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_policy_matching_nothing_fails_before_training(tmp_path):
+    with pytest.raises(MisconfigurationException, match="matched no module"):
+        _fit(DropoutBatchNormNet(), tmp_path, [ActivationCheckpointing({nn.Conv2d})])
+    with pytest.raises(MisconfigurationException, match="policy"):
+        ActivationCheckpointing(policy=42)
+
+
+def test_under_fsdp_it_defers_to_the_strategy_with_a_warning():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    model = DropoutBatchNormNet()
+    for strategy, says in ((FSDPStrategy(), "Pass FSDPStrategy"), (FSDPStrategy(activation_checkpointing_policy={nn.Sequential}), "strategy's")):
+        callback = ActivationCheckpointing("auto")
+        with pytest.warns(UserWarning, match=says):
+            callback.setup(SimpleNamespace(strategy=strategy), model, "fit")
+        assert not callback._pending and callback.plan is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, lightning.pytorch as pl
+    sys.path.insert(0, {tests!r})
+    from test_checkpointing_callback import DropoutBatchNormNet
+    from lightning_memkit import ActivationCheckpointing
+
+    class Check(pl.Callback):
+        def on_after_backward(self, trainer, module):
+            missing = [n for n, p in module.named_parameters() if p.grad is None]
+            assert not missing, missing
+            wrapped = [n for n, m in module.named_modules() if "forward" in m.__dict__]
+            print(f"rank{{trainer.global_rank}} wrapped={{len(wrapped)}} step={{trainer.global_step}}", flush=True)
+
+    if __name__ == "__main__":
+        pl.seed_everything(0)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             callbacks=[ActivationCheckpointing(budget=0.6), Check()])
+        trainer.fit(DropoutBatchNormNet())
+        print(f"rank{{trainer.global_rank}} done", flush=True)
+    """
+)
+
+
+def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
+    script = tmp_path / "ddp_ckpt.py"
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
+    env = dict(os.environ, PL_DISABLE_FORK="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail("DDP run timed out:\n" + output[-3000:])
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"rank{rank} done" in output, output[-3000:]
+        assert f"rank{rank} wrapped=" in output
+    counts = {line.split("wrapped=")[1].split()[0] for line in output.splitlines() if "wrapped=" in line}
+    assert len(counts) == 1 and counts != {"0"}, output[-3000:]  # both ranks wrapped the same blocks
