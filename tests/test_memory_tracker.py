@@ -1,0 +1,339 @@
+"""MemoryTracker in real CPU Trainer runs: exact peaks, every tag at every step, every logger."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from lightning_memkit import MemoryTracker
+from lightning_memkit.probes import MemoryProbe
+from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
+from lightning_memkit.tensorboard.tags import step_tag
+from lightning_memkit.units import MiB
+
+from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
+
+SCALAR = FLOAT32
+#: the fields a CPU run logs: host RSS and the accountant (no CUDA, no NVML)
+CPU_FIELDS = [f for f, meaning in MEMORY_FIELDS.items() if meaning.startswith(("host:", "accountant:"))]
+
+
+def _forward_moments(model: LinearStack) -> list[int]:
+    """Activation bytes at each high point of the forward, on top of what the step started with.
+
+    Linear k allocates its output h_k, ReLU allocates r_k (saved for backward, and the next
+    Linear's saved input), then h_k dies: right after ReLU k, r_0..r_{k-1}, h_k and r_k are
+    live. At the head the last Linear's ``out`` (saved by ``pow``), ``out**2`` and the 4-byte
+    sum are live on top of every r.
+    """
+    hidden = len(model.dims) - 2
+    r = [model.activation_bytes(j) for j in range(hidden)]
+    after_relu = [sum(r[:k]) + 2 * r[k] for k in range(hidden)]
+    out = model.activation_bytes(hidden)
+    return after_relu + [sum(r) + 2 * out + SCALAR]
+
+
+def _backward_moments(model: LinearStack, accumulating: bool = False) -> list[int]:
+    """Bytes at each Linear's high point in backward (besides P and X), the moment its bias
+    gradient is allocated: every gradient of this and later layers, the saved inputs of
+    earlier layers (r_0..r_{k-1}, this layer's input included), the gradient flowing into this layer's output, the one it
+    passes down (not for the first layer: the batch needs none), and three float32 scalars
+    (Lightning's closure loss ``loss / 1``, its detached clone, autograd's seed gradient).
+    ``zero_grad`` (set_to_none) ran before backward, so no older gradient is live.
+
+    ``accumulating``: a later micro-batch's backward. Every gradient G already exists; each
+    layer's new gradients are temporaries that AccumulateGrad adds in place and frees, so only
+    this layer's are live on top of G (G itself is added by the caller)."""
+    d, B = model.dims, model.batch_size
+    layers = len(d) - 1
+    grads = [(d[k] * d[k + 1] + d[k + 1]) * FLOAT32 for k in range(layers)]
+    r = [model.activation_bytes(j) for j in range(layers - 1)]
+    moments = []
+    for k in range(layers):
+        grad_in = B * d[k] * FLOAT32 if k > 0 else 0
+        new_grads = grads[k] if accumulating else sum(grads[k:])
+        moments.append(new_grads + sum(r[:k]) + model.activation_bytes(k) + grad_in + 3 * SCALAR)
+    # ReLU k's backward (threshold_backward) allocates the gradient w.r.t. h_k while the one
+    # w.r.t. r_k and the saved r_0..r_k are live; later layers' gradients exist by then.
+    for k in range(layers - 1):
+        new_grads = 0 if accumulating else sum(grads[k + 1:])
+        moments.append(new_grads + sum(r[: k + 1]) + 2 * r[k] + 3 * SCALAR)
+    return moments
+
+
+def _adam_step_moments(model: LinearStack) -> list[int]:
+    """Bytes of Adam's temporaries (besides P, G, state and X) while it updates parameter i
+    (torch.optim.adam's single-tensor loop): ``exp_avg_sq.sqrt()`` and its division by the
+    bias correction (each the size of p_i) while the previous parameter's ``denom`` is still
+    bound in the loop; plus Lightning's closure loss and its clone."""
+    sizes = [p.numel() * FLOAT32 for p in model.parameters()]
+    return [(sizes[i - 1] if i else 0) + 2 * sizes[i] + 2 * SCALAR for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("batch_size", [8, 24])
+def test_cpu_per_step_peak_equals_hand_computed_bytes_sgd(tmp_path, batch_size):
+    """Lightning's automatic optimization runs forward, then ``zero_grad`` (set_to_none), then
+    backward, then the step. So from step 1 on, last step's gradients G are still live during
+    the forward, while at step 0 there are none; backward always starts without them.
+    The optimizer (plain SGD) updates in place. The peak is the highest of the moments
+    worked out by hand above.
+    """
+    dims = (32, 64, 48, 16)
+    model = LinearStack(dims, batch_size)
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=4, callbacks=[tracker]).fit(model)
+
+    P = model.parameter_bytes()
+    G = P
+    X = batch_size * dims[0] * FLOAT32
+    step0 = P + X + max(max(_forward_moments(model)), max(_backward_moments(model)))
+    later = P + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)))
+    assert [r.step for r in tracker.history] == [0, 1, 2, 3]
+    assert [r.peak_tensor_bytes for r in tracker.history] == [step0, later, later, later]
+    # at step end: P, G, X and Lightning's detached loss clone
+    assert [r.tensor_bytes for r in tracker.history] == [P + G + X + SCALAR] * 4
+    assert tracker.summary.peak_bytes == max(step0, later)
+    assert tracker.summary.peak_source == "peak_tensor_bytes"
+
+
+def test_cpu_per_step_peak_counts_adam_state(tmp_path):
+    """Adam adds exp_avg and exp_avg_sq (each the size of its parameter) and a float32 ``step``
+    per parameter tensor, created at step 0; from step 1 they are live through the forward."""
+    dims, batch_size = (32, 64, 48, 16), 32
+    model = LinearStack(dims, batch_size, optimizer="adam")
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=3, callbacks=[tracker]).fit(model)
+
+    P = model.parameter_bytes()
+    G = P
+    parameter_tensors = 2 * (len(dims) - 1)
+    S = 2 * P + parameter_tensors * SCALAR
+    X = batch_size * dims[0] * FLOAT32
+    expected = P + S + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)),
+                               G + max(_adam_step_moments(model)))
+    assert [r.peak_tensor_bytes for r in tracker.history][1:] == [expected, expected]
+    # at this batch size Adam's temporaries, not the activations, make the peak
+    assert max(_adam_step_moments(model)) > max(_forward_moments(model))
+
+
+def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
+    model = LinearStack(batch_size=8, log_loss=True, val_batches=2)
+    tracker = MemoryTracker(verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, max_steps=6, logger=logger, callbacks=[tracker],
+                           val_check_interval=3, limit_val_batches=2, check_val_every_n_epoch=None)
+    trainer.fit(model)
+    scalars = read_scalars(logger.log_dir)
+
+    for field in CPU_FIELDS:
+        assert [s for s, _ in scalars[step_tag(field, "train")]] == list(range(6)), field
+        # validation ran after the 3rd and 6th training step: on the training-step axis,
+        # at the very steps Lightning wrote its own val_loss
+        assert [s for s, _ in scalars[step_tag(field, "validate")]] == [s for s, _ in scalars["val_loss"]] == [2, 5], field
+    assert [s for s, _ in scalars["train_loss"]] == list(range(6))
+    for tag in ("run_peak_MiB", "run_peak_step", "capacity_MiB", "run_peak_fraction"):
+        assert [s for s, _ in scalars[f"memory/summary/{tag}"]] == [6], tag
+
+    # TensorBoard holds float32; these byte counts are exact in it
+    logged_peaks = [round(v * MiB) for _, v in scalars["memory/train/peak_tensor_MiB"]]
+    train_history = [r for r in tracker.history if r.stage == "train"]
+    assert logged_peaks == [r.peak_tensor_bytes for r in train_history]
+    val_history = [r for r in tracker.history if r.stage == "validate"]
+    assert [r.step for r in val_history] == [2, 5]
+    # validation keeps no graph: its peak is below training's, and it is not zero
+    assert 0 < val_history[0].peak_tensor_bytes < train_history[1].peak_tensor_bytes
+    run_peak = scalars["memory/summary/run_peak_MiB"][0][1]
+    assert round(run_peak * MiB) == tracker.summary.peak_bytes == max(r.peak_tensor_bytes for r in tracker.history)
+    # nothing but memkit's documented tags under memory/
+    documented = {step_tag(f, stage) for f in CPU_FIELDS for stage in ("train", "validate")}
+    documented |= {f"memory/summary/{t}" for t in ("run_peak_MiB", "run_peak_step", "capacity_MiB", "run_peak_fraction")}
+    assert {t for t in scalars if t.startswith("memory/")} == documented
+    # the offline record
+    summary, history = read_records(os.path.join(logger.log_dir, RECORDS_FILENAME))
+    assert summary.peak_bytes == tracker.summary.peak_bytes and len(history) == 8
+
+
+def test_every_n_steps_is_respected(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    tracker = MemoryTracker(every_n_steps=3, log_validation=False, verbose=False)
+    make_trainer(tmp_path, max_steps=7, logger=logger, callbacks=[tracker]).fit(LinearStack())
+    scalars = read_scalars(logger.log_dir)
+    for field in CPU_FIELDS:
+        assert [s for s, _ in scalars[step_tag(field)]] == [0, 3, 6]
+    assert [r.step for r in tracker.history] == [0, 3, 6]
+    # an unmeasured step leaves no window open and adopts nothing
+    assert _get_current_dispatch_mode() is None
+
+
+def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
+    """With accumulate_grad_batches=2 one window spans both micro-batches, so there is one
+    reading per optimizer step and its peak is the higher micro-batch's. Lightning zeroes the
+    gradients only before the first micro-batch's backward; the second runs its forward and
+    backward with every gradient G live and accumulates into it."""
+    dims, batch_size = (32, 64, 48, 16), 8
+    model = LinearStack(dims, batch_size)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    tracker = MemoryTracker(verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[tracker])
+    trainer.fit(model)
+    assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6  # six micro-batches
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [0, 1, 2]
+    assert [r.step for r in tracker.history] == [0, 1, 2]
+    P = model.parameter_bytes()
+    G = P
+    X = batch_size * dims[0] * FLOAT32  # the loop lets go of micro-batch 1 before micro-batch 2
+    first = max(_backward_moments(model))
+    second = G + max(max(_forward_moments(model)), max(_backward_moments(model, accumulating=True)))
+    assert second > first
+    assert [r.peak_tensor_bytes for r in tracker.history] == [P + X + second] * 3
+
+
+def test_csv_logger_has_the_columns(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="csv")
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[tracker]).fit(LinearStack())
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        rows = list(csv.DictReader(file))
+    columns = set(rows[0])
+    for field in CPU_FIELDS:
+        assert step_tag(field) in columns
+    assert "memory/summary/run_peak_MiB" in columns
+    train_rows = [r for r in rows if r["memory/train/peak_tensor_MiB"]]
+    assert [int(r["step"]) for r in train_rows] == [0, 1, 2]
+    assert [round(float(r["memory/train/peak_tensor_MiB"]) * MiB) for r in train_rows] == [
+        r.peak_tensor_bytes for r in tracker.history
+    ]
+
+
+def test_no_logger_fills_history(tmp_path, capsys):
+    tracker = MemoryTracker()
+    make_trainer(tmp_path, max_steps=3, logger=False, callbacks=[tracker]).fit(LinearStack())
+    assert [r.step for r in tracker.history] == [0, 1, 2]
+    assert all(r.peak_tensor_bytes and r.host_rss_bytes for r in tracker.history)
+    assert tracker.summary.steps_measured == 3
+    out = capsys.readouterr().out
+    assert "memkit memory summary" in out and "run peak" in out and "(peak_tensor_bytes)" in out
+    assert os.path.exists(os.path.join(str(tmp_path), RECORDS_FILENAME))
+
+
+def test_two_loggers_both_written(tmp_path):
+    tb = TensorBoardLogger(str(tmp_path), name="tb")
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=3, logger=[tb, csv_logger], callbacks=[tracker]).fit(LinearStack())
+    scalars = read_scalars(tb.log_dir)
+    with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as file:
+        rows = [r for r in csv.DictReader(file) if r["memory/train/peak_tensor_MiB"]]
+    tb_values = [v for _, v in scalars["memory/train/peak_tensor_MiB"]]
+    csv_values = [float(r["memory/train/peak_tensor_MiB"]) for r in rows]
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert [round(v * MiB) for v in tb_values] == [round(v * MiB) for v in csv_values]
+
+
+def test_allocator_path_without_accountant(tmp_path):
+    tracker = MemoryTracker(tensor_accounting=False, verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[tracker]).fit(LinearStack())
+    scalars = read_scalars(logger.log_dir)
+    assert "memory/train/peak_tensor_MiB" not in scalars
+    assert [s for s, _ in scalars["memory/train/host_peak_rss_MiB"]] == [0, 1]
+    assert tracker.summary.peak_source == "host_peak_rss_bytes"
+
+
+class _FailingProbe(MemoryProbe):
+    """A memory source that fails on read, like NVML losing its driver mid-run."""
+
+    name = "flaky-nvml"
+
+    def read(self):
+        raise RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED")
+
+
+def test_a_failing_probe_warns_once_and_the_run_finishes(tmp_path, recwarn):
+    tracker = MemoryTracker(extra_probes=[_FailingProbe()], verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, max_steps=4, logger=logger, callbacks=[tracker])
+    trainer.fit(LinearStack())
+    assert trainer.global_step == 4
+    warnings = [w for w in recwarn.list if "flaky-nvml" in str(w.message)]
+    assert len(warnings) == 1
+    assert "switched off" in str(warnings[0].message) and "NVML_ERROR_DRIVER_NOT_LOADED" in str(warnings[0].message)
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [0, 1, 2, 3]
+
+
+def test_resume_continues_the_step_axis(tmp_path):
+    """Checkpoint mid-epoch after step 2, resume to step 6: history 0..5 once each, and the
+    resumed run's event file starts at step 3."""
+    first_logger = TensorBoardLogger(str(tmp_path), name="tb", version="first")
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+    first = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=4, logger=first_logger, callbacks=[first, checkpoint],
+                 enable_checkpointing=True).fit(LinearStack(log_loss=True))
+    path = os.path.join(str(tmp_path / "ckpt"), "epoch=0-step=3.ckpt")
+    assert os.path.exists(path), os.listdir(str(tmp_path / "ckpt"))
+    assert [r["step"] for r in _tracker_state(path)["history"]] == [0, 1, 2]
+
+    second_logger = TensorBoardLogger(str(tmp_path), name="tb", version="second")
+    second = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=6, logger=second_logger, callbacks=[second]).fit(LinearStack(log_loss=True), ckpt_path=path)
+    assert [r.step for r in second.history] == [0, 1, 2, 3, 4, 5]
+    assert second.summary.steps_measured == 6
+    scalars = read_scalars(second_logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [3, 4, 5]
+    assert [s for s, _ in scalars["train_loss"]] == [3, 4, 5]  # the same axis as Lightning's
+
+
+def _tracker_state(path: str) -> dict:
+    callbacks = torch.load(path, weights_only=False)["callbacks"]
+    (state,) = [v for k, v in callbacks.items() if k.startswith("MemoryTracker")]
+    return state
+
+
+class _HugeAllocation(LinearStack):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2:
+            torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: the CPU allocator refuses it
+        return loss
+
+
+def test_out_of_memory_leaves_a_report_flushes_loggers_and_reraises(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="csv")
+    tracker = MemoryTracker(verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=5, logger=logger, callbacks=[tracker])
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):
+        trainer.fit(_HugeAllocation())
+    assert _get_current_dispatch_mode() is None  # the accountant is off the mode stack
+    report_path = os.path.join(logger.log_dir, "memkit_oom_rank0.json")
+    assert tracker.oom_report_path == report_path
+    with open(report_path) as file:
+        report = json.load(file)
+    assert report["step"] == 2 and report["rank"] == 0 and report["device"] == "cpu"
+    assert report["error_type"] == "RuntimeError" and "can't allocate memory" in report["error"]
+    assert [r["step"] for r in report["last_readings"]] == [0, 1]
+    failing = report["failing_step_reading"]
+    assert failing["step"] == 2 and failing["peak_tensor_bytes"] > 0 and failing["host_rss_bytes"] > 0
+    assert report["summary"]["steps_measured"] == 2
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        rows = [r for r in csv.DictReader(file) if r.get("memory/train/peak_tensor_MiB")]
+    assert [int(r["step"]) for r in rows] == [0, 1]
+
+
+def test_misuse_is_refused_with_a_clear_message():
+    with pytest.raises(MisconfigurationException, match="every_n_steps=0.*positive integer"):
+        MemoryTracker(every_n_steps=0)
+    with pytest.raises(MisconfigurationException, match="True, False or 'auto'"):
+        MemoryTracker(tensor_accounting="on")
+    with pytest.raises(MisconfigurationException, match="cuda_memory_history"):
+        MemoryTracker(cuda_memory_history=-1)
