@@ -1,0 +1,128 @@
+"""`memkit report`: a self-contained HTML report from a real run's files; clear failure on empty/foreign dirs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import pickle
+import re
+import shutil
+
+import numpy as np
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.tensorboard import SummaryWriter
+
+from conftest import LinearStack, make_trainer
+from lightning_memkit import MemoryTracker
+from lightning_memkit.cli import main
+from lightning_memkit.records import RECORDS_FILENAME, read_records
+from lightning_memkit.report import find_sources
+from lightning_memkit.report.render import readings_table
+from lightning_memkit.summary_table import format_summary
+from lightning_memkit.units import MiB
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real 4-step fit with MemoryTracker (validation after step 2) and a TensorBoardLogger."""
+    root = tmp_path_factory.mktemp("report_run")
+    model = LinearStack(val_batches=1)
+    trainer = make_trainer(root, max_steps=4, logger=TensorBoardLogger(str(root), name="run", version=0),
+                           callbacks=[MemoryTracker(verbose=False)], limit_val_batches=1, val_check_interval=2,
+                           check_val_every_n_epoch=None)
+    trainer.fit(model)
+    return str(root)
+
+
+def _embedded_pngs(page: str) -> list[bytes]:
+    return [base64.b64decode(data) for data in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def test_report_of_a_real_run(run_dir, tmp_path, capsys):
+    out, png_dir = tmp_path / "report.html", tmp_path / "png"
+    assert main(["report", run_dir, "-o", str(out), "--png", str(png_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 run(s), 0 layer trace(s), 0 mode comparison(s)" in printed
+    assert "not found: no layer trace" in printed and "not found: no mode comparison" in printed
+    page = out.read_text()
+    summary, history = read_records(os.path.join(run_dir, "run", "version_0", RECORDS_FILENAME))
+    # the same table as the terminal and TensorBoard, from the same records
+    assert html.escape(format_summary(summary, history)) in page
+    assert html.escape(readings_table(history)) in page
+    assert [r.stage for r in history] == ["train", "train", "validate", "train", "train", "validate"]
+    # self-contained: inline CSS and images, nothing fetched
+    assert "<style>" in page and not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page
+    pngs = _embedded_pngs(page)
+    assert len(pngs) == 1 and pngs[0][:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(png_dir)) == ["run_version_0_memory_per_step.png"]
+    assert (png_dir / "run_version_0_memory_per_step.png").read_bytes() == pngs[0]
+    assert "memkit_trace_step&lt;N&gt;.json" in page and "compare.json" in page  # says what it could not find
+
+
+def test_run_without_records_is_rebuilt_from_tensorboard_scalars(run_dir, tmp_path):
+    copy = tmp_path / "crashed"
+    shutil.copytree(run_dir, copy)
+    records = copy / "run" / "version_0" / RECORDS_FILENAME
+    summary, history = read_records(str(records))
+    records.unlink()  # a run that never reached fit end leaves only its event files
+    sources = find_sources(str(copy))
+    [run] = sources.runs
+    assert not run.exact and run.name == "run/version_0"
+    assert [(r.step, r.stage) for r in run.history] == [(r.step, r.stage) for r in history]
+    for rebuilt, original in zip(run.history, history):
+        # TensorBoard keeps float32 MiB: bytes come back as round(float32(bytes / 2**20) * 2**20)
+        assert rebuilt.peak_tensor_bytes == round(float(np.float32(original.peak_tensor_bytes / MiB)) * MiB)
+        assert abs(rebuilt.peak_tensor_bytes - original.peak_tensor_bytes) <= original.peak_tensor_bytes * 2**-23
+    assert run.summary.peak_step == summary.peak_step
+    assert any("rounded to float32 MiB" in m for m in sources.missing)
+
+
+def test_empty_directory_fails_and_says_what_is_missing(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 1
+    message = capsys.readouterr().err
+    assert "it is empty" in message and RECORDS_FILENAME in message and "memkit_trace_step<N>.json" in message
+    assert "compare.json" in message and "MemoryTracker" in message
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_foreign_directory_fails_and_names_what_it_found(tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("hello")
+    (foreign / "compare.json").write_text('{"modes": []}')  # a compare.json that is not memkit's
+    writer = SummaryWriter(str(foreign / "tb"))  # TensorBoard events with no memkit scalars
+    writer.add_scalar("loss", 1.0, 0)
+    writer.close()
+    assert main(["report", str(foreign), "-o", str(tmp_path / "r.html")]) == 1
+    message = capsys.readouterr().err
+    assert "none of them memkit's" in message and "notes.txt" in message
+    assert 'compare.json: cannot read it (no "format": "lightning-memkit/compare/1" key)' in message
+
+
+def test_missing_directory_fails(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+
+class _Tripwire:
+    """Unpickling this creates a file: the report must never do it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_report_never_unpickles(run_dir, tmp_path):
+    copy = tmp_path / "with_pickle"
+    shutil.copytree(run_dir, copy)
+    tripwire = tmp_path / "unpickled"
+    for name in ("memkit_oom_rank0.pickle", "memkit_trace_step3.json"):
+        (copy / name).write_bytes(pickle.dumps(_Tripwire(str(tripwire))))
+    sources = find_sources(str(copy))
+    assert not tripwire.exists()
+    assert len(sources.runs) == 1
+    assert any(p.startswith("memkit_trace_step3.json: cannot read it") for p in sources.problems)
