@@ -1,0 +1,20 @@
+"""Will it fit? A training step's memory predicted on fake tensors, the CUDA caching-allocator model,
+and the largest batch size predicted from a few estimates."""
+
+from lightning_memkit.estimate.allocator import AllocatorView, CudaAllocatorModel
+from lightning_memkit.estimate.batches import NoBatchError
+from lightning_memkit.estimate.core import CATEGORIES, EstimateError, MemoryEstimate, estimate_memory, measure_training_step
+
+__all__ = [
+    "AllocatorView",
+    "CudaAllocatorModel",
+    "CATEGORIES",
+    "EstimateError",
+    "MemoryEstimate",
+    "NoBatchError",
+    "estimate_memory",
+    "measure_training_step",
+]
+from lightning_memkit.estimate.predict import AffineGrowth, BatchSizePrediction, device_capacity_bytes, predict_max_batch_size  # noqa: E402
+
+__all__ += ["AffineGrowth", "BatchSizePrediction", "device_capacity_bytes", "predict_max_batch_size"]

@@ -1,0 +1,122 @@
+"""Where the estimate's batch comes from: the module's (or datamodule's) train loader, re-batched to any size.
+
+One real sample batch is drawn with every random-number generator saved and put back, so taking it
+changes nothing the user's training will see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError"]
+
+
+class NoBatchError(ValueError):
+    """No batch can be found for the estimate; the message says what to pass."""
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Put torch's CPU (and initialised CUDA) generators, ``random`` and numpy's state back afterwards."""
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    python_state = random.getstate()
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        numpy = None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor with at least one dimension, or ``None``."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def _train_loader(module: Any, datamodule: Any) -> Any:
+    """The train dataloader of ``datamodule``, the module's trainer's datamodule, or the module itself."""
+    candidates = []
+    if datamodule is not None:
+        candidates.append(datamodule)
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None and getattr(trainer, "datamodule", None) is not None:
+        candidates.append(trainer.datamodule)
+    candidates.append(module)
+    for owner in candidates:
+        method = getattr(owner, "train_dataloader", None)
+        if method is None:
+            continue
+        try:
+            return method()
+        except Exception as error:  # Lightning's default hook raises when it is not implemented
+            if "must be implemented" in str(error) or isinstance(error, NotImplementedError):
+                continue
+            raise
+    return None
+
+
+def sample_batch(module: Any, datamodule: Any = None) -> Any:
+    """One batch from the train dataloader of ``datamodule`` or ``module``, RNG state untouched.
+
+    Raises:
+        NoBatchError: when neither has a ``train_dataloader()``, or it is empty.
+    """
+    with preserved_rng():
+        loader = _train_loader(module, datamodule)
+        if loader is None:
+            raise NoBatchError(
+                f"{type(module).__name__} has no train_dataloader() and no datamodule was given: pass an example "
+                "batch (batch=...), or a datamodule (datamodule=...), or implement train_dataloader() on the module"
+            )
+        if isinstance(loader, (list, tuple)) and loader and not isinstance(loader[0], torch.Tensor):
+            loader = loader[0]
+        if isinstance(loader, dict):
+            loader = next(iter(loader.values()))
+        try:
+            return next(iter(loader))
+        except StopIteration:
+            raise NoBatchError(f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)") from None
+
+
+def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Any:
+    """``batch`` with every tensor whose leading dimension is the batch size grown or cut to ``new_size``.
+
+    ``make(tensor, new_size)`` builds each new tensor; by default rows are repeated cyclically,
+    so values stay plausible (valid token ids, valid labels).
+    """
+    old_size = batch_size_of(batch)
+    if old_size is None:
+        raise NoBatchError("the batch has no tensor with a batch dimension; pass an example batch of the size to estimate (batch=...)")
+    if new_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, not {new_size!r}")
+
+    def default(tensor: torch.Tensor, size: int) -> torch.Tensor:
+        index = torch.arange(size, device=tensor.device) % old_size
+        return tensor.index_select(0, index)
+
+    make = make or default
+
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == old_size:
+            return leaf if new_size == old_size and make is default else make(leaf, new_size)
+        return leaf
+
+    return tree_map(convert, batch)

@@ -1,0 +1,417 @@
+"""One training step's memory: predicted on fake tensors, or measured on a real copy, categorised the same way.
+
+Both paths run the same step code (forward, zero_grad, backward, optimizer step, in Lightning's
+order) on a *copy* of the module under the tensor accountant, so the two numbers are comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
+from lightning_memkit.estimate.allocator import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    CUDNN_WORKSPACE_BYTES,
+    AllocatorView,
+    CudaAllocatorModel,
+)
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch
+from lightning_memkit.estimate.fake import FakeSession
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
+
+__all__ = ["MemoryEstimate", "EstimateError", "estimate_memory", "measure_training_step", "CATEGORIES"]
+
+#: the categories of a step's peak, in display order.
+CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")
+
+_PHASE_CATEGORY = {"forward": "activations", "zero_grad": "temporaries", "backward": "temporaries", "optimizer": "temporaries"}
+
+
+class EstimateError(RuntimeError):
+    """The step could not be estimated; the message says why and what to do."""
+
+
+@dataclass
+class MemoryEstimate:
+    """The memory of one training step, at its peak (all sizes in bytes).
+
+    Attributes:
+        peak_bytes: peak of live tensor bytes over the first two steps (the second is the steady
+            state: optimizer state exists, last step's gradients live until ``zero_grad``), exactly
+            as :class:`~lightning_memkit.TensorAccountant` counts them (no allocator rounding).
+        by_category: ``peak_bytes`` split into :data:`CATEGORIES` (parameters, buffers, inputs,
+            gradients, optimizer_state, activations = forward allocations alive at the peak,
+            temporaries = backward/optimizer allocations that are neither gradients nor state).
+        batch_size: the batch size the step ran with (``None`` when the batch has no batch dimension).
+        mode: the mode's name (``"baseline"``, ``"bf16"``, ``"checkpoint"``...).
+        device: the target device type (``"cuda"``, ``"cpu"``...).
+        peak_phase: where the peak happened: ``forward``, ``zero_grad``, ``backward`` or ``optimizer``.
+        peak_step: which of the two steps (1 or 2) reached the peak.
+        cuda: for a CUDA target, the caching-allocator view (:class:`AllocatorView`), else ``None``.
+        source: ``"fake"`` (estimated, no real memory used) or ``"measured"`` (a real step on a copy).
+        elapsed_s: wall time of the estimate, seconds.
+        notes: caveats that apply to this estimate.
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    batch_size: int | None
+    mode: str = "baseline"
+    device: str = "cpu"
+    peak_phase: str = ""
+    peak_step: int = 0
+    cuda: AllocatorView | None = None
+    source: str = "fake"
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def required_bytes(self) -> int:
+        """Bytes the target device must have: the allocator view's ``device_bytes`` on CUDA, else ``peak_bytes``."""
+        return self.cuda.device_bytes if self.cuda is not None else self.peak_bytes
+
+    def __getattr__(self, name: str) -> int:
+        # parameters_bytes, gradients_bytes, ... as attributes
+        if name.endswith("_bytes") and name[:-6] in CATEGORIES:
+            return self.by_category.get(name[:-6], 0)
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``required_bytes`` included)."""
+        data = asdict(self)
+        data["cuda"] = self.cuda.to_dict() if self.cuda is not None else None
+        data["required_bytes"] = self.required_bytes
+        return data
+
+    def summary(self) -> str:
+        """A plain-text table of the peak and its categories."""
+        rows = [(name, format_bytes(self.by_category.get(name, 0))) for name in CATEGORIES]
+        rows.append(("peak (tensors)", format_bytes(self.peak_bytes)))
+        if self.cuda is not None:
+            rows += [
+                ("CUDA allocated peak", format_bytes(self.cuda.peak_allocated_bytes)),
+                ("CUDA reserved peak", format_bytes(self.cuda.peak_reserved_bytes)),
+                ("context + workspaces", format_bytes(self.cuda.context_bytes + self.cuda.workspace_bytes)),
+                ("device needs", format_bytes(self.cuda.device_bytes)),
+            ]
+        title = f"memkit estimate: batch {self.batch_size}, mode {self.mode}, device {self.device} ({self.source}, peak in {self.peak_phase} of step {self.peak_step})"
+        return title + "\n" + format_table(("", "bytes"), rows)
+
+
+class _StepAccountant(TensorAccountant):
+    """The accountant plus what the estimate needs: the live records at each new peak, the phase
+    of the peak, and (for the CUDA model) the allocation/free events in order."""
+
+    def __init__(self, record_events: bool) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, int]] | None = [] if record_events else None
+        self.peak_records: list[StorageRecord] = []
+        self.peak_phase = ""
+        self.peak_step = 0
+        self.step = 0
+        self.add_peak_listener(self._on_peak)
+
+    def _on_peak(self, _peak: int) -> None:
+        self.peak_records = self.live_records()
+        self.peak_phase = self.label
+        self.peak_step = self.step
+
+    def _track(self, storage, label, adopted):  # noqa: D102 - see TensorAccountant
+        nbytes = super()._track(storage, label, adopted)
+        if self.events is not None:
+            record = self._records.get(id(storage))
+            if record is not None:
+                self.events.append(("alloc", record.sequence, record.nbytes))
+        return nbytes
+
+    def _release(self, key):  # noqa: D102 - see TensorAccountant
+        record = self._records.get(key)
+        super()._release(key)
+        if self.events is not None and record is not None:
+            self.events.append(("free", record.sequence, 0))
+
+
+# ------------------------------------------------------------------------------------------ the step
+def _is_lightning_module(module: nn.Module) -> bool:
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(module, LightningModule)
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer from whatever ``configure_optimizers`` returned (optimizer, list, tuple, dict)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict) and "optimizer" in configured:
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        optimizers = [c for c in tree_flatten(configured[0] if isinstance(configured[0], (list, tuple)) else list(configured))[0] if isinstance(c, torch.optim.Optimizer)]
+        optimizers += [c["optimizer"] for c in configured if isinstance(c, dict) and "optimizer" in c]
+        if len(optimizers) == 1:
+            return optimizers[0]
+        if len(optimizers) > 1:
+            raise EstimateError("configure_optimizers returned several optimizers; estimate_memory models automatic optimization with one optimizer: pass optimizer=lambda params: ... for the one to model")
+    raise EstimateError(f"configure_optimizers returned {type(configured).__name__}, not an optimizer; return a torch.optim.Optimizer or pass optimizer=lambda params: torch.optim.AdamW(params)")
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    return None
+
+
+def _default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    if _is_lightning_module(module):
+        output = module.training_step(batch, 0)
+        loss = _loss_of(output)
+        if loss is None:
+            raise EstimateError(f"{type(module).__name__}.training_step returned {type(output).__name__}; return the loss tensor (or a dict with 'loss'), or pass loss_fn=")
+        return loss
+    output = module(batch)
+    if not isinstance(output, torch.Tensor):
+        raise EstimateError(f"{type(module).__name__}(batch) returned {type(output).__name__}; pass loss_fn=lambda module, batch: <scalar loss>")
+    return output.float().sum()
+
+
+def _step_context(module_copy: nn.Module, mode: Any, device_type: str, target_device_type: str):
+    """The autocast context for the step (Lightning applies it around training_step only)."""
+    if mode is None:
+        return contextlib.nullcontext
+    dtype = mode.autocast_dtype(target_device_type)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable, autocast, acc: _StepAccountant, steps: int) -> None:
+    optimizer = make_optimizer(module_copy)
+    params = [p for p in module_copy.parameters() if p.requires_grad]
+    category: dict[int, str] = acc._categories  # type: ignore[attr-defined]
+    for step in range(1, steps + 1):
+        acc.step = step
+        with acc.labelled("forward"), autocast():
+            loss = loss_fn(module_copy, batch)
+        # Lightning's automatic optimization: zero_grad after the forward, before backward.
+        with acc.labelled("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+        with acc.labelled("backward"):
+            loss.backward()
+        del loss
+        for parameter in params:
+            record = acc.record_of(parameter.grad) if parameter.grad is not None else None
+            if record is not None:
+                category[record.sequence] = "gradients"
+        with acc.labelled("optimizer"):
+            optimizer.step()
+        for state in optimizer.state.values():
+            for value in state.values() if isinstance(state, dict) else ():
+                record = acc.record_of(value) if isinstance(value, torch.Tensor) else None
+                if record is not None:
+                    category[record.sequence] = "optimizer_state"
+
+
+def _categorise(acc: _StepAccountant) -> dict[str, int]:
+    totals = {name: 0 for name in CATEGORIES}
+    for record in acc.peak_records:
+        name = acc._categories.get(record.sequence) or _PHASE_CATEGORY.get(record.label, record.label)  # type: ignore[attr-defined]
+        if name not in totals:
+            name = "temporaries"
+        totals[name] += record.nbytes
+    return totals
+
+
+def _resolve_mode(mode: Any):
+    if mode is None:
+        return None
+    from lightning_memkit.modes.mode import parse_mode
+
+    return parse_mode(mode)
+
+
+def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any):
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}")
+    if _is_lightning_module(module) and not module.automatic_optimization:
+        raise EstimateError(f"{type(module).__name__} uses manual optimization; estimate_memory models Lightning's automatic optimization. Estimate a plain nn.Module with loss_fn= and optimizer= instead")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
+    if batch is None:
+        try:
+            batch = sample_batch(module, datamodule)
+        except NoBatchError as error:
+            if batch_size is None:
+                raise NoBatchError(f"{error}; or give batch_size= together with one of them") from None
+            raise
+    return batch
+
+
+def _optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    if optimizer is not None:
+        return lambda copy_: optimizer(copy_.parameters())
+    if _is_lightning_module(module):
+        return lambda copy_: _first_optimizer(copy_.configure_optimizers())
+    raise EstimateError(f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)")
+
+
+def _cuda_allowances(module: nn.Module) -> tuple[int, int]:
+    convolutional = any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+    return CUDA_CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES + (CUDNN_WORKSPACE_BYTES if convolutional else 0)
+
+
+def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int) -> MemoryEstimate:
+    started = time.perf_counter()
+    mode = _resolve_mode(mode)
+    target = torch.device(device) if not isinstance(device, torch.device) else device
+    batch = _prepare(module, batch, batch_size, datamodule)
+    make_optimizer = _optimizer_factory(module, optimizer)
+    loss_fn = loss_fn or _default_loss
+    notes: list[str] = []
+    acc = _StepAccountant(record_events=target.type == "cuda")
+    acc._categories = {}  # type: ignore[attr-defined]
+    trainer = getattr(module, "_trainer", None)
+    handle = None
+    with preserved_rng(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        warnings.filterwarnings("ignore", message=".*self.trainer.*")
+        try:
+            if fake:
+                session = FakeSession()
+                module_copy = session.module_copy(module, detach_from=(trainer,))
+                if batch_size is not None:
+                    batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, t.device))
+                batch = session.tree(batch)
+                context = session.active
+                if target.type == "cuda":
+                    notes.append("simulated with CPU kernels' fake tensors; CUDA-only kernels (cuDNN, flash attention) may save different tensors")
+            else:
+                module_copy = copy.deepcopy(module, {id(trainer): None} if trainer is not None else {})
+                if batch_size is not None:
+                    batch = rebatch(batch, batch_size)
+                context = contextlib.nullcontext
+            if mode is not None and mode.checkpoint is not None:
+                from lightning_memkit.modes.checkpointing import apply_checkpointing
+
+                try:
+                    handle = apply_checkpointing(module_copy, mode.checkpoint)
+                except ValueError as error:
+                    raise EstimateError(f"mode {mode.name!r}: {error}") from None
+            module_copy.train()
+            autocast = _step_context(module_copy, mode, "cpu" if fake else _batch_device_type(batch), target.type)
+            acc.adopt(module_copy.parameters(), "parameters")
+            acc.adopt(module_copy.buffers(), "buffers")
+            acc.adopt((leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)), "inputs")
+            with context(), acc:
+                _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps)
+        except (EstimateError, NoBatchError, ValueError, TypeError) as error:
+            if isinstance(error, (EstimateError, NoBatchError)):
+                raise
+            raise EstimateError(f"the training step of {type(module).__name__} failed {'on fake tensors' if fake else ''}: {type(error).__name__}: {error}") from error
+        except Exception as error:
+            hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a small batch, or express it without the data-dependent shape."
+                    if "data-dependent" in str(error).lower() or "DynamicOutputShape" in type(error).__name__ else "")
+            raise EstimateError(f"the training step of {type(module).__name__} failed {'on fake tensors' if fake else ''}: {type(error).__name__}: {error}.{hint}") from error
+        finally:
+            if handle is not None:
+                handle.remove()
+    if acc.errors:
+        notes.append("accountant errors: " + "; ".join(acc.errors[:3]))
+    view = None
+    if target.type == "cuda":
+        context_bytes, workspace_bytes = _cuda_allowances(module)
+        view = CudaAllocatorModel().replay(acc.events or ()).view(context_bytes, workspace_bytes)
+    return MemoryEstimate(
+        peak_bytes=acc.peak_bytes,
+        by_category=_categorise(acc),
+        batch_size=batch_size_of(batch),
+        mode=mode.name if mode is not None else "baseline",
+        device=target.type,
+        peak_phase=acc.peak_phase,
+        peak_step=acc.peak_step,
+        cuda=view,
+        source="fake" if fake else "measured",
+        elapsed_s=time.perf_counter() - started,
+        notes=notes,
+    )
+
+
+def _batch_device_type(batch: Any) -> str:
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def estimate_memory(
+    module: nn.Module,
+    batch_size: int | None = None,
+    *,
+    batch: Any = None,
+    mode: Any = None,
+    device: str | torch.device = "cuda",
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    datamodule: Any = None,
+) -> MemoryEstimate:
+    """Predict a training step's memory without running it: fake tensors, no real memory, no GPU needed.
+
+    Runs two full training steps (forward via ``training_step``, ``zero_grad``, backward, the
+    optimizer's step, in Lightning's order) on a fake-tensor copy of ``module`` and counts every
+    tensor with the accountant. ``module``, its optimizer and every RNG state are left untouched.
+
+    Args:
+        module: a LightningModule (optimizer from ``configure_optimizers``) or a plain ``nn.Module``
+            (give ``optimizer=`` and, unless ``module(batch).sum()`` is the loss, ``loss_fn=``).
+        batch_size: the batch size to estimate. The batch is one from ``train_dataloader()`` of
+            ``datamodule`` or the module, re-shaped to this size; ``None`` keeps its size.
+        batch: an example batch instead of the dataloader's (re-shaped if ``batch_size`` is given).
+        mode: a mode string or :class:`~lightning_memkit.modes.mode.Mode` (``"bf16"``, ``"checkpoint"``...).
+        device: the target device. For ``"cuda"`` the caching-allocator view is added
+            (:attr:`MemoryEstimate.cuda`); the step itself always runs on CPU fakes, so a CPU-only
+            torch can estimate for a GPU.
+        optimizer: ``params -> optimizer`` for plain modules, or to override ``configure_optimizers``.
+        loss_fn: ``(module, batch) -> loss``; default ``training_step(batch, 0)`` for a LightningModule.
+        datamodule: where to take the sample batch from when the module has no ``train_dataloader``.
+
+    Returns:
+        a :class:`MemoryEstimate` (bytes): the peak, its categories, and the CUDA allocator view.
+
+    Raises:
+        NoBatchError: no batch anywhere (the message says what to pass).
+        EstimateError: the step cannot run on fake tensors (the message names the op and what to do).
+    """
+    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2)
+
+
+def measure_training_step(
+    module: nn.Module,
+    batch_size: int | None = None,
+    *,
+    batch: Any = None,
+    mode: Any = None,
+    device: str | torch.device = "cpu",
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    datamodule: Any = None,
+) -> MemoryEstimate:
+    """Measure what :func:`estimate_memory` predicts: the same two steps on a real deep copy of ``module``.
+
+    Same arguments and result as :func:`estimate_memory` (``source="measured"``); it allocates real
+    memory and takes real compute time. The step runs where the module's parameters are; ``device``
+    only decides whether the CUDA allocator view is added. ``module`` and RNG states are untouched.
+    """
+    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=False, steps=2)

@@ -1,0 +1,202 @@
+"""The largest batch that fits: estimates at a few sizes, an affine fit of their growth, a check at the answer.
+
+Memory grows with the batch as ``fixed + per_sample * batch`` (parameters, gradients and optimizer
+state are fixed; activations and inputs grow); the fit gives the jump, estimates confirm it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_memkit.estimate.batches import batch_size_of, sample_batch
+from lightning_memkit.estimate.core import EstimateError, MemoryEstimate, estimate_memory
+from lightning_memkit.units import format_bytes
+
+__all__ = ["AffineGrowth", "BatchSizePrediction", "predict_max_batch_size", "device_capacity_bytes"]
+
+
+@dataclass(frozen=True)
+class AffineGrowth:
+    """``bytes(batch) = fixed_bytes + per_sample_bytes * batch`` (bytes; ``per_sample_bytes`` > 0)."""
+
+    fixed_bytes: float
+    per_sample_bytes: float
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, int]]) -> "AffineGrowth":
+        """Least-squares fit through ``(batch_size, bytes)`` points (at least two distinct sizes)."""
+        sizes = {b for b, _ in points}
+        if len(sizes) < 2:
+            raise ValueError("an affine fit needs measurements at two different batch sizes")
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        covariance = sum((b - mean_b) * (y - mean_y) for b, y in points)
+        variance = sum((b - mean_b) ** 2 for b, _ in points)
+        slope = max(covariance / variance, 1.0)
+        return cls(mean_y - slope * mean_b, slope)
+
+    def bytes_at(self, batch_size: float) -> float:
+        """Predicted bytes at ``batch_size``."""
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+    def largest_fitting(self, capacity_bytes: float) -> int:
+        """The largest batch size whose predicted bytes are at most ``capacity_bytes`` (0 if none)."""
+        return max(0, math.floor((capacity_bytes - self.fixed_bytes) / self.per_sample_bytes))
+
+
+@dataclass
+class BatchSizePrediction:
+    """The predicted largest batch size and how it was found (sizes in bytes).
+
+    Attributes:
+        batch_size: the largest batch size whose estimated ``required_bytes`` fit in
+            ``(1 - margin) * device_memory_bytes``.
+        predicted_bytes: the estimate's ``required_bytes`` at ``batch_size``.
+        device_memory_bytes: the memory the prediction is for.
+        margin: the fraction of device memory kept free.
+        growth: the affine fit of required bytes against batch size.
+        estimates: ``(batch_size, required_bytes)`` of every estimate made, in order.
+        mode: the mode's name.
+        limited_by_max: ``True`` when ``max_val`` capped the answer (it would fit larger).
+    """
+
+    batch_size: int
+    predicted_bytes: int
+    device_memory_bytes: int
+    margin: float
+    growth: AffineGrowth
+    estimates: list[tuple[int, int]] = field(default_factory=list)
+    mode: str = "baseline"
+    limited_by_max: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (f"max batch {self.batch_size} ({self.mode}): {format_bytes(self.predicted_bytes)} of "
+                f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} margin; "
+                f"{format_bytes(self.growth.fixed_bytes)} + {format_bytes(self.growth.per_sample_bytes)}/sample")
+
+
+def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
+    """Total memory of ``device`` in bytes (the current CUDA device, or host RAM for CPU).
+
+    Raises:
+        ValueError: for CUDA when no GPU is visible (then give ``device_memory=`` explicitly).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device here to read the memory of: give device_memory=, e.g. device_memory='16GiB' or 16 * 2**30")
+        return int(torch.cuda.get_device_properties(device.index or torch.cuda.current_device()).total_memory)
+    if device.type == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    raise ValueError(f"cannot read the memory of {device}; give device_memory= in bytes")
+
+
+def predict_max_batch_size(
+    module: nn.Module,
+    device_memory: int | str | None = None,
+    *,
+    mode: Any = None,
+    margin: float = 0.05,
+    device: str | torch.device = "cuda",
+    batch: Any = None,
+    max_val: int = 1 << 20,
+    tolerance: float = 0.01,
+    estimator: Callable[..., MemoryEstimate] = estimate_memory,
+    **estimate_kwargs: Any,
+) -> BatchSizePrediction:
+    """Predict the largest batch size whose training step fits in ``device_memory`` (fake tensors only).
+
+    Estimates the step at two batch sizes, fits ``fixed + per_sample * batch``, jumps to the
+    predicted answer and checks it with a few more estimates (secant steps), until the fitting and
+    the non-fitting size are within ``tolerance`` of each other.
+
+    Args:
+        module: as for :func:`~lightning_memkit.estimate.estimate_memory`.
+        device_memory: bytes (or ``"16GiB"``); default: the current CUDA device's total memory.
+        mode: a mode string or Mode.
+        margin: fraction of ``device_memory`` to keep free (0.05 = aim for 95%).
+        device: the target device (``"cuda"`` adds allocator rounding, segments and allowances).
+        batch: an example batch (default: one from the module's train dataloader).
+        max_val: never predict more than this.
+        tolerance: stop refining when the bracket is this fraction of the answer.
+        estimator: the function that estimates one size (``estimate_memory``; tests pass
+            ``measure_training_step``).
+
+    Raises:
+        ValueError: when even batch size 1 does not fit (the message gives the fixed bytes) or the
+            arguments are invalid.
+    """
+    from lightning_memkit.units import parse_bytes
+
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r}: give a fraction in [0, 1), e.g. 0.05 to keep 5% free")
+    capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
+    target = (1 - margin) * capacity
+    if batch is None:
+        batch = sample_batch(module, estimate_kwargs.get("datamodule"))
+    base = batch_size_of(batch)
+    if base is None:
+        raise EstimateError("the batch has no batch dimension; pass an example batch (batch=...) with one")
+    points: list[tuple[int, int]] = []
+    cache: dict[int, MemoryEstimate] = {}
+
+    def required(size: int) -> int:
+        if size not in cache:
+            cache[size] = estimator(module, size, batch=batch, mode=mode, device=device, **estimate_kwargs)
+            points.append((size, cache[size].required_bytes))
+        return cache[size].required_bytes
+
+    first, second = max(1, base // 2), max(2, base * 2)
+    required(first), required(second)
+    growth = AffineGrowth.fit(points)
+    mode_name = cache[first].mode
+    lo, hi = 0, max_val + 1
+    for size, value in points:
+        if value <= target:
+            lo = max(lo, size)
+        else:
+            hi = min(hi, size)
+    guess = growth.largest_fitting(target)
+    for _ in range(8):
+        if hi - lo <= max(1, tolerance * max(lo, 1)) or lo >= max_val:
+            break
+        step = max(1, math.ceil(tolerance * max(lo, guess, 1)))
+        if not lo < guess < hi:
+            # the fit points outside the bracket: probe just past the known side to close it
+            guess = lo + step if guess >= hi or lo > 0 else max(1, hi - step)
+            guess = min(max(guess, lo + 1), hi - 1)
+        guess = min(guess, max_val)
+        if required(guess) <= target:
+            lo = guess
+        else:
+            hi = guess
+        sized = sorted(points, key=lambda point: abs(point[0] - guess))[:2]
+        try:
+            guess = AffineGrowth.fit(sized).largest_fitting(target)
+        except ValueError:
+            guess = (lo + hi) // 2
+        if guess == lo:
+            guess = lo + step
+    if lo == 0:
+        value = required(1)
+        if value > target:
+            raise ValueError(
+                f"{type(module).__name__} does not fit in {format_bytes(target)} ({1 - margin:.0%} of {format_bytes(capacity)}) "
+                f"even at batch size 1: it needs {format_bytes(value)}; try mode='bf16' or 'checkpoint', a smaller model, or more memory"
+            )
+        lo = 1
+    growth = AffineGrowth.fit(points)
+    return BatchSizePrediction(lo, cache[lo].required_bytes if lo in cache else required(lo), capacity, margin, growth,
+                               list(points), mode_name, limited_by_max=lo >= max_val)
