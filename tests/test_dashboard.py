@@ -56,8 +56,9 @@ def test_layout_follows_prefix_and_switches():
     regexes = [r for rs in _regexes(layout).values() for r in rs]
     assert all(r.startswith("^mem\\.x/") for r in regexes)
     assert not any("CUDA" in title or "NVML" in title for title in _regexes(layout))
-    assert re.match(_regexes(layout)["layer trace: memory by category (MiB)"][0], "mem.x/trace/activations_MiB")
-    assert not re.match(_regexes(layout)["layer trace: memory by category (MiB)"][0], "memAx/trace/activations_MiB")
+    at_peak = _regexes(layout)["layer trace: categories at the traced step's peak (MiB)"][0]
+    assert re.match(at_peak, "mem.x/trace/peak/activations_MiB") and re.match(at_peak, "mem.x/trace/peak/optimizer_state_MiB")
+    assert not re.match(at_peak, "memAx/trace/peak/activations_MiB") and not re.match(at_peak, "mem.x/trace/end/activations_MiB")
 
 
 def _layout_events(log_dir):

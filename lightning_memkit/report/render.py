@@ -141,13 +141,25 @@ def _run_section(builder: _Builder, run: RunRecords) -> None:
 
 
 def _trace_section(builder: _Builder, trace: TraceFile) -> None:
-    builder.add(f"<h2>Layer trace <code>{html.escape(trace.name)}</code>, step {trace.step}</h2>")
-    rendered = _render_with_module("lightning_memkit.trace.report", "render_trace", trace.data)
-    if rendered is None:
-        builder.add("<p>this memkit has no layer-trace renderer; the raw keys are: "
+    rank = f", rank {trace.rank}" if trace.rank else ""
+    builder.add(f"<h2>Layer trace <code>{html.escape(trace.name)}</code>, step {trace.step}{rank}</h2>")
+    try:
+        from lightning_memkit.trace.records import LayerTraceResult
+    except ImportError:
+        builder.add("<p>this memkit has no layer-trace reader; the file's keys are: "
                     f"{html.escape(', '.join(sorted(trace.data)))}</p>")
         return
-    _add_rendered(builder, _slug(trace.name, f"trace_step{trace.step}"), rendered)
+    try:
+        result = LayerTraceResult.from_dict(trace.data)
+    except (ValueError, KeyError, TypeError) as error:
+        builder.add(f'<p class="problems">{html.escape(os.path.basename(trace.path))}: cannot read it ({html.escape(str(error))})</p>')
+        return
+    builder.add(f'<p class="meta">{html.escape(result.model)} on {html.escape(result.device)}, '
+                f"{len(result.events)} events, from {html.escape(os.path.basename(trace.path))}</p>")
+    builder.figure(_slug(trace.name, f"trace_step{trace.step}" + (f"_rank{trace.rank}" if trace.rank else "")),
+                   f"layer trace: {trace.name}, step {trace.step}", result.figure)
+    builder.add("<h3>Memory by category</h3>" + _pre(result.format_categories()))
+    builder.add("<h3>Module by module</h3>" + _pre(result.format_table()))
 
 
 def _compare_section(builder: _Builder, compare: CompareFile) -> None:

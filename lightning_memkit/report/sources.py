@@ -25,8 +25,8 @@ __all__ = [
 MEMORY_FORMAT = "lightning-memkit/memory"
 TRACE_FORMAT = "lightning-memkit/trace"
 COMPARE_FORMAT = "lightning-memkit/compare"
-#: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``.
-TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+)\.json$")
+#: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``, ``memkit_trace_step{N}_rank{r}.json``.
+TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+|x)(?:_rank(\d+))?\.json$")
 COMPARE_JSON = "compare.json"
 COMPARE_CSV = "compare.csv"
 _EVENTS_GLOB = "events.out.tfevents.*"
@@ -60,11 +60,15 @@ class RunRecords:
 
 @dataclass
 class TraceFile:
-    """A LayerTrace file ``memkit_trace_step{N}.json`` (``"format": "lightning-memkit/trace/1"``)."""
+    """A LayerTrace file ``memkit_trace_step{N}[_rank{r}].json`` (``"format": "lightning-memkit/trace/1"``).
+
+    ``data`` is the parsed JSON; ``step`` and ``rank`` come from the file name.
+    """
 
     name: str
     path: str
-    step: int
+    step: int | None
+    rank: int
     data: dict[str, Any]
 
 
@@ -187,8 +191,9 @@ def find_sources(logdir: str) -> ReportSources:
                     data = _read_json(path)
                     if _format_of(data) != TRACE_FORMAT:
                         raise ValueError(f"no \"format\": \"{TRACE_FORMAT}/1\" key")
-                    step = int(TRACE_PATTERN.match(name).group(1))
-                    sources.traces.append(TraceFile(run, path, step, data))
+                    match = TRACE_PATTERN.match(name)
+                    step = int(match.group(1)) if match.group(1).isdigit() else None
+                    sources.traces.append(TraceFile(run, path, step, int(match.group(2) or 0), data))
                 elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
                     sources.compares.append(_read_compare(run, directory, files))
                 elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
@@ -208,6 +213,7 @@ def find_sources(logdir: str) -> ReportSources:
         if run is not None:
             sources.runs.append(run)
     sources.runs.sort(key=lambda r: r.name)
+    sources.traces.sort(key=lambda t: (t.name, t.step if t.step is not None else -1, t.rank))
     _say_what_is_missing(sources, seen_examples)
     if sources.empty:
         found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, none of them memkit's"

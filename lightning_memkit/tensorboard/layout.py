@@ -14,7 +14,7 @@ from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS
 
 __all__ = ["TRACE_TAG_PART", "COMPARE_TAG_PART", "dashboard_layout"]
 
-#: the path part of LayerTrace's category scalars: ``memory/trace/<category>_MiB``.
+#: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 TRACE_TAG_PART = "trace"
 #: the path part under which ``memkit compare`` may log per-mode scalars: ``memory/compare/...``.
 COMPARE_TAG_PART = "compare"
@@ -39,7 +39,9 @@ _VALIDATION_CHARTS = [
     ("validation runs: peaks (MiB)", [r"{val}/peak_[a-z_]+_MiB$"]),
 ]
 _TRACE_CHARTS = [
-    ("layer trace: memory by category (MiB)", [r"{trace}/.*_MiB$"]),
+    ("layer trace: categories at the traced step's peak (MiB)", [r"{trace}/peak/[a-z_]+_MiB$"]),
+    ("layer trace: categories at the traced step's end (MiB)", [r"{trace}/end/[a-z_]+_MiB$"]),
+    ("layer trace: traced step's peak vs end (MiB)", [r"{trace}/(peak|end)_MiB$"]),
 ]
 _RANK_CHARTS = [
     ("per rank: step peak (MiB)", [r"{train}/rank[0-9]+/peak_(allocated|tensor)_MiB$"]),
@@ -77,7 +79,8 @@ def dashboard_layout(
         tensors: the exact tensor accountant's chart (live tensor bytes vs step peak).
         host: tensor bytes vs host RSS.
         validation: the per-validation-run peaks.
-        trace: LayerTrace's per-category scalars (``<prefix>/trace/...``).
+        trace: LayerTrace's category breakdown at the traced step's peak and end
+            (``<prefix>/trace/peak/<category>_MiB``, ``.../end/<category>_MiB``).
         ranks: per-rank charts (DDP with ``MemoryTracker(per_rank=True)``).
         compare: the ``memkit compare`` category (each mode is a run; the charts overlay them).
     """
