@@ -1,0 +1,69 @@
+"""Pins the private Lightning internals memkit reads (lightning_memkit/_lightning_compat.py).
+
+If a Lightning release moves one of them, these tests say which wrapper is wrong.
+"""
+
+from __future__ import annotations
+
+import types
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
+
+from conftest import LinearStack, make_trainer, read_scalars
+
+
+class _Recorder(pl.Callback):
+    def __init__(self):
+        self.train_steps, self.val_steps, self.ends = [], [], []
+        self._started_at = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.train_steps.append(logging_step(trainer))
+        self._started_at = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stepped = trainer.global_step > self._started_at  # the optimizer really stepped
+        self.ends.append((optimizer_steps_after_batch(trainer), stepped, logging_step(trainer)))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val_steps.append(logging_step(trainer))
+
+
+def test_logging_step_is_the_step_lightning_logs_self_log_at(tmp_path):
+    recorder = _Recorder()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, max_steps=6, logger=logger, callbacks=[recorder], val_check_interval=2,
+                           limit_val_batches=1, check_val_every_n_epoch=None)
+    trainer.fit(LinearStack(log_loss=True))
+    scalars = read_scalars(logger.log_dir)
+    assert recorder.train_steps == [s for s, _ in scalars["train_loss"]] == list(range(6))
+    assert recorder.val_steps == [s for s, _ in scalars["val_loss"]] == [1, 3, 5]
+    # the same step holds through the batch: on_train_batch_end still sees it
+    assert [step for _, _, step in recorder.ends] == list(range(6))
+
+
+def test_optimizer_steps_after_batch_matches_accumulation(tmp_path):
+    # 7 batches per epoch (56 samples / 8), accumulate 3: steps after batches 3, 6 and the
+    # epoch's last (7), which Lightning always steps on; then the next epoch starts afresh
+    recorder = _Recorder()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, max_steps=5, accumulate_grad_batches=3, logger=logger, callbacks=[recorder])
+    trainer.fit(LinearStack(samples=56, log_loss=True))
+    predicted = [p for p, _, _ in recorder.ends]
+    actual = [s for _, s, _ in recorder.ends]
+    assert predicted == actual
+    assert actual == [False, False, True, False, False, True, True, False, False, True, False, False, True]
+    # every micro-batch of one optimizer step shares its logging step, which is the step
+    # Lightning writes the (micro-batch) train_loss at
+    assert recorder.train_steps == [0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4]
+    assert sorted({s for s, _ in read_scalars(logger.log_dir)["train_loss"]}) == [0, 1, 2, 3, 4]
+
+
+def test_wrappers_fall_back_when_the_internals_are_missing():
+    trainer = types.SimpleNamespace(global_step=7)
+    assert logging_step(trainer) == 7
+    assert optimizer_steps_after_batch(trainer) is True

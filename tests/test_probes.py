@@ -1,0 +1,124 @@
+"""Memory probes: host RSS with a per-step peak, NVML/CUDA failing the way they fail here."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from lightning_memkit.probes import (
+    CudaAllocatorProbe, HostProbe, MemoryProbe, NvmlProbe, ProbeSet, ProbeUnavailable, TensorProbe, build_probes,
+)
+from lightning_memkit.probes import cuda as cuda_probe
+from lightning_memkit.probes import host as host_probe
+
+BIG = 256 * 2**20  # 256 MiB: far above RSS noise, returned to the OS on free (mmap'd)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM reset is Linux-only")
+def test_host_peak_rss_is_per_step_on_linux():
+    probe = HostProbe()
+    assert probe.peak_is_per_step
+    probe.reset_peak()
+    before = probe.read()
+    block = torch.ones(BIG // 4)  # touched, so resident
+    del block
+    during = probe.read()
+    assert during["host_peak_rss_bytes"] >= before["host_rss_bytes"] + BIG * 0.9
+    assert during["host_rss_bytes"] < during["host_peak_rss_bytes"] - BIG * 0.9  # freed again
+    probe.reset_peak()  # a new step: the big block is not in its peak
+    after = probe.read()
+    assert after["host_peak_rss_bytes"] < during["host_peak_rss_bytes"] - BIG * 0.9
+    assert after["host_peak_rss_bytes"] >= after["host_rss_bytes"]
+
+
+def test_host_peak_falls_back_to_lifetime_peak_when_reset_is_refused(monkeypatch):
+    # an OS (or sandbox) that refuses /proc/self/clear_refs: the peak becomes the lifetime peak
+    monkeypatch.setattr(host_probe, "_CLEAR_REFS", "/proc/nonexistent/clear_refs")
+    probe = HostProbe()
+    assert not probe.peak_is_per_step
+    values = probe.read()
+    assert values["host_peak_rss_bytes"] >= values["host_rss_bytes"] > 0
+
+
+def test_nvml_unavailable_here_raises_probe_unavailable_with_nvmls_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    pynvml = pytest.importorskip("pynvml")
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlInit()  # the real failure on this machine: no driver library
+    with pytest.raises(ProbeUnavailable, match=r"nvmlInit failed \(NVMLError_LibraryNotFound"):
+        NvmlProbe("cuda:0")
+    with pytest.raises(ProbeUnavailable, match="CUDA devices only"):
+        NvmlProbe("cpu")
+
+
+def test_cuda_probes_unavailable_here_warn_once_each_and_are_left_out():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ProbeUnavailable, match="CUDA is not available"):
+        CudaAllocatorProbe("cuda")
+    with pytest.warns(RuntimeWarning) as record:
+        probes = build_probes("cuda", tensor_accounting=False)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2
+    assert "CUDA is not available" in messages[0] and "nvmlInit failed" in messages[1]
+    assert [type(p) for p in probes.probes] == [HostProbe]
+
+
+def test_build_probes_for_cpu():
+    probes = build_probes("cpu", tensor_accounting=True)
+    assert [type(p) for p in probes.probes] == [HostProbe, TensorProbe]
+    assert probes.find(TensorProbe) is probes.probes[1]
+    assert [type(p) for p in build_probes("cpu", tensor_accounting=False, host=False).probes] == []
+
+
+def test_cuda_history_wrappers_pin_the_private_api():
+    # memkit reaches torch.cuda.memory's private history API only through these wrappers
+    assert callable(torch.cuda.memory._record_memory_history)
+    assert callable(torch.cuda.memory._dump_snapshot)
+    if not torch.cuda.is_available():
+        assert cuda_probe.start_memory_history(1000) is False
+        assert cuda_probe.dump_memory_snapshot("/tmp/memkit-none.pickle") is False
+        cuda_probe.stop_memory_history()  # never raises
+
+
+def test_tensor_probe_reads_the_accountant():
+    probe = TensorProbe()
+    weight = torch.empty(100)
+    probe.reset_peak()
+    probe.start([weight])
+    y = weight * 2
+    del y
+    probe.stop()
+    assert probe.read() == {"tensor_bytes": 400, "peak_tensor_bytes": 800}
+    probe.close()
+
+
+class _Counting(MemoryProbe):
+    name = "counting"
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset_peak(self):
+        self.resets += 1
+        if self.resets == 2:
+            raise ValueError("second reset fails")
+
+    def read(self):
+        return {"tensor_bytes": self.resets}
+
+
+def test_probe_set_drops_a_probe_whose_reset_fails(recwarn):
+    probe = _Counting()
+    probes = ProbeSet([probe])
+    probes.reset_peak()
+    assert probes.read() == {"tensor_bytes": 1}
+    probes.reset_peak()
+    probes.reset_peak()
+    assert probes.read() == {}
+    assert probe.resets == 2
+    assert len([w for w in recwarn.list if "counting" in str(w.message)]) == 1
+    assert "reset_peak failed: ValueError" in probes.disabled["counting"]
