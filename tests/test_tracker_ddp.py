@@ -1,0 +1,95 @@
+"""MemoryTracker under real DDP: 2 CPU processes (gloo), ranks using different memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_memkit.units import MiB
+
+from conftest import read_scalars
+
+EXTRA_ELEMENTS = 2**20  # rank r holds (r + 1) * 4 MiB more than the model needs in its forward
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+    sys.path.insert(0, {tests!r})
+    from conftest import LinearStack
+    from lightning_memkit import MemoryTracker
+
+    class RankDependent(LinearStack):
+        def training_step(self, batch, batch_idx):
+            # a rank-dependent tensor, live through the forward (where these steps peak)
+            extra = torch.ones((self.global_rank + 1) * {extra})
+            (x,) = batch
+            return self.net(x).pow(2).sum() + extra[0] * 0
+
+    out = sys.argv[1]
+    tracker = MemoryTracker(per_rank=True, verbose=False)
+    trainer = pl.Trainer(
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=3, logger=TensorBoardLogger(out, name="tb", version=0),
+        callbacks=[tracker], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+    )
+    trainer.fit(RankDependent(batch_size=8))
+    with open(os.path.join(out, f"rank{{trainer.global_rank}}.json"), "w") as file:
+        json.dump({{"history": [r.to_dict() for r in tracker.history], "world_size": trainer.world_size}}, file)
+    """
+)
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=str(tmp_path), env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and the rank it started
+        output, _ = process.communicate()
+        pytest.fail(f"DDP run did not finish in 180 s:\n{output[-4000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+
+    ranks = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as file:
+            ranks.append(json.load(file))
+    assert ranks[0]["world_size"] == 2
+    # both ranks hold the same reduced history: the max over ranks, rank=-1
+    assert ranks[0]["history"] == ranks[1]["history"]
+    history = ranks[0]["history"]
+    assert [r["step"] for r in history] == [0, 1, 2] and {r["rank"] for r in history} == {-1}
+
+    scalars = read_scalars(str(tmp_path / "tb" / "version_0"))
+    bytes_of = lambda tag: [round(v * MiB) for _, v in scalars[tag]]  # noqa: E731
+    maximum = bytes_of("memory/train/peak_tensor_MiB")
+    rank0 = bytes_of("memory/train/rank0/peak_tensor_MiB")
+    rank1 = bytes_of("memory/train/rank1/peak_tensor_MiB")
+    for tag in ("memory/train/peak_tensor_MiB", "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB",
+                "memory/train/rank0/host_rss_MiB", "memory/train/rank1/host_peak_rss_MiB"):
+        assert [s for s, _ in scalars[tag]] == [0, 1, 2], tag
+    # rank 1 holds exactly 4 MiB more at the same peak moment; the logged value is the max
+    assert [b - a for a, b in zip(rank0, rank1)] == [4 * EXTRA_ELEMENTS] * 3
+    assert maximum == [max(a, b) for a, b in zip(rank0, rank1)] == rank1
+    assert [r["peak_tensor_bytes"] for r in history] == maximum
+    host0 = bytes_of("memory/train/rank0/host_rss_MiB")
+    host1 = bytes_of("memory/train/rank1/host_rss_MiB")
+    assert bytes_of("memory/train/host_rss_MiB") == [max(a, b) for a, b in zip(host0, host1)]
