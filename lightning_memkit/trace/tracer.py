@@ -1,0 +1,518 @@
+"""The layer tracer: per-module memory events of one training step, on plain PyTorch.
+
+No Lightning here: :class:`LayerTracer` (or :func:`trace_step`) wraps any forward/backward/
+optimizer step; the LayerTrace callback is a few lines of wiring on top.
+
+How it works, and why:
+
+* Exact bytes come from a :class:`TensorAccountant` created for the step; parameters, buffers,
+  gradients, optimizer state and the input batch are adopted with their roles
+  (:class:`CategoryAttributor`), so the category breakdown at the peak and at the end is exact.
+* Forward events come from ``register_forward_pre_hook`` / ``register_forward_hook`` (with
+  ``always_call`` so a forward that raises, e.g. checkpoint's early stop, still closes).
+* Backward events are *graph based*: ``register_multi_grad_hook`` on a call's outputs
+  ("pre-backward": the first output gradient is ready) and inputs ("backward": every input
+  gradient is ready). Module "full" backward hooks wrap outputs in a custom Function whose
+  outputs may not be modified in place, which breaks ``ReLU(inplace=True)``; gradient hooks
+  on tensors do not. A call none of whose inputs needs a gradient (the first layer) gets its
+  backward event when backward ends, innermost first.
+* Saved-for-backward bytes come from ``saved_tensors_hooks``: each call is credited with the
+  storages it was the first to save. Checkpointing's own hooks take over inside a checkpointed
+  block, so only the block's boundary tensors show as saved, and the block's forward events
+  reappear during backward with ``recompute=True``.
+* Everything (hooks, the dispatch mode, the saved-tensor hooks) is removed when the step ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import warnings
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
+from lightning_memkit.accounting.categories import AUTOCAST_COPY_LABEL, CategoryAttributor, CategoryBreakdown, cuda_memory_extras
+from lightning_memkit.trace._torch_compat import in_backward, queue_backward_end_callback
+from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
+
+__all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
+
+#: The accountant labels the tracer gives allocations (the phase they happened in).
+PHASE_LABELS = ("forward", "backward", "recompute", "optimizer", AUTOCAST_COPY_LABEL)
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class _ModuleInfo:
+    __slots__ = ("name", "cls", "depth", "module")
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.cls = type(module).__name__
+        self.depth = 0 if not name else name.count(".") + 1
+        self.module = module
+
+
+class _Call:
+    """One call of a module: the open forward frame, then its backward bookkeeping."""
+
+    __slots__ = ("info", "call", "recompute", "order", "saved_bytes", "needs_input_grads", "pre_backward_seen", "backward_seen")
+
+    def __init__(self, info: _ModuleInfo, call: int, recompute: bool, order: int) -> None:
+        self.info = info
+        self.call = call
+        self.recompute = recompute
+        self.order = order
+        self.saved_bytes = 0
+        self.needs_input_grads = False
+        self.pre_backward_seen = False
+        self.backward_seen = False
+
+
+class _TracingAccountant(TensorAccountant):
+    """The accountant, labelling each allocation with the phase it happened in."""
+
+    def __init__(self, tracer: "LayerTracer") -> None:
+        super().__init__()
+        self._tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        try:
+            self.set_label(self._tracer._label_for(func, args, kwargs))
+        except BaseException as error:  # never raise inside dispatch
+            self._record_error(f"labelling {func}: {type(error).__name__}: {error}")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+def _shapes(tensors: Sequence[torch.Tensor | None]) -> tuple[list[list[int]], list[str]]:
+    present = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return [list(t.shape) for t in present], [str(t.dtype).replace("torch.", "") for t in present]
+
+
+class LayerTracer:
+    """Record a memory event per module per phase for one training step, with exact bytes.
+
+    Plain PyTorch::
+
+        tracer = LayerTracer(model, [optimizer])
+        with tracer:
+            loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        print(tracer.result.format_table())
+        tracer.result.to_json("trace.json")
+
+    Args:
+        model: the root module; every submodule (filtered by ``max_depth``/``modules``) is traced.
+        optimizers: the step's optimizers, so their state is counted as optimizer state.
+        max_depth: trace modules at most this deep (root 0, its children 1, ...); ``None``: all.
+            Deeper modules' bytes show in their parent's events.
+        modules: only trace modules whose qualified name matches one of these ``fnmatch`` patterns
+            (``"features.*"``; ``""`` is the root) or that are instances of one of these classes.
+        step: the training step number written into the result.
+        rank: the process's global rank written into the result.
+
+    After the ``with`` block (or :meth:`stop`), :attr:`result` holds the
+    :class:`~lightning_memkit.trace.records.LayerTraceResult`. A tracer traces one step; make a
+    new one (cheap) for the next. Failures inside hooks never interrupt the step: they are kept
+    in ``result.errors`` and warned about once.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Iterable[Any] | Any = (),
+        *,
+        max_depth: int | None = None,
+        modules: Iterable[str | type] | str | type | None = None,
+        step: int | None = None,
+        rank: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"LayerTracer traces an nn.Module, not {type(model).__name__}; pass your model (the LightningModule itself is fine)")
+        if max_depth is not None and (not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0):
+            raise ValueError(f"max_depth={max_depth!r}: give None (every module) or an integer >= 0 (0 = the root only)")
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.model = model
+        self.optimizers = list(optimizers)
+        self.max_depth = max_depth
+        self.step = step
+        self.rank = rank
+        self._infos = self._select_modules(model, max_depth, modules)
+        self.result: LayerTraceResult | None = None
+        self._active = False
+        self._stack_exit: contextlib.ExitStack | None = None
+
+    # ------------------------------------------------------------------ selection
+    @staticmethod
+    def _select_modules(model: nn.Module, max_depth: int | None, modules: Any) -> dict[nn.Module, _ModuleInfo]:
+        patterns: list[str] = []
+        classes: list[type] = []
+        if modules is not None:
+            for item in [modules] if isinstance(modules, (str, type)) else list(modules):
+                if isinstance(item, str):
+                    patterns.append(item)
+                elif isinstance(item, type) and issubclass(item, nn.Module):
+                    classes.append(item)
+                else:
+                    raise TypeError(f"modules=: give qualified-name patterns (e.g. 'features.*') or nn.Module classes, not {item!r}")
+        infos: dict[nn.Module, _ModuleInfo] = {}
+        for name, module in model.named_modules():
+            info = _ModuleInfo(name, module)
+            if max_depth is not None and info.depth > max_depth:
+                continue
+            if modules is not None and not (
+                any(fnmatch.fnmatchcase(name, p) for p in patterns) or isinstance(module, tuple(classes))
+            ):
+                continue
+            infos[module] = info
+        if not infos:
+            names = [n or "(root)" for n, _ in model.named_modules()][:12]
+            raise ValueError(f"modules={modules!r} with max_depth={max_depth!r} selects no module of {type(model).__name__}; its modules include: {', '.join(names)}")
+        return infos
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "LayerTracer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def start(self, inputs: Any = None) -> None:
+        """Adopt the training state (and ``inputs``, the batch, if given), install hooks and modes."""
+        if self._active:
+            raise RuntimeError("this LayerTracer is already tracing a step; call stop() first")
+        if self.result is not None:
+            raise RuntimeError("a LayerTracer traces one step; create a new LayerTracer for the next step")
+        self.accountant = _TracingAccountant(self)
+        self.attributor = CategoryAttributor(self.accountant)
+        self.events: list[TraceEvent] = []
+        self.errors: list[str] = []
+        self._handles: list[Any] = []
+        self._calls: dict[nn.Module, int] = {}
+        self._recompute_calls: dict[nn.Module, int] = {}
+        self._stack: list[_Call] = []
+        self._order = 0
+        self._recompute_depth = 0
+        self._host_phase = "forward"
+        self._forward_seen = False
+        self._end_callback_queued = False
+        self._pending_backward: list[_Call] = []
+        self._last_live = 0
+        self._warned = False
+        self._device = self._model_device()
+        self.attributor.assign_module(self.model)
+        self.attributor.assign_optimizers(self.optimizers)
+        if inputs is not None:
+            self.attributor.assign(inputs, "inputs")
+        self._parameter_keys = {self.accountant.storage_key(p) for p in self.model.parameters()}
+        self.attributor.add_save_listener(self._on_save)
+        self.accountant.reset_peak()
+        self._peak_records: list[StorageRecord] = self.accountant.live_records()
+        self._peak_tick = self.attributor.tick
+        self.accountant.add_peak_listener(self._on_peak)
+        if self._device.type == "cuda":
+            try:
+                torch.cuda.reset_peak_memory_stats(self._device)
+            except RuntimeError:
+                pass
+        self._install_hooks()
+        self._last_live = self.accountant.current_bytes
+        self._start_bytes = self.accountant.current_bytes
+        self._marker("step-start")
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(self.attributor.watch_saved_tensors())
+            stack.enter_context(self.accountant)
+        except BaseException:
+            stack.close()
+            self._remove_hooks()
+            raise
+        self._stack_exit = stack
+        self._active = True
+
+    def stop(self) -> LayerTraceResult:
+        """Remove every hook and mode and build :attr:`result` (idempotent)."""
+        if not self._active:
+            if self.result is None:
+                raise RuntimeError("LayerTracer.stop() called before start()")
+            return self.result
+        self._active = False
+        try:
+            self._marker("step-end")
+        finally:
+            if self._stack_exit is not None:
+                self._stack_exit.close()
+                self._stack_exit = None
+            self._remove_hooks()
+        # roles made during the step: gradients set to None and back, lazily created optimizer state
+        self.attributor.assign_module(self.model)
+        self.attributor.assign_optimizers(self.optimizers)
+        self.result = self._build_result()
+        return self.result
+
+    def _model_device(self) -> torch.device:
+        for tensor in self.model.parameters():
+            return tensor.device
+        for tensor in self.model.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    def _install_hooks(self) -> None:
+        for module in self._infos:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._forward, with_kwargs=True, always_call=True))
+        seen: set[int] = set()
+        for parameter in self.model.parameters():
+            if parameter.requires_grad and id(parameter) not in seen:
+                seen.add(id(parameter))
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._grad_accumulated))
+        for optimizer in self.optimizers:
+            if hasattr(optimizer, "register_step_post_hook"):
+                self._handles.append(optimizer.register_step_post_hook(self._optimizer_stepped))
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ failure handling
+    def _error(self, where: str, error: BaseException) -> None:
+        message = f"{where}: {type(error).__name__}: {error}"
+        if message not in self.errors and len(self.errors) < 20:
+            self.errors.append(message)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"memkit LayerTracer: {message}; the step continues, this trace may be incomplete", RuntimeWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ labels and peaks
+    def _label_for(self, func, args, kwargs) -> str:
+        if func is _TO_COPY and args:
+            source = args[0]
+            dtype = (kwargs or {}).get("dtype")
+            if (
+                isinstance(source, torch.Tensor) and dtype is not None and dtype != source.dtype
+                and self.accountant.storage_key(source) in self._parameter_keys
+            ):
+                return AUTOCAST_COPY_LABEL
+        if in_backward():
+            return "recompute" if self._recompute_depth else "backward"
+        return self._host_phase
+
+    def _on_peak(self, peak_bytes: int) -> None:
+        self._peak_records = self.accountant.live_records()
+        self._peak_tick = self.attributor.tick
+
+    def _on_save(self, record: StorageRecord, first_time: bool) -> None:
+        if first_time and self._stack and record.label != AUTOCAST_COPY_LABEL:
+            self._stack[-1].saved_bytes += record.nbytes
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, phase: str, info: _ModuleInfo | None, call: int = 0, recompute: bool = False,
+              tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0) -> None:
+        live = self.accountant.current_bytes
+        shapes, dtypes = _shapes(tensors)
+        self.events.append(TraceEvent(
+            index=len(self.events), phase=phase,
+            module=info.name if info else "", module_class=info.cls if info else "",
+            depth=info.depth if info else 0, call=call, recompute=recompute,
+            live_bytes=live, delta_bytes=live - self._last_live, peak_bytes=self.accountant.peak_bytes,
+            saved_bytes=saved_bytes, shapes=shapes, dtypes=dtypes,
+        ))
+        self._last_live = live
+
+    def _marker(self, phase: str) -> None:
+        self._emit(phase, None)
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        try:
+            info = self._infos[module]
+            recompute = in_backward()
+            tensors = _tensors((args, kwargs))
+            if recompute:
+                counts = self._recompute_calls
+            else:
+                counts = self._calls
+                self._host_phase = "forward"
+                untracked = [t for t in tensors if not self.accountant.is_tracked(t)]
+                if untracked:  # tensors from before the step: the batch, or other state
+                    self.attributor.assign(untracked, "other" if self._forward_seen else "inputs")
+                self._forward_seen = True
+            call = counts.get(module, 0)
+            counts[module] = call + 1
+            self._emit("pre-forward", info, call, recompute, tensors)
+            frame = _Call(info, call, recompute, self._order)
+            self._order += 1
+            self._stack.append(frame)
+            if recompute:
+                self._recompute_depth += 1
+            elif torch.is_grad_enabled():
+                needs_grad = [t for t in tensors if t.requires_grad]
+                if needs_grad:
+                    frame.needs_input_grads = True
+                    self._handles.append(register_multi_grad_hook(needs_grad, lambda grads, f=frame: self._backward(f, grads), mode="all"))
+        except Exception as error:
+            self._error(f"pre-forward hook of {type(module).__name__}", error)
+
+    def _forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._active:
+            return
+        try:
+            frame = None
+            while self._stack:
+                candidate = self._stack.pop()
+                if candidate.recompute:
+                    self._recompute_depth -= 1
+                if candidate.info.module is module:
+                    frame = candidate
+                    break
+            if frame is None:
+                return
+            outputs = _tensors(output)
+            self._emit("forward", frame.info, frame.call, frame.recompute, outputs, frame.saved_bytes)
+            if self._stack:
+                self._stack[-1].saved_bytes += frame.saved_bytes
+            if not frame.recompute and torch.is_grad_enabled():
+                needs_grad = [t for t in outputs if t.requires_grad]
+                if needs_grad:
+                    self._handles.append(register_multi_grad_hook(needs_grad, lambda grad, f=frame: self._pre_backward(f, grad), mode="any"))
+        except Exception as error:
+            self._error(f"forward hook of {type(module).__name__}", error)
+
+    def _pre_backward(self, frame: _Call, grad: torch.Tensor | None) -> None:
+        if not self._active:
+            return
+        try:
+            self._ensure_backward_end_callback()
+            if frame.pre_backward_seen:
+                return
+            frame.pre_backward_seen = True
+            self._emit("pre-backward", frame.info, frame.call, False, [grad])
+            if not frame.needs_input_grads:
+                self._pending_backward.append(frame)
+        except Exception as error:
+            self._error("pre-backward hook", error)
+
+    def _backward(self, frame: _Call, grads: Sequence[torch.Tensor | None]) -> None:
+        if not self._active:
+            return
+        try:
+            self._ensure_backward_end_callback()
+            if frame.backward_seen:
+                return
+            frame.backward_seen = True
+            self._emit("backward", frame.info, frame.call, False, list(grads))
+        except Exception as error:
+            self._error("backward hook", error)
+
+    def _grad_accumulated(self, parameter: torch.Tensor) -> None:
+        if not self._active:
+            return
+        try:
+            self._ensure_backward_end_callback()
+            if parameter.grad is not None:
+                self.attributor.assign([parameter.grad], "gradients")
+        except Exception as error:
+            self._error("gradient hook", error)
+
+    def _ensure_backward_end_callback(self) -> None:
+        if not self._end_callback_queued:
+            self._end_callback_queued = True
+            queue_backward_end_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._end_callback_queued = False
+        if not self._active:
+            return
+        try:
+            # calls whose inputs need no gradient finish when backward does, innermost first
+            for frame in sorted(self._pending_backward, key=lambda f: -f.order):
+                if not frame.backward_seen:
+                    frame.backward_seen = True
+                    self._emit("backward", frame.info, frame.call, False, ())
+            self._pending_backward.clear()
+            self._marker("backward-end")
+            self._host_phase = "optimizer"
+        except Exception as error:
+            self._error("end of backward", error)
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        try:
+            self.attributor.assign_optimizers([optimizer])
+            self._marker("optimizer-step")
+        except Exception as error:
+            self._error("optimizer step hook", error)
+
+    # ------------------------------------------------------------------ result
+    def _build_result(self) -> LayerTraceResult:
+        at_peak: CategoryBreakdown = self.attributor.breakdown_of(self._peak_records, self._peak_tick)
+        at_end: CategoryBreakdown = self.attributor.breakdown()
+        if self._device.type == "cuda":
+            end_extras = cuda_memory_extras(self._device)
+            peak_extras = cuda_memory_extras(self._device, peak=True)
+            peak_extras["nvml_unseen_bytes"] = end_extras["nvml_unseen_bytes"]  # NVML has no peak; the unseen part barely moves
+            for breakdown, extras in ((at_peak, peak_extras), (at_end, end_extras)):
+                for key, value in extras.items():
+                    setattr(breakdown, key, value)
+        peak = self.accountant.peak_bytes
+        peak_index = next((e.index for e in self.events if e.peak_bytes >= peak), None)
+        seen: set[int] = set()
+        parameter_count = 0
+        for parameter in self.model.parameters():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                parameter_count += parameter.numel()
+        errors = list(self.errors) + [f"accountant: {e}" for e in self.accountant.errors]
+        return LayerTraceResult(
+            step=self.step, rank=self.rank, device=str(self._device), model=type(self.model).__name__,
+            parameter_count=parameter_count, events=list(self.events), start_bytes=self._start_bytes,
+            end_bytes=self.accountant.current_bytes, peak_bytes=peak, peak_event_index=peak_index,
+            at_peak=at_peak, at_end=at_end, errors=errors,
+        )
+
+
+@contextlib.contextmanager
+def trace_step(
+    model: nn.Module,
+    optimizers: Iterable[Any] | Any = (),
+    inputs: Any = None,
+    *,
+    max_depth: int | None = None,
+    modules: Iterable[str | type] | str | type | None = None,
+    step: int | None = None,
+    rank: int = 0,
+) -> Iterator[LayerTracer]:
+    """Trace the training step run inside the ``with`` block; the result is ``tracer.result``.
+
+    ::
+
+        with trace_step(model, optimizer, inputs=(x, y)) as tracer:
+            loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        print(tracer.result.format_table())
+
+    ``inputs`` (the batch, any nesting) is counted as the ``inputs`` category; without it, the
+    tensors passed to the first traced module that existed before the step are. The other
+    arguments are :class:`LayerTracer`'s.
+    """
+    tracer = LayerTracer(model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank)
+    tracer.start(inputs)
+    try:
+        yield tracer
+    finally:
+        tracer.stop()
