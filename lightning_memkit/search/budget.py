@@ -1,0 +1,102 @@
+"""A byte budget on live tensors that fails like an out-of-memory error: the batch-size search, testable on CPU.
+
+The tensor accountant counts every storage; when an op leaves more than the budget alive, the op's
+result is dropped and :class:`BudgetExceededError` (a ``torch.OutOfMemoryError``) is raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.units import format_bytes
+
+__all__ = ["BudgetExceededError", "MemoryBudget"]
+
+
+class BudgetExceededError(torch.OutOfMemoryError):
+    """Live tensor bytes crossed a :class:`MemoryBudget`: an out-of-memory error, on any device.
+
+    Attributes:
+        requested_bytes: live tensor bytes after the op that crossed the budget.
+        budget_bytes: the budget.
+    """
+
+    def __init__(self, requested_bytes: int, budget_bytes: int) -> None:
+        super().__init__(
+            f"memkit budget: out of memory: {format_bytes(requested_bytes)} of live tensors would exceed "
+            f"the budget of {format_bytes(budget_bytes)} ({requested_bytes} > {budget_bytes} bytes)"
+        )
+        self.requested_bytes = requested_bytes
+        self.budget_bytes = budget_bytes
+
+
+class _Guard(TorchDispatchMode):
+    def __init__(self, budget: "MemoryBudget") -> None:
+        super().__init__()
+        self.budget = budget
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        result = func(*args, **(kwargs or {}))
+        accountant = self.budget.accountant
+        # Views allocate nothing; raising while a view is being set up can abort the interpreter.
+        if accountant.current_bytes > self.budget.budget_bytes and not func.is_view:
+            requested = accountant.current_bytes
+            del result
+            self.budget.exceeded += 1
+            raise BudgetExceededError(requested, self.budget.budget_bytes)
+        return result
+
+
+class MemoryBudget:
+    """Fail any op that leaves more than ``budget_bytes`` of tensors alive, like a device running out.
+
+    Counts what the accountant counts: tensors allocated while the budget is active, plus those
+    :meth:`adopt`-ed (parameters, optimizer state). Works on every device, fake tensors included.
+
+    Usage::
+
+        budget = MemoryBudget(256 * 2**20)
+        budget.adopt(model.parameters())
+        with budget:
+            train_step()                    # raises BudgetExceededError past 256 MiB
+        budget.accountant.peak_bytes        # the peak reached (bytes)
+
+    Attributes:
+        accountant: the :class:`~lightning_memkit.TensorAccountant` that counts.
+        exceeded: how many times the budget was crossed.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, not {budget_bytes!r}; e.g. budget=256 * 2**20")
+        self.budget_bytes = budget_bytes
+        self.accountant = TensorAccountant()
+        self.exceeded = 0
+        self._guard = _Guard(self)
+        self._depth = 0
+
+    def adopt(self, tensors: Iterable[Any], label: str = "adopted") -> int:
+        """Count tensors that already exist (idempotent); returns the bytes newly counted."""
+        return self.accountant.adopt(tensors, label)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of counted tensors alive now."""
+        return self.accountant.current_bytes
+
+    def __enter__(self) -> "MemoryBudget":
+        if self._depth == 0:
+            self.accountant.__enter__()
+            self._guard.__enter__()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._guard.__exit__(None, None, None)
+            self.accountant.__exit__(None, None, None)

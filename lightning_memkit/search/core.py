@@ -1,0 +1,225 @@
+"""The batch-size search: jump near the answer with a prediction, confirm with real trials, bisect only
+between a size that ran and one that ran out of memory. No Lightning here: a trial is any callable.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from lightning_memkit.estimate.predict import AffineGrowth
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
+
+__all__ = ["Trial", "SearchResult", "BatchSizeSearch", "SearchError"]
+
+
+class SearchError(RuntimeError):
+    """The search found no batch size that runs; the message says what to do."""
+
+
+@dataclass
+class Trial:
+    """One real trial (sizes in bytes, time in seconds).
+
+    Attributes:
+        batch_size: the size tried.
+        fits: ``True`` when every step of the trial ran (on every rank, under DDP).
+        peak_bytes: the trial's peak (accountant bytes under a budget, ``max_memory_reserved`` on
+            CUDA; the maximum over ranks), ``None`` when unknown.
+        seconds: wall time of the trial.
+        error: the out-of-memory message of a failed trial.
+    """
+
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class SearchResult:
+    """What the search found.
+
+    Attributes:
+        batch_size: the largest size that ran (always one of the trials that fit).
+        trials: every trial, in order.
+        predicted: the estimate's prediction the search started from (``None`` without one).
+        capacity_bytes: the memory the search fitted into (``None`` when unknown).
+        smallest_failure: the smallest size that ran out of memory (``None`` if none did).
+        reason: why the search stopped (``"converged"``, ``"max_val"``, ``"max_trials"``, ``"dataset"``).
+        estimate_seconds: time spent estimating before the first trial.
+        seconds: total wall time, estimate included.
+    """
+
+    batch_size: int
+    trials: list[Trial] = field(default_factory=list)
+    predicted: int | None = None
+    capacity_bytes: int | None = None
+    smallest_failure: int | None = None
+    reason: str = ""
+    estimate_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def trial_count(self) -> int:
+        """How many real trials ran."""
+        return len(self.trials)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """The trials as a plain-text table."""
+        rows = [(i + 1, t.batch_size, "fits" if t.fits else "out of memory", format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, t in enumerate(self.trials)]
+        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; predicted {self.predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
+        return head + "\n" + format_table(("trial", "batch", "outcome", "peak", "time"), rows)
+
+
+class BatchSizeSearch:
+    """Find the largest batch size that runs, in as few real trials as a prediction allows.
+
+    The search keeps the largest size that ran (``lo``) and the smallest that ran out of memory
+    (``hi``) and stops when ``lo >= (1 - margin) * hi`` (or ``hi == lo + 1``), or at ``max_val``.
+    The next size comes from an affine memory model ``fixed + per_sample * batch``: the
+    estimate's slope, re-anchored on the measured peaks of the trials that ran (two or more such
+    trials give a fit of their own). Without a model it doubles, then bisects.
+
+    Args:
+        run_trial: ``batch_size -> Trial``; it must catch out-of-memory and return ``fits=False``.
+        capacity_bytes: the memory the peaks are compared with (needed to use a model).
+        growth: the estimate's :class:`~lightning_memkit.estimate.predict.AffineGrowth`, if any.
+        predicted: the estimate's predicted largest size (the first trial, a little below it).
+        init_val: the first size tried (overrides ``predicted`` for the first trial).
+        max_val: the largest size ever tried.
+        margin: the bracket tolerance: the answer is within ``margin`` of a size that failed.
+        max_trials: at most this many trials.
+        on_trial: called with each :class:`Trial` as it ends (progress display).
+    """
+
+    def __init__(self, run_trial: Callable[[int], Trial], *, capacity_bytes: int | None = None, growth: AffineGrowth | None = None,
+                 predicted: int | None = None, init_val: int | None = None, max_val: int = 8192, margin: float = 0.05,
+                 max_trials: int = 25, on_trial: Callable[[Trial], None] | None = None) -> None:
+        if not 0 < margin < 1:
+            raise ValueError(f"margin={margin!r}: give a fraction in (0, 1), e.g. 0.05")
+        for name, value in (("max_val", max_val), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: give a positive integer")
+        if init_val is not None and init_val > max_val:
+            raise ValueError(f"init_val={init_val} is larger than max_val={max_val}; give init_val <= max_val")
+        self.run_trial = run_trial
+        self.capacity_bytes = capacity_bytes
+        self.growth = growth
+        self.predicted = predicted
+        self.init_val = init_val
+        self.max_val = max_val
+        self.margin = margin
+        self.max_trials = max_trials
+        self.on_trial = on_trial
+        self.trials: list[Trial] = []
+
+    # ------------------------------------------------------------------ the model
+    def _model(self) -> AffineGrowth | None:
+        measured = [(t.batch_size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes]
+        if len({b for b, _ in measured}) >= 2:
+            return AffineGrowth.fit(measured[-2:] if len(measured) > 2 else measured)
+        if measured and self.growth is not None:
+            size, peak = measured[-1]
+            return AffineGrowth(peak - self.growth.per_sample_bytes * size, self.growth.per_sample_bytes)
+        if self.growth is not None:
+            return self.growth
+        if measured:  # peak/size overstates the slope, so this is on the safe side
+            size, peak = measured[-1]
+            return AffineGrowth(0.0, peak / size)
+        return None
+
+    def _target(self) -> int | None:
+        model = self._model()
+        if model is None or self.capacity_bytes is None:
+            return None
+        return model.largest_fitting(self.capacity_bytes)
+
+    def _aim(self, size: float) -> int:
+        """A little below a predicted maximum, so the trial is likely to fit."""
+        return max(1, math.floor(size * (1 - self.margin / 4)))
+
+    def _next(self, lo: int, hi: int | None) -> int:
+        target = self._target()
+        failures_in_a_row = 0
+        for trial in reversed(self.trials):
+            if trial.fits:
+                break
+            failures_in_a_row += 1
+        if hi is None:
+            if target is None:
+                candidate = lo * 2
+            elif target * (1 - self.margin / 2) <= lo:
+                candidate = math.floor(lo / (1 - self.margin))  # if this fails, the bracket is closed
+            else:
+                candidate = self._aim(target)
+        elif lo == 0:
+            if target is not None and target < hi and failures_in_a_row < 2:
+                candidate = self._aim(target)
+            elif failures_in_a_row < 2:
+                candidate = math.floor(hi * (1 - self.margin))
+            else:
+                candidate = hi // 2
+        else:
+            closing = min(hi - 1, math.floor(lo / (1 - self.margin)))
+            if target is not None and lo < self._aim(target) < hi:
+                candidate = self._aim(target)
+                if candidate <= lo:
+                    candidate = closing
+            elif target is not None and target <= lo:
+                candidate = closing
+            else:
+                candidate = (lo + hi) // 2
+        upper = self.max_val if hi is None else min(hi - 1, self.max_val)
+        return max(lo + 1, min(candidate, upper))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> SearchResult:
+        """Run trials until the bracket closes; returns the largest size that ran.
+
+        Raises:
+            SearchError: when even batch size 1 runs out of memory, or no trial fit within ``max_trials``.
+        """
+        started = time.perf_counter()
+        lo, hi = 0, None
+        if self.init_val is not None:
+            size = self.init_val
+        elif self.predicted is not None:
+            size = self._aim(self.predicted) if self.predicted > 1 else 1
+        else:
+            size = 2
+        size = max(1, min(size, self.max_val))
+        reason = "max_trials"
+        for _ in range(self.max_trials):
+            trial = self.run_trial(size)
+            self.trials.append(trial)
+            if self.on_trial is not None:
+                self.on_trial(trial)
+            if trial.fits:
+                lo = max(lo, size)
+            else:
+                hi = size if hi is None else min(hi, size)
+            if lo >= self.max_val:
+                reason = "max_val"
+                break
+            if hi == 1:
+                break
+            if lo and hi is not None and (hi - lo <= 1 or lo >= (1 - self.margin) * hi):
+                reason = "converged"
+                break
+            size = self._next(lo, hi)
+        if lo == 0:
+            detail = f" (a budget of {format_bytes(self.capacity_bytes)})" if self.capacity_bytes else ""
+            raise SearchError(
+                f"no batch size ran: the smallest tried, {min(t.batch_size for t in self.trials)}, ran out of memory{detail}. "
+                "The model itself may not fit: try a memory-saving mode (bf16, checkpoint), a smaller model, or more memory"
+            )
+        return SearchResult(lo, list(self.trials), self.predicted, self.capacity_bytes, hi, reason, 0.0, time.perf_counter() - started)
