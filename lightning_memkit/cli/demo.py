@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
-        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker], logger=loggers,
+        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker], logger=loggers, log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
     trainer.fit(model)
