@@ -137,7 +137,7 @@ class ActivationCheckpointing(Callback):
     def _agree_across_ranks(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Each rank measured its own batch; all ranks take rank 0's choice so every replica does the same work.
         names = trainer.strategy.broadcast(sorted(self._handle.plan.names), src=0)
-        if sorted(self._handle.plan.names) != names:
+        if sorted(self._handle.plan.names) != names and not any("[" in n for n in names):
             plan = self._handle.plan
             self._handle.remove()
             chosen = set(names)

@@ -15,6 +15,8 @@ __all__ = ["main"]
 VERBS = {
     "demo": "demo",
     "report": "report",
+    "compare": "compare",
+    "trace": "trace",
 }
 
 

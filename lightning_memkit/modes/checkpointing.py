@@ -679,10 +679,17 @@ def _budget_candidates(module: nn.Module) -> list[_Region]:
     runs = find_repeated_blocks(module)
     if runs:
         return [_Region(name, [module.get_submodule(name)], [name]) for run in runs for name in run.names]
-    # No repeated blocks: the top-level layers (containers opened one level) are the candidates.
+    # No repeated blocks: the top-level layers are the candidates; a plain nn.Sequential is cut into
+    # about sqrt(n) contiguous segments (one layer alone rarely frees anything: its neighbours keep
+    # the same tensors), a ModuleList/ModuleDict is opened one level.
     regions = []
     for name, child in module.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if isinstance(child, nn.Sequential) and type(child).forward is nn.Sequential.forward and len(child) > 1:
+            children = list(child.named_children())
+            for start, end in _sqrt_ranges(list(range(len(children)))):
+                names = [_join(name, children[i][0]) for i in range(start, end)]
+                regions.append(_Region(f"{name}[{start}:{end}]", [children[i][1] for i in range(start, end)], names, child, (start, end)))
+        elif isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             for sub, grandchild in child.named_children():
                 regions.append(_Region(_join(name, sub), [grandchild], [_join(name, sub)]))
         else:
