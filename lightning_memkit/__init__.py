@@ -5,11 +5,13 @@ The public API is what this module exports; everything else may change.
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -21,6 +23,11 @@ __all__ = [
     "CheckpointBudget",
     "ActivationCheckpointing",
     "MemoryTracker",
+    "LayerTrace",
+    "LayerTracer",
+    "trace_step",
+    "TraceEvent",
+    "LayerTraceResult",
     "MemoryMeter",
     "TensorAccountant",
     "StepReading",

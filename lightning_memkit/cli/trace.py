@@ -1,0 +1,112 @@
+"""``memkit trace FILE.py:ModuleClass --batch-size N``: print a LightningModule's layer trace.
+
+Runs a short real ``Trainer.fit`` with :class:`~lightning_memkit.LayerTrace` on the chosen step
+and prints the module table and the category split; no code from the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import tempfile
+from typing import Any
+
+from lightning_memkit.cli.common import CliError, load_object
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "trace", help="print the per-module memory table of one training step of a LightningModule",
+        description="Train a LightningModule for a few steps with LayerTrace and print the memory of each module "
+                    "at pre-forward, forward, pre-backward and backward, and the bytes per category "
+                    "(parameters, gradients, optimizer state, activations, ...). MiB = 2**20 bytes.")
+    parser.add_argument("module", metavar="FILE.py:ModuleClass", help="the LightningModule class (it must define train_dataloader, or give --datamodule)")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size, passed as batch_size= or set as the batch_size attribute")
+    parser.add_argument("--datamodule", metavar="FILE.py:DataModuleClass", default=None, help="a LightningDataModule class to take the data from")
+    parser.add_argument("--step", type=int, default=1, help="which training step to trace (default: 1, after Adam's state exists)")
+    parser.add_argument("--max-depth", type=int, default=None, help="trace modules at most this deep (root = 0; default: all)")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default: cpu, exact bytes)")
+    parser.add_argument("--precision", default=None, help="Lightning precision, e.g. bf16-mixed (default: the Trainer's)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the raw trace as JSON")
+    parser.add_argument("--csv", metavar="PATH", default=None, help="also write the raw events as CSV")
+    parser.add_argument("--figure", metavar="PATH.png", default=None, help="also save the live-memory figure")
+    parser.set_defaults(run=run)
+
+
+def _instantiate(cls: Any, batch_size: int | None, what: str) -> Any:
+    if not isinstance(cls, type):
+        raise CliError(f"{what} {cls!r} is not a class; give FILE.py:ClassName")
+    try:
+        accepts = "batch_size" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    try:
+        instance = cls(batch_size=batch_size) if accepts and batch_size is not None else cls()
+    except TypeError as error:
+        raise CliError(f"cannot create {cls.__name__}() without arguments ({error}); give its arguments defaults") from error
+    if batch_size is not None and not accepts:
+        if not hasattr(instance, "batch_size"):
+            raise CliError(f"{cls.__name__} has no batch_size argument or attribute; drop --batch-size or add one")
+        instance.batch_size = batch_size
+    return instance
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size is not None and args.batch_size < 1:
+        print("memkit trace: --batch-size must be a positive integer")
+        return 2
+    if args.step < 0 or (args.max_depth is not None and args.max_depth < 0):
+        print("memkit trace: --step and --max-depth must be >= 0")
+        return 2
+    try:
+        import lightning.pytorch as pl
+
+        cls = load_object(args.module)
+        if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+            raise CliError(f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)")
+        model = _instantiate(cls, None if args.datamodule else args.batch_size, "module")
+        datamodule = _instantiate(load_object(args.datamodule), args.batch_size, "datamodule") if args.datamodule else None
+        if datamodule is None and not _overrides(model, "train_dataloader"):
+            raise CliError(f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass")
+    except CliError as error:
+        print(f"memkit trace: {error}")
+        return 2
+
+    from lightning_memkit.callbacks.layer_trace import LayerTrace
+
+    callback = LayerTrace(at_steps=(args.step,), max_depth=args.max_depth)
+    with tempfile.TemporaryDirectory(prefix="memkit_trace_") as root:
+        options = dict(
+            accelerator=args.accelerator, devices=1, max_steps=args.step + 1, limit_val_batches=0, num_sanity_val_steps=0,
+            logger=False, callbacks=[callback], default_root_dir=root, enable_checkpointing=False,
+            enable_model_summary=False, enable_progress_bar=False,
+        )
+        if args.precision:
+            options["precision"] = args.precision
+        trainer = pl.Trainer(**options)
+        trainer.fit(model, datamodule=datamodule)
+    if not callback.results:
+        print(f"memkit trace: training stopped before step {args.step} (the dataloader has fewer batches?); try --step 0")
+        return 1
+    result = callback.results[-1]
+    print(result.format_table())
+    print()
+    print(f"bytes by category (Ψ = {result.parameter_count} parameters)")
+    print(result.format_categories())
+    for path, write in ((args.json, result.to_json), (args.csv, result.to_csv)):
+        if path:
+            write(path)
+            print(f"wrote {os.path.abspath(path)}")
+    if args.figure:
+        result.figure().savefig(args.figure)
+        print(f"wrote {os.path.abspath(args.figure)}")
+    return 0
+
+
+def _overrides(model: Any, method: str) -> bool:
+    import lightning.pytorch as pl
+
+    return getattr(type(model), method, None) is not getattr(pl.LightningModule, method, None)
