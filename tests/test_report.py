@@ -126,3 +126,48 @@ def test_report_never_unpickles(run_dir, tmp_path):
     assert not tripwire.exists()
     assert len(sources.runs) == 1
     assert any(p.startswith("memkit_trace_step3.json: cannot read it") for p in sources.problems)
+
+
+def test_report_with_a_layer_trace(tmp_path):
+    layer_trace = pytest.importorskip("lightning_memkit.callbacks.layer_trace")  # LayerTrace lands with issue 3
+    from lightning_memkit.trace.records import read_trace
+
+    model = LinearStack(optimizer="adam")
+    logger = TensorBoardLogger(str(tmp_path / "logs"), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
+                           callbacks=[MemoryTracker(verbose=False), layer_trace.LayerTrace(at_steps=(1,))])
+    trainer.fit(model)
+    out, png_dir = tmp_path / "report.html", tmp_path / "png"
+    assert main(["report", str(tmp_path / "logs"), "-o", str(out), "--png", str(png_dir)]) == 0
+    page = out.read_text()
+    trace = read_trace(os.path.join(logger.log_dir, "memkit_trace_step1.json"))
+    # the trace's own tables, verbatim: the report computes nothing of its own
+    assert html.escape(trace.format_table()) in page and html.escape(trace.format_categories()) in page
+    assert "Layer trace <code>run/version_0</code>, step 1" in page
+    assert sorted(os.listdir(png_dir)) == ["run_version_0_memory_per_step.png", "run_version_0_trace_step1.png"]
+    assert len(_embedded_pngs(page)) == 2
+    assert "no layer trace" not in page
+
+
+def test_report_of_a_compare_run(tmp_path, capsys):
+    compare = pytest.importorskip("lightning_memkit.modes.compare")  # memkit compare lands with issue 4
+    root = tmp_path / "cmp"
+    result = compare.compare_modes(lambda: LinearStack(val_batches=1), modes="baseline,amp", max_steps=2,
+                                   accelerator="cpu", root_dir=str(root), val_batches=1, verbose=False)
+    out, png_dir = tmp_path / "report.html", tmp_path / "png"
+    assert main(["report", str(root), "-o", str(out), "--png", str(png_dir)]) == 0
+    assert "2 run(s), 0 layer trace(s), 1 mode comparison(s)" in capsys.readouterr().out
+    page = out.read_text()
+    assert html.escape(result.format_table()) in page
+    for mode in ("baseline", "amp"):
+        assert f"Run <code>{mode}</code>" in page
+        summary, history = read_records(os.path.join(root, mode, RECORDS_FILENAME))
+        assert html.escape(format_summary(summary, history)) in page
+    pngs = sorted(os.listdir(png_dir))
+    assert pngs == sorted(["amp_memory_per_step.png", "baseline_memory_per_step.png",
+                           "compare_peak_figure.png", "compare_steps_figure.png"])
+    assert len(_embedded_pngs(page)) == 4
+    # compare.csv alone (e.g. copied off a cluster without the JSON) still gives the table
+    (root / "compare.json").unlink()
+    [only] = find_sources(str(root)).compares
+    assert only.data is None and [row["mode"] for row in only.rows] == ["baseline", "amp"]

@@ -163,34 +163,51 @@ def _trace_section(builder: _Builder, trace: TraceFile) -> None:
 
 
 def _compare_section(builder: _Builder, compare: CompareFile) -> None:
-    builder.add(f"<h2>Mode comparison <code>{html.escape(compare.name)}</code></h2>")
-    rendered = _render_with_module("lightning_memkit.modes.report", "render_compare", compare.data) if compare.data else None
-    if rendered is None:
-        if compare.rows:
+    name = compare.name if compare.name != "." else os.path.basename(compare.root.rstrip(os.sep))
+    builder.add(f"<h2>Mode comparison <code>{html.escape(name)}</code></h2>")
+    result = None
+    if compare.data is not None:
+        try:
+            from lightning_memkit.modes import compare as compare_module
+
+            result = compare_module.read_compare(os.path.join(compare.root, "compare.json"))
+        except ImportError:
+            compare_module = None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            builder.add(f'<p class="problems">compare.json: cannot read it ({html.escape(str(error))})</p>')
+    if result is None:
+        if compare.rows:  # compare.csv alone (or a memkit without the compare module): show it as it is
+            builder.add('<p class="meta">from compare.csv</p>')
             builder.add(_html_table(compare.csv_header, [[row.get(h, "") for h in compare.csv_header] for row in compare.rows]))
         else:
-            builder.add("<p>compare.json has no table this memkit can render, and there is no compare.csv.</p>")
+            builder.add("<p>compare.json cannot be rendered by this memkit, and there is no compare.csv next to it.</p>")
         return
-    _add_rendered(builder, _slug(compare.name, "compare"), rendered)
+    builder.add(f'<p class="meta">{len(result.results)} mode(s) on {html.escape(result.device)}, {result.max_steps} steps each, '
+                f"baseline {html.escape(str(result.baseline))}; each mode is a run below</p>")
+    builder.add(_pre(result.format_table()))
+    failed = [r for r in result.results if r.status != "ok"]
+    if failed:
+        builder.add('<ul class="problems">' + "".join(f"<li>{html.escape(r.mode)}: {html.escape(r.error or 'failed')}</li>" for r in failed) + "</ul>")
+    make_figures = getattr(compare_module, "compare_figures", None) or getattr(compare_module, "_figures", None)
+    if make_figures is not None:
+        try:
+            figures = make_figures(result)
+        except Exception as error:  # the table is already there; say why the figures are not
+            builder.add(f'<p class="problems">the comparison figures could not be drawn: {html.escape(repr(error))}</p>')
+            figures = {}
+        for key, figure in figures.items():
+            builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", lambda figure=figure: figure)
+            _close(figure)
 
 
-def _render_with_module(module_name: str, function: str, data: Any) -> dict[str, Any] | None:
-    """The trace/compare modules' own renderer: ``{"tables": {title: text}, "figures": {title: Figure}}``."""
-    import importlib
-
+def _close(figure: Any) -> None:
+    """Release a figure made with pyplot (the compare module draws with pyplot)."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    render = getattr(module, function, None)
-    return render(data) if callable(render) else None
+        import matplotlib.pyplot as plt
 
-
-def _add_rendered(builder: _Builder, slug: str, rendered: dict[str, Any]) -> None:
-    for title, text in rendered.get("tables", {}).items():
-        builder.add(f"<h3>{html.escape(title)}</h3>" + _pre(text))
-    for index, (title, make) in enumerate(rendered.get("figures", {}).items()):
-        builder.figure(f"{slug}_{index}", title, make if callable(make) else (lambda make=make: make))
+        plt.close(figure)
+    except Exception:
+        pass
 
 
 def build_report(sources: ReportSources, title: str = "memkit memory report") -> Report:

@@ -51,7 +51,7 @@ _DEVICE_FIELDS = ("peak_allocated_bytes", "allocated_bytes", "peak_reserved_byte
 _HOST_FIELDS = ("host_peak_rss_bytes", "host_rss_bytes")
 
 
-def new_figure(title: str, nrows: int = 1, width: float = 9.0, row_height: float = 3.4, sharex: bool = True) -> tuple[Figure, list]:
+def new_figure(title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4, sharex: bool = True) -> tuple[Figure, list]:
     """A figure with ``nrows`` stacked axes, a bold title and a light grid; returns (figure, axes)."""
     figure = Figure(figsize=(width, row_height * nrows + 0.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -133,8 +133,8 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
                       f"run peak {format_bytes(summary.peak_bytes)} at step {summary.peak_step}{stage}")
         low, high = ax.get_ylim()
         top = max((v for f in fields for v in _series(history, f)[1]), default=high)
-        ax.set_ylim(min(0.0, low), max(high, top * 1.3))  # headroom for the legend and the peak label
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
+        ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # beside the plot, never on a line
     axes[-1].set_xlabel("training step")
     axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
     return figure
