@@ -1,0 +1,109 @@
+"""MaxBatchSize: the largest batch that trains, found before fit in a few real trials guided by the estimate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.search.core import SearchResult
+from lightning_memkit.search.lightning import BatchSizeSearchError, SearchConfig, check_searchable, search_in_fit
+from lightning_memkit.units import parse_bytes
+
+__all__ = ["MaxBatchSize"]
+
+
+class MaxBatchSize(Callback):
+    """Set the largest batch size that trains, before fit starts (like Lightning's ``BatchSizeFinder``).
+
+    Usage::
+
+        trainer = Trainer(callbacks=[MaxBatchSize()])
+        trainer.fit(model)            # model.batch_size is now the largest size that ran
+
+    The fake-tensor estimate predicts the answer; real trials (``steps_per_trial`` steps each,
+    through the Trainer's own fit loop, precision and strategy) confirm it, bisecting only between
+    a size that ran and one that ran out of memory. The size returned always ran. Weights,
+    optimizer state, loop counters, RNG states, callbacks and loggers are as before the search.
+
+    Args:
+        margin: the search stops when the largest size that ran is within this fraction of the
+            smallest that ran out of memory (the answer is then within ``margin`` of the true maximum).
+        init_val: the first size tried (default: just below the estimate's prediction).
+        max_val: never try more than this (also capped at the dataset's length).
+        steps_per_trial: training steps per trial (the peak comes in step 2 at the latest).
+        max_trials: at most this many trials.
+        budget: on CPU, a memory budget (bytes or ``"256MiB"``) for live tensors, counted by the
+            tensor accountant; crossing it raises an out-of-memory error, so the search is
+            testable without a GPU. On CUDA the device's memory is the budget.
+        batch_arg_name: the attribute (module, hparams or datamodule) that holds the batch size.
+        keep_effective_batch_size: keep ``batch_size * accumulate_grad_batches`` as before by
+            choosing the largest divisor of it that fits and raising ``accumulate_grad_batches``.
+        use_estimate: jump near the answer with the estimate (``False``: double, then bisect).
+        verbose: print each trial (size, outcome, peak) on rank zero.
+
+    Attributes:
+        result: the :class:`~lightning_memkit.search.core.SearchResult` (trials, timings).
+        optimal_batch_size: the size found (before ``keep_effective_batch_size``), as Lightning names it.
+
+    Under DDP every rank runs the same trials in lockstep; each trial's outcome is agreed over the
+    ranks (the size must fit on all of them), and inside a trial nothing waits for another rank, so
+    a rank that alone runs out of memory cannot deadlock the others.
+    """
+
+    def __init__(self, margin: float = 0.05, init_val: int | None = None, max_val: int = 8192, steps_per_trial: int = 3,
+                 max_trials: int = 25, budget: int | str | None = None, batch_arg_name: str = "batch_size",
+                 keep_effective_batch_size: bool = False, use_estimate: bool = True, verbose: bool = True) -> None:
+        if not 0 < margin < 1:
+            raise MisconfigurationException(f"MaxBatchSize(margin={margin!r}): give a fraction in (0, 1), e.g. 0.05")
+        for name, value in (("max_val", max_val), ("steps_per_trial", steps_per_trial), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MisconfigurationException(f"MaxBatchSize({name}={value!r}): give a positive integer")
+        if init_val is not None and init_val > max_val:
+            raise MisconfigurationException(f"MaxBatchSize(init_val={init_val}, max_val={max_val}): init_val must not exceed max_val")
+        try:
+            budget_bytes = None if budget is None else parse_bytes(budget)
+        except ValueError as error:
+            raise MisconfigurationException(f"MaxBatchSize(budget={budget!r}): {error}") from None
+        self.config = SearchConfig(margin, init_val, max_val, steps_per_trial, max_trials, budget_bytes, batch_arg_name,
+                                   keep_effective_batch_size, use_estimate, verbose)
+        self.result: SearchResult | None = None
+        self.optimal_batch_size: int | None = None
+        self._exit_after_search = False
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        try:
+            check_searchable(trainer, pl_module, self.config)
+        except BatchSizeSearchError as error:
+            raise MisconfigurationException(str(error)) from None
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.find(trainer, pl_module)
+
+    def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """Run the search now (also from ``on_train_epoch_start`` mid-training); returns the size found."""
+        if trainer.fast_dev_run:
+            return int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
+        try:
+            self.result = search_in_fit(trainer, pl_module, self.config)
+        except BatchSizeSearchError as error:
+            raise MisconfigurationException(str(error)) from None
+        self.optimal_batch_size = self.result.batch_size
+        if self._exit_after_search:
+            raise compat.tuner_exit_exception()()
+        return self.result.batch_size
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimal_batch_size": self.optimal_batch_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimal_batch_size = state_dict.get("optimal_batch_size")

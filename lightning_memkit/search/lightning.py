@@ -1,0 +1,385 @@
+"""The batch-size search wired to a Lightning Trainer: real trials through the fit loop, state put back.
+
+Trials run Lightning's own fit loop (precision plugin, strategy, accumulation as configured) with
+callbacks and loggers set aside; everything a trial changes is restored afterwards, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import gc
+import math
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.estimate.batches import batch_size_of, preserved_rng
+from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.oom import is_out_of_memory
+from lightning_memkit.search.budget import MemoryBudget
+from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
+from lightning_memkit.units import format_bytes
+
+__all__ = ["SearchConfig", "search_in_fit", "find_max_batch_size", "BatchSizeSearchError"]
+
+
+class BatchSizeSearchError(ValueError):
+    """The search cannot run on this setup; the message says what to change."""
+
+
+@dataclass
+class SearchConfig:
+    """The search's settings (see :class:`~lightning_memkit.callbacks.max_batch_size.MaxBatchSize`)."""
+
+    margin: float = 0.05
+    init_val: int | None = None
+    max_val: int = 8192
+    steps_per_trial: int = 3
+    max_trials: int = 25
+    budget: int | None = None
+    batch_arg_name: str = "batch_size"
+    keep_effective_batch_size: bool = False
+    use_estimate: bool = True
+    verbose: bool = True
+
+
+def _lightning_getattr(module: Any, name: str) -> Any:
+    from lightning.pytorch.utilities.parsing import lightning_getattr
+
+    return lightning_getattr(module, name)
+
+
+def _lightning_setattr(module: Any, name: str, value: Any) -> None:
+    from lightning.pytorch.utilities.parsing import lightning_setattr
+
+    lightning_setattr(module, name, value)
+
+
+def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
+    """Raise :class:`BatchSizeSearchError` (saying what to do) when the search cannot run."""
+    from lightning.pytorch.utilities.parsing import lightning_hasattr
+
+    if not compat.fit_data_from_module(trainer):
+        raise BatchSizeSearchError(
+            "the batch-size search cannot resize dataloaders passed straight to trainer.fit(...): move them into "
+            "the LightningModule's or a LightningDataModule's train_dataloader(), built with self.batch_size"
+        )
+    if not lightning_hasattr(module, config.batch_arg_name):
+        raise BatchSizeSearchError(
+            f"no '{config.batch_arg_name}' found on {type(module).__name__}, its hparams or the datamodule: add "
+            f"self.{config.batch_arg_name} = <int> (or a hyperparameter of that name) and build train_dataloader() with it, "
+            "or give batch_arg_name= the attribute you use"
+        )
+    if not module.automatic_optimization and config.use_estimate:
+        config.use_estimate = False
+
+
+# ------------------------------------------------------------------------------------------ DDP
+class _Outcomes:
+    """Each trial's outcome agreed over ranks on a side gloo group with a timeout (lockstep, no deadlock)."""
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.group = None
+        if self.enabled:
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def agree(self, fits: bool, peak: int | None, extra: int = 0) -> tuple[bool, int | None, int]:
+        """(all ranks fit, max peak over ranks, min of ``extra`` over ranks)."""
+        if not self.enabled:
+            return fits, peak, extra
+        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), -int(extra)], dtype=torch.int64)
+        self.dist.all_reduce(vector, op=self.dist.ReduceOp.MAX, group=self.group)
+        failed, peak_max, neg_extra = (int(v) for v in vector.tolist())
+        return failed == 0, (None if peak_max < 0 else peak_max), -neg_extra
+
+    def min(self, value: int) -> int:
+        return self.agree(True, None, value)[2]
+
+
+@contextlib.contextmanager
+def _rank_local(trainer: Any) -> Iterator[None]:
+    """Inside a trial no rank waits for another: gradient sync, buffer broadcast and Lightning's
+    barriers/reductions are turned off, so a rank that alone runs out of memory cannot deadlock."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    strategy = trainer.strategy
+    wrapped = getattr(strategy, "model", None)
+    saved_sync = getattr(wrapped, "require_backward_grad_sync", None)
+    saved_broadcast = getattr(wrapped, "broadcast_buffers", None)
+    stubs = {
+        "barrier": lambda *args, **kwargs: None,
+        "reduce": lambda tensor, *args, **kwargs: tensor,
+        "reduce_boolean_decision": lambda decision, *args, **kwargs: decision,
+        "broadcast": lambda obj, *args, **kwargs: obj,
+    }
+    for name, stub in stubs.items():
+        setattr(strategy, name, stub)
+    if saved_sync is not None:
+        wrapped.require_backward_grad_sync = False
+    if saved_broadcast is not None:
+        wrapped.broadcast_buffers = False
+    try:
+        yield
+    finally:
+        for name in stubs:
+            delattr(strategy, name)  # the class's methods show through again
+        if saved_sync is not None:
+            wrapped.require_backward_grad_sync = saved_sync
+        if saved_broadcast is not None:
+            wrapped.broadcast_buffers = saved_broadcast
+
+
+# ------------------------------------------------------------------------------------------ state
+class _Snapshot:
+    """Everything a trial changes, copied in memory: weights, optimizer/scheduler/precision state,
+    loop counters, RNG states, and the trainer settings the trials override."""
+
+    def __init__(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
+        self.module_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.optimizers = [copy.deepcopy(o.state_dict()) for o in trainer.optimizers]
+        self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+        self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        self.loop_state = copy.deepcopy(trainer.fit_loop.state_dict())
+        self.loop_restarting = trainer.fit_loop.restarting
+        self.callbacks = trainer.callbacks
+        self.loggers = trainer.loggers
+        self.max_steps = trainer.fit_loop.epoch_loop.max_steps
+        self.max_epochs = trainer.fit_loop.max_epochs
+        self.limit_train_batches = trainer.limit_train_batches
+        self.limit_val_batches = trainer.limit_val_batches
+        self.should_stop = trainer.should_stop
+        self.training = module.training
+        self.batch_size = _lightning_getattr(module, batch_arg_name)
+        self.rng = preserved_rng()
+        self.rng.__enter__()
+
+    def restore(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
+        with torch.no_grad():
+            module.load_state_dict(self.module_state)
+        for optimizer, state in zip(trainer.optimizers, self.optimizers):
+            optimizer.load_state_dict(copy.deepcopy(state))
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
+            config.scheduler.load_state_dict(copy.deepcopy(state))
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        trainer.callbacks = self.callbacks
+        trainer.loggers = self.loggers
+        trainer.fit_loop.epoch_loop.max_steps = self.max_steps
+        trainer.fit_loop.max_epochs = self.max_epochs
+        trainer.limit_train_batches = self.limit_train_batches
+        trainer.limit_val_batches = self.limit_val_batches
+        trainer.should_stop = self.should_stop
+        trainer.fit_loop.load_state_dict(copy.deepcopy(self.loop_state))
+        trainer.fit_loop.restarting = self.loop_restarting
+        module.train(self.training)
+        _lightning_setattr(module, batch_arg_name, self.batch_size)
+        self.rng.__exit__(None, None, None)
+
+
+def _trainer_mode(trainer: Any) -> Any:
+    from lightning_memkit.modes.mode import Mode
+
+    precision = str(trainer.precision)
+    if "bf16" in precision and "mixed" in precision:
+        return Mode(precision="bf16-mixed")
+    if precision.startswith("16") and "mixed" in precision:
+        return Mode(precision="16-mixed")
+    return None
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _say(trainer: Any, text: str, verbose: bool) -> None:
+    if verbose and trainer.is_global_zero:
+        print(text, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ the search
+def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResult:
+    """Run the search inside a fit that has started (from ``on_fit_start`` or ``on_train_epoch_start``).
+
+    Sets the found size where Lightning's finder does (``lightning_setattr``: module attribute,
+    hparams or datamodule) and, with ``keep_effective_batch_size``, ``trainer.accumulate_grad_batches``.
+    """
+    started = time.perf_counter()
+    check_searchable(trainer, module, config)
+    device = trainer.strategy.root_device
+    outcomes = _Outcomes()
+    snapshot = _Snapshot(trainer, module, config.batch_arg_name)
+    original_size = snapshot.batch_size
+    original_accumulate = trainer.accumulate_grad_batches
+    budget = MemoryBudget(int(config.budget)) if config.budget is not None else None
+    capacity: int | None = None
+    if budget is not None:
+        capacity = budget.budget_bytes
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        capacity = int(free + torch.cuda.memory_reserved(device))
+    result: SearchResult | None = None
+    try:
+        trainer.callbacks = []
+        trainer.loggers = []
+        trainer.limit_train_batches = 1.0
+        trainer.limit_val_batches = 0
+        module.train()
+        compat.reload_train_dataloader(trainer)
+        max_val = config.max_val
+        dataset_length = compat.train_dataset_length(trainer)
+        if dataset_length is not None and dataset_length < max_val:
+            max_val = dataset_length
+        if budget is not None:
+            state_bytes = sum(t.numel() * t.element_size() for t in module.parameters())
+            if state_bytes > budget.budget_bytes:
+                raise BatchSizeSearchError(
+                    f"the budget of {format_bytes(budget.budget_bytes)} is smaller than the model's parameters alone "
+                    f"({format_bytes(state_bytes)}): give a larger budget= (bytes), or a smaller model"
+                )
+        growth = predicted = None
+        estimate_seconds = 0.0
+        if config.use_estimate and capacity is not None:
+            estimate_started = time.perf_counter()
+            growth, predicted = _predict(trainer, module, capacity, device, config)
+            estimate_seconds = time.perf_counter() - estimate_started
+            if predicted is not None:
+                predicted = outcomes.min(predicted)
+                _say(trainer, f"memkit: the estimate predicts a largest batch of {predicted} in {format_bytes(capacity)} "
+                              f"({estimate_seconds:.2f}s)", config.verbose)
+
+        def run_trial(size: int) -> Trial:
+            return _trial(trainer, module, size, config, budget, device, outcomes)
+
+        def progress(trial: Trial) -> None:
+            outcome = "fits" if trial.fits else "out of memory"
+            _say(trainer, f"memkit: trial {len(search.trials)}: batch {trial.batch_size} -> {outcome}, peak "
+                          f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)", config.verbose)
+
+        search = BatchSizeSearch(run_trial, capacity_bytes=capacity, growth=growth, predicted=predicted,
+                                 init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
+                                 margin=config.margin, max_trials=config.max_trials, on_trial=progress)
+        result = search.run()
+        if dataset_length is not None and result.batch_size >= dataset_length:
+            result.reason = "dataset"
+        result.estimate_seconds = estimate_seconds
+    finally:
+        snapshot.restore(trainer, module, config.batch_arg_name)
+        _release_memory(device)
+    found = result.batch_size
+    size, accumulate = found, original_accumulate
+    if config.keep_effective_batch_size:
+        effective = original_size * original_accumulate
+        size = max(d for d in range(1, min(found, effective) + 1) if effective % d == 0)
+        accumulate = effective // size
+        trainer.accumulate_grad_batches = accumulate
+    _lightning_setattr(module, config.batch_arg_name, size)
+    compat.reload_train_dataloader(trainer)
+    result.seconds = time.perf_counter() - started
+    tail = f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})" if config.keep_effective_batch_size else ""
+    _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s); using {size}{tail}", config.verbose)
+    return result
+
+
+def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, config: SearchConfig):
+    from lightning_memkit.estimate.predict import predict_max_batch_size
+
+    try:
+        with preserved_rng():
+            batch = next(iter(trainer.train_dataloader))
+        target = "cuda" if device.type == "cuda" else "cpu"
+        # on CUDA the context already lives outside `capacity` (free + reserved), so add its allowance back
+        memory = capacity + (CUDA_CONTEXT_BYTES if target == "cuda" else 0)
+        prediction = predict_max_batch_size(module, memory, mode=_trainer_mode(trainer), margin=0.0, device=target,
+                                            batch=batch, max_val=config.max_val)
+        return prediction.growth, prediction.batch_size
+    except Exception as error:  # the estimate only speeds the search up; trials decide
+        warnings.warn(f"memkit: could not estimate the step ({error}); searching by trials only", RuntimeWarning, stacklevel=2)
+        return None, None
+
+
+def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: MemoryBudget | None, device: torch.device, outcomes: _Outcomes) -> Trial:
+    _lightning_setattr(module, config.batch_arg_name, size)
+    error_text: str | None = None
+    steps = 0
+    _release_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    with _rank_local(trainer):
+        compat.reload_train_dataloader(trainer)
+        compat.reset_fit_progress(trainer)
+        trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
+        trainer.fit_loop.max_epochs = max(1000, trainer.fit_loop.max_epochs or 0)
+        trainer.should_stop = False
+        try:
+            if budget is not None:
+                budget.accountant.reset_peak()
+                budget.adopt(_state_tensors(trainer, module), "state")
+                budget.accountant.reset_peak()
+                with budget:
+                    trainer.fit_loop.run()
+            else:
+                trainer.fit_loop.run()
+        except BaseException as error:  # noqa: BLE001 - only out-of-memory is caught; the rest re-raised
+            if not is_out_of_memory(error):
+                raise
+            error_text = str(error).splitlines()[0][:300]
+            traceback.clear_frames(error.__traceback__)
+            del error
+        steps = trainer.fit_loop.epoch_loop.global_step
+    _release_memory(device)
+    fits = error_text is None and steps >= config.steps_per_trial
+    if error_text is None and not fits:
+        raise SearchError(f"a trial at batch size {size} ran {steps} of {config.steps_per_trial} steps: the train dataloader "
+                          "ends too early; give a larger dataset or a smaller steps_per_trial")
+    if budget is not None:
+        peak = budget.accountant.peak_bytes
+    elif device.type == "cuda":
+        peak = int(torch.cuda.max_memory_reserved(device))
+    else:
+        peak = None
+    fits, peak, _ = outcomes.agree(fits, peak if fits else None)
+    return Trial(size, fits, peak, time.perf_counter() - started, None if fits else (error_text or "out of memory on another rank"))
+
+
+def _state_tensors(trainer: Any, module: Any) -> Iterator[torch.Tensor]:
+    from lightning_memkit.meter import training_state_tensors
+
+    return training_state_tensors(module, trainer.optimizers)
+
+
+def find_max_batch_size(trainer: Any, module: Any, datamodule: Any = None, **options: Any) -> SearchResult:
+    """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
+    that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).
+
+    ``options`` are :class:`~lightning_memkit.callbacks.max_batch_size.MaxBatchSize`'s arguments.
+    The size is set on the module (or its hparams or the datamodule), so a following
+    ``trainer.fit(module, datamodule)`` trains with it. Returns the :class:`SearchResult`.
+    """
+    from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
+
+    finder = MaxBatchSize(**options)
+    finder._exit_after_search = True
+    trainer.callbacks = list(trainer.callbacks) + [finder]
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        trainer.callbacks = [c for c in trainer.callbacks if c is not finder]
+    if finder.result is None:
+        raise SearchError("the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)")
+    return finder.result
