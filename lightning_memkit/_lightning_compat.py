@@ -46,3 +46,54 @@ def fsdp_activation_checkpointing_configured(strategy: Any) -> bool | None:
     if not isinstance(strategy, FSDPStrategy):
         return None
     return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))
+
+
+# ---------------------------------------------------------------------------- batch-size search (issue 5)
+def fit_data_from_module(trainer: Any) -> bool:
+    """Whether the fit's train data comes from the LightningModule or a DataModule (not loaders given to ``fit``).
+
+    Reads ``fit_loop._data_source.is_module()``; falls back to ``True``.
+    """
+    try:
+        return bool(trainer.fit_loop._data_source.is_module())
+    except AttributeError:
+        return True
+
+
+def reload_train_dataloader(trainer: Any) -> None:
+    """Make the fit loop build its train dataloader again (after the batch size changed).
+
+    Sets ``fit_loop._combined_loader = None`` and calls ``fit_loop.setup_data()``, as Lightning's
+    own batch-size finder does.
+    """
+    trainer.fit_loop._combined_loader = None
+    trainer.fit_loop.setup_data()
+
+
+def train_dataset_length(trainer: Any) -> int | None:
+    """The length of the fit's (first) train dataset, or ``None`` for iterable datasets or when unknown."""
+    try:
+        loaders = trainer.fit_loop._combined_loader.flattened
+        return int(len(loaders[0].dataset))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def reset_fit_progress(trainer: Any) -> None:
+    """Zero the fit loop's progress counters (epochs, batches, optimizer steps) so a trial starts at step 0."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    fit_loop.epoch_progress.reset()
+    epoch_loop.batch_progress.reset()
+    epoch_loop.scheduler_progress.reset()
+    epoch_loop.automatic_optimization.optim_progress.reset()
+    epoch_loop.manual_optimization.optim_step_progress.reset()
+    epoch_loop._batches_that_stepped = 0
+    fit_loop.restarting = False
+
+
+def tuner_exit_exception() -> type:
+    """Lightning's exception that ends ``fit`` quietly after a tuner callback (``_TunerExitException``)."""
+    from lightning.pytorch.utilities.exceptions import _TunerExitException
+
+    return _TunerExitException
