@@ -232,6 +232,23 @@ def test_checkpointed_block_saves_only_its_boundary_and_recomputes_in_backward()
     assert live_after_forward[False] - live_after_forward[True] == activation
 
 
+def test_recomputed_activations_are_their_own_category_at_the_peak():
+    rows, width = 512, 16  # activations dominate, so the peak is during recomputation
+    x = torch.randn(rows, width)
+    model = Checkpointed(width, use_checkpoint=True)
+    with trace_step(model, inputs=x) as tracer:
+        model(x).sum().backward()
+    result = tracer.result
+    activation = rows * width * F32
+    peak_event = result.events[result.peak_event_index]
+    assert peak_event.recompute and peak_event.module == "block.inner.body.3"
+    # at the allocation of the last ReLU's output during recomputation: the first ReLU's output,
+    # the second Linear's output (still in Sequential.forward's hands) and that new output
+    assert result.at_peak["recomputed"] == 3 * activation
+    assert result.at_peak["activations"] == activation  # the boundary tensor checkpoint saved
+    assert result.at_end["recomputed"] == 0
+
+
 def test_autocast_weight_copies_are_their_own_category():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))

@@ -9,8 +9,10 @@ How a live storage is classified, first match wins:
    the model, a ``.grad`` of a parameter, a tensor in an optimizer's ``state``, the step's input;
 2. its accountant label ``"autocast weight copy"`` (a low-precision copy of a parameter);
 3. it was held by autograd for backward (``saved_tensors_hooks``) at that moment;
-4. it was allocated during the step and is none of the above: a temporary;
-5. anything else the accountant was told about: other.
+4. its accountant label ``"recompute"``: made while activation checkpointing recomputed a block
+   in backward (checkpoint holds these itself, so no saved-tensor hook sees them);
+5. it was allocated during the step and is none of the above: a temporary;
+6. anything else the accountant was told about: other.
 
 On CUDA two more numbers come from the allocator and NVML, not from tensors: memory the caching
 allocator reserved but no tensor uses, and device memory of this process the allocator never sees.
@@ -31,6 +33,7 @@ __all__ = [
     "CATEGORIES",
     "CATEGORY_DESCRIPTIONS",
     "AUTOCAST_COPY_LABEL",
+    "RECOMPUTE_LABEL",
     "CategoryBreakdown",
     "CategoryAttributor",
     "category_breakdown",
@@ -45,6 +48,7 @@ CATEGORIES: tuple[str, ...] = (
     "optimizer_state",
     "autocast_weight_copies",
     "activations",
+    "recomputed",
     "inputs",
     "temporaries",
     "other",
@@ -58,6 +62,7 @@ CATEGORY_DESCRIPTIONS: dict[str, str] = {
     "optimizer_state": "tensors in optimizer.state (Adam's exp_avg, exp_avg_sq and step counters)",
     "autocast_weight_copies": "low-precision copies of parameters made by autocast (cached until autocast exits)",
     "activations": "tensors autograd holds for backward (saved_tensors_hooks), that are none of the above",
+    "recomputed": "activations recomputed during backward by activation checkpointing, held until their backward runs",
     "inputs": "the step's input batch",
     "temporaries": "everything else allocated during the step: outputs, the loss, workspace, in-flight gradients",
     "other": "tensors that existed before the step and play none of the roles above",
@@ -65,6 +70,10 @@ CATEGORY_DESCRIPTIONS: dict[str, str] = {
 
 #: The accountant label the tracer gives to autocast's copies of parameters.
 AUTOCAST_COPY_LABEL = "autocast weight copy"
+
+#: The accountant label the tracer gives to allocations made while recomputing checkpointed
+#: forward code during backward.
+RECOMPUTE_LABEL = "recompute"
 
 
 @dataclass
@@ -283,6 +292,8 @@ class CategoryAttributor:
             return "autocast_weight_copies"
         if self._saved_at(key, self._tick if tick is None else tick):
             return "activations"
+        if record.label == RECOMPUTE_LABEL and not record.adopted:
+            return "recomputed"
         if record.label in CATEGORIES and record.adopted:
             return record.label
         return "other" if record.adopted else "temporaries"

@@ -36,14 +36,20 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
-from lightning_memkit.accounting.categories import AUTOCAST_COPY_LABEL, CategoryAttributor, CategoryBreakdown, cuda_memory_extras
+from lightning_memkit.accounting.categories import (
+    AUTOCAST_COPY_LABEL,
+    RECOMPUTE_LABEL,
+    CategoryAttributor,
+    CategoryBreakdown,
+    cuda_memory_extras,
+)
 from lightning_memkit.trace._torch_compat import in_backward, queue_backward_end_callback
 from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 
 __all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
 
 #: The accountant labels the tracer gives allocations (the phase they happened in).
-PHASE_LABELS = ("forward", "backward", "recompute", "optimizer", AUTOCAST_COPY_LABEL)
+PHASE_LABELS = ("forward", "backward", RECOMPUTE_LABEL, "optimizer", AUTOCAST_COPY_LABEL)
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -308,7 +314,7 @@ class LayerTracer:
             ):
                 return AUTOCAST_COPY_LABEL
         if in_backward():
-            return "recompute" if self._recompute_depth else "backward"
+            return RECOMPUTE_LABEL if self._recompute_depth else "backward"
         return self._host_phase
 
     def _on_peak(self, peak_bytes: int) -> None:
