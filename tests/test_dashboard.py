@@ -9,8 +9,9 @@ import re
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from conftest import LinearStack, make_trainer
+from conftest import LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
+from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading, read_records
 from lightning_memkit.tensorboard.dashboard import register_dashboard
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, memory_per_step_figure
@@ -61,16 +62,25 @@ def test_layout_follows_prefix_and_switches():
     assert not re.match(at_peak, "memAx/trace/peak/activations_MiB") and not re.match(at_peak, "mem.x/trace/end/activations_MiB")
 
 
-def _layout_events(log_dir):
+def _layouts(log_dir):
+    """Every custom-scalars layout in the run's event files, as TensorBoard parses it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
 
-    count = 0
+    layouts = []
     for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
         accumulator = EventAccumulator(path, size_guidance={"tensors": 0})
         accumulator.Reload()
         if "custom_scalars__config__" in accumulator.Tags()["tensors"]:
-            count += len(accumulator.Tensors("custom_scalars__config__"))
-    return count
+            for event in accumulator.Tensors("custom_scalars__config__"):
+                layout = layout_pb2.Layout()
+                layout.ParseFromString(event.tensor_proto.string_val[0])
+                layouts.append({c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category})
+    return layouts
+
+
+def _layout_events(log_dir):
+    return len(_layouts(log_dir))
 
 
 class _OtherMemkitCallback(Callback):
@@ -148,3 +158,51 @@ def test_figure_marks_a_cuda_peak_on_the_allocator_panel():
 def test_figure_without_readings():
     figure = memory_per_step_figure(RunSummary(), [])
     assert "no readings" in [t.get_text() for t in figure.axes[0].texts]
+
+
+def test_layer_trace_charts_match_what_layer_trace_logs(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[LayerTrace(at_steps=(1, 2))])
+    trainer.fit(LinearStack(optimizer="adam"))
+    [layout] = _layouts(logger.log_dir)  # LayerTrace alone registers the dashboard: only its charts
+    assert list(layout) == ["memkit: layer trace"]
+    tags = set(read_scalars(logger.log_dir))
+    for title, regexes in layout["memkit: layer trace"].items():
+        matched = {t for t in tags for r in regexes if re.match(r, t)}
+        assert matched, title
+    at_peak = {t for t in tags for r in layout["memkit: layer trace"]["layer trace: categories at the traced step's peak (MiB)"]
+               if re.match(r, t)}
+    assert {"memory/trace/peak/parameters_MiB", "memory/trace/peak/gradients_MiB", "memory/trace/peak/optimizer_state_MiB",
+            "memory/trace/peak/activations_MiB"} <= at_peak
+    assert not any(t.startswith("memory/trace/end/") or t == "memory/trace/peak_MiB" for t in at_peak)
+
+
+def test_memory_tracker_with_layer_trace_one_layout_with_both(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
+                           callbacks=[LayerTrace(at_steps=(1,)), MemoryTracker(verbose=False)])
+    trainer.fit(LinearStack())
+    [layout] = _layouts(logger.log_dir)
+    assert list(layout) == ["memkit: memory per step", "memkit: layer trace"]
+    tags = set(read_scalars(logger.log_dir))
+    for category in layout.values():
+        for title, regexes in category.items():
+            if title.startswith("validation"):
+                continue  # this run has no validation
+            assert {t for t in tags for r in regexes if re.match(r, t)}, title
+
+
+class _AsksForCompare(Callback):
+    memkit_dashboard_options = {"compare": True}
+
+
+def test_a_callback_can_ask_for_the_compare_charts(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="baseline", version="")
+    trainer = make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[MemoryTracker(verbose=False), _AsksForCompare()])
+    trainer.fit(LinearStack())
+    [layout] = _layouts(logger.log_dir)
+    assert list(layout) == ["memkit: modes compared", "memkit: memory per step"]
+    assert layout["memkit: modes compared"] == {
+        "modes overlaid: step peak (MiB; one line per mode's run)": ["^memory/train/peak_(allocated|tensor)_MiB$"],
+        "modes overlaid: host RSS (MiB; one line per mode's run)": ["^memory/train/host_rss_MiB$"],
+    }

@@ -116,6 +116,12 @@ class LayerTrace(Callback):
             return True
         return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
 
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
+
+        register_dashboard(trainer)
+
     # ------------------------------------------------------------------ the traced step
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -14,7 +14,8 @@ from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.tensorboard.layout import dashboard_layout
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
-__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG"]
+__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
+           "DASHBOARD_OPTIONS_ATTRIBUTE"]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
 SUMMARY_TEXT_TAG = "summary/table"
@@ -43,29 +44,39 @@ def tensorboard_experiment(trainer: Any) -> Any | None:
     return None
 
 
+#: a callback attribute: a dict of :func:`dashboard_layout` options the callback asks for
+#: (e.g. ``{"compare": True}`` on the callback ``memkit compare`` adds to each mode's Trainer).
+DASHBOARD_OPTIONS_ATTRIBUTE = "memkit_dashboard_options"
+
+
 def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
     """The layout that fits this trainer's device, world size and memkit callbacks."""
+    from lightning_memkit.callbacks.layer_trace import LayerTrace
     from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 
-    trackers = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, MemoryTracker)]
-    tracer_names = {"LayerTrace"}
-    trace = any(type(c).__name__ in tracer_names and type(c).__module__.startswith("lightning_memkit") for c in trainer.callbacks)
+    callbacks = list(getattr(trainer, "callbacks", []))
+    tracker = next((c for c in callbacks if isinstance(c, MemoryTracker)), None)
+    tracer = next((c for c in callbacks if isinstance(c, LayerTrace)), None)
     try:
         cuda = trainer.strategy.root_device.type == "cuda"
     except Exception:
         cuda = False
-    tracker = trackers[0] if trackers else None
-    prefix = getattr(tracker, "prefix", DEFAULT_PREFIX)
-    accountant = getattr(tracker, "tensor_accounting", "auto")
-    options = dict(
-        prefix=prefix,
-        cuda=cuda,
-        tensors=accountant is True or (accountant == "auto" and not cuda),
-        host=getattr(tracker, "host", True),
-        validation=getattr(tracker, "log_validation", True),
-        trace=trace,
-        ranks=bool(getattr(tracker, "per_rank", False)) and getattr(trainer, "world_size", 1) > 1,
-    )
+    options: dict[str, Any] = dict(cuda=False, tensors=False, host=False, validation=False, ranks=False,
+                                   trace=tracer is not None, prefix=getattr(tracer, "prefix", DEFAULT_PREFIX))
+    if tracker is not None:  # the per-step charts need MemoryTracker's scalars
+        accountant = tracker.tensor_accounting
+        options.update(
+            prefix=tracker.prefix,
+            cuda=cuda,
+            tensors=accountant is True or (accountant == "auto" and not cuda),
+            host=tracker.host,
+            validation=tracker.log_validation,
+            ranks=tracker.per_rank and getattr(trainer, "world_size", 1) > 1,
+        )
+    for callback in callbacks:
+        asked = getattr(callback, DASHBOARD_OPTIONS_ATTRIBUTE, None)
+        if isinstance(asked, dict):
+            options.update(asked)
     options.update(overrides)
     return dashboard_layout(**options)
 
@@ -76,9 +87,14 @@ def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
     Call it from any memkit callback's ``on_fit_start``; the first call writes the layout that
     fits the trainer (its device, world size and memkit callbacks), later calls for the same
     log dir do nothing. Only on global rank zero and only when a TensorBoardLogger is among
-    ``trainer.loggers``; otherwise it does nothing. ``layout_options`` override what is read
-    from the trainer (the keyword arguments of :func:`dashboard_layout`, e.g. ``compare=True``
-    from ``memkit compare``).
+    ``trainer.loggers``; otherwise it does nothing.
+
+    What the layout holds is read from the trainer: per-step charts when a MemoryTracker is
+    among the callbacks (CUDA/NVML charts on CUDA, per-rank charts under DDP with
+    ``per_rank=True``), layer-trace charts with a LayerTrace; a callback may ask for more with
+    a ``memkit_dashboard_options`` dict attribute (e.g. ``{"compare": True}``), and
+    ``layout_options`` (keyword arguments of :func:`~lightning_memkit.tensorboard.layout.dashboard_layout`)
+    override everything.
 
     Returns:
         whether this call wrote the layout.

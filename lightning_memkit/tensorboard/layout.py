@@ -12,12 +12,10 @@ from typing import Any
 
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS
 
-__all__ = ["TRACE_TAG_PART", "COMPARE_TAG_PART", "dashboard_layout"]
+__all__ = ["TRACE_TAG_PART", "dashboard_layout"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 TRACE_TAG_PART = "trace"
-#: the path part under which ``memkit compare`` may log per-mode scalars: ``memory/compare/...``.
-COMPARE_TAG_PART = "compare"
 
 #: Multiline charts: (title, [tag regex, ...]); "{train}" is ``<prefix>/train``.
 _CUDA_CHARTS = [
@@ -50,8 +48,12 @@ _RANK_CHARTS = [
 ]
 _COMPARE_CHARTS = [
     ("modes overlaid: step peak (MiB; one line per mode's run)", [r"{train}/peak_(allocated|tensor)_MiB$"]),
+]
+_COMPARE_CUDA_CHARTS = [
     ("modes overlaid: reserved (MiB; one line per mode's run)", [r"{train}/reserved_MiB$"]),
-    ("modes overlaid: compare scalars", [r"{compare}/.*$"]),
+]
+_COMPARE_HOST_CHARTS = [
+    ("modes overlaid: host RSS (MiB; one line per mode's run)", [r"{train}/host_rss_MiB$"]),
 ]
 
 
@@ -82,14 +84,14 @@ def dashboard_layout(
         trace: LayerTrace's category breakdown at the traced step's peak and end
             (``<prefix>/trace/peak/<category>_MiB``, ``.../end/<category>_MiB``).
         ranks: per-rank charts (DDP with ``MemoryTracker(per_rank=True)``).
-        compare: the ``memkit compare`` category (each mode is a run; the charts overlay them).
+        compare: the ``memkit compare`` category first: each mode is a TensorBoard run under one
+            root, so these charts draw one line per mode (step peak; reserved on CUDA; host RSS).
     """
     escaped = re.escape(prefix)
     parts = {
         "train": f"{escaped}/{STAGE_TAGS['train']}",
         "val": f"{escaped}/{STAGE_TAGS['validate']}",
         "trace": f"{escaped}/{TRACE_TAG_PART}",
-        "compare": f"{escaped}/{COMPARE_TAG_PART}",
     }
 
     def charts(specs: list[tuple[str, list[str]]]) -> dict[str, list[Any]]:
@@ -97,7 +99,8 @@ def dashboard_layout(
 
     layout: dict[str, dict[str, list[Any]]] = {}
     if compare:
-        layout["memkit: modes compared"] = charts(_COMPARE_CHARTS)
+        layout["memkit: modes compared"] = charts(
+            _COMPARE_CHARTS + (_COMPARE_CUDA_CHARTS if cuda else []) + (_COMPARE_HOST_CHARTS if host else []))
     step_charts: list[tuple[str, list[str]]] = []
     if cuda:
         step_charts += _CUDA_CHARTS
