@@ -107,10 +107,11 @@ def trace_figure(result: LayerTraceResult, title: str | None = None):
     """Live tensor memory (MiB) against event index, coloured by phase, the peak marked.
 
     Forward climbs (activations are kept for backward), backward descends (they are freed),
-    the optimizer step adds its state. The red marker is ``result.peak_bytes`` drawn at
-    ``result.peak_event_index``: the peak happened between that event and the one before it.
+    the optimizer step adds its state. The red marker is ``result.peak_bytes`` drawn half-way
+    before ``result.peak_event_index``: the peak happened between that event and the one before
+    it (inside an op), which the dashed running-peak line also shows.
     """
-    from lightning_memkit.tensorboard.figures import mark_peak, new_figure
+    from lightning_memkit.tensorboard.figures import PEAK_COLOR, mark_peak, new_figure
 
     figure, (ax,) = new_figure(title or f"memkit layer trace: {result.model}, step {result.step} ({result.device})")
     xs = [e.index for e in result.events]
@@ -132,15 +133,18 @@ def trace_figure(result: LayerTraceResult, title: str | None = None):
     for group in ("forward", "recompute", "backward", "optimizer"):
         if group in groups:
             ax.plot(*groups[group], "o", markersize=4, color=PHASE_COLORS[group], label=labels[group], zorder=3)
+    ax.step(xs, [e.peak_bytes / MiB for e in result.events], where="post", color=PEAK_COLOR, linestyle="--",
+            linewidth=1, alpha=0.6, label="running peak (between events too)")
     ax.axhline(result.start_bytes / MiB, color="#7f7f7f", linestyle=":", linewidth=1, label=f"step start ({format_bytes(result.start_bytes)})")
     ax.set_xlabel("event index (module hooks in execution order)")
     ax.set_ylabel("live tensor memory (MiB)")
     low, high = ax.get_ylim()
     ax.set_ylim(0, max(high, result.peak_bytes / MiB * 1.05))
     if result.peak_event_index is not None:
-        mark_peak(ax, result.peak_event_index, result.peak_bytes,
+        # the peak happened after the previous event and by this one: draw it in between
+        mark_peak(ax, max(0.0, result.peak_event_index - 0.5), result.peak_bytes,
                   f"peak {format_bytes(result.peak_bytes)} before event {result.peak_event_index}")
-    ax.legend(loc="lower center", fontsize=8, framealpha=0.9)
+    ax.legend(loc="best", fontsize=8, framealpha=0.85)
     peak = result.at_peak
     top = sorted(((peak[c], c) for c in CATEGORIES if peak[c]), reverse=True)[:4]
     ax.set_title("at peak: " + ", ".join(f"{c} {format_bytes(b)}" for b, c in top), fontsize=9)
