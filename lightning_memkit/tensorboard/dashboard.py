@@ -49,6 +49,15 @@ def tensorboard_experiment(trainer: Any) -> Any | None:
 DASHBOARD_OPTIONS_ATTRIBUTE = "memkit_dashboard_options"
 
 
+def _validates(trainer: Any) -> bool:
+    """Whether this fit will run validation (else the validation chart would stay empty)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module = getattr(trainer, "lightning_module", None)
+    limit = getattr(trainer, "limit_val_batches", 1)
+    return bool(limit) and module is not None and is_overridden("validation_step", module)
+
+
 def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
     """The layout that fits this trainer's device, world size and memkit callbacks."""
     from lightning_memkit.callbacks.layer_trace import LayerTrace
@@ -70,7 +79,7 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
             cuda=cuda,
             tensors=accountant is True or (accountant == "auto" and not cuda),
             host=tracker.host,
-            validation=tracker.log_validation,
+            validation=tracker.log_validation and _validates(trainer),
             ranks=tracker.per_rank and getattr(trainer, "world_size", 1) > 1,
         )
     for callback in callbacks:

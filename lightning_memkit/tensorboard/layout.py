@@ -43,7 +43,11 @@ _TRACE_CHARTS = [
 ]
 _RANK_CHARTS = [
     ("per rank: step peak (MiB)", [r"{train}/rank[0-9]+/peak_(allocated|tensor)_MiB$"]),
+]
+_RANK_CUDA_CHARTS = [
     ("per rank: reserved (MiB)", [r"{train}/rank[0-9]+/reserved_MiB$"]),
+]
+_RANK_HOST_CHARTS = [
     ("per rank: host RSS (MiB)", [r"{train}/rank[0-9]+/host_rss_MiB$"]),
 ]
 _COMPARE_CHARTS = [
@@ -115,5 +119,6 @@ def dashboard_layout(
     if trace:
         layout["memkit: layer trace"] = charts(_TRACE_CHARTS)
     if ranks:
-        layout["memkit: per rank (DDP)"] = charts(_RANK_CHARTS)
+        layout["memkit: per rank (DDP)"] = charts(
+            _RANK_CHARTS + (_RANK_CUDA_CHARTS if cuda else []) + (_RANK_HOST_CHARTS if host else []))
     return layout

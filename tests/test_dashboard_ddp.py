@@ -1,0 +1,74 @@
+"""The dashboard under real DDP (2 CPU processes, gloo): one layout, with per-rank charts that match the per-rank tags."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import read_scalars
+from test_dashboard import _layouts
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+    sys.path.insert(0, {tests!r})
+    from conftest import LinearStack
+    from lightning_memkit import MemoryTracker
+    from lightning_memkit.tensorboard.dashboard import register_dashboard
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):  # after MemoryTracker's: every rank asks again
+            print(f"rank {{trainer.global_rank}} registered again: {{register_dashboard(trainer)}}", flush=True)
+
+    trainer = pl.Trainer(
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=2, logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
+        callbacks=[MemoryTracker(per_rank=True, verbose=False), Probe()], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+    )
+    trainer.fit(LinearStack(batch_size=8))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ddp_one_layout_with_per_rank_charts(tmp_path):
+    script = tmp_path / "ddp_dashboard.py"
+    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=str(tmp_path), env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"DDP run did not finish in 180 s:\n{output[-4000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+    assert "rank 0 registered again: False" in output and "rank 1 registered again: False" in output
+
+    log_dir = str(tmp_path / "tb" / "version_0")
+    [layout] = _layouts(log_dir)
+    assert list(layout) == ["memkit: memory per step", "memkit: per rank (DDP)"]
+    tags = set(read_scalars(log_dir))
+    per_rank = layout["memkit: per rank (DDP)"]
+    matched = {title: {t for t in tags for r in regexes if re.match(r, t)} for title, regexes in per_rank.items()}
+    assert matched == {  # no reserved chart on CPU: every chart has lines
+        "per rank: step peak (MiB)": {"memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB"},
+        "per rank: host RSS (MiB)": {"memory/train/rank0/host_rss_MiB", "memory/train/rank1/host_rss_MiB"},
+    }
+    for title, regexes in layout["memkit: memory per step"].items():  # no validation chart: this fit does not validate
+        assert {t for t in tags for r in regexes if re.match(r, t)}, title
