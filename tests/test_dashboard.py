@@ -62,7 +62,7 @@ def test_layout_follows_prefix_and_switches():
     assert not re.match(at_peak, "memAx/trace/peak/activations_MiB") and not re.match(at_peak, "mem.x/trace/end/activations_MiB")
 
 
-def _layouts(log_dir):
+def read_layouts(log_dir):
     """Every custom-scalars layout in the run's event files, as TensorBoard parses it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2
@@ -80,7 +80,7 @@ def _layouts(log_dir):
 
 
 def _layout_events(log_dir):
-    return len(_layouts(log_dir))
+    return len(read_layouts(log_dir))
 
 
 class _OtherMemkitCallback(Callback):
@@ -164,7 +164,7 @@ def test_layer_trace_charts_match_what_layer_trace_logs(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[LayerTrace(at_steps=(1, 2))])
     trainer.fit(LinearStack(optimizer="adam"))
-    [layout] = _layouts(logger.log_dir)  # LayerTrace alone registers the dashboard: only its charts
+    [layout] = read_layouts(logger.log_dir)  # LayerTrace alone registers the dashboard: only its charts
     assert list(layout) == ["memkit: layer trace"]
     tags = set(read_scalars(logger.log_dir))
     for title, regexes in layout["memkit: layer trace"].items():
@@ -182,7 +182,7 @@ def test_memory_tracker_with_layer_trace_one_layout_with_both(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
                            callbacks=[LayerTrace(at_steps=(1,)), MemoryTracker(verbose=False)])
     trainer.fit(LinearStack())
-    [layout] = _layouts(logger.log_dir)
+    [layout] = read_layouts(logger.log_dir)
     assert list(layout) == ["memkit: memory per step", "memkit: layer trace"]
     tags = set(read_scalars(logger.log_dir))
     for category in layout.values():  # limit_val_batches=0: no validation chart, every chart has lines
@@ -198,7 +198,7 @@ def test_a_callback_can_ask_for_the_compare_charts(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="baseline", version="")
     trainer = make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[MemoryTracker(verbose=False), _AsksForCompare()])
     trainer.fit(LinearStack())
-    [layout] = _layouts(logger.log_dir)
+    [layout] = read_layouts(logger.log_dir)
     assert list(layout) == ["memkit: modes compared", "memkit: memory per step"]
     assert layout["memkit: modes compared"] == {
         "modes overlaid: step peak (MiB; one line per mode's run)": ["^memory/train/peak_(allocated|tensor)_MiB$"],

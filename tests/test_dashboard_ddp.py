@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from conftest import read_scalars
-from test_dashboard import _layouts
+from test_dashboard import read_layouts
 
 SCRIPT = textwrap.dedent(
     """
@@ -61,7 +61,7 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     assert "rank 0 registered again: False" in output and "rank 1 registered again: False" in output
 
     log_dir = str(tmp_path / "tb" / "version_0")
-    [layout] = _layouts(log_dir)
+    [layout] = read_layouts(log_dir)
     assert list(layout) == ["memkit: memory per step", "memkit: per rank (DDP)"]
     tags = set(read_scalars(log_dir))
     per_rank = layout["memkit: per rank (DDP)"]

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
 from conftest import LinearStack, make_trainer
+from test_dashboard import read_layouts
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
 from lightning_memkit.records import RECORDS_FILENAME, read_records
@@ -129,7 +130,7 @@ def test_report_never_unpickles(run_dir, tmp_path):
 
 
 def test_report_with_a_layer_trace(tmp_path):
-    layer_trace = pytest.importorskip("lightning_memkit.callbacks.layer_trace")  # LayerTrace lands with issue 3
+    from lightning_memkit.callbacks import layer_trace
     from lightning_memkit.trace.records import read_trace
 
     model = LinearStack(optimizer="adam")
@@ -150,7 +151,7 @@ def test_report_with_a_layer_trace(tmp_path):
 
 
 def test_report_of_a_compare_run(tmp_path, capsys):
-    compare = pytest.importorskip("lightning_memkit.modes.compare")  # memkit compare lands with issue 4
+    from lightning_memkit.modes import compare
     root = tmp_path / "cmp"
     result = compare.compare_modes(lambda: LinearStack(val_batches=1), modes="baseline,amp", max_steps=2,
                                    accelerator="cpu", root_dir=str(root), val_batches=1, verbose=False)
@@ -161,6 +162,9 @@ def test_report_of_a_compare_run(tmp_path, capsys):
     assert html.escape(result.format_table()) in page
     for mode in ("baseline", "amp"):
         assert f"Run <code>{mode}</code>" in page
+        # each mode's TensorBoard run carries the dashboard with the modes overlaid first
+        [layout] = read_layouts(str(root / mode))
+        assert list(layout)[:2] == ["memkit: modes compared", "memkit: memory per step"]
         summary, history = read_records(os.path.join(root, mode, RECORDS_FILENAME))
         assert html.escape(format_summary(summary, history)) in page
     pngs = sorted(os.listdir(png_dir))

@@ -290,6 +290,9 @@ def _step_recorder():
     class _StepRecorder(Callback):
         """Wall time, loss and batch size of each training step (thin: no measuring logic)."""
 
+        #: puts the "modes compared" charts on memkit's TensorBoard dashboard (tensorboard/dashboard.py)
+        memkit_dashboard_options = {"compare": True}
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
