@@ -186,7 +186,9 @@ class CategoryAttributor:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; choose from: {', '.join(CATEGORIES)}")
         adopted = 0
-        for tensor in tree_flatten(tensors)[0]:
+        if type(tensors) not in (list, tuple) or not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+            tensors = tree_flatten(tensors)[0]  # nested batches; flat lists skip pytree's cost
+        for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
             record = self.accountant.record_of(tensor)

@@ -96,6 +96,10 @@ class _TracingAccountant(TensorAccountant):
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)  # the common case, without pytree's cost
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -348,7 +352,7 @@ class LayerTracer:
         try:
             info = self._infos[module]
             recompute = in_backward()
-            tensors = _tensors((args, kwargs))
+            tensors = _tensors(args) + (_tensors(kwargs) if kwargs else [])
             if recompute:
                 counts = self._recompute_calls
             else:
