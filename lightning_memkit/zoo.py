@@ -13,7 +13,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SyntheticClassification", "SyntheticDataModule", "DemoMLP", "DemoCNN", "DemoTransformer"]
+__all__ = ["SyntheticClassification", "SyntheticDataModule", "DemoMLP", "DemoCNN", "DemoTransformer", "DemoResNet"]
 
 
 class SyntheticClassification(Dataset):
@@ -168,6 +168,63 @@ class DemoTransformer(_Classifier):
     def _data(self) -> SyntheticDataModule:
         hp = self.hparams
         return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(hp.seq_len,), num_classes=hp.num_classes, vocab_size=hp.vocab_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._data().train_dataloader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._data().val_dataloader()
+
+
+class _BasicBlock(nn.Module):
+    """ResNet's basic block: conv3x3-BN-ReLU-conv3x3-BN plus a (projected) shortcut, then ReLU."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.bn1(self.conv1(inputs)))
+        return torch.relu(self.bn2(self.conv2(hidden)) + self.shortcut(inputs))
+
+
+class DemoResNet(_Classifier):
+    """A small ResNet: stem conv, ``len(stages)`` stages (``nn.Sequential`` of basic blocks, channels doubling,
+    stride 2 from the second stage), global average pool, dropout, linear. ``stages=(2, 2, 2, 2)`` with
+    ``channels=64`` is ResNet-18's layout."""
+
+    def __init__(self, channels: int = 16, stages: tuple[int, ...] = (2, 2, 2), image_size: int = 32, num_classes: int = 10,
+                 dropout: float = 0.1, lr: float = 1e-3, batch_size: int = 32) -> None:
+        super().__init__(num_classes, lr)
+        self.save_hyperparameters()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        layers = []
+        in_channels = channels
+        for index, count in enumerate(stages):
+            out_channels = channels * 2**index
+            blocks = [_BasicBlock(in_channels, out_channels, 1 if index == 0 else 2)]
+            blocks += [_BasicBlock(out_channels, out_channels) for _ in range(count - 1)]
+            layers.append(nn.Sequential(*blocks))
+            in_channels = out_channels
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(in_channels, num_classes))
+        self.batch_size = batch_size
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.stem(inputs)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+    def _data(self) -> SyntheticDataModule:
+        size = self.hparams.image_size
+        return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(3, size, size), num_classes=self.hparams.num_classes)
 
     def train_dataloader(self) -> DataLoader:
         return self._data().train_dataloader()
