@@ -113,3 +113,27 @@ def _quiet_lightning():
         warnings.filterwarnings("ignore", message=".*number of training batches.*")
         warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
         yield
+
+
+def run_script(args: list[str], cwd: str, timeout: float = 180) -> str:
+    """Run ``python *args`` in its own session (a DDP launcher and its ranks), kill the whole
+    group on timeout, fail the test unless it exits 0; returns its output (stdout and stderr)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{args[0]} did not finish in {timeout} s:\n{output[-4000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+    return output

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from conftest import run_script
 from lightning_memkit.trace import read_trace
 
 EXTRA_ELEMENTS = 2**20  # rank r allocates (r + 1) * 4 MiB more inside its training step
@@ -50,20 +48,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_each_rank_traces_its_own_step(tmp_path):
     script = tmp_path / "ddp_trace.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=str(tmp_path), env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and the rank it started
-        output, _ = process.communicate()
-        pytest.fail(f"DDP run did not finish in 180 s:\n{output[-4000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
+    run_script([str(script), str(tmp_path)], cwd=str(tmp_path))
 
     log_dir = tmp_path / "tb" / "version_0"
     rank0 = read_trace(log_dir / "memkit_trace_step1.json")
