@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import os
 import pickle
 import re
@@ -11,6 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
@@ -18,7 +20,7 @@ from conftest import LinearStack, make_trainer
 from test_dashboard import read_layouts
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
-from lightning_memkit.records import RECORDS_FILENAME, read_records
+from lightning_memkit.records import RECORDS_FILENAME, StepReading, read_records
 from lightning_memkit.report import find_sources
 from lightning_memkit.report.render import readings_table
 from lightning_memkit.summary_table import format_summary
@@ -45,7 +47,7 @@ def test_report_of_a_real_run(run_dir, tmp_path, capsys):
     out, png_dir = tmp_path / "report.html", tmp_path / "png"
     assert main(["report", run_dir, "-o", str(out), "--png", str(png_dir)]) == 0
     printed = capsys.readouterr().out
-    assert "1 run(s), 0 layer trace(s), 0 mode comparison(s)" in printed
+    assert "1 run(s), 0 layer trace(s), 0 mode comparison(s), 0 out-of-memory report(s)" in printed
     assert "not found: no layer trace" in printed and "not found: no mode comparison" in printed
     page = out.read_text()
     summary, history = read_records(os.path.join(run_dir, "run", "version_0", RECORDS_FILENAME))
@@ -157,7 +159,7 @@ def test_report_of_a_compare_run(tmp_path, capsys):
                                    accelerator="cpu", root_dir=str(root), val_batches=1, verbose=False)
     out, png_dir = tmp_path / "report.html", tmp_path / "png"
     assert main(["report", str(root), "-o", str(out), "--png", str(png_dir)]) == 0
-    assert "2 run(s), 0 layer trace(s), 1 mode comparison(s)" in capsys.readouterr().out
+    assert "2 run(s), 0 layer trace(s), 1 mode comparison(s), 0 out-of-memory report(s)" in capsys.readouterr().out
     page = out.read_text()
     assert html.escape(result.format_table()) in page
     for mode in ("baseline", "amp"):
@@ -175,3 +177,33 @@ def test_report_of_a_compare_run(tmp_path, capsys):
     (root / "compare.json").unlink()
     [only] = find_sources(str(root)).compares
     assert only.data is None and [row["mode"] for row in only.rows] == ["baseline", "amp"]
+
+
+class _RunsOutAtStep2(LinearStack):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2:
+            torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: the CPU allocator refuses it, a real out-of-memory error
+        return loss
+
+
+def test_report_of_a_run_that_ran_out_of_memory(tmp_path, capsys):
+    logger = TensorBoardLogger(str(tmp_path / "logs"), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=5, logger=logger, callbacks=[MemoryTracker(verbose=False)], log_every_n_steps=1)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer.fit(_RunsOutAtStep2())
+    out = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    assert "1 run(s), 0 layer trace(s), 0 mode comparison(s), 1 out-of-memory report(s)" in capsys.readouterr().out
+    page = out.read_text()
+    with open(os.path.join(logger.log_dir, "memkit_oom_rank0.json")) as file:
+        oom = json.load(file)
+    assert "Out of memory: <code>run/version_0</code>, step 2, rank 0" in page
+    assert "RuntimeError: " + html.escape(oom["error"][:100]) in page
+    readings = [StepReading.from_dict(r) for r in oom["last_readings"]] + [StepReading.from_dict(oom["failing_step_reading"])]
+    assert [r.step for r in readings] == [0, 1, 2]
+    assert html.escape(readings_table(readings)) in page
+    # the run never reached fit end: its readings come back from the TensorBoard scalars, and the report says so
+    [run] = find_sources(str(tmp_path / "logs")).runs
+    assert not run.exact and [r.step for r in run.history] == [0, 1]
+    assert "rebuilt from TensorBoard scalars" in page

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"memkit report: {error}", file=sys.stderr)
         return 1
     print(f"memkit report: {len(sources.runs)} run(s), {len(sources.traces)} layer trace(s), "
-          f"{len(sources.compares)} mode comparison(s) from {sources.logdir}")
+          f"{len(sources.compares)} mode comparison(s), {len(sources.ooms)} out-of-memory report(s) from {sources.logdir}")
     for line in sources.missing:
         print(f"  not found: {line}")
     for line in sources.problems:

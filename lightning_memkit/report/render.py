@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, StepReading
-from lightning_memkit.report.sources import CompareFile, ReportSources, RunRecords, TraceFile
+from lightning_memkit.records import RunSummary
+from lightning_memkit.report.sources import CompareFile, OomFile, ReportSources, RunRecords, TraceFile
 from lightning_memkit.summary_table import format_summary, format_table
 from lightning_memkit.units import MiB
 
@@ -140,6 +141,31 @@ def _run_section(builder: _Builder, run: RunRecords) -> None:
         builder.add(f"<details><summary>all {len(run.history)} readings</summary>{_pre(readings_table(run.history))}</details>")
 
 
+def _oom_section(builder: _Builder, oom: OomFile) -> None:
+    data = oom.data
+    builder.add(f"<h2>Out of memory: <code>{html.escape(oom.name)}</code>, step {html.escape(str(data.get('step')))}, "
+                f"rank {oom.rank}</h2>")
+    builder.add(f'<p class="problems">{html.escape(str(data.get("error_type")))}: {html.escape(str(data.get("error", ""))[:600])}</p>')
+    builder.add(f'<p class="meta">device {html.escape(str(data.get("device")))}, at {html.escape(str(data.get("time", "?")))}, '
+                f"from {html.escape(os.path.basename(oom.path))}</p>")
+    readings = [StepReading.from_dict(r) for r in data.get("last_readings") or []]
+    if data.get("failing_step_reading"):
+        readings.append(StepReading.from_dict(data["failing_step_reading"]))
+    try:
+        summary = RunSummary.from_dict(data.get("summary") or {})
+        builder.add(_pre(format_summary(summary, readings)))
+    except (TypeError, ValueError) as error:
+        builder.add(f'<p class="problems">its summary cannot be read ({html.escape(str(error))})</p>')
+    if readings:
+        builder.add("<p>The last readings; the last row is the step that ran out (measured up to the failure):</p>"
+                    + _pre(readings_table(readings)))
+    if data.get("cuda_snapshot"):
+        builder.add(f"<p>A CUDA memory snapshot was saved to <code>{html.escape(str(data['cuda_snapshot']))}</code>: open it at "
+                    "https://pytorch.org/memory_viz (memkit report never opens pickles).</p>")
+    if data.get("cuda_memory_summary"):
+        builder.add(f"<details><summary>CUDA allocator summary at the failure</summary>{_pre(str(data['cuda_memory_summary']))}</details>")
+
+
 def _trace_section(builder: _Builder, trace: TraceFile) -> None:
     rank = f", rank {trace.rank}" if trace.rank else ""
     builder.add(f"<h2>Layer trace <code>{html.escape(trace.name)}</code>, step {trace.step}{rank}</h2>")
@@ -224,11 +250,15 @@ def build_report(sources: ReportSources, title: str = "memkit memory report") ->
         found.append(f"{len(sources.traces)} layer trace(s)")
     if sources.compares:
         found.append(f"{len(sources.compares)} mode comparison(s)")
+    if sources.ooms:
+        found.append(f"{len(sources.ooms)} out-of-memory report(s)")
     builder.add('<h2>What was found</h2><ul class="found">' + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
     if sources.missing:
         builder.add('<p>Not found:</p><ul class="missing">' + "".join(f"<li>{html.escape(m)}</li>" for m in sources.missing) + "</ul>")
     if sources.problems:
         builder.add('<p>Could not read:</p><ul class="problems">' + "".join(f"<li>{html.escape(p)}</li>" for p in sources.problems) + "</ul>")
+    for oom in sources.ooms:
+        _oom_section(builder, oom)
     for compare in sources.compares:
         _compare_section(builder, compare)
     for run in sources.runs:

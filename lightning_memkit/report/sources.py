@@ -19,7 +19,7 @@ from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, 
 
 __all__ = [
     "TRACE_FORMAT", "COMPARE_FORMAT", "MEMORY_FORMAT", "TRACE_PATTERN", "COMPARE_JSON", "COMPARE_CSV",
-    "RunRecords", "TraceFile", "CompareFile", "ReportSources", "ReportInputError", "find_sources",
+    "OOM_PATTERN", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources", "ReportInputError", "find_sources",
 ]
 
 MEMORY_FORMAT = "lightning-memkit/memory"
@@ -27,6 +27,8 @@ TRACE_FORMAT = "lightning-memkit/trace"
 COMPARE_FORMAT = "lightning-memkit/compare"
 #: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``, ``memkit_trace_step{N}_rank{r}.json``.
 TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+|x)(?:_rank(\d+))?\.json$")
+#: MemoryTracker's out-of-memory report: ``memkit_oom_rank{r}.json`` (see lightning_memkit.oom).
+OOM_PATTERN = re.compile(r"^memkit_oom_rank(\d+)\.json$")
 COMPARE_JSON = "compare.json"
 COMPARE_CSV = "compare.csv"
 _EVENTS_GLOB = "events.out.tfevents.*"
@@ -85,6 +87,20 @@ class CompareFile:
 
 
 @dataclass
+class OomFile:
+    """An out-of-memory report ``memkit_oom_rank{r}.json`` written by MemoryTracker when a run ran out.
+
+    ``data`` is the parsed JSON: ``step``, ``error_type``, ``error``, ``failing_step_reading``,
+    ``last_readings``, ``summary``, ``cuda_snapshot`` (a path; never opened here) and more.
+    """
+
+    name: str
+    path: str
+    rank: int
+    data: dict[str, Any]
+
+
+@dataclass
 class ReportSources:
     """Everything found under a log dir, and what was not.
 
@@ -93,6 +109,7 @@ class ReportSources:
         runs: memory readings per run.
         traces: layer-trace files.
         compares: compare results.
+        ooms: out-of-memory reports.
         problems: files that looked like memkit's but could not be read, with why.
         missing: one sentence per kind of data that was not found, saying what writes it.
         files_seen: how many files were looked at.
@@ -102,6 +119,7 @@ class ReportSources:
     runs: list[RunRecords] = field(default_factory=list)
     traces: list[TraceFile] = field(default_factory=list)
     compares: list[CompareFile] = field(default_factory=list)
+    ooms: list[OomFile] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     files_seen: int = 0
@@ -109,7 +127,7 @@ class ReportSources:
     @property
     def empty(self) -> bool:
         """Whether nothing at all can be shown."""
-        return not (self.runs or self.traces or self.compares)
+        return not (self.runs or self.traces or self.compares or self.ooms)
 
 
 def _format_of(data: Any) -> str:
@@ -194,6 +212,11 @@ def find_sources(logdir: str) -> ReportSources:
                     match = TRACE_PATTERN.match(name)
                     step = int(match.group(1)) if match.group(1).isdigit() else None
                     sources.traces.append(TraceFile(run, path, step, int(match.group(2) or 0), data))
+                elif OOM_PATTERN.match(name):
+                    data = _read_json(path)
+                    if not isinstance(data, dict) or not {"error_type", "summary"} <= set(data):
+                        raise ValueError("not a memkit out-of-memory report (no error_type and summary keys)")
+                    sources.ooms.append(OomFile(run, path, int(OOM_PATTERN.match(name).group(1)), data))
                 elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
                     sources.compares.append(_read_compare(run, directory, files))
                 elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
@@ -214,6 +237,7 @@ def find_sources(logdir: str) -> ReportSources:
             sources.runs.append(run)
     sources.runs.sort(key=lambda r: r.name)
     sources.traces.sort(key=lambda t: (t.name, t.step if t.step is not None else -1, t.rank))
+    sources.ooms.sort(key=lambda o: (o.name, o.rank))
     _say_what_is_missing(sources, seen_examples)
     if sources.empty:
         found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, none of them memkit's"
@@ -225,6 +249,7 @@ def find_sources(logdir: str) -> ReportSources:
             f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end) or TensorBoard event files with memory/ scalars\n"
             "  - memkit_trace_step<N>.json (LayerTrace)\n"
             f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
+            "  - memkit_oom_rank<r>.json (MemoryTracker, when a run runs out of memory)\n"
             "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
         )
     return sources
