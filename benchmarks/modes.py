@@ -36,6 +36,10 @@ MODELS = {
     # A transformer encoder at a batch where activations dominate the step's memory.
     "transformer": lambda: DemoTransformer(vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512,
                                            seq_len=128, batch_size=16),
+    # The same encoder without dropout (as many current recipes train): on CPU, drawing dropout masks
+    # (bernoulli) is a large share of the forward, and checkpointing draws them again.
+    "transformer-nodropout": lambda: DemoTransformer(vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512,
+                                                     seq_len=128, batch_size=16, dropout=0.0),
     # A ResNet-style CNN (BatchNorm, residual blocks in stages).
     "cnn": lambda: DemoResNet(channels=16, stages=(2, 2, 2), image_size=64, batch_size=32),
 }
@@ -119,7 +123,7 @@ def _keep_freed_memory() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="transformer,cnn")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=1)

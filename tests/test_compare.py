@@ -57,7 +57,7 @@ def test_ratios_and_what_each_mode_saves(compared):
     assert compared["bf16+checkpoint"].peak_allocated_bytes < compared["checkpoint"].peak_allocated_bytes
     # checkpointing recomputes, it does not change the training: same seed, same loss
     assert compared["checkpoint"].final_train_loss == base.final_train_loss
-    assert compared["checkpoint"].checkpoint_regions == 3 and compared["checkpoint"].precision == "32-true"
+    assert compared["checkpoint"].checkpoint_regions == 2 and compared["checkpoint"].precision == "32-true"
     assert compared["bf16"].precision == "bf16-mixed"
 
 
@@ -108,7 +108,7 @@ def test_cli_compare(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "memkit compare (cpu, 2 steps, baseline baseline)" in out and "checkpoint" in out
-    assert read_compare(str(tmp_path))["checkpoint"].checkpoint_regions == 3
+    assert read_compare(str(tmp_path))["checkpoint"].checkpoint_regions == 2
     assert main(["compare", spec, "--modes", "baseline,ampp", "--logdir", str(tmp_path)]) == 2
     assert "valid words" in capsys.readouterr().out
     assert main(["compare", spec, "--init-args", "[1]", "--logdir", str(tmp_path)]) == 2

@@ -625,6 +625,11 @@ def _regions_for(module: nn.Module, policy: Any) -> tuple[list[_Region], str]:
                     regions.append(_Region(name, [module.get_submodule(name)], [name]))
                 notes.append(f"{run.container_name}: {len(run.names)} blocks called from user code, one segment each "
                              "(a ModuleList's calls cannot be grouped without rewriting forward)")
+        if len(regions) > 1:
+            # Like torch's checkpoint_sequential, the last segment runs plain: backward starts by recomputing
+            # it, so checkpointing it would cost a forward and save no peak memory.
+            last = regions.pop()
+            notes.append(f"the last segment ({last.name}) is not checkpointed: backward would recompute it at once")
         return regions, "; ".join(notes)
     if isinstance(policy, frozenset):
         chosen = [(n, m) for n, m in _callable_modules(module) if isinstance(m, tuple(policy))]

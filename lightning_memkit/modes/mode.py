@@ -14,8 +14,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
-from lightning_memkit.units import parse_bytes
+from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
 
 __all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "MODE_WORDS"]
 
@@ -176,21 +175,13 @@ def _parse_checkpoint_word(word: str, text: str) -> Any:
     if argument == "auto":
         return "auto"
     if argument.startswith("budget="):
-        value = argument[len("budget="):]
         try:
-            number = float(value)
+            return normalize_policy(argument)  # the one parser of budget strings
         except ValueError:
-            number = None
-        if number is not None and 0 < number <= 1:
-            return CheckpointBudget(fraction=number)
-        try:
-            return CheckpointBudget(bytes=parse_bytes(value))
-        except ValueError:
-            pass
-        raise ValueError(
-            f"mode {text!r}: bad budget {value!r}; write checkpoint:budget=0.5 (a fraction of the baseline "
-            "activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size)"
-        )
+            raise ValueError(
+                f"mode {text!r}: bad budget {argument[len('budget='):]!r}; write checkpoint:budget=0.5 (a fraction of the "
+                "baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size)"
+            ) from None
     raise ValueError(f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}")
 
 
