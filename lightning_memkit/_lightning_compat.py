@@ -6,6 +6,7 @@ tests/test_lightning_compat.py says which one moved.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = ["logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured"]
@@ -97,3 +98,27 @@ def tuner_exit_exception() -> type:
     from lightning.pytorch.utilities.exceptions import _TunerExitException
 
     return _TunerExitException
+
+
+def clear_logged_results(trainer: Any) -> None:
+    """Forget what ``self.log`` collected in the fit loop (``fit_loop.epoch_loop._results``), so values
+    logged during batch-size trials neither leak into training nor clash with its logging."""
+    results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
+    if results is not None:
+        results.clear()
+
+
+@contextlib.contextmanager
+def no_per_step_sigterm_broadcast(trainer: Any):
+    """Inside the block, skip the ``torch.distributed.broadcast`` Lightning (>= 2.5) makes every training
+    batch to share SIGTERM (``epoch_loop._broadcast_sigterm_tensor``), so a rank that runs out of memory
+    alone cannot leave the others waiting in it. A no-op where the method does not exist."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        yield
+        return
+    epoch_loop._broadcast_sigterm_tensor = lambda: None
+    try:
+        yield
+    finally:
+        del epoch_loop._broadcast_sigterm_tensor

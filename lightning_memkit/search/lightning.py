@@ -107,6 +107,14 @@ class _Outcomes:
         return self.agree(True, None, value)[2]
 
 
+def _no_barrier(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _first_argument(value: Any, *args: Any, **kwargs: Any) -> Any:
+    return value
+
+
 @contextlib.contextmanager
 def _rank_local(trainer: Any) -> Iterator[None]:
     """Inside a trial no rank waits for another: gradient sync, buffer broadcast and Lightning's
@@ -120,12 +128,7 @@ def _rank_local(trainer: Any) -> Iterator[None]:
     wrapped = getattr(strategy, "model", None)
     saved_sync = getattr(wrapped, "require_backward_grad_sync", None)
     saved_broadcast = getattr(wrapped, "broadcast_buffers", None)
-    stubs = {
-        "barrier": lambda *args, **kwargs: None,
-        "reduce": lambda tensor, *args, **kwargs: tensor,
-        "reduce_boolean_decision": lambda decision, *args, **kwargs: decision,
-        "broadcast": lambda obj, *args, **kwargs: obj,
-    }
+    stubs = {"barrier": _no_barrier, "reduce": _first_argument, "reduce_boolean_decision": _first_argument, "broadcast": _first_argument}
     for name, stub in stubs.items():
         setattr(strategy, name, stub)
     if saved_sync is not None:
@@ -133,7 +136,8 @@ def _rank_local(trainer: Any) -> Iterator[None]:
     if saved_broadcast is not None:
         wrapped.broadcast_buffers = False
     try:
-        yield
+        with compat.no_per_step_sigterm_broadcast(trainer):
+            yield
     finally:
         for name in stubs:
             delattr(strategy, name)  # the class's methods show through again
@@ -184,6 +188,7 @@ class _Snapshot:
         trainer.should_stop = self.should_stop
         trainer.fit_loop.load_state_dict(copy.deepcopy(self.loop_state))
         trainer.fit_loop.restarting = self.loop_restarting
+        compat.clear_logged_results(trainer)
         module.train(self.training)
         _lightning_setattr(module, batch_arg_name, self.batch_size)
         self.rng.__exit__(None, None, None)
@@ -232,6 +237,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         capacity = int(free + torch.cuda.memory_reserved(device))
+    if capacity is not None:
+        capacity = outcomes.min(capacity)  # every rank must search the same way: the tightest memory decides
     result: SearchResult | None = None
     try:
         trainer.callbacks = []
@@ -323,6 +330,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     with _rank_local(trainer):
         compat.reload_train_dataloader(trainer)
         compat.reset_fit_progress(trainer)
+        compat.clear_logged_results(trainer)
         trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
         trainer.fit_loop.max_epochs = max(1000, trainer.fit_loop.max_epochs or 0)
         trainer.should_stop = False
@@ -354,7 +362,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     else:
         peak = None
     fits, peak, _ = outcomes.agree(fits, peak if fits else None)
-    return Trial(size, fits, peak, time.perf_counter() - started, None if fits else (error_text or "out of memory on another rank"))
+    return Trial(size, fits, peak if fits else None, time.perf_counter() - started, None if fits else (error_text or "out of memory on another rank"))
 
 
 def _state_tensors(trainer: Any, module: Any) -> Iterator[torch.Tensor]:

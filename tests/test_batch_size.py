@@ -1,0 +1,223 @@
+"""MaxBatchSize / find_max_batch_size: real Trainer trials under a CPU budget, state restored, bad input."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_memkit import is_out_of_memory
+from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
+from lightning_memkit.estimate import measure_training_step
+from lightning_memkit.estimate.predict import AffineGrowth
+from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
+from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
+from lightning_memkit.search.lightning import find_max_batch_size
+from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
+
+FEATURES = 256
+
+
+def _trainer(tmp_path, **kwargs):
+    options = dict(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def _setup(batch_size=8):
+    torch.manual_seed(0)
+    module = DemoMLP(in_features=FEATURES, hidden=128, depth=2)
+    del module.batch_size  # the batch size lives on the datamodule
+    return module, SyntheticDataModule(batch_size=batch_size, train_size=1024, val_size=16, input_shape=(FEATURES,))
+
+
+def _budget_for(size):
+    module, _ = _setup()
+    return measure_training_step(module, size, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+
+
+def _fits(tmp_path, size, budget):
+    module, data = _setup()
+    try:
+        find_max_batch_size(_trainer(tmp_path), module, data, budget=budget, init_val=size, max_val=size, max_trials=1,
+                            use_estimate=False, verbose=False)
+        return True
+    except SearchError:
+        return False
+
+
+# ------------------------------------------------------------------------------ the search core
+def _oracle(fixed, slope, capacity):
+    def trial(size):
+        peak = fixed + slope * size
+        return Trial(size, peak <= capacity, int(peak) if peak <= capacity else None)
+    return trial
+
+
+def test_search_core_jumps_near_the_answer_and_returns_only_sizes_that_ran():
+    fixed, slope, capacity = 50e6, 1e5, 50e6 + 1e5 * 1234.5
+    growth = AffineGrowth(fixed * 1.1, slope * 1.02)  # a slightly wrong estimate
+    search = BatchSizeSearch(_oracle(fixed, slope, capacity), capacity_bytes=int(capacity), growth=growth,
+                             predicted=growth.largest_fitting(capacity), max_val=100_000)
+    result = search.run()
+    assert 0.95 * 1234 <= result.batch_size <= 1234 and result.reason == "converged"
+    assert result.trial_count <= 4
+    assert any(t.fits and t.batch_size == result.batch_size for t in result.trials)
+    assert result.smallest_failure is not None and result.batch_size >= 0.95 * result.smallest_failure
+
+
+def test_search_core_honours_init_val_and_max_val_and_fails_clearly():
+    search = BatchSizeSearch(_oracle(0, 1, 1e9), init_val=3, max_val=40)
+    result = search.run()
+    assert result.trials[0].batch_size == 3 and result.batch_size == 40 and result.reason == "max_val"
+    assert max(t.batch_size for t in result.trials) == 40
+    with pytest.raises(SearchError, match="may not fit"):
+        BatchSizeSearch(_oracle(100, 1, 50), capacity_bytes=50, max_val=64).run()
+    with pytest.raises(ValueError, match="init_val=9 is larger than max_val=4"):
+        BatchSizeSearch(_oracle(0, 1, 10), init_val=9, max_val=4)
+
+
+def test_budget_fails_like_out_of_memory():
+    budget = MemoryBudget(1000)
+    with pytest.raises(BudgetExceededError) as caught:
+        with budget:
+            small = torch.zeros(100)   # 400 bytes: fine
+            torch.zeros(200)           # 800 more: over
+    assert is_out_of_memory(caught.value) and isinstance(caught.value, torch.OutOfMemoryError)
+    assert caught.value.requested_bytes == 1200 and caught.value.budget_bytes == 1000 and budget.exceeded == 1
+    assert budget.live_bytes == 400
+    del small
+
+
+# ------------------------------------------------------------------------------ real trials
+def test_finder_returns_a_size_it_ran_within_5_percent_of_the_brute_force_maximum(tmp_path, capsys):
+    budget = _budget_for(150)
+    module, data = _setup()
+    result = find_max_batch_size(_trainer(tmp_path), module, data, budget=budget, max_val=1024)
+    found = result.batch_size
+    assert data.batch_size == found
+    assert any(t.fits and t.batch_size == found for t in result.trials)
+    assert result.trial_count <= 4
+    # brute force upwards from the answer: the first size that fails bounds the true maximum
+    true_max = found
+    while _fits(tmp_path, true_max + 1, budget):
+        true_max += 1
+    assert found >= 0.95 * true_max, (found, true_max)
+    out = capsys.readouterr().out
+    assert "memkit: trial 1: batch" in out and "peak" in out
+
+
+class _RecordingSearch(MaxBatchSize):
+    """Record the state right before and right after the search."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.before = self._state(trainer, pl_module)
+        self.find(trainer, pl_module)
+        self.after = self._state(trainer, pl_module)
+
+    @staticmethod
+    def _state(trainer, pl_module):
+        return {
+            "weights": {k: v.clone() for k, v in pl_module.state_dict().items()},
+            "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+            "loop": copy.deepcopy(trainer.fit_loop.state_dict()),
+            "global_step": trainer.global_step,
+            "rng": torch.get_rng_state(),
+            "callbacks": list(trainer.callbacks),
+            "loggers": list(trainer.loggers),
+        }
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_search_when_resumed_mid_training_runs_real_steps_and_restores_state_bit_for_bit(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    module, data = _setup(batch_size=32)
+    first = _trainer(tmp_path, max_steps=4)
+    first.fit(module, data)
+    checkpoint = tmp_path / "mid.ckpt"
+    first.save_checkpoint(checkpoint)
+    finder = _RecordingSearch(budget=_budget_for(60), max_val=256, verbose=False)
+    trainer = _trainer(tmp_path, max_steps=6, callbacks=[finder], logger=CSVLogger(tmp_path))
+    trainer.fit(module, data, ckpt_path=checkpoint)
+    # on_fit_start comes before Lightning restores the checkpoint: the search must not disturb that restore
+    assert _equal(finder.before, finder.after)
+    assert all(t.peak_bytes for t in finder.result.trials if t.fits)  # each trial ran its steps (else SearchError)
+    assert trainer.global_step == 6  # the checkpoint (step 4) was restored after the search, training went on to 6
+    assert data.batch_size == finder.result.batch_size
+
+
+def test_keep_effective_batch_size_raises_accumulation(tmp_path):
+    module, data = _setup(batch_size=128)
+    trainer = _trainer(tmp_path, accumulate_grad_batches=2)
+    result = find_max_batch_size(trainer, module, data, budget=_budget_for(40), keep_effective_batch_size=True, verbose=False)
+    assert data.batch_size * trainer.accumulate_grad_batches == 256
+    assert data.batch_size <= result.batch_size and 256 % data.batch_size == 0
+
+
+def test_bad_input_gets_clear_errors(tmp_path):
+    module, data = _setup()
+    fixed = DemoMLP(in_features=FEATURES)
+    del fixed.batch_size
+    fixed.hparams.pop("batch_size")
+    fixed.train_dataloader = data.train_dataloader  # a loader with a hard-coded batch size
+    with pytest.raises(MisconfigurationException, match="add self.batch_size"):
+        find_max_batch_size(_trainer(tmp_path), fixed, None, budget=10**8)
+    with pytest.raises(MisconfigurationException, match="passed straight to trainer.fit"):
+        _trainer(tmp_path, callbacks=[MaxBatchSize(budget=10**8)]).fit(DemoMLP(), train_dataloaders=data.train_dataloader())
+    with pytest.raises(MisconfigurationException, match="smaller than the model's parameters"):
+        find_max_batch_size(_trainer(tmp_path), module, data, budget=1000)
+    with pytest.raises(MisconfigurationException, match="budget='lots'"):
+        MaxBatchSize(budget="lots")
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, lightning.pytorch as pl
+    from lightning_memkit.search.lightning import find_max_batch_size
+    from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
+    torch.manual_seed(0)
+    module = DemoMLP(in_features=256, hidden=128, depth=2); del module.batch_size
+    data = SyntheticDataModule(batch_size=8, train_size=2048, val_size=16, input_shape=(256,))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
+    budgets = [int(sys.argv[2]), int(sys.argv[3])]
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    result = find_max_batch_size(trainer, module, data, budget=budgets[rank], max_val=512, verbose=False)
+    with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.txt"), "w") as f:
+        f.write(f"{result.batch_size} {len(result.trials)}")
+    """
+)
+
+
+def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
+    script = tmp_path / "ddp_search.py"
+    script.write_text(DDP_SCRIPT)
+    small, large = _budget_for(60), _budget_for(200)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    process = subprocess.run([sys.executable, str(script), str(tmp_path), str(large), str(small)], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=240)
+    assert process.returncode == 0, process.stderr[-3000:]
+    answers = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert answers[0] == answers[1], answers
+    size = int(answers[0][0])
+    assert 0.9 * 60 <= size <= 62, size  # rank 1's smaller budget decides (per-rank batch, DDP adds nothing per sample)
