@@ -122,3 +122,29 @@ def no_per_step_sigterm_broadcast(trainer: Any):
         yield
     finally:
         del epoch_loop._broadcast_sigterm_tensor
+
+
+_LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint", "_restart_stage")
+
+
+def _loops(loop: Any) -> list[Any]:
+    from lightning.pytorch.loops.loop import _Loop
+
+    found = [loop]
+    for value in vars(loop).values():
+        if isinstance(value, _Loop):
+            found += _loops(value)
+    return found
+
+
+def loop_flags(loop: Any) -> list[dict[str, Any]]:
+    """The restart flags of ``loop`` and every loop inside it (``loop.load_state_dict`` sets them as if
+    resuming from a checkpoint; the batch-size search puts them back with :func:`set_loop_flags`)."""
+    return [{name: getattr(each, name) for name in _LOOP_FLAGS if hasattr(each, name)} for each in _loops(loop)]
+
+
+def set_loop_flags(loop: Any, flags: list[dict[str, Any]]) -> None:
+    """Put back flags saved by :func:`loop_flags` (same loop tree)."""
+    for each, saved in zip(_loops(loop), flags):
+        for name, value in saved.items():
+            setattr(each, name, value)

@@ -164,6 +164,33 @@ def test_search_when_resumed_mid_training_runs_real_steps_and_restores_state_bit
     assert data.batch_size == finder.result.batch_size
 
 
+class _EpochStartSearch(_RecordingSearch):
+    """Search when epoch 1 starts, after 4 real steps (Lightning's documented mid-training pattern)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        pass
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            _RecordingSearch.on_fit_start(self, trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.sizes = getattr(self, "sizes", []) + [(trainer.global_step, len(batch[0]))]
+
+
+def test_search_started_mid_training_runs_real_steps_and_restores_state_bit_for_bit(tmp_path):
+    module, data = _setup(batch_size=32)
+    data.train_set.inputs, data.train_set.labels = data.train_set.inputs[:128], data.train_set.labels[:128]
+    finder = _EpochStartSearch(budget=_budget_for(60), max_val=128, verbose=False)
+    trainer = _trainer(tmp_path, max_steps=6, callbacks=[finder])
+    trainer.fit(module, data)
+    assert finder.before["global_step"] == 4 and finder.before["optimizer"]["state"]  # mid-training: Adam state exists
+    assert _equal(finder.before, finder.after)
+    found = finder.result.batch_size
+    assert all(t.peak_bytes for t in finder.result.trials if t.fits)  # each trial ran its steps (else SearchError)
+    assert finder.sizes == [(0, 32), (1, 32), (2, 32), (3, 32), (4, found), (5, found)]  # training went on at the new size
+
+
 def test_keep_effective_batch_size_raises_accumulation(tmp_path):
     module, data = _setup(batch_size=128)
     trainer = _trainer(tmp_path, accumulate_grad_batches=2)

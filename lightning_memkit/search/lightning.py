@@ -158,7 +158,7 @@ class _Snapshot:
         self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
         self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
         self.loop_state = copy.deepcopy(trainer.fit_loop.state_dict())
-        self.loop_restarting = trainer.fit_loop.restarting
+        self.loop_flags = compat.loop_flags(trainer.fit_loop)
         self.callbacks = trainer.callbacks
         self.loggers = trainer.loggers
         self.max_steps = trainer.fit_loop.epoch_loop.max_steps
@@ -187,7 +187,7 @@ class _Snapshot:
         trainer.limit_val_batches = self.limit_val_batches
         trainer.should_stop = self.should_stop
         trainer.fit_loop.load_state_dict(copy.deepcopy(self.loop_state))
-        trainer.fit_loop.restarting = self.loop_restarting
+        compat.set_loop_flags(trainer.fit_loop, self.loop_flags)
         compat.clear_logged_results(trainer)
         module.train(self.training)
         _lightning_setattr(module, batch_arg_name, self.batch_size)
