@@ -1,0 +1,67 @@
+"""``memkit estimate FILE.py:Module``: predicted peak and largest batch per mode, on fake tensors (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate", help="will it fit? predict a training step's memory and the largest batch, per mode",
+        description="Build the LightningModule (no arguments), run its training step on fake tensors (no real memory, "
+                    "no GPU) and print, per mode, the predicted peak at its batch size and the largest batch that fits.")
+    parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with no arguments)")
+    parser.add_argument("--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)")
+    parser.add_argument("--modes", default="baseline", help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint")
+    parser.add_argument("--device", default="cuda", help="target device type: cuda (allocator model + allowances) or cpu")
+    parser.add_argument("--batch-size", type=int, default=None, help="estimate at this batch size (default: the module's)")
+    parser.add_argument("--margin", type=float, default=0.05, help="fraction of device memory kept free (default: 0.05)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memkit.cli.common import CliError, load_object
+    from lightning_memkit.estimate import EstimateError, NoBatchError, estimate_memory, predict_max_batch_size
+    from lightning_memkit.estimate.predict import device_capacity_bytes
+    from lightning_memkit.modes.mode import parse_modes
+    from lightning_memkit.summary_table import format_table
+    from lightning_memkit.units import format_bytes, parse_bytes
+
+    try:
+        modes = parse_modes(args.modes)
+        memory = parse_bytes(args.device_memory) if args.device_memory else device_capacity_bytes(args.device)
+        if not 0 <= args.margin < 1:
+            raise CliError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.05")
+        if args.batch_size is not None and args.batch_size < 1:
+            raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
+        cls = load_object(args.module)
+        try:
+            module = cls()
+        except TypeError as error:
+            raise CliError(f"{args.module}: cannot build it with no arguments ({error}); give defaults to its __init__ arguments") from None
+    except (CliError, ValueError) as error:
+        print(f"memkit estimate: {error}", file=sys.stderr)
+        return 2
+    rows, results = [], []
+    for mode in modes:
+        try:
+            estimate = estimate_memory(module, args.batch_size, mode=mode, device=args.device)
+            prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, device=args.device)
+            rows.append((mode.name, estimate.batch_size, format_bytes(estimate.peak_bytes), format_bytes(estimate.required_bytes),
+                         prediction.batch_size, f"{format_bytes(prediction.growth.per_sample_bytes)}"))
+            results.append({"mode": mode.name, "estimate": estimate.to_dict(), "max_batch": prediction.to_dict()})
+        except (NoBatchError, EstimateError, ValueError) as error:
+            rows.append((mode.name, "-", "-", "-", "-", "-"))
+            results.append({"mode": mode.name, "error": str(error)})
+            print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
+    print(f"memkit estimate: {args.module} on {args.device}, {format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)")
+    print(format_table(("mode", "batch", "peak (tensors)", "device needs", "max batch", "per sample"), rows))
+    if args.json_path:
+        with open(args.json_path, "w") as file:
+            json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results}, file, indent=2, default=str)
+    return 0 if any("error" not in r for r in results) else 1
