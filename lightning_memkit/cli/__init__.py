@@ -17,6 +17,7 @@ VERBS = {
     "report": "report",
     "compare": "compare",
     "trace": "trace",
+    "estimate": "estimate",
 }
 
 
