@@ -249,6 +249,38 @@ def test_recomputed_activations_are_their_own_category_at_the_peak():
     assert result.at_end["recomputed"] == 0
 
 
+class FunctionalBlock(nn.Module):
+    """Two tanh layers written functionally: no submodules, so no module hooks inside."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.w2 = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x):
+        return torch.tanh(torch.tanh(x @ self.w1) @ self.w2)
+
+
+def test_recomputation_that_bypasses_module_hooks_is_still_recomputed():
+    # ActivationCheckpointing-style wrapping: an instance forward checkpointing the class's forward,
+    # so recomputation calls FunctionalBlock.forward directly and no module hook fires
+    torch.manual_seed(0)
+    rows, width = 512, 16
+    block = FunctionalBlock(width)
+    block.forward = lambda x: checkpoint(FunctionalBlock.forward, block, x, use_reentrant=False)
+    model = nn.Sequential(nn.Linear(width, width), block, nn.Linear(width, 2))
+    x = torch.randn(rows, width)
+    with trace_step(model, inputs=x) as tracer:
+        model(x).sum().backward()
+    result = tracer.result
+    activation = rows * width * F32
+    assert not [e for e in result.events if e.recompute]
+    assert result.saved_bytes_by_module()["1"] == activation  # the block's input, its boundary
+    # the peak is the recomputation's last tanh: first tanh output, second matmul output, new output
+    assert result.at_peak["recomputed"] == 3 * activation
+    assert result.at_peak["activations"] == activation
+
+
 def test_autocast_weight_copies_are_their_own_category():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import LayerTrace, MemoryTracker
 from lightning_memkit.trace import TRACE_FORMAT, read_trace
-from lightning_memkit.trace._torch_compat import in_backward, queue_backward_end_callback
+from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
 
 MiB = 2**20
 
@@ -101,6 +101,24 @@ def test_gradient_accumulation_traces_every_micro_batch_of_the_step(tmp_path):
     (result,) = callback.results
     assert [e.call for e in result.module_events("forward", "net.0")] == [0, 1]
     assert [e.phase for e in result.events].count("optimizer-step") == 1
+
+
+def test_with_the_activation_checkpointing_callback_recomputation_shows(tmp_path):
+    from torch import nn
+
+    from lightning_memkit import ActivationCheckpointing
+
+    model = LinearStack(dims=(32, 64, 64, 16), batch_size=8, optimizer="adam")
+    callback = LayerTrace()
+    checkpointing = ActivationCheckpointing(policy={nn.Sequential}, measure=False, verbose=False)
+    make_trainer(tmp_path, max_steps=2, callbacks=[checkpointing, callback]).fit(model)
+    (result,) = callback.results
+    assert result.errors == []
+    recomputed = {e.module for e in result.events if e.recompute}
+    assert {"net.0", "net.1", "net.2"} <= recomputed <= {f"net.{i}" for i in range(5)}
+    assert result.saved_bytes_by_module()["net"] == 0  # its input is the batch; nothing inside is kept
+    first_backward = min(e.index for e in result.events if e.phase == "pre-backward")
+    assert min(e.index for e in result.events if e.recompute) > first_backward
 
 
 def test_bad_options_raise_misconfiguration():
@@ -193,3 +211,19 @@ def test_backward_end_callback_runs_after_all_gradients():
     x.register_post_accumulate_grad_hook(lambda p: order.append("accumulated"))
     y.sum().backward()
     assert order == ["hook", "accumulated", "end"]
+
+
+def test_in_checkpoint_recomputation_only_while_checkpoint_recomputes():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def region(x):
+        seen.append((in_backward(), in_checkpoint_recomputation()))
+        return x.sin().sin()
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert seen == [(False, False), (True, True)]  # the forward, then its recomputation
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not in_checkpoint_recomputation()

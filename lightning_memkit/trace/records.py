@@ -62,8 +62,9 @@ class TraceEvent:
         delta_bytes: ``live_bytes`` minus the previous event's ``live_bytes``.
         peak_bytes: the running peak of live bytes since the step started.
         saved_bytes: ``forward`` events only: bytes of storages this call (itself or its children)
-            was the first to save for backward; each storage is counted once per step, parameters
-            and buffers never (they are counted as parameters). 0 for other phases.
+            was the first to save for backward; each storage is counted once per step, and storages
+            with a role (parameters, buffers, gradients, optimizer state, the input batch) never:
+            they are counted in their own category. 0 for other phases.
         shapes: shapes of the tensors of this event: inputs (pre-forward), outputs (forward),
             gradients of outputs (pre-backward), gradients of inputs (backward).
         dtypes: their dtypes, e.g. ``"float32"``, in the same order.

@@ -43,7 +43,7 @@ from lightning_memkit.accounting.categories import (
     CategoryBreakdown,
     cuda_memory_extras,
 )
-from lightning_memkit.trace._torch_compat import in_backward, queue_backward_end_callback
+from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
 from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 
 __all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
@@ -318,7 +318,9 @@ class LayerTracer:
             ):
                 return AUTOCAST_COPY_LABEL
         if in_backward():
-            return RECOMPUTE_LABEL if self._recompute_depth else "backward"
+            if self._recompute_depth or in_checkpoint_recomputation():
+                return RECOMPUTE_LABEL
+            return "backward"
         return self._host_phase
 
     def _on_peak(self, peak_bytes: int) -> None:
