@@ -11,14 +11,13 @@ from __future__ import annotations
 import io
 from typing import Sequence
 
-import matplotlib
+# Figure + the Agg canvas, never pyplot: no global backend switch, no figure registry to leak into
+# (a notebook user's own plots are left alone), safe off the main thread.
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg", force=False)
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-
-from lightning_memkit.records import RunSummary, StepReading  # noqa: E402
-from lightning_memkit.units import MiB, format_bytes  # noqa: E402
+from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.units import MiB, format_bytes
 
 __all__ = [
     "PEAK_COLOR",
