@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -106,6 +107,11 @@ def test_layout_written_once_per_run_with_several_callbacks(tmp_path):
     trainer2 = make_trainer(tmp_path, max_steps=1, logger=logger2, callbacks=[MemoryTracker(verbose=False)])
     trainer2.fit(LinearStack())
     assert _layout_events(logger2.log_dir) == 1
+    # a notebook re-run: the log dir is deleted and a new logger writes there again: it needs its layout again
+    shutil.rmtree(logger2.log_dir)
+    logger3 = TensorBoardLogger(str(tmp_path), name="run", version=1)
+    make_trainer(tmp_path, max_steps=1, logger=logger3, callbacks=[MemoryTracker(verbose=False)]).fit(LinearStack())
+    assert _layout_events(logger3.log_dir) == 1
 
 
 def test_no_tensorboard_logger_is_skipped_silently(tmp_path, recwarn):

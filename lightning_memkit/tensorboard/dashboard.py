@@ -6,8 +6,8 @@ first TensorBoardLogger's ``SummaryWriter`` on global rank zero; without one it 
 
 from __future__ import annotations
 
-import os
 import threading
+import weakref
 from typing import Any, Sequence
 
 from lightning_memkit.records import RunSummary, StepReading
@@ -23,8 +23,9 @@ SUMMARY_TEXT_TAG = "summary/table"
 FIGURE_TAG = "summary/memory_per_step"
 
 
-# realpaths of the log dirs that have a memkit layout, so several callbacks register it once
-_REGISTERED: set[str] = set()
+# the SummaryWriters that hold a memkit layout, so several callbacks of one run register it once;
+# weak, so that a new logger on a recreated log dir (a notebook re-run) gets its layout again
+_REGISTERED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _LOCK = threading.Lock()
 
 
@@ -91,11 +92,11 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
 
 
 def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
-    """Write memkit's custom-scalars layout into the run's TensorBoard log, once per log dir.
+    """Write memkit's custom-scalars layout into the run's TensorBoard log, once per run.
 
     Call it from any memkit callback's ``on_fit_start``; the first call writes the layout that
     fits the trainer (its device, world size and memkit callbacks), later calls for the same
-    log dir do nothing. Only on global rank zero and only when a TensorBoardLogger is among
+    TensorBoard writer (the same run) do nothing. Only on global rank zero and only when a TensorBoardLogger is among
     ``trainer.loggers``; otherwise it does nothing.
 
     What the layout holds is read from the trainer: per-step charts when a MemoryTracker is
@@ -111,11 +112,10 @@ def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
     experiment = tensorboard_experiment(trainer)
     if experiment is None or not hasattr(experiment, "add_custom_scalars"):
         return False
-    key = os.path.realpath(str(getattr(experiment, "log_dir", None) or getattr(experiment, "logdir", "")))
     with _LOCK:
-        if key in _REGISTERED:
+        if experiment in _REGISTERED:
             return False
-        _REGISTERED.add(key)
+        _REGISTERED.add(experiment)
     experiment.add_custom_scalars(_layout_for(trainer, layout_options))
     experiment.flush()
     return True
