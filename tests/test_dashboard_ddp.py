@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import read_scalars
+from conftest import read_scalars, run_script
 from test_dashboard import read_layouts
 
 SCRIPT = textwrap.dedent(
@@ -44,20 +41,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     script = tmp_path / "ddp_dashboard.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=str(tmp_path), env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"DDP run did not finish in 180 s:\n{output[-4000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
+    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)
     assert "rank 0 registered again: False" in output and "rank 1 registered again: False" in output
 
     log_dir = str(tmp_path / "tb" / "version_0")
