@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision  # noqa: E402
 
-from lightning_memkit import MemoryMeter, apply_checkpointing, parse_mode, training_state_tensors  # noqa: E402
+from lightning_memkit import MemoryMeter, Mode, apply_checkpointing, parse_mode, training_state_tensors  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 from lightning_memkit.units import MiB  # noqa: E402
-from lightning_memkit.zoo import DemoResNet, DemoTransformer  # noqa: E402
+from lightning_memkit.zoo import DemoResNet, DemoTransformer, _BasicBlock  # noqa: E402
 
 MODES = ("baseline", "checkpoint", "bf16", "bf16+checkpoint")
 
@@ -45,10 +45,18 @@ MODELS = {
 }
 
 
+#: more modes for one model. The CNN's repeated blocks are its 3 stages (a ModuleList of Sequentials), so
+#: "checkpoint" (auto) checkpoints whole stages; naming the block class checkpoints each residual block.
+EXTRA_MODES = {
+    "cnn": [Mode(checkpoint={_BasicBlock}, name="checkpoint:{BasicBlock}"),
+            Mode(precision="bf16-mixed", checkpoint={_BasicBlock}, name="bf16+checkpoint:{BasicBlock}")],
+}
+
+
 class Variant:
     """One mode of one model: its own copy of the model and optimizer, ready to step."""
 
-    def __init__(self, factory, mode_text: str, seed: int) -> None:
+    def __init__(self, factory, mode_text: str | Mode, seed: int) -> None:
         self.mode = parse_mode(mode_text)
         torch.manual_seed(seed)
         self.model = factory()
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     rows = []
     for name in args.models.split(","):
-        rows += run_model(name, MODELS[name], modes, args.rounds, args.steps_per_round)
+        rows += run_model(name, MODELS[name], modes + EXTRA_MODES.get(name, []), args.rounds, args.steps_per_round)
     headers = ("model", "mode", "batch", "regions", "per-step peak", "peak vs baseline", "saving", "median step", "time vs baseline", "step memory beyond state")
     table = [
         (r["model"], r["mode"], "x".join(map(str, r["batch"])), r["regions"], f"{r['peak_bytes'] / MiB:.1f} MiB", f"{r['peak_ratio']:.2f}x",

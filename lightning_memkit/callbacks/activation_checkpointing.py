@@ -57,6 +57,9 @@ class ActivationCheckpointing(Callback):
             optimization, whose training_step also steps the optimizer).
         verbose: print the plan (names, count, predicted and measured saving) on global rank 0.
 
+    Put it before ``MemoryTracker`` in ``callbacks``: callbacks run in list order, so the one-off
+    measuring forwards then happen before the tracker opens the first step's memory window.
+
     Logged once, at the first training step, to every logger: ``memory/checkpoint/regions`` (count)
     and, when measured, ``memory/checkpoint/predicted_saving_MiB`` and
     ``memory/checkpoint/activation_MiB`` (activation memory with checkpointing, exact).
