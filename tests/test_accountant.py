@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memkit import TensorAccountant
+from lightning_memkit.accounting.accountant import returns_alias
 from lightning_memkit.probes import ProbeSet, TensorProbe
 
 F32 = 4
@@ -205,3 +206,23 @@ def test_the_ops_own_errors_still_reach_the_caller():
     with acc, pytest.raises(RuntimeError, match="size"):
         torch.ones(3) + torch.ones(4)
     assert acc.errors == []
+
+
+def test_returns_alias_reads_the_op_schema():
+    # pins the private OpOverload._schema that the accountant's fast path relies on
+    aten = torch.ops.aten
+    for op in (aten.view.default, aten.t.default, aten.add_.Tensor, aten.add.out, aten.resize_.default,
+               aten.detach.default, aten.set_.source_Storage):
+        assert returns_alias(op), op
+    for op in (aten.add.Tensor, aten.mm.default, aten.clone.default, aten._to_copy.default, aten.ones_like.default):
+        assert not returns_alias(op), op
+    assert returns_alias(object())  # unknown: the careful path
+
+
+def test_out_variant_resizing_its_output_is_tracked():
+    acc = TensorAccountant()
+    with acc:
+        out = torch.empty(0)
+        torch.add(torch.ones(10), torch.ones(10), out=out)  # out= resizes the empty tensor
+    assert acc.current_bytes == 40
+    del out

@@ -122,3 +122,32 @@ def test_probe_set_drops_a_probe_whose_reset_fails(recwarn):
     assert probe.resets == 2
     assert len([w for w in recwarn.list if "counting" in str(w.message)]) == 1
     assert "reset_peak failed: ValueError" in probes.disabled["counting"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc are Linux here")
+def test_host_probe_reads_its_own_process_after_fork():
+    import os
+
+    probe = HostProbe()
+    probe.reset_peak()
+    parent_before = probe.read()["host_peak_rss_bytes"]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: a big touched block (no torch: its thread pool does not survive fork)
+        try:
+            probe.reset_peak()
+            block = b"x" * BIG
+            os.write(write_end, str(probe.read()["host_peak_rss_bytes"]).encode())
+            del block
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    import select
+    ready, _, _ = select.select([read_end], [], [], 60)
+    if not ready:
+        os.kill(pid, 9)
+    child_peak = int(os.read(read_end, 64) or 0) if ready else 0
+    os.waitpid(pid, 0)
+    os.close(read_end)
+    assert child_peak > BIG  # the child's own VmHWM, reopened after the fork
+    assert probe.read()["host_peak_rss_bytes"] < parent_before + BIG * 0.5  # the parent never held it

@@ -8,6 +8,7 @@ How it counts, and why:
 * Every aten op passes through ``__torch_dispatch__``. After the op runs, each output
   storage that was not an input storage and is not yet known is a *new allocation*;
   views and in-place results share an input's storage, so they are never counted twice.
+  Ops whose schema declares no aliasing output (most of them) skip the input scan.
 * A storage's Python object is preserved by torch for the storage's whole life, so a
   ``weakref`` callback on it fires exactly when the memory is released. That is how
   frees are seen, including frees that happen outside the mode.
@@ -28,9 +29,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageRecord", "TensorAccountant", "storage_of"]
+__all__ = ["StorageRecord", "TensorAccountant", "returns_alias", "storage_of"]
 
 #: at most this many distinct error messages are kept; later ones are only counted.
 _MAX_ERRORS = 20
@@ -240,17 +240,26 @@ class TensorAccountant(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         result = func(*args, **(kwargs or {}))
         try:
-            self._account(args, kwargs, result)
+            self._account(func, args, kwargs, result)
         except BaseException as error:  # never raise here: see the module docstring
             self._record_error(f"{func}: {type(error).__name__}: {error}")
         return result
 
-    def _account(self, args: Any, kwargs: Any, result: Any) -> None:
-        outputs, _ = tree_flatten(result)
+    def _account(self, func: Any, args: Any, kwargs: Any, result: Any) -> None:
+        outputs = _tensors_in(result)
         if not outputs:
             return
-        inputs, _ = tree_flatten((args, kwargs))
-        input_keys = {id(s) for s in map(storage_of, inputs) if s is not None}
+        if not returns_alias(func):
+            # A functional op: by its schema every output is a fresh allocation, so the
+            # inputs need not be looked at (the common case, and the cheap one).
+            for output in outputs:
+                storage = storage_of(output)
+                if storage is not None and id(storage) not in self._records:
+                    self._track(storage, self._label, adopted=False)
+            return
+        # A view, an in-place or an out= op: an output sharing an input's storage is not new,
+        # but its size may have changed (resize_, out= resizing).
+        input_keys = {id(s) for s in map(storage_of, _tensors_in((args, kwargs))) if s is not None}
         for output in outputs:
             storage = storage_of(output)
             if storage is None:
@@ -260,3 +269,42 @@ class TensorAccountant(TorchDispatchMode):
                 self._resize(storage)
             elif key not in self._records:
                 self._track(storage, self._label, adopted=False)
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (nested lists, tuples and dicts).
+
+    A few times cheaper than ``torch.utils._pytree.tree_flatten``, which matters because it
+    runs for every aten op while the accountant is active.
+    """
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
+_ALIAS_CACHE: dict[Any, bool] = {}
+
+
+def returns_alias(func: Any) -> bool:
+    """Whether an aten op's schema says an output may alias an input (views, in-place and
+    ``out=`` ops), read from the private ``OpOverload._schema`` and cached per op.
+
+    ``True`` when the schema cannot be read, which sends the op down the careful path.
+    tests/test_accountant.py pins this against known ops.
+    """
+    cached = _ALIAS_CACHE.get(func)
+    if cached is None:
+        try:
+            cached = any(ret.alias_info is not None for ret in func._schema.returns)
+        except AttributeError:
+            cached = True
+        _ALIAS_CACHE[func] = cached
+    return cached

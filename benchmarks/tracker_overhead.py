@@ -1,0 +1,206 @@
+"""Per-step cost of MemoryTracker vs no callback vs Lightning's DeviceStatsMonitor, on CPU.
+
+Every variant trains the same model with the same logger and logs every step; the variants
+are interleaved (a fresh Trainer per run, order rotated each repeat), and the per-step time
+is the median over all measured steps of the time between consecutive ``on_train_batch_start``
+calls (so every callback's and the logger's work is inside it). Ratios are to "none".
+A second, noise-free figure is the time spent inside the callback's own per-step hooks
+(its probes, its dict building and its ``logger.log_metrics`` calls), timed directly.
+
+torch runs on one thread: on a small shared machine, OpenMP threads that wait for a
+descheduled sibling make step times jump by tens of milliseconds, which would drown a 3% effect.
+
+    python benchmarks/tracker_overhead.py            # about 2 minutes on 2 cores
+    python benchmarks/tracker_overhead.py --quick    # a smoke run
+
+Variants:
+    none          no memory callback
+    memkit        MemoryTracker(tensor_accounting=False): host RSS + per-step peak RSS on CPU
+                  (the allocator path: on CUDA it reads allocator counters instead)
+    memkit+acct   MemoryTracker(tensor_accounting=True): the exact tensor accountant as well
+                  (what tensor_accounting="auto" gives on CPU)
+    devicestats   lightning.pytorch.callbacks.DeviceStatsMonitor(cpu_stats=True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memkit import MemoryTracker
+
+
+class BenchMLP(pl.LightningModule):
+    """A Linear+ReLU stack on a fixed random tensor; SGD; the loss logged every step."""
+
+    def __init__(self, width: int, depth: int, batch_size: int, in_features: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        features = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(features, width), nn.ReLU()]
+            features = width
+        layers.append(nn.Linear(features, 10))
+        self.net = nn.Sequential(*layers)
+        self.batch_size = batch_size
+        self.data = torch.randn(batch_size * 64, in_features)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.data), batch_size=self.batch_size)
+
+
+MODELS = {
+    # name: (constructor kwargs, measured steps per run)
+    "20ms": (dict(width=1024, depth=3, batch_size=128, in_features=512), 40),
+    "1ms": (dict(width=32, depth=1, batch_size=8, in_features=16), 150),
+}
+
+
+class _StepClock(pl.Callback):
+    """Placed first, so its on_train_batch_start runs before every other callback's."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        self.starts.append(time.perf_counter())
+
+
+_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+               "on_before_optimizer_step", "on_before_zero_grad")
+
+
+class _HookTimer:
+    """Times every per-step hook of one callback instance (seconds per step, summed)."""
+
+    def __init__(self, callback: pl.Callback) -> None:
+        self.per_step: list[float] = []
+        self._current = 0.0
+        for name in _STEP_HOOKS:
+            hook = getattr(callback, name)
+            setattr(callback, name, self._wrap(name, hook))
+
+    def _wrap(self, name, hook):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self._current += time.perf_counter() - start
+                if name == "on_train_batch_end":
+                    self.per_step.append(self._current)
+                    self._current = 0.0
+        return timed
+
+
+def _callbacks(variant: str) -> list[pl.Callback]:
+    if variant == "none":
+        return []
+    if variant == "memkit":
+        return [MemoryTracker(tensor_accounting=False, verbose=False)]
+    if variant == "memkit+acct":
+        return [MemoryTracker(tensor_accounting=True, verbose=False)]
+    if variant == "devicestats":
+        return [DeviceStatsMonitor(cpu_stats=True)]
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def run_once(model_name: str, variant: str, root: str, warmup: int = 5) -> tuple[list[float], list[float]]:
+    """Train one fresh model; return the per-step times and the per-step time inside the
+    variant's callback hooks (seconds), after ``warmup`` steps."""
+    kwargs, steps = MODELS[model_name]
+    torch.manual_seed(0)
+    model = BenchMLP(**kwargs)
+    clock = _StepClock()
+    callbacks = _callbacks(variant)
+    timers = [_HookTimer(c) for c in callbacks]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps + warmup, logger=TensorBoardLogger(root, name=f"{model_name}-{variant}"),
+        callbacks=[clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model)
+    step_times = [b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:])]
+    hook_times = [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
+    return step_times, hook_times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs per variant and model (interleaved)")
+    parser.add_argument("--quick", action="store_true", help="2 repeats, fewer steps: a smoke run")
+    args = parser.parse_args()
+    repeats = 2 if args.quick else args.repeats
+    if args.quick:
+        for name, (kwargs, steps) in MODELS.items():
+            MODELS[name] = (kwargs, max(10, steps // 4))
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    variants = ["none", "memkit", "memkit+acct", "devicestats"]
+    root = tempfile.mkdtemp(prefix="memkit-bench-")
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} cpus; {repeats} interleaved repeats\n")
+    try:
+        results = {m: {v: [] for v in variants} for m in MODELS}
+        in_hooks = {m: {v: [] for v in variants} for m in MODELS}
+        for repeat in range(repeats):
+            for model_name in MODELS:
+                order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+                for variant in order:
+                    step_times, hook_times = run_once(model_name, variant, root)
+                    results[model_name][variant] += step_times
+                    in_hooks[model_name][variant] += hook_times
+        rows = []
+        for model_name, by_variant in results.items():
+            base = statistics.median(by_variant["none"])
+            for variant in variants:
+                median = statistics.median(by_variant[variant])
+                hooks = statistics.median(in_hooks[model_name][variant])
+                rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
+        print(f"{'model':<6} {'variant':<12} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}")
+        for model_name, variant, n, ms, ratio, hooks in rows:
+            print(f"{model_name:<6} {variant:<12} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
+        print()
+        for model_name in MODELS:
+            r = {v: ratio for m, v, _, _, ratio, _ in rows if m == model_name}
+            h = {v: hooks for m, v, _, _, _, hooks in rows if m == model_name}
+            base_ms = next(ms for m, v, _, ms, _, _ in rows if m == model_name and v == "none")
+            print(f"{model_name} (none: {base_ms:.2f} ms/step): memkit/none = {r['memkit']:.3f}, "
+                  f"in-hook {h['memkit']:.3f} ms = {h['memkit'] / base_ms:.1%} of a step; "
+                  f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
+                  f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
+                  f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
+                  f"accountant: memkit+acct/none = {r['memkit+acct']:.3f}, in-hook {h['memkit+acct']:.3f} ms")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
