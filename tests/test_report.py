@@ -162,6 +162,7 @@ def test_report_of_a_compare_run(tmp_path, capsys):
     assert "2 run(s), 0 layer trace(s), 1 mode comparison(s), 0 out-of-memory report(s)" in capsys.readouterr().out
     page = out.read_text()
     assert html.escape(result.format_table()) in page
+    assert [r.name for r in find_sources(str(root)).runs] == ["baseline", "amp"]  # in the comparison's order
     for mode in ("baseline", "amp"):
         assert f"Run <code>{mode}</code>" in page
         # each mode's TensorBoard run carries the dashboard with the modes overlaid first

@@ -235,7 +235,7 @@ def find_sources(logdir: str) -> ReportSources:
             continue
         if run is not None:
             sources.runs.append(run)
-    sources.runs.sort(key=lambda r: r.name)
+    sources.runs.sort(key=_run_order(sources))
     sources.traces.sort(key=lambda t: (t.name, t.step if t.step is not None else -1, t.rank))
     sources.ooms.sort(key=lambda o: (o.name, o.rank))
     _say_what_is_missing(sources, seen_examples)
@@ -253,6 +253,21 @@ def find_sources(logdir: str) -> ReportSources:
             "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
         )
     return sources
+
+
+def _run_order(sources: ReportSources):
+    """Sort key for runs: a comparison's mode runs in the order of its modes, then the others by name."""
+    position: dict[str, int] = {}
+    for compare in sources.compares:
+        for mode in (compare.data or {}).get("modes", []):
+            if isinstance(mode, dict) and mode.get("log_dir"):
+                position.setdefault(os.path.realpath(str(mode["log_dir"])), len(position))
+
+    def key(run: RunRecords) -> tuple[int, str]:
+        directory = run.path if os.path.isdir(run.path) else os.path.dirname(run.path)
+        return position.get(os.path.realpath(directory), len(position)), run.name
+
+    return key
 
 
 def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
