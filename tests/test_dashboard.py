@@ -43,6 +43,9 @@ def test_every_chart_matches_tags_memory_tracker_logs():
     assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {"memory/train/alloc_retries", "memory/train/ooms"}
     assert matched["NVML device memory vs what the allocator holds (MiB)"] == {
         "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB", "memory/train/device_total_MiB"}
+    assert "host: tensor bytes vs step peak vs process RSS (MiB)" in matched
+    assert _matches(dashboard_layout(cuda=True, tensors=False), train)["host: process RSS at step end vs step peak (MiB)"] == {
+        "memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
     assert matched["per rank: step peak (MiB)"] == {"memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB",
                                                     "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB"}
     # every train-stage field is on some chart; per-rank tags stay off the run-level charts

@@ -29,9 +29,12 @@ _CUDA_CHARTS = [
 _TENSOR_CHARTS = [
     ("tensors: live at step end vs step peak, exact (MiB)", [r"{train}/(tensor|peak_tensor)_MiB$"]),
 ]
-_HOST_CHARTS = [
+_HOST_CHARTS = [  # with the accountant: what the tensors hold against what the process holds
     ("host: tensor bytes vs step peak vs process RSS (MiB)",
      [r"{train}/(tensor|peak_tensor|host_rss|host_peak_rss)_MiB$"]),
+]
+_HOST_ONLY_CHARTS = [
+    ("host: process RSS at step end vs step peak (MiB)", [r"{train}/(host_rss|host_peak_rss)_MiB$"]),
 ]
 _VALIDATION_CHARTS = [
     ("validation runs: peaks (MiB)", [r"{val}/peak_[a-z_]+_MiB$"]),
@@ -111,7 +114,7 @@ def dashboard_layout(
     if tensors:
         step_charts += _TENSOR_CHARTS
     if host:
-        step_charts += _HOST_CHARTS
+        step_charts += _HOST_CHARTS if tensors else _HOST_ONLY_CHARTS
     if validation:
         step_charts += _VALIDATION_CHARTS
     if step_charts:
