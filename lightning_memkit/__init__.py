@@ -6,11 +6,14 @@ The public API is what this module exports; everything else may change.
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.layer_trace import LayerTrace
+from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
+from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.records import RunSummary, StepReading
+from lightning_memkit.search import BudgetExceededError, MemoryBudget, find_max_batch_size
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 
@@ -36,4 +39,12 @@ __all__ = [
     "is_out_of_memory",
     "format_bytes",
     "parse_bytes",
+    "estimate_memory",
+    "measure_training_step",
+    "predict_max_batch_size",
+    "MemoryEstimate",
+    "MaxBatchSize",
+    "find_max_batch_size",
+    "MemoryBudget",
+    "BudgetExceededError",
 ]

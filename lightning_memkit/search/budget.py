@@ -26,9 +26,10 @@ class BudgetExceededError(torch.OutOfMemoryError):
     """
 
     def __init__(self, requested_bytes: int, budget_bytes: int) -> None:
+        # The CPU allocator's own wording, so every OOM check (memkit's, Lightning's is_oom_error) knows it.
         super().__init__(
-            f"memkit budget: out of memory: {format_bytes(requested_bytes)} of live tensors would exceed "
-            f"the budget of {format_bytes(budget_bytes)} ({requested_bytes} > {budget_bytes} bytes)"
+            f"DefaultCPUAllocator: can't allocate memory: memkit budget: {format_bytes(requested_bytes)} of live tensors "
+            f"would exceed the budget of {format_bytes(budget_bytes)} ({requested_bytes} > {budget_bytes} bytes)"
         )
         self.requested_bytes = requested_bytes
         self.budget_bytes = budget_bytes

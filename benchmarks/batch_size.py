@@ -1,0 +1,179 @@
+"""Will it fit? Side by side in one run (alternating, repeated, medians):
+
+1. estimate_memory vs the real step: agreement with the accountant-measured peak (MLP, CNN,
+   transformer) and speed against one real training step of the CNN (no accountant), at the zoo's
+   default size and at a larger CNN.
+2. The batch-size search under the same CPU budget: memkit's MaxBatchSize vs Lightning's
+   BatchSizeFinder (power and binsearch, the budget enforced around the whole tuner call): real
+   trials, total search time, and distance from the true maximum (exact bisection on real trials).
+
+Run: python benchmarks/batch_size.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.tuner import Tuner  # noqa: E402
+
+for _name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero", "lightning.pytorch.tuner.batch_size_scaling"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+from lightning_memkit.estimate import estimate_memory, measure_training_step  # noqa: E402
+from lightning_memkit.search.budget import MemoryBudget  # noqa: E402
+from lightning_memkit.search.core import SearchError  # noqa: E402
+from lightning_memkit.search.lightning import find_max_batch_size  # noqa: E402
+from lightning_memkit.summary_table import format_table  # noqa: E402
+from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer, SyntheticDataModule  # noqa: E402
+
+FEATURES = 256
+STEPS_PER_TRIAL = 3
+MAX_VAL = 4096
+
+
+def real_step_seconds(module, repeats):
+    """Median wall time of one real training step (forward, zero_grad, backward, Adam step), no accountant."""
+    batch = next(iter(module.train_dataloader()))
+    optimizer = module.configure_optimizers()
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        loss = module.training_step(batch, 0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])  # the first step pays one-off costs
+
+
+def estimate_section(repeats):
+    rows = []
+    for name, make in (("MLP", DemoMLP), ("CNN", DemoCNN), ("transformer", DemoTransformer)):
+        for mode in ("baseline", "bf16"):
+            estimate, measured = estimate_memory(make(), mode=mode, device="cpu"), measure_training_step(make(), mode=mode)
+            rows.append((f"{name} {mode}", estimate.peak_bytes, measured.peak_bytes, f"{(estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes:+.4%}"))
+    print(format_table(("model / mode", "estimated peak B", "measured peak B", "error"), rows))
+    print()
+    speed = []
+    for label, make in (("DemoCNN() batch 32", lambda: DemoCNN()),
+                        ("DemoCNN(64 ch, 3 blocks, 64px) batch 128", lambda: DemoCNN(channels=64, blocks=3, image_size=64, batch_size=128))):
+        fake, real = [], []
+        for _ in range(repeats):  # alternate the two variants
+            module = make()
+            started = time.perf_counter()
+            estimate_memory(module, device="cpu")
+            fake.append(time.perf_counter() - started)
+            real.append(real_step_seconds(make(), 3))
+        speed.append((label, f"{statistics.median(fake):.3f}s", f"{statistics.median(real):.3f}s", f"{statistics.median(real) / statistics.median(fake):.2f}x"))
+    print("estimate_memory (2 fake steps) vs one real step, medians of", repeats)
+    print(format_table(("CNN", "estimate", "real step", "real/estimate"), speed))
+    print()
+
+
+def make_run(batch_size=2):
+    torch.manual_seed(0)
+    module = DemoMLP(in_features=FEATURES, hidden=256, depth=3)
+    del module.batch_size
+    data = SyntheticDataModule(batch_size=batch_size, train_size=MAX_VAL, val_size=16, input_shape=(FEATURES,))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir="/tmp/memkit_bench")
+    return module, data, trainer
+
+
+def runs(size, budget):
+    module, data, trainer = make_run()
+    try:
+        find_max_batch_size(trainer, module, data, budget=budget, init_val=size, max_val=size, max_trials=1,
+                            use_estimate=False, verbose=False, steps_per_trial=STEPS_PER_TRIAL)
+        return True
+    except SearchError:
+        return False
+
+
+def true_maximum(budget, guess):
+    lo, hi = 1, MAX_VAL + 1
+    lo_guess, hi_guess = max(1, int(guess * 0.97)), int(guess * 1.03) + 1
+    if runs(lo_guess, budget):
+        lo = lo_guess
+        if not runs(hi_guess, budget):
+            hi = hi_guess
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if runs(mid, budget):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def lightning_search(mode, budget):
+    module, data, trainer = make_run()
+    created = []
+    original = data.train_dataloader
+
+    def counting_loader():
+        created.append(data.batch_size)
+        return original()
+
+    data.train_dataloader = counting_loader
+    guard = MemoryBudget(budget)
+    guard.adopt(module.parameters())
+    started = time.perf_counter()
+    with guard:
+        found = Tuner(trainer).scale_batch_size(module, datamodule=data, mode=mode, steps_per_trial=STEPS_PER_TRIAL,
+                                                init_val=2, max_trials=25, max_val=MAX_VAL)
+    seconds = time.perf_counter() - started
+    # each trial (re)builds the train loader at its size; the very first build is the fit's own setup
+    trials = len(created) - 1
+    return found, trials, seconds, found in created[1:]
+
+
+def memkit_search(budget):
+    module, data, trainer = make_run()
+    started = time.perf_counter()
+    result = find_max_batch_size(trainer, module, data, budget=budget, max_val=MAX_VAL, verbose=False, steps_per_trial=STEPS_PER_TRIAL)
+    tried = any(t.fits and t.batch_size == result.batch_size for t in result.trials)
+    return result.batch_size, result.trial_count, time.perf_counter() - started, tried
+
+
+def search_section(repeats, target):
+    module, _, _ = make_run()
+    budget = measure_training_step(module, target, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+    truth = true_maximum(budget, target)
+    print(f"budget {budget} bytes; true maximum batch (exact bisection on real trials): {truth}")
+    results = {"memkit MaxBatchSize": [], "Lightning power": [], "Lightning binsearch": []}
+    for _ in range(repeats):  # alternate the finders
+        results["memkit MaxBatchSize"].append(memkit_search(budget))
+        for mode in ("power", "binsearch"):
+            results[f"Lightning {mode}"].append(lightning_search(mode, budget))
+    base = statistics.median(v[2] for v in results["memkit MaxBatchSize"])
+    rows = []
+    for name, values in results.items():
+        found, trials, _, tried = values[-1]
+        seconds = statistics.median(v[2] for v in values)
+        rows.append((name, found, trials, f"{seconds:.2f}s", f"{seconds / base:.2f}x", f"{(found - truth) / truth:+.1%}",
+                     "yes" if tried else ("no, smaller than one that ran" if found <= truth else "no, and too large")))
+    print(format_table(("finder", "batch", "real trials", "search time", "time vs memkit", "vs true max", "answer was a trial?"), rows))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target", type=int, default=700, help="the budget is the measured peak at this batch size")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads\n")
+    estimate_section(args.repeats)
+    search_section(args.repeats, args.target)
+
+
+if __name__ == "__main__":
+    main()
