@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_memkit import apply_checkpointing, parse_mode
-from lightning_memkit.modes.compare import compare_modes
+from lightning_memkit import apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.zoo import DemoTransformer
 
 

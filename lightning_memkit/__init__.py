@@ -10,7 +10,7 @@ from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
-from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, parse_mode
+from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.search import BudgetExceededError, MemoryBudget, find_max_batch_size
@@ -23,6 +23,7 @@ __all__ = [
     "Mode",
     "parse_mode",
     "apply_checkpointing",
+    "compare_modes",
     "CheckpointBudget",
     "ActivationCheckpointing",
     "MemoryTracker",

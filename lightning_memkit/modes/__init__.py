@@ -13,6 +13,7 @@ from lightning_memkit.modes.checkpointing import (
     measure_activation_bytes,
     plan_checkpointing,
 )
+from lightning_memkit.modes.compare import CompareResult, ModeResult, compare_modes, read_compare
 from lightning_memkit.modes.mode import Mode, parse_mode, parse_modes, resolve_precision
 
 __all__ = [
@@ -28,4 +29,8 @@ __all__ = [
     "plan_checkpointing",
     "find_repeated_blocks",
     "measure_activation_bytes",
+    "compare_modes",
+    "CompareResult",
+    "ModeResult",
+    "read_compare",
 ]
