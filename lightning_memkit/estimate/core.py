@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
+from lightning_memkit.accounting.categories import CATEGORIES, CategoryAttributor
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -32,10 +33,6 @@ from lightning_memkit.units import format_bytes
 
 __all__ = ["MemoryEstimate", "EstimateError", "estimate_memory", "measure_training_step", "CATEGORIES"]
 
-#: the categories of a step's peak, in display order.
-CATEGORIES = ("parameters", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries")
-
-_PHASE_CATEGORY = {"forward": "activations", "zero_grad": "temporaries", "backward": "temporaries", "optimizer": "temporaries"}
 
 
 class EstimateError(RuntimeError):
@@ -50,9 +47,11 @@ class MemoryEstimate:
         peak_bytes: peak of live tensor bytes over the first two steps (the second is the steady
             state: optimizer state exists, last step's gradients live until ``zero_grad``), exactly
             as :class:`~lightning_memkit.TensorAccountant` counts them (no allocator rounding).
-        by_category: ``peak_bytes`` split into :data:`CATEGORIES` (parameters, buffers, inputs,
-            gradients, optimizer_state, activations = forward allocations alive at the peak,
-            temporaries = backward/optimizer allocations that are neither gradients nor state).
+        by_category: ``peak_bytes`` split into the accountant's categories
+            (:data:`lightning_memkit.accounting.categories.CATEGORIES`: parameters, buffers,
+            gradients, optimizer_state, activations = saved for backward at the peak, recomputed,
+            inputs, temporaries...), attributed by
+            :class:`~lightning_memkit.accounting.categories.CategoryAttributor`.
         batch_size: the batch size the step ran with (``None`` when the batch has no batch dimension).
         mode: the mode's name (``"baseline"``, ``"bf16"``, ``"checkpoint"``...).
         device: the target device type (``"cuda"``, ``"cpu"``...).
@@ -117,6 +116,8 @@ class _StepAccountant(TensorAccountant):
         super().__init__()
         self.events: list[tuple[str, int, int]] | None = [] if record_events else None
         self.peak_records: list[StorageRecord] = []
+        self.peak_tick = 0
+        self.attributor = CategoryAttributor(self)
         self.peak_phase = ""
         self.peak_step = 0
         self.step = 0
@@ -124,6 +125,7 @@ class _StepAccountant(TensorAccountant):
 
     def _on_peak(self, _peak: int) -> None:
         self.peak_records = self.live_records()
+        self.peak_tick = self.attributor.tick
         self.peak_phase = self.label
         self.peak_step = self.step
 
@@ -200,8 +202,7 @@ def _step_context(module_copy: nn.Module, mode: Any, device_type: str, target_de
 
 def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable, autocast, acc: _StepAccountant, steps: int) -> None:
     optimizer = make_optimizer(module_copy)
-    params = [p for p in module_copy.parameters() if p.requires_grad]
-    category: dict[int, str] = acc._categories  # type: ignore[attr-defined]
+    attributor = acc.attributor
     for step in range(1, steps + 1):
         acc.step = step
         with acc.labelled("forward"), autocast():
@@ -212,27 +213,14 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
         with acc.labelled("backward"):
             loss.backward()
         del loss
-        for parameter in params:
-            record = acc.record_of(parameter.grad) if parameter.grad is not None else None
-            if record is not None:
-                category[record.sequence] = "gradients"
+        attributor.assign_module(module_copy)  # the new gradients
         with acc.labelled("optimizer"):
             optimizer.step()
-        for state in optimizer.state.values():
-            for value in state.values() if isinstance(state, dict) else ():
-                record = acc.record_of(value) if isinstance(value, torch.Tensor) else None
-                if record is not None:
-                    category[record.sequence] = "optimizer_state"
+        attributor.assign_optimizers([optimizer])  # state made lazily by the first step
 
 
 def _categorise(acc: _StepAccountant) -> dict[str, int]:
-    totals = {name: 0 for name in CATEGORIES}
-    for record in acc.peak_records:
-        name = acc._categories.get(record.sequence) or _PHASE_CATEGORY.get(record.label, record.label)  # type: ignore[attr-defined]
-        if name not in totals:
-            name = "temporaries"
-        totals[name] += record.nbytes
-    return totals
+    return acc.attributor.breakdown_of(acc.peak_records, acc.peak_tick).bytes_by_category
 
 
 def _resolve_mode(mode: Any):
@@ -282,7 +270,6 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
     acc = _StepAccountant(record_events=target.type == "cuda")
-    acc._categories = {}  # type: ignore[attr-defined]
     trainer = getattr(module, "_trainer", None)
     handle = None
     with preserved_rng(), warnings.catch_warnings():
@@ -312,10 +299,9 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             module_copy.train()
             autocast = _step_context(module_copy, mode, "cpu" if fake else _batch_device_type(batch), target.type)
-            acc.adopt(module_copy.parameters(), "parameters")
-            acc.adopt(module_copy.buffers(), "buffers")
-            acc.adopt((leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)), "inputs")
-            with context(), acc:
+            acc.attributor.assign_module(module_copy)
+            acc.attributor.assign(batch, "inputs")
+            with context(), acc, acc.attributor.watch_saved_tensors():
                 _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps)
         except (EstimateError, NoBatchError, ValueError, TypeError) as error:
             if isinstance(error, (EstimateError, NoBatchError)):
