@@ -4,6 +4,9 @@ Every variant trains the same model with the same logger and logs every step; th
 are interleaved (a fresh Trainer per run, order rotated each repeat), and the per-step time
 is the median over all measured steps of the time between consecutive ``on_train_batch_start``
 calls (so every callback's and the logger's work is inside it). Ratios are to "none".
+Time is the process's CPU time by default (``--clock wall`` for wall time): on a shared
+machine other processes' load stretches wall time at random, while the CPU time a step
+costs this process does not change with it.
 A second, noise-free figure is the time spent inside the callback's own per-step hooks
 (its probes, its dict building and its ``logger.log_metrics`` calls), timed directly.
 
@@ -80,14 +83,15 @@ MODELS = {
 class _StepClock(pl.Callback):
     """Placed first, so its on_train_batch_start runs before every other callback's."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
+        self.clock = clock
         self.starts: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
+        self.starts.append(self.clock())
 
     def on_train_end(self, trainer, pl_module):
-        self.starts.append(time.perf_counter())
+        self.starts.append(self.clock())
 
 
 _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -97,7 +101,8 @@ _STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward
 class _HookTimer:
     """Times every per-step hook of one callback instance (seconds per step, summed)."""
 
-    def __init__(self, callback: pl.Callback) -> None:
+    def __init__(self, callback: pl.Callback, clock) -> None:
+        self.clock = clock
         self.per_step: list[float] = []
         self._current = 0.0
         for name in _STEP_HOOKS:
@@ -106,11 +111,11 @@ class _HookTimer:
 
     def _wrap(self, name, hook):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return hook(*args, **kwargs)
             finally:
-                self._current += time.perf_counter() - start
+                self._current += self.clock() - start
                 if name == "on_train_batch_end":
                     self.per_step.append(self._current)
                     self._current = 0.0
@@ -129,22 +134,22 @@ def _callbacks(variant: str) -> list[pl.Callback]:
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def run_once(model_name: str, variant: str, root: str, warmup: int = 5) -> tuple[list[float], list[float]]:
+def run_once(model_name: str, variant: str, root: str, warmup: int = 5, clock=time.process_time) -> tuple[list[float], list[float]]:
     """Train one fresh model; return the per-step times and the per-step time inside the
-    variant's callback hooks (seconds), after ``warmup`` steps."""
+    variant's callback hooks (seconds, by ``clock``), after ``warmup`` steps."""
     kwargs, steps = MODELS[model_name]
     torch.manual_seed(0)
     model = BenchMLP(**kwargs)
-    clock = _StepClock()
+    step_clock = _StepClock(clock)
     callbacks = _callbacks(variant)
-    timers = [_HookTimer(c) for c in callbacks]
+    timers = [_HookTimer(c, clock) for c in callbacks]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps + warmup, logger=TensorBoardLogger(root, name=f"{model_name}-{variant}"),
-        callbacks=[clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
+        callbacks=[step_clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     trainer.fit(model)
-    step_times = [b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1:])]
+    step_times = [b - a for a, b in zip(step_clock.starts[warmup:], step_clock.starts[warmup + 1:])]
     hook_times = [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
     return step_times, hook_times
 
@@ -153,6 +158,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per variant and model (interleaved)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, fewer steps: a smoke run")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu (default): process CPU time, all threads (the logger's writer thread included), "
+                             "robust to other processes competing for the cores; wall: time.perf_counter")
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     if args.quick:
@@ -164,9 +172,11 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     variants = ["none", "memkit", "memkit+acct", "devicestats"]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     root = tempfile.mkdtemp(prefix="memkit-bench-")
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} cpus; {repeats} interleaved repeats\n")
+          f"{os.cpu_count()} cpus; {repeats} interleaved repeats; clock: {args.clock} "
+          f"({'process CPU time' if args.clock == 'cpu' else 'wall time'}); load average {os.getloadavg()[0]:.1f}\n")
     try:
         results = {m: {v: [] for v in variants} for m in MODELS}
         in_hooks = {m: {v: [] for v in variants} for m in MODELS}
@@ -174,7 +184,7 @@ def main() -> None:
             for model_name in MODELS:
                 order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
                 for variant in order:
-                    step_times, hook_times = run_once(model_name, variant, root)
+                    step_times, hook_times = run_once(model_name, variant, root, clock=clock)
                     results[model_name][variant] += step_times
                     in_hooks[model_name][variant] += hook_times
         rows = []

@@ -198,6 +198,18 @@ def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
     assert [r.peak_tensor_bytes for r in tracker.history] == [P + X + second] * 3
 
 
+def test_validation_inside_an_accumulation_window_does_not_split_the_step(tmp_path):
+    """Validation after micro-batch 3 falls inside optimizer step 1's window: that step must
+    still give exactly one training reading; the validation run there is not measured."""
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[tracker], val_check_interval=3,
+                 limit_val_batches=1, check_val_every_n_epoch=None).fit(LinearStack(val_batches=1))
+    train = [r.step for r in tracker.history if r.stage == "train"]
+    validate = [r.step for r in tracker.history if r.stage == "validate"]
+    assert train == [0, 1, 2]
+    assert validate == [2]  # after micro-batch 6, when step 2's window had closed
+
+
 def test_csv_logger_has_the_columns(tmp_path):
     logger = CSVLogger(str(tmp_path), name="csv")
     tracker = MemoryTracker(verbose=False)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from lightning_memkit.units import MiB
 
-from conftest import read_scalars
+from conftest import read_scalars, run_script
 
 EXTRA_ELEMENTS = 2**20  # rank r holds (r + 1) * 4 MiB more than the model needs in its forward
 
@@ -53,20 +50,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=str(tmp_path), env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and the rank it started
-        output, _ = process.communicate()
-        pytest.fail(f"DDP run did not finish in 180 s:\n{output[-4000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
+    run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)  # kills the process group on timeout
 
     ranks = []
     for rank in (0, 1):

@@ -139,6 +139,7 @@ class MemoryTracker(Callback):
         self._meter: MemoryMeter | None = None
         self._reducer: ReadingReducer | None = None
         self._history_recording = False
+        self._validation_window = False
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -197,23 +198,27 @@ class MemoryTracker(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._validating(trainer) and not self._meter.is_open:
+        # A validation run inside an accumulation window (the training window is open) is
+        # not measured: closing that window here would log a partial training step.
+        self._validation_window = self._validating(trainer) and not self._meter.is_open
+        if self._validation_window:
             self._meter.open(logging_step(trainer), "validate", trainer.global_rank)
 
     @override
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._validating(trainer) and self._meter.is_open:
+        if self._validation_window and self._meter is not None:
             self._meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._validating(trainer):
+        if self._validation_window and self._meter is not None:
             self._meter.pause()
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._validating(trainer) and self._meter.is_open:
+        if self._validation_window and self._meter is not None and self._meter.is_open:
             self._log(trainer, self._meter.close())
+        self._validation_window = False
 
     # ------------------------------------------------------------------ logging
     def _log(self, trainer: Trainer, reading: StepReading) -> None:

@@ -1,0 +1,33 @@
+"""MemoryTracker on a small LightningModule: per-step memory in TensorBoard and CSV, on CPU or GPU.
+
+    python examples/memory_tracker.py            # then: tensorboard --logdir memkit_example_logs
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_memkit import MemoryTracker
+from lightning_memkit.zoo import DemoMLP
+
+
+def main(logdir: str = "memkit_example_logs", steps: int = 20) -> MemoryTracker:
+    pl.seed_everything(0, verbose=False)
+    tracker = MemoryTracker(every_n_steps=1)  # on CPU the exact tensor accountant is on ("auto")
+    trainer = pl.Trainer(
+        max_steps=steps, callbacks=[tracker], log_every_n_steps=1,
+        logger=[TensorBoardLogger(logdir, name="mlp"), CSVLogger(logdir, name="mlp-csv")],
+        val_check_interval=10, check_val_every_n_epoch=None, limit_val_batches=2,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(DemoMLP(batch_size=64))
+    last = tracker.history[-1]
+    print(f"last reading: step {last.step} ({last.stage}), peak {last.peak_bytes} bytes")
+    print(f"run peak: {tracker.summary.peak_bytes} bytes at step {tracker.summary.peak_step}")
+    print(f"tensorboard --logdir {logdir}")
+    return tracker
+
+
+if __name__ == "__main__":
+    main()
