@@ -68,11 +68,14 @@ class MemoryTracker(Callback):
 
     Args:
         every_n_steps: measure and log every n-th optimizer step (1 = every step). Steps in
-            between run with no probe active.
+            between run with no probe active. With gradient accumulation one reading covers
+            all micro-batches of an optimizer step.
         log_validation: also measure each validation run (one reading per run, ``memory/val/``).
         tensor_accounting: run the exact tensor accountant during measured steps. ``"auto"``
             (default) turns it on where there are no allocator counters (CPU and other
-            non-CUDA devices); it costs a Python call per aten op (docs/memory_tracker.md).
+            non-CUDA devices); it costs a Python call per aten op while a step is measured
+            (measured: 1.10x on a 20 ms CPU step, 2.5x on a 1 ms one; ``every_n_steps``
+            divides that; see docs/memory_tracker.md).
         nvml: read NVML on CUDA devices.
         host: read host RSS and per-step peak RSS.
         per_rank: under DDP also log each rank's values (``memory/train/rank{r}/...``);
