@@ -298,7 +298,7 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
                 except ValueError as error:
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             module_copy.train()
-            autocast = _step_context(module_copy, mode, "cpu" if fake else _batch_device_type(batch), target.type)
+            autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
             with context(), acc, acc.attributor.watch_saved_tensors():
@@ -335,7 +335,10 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
     )
 
 
-def _batch_device_type(batch: Any) -> str:
+def _device_type_of(module: nn.Module, batch: Any) -> str:
+    """Where the step's kernels run (the parameters' device; the batch's for parameter-free modules)."""
+    for parameter in module.parameters():
+        return parameter.device.type
     for leaf in tree_flatten(batch)[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device.type

@@ -311,8 +311,10 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
         target = "cuda" if device.type == "cuda" else "cpu"
         # on CUDA the context already lives outside `capacity` (free + reserved), so add its allowance back
         memory = capacity + (CUDA_CONTEXT_BYTES if target == "cuda" else 0)
+        # Trials confirm the answer, so the prediction need only be as fine as the search's margin. (Two
+        # estimates are not enough: at small batches the peak is often in the optimizer step, flat in batch.)
         prediction = predict_max_batch_size(module, memory, mode=_trainer_mode(trainer), margin=0.0, device=target,
-                                            batch=batch, max_val=config.max_val)
+                                            batch=batch, max_val=config.max_val, tolerance=config.margin)
         return prediction.growth, prediction.batch_size
     except Exception as error:  # the estimate only speeds the search up; trials decide
         warnings.warn(f"memkit: could not estimate the step ({error}); searching by trials only", RuntimeWarning, stacklevel=2)
@@ -323,7 +325,6 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     _lightning_setattr(module, config.batch_arg_name, size)
     error_text: str | None = None
     steps = 0
-    _release_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
@@ -350,7 +351,8 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step
-    _release_memory(device)
+    if error_text is not None:  # the failed step's tensors are only reachable through cycles now
+        _release_memory(device)
     fits = error_text is None and steps >= config.steps_per_trial
     if error_text is None and not fits:
         raise SearchError(f"a trial at batch size {size} ran {steps} of {config.steps_per_trial} steps: the train dataloader "
