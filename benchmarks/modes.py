@@ -80,7 +80,7 @@ class Variant:
         self.optimizer.step()
 
 
-def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed: int = 0) -> list[dict]:
+def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed: int = 0, clock=time.perf_counter) -> list[dict]:
     torch.manual_seed(seed)
     batch = next(iter(factory().train_dataloader()))
     variants = [Variant(factory, m, seed) for m in modes]
@@ -101,9 +101,9 @@ def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
             for _ in range(steps_per_round):
-                t0 = time.perf_counter()
+                t0 = clock()
                 v.step(batch)
-                v.times.append(time.perf_counter() - t0)
+                v.times.append(clock() - t0)
     base = variants[0]
     rows = []
     for v in variants:
@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--glibc-default", action="store_true",
                         help="keep glibc's default of returning freed memory to the OS (see _keep_freed_memory)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time), which other "
+                             "jobs on a shared machine disturb less; use it with --threads 1")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args(argv)
     if not args.glibc_default:
@@ -147,14 +150,16 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     rows = []
     for name in args.models.split(","):
-        rows += run_model(name, MODELS[name], modes + EXTRA_MODES.get(name, []), args.rounds, args.steps_per_round)
+        rows += run_model(name, MODELS[name], modes + EXTRA_MODES.get(name, []), args.rounds, args.steps_per_round,
+                          clock=time.process_time if args.clock == "cpu" else time.perf_counter)
     headers = ("model", "mode", "batch", "regions", "per-step peak", "peak vs baseline", "saving", "median step", "time vs baseline", "step memory beyond state")
     table = [
         (r["model"], r["mode"], "x".join(map(str, r["batch"])), r["regions"], f"{r['peak_bytes'] / MiB:.1f} MiB", f"{r['peak_ratio']:.2f}x",
          f"{1 - r['peak_ratio']:.0%}", f"{r['median_step_s'] * 1000:.0f} ms", f"{r['time_ratio']:.2f}x", f"{r['activation_share']:.0%}")
         for r in rows
     ]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU; {args.rounds} rounds x {args.steps_per_round} timed steps per mode")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {args.clock} clock; "
+          f"{args.rounds} rounds x {args.steps_per_round} timed steps per mode")
     if args.markdown:
         print("| " + " | ".join(headers) + " |")
         print("|" + "---|" * len(headers))
