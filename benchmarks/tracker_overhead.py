@@ -7,8 +7,10 @@ calls (so every callback's and the logger's work is inside it). Ratios are to "n
 Time is the process's CPU time by default (``--clock wall`` for wall time): on a shared
 machine other processes' load stretches wall time at random, while the CPU time a step
 costs this process does not change with it.
-A second, noise-free figure is the time spent inside the callback's own per-step hooks
-(its probes, its dict building and its ``logger.log_metrics`` calls), timed directly.
+A second figure is the time spent inside the callback's own per-step hooks (its probes, its
+dict building and its ``logger.log_metrics`` calls), timed directly. A third, "paired", runs
+each callback on every other step of one run and compares neighbouring steps (divided by
+the same ratio of a run without any callback), so slow drifts in the machine's load cancel.
 
 torch runs on one thread: on a small shared machine, OpenMP threads that wait for a
 descheduled sibling make step times jump by tens of milliseconds, which would drown a 3% effect.
@@ -134,6 +136,55 @@ def _callbacks(variant: str) -> list[pl.Callback]:
     raise ValueError(f"unknown variant {variant!r}")
 
 
+class _EveryOtherStep(pl.Callback):
+    """Runs ``inner``'s per-step hooks on even batches only (its other hooks always), so one
+    run alternates measured and unmeasured steps: neighbouring steps share the machine's load."""
+
+    def __init__(self, inner: pl.Callback) -> None:
+        self.inner = inner
+
+    def setup(self, *args, **kwargs):
+        self.inner.setup(*args, **kwargs)
+
+    def teardown(self, *args, **kwargs):
+        self.inner.teardown(*args, **kwargs)
+
+    def on_fit_start(self, *args, **kwargs):
+        self.inner.on_fit_start(*args, **kwargs)
+
+    def on_fit_end(self, *args, **kwargs):
+        self.inner.on_fit_end(*args, **kwargs)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % 2 == 0:
+            self.inner.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx % 2 == 0:
+            self.inner.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=time.process_time) -> float:
+    """One run whose even steps run the variant's callback and odd steps do not; returns
+    median(even step times) / median(odd step times)."""
+    kwargs, steps = MODELS[model_name]
+    torch.manual_seed(0)
+    model = BenchMLP(**kwargs)
+    step_clock = _StepClock(clock)
+    callbacks = [_EveryOtherStep(c) for c in _callbacks(variant)]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2 * steps + warmup, logger=TensorBoardLogger(root, name=f"paired-{model_name}-{variant}"),
+        callbacks=[step_clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
+    trainer.fit(model)
+    times = [b - a for a, b in zip(step_clock.starts, step_clock.starts[1:])]
+    even = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 0]
+    odd = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 1]
+    return statistics.median(even) / statistics.median(odd)
+
+
 def run_once(model_name: str, variant: str, root: str, warmup: int = 5, clock=time.process_time) -> tuple[list[float], list[float]]:
     """Train one fresh model; return the per-step times and the per-step time inside the
     variant's callback hooks (seconds, by ``clock``), after ``warmup`` steps."""
@@ -208,6 +259,22 @@ def main() -> None:
                   f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
                   f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
                   f"accountant: memkit+acct/none = {r['memkit+acct']:.3f}, in-hook {h['memkit+acct']:.3f} ms")
+        # Paired: one run alternates steps with and without the callback; the ratio
+        # even/odd, divided by the same ratio of a run with no callback (the control),
+        # is the callback's cost per logged step with the load shared by both sides.
+        paired = {m: {v: [] for v in variants} for m in MODELS}
+        for repeat in range(repeats):
+            for model_name in MODELS:
+                order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+                for variant in order:
+                    paired[model_name][variant].append(run_paired(model_name, variant, root, clock=clock))
+        print("\npaired (one run alternates steps with and without the callback; median of runs):")
+        print(f"{'model':<6} {'variant':<12} {'with/without':>13} {'over control':>13}")
+        for model_name in MODELS:
+            control = statistics.median(paired[model_name]["none"])
+            for variant in variants:
+                ratio = statistics.median(paired[model_name][variant])
+                print(f"{model_name:<6} {variant:<12} {ratio:>13.3f} {ratio / control:>13.3f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
