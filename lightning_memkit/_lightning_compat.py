@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-__all__ = ["logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured"]
+__all__ = ["log_dir", "logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured"]
 
 
 def logging_step(trainer: Any) -> int:
@@ -148,3 +148,13 @@ def set_loop_flags(loop: Any, flags: list[dict[str, Any]]) -> None:
     for each, saved in zip(_loops(loop), flags):
         for name, value in saved.items():
             setattr(each, name, value)
+
+
+def log_dir(trainer: Any) -> str:
+    """Where memkit writes its files for this run: the first logger's ``log_dir``, else the
+    trainer's ``default_root_dir`` (public API; here so every callback picks the same place)."""
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None)
+        if directory:
+            return str(directory)
+    return str(trainer.default_root_dir)

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
-from lightning_memkit.callbacks.memory_tracker import _log_dir
+from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.trace.records import LayerTraceResult, trace_filename
 from lightning_memkit.trace.tracer import LayerTracer
@@ -170,7 +170,7 @@ class LayerTrace(Callback):
             logger.log_metrics(result.metrics(self.prefix), step=step)
             if isinstance(logger, TensorBoardLogger):
                 self._to_tensorboard(logger, result, step)
-        directory = _log_dir(trainer)
+        directory = log_dir(trainer)
         path = os.path.join(directory, trace_filename(result.step, result.rank))
         try:
             result.to_json(path)
@@ -184,8 +184,8 @@ class LayerTrace(Callback):
     def _to_tensorboard(self, logger: TensorBoardLogger, result: LayerTraceResult, step: int) -> None:
         experiment = logger.experiment
         # TensorBoard's text tab renders Markdown: indent by 4 spaces to keep the columns
-        experiment.add_text(f"{self.prefix}/trace/table", _as_code(result.format_table()), global_step=step)
-        experiment.add_text(f"{self.prefix}/trace/categories", _as_code(result.format_categories()), global_step=step)
+        experiment.add_text(f"{self.prefix}/trace/table", markdown_code(result.format_table()), global_step=step)
+        experiment.add_text(f"{self.prefix}/trace/categories", markdown_code(result.format_categories()), global_step=step)
         if self.figure:
             try:
                 experiment.add_figure(f"{self.prefix}/trace/figure", result.figure(), global_step=step, close=True)
@@ -193,8 +193,4 @@ class LayerTrace(Callback):
                 rank_zero_warn(f"memkit LayerTrace: no figure ({error}); install matplotlib or pass figure=False")
                 self.figure = False
         experiment.flush()
-
-
-def _as_code(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
@@ -251,7 +251,7 @@ class MemoryTracker(Callback):
             logger.save()
         if trainer.is_global_zero:
             self.records_path = write_records(
-                os.path.join(_log_dir(trainer), RECORDS_FILENAME), self.summary, list(self.history)
+                os.path.join(log_dir(trainer), RECORDS_FILENAME), self.summary, list(self.history)
             )
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
@@ -277,7 +277,7 @@ class MemoryTracker(Callback):
                 pass
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
-        directory = self.oom_dir or _log_dir(trainer)
+        directory = self.oom_dir or log_dir(trainer)
         stem = os.path.join(directory, f"memkit_oom_rank{trainer.global_rank}")
         snapshot = None
         if self._history_recording and dump_memory_snapshot(stem + ".pickle"):
@@ -311,11 +311,3 @@ class MemoryTracker(Callback):
         self.history.extend(StepReading.from_dict(r) for r in state_dict.get("history", []))
         if "summary" in state_dict:
             self.summary = RunSummary.from_dict(state_dict["summary"])
-
-
-def _log_dir(trainer: Trainer) -> str:
-    for logger in trainer.loggers:
-        directory = getattr(logger, "log_dir", None)
-        if directory:
-            return str(directory)
-    return str(trainer.default_root_dir)

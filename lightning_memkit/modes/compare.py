@@ -205,66 +205,35 @@ def read_compare(path: str) -> CompareResult:
 
 
 # ---------------------------------------------------------------------------------------------- figures
-def _figures(compare: CompareResult) -> dict[str, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in compare.results if r.status == "ok" and r.peak_allocated_bytes is not None]
-    peak_fig, ax = plt.subplots(figsize=(1.6 + 1.3 * max(len(ok), 1), 3.6))
-    bars = ax.bar([r.mode for r in ok], [r.peak_allocated_bytes / MiB for r in ok], color="#4c72b0")
-    for bar, r in zip(bars, ok):
-        label = f"{r.peak_ratio:.2f}x" if r.peak_ratio is not None else ""
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    source = ok[0].peak_source if ok else ""
-    ax.set_ylabel(f"peak per step (MiB, {source})")
-    ax.set_title(f"Peak memory per mode ({compare.device})")
-    ax.tick_params(axis="x", labelrotation=20)
-    peak_fig.tight_layout()
-    steps_fig, ax2 = plt.subplots(figsize=(6.4, 3.6))
-    for r in ok:
-        if r.step_peaks:
-            ax2.plot([s for s, _ in r.step_peaks], [b / MiB for _, b in r.step_peaks], marker=".", label=r.mode)
-    ax2.xaxis.get_major_locator().set_params(integer=True)
-    ax2.ticklabel_format(axis="y", useOffset=False)
-    ax2.set_xlabel("training step")
-    ax2.set_ylabel("peak in step (MiB)")
-    ax2.set_title("Memory per step per mode")
-    ax2.legend(fontsize=8)
-    steps_fig.tight_layout()
-    return {"peak_figure": peak_fig, "steps_figure": steps_fig}
-
-
 def _write_figures(compare: CompareResult, directory: str) -> dict[str, str]:
-    import matplotlib.pyplot as plt
+    from lightning_memkit.tensorboard.figures import compare_figures
 
     paths = {}
-    for key, figure in _figures(compare).items():
+    for key, figure in compare_figures(compare).items():
         path = os.path.join(directory, PEAK_FIGURE if key == "peak_figure" else STEPS_FIGURE)
         figure.savefig(path, dpi=100)
-        plt.close(figure)
         paths[key] = path
     return paths
 
 
 def _write_tensorboard_summary(compare: CompareResult) -> str:
     """Figures and the table in a ``compare`` run under the root (the per-mode runs hold the scalars)."""
-    import matplotlib.pyplot as plt
     from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_memkit.tensorboard.dashboard import markdown_code
+    from lightning_memkit.tensorboard.figures import compare_figures
 
     log_dir = os.path.join(compare.root_dir, "compare")
     writer = SummaryWriter(log_dir)
     try:
-        for key, figure in _figures(compare).items():
-            writer.add_figure(f"memkit/compare/{key}", figure, global_step=compare.max_steps, close=True)
-        writer.add_text("memkit/compare/table", "    " + compare.format_table().replace("\n", "\n    "), global_step=compare.max_steps)
+        for key, figure in compare_figures(compare).items():
+            writer.add_figure(f"memkit/compare/{key}", figure, global_step=compare.max_steps, close=False)
+        writer.add_text("memkit/compare/table", markdown_code(compare.format_table()), global_step=compare.max_steps)
         for r in compare.results:
             if r.peak_allocated_bytes is not None:
                 writer.add_scalar(f"memkit/compare/peak_MiB/{r.mode}", r.peak_allocated_bytes / MiB, compare.max_steps)
     finally:
         writer.close()
-        plt.close("all")
     return log_dir
 
 

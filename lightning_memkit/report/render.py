@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, StepReading
-from lightning_memkit.records import RunSummary
+from lightning_memkit.modes.compare import read_compare
+from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
 from lightning_memkit.report.sources import CompareFile, OomFile, ReportSources, RunRecords, TraceFile
 from lightning_memkit.summary_table import format_summary, format_table
+from lightning_memkit.tensorboard.figures import compare_figures
 from lightning_memkit.units import MiB
 
 __all__ = ["ReportFigure", "Report", "build_report", "readings_table"]
@@ -194,15 +195,11 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
     result = None
     if compare.data is not None:
         try:
-            from lightning_memkit.modes import compare as compare_module
-
-            result = compare_module.read_compare(os.path.join(compare.root, "compare.json"))
-        except ImportError:
-            compare_module = None
+            result = read_compare(os.path.join(compare.root, "compare.json"))
         except (OSError, ValueError, KeyError, TypeError) as error:
             builder.add(f'<p class="problems">compare.json: cannot read it ({html.escape(str(error))})</p>')
     if result is None:
-        if compare.rows:  # compare.csv alone (or a memkit without the compare module): show it as it is
+        if compare.rows:  # compare.csv alone: show it as it is
             builder.add('<p class="meta">from compare.csv</p>')
             builder.add(_html_table(compare.csv_header, [[row.get(h, "") for h in compare.csv_header] for row in compare.rows]))
         else:
@@ -214,26 +211,13 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
     failed = [r for r in result.results if r.status != "ok"]
     if failed:
         builder.add('<ul class="problems">' + "".join(f"<li>{html.escape(r.mode)}: {html.escape(r.error or 'failed')}</li>" for r in failed) + "</ul>")
-    make_figures = getattr(compare_module, "compare_figures", None) or getattr(compare_module, "_figures", None)
-    if make_figures is not None:
-        try:
-            figures = make_figures(result)
-        except Exception as error:  # the table is already there; say why the figures are not
-            builder.add(f'<p class="problems">the comparison figures could not be drawn: {html.escape(repr(error))}</p>')
-            figures = {}
-        for key, figure in figures.items():
-            builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", lambda figure=figure: figure)
-            _close(figure)
-
-
-def _close(figure: Any) -> None:
-    """Release a figure made with pyplot (the compare module draws with pyplot)."""
     try:
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
-    except Exception:
-        pass
+        figures = compare_figures(result)
+    except Exception as error:  # the table is already there; say why the figures are not
+        builder.add(f'<p class="problems">the comparison figures could not be drawn: {html.escape(repr(error))}</p>')
+        figures = {}
+    for key, figure in figures.items():
+        builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", lambda figure=figure: figure)
 
 
 def build_report(sources: ReportSources, title: str = "memkit memory report") -> Report:

@@ -27,6 +27,7 @@ __all__ = [
     "figure_png",
     "figure_rgb",
     "memory_per_step_figure",
+    "compare_figures",
 ]
 
 #: the colour of every "peak" marker memkit draws.
@@ -137,3 +138,43 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
     axes[-1].set_xlabel("training step")
     axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
     return figure
+
+
+def compare_figures(compare) -> dict[str, Figure]:
+    """The mode comparison's figures from a :class:`~lightning_memkit.modes.compare.CompareResult`.
+
+    ``peak_figure``: each mode's per-step peak (MiB) as a bar with its ratio to the baseline, the
+    lowest marked. ``steps_figure``: every mode's per-step peak against the training step, the
+    highest marked. Values are the records' own (``ModeResult.peak_allocated_bytes``, ``step_peaks``).
+    """
+    ok = [r for r in compare.results if r.status == "ok" and r.peak_allocated_bytes is not None]
+    source = ok[0].peak_source if ok else "no successful mode"
+    peak_figure, (bar_ax,) = new_figure(f"memkit compare: peak memory per mode ({compare.device})",
+                                        width=2.4 + 1.4 * max(len(ok), 1), row_height=3.6)
+    if ok:
+        positions = list(range(len(ok)))
+        bars = bar_ax.bar(positions, [r.peak_allocated_bytes / MiB for r in ok], color="#4c72b0")
+        bar_ax.set_xticks(positions, [r.mode for r in ok], rotation=20)
+        for bar, result in zip(bars, ok):
+            if result.peak_ratio is not None:
+                bar_ax.annotate(f"{result.peak_ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=8)
+        lowest = min(positions, key=lambda i: ok[i].peak_allocated_bytes)
+        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes, f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}")
+    bar_ax.set_ylabel(f"peak per step (MiB, {source})")
+    steps_figure, (line_ax,) = new_figure("memkit compare: memory per step per mode", width=8.0, row_height=3.6)
+    highest = None
+    for result in ok:
+        if result.step_peaks:
+            steps = [step for step, _ in result.step_peaks]
+            line_ax.plot(steps, [nbytes / MiB for _, nbytes in result.step_peaks], marker=".", label=result.mode)
+            top = max(result.step_peaks, key=lambda point: point[1])
+            if highest is None or top[1] > highest[1]:
+                highest = (top[0], top[1], result.mode)
+    if highest is not None:
+        mark_peak(line_ax, highest[0], highest[1], f"highest: {format_bytes(highest[1])} ({highest[2]})")
+        line_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    line_ax.xaxis.get_major_locator().set_params(integer=True)
+    line_ax.set_xlabel("training step")
+    line_ax.set_ylabel("peak in step (MiB)")
+    return {"peak_figure": peak_figure, "steps_figure": steps_figure}
