@@ -195,7 +195,7 @@ def test_policy_that_matches_nothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"matched no module.*BatchNorm1d"):
         apply_checkpointing(BlockNet(), {nn.Conv2d})
     with pytest.raises(ValueError, match="found no repeated blocks.*policy="):
-        apply_checkpointing(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), "auto")
+        apply_checkpointing(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "auto")  # too short a chain to cut
     with pytest.raises(ValueError, match="not understood|unknown"):
         apply_checkpointing(BlockNet(), "everything")
     with pytest.raises(ValueError, match="fraction"):
@@ -212,3 +212,21 @@ def test_checkpointing_frees_measured_activation_memory_and_predicts_it():
     # the prediction is what the exact accountant then measures
     assert plan.baseline_activation_bytes - plan.measured_activation_bytes == plan.predicted_saving_bytes
     assert "blocks.0" in plan.summary() and plan.to_dict()["count"] == 3
+
+
+def test_auto_cuts_a_plain_sequential_chain_when_no_block_repeats():
+    """An MLP's Linear/ReLU stack has no run of same-class children; 'auto' still segments the chain
+    (about sqrt(n) segments, the last one plain) and the gradients stay identical."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    handle = apply_checkpointing(model, "auto")
+    assert handle.plan.count == 2  # round(sqrt(9)) = 3 segments, the last one runs plain
+    model(x).sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.equal(got, want)
+    handle.remove()

@@ -447,6 +447,22 @@ def find_repeated_blocks(module: nn.Module) -> list[_BlockRun]:
     return runs
 
 
+def _plain_sequential_chains(module: nn.Module) -> list[_BlockRun]:
+    """Fallback for ``"auto"`` when no block repeats: the outermost plain ``nn.Sequential`` chains of
+    three or more layers (an MLP's Linear/ReLU stack, a CNN's feature extractor), each to be cut into
+    about sqrt(n) segments, as torch's ``checkpoint_sequential`` does."""
+    runs: list[_BlockRun] = []
+    for name, container in module.named_modules():
+        if (type(container).forward is not nn.Sequential.forward or not isinstance(container, nn.Sequential)
+                or len(container) < 3 or not _has_parameters(container)):
+            continue
+        if any(name.startswith(run.container_name + ".") or not run.container_name for run in runs):
+            continue
+        children = list(container.named_children())
+        runs.append(_BlockRun(name, container, list(range(len(children))), [_join(name, c) for c, _ in children]))
+    return runs
+
+
 def _sqrt_ranges(indices: list[int]) -> list[tuple[int, int]]:
     """Cut consecutive child indices into about sqrt(n) contiguous [start, end) ranges of near-equal size."""
     n = len(indices)
@@ -608,7 +624,7 @@ class _Region:
 
 def _regions_for(module: nn.Module, policy: Any) -> tuple[list[_Region], str]:
     if policy == "auto":
-        runs = find_repeated_blocks(module)
+        runs = find_repeated_blocks(module) or _plain_sequential_chains(module)
         regions: list[_Region] = []
         notes = []
         for run in runs:
@@ -618,8 +634,10 @@ def _regions_for(module: nn.Module, policy: Any) -> tuple[list[_Region], str]:
                     names = [_join(run.container_name, children[i][0]) for i in range(start, end)]
                     regions.append(_Region(f"{run.container_name or '<root>'}[{start}:{end}]", [children[i][1] for i in range(start, end)],
                                            names, run.container, (start, end)))
-                notes.append(f"{run.container_name or '<root>'}: {len(run.indices)} {type(children[run.indices[0]][1]).__name__} "
-                             f"blocks in {len(_sqrt_ranges(run.indices))} segments (~sqrt(n))")
+                classes = {type(children[i][1]).__name__ for i in run.indices}
+                what = f"{classes.pop()} blocks" if len(classes) == 1 else "layers"
+                notes.append(f"{run.container_name or '<root>'}: {len(run.indices)} {what} "
+                             f"in {len(_sqrt_ranges(run.indices))} segments (~sqrt(n))")
             else:
                 for name in run.names:
                     regions.append(_Region(name, [module.get_submodule(name)], [name]))
@@ -645,7 +663,8 @@ def _no_match_error(module: nn.Module, policy: Any) -> ValueError:
     hint = ", ".join(classes[:12]) + (", ..." if len(classes) > 12 else "")
     if policy == "auto":
         return ValueError(f"checkpoint policy 'auto' found no repeated blocks in {type(module).__name__} (same-class children "
-                          f"with parameters of an nn.ModuleList or nn.Sequential); pass the block classes instead, "
+                          f"with parameters of an nn.ModuleList or nn.Sequential) and no nn.Sequential chain of 3 or more "
+                          f"layers; pass the block classes instead, "
                           f"e.g. policy={{nn.Conv2d}}. Module classes in this model: {hint}")
     return ValueError(f"checkpoint policy {describe_policy(policy)} matched no module of {type(module).__name__}; "
                       f"module classes in this model: {hint}")
