@@ -167,3 +167,18 @@ def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
         assert f"rank{rank} wrapped=" in output
     counts = {line.split("wrapped=")[1].split()[0] for line in output.splitlines() if "wrapped=" in line}
     assert len(counts) == 1 and counts != {"0"}, output[-3000:]  # both ranks wrapped the same blocks
+
+
+def test_measuring_forwards_stay_out_of_the_first_step_reading_whatever_the_order(tmp_path):
+    """ActivationCheckpointing listed after MemoryTracker still measures before the step window opens:
+    step 0's exact peak is the same in both orders."""
+    from lightning_memkit import MemoryTracker
+
+    peaks = []
+    for order in ("tracker_first", "checkpoint_first"):
+        tracker = MemoryTracker(verbose=False)
+        checkpointing = ActivationCheckpointing(budget=0.5, verbose=False)
+        callbacks = [tracker, checkpointing] if order == "tracker_first" else [checkpointing, tracker]
+        _fit(DropoutBatchNormNet(blocks=6), tmp_path / order, callbacks)
+        peaks.append([r.peak_tensor_bytes for r in tracker.history if r.stage == "train"])
+    assert peaks[0] == peaks[1]

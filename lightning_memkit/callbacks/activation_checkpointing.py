@@ -57,8 +57,8 @@ class ActivationCheckpointing(Callback):
             optimization, whose training_step also steps the optimizer).
         verbose: print the plan (names, count, predicted and measured saving) on global rank 0.
 
-    Put it before ``MemoryTracker`` in ``callbacks``: callbacks run in list order, so the one-off
-    measuring forwards then happen before the tracker opens the first step's memory window.
+    Its one-off measuring forwards run before any memkit step window opens (MemoryTracker, LayerTrace),
+    whatever order the callbacks are listed in: at set-up it moves itself ahead of them.
 
     Logged once, at the first training step, to every logger: ``memory/checkpoint/regions`` (count)
     and, when measured, ``memory/checkpoint/predicted_saving_MiB`` and
@@ -91,6 +91,7 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self._handle is not None:
             return
+        _run_before_step_windows(trainer, self)
         configured = fsdp_activation_checkpointing_configured(trainer.strategy)
         if configured is not None:
             rank_zero_warn(
@@ -174,3 +175,13 @@ class ActivationCheckpointing(Callback):
             self._handle.remove()
             self._handle = None
         self._pending = False
+
+
+def _run_before_step_windows(trainer: Trainer, callback: Callback) -> None:
+    """Move ``callback`` ahead of the first callback that opens a memkit step window
+    (``memkit_opens_step_window``), so the measuring forwards never land in step 0's reading."""
+    callbacks = trainer.callbacks
+    first = next((i for i, cb in enumerate(callbacks) if getattr(cb, "memkit_opens_step_window", False)), None)
+    mine = callbacks.index(callback)
+    if first is not None and first < mine:
+        callbacks.insert(first, callbacks.pop(mine))

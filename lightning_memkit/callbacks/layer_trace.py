@@ -74,6 +74,9 @@ class LayerTrace(Callback):
         paths: the JSON files written.
     """
 
+    #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
+    memkit_opens_step_window = True
+
     def __init__(
         self,
         at_steps: Iterable[int] | None = None,

@@ -100,6 +100,9 @@ class MemoryTracker(Callback):
             which ``memkit report`` reads.
     """
 
+    #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
+    memkit_opens_step_window = True
+
     def __init__(
         self,
         every_n_steps: int = 1,

@@ -322,7 +322,6 @@ def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: 
         )
         options.update(trainer_kwargs)
         options["precision"] = mode_kwargs["precision"]
-        # The checkpoint callback goes first so that its one-off measuring forwards fall outside the memory window.
         options["callbacks"] = [*mode_kwargs["callbacks"], tracker, recorder, *trainer_kwargs.get("callbacks", [])]
         trainer = pl.Trainer(**options)
         trainer.fit(model, datamodule=datamodule)
