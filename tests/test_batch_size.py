@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 import textwrap
 
 import lightning.pytorch as pl
@@ -21,6 +18,7 @@ from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.search.lightning import find_max_batch_size
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
+from conftest import run_script
 
 FEATURES = 256
 
@@ -240,10 +238,7 @@ def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
     script = tmp_path / "ddp_search.py"
     script.write_text(DDP_SCRIPT)
     small, large = _budget_for(60), _budget_for(200)
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    process = subprocess.run([sys.executable, str(script), str(tmp_path), str(large), str(small)], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=240)
-    assert process.returncode == 0, process.stderr[-3000:]
+    run_script([str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240)  # kills both ranks on timeout
     answers = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
     assert answers[0] == answers[1], answers
     size = int(answers[0][0])
