@@ -197,7 +197,11 @@ def predict_max_batch_size(
                 f"even at batch size 1: it needs {format_bytes(value)}; try mode='bf16' or 'checkpoint', a smaller model, or more memory"
             )
         lo = 1
-    # the growth near the answer: at small batches the peak may sit in the optimizer step, flat in batch
-    growth = AffineGrowth.fit(sorted(points, key=lambda point: abs(point[0] - lo))[:2])
+    # The growth near the answer (at small batches the peak may sit in the optimizer step, flat in
+    # batch), fitted over a wide enough span that allocator segment steps do not dominate the slope.
+    near = [point for point in points if point[0] >= lo / 4]
+    if len({size for size, _ in near}) < 2:
+        near = sorted(points, key=lambda point: abs(point[0] - lo))[:2]
+    growth = AffineGrowth.fit(near)
     return BatchSizePrediction(lo, cache[lo].required_bytes if lo in cache else required(lo), capacity, margin, growth,
                                list(points), mode_name, limited_by_max=lo >= max_val)
