@@ -10,13 +10,13 @@ from lightning_memkit.units import format_bytes
 __all__ = ["format_table", "format_summary"]
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A fixed-width table; the first column is left-aligned, the others right-aligned."""
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left_columns: int = 1) -> str:
+    """A fixed-width table; the first ``left_columns`` columns are left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
@@ -42,4 +42,4 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     if last is not None and last.host_rss_bytes is not None:
         rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
     rows.append(("steps measured", str(summary.steps_measured)))
-    return "memkit memory summary\n" + format_table(("", "value"), rows)
+    return "memkit memory summary\n" + format_table(("measure", "value"), rows, left_columns=2)

@@ -91,10 +91,12 @@ def test_files_csv_json_figures_and_tensorboard(compared):
 
 
 def test_a_mode_that_cannot_run_is_reported_and_the_others_still_run(tmp_path):
-    result = compare_modes(lambda: LinearStack(), modes=["baseline", "checkpoint"], max_steps=2, accelerator="cpu",
+    # one Linear layer: no repeated block, no chain to cut, so checkpoint:auto cannot run
+    result = compare_modes(lambda: LinearStack(dims=(32, 16)), modes=["baseline", "checkpoint"], max_steps=2, accelerator="cpu",
                            root_dir=str(tmp_path), verbose=False, figures=False)
     assert result["baseline"].status == "ok"
     assert result["checkpoint"].status == "failed" and "found no repeated blocks" in result["checkpoint"].error
+    assert result["baseline"].peak_ratio == 1.0 and result["checkpoint"].peak_ratio is None
     with pytest.raises(ValueError, match="max_steps"):
         compare_modes(tiny_transformer, max_steps=0)
     with pytest.raises(ValueError, match="unknown mode word"):

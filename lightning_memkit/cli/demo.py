@@ -42,18 +42,24 @@ def run(args: argparse.Namespace) -> int:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    from lightning_memkit import MemoryTracker
+    from lightning_memkit import LayerTrace, MemoryTracker
 
     pl.seed_everything(0, verbose=False)
     model = build_model(args.model, args.batch_size)
     tracker = MemoryTracker()
+    # Step 1 is the first step after Adam has created its state: the layer trace shows all of it.
+    layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,))
     loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
-        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker], logger=loggers, log_every_n_steps=1,
+        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker, layer_trace], logger=loggers, log_every_n_steps=1,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
     trainer.fit(model)
+    for result in layer_trace.results:
+        print(f"\nLayer trace of step {result.step} (memory by category; the module table is in TensorBoard's Text tab):")
+        print(result.format_categories())
     print(f"\nTensorBoard logs: {os.path.abspath(loggers[0].log_dir)}")
-    print(f"Open them with:   tensorboard --logdir {args.logdir}")
+    print(f"Open them with:   tensorboard --logdir {args.logdir}   (the Custom Scalars tab is memkit's dashboard)")
+    print(f"Offline report:   memkit report {args.logdir} -o memkit_report.html")
     return 0
