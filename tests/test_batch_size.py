@@ -243,3 +243,26 @@ def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
     assert answers[0] == answers[1], answers
     size = int(answers[0][0])
     assert 0.9 * 60 <= size <= 62, size  # rank 1's smaller budget decides (per-rank batch, DDP adds nothing per sample)
+
+
+def test_trials_run_in_the_checkpointing_mode_the_trainer_will_train_in(tmp_path):
+    """With ActivationCheckpointing on the Trainer, the trials (which run with no callbacks) wrap the
+    module themselves: the answer is larger than without, and the module is unwrapped afterwards."""
+    from lightning_memkit import ActivationCheckpointing
+    from lightning_memkit.modes.checkpointing import is_checkpointed
+
+    def setup():
+        torch.manual_seed(0)
+        module = DemoMLP(in_features=FEATURES, hidden=128, depth=8)  # a chain 'auto' cuts into 4 segments
+        del module.batch_size
+        return module, SyntheticDataModule(batch_size=8, train_size=1024, val_size=16, input_shape=(FEATURES,))
+
+    module, data = setup()
+    budget = measure_training_step(module, 300, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+    plain = find_max_batch_size(_trainer(tmp_path), module, data, budget=budget, max_val=1024, verbose=False)
+    module, data = setup()
+    trainer = _trainer(tmp_path, callbacks=[ActivationCheckpointing("auto", verbose=False)])
+    checkpointed = find_max_batch_size(trainer, module, data, budget=budget, max_val=1024, verbose=False)
+    assert checkpointed.batch_size > 1.1 * plain.batch_size, (plain.batch_size, checkpointed.batch_size)
+    assert any(t.fits and t.batch_size == checkpointed.batch_size for t in checkpointed.trials)
+    assert not any(is_checkpointed(m) for m in module.modules())

@@ -91,7 +91,6 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self._handle is not None:
             return
-        _run_before_step_windows(trainer, self)
         configured = fsdp_activation_checkpointing_configured(trainer.strategy)
         if configured is not None:
             rank_zero_warn(
@@ -100,6 +99,7 @@ class ActivationCheckpointing(Callback):
                    "Pass FSDPStrategy(activation_checkpointing_policy={YourBlock}) to checkpoint under FSDP.")
             )
             return
+        _run_before_step_windows(trainer, self)
         needs_sample = isinstance(self.policy, CheckpointBudget)
         if needs_sample and not pl_module.automatic_optimization and self.sample_fn is None:
             raise MisconfigurationException("ActivationCheckpointing(budget=...) with manual optimization: pass "

@@ -38,7 +38,9 @@ class MaxBatchSize(Callback):
         max_trials: at most this many trials.
         budget: on CPU, a memory budget (bytes or ``"256MiB"``) for live tensors, counted by the
             tensor accountant; crossing it raises an out-of-memory error, so the search is
-            testable without a GPU. On CUDA the device's memory is the budget.
+            testable without a GPU. Without one, a CPU search uses half the host memory available
+            at its start (exhausting RAM would summon the OOM killer, not an exception). On CUDA the
+            device's memory is the budget.
         batch_arg_name: the attribute (module, hparams or datamodule) that holds the batch size.
         keep_effective_batch_size: keep ``batch_size * accumulate_grad_batches`` as before by
             choosing the largest divisor of it that fits and raising ``accumulate_grad_batches``.

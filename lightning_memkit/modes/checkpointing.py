@@ -449,12 +449,13 @@ def find_repeated_blocks(module: nn.Module) -> list[_BlockRun]:
 
 def _plain_sequential_chains(module: nn.Module) -> list[_BlockRun]:
     """Fallback for ``"auto"`` when no block repeats: the outermost plain ``nn.Sequential`` chains of
-    three or more layers (an MLP's Linear/ReLU stack, a CNN's feature extractor), each to be cut into
-    about sqrt(n) segments, as torch's ``checkpoint_sequential`` does."""
+    three or more layers, two or more of them with parameters (an MLP's Linear/ReLU stack, a CNN's
+    feature extractor; not a Flatten/Dropout/Linear head), each to be cut into about sqrt(n)
+    segments, as torch's ``checkpoint_sequential`` does."""
     runs: list[_BlockRun] = []
     for name, container in module.named_modules():
         if (type(container).forward is not nn.Sequential.forward or not isinstance(container, nn.Sequential)
-                or len(container) < 3 or not _has_parameters(container)):
+                or len(container) < 3 or sum(_has_parameters(child) for child in container) < 2):
             continue
         if any(name.startswith(run.container_name + ".") or not run.container_name for run in runs):
             continue

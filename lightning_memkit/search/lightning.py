@@ -195,13 +195,38 @@ class _Snapshot:
 
 
 def _trainer_mode(trainer: Any) -> Any:
+    """The Mode of the Trainer's precision (checkpointing, if any, is already on the module)."""
     from lightning_memkit.modes.mode import Mode
 
     precision = str(trainer.precision)
     if "bf16" in precision and "mixed" in precision:
-        return Mode(precision="bf16-mixed")
-    if precision.startswith("16") and "mixed" in precision:
-        return Mode(precision="16-mixed")
+        precision = "bf16-mixed"
+    elif precision.startswith("16") and "mixed" in precision:
+        precision = "16-mixed"
+    else:
+        precision = None
+    return None if precision is None else Mode(precision=precision)
+
+
+def _checkpointing_for_search(trainer: Any, module: Any) -> Any:
+    """The ActivationCheckpointing policy the trials must train with, or ``None``.
+
+    The callback wraps the module only at the first training batch, after the search; the trials
+    (which run with no callbacks) wrap it themselves so they measure the mode that will train.
+    A budget policy needs a measured batch: the trials then run unwrapped, a conservative answer.
+    """
+    from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_memkit.modes.checkpointing import CheckpointBudget, is_checkpointed
+
+    if any(is_checkpointed(m) for m in module.modules()):
+        return None  # already wrapped (a search started mid-training)
+    for callback in trainer.callbacks:
+        if isinstance(callback, ActivationCheckpointing):
+            if isinstance(callback.policy, CheckpointBudget):
+                warnings.warn("memkit: the batch-size search runs without the budget checkpointing policy "
+                              "(it needs a measured batch), so its answer is on the safe side", RuntimeWarning, stacklevel=3)
+                return None
+            return callback.policy
     return None
 
 
@@ -217,6 +242,17 @@ def _say(trainer: Any, text: str, verbose: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the search
+#: the share of the host's available memory a CPU search without ``budget=`` may fill with tensors.
+HOST_BUDGET_FRACTION = 0.5
+
+
+def host_search_budget_bytes() -> int:
+    """The default CPU search budget: :data:`HOST_BUDGET_FRACTION` of the host memory available now, in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().available * HOST_BUDGET_FRACTION)
+
+
 def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResult:
     """Run the search inside a fit that has started (from ``on_fit_start`` or ``on_train_epoch_start``).
 
@@ -231,6 +267,12 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     original_size = snapshot.batch_size
     original_accumulate = trainer.accumulate_grad_batches
     budget = MemoryBudget(int(config.budget)) if config.budget is not None else None
+    if budget is None and device.type == "cpu":
+        # Exhausting host RAM rarely raises: Linux's OOM killer ends the process instead. So a CPU search
+        # without a budget counts live tensors against most of the RAM that is free now, and fails cleanly.
+        budget = MemoryBudget(host_search_budget_bytes())
+        _say(trainer, f"memkit: no budget= on CPU; searching within {format_bytes(budget.budget_bytes)} "
+                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now)", config.verbose)
     capacity: int | None = None
     if budget is not None:
         capacity = budget.budget_bytes
@@ -240,7 +282,13 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     if capacity is not None:
         capacity = outcomes.min(capacity)  # every rank must search the same way: the tightest memory decides
     result: SearchResult | None = None
+    checkpoint_policy = _checkpointing_for_search(trainer, module)
+    checkpointing = None
     try:
+        if checkpoint_policy is not None:
+            from lightning_memkit.modes.checkpointing import apply_checkpointing
+
+            checkpointing = apply_checkpointing(module, checkpoint_policy)
         trainer.callbacks = []
         trainer.loggers = []
         trainer.limit_train_batches = 1.0
@@ -262,7 +310,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         estimate_seconds = 0.0
         if config.use_estimate and capacity is not None:
             estimate_started = time.perf_counter()
-            growth, predicted = _predict(trainer, module, capacity, device, config)
+            growth, predicted = _predict(trainer, module, capacity, device, config)  # the module is wrapped already
             estimate_seconds = time.perf_counter() - estimate_started
             if predicted is not None:
                 predicted = outcomes.min(predicted)
@@ -285,6 +333,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
             result.reason = "dataset"
         result.estimate_seconds = estimate_seconds
     finally:
+        if checkpointing is not None:
+            checkpointing.remove()
         snapshot.restore(trainer, module, config.batch_arg_name)
         _release_memory(device)
     found = result.batch_size
