@@ -226,3 +226,19 @@ def test_out_variant_resizing_its_output_is_tracked():
         torch.add(torch.ones(10), torch.ones(10), out=out)  # out= resizes the empty tensor
     assert acc.current_bytes == 40
     del out
+
+
+def test_storage_listeners_see_every_allocation_and_free_in_order():
+    from lightning_memkit.accounting.accountant import TensorAccountant
+
+    events = []
+    accountant = TensorAccountant()
+    accountant.add_storage_listener(lambda r: events.append(("track", r.nbytes)), lambda r: events.append(("release", r.nbytes)))
+    with accountant:
+        a = torch.ones(10)          # 40 bytes
+        b = a * 2                   # 40 bytes
+        del a
+        c = b.view(2, 5)            # a view: no event
+        d = torch.zeros(3, dtype=torch.int64)  # 24 bytes
+    del b, c, d
+    assert events == [("track", 40), ("track", 40), ("release", 40), ("track", 24), ("release", 40), ("release", 24)]

@@ -109,6 +109,7 @@ class TensorAccountant(TorchDispatchMode):
         self.errors: list[str] = []
         self.error_count = 0
         self._peak_listeners: list[Callable[[int], None]] = []
+        self._storage_listeners: list[tuple[Callable[[StorageRecord], None] | None, Callable[[StorageRecord], None] | None]] = []
 
     # ------------------------------------------------------------------ labels
     @property
@@ -139,6 +140,14 @@ class TensorAccountant(TorchDispatchMode):
     def add_peak_listener(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(peak_bytes)`` each time a new peak is reached (keep it cheap)."""
         self._peak_listeners.append(listener)
+
+    def add_storage_listener(self, on_track: Callable[[StorageRecord], None] | None = None,
+                             on_release: Callable[[StorageRecord], None] | None = None) -> None:
+        """Call ``on_track(record)`` when a storage starts being counted (allocated or adopted) and
+        ``on_release(record)`` when torch frees it, in the order they happen (an allocator model
+        replays them). Both run on the hot path and, for frees, possibly inside garbage collection:
+        keep them cheap and never raise."""
+        self._storage_listeners.append((on_track, on_release))
 
     def is_tracked(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` is counted by this accountant."""
@@ -192,6 +201,9 @@ class TensorAccountant(TorchDispatchMode):
             self.current_bytes_by_label[label] = self.current_bytes_by_label.get(label, 0) + nbytes
         if not adopted:
             self.allocated_bytes_total += nbytes
+        for on_track, _ in self._storage_listeners:
+            if on_track is not None:
+                on_track(record)
         self._update_peak()
         return nbytes
 
@@ -207,6 +219,9 @@ class TensorAccountant(TorchDispatchMode):
                 self.current_bytes_by_label[record.label] = remaining
             else:
                 self.current_bytes_by_label.pop(record.label, None)
+        for _, on_release in self._storage_listeners:
+            if on_release is not None:
+                on_release(record)
 
     def _resize(self, storage: torch.UntypedStorage) -> None:
         """An in-place op (``resize_``, ``set_``) may change a tracked storage's size."""

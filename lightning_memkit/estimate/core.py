@@ -115,6 +115,9 @@ class _StepAccountant(TensorAccountant):
     def __init__(self, record_events: bool) -> None:
         super().__init__()
         self.events: list[tuple[str, int, int]] | None = [] if record_events else None
+        if record_events:
+            self.add_storage_listener(lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
+                                      lambda record: self.events.append(("free", record.sequence, 0)))
         self.peak_records: list[StorageRecord] = []
         self.peak_tick = 0
         self.attributor = CategoryAttributor(self)
@@ -128,20 +131,6 @@ class _StepAccountant(TensorAccountant):
         self.peak_tick = self.attributor.tick
         self.peak_phase = self.label
         self.peak_step = self.step
-
-    def _track(self, storage, label, adopted):  # noqa: D102 - see TensorAccountant
-        nbytes = super()._track(storage, label, adopted)
-        if self.events is not None:
-            record = self._records.get(id(storage))
-            if record is not None:
-                self.events.append(("alloc", record.sequence, record.nbytes))
-        return nbytes
-
-    def _release(self, key):  # noqa: D102 - see TensorAccountant
-        record = self._records.get(key)
-        super()._release(key)
-        if self.events is not None and record is not None:
-            self.events.append(("free", record.sequence, 0))
 
 
 # ------------------------------------------------------------------------------------------ the step
