@@ -88,6 +88,21 @@ class _Classifier(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
+    def _data(self) -> SyntheticDataModule:
+        raise TypeError(f"{type(self).__name__} must define _data(): the synthetic data it trains on")
+
+    def train_dataloader(self) -> DataLoader:
+        # a fresh datamodule each time, so a batch-size search that changes self.batch_size takes effect
+        return self._data().train_dataloader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._data().val_dataloader()
+
+
+def _image_data(model: "_Classifier") -> SyntheticDataModule:
+    size = model.hparams.image_size
+    return SyntheticDataModule(model.batch_size, train_size=256, val_size=64, input_shape=(3, size, size), num_classes=model.hparams.num_classes)
+
 
 class DemoMLP(_Classifier):
     """A stack of Linear+ReLU layers: ``in_features -> hidden x depth -> num_classes``."""
@@ -107,11 +122,8 @@ class DemoMLP(_Classifier):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.net(inputs)
 
-    def train_dataloader(self) -> DataLoader:
-        return SyntheticDataModule(self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes).train_dataloader()
-
-    def val_dataloader(self) -> DataLoader:
-        return SyntheticDataModule(self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes).val_dataloader()
+    def _data(self) -> SyntheticDataModule:
+        return SyntheticDataModule(self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes)
 
 
 class DemoCNN(_Classifier):
@@ -135,14 +147,8 @@ class DemoCNN(_Classifier):
         return self.head(self.features(inputs))
 
     def _data(self) -> SyntheticDataModule:
-        size = self.hparams.image_size
-        return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(3, size, size), num_classes=self.hparams.num_classes)
+        return _image_data(self)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._data().train_dataloader()
-
-    def val_dataloader(self) -> DataLoader:
-        return self._data().val_dataloader()
 
 
 class DemoTransformer(_Classifier):
@@ -169,11 +175,6 @@ class DemoTransformer(_Classifier):
         hp = self.hparams
         return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(hp.seq_len,), num_classes=hp.num_classes, vocab_size=hp.vocab_size)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._data().train_dataloader()
-
-    def val_dataloader(self) -> DataLoader:
-        return self._data().val_dataloader()
 
 
 class _BasicBlock(nn.Module):
@@ -223,11 +224,5 @@ class DemoResNet(_Classifier):
         return self.head(hidden)
 
     def _data(self) -> SyntheticDataModule:
-        size = self.hparams.image_size
-        return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(3, size, size), num_classes=self.hparams.num_classes)
+        return _image_data(self)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._data().train_dataloader()
-
-    def val_dataloader(self) -> DataLoader:
-        return self._data().val_dataloader()
