@@ -44,3 +44,64 @@ def load_object(spec: str) -> Any:
         available = sorted(n for n in dir(module) if not n.startswith("_"))
         raise CliError(f"{location!r} has no {name!r}; it defines: {', '.join(available)}")
     return getattr(module, name)
+
+
+def add_init_arguments(parser: Any, datamodule: bool = True) -> None:
+    """The options every verb that builds a user's classes shares: --init-args and, optionally,
+    --datamodule and --datamodule-args."""
+    parser.add_argument("--init-args", default="{}", metavar="JSON",
+                        help="JSON keyword arguments for the module class, e.g. '{\"hidden\": 512}' (default: none)")
+    if datamodule:
+        parser.add_argument("--datamodule", metavar="FILE.py:DataModuleClass", default=None,
+                            help="a LightningDataModule class to take the data from (default: the module's own dataloaders)")
+        parser.add_argument("--datamodule-args", default="{}", metavar="JSON",
+                            help="JSON keyword arguments for the datamodule class (default: none)")
+
+
+def json_object(text: str, flag: str) -> dict:
+    """Parse a JSON object of keyword arguments given to ``flag``.
+
+    Raises:
+        CliError: with an example, when the text is not a JSON object.
+    """
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CliError(f"{flag}: not JSON ({error}); write e.g. '{{\"batch_size\": 32}}'") from error
+    if not isinstance(value, dict):
+        raise CliError(f"{flag}: give a JSON object of keyword arguments, e.g. '{{\"batch_size\": 32}}'")
+    return value
+
+
+def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, what: str = "module") -> Any:
+    """``cls(**init_args)``, with ``batch_size`` passed as ``batch_size=`` when ``cls`` takes it,
+    else set as the instance's ``batch_size`` attribute.
+
+    Raises:
+        CliError: when ``cls`` is not a class, cannot be built from ``init_args``, or has no place
+            for the batch size.
+    """
+    import inspect
+
+    if not isinstance(cls, type):
+        raise CliError(f"the {what} {cls!r} is not a class; give FILE.py:ClassName")
+    try:
+        accepts = "batch_size" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    arguments = dict(init_args)
+    if batch_size is not None and accepts:
+        arguments["batch_size"] = batch_size
+    try:
+        instance = cls(**arguments)
+    except TypeError as error:
+        raise CliError(f"cannot build the {what} {cls.__name__}(**{arguments}) ({error}); "
+                       "give its arguments defaults or pass them with --init-args / --datamodule-args") from error
+    if batch_size is not None and not accepts:
+        if not hasattr(instance, "batch_size"):
+            raise CliError(f"the {what} {cls.__name__} has no batch_size argument or attribute; drop --batch-size, "
+                           "or pass the size in --init-args")
+        instance.batch_size = batch_size
+    return instance

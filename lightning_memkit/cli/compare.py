@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
-from lightning_memkit.cli.common import CliError, load_object
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 
 __all__ = ["add_parser", "run"]
 
@@ -23,9 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
                              "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, joined with +")
     parser.add_argument("--steps", type=int, default=20, help="training steps per mode (default: 20)")
-    parser.add_argument("--datamodule", metavar="FILE.py:DataModuleClass", help="a LightningDataModule class (default: the module's own dataloaders)")
-    parser.add_argument("--init-args", default="{}", help='JSON keyword arguments for the module class, e.g. \'{"layers": 8}\'')
-    parser.add_argument("--datamodule-args", default="{}", help="JSON keyword arguments for the datamodule class")
+    add_init_arguments(parser)
     parser.add_argument("--batch-size", type=int, help="set batch_size on the datamodule (or the module when there is none)")
     parser.add_argument("--logdir", default="memkit_compare", help="TensorBoard root and output directory (default: memkit_compare)")
     parser.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
@@ -33,22 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for every mode (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG and TensorBoard figures")
     parser.set_defaults(run=run)
-
-
-def _json_arg(text: str, flag: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CliError(f"{flag}: not JSON ({error}); write e.g. '{{\"batch_size\": 32}}'") from error
-    if not isinstance(value, dict):
-        raise CliError(f"{flag}: give a JSON object of keyword arguments, e.g. '{{\"batch_size\": 32}}'")
-    return value
-
-
-def _set_batch_size(obj, size: int, what: str) -> None:
-    if not hasattr(obj, "batch_size"):
-        raise CliError(f"--batch-size: the {what} {type(obj).__name__} has no batch_size attribute; pass it in --init-args instead")
-    obj.batch_size = size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,30 +44,21 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise CliError(f"--modes: {error}") from error
         module_class = load_object(args.model)
-        init_args = _json_arg(args.init_args, "--init-args")
+        init_args = json_object(args.init_args, "--init-args")
         datamodule_class = load_object(args.datamodule) if args.datamodule else None
-        datamodule_args = _json_arg(args.datamodule_args, "--datamodule-args")
+        datamodule_args = json_object(args.datamodule_args, "--datamodule-args")
 
         def model_factory():
-            model = module_class(**init_args)
-            if args.batch_size and datamodule_class is None:
-                _set_batch_size(model, args.batch_size, "module")
-            return model
+            return build_instance(module_class, init_args, None if datamodule_class else args.batch_size, "module")
 
         def datamodule_factory():
-            datamodule = datamodule_class(**datamodule_args)
-            if args.batch_size:
-                _set_batch_size(datamodule, args.batch_size, "datamodule")
-            return datamodule
+            return build_instance(datamodule_class, datamodule_args, args.batch_size, "datamodule")
 
         model_factory()  # fail here, with a clear message, rather than once per mode
         if datamodule_class is not None:
             datamodule_factory()
     except CliError as error:
         print(f"memkit compare: {error}")
-        return 2
-    except TypeError as error:
-        print(f"memkit compare: cannot build the module or datamodule ({error}); check --init-args / --datamodule-args")
         return 2
     result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
                            accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,

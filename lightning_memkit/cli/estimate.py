@@ -6,15 +6,18 @@ import argparse
 import json
 import sys
 
+from lightning_memkit.cli.common import add_init_arguments
+
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "estimate", help="will it fit? predict a training step's memory and the largest batch, per mode",
-        description="Build the LightningModule (no arguments), run its training step on fake tensors (no real memory, "
+        description="Build the LightningModule (with --init-args), run its training step on fake tensors (no real memory, "
                     "no GPU) and print, per mode, the predicted peak at its batch size and the largest batch that fits.")
-    parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with no arguments)")
+    parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
+    add_init_arguments(parser, datamodule=False)
     parser.add_argument("--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)")
     parser.add_argument("--modes", default="baseline", help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint")
     parser.add_argument("--device", default="cuda", help="target device type: cuda (allocator model + allowances) or cpu")
@@ -25,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memkit.cli.common import CliError, load_object
+    from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
     from lightning_memkit.estimate import EstimateError, NoBatchError, estimate_memory, predict_max_batch_size
     from lightning_memkit.estimate.predict import device_capacity_bytes
     from lightning_memkit.modes.mode import parse_modes
@@ -34,16 +37,22 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         modes = parse_modes(args.modes)
-        memory = parse_bytes(args.device_memory) if args.device_memory else device_capacity_bytes(args.device)
+        if args.device_memory:
+            try:
+                memory = parse_bytes(args.device_memory)
+            except ValueError as error:
+                raise CliError(f"--device-memory: {error}") from None
+        else:
+            try:
+                memory = device_capacity_bytes(args.device)
+            except ValueError:
+                raise CliError(f"cannot read the memory of a {args.device} device here; "
+                               "give --device-memory, e.g. --device-memory 16GiB") from None
         if not 0 <= args.margin < 1:
             raise CliError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.05")
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
-        cls = load_object(args.module)
-        try:
-            module = cls()
-        except TypeError as error:
-            raise CliError(f"{args.module}: cannot build it with no arguments ({error}); give defaults to its __init__ arguments") from None
+        module = build_instance(load_object(args.module), json_object(args.init_args, "--init-args"))
     except (CliError, ValueError) as error:
         print(f"memkit estimate: {error}", file=sys.stderr)
         return 2

@@ -7,12 +7,11 @@ and prints the module table and the category split; no code from the user.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import tempfile
 from typing import Any
 
-from lightning_memkit.cli.common import CliError, load_object
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 
 __all__ = ["add_parser", "run"]
 
@@ -25,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "(parameters, gradients, optimizer state, activations, ...). MiB = 2**20 bytes.")
     parser.add_argument("module", metavar="FILE.py:ModuleClass", help="the LightningModule class (it must define train_dataloader, or give --datamodule)")
     parser.add_argument("--batch-size", type=int, default=None, help="batch size, passed as batch_size= or set as the batch_size attribute")
-    parser.add_argument("--datamodule", metavar="FILE.py:DataModuleClass", default=None, help="a LightningDataModule class to take the data from")
+    add_init_arguments(parser)
     parser.add_argument("--step", type=int, default=1, help="which training step to trace (default: 1, after Adam's state exists)")
     parser.add_argument("--max-depth", type=int, default=None, help="trace modules at most this deep (root = 0; default: all)")
     parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default: cpu, exact bytes)")
@@ -34,24 +33,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--csv", metavar="PATH", default=None, help="also write the raw events as CSV")
     parser.add_argument("--figure", metavar="PATH.png", default=None, help="also save the live-memory figure")
     parser.set_defaults(run=run)
-
-
-def _instantiate(cls: Any, batch_size: int | None, what: str) -> Any:
-    if not isinstance(cls, type):
-        raise CliError(f"{what} {cls!r} is not a class; give FILE.py:ClassName")
-    try:
-        accepts = "batch_size" in inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    try:
-        instance = cls(batch_size=batch_size) if accepts and batch_size is not None else cls()
-    except TypeError as error:
-        raise CliError(f"cannot create {cls.__name__}() without arguments ({error}); give its arguments defaults") from error
-    if batch_size is not None and not accepts:
-        if not hasattr(instance, "batch_size"):
-            raise CliError(f"{cls.__name__} has no batch_size argument or attribute; drop --batch-size or add one")
-        instance.batch_size = batch_size
-    return instance
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
         cls = load_object(args.module)
         if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
             raise CliError(f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)")
-        model = _instantiate(cls, None if args.datamodule else args.batch_size, "module")
-        datamodule = _instantiate(load_object(args.datamodule), args.batch_size, "datamodule") if args.datamodule else None
+        model = build_instance(cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module")
+        datamodule = (build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
+                                     args.batch_size, "datamodule") if args.datamodule else None)
         if datamodule is None and not _overrides(model, "train_dataloader"):
             raise CliError(f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass")
     except CliError as error:

@@ -1,0 +1,53 @@
+"""What every memkit verb shares when it builds a user's classes: --init-args, --batch-size, errors."""
+
+import pytest
+
+from lightning_memkit.cli import main
+from lightning_memkit.cli.common import CliError, build_instance, json_object
+
+
+class TakesBatchSize:
+    def __init__(self, width=4, batch_size=8):
+        self.width, self.batch_size = width, batch_size
+
+
+class HasAttribute:
+    def __init__(self, width=4):
+        self.width, self.batch_size = width, 8
+
+
+class NoBatchSize:
+    def __init__(self, width=4):
+        self.width = width
+
+
+def test_build_instance_passes_init_args_and_puts_the_batch_size_where_it_belongs():
+    made = build_instance(TakesBatchSize, {"width": 7}, 32)
+    assert (made.width, made.batch_size) == (7, 32)
+    made = build_instance(HasAttribute, {"width": 5}, 16)
+    assert (made.width, made.batch_size) == (5, 16)
+    assert build_instance(NoBatchSize, {}).width == 4
+    with pytest.raises(CliError, match="no batch_size argument or attribute"):
+        build_instance(NoBatchSize, {}, 16)
+    with pytest.raises(CliError, match="--init-args"):
+        build_instance(NoBatchSize, {"depth": 3})
+    with pytest.raises(CliError, match="not a class"):
+        build_instance(len, {})
+
+
+def test_json_object_explains_what_to_write():
+    assert json_object('{"a": 1}', "--init-args") == {"a": 1}
+    with pytest.raises(CliError, match="JSON object"):
+        json_object("[1]", "--init-args")
+    with pytest.raises(CliError, match="not JSON"):
+        json_object("{a: 1}", "--init-args")
+
+
+def test_estimate_builds_the_module_with_init_args(capsys):
+    status = main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"depth": 1, "hidden": 32}',
+                   "--device", "cpu", "--device-memory", "1GiB"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "max batch" in out
+    assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"dept": 1}', "--device-memory", "1GiB"]) == 2
+    assert "unexpected keyword argument 'dept'" in capsys.readouterr().err
