@@ -86,7 +86,9 @@ class MemoryTracker(Callback):
             trainer's ``default_root_dir``.
         max_history: readings kept in :attr:`history` (and checkpoints); older ones are
             dropped, the run summary is unaffected.
-        prefix: the first part of every logged key.
+        prefix: the first part of every logged key. Several MemoryTrackers in one Trainer (say,
+            one measuring every step and one with ``every_n_steps=100``) need different prefixes:
+            the prefix also names the tracker's checkpoint state.
         extra_probes: your own :class:`~lightning_memkit.probes.MemoryProbe` instances, read
             with the built-in ones every measured step (a failing probe warns once and is
             switched off; training continues).
@@ -97,7 +99,8 @@ class MemoryTracker(Callback):
         summary: the run's :class:`~lightning_memkit.records.RunSummary`.
         oom_report_path: the path of the OOM report, if one was written.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
-            which ``memkit report`` reads.
+            which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other
+            than the default).
     """
 
     #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
@@ -253,9 +256,9 @@ class MemoryTracker(Callback):
             logger.log_metrics(metrics, step=step)
             logger.save()
         if trainer.is_global_zero:
-            self.records_path = write_records(
-                os.path.join(log_dir(trainer), RECORDS_FILENAME), self.summary, list(self.history)
-            )
+            # a second tracker (its own prefix) writes beside the default one instead of over it
+            name = RECORDS_FILENAME if self.prefix == DEFAULT_PREFIX else RECORDS_FILENAME.replace(".json", f"_{_file_safe(self.prefix)}.json")
+            self.records_path = write_records(os.path.join(log_dir(trainer), name), self.summary, list(self.history))
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
             from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
@@ -304,6 +307,13 @@ class MemoryTracker(Callback):
             rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def state_key(self) -> str:
+        # One state per prefix, so several trackers (different prefixes) can share a Trainer and its
+        # checkpoints; Lightning falls back to the class name for checkpoints written before.
+        return self._generate_state_key(prefix=self.prefix)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"history": [r.to_dict() for r in self.history], "summary": self.summary.to_dict()}
@@ -314,3 +324,7 @@ class MemoryTracker(Callback):
         self.history.extend(StepReading.from_dict(r) for r in state_dict.get("history", []))
         if "summary" in state_dict:
             self.summary = RunSummary.from_dict(state_dict["summary"])
+
+
+def _file_safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
