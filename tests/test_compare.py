@@ -109,7 +109,7 @@ def test_cli_compare(tmp_path, capsys):
             "--logdir", str(tmp_path), "--init-args", json.dumps(TINY)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "memkit compare (cpu, 2 steps, baseline baseline)" in out and "checkpoint" in out
+    assert "memkit compare (cpu, 2 steps, ratios vs baseline)" in out and "checkpoint" in out
     assert read_compare(str(tmp_path))["checkpoint"].checkpoint_regions == 2
     assert main(["compare", spec, "--modes", "baseline,ampp", "--logdir", str(tmp_path)]) == 2
     assert "valid words" in capsys.readouterr().out

@@ -166,7 +166,7 @@ class CompareResult:
                 "-" if r.val_metric is None else f"{r.val_metric_name}={r.val_metric:.4f}",
             ))
         headers = ("mode", "peak", "vs base", "peak reserved", "step ms", "vs base", "samples/s", "train loss", "validation")
-        return f"memkit compare ({self.device}, {self.max_steps} steps, baseline {self.baseline})\n" + format_table(headers, rows)
+        return f"memkit compare ({self.device}, {self.max_steps} steps, ratios vs {self.baseline})\n" + format_table(headers, rows)
 
     def write(self, directory: str | None = None, figures: bool = True) -> dict[str, str]:
         """Write compare.csv, compare.json and (with ``figures``) the two PNG figures; returns their paths."""
