@@ -266,3 +266,13 @@ def test_trials_run_in_the_checkpointing_mode_the_trainer_will_train_in(tmp_path
     assert checkpointed.batch_size > 1.1 * plain.batch_size, (plain.batch_size, checkpointed.batch_size)
     assert any(t.fits and t.batch_size == checkpointed.batch_size for t in checkpointed.trials)
     assert not any(is_checkpointed(m) for m in module.modules())
+
+
+def test_a_search_stopped_by_the_dataset_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    module = DemoMLP(in_features=FEATURES, hidden=128, depth=2)
+    del module.batch_size
+    data = SyntheticDataModule(batch_size=8, train_size=48, val_size=16, input_shape=(FEATURES,))
+    result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=1024)
+    assert result.batch_size == 48 and result.reason == "dataset" and data.batch_size == 48
+    assert "no larger batch: the train dataset has 48 samples; using 48" in capsys.readouterr().out

@@ -348,7 +348,11 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     compat.reload_train_dataloader(trainer)
     result.seconds = time.perf_counter() - started
     tail = f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})" if config.keep_effective_batch_size else ""
-    _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s); using {size}{tail}", config.verbose)
+    limit = {"dataset": f"; no larger batch: the train dataset has {dataset_length} samples",
+             "max_val": f"; no larger batch tried: max_val={config.max_val}",
+             "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
+    _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
+         config.verbose)
     return result
 
 
