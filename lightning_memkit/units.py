@@ -54,7 +54,8 @@ def to_mib(nbytes: int | float | None) -> float | None:
 
 
 def format_bytes(nbytes: int | float | None) -> str:
-    """Human-readable size with a binary unit, e.g. ``1.50 GiB``; ``-`` for ``None``."""
+    """``nbytes`` (bytes) as a human-readable size with a binary unit (powers of 1024), e.g.
+    ``1.50 GiB``; ``-`` for ``None``."""
     if nbytes is None:
         return "-"
     value = float(nbytes)

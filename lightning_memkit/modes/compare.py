@@ -414,7 +414,8 @@ def compare_modes(
         verbose: print the table (and the checkpoint plans).
 
     Returns:
-        A :class:`CompareResult`. A mode that fails (out of memory, unsupported precision) is kept with
+        A :class:`CompareResult`, one :class:`ModeResult` per mode (``result["amp"]``): peaks in bytes,
+        step times in seconds, throughput in samples/s, ratios against the baseline mode. A mode that fails (out of memory, unsupported precision) is kept with
         ``status="failed"`` and its error; the others still run.
     """
     if not isinstance(max_steps, int) or max_steps < 1:

@@ -8,7 +8,16 @@ __all__ = ["BatchSizeSearch", "BudgetExceededError", "MemoryBudget", "SearchErro
 
 
 def find_max_batch_size(trainer, module, datamodule=None, **options):  # noqa: ANN001 - see the wrapped function
-    """See :func:`lightning_memkit.search.lightning.find_max_batch_size` (imported lazily: it needs Lightning)."""
+    """Find the largest batch size that trains, in a short ``fit`` that stops after the search.
+
+    ``options`` are :class:`~lightning_memkit.callbacks.max_batch_size.MaxBatchSize`'s arguments
+    (``margin`` a fraction, ``budget`` bytes, ``max_val`` samples, ...). The size found (samples per
+    batch, always one whose trial ran) is set on the module, its hparams or the datamodule, so a
+    following ``trainer.fit(module, datamodule)`` trains with it. Returns the ``SearchResult``:
+    ``batch_size`` (samples), ``trials`` (each with its ``peak_bytes`` in bytes), ``reason`` and
+    ``seconds`` (wall time). Implemented in :func:`lightning_memkit.search.lightning.find_max_batch_size`
+    (imported lazily: it needs Lightning).
+    """
     from lightning_memkit.search.lightning import find_max_batch_size as find
 
     return find(trainer, module, datamodule, **options)
