@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["FakeSession", "is_fake", "ScalarPlaceholders"]
+__all__ = ["FakeSession", "is_fake", "ScalarPlaceholders", "LossBuffers"]
 
 
 def _fake_tensor_module():
@@ -49,6 +49,65 @@ class ScalarPlaceholders(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+#: loss ops whose real kernels may return the reduced (0-dim) loss as a view of the unreduced,
+#: input-sized buffer, keeping that buffer alive as long as the loss (checked once, see below)
+_LOSS_OPS = ("mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy", "l1_loss")
+
+
+_KEPT_LOSS_OPS: frozenset | None = None
+
+
+def losses_keeping_their_buffer() -> frozenset:
+    """The aten loss ops whose reduced result, in this torch's real kernels, holds a storage the size
+    of the unreduced loss (``mse_loss`` does in torch 2.13: a 0-dim loss of a (64, 1000) input keeps
+    256000 bytes until it is freed). Found by running each op once on a small real CPU tensor
+    (:class:`FakeSession` does it before entering its fake world)."""
+    global _KEPT_LOSS_OPS
+    if _KEPT_LOSS_OPS is not None:
+        return _KEPT_LOSS_OPS
+    kept = set()
+    probe = torch.full((4, 3), 0.5, device="cpu")
+    if is_fake(probe):  # called inside a fake world: real kernels cannot be asked now
+        return frozenset()
+    for name in _LOSS_OPS:
+        packet = getattr(torch.ops.aten, name, None)
+        op = getattr(packet, "default", None) if packet is not None else None
+        if op is None:
+            continue
+        try:
+            out = op(probe, probe)
+        except Exception:  # noqa: BLE001 - an op this torch lacks or calls differently is simply not modelled
+            continue
+        if out.dim() == 0 and out.untyped_storage().nbytes() >= probe.numel() * probe.element_size():
+            kept.add(op)
+    _KEPT_LOSS_OPS = frozenset(kept)
+    return _KEPT_LOSS_OPS
+
+
+class LossBuffers(TorchDispatchMode):
+    """Give a fake reduced loss the storage the real kernel gives it.
+
+    torch's meta kernels return a fresh scalar for ``mse_loss`` and its kin, while the real
+    kernels (see :func:`losses_keeping_their_buffer`) return a view of the unreduced buffer, which
+    stays allocated from the forward until the loss is freed after backward. On fake tensors the
+    result here is a 0-dim view of an input-sized fake buffer, so the accountant counts what the
+    real step holds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = losses_keeping_their_buffer()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops and isinstance(out, torch.Tensor) and out.dim() == 0 and is_fake(out):
+            reduction = (kwargs or {}).get("reduction", args[2] if len(args) > 2 else 1)
+            if reduction != 0 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+                buffer = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape), dtype=out.dtype, device=out.device)
+                out = buffer.as_strided((), ())
+        return out
+
+
 class FakeSession:
     """One fake-tensor world: convert tensors and modules into it, and run code inside it.
 
@@ -67,6 +126,7 @@ class FakeSession:
     def __init__(self) -> None:
         fake_tensor = _fake_tensor_module()
         self.mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        losses_keeping_their_buffer()  # ask the real kernels once, outside the fake world
 
     def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """A fake tensor with ``tensor``'s shape, strides, dtype and device (a fake stays as it is)."""
@@ -103,5 +163,5 @@ class FakeSession:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Run the ``with`` body in the fake world (factory functions create fake tensors)."""
-        with self.mode, ScalarPlaceholders():
+        with self.mode, ScalarPlaceholders(), LossBuffers():
             yield
