@@ -274,6 +274,9 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
                 context = session.active
                 if target.type == "cuda":
                     notes.append("simulated with CPU kernels' fake tensors; CUDA-only kernels (cuDNN, flash attention) may save different tensors")
+                elif any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+                    notes.append("nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
+                                 "gives it no size): this peak is low; measure_training_step() gives the real CPU figure")
             else:
                 module_copy = copy.deepcopy(module, {id(trainer): None} if trainer is not None else {})
                 if batch_size is not None:
