@@ -51,3 +51,27 @@ def test_estimate_builds_the_module_with_init_args(capsys):
     assert "baseline" in out and "max batch" in out
     assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"dept": 1}', "--device-memory", "1GiB"]) == 2
     assert "unexpected keyword argument 'dept'" in capsys.readouterr().err
+
+
+def test_user_file_errors_and_wrong_classes_get_a_message_not_a_traceback(tmp_path, capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    missing = tmp_path / "needs_missing.py"
+    missing.write_text("import memkit_no_such_package_xyz\n")
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nimport lightning.pytorch as pl\n\nclass Plain(torch.nn.Module):\n    pass\n\n"
+                     "class NoData(pl.LightningModule):\n    def configure_optimizers(self):\n"
+                     "        return torch.optim.SGD(self.parameters(), 0.1)\n")
+    assert main(["trace", f"{broken}:X"]) == 2
+    assert "broken.py, line 1" in capsys.readouterr().err
+    assert main(["compare", f"{missing}:X"]) == 2
+    assert "No module named 'memkit_no_such_package_xyz'; install" in capsys.readouterr().err
+    assert main(["estimate", f"{plain}:Nope", "--device-memory", "1GiB"]) == 2
+    assert "the classes it defines are: NoData, Plain" in capsys.readouterr().err
+    assert main(["estimate", f"{plain}:Plain", "--device-memory", "1GiB"]) == 2
+    assert "not a LightningModule class" in capsys.readouterr().err
+    assert main(["estimate", f"{plain}:NoData", "--device-memory", "1GiB"]) == 2
+    assert "NoData defines no train_dataloader(); add one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err

@@ -29,6 +29,6 @@ def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
 def test_demo_rejects_bad_arguments_with_a_clear_message(tmp_path):
     result = _memkit("demo", "--steps", "0", cwd=tmp_path, timeout=60)
     assert result.returncode == 2
-    assert "--steps and --batch-size must be positive integers" in result.stdout
+    assert "--steps and --batch-size must be positive integers" in result.stderr
     result = _memkit("demo", "--model", "resnet", cwd=tmp_path, timeout=60)
     assert result.returncode == 2 and "invalid choice: 'resnet'" in result.stderr

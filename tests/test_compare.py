@@ -112,6 +112,6 @@ def test_cli_compare(tmp_path, capsys):
     assert "memkit compare (cpu, 2 steps, ratios vs baseline)" in out and "checkpoint" in out
     assert read_compare(str(tmp_path))["checkpoint"].checkpoint_regions == 2
     assert main(["compare", spec, "--modes", "baseline,ampp", "--logdir", str(tmp_path)]) == 2
-    assert "valid words" in capsys.readouterr().out
+    assert "valid words" in capsys.readouterr().err
     assert main(["compare", spec, "--init-args", "[1]", "--logdir", str(tmp_path)]) == 2
-    assert "JSON object" in capsys.readouterr().out
+    assert "JSON object" in capsys.readouterr().err

@@ -179,11 +179,11 @@ def test_cli_trace_bad_input_says_what_to_do(tmp_path, capsys):
     source = tmp_path / "plain.py"
     source.write_text("import torch\nclass Net(torch.nn.Module):\n    pass\n")
     assert main(["trace", f"{source}:Nope"]) == 2
-    assert "has no 'Nope'" in capsys.readouterr().out
+    assert "has no 'Nope'" in capsys.readouterr().err
     assert main(["trace", f"{source}:Net"]) == 2
-    assert "not a LightningModule" in capsys.readouterr().out
+    assert "not a LightningModule" in capsys.readouterr().err
     assert main(["trace", f"{source}:Net", "--batch-size", "0"]) == 2
-    assert "positive" in capsys.readouterr().out
+    assert "positive" in capsys.readouterr().err
 
 
 # ---- pins of the private torch internals (lightning_memkit/trace/_torch_compat.py) ----------

@@ -33,14 +33,25 @@ def load_object(spec: str) -> Any:
         sys.path.insert(0, os.path.dirname(os.path.abspath(location)))
         try:
             module_spec.loader.exec_module(module)
+        except SyntaxError as error:
+            raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
+        except ImportError as error:
+            raise CliError(f"importing {location} failed: {error}; install the missing package in this environment "
+                           "or fix the import") from None
         finally:
             sys.path.pop(0)
     else:
         try:
             module = importlib.import_module(location)
+        except SyntaxError as error:
+            raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
         except ImportError as error:
             raise CliError(f"cannot import {location!r} ({error}); give FILE.py:ClassName or an importable module") from error
     if not hasattr(module, name):
+        classes = sorted(n for n, v in vars(module).items()
+                         if not n.startswith("_") and isinstance(v, type) and v.__module__ == module.__name__)
+        if classes:
+            raise CliError(f"{location!r} has no {name!r}; the classes it defines are: {', '.join(classes)}")
         available = sorted(n for n in dir(module) if not n.startswith("_"))
         raise CliError(f"{location!r} has no {name!r}; it defines: {', '.join(available)}")
     return getattr(module, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 
@@ -58,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
         if datamodule_class is not None:
             datamodule_factory()
     except CliError as error:
-        print(f"memkit compare: {error}")
+        print(f"memkit compare: {error}", file=sys.stderr)
         return 2
     result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
                            accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
                            figures=not args.no_figures, verbose=True)
     failed = [r.mode for r in result.results if r.status != "ok"]
     if failed:
-        print(f"memkit compare: mode(s) failed: {', '.join(failed)} (see the error column in compare.csv)")
+        print(f"memkit compare: mode(s) failed: {', '.join(failed)} (see the error column in compare.csv)", file=sys.stderr)
         return 1
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 __all__ = ["add_parser", "run", "MODELS"]
 
@@ -37,7 +38,7 @@ def build_model(name: str, batch_size: int):
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
-        print("memkit demo: --steps and --batch-size must be positive integers")
+        print("memkit demo: --steps and --batch-size must be positive integers", file=sys.stderr)
         return 2
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger

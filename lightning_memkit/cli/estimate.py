@@ -19,8 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=False)
     parser.add_argument("--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)")
-    parser.add_argument("--modes", default="baseline", help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint")
-    parser.add_argument("--device", default="cuda", help="target device type: cuda (allocator model + allowances) or cpu")
+    parser.add_argument("--modes", default="baseline",
+                        help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint (default: baseline)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="target device type: cuda (allocator model + allowances) or cpu (default: cuda)")
     parser.add_argument("--batch-size", type=int, default=None, help="estimate at this batch size (default: the module's)")
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of device memory kept free (default: 0.05)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
@@ -52,7 +54,16 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.05")
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
-        module = build_instance(load_object(args.module), json_object(args.init_args, "--init-args"))
+        cls = load_object(args.module)
+        module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        import lightning.pytorch as pl
+
+        if not isinstance(module, pl.LightningModule):
+            raise CliError(f"{args.module} is not a LightningModule class; memkit estimate needs one (for a plain nn.Module "
+                           "call lightning_memkit.estimate_memory(module, batch=..., optimizer=...) from Python)")
+        if getattr(type(module), "train_dataloader", None) is pl.LightningModule.train_dataloader:
+            raise CliError(f"{type(module).__name__} defines no train_dataloader(); add one: memkit estimate takes one batch "
+                           "from it and re-shapes it to --batch-size")
     except (CliError, ValueError) as error:
         print(f"memkit estimate: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -37,10 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
-        print("memkit trace: --batch-size must be a positive integer")
+        print("memkit trace: --batch-size must be a positive integer", file=sys.stderr)
         return 2
     if args.step < 0 or (args.max_depth is not None and args.max_depth < 0):
-        print("memkit trace: --step and --max-depth must be >= 0")
+        print("memkit trace: --step and --max-depth must be >= 0", file=sys.stderr)
         return 2
     try:
         import lightning.pytorch as pl
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         if datamodule is None and not _overrides(model, "train_dataloader"):
             raise CliError(f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass")
     except CliError as error:
-        print(f"memkit trace: {error}")
+        print(f"memkit trace: {error}", file=sys.stderr)
         return 2
 
     from lightning_memkit.callbacks.layer_trace import LayerTrace
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         trainer = pl.Trainer(**options)
         trainer.fit(model, datamodule=datamodule)
     if not callback.results:
-        print(f"memkit trace: training stopped before step {args.step} (the dataloader has fewer batches?); try --step 0")
+        print(f"memkit trace: training stopped before step {args.step} (the dataloader has fewer batches?); try --step 0", file=sys.stderr)
         return 1
     result = callback.results[-1]
     print(result.format_table())
