@@ -30,7 +30,11 @@ def load_object(spec: str) -> Any:
         module_spec = importlib.util.spec_from_file_location(module_name, location)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
-        sys.path.insert(0, os.path.dirname(os.path.abspath(location)))
+        # The file's directory stays importable for the whole run, as under `python FILE.py`:
+        # a train_dataloader() often imports a sibling module only when it is called.
+        directory = os.path.dirname(os.path.abspath(location))
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
         try:
             module_spec.loader.exec_module(module)
         except SyntaxError as error:
@@ -38,8 +42,6 @@ def load_object(spec: str) -> Any:
         except ImportError as error:
             raise CliError(f"importing {location} failed: {error}; install the missing package in this environment "
                            "or fix the import") from None
-        finally:
-            sys.path.pop(0)
     else:
         try:
             module = importlib.import_module(location)
