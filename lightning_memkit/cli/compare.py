@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise CliError(f"--modes: {error}") from error
         module_class = load_object(args.model)
+        import lightning.pytorch as pl
+
+        if not (isinstance(module_class, type) and issubclass(module_class, pl.LightningModule)):
+            raise CliError(f"{args.model} is not a LightningModule class; memkit compare trains one in each mode")
         init_args = json_object(args.init_args, "--init-args")
         datamodule_class = load_object(args.datamodule) if args.datamodule else None
         datamodule_args = json_object(args.datamodule_args, "--datamodule-args")
