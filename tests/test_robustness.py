@@ -491,7 +491,7 @@ def test_activation_checkpointing_with_tracker_keeps_step_readings(tmp_path):
 def test_max_batch_size_with_budget_on_unusual_modules(factory, overrides, tmp_path):
     module = factory()
     before = weights(module)
-    finder = MaxBatchSize(budget="1MiB", max_val=64, steps_per_trial=2, verbose=False)
+    finder = MaxBatchSize(budget="24KiB", max_val=64, steps_per_trial=2, verbose=False)
     trainer = make_trainer(tmp_path, callbacks=[finder], max_steps=1, **overrides)
     # the search alone: stop fit right after it
     finder._exit_after_search = True
@@ -500,8 +500,11 @@ def test_max_batch_size_with_budget_on_unusual_modules(factory, overrides, tmp_p
     assert result is not None and result.batch_size >= 1
     assert module.batch_size == result.batch_size
     fitting = [t for t in result.trials if t.fits]
+    failed = [t for t in result.trials if not t.fits]
+    assert failed, "the budget should bind below the dataset's length"
+    assert result.batch_size < min(t.batch_size for t in failed)
     assert any(t.batch_size == result.batch_size for t in fitting)  # never a size it did not run
-    assert all(t.peak_bytes <= 2**20 for t in fitting)
+    assert all(t.peak_bytes <= 24 * 1024 for t in fitting)
     for name, value in weights(module).items():  # the trials' training was undone
         assert torch.equal(value, before[name]), name
     if isinstance(module, Scheduled):
@@ -511,8 +514,9 @@ def test_max_batch_size_with_budget_on_unusual_modules(factory, overrides, tmp_p
 def test_max_batch_size_then_training_keeps_the_scheduler_and_steps(tmp_path):
     tracker = MemoryTracker(verbose=False)
     module = Scheduled()
-    trainer = fit(module, tmp_path, [MaxBatchSize(budget="1MiB", max_val=16, steps_per_trial=2, verbose=False), tracker],
-                  max_steps=2)
+    finder = MaxBatchSize(budget="24KiB", max_val=64, steps_per_trial=2, verbose=False)
+    trainer = fit(module, tmp_path, [finder, tracker], max_steps=2)
+    assert not all(t.fits for t in finder.result.trials)  # the state was put back after an out-of-memory trial too
     assert train_steps(tracker) == [0, 1]  # the trials left no readings and no step count behind
     assert trainer.global_step == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
@@ -658,6 +662,45 @@ def make_records(n):
 '''
 
 
+LAZY_FILE = '''
+import torch
+import lightning.pytorch as pl
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+
+class Lazy(pl.LightningModule):
+    def __init__(self, batch_size=4):
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        from lazy_helper import dataset  # imported only when the loader is built
+        return DataLoader(dataset(32), batch_size=self.batch_size)
+
+
+class NotAModule:
+    pass
+'''
+
+LAZY_HELPER = '''
+import torch
+
+
+def dataset(n):
+    return torch.utils.data.TensorDataset(torch.randn(n, 16), torch.randn(n, 1))
+'''
+
+
 @pytest.fixture
 def user_file(tmp_path):
     (tmp_path / "helper_data.py").write_text(textwrap.dedent(HELPER_FILE))
@@ -700,3 +743,27 @@ def test_cli_missing_file_is_a_clear_error(verb, extra, tmp_path, capsys):
     captured = capsys.readouterr()
     assert status == 2
     assert "does not exist" in captured.out + captured.err
+
+
+def test_cli_user_file_importing_a_sibling_lazily(tmp_path, capsys):
+    (tmp_path / "lazy_helper.py").write_text(textwrap.dedent(LAZY_HELPER))
+    path = tmp_path / "lazy_model.py"
+    path.write_text(textwrap.dedent(LAZY_FILE))
+    assert main(["trace", f"{path}:Lazy", "--batch-size", "4", "--step", "0"]) == 0
+    assert "net.0" in capsys.readouterr().out
+    assert main(["estimate", f"{path}:Lazy", "--device", "cpu", "--device-memory", "1GiB"]) == 0
+    assert "max batch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])])
+def test_cli_not_a_lightning_module_is_refused_before_training(verb, extra, tmp_path, capsys):
+    path = tmp_path / "lazy_model.py"
+    path.write_text(textwrap.dedent(LAZY_FILE))
+    argv = [verb, f"{path}:NotAModule", *extra]
+    if verb == "compare":
+        argv += ["--logdir", str(tmp_path / "cmp")]
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert status == 2
+    assert "is not a LightningModule class" in captured.out + captured.err
+    assert not (tmp_path / "cmp").exists()  # nothing trained, nothing written
