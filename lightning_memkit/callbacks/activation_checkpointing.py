@@ -43,7 +43,7 @@ class ActivationCheckpointing(Callback):
     own ``activation_checkpointing_policy``.
 
     Args:
-        policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/Sequential), a set of
+        policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/ModuleDict/Sequential), a set of
             module classes, a callable ``(qualified_name, module) -> bool``, or a budget:
             ``CheckpointBudget(fraction=0.5)`` / ``"budget=0.5"`` (of the baseline activation memory) or
             ``CheckpointBudget(bytes="512MiB")``. See docs/modes.md.

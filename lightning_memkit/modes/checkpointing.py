@@ -412,16 +412,17 @@ def _join(prefix: str, name: str) -> str:
 
 
 def find_repeated_blocks(module: nn.Module) -> list[_BlockRun]:
-    """The repeated blocks of ``module``: same-class children (with parameters) of an ``nn.ModuleList`` or
-    ``nn.Sequential``, at least two of them; outermost containers first, nothing inside a block found.
+    """The repeated blocks of ``module``: same-class children (with parameters) of an ``nn.ModuleList``,
+    ``nn.ModuleDict`` or ``nn.Sequential``, at least two of them; outermost containers first, nothing
+    inside a block found.
 
-    In a ModuleList the most frequent class is taken; in a Sequential the longest run of consecutive
+    In a ModuleList or ModuleDict the most frequent class is taken; in a Sequential the longest run of consecutive
     same-class children (a Sequential's children are chained, so a run can be cut into segments).
     """
     runs: list[_BlockRun] = []
     taken: list[str] = []
     for name, container in module.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         if any(name == t or name.startswith(t + ".") for t in taken):
             continue
@@ -643,7 +644,7 @@ def _regions_for(module: nn.Module, policy: Any) -> tuple[list[_Region], str]:
                 for name in run.names:
                     regions.append(_Region(name, [module.get_submodule(name)], [name]))
                 notes.append(f"{run.container_name}: {len(run.names)} blocks called from user code, one segment each "
-                             "(a ModuleList's calls cannot be grouped without rewriting forward)")
+                             "(a ModuleList's or ModuleDict's calls cannot be grouped without rewriting forward)")
         if len(regions) > 1:
             # Like torch's checkpoint_sequential, the last segment runs plain: backward starts by recomputing
             # it, so checkpointing it would cost a forward and save no peak memory.
@@ -664,7 +665,7 @@ def _no_match_error(module: nn.Module, policy: Any) -> ValueError:
     hint = ", ".join(classes[:12]) + (", ..." if len(classes) > 12 else "")
     if policy == "auto":
         return ValueError(f"checkpoint policy 'auto' found no repeated blocks in {type(module).__name__} (same-class children "
-                          f"with parameters of an nn.ModuleList or nn.Sequential) and no nn.Sequential chain of 3 or more "
+                          f"with parameters of an nn.ModuleList, nn.ModuleDict or nn.Sequential) and no nn.Sequential chain of 3 or more "
                           f"layers; pass the block classes instead, "
                           f"e.g. policy={{nn.Conv2d}}. Module classes in this model: {hint}")
     return ValueError(f"checkpoint policy {describe_policy(policy)} matched no module of {type(module).__name__}; "
@@ -779,7 +780,7 @@ def apply_checkpointing(module: nn.Module, policy: Any = "auto", sample: Any = N
     Args:
         module: any ``nn.Module`` (a LightningModule included). It is changed in place: the chosen
             modules get an instance ``forward``; names, parameters and ``state_dict`` are untouched.
-        policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/Sequential; a
+        policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/ModuleDict/Sequential; a
             Sequential run of n blocks is cut into about sqrt(n) segments, ModuleList blocks are one
             segment each), a set of module classes, a callable ``(qualified_name, module) -> bool``,
             or a :class:`CheckpointBudget` (``"budget=0.5"``), which measures activation memory on
