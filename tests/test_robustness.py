@@ -168,6 +168,47 @@ class Tied(Base):
         return sum(p.numel() for p in self.parameters()) * FLOAT32
 
 
+class MaskBlock(nn.Module):
+    """Dropout, a tensor keyword argument (a mask) and a tuple output, as transformer layers have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x, mask=None):
+        h = self.drop(torch.relu(self.fc(x)))
+        if mask is not None:
+            h = h * mask
+        return x + h, h.detach().mean()
+
+
+class TupleBlocks(Base):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.blocks = nn.ModuleList(MaskBlock() for _ in range(4))
+
+    def forward(self, x, *, scale: float = 1.0):
+        mask = (torch.arange(D) % 2).float()
+        for block in self.blocks:
+            x, _statistic = block(x, mask=mask)
+        return self.head(x)
+
+
+class DictStages(Base):
+    """Repeated blocks held in an nn.ModuleDict, called by key."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        del self.blocks
+        self.stages = nn.ModuleDict({f"stage{i}": Block() for i in range(4)})
+
+    def forward(self, x, *, scale: float = 1.0):
+        for key in self.stages:
+            x = self.stages[key](x, scale=scale)
+        return self.head(x)
+
+
 class Recurrent(pl.LightningModule):
     """An nn.LSTM or nn.GRU over (batch, time, features) sequences."""
 
@@ -455,13 +496,18 @@ def test_layer_trace_across_the_epoch_boundary(tmp_path):
     (lambda: Recurrent("lstm"), {nn.LSTM}, {}),
     (Scheduled, "auto", {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}),
     (GAN, "auto", {"max_steps": 4}),
-], ids=["kwargs-blocks", "dict-batch", "tied-linear-set", "frozen-batchnorm", "lstm-set", "accumulate-clip", "manual-gan"])
+    (TupleBlocks, "auto", {}),
+    (DictStages, "auto", {}),
+], ids=["kwargs-blocks", "dict-batch", "tied-linear-set", "frozen-batchnorm", "lstm-set", "accumulate-clip", "manual-gan",
+        "tuple-mask-dropout", "moduledict"])
 def test_activation_checkpointing_leaves_training_unchanged(factory, policy, overrides, tmp_path):
     callback = ActivationCheckpointing(policy, verbose=False)
     options = dict(max_steps=3)
     options.update(overrides)
     module = assert_same_training(factory, tmp_path, [callback], **options)
     assert callback.plan is not None and callback.plan.count >= 1
+    if isinstance(module, DictStages):  # four blocks called from user code: the last runs plain
+        assert callback.plan.names == ["stages.stage0", "stages.stage1", "stages.stage2"]
     # restored at the end of fit: the module's own forward is back
     from lightning_memkit.modes.checkpointing import is_checkpointed
 
