@@ -75,3 +75,17 @@ def test_user_file_errors_and_wrong_classes_get_a_message_not_a_traceback(tmp_pa
     with pytest.raises(SystemExit):
         main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_settings_lightning_rejects_and_bad_sizes_get_a_message_not_a_traceback(tmp_path, capsys):
+    assert main(["demo", "--accelerator", "tpuu", "--steps", "1", "--logdir", str(tmp_path)]) == 2
+    assert "Lightning cannot train with --accelerator tpuu" in capsys.readouterr().err
+    assert main(["trace", "lightning_memkit.zoo:DemoMLP", "--precision", "17"]) == 2
+    assert "Precision '17' is invalid" in capsys.readouterr().err
+    assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--batch-size", "0", "--logdir", str(tmp_path)]) == 2
+    assert "--batch-size 0: give a positive integer" in capsys.readouterr().err
+    assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--val-batches", "-1", "--logdir", str(tmp_path)]) == 2
+    assert "--val-batches -1" in capsys.readouterr().err
+    assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--accelerator", "tpuu", "--steps", "1", "--modes", "baseline",
+                 "--no-figures", "--logdir", str(tmp_path)]) == 1
+    assert "mode baseline failed: ValueError: You selected an invalid accelerator name" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["load_object", "CliError"]
+__all__ = ["load_object", "CliError", "build_trainer"]
 
 
 class CliError(Exception):
@@ -118,3 +118,21 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
                            "or pass the size in --init-args")
         instance.batch_size = batch_size
     return instance
+
+
+def build_trainer(**options: Any) -> Any:
+    """``lightning.pytorch.Trainer(**options)``.
+
+    Raises:
+        CliError: when Lightning rejects a setting the user gave (an accelerator this machine does not
+            have, an unknown precision), with Lightning's reason and what to try instead.
+    """
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return pl.Trainer(**options)
+    except (MisconfigurationException, ValueError) as error:
+        given = ", ".join(f"--{key} {options[key]}" for key in ("accelerator", "precision") if options.get(key) is not None)
+        hint = "--accelerator cpu" + (" or --precision 32-true / bf16-mixed" if options.get("precision") is not None else " (or auto)")
+        raise CliError(f"Lightning cannot train with {given}: {error} Try {hint}.") from None

@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.steps < 1:
             raise CliError("--steps must be a positive integer")
+        if args.batch_size is not None and args.batch_size < 1:
+            raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
+        if args.val_batches < 0:
+            raise CliError(f"--val-batches {args.val_batches}: give 0 (no validation) or more")
         try:
             modes = parse_modes(args.modes)
         except ValueError as error:
@@ -68,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
     result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
                            accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
                            figures=not args.no_figures, verbose=True)
-    failed = [r.mode for r in result.results if r.status != "ok"]
+    failed = [r for r in result.results if r.status != "ok"]
+    for mode_result in failed:
+        print(f"memkit compare: mode {mode_result.mode} failed: {mode_result.error}", file=sys.stderr)
     if failed:
-        print(f"memkit compare: mode(s) failed: {', '.join(failed)} (see the error column in compare.csv)", file=sys.stderr)
+        print(f"memkit compare: mode(s) failed: {', '.join(r.mode for r in failed)} (also in the error column of compare.csv)",
+              file=sys.stderr)
         return 1
     return 0

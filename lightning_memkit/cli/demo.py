@@ -51,11 +51,17 @@ def run(args: argparse.Namespace) -> int:
     # Step 1 is the first step after Adam has created its state: the layer trace shows all of it.
     layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,))
     loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
-    trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
-        check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker, layer_trace], logger=loggers, log_every_n_steps=1,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-    )
+    from lightning_memkit.cli.common import CliError, build_trainer
+
+    try:
+        trainer = build_trainer(
+            accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
+            check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker, layer_trace], logger=loggers, log_every_n_steps=1,
+            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        )
+    except CliError as error:
+        print(f"memkit demo: {error}", file=sys.stderr)
+        return 2
     trainer.fit(model)
     for result in layer_trace.results:
         print(f"\nLayer trace of step {result.step} (memory by category; the module table is in TensorBoard's Text tab):")

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Any
 
-from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, build_trainer, json_object, load_object
 
 __all__ = ["add_parser", "run"]
 
@@ -69,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.precision:
             options["precision"] = args.precision
-        trainer = pl.Trainer(**options)
+        try:
+            trainer = build_trainer(**options)
+        except CliError as error:
+            print(f"memkit trace: {error}", file=sys.stderr)
+            return 2
         trainer.fit(model, datamodule=datamodule)
     if not callback.results:
         print(f"memkit trace: training stopped before step {args.step} (the dataloader has fewer batches?); try --step 0", file=sys.stderr)
