@@ -89,3 +89,12 @@ def test_settings_lightning_rejects_and_bad_sizes_get_a_message_not_a_traceback(
     assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--accelerator", "tpuu", "--steps", "1", "--modes", "baseline",
                  "--no-figures", "--logdir", str(tmp_path)]) == 1
     assert "mode baseline failed: ValueError: You selected an invalid accelerator name" in capsys.readouterr().err
+
+
+def test_an_output_path_that_cannot_be_written_is_a_message_not_a_traceback(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    status = main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"depth": 1, "hidden": 32}', "--device", "cpu",
+                   "--device-memory", "1GiB", "--json", str(blocker / "out.json")])
+    assert status == 1
+    assert f"{blocker / 'out.json'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err

@@ -38,7 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
-    return int(args.run(args) or 0)
+    from lightning_memkit.cli.common import CliError
+
+    try:
+        return int(args.run(args) or 0)
+    except CliError as error:
+        print(f"memkit {args.verb}: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        if getattr(error, "filename", None) is None:
+            raise
+        # a path the user gave (-o, --json, --csv, --figure, --logdir, --png) that cannot be written or read
+        print(f"memkit {args.verb}: {error.filename}: {error.strerror}; give a path in a directory you can write to",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
