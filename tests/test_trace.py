@@ -397,3 +397,15 @@ def test_table_figure_and_metrics(tmp_path):
     metrics = result.metrics()
     assert metrics["memory/trace/peak_MiB"] == result.peak_bytes / 2**20
     assert metrics["memory/trace/end/optimizer_state_MiB"] == result.at_end["optimizer_state"] / 2**20
+
+
+def test_table_says_a_small_saved_size_is_small_not_zero():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    with trace_step(model, inputs=(x,), step=0) as tracer:
+        model(x).sum().backward()
+    relu = next(e for e in tracer.result.events if e.module == "1" and e.phase == "forward")
+    assert relu.saved_bytes == 4 * 16 * 4  # ReLU keeps its fp32 output: 256 bytes
+    line = next(line for line in tracer.result.format_table().splitlines() if line.strip().startswith("1 (ReLU)") and " forward" in line)
+    assert "<0.001" in line.split("forward", 1)[1] and "0.000" not in line

@@ -67,7 +67,8 @@ def format_trace_table(result: LayerTraceResult, max_depth: int | None = None, m
             continue
         rows.append((
             _name(event, result.model), _phase(event), _mib(event.delta_bytes, signed=True), _mib(event.live_bytes),
-            _mib(event.saved_bytes) if event.phase == "forward" and event.saved_bytes else "",
+            ("" if event.phase != "forward" or not event.saved_bytes
+             else "<0.001" if event.saved_bytes < MiB / 2000 else _mib(event.saved_bytes)),  # small, not zero
             _shape_text(event) + ("  <- peak" if event.index == result.peak_event_index else ""),
         ))
     header = (f"layer trace of {result.model}, step {result.step}, rank {result.rank}, {result.device}: "
