@@ -98,3 +98,6 @@ def test_an_output_path_that_cannot_be_written_is_a_message_not_a_traceback(tmp_
                    "--device-memory", "1GiB", "--json", str(blocker / "out.json")])
     assert status == 1
     assert f"{blocker / 'out.json'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err
+    status = main(["compare", "lightning_memkit.zoo:DemoMLP", "--steps", "1", "--modes", "baseline", "--logdir", str(blocker / "cmp")])
+    assert status == 1
+    assert f"{blocker / 'cmp'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err

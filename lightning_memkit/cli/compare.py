@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             return build_instance(datamodule_class, datamodule_args, args.batch_size, "datamodule")
 
         model_factory()  # fail here, with a clear message, rather than once per mode
+        os.makedirs(args.logdir, exist_ok=True)  # an unwritable --logdir: one message (cli.main), not a traceback per mode
         if datamodule_class is not None:
             datamodule_factory()
     except CliError as error:
