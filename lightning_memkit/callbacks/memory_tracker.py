@@ -155,6 +155,12 @@ class MemoryTracker(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._meter is not None:
             return
+        if stage == "fit" and trainer.global_step == 0:
+            # A new run (the same tracker given to a second Trainer): its readings and summary start
+            # empty. A resumed run gets its history back from the checkpoint right after set-up.
+            self.history.clear()
+            self.summary = RunSummary()
+            self.records_path = self.oom_report_path = None
         device = trainer.strategy.root_device
         self._meter = MemoryMeter(
             device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host, extra_probes=self.extra_probes
