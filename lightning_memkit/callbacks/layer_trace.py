@@ -124,6 +124,8 @@ class LayerTrace(Callback):
         from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
 
         register_dashboard(trainer)
+        if trainer.global_step == 0:  # a new run (the same callback given to a second Trainer) traces its steps again
+            self._traced_steps.clear()
 
     # ------------------------------------------------------------------ the traced step
     @override
