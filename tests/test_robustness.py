@@ -425,6 +425,20 @@ def test_tracker_history_survives_a_resume_from_checkpoint(tmp_path):
     assert train_steps(resumed) == [0, 1, 2]
 
 
+def test_callbacks_reused_for_a_second_run_measure_it_afresh(tmp_path):
+    """Notebooks and sweeps build the callbacks once and give them to several Trainers."""
+    tracker, trace = MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), figure=False)
+    callbacks = [tracker, trace, ActivationCheckpointing("auto", verbose=False)]
+    fit(Base(), tmp_path / "one", callbacks, max_steps=2)
+    first_records = tracker.records_path
+    fit(Base(depth=5), tmp_path / "two", callbacks, max_steps=3)
+    assert train_steps(tracker) == [0, 1, 2]  # the second run's readings only, no step twice
+    assert [r.step for r in read_records(tracker.records_path)[1]] == [0, 1, 2]
+    assert [r.step for r in read_records(first_records)[1]] == [0, 1]
+    assert [r.step for r in trace.results] == [1, 1]  # step 1 traced in each run
+    assert trace.results[1].parameter_count > trace.results[0].parameter_count
+
+
 def test_two_memory_trackers_with_the_same_prefix_are_refused_at_trainer_construction(tmp_path):
     with pytest.raises(RuntimeError, match="more than one stateful callback of type `MemoryTracker`"):
         make_trainer(tmp_path, callbacks=[MemoryTracker(), MemoryTracker(every_n_steps=10)])
