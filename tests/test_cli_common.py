@@ -101,3 +101,24 @@ def test_an_output_path_that_cannot_be_written_is_a_message_not_a_traceback(tmp_
     status = main(["compare", "lightning_memkit.zoo:DemoMLP", "--steps", "1", "--modes", "baseline", "--logdir", str(blocker / "cmp")])
     assert status == 1
     assert f"{blocker / 'cmp'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err
+
+
+def test_a_file_inside_a_package_is_imported_from_the_package_root(tmp_path, monkeypatch):
+    import sys
+
+    from lightning_memkit.cli.common import load_object
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    package = tmp_path / "memkit_test_pkg_xyz"
+    (package / "tensorboard").mkdir(parents=True)  # a subpackage named like a library must not shadow it
+    (package / "__init__.py").write_text("")
+    (package / "tensorboard" / "__init__.py").write_text("")
+    (package / "data.py").write_text("SIZE = 3\n")
+    (package / "model.py").write_text("from .data import SIZE\n\nclass Thing:\n    size = SIZE\n")
+    try:
+        thing = load_object(f"{package / 'model.py'}:Thing")
+        assert thing.size == 3 and thing.__module__ == "memkit_test_pkg_xyz.model"
+        assert str(package) not in sys.path and str(tmp_path) in sys.path
+    finally:
+        for name in [n for n in sys.modules if n.startswith("memkit_test_pkg_xyz")]:
+            del sys.modules[name]
