@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
     print(f"memkit estimate: {args.module} on {args.device}, {format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)")
     print(format_table(("mode", "batch", "peak (tensors)", "device needs", "max batch", "per sample"), rows))
+    notes = dict.fromkeys(n for r in results if "estimate" in r for n in r["estimate"]["notes"])  # each once, in order
+    for note in notes:
+        print(f"note: {note}")
     if args.json_path:
         with open(args.json_path, "w") as file:
             json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results}, file, indent=2, default=str)
