@@ -626,6 +626,15 @@ def test_estimate_of_an_lstm_on_cpu_says_it_misses_the_onednn_workspace():
     assert not any("oneDNN" in note for note in estimate_memory(Recurrent("gru"), 8, device="cpu").notes)
 
 
+def test_cli_estimate_prints_the_estimates_notes(tmp_path, capsys):
+    path = tmp_path / "rnn.py"
+    path.write_text("from test_robustness import Recurrent\n")
+    assert main(["estimate", f"{path}:Recurrent", "--device", "cpu", "--device-memory", "1GiB", "--modes", "baseline,bf16"]) == 0
+    out = capsys.readouterr().out
+    if torch.backends.mkldnn.is_available():
+        assert out.count("note: nn.LSTM on CPU runs oneDNN") == 1  # once, not once per mode
+
+
 def test_estimate_manual_optimization_says_what_to_do():
     with pytest.raises(Exception, match="manual optimization.*loss_fn="):
         estimate_memory(GAN(), 4, device="cpu")
