@@ -100,7 +100,7 @@ def test_foreign_directory_fails_and_names_what_it_found(tmp_path, capsys):
     writer.close()
     assert main(["report", str(foreign), "-o", str(tmp_path / "r.html")]) == 1
     message = capsys.readouterr().err
-    assert "none of them memkit's" in message and "notes.txt" in message
+    assert "none of them readable as memkit's (see below)" in message and "notes.txt" in message
     assert 'compare.json: cannot read it (no "format": "lightning-memkit/compare/1" key)' in message
 
 

@@ -240,7 +240,8 @@ def find_sources(logdir: str) -> ReportSources:
     sources.ooms.sort(key=lambda o: (o.name, o.rank))
     _say_what_is_missing(sources, seen_examples)
     if sources.empty:
-        found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, none of them memkit's"
+        what = "none of them readable as memkit's (see below)" if sources.problems else "none of them memkit's"
+        found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, {what}"
                  if sources.files_seen else "it is empty")
         problems = "".join(f"\n  - {p}" for p in sources.problems)
         raise ReportInputError(
