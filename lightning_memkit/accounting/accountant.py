@@ -40,9 +40,10 @@ def storage_of(tensor: Any) -> torch.UntypedStorage | None:
     """Return the untyped storage behind ``tensor``, or ``None`` when it has none.
 
     Sparse, nested and most wrapper-subclass tensors have no single storage; they are
-    skipped rather than guessed at.
+    skipped rather than guessed at, as are a lazy module's parameters before its first forward
+    (``nn.LazyLinear``'s ``UninitializedParameter``: no storage yet; once materialized, counted).
     """
-    if not isinstance(tensor, torch.Tensor):
+    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
         return None
     if tensor.layout is not torch.strided:
         return None
