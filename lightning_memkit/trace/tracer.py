@@ -283,7 +283,8 @@ class LayerTracer:
             self._handles.append(module.register_forward_hook(self._forward, with_kwargs=True, always_call=True))
         seen: set[int] = set()
         for parameter in self.model.parameters():
-            if parameter.requires_grad and id(parameter) not in seen:
+            # a lazy module's parameter before its first forward cannot take hooks (its gradient goes unmarked in that step)
+            if parameter.requires_grad and id(parameter) not in seen and not torch.nn.parameter.is_lazy(parameter):
                 seen.add(id(parameter))
                 self._handles.append(parameter.register_post_accumulate_grad_hook(self._grad_accumulated))
         for optimizer in self.optimizers:
