@@ -77,6 +77,12 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
             f"self.{config.batch_arg_name} = <int> (or a hyperparameter of that name) and build train_dataloader() with it, "
             "or give batch_arg_name= the attribute you use"
         )
+    if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
+        raise BatchSizeSearchError(
+            f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before the first "
+            "forward, so a trial cannot be undone: run one forward with an example batch before trainer.fit (e.g. in "
+            "__init__), or leave MaxBatchSize out"
+        )
     if not module.automatic_optimization and config.use_estimate:
         config.use_estimate = False
 
