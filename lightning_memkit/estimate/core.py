@@ -225,6 +225,9 @@ def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: 
         raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}")
     if _is_lightning_module(module) and not module.automatic_optimization:
         raise EstimateError(f"{type(module).__name__} uses manual optimization; estimate_memory models Lightning's automatic optimization. Estimate a plain nn.Module with loss_fn= and optimizer= instead")
+    if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
+        raise EstimateError(f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before "
+                            "the first forward: run one forward with an example batch first, then estimate")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
     if batch is None:
