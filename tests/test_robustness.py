@@ -284,6 +284,14 @@ class GAN(pl.LightningModule):
         return DataLoader(TensorDataset(self.real), batch_size=self.batch_size)
 
 
+class Lazy(Base):
+    """An nn.LazyLinear head: its parameters exist only after the first forward."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.head = nn.LazyLinear(1)
+
+
 # ============================================================================================ helpers
 def fit(module, tmp_path, callbacks=(), **overrides):
     trainer = make_trainer(tmp_path, callbacks=list(callbacks), **overrides)
@@ -836,3 +844,19 @@ def test_cli_not_a_lightning_module_is_refused_before_training(verb, extra, tmp_
     assert status == 2
     assert "is not a LightningModule class" in captured.out + captured.err
     assert not (tmp_path / "cmp").exists()  # nothing trained, nothing written
+
+
+def test_lazy_modules_train_measured_traced_and_checkpointed_unchanged(tmp_path):
+    """A lazy module's parameters have no storage before the first forward: memkit must not break training."""
+    tracker, trace = MemoryTracker(verbose=False), LayerTrace(at_steps=(0, 1), figure=False)
+    module = assert_same_training(Lazy, tmp_path, [tracker, trace, ActivationCheckpointing("auto", verbose=False)], max_steps=2)
+    assert train_steps(tracker) == [0, 1]
+    parameter_bytes = sum(p.numel() * FLOAT32 for p in module.parameters())
+    assert [r.at_end["parameters"] for r in trace.results] == [parameter_bytes, parameter_bytes]  # materialized in step 0
+
+
+def test_lazy_modules_get_a_clear_error_where_a_step_must_run_first(tmp_path):
+    with pytest.raises(MisconfigurationException, match="lazy modules.*run one forward"):
+        fit(Lazy(), tmp_path, [MaxBatchSize(budget="1MiB", verbose=False)], max_steps=1)
+    with pytest.raises(Exception, match="lazy modules.*run one forward"):
+        estimate_memory(Lazy(), 8, device="cpu")
