@@ -122,3 +122,8 @@ def test_a_file_inside_a_package_is_imported_from_the_package_root(tmp_path, mon
     finally:
         for name in [n for n in sys.modules if n.startswith("memkit_test_pkg_xyz")]:
             del sys.modules[name]
+
+
+def test_estimate_refuses_a_checkpoint_budget_and_says_where_to_measure_it(capsys):
+    assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device-memory", "1GiB", "--modes", "baseline,checkpoint:budget=0.5"]) == 2
+    assert "--modes checkpoint:budget=0.5: a checkpoint budget" in capsys.readouterr().err
