@@ -132,3 +132,17 @@ def test_bad_input_gets_clear_errors():
         estimate_memory(DemoMLP(), 0, device="cpu")
     with pytest.raises(EstimateError, match="mode 'checkpoint:.*Conv2d"):  # a policy that matches nothing in an MLP
         estimate_memory(DemoMLP(), mode=Mode(checkpoint=frozenset({nn.Conv2d})), device="cpu")
+
+
+def test_a_checkpoint_budget_mode_is_estimated_exactly_on_fake_tensors():
+    """The budget policy measures its blocks on the fake step's own forward: the estimate equals the
+    measured step to the byte, and a tighter budget checkpoints more."""
+    from lightning_memkit.zoo import DemoTransformer
+
+    module = DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=4, dim_feedforward=64, seq_len=16, batch_size=8)
+    peaks = {}
+    for mode in ("baseline", "checkpoint:budget=0.6", "checkpoint:budget=0.2"):
+        estimate = estimate_memory(module, 8, mode=mode, device="cpu")
+        assert estimate.peak_bytes == measure_training_step(module, 8, mode=mode).peak_bytes, mode
+        peaks[mode] = estimate.peak_bytes
+    assert peaks["checkpoint:budget=0.2"] < peaks["checkpoint:budget=0.6"] < peaks["baseline"]

@@ -39,13 +39,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         modes = parse_modes(args.modes)
-        from lightning_memkit.modes.checkpointing import CheckpointBudget
-
-        budgets = [m.name for m in modes if isinstance(m.checkpoint, CheckpointBudget)]
-        if budgets:
-            raise CliError(f"--modes {','.join(budgets)}: a checkpoint budget picks its blocks by measuring real activations, "
-                           "which the estimate cannot do; estimate checkpoint (auto) here, and measure a budget with "
-                           "memkit compare --modes checkpoint:budget=...")
         if args.device_memory:
             try:
                 memory = parse_bytes(args.device_memory)

@@ -285,15 +285,19 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
                 if batch_size is not None:
                     batch = rebatch(batch, batch_size)
                 context = contextlib.nullcontext
+            module_copy.train()
+            autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
             if mode is not None and mode.checkpoint is not None:
                 from lightning_memkit.modes.checkpointing import apply_checkpointing
 
+                def sample() -> Any:  # a budget policy measures the step's forward on the same (fake) batch
+                    with context(), autocast():
+                        return loss_fn(module_copy, batch)
+
                 try:
-                    handle = apply_checkpointing(module_copy, mode.checkpoint)
+                    handle = apply_checkpointing(module_copy, mode.checkpoint, sample=sample)
                 except ValueError as error:
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
-            module_copy.train()
-            autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
             with context(), acc, acc.attributor.watch_saved_tensors():
