@@ -76,6 +76,8 @@ class LayerTrace(Callback):
 
     #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
     memkit_opens_step_window = True
+    #: the TensorBoard dashboard adds the layer-trace charts for a callback with this marker.
+    memkit_layer_trace = True
 
     def __init__(
         self,

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.tensorboard.layout import dashboard_layout
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
-           "DASHBOARD_OPTIONS_ATTRIBUTE"]
+           "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE"]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
 SUMMARY_TEXT_TAG = "summary/table"
@@ -59,14 +59,28 @@ def _validates(trainer: Any) -> bool:
     return bool(limit) and module is not None and is_overridden("validation_step", module)
 
 
+@runtime_checkable
+class _StepTracker(Protocol):
+    """What the per-step charts need from a callback (MemoryTracker has it). Found by these
+    attributes, not by class, so this sink never imports the callbacks (a lower layer)."""
+
+    memkit_opens_step_window: bool
+    prefix: str
+    tensor_accounting: Any
+    host: bool
+    log_validation: bool
+    per_rank: bool
+
+
+#: a callback attribute: ``True`` on a callback that logs layer traces (LayerTrace), so the layout gets their charts.
+LAYER_TRACE_ATTRIBUTE = "memkit_layer_trace"
+
+
 def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
     """The layout that fits this trainer's device, world size and memkit callbacks."""
-    from lightning_memkit.callbacks.layer_trace import LayerTrace
-    from lightning_memkit.callbacks.memory_tracker import MemoryTracker
-
     callbacks = list(getattr(trainer, "callbacks", []))
-    tracker = next((c for c in callbacks if isinstance(c, MemoryTracker)), None)
-    tracer = next((c for c in callbacks if isinstance(c, LayerTrace)), None)
+    tracker = next((c for c in callbacks if isinstance(c, _StepTracker)), None)
+    tracer = next((c for c in callbacks if getattr(c, LAYER_TRACE_ATTRIBUTE, False) is True), None)
     try:
         cuda = trainer.strategy.root_device.type == "cuda"
     except Exception:

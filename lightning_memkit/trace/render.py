@@ -5,11 +5,15 @@ They only read a :class:`~lightning_memkit.trace.records.LayerTraceResult`; noth
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lightning_memkit.accounting.categories import CATEGORIES
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
-from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 from lightning_memkit.units import MiB, format_bytes
+
+if TYPE_CHECKING:  # for annotations only: records calls into this module (its display methods), never the reverse
+    from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 
 __all__ = ["format_trace_table", "format_category_table", "trace_figure", "trace_metrics", "PHASE_COLORS"]
 
