@@ -114,6 +114,15 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
 
     if not isinstance(cls, type):
         raise CliError(f"the {what} {cls!r} is not a class; give FILE.py:ClassName")
+    if what == "datamodule":
+        import lightning.pytorch as pl
+
+        if issubclass(cls, pl.LightningModule):
+            raise CliError(f"--datamodule {cls.__name__}: that is a LightningModule, not a LightningDataModule; give the module "
+                           "as the first argument (FILE.py:ModuleClass) and a LightningDataModule class to --datamodule, "
+                           "or leave --datamodule out to use the module's own dataloaders")
+        if not callable(getattr(cls, "train_dataloader", None)):
+            raise CliError(f"--datamodule {cls.__name__}: it has no train_dataloader(); give a LightningDataModule class")
     try:
         accepts = "batch_size" in inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -128,6 +137,9 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
                        "give its arguments defaults or pass them with --init-args / --datamodule-args") from error
     if batch_size is not None and not accepts:
         if not hasattr(instance, "batch_size"):
+            if what == "datamodule":
+                raise CliError(f"the datamodule {cls.__name__} has no batch_size argument or attribute; drop --batch-size "
+                               "and pass its own size argument in --datamodule-args, e.g. '{\"bs\": 8}'")
             raise CliError(f"the {what} {cls.__name__} has no batch_size argument or attribute; drop --batch-size, "
                            "or pass the size in --init-args")
         instance.batch_size = batch_size
