@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 
@@ -23,7 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
                              "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, joined with +")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per mode (default: 20)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per mode (default: 20); the step time is the median after --warmup-steps")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="first steps left out of the step timing, at most half of --steps (default: 3)")
     add_init_arguments(parser)
     parser.add_argument("--batch-size", type=int, help="set batch_size on the datamodule (or the module when there is none)")
     parser.add_argument("--logdir", default="memkit_compare", help="TensorBoard root and output directory (default: memkit_compare)")
@@ -35,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memkit.modes.compare import compare_modes
+    from lightning_memkit.modes.compare import CheckpointWarning, compare_modes
     from lightning_memkit.modes.mode import parse_modes
 
     try:
@@ -43,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("--steps must be a positive integer")
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
+        if args.warmup_steps < 0:
+            raise CliError(f"--warmup-steps {args.warmup_steps}: give 0 or more")
         if args.val_batches < 0:
             raise CliError(f"--val-batches {args.val_batches}: give 0 (no validation) or more")
         try:
@@ -71,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
     except CliError as error:
         print(f"memkit compare: {error}", file=sys.stderr)
         return 2
-    result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
-                           accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
-                           figures=not args.no_figures, verbose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # printed below as one line, not with a source line
+        result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
+                               accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
+                               figures=not args.no_figures, verbose=True, warmup_steps=args.warmup_steps)
+    for mode_result in result.results:
+        if mode_result.checkpoint_warning():
+            print(f"memkit compare: warning: {mode_result.checkpoint_warning()}", file=sys.stderr)
     failed = [r for r in result.results if r.status != "ok"]
     for mode_result in failed:
         print(f"memkit compare: mode {mode_result.mode} failed: {mode_result.error}", file=sys.stderr)

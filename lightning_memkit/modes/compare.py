@@ -11,17 +11,17 @@ import dataclasses
 import json
 import os
 import re
-import statistics
-import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.summary_table import format_table
+from lightning_memkit.timing import TIME_SOURCES, StepTimer, TimeSpread, time_spread, within_noise
 from lightning_memkit.units import MiB, format_bytes
 
-__all__ = ["COMPARE_FORMAT", "ModeResult", "CompareResult", "compare_modes", "read_compare"]
+__all__ = ["COMPARE_FORMAT", "ModeResult", "CompareResult", "CheckpointWarning", "compare_modes", "read_compare"]
 
 #: the ``format`` key of compare.json; bump the number on an incompatible change.
 COMPARE_FORMAT = "lightning-memkit/compare/1"
@@ -29,6 +29,12 @@ CSV_NAME = "compare.csv"
 JSON_NAME = "compare.json"
 PEAK_FIGURE = "compare_peak_memory.png"
 STEPS_FIGURE = "compare_memory_per_step.png"
+#: fewer timed steps than this and the table says the spread is unreliable.
+MIN_TIMED_STEPS = 10
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint mode whose peak is not below the same precision's mode without checkpointing."""
 
 
 @dataclass
@@ -47,8 +53,17 @@ class ModeResult:
             tensor bytes from the accountant (see ``peak_source``).
         peak_source: the StepReading field the peak comes from (``peak_allocated_bytes`` or ``peak_tensor_bytes``).
         peak_reserved_bytes: CUDA only: highest per-step peak reserved by the caching allocator.
-        median_step_time_s: median wall time of a training step (batch start to batch end; the first
-            step is left out when there are more), including memkit's probes (see docs/modes.md).
+        median_step_time_s: median time of a training step (batch start to batch end) over the timed
+            steps (those after ``warmup_steps``), including memkit's probes. On CUDA it is GPU time
+            (CUDA events), elsewhere wall time; ``time_source`` says which (see docs/modes.md).
+        step_time_q1_s, step_time_q3_s: first and third quartiles of the timed steps' times (seconds).
+        step_time_min_s, step_time_max_s: the fastest and slowest timed step (seconds).
+        warmup_steps: the first steps left out of the timing (checkpoint measuring, optimizer state
+            creation, allocator and kernel warm-up happen there).
+        timed_steps: how many steps the median and spread are over.
+        time_source: ``"cuda_events"`` or ``"perf_counter"`` (see ``lightning_memkit.timing.TIME_SOURCES``).
+        step_time_within_noise: whether this mode's step-time interquartile range overlaps the
+            baseline's (then ``step_time_ratio`` is within noise); ``None`` for the baseline itself.
         throughput_samples_per_s: ``batch_size / median_step_time_s``.
         final_train_loss: the loss returned by the last training step.
         val_metric_name / val_metric: the validation metric (``val_acc``-like when logged, else ``val_loss``).
@@ -56,8 +71,16 @@ class ModeResult:
         peak_ratio, peak_reserved_ratio, step_time_ratio, throughput_ratio: against the baseline mode.
         checkpoint_regions: how many regions were checkpointed.
         checkpoint_predicted_saving_bytes: the checkpoint plan's predicted activation saving.
+        checkpoint_names: the names of the checkpointed regions (the plan's ``names``).
+        counterpart: for a checkpoint mode, the mode of the same precision without checkpointing that its
+            peak is judged against (``checkpoint`` vs ``baseline``, ``amp+checkpoint`` vs ``amp``), when run.
+        counterpart_peak_bytes: the counterpart's peak (bytes).
+        counterpart_peak_ratio: this mode's peak / the counterpart's.
+        checkpoint_helped: ``False`` when the peak is *not below* the counterpart's (checkpointing made it
+            no better, or worse: the table marks it and a :class:`CheckpointWarning` is issued), ``True``
+            when it is below, ``None`` without a counterpart.
         step_peaks: ``[[step, peak_bytes], ...]`` for every measured training step.
-        step_times_s: every step's wall time, in order.
+        step_times_s: every step's time (seconds, ``time_source``), in order, warm-up included.
         log_dir: this mode's TensorBoard run directory.
     """
 
@@ -72,6 +95,14 @@ class ModeResult:
     peak_source: str | None = None
     peak_reserved_bytes: int | None = None
     median_step_time_s: float | None = None
+    step_time_q1_s: float | None = None
+    step_time_q3_s: float | None = None
+    step_time_min_s: float | None = None
+    step_time_max_s: float | None = None
+    warmup_steps: int | None = None
+    timed_steps: int | None = None
+    time_source: str | None = None
+    step_time_within_noise: bool | None = None
     throughput_samples_per_s: float | None = None
     final_train_loss: float | None = None
     val_metric_name: str | None = None
@@ -83,16 +114,24 @@ class ModeResult:
     throughput_ratio: float | None = None
     checkpoint_regions: int | None = None
     checkpoint_predicted_saving_bytes: int | None = None
+    checkpoint_names: list[str] = field(default_factory=list)
+    counterpart: str | None = None
+    counterpart_peak_bytes: int | None = None
+    counterpart_peak_ratio: float | None = None
+    checkpoint_helped: bool | None = None
     step_peaks: list[list[int]] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     log_dir: str | None = None
 
-    #: the columns of compare.csv (per-step lists and the val_metrics dict are JSON-only)
+    #: the columns of compare.csv (per-step lists, region names and the val_metrics dict are JSON-only)
     CSV_COLUMNS = (
         "mode", "status", "precision", "checkpoint", "steps", "batch_size", "peak_allocated_bytes", "peak_source",
         "peak_reserved_bytes", "median_step_time_s", "throughput_samples_per_s", "final_train_loss", "val_metric_name",
         "val_metric", "peak_ratio", "peak_reserved_ratio", "step_time_ratio", "throughput_ratio", "checkpoint_regions",
         "checkpoint_predicted_saving_bytes", "log_dir", "error",
+        "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s", "warmup_steps", "timed_steps",
+        "time_source", "step_time_within_noise", "counterpart", "counterpart_peak_bytes", "counterpart_peak_ratio",
+        "checkpoint_helped",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +143,29 @@ class ModeResult:
         """Inverse of :meth:`to_dict`; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    @property
+    def step_time_spread(self) -> TimeSpread | None:
+        """The timed steps' spread (seconds), or ``None`` when there were none (older files: the median only)."""
+        if self.median_step_time_s is None or self.step_time_q1_s is None or self.step_time_q3_s is None:
+            return None
+        return TimeSpread(self.timed_steps or 0, self.median_step_time_s, self.step_time_q1_s, self.step_time_q3_s,
+                          self.step_time_min_s if self.step_time_min_s is not None else self.step_time_q1_s,
+                          self.step_time_max_s if self.step_time_max_s is not None else self.step_time_q3_s)
+
+    def checkpoint_warning(self) -> str | None:
+        """The sentence saying this checkpoint mode did not lower the peak (``None`` when it did, or cannot be judged)."""
+        if self.checkpoint_helped is not False:
+            return None
+        names = ", ".join(self.checkpoint_names[:6]) + (f", ... ({len(self.checkpoint_names) - 6} more)" if len(self.checkpoint_names) > 6 else "")
+        wrapped = f"{self.checkpoint_regions} region(s): {names}" if self.checkpoint_regions is not None else "an unknown plan"
+        difference = (self.peak_allocated_bytes or 0) - (self.counterpart_peak_bytes or 0)
+        relation = f"{format_bytes(difference)} higher than" if difference > 0 else "the same as"
+        return (f"checkpointing did not lower the peak: {self.mode} peaks at {format_bytes(self.peak_allocated_bytes)}, "
+                f"{relation} {self.counterpart} (same precision, no checkpointing: {format_bytes(self.counterpart_peak_bytes)}, "
+                f"{self.counterpart_peak_ratio:.2f}x); policy {self.checkpoint} wrapped {wrapped}. The wrapped blocks' saved "
+                "activations are not what sets this peak (it may be parameters, optimizer state, a block outside them, or "
+                "the recompute itself); try another policy or see the layer trace")
 
 
 @dataclass
@@ -146,27 +208,62 @@ class CompareResult:
             "modes": [r.to_dict() for r in self.results],
         }
 
+    @property
+    def time_source(self) -> str | None:
+        """What the step times are (``"cuda_events"``, ``"perf_counter"``), from the modes that ran."""
+        return next((r.time_source for r in self.results if r.time_source), None)
+
     def format_table(self) -> str:
-        """The comparison as a fixed-width text table."""
+        """The comparison as a fixed-width text table, with what is timed and the notes below it.
+
+        ``step ms`` is the median over the timed steps and ``IQR ms`` the middle half of them; a time
+        ratio marked ``~`` is within noise (the two modes' IQRs overlap). A checkpoint mode whose peak
+        is not below its counterpart's is marked ``!`` in ``vs no-ckpt``.
+        """
         def ratio(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f}x"
 
-        def num(value: float | None, spec: str) -> str:
-            return "-" if value is None else format(value, spec)
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1000:.1f}"
 
         rows = []
+        notes = []
         for r in self.results:
             if r.status != "ok":
-                rows.append((r.mode, "failed", "", "", "", "", "", "", (r.error or "")[:48]))
+                rows.append((r.mode, "failed", "", "", "", "", "", "", "", "", (r.error or "")[:48]))
                 continue
+            iqr = "-" if r.step_time_q1_s is None else f"{ms(r.step_time_q1_s)}-{ms(r.step_time_q3_s)}"
+            time_ratio = ratio(r.step_time_ratio) + (" ~" if r.step_time_within_noise else "")
+            counterpart = "-"
+            if r.counterpart_peak_ratio is not None:
+                counterpart = ratio(r.counterpart_peak_ratio) + (" !" if r.checkpoint_helped is False else "")
             rows.append((
-                r.mode, format_bytes(r.peak_allocated_bytes), ratio(r.peak_ratio), format_bytes(r.peak_reserved_bytes),
-                num(r.median_step_time_s and r.median_step_time_s * 1000, ".1f"), ratio(r.step_time_ratio),
-                num(r.throughput_samples_per_s, ".1f"), num(r.final_train_loss, ".4f"),
+                r.mode, format_bytes(r.peak_allocated_bytes), ratio(r.peak_ratio), counterpart, format_bytes(r.peak_reserved_bytes),
+                ms(r.median_step_time_s), iqr, time_ratio, "-" if r.throughput_samples_per_s is None else f"{r.throughput_samples_per_s:.1f}",
+                "-" if r.final_train_loss is None else f"{r.final_train_loss:.4f}",
                 "-" if r.val_metric is None else f"{r.val_metric_name}={r.val_metric:.4f}",
             ))
-        headers = ("mode", "peak", "vs base", "peak reserved", "step ms", "vs base", "samples/s", "train loss", "validation")
-        return f"memkit compare ({self.device}, {self.max_steps} steps, ratios vs {self.baseline})\n" + format_table(headers, rows)
+            if r.checkpoint_helped is False:
+                notes.append(f"! {r.checkpoint_warning()}.")
+        headers = ("mode", "peak", "vs base", "vs no-ckpt", "peak reserved", "step ms", "IQR ms", "vs base", "samples/s",
+                   "train loss", "validation")
+        lines = [f"memkit compare ({self.device}, {self.max_steps} steps, ratios vs {self.baseline})", format_table(headers, rows)]
+        timed = [r for r in self.results if r.status == "ok" and r.timed_steps]
+        if timed:
+            first = timed[0]
+            source = TIME_SOURCES.get(first.time_source or "", first.time_source or "unknown clock")
+            lines.append(f"step ms: median of {first.timed_steps} timed steps after {first.warmup_steps} warm-up step(s), "
+                         f"batch start to batch end, memkit's probes included; {source}. IQR ms: the middle half of those steps.")
+            if any(r.step_time_within_noise for r in timed):
+                lines.append("~ within noise: this mode's IQR overlaps the baseline's, so the time difference is smaller than "
+                             "the step-to-step spread.")
+            if min(r.timed_steps for r in timed) < MIN_TIMED_STEPS:
+                lines.append(f"only {min(r.timed_steps for r in timed)} timed step(s): the median and spread are unreliable; "
+                             f"run at least {MIN_TIMED_STEPS + (first.warmup_steps or 0)} steps (--steps).")
+        if any(r.counterpart_peak_ratio is not None for r in self.results):
+            lines.append("vs no-ckpt: peak / the peak of the same precision without checkpointing.")
+        lines.extend(notes)
+        return "\n".join(lines)
 
     def write(self, directory: str | None = None, figures: bool = True) -> dict[str, str]:
         """Write compare.csv, compare.json and (with ``figures``) the two PNG figures; returns their paths."""
@@ -257,29 +354,46 @@ def _step_recorder():
     from lightning.pytorch import Callback
 
     class _StepRecorder(Callback):
-        """Wall time, loss and batch size of each training step (thin: no measuring logic)."""
+        """Time, last loss and batch size of the training steps (thin: the timing is lightning_memkit.timing).
+
+        Nothing here waits for the device during the run: the step times are CUDA events on CUDA, and
+        the loss is kept as the last step's (detached) tensor and read once training has ended.
+        """
 
         #: puts the "modes compared" charts on memkit's TensorBoard dashboard (tensorboard/dashboard.py)
         memkit_dashboard_options = {"compare": True}
 
         def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
+            self.timer: StepTimer | None = None
+            self.final_loss: float | None = None
             self.batch_size: int | None = None
-            self._start: float | None = None
+            self._last_loss: Any = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.timer = StepTimer(trainer.strategy.root_device)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if self.batch_size is None:
                 self.batch_size = _first_batch_size(batch)
-            self._start = time.perf_counter()
+            if self.timer is not None:
+                self.timer.cancel()  # a window left open by a step that returned None
+                self.timer.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if self._start is not None:
-                self.times.append(time.perf_counter() - self._start)
-                self._start = None
+            if self.timer is not None and self.timer.running:
+                self.timer.stop()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None and hasattr(loss, "detach"):
-                self.losses.append(float(loss.detach().float().cpu()))
+                self._last_loss = loss.detach()  # read at train end: float() here would wait for the device every step
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if self._last_loss is not None:
+                self.final_loss = float(self._last_loss.float().cpu())
+                self._last_loss = None
+
+        def step_times_s(self) -> list[float]:
+            """Every step's time in seconds (waits for the device's last steps: call after the fit)."""
+            return self.timer.times_s() if self.timer is not None else []
 
     return _StepRecorder()
 
@@ -298,7 +412,7 @@ def _pick_val_metric(metrics: dict[str, float], wanted: str | None) -> tuple[str
 
 def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: Callable[[], Any] | None, *, max_steps: int,
               accelerator: Any, devices: Any, root_dir: str, seed: int, val_batches: int, val_metric: str | None,
-              trainer_kwargs: dict[str, Any], verbose: bool) -> ModeResult:
+              trainer_kwargs: dict[str, Any], verbose: bool, warmup_steps: int) -> ModeResult:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -339,14 +453,20 @@ def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: 
         result.peak_source = tracker.summary.peak_source
         reserved = [r.peak_reserved_bytes for r in train if r.peak_reserved_bytes is not None]
         result.peak_reserved_bytes = max(reserved) if reserved else None
-    times = recorder.times[1:] if len(recorder.times) > 1 else recorder.times
-    result.step_times_s = recorder.times
+    times = recorder.step_times_s()
+    result.step_times_s = times
+    result.time_source = recorder.timer.source if recorder.timer is not None else None
     result.batch_size = recorder.batch_size
-    if times:
-        result.median_step_time_s = statistics.median(times)
+    result.warmup_steps = min(warmup_steps, len(times) // 2)
+    spread = time_spread(times[result.warmup_steps:])
+    if spread is not None:
+        result.timed_steps = spread.count
+        result.median_step_time_s = spread.median_s
+        result.step_time_q1_s, result.step_time_q3_s = spread.q1_s, spread.q3_s
+        result.step_time_min_s, result.step_time_max_s = spread.min_s, spread.max_s
         if recorder.batch_size:
             result.throughput_samples_per_s = recorder.batch_size / result.median_step_time_s
-    result.final_train_loss = recorder.losses[-1] if recorder.losses else None
+    result.final_train_loss = recorder.final_loss
     metrics = {}
     for key, value in trainer.callback_metrics.items():
         if key.startswith("val"):
@@ -360,6 +480,7 @@ def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: 
         plan = getattr(callback, "plan", None)
         if plan is not None:
             result.checkpoint_regions = plan.count
+            result.checkpoint_names = list(plan.names)
             result.checkpoint_predicted_saving_bytes = plan.predicted_saving_bytes
     return result
 
@@ -375,6 +496,31 @@ def _ratios(results: list[ModeResult], baseline: ModeResult | None) -> None:
         r.peak_reserved_ratio = div(r.peak_reserved_bytes, baseline.peak_reserved_bytes)
         r.step_time_ratio = div(r.median_step_time_s, baseline.median_step_time_s)
         r.throughput_ratio = div(r.throughput_samples_per_s, baseline.throughput_samples_per_s)
+        if r is not baseline:
+            r.step_time_within_noise = within_noise(r.step_time_spread, baseline.step_time_spread)
+
+
+def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str]:
+    """Each checkpoint mode against the mode of the same precision without checkpointing (checkpoint vs
+    baseline, amp+checkpoint vs amp, bf16+checkpoint vs bf16); returns a warning per mode that did not
+    lower the peak."""
+    warnings_text = []
+    for mode, result in zip(modes, results):
+        if mode.checkpoint is None or result.status != "ok" or result.peak_allocated_bytes is None:
+            continue
+        candidates = [(m, r) for m, r in zip(modes, results) if m.checkpoint is None and r.status == "ok"
+                      and r.peak_allocated_bytes is not None and r.precision == result.precision]
+        if not candidates:
+            continue
+        # the same precision word first (amp+checkpoint vs amp), else the same Lightning precision (amp vs bf16 on CPU)
+        _, counterpart = next(((m, r) for m, r in candidates if m.precision == mode.precision), candidates[0])
+        result.counterpart = counterpart.mode
+        result.counterpart_peak_bytes = counterpart.peak_allocated_bytes
+        result.counterpart_peak_ratio = result.peak_allocated_bytes / counterpart.peak_allocated_bytes if counterpart.peak_allocated_bytes else None
+        result.checkpoint_helped = result.peak_allocated_bytes < counterpart.peak_allocated_bytes
+        if not result.checkpoint_helped:
+            warnings_text.append(result.checkpoint_warning())
+    return warnings_text
 
 
 def compare_modes(
@@ -393,6 +539,7 @@ def compare_modes(
     write: bool = True,
     figures: bool = True,
     verbose: bool = True,
+    warmup_steps: int = 3,
 ) -> CompareResult:
     """Train a fresh model in each mode for ``max_steps`` steps and compare memory, speed and accuracy.
 
@@ -412,21 +559,29 @@ def compare_modes(
         write: write compare.csv, compare.json, the figures and the TensorBoard summary.
         figures: draw the figures (matplotlib).
         verbose: print the table (and the checkpoint plans).
+        warmup_steps: steps left out of the step timing (at most half of the steps run). The median and
+            spread are over the rest; on CUDA they are GPU time (CUDA events, no host synchronisation per
+            step), elsewhere wall time. A time ratio is "within noise" when the mode's interquartile
+            range overlaps the baseline's.
 
     Returns:
         A :class:`CompareResult`, one :class:`ModeResult` per mode (``result["amp"]``): peaks in bytes,
         step times in seconds, throughput in samples/s, ratios against the baseline mode. A mode that fails (out of memory, unsupported precision) is kept with
-        ``status="failed"`` and its error; the others still run.
+        ``status="failed"`` and its error; the others still run. A checkpoint mode whose peak is not below
+        the same precision's mode without checkpointing gets ``checkpoint_helped=False``, a ``!`` in the
+        table and a :class:`CheckpointWarning` naming what was wrapped.
     """
-    if not isinstance(max_steps, int) or max_steps < 1:
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
         raise ValueError(f"max_steps={max_steps!r}: give a positive number of training steps, e.g. 20")
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r}: give 0 or more steps to leave out of the timing, e.g. 3")
     parsed = parse_modes(modes if not isinstance(modes, Mode) else [modes])
     results = []
     device = "cpu"
     for mode in parsed:
         results.append(_run_mode(mode, model_factory, datamodule_factory, max_steps=max_steps, accelerator=accelerator,
                                  devices=devices, root_dir=root_dir, seed=seed, val_batches=val_batches, val_metric=val_metric,
-                                 trainer_kwargs=dict(trainer_kwargs or {}), verbose=verbose))
+                                 trainer_kwargs=dict(trainer_kwargs or {}), verbose=verbose, warmup_steps=warmup_steps))
     try:
         from lightning_memkit.modes.mode import _device_type
 
@@ -435,6 +590,8 @@ def compare_modes(
         pass
     baseline = next((r for m, r in zip(parsed, results) if m.is_baseline), results[0] if results else None)
     _ratios(results, baseline)
+    for text in _judge_checkpoints(parsed, results):
+        warnings.warn(f"memkit compare: {text}", CheckpointWarning, stacklevel=2)
     compare = CompareResult(results, baseline.mode if baseline else None, device, max_steps, seed, os.path.abspath(root_dir))
     if write:
         compare.write(figures=figures)

@@ -144,8 +144,8 @@ def compare_figures(compare) -> dict[str, Figure]:
     """The mode comparison's figures from a :class:`~lightning_memkit.modes.compare.CompareResult`.
 
     ``peak_figure``: each mode's per-step peak (MiB) as a bar with its ratio to the baseline, the
-    lowest marked. ``steps_figure``: every mode's per-step peak against the training step, the
-    highest marked. Values are the records' own (``ModeResult.peak_allocated_bytes``, ``step_peaks``).
+    lowest marked (its ratio in the marker's label, so the red dot covers no text). ``steps_figure``:
+    every mode's per-step peak against the training step, the highest marked. Values are the records' own (``ModeResult.peak_allocated_bytes``, ``step_peaks``).
     """
     ok = [r for r in compare.results if r.status == "ok" and r.peak_allocated_bytes is not None]
     source = ok[0].peak_source if ok else "no successful mode"
@@ -155,12 +155,13 @@ def compare_figures(compare) -> dict[str, Figure]:
         positions = list(range(len(ok)))
         bars = bar_ax.bar(positions, [r.peak_allocated_bytes / MiB for r in ok], color="#4c72b0")
         bar_ax.set_xticks(positions, [r.mode for r in ok], rotation=20)
-        for bar, result in zip(bars, ok):
-            if result.peak_ratio is not None:
+        lowest = min(positions, key=lambda i: ok[i].peak_allocated_bytes)
+        for position, (bar, result) in enumerate(zip(bars, ok)):
+            if result.peak_ratio is not None and position != lowest:  # the lowest bar's ratio is in its marker's label
                 bar_ax.annotate(f"{result.peak_ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=8)
-        lowest = min(positions, key=lambda i: ok[i].peak_allocated_bytes)
-        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes, f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}")
+        ratio = "" if ok[lowest].peak_ratio is None else f"\n{ok[lowest].peak_ratio:.2f}x"
+        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes, f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}{ratio}")
     bar_ax.set_ylabel(f"peak per step (MiB, {source})")
     steps_figure, (line_ax,) = new_figure("memkit compare: memory per step per mode", width=8.0, row_height=3.6)
     highest = None
