@@ -1,0 +1,142 @@
+"""MemoryDoctor: find tensors that survive training steps (leaks), tensors held past their last use,
+and who made them. Thin wiring of :class:`~lightning_memkit.doctor.DoctorSession` to Lightning's hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+
+__all__ = ["MemoryDoctor"]
+
+#: the doctor's report, written at fit end beside the logs
+REPORT_FILENAME = "memkit_doctor.json"
+
+
+class MemoryDoctor(Callback):
+    r"""Diagnose what survives a training step and should not, and who made it.
+
+    Usage::
+
+        from lightning_memkit import MemoryDoctor
+        trainer = Trainer(max_steps=20, callbacks=[MemoryDoctor()])
+        trainer.fit(model)          # a leak is warned about once; the verdict is printed at the end
+
+    From the first training batch on, every storage torch makes is recorded with who made it (aten op,
+    module path, forward/backward, shape, dtype and the line of your code), from one step's
+    ``on_train_batch_start`` to the next's, so whatever runs between steps (your hooks, other callbacks,
+    validation) is seen too. At each step's start the live tensor bytes are compared; ``window``
+    increases in a row are a leak, reported once (a warning, and :attr:`report`) with the bytes per
+    step and the tensors kept from earlier steps grouped by creator. Step ``analyse_step`` is also
+    analysed op by op: its peak, what the peak is made of, and the bytes *held too long* there (live
+    although last read before the peak). Gradient accumulation: one step per optimizer step.
+
+    The doctor is a diagnosis tool: recording costs a Python call per aten op (and a frame walk per
+    new tensor), so use it for a few dozen steps, as ``memkit doctor`` does, not for whole runs.
+
+    Args:
+        window: increases of live bytes at step start in a row that make a leak (>= 2).
+        warmup_steps: first steps not compared (gradients and optimizer state appear in them).
+        analyse_step: the training step whose liveness is analysed (``None``: no analysis).
+        verbose: print the verdict at the end of fit.
+
+    Attributes:
+        report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
+        report_path: ``<log_dir>/memkit_doctor.json`` written at fit end (``None`` without a log dir).
+    """
+
+    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+            raise MisconfigurationException(f"MemoryDoctor(window={window!r}): give an integer >= 2, e.g. 5 steps of growth")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise MisconfigurationException(f"MemoryDoctor(warmup_steps={warmup_steps!r}): give an integer >= 0")
+        if analyse_step is not None and (not isinstance(analyse_step, int) or analyse_step < 0):
+            raise MisconfigurationException(f"MemoryDoctor(analyse_step={analyse_step!r}): give a step >= 0, or None")
+        self.window = window
+        self.warmup_steps = warmup_steps
+        self.analyse_step = analyse_step
+        self.verbose = verbose
+        self.report: DoctorReport | None = None
+        self.report_path: str | None = None
+        self._session: DoctorSession | None = None
+        self._step: int | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close()
+        self.report = None
+        self.report_path = None
+        self._session = DoctorSession(pl_module, trainer.optimizers, window=self.window, warmup_steps=self.warmup_steps,
+                                      analyse_step=self.analyse_step)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        session = self._session
+        if session is None:
+            return
+        try:
+            if self._step is None:
+                self._step = logging_step(trainer)
+                found = session.step_start(self._step, batch, module=pl_module, optimizers=trainer.optimizers)
+                if found is not None:
+                    rank_zero_warn("memkit doctor: " + found.format())
+            else:  # another micro-batch of the same optimizer step
+                session.recorder.assign_roles(batch=batch)
+        except Exception as error:  # never break training: step aside
+            self._give_up(error)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        session = self._session
+        if session is None or self._step is None or not optimizer_steps_after_batch(trainer):
+            return
+        try:
+            session.step_end(self._step, module=pl_module, optimizers=trainer.optimizers)
+        except Exception as error:
+            self._give_up(error)
+        self._step = None
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._session is None:
+            return
+        self._close()
+        if self.report is None:
+            return
+        directory = log_dir(trainer)
+        if trainer.is_global_zero and directory:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                self.report_path = self.report.to_json(os.path.join(directory, REPORT_FILENAME))
+            except OSError as error:
+                rank_zero_warn(f"memkit doctor: could not write {REPORT_FILENAME} to {directory}: {error}")
+        if self.verbose and trainer.is_global_zero:
+            print(self.report.format())
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        session = self._session
+        if session is not None:
+            session.close()
+            self.report = session.report()
+            self._session = None
+        self._step = None
+
+    def _give_up(self, error: BaseException) -> None:
+        rank_zero_warn(f"memkit doctor: stepping aside after an error ({type(error).__name__}: {error}); training goes on")
+        self._close()

@@ -1,0 +1,428 @@
+"""Who made each live tensor, and when it was last used: the memory doctor's recording.
+
+Owns :class:`CreationRecorder`, a TorchDispatchMode that keeps, for every storage created while it
+is active, a :class:`Creation` (aten op, module path, forward/backward, shape, dtype, the user's
+Python line) and, when asked, each storage's last use (the last op that read it, backward included).
+
+How it works, and why:
+
+* New storages are found as the tensor accountant finds them: an op's output whose storage is not an
+  input's and not yet known. A ``weakref`` on the storage tells when torch frees it.
+* The module path comes from torch's *global* forward hooks (``register_module_forward_pre_hook``),
+  installed only while recording; names from :meth:`CreationRecorder.name_modules`.
+* The user's line is the innermost Python frame outside torch, Lightning, memkit and the standard
+  library, found by walking ``f_back`` with a per-code-object cache (a few microseconds per op).
+* Uses: every op's tensor inputs, forward and backward (a saved tensor is read by the backward op
+  that needs it, so saved-for-backward uses count); recorded only between :meth:`begin_liveness`
+  and :meth:`end_liveness`, because that is the costly part.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import threading
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_memkit.accounting.accountant import _tensors_in, returns_alias, storage_of
+from lightning_memkit.doctor import _torch_compat
+from lightning_memkit.trace._torch_compat import in_backward
+
+__all__ = ["Creation", "CreationRecorder", "STATE_ROLES", "active_recorders", "creation_of", "format_frame"]
+
+#: Roles a storage keeps for its whole life: training state, never a leak nor waste.
+STATE_ROLES = ("parameters", "buffers", "gradients", "optimizer_state")
+
+#: at most this many distinct error messages are kept; later ones are only counted.
+_MAX_ERRORS = 20
+
+_ACTIVE: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()
+
+
+def _library_roots() -> tuple[str, ...]:
+    roots = set()
+    for name in ("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "torchmetrics",
+                 "lightning_memkit", "typing_extensions"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.add(os.path.dirname(os.path.realpath(path)) + os.sep)
+            roots.add(os.path.dirname(os.path.abspath(path)) + os.sep)
+    for key in ("stdlib", "platstdlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(os.path.realpath(path) + os.sep)
+            roots.add(os.path.abspath(path) + os.sep)
+    return tuple(sorted(roots))
+
+
+_LIBRARY_ROOTS = _library_roots()
+_IS_LIBRARY: dict[Any, bool] = {}
+
+
+def _is_library(code: Any) -> bool:
+    found = _IS_LIBRARY.get(code)
+    if found is None:
+        filename = code.co_filename
+        found = filename.startswith("<") or filename.startswith(_LIBRARY_ROOTS) or \
+            os.path.abspath(filename).startswith(_LIBRARY_ROOTS)
+        _IS_LIBRARY[code] = found
+    return found
+
+
+def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
+    """``(filename, line, function)`` of the innermost frame above the caller that is the user's
+    code (not torch, Lightning, memkit or the standard library), or ``None``."""
+    frame = _torch_compat.caller_frame(depth + 1)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_library(code):
+            return code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+    return None
+
+
+def format_frame(frame: tuple[str, int, str] | list | None, source: bool = True) -> str:
+    """``file.py:12 in fn: <source line>`` for a frame from :func:`user_frame` (``""`` for ``None``)."""
+    if not frame:
+        return ""
+    filename, line, function = frame
+    text = f"{os.path.basename(filename)}:{line} in {function}"
+    if source:
+        import linecache
+
+        code = linecache.getline(filename, line).strip()
+        if code:
+            text += f": {code}"
+    return text
+
+
+@dataclass(eq=False)
+class Creation:
+    """Where and when one storage was made, and (when liveness is recorded) its last use.
+
+    Attributes:
+        nbytes: the storage's size in bytes.
+        device: e.g. ``"cpu"``, ``"cuda:0"``.
+        shape: the shape of the first tensor seen on the storage (its creating op's output).
+        dtype: e.g. ``"torch.float32"``.
+        op: the aten op that allocated it (``"aten.addmm"``), or how it was first seen for storages
+            made outside the recording (``"existing"``).
+        module: the path of the innermost module whose forward was running (``"net.0"``; the root
+            module is its class name; ``""`` outside every module forward).
+        phase: ``"forward"`` (inside a module's forward), ``"backward"`` (in autograd's backward) or
+            ``"other"`` (the loss, the optimizer, hooks).
+        frame: ``(filename, line, function)`` of the user's code that ran the op, or ``None``.
+        step: the training step it was made in (or, for a batch, the step it is the input of).
+        role: a lifetime role: ``"parameters"``, ``"buffers"``, ``"gradients"``,
+            ``"optimizer_state"``, ``"inputs"``, or ``None``.
+        created_at: the recorder's op clock when it was made (``-1``: before the recording).
+        freed_at: the op clock when torch freed it (``None`` while it lives).
+        last_use_at: op clock of the last op that read it while liveness was recorded
+            (its creation when never read).
+        last_use_op, last_use_module, last_use_phase, last_use_frame: that op, like the fields above.
+    """
+
+    nbytes: int
+    device: str
+    shape: tuple
+    dtype: str
+    op: str
+    module: str
+    phase: str
+    frame: tuple | None
+    step: int | None
+    role: str | None = None
+    created_at: int = -1
+    freed_at: int | None = None
+    last_use_at: int = -1
+    last_use_op: str = ""
+    last_use_module: str = ""
+    last_use_phase: str = ""
+    last_use_frame: tuple | None = None
+
+    def describe(self) -> str:
+        """One line: op, module, shape, dtype and the user's line."""
+        where = f" in {self.module}" if self.module else ""
+        line = format_frame(self.frame)
+        return (f"{self.op}{where} ({self.phase}) {list(self.shape)} {self.dtype.replace('torch.', '')}"
+                + (f" at {line}" if line else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        data = asdict(self)
+        data["shape"] = list(self.shape)
+        return data
+
+
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func: Any) -> str:
+    name = _OP_NAMES.get(func)
+    if name is None:
+        try:
+            name = str(func.overloadpacket)
+        except AttributeError:
+            name = str(func)
+        _OP_NAMES[func] = name
+    return name
+
+
+class CreationRecorder(TorchDispatchMode):
+    """Record who made every storage created while active, and optionally each one's last use.
+
+    Usage (plain PyTorch)::
+
+        recorder = CreationRecorder()
+        recorder.name_modules(model)                 # module paths in the records
+        recorder.start(step=0, batch=x, module=model, optimizers=[opt])
+        loss = model(x).sum(); loss.backward(); opt.step()
+        recorder.stop()
+        for creation in recorder.live_creations(): print(creation.describe(), creation.nbytes)
+
+    :meth:`start` enters the mode *below* any other active dispatch mode, so it may span several
+    Lightning hooks while other callbacks enter and exit their own modes inside it; :meth:`stop`
+    exits it wherever it is. Frees are seen whether or not it is active. It never raises from an op:
+    failures are kept in :attr:`errors`.
+
+    Attributes:
+        live_bytes: bytes of every live storage the recorder knows (made while recording, or adopted
+            by :meth:`adopt` / :meth:`start`), exact.
+        errors: distinct error messages from recording (at most 20).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, Creation] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.RLock()
+        self._names: dict[int, str] = {}
+        self._module_stack: list[str] = []
+        self._hooks: list[Any] = []
+        self._clock = 0
+        self.step: int | None = None
+        self.live_bytes = 0
+        self._liveness = False
+        self._window: list[Creation] | None = None
+        self._window_start = 0
+        self.errors: list[str] = []
+        self.error_count = 0
+
+    # ------------------------------------------------------------------ set-up
+    def name_modules(self, root: torch.nn.Module) -> None:
+        """Name ``root``'s submodules by their path (``root.named_modules()``) in the records; the root
+        itself by its class name. Modules never named here show as their class name."""
+        for name, module in root.named_modules():
+            self._names.setdefault(id(module), name or type(root).__name__)
+
+    @property
+    def clock(self) -> int:
+        """The op clock: the number of ops seen so far."""
+        return self._clock
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the recorder is on the dispatch-mode stack now."""
+        return _torch_compat.mode_is_active(self)
+
+    def start(self, step: int | None = None, *, batch: Any = None, module: torch.nn.Module | None = None,
+              optimizers: Iterable[Any] = ()) -> None:
+        """Begin (or continue) recording for ``step``: adopt the training state of ``module`` and
+        ``optimizers`` and the ``batch`` (role ``"inputs"``, of this step), then enter the mode."""
+        self.step = step
+        self.assign_roles(module, optimizers, batch)
+        if not self.is_active:
+            _torch_compat.enter_mode_at_bottom(self)
+            from torch.nn.modules import module as module_hooks
+
+            self._hooks = [module_hooks.register_module_forward_pre_hook(self._pre_forward),
+                           module_hooks.register_module_forward_hook(self._post_forward, always_call=True)]
+            _ACTIVE.add(self)
+        self._module_stack.clear()
+
+    def stop(self) -> None:
+        """Stop recording (frees are still seen). Safe to call when not active."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._module_stack.clear()
+        _torch_compat.exit_mode_anywhere(self)
+        _ACTIVE.discard(self)
+
+    def assign_roles(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), batch: Any = None) -> None:
+        """Give storages their lifetime role by identity (adopting those not seen yet): the module's
+        parameters, buffers and gradients, the optimizers' state, and the batch (``"inputs"`` of the
+        current step). A role, once given, stays."""
+        if module is not None:
+            parameters = list(module.parameters())
+            self._assign(parameters, "parameters")
+            self._assign(list(module.buffers()), "buffers")
+            self._assign([p.grad for p in parameters if p.grad is not None], "gradients")
+        for optimizer in optimizers:
+            for state in getattr(optimizer, "state", {}).values():
+                if isinstance(state, dict):
+                    self._assign([v for v in state.values() if isinstance(v, torch.Tensor)], "optimizer_state")
+        if batch is not None:
+            leaves = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
+            self._assign(leaves, "inputs", step=self.step)
+
+    def adopt(self, tensors: Iterable[Any], role: str | None = None) -> int:
+        """Know existing tensors (op ``"existing"``); returns the bytes newly adopted."""
+        before = self.live_bytes
+        self._assign(list(tensors), role)
+        return self.live_bytes - before
+
+    def _assign(self, tensors: list, role: str | None, step: int | None = None) -> None:
+        for tensor in tensors:
+            storage = storage_of(tensor)
+            if storage is None:
+                continue
+            creation = self._live.get(id(storage))
+            if creation is None:
+                creation = self._track(storage, tensor, "existing", "", "other", None, adopted=True)
+                creation.step = step
+            if creation.role is None and role is not None:
+                creation.role = role
+                if role == "inputs" and step is not None:
+                    creation.step = step  # a prefetched batch belongs to the step it feeds
+
+    # ------------------------------------------------------------------ tracking
+    def _track(self, storage: Any, tensor: torch.Tensor, op: str, module: str, phase: str, frame: Any,
+               adopted: bool = False) -> Creation:
+        key = id(storage)
+        creation = Creation(int(storage.nbytes()), str(storage.device), tuple(tensor.shape), str(tensor.dtype), op,
+                            module, phase, frame, self.step, created_at=-1 if adopted else self._clock)
+        creation.last_use_at = creation.created_at
+        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        with self._lock:
+            self._live[key] = creation
+            self._refs[key] = ref
+            self.live_bytes += creation.nbytes
+        if self._window is not None:
+            self._window.append(creation)
+        return creation
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            creation = self._live.pop(key, None)
+            self._refs.pop(key, None)
+            if creation is None:
+                return
+            creation.freed_at = self._clock
+            self.live_bytes -= creation.nbytes
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._module_stack.append(self._names.get(id(module)) or type(module).__name__)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        self._clock += 1
+        result = func(*args, **(kwargs or {}))
+        try:
+            self._observe(func, args, kwargs, result)
+        except BaseException as error:  # never raise from dispatch: it can abort the interpreter
+            self.error_count += 1
+            message = f"{func}: {type(error).__name__}: {error}"
+            if len(self.errors) < _MAX_ERRORS and message not in self.errors:
+                self.errors.append(message)
+        return result
+
+    def _observe(self, func: Any, args: Any, kwargs: Any, result: Any) -> None:
+        outputs = _tensors_in(result)
+        liveness = self._liveness
+        if not outputs and not liveness:
+            return
+        name = _op_name(func)
+        if in_backward():
+            module, phase = "", "backward"
+        elif self._module_stack:
+            module, phase = self._module_stack[-1], "forward"
+        else:
+            module, phase = "", "other"
+        frame: Any = False  # computed at most once per op, and only when needed
+        input_keys: set[int] | None = None
+        if liveness:
+            frame = user_frame(3)
+            input_keys = set()
+            clock = self._clock
+            for tensor in _tensors_in((args, kwargs)):
+                storage = storage_of(tensor)
+                if storage is None:
+                    continue
+                key = id(storage)
+                input_keys.add(key)
+                creation = self._live.get(key)
+                if creation is not None:
+                    creation.last_use_at = clock
+                    creation.last_use_op = name
+                    creation.last_use_module = module
+                    creation.last_use_phase = phase
+                    creation.last_use_frame = frame
+        alias = returns_alias(func)
+        if alias and input_keys is None:
+            input_keys = {id(s) for s in map(storage_of, _tensors_in((args, kwargs))) if s is not None}
+        for output in outputs:
+            storage = storage_of(output)
+            if storage is None:
+                continue
+            key = id(storage)
+            if key in self._live or (alias and key in input_keys):
+                continue
+            if frame is False:
+                frame = user_frame(3)
+            self._track(storage, output, name, module, phase, frame)
+
+    # ------------------------------------------------------------------ reading
+    def live_creations(self) -> list[Creation]:
+        """The records of every live storage the recorder knows (a snapshot)."""
+        with self._lock:
+            return list(self._live.values())
+
+    def creation_of(self, tensor: torch.Tensor) -> Creation | None:
+        """The record of ``tensor``'s storage, or ``None`` when the recorder never saw it made."""
+        storage = storage_of(tensor)
+        return None if storage is None else self._live.get(id(storage))
+
+    # ------------------------------------------------------------------ liveness
+    def begin_liveness(self) -> None:
+        """From now, record each storage's uses (and every storage made) until :meth:`end_liveness`."""
+        with self._lock:
+            self._window = list(self._live.values())
+        for creation in self._window:
+            creation.last_use_at = -1  # uses before the window are not this window's
+        self._window_start = self._clock
+        self._liveness = True
+
+    def end_liveness(self) -> tuple[list[Creation], int, int]:
+        """Stop recording uses; returns ``(creations, start_clock, end_clock)``: every storage live at
+        the window's start or made in it, with the op clock of the window's ends."""
+        self._liveness = False
+        window, self._window = self._window or [], None
+        return window, self._window_start, self._clock
+
+
+def active_recorders() -> list[CreationRecorder]:
+    """The recorders recording now (for the out-of-memory report)."""
+    return list(_ACTIVE)
+
+
+def creation_of(tensor: torch.Tensor) -> Creation | None:
+    """Who made ``tensor``'s storage, according to any recorder that knows it, or ``None``."""
+    for recorder in list(_ACTIVE):
+        found = recorder.creation_of(tensor)
+        if found is not None:
+            return found
+    return None
