@@ -5,10 +5,13 @@ Not part of CI. Needs Debian's Chromium (``apt-get install -y chromium chromium-
 
     python docs/make_screenshot.py                     # writes docs/images/dashboard.png
     python docs/make_screenshot.py --out /tmp/d.png --steps 60 --model transformer
+    python docs/make_screenshot.py --logdir gl --update-layout --out docs/images/dashboard_h100_demo.png
 
 It runs ``memkit demo`` into a temporary log dir, serves it with ``tensorboard`` on 127.0.0.1
 (a free port, never ``--bind_all``), opens ``/#custom_scalars`` in headless Chromium and
-writes the PNG. Look at the PNG before committing it.
+writes the PNG. Look at the PNG before committing it. ``--update-layout`` serves a copy of
+``--logdir`` given today's layout (``update_dashboards``): logs written by an older memkit, e.g.
+the shared H100 logs, as a user sees them after upgrading.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="cnn", choices=("mlp", "cnn", "transformer"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logdir", default=None, help="serve this log dir instead of running memkit demo")
+    parser.add_argument("--update-layout", action="store_true",
+                        help="serve a copy of --logdir with today's dashboard layout, built from its tags")
     parser.add_argument("--width", type=int, default=1600)
     parser.add_argument("--height", type=int, default=1200)
     parser.add_argument("--budget-ms", type=int, default=20000, help="Chromium --virtual-time-budget")
@@ -73,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([memkit, "demo", "--model", args.model, "--steps", str(args.steps), "--logdir", logdir],
                            check=True, timeout=600)
             # only the TensorBoard run (the demo also writes a CSVLogger run next to it)
+        elif args.update_layout:
+            from lightning_memkit.tensorboard.dashboard import update_dashboards
+
+            copy = os.path.join(tmp, "logs")
+            shutil.copytree(logdir, copy)
+            logdir = copy
+            for run_dir, layout in update_dashboards(logdir).items():
+                print(f"{os.path.relpath(run_dir, logdir)}: {sum(len(c) for c in layout.values())} charts")
         with TensorBoardServer(logdir) as server:
             layout = server.get_json("/data/plugin/custom_scalars/layout")
             if not layout.get("category"):

@@ -11,21 +11,26 @@ import weakref
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
-from lightning_memkit.tensorboard.layout import dashboard_layout
+from lightning_memkit.tensorboard.layout import dashboard_layout, layout_from_tags, prune_layout
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
+           "DEVICE_TEXT_TAG", "device_table", "read_layout", "write_layout", "update_dashboards",
            "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE"]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
 SUMMARY_TEXT_TAG = "summary/table"
 #: the TensorBoard image tag of the memory-per-step figure (``<prefix>/`` + this).
 FIGURE_TAG = "summary/memory_per_step"
+#: the TensorBoard text tag of the device table: NVML capacity, use and headroom (``<prefix>/`` + this).
+DEVICE_TEXT_TAG = "summary/device"
 
 
 # the SummaryWriters that hold a memkit layout, so several callbacks of one run register it once;
 # weak, so that a new logger on a recreated log dir (a notebook re-run) gets its layout again
 _REGISTERED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# the layout each of them got, so fit end can drop the charts the run left empty
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -126,12 +131,48 @@ def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
     experiment = tensorboard_experiment(trainer)
     if experiment is None or not hasattr(experiment, "add_custom_scalars"):
         return False
+    layout = _layout_for(trainer, layout_options)
+    if not layout:  # e.g. LayerTrace alone: its data is a figure and tables, no chart to lay out
+        return False
     with _LOCK:
         if experiment in _REGISTERED:
             return False
         _REGISTERED.add(experiment)
-    experiment.add_custom_scalars(_layout_for(trainer, layout_options))
+        _LAYOUTS[experiment] = layout
+    experiment.add_custom_scalars(layout)
     experiment.flush()
+    return True
+
+
+def _steps_per_tag(history: Sequence[StepReading], prefix: str, world_size: int) -> dict[str, int]:
+    """``{tag: number of steps logged}`` of what MemoryTracker logged from ``history``; per-rank
+    tags (``.../rank<r>/...``) count as their run-level tag (the history holds the reduced readings)."""
+    from lightning_memkit.tensorboard.tags import step_metrics
+
+    steps: dict[str, set[int]] = {}
+    for reading in history:
+        for tag in step_metrics(reading, prefix):
+            steps.setdefault(tag, set()).add(reading.step)
+            stage_part = tag[len(prefix) + 1:].split("/", 1)
+            if stage_part[0] == "train":
+                for rank in range(max(world_size, 1)):
+                    steps.setdefault(f"{prefix}/train/rank{rank}/{stage_part[1]}", set()).add(reading.step)
+    return {tag: len(s) for tag, s in steps.items()}
+
+
+def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading], prefix: str) -> bool:
+    """At fit end: rewrite the run's layout without the charts it left empty or single-step
+    (no NVML reading, a validation run that never came or came once). Returns whether it rewrote."""
+    layout = _LAYOUTS.get(experiment)
+    if not layout:
+        return False
+    pruned = prune_layout(layout, _steps_per_tag(history, prefix, getattr(trainer, "world_size", 1)))
+    if pruned == layout:
+        return False
+    _LAYOUTS[experiment] = pruned
+    # step 0 again, like the first: TensorBoard's readers replace a tag's points at or after a step
+    # that comes again, so the run has one layout, this one
+    experiment.add_custom_scalars(pruned)
     return True
 
 
@@ -158,8 +199,110 @@ def log_memory_summary(trainer: Any, summary: RunSummary, history: Sequence[Step
     from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
 
     experiment.add_text(f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)), global_step=step)
+    device = device_table(history)
+    if device:
+        experiment.add_text(f"{prefix}/{DEVICE_TEXT_TAG}", markdown_code(device), global_step=step)
+    _refresh_layout(trainer, experiment, history, prefix)
     if history:
         image = figure_rgb(memory_per_step_figure(summary, history))
         experiment.add_image(f"{prefix}/{FIGURE_TAG}", image, global_step=step, dataformats="HWC")
     experiment.flush()
     return True
+
+
+def device_table(history: Sequence[StepReading]) -> str | None:
+    """The device's capacity, use and headroom over the run (NVML), as a fixed-width table; ``None`` without NVML.
+
+    The dashboard draws no capacity line (at 80 GB it flattens every other line): these are the
+    numbers instead. All from NVML's own readings, so they add up: headroom = capacity - the most
+    used by all processes at any measured step. "outside the allocator" is this process's device
+    memory minus the allocator's reserved bytes at the same step: the CUDA context, cuBLAS/cuDNN
+    workspaces, NCCL buffers (memory ``torch.cuda`` does not count).
+    """
+    from lightning_memkit.summary_table import format_table
+    from lightning_memkit.units import format_bytes
+
+    readings = [r for r in history if r.device_total_bytes]
+    if not readings:
+        return None
+    total = max(r.device_total_bytes for r in readings)
+    fullest = max((r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes, default=None)
+    rows = [["capacity (NVML total)", format_bytes(total)]]
+    if fullest is not None:
+        rows.append(["most used, all processes", f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})"])
+        rows.append(["headroom at that step", f"{format_bytes(total - fullest.device_used_bytes)} "
+                                              f"({(total - fullest.device_used_bytes) / total:.1%} of capacity)"])
+    process = max((r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes, default=None)
+    if process is not None:
+        rows.append(["most used, this process", f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})"])
+        if process.reserved_bytes is not None:
+            rows.append(["  of which outside the allocator", format_bytes(process.process_device_bytes - process.reserved_bytes)])
+    return "memkit device memory (NVML)\n" + format_table(["measure", "value"], rows)
+
+
+def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
+    """The custom-scalars layout TensorBoard shows for the run in ``run_dir`` (its last one), or ``None``.
+
+    Read with TensorBoard's own event reader, in the form :func:`~lightning_memkit.tensorboard.layout.dashboard_layout`
+    returns (``{category: {chart: ["Multiline", [regex, ...]]}}``).
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    accumulator = EventAccumulator(run_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    if "custom_scalars__config__" not in accumulator.Tags()["tensors"]:
+        return None
+    events = accumulator.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events[-1].tensor_proto.string_val[0])
+    return {c.title: {ch.title: ["Multiline", list(ch.multiline.tag)] for ch in c.chart} for c in layout.category}
+
+
+def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]]) -> str:
+    """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the layout.
+
+    TensorBoard then shows this layout for the run instead of the one written at fit start (its
+    readers replace a tag's points when a step comes again). Returns the new file's path.
+    """
+    import glob
+    import os
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    before = set(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+    writer = SummaryWriter(run_dir, filename_suffix=".memkit-layout")
+    try:
+        writer.add_custom_scalars(layout)
+    finally:
+        writer.close()
+    [path] = set(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))) - before
+    return path
+
+
+def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, dict[str, dict[str, list[Any]]]]:
+    """Give every memkit run under ``logdir`` today's dashboard, built from the tags it logged.
+
+    For logs written by an older memkit: each run directory whose event files hold
+    ``<prefix>/train/...`` scalars gets :func:`~lightning_memkit.tensorboard.layout.layout_from_tags`
+    of its own tags (a run beside a ``compare.json`` is a mode of ``memkit compare``), written by
+    :func:`write_layout`. Nothing else in the run is touched. Returns ``{run_dir: layout}``.
+    """
+    import glob
+    import os
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    updated = {}
+    run_dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)})
+    for run_dir in run_dirs:
+        accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+        accumulator.Reload()
+        steps = {tag: len({e.step for e in accumulator.Scalars(tag)}) for tag in accumulator.Tags()["scalars"]}
+        if not any(tag.startswith(f"{prefix}/train/") for tag in steps):
+            continue
+        compare = os.path.exists(os.path.join(os.path.dirname(run_dir), "compare.json"))
+        layout = layout_from_tags(steps, prefix=prefix, compare=compare)
+        write_layout(run_dir, layout)
+        updated[run_dir] = layout
+    return updated
