@@ -146,3 +146,151 @@ def test_a_checkpoint_budget_mode_is_estimated_exactly_on_fake_tensors():
         assert estimate.peak_bytes == measure_training_step(module, 8, mode=mode).peak_bytes, mode
         peaks[mode] = estimate.peak_bytes
     assert peaks["checkpoint:budget=0.2"] < peaks["checkpoint:budget=0.6"] < peaks["baseline"]
+
+
+# ------------------------------------------------------------------------ as Lightning would run it
+def _gpt():
+    from lightning_gpt import CharDataModule, TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(), CharDataModule(batch_size=8)
+
+
+def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_estimated_exactly():
+    """configure_optimizers reads self.trainer.estimated_stepping_batches (warm-up + cosine) and the
+    datamodule makes its dataset in setup(): the estimate runs, and equals the measured step to the byte."""
+    module, data = _gpt()
+    assert module._trainer is None
+    estimate = estimate_memory(module, datamodule=data, device="cpu")
+    assert data.prepared == 1 and data.set_up == 1  # prepared and set up as fit does, once per estimate
+    measured = measure_training_step(module, datamodule=data)
+    assert estimate.peak_bytes == measured.peak_bytes
+    assert estimate.batch_size == 8 and estimate.inputs_bytes == 2 * 8 * 16 * 8  # tokens + targets, int64
+    assert module._trainer is None  # the stand-in trainer went to the copy only
+    for size in (3, 24):
+        assert estimate_memory(module, size, datamodule=data, device="cpu").peak_bytes == measure_training_step(module, size, datamodule=data).peak_bytes
+
+
+def test_the_stand_in_trainer_answers_like_a_trainer():
+    import lightning.pytorch as pl
+
+    from lightning_memkit._lightning_compat import StandInTrainer
+
+    seen = {}
+
+    class Reads(DemoMLP):
+        def configure_optimizers(self):
+            trainer = self.trainer
+            seen.update(steps=trainer.estimated_stepping_batches, max_steps=trainer.max_steps, max_epochs=trainer.max_epochs,
+                        devices=trainer.num_devices, world=trainer.world_size, precision=trainer.precision,
+                        step=self.global_step, epoch=self.current_epoch)
+            return super().configure_optimizers()
+
+    module = Reads(batch_size=16)  # 512 samples: 32 batches per epoch
+    estimate_memory(module, device="cpu")
+    assert seen == dict(steps=32 * 1000, max_steps=-1, max_epochs=1000, devices=1, world=1, precision="32-true", step=0, epoch=0)
+    estimate_memory(module, device="cpu", mode="bf16", trainer=pl.Trainer(max_steps=70, accumulate_grad_batches=2, logger=False,
+                                                                           enable_checkpointing=False, enable_progress_bar=False))
+    assert seen["steps"] == 70 and seen["max_steps"] == 70 and seen["precision"] == "bf16-mixed"
+    # a real Trainer's answer for the same settings
+    assert StandInTrainer(max_epochs=3, num_training_batches=10, accumulate_grad_batches=3).estimated_stepping_batches == 4 * 3
+    with pytest.raises(AttributeError, match="self.trainer.not_a_setting: memkit estimates the step without a Trainer"):
+        StandInTrainer().not_a_setting
+
+
+class _Failing(DemoMLP):
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def configure_optimizers(self):
+        if self.where == "configure_optimizers":
+            raise KeyError("no such optimizer")
+        return super().configure_optimizers()
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "training_step":
+            raise IndexError("bad index")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("where", ["configure_optimizers", "training_step"])
+def test_an_error_names_the_hook_that_failed(where):
+    with pytest.raises(EstimateError, match=rf"^_Failing\.{where} failed on fake tensors: (KeyError|IndexError)"):
+        estimate_memory(_Failing(where), device="cpu")
+
+
+def test_a_failing_datamodule_hook_is_named():
+    from lightning_gpt import CharDataModule
+
+    class Broken(CharDataModule):
+        def setup(self, stage):
+            raise FileNotFoundError("data/train.txt")
+
+    module, _ = _gpt()
+    with pytest.raises(NoBatchError, match=r"Broken\.setup\('fit'\) failed while memkit took a sample batch: FileNotFoundError"):
+        estimate_memory(module, datamodule=Broken(), device="cpu")
+
+
+# ------------------------------------------------------------------------ wherever the parameters live
+def test_a_module_on_the_meta_device_estimates_like_the_same_module_on_cpu():
+    from lightning_gpt import CharDataModule, TinyGPT
+
+    data = CharDataModule(batch_size=8)
+    on_cpu = TinyGPT()
+    with torch.device("meta"):
+        on_meta = TinyGPT()
+    assert on_meta.head.weight.device.type == "meta"
+    for mode in ("baseline", "bf16", "checkpoint"):
+        cpu_estimate = estimate_memory(on_cpu, datamodule=data, mode=mode, device="cpu")
+        meta_estimate = estimate_memory(on_meta, datamodule=data, mode=mode, device="cpu")
+        assert meta_estimate.peak_bytes == cpu_estimate.peak_bytes and meta_estimate.by_category == cpu_estimate.by_category, mode
+        assert estimate_memory(on_meta, 16, datamodule=data, mode=mode, device="cuda").cuda == \
+            estimate_memory(on_cpu, 16, datamodule=data, mode=mode, device="cuda").cuda
+    assert on_meta.head.weight.device.type == "meta"  # untouched
+    with pytest.raises(EstimateError, match="meta device"):
+        measure_training_step(on_meta, datamodule=data)
+
+
+def test_parameters_and_batch_on_different_devices_meet_on_one_fake_device():
+    """Parameters on one device and the batch on another (as when a module already sits on the GPU and the
+    loader yields CPU tensors) must not fail with 'found two different devices': every fake is a CPU fake."""
+    module = DemoMLP()
+    with torch.device("meta"):
+        meta_module = DemoMLP()
+    batch = next(iter(module.train_dataloader()))
+    assert estimate_memory(meta_module, batch=batch, device="cuda").peak_bytes == estimate_memory(module, batch=batch, device="cuda").peak_bytes
+    meta_batch = tuple(t.to("meta") for t in batch)
+    assert estimate_memory(module, batch=meta_batch, device="cpu").peak_bytes == estimate_memory(module, batch=batch, device="cpu").peak_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+def test_a_module_already_on_cuda_estimates_without_touching_the_device():
+    from lightning_gpt import CharDataModule, TinyGPT
+
+    data = CharDataModule(batch_size=8)
+    on_cpu = TinyGPT()
+    on_cuda = TinyGPT().cuda()
+    before = torch.cuda.memory_allocated()
+    for mode in ("baseline", "bf16"):
+        assert estimate_memory(on_cuda, datamodule=data, mode=mode).peak_bytes == estimate_memory(on_cpu, datamodule=data, mode=mode).peak_bytes
+    assert torch.cuda.memory_allocated() == before
+    measured = measure_training_step(on_cuda, datamodule=data)  # the batch goes to the module's device, as in Lightning
+    assert measured.peak_bytes > 0
+
+
+def test_the_fake_copy_is_reused_across_modes_and_sizes_and_gives_the_same_figures():
+    from lightning_memkit.estimate.core import reusing_fake_copies
+
+    module, data = _gpt()
+    fresh = {(mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
+             for mode in ("baseline", "bf16+checkpoint") for size in (4, 8)}
+    data.set_up = 0
+    with reusing_fake_copies():
+        reused = {(mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
+                  for mode in ("baseline", "bf16+checkpoint") for size in (4, 8)}
+    assert data.set_up == 1  # one sample batch for all four
+    for key in fresh:
+        for field in ("peak_bytes", "by_category", "cuda", "peak_phase"):
+            assert fresh[key][field] == reused[key][field], (key, field)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError"]
+__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError", "sample_batch_and_length"]
 
 
 class NoBatchError(ValueError):
@@ -51,33 +51,72 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def _call_hook(owner: Any, hook: str, *arguments: Any) -> Any:
+    """``owner.hook(*arguments)``; a failure becomes a :class:`NoBatchError` that names the hook."""
+    try:
+        return getattr(owner, hook)(*arguments)
+    except NoBatchError:
+        raise
+    except Exception as error:
+        shown = ", ".join(repr(a) for a in arguments)
+        raise NoBatchError(f"{type(owner).__name__}.{hook}({shown}) failed while memkit took a sample batch: "
+                           f"{type(error).__name__}: {error}") from error
+
+
+def _is_running(datamodule: Any) -> bool:
+    """Whether a Trainer has this datamodule in a fit now (it is then set up already)."""
+    trainer = getattr(datamodule, "trainer", None)
+    return trainer is not None and getattr(trainer, "datamodule", None) is datamodule
+
+
 def _train_loader(module: Any, datamodule: Any) -> Any:
-    """The train dataloader of ``datamodule``, the module's trainer's datamodule, or the module itself."""
+    """The train dataloader of ``datamodule``, the module's trainer's datamodule, or the module itself.
+
+    A datamodule that no running fit owns is prepared and set up first, as ``Trainer.fit`` does
+    (``prepare_data()``, then ``setup("fit")``), since its datasets are usually made in ``setup``.
+    """
     candidates = []
     if datamodule is not None:
         candidates.append(datamodule)
     trainer = getattr(module, "_trainer", None)
-    if trainer is not None and getattr(trainer, "datamodule", None) is not None:
+    if trainer is not None and getattr(trainer, "datamodule", None) is not None and trainer.datamodule is not datamodule:
         candidates.append(trainer.datamodule)
     candidates.append(module)
     for owner in candidates:
         method = getattr(owner, "train_dataloader", None)
         if method is None:
             continue
+        if owner is datamodule and not _is_running(datamodule):
+            for hook, arguments in (("prepare_data", ()), ("setup", ("fit",))):
+                if callable(getattr(owner, hook, None)):
+                    _call_hook(owner, hook, *arguments)
         try:
             return method()
         except Exception as error:  # Lightning's default hook raises when it is not implemented
             if "must be implemented" in str(error) or isinstance(error, NotImplementedError):
                 continue
-            raise
+            raise NoBatchError(f"{type(owner).__name__}.train_dataloader() failed while memkit took a sample batch: "
+                               f"{type(error).__name__}: {error}") from error
     return None
 
 
 def sample_batch(module: Any, datamodule: Any = None) -> Any:
+    """One batch from the train dataloader (see :func:`sample_batch_and_length`)."""
+    return sample_batch_and_length(module, datamodule)[0]
+
+
+def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, int | None]:
     """One batch from the train dataloader of ``datamodule`` or ``module``, RNG state untouched.
 
+    A ``datamodule`` that no running fit owns gets ``prepare_data()`` and ``setup("fit")`` first, as
+    ``Trainer.fit`` would call them.
+
+    Returns:
+        ``(batch, batches)``: the batch and the loader's length in batches (``None`` when it has none).
+
     Raises:
-        NoBatchError: when neither has a ``train_dataloader()``, or it is empty.
+        NoBatchError: when neither has a ``train_dataloader()``, it is empty, or one of these hooks (or
+            the loader's first batch) fails: the message names the hook.
     """
     with preserved_rng():
         loader = _train_loader(module, datamodule)
@@ -91,9 +130,16 @@ def sample_batch(module: Any, datamodule: Any = None) -> Any:
         if isinstance(loader, dict):
             loader = next(iter(loader.values()))
         try:
-            return next(iter(loader))
+            batches = int(len(loader))
+        except Exception:  # noqa: BLE001 - an iterable dataset has no length
+            batches = None
+        try:
+            return next(iter(loader)), batches
         except StopIteration:
             raise NoBatchError(f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)") from None
+        except Exception as error:
+            raise NoBatchError(f"the first batch of the train dataloader failed while memkit took a sample batch: "
+                               f"{type(error).__name__}: {error}") from error
 
 
 def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Any:

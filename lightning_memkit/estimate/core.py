@@ -11,11 +11,12 @@ import copy
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+import contextvars
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
 from lightning_memkit.accounting.categories import CATEGORIES, CategoryAttributor
@@ -26,12 +27,13 @@ from lightning_memkit.estimate.allocator import (
     AllocatorView,
     CudaAllocatorModel,
 )
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch
-from lightning_memkit.estimate.fake import FakeSession
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
+from lightning_memkit.estimate.cuda_kernels import cuda_target
+from lightning_memkit.estimate.fake import FakeSession, is_fake
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
-__all__ = ["MemoryEstimate", "EstimateError", "estimate_memory", "measure_training_step", "CATEGORIES"]
+__all__ = ["MemoryEstimate", "EstimateError", "estimate_memory", "measure_training_step", "reusing_fake_copies", "CATEGORIES"]
 
 
 
@@ -168,12 +170,14 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 def _default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     if _is_lightning_module(module):
-        output = module.training_step(batch, 0)
+        with _hook(f"{type(module).__name__}.training_step"):
+            output = module.training_step(batch, 0)
         loss = _loss_of(output)
         if loss is None:
             raise EstimateError(f"{type(module).__name__}.training_step returned {type(output).__name__}; return the loss tensor (or a dict with 'loss'), or pass loss_fn=")
         return loss
-    output = module(batch)
+    with _hook(f"{type(module).__name__}.forward"):
+        output = module(batch)
     if not isinstance(output, torch.Tensor):
         raise EstimateError(f"{type(module).__name__}(batch) returned {type(output).__name__}; pass loss_fn=lambda module, batch: <scalar loss>")
     return output.float().sum()
@@ -189,23 +193,57 @@ def _step_context(module_copy: nn.Module, mode: Any, device_type: str, target_de
     return lambda: torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable, autocast, acc: _StepAccountant, steps: int) -> None:
-    optimizer = make_optimizer(module_copy)
+class _HookFailed(Exception):
+    """A user hook (or a phase of the step) raised: carries which one, and the original error."""
+
+    def __init__(self, hook: str, error: BaseException) -> None:
+        super().__init__(hook)
+        self.hook = hook
+        self.error = error
+
+
+@contextlib.contextmanager
+def _hook(name: str) -> Iterator[None]:
+    """Name the hook (or step phase) any error in the block came from; the innermost name wins."""
+    try:
+        yield
+    except (_HookFailed, EstimateError, NoBatchError):
+        raise
+    except Exception as error:
+        raise _HookFailed(name, error) from error
+
+
+def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable, autocast, acc: _StepAccountant, steps: int,
+               optimizer_hook: str = "the optimizer", foreach: bool = False) -> None:
+    with _hook(optimizer_hook):
+        optimizer = make_optimizer(module_copy)
+    if foreach:
+        _use_foreach(optimizer)
+    optimizer_name = type(optimizer).__name__
     attributor = acc.attributor
     for step in range(1, steps + 1):
         acc.step = step
-        with acc.labelled("forward"), autocast():
+        with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
             loss = loss_fn(module_copy, batch)
         # Lightning's automatic optimization: zero_grad after the forward, before backward.
         with acc.labelled("zero_grad"):
             optimizer.zero_grad(set_to_none=True)
-        with acc.labelled("backward"):
+        with acc.labelled("backward"), _hook("the backward of the loss"):
             loss.backward()
         del loss
         attributor.assign_module(module_copy)  # the new gradients
-        with acc.labelled("optimizer"):
+        with acc.labelled("optimizer"), _hook(f"the optimizer step ({optimizer_name}.step)"):
             optimizer.step()
         attributor.assign_optimizers([optimizer])  # state made lazily by the first step
+
+
+def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Run the optimizer's multi-tensor (``foreach``) implementation, as torch does by default for
+    parameters on CUDA: its temporaries are the ones a CUDA step allocates (and it dispatches a few
+    ops per parameter *list*, not per parameter). Groups that chose ``foreach``/``fused`` keep it."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = True
 
 
 def _categorise(acc: _StepAccountant) -> dict[str, int]:
@@ -220,7 +258,8 @@ def _resolve_mode(mode: Any):
     return parse_mode(mode)
 
 
-def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any):
+def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any) -> tuple[Any, int | None]:
+    """Check the arguments; returns the batch (sampled if not given) and the loader's length in batches."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}")
     if _is_lightning_module(module) and not module.automatic_optimization:
@@ -230,21 +269,33 @@ def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: 
                             "the first forward: run one forward with an example batch first, then estimate")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
+    batches = None
     if batch is None:
+        cache = _CACHE.get()
+        key = (id(module), id(datamodule))
+        if cache is not None and key in cache.batches:
+            return cache.batches[key]
         try:
-            batch = sample_batch(module, datamodule)
+            batch, batches = sample_batch_and_length(module, datamodule)
         except NoBatchError as error:
-            if batch_size is None:
+            if batch_size is None and "failed" not in str(error):
                 raise NoBatchError(f"{error}; or give batch_size= together with one of them") from None
             raise
-    return batch
+        if cache is not None:
+            cache.batches[key] = (batch, batches)
+    return batch, batches
 
 
 def _optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable[[nn.Module], torch.optim.Optimizer]:
     if optimizer is not None:
         return lambda copy_: optimizer(copy_.parameters())
     if _is_lightning_module(module):
-        return lambda copy_: _first_optimizer(copy_.configure_optimizers())
+        def configured(copy_: nn.Module) -> torch.optim.Optimizer:
+            with _hook(f"{type(module).__name__}.configure_optimizers"):
+                returned = copy_.configure_optimizers()
+            return _first_optimizer(returned)
+
+        return configured
     raise EstimateError(f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)")
 
 
@@ -253,38 +304,159 @@ def _cuda_allowances(module: nn.Module) -> tuple[int, int]:
     return CUDA_CONTEXT_BYTES, CUBLAS_WORKSPACE_BYTES + (CUDNN_WORKSPACE_BYTES if convolutional else 0)
 
 
-def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int) -> MemoryEstimate:
+class _Reuse:
+    """What estimates of the same module inside one :func:`reusing_fake_copies` block share: the fake
+    copy of each module (made once, its gradients reset between estimates) and each sampled batch."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, tuple[nn.Module, FakeSession, nn.Module]] = {}
+        self.batches: dict[tuple[int, int], tuple[Any, int | None]] = {}
+
+
+_CACHE: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("memkit_fake_copies", default=None)
+
+
+@contextlib.contextmanager
+def reusing_fake_copies() -> Iterator[None]:
+    """Inside the block, :func:`estimate_memory` makes one fake copy per module (and takes one sample
+    batch per module and datamodule) and reuses them for every mode and batch size: the module must not
+    change inside the block. Used by :func:`~lightning_memkit.estimate.predict_max_batch_size` and
+    ``memkit estimate``; everything is dropped when the block ends."""
+    if _CACHE.get() is not None:  # nested: the outer block's cache serves
+        yield
+        return
+    token = _CACHE.set(_Reuse())
+    try:
+        yield
+    finally:
+        _CACHE.reset(token)
+
+
+def _cpu_fake(session: FakeSession, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor with ``tensor``'s shape, strides and dtype, wherever ``tensor`` lives (CPU, CUDA,
+    meta): the fake step runs on CPU fakes only, so parameters and batch always share one device and a
+    CPU-only torch never makes a fake CUDA tensor."""
+    if is_fake(tensor) and tensor.device.type == "cpu":
+        return tensor
+    if tensor.device.type == "cpu" and not is_fake(tensor):
+        return session.tensor(tensor)
+    with session.mode:
+        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu")
+    if tensor.requires_grad and (fake.is_floating_point() or fake.is_complex()):
+        fake.requires_grad_(True)
+    return fake
+
+
+def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...]) -> nn.Module:
+    """A deep copy of ``module`` whose parameters, buffers and plain tensor attributes are CPU fakes
+    (no weight is read or copied, nothing is allocated where the module lives); ``detach`` objects
+    (its Trainer) become ``None``."""
+    memo: dict[int, Any] = {id(obj): None for obj in detach if obj is not None}
+    for parameter in module.parameters():
+        if id(parameter) not in memo:
+            memo[id(parameter)] = nn.Parameter(_cpu_fake(session, parameter.detach()), requires_grad=parameter.requires_grad)
+    for buffer in module.buffers():
+        if id(buffer) not in memo:
+            memo[id(buffer)] = _cpu_fake(session, buffer)
+    for each in module.modules():  # a mask or a dataset held as a plain attribute: fake, not copied for real
+        for value in vars(each).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = _cpu_fake(session, value)
+    return copy.deepcopy(module, memo)
+
+
+def _fake_module(module: nn.Module, trainer: Any) -> tuple[FakeSession, nn.Module]:
+    cache = _CACHE.get()
+    if cache is not None and id(module) in cache.copies:
+        original, session, module_copy = cache.copies[id(module)]
+        if original is module:
+            for parameter in module_copy.parameters():  # last estimate's gradients
+                parameter.grad = None
+            return session, module_copy
+    session = FakeSession()
+    module_copy = _fake_copy(session, module, (trainer,))
+    if cache is not None:
+        cache.copies[id(module)] = (module, session, module_copy)
+    return session, module_copy
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    """The batch on ``device``, as Lightning moves it before ``training_step``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf, batch)
+
+
+def _attach_trainer(module_copy: nn.Module, trainer: Any, batches: int | None, mode: Any, datamodule: Any, target_type: str) -> None:
+    """Give the copy (never ``module``) a stand-in trainer that answers as ``trainer`` (or a default
+    ``Trainer()``) would at the start of fit, so ``configure_optimizers`` may read ``self.trainer``."""
+    if not _is_lightning_module(module_copy):
+        return
+    from lightning_memkit._lightning_compat import StandInTrainer, attach_stand_in_trainer
+
+    defaults: dict[str, Any] = {}
+    if batches:
+        defaults["num_training_batches"] = batches
+    stand_in = StandInTrainer.like(trainer, **defaults)
+    if mode is not None:  # the mode being estimated is the precision the step runs in
+        amp = "16-mixed" if target_type == "cuda" else "bf16-mixed"  # what "amp" resolves to on the target
+        stand_in.precision = {None: "32-true", "amp": amp}.get(mode.precision, mode.precision)
+    if datamodule is not None:
+        stand_in.datamodule = datamodule
+    attach_stand_in_trainer(module_copy, stand_in)
+
+
+def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateError:
+    where = "on fake tensors" if fake else "on a real copy"
+    if isinstance(error, _HookFailed):
+        hook, cause = error.hook, error.error
+    else:
+        hook, cause = f"the training step of {type(module).__name__}", error
+    text = f"{type(cause).__name__}: {cause}"
+    hint = ""
+    if "data-dependent" in text.lower() or "DynamicOutputShape" in type(cause).__name__:
+        hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a "
+                "small batch, or express it without the data-dependent shape.")
+    return EstimateError(f"{hook} failed {where}: {text}.{hint}")
+
+
+def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int, trainer: Any = None, gpu: Any = None) -> MemoryEstimate:
     started = time.perf_counter()
     mode = _resolve_mode(mode)
     target = torch.device(device) if not isinstance(device, torch.device) else device
-    batch = _prepare(module, batch, batch_size, datamodule)
+    batch, batches = _prepare(module, batch, batch_size, datamodule)
     make_optimizer = _optimizer_factory(module, optimizer)
+    optimizer_hook = f"{type(module).__name__}.configure_optimizers" if optimizer is None and _is_lightning_module(module) else "optimizer="
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
     acc = _StepAccountant(record_events=target.type == "cuda")
-    trainer = getattr(module, "_trainer", None)
+    kernels = cuda_target(target, fake, mode, gpu)  # the CUDA target's kernels and allocator (estimate/cuda_kernels.py)
+    attached = getattr(module, "_trainer", None)
     handle = None
     with preserved_rng(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*self.trainer.*")
         try:
             if fake:
-                session = FakeSession()
-                module_copy = session.module_copy(module, detach_from=(trainer,))
+                session, module_copy = _fake_module(module, attached)
                 if batch_size is not None:
-                    batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, t.device))
-                batch = session.tree(batch)
+                    batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, "cpu"))
+                batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
                 context = session.active
-                if target.type == "cuda":
-                    notes.append("simulated with CPU kernels' fake tensors; CUDA-only kernels (cuDNN, flash attention) may save different tensors")
-                elif any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
+                if target.type != "cuda" and any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
                     notes.append("nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
                                  "gives it no size): this peak is low; measure_training_step() gives the real CPU figure")
             else:
-                module_copy = copy.deepcopy(module, {id(trainer): None} if trainer is not None else {})
+                where = next((p.device for p in module.parameters()), torch.device("cpu"))
+                if where.type == "meta":
+                    raise EstimateError(f"{type(module).__name__}'s parameters are on the meta device (no data): a real step cannot "
+                                        "run; estimate_memory() estimates it on fake tensors")
+                module_copy = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
                 if batch_size is not None:
                     batch = rebatch(batch, batch_size)
+                batch = _move(batch, where)
                 context = contextlib.nullcontext
+            _attach_trainer(module_copy, trainer if trainer is not None else attached, batches, mode, datamodule, target.type)
             module_copy.train()
             autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
             if mode is not None and mode.checkpoint is not None:
@@ -300,23 +472,23 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
-            with context(), acc, acc.attributor.watch_saved_tensors():
-                _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps)
-        except (EstimateError, NoBatchError, ValueError, TypeError) as error:
-            if isinstance(error, (EstimateError, NoBatchError)):
-                raise
-            raise EstimateError(f"the training step of {type(module).__name__} failed {'on fake tensors' if fake else ''}: {type(error).__name__}: {error}") from error
+            with context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
+                _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
+                           foreach=fake and target.type == "cuda")
+        except (EstimateError, NoBatchError):
+            raise
         except Exception as error:
-            hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a small batch, or express it without the data-dependent shape."
-                    if "data-dependent" in str(error).lower() or "DynamicOutputShape" in type(error).__name__ else "")
-            raise EstimateError(f"the training step of {type(module).__name__} failed {'on fake tensors' if fake else ''}: {type(error).__name__}: {error}.{hint}") from error
+            raise _failure(module, fake, error) from (error.error if isinstance(error, _HookFailed) else error)
         finally:
             if handle is not None:
                 handle.remove()
     if acc.errors:
         notes.append("accountant errors: " + "; ".join(acc.errors[:3]))
     view = None
-    if target.type == "cuda":
+    if kernels is not None:
+        view = kernels.view(acc.events or ())
+        notes.append("CUDA kernels assumed: " + "; ".join(kernels.assumed()))
+    elif target.type == "cuda":
         context_bytes, workspace_bytes = _cuda_allowances(module)
         view = CudaAllocatorModel().replay(acc.events or ()).view(context_bytes, workspace_bytes)
     return MemoryEstimate(
@@ -354,6 +526,8 @@ def estimate_memory(
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     datamodule: Any = None,
+    trainer: Any = None,
+    gpu: Any = None,
 ) -> MemoryEstimate:
     """Predict a training step's memory without running it: fake tensors, no real memory, no GPU needed.
 
@@ -373,16 +547,29 @@ def estimate_memory(
             torch can estimate for a GPU.
         optimizer: ``params -> optimizer`` for plain modules, or to override ``configure_optimizers``.
         loss_fn: ``(module, batch) -> loss``; default ``training_step(batch, 0)`` for a LightningModule.
-        datamodule: where to take the sample batch from when the module has no ``train_dataloader``.
+        gpu: for a CUDA target, the GPU whose kernels to model: ``"h100"``, ``"a100"``, ``"sm90"``, ``(8, 0)``...
+            (default: this machine's GPU, else an H100); see :mod:`lightning_memkit.estimate.cuda_kernels`.
+        datamodule: a LightningDataModule to take the sample batch from: it is prepared and set up as
+            ``Trainer.fit`` does (``prepare_data()``, ``setup("fit")``) before its ``train_dataloader()`` is read.
+        trainer: the (unattached) ``Trainer`` the module will be fit with: ``self.trainer`` in the copy's
+            ``configure_optimizers`` / ``training_step`` answers with its ``max_steps``, ``max_epochs``,
+            ``accumulate_grad_batches``, ``num_devices``... Default: the module's own trainer if it is
+            attached to one, else what a default ``Trainer()`` would answer at the start of fit (see
+            :class:`~lightning_memkit._lightning_compat.StandInTrainer`).
+
+    The module may live anywhere (CPU, CUDA, the meta device): the fake copy's parameters and the
+    batch are CPU fakes of the same shapes and dtypes, so nothing is read from or allocated on the
+    module's device. Inside :func:`reusing_fake_copies` the fake copy and sample batch are reused.
 
     Returns:
         a :class:`MemoryEstimate` (bytes): the peak, its categories, and the CUDA allocator view.
 
     Raises:
         NoBatchError: no batch anywhere (the message says what to pass).
-        EstimateError: the step cannot run on fake tensors (the message names the op and what to do).
+        EstimateError: the step cannot run on fake tensors; the message names the hook that failed
+            (``configure_optimizers``, ``training_step``, the backward, the optimizer step) and the error.
     """
-    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2)
+    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
 
 
 def measure_training_step(
@@ -395,11 +582,13 @@ def measure_training_step(
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     datamodule: Any = None,
+    trainer: Any = None,
 ) -> MemoryEstimate:
     """Measure what :func:`estimate_memory` predicts: the same two steps on a real deep copy of ``module``.
 
     Same arguments and result as :func:`estimate_memory` (``source="measured"``); it allocates real
-    memory and takes real compute time. The step runs where the module's parameters are; ``device``
-    only decides whether the CUDA allocator view is added. ``module`` and RNG states are untouched.
+    memory and takes real compute time. The step runs where the module's parameters are (the batch is
+    moved there, as Lightning does); ``device`` only decides whether the CUDA allocator view is added.
+    ``module`` and RNG states are untouched. A module on the meta device cannot be measured.
     """
-    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=False, steps=2)
+    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=False, steps=2, trainer=trainer)

@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_memkit.estimate.batches import batch_size_of, sample_batch
-from lightning_memkit.estimate.core import EstimateError, MemoryEstimate, estimate_memory
+from lightning_memkit.estimate.batches import batch_size_of
+from lightning_memkit.estimate.core import EstimateError, MemoryEstimate, _prepare, estimate_memory, reusing_fake_copies
 from lightning_memkit.units import format_bytes
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "predict_max_batch_size", "device_capacity_bytes"]
@@ -144,8 +144,13 @@ def predict_max_batch_size(
         raise ValueError(f"margin={margin!r}: give a fraction in [0, 1), e.g. 0.05 to keep 5% free")
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
-    if batch is None:
-        batch = sample_batch(module, estimate_kwargs.get("datamodule"))
+    with reusing_fake_copies():  # one fake copy and one sample batch serve every size
+        return _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs)
+
+
+def _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs) -> BatchSizePrediction:
+    given = batch
+    batch, _batches = _prepare(module, batch, None, estimate_kwargs.get("datamodule"))
     base = batch_size_of(batch)
     if base is None:
         raise EstimateError("the batch has no batch dimension; pass an example batch (batch=...) with one")
@@ -154,7 +159,7 @@ def predict_max_batch_size(
 
     def required(size: int) -> int:
         if size not in cache:
-            cache[size] = estimator(module, size, batch=batch, mode=mode, device=device, **estimate_kwargs)
+            cache[size] = estimator(module, size, batch=given, mode=mode, device=device, **estimate_kwargs)
             points.append((size, cache[size].required_bytes))
         return cache[size].required_bytes
 
