@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
+from lightning_memkit.probes.tensor import TENSOR_SCOPES
 from lightning_memkit.records import StepReading
 
 __all__ = ["MemoryMeter", "training_state_tensors"]
@@ -44,8 +45,15 @@ class MemoryMeter:
 
     Args:
         device: the device the step runs on (``"cpu"``, ``"cuda:0"``, ...).
-        tensor_accounting: run the exact tensor accountant during each step. ``"auto"``
-            turns it on where no allocator counters exist (every device but CUDA).
+        tensor_accounting: read the exact tensor accountant. ``"auto"`` turns it on where no
+            allocator counters exist (every device but CUDA).
+        tensor_scope: what ``tensor_bytes`` and ``peak_tensor_bytes`` cover. ``"process"``
+            (default): every live tensor storage of the process on ``device``, whoever made it and
+            whenever (the meaning of CUDA's allocated bytes); found by a full sweep of the
+            garbage collector's objects when the meter is built, then by looking at young objects
+            (see :class:`~lightning_memkit.accounting.process.ProcessTensors`). ``"step"``: only the
+            ``existing`` tensors given to :meth:`resume`/:meth:`measure` plus what the steps
+            allocate (to compare several models held in one process).
         nvml: read NVML on CUDA devices.
         host: read the process's RSS and per-step peak RSS.
         extra_probes: more :class:`~lightning_memkit.probes.MemoryProbe` instances to read each
@@ -59,15 +67,18 @@ class MemoryMeter:
         print(meter.last.peak_tensor_bytes)
     """
 
-    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto", nvml: bool = True, host: bool = True, extra_probes: Iterable[MemoryProbe] = ()) -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto", tensor_scope: str = "process", nvml: bool = True, host: bool = True, extra_probes: Iterable[MemoryProbe] = ()) -> None:
         self.device = torch.device(device)
         if tensor_accounting == "auto":
             tensor_accounting = self.device.type != "cuda"
         elif not isinstance(tensor_accounting, bool):
             raise ValueError(f"tensor_accounting must be True, False or 'auto', not {tensor_accounting!r}")
-        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting, nvml=nvml, host=host, extra=extra_probes)
+        if tensor_scope not in TENSOR_SCOPES:
+            raise ValueError(f"tensor_scope must be 'process' (every live tensor of the process) or 'step', not {tensor_scope!r}")
+        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting, tensor_scope=tensor_scope, nvml=nvml, host=host, extra=extra_probes)
         self.last: StepReading | None = None
         self._open: tuple[int, str, int] | None = None
+        self._tensor_peak = True
 
     @property
     def tensor_probe(self) -> TensorProbe | None:
@@ -90,16 +101,27 @@ class MemoryMeter:
             return int(psutil.virtual_memory().total)
         return None
 
-    def open(self, step: int, stage: str = "train", rank: int = 0) -> None:
-        """Open a window: every probe's peak starts from now."""
+    def open(self, step: int, stage: str = "train", rank: int = 0, *, tensor_peak: bool = True) -> None:
+        """Open a window: every probe's peak starts from now.
+
+        ``tensor_peak=False``: the accountant stays inactive in this window (no per-op cost);
+        the reading has ``tensor_bytes`` (live at the window's end) but no ``peak_tensor_bytes``.
+        """
         self._open = (step, stage, rank)
+        self._tensor_peak = tensor_peak
         self.probes.reset_peak()
 
     def resume(self, existing: Iterable[Any] = ()) -> None:
-        """Activate the accountant for a (micro-)batch, counting ``existing`` tensors once."""
+        """Activate the accountant for a (micro-)batch, counting ``existing`` tensors once
+        (parameters' gradients and optimizer state have no Python object a sweep could find
+        until someone reads them: pass :func:`training_state_tensors`)."""
         probe = self.tensor_probe
-        if probe is not None:
+        if probe is None:
+            return
+        if self._tensor_peak or self._open is None:
             probe.start(existing)
+        else:
+            probe.accountant.adopt(existing)
 
     def pause(self) -> None:
         """Deactivate the accountant between (micro-)batches of one window."""
@@ -118,9 +140,9 @@ class MemoryMeter:
         return self.last
 
     @contextlib.contextmanager
-    def measure(self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0) -> Iterator["MemoryMeter"]:
+    def measure(self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0, *, tensor_peak: bool = True) -> Iterator["MemoryMeter"]:
         """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`."""
-        self.open(step, stage, rank)
+        self.open(step, stage, rank, tensor_peak=tensor_peak)
         self.resume(existing)
         try:
             yield self

@@ -242,3 +242,25 @@ def test_storage_listeners_see_every_allocation_and_free_in_order():
         d = torch.zeros(3, dtype=torch.int64)  # 24 bytes
     del b, c, d
     assert events == [("track", 40), ("track", 40), ("release", 40), ("track", 24), ("release", 40), ("release", 24)]
+
+
+def test_saved_tensor_data_pins_the_private_autograd_api():
+    """ProcessTensors reaches a graph's saved tensors through ``node._raw_saved_*`` and
+    ``SavedTensor.data`` (private torch bindings): a plainly saved tensor comes back sharing its
+    storage; a hook-packed one comes back as the packed object, with no unpack hook run; one
+    freed by backward is skipped."""
+    from lightning_memkit.accounting.process import saved_tensor_data
+
+    w = torch.ones(4, requires_grad=True)
+    hidden = w * 3
+    y = hidden.sin()
+    (saved,) = saved_tensor_data(y.grad_fn)
+    assert saved.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: ("packed", t), lambda p: unpacked.append(p) or p[1]):
+        z = (w * 3).sin()
+    (packed,) = saved_tensor_data(z.grad_fn)
+    assert packed[0] == "packed" and unpacked == []
+    y.sum().backward()
+    assert saved_tensor_data(y.grad_fn) == []  # freed by backward
+    assert any(n.startswith("_raw_saved_") for n in dir(z.grad_fn))

@@ -85,7 +85,7 @@ def test_cuda_history_wrappers_pin_the_private_api():
 
 
 def test_tensor_probe_reads_the_accountant():
-    probe = TensorProbe()
+    probe = TensorProbe(scope="step")  # only what it is given and what the step allocates
     weight = torch.empty(100)
     probe.reset_peak()
     probe.start([weight])
@@ -94,6 +94,26 @@ def test_tensor_probe_reads_the_accountant():
     probe.stop()
     assert probe.read() == {"tensor_bytes": 400, "peak_tensor_bytes": 800}
     probe.close()
+
+
+def test_tensor_probe_process_scope_counts_what_it_was_not_given():
+    weight = torch.empty(100)
+    probe = TensorProbe()  # scope="process": every live CPU tensor storage
+    probe.reset_peak()
+    before = probe.read()
+    assert "peak_tensor_bytes" not in before  # the accountant was not active: no peak to report
+    other = torch.empty(50)  # made by nobody the probe knows of
+    probe.reset_peak()
+    probe.start()
+    y = weight * 2
+    del y
+    probe.stop()
+    assert probe.read() == {"tensor_bytes": before["tensor_bytes"] + 200,
+                            "peak_tensor_bytes": before["tensor_bytes"] + 200 + 400}
+    with pytest.raises(ValueError, match="'process'.*'step'"):
+        TensorProbe(scope="everything")
+    probe.close()
+    del other
 
 
 class _Counting(MemoryProbe):

@@ -188,6 +188,12 @@ class TensorAccountant(TorchDispatchMode):
                 added += self._track(storage, label, adopted=True)
         return added
 
+    def adopt_storage(self, storage: torch.UntypedStorage, label: str = "adopted") -> int:
+        """Count one existing storage (not yet tracked); return the bytes newly counted."""
+        if id(storage) in self._records:
+            return 0
+        return self._track(storage, label, adopted=True)
+
     def _track(self, storage: torch.UntypedStorage, label: str, adopted: bool) -> int:
         key = id(storage)
         nbytes = int(storage.nbytes())
@@ -196,6 +202,8 @@ class TensorAccountant(TorchDispatchMode):
         # The callback holds no reference to the storage; it fires when torch frees it.
         ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
         with self._lock:
+            if key in self._records:  # adopted meanwhile by another thread (a collector hook)
+                return 0
             self._records[key] = record
             self._refs[key] = ref
             self.current_bytes += nbytes

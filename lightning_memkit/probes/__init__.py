@@ -22,9 +22,10 @@ __all__ = [
 ]
 
 
-def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: bool = True, host: bool = True, extra: Iterable[MemoryProbe] = ()) -> ProbeSet:
+def build_probes(device: torch.device | str, *, tensor_accounting: bool, tensor_scope: str = "process", nvml: bool = True, host: bool = True, extra: Iterable[MemoryProbe] = ()) -> ProbeSet:
     """The probes for ``device``: CUDA allocator and NVML on CUDA, host RSS, optionally
-    the tensor accountant, then the caller's ``extra`` probes (user-defined sources).
+    the tensor accountant (``tensor_scope``: see :class:`TensorProbe`), then the caller's
+    ``extra`` probes (user-defined sources).
     A probe whose source is missing warns once and is left out."""
     device = torch.device(device)
     probes: list[MemoryProbe] = []
@@ -36,7 +37,7 @@ def build_probes(device: torch.device | str, *, tensor_accounting: bool, nvml: b
     if host:
         factories.append(HostProbe)
     if tensor_accounting:
-        factories.append(TensorProbe)
+        factories.append(lambda: TensorProbe(scope=tensor_scope, device=device))
     for factory in factories:
         try:
             probes.append(factory())

@@ -1,32 +1,58 @@
 """The tensor accountant as a probe: exact live and peak tensor bytes for a step.
 
-Unlike the other probes it must be *active* while the step runs (it is a dispatch mode),
-so it adds :meth:`TensorProbe.start` and :meth:`TensorProbe.stop` around the step.
+Unlike the other probes it may be *active* while the step runs (it is a dispatch mode), so it
+adds :meth:`TensorProbe.start` and :meth:`TensorProbe.stop` around the step.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
+
 from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.accounting.process import ProcessTensors
 from lightning_memkit.probes.base import MemoryProbe
 
-__all__ = ["TensorProbe"]
+__all__ = ["TENSOR_SCOPES", "TensorProbe"]
+
+#: what ``tensor_bytes`` covers: ``"process"`` every live tensor storage of the process on the
+#: measured device (what CUDA's allocated bytes mean); ``"step"`` only the tensors given to
+#: :meth:`TensorProbe.start` and those allocated while the accountant is active.
+TENSOR_SCOPES = ("process", "step")
 
 
 class TensorProbe(MemoryProbe):
-    """Exact bytes of live tensor storages (``tensor_bytes``) and the step's peak.
+    """Exact bytes of live tensor storages (``tensor_bytes``) and the step's peak (``peak_tensor_bytes``).
 
-    The baseline is whatever :meth:`start` is told to adopt (parameters, gradients,
-    optimizer state, the batch): those count once and stay counted until torch frees them.
-    Its cost is a Python call per aten op while active; see docs/memory_tracker.md.
+    Args:
+        accountant: the accountant to read (a new one by default).
+        scope: ``"process"`` (default): ``tensor_bytes`` counts every live tensor storage of the
+            process on ``device`` (found by :class:`~lightning_memkit.accounting.process.ProcessTensors`),
+            whoever made it; ``"step"``: only what :meth:`start` adopts plus what the step allocates.
+        device: the device whose storages a ``"process"`` scope counts.
+
+    The peak needs the accountant active during the step (a Python call per aten op); a window in
+    which it never was active reads ``peak_tensor_bytes`` as ``None`` (see :meth:`read`).
     """
 
     name = "tensor"
 
-    def __init__(self, accountant: TensorAccountant | None = None) -> None:
+    def __init__(self, accountant: TensorAccountant | None = None, scope: str = "process", device: torch.device | str = "cpu") -> None:
+        if scope not in TENSOR_SCOPES:
+            raise ValueError(f"TensorProbe(scope={scope!r}): choose 'process' (every live tensor of the process) or 'step'")
         self.accountant = accountant or TensorAccountant()
+        self.scope = scope
+        self.process: ProcessTensors | None = None
+        if scope == "process":
+            self.process = ProcessTensors(self.accountant, torch.device(device).type).start()
         self._active = False
+        self._peak_seen = False
+
+    def sweep(self) -> None:
+        """Adopt the process's tensors made since the last look (``"process"`` scope; else nothing)."""
+        if self.process is not None:
+            self.process.sweep()
 
     def start(self, existing: Iterable[Any] = ()) -> None:
         """Adopt ``existing`` tensors and activate the accountant for the step."""
@@ -34,6 +60,7 @@ class TensorProbe(MemoryProbe):
         if not self._active:
             self.accountant.__enter__()
             self._active = True
+            self._peak_seen = True
 
     def stop(self) -> None:
         """Deactivate the accountant (frees are still seen afterwards)."""
@@ -42,12 +69,22 @@ class TensorProbe(MemoryProbe):
             self.accountant.__exit__(None, None, None)
 
     def reset_peak(self) -> None:
+        self.sweep()
         self.accountant.reset_peak()
+        self._peak_seen = False
 
     def read(self) -> dict[str, int]:
+        """``tensor_bytes`` (live now, bytes) and, when the accountant was active since the last
+        :meth:`reset_peak`, ``peak_tensor_bytes`` (the highest live bytes since then)."""
         if self.accountant.errors:
             raise RuntimeError("; ".join(self.accountant.errors[:3]))
-        return {"tensor_bytes": self.accountant.current_bytes, "peak_tensor_bytes": self.accountant.peak_bytes}
+        self.sweep()
+        values = {"tensor_bytes": self.accountant.current_bytes}
+        if self._peak_seen:
+            values["peak_tensor_bytes"] = max(self.accountant.peak_bytes, self.accountant.current_bytes)
+        return values
 
     def close(self) -> None:
         self.stop()
+        if self.process is not None:
+            self.process.stop()
