@@ -85,7 +85,7 @@ def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed
     batch = next(iter(factory().train_dataloader()))
     variants = [Variant(factory, m, seed) for m in modes]
     for v in variants:  # memory: exact, two steps each, the second one counts
-        meter = MemoryMeter("cpu", tensor_accounting=True, nvml=False, host=False)
+        meter = MemoryMeter("cpu", tensor_accounting=True, tensor_scope="step", nvml=False, host=False)  # each variant alone, not the others held beside it
         for step in range(2):
             with meter.measure(step, existing=training_state_tensors(v.model, [v.optimizer], batch)):
                 v.step(batch)
