@@ -181,7 +181,7 @@ def test_budget_in_bytes_and_an_unreachable_budget():
     model = BlockNet(blocks=4, width=32)
     x = torch.randn(64, 8)
     baseline = measure_activation_bytes(model, (x,))
-    handle = apply_checkpointing(model, f"budget={baseline * 3 // 4}", sample=(x,))
+    handle = apply_checkpointing(model, f"budget={baseline * 3 // 4}B", sample=(x,))
     assert measure_activation_bytes(model, (x,)) <= baseline * 3 // 4
     handle.remove()
     with pytest.raises(ValueError, match="cannot be met.*choose a budget of at least"):

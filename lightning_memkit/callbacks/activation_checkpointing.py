@@ -1,6 +1,7 @@
 """ActivationCheckpointing: non-reentrant activation checkpointing for any LightningModule, as a callback.
 
-Wiring only: the policies, the measuring and the wrapping live in lightning_memkit.modes.checkpointing.
+Wiring only: the policies, the measuring and the wrapping live in lightning_memkit.modes (checkpoint_policy,
+checkpoint_measure, checkpoint_wrap; applied by checkpointing).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning_memkit.modes.checkpointing import (
     apply_checkpointing,
     describe_policy,
     normalize_policy,
+    parse_budget,
     plan_checkpointing,
 )
 from lightning_memkit.units import MiB
@@ -46,12 +48,16 @@ class ActivationCheckpointing(Callback):
         policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/ModuleDict/Sequential), a set of
             module classes, a callable ``(qualified_name, module) -> bool``, or a budget:
             ``CheckpointBudget(fraction=0.5)`` / ``"budget=0.5"`` (of the baseline activation memory) or
-            ``CheckpointBudget(bytes="512MiB")``. See docs/modes.md.
-        budget: shorthand for ``policy=CheckpointBudget(...)``: a fraction (``0 < f <= 1``) or a size
-            (bytes, or a string such as ``"512MiB"``).
+            ``CheckpointBudget(bytes="512MiB")`` / ``"budget=512MiB"``. See docs/modes.md.
+        budget: a budget for the activation memory: a fraction in ``(0, 1]`` of the baseline (``0.5``)
+            or a size with a unit (``"512MiB"``); a bare number above 1 is refused as ambiguous. With a
+            class or callable ``policy`` the budget chooses only among the modules it matches
+            (``ActivationCheckpointing({MLP}, budget=0.5)``); with ``"auto"``, among the repeated blocks.
         measure: measure on the first training batch what each region saves (bytes) and costs
-            (FLOPs): one to three extra forward passes, no backward, RNG and running statistics
-            restored. Budgets always measure.
+            (FLOPs): two extra forward passes that keep no activation (a ``saved_tensors_hooks``
+            placeholder replaces every saved tensor, so their peak is about a ``no_grad`` forward's),
+            no backward, RNG and running statistics restored. Budgets always measure (one more forward
+            per added block when the prediction falls short).
         sample_fn: ``(pl_module, batch) -> output`` running the forward to measure; default
             ``pl_module.training_step(batch, 0)`` with ``self.log`` muted (required for manual
             optimization, whose training_step also steps the optimizer).
@@ -65,15 +71,19 @@ class ActivationCheckpointing(Callback):
     ``memory/checkpoint/activation_MiB`` (activation memory with checkpointing, exact).
 
     Attributes:
-        plan: the :class:`~lightning_memkit.modes.checkpointing.CheckpointPlan` once applied.
+        plan: the :class:`~lightning_memkit.modes.checkpointing.CheckpointPlan` once applied: names and
+            numbers only, so a callback kept after the fit holds no tensor of the model's.
     """
 
-    def __init__(self, policy: Any = "auto", *, budget: float | int | str | None = None, measure: bool = True,
+    def __init__(self, policy: Any = "auto", *, budget: float | str | CheckpointBudget | None = None, measure: bool = True,
                  sample_fn: Callable[[LightningModule, Any], Any] | None = None, verbose: bool = True) -> None:
         try:
+            policy = normalize_policy(policy)
             if budget is not None:
-                policy = f"budget={budget}"  # a number <= 1 is a fraction, anything else a size
-            self.policy = normalize_policy(policy)
+                if isinstance(policy, CheckpointBudget):
+                    raise ValueError(f"the policy is already a budget ({describe_policy(policy)}); give budget= once")
+                policy = parse_budget(budget, within=None if policy == "auto" else policy)
+            self.policy = policy
         except ValueError as error:
             raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
         self.measure = measure
@@ -104,9 +114,10 @@ class ActivationCheckpointing(Callback):
         if needs_sample and not pl_module.automatic_optimization and self.sample_fn is None:
             raise MisconfigurationException("ActivationCheckpointing(budget=...) with manual optimization: pass "
                                             "sample_fn=lambda module, batch: module(batch[0]) so the measuring forward does not step")
-        if not needs_sample:
+        within = self.policy.within if needs_sample else self.policy
+        if within is not None:
             try:
-                plan_checkpointing(pl_module, self.policy)  # fail before training when the policy matches nothing
+                plan_checkpointing(pl_module, within)  # fail before training when the policy matches nothing
             except ValueError as error:
                 raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
         self._pending = True
@@ -175,6 +186,10 @@ class ActivationCheckpointing(Callback):
             self._handle.remove()
             self._handle = None
         self._pending = False
+        # Lightning binds ``log``/``log_dict`` of the LightningModule on every callback when a fit starts and never
+        # unbinds them: a callback kept after the fit would keep the model (and its gradients, optimizer state) alive.
+        for name in ("log", "log_dict"):
+            vars(self).pop(name, None)
 
 
 def _run_before_step_windows(trainer: Trainer, callback: Callback) -> None:

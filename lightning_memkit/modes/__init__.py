@@ -1,6 +1,8 @@
 """Memory modes: precision and activation checkpointing as one value, and the comparison of modes.
 
-Core code (no Lightning import except in compare.py, which runs Trainers).
+Core code (no Lightning import except in compare.py, which runs Trainers). Checkpointing is split by
+concept: checkpoint_policy (policies, choice of regions), checkpoint_plan (records), checkpoint_wrap
+(wrapping), checkpoint_measure (measuring); checkpointing applies them and re-exports every name.
 """
 
 from lightning_memkit.modes.checkpointing import (
@@ -9,8 +11,10 @@ from lightning_memkit.modes.checkpointing import (
     CheckpointPlan,
     CheckpointSegment,
     apply_checkpointing,
+    MeasureError,
     find_repeated_blocks,
     measure_activation_bytes,
+    parse_budget,
     plan_checkpointing,
 )
 from lightning_memkit.modes.compare import CompareResult, ModeResult, compare_modes, read_compare
@@ -29,6 +33,8 @@ __all__ = [
     "plan_checkpointing",
     "find_repeated_blocks",
     "measure_activation_bytes",
+    "parse_budget",
+    "MeasureError",
     "compare_modes",
     "CompareResult",
     "ModeResult",

@@ -1,0 +1,245 @@
+"""Measuring: what a forward saves for backward (in all, and per region) and what each region costs, kept nowhere.
+
+A measuring forward runs with gradients on under a ``saved_tensors_hooks`` pack hook that records each
+saved storage's bytes (each storage once) and hands autograd a tiny placeholder instead of the tensor:
+nothing is saved, so every activation is freed as soon as the forward moves past it, exactly as under
+``no_grad``. No backward is run and the output is dropped; the measuring forward's peak is about a
+``no_grad`` forward's, never a full training forward's. A
+:class:`~lightning_memkit.accounting.accountant.TensorAccountant` runs alongside: it tells a storage the
+forward allocated (an activation) from one that existed before (parameters, buffers, the batch),
+gives each allocation a unique key (a freed storage's address may be reused by the next one) and
+reads the measuring forward's own peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
+
+__all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
+
+
+class MeasureError(RuntimeError):
+    """The measuring forward failed (the sample's forward raised, or it tried to run a backward)."""
+
+
+class _Dropped:
+    """What autograd holds instead of a saved tensor during a measuring forward: nothing to free, no graph."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<memkit: saved tensor dropped by a measuring forward>"
+
+
+_DROPPED = _Dropped()
+
+
+def _unpack(_packed: Any) -> torch.Tensor:
+    raise MeasureError("memkit's measuring forward keeps no saved tensors, so it cannot run a backward; give a sample "
+                       "(or ActivationCheckpointing(sample_fn=...)) that runs the forward only")
+
+
+@dataclass
+class ForwardMeasure:
+    """What one measuring forward saved for backward, in bytes (exact; storages counted once).
+
+    Attributes:
+        saved: allocation key -> bytes of every storage the forward allocated and autograd saved.
+        output_bytes: bytes of the output's storages that were not also saved.
+        peak_bytes: the peak of the storages the measuring forward itself allocated (the placeholders
+            let each activation go as soon as the forward moves on).
+        region_saved: region name -> {key: bytes} saved while the region ran.
+        region_inputs: region name -> keys of the storages passed into the region.
+        outside: keys of storages saved while no region ran.
+        flops: region name -> FLOPs of its forward (when counted).
+        seconds: region name -> wall seconds of its forward.
+    """
+
+    saved: dict[int, int] = field(default_factory=dict)
+    output_bytes: int = 0
+    peak_bytes: int = 0
+    region_saved: dict[str, dict[int, int]] = field(default_factory=dict)
+    region_inputs: dict[str, set[int]] = field(default_factory=dict)
+    outside: set[int] = field(default_factory=set)
+    flops: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved-for-backward bytes plus the output's: what the forward would leave alive for backward."""
+        return sum(self.saved.values()) + self.output_bytes
+
+
+def _runner(module: nn.Module, sample: Any) -> Callable[[], Any]:
+    if callable(sample) and not isinstance(sample, torch.Tensor):
+        return sample
+    if isinstance(sample, dict):
+        return lambda: module(**sample)
+    if isinstance(sample, (tuple, list)):
+        return lambda: module(*sample)
+    return lambda: module(sample)
+
+
+@contextlib.contextmanager
+def _side_effect_free(module: nn.Module) -> Iterator[None]:
+    """A measuring forward must not change training: RNG streams and running statistics are restored."""
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), frozen_running_stats(list(module.modules())):
+        yield
+
+
+def _key(accountant: TensorAccountant, tensor: Any) -> tuple[int, int] | None:
+    """(unique allocation key, bytes) of a storage the measuring forward allocated, else ``None``."""
+    record = accountant.record_of(tensor) if isinstance(tensor, torch.Tensor) else None
+    return None if record is None else (record.sequence, record.nbytes)
+
+
+def _output_bytes(accountant: TensorAccountant, leaves: list[Any], saved: set[int]) -> int:
+    total = 0
+    for leaf in leaves:
+        found = _key(accountant, leaf)
+        if found is not None and found[0] not in saved:
+            saved.add(found[0])
+            total += found[1]
+    return total
+
+
+def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]] | None = None,
+                    count_flops: bool = False) -> ForwardMeasure:
+    """Run one measuring forward of ``sample`` and return what it saved (see the module docstring).
+
+    ``regions`` maps a name to the chained modules it runs (one module, or consecutive children of a
+    Sequential); each saved storage is attributed to the regions running when it is saved. Nothing the
+    forward made outlives this call: no graph, no saved tensor, no output.
+
+    Raises:
+        MeasureError: when the forward raises (the cause attached).
+    """
+    from torch.utils._pytree import tree_flatten
+
+    regions = regions or {}
+    result = ForwardMeasure(region_saved={n: {} for n in regions}, region_inputs={n: set() for n in regions},
+                            flops={n: 0 for n in regions}, seconds={n: 0.0 for n in regions})
+    accountant = TensorAccountant()
+    active: list[str] = []
+    starts: dict[str, tuple[int, float]] = {}
+    counter = None
+    if count_flops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+
+    def pack(tensor: torch.Tensor) -> _Dropped:
+        found = _key(accountant, tensor)
+        if found is not None:
+            key, nbytes = found
+            result.saved[key] = nbytes
+            if active:
+                for name in active:
+                    result.region_saved[name][key] = nbytes
+            else:
+                result.outside.add(key)
+        return _DROPPED
+
+    def total_flops() -> int:
+        return counter.get_total_flops() if counter is not None else 0
+
+    handles = []
+    for name, chain in regions.items():
+        def pre(_module: nn.Module, args: Any, kwargs: Any = None, name: str = name) -> None:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                found = _key(accountant, leaf)
+                if found is not None:
+                    result.region_inputs[name].add(found[0])
+            active.append(name)
+            starts[name] = (total_flops(), time.perf_counter())
+
+        def post(_module: nn.Module, args: Any, *rest: Any, name: str = name) -> None:
+            if name in active:
+                active.remove(name)
+                flops0, t0 = starts.pop(name)
+                result.flops[name] += total_flops() - flops0
+                result.seconds[name] += time.perf_counter() - t0
+
+        handles.append(chain[0].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(chain[-1].register_forward_hook(post))
+    run = _runner(module, sample)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_side_effect_free(module))
+            stack.enter_context(torch.enable_grad())
+            if counter is not None:
+                stack.enter_context(counter)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+            with accountant:
+                output = run()
+            result.output_bytes = _output_bytes(accountant, tree_flatten(output)[0], set(result.saved))
+            del output
+    except MeasureError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
+        raise MeasureError(f"the measuring forward of {type(module).__name__} failed: {type(error).__name__}: {error}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    result.peak_bytes = accountant.peak_bytes
+    return result
+
+
+def measure_activation_bytes(module: nn.Module, sample: Any) -> int:
+    """Exact bytes a forward pass leaves alive for backward: the distinct storages autograd saves plus the
+    output's, in bytes, measured without keeping them.
+
+    Parameters, buffers, the inputs and anything else that existed before the forward are not counted.
+    ``sample`` is the forward's input (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments) or a zero-argument callable that runs the forward and returns its output (e.g.
+    ``lambda: model.training_step(batch, 0)``). RNG state and running statistics are left as they were;
+    the forward's peak is about a ``no_grad`` forward's (see :func:`measure_forward`).
+
+    Raises:
+        MeasureError: when the forward raises.
+    """
+    return measure_forward(module, sample).activation_bytes
+
+
+@dataclass
+class BlockProfile:
+    """A region's measured cost on one sample forward (see :class:`CheckpointSegment` for the fields)."""
+
+    saved_bytes: int
+    predicted_saving_bytes: int
+    recompute_flops: int
+    forward_seconds: float
+
+
+def block_profiles(measure: ForwardMeasure) -> dict[str, BlockProfile]:
+    """Each region's :class:`BlockProfile` from a measuring forward run with those regions.
+
+    A storage is *freed by checkpointing* a region when it is not one of the region's inputs
+    (checkpoint keeps those) and not also saved by code outside every region.
+    """
+    result = {}
+    for name, saved in measure.region_saved.items():
+        total = sum(saved.values())
+        freed = sum(n for key, n in saved.items() if key not in measure.region_inputs[name] and key not in measure.outside)
+        result[name] = BlockProfile(total, freed, int(measure.flops[name]), measure.seconds[name])
+    return result
+
+
+def profile_blocks(module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]]) -> dict[str, BlockProfile]:
+    """Measure, on one forward of ``sample``, what each region saves for backward (bytes) and what it
+    costs (FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, wall seconds), keeping nothing.
+
+    ``regions`` maps a name to the chained modules it runs (one module, or consecutive children of a
+    Sequential). See :func:`block_profiles` for what a region's checkpointing is predicted to free.
+    """
+    return block_profiles(measure_forward(module, sample, regions, count_flops=True))

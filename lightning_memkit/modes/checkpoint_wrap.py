@@ -1,0 +1,208 @@
+"""Wrapping: torch's non-reentrant checkpoint installed on chosen modules, and undone exactly.
+
+Checkpointing here is always torch's *non-reentrant* ``torch.utils.checkpoint.checkpoint``: every
+parameter gets its gradient whatever ``requires_grad`` the inputs have, and the RNG state is replayed,
+so dropout masks match. Two things are added on top of torch:
+
+* BatchNorm-like layers (any module with ``track_running_stats`` and running buffers) would update
+  their running statistics a second time during the recomputation; torch does not prevent that.
+  While a region is recomputed their ``momentum`` is 0 (the update is then exact identity) and
+  ``num_batches_tracked`` is put back, so running statistics match an unchecked run bit for bit.
+* Wrapping sets an instance ``forward`` on the chosen modules (the module tree, parameter names and
+  ``state_dict`` keys do not change); :meth:`CheckpointHandle.remove` restores the module exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from lightning_memkit.modes.checkpoint_plan import CheckpointPlan
+
+if TYPE_CHECKING:
+    from lightning_memkit.modes.checkpoint_policy import Region
+
+__all__ = ["CheckpointHandle", "checkpointed_call", "frozen_running_stats", "is_checkpointed", "unwrap_modules", "wrap_regions"]
+
+_STATE_ATTR = "_memkit_checkpoint_state"
+
+
+def _has_running_stats(module: nn.Module) -> bool:
+    return bool(getattr(module, "track_running_stats", False)) and getattr(module, "running_mean", None) is not None and hasattr(module, "momentum")
+
+
+@contextlib.contextmanager
+def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run a forward that must not move BatchNorm-like running statistics.
+
+    Sets ``momentum = 0.0`` (the update ``(1 - m) * running + m * batch`` is then the identity) and
+    restores ``num_batches_tracked`` afterwards. Unlike ``track_running_stats = False`` this keeps the
+    same aten ops and saved tensors, which torch's checkpoint checks on recompute.
+    """
+    saved = []
+    for module in modules:
+        if _has_running_stats(module):
+            counter = getattr(module, "num_batches_tracked", None)
+            saved.append((module, module.momentum, None if counter is None else counter.clone()))
+            module.momentum = 0.0
+    try:
+        yield
+    finally:
+        for module, momentum, counter in saved:
+            module.momentum = momentum
+            if counter is not None:
+                with torch.no_grad():
+                    module.num_batches_tracked.copy_(counter)
+
+
+def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` under torch's non-reentrant checkpoint, running stats frozen on recompute.
+
+    With gradients disabled (validation, ``no_grad``) the function just runs.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    stat_modules = tuple(stat_modules)
+
+    def contexts() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), frozen_running_stats(stat_modules)
+
+    return _torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs)
+
+
+@dataclass
+class _WrapState:
+    had_instance_forward: bool
+    previous_forward: Any
+    stat_modules: tuple[nn.Module, ...]
+    ranges: tuple[tuple[int, int], ...] = ()  # for nn.Sequential segments: [start, end) child index ranges
+
+
+def _inner_forward(module: nn.Module, state: _WrapState) -> Callable[..., Any]:
+    if state.had_instance_forward:
+        return state.previous_forward
+    return functools.partial(type(module).forward, module)
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: _WrapState = self.__dict__[_STATE_ATTR]
+    return checkpointed_call(_inner_forward(self, state), state.stat_modules, *args, **kwargs)
+
+
+def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:  # noqa: A002 - nn.Sequential's own name
+    state: _WrapState = self.__dict__[_STATE_ATTR]
+    children = list(self._modules.values())
+    starts = dict(state.ranges)
+    index = 0
+    while index < len(children):
+        end = starts.get(index)
+        if end is None:
+            input = children[index](input)
+            index += 1
+            continue
+        chain = children[index:end]
+
+        def run(value: Any, chain: list[nn.Module] = chain) -> Any:
+            for child in chain:
+                value = child(value)
+            return value
+
+        stats = tuple(m for child in chain for m in child.modules() if _has_running_stats(m))
+        input = checkpointed_call(run, stats, input)
+        index = end
+    return input
+
+
+def _install(module: nn.Module, forward: Callable[..., Any], ranges: tuple[tuple[int, int], ...] = ()) -> None:
+    if _STATE_ATTR in module.__dict__:
+        raise ValueError(f"{type(module).__name__} is already checkpointed by memkit; call handle.remove() before applying another policy")
+    had = "forward" in module.__dict__
+    stats = tuple(m for m in module.modules() if _has_running_stats(m))
+    module.__dict__[_STATE_ATTR] = _WrapState(had, module.__dict__.get("forward"), stats, ranges)
+    # A bound method (not a closure): copy.deepcopy rebinds it to the copy.
+    module.__dict__["forward"] = forward.__get__(module, type(module))
+
+
+def _uninstall(module: nn.Module) -> None:
+    state = module.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return
+    if state.had_instance_forward:
+        module.__dict__["forward"] = state.previous_forward
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether memkit checkpointing is installed on ``module`` itself."""
+    return _STATE_ATTR in module.__dict__
+
+
+class CheckpointHandle:
+    """What :func:`apply_checkpointing` did, and how to undo it.
+
+    Attributes:
+        plan: the :class:`CheckpointPlan` (regions, predicted and measured saving).
+
+    ``remove()`` (or leaving a ``with handle:`` block) restores every wrapped module exactly: the
+    instance ``forward`` it had before (usually none) and nothing else left behind.
+    """
+
+    def __init__(self, plan: CheckpointPlan, wrapped: list[nn.Module]) -> None:
+        self.plan = plan
+        self._wrapped = wrapped
+
+    @property
+    def active(self) -> bool:
+        """Whether the checkpointing is still installed."""
+        return bool(self._wrapped)
+
+    def remove(self) -> None:
+        """Unwrap every module (idempotent)."""
+        for module in self._wrapped:
+            _uninstall(module)
+        self._wrapped = []
+
+    def __enter__(self) -> "CheckpointHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"CheckpointHandle({self.plan.count} regions, active={self.active})"
+
+
+def wrap_regions(regions: "list[Region]") -> list[nn.Module]:
+    """Checkpoint every region (a module, or a segment of a plain ``nn.Sequential``'s children) and return
+    the modules that got an instance ``forward`` (for :class:`CheckpointHandle`). All or nothing: on an
+    error every module wrapped so far is restored."""
+    wrapped: list[nn.Module] = []
+    by_container: dict[int, tuple[nn.Sequential, list[tuple[int, int]]]] = {}
+    try:
+        for region in regions:
+            if region.container is not None:
+                by_container.setdefault(id(region.container), (region.container, []))[1].append(region.child_range)  # type: ignore[arg-type]
+            else:
+                _install(region.modules[0], _checkpointed_forward)
+                wrapped.append(region.modules[0])
+        for container, ranges in by_container.values():
+            _install(container, _segmented_sequential_forward, tuple(sorted(ranges)))
+            wrapped.append(container)
+    except Exception:
+        for module in wrapped:
+            _uninstall(module)
+        raise
+    return wrapped
+
+
+def unwrap_modules(modules: Iterable[nn.Module]) -> None:
+    """Undo :func:`wrap_regions` on ``modules`` (each restored exactly; idempotent)."""
+    for module in modules:
+        _uninstall(module)
