@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, read_trace, trace_step
 from lightning_memkit.trace.records import CSV_COLUMNS, TRACE_FORMAT
 
@@ -336,6 +337,44 @@ def test_a_failing_step_still_removes_everything():
     assert tracer.result is not None
     assert all(not m._forward_hooks for m in model.modules())
     assert _get_current_dispatch_mode() is None
+
+
+def test_a_traced_step_keeps_nothing_alive_and_a_kept_tracer_holds_no_tensor():
+    """Counted with gc over the whole process, not with memkit's accountant."""
+    empty = live_tensor_bytes()
+    model = make_cnn()
+    optimizer = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(B, 3, H, H), torch.randint(0, 10, (B,))
+    train_step(model, optimizer, x, y)  # warm-up: Adam's state exists
+    state = live_tensor_bytes() - empty  # parameters, buffers, gradients, Adam's state, the batch
+    assert state > 0
+    with trace_step(model, optimizer, inputs=(x, y), step=1) as tracer:
+        train_step(model, optimizer, x, y)
+    # the traced step leaves what an untraced one leaves: the same state, no graph
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+    assert live_tensor_bytes() - empty == state
+    result = tracer.result
+    assert result.at_end.total_bytes == state  # the tracer's exact reading agrees with gc's count
+    # the user keeps the tracer (to read its result) and drops the model: nothing of the model stays
+    del model, optimizer, x, y
+    assert live_tensor_bytes() == empty, describe(live_tensors())
+    assert tracer.model is None and tracer.result is result and "1 (BatchNorm2d)" in result.format_table()
+    with pytest.raises(RuntimeError, match="one step"):
+        tracer.start()
+
+
+def test_a_failing_traced_step_keeps_nothing_alive():
+    empty = live_tensor_bytes()
+    model = make_cnn()
+    with pytest.raises(ValueError, match="boom"):
+        with trace_step(model, inputs=torch.randn(B, 3, H, H)) as tracer:
+            model(tracer_input := torch.randn(B, 3, H, H)).sum()  # a graph, abandoned by the failure
+            raise ValueError("boom")
+    del tracer_input
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+    del model
+    assert live_tensor_bytes() == empty, describe(live_tensors())
+    assert tracer.result.events
 
 
 def test_max_depth_and_module_filters():

@@ -131,8 +131,10 @@ class LayerTracer:
 
     After the ``with`` block (or :meth:`stop`), :attr:`result` holds the
     :class:`~lightning_memkit.trace.records.LayerTraceResult`. A tracer traces one step; make a
-    new one (cheap) for the next. Failures inside hooks never interrupt the step: they are kept
-    in ``result.errors`` and warned about once.
+    new one (cheap) for the next. Once stopped it holds only that record: every hook is removed,
+    no autograd graph is kept, and it lets go of the model, the optimizers and the batch (its
+    ``model`` is ``None`` then), so keeping the tracer keeps no tensor alive. Failures inside
+    hooks never interrupt the step: they are kept in ``result.errors`` and warned about once.
     """
 
     def __init__(
@@ -201,7 +203,7 @@ class LayerTracer:
         """Adopt the training state (and ``inputs``, the batch, if given), install hooks and modes."""
         if self._active:
             raise RuntimeError("this LayerTracer is already tracing a step; call stop() first")
-        if self.result is not None:
+        if self.result is not None or self.model is None:
             raise RuntimeError("a LayerTracer traces one step; create a new LayerTracer for the next step")
         self.accountant = _TracingAccountant(self)
         self.attributor = CategoryAttributor(self.accountant)
@@ -264,11 +266,30 @@ class LayerTracer:
                 self._stack_exit.close()
                 self._stack_exit = None
             self._remove_hooks()
-        # roles made during the step: gradients set to None and back, lazily created optimizer state
-        self.attributor.assign_module(self.model)
-        self.attributor.assign_optimizers(self.optimizers)
-        self.result = self._build_result()
+        try:
+            # roles made during the step: gradients set to None and back, lazily created optimizer state
+            self.attributor.assign_module(self.model)
+            self.attributor.assign_optimizers(self.optimizers)
+            self.result = self._build_result()
+        finally:
+            self._release()
         return self.result
+
+    def _release(self) -> None:
+        """Keep only the records: a tracer kept after its step (``tracer.result`` is read from it) must not keep
+        the model, its gradients, the optimizer's state or the batch alive (the accountant's records, the module
+        tables and the attribution all reach them)."""
+        self.model = None
+        self.optimizers = []
+        self._infos = {}
+        self._calls = {}
+        self._recompute_calls = {}
+        self._stack = []
+        self._pending_backward = []
+        self._parameter_keys = set()
+        self._peak_records = []
+        self.accountant = None
+        self.attributor = None
 
     def _model_device(self) -> torch.device:
         for tensor in self.model.parameters():
