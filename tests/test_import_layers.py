@@ -26,10 +26,6 @@ ALLOWED_TO_IMPORT_CALLBACKS = (f"{PACKAGE}.callbacks", f"{PACKAGE}.cli")
 #: Known edges still being removed by work in progress; the lead removes each once it is fixed.
 #: ``(importer, imported)``. An entry that no longer exists fails the test, so the list only shrinks.
 PENDING_EDGES: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.search.lightning", f"{PACKAGE}.callbacks.max_batch_size"):
-        "pending: the batch-size search is being moved off the MaxBatchSize callback (issue 9 item 6, another helper)",
-    (f"{PACKAGE}.search.lightning", f"{PACKAGE}.callbacks.activation_checkpointing"):
-        "pending: the batch-size search's trials build ActivationCheckpointing (issue 9 item 6, another helper)",
     (f"{PACKAGE}.modes.compare", f"{PACKAGE}.callbacks.memory_tracker"):
         "pending: compare_modes trains with MemoryTracker (issue 9 item 6, another helper)",
     (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_checkpointing"):

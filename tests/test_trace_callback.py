@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
+from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 from lightning_memkit import LayerTrace, MemoryTracker
 from lightning_memkit.trace import TRACE_FORMAT, read_trace
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
@@ -227,3 +229,211 @@ def test_in_checkpoint_recomputation_only_while_checkpoint_recomputes():
     assert seen == [(False, False), (True, True)]  # the forward, then its recomputation
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert not in_checkpoint_recomputation()
+
+
+# ---- nothing held after the fit; unreached steps; what verbose prints; where files go -------------
+
+
+def test_a_kept_layer_trace_holds_no_tensor_of_the_model_after_the_fit(tmp_path):
+    """The issue's case: DemoTransformer, 3 steps, model and Trainer deleted, the callback kept to read its
+    results. Lightning binds ``callback.log`` to the module at fit start and never unbinds it; that kept
+    14.33 MiB (parameters, gradients, Adam's state) alive. Counted with gc over the whole process."""
+    from lightning_memkit.zoo import DemoTransformer
+
+    make_trainer(tmp_path / "warm", max_steps=1).fit(DemoTransformer(layers=1))  # torch's and Lightning's one-time state
+    empty = live_tensor_bytes()
+    model = DemoTransformer()
+    callback = LayerTrace()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[callback])
+    trainer.fit(model)
+    model_state = live_tensor_bytes() - empty
+    assert model_state >= 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights, gradients, Adam
+    del model, trainer
+    assert live_tensor_bytes() == empty, describe(live_tensors())
+    assert tensors_with_grad_fn() == []
+    (result,) = callback.results  # the records are still there to read
+    assert result.step == 1 and "optimizer_state" in result.format_categories()
+    # the same callback, given to a new Trainer, traces again (Lightning binds its log functions again)
+    model = DemoTransformer(layers=1)
+    make_trainer(tmp_path / "again", max_steps=2, callbacks=[callback]).fit(model)
+    assert [r.step for r in callback.results] == [1, 1]
+    del model
+    assert live_tensor_bytes() == empty, describe(live_tensors())
+
+
+def _memkit_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "memkit LayerTrace" in str(w.message)]
+
+
+@pytest.mark.parametrize(("options", "batches", "max_steps", "never", "last"), [
+    ({"at_steps": (1,)}, 1, -1, "step 1 of at_steps never reached", 0),  # the README's trap: one batch per epoch
+    ({"at_steps": (100,)}, 8, 2, "step 100 of at_steps never reached", 1),
+    ({"at_steps": (0, 1, 5, 7)}, 8, 3, "steps 5, 7 of at_steps never reached", 2),
+    ({"every_n_steps": 100}, 8, 3, "every_n_steps=100 traced no step", 2),
+])
+def test_a_step_never_reached_is_named_in_one_warning_at_fit_end(tmp_path, options, batches, max_steps, never, last):
+    model = LinearStack(batch_size=8, samples=8 * batches)
+    callback = LayerTrace(verbose=False, **options)
+    trainer = make_trainer(tmp_path, max_steps=max_steps, max_epochs=1, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    (message,) = _memkit_warnings(record)
+    assert never in message and f"the run's last training step was {last}" in message
+    assert f"LayerTrace(at_steps=({last},))" in message and "train longer" in message
+    assert callback.last_step == last == trainer.global_step - 1
+    assert all(r.step <= last for r in callback.results)
+
+
+def test_no_warning_when_every_chosen_step_was_traced(tmp_path):
+    callback = LayerTrace(at_steps=(0, 2), every_n_steps=1000, verbose=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, max_steps=3, callbacks=[callback]).fit(LinearStack(batch_size=8))
+    assert [r.step for r in callback.results] == [0, 2]
+    assert _memkit_warnings(record) == []
+
+
+@pytest.fixture
+def lightning_info():
+    """What Lightning's rank-zero info log (the console lines Lightning's own callbacks print) received."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_verbose_by_default_prints_the_categories_and_where_everything_went(tmp_path, lightning_info):
+    model = LinearStack(dims=(32, 64, 48, 16), batch_size=8, optimizer="adam")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callback = LayerTrace()
+    make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[callback]).fit(model)
+    (printed,) = [line for line in lightning_info if line.startswith("memkit LayerTrace: step 1")]
+    psi = model.parameter_bytes() // FLOAT32
+    optimizer_row = next(line for line in printed.splitlines() if line.startswith("optimizer_state"))
+    assert optimizer_row.split()[-1] == str(8 * psi + FLOAT32 * 6)  # exact bytes at step end
+    assert f"tensorboard --logdir {logger.log_dir}" in printed and "memory/trace/table" in printed
+    assert f"raw events: {callback.paths[0]}" in printed
+
+
+def test_verbose_without_tensorboard_says_how_to_see_the_table_and_false_prints_nothing(tmp_path, lightning_info):
+    callback = LayerTrace(at_steps=(0,))
+    make_trainer(tmp_path, max_steps=1, callbacks=[callback]).fit(LinearStack(batch_size=8))
+    (printed,) = [line for line in lightning_info if line.startswith("memkit LayerTrace")]
+    assert ".results[-1].format_table()" in printed and f"memkit report {tmp_path}" in printed
+    lightning_info.clear()
+    make_trainer(tmp_path / "quiet", max_steps=1, callbacks=[LayerTrace(at_steps=(0,), verbose=False)]).fit(LinearStack(batch_size=8))
+    assert not [line for line in lightning_info if "memkit" in line]
+
+
+def test_without_a_logger_files_go_to_default_root_dir_and_never_overwrite_another_run(tmp_path, monkeypatch):
+    from lightning_memkit.report.sources import find_sources
+
+    working = tmp_path / "cwd"
+    working.mkdir()
+    monkeypatch.chdir(working)
+    root = tmp_path / "root"
+    first = LayerTrace(verbose=False)
+    make_trainer(root, max_steps=2, logger=False, callbacks=[first]).fit(LinearStack(batch_size=8))
+    assert first.paths == [str(root / "memkit_trace_step1.json")]
+    written = (root / "memkit_trace_step1.json").read_text()
+    second = LayerTrace(verbose=False)
+    make_trainer(root, max_steps=2, logger=False, callbacks=[second]).fit(LinearStack(batch_size=16))
+    assert second.paths == [str(root / "memkit_trace_step1-v1.json")]
+    assert (root / "memkit_trace_step1.json").read_text() == written  # the first run's file is untouched
+    assert read_trace(second.paths[0]) == second.results[0] and read_trace(first.paths[0]) == first.results[0]
+    assert list(working.iterdir()) == []  # nothing in the working directory
+    # memkit report finds both runs' traces
+    assert sorted(os.path.basename(t.path) for t in find_sources(str(root)).traces) == [
+        "memkit_trace_step1-v1.json", "memkit_trace_step1.json"]
+
+
+def test_write_new_file_takes_the_first_free_version(tmp_path):
+    from lightning_memkit.trace.records import write_new_file
+
+    paths = [write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", str(i)) for i in range(3)]
+    assert [os.path.basename(p) for p in paths] == [
+        "memkit_trace_step3_rank1.json", "memkit_trace_step3_rank1-v1.json", "memkit_trace_step3_rank1-v2.json"]
+    assert [open(p).read() for p in paths] == ["0", "1", "2"]
+    os.remove(paths[1])  # a gap is reused: the name is free again
+    assert os.path.basename(write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", "3")) == "memkit_trace_step3_rank1-v1.json"
+
+
+# ---- memkit trace: hints that name the flag that fixes the case ---------------------------------
+
+GPT_SOURCE = '''
+import lightning.pytorch as pl, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class TinyGPT(pl.LightningModule):
+    """Its data comes from a datamodule; no batch_size anywhere in the module."""
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return nn.functional.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), tokens.flatten())
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+class TokensDM(pl.LightningDataModule):
+    def __init__(self, batch_size=4):
+        super().__init__()
+        self.save_hyperparameters()
+    def setup(self, stage=None):
+        self.train_set = TensorDataset(torch.randint(0, 64, (64, 16)))
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size)
+'''
+
+
+def test_cli_trace_batch_size_on_a_module_fed_by_a_datamodule_points_at_datamodule(tmp_path, capsys):
+    from lightning_memkit.cli import main
+
+    source = tmp_path / "gpt.py"
+    source.write_text(GPT_SOURCE)
+    assert main(["trace", f"{source}:TinyGPT", "--batch-size", "8"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--datamodule FILE.py:DataModuleClass" in error and "--init-args" not in error
+    assert "TinyGPT defines no train_dataloader()" in error and "--batch-size then goes to the datamodule" in error
+    # without --batch-size: the same flag
+    assert main(["trace", f"{source}:TinyGPT"]) == 2
+    assert "--datamodule FILE.py:DataModuleClass" in capsys.readouterr().err
+    # the fix the message names works, and the batch size reaches the datamodule
+    assert main(["trace", f"{source}:TinyGPT", "--datamodule", f"{source}:TokensDM", "--batch-size", "8", "--step", "0"]) == 0
+    out = capsys.readouterr().out
+    embed = next(line for line in out.splitlines() if line.strip().startswith("embed (Embedding)") and " forward " in line)
+    assert "(8, 16, 32) float32" in embed
+
+
+def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
+    from lightning_memkit.cli import main
+
+    source = tmp_path / "stops.py"
+    source.write_text(textwrap.dedent('''
+        import sys
+        sys.path.insert(0, %r)
+        from conftest import LinearStack
+
+        class StopsEarly(LinearStack):
+            def on_train_batch_end(self, outputs, batch, batch_idx):
+                if self.trainer.global_step >= 2:
+                    self.trainer.should_stop = True
+    ''' % os.path.dirname(os.path.abspath(__file__))))
+    assert main(["trace", f"{source}:StopsEarly", "--step", "5"]) == 1
+    error = capsys.readouterr().err
+    assert "step 5 was never reached: training stopped after step 1; pass --step 1 or less" in error

@@ -12,13 +12,14 @@ from typing import Any, Iterable
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
-from lightning_memkit.trace.records import LayerTraceResult, trace_filename
+from lightning_memkit.units import format_bytes
+from lightning_memkit.trace.records import LayerTraceResult, trace_filename, write_new_file
 from lightning_memkit.trace.tracer import LayerTracer
 
 __all__ = ["LayerTrace"]
@@ -39,6 +40,12 @@ class LayerTrace(Callback):
     afterwards, so other steps run at full speed. Under DDP each rank traces its own step; no
     collective is used.
 
+    After each traced step, global rank zero prints (Lightning's info log, as Lightning's own
+    callbacks do; ``verbose=False`` turns it off) the bytes per category and where the module
+    table, the figure and the JSON file went. A step in ``at_steps`` that the run never reached
+    (it had fewer steps) is named in one warning at fit end. Kept after the fit, the callback
+    holds only records (:attr:`results`, :attr:`paths`), never the model's tensors.
+
     What is written, for a traced step ``N`` (``prefix`` = ``"memory"``):
 
     ===========================================  =====  =============================================
@@ -53,6 +60,11 @@ class LayerTrace(Callback):
     ``<log_dir>/memkit_trace_step{N}.json``      bytes  the raw events (``_rank{r}`` added on rank r > 0)
     ===========================================  =====  =============================================
 
+    ``<log_dir>`` is the first logger's ``log_dir``, else ``trainer.default_root_dir``. A file of
+    that name already there (another run's, e.g. with ``logger=False``) is never overwritten:
+    the new one gets the first free ``-v1``, ``-v2``, ... suffix (``memkit_trace_step1-v1.json``),
+    as Lightning's ModelCheckpoint does.
+
     Categories: parameters, buffers, gradients, optimizer_state, autocast_weight_copies,
     activations (saved for backward), inputs, temporaries, other; on CUDA also
     ``reserved_minus_allocated`` and ``nvml_unseen`` (see docs/layer_trace.md).
@@ -66,12 +78,14 @@ class LayerTrace(Callback):
         modules: only trace these modules: qualified-name ``fnmatch`` patterns or classes.
         prefix: the first part of every logged key.
         figure: log the figure (needs matplotlib) to TensorBoard loggers.
-        verbose: print the table and the category split (rank zero only) after a traced step.
+        verbose: after each traced step, print (Lightning's info log, global rank zero) the bytes
+            per category and where the table, figure and JSON went; ``False``: print nothing.
         max_results: traced results kept in :attr:`results` (oldest dropped).
 
     Attributes:
         results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
         paths: the JSON files written.
+        last_step: the last training step (logging step) the latest fit started; ``None`` before one.
     """
 
     #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
@@ -87,7 +101,7 @@ class LayerTrace(Callback):
         modules: Iterable[str | type] | str | type | None = None,
         prefix: str = DEFAULT_PREFIX,
         figure: bool = True,
-        verbose: bool = False,
+        verbose: bool = True,
         max_results: int = 16,
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1):
@@ -114,6 +128,8 @@ class LayerTrace(Callback):
         self.paths: list[str] = []
         self._tracer: LayerTracer | None = None
         self._traced_steps: set[int] = set()
+        self._first_step: int | None = None  # this run's first training step (logging step)
+        self.last_step: int | None = None
 
     def should_trace(self, step: int) -> bool:
         """Whether training step ``step`` is one to trace."""
@@ -128,6 +144,13 @@ class LayerTrace(Callback):
         register_dashboard(trainer)
         if trainer.global_step == 0:  # a new run (the same callback given to a second Trainer) traces its steps again
             self._traced_steps.clear()
+        self._first_step = self.last_step = None
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        message = self._unreached_message()
+        if message:
+            rank_zero_warn(message, category=UserWarning)
 
     # ------------------------------------------------------------------ the traced step
     @override
@@ -135,6 +158,9 @@ class LayerTrace(Callback):
         if self._tracer is not None:
             return  # accumulating: the traced window stays open until the optimizer steps
         step = logging_step(trainer)
+        if self._first_step is None:
+            self._first_step = step
+        self.last_step = step
         if step in self._traced_steps or not self.should_trace(step):
             return
         self._traced_steps.add(step)
@@ -161,12 +187,47 @@ class LayerTrace(Callback):
         if self._tracer is not None:  # never leave hooks or modes behind after a failure
             tracer, self._tracer = self._tracer, None
             tracer.stop()
+        _forget_model_logging(self)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._tracer is not None:
             tracer, self._tracer = self._tracer, None
             tracer.stop()
+        _forget_model_logging(self)
+
+    def _unreached_message(self) -> str | None:
+        """The fit-end warning for ``at_steps`` (or ``every_n_steps``) this run never traced, or None."""
+        missing = sorted(s for s in self.at_steps if s not in self._traced_steps)
+        never_by_every = self.every_n_steps is not None and not self._traced_steps and not self.at_steps
+        if not missing and not never_by_every:
+            return None
+        first, last = self._first_step, self.last_step
+
+        def steps(values: list[int]) -> str:
+            return f"step{'s' if len(values) > 1 else ''} {', '.join(map(str, values))}"
+
+        if last is None:
+            ran = "no training step ran in this fit"
+            fix = "check that the Trainer trains (max_steps, limit_train_batches, the train dataloader's length)"
+            after, before, inside = missing, [], []
+        else:
+            ran = (f"the run's last training step was {last} (steps count optimizer steps from 0"
+                   + (f"; this run resumed at step {first})" if first else ")"))
+            fix = f"give steps the run reaches, e.g. LayerTrace(at_steps=({last},)), or train longer (max_steps / max_epochs / more batches per epoch)"
+            after = [s for s in missing if s > last]
+            before = [s for s in missing if first is not None and s < first]
+            inside = [s for s in missing if s not in after and s not in before]
+        problems = []
+        if after:
+            problems.append(f"{steps(after)} of at_steps never reached")
+        if before:
+            problems.append(f"{steps(before)} of at_steps came before this run's first step {first}")
+        if inside:  # inside the run but untraced: the fit ended inside that step's gradient accumulation
+            problems.append(f"{steps(inside)} not traced (the fit ended before that step's optimizer step)")
+        if never_by_every:
+            problems.append(f"every_n_steps={self.every_n_steps} traced no step")
+        return f"memkit LayerTrace: {'; '.join(problems)}: {ran}. Nothing was traced for {'them' if len(missing) > 1 else 'it'}; to trace, {fix}."
 
     # ------------------------------------------------------------------ sinks
     def _publish(self, trainer: Trainer, result: LayerTraceResult) -> None:
@@ -178,15 +239,30 @@ class LayerTrace(Callback):
             if isinstance(logger, TensorBoardLogger):
                 self._to_tensorboard(logger, result, step)
         directory = log_dir(trainer)
-        path = os.path.join(directory, trace_filename(result.step, result.rank))
+        path = None
         try:
-            result.to_json(path)
+            path = write_new_file(directory, trace_filename(result.step, result.rank), result.to_json())
             self.paths.append(path)
         except OSError as error:
-            rank_zero_warn(f"memkit LayerTrace: could not write {path}: {error}")
-        if self.verbose and trainer.is_global_zero:
-            print(result.format_table())
-            print(result.format_categories())
+            rank_zero_warn(f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}")
+        if self.verbose:
+            rank_zero_info(self._summary(trainer, result, path))
+
+    def _summary(self, trainer: Trainer, result: LayerTraceResult, path: str | None) -> str:
+        """What ``verbose`` prints after a traced step: the category table and where everything went."""
+        lines = [f"memkit LayerTrace: step {result.step} on {result.device}: peak {format_bytes(result.peak_bytes)}, "
+                 f"end {format_bytes(result.end_bytes)}; bytes by category:", result.format_categories()]
+        board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
+        if board is not None:
+            lines.append(f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "
+                         f"text {self.prefix}/trace/table and image {self.prefix}/trace/figure")
+        else:
+            where = os.path.dirname(path) if path is not None else log_dir(trainer)
+            lines.append(f"module table (no TensorBoardLogger to log it to): this LayerTrace's .results[-1].format_table(), "
+                         f"or `memkit report {where}`")
+        if path is not None:
+            lines.append(f"raw events: {path}")
+        return "\n".join(lines)
 
     def _to_tensorboard(self, logger: TensorBoardLogger, result: LayerTraceResult, step: int) -> None:
         experiment = logger.experiment
@@ -200,4 +276,13 @@ class LayerTrace(Callback):
                 rank_zero_warn(f"memkit LayerTrace: no figure ({error}); install matplotlib or pass figure=False")
                 self.figure = False
         experiment.flush()
+
+
+def _forget_model_logging(callback: Callback) -> None:
+    """Drop ``callback.log`` / ``callback.log_dict``: Lightning binds them to the LightningModule on
+    every callback when a fit starts (``_CallbackConnector._attach_model_logging_functions``) and
+    never removes them, so a callback kept after the fit would keep the model, its gradients and
+    its optimizer state alive. Lightning binds them again at the next fit/validate/test."""
+    for name in ("log", "log_dict"):
+        vars(callback).pop(name, None)
 

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, build_trainer, json_object, load_object
@@ -49,18 +50,23 @@ def run(args: argparse.Namespace) -> int:
         cls = load_object(args.module)
         if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
             raise CliError(f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)")
+        if not args.datamodule and not _overrides(cls, "train_dataloader"):
+            # checked before building: with --batch-size, building would blame the module's missing batch_size instead
+            raise CliError(f"{cls.__name__} defines no train_dataloader(), so its batches"
+                           + (" (and their size)" if args.batch_size is not None else "")
+                           + " come from a datamodule: pass --datamodule FILE.py:DataModuleClass"
+                           + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
+                           + ", or add a train_dataloader() to the module")
         model = build_instance(cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module")
         datamodule = (build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
                                      args.batch_size, "datamodule") if args.datamodule else None)
-        if datamodule is None and not _overrides(model, "train_dataloader"):
-            raise CliError(f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass")
     except CliError as error:
         print(f"memkit trace: {error}", file=sys.stderr)
         return 2
 
     from lightning_memkit.callbacks.layer_trace import LayerTrace
 
-    callback = LayerTrace(at_steps=(args.step,), max_depth=args.max_depth)
+    callback = LayerTrace(at_steps=(args.step,), max_depth=args.max_depth, verbose=False)  # this command prints the result itself
     with tempfile.TemporaryDirectory(prefix="memkit_trace_") as root:
         options = dict(
             accelerator=args.accelerator, devices=1, max_steps=args.step + 1, limit_val_batches=0, num_sanity_val_steps=0,
@@ -74,9 +80,16 @@ def run(args: argparse.Namespace) -> int:
         except CliError as error:
             print(f"memkit trace: {error}", file=sys.stderr)
             return 2
-        trainer.fit(model, datamodule=datamodule)
+        with warnings.catch_warnings():  # an unreached step is said below, in this command's terms
+            warnings.filterwarnings("ignore", message="memkit LayerTrace: .* never reached")
+            trainer.fit(model, datamodule=datamodule)
     if not callback.results:
-        print(f"memkit trace: training stopped before step {args.step} (the dataloader has fewer batches?); try --step 0", file=sys.stderr)
+        last = callback.last_step
+        if last is None:
+            print("memkit trace: no training step ran (is the train dataloader empty?)", file=sys.stderr)
+        else:
+            print(f"memkit trace: step {args.step} was never reached: training stopped after step {last}; pass --step {last} or less",
+                  file=sys.stderr)
         return 1
     result = callback.results[-1]
     print(result.format_table())
@@ -93,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _overrides(model: Any, method: str) -> bool:
+def _overrides(cls: type, method: str) -> bool:
     import lightning.pytorch as pl
 
-    return getattr(type(model), method, None) is not getattr(pl.LightningModule, method, None)
+    return getattr(cls, method, None) is not getattr(pl.LightningModule, method, None)

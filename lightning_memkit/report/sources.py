@@ -25,8 +25,9 @@ __all__ = [
 MEMORY_FORMAT = "lightning-memkit/memory"
 TRACE_FORMAT = "lightning-memkit/trace"
 COMPARE_FORMAT = "lightning-memkit/compare"
-#: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``, ``memkit_trace_step{N}_rank{r}.json``.
-TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+|x)(?:_rank(\d+))?\.json$")
+#: LayerTrace's per-step file name: ``memkit_trace_step{N}.json``, ``memkit_trace_step{N}_rank{r}.json``, with ``-v{k}``
+#: before ``.json`` when an earlier run's file of that name was there (LayerTrace never overwrites one).
+TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+|x)(?:_rank(\d+))?(?:-v\d+)?\.json$")
 #: MemoryTracker's out-of-memory report: ``memkit_oom_rank{r}.json`` (see lightning_memkit.oom).
 OOM_PATTERN = re.compile(r"^memkit_oom_rank(\d+)\.json$")
 COMPARE_JSON = "compare.json"

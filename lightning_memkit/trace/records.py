@@ -23,6 +23,7 @@ __all__ = [
     "TraceEvent",
     "LayerTraceResult",
     "trace_filename",
+    "write_new_file",
     "read_trace",
 ]
 
@@ -40,6 +41,30 @@ def trace_filename(step: int | None, rank: int = 0) -> str:
     """``memkit_trace_step{N}.json`` (rank 0) or ``memkit_trace_step{N}_rank{r}.json``."""
     stem = f"memkit_trace_step{step if step is not None else 'x'}"
     return f"{stem}.json" if not rank else f"{stem}_rank{rank}.json"
+
+
+def write_new_file(directory: str | os.PathLike, filename: str, text: str, max_versions: int = 10_000) -> str:
+    """Write ``text`` to ``directory/filename``, or, when that file exists, to the first free
+    ``stem-v1.ext``, ``stem-v2.ext``, ... (Lightning's ModelCheckpoint naming): never over an existing
+    file. Each name is created exclusively (``open(..., "x")``), so two writers never share one.
+
+    Returns:
+        the path written.
+
+    Raises:
+        OSError: the directory cannot be made or written, or ``max_versions`` names are taken.
+    """
+    os.makedirs(directory, exist_ok=True)
+    stem, extension = os.path.splitext(filename)
+    for version in range(max_versions + 1):
+        path = os.path.join(os.fspath(directory), filename if not version else f"{stem}-v{version}{extension}")
+        try:
+            with open(path, "x", encoding="utf-8") as handle:
+                handle.write(text)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{filename} and its versions -v1 ... -v{max_versions} all exist in {directory}; remove old ones")
 
 
 @dataclass
