@@ -6,8 +6,8 @@ Run::
     python examples/layer_trace.py --out docs/images  # (how the docs figure was made)
 
 1. Lightning: ``Trainer(callbacks=[LayerTrace()])`` traces training step 1 of the built-in
-   DemoCNN; the table, the figure and per-category scalars go to TensorBoard and
-   ``memkit_trace_step1.json`` to the log dir.
+   DemoCNN; it prints the bytes per category and where everything went, the table, the figure
+   and per-category scalars go to TensorBoard and ``memkit_trace_step1.json`` to the log dir.
 2. Plain PyTorch: ``trace_step`` around one hand-written step, here with the middle of the
    network under activation checkpointing, to see the recomputation in backward.
 """
@@ -31,19 +31,17 @@ def lightning_trace(out: str, batch_size: int) -> None:
 
     pl.seed_everything(0, verbose=False)
     model = DemoCNN(batch_size=batch_size)
-    trace = LayerTrace()  # step 1: after warm-up, so Adam's state is there
+    trace = LayerTrace()  # step 1: after warm-up, so Adam's state is there; prints the categories (verbose=False: nothing)
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[trace],
                          logger=TensorBoardLogger(out, name="layer_trace"), enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False)
     trainer.fit(model)
-    result = trace.results[-1]
+    result = trace.results[-1]  # the callback printed the categories; here the module-by-module table
+    print(f"Ψ = {result.parameter_count} parameters")
     print(result.format_table())
-    print()
-    print(f"bytes by category (Ψ = {result.parameter_count} parameters)")
-    print(result.format_categories())
     figure_path = os.path.join(out, "layer_trace_cnn.png")
     result.figure().savefig(figure_path)
-    print(f"\nfigure: {figure_path}\nraw events: {trace.paths[-1]}\nTensorBoard: tensorboard --logdir {out}")
+    print(f"\nfigure: {figure_path}")
 
 
 class Checkpointed(nn.Module):
