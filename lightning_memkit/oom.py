@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_out_of_memory", "write_oom_report"]
+__all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report"]
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
@@ -35,17 +35,68 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
-def write_oom_report(path: str, payload: dict[str, Any], error: BaseException) -> str:
+def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
+    """The largest live tensor storages of the process, with who made them, largest first.
+
+    Found with ``gc`` (every tensor object the process holds; views of one storage count once). Each
+    entry: ``nbytes`` (the storage's bytes), ``device``, ``shape``, ``dtype``, ``count`` (tensors on the
+    storage), ``grad_fn`` (the autograd op that made it, ``""`` for a leaf), ``parameter`` (whether it is
+    an ``nn.Parameter``), and ``made_by`` / ``where`` (aten op, module and the user's line) when a memory
+    doctor (:class:`~lightning_memkit.doctor.CreationRecorder`) saw it made. Never raises.
+    """
+    import gc
+    import warnings
+
+    try:
+        from lightning_memkit.doctor.recorder import creation_of, format_frame
+
+        storages: dict[tuple[str, int], dict[str, Any]] = {}
+        with warnings.catch_warnings():  # isinstance on a deprecated module alias warns
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            for obj in objects:
+                try:
+                    if not isinstance(obj, torch.Tensor) or obj.device.type == "meta" or obj.layout is not torch.strided:
+                        continue
+                    storage = obj.untyped_storage()
+                except Exception:  # noqa: BLE001 - fake, sparse or proxy objects
+                    continue
+                key = (str(storage.device), storage.data_ptr())
+                entry = storages.get(key)
+                if entry is None:
+                    creation = creation_of(obj)
+                    storages[key] = {
+                        "nbytes": int(storage.nbytes()), "device": str(storage.device), "shape": list(obj.shape),
+                        "dtype": str(obj.dtype), "count": 1, "grad_fn": type(obj.grad_fn).__name__ if obj.grad_fn else "",
+                        "parameter": isinstance(obj, torch.nn.Parameter),
+                        "made_by": creation.describe() if creation else "",
+                        "where": format_frame(creation.frame) if creation else "",
+                    }
+                else:
+                    entry["count"] += 1
+                    entry["parameter"] = entry["parameter"] or isinstance(obj, torch.nn.Parameter)
+                    if not entry["grad_fn"] and obj.grad_fn is not None:
+                        entry["grad_fn"] = type(obj.grad_fn).__name__
+        del objects
+        return sorted(storages.values(), key=lambda e: -e["nbytes"])[:limit]
+    except Exception as error:  # noqa: BLE001 - a report must still be written
+        return [{"error": f"{type(error).__name__}: {error}"}]
+
+
+def write_oom_report(path: str, payload: dict[str, Any], error: BaseException, largest_tensors: int = 10) -> str:
     """Write a JSON report of an out-of-memory error to ``path`` and return the path.
 
     ``payload`` is what the caller knows (last readings, step, device); the error's type,
-    message and traceback are added, and on CUDA the allocator's text summary.
+    message and traceback are added, on CUDA the allocator's text summary, and the
+    ``largest_tensors`` largest live tensors by creator (:func:`largest_live_tensors`; 0: none).
     """
     report = dict(payload)
     report["error_type"] = type(error).__name__
     report["error"] = str(error)
     report["traceback"] = traceback.format_exception(type(error), error, error.__traceback__)
     report["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if largest_tensors and "largest_live_tensors" not in report:
+        report["largest_live_tensors"] = largest_live_tensors(largest_tensors)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         try:
             report["cuda_memory_summary"] = torch.cuda.memory_summary()

@@ -18,6 +18,7 @@ VERBS = {
     "compare": "compare",
     "trace": "trace",
     "estimate": "estimate",
+    "doctor": "doctor",
 }
 
 

@@ -8,6 +8,7 @@ freed the tensors they saved, so the live tensor bytes barely move while host me
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,10 +25,11 @@ class GraphHolder:
 
     Attributes:
         grad_fn: the name of its graph's root node, e.g. ``"AddBackward0"``.
-        nodes: how many autograd nodes are reachable from it.
+        nodes: how many autograd nodes are reachable from it and from no tensor listed before it.
         shape, dtype, nbytes: of the tensor's storage (bytes).
         made_by: who made it (a :class:`~lightning_memkit.doctor.Creation` description), or ``""``.
         where: the user's line that made it, or ``""``.
+        count: how many such tensors (same root node type, shape, dtype and maker); ``nodes`` is theirs together.
     """
 
     grad_fn: str
@@ -37,6 +39,7 @@ class GraphHolder:
     nbytes: int
     made_by: str = ""
     where: str = ""
+    count: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -73,8 +76,8 @@ class GraphLeakReport:
         for holder in self.holders[:limit]:
             holder = holder if isinstance(holder, GraphHolder) else GraphHolder(**holder)
             made = f", made by {holder.made_by}" if holder.made_by else ""
-            lines.append(f"  held by a {holder.shape} {holder.dtype.replace('torch.', '')} tensor whose grad_fn is "
-                         f"{holder.grad_fn} ({holder.nodes} nodes){made}")
+            lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {holder.dtype.replace('torch.', '')} "
+                         f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
         return "\n".join(lines)
 
 
@@ -84,17 +87,21 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
 
     Call it between steps, when no graph should be alive. Returns ``(nodes, holders)``; ``holders``
     (only with ``holders=True``) lists the tensors holding graphs, largest graph first. The walk
-    stops at ``max_nodes``. Costs one pass over ``gc.get_objects()`` (milliseconds).
+    stops at ``max_nodes``. Costs a full ``gc.collect()`` and one pass over ``gc.get_objects()``
+    (milliseconds to tens of milliseconds).
     """
+    gc.collect()  # garbage (unreachable cycles not yet collected) holds no graph the program can reach
     roots = []
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
-                roots.append(obj)
-        except Exception:  # noqa: BLE001 - some proxies raise on isinstance
-            continue
+    with warnings.catch_warnings():  # isinstance on a deprecated module alias warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+                    roots.append(obj)
+            except Exception:  # noqa: BLE001 - some proxies raise on isinstance
+                continue
     seen: dict[int, Any] = {}  # id -> node: the node objects stay alive, so ids are not reused mid-walk
-    found: list[GraphHolder] = []
+    found: dict[tuple, GraphHolder] = {}
     for tensor in roots:
         before = len(seen)
         reached = 0
@@ -114,7 +121,12 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 nbytes = int(tensor.untyped_storage().nbytes())
             except (RuntimeError, NotImplementedError):
                 nbytes = 0
-            found.append(GraphHolder(type(tensor.grad_fn).__name__, reached, list(tensor.shape), str(tensor.dtype), nbytes,
-                                     creation.describe() if creation else "", format_frame(creation.frame) if creation else ""))
-    found.sort(key=lambda h: -h.nodes)
-    return len(seen), found
+            holder = GraphHolder(type(tensor.grad_fn).__name__, len(seen) - before, list(tensor.shape), str(tensor.dtype),
+                                 nbytes, creation.describe() if creation else "", format_frame(creation.frame) if creation else "")
+            key = (holder.grad_fn, tuple(holder.shape), holder.dtype, holder.made_by)
+            if key in found:
+                found[key].count += 1
+                found[key].nodes += holder.nodes
+            else:
+                found[key] = holder
+    return len(seen), sorted(found.values(), key=lambda h: -h.nodes)

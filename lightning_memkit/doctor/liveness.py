@@ -68,7 +68,8 @@ class LivenessReport:
                 lines.append(f"    {part:<18} {format_bytes(value):>12}  {PEAK_PARTS[part]}")
         lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} ({self.held_too_long_bytes} bytes)")
         for group in self.held_too_long[:limit]:
-            last = f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
+            last = (f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
+                    if group.last_use_op else "nothing in this step (kept from an earlier one)")
             lines.append(f"    {format_bytes(group.total_bytes)} ({group.total_bytes} B, {group.count} tensors): "
                          f"{group.describe()}; last used by {last}")
         return "\n".join(lines)

@@ -43,6 +43,7 @@ STATE_ROLES = ("parameters", "buffers", "gradients", "optimizer_state")
 _MAX_ERRORS = 20
 
 _ACTIVE: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()
+_ALL: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()  # every recorder alive: they know live storages
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -217,6 +218,7 @@ class CreationRecorder(TorchDispatchMode):
         self._window_start = 0
         self.errors: list[str] = []
         self.error_count = 0
+        _ALL.add(self)
 
     # ------------------------------------------------------------------ set-up
     def name_modules(self, root: torch.nn.Module) -> None:
@@ -420,8 +422,8 @@ def active_recorders() -> list[CreationRecorder]:
 
 
 def creation_of(tensor: torch.Tensor) -> Creation | None:
-    """Who made ``tensor``'s storage, according to any recorder that knows it, or ``None``."""
-    for recorder in list(_ACTIVE):
+    """Who made ``tensor``'s storage, according to any live recorder that knows it, or ``None``."""
+    for recorder in list(_ALL):
         found = recorder.creation_of(tensor)
         if found is not None:
             return found

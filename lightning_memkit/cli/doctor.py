@@ -1,0 +1,90 @@
+"""``memkit doctor FILE.py:ModuleClass --steps N``: train a few steps and say what survives them.
+
+Runs a real ``Trainer.fit`` with :class:`~lightning_memkit.callbacks.memory_doctor.MemoryDoctor` and
+prints its verdict: steady state per step, leaks (bytes per step, who made what is kept), tensors held
+past their last use at the peak, and what the peak is made of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, build_trainer, json_object, load_object
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="train a few steps and find leaks, tensors held too long, and who made them",
+        description="Train a LightningModule for N steps while recording who made every tensor (aten op, module, "
+                    "the line of your code). Prints the live memory at each step's start, any steady growth (a leak) "
+                    "with the bytes per step and the code that made what is kept, and for one step the peak, what it is "
+                    "made of and the bytes held past their last use there. Exact bytes on CPU. MiB = 2**20 bytes.")
+    parser.add_argument("module", metavar="FILE.py:ModuleClass", help="the LightningModule class (it must define train_dataloader, or give --datamodule)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps to run (default: 20)")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size, passed as batch_size= or set as the batch_size attribute")
+    add_init_arguments(parser)
+    parser.add_argument("--window", type=int, default=5, help="increases in a row of the live memory at step start that make a leak (default: 5)")
+    parser.add_argument("--analyse-step", type=int, default=1, help="the step whose peak is analysed op by op (default: 1)")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default: cpu, exact bytes)")
+    parser.add_argument("--precision", default=None, help="Lightning precision, e.g. bf16-mixed (default: the Trainer's)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the verdict as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise CliError("--steps must be a positive integer, e.g. --steps 20")
+    if args.window < 2:
+        raise CliError("--window must be at least 2")
+    if args.analyse_step < 0 or args.analyse_step >= args.steps:
+        raise CliError(f"--analyse-step must be between 0 and --steps - 1 ({args.steps - 1})")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise CliError("--batch-size must be a positive integer")
+    import lightning.pytorch as pl
+
+    cls = load_object(args.module)
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise CliError(f"{args.module} is not a LightningModule class; memkit doctor needs one "
+                       "(use lightning_memkit.doctor.DoctorSession from Python for a plain training loop)")
+    model = build_instance(cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module")
+    datamodule = (build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
+                                 args.batch_size, "datamodule") if args.datamodule else None)
+    if datamodule is None and not _overrides(model, "train_dataloader"):
+        raise CliError(f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass")
+
+    from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
+
+    doctor = MemoryDoctor(window=args.window, analyse_step=args.analyse_step, verbose=False)
+    with tempfile.TemporaryDirectory(prefix="memkit_doctor_") as root:
+        options = dict(accelerator=args.accelerator, devices=1, max_steps=args.steps, limit_val_batches=0,
+                       num_sanity_val_steps=0, logger=False, callbacks=[doctor], default_root_dir=root,
+                       enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+        if args.precision:
+            options["precision"] = args.precision
+        trainer = build_trainer(**options)
+        trainer.fit(model, datamodule=datamodule)
+    report = doctor.report
+    if report is None or report.steps == 0:
+        print("memkit doctor: training stopped before its first step (an empty dataloader?)", file=sys.stderr)
+        return 1
+    print(report.format())
+    if report.steps < args.steps:
+        print(f"(the data gave {report.steps} steps of the {args.steps} asked for)")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report.to_dict(), file, indent=2)
+        print(f"wrote {os.path.abspath(args.json)}")
+    return 0 if report.healthy else 3
+
+
+def _overrides(model: Any, method: str) -> bool:
+    import lightning.pytorch as pl
+
+    return getattr(type(model), method, None) is not getattr(pl.LightningModule, method, None)

@@ -1,0 +1,413 @@
+"""The memory doctor on real Trainer runs (CPU, exact bytes): a zoo of classic leaks, each found with the
+bytes it keeps per step and the code that made them; no false alarm on the robustness modules over 20
+steps; a large intermediate held by a Python variable named with its bytes and the op that last read it."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import textwrap
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import FLOAT32, make_trainer
+from live_tensors import describe, tensors_with_grad_fn
+from lightning_memkit import MemoryTracker
+from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
+from lightning_memkit.cli import main
+from lightning_memkit.doctor import DoctorReport, DoctorSession
+from lightning_memkit.doctor._torch_compat import mode_is_active
+
+B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
+ACTIVATION = B * D * FLOAT32  # bytes of one (B, D) float32 activation: 512
+BATCH = B * D_IN * FLOAT32 + B * D * FLOAT32  # bytes of one (x, y) batch: 256 + 512
+
+
+# ============================================================================================ the zoo
+class Net(pl.LightningModule):
+    """``Linear(16, 32) -> ReLU -> Linear(32, 32)``, MSE against y; (x, y) batches of 4; SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D_IN, D), nn.ReLU(), nn.Linear(D, D))
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64 * B, D_IN, generator=generator)
+        self.y = torch.randn(64 * B, D, generator=generator)
+
+    def forward(self, x):
+        return self.body(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.bug(out, y, loss)
+        return loss
+
+    def bug(self, out, y, loss) -> None:
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=B)
+
+
+class LossWithGraph(Net):
+    """``self.total += loss``: every step's graph stays reachable from ``total``."""
+
+    total = 0
+
+    def bug(self, out, y, loss) -> None:
+        self.total += loss
+
+
+class MonitoredLossWithGraph(Net):
+    """A monitored L1 loss accumulated with its graph; it is never backwarded, so what its graph saved stays."""
+
+    total_l1 = 0
+
+    def bug(self, out, y, loss) -> None:
+        self.total_l1 += (out - y).abs().mean()
+
+
+class OutputsList(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs = []
+
+    def bug(self, out, y, loss) -> None:
+        self.outputs.append(out)
+
+
+class HookStoresInputs(Net):
+    """A forward hook on the last Linear that keeps its input (the ReLU's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+        self.body[2].register_forward_hook(lambda module, inputs, output: self.seen.append(inputs[0]))
+
+
+class DictCache(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = {}
+
+    def bug(self, out, y, loss) -> None:
+        self.cache[self.global_step] = out.detach().clone()
+
+
+class RetainGraphList(Net):
+    """Manual optimization, ``retain_graph=True`` and the losses kept in a list: every graph and all it saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.mse_loss(self(x), y)
+        self.manual_backward(loss, retain_graph=True)
+        optimizer.step()
+        self.losses.append(loss)
+
+
+class KeepBatches(pl.Callback):
+    def __init__(self) -> None:
+        self.batches = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch)
+
+
+def doctor_fit(module, tmp_path, steps=12, callbacks=(), doctor=None, **overrides) -> MemoryDoctor:
+    doctor = doctor or MemoryDoctor(verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=steps, callbacks=[doctor, *callbacks], **overrides)
+    trainer.fit(module)
+    assert not mode_is_active(doctor._session.recorder if doctor._session else doctor), "the doctor's mode stayed on"
+    return doctor
+
+
+def growing(report: DoctorReport):
+    assert report.leak is not None, report.format()
+    assert report.leak.growing, report.format()
+    return report.leak.growing
+
+
+def test_outputs_appended_to_a_list(tmp_path):
+    report = doctor_fit(OutputsList(), tmp_path).report
+    assert report.leak.bytes_per_step == ACTIVATION
+    top = growing(report)[0]
+    assert (top.op, top.module, top.phase, top.shape, top.dtype) == ("aten.addmm", "body.2", "forward", [B, D], "torch.float32")
+    assert top.bytes_per_step == ACTIVATION and top.where.endswith("in forward: return self.body(x)")  # the innermost user line
+    assert report.graph_leak is not None  # each kept output holds its (emptied) graph too
+
+
+def test_monitored_loss_accumulated_with_its_graph(tmp_path):
+    report = doctor_fit(MonitoredLossWithGraph(), tmp_path).report
+    # abs() saved its input, out - y, for a backward that never runs
+    assert report.leak.bytes_per_step == ACTIVATION
+    top = growing(report)[0]
+    assert (top.op, top.module, top.phase, top.bytes_per_step) == ("aten.sub", "", "other", ACTIVATION)
+    assert "self.total_l1 += (out - y).abs().mean()" in top.where
+
+
+def test_loss_accumulated_with_its_graph_keeps_graph_nodes(tmp_path):
+    report = doctor_fit(LossWithGraph(), tmp_path).report
+    # backward freed what each step's graph saved: no tensor bytes grow, the graph's nodes do
+    assert report.leak is None, report.format()
+    module = Net()
+    out = module(module.x[:B])
+    loss = F.mse_loss(out, module.y[:B])
+    nodes, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes and type(node).__name__ != "AccumulateGrad":
+            nodes.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+    assert report.graph_leak is not None, report.format()
+    assert report.graph_leak.nodes_per_step == len(nodes) + 1  # one step's graph, and the in-place add that chains it
+    holder = report.graph_leak.holders[0]
+    assert holder.grad_fn == "AddBackward0" and holder.shape == [] and "self.total += loss" in holder.where
+    assert "graph kept across steps" in report.format()
+
+
+def test_forward_hook_that_stores_inputs(tmp_path):
+    report = doctor_fit(HookStoresInputs(), tmp_path).report
+    assert report.leak.bytes_per_step == ACTIVATION
+    top = growing(report)[0]
+    assert (top.op, top.module, top.shape) == ("aten.relu", "body.1", [B, D])
+
+
+def test_dict_cache_keyed_by_step(tmp_path):
+    report = doctor_fit(DictCache(), tmp_path).report
+    assert report.leak.bytes_per_step == ACTIVATION
+    top = growing(report)[0]
+    assert (top.op, top.module, top.phase) == ("aten.clone", "", "other")
+    assert "self.cache[self.global_step] = out.detach().clone()" in top.where
+    assert report.graph_leak is None  # detached: no graph kept
+
+
+def test_retain_graph_with_a_growing_list(tmp_path):
+    report = doctor_fit(RetainGraphList(), tmp_path).report
+    # the retained graph keeps what it saved: the batch (x for the first Linear, y for the loss),
+    # the ReLU's output (for ReLU and the second Linear) and the output (for the loss); the list keeps
+    # each loss, whose storage is larger than its one element (torch's mse_loss returns a view)
+    module = Net()
+    loss_storage = F.mse_loss(module(module.x[:B]), module.y[:B]).untyped_storage().nbytes()
+    assert report.leak.bytes_per_step == BATCH + 2 * ACTIVATION + loss_storage
+    by_maker = {(g.op, g.module, g.category): g.bytes_per_step for g in growing(report)}
+    assert by_maker[("aten.mse_loss", "", "made in a step")] == loss_storage
+    assert by_maker[("aten.relu", "body.1", "made in a step")] == ACTIVATION
+    assert by_maker[("aten.addmm", "body.2", "made in a step")] == ACTIVATION
+    assert sum(g.bytes_per_step for g in growing(report) if g.category == "inputs") == BATCH
+
+
+def test_callback_that_keeps_each_batch(tmp_path):
+    report = doctor_fit(Net(), tmp_path, callbacks=[KeepBatches()]).report
+    assert report.leak.bytes_per_step == BATCH
+    kept = [g for g in growing(report) if g.category == "inputs"]
+    assert sum(g.bytes_per_step for g in kept) == BATCH
+    assert {tuple(g.shape) for g in kept} == {(B, D_IN), (B, D)}
+    assert report.graph_leak is None
+
+
+def test_a_leak_is_warned_once_and_the_report_is_written(tmp_path):
+    doctor = MemoryDoctor(verbose=True)
+    with pytest.warns(UserWarning, match="memory leak") as warned:
+        doctor_fit(OutputsList(), tmp_path, steps=16, doctor=doctor)
+    assert sum("memory leak" in str(w.message) for w in warned) == 1
+    with open(doctor.report_path) as file:
+        saved = DoctorReport.from_dict(json.load(file))
+    assert saved.to_dict() == doctor.report.to_dict()
+    assert saved.format() == doctor.report.format()
+
+
+# ============================================================================================ no false alarm
+ROBUST = ["DictBatch", "GAN", "accumulation", "lstm", "gru", "WithValidation", "TwoValLoaders", "Scheduled", "plain"]
+
+
+@pytest.mark.parametrize("name", ROBUST)
+def test_no_false_alarm_on_robustness_modules_over_20_steps(name, tmp_path):
+    import test_robustness as r
+
+    overrides = {}
+    if name == "accumulation":
+        module, overrides = r.Base(), {"accumulate_grad_batches": 2}
+    elif name in ("lstm", "gru"):
+        module = r.Recurrent(cell=name)
+    elif name == "plain":
+        module = Net()
+    else:
+        module = getattr(r, name)()
+    if name in ("WithValidation", "TwoValLoaders"):
+        overrides = {"limit_val_batches": None, "val_check_interval": 3}
+    doctor = doctor_fit(module, tmp_path, steps=20, **overrides)
+    report = doctor.report
+    assert report.steps == 20
+    assert report.healthy, report.format()
+    assert report.errors == []
+    assert "no leak" in report.format()
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+
+
+# ============================================================================================ held too long
+WIDE = 4096
+
+
+class HeldTooLong(Net):
+    """A frozen, wide projection whose output is only averaged into a gate, but stays in a variable for
+    the rest of the forward."""
+
+    def __init__(self, release: bool = False) -> None:
+        super().__init__()
+        self.release = release
+        self.expand = nn.Linear(D_IN, WIDE)
+        self.expand.requires_grad_(False)
+
+    def forward(self, x):
+        wide = self.expand(x)
+        gate = wide.mean(dim=1, keepdim=True)
+        if self.release:
+            del wide
+        h = self.body(x)
+        return torch.tanh(h) * torch.sigmoid(gate) + h
+
+
+def test_held_too_long_names_the_intermediate_its_bytes_and_last_reader(tmp_path):
+    report = doctor_fit(HeldTooLong(), tmp_path, steps=3).report
+    liveness = report.liveness
+    assert liveness is not None and liveness.step == 1
+    top = liveness.held_too_long[0]
+    assert (top.op, top.module, top.total_bytes, top.count) == ("aten.addmm", "expand", B * WIDE * FLOAT32, 1)
+    assert top.last_use_op == "aten.mean"
+    assert top.where.endswith("wide = self.expand(x)")
+    assert liveness.held_too_long_bytes >= B * WIDE * FLOAT32
+    assert sum(liveness.peak_parts.values()) == liveness.peak_bytes
+    assert "held too long at the peak" in report.format() and "last used by aten.mean" in report.format()
+
+
+def test_released_intermediate_is_not_held_too_long(tmp_path):
+    report = doctor_fit(HeldTooLong(release=True), tmp_path, steps=3).report
+    assert all(g.module != "expand" for g in report.liveness.held_too_long), report.format()
+    assert report.liveness.held_too_long_bytes < B * WIDE * FLOAT32
+
+
+# ============================================================================================ wiring
+@pytest.mark.parametrize("doctor_first", [True, False])
+def test_doctor_and_memory_tracker_together_in_either_order(doctor_first, tmp_path):
+    gc.collect()  # the tracker counts the process's tensors: no earlier test's garbage freed mid-run
+    tracker = MemoryTracker(verbose=False)
+    doctor = MemoryDoctor(verbose=False)
+    callbacks = [doctor, tracker] if doctor_first else [tracker, doctor]
+    trainer = make_trainer(tmp_path, max_steps=12, callbacks=callbacks)
+    trainer.fit(OutputsList())
+    assert doctor.report.leak.bytes_per_step == ACTIVATION
+    steps = [r.step for r in tracker.history if r.stage == "train"]
+    assert steps == list(range(12))
+    tensor_bytes = [r.tensor_bytes for r in tracker.history if r.stage == "train"]
+    # the tracker sees the same leak (at step end) with its own accountant
+    assert {b - a for a, b in zip(tensor_bytes[3:], tensor_bytes[4:])} == {ACTIVATION}
+
+
+def test_plain_pytorch_session_finds_the_leak_and_leaves_no_mode_on():
+    model = nn.Sequential(nn.Linear(D_IN, D), nn.ReLU(), nn.Linear(D, D))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = DoctorSession(model, [optimizer], window=3, warmup_steps=1)
+    kept = []
+    for step in range(8):
+        x = torch.randn(B, D_IN)
+        session.step_start(step, x)
+        out = model(x)
+        kept.append(out.detach())
+        out.pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        session.step_end(step)
+    session.close()
+    report = session.report()
+    assert report.leak.bytes_per_step == ACTIVATION
+    assert report.leak.growing[0].module == "2"
+    assert not mode_is_active(session.recorder)
+    del kept
+
+
+def test_doctor_arguments_are_checked():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="window"):
+        MemoryDoctor(window=1)
+    with pytest.raises(MisconfigurationException, match="analyse_step"):
+        MemoryDoctor(analyse_step=-1)
+
+
+# ============================================================================================ the CLI
+LEAKY_FILE = textwrap.dedent(
+    """
+    import torch, lightning.pytorch as pl
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Leaky(pl.LightningModule):
+        def __init__(self, batch_size: int = 8, leak: bool = True):
+            super().__init__()
+            self.batch_size, self.leak = batch_size, leak
+            self.encoder = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+            self.x, self.y = torch.randn(512, 32), torch.randn(512, 16)
+            self.history = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.encoder(x)
+            if self.leak:
+                self.history.append(out)
+            return F.mse_loss(out, y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+    """
+)
+
+
+def test_cli_doctor_prints_the_verdict_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "leaky.py"
+    path.write_text(LEAKY_FILE)
+    out_json = tmp_path / "verdict.json"
+    status = main(["doctor", f"{path}:Leaky", "--steps", "10", "--batch-size", "4", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert status == 3  # a leak was found
+    assert f"grows by {4 * 16 * FLOAT32} B" in printed
+    assert "aten.addmm in encoder.2 (forward" in printed and "out = self.encoder(x)" in printed
+    data = json.loads(out_json.read_text())
+    assert data["leak"]["bytes_per_step"] == 4 * 16 * FLOAT32
+    assert data["leak"]["growing"][0]["module"] == "encoder.2"
+
+    status = main(["doctor", f"{path}:Leaky", "--steps", "10", "--init-args", '{"leak": false}'])
+    printed = capsys.readouterr().out
+    assert status == 0 and "no leak" in printed and "step 1 peak" in printed
+
+
+def test_cli_doctor_refuses_bad_arguments(tmp_path, capsys):
+    path = tmp_path / "leaky.py"
+    path.write_text(LEAKY_FILE)
+    assert main(["doctor", f"{path}:Leaky", "--steps", "0"]) == 2
+    assert "--steps must be a positive integer" in capsys.readouterr().err
+    assert main(["doctor", f"{path}:Nope"]) == 2
+    assert "has no 'Nope'" in capsys.readouterr().err
+    assert main(["doctor", f"{path}:Leaky", "--steps", "3", "--analyse-step", "5"]) == 2
