@@ -36,10 +36,14 @@ SCRIPT = textwrap.dedent(
 
     trainer = pl.Trainer(
         strategy="ddp", accelerator="cpu", devices=2, max_steps=2, logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
-        callbacks=[LayerTrace()], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[LayerTrace(at_steps=(1, 50))], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )
-    trainer.fit(RankDependent(batch_size=8, optimizer="adam"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(RankDependent(batch_size=8, optimizer="adam"))
+    unreached = [str(w.message) for w in record if "memkit LayerTrace" in str(w.message)]
+    print(f"RANK {{trainer.global_rank}} UNREACHED {{len(unreached)}}: {{unreached}}", flush=True)
     """
 )
 
@@ -48,7 +52,11 @@ SCRIPT = textwrap.dedent(
 def test_ddp_each_rank_traces_its_own_step(tmp_path):
     script = tmp_path / "ddp_trace.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
-    run_script([str(script), str(tmp_path)], cwd=str(tmp_path))
+    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path))
+    # the printed summary and the unreached-step warning come from global rank zero only
+    assert output.count("memkit LayerTrace: step 1 on cpu") == 1, output[-3000:]
+    assert "RANK 1 UNREACHED 0: []" in output and "RANK 0 UNREACHED 1:" in output, output[-3000:]
+    assert "step 50 of at_steps never reached: the run's last training step was 1" in output
 
     log_dir = tmp_path / "tb" / "version_0"
     rank0 = read_trace(log_dir / "memkit_trace_step1.json")
