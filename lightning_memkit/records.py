@@ -101,6 +101,8 @@ class StepReading:
 
 
 _STEP_READING_FIELDS = tuple(f.name for f in dataclasses.fields(StepReading))
+#: where a step's peak comes from, best first (see StepReading.peak_bytes)
+_PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
 
 
 @dataclass
@@ -108,14 +110,18 @@ class RunSummary:
     """The run's memory in one line: its peak, where it happened and the room there was.
 
     Attributes:
-        peak_bytes: the highest per-step peak of the run, in bytes (see :attr:`peak_source`).
+        peak_bytes: the highest per-step peak of the run, in bytes (see :attr:`peak_source`), over
+            the readings that have the best source seen (CUDA's peak, else the accountant's,
+            else host peak RSS): steps without it do not count.
         peak_source: which reading the peak comes from, e.g. ``"peak_allocated_bytes"``.
         peak_step: the training step at which it happened.
         peak_stage: ``"train"`` or ``"validate"``.
         capacity_bytes: the device's memory capacity in bytes when known (CUDA device total,
             or host RAM for a CPU run), else ``None``.
         device: the device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
-        steps_measured: how many readings the run produced.
+        steps_measured: how many readings the run produced (training steps and validation runs).
+        train_steps_measured: how many training steps were measured.
+        validation_runs_measured: how many validation runs were measured.
         peak_reserved_bytes: the highest per-step reserved peak (CUDA), or ``None``.
         max_fragmentation_bytes: the highest fragmentation seen (CUDA), or ``None``.
         alloc_retries: allocator retries by the end of the run (CUDA), or ``None``.
@@ -128,6 +134,8 @@ class RunSummary:
     capacity_bytes: int | None = None
     device: str = "cpu"
     steps_measured: int = 0
+    train_steps_measured: int = 0
+    validation_runs_measured: int = 0
     peak_reserved_bytes: int | None = None
     max_fragmentation_bytes: int | None = None
     alloc_retries: int | None = None
@@ -136,15 +144,21 @@ class RunSummary:
     def update(self, reading: StepReading) -> None:
         """Fold one reading into the summary (constant memory, whatever the run's length)."""
         self.steps_measured += 1
+        if reading.stage == "train":
+            self.train_steps_measured += 1
+        else:
+            self.validation_runs_measured += 1
         peak = reading.peak_bytes
-        if peak is not None and (self.peak_bytes is None or peak > self.peak_bytes):
-            self.peak_bytes = peak
-            self.peak_step = reading.step
-            self.peak_stage = reading.stage
-            self.peak_source = next(
-                n for n in ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
-                if getattr(reading, n) is not None
-            )
+        if peak is not None:
+            source = next(n for n in _PEAK_SOURCES if getattr(reading, n) is not None)
+            # one source for the run: a reading without the best source seen (a step the CPU
+            # accountant did not measure has host RSS only) never stands in for it
+            better = self.peak_source is None or _PEAK_SOURCES.index(source) < _PEAK_SOURCES.index(self.peak_source)
+            if better or (source == self.peak_source and peak > self.peak_bytes):
+                self.peak_bytes = peak
+                self.peak_step = reading.step
+                self.peak_stage = reading.stage
+                self.peak_source = source
         if reading.peak_reserved_bytes is not None:
             self.peak_reserved_bytes = max(self.peak_reserved_bytes or 0, reading.peak_reserved_bytes)
         if reading.fragmentation_bytes is not None:
@@ -188,4 +202,8 @@ def read_records(path: str) -> tuple[RunSummary, list[StepReading]]:
         data = json.load(file)
     if not isinstance(data, dict) or data.get("format", "").split("/")[:2] != ["lightning-memkit", "memory"]:
         raise ValueError(f"{path} is not a memkit memory file (written by MemoryTracker at fit end)")
-    return RunSummary.from_dict(data["summary"]), [StepReading.from_dict(r) for r in data["history"]]
+    summary, history = RunSummary.from_dict(data["summary"]), [StepReading.from_dict(r) for r in data["history"]]
+    if "train_steps_measured" not in data["summary"]:  # written before the split: count from the history
+        summary.train_steps_measured = sum(r.stage == "train" for r in history)
+        summary.validation_runs_measured = len(history) - summary.train_steps_measured
+    return summary, history

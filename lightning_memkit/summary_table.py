@@ -41,5 +41,7 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     last = history[-1] if history else None
     if last is not None and last.host_rss_bytes is not None:
         rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
-    rows.append(("steps measured", str(summary.steps_measured)))
+    rows.append(("training steps measured", str(summary.train_steps_measured)))
+    if summary.validation_runs_measured:
+        rows.append(("validation runs measured", str(summary.validation_runs_measured)))
     return "memkit memory summary\n" + format_table(("measure", "value"), rows, left_columns=2)

@@ -7,8 +7,10 @@ import glob
 import json
 import os
 
+import numpy
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -21,8 +23,33 @@ from lightning_memkit.tensorboard.tags import step_tag
 from lightning_memkit.units import MiB
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
+from live_tensors import live_tensors, storage_bytes
 
 SCALAR = FLOAT32
+
+
+class _ProcessBytes(Callback):
+    """Placed before the tracker: the process's live tensor bytes at each batch start, counted
+    independently of memkit with gc (tests/live_tensors.py), plus the parameters' gradients,
+    which have no Python object for gc to find until someone reads them."""
+
+    def __init__(self) -> None:
+        self.at_batch_start: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.at_batch_start.append(storage_bytes(live_tensors("cpu") + grads))  # each storage once
+
+
+def _rest_of_process(counter: _ProcessBytes, model: LinearStack, batch_size: int, steps_with_grads=lambda step: step > 0) -> list[int]:
+    """What ``tensor_MiB`` counts besides the step's own tensors, now that it covers the whole
+    process: at each batch start, everything alive minus the parameters P, the batch X and the
+    gradients G of the last step. For these runs that is the model's dataset tensor
+    (``model.data``) plus whatever else this pytest process holds; the tests check it is the
+    same at every step and includes the dataset."""
+    P = model.parameter_bytes()
+    X = batch_size * model.dims[0] * FLOAT32
+    return [total - P - X - (P if steps_with_grads(step) else 0) for step, total in enumerate(counter.at_batch_start)]
 #: the fields a CPU run logs: host RSS and the accountant (no CUDA, no NVML)
 CPU_FIELDS = [f for f, meaning in MEMORY_FIELDS.items() if meaning.startswith(("host:", "accountant:"))]
 
@@ -85,22 +112,27 @@ def test_cpu_per_step_peak_equals_hand_computed_bytes_sgd(tmp_path, batch_size):
     backward, then the step. So from step 1 on, last step's gradients G are still live during
     the forward, while at step 0 there are none; backward always starts without them.
     The optimizer (plain SGD) updates in place. The peak is the highest of the moments
-    worked out by hand above.
+    worked out by hand above, on top of the rest of the process (``_rest_of_process``: the
+    dataset tensor and whatever else the process holds, which the whole-process reading counts).
     """
     dims = (32, 64, 48, 16)
     model = LinearStack(dims, batch_size)
-    tracker = MemoryTracker(verbose=False)
-    make_trainer(tmp_path, max_steps=4, callbacks=[tracker]).fit(model)
+    counter = _ProcessBytes()
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
+    make_trainer(tmp_path, max_steps=4, callbacks=[counter, tracker]).fit(model)
 
     P = model.parameter_bytes()
     G = P
     X = batch_size * dims[0] * FLOAT32
-    step0 = P + X + max(max(_forward_moments(model)), max(_backward_moments(model)))
-    later = P + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)))
+    rest = _rest_of_process(counter, model, batch_size)
+    assert len(set(rest)) == 1 and rest[0] >= model.data.nbytes, rest
+    rest = rest[0]
+    step0 = rest + P + X + max(max(_forward_moments(model)), max(_backward_moments(model)))
+    later = rest + P + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)))
     assert [r.step for r in tracker.history] == [0, 1, 2, 3]
     assert [r.peak_tensor_bytes for r in tracker.history] == [step0, later, later, later]
-    # at step end: P, G, X and Lightning's detached loss clone
-    assert [r.tensor_bytes for r in tracker.history] == [P + G + X + SCALAR] * 4
+    # at step end: P, G, X and Lightning's detached loss clone, and the rest of the process
+    assert [r.tensor_bytes for r in tracker.history] == [rest + P + G + X + SCALAR] * 4
     assert tracker.summary.peak_bytes == max(step0, later)
     assert tracker.summary.peak_source == "peak_tensor_bytes"
 
@@ -110,16 +142,20 @@ def test_cpu_per_step_peak_counts_adam_state(tmp_path):
     per parameter tensor, created at step 0; from step 1 they are live through the forward."""
     dims, batch_size = (32, 64, 48, 16), 32
     model = LinearStack(dims, batch_size, optimizer="adam")
-    tracker = MemoryTracker(verbose=False)
-    make_trainer(tmp_path, max_steps=3, callbacks=[tracker]).fit(model)
+    counter = _ProcessBytes()
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
+    make_trainer(tmp_path, max_steps=3, callbacks=[counter, tracker]).fit(model)
 
     P = model.parameter_bytes()
     G = P
     parameter_tensors = 2 * (len(dims) - 1)
     S = 2 * P + parameter_tensors * SCALAR
     X = batch_size * dims[0] * FLOAT32
-    expected = P + S + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)),
-                               G + max(_adam_step_moments(model)))
+    # the rest of the process (dataset and others); Adam's state S is in the gc count from step 1
+    rest = [r - S for r in _rest_of_process(counter, model, batch_size)[1:]]
+    assert len(set(rest)) == 1 and rest[0] >= model.data.nbytes, rest
+    expected = rest[0] + P + S + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)),
+                                         G + max(_adam_step_moments(model)))
     assert [r.peak_tensor_bytes for r in tracker.history][1:] == [expected, expected]
     # at this batch size Adam's temporaries, not the activations, make the peak
     assert max(_adam_step_moments(model)) > max(_forward_moments(model))
@@ -127,7 +163,7 @@ def test_cpu_per_step_peak_counts_adam_state(tmp_path):
 
 def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     model = LinearStack(batch_size=8, log_loss=True, val_batches=2)
-    tracker = MemoryTracker(verbose=False)
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     trainer = make_trainer(tmp_path, max_steps=6, logger=logger, callbacks=[tracker],
                            val_check_interval=3, limit_val_batches=2, check_val_every_n_epoch=None)
@@ -168,8 +204,12 @@ def test_every_n_steps_is_respected(tmp_path):
     make_trainer(tmp_path, max_steps=7, logger=logger, callbacks=[tracker]).fit(LinearStack())
     scalars = read_scalars(logger.log_dir)
     for field in CPU_FIELDS:
-        assert [s for s, _ in scalars[step_tag(field)]] == [0, 3, 6]
+        # the accountant's per-op peak runs on every 10th measured step (tensor_peak_every_n_steps)
+        assert [s for s, _ in scalars[step_tag(field)]] == ([0] if field == "peak_tensor_bytes" else [0, 3, 6]), field
     assert [r.step for r in tracker.history] == [0, 3, 6]
+    assert [r.peak_tensor_bytes is not None for r in tracker.history] == [True, False, False]
+    # memkit's own rows (every_n_steps > 1), each with the epoch
+    assert [s for s, _ in scalars["epoch"]] == [0, 3, 6] and all(v == 0 for _, v in scalars["epoch"])
     # an unmeasured step leaves no window open and adopts nothing
     assert _get_current_dispatch_mode() is None
 
@@ -182,8 +222,9 @@ def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
     dims, batch_size = (32, 64, 48, 16), 8
     model = LinearStack(dims, batch_size)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    tracker = MemoryTracker(verbose=False)
-    trainer = make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[tracker])
+    counter = _ProcessBytes()
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
+    trainer = make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[counter, tracker])
     trainer.fit(model)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6  # six micro-batches
     scalars = read_scalars(logger.log_dir)
@@ -195,7 +236,14 @@ def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
     first = max(_backward_moments(model))
     second = G + max(max(_forward_moments(model)), max(_backward_moments(model, accumulating=True)))
     assert second > first
-    assert [r.peak_tensor_bytes for r in tracker.history] == [P + X + second] * 3
+    # the rest of the process at each optimizer step's first micro-batch (gradients of the
+    # previous optimizer step are still there then, except at step 0)
+    # From step 1 the rest also holds what Lightning keeps of each value memkit logged through
+    # self.log: the value (float64, 8 bytes) and the default of its metric state (float32,
+    # 4 bytes, kept by torchmetrics for reset), so it is taken step by step.
+    rest = [counter.at_batch_start[2 * k] - P - X - (P if k else 0) for k in range(3)]
+    assert rest[0] >= model.data.nbytes and rest[1] == rest[2] == rest[0] + (8 + 4) * len(CPU_FIELDS), rest
+    assert [r.peak_tensor_bytes for r in tracker.history] == [rest[k] + P + X + second for k in range(3)]
 
 
 def test_validation_inside_an_accumulation_window_does_not_split_the_step(tmp_path):
@@ -220,22 +268,64 @@ def test_csv_logger_has_the_columns(tmp_path):
     for field in CPU_FIELDS:
         assert step_tag(field) in columns
     assert "memory/summary/run_peak_MiB" in columns
-    train_rows = [r for r in rows if r["memory/train/peak_tensor_MiB"]]
+    train_rows = [r for r in rows if r["memory/train/tensor_MiB"]]
     assert [int(r["step"]) for r in train_rows] == [0, 1, 2]
-    assert [round(float(r["memory/train/peak_tensor_MiB"]) * MiB) for r in train_rows] == [
-        r.peak_tensor_bytes for r in tracker.history
-    ]
+    # float64 all the way: the CSV holds the exact bytes / 2**20
+    assert [float(r["memory/train/tensor_MiB"]) * MiB for r in train_rows] == [r.tensor_bytes for r in tracker.history]
+    # the peak on step 0 only (tensor_peak_every_n_steps=10), and no stale value after it
+    assert [r["memory/train/peak_tensor_MiB"] != "" for r in train_rows] == [True, False, False]
+    assert float(train_rows[0]["memory/train/peak_tensor_MiB"]) * MiB == tracker.history[0].peak_tensor_bytes
+
+
+def test_csv_memory_is_in_lightnings_rows_with_the_epoch(tmp_path):
+    """Memory is logged through Lightning's own logging: one row per logged step holds the
+    user's train_loss, the epoch and memkit's values; validation's in the val_loss row; Lightning's
+    log_every_n_steps decides which steps are written."""
+    logger = CSVLogger(str(tmp_path), name="csv")
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
+    make_trainer(tmp_path, max_steps=8, logger=logger, callbacks=[tracker], log_every_n_steps=2, val_check_interval=4,
+                 limit_val_batches=1, check_val_every_n_epoch=None).fit(LinearStack(log_loss=True, val_batches=1))
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        rows = list(csv.DictReader(file))
+    train_rows = [r for r in rows if r["train_loss"]]
+    assert [int(r["step"]) for r in train_rows] == [1, 3, 5, 7]  # Lightning's log_every_n_steps=2
+    for row in train_rows:
+        assert row["epoch"] == "0"
+        for field in CPU_FIELDS:
+            assert row[step_tag(field)] != "", (field, row)
+    # every row that has memory has the user's metric too (the summary row at fit end aside)
+    memory_rows = [r for r in rows if any(r[step_tag(f)] for f in CPU_FIELDS)]
+    assert memory_rows == train_rows
+    val_rows = [r for r in rows if r["val_loss"]]
+    assert [int(r["step"]) for r in val_rows] == [3, 7]
+    assert all(r[step_tag("tensor_bytes", "validate")] and r["epoch"] == "0" for r in val_rows)
+    by_step = {r.step: r for r in tracker.history if r.stage == "train"}
+    assert [float(r["memory/train/peak_tensor_MiB"]) * MiB for r in train_rows] == [by_step[s].peak_tensor_bytes for s in (1, 3, 5, 7)]
+    assert tracker.summary.train_steps_measured == 8 and tracker.summary.validation_runs_measured == 2
 
 
 def test_no_logger_fills_history(tmp_path, capsys):
     tracker = MemoryTracker()
     make_trainer(tmp_path, max_steps=3, logger=False, callbacks=[tracker]).fit(LinearStack())
     assert [r.step for r in tracker.history] == [0, 1, 2]
-    assert all(r.peak_tensor_bytes and r.host_rss_bytes for r in tracker.history)
-    assert tracker.summary.steps_measured == 3
+    assert all(r.tensor_bytes and r.host_rss_bytes for r in tracker.history)
+    assert tracker.history[0].peak_tensor_bytes  # step 0: the accountant's peak (every 10th step)
+    assert tracker.summary.steps_measured == tracker.summary.train_steps_measured == 3
     out = capsys.readouterr().out
     assert "memkit memory summary" in out and "run peak" in out and "(peak_tensor_bytes)" in out
-    assert os.path.exists(os.path.join(str(tmp_path), RECORDS_FILENAME))
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("training steps measured")] == ["3"]
+    # no logger: nothing written (not in default_root_dir, not in the working directory)
+    assert tracker.records_path is None
+    assert not os.path.exists(os.path.join(str(tmp_path), RECORDS_FILENAME)) and not os.path.exists(RECORDS_FILENAME)
+    # unless asked, and never over another run's file
+    path = tracker.save_records(str(tmp_path))
+    assert path == os.path.join(str(tmp_path), RECORDS_FILENAME)
+    assert [r.step for r in read_records(path)[1]] == [0, 1, 2]
+    again = MemoryTracker(verbose=False, records_file=str(tmp_path / RECORDS_FILENAME))
+    make_trainer(tmp_path, max_steps=2, logger=False, callbacks=[again]).fit(LinearStack())
+    assert again.records_path == os.path.join(str(tmp_path), "memkit_memory-v1.json")
+    assert [r.step for r in read_records(path)[1]] == [0, 1, 2]  # the first run's file is untouched
+    assert [r.step for r in read_records(again.records_path)[1]] == [0, 1]
 
 
 def test_two_loggers_both_written(tmp_path):
@@ -245,11 +335,11 @@ def test_two_loggers_both_written(tmp_path):
     make_trainer(tmp_path, max_steps=3, logger=[tb, csv_logger], callbacks=[tracker]).fit(LinearStack())
     scalars = read_scalars(tb.log_dir)
     with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as file:
-        rows = [r for r in csv.DictReader(file) if r["memory/train/peak_tensor_MiB"]]
-    tb_values = [v for _, v in scalars["memory/train/peak_tensor_MiB"]]
-    csv_values = [float(r["memory/train/peak_tensor_MiB"]) for r in rows]
-    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [int(r["step"]) for r in rows] == [0, 1, 2]
-    assert [round(v * MiB) for v in tb_values] == [round(v * MiB) for v in csv_values]
+        rows = [r for r in csv.DictReader(file) if r["memory/train/tensor_MiB"]]
+    tb_values = [v for _, v in scalars["memory/train/tensor_MiB"]]
+    csv_values = [float(r["memory/train/tensor_MiB"]) for r in rows]
+    assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert tb_values == [float(numpy.float32(v)) for v in csv_values]  # TensorBoard keeps float32
 
 
 def test_allocator_path_without_accountant(tmp_path):
@@ -281,7 +371,7 @@ def test_a_failing_probe_warns_once_and_the_run_finishes(tmp_path, recwarn):
     assert len(warnings) == 1
     assert "switched off" in str(warnings[0].message) and "NVML_ERROR_DRIVER_NOT_LOADED" in str(warnings[0].message)
     scalars = read_scalars(logger.log_dir)
-    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [0, 1, 2, 3]
+    assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [0, 1, 2, 3]
 
 
 def test_resume_continues_the_step_axis(tmp_path):
@@ -302,7 +392,7 @@ def test_resume_continues_the_step_axis(tmp_path):
     assert [r.step for r in second.history] == [0, 1, 2, 3, 4, 5]
     assert second.summary.steps_measured == 6
     scalars = read_scalars(second_logger.log_dir)
-    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [3, 4, 5]
+    assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [3, 4, 5]
     assert [s for s, _ in scalars["train_loss"]] == [3, 4, 5]  # the same axis as Lightning's
 
 
@@ -335,10 +425,10 @@ def test_out_of_memory_leaves_a_report_flushes_loggers_and_reraises(tmp_path):
     assert report["error_type"] == "RuntimeError" and "can't allocate memory" in report["error"]
     assert [r["step"] for r in report["last_readings"]] == [0, 1]
     failing = report["failing_step_reading"]
-    assert failing["step"] == 2 and failing["peak_tensor_bytes"] > 0 and failing["host_rss_bytes"] > 0
+    assert failing["step"] == 2 and failing["tensor_bytes"] > 0 and failing["host_rss_bytes"] > 0
     assert report["summary"]["steps_measured"] == 2
     with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
-        rows = [r for r in csv.DictReader(file) if r.get("memory/train/peak_tensor_MiB")]
+        rows = [r for r in csv.DictReader(file) if r.get("memory/train/tensor_MiB")]
     assert [int(r["step"]) for r in rows] == [0, 1]
 
 

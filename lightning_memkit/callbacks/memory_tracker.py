@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -63,19 +64,32 @@ class MemoryTracker(Callback):
     ``peak_tensor_MiB``           MiB    accountant: peak live tensor bytes during the step (exact)
     ============================  =====  ==================================================
 
+    ``tensor_MiB`` / ``peak_tensor_MiB`` count every live tensor storage of the process on the
+    measured device, whoever made it (a callback, the steps between measured ones, set-up), as
+    CUDA's ``allocated`` does; ``peak_tensor_MiB`` appears on the steps the accountant measured
+    (``tensor_peak_every_n_steps``).
+
+    Where the readings go: with ``every_n_steps=1`` they are logged through Lightning's own
+    logging (``self.log``), so Lightning writes them at its ``log_every_n_steps``, in the same
+    rows as your metrics and with ``epoch``; with ``every_n_steps > 1`` memkit writes its own rows
+    (with ``epoch``) at each measured step. Validation readings go in the validation rows.
     At fit end ``memory/summary/run_peak_MiB``, ``run_peak_step``, ``capacity_MiB`` and
     ``run_peak_fraction`` are logged and a summary table is printed.
 
     Args:
-        every_n_steps: measure and log every n-th optimizer step (1 = every step). Steps in
+        every_n_steps: measure every n-th optimizer step (1 = every step). Steps in
             between run with no probe active. With gradient accumulation one reading covers
             all micro-batches of an optimizer step.
         log_validation: also measure each validation run (one reading per run, ``memory/val/``).
-        tensor_accounting: run the exact tensor accountant during measured steps. ``"auto"``
-            (default) turns it on where there are no allocator counters (CPU and other
-            non-CUDA devices); it costs a Python call per aten op while a step is measured
-            (measured: 1.10x on a 20 ms CPU step, 2.5x on a 1 ms one; ``every_n_steps``
-            divides that; see docs/memory_tracker.md).
+        tensor_accounting: read the exact tensor accountant. ``"auto"`` (default) turns it on
+            where there are no allocator counters (CPU and other non-CUDA devices).
+        tensor_peak_every_n_steps: the accountant's exact per-step peak (``peak_tensor_MiB``)
+            costs a Python call per aten op during the step (1.10x on a 20 ms CPU step); it runs
+            on at most one step in this many (default 10), and only on steps whose readings the
+            loggers will get: with ``every_n_steps=1``, steps Lightning writes
+            (``log_every_n_steps``); else every n-th measured step. 1 = every such step.
+            ``tensor_MiB`` (live bytes at step end) is read every measured step at a cost of
+            tens of microseconds. Validation runs always get their peak. See docs/memory_tracker.md.
         nvml: read NVML on CUDA devices.
         host: read host RSS and per-step peak RSS.
         per_rank: under DDP also log each rank's values (``memory/train/rank{r}/...``);
@@ -86,6 +100,12 @@ class MemoryTracker(Callback):
             trainer's ``default_root_dir``.
         max_history: readings kept in :attr:`history` (and checkpoints); older ones are
             dropped, the run summary is unaffected.
+        records_file: where the readings are written at fit end for ``memkit report``. ``None``
+            (default): ``<log_dir>/memkit_memory.json`` in the first logger's directory when the
+            Trainer has a logger, and no file without a logger (the readings stay on
+            :attr:`history`; :meth:`save_records` writes them). A path (a file, or an existing
+            directory) writes there. An existing file is never overwritten: the name gets
+            ``-v1``, ``-v2``... as Lightning's checkpoints do.
         prefix: the first part of every logged key. Several MemoryTrackers in one Trainer (say,
             one measuring every step and one with ``every_n_steps=100``) need different prefixes:
             the prefix also names the tracker's checkpoint state.
@@ -100,7 +120,7 @@ class MemoryTracker(Callback):
         oom_report_path: the path of the OOM report, if one was written.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
             which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other
-            than the default).
+            than the default), or ``None`` when none was written.
     """
 
     #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
@@ -120,11 +140,17 @@ class MemoryTracker(Callback):
         prefix: str = DEFAULT_PREFIX,
         verbose: bool = True,
         extra_probes: Sequence[MemoryProbe] = (),
+        tensor_peak_every_n_steps: int = 10,
+        records_file: str | None = None,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
         if tensor_accounting not in (True, False, "auto"):
             raise MisconfigurationException(f"MemoryTracker(tensor_accounting={tensor_accounting!r}): choose True, False or 'auto'")
+        if not isinstance(tensor_peak_every_n_steps, int) or isinstance(tensor_peak_every_n_steps, bool) or tensor_peak_every_n_steps < 1:
+            raise MisconfigurationException(f"MemoryTracker(tensor_peak_every_n_steps={tensor_peak_every_n_steps!r}): give a positive integer, e.g. 1 for the exact peak of every logged step")
+        if records_file is not None and not isinstance(records_file, (str, os.PathLike)):
+            raise MisconfigurationException(f"MemoryTracker(records_file={records_file!r}): give a path (str), or None for the logger's log dir")
         if not isinstance(max_history, int) or max_history < 1:
             raise MisconfigurationException(f"MemoryTracker(max_history={max_history!r}): give a positive integer")
         if not isinstance(cuda_memory_history, int) or cuda_memory_history < 0:
@@ -141,6 +167,8 @@ class MemoryTracker(Callback):
         self.prefix = prefix
         self.verbose = verbose
         self.extra_probes = list(extra_probes)
+        self.tensor_peak_every_n_steps = tensor_peak_every_n_steps
+        self.records_file = None if records_file is None else os.fspath(records_file)
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -149,6 +177,9 @@ class MemoryTracker(Callback):
         self._reducer: ReadingReducer | None = None
         self._history_recording = False
         self._validation_window = False
+        self._last_peak_step: int | None = None
+        self._logged_names: set[str] = set()
+        self._records_written: set[str] = set()
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -161,6 +192,8 @@ class MemoryTracker(Callback):
             self.history.clear()
             self.summary = RunSummary()
             self.records_path = self.oom_report_path = None
+        self._last_peak_step = None
+        self._logged_names = set()
         device = trainer.strategy.root_device
         self._meter = MemoryMeter(
             device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host, extra_probes=self.extra_probes
@@ -178,9 +211,15 @@ class MemoryTracker(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """Drop everything the run needed (probes, the accountant, the process hook): a tracker
+        kept after the fit holds its readings, never a tensor."""
         if self._meter is not None:
             self._meter.shutdown()
             self._meter = None
+        self._reducer = None
         if self._history_recording:
             stop_memory_history()
             self._history_recording = False
@@ -192,11 +231,28 @@ class MemoryTracker(Callback):
         if meter is None:
             return
         if not meter.is_open:
+            if self._logged_names:  # values logged at an earlier step are not this step's
+                _forget_logged_values(trainer, self._logged_names)
+                self._logged_names = set()
             step = logging_step(trainer)
             if step % self.every_n_steps:
                 return
-            meter.open(step, "train", trainer.global_rank)
+            peak = self._peak_this_step(trainer, step)
+            if peak:
+                self._last_peak_step = step
+            meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
         meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
+
+    def _peak_this_step(self, trainer: Trainer, step: int) -> bool:
+        """Whether the accountant runs during this step (see ``tensor_peak_every_n_steps``)."""
+        n = self.tensor_peak_every_n_steps
+        if self.every_n_steps == 1 and trainer.loggers:
+            # only steps Lightning writes, at most one in n
+            every = trainer.log_every_n_steps
+            if not every or (step + 1) % every:
+                return False
+            return self._last_peak_step is None or step - self._last_peak_step >= n or step < self._last_peak_step
+        return step % (self.every_n_steps * n) == 0
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -205,7 +261,7 @@ class MemoryTracker(Callback):
             return
         meter.pause()
         if optimizer_steps_after_batch(trainer):
-            self._log(trainer, meter.close())
+            self._log(trainer, meter.close(), pl_module)
 
     # ------------------------------------------------------------------ validation runs
     def _validating(self, trainer: Trainer) -> bool:
@@ -217,7 +273,7 @@ class MemoryTracker(Callback):
         # not measured: closing that window here would log a partial training step.
         self._validation_window = self._validating(trainer) and not self._meter.is_open
         if self._validation_window:
-            self._meter.open(logging_step(trainer), "validate", trainer.global_rank)
+            self._meter.open(logging_step(trainer), "validate", trainer.global_rank, tensor_peak=True)
 
     @override
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -232,19 +288,35 @@ class MemoryTracker(Callback):
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._validation_window and self._meter is not None and self._meter.is_open:
-            self._log(trainer, self._meter.close())
+            self._log(trainer, self._meter.close(), pl_module)
         self._validation_window = False
 
     # ------------------------------------------------------------------ logging
-    def _log(self, trainer: Trainer, reading: StepReading) -> None:
+    def _log(self, trainer: Trainer, reading: StepReading, pl_module: LightningModule) -> None:
         logged, ranks = self._reducer.reduce(reading, self.per_rank) if self._reducer else (reading, [])
         self.history.append(logged)
         self.summary.update(logged)
+        if not trainer.loggers:
+            return
         metrics = step_metrics(logged, self.prefix)
         for rank_reading in ranks:
             metrics.update(step_metrics(rank_reading, self.prefix, rank=rank_reading.rank))
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=logged.step)
+        if logged.stage == "train" and self.every_n_steps > 1:
+            # memkit's own rows at its own steps (Lightning would write only at its log_every_n_steps)
+            metrics["epoch"] = float(trainer.current_epoch)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=logged.step)
+            return
+        # Through Lightning's logging: it writes these in the same rows as the user's metrics
+        # (with epoch), at its own logging steps. CPU float64 tensors: exact, and no device sync.
+        on_step = logged.stage == "train"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")  # values are reduced over ranks already
+            for name, value in metrics.items():
+                pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=on_step, on_epoch=not on_step,
+                              reduce_fx="max", prog_bar=False, logger=True, sync_dist=False)
+        if on_step:
+            self._logged_names = set(metrics)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -262,14 +334,43 @@ class MemoryTracker(Callback):
             logger.log_metrics(metrics, step=step)
             logger.save()
         if trainer.is_global_zero:
-            # a second tracker (its own prefix) writes beside the default one instead of over it
-            name = RECORDS_FILENAME if self.prefix == DEFAULT_PREFIX else RECORDS_FILENAME.replace(".json", f"_{_file_safe(self.prefix)}.json")
-            self.records_path = write_records(os.path.join(log_dir(trainer), name), self.summary, list(self.history))
+            target = self._records_target(trainer)
+            if target is not None:
+                self.records_path = self.save_records(target)
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
             from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
 
             log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)
+
+    # ------------------------------------------------------------------ records
+    def _records_name(self) -> str:
+        # a second tracker (its own prefix) writes beside the default one instead of over it
+        return RECORDS_FILENAME if self.prefix == DEFAULT_PREFIX else RECORDS_FILENAME.replace(".json", f"_{_file_safe(self.prefix)}.json")
+
+    def _records_target(self, trainer: Trainer) -> str | None:
+        if self.records_file is not None:
+            return self.records_file
+        if not trainer.loggers:
+            return None  # no logger: nothing written into the working directory unless asked
+        return os.path.join(log_dir(trainer), self._records_name())
+
+    def save_records(self, path: str) -> str:
+        """Write :attr:`summary` and :attr:`history` as JSON (what ``memkit report`` reads) to
+        ``path`` (a file, or an existing directory: ``memkit_memory.json`` in it); returns the path
+        written. An existing file this tracker did not write in this run is kept: the new name gets
+        ``-v1``, ``-v2``... (as Lightning's ModelCheckpoint does)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, self._records_name())
+        stem, extension = os.path.splitext(path)
+        candidate, version = path, 0
+        while os.path.exists(candidate) and candidate not in self._records_written:
+            version += 1
+            candidate = f"{stem}-v{version}{extension}"
+        written = write_records(candidate, self.summary, list(self.history))
+        self._records_written.add(written)
+        return written
 
     # ------------------------------------------------------------------ failures
     @override
@@ -287,6 +388,7 @@ class MemoryTracker(Callback):
                 logger.save()
             except Exception:
                 pass
+        self._release()
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
         directory = self.oom_dir or log_dir(trainer)
@@ -334,3 +436,24 @@ class MemoryTracker(Callback):
 
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _forget_logged_values(trainer: Trainer, names: set[str]) -> None:
+    """Keep Lightning from writing memkit's values of an earlier step again.
+
+    A value given to ``self.log(on_step=True)`` stays in Lightning's results until it is logged
+    again, and Lightning writes whatever is there at each of its logging steps; a key memkit did
+    not log this step (``peak_tensor_MiB`` between accountant steps) must not be written with an
+    old value. Private Lightning internal: ``trainer._results`` entries named
+    ``"on_train_batch_end.<name>"`` and their ``has_reset`` flag, which ``valid_items()`` skips and
+    the next ``self.log`` clears. Pinned by tests/test_memory_tracker.py; if it moves, stale
+    values may be written, training is unaffected.
+    """
+    try:
+        results = trainer._results
+        for name in names:
+            item = results.get(f"on_train_batch_end.{name}") if results is not None else None
+            if item is not None:
+                item.has_reset = True
+    except Exception:  # noqa: BLE001 - never break training over a logging detail
+        pass
