@@ -1,0 +1,511 @@
+"""The CUDA target's kernels: what the kernels a GPU would run allocate, simulated on CPU fake tensors.
+
+A CUDA-target estimate runs its fake step on CPU fakes (a CPU-only torch cannot make fake CUDA
+tensors). Where a CUDA kernel allocates differently from the CPU (or fake) one, this module makes
+the fake step allocate what the CUDA kernel does. Every such choice is one row of :data:`KERNEL_TABLE`,
+and each row is pinned by tests/test_gpu_truth.py against allocator traces recorded on an H100
+(tests/data/gpu_truth, torch 2.11, cuDNN 9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
+from lightning_memkit.units import KiB, MiB
+
+__all__ = [
+    "GPU_GENERATIONS",
+    "GpuTarget",
+    "KERNEL_TABLE",
+    "KernelRow",
+    "CudaKernels",
+    "CudaTarget",
+    "attention_backend",
+    "conv_workspace_bytes",
+    "cublas_workspace_bytes",
+    "cublaslt_workspace_bytes",
+]
+
+#: GPU names -> compute capability (major, minor). ``sm90``, ``9.0`` or ``(9, 0)`` are accepted too.
+GPU_GENERATIONS: dict[str, tuple[int, int]] = {
+    "v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a30": (8, 0), "a10": (8, 6), "a10g": (8, 6), "a40": (8, 6),
+    "rtx3090": (8, 6), "l4": (8, 9), "l40": (8, 9), "l40s": (8, 9), "rtx4090": (8, 9), "h100": (9, 0),
+    "h200": (9, 0), "gh200": (9, 0), "b200": (10, 0), "gb200": (10, 0),
+}
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """The GPU an estimate is for: its name and compute capability (``(9, 0)`` for an H100).
+
+    The generation changes kernel choices (flash attention needs sm80+, bf16 memory-efficient
+    attention sm80+) and the cuBLAS workspace (32 MiB on sm90+, 8 MiB + 128 KiB before).
+    """
+
+    name: str
+    capability: tuple[int, int]
+
+    @classmethod
+    def parse(cls, gpu: Any = None) -> "GpuTarget":
+        """``"h100"``, ``"a100"``, ``"sm90"``, ``"8.0"``, ``(8, 0)`` or a ``GpuTarget``; ``None`` is this
+        machine's GPU when CUDA is available, else an H100 (the generation the recorded truth comes from)."""
+        if isinstance(gpu, GpuTarget):
+            return gpu
+        if gpu is None:
+            if torch.cuda.is_available():
+                return cls(torch.cuda.get_device_name().lower(), tuple(torch.cuda.get_device_capability()))
+            return cls("h100", GPU_GENERATIONS["h100"])
+        if isinstance(gpu, tuple) and len(gpu) == 2 and all(isinstance(v, int) for v in gpu):
+            return cls(f"sm{gpu[0]}{gpu[1]}", gpu)
+        text = str(gpu).strip().lower().replace("nvidia", "").replace(" ", "").replace("-", "")
+        if text in GPU_GENERATIONS:
+            return cls(text, GPU_GENERATIONS[text])
+        match = re.fullmatch(r"(?:sm_?)?(\d+)(?:\.(\d))?", text)
+        if match and (match.group(2) is not None or text.startswith("sm")):
+            digits = match.group(1)
+            if match.group(2) is not None:
+                return cls(f"sm{digits}{match.group(2)}", (int(digits), int(match.group(2))))
+            if len(digits) >= 2:
+                return cls(f"sm{digits}", (int(digits[:-1]), int(digits[-1])))
+        raise ValueError(f"unknown GPU {gpu!r}: give a name ({', '.join(sorted(GPU_GENERATIONS))}), "
+                         "a compute capability such as 'sm90' or '8.0', or a (major, minor) tuple")
+
+    @property
+    def sm(self) -> int:
+        """The capability as one number: 90 for (9, 0)."""
+        return self.capability[0] * 10 + self.capability[1]
+
+
+def _workspace_config_bytes(text: str) -> int:
+    """Bytes of a ``CUBLAS_WORKSPACE_CONFIG`` such as ``":4096:8"`` (pairs of KiB size and count)."""
+    numbers = [int(n) for n in re.findall(r":(\d+)", text)]
+    return sum(numbers[i] * KiB * numbers[i + 1] for i in range(0, len(numbers) - 1, 2))
+
+
+def cublas_workspace_bytes(gpu: GpuTarget) -> int:
+    """The cuBLAS workspace torch allocates (through the caching allocator) at the first matmul on a
+    stream: ``CUBLAS_WORKSPACE_CONFIG`` if set, else ``":4096:8"`` (32 MiB) on sm90+ and
+    ``":4096:2:16:8"`` (8 MiB + 128 KiB) before (CublasHandlePool.cpp)."""
+    configured = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if configured and _workspace_config_bytes(configured):
+        return _workspace_config_bytes(configured)
+    return 32 * MiB if gpu.capability >= (9, 0) else 8 * MiB + 128 * KiB
+
+
+def cublaslt_workspace_bytes(gpu: GpuTarget) -> int:
+    """The cuBLASLt workspace (addmm with a bias epilogue): ``CUBLASLT_WORKSPACE_SIZE`` KiB if set, else 1 MiB."""
+    configured = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
+    return int(configured) * KiB if configured and configured.isdigit() else 1 * MiB
+
+
+def conv_workspace_bytes(input: torch.Tensor, weight: torch.Tensor, output: torch.Tensor) -> int:
+    """cuDNN's workspace for one convolution (forward, or each of backward-data and backward-weight):
+    the bytes of input + output + weight (+16). On the H100 trace most convolutions' workspaces are
+    exactly that (cuDNN 9's engines transpose NCHW operands into NHWC in the workspace); the
+    algorithm, and so the size, is cuDNN's choice per shape, so this is a model, not a rule."""
+    return _nbytes(input) + _nbytes(output) + _nbytes(weight) + 16
+
+
+#: backward-weight workspaces on the H100 trace are 1.0-1.5x the forward's (median about 1.25x, fp32 and bf16)
+CONV_WEIGHT_GRAD_WORKSPACE_FACTOR = 1.25
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+
+
+def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+                      gpu: GpuTarget, enable_gqa: bool = False) -> str:
+    """The fused ``scaled_dot_product_attention`` kernel CUDA picks: ``"flash"``, ``"efficient"`` or ``"math"``.
+
+    torch's order is flash, then memory-efficient, then math (sdp_utils.cpp): flash needs sm80+, fp16 or
+    bf16, no attention mask, a head dim that is a multiple of 8 and at most 256; memory-efficient needs
+    sm50+, fp32, fp16 or bf16 (bf16 on sm80+), a head dim aligned to 16 bytes. Both need 4-D inputs of one dtype.
+    """
+    tensors = (query, key, value)
+    if any(t.dim() != 4 for t in tensors) or len({t.dtype for t in tensors}) != 1 or enable_gqa and key.shape[1] != query.shape[1]:
+        return "math"
+    dtype, head_dim = query.dtype, query.shape[-1]
+    if gpu.capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16) and attn_mask is None \
+            and head_dim % 8 == 0 and head_dim <= 256 and value.shape[-1] == head_dim:
+        return "flash"
+    aligned = (head_dim * query.element_size()) % 16 == 0 and (value.shape[-1] * value.element_size()) % 16 == 0
+    if gpu.capability >= (5, 0) and aligned and (dtype in (torch.float32, torch.float16) or (dtype is torch.bfloat16 and gpu.capability >= (8, 0))):
+        return "efficient"
+    return "math"
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One choice the CUDA target makes: where CUDA's kernel allocates differently from the fake CPU step.
+
+    Attributes:
+        op: the op (as the user calls it).
+        when: the condition under which CUDA runs this kernel.
+        cuda_allocates: what the CUDA kernel allocates (sizes in terms of the op's shapes).
+        fake_cpu_allocates: what the CPU fake step would allocate without this row.
+        evidence: where the recorded H100 traces show it (tests/test_gpu_truth.py pins it).
+    """
+
+    op: str
+    when: str
+    cuda_allocates: str
+    fake_cpu_allocates: str
+    evidence: str
+
+
+#: The CUDA target's kernel choices, one row each (printed by ``memkit estimate`` on a CUDA target).
+KERNEL_TABLE: tuple[KernelRow, ...] = (
+    KernelRow("scaled_dot_product_attention", "fp16/bf16, no mask, head dim %8 == 0 and <= 256, sm80+",
+              "flash: output, logsumexp (B,H,L) fp32, philox seed+offset (2 x 8 B); backward: dq/dk/dv and a "
+              "transient fp32 dq accumulator + softmax_d (B,L,H,D + B,H,L floats)",
+              "math path: L x L weights, softmax, a float dropout mask", "trace_BertLike_b8_bf16-mixed: 196608-byte lse, two 8-byte seeds, 12779776-byte backward buffer"),
+    KernelRow("scaled_dot_product_attention", "fp32 (or a mask, or fp16 before sm80), head dim aligned to 16 bytes",
+              "memory-efficient: output, logsumexp (B,H,ceil32(L)) fp32 (seed and offset on the host); backward: "
+              "dq/dk/dv, delta (B,H,L floats) and a transient fp32 dq accumulator",
+              "math path: L x L weights, softmax, a float dropout mask", "trace_BertLike_b8_32-true: 196608-byte lse per layer, 12595200-byte backward buffer"),
+    KernelRow("dropout (F.dropout, nn.Dropout)", "training, 0 < p < 1",
+              "fused native_dropout: output and a bool (1 byte/element) mask", "output and a float mask (input's dtype)",
+              "trace_BertLike_b8_32-true: 3145728-byte masks beside 12582912-byte fp32 outputs"),
+    KernelRow("linear", "input of 3+ dims, not contiguous, with bias",
+              "matmul then bias added in place (one output)", "fake tensors take the out-of-place add (a second output)",
+              "trace_BertLike_b8_32-true: three allocations per in-projection"),
+    KernelRow("cross_entropy under autocast", "fp16/bf16 logits, class-index targets, no label smoothing",
+              "log_softmax in the logits' dtype, then nll_loss on an fp32 copy (autocast's fp32 list)",
+              "CPU autocast casts the whole loss to fp32 (an fp32 copy and fp32 log-probabilities)",
+              "trace_BertLike_b8_bf16-mixed: 250036224-byte bf16 log-probs and a 500072448-byte fp32 copy"),
+    KernelRow("matmul family (mm, addmm, bmm...)", "first call on the stream",
+              "the cuBLAS workspace, kept, one for the forward's thread and one for autograd's backward thread: 32 MiB on sm90+, 8 MiB + 128 KiB before (CUBLAS_WORKSPACE_CONFIG); "
+              "the first addmm also the cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE)", "nothing",
+              "all traces: a 33554432-byte and a 1048576-byte block at the first linear layer, another 33554432-byte block in the first backward, never freed"),
+    KernelRow("convolution (forward, backward)", "cuDNN",
+              "a transient workspace per call, modelled as input + output + weight bytes (forward, backward-data) "
+              "and 1.25x that (backward-weight)", "nothing",
+              "trace_ResNetish_b32_32-true: 25837584-byte workspaces beside 25690112-byte outputs"),
+    KernelRow("batch_norm (training)", "cuDNN",
+              "output, save_mean and save_invstd (C floats each); cuDNN's reserve space is empty", "the same bytes",
+              "trace_ResNetish_b32_32-true: 256-byte statistics for 64 channels"),
+    KernelRow("optimizer step (Adam, AdamW, SGD...)", "parameters on CUDA, foreach not chosen",
+              "the multi-tensor (foreach) implementation and its temporaries", "the single-tensor loop",
+              "both traces: _multi_tensor_adam frames"),
+    KernelRow("16-mixed (GradScaler)", "precision 16-mixed",
+              "the scale (4 B) and growth tracker (4 B), kept; the loss scaling's per-step scalars are 512-byte blocks",
+              "nothing", "not recorded in the traces (16-mixed rows are in truth.json only)"),
+)
+
+
+class _CudaFunctions(TorchFunctionMode):
+    """Rewrites calls whose CUDA kernel allocates differently (attention, dropout, linear, cross_entropy)."""
+
+    def __init__(self, kernels: "CudaKernels") -> None:
+        super().__init__()
+        self.kernels = kernels
+        self._sdpa = torch._C._nn.scaled_dot_product_attention
+        self._handlers = {
+            F.scaled_dot_product_attention: self._attention,
+            self._sdpa: self._attention,
+            F.dropout: self._dropout,
+            torch.dropout: self._torch_dropout,
+            F.linear: self._linear,
+            torch._C._nn.linear: self._linear,
+            F.cross_entropy: self._cross_entropy,
+        }
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """Route ``torch.nn.functional``'s own Python code (``multi_head_attention_forward`` calls
+        ``scaled_dot_product_attention`` and ``linear`` from its module) through the handlers too: a
+        torch-function mode does not see calls made inside a Python function it passed on."""
+        names = {"scaled_dot_product_attention": self._attention, "dropout": self._dropout, "linear": self._linear,
+                 "cross_entropy": self._cross_entropy}
+        saved = {name: getattr(F, name) for name in names}
+
+        def wrapper(name, handler):
+            original = saved[name]
+
+            def call(*args, **kwargs):
+                result = handler(original, args, kwargs)
+                return original(*args, **kwargs) if result is NotImplemented else result
+
+            call.__name__ = call.__qualname__ = name
+            call.__wrapped__ = original
+            return call
+
+        try:
+            for name, handler in names.items():
+                setattr(F, name, wrapper(name, handler))
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(F, name, original)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        handler = self._handlers.get(func)
+        if handler is not None:
+            result = handler(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
+
+    # ------------------------------------------------------------------ attention
+    def _attention(self, func, args, kwargs):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        query, key, value = bound["query"], bound["key"], bound["value"]
+        attn_mask, dropout_p = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
+        is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
+        if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+            return NotImplemented
+        dtype = _autocast_dtype()
+        if dtype is not None:  # sdpa is on CUDA's lower-precision autocast list
+            query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype == torch.float32 else t for t in (query, key, value))
+        backend = attention_backend(query, key, value, attn_mask, dropout_p, self.kernels.gpu, bool(bound.get("enable_gqa", False)))
+        self.kernels.used.add(f"attention:{backend}")
+        with _no_autocast():
+            if backend == "flash":
+                return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            if backend == "efficient":
+                if attn_mask is not None and attn_mask.dtype == torch.bool:  # torch converts a bool mask to an additive bias
+                    attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
+                compute_lse = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
+                return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale=scale)[0]
+            return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+    # ------------------------------------------------------------------ dropout
+    def _dropout(self, func, args, kwargs):
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args)), **kwargs}
+        return self._fused_dropout(bound["input"], float(bound["p"]), bool(bound["training"]), bool(bound["inplace"]))
+
+    def _torch_dropout(self, func, args, kwargs):
+        names = ("input", "p", "train")
+        bound = {**dict(zip(names, args)), **kwargs}
+        return self._fused_dropout(bound["input"], float(bound["p"]), bool(bound["train"]), False)
+
+    def _fused_dropout(self, input, p, training, inplace):
+        if not isinstance(input, torch.Tensor) or not training or not 0.0 < p < 1.0 or input.numel() == 0:
+            return NotImplemented
+        self.kernels.used.add("dropout:fused")
+        output = torch.native_dropout(input, p, True)[0]
+        return input.copy_(output) if inplace else output
+
+    # ------------------------------------------------------------------ linear
+    def _linear(self, func, args, kwargs):
+        names = ("input", "weight", "bias")
+        bound = {"bias": None, **dict(zip(names, args)), **kwargs}
+        input, weight, bias = bound["input"], bound["weight"], bound["bias"]
+        if bias is None or not isinstance(input, torch.Tensor) or input.dim() <= 2 or input.is_contiguous():
+            return NotImplemented
+        output = F.linear(input, weight)
+        return output.add_(bias)
+
+    # ------------------------------------------------------------------ cross entropy
+    def _cross_entropy(self, func, args, kwargs):
+        names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+        bound = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+                 "label_smoothing": 0.0, **dict(zip(names, args)), **kwargs}
+        input, target = bound["input"], bound["target"]
+        dtype = _autocast_dtype()
+        if (dtype is None or not isinstance(input, torch.Tensor) or input.dtype not in (torch.float16, torch.bfloat16)
+                or not isinstance(target, torch.Tensor) or target.is_floating_point() or bound["label_smoothing"]
+                or bound["size_average"] is not None or bound["reduce"] is not None):
+            return NotImplemented
+        self.kernels.used.add("cross_entropy:autocast")
+        weight = bound["weight"]
+        with _no_autocast():
+            log_probs = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
+            return F.nll_loss(log_probs.float(), target, None if weight is None else weight.float(),
+                              ignore_index=bound["ignore_index"], reduction=bound["reduction"])
+
+
+def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    """CUDA's math fallback (sdpa's ``_scaled_dot_product_attention_math``) with CUDA's fused dropout."""
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query * scale, key.transpose(-2, -1))
+    if is_causal:
+        length, source = query.shape[-2], key.shape[-2]
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        weights = weights.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        weights = weights.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool else weights + attn_mask
+    weights = torch.softmax(weights, -1)
+    if dropout_p > 0.0:
+        weights = torch.native_dropout(weights, dropout_p, True)[0]
+    return torch.matmul(weights, value)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    """The fake step's autocast dtype (it runs CPU autocast on CPU fakes), or None."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return None
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            yield
+    else:
+        yield
+
+
+class _CudaWorkspaces(TorchDispatchMode):
+    """Allocates what CUDA libraries take through the caching allocator: cuBLAS/cuBLASLt workspaces
+    (kept), cuDNN convolution workspaces and fused-attention backward buffers (transient)."""
+
+    _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation")
+
+    def __init__(self, kernels: "CudaKernels") -> None:
+        super().__init__()
+        self.kernels = kernels
+        aten = torch.ops.aten
+        self._matmuls = {getattr(aten, name).default for name in self._MATMULS if hasattr(aten, name)}
+        self._addmm = {aten.addmm.default, aten._addmm_activation.default} if hasattr(aten, "_addmm_activation") else {aten.addmm.default}
+        self._conv = aten.convolution.default
+        self._conv_backward = aten.convolution_backward.default
+        self._flash_backward = aten._scaled_dot_product_flash_attention_backward.default
+        self._efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        kernels = self.kernels
+        if func in self._matmuls:
+            # one cuBLAS handle, and workspace, per thread: the autograd engine's backward thread has its own
+            thread = "backward" if torch._C._current_graph_task_id() >= 0 else "main"
+            if thread not in kernels.cublas:
+                kernels.cublas[thread] = _block(cublas_workspace_bytes(kernels.gpu), args)
+                kernels.used.add("cublas:workspace")
+            if func in self._addmm and kernels.cublaslt is None:
+                kernels.cublaslt = _block(cublaslt_workspace_bytes(kernels.gpu), args)
+            return func(*args, **kwargs)
+        if func is self._conv:
+            output = func(*args, **kwargs)
+            _transient(conv_workspace_bytes(args[0], args[1], output), args)
+            kernels.used.add("conv:cudnn-workspace")
+            return output
+        if func is self._conv_backward:
+            outputs = func(*args, **kwargs)
+            grad_output, input, weight = args[0], args[1], args[2]
+            mask = args[-1] if isinstance(args[-1], (list, tuple)) else kwargs.get("output_mask", (True, True, True))
+            size = conv_workspace_bytes(input, weight, grad_output)
+            if mask[0]:  # backward-data
+                _transient(size, args)
+            if mask[1]:  # backward-weight: its workspace is the larger one on the H100 trace
+                _transient(int(size * CONV_WEIGHT_GRAD_WORKSPACE_FACTOR), args)
+            return outputs
+        if func is self._flash_backward:
+            query = args[1]
+            batch, heads, length, dim = query.shape
+            rounded_length, rounded_dim = -(-length // 128) * 128, -(-dim // 32) * 32
+            outputs = func(*args, **kwargs)
+            _transient(4 * batch * heads * rounded_length * (rounded_dim + 1), args)
+            return outputs
+        if func is self._efficient_backward:
+            query = args[1]
+            batch, heads, length, dim = query.shape
+            delta = _block(4 * batch * heads * length, args)
+            outputs = func(*args, **kwargs)
+            _transient(4 * batch * length * heads * dim + 4 * batch * heads * 32, args)
+            del delta
+            return outputs
+        return func(*args, **kwargs)
+
+
+def _device_of(args: Any) -> torch.device:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return torch.device("cpu")
+
+
+def _block(nbytes: int, args: Any) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=_device_of(args))
+
+
+def _transient(nbytes: int, args: Any) -> None:
+    """Allocate and free ``nbytes`` at once (the accountant sees both: a workspace's effect on the peaks)."""
+    workspace = _block(nbytes, args)
+    del workspace
+
+
+class CudaKernels:
+    """The CUDA target's kernels for one fake step: enter :meth:`active` around the step (inside the fake
+    world and the accountant), then :meth:`view` replays what the step allocated through the allocator model.
+
+    Attributes:
+        gpu: the target :class:`GpuTarget`.
+        precision: the step's Lightning precision (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``).
+        config: the :class:`~lightning_memkit.estimate.allocator.AllocatorConfig` replayed with.
+        used: the kernel choices the step made (``"attention:flash"``, ``"dropout:fused"``...).
+    """
+
+    def __init__(self, gpu: Any = None, precision: str | None = None, config: AllocatorConfig | None = None) -> None:
+        self.gpu = GpuTarget.parse(gpu)
+        self.precision = precision or "32-true"
+        self.config = config if config is not None else AllocatorConfig.from_env()
+        self.used: set[str] = set()
+        self.cublas: dict[str, torch.Tensor] = {}
+        self.cublaslt: torch.Tensor | None = None
+        self._scaler: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["CudaKernels"]:
+        """Inside: calls run as the CUDA kernels would allocate. Workspaces kept by the libraries live
+        until the block ends (then everything made here is freed)."""
+        try:
+            if self.precision == "16-mixed":  # GradScaler's scale and growth tracker, made with the first step
+                self._scaler = [torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32)]
+                self.used.add("16-mixed:grad-scaler")
+            functions = _CudaFunctions(self)
+            with functions, _CudaWorkspaces(self), functions.patched():
+                yield self
+        finally:
+            self.cublas, self.cublaslt = {}, None
+            self._scaler = []
+
+    def assumed(self) -> list[str]:
+        """The kernel choices made, in words, one per line (for ``memkit estimate``)."""
+        words = {
+            "attention:flash": "attention: flash (fp16/bf16, sm80+)",
+            "attention:efficient": "attention: memory-efficient",
+            "attention:math": "attention: math (CUDA's fallback)",
+            "dropout:fused": "dropout: fused, bool mask",
+            "cross_entropy:autocast": "cross_entropy: CUDA autocast (log_softmax in low precision, nll_loss in fp32)",
+            "cublas:workspace": f"cuBLAS workspace {cublas_workspace_bytes(self.gpu) // KiB} KiB",
+            "conv:cudnn-workspace": "cuDNN workspaces: input + output + weight per call",
+            "16-mixed:grad-scaler": "GradScaler state",
+        }
+        return [f"GPU {self.gpu.name} (sm{self.gpu.sm})"] + [words.get(name, name) for name in sorted(self.used)]
+
+    def view(self, events: Iterable[tuple[str, object, int]]) -> AllocatorView:
+        """The step's allocation events replayed through :class:`CudaAllocatorModel` (with this target's
+        allocator settings); workspaces are inside the step, so only the context allowance is added."""
+        model = CudaAllocatorModel(self.config).replay(events)
+        return model.view(CUDA_CONTEXT_BYTES, 0)
+
+
+def cuda_target(device: torch.device, fake: bool, mode: Any = None, gpu: Any = None) -> CudaKernels | None:
+    """The :class:`CudaKernels` for an estimate's target, or ``None`` when the target is not CUDA or the
+    step is real (a measured step runs the real kernels)."""
+    if device.type != "cuda" or not fake:
+        return None
+    precision = None
+    if mode is not None and getattr(mode, "precision", None) is not None:
+        precision = "16-mixed" if mode.precision == "amp" else mode.precision
+    return CudaKernels(gpu, {None: "32-true"}.get(precision, precision))
+
+
+CudaTarget = CudaKernels
