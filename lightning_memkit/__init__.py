@@ -6,14 +6,16 @@ The public API is what this module exports; everything else may change.
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.layer_trace import LayerTrace
-from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
+from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
+from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
+from lightning_memkit.doctor import CreationRecorder, DoctorReport, DoctorSession, LeakWatcher
 from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.records import RunSummary, StepReading
-from lightning_memkit.search import BudgetExceededError, MemoryBudget, find_max_batch_size
+from lightning_memkit.search import BudgetExceededError, MemoryBudget
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 
@@ -27,6 +29,11 @@ __all__ = [
     "CheckpointBudget",
     "ActivationCheckpointing",
     "MemoryTracker",
+    "MemoryDoctor",
+    "DoctorSession",
+    "DoctorReport",
+    "LeakWatcher",
+    "CreationRecorder",
     "LayerTrace",
     "LayerTracer",
     "trace_step",

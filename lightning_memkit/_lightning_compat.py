@@ -103,11 +103,18 @@ def tuner_exit_exception() -> type:
 
 
 def clear_logged_results(trainer: Any) -> None:
-    """Forget what ``self.log`` collected in the fit loop (``fit_loop.epoch_loop._results``), so values
-    logged during batch-size trials neither leak into training nor clash with its logging."""
+    """Forget what ``self.log`` collected in the fit loop (``fit_loop.epoch_loop._results``) and the batch
+    it keeps, so values logged during batch-size trials neither leak into training nor clash with its
+    logging, and no trial's batch stays alive."""
     results = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_results", None)
     if results is not None:
         results.clear()
+        # the collection also keeps the last batch it saw (``_ResultCollection.batch``, for batch-size
+        # inference): after a trial, that batch must not stay alive
+        if hasattr(results, "batch"):
+            results.batch = None
+        if hasattr(results, "batch_size"):
+            results.batch_size = None
 
 
 @contextlib.contextmanager
@@ -283,3 +290,32 @@ def attach_stand_in_trainer(module: Any, stand_in: StandInTrainer) -> None:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def drop_train_data_fetcher(trainer: Any) -> None:
+    """Tear down the fit loop's data fetcher (``fit_loop._data_fetcher``), which keeps the batch it
+    prefetched: after a batch-size trial, above all one that ran out of memory, that batch must not stay
+    alive. The next ``fit_loop.run()`` makes a new fetcher."""
+    fit_loop = trainer.fit_loop
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        fetcher.teardown()
+        fit_loop._data_fetcher = None
+
+
+_METRIC_DICTS = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")
+
+
+def logged_metrics_state(trainer: Any) -> dict[str, dict]:
+    """Shallow copies of ``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics``
+    (the logger connector's private dicts), for :func:`restore_logged_metrics`."""
+    connector = getattr(trainer, "_logger_connector", None)
+    return {name: dict(getattr(connector, name)) for name in _METRIC_DICTS if isinstance(getattr(connector, name, None), dict)}
+
+
+def restore_logged_metrics(trainer: Any, saved: dict[str, dict]) -> None:
+    """Put back what :func:`logged_metrics_state` saved: a batch-size trial's ``self.log`` values (a loss
+    tensor of the trial's graph) neither stay alive nor show as the run's metrics."""
+    connector = getattr(trainer, "_logger_connector", None)
+    for name, values in saved.items():
+        setattr(connector, name, dict(values))

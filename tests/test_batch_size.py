@@ -16,7 +16,7 @@ from lightning_memkit.estimate import measure_training_step
 from lightning_memkit.estimate.predict import AffineGrowth
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
-from lightning_memkit.search.lightning import find_max_batch_size
+from lightning_memkit.callbacks.max_batch_size import find_max_batch_size
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
 from conftest import run_script
 
@@ -218,7 +218,7 @@ DDP_SCRIPT = textwrap.dedent(
     import os, sys, warnings
     warnings.filterwarnings("ignore")
     import torch, lightning.pytorch as pl
-    from lightning_memkit.search.lightning import find_max_batch_size
+    from lightning_memkit.callbacks.max_batch_size import find_max_batch_size
     from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
     torch.manual_seed(0)
     module = DemoMLP(in_features=256, hidden=128, depth=2); del module.batch_size
@@ -276,3 +276,66 @@ def test_a_search_stopped_by_the_dataset_says_so(tmp_path, capsys):
     result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=1024)
     assert result.batch_size == 48 and result.reason == "dataset" and data.batch_size == 48
     assert "no larger batch: the train dataset has 48 samples; using 48" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ as a Lightning user writes it
+def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_searched_with_the_estimate(tmp_path):
+    """TinyGPT sizes its cosine schedule from self.trainer.estimated_stepping_batches and its datamodule
+    makes its dataset in setup(): the estimate works inside the search (no 'could not estimate' fallback),
+    so the search needs at most 4 real trials, and the answer ran."""
+    import warnings
+
+    from lightning_gpt import CharDataModule, TinyGPT
+
+    torch.manual_seed(0)
+    module, data = TinyGPT(), CharDataModule(batch_size=8, samples=1024)
+    budget = measure_training_step(module, 40, datamodule=data).peak_bytes
+    finder = MaxBatchSize(budget=budget, max_val=1024, verbose=False)
+    trainer = _trainer(tmp_path, max_steps=2, callbacks=[finder])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "memkit: could not estimate the step" would fail here
+        trainer.fit(module, data)
+    result = finder.result
+    assert result.predicted is not None and abs(result.predicted - 40) <= 2, result.predicted
+    assert result.trial_count <= 4 and any(t.fits and t.batch_size == result.batch_size for t in result.trials)
+    assert 0.95 * 40 <= result.batch_size <= 41 and data.batch_size == result.batch_size
+    assert trainer.global_step == 2  # training went on, with the schedule Lightning built
+
+
+def test_the_search_leaves_no_tensor_behind(tmp_path):
+    """After the search (trials that fit and one that ran out of memory), the process holds exactly the
+    tensors it held before: no trial batch, no logged loss, no gradient, no autograd graph."""
+    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+
+    module, data = _setup()
+    trainer = _trainer(tmp_path)
+    budget = _budget_for(150)
+    before = live_tensor_bytes()
+    result = find_max_batch_size(trainer, module, data, budget=budget, max_val=1024, verbose=False)
+    assert any(not t.fits for t in result.trials)  # the out-of-memory path ran
+    assert tensors_with_grad_fn() == []
+    assert all(p.grad is None for p in module.parameters())
+    assert live_tensor_bytes() == before
+
+
+def test_the_search_core_stops_before_a_trial_that_would_run_past_max_seconds():
+    def trial(size):  # fits up to 10_000, takes 0.01 s per sample
+        return Trial(size, size <= 10_000, size if size <= 10_000 else None, seconds=0.01 * size)
+
+    result = BatchSizeSearch(trial, init_val=100, max_val=100_000, max_seconds=10.0).run()
+    assert result.reason == "time" and result.batch_size == 400  # 1 + 2 + 4 s spent; 800 would need 8 s more
+    assert sum(t.seconds for t in result.trials) <= 10.0 + 1e-9
+    with pytest.raises(ValueError, match="max_seconds"):
+        BatchSizeSearch(trial, max_seconds=0)
+
+
+def test_a_cpu_search_without_budget_says_what_bounds_it(tmp_path, capsys):
+    torch.manual_seed(0)
+    module = DemoMLP(in_features=FEATURES, hidden=128, depth=2)
+    del module.batch_size
+    data = SyntheticDataModule(batch_size=8, train_size=96, val_size=16, input_shape=(FEATURES,))
+    result = find_max_batch_size(_trainer(tmp_path), module, data)
+    out = capsys.readouterr().out
+    assert "no budget= on CPU" in out and "trials stop after 60s" in out
+    assert result.batch_size == 96 and result.reason == "dataset" and result.trial_count == 1
+    assert "the dataset, not memory, bounds it" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -9,11 +10,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.search.core import SearchResult
+from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import BatchSizeSearchError, SearchConfig, check_searchable, search_in_fit
 from lightning_memkit.units import parse_bytes
 
-__all__ = ["MaxBatchSize"]
+__all__ = ["MaxBatchSize", "find_max_batch_size"]
 
 
 class MaxBatchSize(Callback):
@@ -39,13 +40,18 @@ class MaxBatchSize(Callback):
         budget: on CPU, a memory budget (bytes or ``"256MiB"``) for live tensors, counted by the
             tensor accountant; crossing it raises an out-of-memory error, so the search is
             testable without a GPU. Without one, a CPU search uses half the host memory available
-            at its start (exhausting RAM would summon the OOM killer, not an exception). On CUDA the
-            device's memory is the budget.
+            at its start (exhausting RAM would summon the OOM killer, not an exception) and stops
+            its trials after ``max_seconds`` (default 60 s on CPU). On CUDA the memory free on the
+            device (other processes' memory excluded) plus what this process caches is the budget,
+            capped by ``torch.cuda.set_per_process_memory_fraction``.
         batch_arg_name: the attribute (module, hparams or datamodule) that holds the batch size.
         keep_effective_batch_size: keep ``batch_size * accumulate_grad_batches`` as before by
             choosing the largest divisor of it that fits and raising ``accumulate_grad_batches``.
         use_estimate: jump near the answer with the estimate (``False``: double, then bisect).
         verbose: print each trial (size, outcome, peak) on rank zero.
+        max_seconds: stop before a trial projected to end past this many seconds of trials (the
+            answer is then the largest size that ran). Default: no limit, except 60 s on CPU without
+            ``budget=``, where time, not memory, usually bounds the batch.
 
     Attributes:
         result: the :class:`~lightning_memkit.search.core.SearchResult` (trials, timings).
@@ -58,12 +64,15 @@ class MaxBatchSize(Callback):
 
     def __init__(self, margin: float = 0.05, init_val: int | None = None, max_val: int = 8192, steps_per_trial: int = 3,
                  max_trials: int = 25, budget: int | str | None = None, batch_arg_name: str = "batch_size",
-                 keep_effective_batch_size: bool = False, use_estimate: bool = True, verbose: bool = True) -> None:
+                 keep_effective_batch_size: bool = False, use_estimate: bool = True, verbose: bool = True,
+                 max_seconds: float | None = None) -> None:
         if not 0 < margin < 1:
             raise MisconfigurationException(f"MaxBatchSize(margin={margin!r}): give a fraction in (0, 1), e.g. 0.05")
         for name, value in (("max_val", max_val), ("steps_per_trial", steps_per_trial), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MisconfigurationException(f"MaxBatchSize({name}={value!r}): give a positive integer")
+        if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0):
+            raise MisconfigurationException(f"MaxBatchSize(max_seconds={max_seconds!r}): give a positive number of seconds, or None")
         if init_val is not None and init_val > max_val:
             raise MisconfigurationException(f"MaxBatchSize(init_val={init_val}, max_val={max_val}): init_val must not exceed max_val")
         try:
@@ -71,7 +80,7 @@ class MaxBatchSize(Callback):
         except ValueError as error:
             raise MisconfigurationException(f"MaxBatchSize(budget={budget!r}): {error}") from None
         self.config = SearchConfig(margin, init_val, max_val, steps_per_trial, max_trials, budget_bytes, batch_arg_name,
-                                   keep_effective_batch_size, use_estimate, verbose)
+                                   keep_effective_batch_size, use_estimate, verbose, max_seconds)
         self.result: SearchResult | None = None
         self.optimal_batch_size: int | None = None
         self._exit_after_search = False
@@ -93,6 +102,7 @@ class MaxBatchSize(Callback):
         """Run the search now (also from ``on_train_epoch_start`` mid-training); returns the size found."""
         if trainer.fast_dev_run:
             return int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
+        self.config.checkpoint_policy = _checkpoint_policy(trainer)
         try:
             self.result = search_in_fit(trainer, pl_module, self.config)
         except BatchSizeSearchError as error:
@@ -109,3 +119,45 @@ class MaxBatchSize(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimal_batch_size = state_dict.get("optimal_batch_size")
+
+
+def _checkpoint_policy(trainer: Trainer) -> Any:
+    """The ActivationCheckpointing policy the trials must train with, or ``None``.
+
+    That callback wraps the module only at the first training batch, after the search; the trials
+    (which run with no callbacks) wrap it themselves so they measure the mode that will train. A
+    budget policy needs a measured batch: the trials then run unwrapped, a conservative answer.
+    """
+    from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_memkit.modes.checkpointing import CheckpointBudget
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ActivationCheckpointing):
+            if isinstance(callback.policy, CheckpointBudget):
+                warnings.warn("memkit: the batch-size search runs without the budget checkpointing policy "
+                              "(it needs a measured batch), so its answer is on the safe side", RuntimeWarning, stacklevel=3)
+                return None
+            return callback.policy
+    return None
+
+
+def find_max_batch_size(trainer: Trainer, module: LightningModule, datamodule: Any = None, **options: Any) -> SearchResult:
+    """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
+    that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).
+
+    ``options`` are :class:`MaxBatchSize`'s arguments (``margin`` a fraction, ``budget`` bytes,
+    ``max_val`` samples, ``max_seconds`` seconds, ...). The size found (samples per batch, always one
+    whose trial ran) is set on the module, its hparams or the datamodule, so a following
+    ``trainer.fit(module, datamodule)`` trains with it. Returns the ``SearchResult``: ``batch_size``
+    (samples), ``trials`` (each with its ``peak_bytes`` in bytes), ``reason`` and ``seconds`` (wall time).
+    """
+    finder = MaxBatchSize(**options)
+    finder._exit_after_search = True
+    trainer.callbacks = list(trainer.callbacks) + [finder]
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        trainer.callbacks = [c for c in trainer.callbacks if c is not finder]
+    if finder.result is None:
+        raise SearchError("the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)")
+    return finder.result

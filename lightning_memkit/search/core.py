@@ -50,7 +50,8 @@ class SearchResult:
         predicted: the estimate's prediction the search started from (``None`` without one).
         capacity_bytes: the memory the search fitted into (``None`` when unknown).
         smallest_failure: the smallest size that ran out of memory (``None`` if none did).
-        reason: why the search stopped (``"converged"``, ``"max_val"``, ``"max_trials"``, ``"dataset"``).
+        reason: why the search stopped (``"converged"``, ``"max_val"``, ``"max_trials"``, ``"dataset"``, ``"time"``:
+            the next trial would have run past ``max_seconds``).
         estimate_seconds: time spent estimating before the first trial.
         seconds: total wall time, estimate included.
     """
@@ -99,11 +100,14 @@ class BatchSizeSearch:
         margin: the bracket tolerance: the answer is within ``margin`` of a size that failed.
         max_trials: at most this many trials.
         on_trial: called with each :class:`Trial` as it ends (progress display).
+        max_seconds: stop before a trial that, projected from the last trial's seconds per sample,
+            would end past this many seconds of trials (``None``: no limit). The answer is then the
+            largest size that ran, not a memory limit.
     """
 
     def __init__(self, run_trial: Callable[[int], Trial], *, capacity_bytes: int | None = None, growth: AffineGrowth | None = None,
                  predicted: int | None = None, init_val: int | None = None, max_val: int = 8192, margin: float = 0.05,
-                 max_trials: int = 25, on_trial: Callable[[Trial], None] | None = None) -> None:
+                 max_trials: int = 25, on_trial: Callable[[Trial], None] | None = None, max_seconds: float | None = None) -> None:
         if not 0 < margin < 1:
             raise ValueError(f"margin={margin!r}: give a fraction in (0, 1), e.g. 0.05")
         for name, value in (("max_val", max_val), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
@@ -120,6 +124,9 @@ class BatchSizeSearch:
         self.margin = margin
         self.max_trials = max_trials
         self.on_trial = on_trial
+        if max_seconds is not None and not max_seconds > 0:
+            raise ValueError(f"max_seconds={max_seconds!r}: give a positive number of seconds, or None for no limit")
+        self.max_seconds = max_seconds
         self.trials: list[Trial] = []
 
     # ------------------------------------------------------------------ the model
@@ -181,6 +188,15 @@ class BatchSizeSearch:
         upper = self.max_val if hi is None else min(hi - 1, self.max_val)
         return max(lo + 1, min(candidate, upper))
 
+    def _out_of_time(self, size: int) -> bool:
+        """Whether a trial at ``size`` would end past ``max_seconds`` (only once a size has run)."""
+        ran = [t for t in self.trials if t.fits]
+        if self.max_seconds is None or not ran:
+            return False
+        spent = sum(t.seconds for t in self.trials)
+        last = ran[-1]
+        return spent + last.seconds * size / last.batch_size > self.max_seconds
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> SearchResult:
         """Run trials until the bracket closes; returns the largest size that ran.
@@ -216,6 +232,9 @@ class BatchSizeSearch:
                 reason = "converged"
                 break
             size = self._next(lo, hi)
+            if self._out_of_time(size):
+                reason = "time"
+                break
         if lo == 0:
             detail = f" (a budget of {format_bytes(self.capacity_bytes)})" if self.capacity_bytes else ""
             raise SearchError(

@@ -27,7 +27,7 @@ from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
 from lightning_memkit.units import format_bytes
 
-__all__ = ["SearchConfig", "search_in_fit", "find_max_batch_size", "BatchSizeSearchError"]
+__all__ = ["SearchConfig", "search_in_fit", "BatchSizeSearchError", "cuda_capacity_bytes"]
 
 
 class BatchSizeSearchError(ValueError):
@@ -48,6 +48,10 @@ class SearchConfig:
     keep_effective_batch_size: bool = False
     use_estimate: bool = True
     verbose: bool = True
+    max_seconds: float | None = None
+    #: the activation-checkpointing policy the trials train with (the caller finds it: the search never
+    #: looks at callbacks)
+    checkpoint_policy: Any = None
 
 
 def _lightning_getattr(module: Any, name: str) -> Any:
@@ -154,17 +158,30 @@ def _rank_local(trainer: Any) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------ state
+def _to_host(tree: Any) -> Any:
+    """A deep copy of ``tree`` with every tensor copied to the CPU (bit for bit)."""
+    from torch.utils._pytree import tree_map
+
+    copied = tree_map(lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree)
+    return copy.deepcopy(copied)
+
+
 class _Snapshot:
     """Everything a trial changes, copied in memory: weights, optimizer/scheduler/precision state,
     loop counters, RNG states, and the trainer settings the trials override."""
 
     def __init__(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
-        self.module_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        self.optimizers = [copy.deepcopy(o.state_dict()) for o in trainer.optimizers]
-        self.schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-        self.precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        # on the host, so that nothing of the search holds device memory during a trial
+        self.module_state = {k: _to_host(v) for k, v in module.state_dict().items()}
+        # the gradients the module holds now (None before fit; the last step's mid-training): the trials'
+        # last gradients must not stay alive on the device after the search
+        self.gradients = [(p, None if p.grad is None else _to_host(p.grad)) for p in module.parameters()]
+        self.optimizers = [_to_host(o.state_dict()) for o in trainer.optimizers]
+        self.schedulers = [_to_host(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+        self.precision = _to_host(trainer.precision_plugin.state_dict())
         self.loop_state = copy.deepcopy(trainer.fit_loop.state_dict())
         self.loop_flags = compat.loop_flags(trainer.fit_loop)
+        self.metrics = compat.logged_metrics_state(trainer)
         self.callbacks = trainer.callbacks
         self.loggers = trainer.loggers
         self.max_steps = trainer.fit_loop.epoch_loop.max_steps
@@ -180,8 +197,10 @@ class _Snapshot:
     def restore(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
         with torch.no_grad():
             module.load_state_dict(self.module_state)
+            for parameter, gradient in self.gradients:
+                parameter.grad = None if gradient is None else gradient.to(parameter.device)
         for optimizer, state in zip(trainer.optimizers, self.optimizers):
-            optimizer.load_state_dict(copy.deepcopy(state))
+            optimizer.load_state_dict(copy.deepcopy(state))  # torch casts the state back to each parameter's device
         for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
             config.scheduler.load_state_dict(copy.deepcopy(state))
         trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
@@ -195,6 +214,7 @@ class _Snapshot:
         trainer.fit_loop.load_state_dict(copy.deepcopy(self.loop_state))
         compat.set_loop_flags(trainer.fit_loop, self.loop_flags)
         compat.clear_logged_results(trainer)
+        compat.restore_logged_metrics(trainer, self.metrics)
         module.train(self.training)
         _lightning_setattr(module, batch_arg_name, self.batch_size)
         self.rng.__exit__(None, None, None)
@@ -214,32 +234,27 @@ def _trainer_mode(trainer: Any) -> Any:
     return None if precision is None else Mode(precision=precision)
 
 
-def _checkpointing_for_search(trainer: Any, module: Any) -> Any:
-    """The ActivationCheckpointing policy the trials must train with, or ``None``.
-
-    The callback wraps the module only at the first training batch, after the search; the trials
-    (which run with no callbacks) wrap it themselves so they measure the mode that will train.
-    A budget policy needs a measured batch: the trials then run unwrapped, a conservative answer.
-    """
-    from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import CheckpointBudget, is_checkpointed
-
-    if any(is_checkpointed(m) for m in module.modules()):
-        return None  # already wrapped (a search started mid-training)
-    for callback in trainer.callbacks:
-        if isinstance(callback, ActivationCheckpointing):
-            if isinstance(callback.policy, CheckpointBudget):
-                warnings.warn("memkit: the batch-size search runs without the budget checkpointing policy "
-                              "(it needs a measured batch), so its answer is on the safe side", RuntimeWarning, stacklevel=3)
-                return None
-            return callback.policy
-    return None
-
-
 def _release_memory(device: torch.device) -> None:
+    """Free what the last trial left (its tensors live only in reference cycles after an out-of-memory
+    error) and give the caching allocator's free blocks back, so each trial starts like a fresh fit."""
     gc.collect()
     if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def cuda_capacity_bytes(device: torch.device) -> int:
+    """The bytes a search on ``device`` may fill: what is free on the device (other processes' memory
+    is not) plus what this process's allocator holds, capped by ``set_per_process_memory_fraction``."""
+    _release_memory(device)
+    free, total = torch.cuda.mem_get_info(device)
+    capacity = int(free + torch.cuda.memory_reserved(device))
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        try:
+            capacity = min(capacity, int(fraction(device) * total))
+        except (RuntimeError, TypeError):  # pragma: no cover - older torch
+            pass
+    return capacity
 
 
 def _say(trainer: Any, text: str, verbose: bool) -> None:
@@ -250,6 +265,10 @@ def _say(trainer: Any, text: str, verbose: bool) -> None:
 # ------------------------------------------------------------------------------------------ the search
 #: the share of the host's available memory a CPU search without ``budget=`` may fill with tensors.
 HOST_BUDGET_FRACTION = 0.5
+
+#: seconds of trials a CPU search without ``budget=`` may spend (CPU steps at large batches are slow, and
+#: host memory seldom bounds them): the search stops before a trial projected to end past it.
+CPU_MAX_SECONDS = 60.0
 
 
 def host_search_budget_bytes() -> int:
@@ -273,22 +292,31 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     original_size = snapshot.batch_size
     original_accumulate = trainer.accumulate_grad_batches
     budget = MemoryBudget(int(config.budget)) if config.budget is not None else None
+    max_seconds = config.max_seconds
     if budget is None and device.type == "cpu":
         # Exhausting host RAM rarely raises: Linux's OOM killer ends the process instead. So a CPU search
         # without a budget counts live tensors against most of the RAM that is free now, and fails cleanly.
+        # On CPU memory seldom bounds the batch, time does: the trials also stop at CPU_MAX_SECONDS.
         budget = MemoryBudget(host_search_budget_bytes())
-        _say(trainer, f"memkit: no budget= on CPU; searching within {format_bytes(budget.budget_bytes)} "
-                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now)", config.verbose)
+        if max_seconds is None:
+            max_seconds = CPU_MAX_SECONDS
+        _say(trainer, f"memkit: no budget= on CPU: memory is counted against {format_bytes(budget.budget_bytes)} "
+                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now) and the trials stop after "
+                      f"{max_seconds:g}s; give budget= (e.g. budget='2GiB') for a memory limit of your own", config.verbose)
     capacity: int | None = None
     if budget is not None:
         capacity = budget.budget_bytes
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        capacity = int(free + torch.cuda.memory_reserved(device))
+        capacity = cuda_capacity_bytes(device)
     if capacity is not None:
         capacity = outcomes.min(capacity)  # every rank must search the same way: the tightest memory decides
     result: SearchResult | None = None
-    checkpoint_policy = _checkpointing_for_search(trainer, module)
+    checkpoint_policy = config.checkpoint_policy
+    if checkpoint_policy is not None:
+        from lightning_memkit.modes.checkpointing import is_checkpointed
+
+        if any(is_checkpointed(m) for m in module.modules()):
+            checkpoint_policy = None  # already wrapped (a search started mid-training)
     checkpointing = None
     try:
         if checkpoint_policy is not None:
@@ -333,7 +361,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
 
         search = BatchSizeSearch(run_trial, capacity_bytes=capacity, growth=growth, predicted=predicted,
                                  init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
-                                 margin=config.margin, max_trials=config.max_trials, on_trial=progress)
+                                 margin=config.margin, max_trials=config.max_trials, on_trial=progress, max_seconds=max_seconds)
         result = search.run()
         if dataset_length is not None and result.batch_size >= dataset_length:
             result.reason = "dataset"
@@ -354,7 +382,9 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     compat.reload_train_dataloader(trainer)
     result.seconds = time.perf_counter() - started
     tail = f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})" if config.keep_effective_batch_size else ""
-    limit = {"dataset": f"; no larger batch: the train dataset has {dataset_length} samples",
+    limit = {"dataset": f"; no larger batch: the train dataset has {dataset_length} samples (the dataset, not memory, bounds it)",
+             "time": f"; stopped before the next, larger trial would run past {max_seconds or 0:g}s of trials (time, not memory, "
+                     "bounds it: give max_seconds= or budget=)",
              "max_val": f"; no larger batch tried: max_val={config.max_val}",
              "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
     _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
@@ -386,6 +416,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     error_text: str | None = None
     steps = 0
     if device.type == "cuda":
+        _release_memory(device)  # the last trial's cached blocks go back: each trial starts like a fresh fit
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     with _rank_local(trainer):
@@ -411,6 +442,8 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step
+        compat.drop_train_data_fetcher(trainer)  # it holds the batch it prefetched
+        compat.clear_logged_results(trainer)
     if error_text is not None:  # the failed step's tensors are only reachable through cycles now
         _release_memory(device)
     fits = error_text is None and steps >= config.steps_per_trial
@@ -431,25 +464,3 @@ def _state_tensors(trainer: Any, module: Any) -> Iterator[torch.Tensor]:
     from lightning_memkit.meter import training_state_tensors
 
     return training_state_tensors(module, trainer.optimizers)
-
-
-def find_max_batch_size(trainer: Any, module: Any, datamodule: Any = None, **options: Any) -> SearchResult:
-    """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
-    that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).
-
-    ``options`` are :class:`~lightning_memkit.callbacks.max_batch_size.MaxBatchSize`'s arguments.
-    The size is set on the module (or its hparams or the datamodule), so a following
-    ``trainer.fit(module, datamodule)`` trains with it. Returns the :class:`SearchResult`.
-    """
-    from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
-
-    finder = MaxBatchSize(**options)
-    finder._exit_after_search = True
-    trainer.callbacks = list(trainer.callbacks) + [finder]
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    finally:
-        trainer.callbacks = [c for c in trainer.callbacks if c is not finder]
-    if finder.result is None:
-        raise SearchError("the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)")
-    return finder.result
