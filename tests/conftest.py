@@ -105,6 +105,17 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: sorted(values) for tag, values in scalars.items()}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` (the GPU lane, ``make test-gpu``) are collected everywhere and skipped
+    where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_lightning():
     """Lightning's advice about dataloader workers and the like is noise in these tests."""
