@@ -437,3 +437,29 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
     assert main(["trace", f"{source}:StopsEarly", "--step", "5"]) == 1
     error = capsys.readouterr().err
     assert "step 5 was never reached: training stopped after step 1; pass --step 1 or less" in error
+
+
+def test_traced_steps_leave_the_next_steps_start_as_an_untraced_run_has_it(tmp_path):
+    """Issue-9 acceptance for LayerTrace: at each step's start, no autograd graph is alive and the process's
+    live tensor bytes equal those of the same fit without LayerTrace (a transformer with dropout)."""
+    from lightning.pytorch import Callback, seed_everything
+
+    from lightning_memkit.zoo import DemoTransformer
+
+    class StepStarts(Callback):
+        def __init__(self) -> None:
+            self.readings: list[tuple[int, int]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.readings.append((live_tensor_bytes(), len(tensors_with_grad_fn())))
+
+    def fit(*callbacks) -> list[tuple[int, int]]:
+        seed_everything(0, verbose=False)
+        probe = StepStarts()
+        make_trainer(tmp_path, max_steps=3, callbacks=[*callbacks, probe]).fit(DemoTransformer(layers=2, dropout=0.1))
+        return probe.readings
+
+    baseline = fit()
+    traced = fit(LayerTrace(at_steps=(0, 1), verbose=False))
+    assert [graphs for _, graphs in traced] == [0, 0, 0]
+    assert traced == baseline
