@@ -38,32 +38,48 @@ def test_every_chart_matches_tags_memory_tracker_logs():
     layout = dashboard_layout(cuda=True, ranks=True)
     matched = _matches(layout, train | val | ranks)
     assert all(matched.values()), [t for t, m in matched.items() if not m]
-    assert matched["CUDA allocator: allocated vs reserved vs step peak (MiB)"] == {
-        "memory/train/allocated_MiB", "memory/train/reserved_MiB", "memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
+    assert all(len(m) <= 3 for m in matched.values()), matched  # 2 ranks: at most 2 lines on a per-rank chart
+    assert matched["CUDA step peak: allocated vs reserved (MiB)"] == {"memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
+    assert matched["CUDA at step end: allocated vs reserved (MiB)"] == {"memory/train/allocated_MiB", "memory/train/reserved_MiB"}
     assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {"memory/train/alloc_retries", "memory/train/ooms"}
-    assert matched["NVML device memory vs what the allocator holds (MiB)"] == {
-        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB", "memory/train/device_total_MiB"}
-    assert "host: tensor bytes vs step peak vs process RSS (MiB)" in matched
-    assert _matches(dashboard_layout(cuda=True, tensors=False), train)["host: process RSS at step end vs step peak (MiB)"] == {
-        "memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
-    assert matched["per rank: step peak (MiB)"] == {"memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB",
-                                                    "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB"}
-    # every train-stage field is on some chart; per-rank tags stay off the run-level charts
+    assert matched["device (NVML): all processes vs this process vs allocator reserved (MiB)"] == {
+        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"}
+    assert matched["tensors (exact): step peak (MiB)"] == {"memory/train/peak_tensor_MiB"}
+    assert matched["tensors (exact): live at step end (MiB)"] == {"memory/train/tensor_MiB"}
+    assert matched["host RSS: step peak vs step end (MiB)"] == {"memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
+    assert matched["validation runs: CUDA peak allocated vs peak reserved (MiB)"] == {
+        "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"}
+    assert matched["per rank: CUDA step peak allocated (MiB; one line per rank)"] == {
+        "memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB"}
+    # every train-stage field is on some chart but the capacity (a number in the device table, never a
+    # line that flattens the others) and active (allocated plus rounding); per-rank tags stay off run-level charts
     on_charts = set().union(*matched.values())
-    assert train - {"memory/train/active_MiB"} <= on_charts
+    assert train - on_charts == {"memory/train/active_MiB", "memory/train/device_total_MiB"}
     run_level = set().union(*(m for t, m in matched.items() if not t.startswith("per rank")))
     assert not run_level & ranks
+    # NVML off (no pynvml): no NVML chart
+    assert not any("NVML" in title for title in _regexes(dashboard_layout(cuda=True, nvml=False)))
 
 
 def test_layout_follows_prefix_and_switches():
-    layout = dashboard_layout(prefix="mem.x", cuda=False, trace=True, compare=True)
-    assert list(layout) == ["memkit: modes compared", "memkit: memory per step", "memkit: layer trace"]
+    layout = dashboard_layout(prefix="mem.x", cuda=False, trace=True)
+    assert list(layout) == ["memkit: memory per step"]  # a layer trace is a figure and tables, not charts
     regexes = [r for rs in _regexes(layout).values() for r in rs]
     assert all(r.startswith("^mem\\.x/") for r in regexes)
     assert not any("CUDA" in title or "NVML" in title for title in _regexes(layout))
-    at_peak = _regexes(layout)["layer trace: categories at the traced step's peak (MiB)"][0]
-    assert re.match(at_peak, "mem.x/trace/peak/activations_MiB") and re.match(at_peak, "mem.x/trace/peak/optimizer_state_MiB")
-    assert not re.match(at_peak, "memAx/trace/peak/activations_MiB") and not re.match(at_peak, "mem.x/trace/end/activations_MiB")
+    tensors = _regexes(layout)["tensors (exact): live at step end (MiB)"][0]
+    assert re.match(tensors, "mem.x/train/tensor_MiB") and not re.match(tensors, "mem.x/train/peak_tensor_MiB")
+    assert not re.match(tensors, "memAx/train/tensor_MiB") and not re.match(tensors, "mem.x/train/tensor_MiBs")
+    # a compare mode's run: one category, one quantity per chart (one line per mode's run)
+    compare = dashboard_layout(cuda=True, compare=True)
+    assert list(compare) == ["memkit: modes compared"]
+    assert _matches(compare, {step_tag(f, "train") for f in ALL_FIELDS}) == {
+        "modes overlaid: CUDA step peak allocated (MiB)": {"memory/train/peak_allocated_MiB"},
+        "modes overlaid: CUDA step peak reserved (MiB)": {"memory/train/peak_reserved_MiB"},
+        "modes overlaid: CUDA fragmentation (MiB)": {"memory/train/fragmentation_MiB"},
+        "modes overlaid: this process on the device, NVML (MiB)": {"memory/train/process_device_MiB"},
+        "modes overlaid: host RSS at step end (MiB)": {"memory/train/host_rss_MiB"},
+    }
 
 
 def read_layouts(log_dir):
@@ -84,7 +100,17 @@ def read_layouts(log_dir):
 
 
 def _layout_events(log_dir):
-    return len(read_layouts(log_dir))
+    """How many times the run's layout was registered (at fit start). A second layout event is
+    fit end's rewrite without the charts the run left empty or single-step: it must be exactly that."""
+    from lightning_memkit.tensorboard.dashboard import read_layout
+    from lightning_memkit.tensorboard.layout import layout_from_tags
+
+    layouts = read_layouts(log_dir)
+    if len(layouts) == 2:
+        steps = {tag: len({s for s, _ in points}) for tag, points in read_scalars(log_dir).items()}
+        assert layouts[1] != layouts[0] and read_layout(log_dir) == layout_from_tags(steps)
+        return 1
+    return len(layouts)
 
 
 class _OtherMemkitCallback(Callback):
@@ -107,13 +133,13 @@ def test_layout_written_once_per_run_with_several_callbacks(tmp_path):
     assert _layout_events(logger.log_dir) == 1
     # a second fit into a new version is a new run: it gets its own layout
     logger2 = TensorBoardLogger(str(tmp_path), name="run", version=1)
-    trainer2 = make_trainer(tmp_path, max_steps=1, logger=logger2, callbacks=[MemoryTracker(verbose=False)])
+    trainer2 = make_trainer(tmp_path, max_steps=2, logger=logger2, callbacks=[MemoryTracker(verbose=False)])
     trainer2.fit(LinearStack())
     assert _layout_events(logger2.log_dir) == 1
     # a notebook re-run: the log dir is deleted and a new logger writes there again: it needs its layout again
     shutil.rmtree(logger2.log_dir)
     logger3 = TensorBoardLogger(str(tmp_path), name="run", version=1)
-    make_trainer(tmp_path, max_steps=1, logger=logger3, callbacks=[MemoryTracker(verbose=False)]).fit(LinearStack())
+    make_trainer(tmp_path, max_steps=2, logger=logger3, callbacks=[MemoryTracker(verbose=False)]).fit(LinearStack())
     assert _layout_events(logger3.log_dir) == 1
 
 
@@ -169,21 +195,19 @@ def test_figure_without_readings():
     assert "no readings" in [t.get_text() for t in figure.axes[0].texts]
 
 
-def test_layer_trace_charts_match_what_layer_trace_logs(tmp_path):
+def test_layer_trace_alone_writes_no_charts_but_its_figure_and_tables(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[LayerTrace(at_steps=(1, 2))])
     trainer.fit(LinearStack(optimizer="adam"))
-    [layout] = read_layouts(logger.log_dir)  # LayerTrace alone registers the dashboard: only its charts
-    assert list(layout) == ["memkit: layer trace"]
+    assert read_layouts(logger.log_dir) == []  # its values are single steps: no chart of dots at one step
     tags = set(read_scalars(logger.log_dir))
-    for title, regexes in layout["memkit: layer trace"].items():
-        matched = {t for t in tags for r in regexes if re.match(r, t)}
-        assert matched, title
-    at_peak = {t for t in tags for r in layout["memkit: layer trace"]["layer trace: categories at the traced step's peak (MiB)"]
-               if re.match(r, t)}
-    assert {"memory/trace/peak/parameters_MiB", "memory/trace/peak/gradients_MiB", "memory/trace/peak/optimizer_state_MiB",
-            "memory/trace/peak/activations_MiB"} <= at_peak
-    assert not any(t.startswith("memory/trace/end/") or t == "memory/trace/peak_MiB" for t in at_peak)
+    assert {"memory/trace/peak/parameters_MiB", "memory/trace/peak/activations_MiB", "memory/trace/peak_MiB"} <= tags
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "tensors": 0})
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Images("memory/trace/figure")] == [1, 2]
+    assert [e.step for e in accumulator.Tensors("memory/trace/categories/text_summary")] == [1, 2]
 
 
 def test_memory_tracker_with_layer_trace_one_layout_with_both(tmp_path):
@@ -191,8 +215,8 @@ def test_memory_tracker_with_layer_trace_one_layout_with_both(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
                            callbacks=[LayerTrace(at_steps=(1,)), MemoryTracker(verbose=False)])
     trainer.fit(LinearStack())
-    [layout] = read_layouts(logger.log_dir)
-    assert list(layout) == ["memkit: memory per step", "memkit: layer trace"]
+    layout = read_layouts(logger.log_dir)[-1]  # what TensorBoard shows: the last one
+    assert list(layout) == ["memkit: memory per step"]
     tags = set(read_scalars(logger.log_dir))
     for category in layout.values():  # limit_val_batches=0: no validation chart, every chart has lines
         for title, regexes in category.items():
@@ -207,9 +231,9 @@ def test_a_callback_can_ask_for_the_compare_charts(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="baseline", version="")
     trainer = make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[MemoryTracker(verbose=False), _AsksForCompare()])
     trainer.fit(LinearStack())
-    [layout] = read_layouts(logger.log_dir)
-    assert list(layout) == ["memkit: modes compared", "memkit: memory per step"]
-    assert layout["memkit: modes compared"] == {
-        "modes overlaid: step peak (MiB; one line per mode's run)": ["^memory/train/peak_(allocated|tensor)_MiB$"],
-        "modes overlaid: host RSS (MiB; one line per mode's run)": ["^memory/train/host_rss_MiB$"],
-    }
+    layout = read_layouts(logger.log_dir)[0]  # the one written at fit start
+    assert layout == {"memkit: modes compared": {
+        "modes overlaid: tensor step peak, exact (MiB)": ["^memory/train/peak_tensor_MiB$"],
+        "modes overlaid: live tensors at step end, exact (MiB)": ["^memory/train/tensor_MiB$"],
+        "modes overlaid: host RSS at step end (MiB)": ["^memory/train/host_rss_MiB$"],
+    }}

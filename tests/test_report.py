@@ -76,8 +76,12 @@ def test_run_without_records_is_rebuilt_from_tensorboard_scalars(run_dir, tmp_pa
     assert [(r.step, r.stage) for r in run.history] == [(r.step, r.stage) for r in history]
     for rebuilt, original in zip(run.history, history):
         # TensorBoard keeps float32 MiB: bytes come back as round(float32(bytes / 2**20) * 2**20)
-        assert rebuilt.peak_tensor_bytes == round(float(np.float32(original.peak_tensor_bytes / MiB)) * MiB)
-        assert abs(rebuilt.peak_tensor_bytes - original.peak_tensor_bytes) <= original.peak_tensor_bytes * 2**-23
+        for field in ("tensor_bytes", "peak_tensor_bytes"):  # the peak only on the steps the accountant measured it
+            exact, back = getattr(original, field), getattr(rebuilt, field)
+            assert (back is None) == (exact is None), field
+            if exact is not None:
+                assert back == round(float(np.float32(exact / MiB)) * MiB)
+                assert abs(back - exact) <= exact * 2**-23
     assert run.summary.peak_step == summary.peak_step
     assert any("rounded to float32 MiB" in m for m in sources.missing)
 
@@ -165,9 +169,9 @@ def test_report_of_a_compare_run(tmp_path, capsys):
     assert [r.name for r in find_sources(str(root)).runs] == ["baseline", "amp"]  # in the comparison's order
     for mode in ("baseline", "amp"):
         assert f"Run <code>{mode}</code>" in page
-        # each mode's TensorBoard run carries the dashboard with the modes overlaid first
-        [layout] = read_layouts(str(root / mode))
-        assert list(layout)[:2] == ["memkit: modes compared", "memkit: memory per step"]
+        # each mode's TensorBoard run carries the dashboard of the modes overlaid (one line per mode)
+        layout = read_layouts(str(root / mode))[-1]
+        assert list(layout) == ["memkit: modes compared"]
         summary, history = read_records(os.path.join(root, mode, RECORDS_FILENAME))
         assert html.escape(format_summary(summary, history)) in page
     pngs = sorted(os.listdir(png_dir))

@@ -22,7 +22,7 @@ from lightning_memkit.records import read_records
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.dashboard import FIGURE_TAG, SUMMARY_TEXT_TAG
 from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import dashboard_layout
+from lightning_memkit.tensorboard.layout import check_dashboard, dashboard_layout
 from lightning_memkit.tensorboard.server import TensorBoardServer
 from lightning_memkit.units import MiB
 
@@ -66,11 +66,14 @@ def test_scalars_through_http_equal_the_records(server, run_logs):
         assert f"memory/train/{name}_MiB" in tags
         assert f"memory/val/{name}_MiB" in tags
     assert "memory/summary/run_peak_MiB" in tags
-    points = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/train/peak_tensor_MiB"})
+    points = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/train/tensor_MiB"})
     train = [r for r in history if r.stage == "train"]
     assert [step for _, step, _ in points] == [r.step for r in train] == list(range(6))
     # TensorBoard stores float32: the served value is exactly float32(bytes / 2**20)
-    assert [value for _, _, value in points] == [float(np.float32(r.peak_tensor_bytes / MiB)) for r in train]
+    assert [value for _, _, value in points] == [float(np.float32(r.tensor_bytes / MiB)) for r in train]
+    peaks = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/train/peak_tensor_MiB"})
+    measured = [r for r in train if r.peak_tensor_bytes is not None]  # every step, or sampled: as the records say
+    assert [(step, value) for _, step, value in peaks] == [(r.step, float(np.float32(r.peak_tensor_bytes / MiB))) for r in measured]
     run_peak = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/summary/run_peak_MiB"})
     assert [value for _, _, value in run_peak] == [float(np.float32(summary.peak_bytes / MiB))]
 
@@ -82,6 +85,7 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
     assert [c["title"] for c in layout["category"]] == list(expected)
     charts = {chart["title"]: chart["multiline"]["tag"] for c in layout["category"] for chart in c["chart"]}
     assert charts == {title: spec[1] for category in expected.values() for title, spec in category.items()}
+    layout_as_written = expected
     tags = set(server.get_json("/data/plugin/scalars/tags")[run])
     for title, regexes in charts.items():
         for regex in regexes:
@@ -90,9 +94,16 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
             assert served["regex_valid"], regex
             matched = set(served["tag_to_events"])
             assert matched and matched == {t for t in tags if re.match(regex, t)}, (title, regex)
-    host_chart = charts["host: tensor bytes vs step peak vs process RSS (MiB)"][0]
+    host_chart = charts["host RSS: step peak vs step end (MiB)"][0]
     served = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": host_chart})
-    assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("tensor", "peak_tensor", "host_rss", "host_peak_rss")}
+    assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
+    # and the rules every chart keeps, on the data the server hands the Custom Scalars tab
+    served_runs = {run: {}}
+    for regexes in charts.values():
+        for regex in regexes:
+            answer = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": regex})
+            served_runs[run].update({tag: [(step, value) for _, step, value in events] for tag, events in answer["tag_to_events"].items()})
+    assert check_dashboard(layout_as_written, served_runs) == []
 
 
 def test_memory_figure_is_served_as_png(server, run_logs):

@@ -130,12 +130,16 @@ class _Builder:
 
 
 def _run_section(builder: _Builder, run: RunRecords) -> None:
+    from lightning_memkit.tensorboard.dashboard import device_table
     from lightning_memkit.tensorboard.figures import memory_per_step_figure
 
     builder.add(f"<h2>Run <code>{html.escape(run.name)}</code></h2>")
     source = "" if run.exact else " (rebuilt from TensorBoard scalars: float32 MiB, not exact bytes)"
     builder.add(f'<p class="meta">from {html.escape(os.path.basename(run.path))}{html.escape(source)}</p>')
     builder.add(_pre(format_summary(run.summary, run.history)))
+    device = device_table(run.history)
+    if device:  # capacity and headroom as numbers: a capacity line would flatten every other line
+        builder.add(_pre(device))
     if run.history:
         builder.figure(_slug(run.name, "memory_per_step"), f"memory per step: {run.name}",
                        lambda: memory_per_step_figure(run.summary, run.history, title=f"memkit: memory per step ({run.name})"))

@@ -22,6 +22,7 @@ from lightning_memkit.units import MiB, format_bytes
 __all__ = [
     "PEAK_COLOR",
     "SERIES_STYLE",
+    "PANELS",
     "new_figure",
     "mark_peak",
     "figure_png",
@@ -46,9 +47,19 @@ SERIES_STYLE: dict[str, tuple[str, str, str]] = {
     "host_peak_rss_bytes": ("host RSS: peak (per step)", "#9467bd", "-"),
     "host_rss_bytes": ("host RSS (step end)", "#9467bd", "--"),
 }
-_DEVICE_FIELDS = ("peak_allocated_bytes", "allocated_bytes", "peak_reserved_bytes", "reserved_bytes",
-                  "fragmentation_bytes", "process_device_bytes", "peak_tensor_bytes", "tensor_bytes")
-_HOST_FIELDS = ("host_peak_rss_bytes", "host_rss_bytes")
+#: The panels of the memory-per-step figure: (question, fields, fields also drawn for validation runs).
+#: Each panel draws at most three lines of one scale (a capacity or a process's whole device memory
+#: is never on the allocator's panel, where it flattened the allocator's lines to zero).
+PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("CUDA step peak: allocated vs reserved", ("peak_allocated_bytes", "peak_reserved_bytes"), ("peak_allocated_bytes",)),
+    ("CUDA at step end: allocated vs reserved", ("allocated_bytes", "reserved_bytes"), ()),
+    ("device (NVML): all processes vs this process vs allocator reserved", ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
+    ("tensors (exact): step peak vs live at step end", ("peak_tensor_bytes", "tensor_bytes"), ("peak_tensor_bytes",)),
+    ("host RSS: step peak vs step end", ("host_peak_rss_bytes", "host_rss_bytes"), ("host_peak_rss_bytes",)),
+)
+SERIES_STYLE.update({
+    "device_used_bytes": ("NVML: all processes", "#17becf", "-"),
+})
 
 
 def new_figure(title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4, sharex: bool = True) -> tuple[Figure, list]:
@@ -99,34 +110,39 @@ def _series(readings: Sequence[StepReading], field: str) -> tuple[list[int], lis
 def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], title: str | None = None) -> Figure:
     """Memory per training step (MiB), with the run's peak marked.
 
-    The top panel has device / tensor memory (CUDA allocator counters, the exact accountant),
-    the bottom one host RSS when it was read. Validation runs show as ``x`` markers at the
-    training step they followed. The red marker is ``summary.peak_bytes`` at
+    One panel per question (:data:`PANELS`), each with at most three lines of one scale, for the
+    sources the readings have: on CUDA the allocator's step peak (allocated vs reserved), its
+    step end, NVML's device memory (all processes vs this process vs the allocator's reserved);
+    the exact tensor accountant's peak vs step end; host RSS. Validation runs show as ``x``
+    markers at the training step they followed. The red marker is ``summary.peak_bytes`` at
     ``summary.peak_step`` (from ``summary.peak_source``), on the panel of that source.
     """
     train = [r for r in history if r.stage == "train"]
     val = [r for r in history if r.stage != "train"]
-    device_fields = [f for f in _DEVICE_FIELDS if any(getattr(r, f) is not None for r in history)]
-    host_fields = [f for f in _HOST_FIELDS if any(getattr(r, f) is not None for r in history)]
-    panels = [fields for fields in (device_fields, host_fields) if fields]
+    has = lambda field: any(getattr(r, field) is not None for r in history)  # noqa: E731
+    # a panel is drawn when its first (headline) field was read: the NVML panel needs NVML's own reading
+    panels = [(question, [f for f in fields if has(f)], [f for f in val_fields if has(f)])
+              for question, fields, val_fields in PANELS if has(fields[0])]
     device = summary.device or "?"
-    figure, axes = new_figure(title or f"memkit: memory per step ({device})", nrows=max(1, len(panels)))
+    figure, axes = new_figure(title or f"memkit: memory per step ({device})", nrows=max(1, len(panels)),
+                              row_height=3.4 if len(panels) <= 2 else 2.7)
     if not panels:
         axes[0].text(0.5, 0.5, "no readings", ha="center", va="center", transform=axes[0].transAxes)
         return figure
-    for ax, fields in zip(axes, panels):
+    for ax, (question, fields, val_fields) in zip(axes, panels):
         for field in fields:
             label, color, style = SERIES_STYLE[field]
             steps, values = _series(train, field)
             if steps:
                 ax.plot(steps, values, style, color=color, label=label, linewidth=1.8,
                         marker="." if len(steps) < 40 else None)
-            if field.startswith("peak_") or field == "host_peak_rss_bytes":
+            if field in val_fields:
                 vsteps, vvalues = _series(val, field)
                 if vsteps:
                     ax.plot(vsteps, vvalues, "x", color=color, markersize=8, markeredgewidth=2,
                             label=label.split(" (")[0] + " (validation run)")
         ax.set_ylabel("MiB")
+        ax.set_title(question + " (MiB)", fontsize=9, loc="left")
         if summary.peak_bytes is not None and summary.peak_source in fields:
             stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
             mark_peak(ax, summary.peak_step, summary.peak_bytes,
@@ -136,7 +152,7 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
         ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # beside the plot, never on a line
     axes[-1].set_xlabel("training step")
-    axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
+    axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9, loc="right")
     return figure
 
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS, metric_name
 
 __all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "MAX_SCALE_RATIO", "dashboard_layout", "layout_from_tags",
-           "prune_layout", "layout_tags", "check_dashboard"]
+           "prune_layout", "layout_tags", "check_dashboard", "check_chart"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
@@ -42,8 +42,11 @@ _NVML_CHARTS = [
     ("device (NVML): all processes vs this process vs allocator reserved (MiB)", "train",
      ["device_used_bytes", "process_device_bytes", "reserved_bytes"]),
 ]
+# Two charts, not one: the accountant's peak may be read on fewer steps than the live bytes
+# (MemoryTracker samples it), and TensorBoard's outlier clipping then hides the few peak points.
 _TENSOR_CHARTS = [
-    ("tensors (exact): step peak vs live at step end (MiB)", "train", ["peak_tensor_bytes", "tensor_bytes"]),
+    ("tensors (exact): step peak (MiB)", "train", ["peak_tensor_bytes"]),
+    ("tensors (exact): live at step end (MiB)", "train", ["tensor_bytes"]),
 ]
 _HOST_CHARTS = [
     ("host RSS: step peak vs step end (MiB)", "train", ["host_peak_rss_bytes", "host_rss_bytes"]),
@@ -57,6 +60,7 @@ _TENSOR_VALIDATION_CHARTS = [
 _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
     "peak_tensor": ("modes overlaid: tensor step peak, exact (MiB)", "train", ["peak_tensor_bytes"]),
+    "tensor": ("modes overlaid: live tensors at step end, exact (MiB)", "train", ["tensor_bytes"]),
     "peak_reserved": ("modes overlaid: CUDA step peak reserved (MiB)", "train", ["peak_reserved_bytes"]),
     "fragmentation": ("modes overlaid: CUDA fragmentation (MiB)", "train", ["fragmentation_bytes"]),
     "process_device": ("modes overlaid: this process on the device, NVML (MiB)", "train", ["process_device_bytes"]),
@@ -65,8 +69,9 @@ _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
 
 
 def _rank_charts(cuda: bool, host: bool) -> list[tuple[str, str, list[str]]]:
+    # on CPU the live tensor bytes at step end: read every step (the accountant's peak may be sampled)
     peak = ("per rank: CUDA step peak allocated (MiB; one line per rank)", "rank", ["peak_allocated_bytes"]) if cuda else \
-        ("per rank: tensor step peak, exact (MiB; one line per rank)", "rank", ["peak_tensor_bytes"])
+        ("per rank: live tensors at step end, exact (MiB; one line per rank)", "rank", ["tensor_bytes"])
     charts = [peak]
     if cuda:
         charts.append(("per rank: CUDA step peak reserved (MiB; one line per rank)", "rank", ["peak_reserved_bytes"]))
@@ -98,7 +103,7 @@ def dashboard_layout(
         prefix: the first part of every memkit tag (MemoryTracker's ``prefix``).
         cuda: the CUDA allocator's charts: step peak allocated vs reserved, allocated vs reserved
             at step end, fragmentation, allocator retries and OOMs.
-        tensors: the exact tensor accountant's chart (step peak vs live tensor bytes at step end).
+        tensors: the exact tensor accountant's charts (step peak; live tensor bytes at step end).
         host: host RSS (step peak vs step end).
         validation: the per-validation-run peaks.
         trace: accepted for compatibility and ignored: a layer trace is one step, shown as a figure
@@ -113,7 +118,7 @@ def dashboard_layout(
     nvml = cuda if nvml is None else nvml
     layout: dict[str, dict[str, list[Any]]] = {}
     if compare:
-        keys = ["peak_allocated" if cuda else "peak_tensor"]
+        keys = ["peak_allocated"] if cuda else ["peak_tensor", "tensor"]
         keys += ["peak_reserved", "fragmentation"] if cuda else []
         keys += ["process_device"] if cuda and nvml else []
         keys += ["host_rss"] if host else []
@@ -253,37 +258,58 @@ def check_dashboard(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
             Scalars tab draws together (one run, or every mode's run under a compare root).
         smoothing: TensorBoard's smoothing weight (0.6 by default).
 
-    Rules, per chart: it has data (some tag it matches was logged); it draws at most
-    :data:`MAX_SERIES_PER_CHART` lines per run; not every line is a single step (one step is a
-    figure or a table, not a chart); no line's largest |value| is more than
-    :data:`MAX_SCALE_RATIO` times another non-zero line's (a capacity drawn with usage flattens the
-    usage to zero); and with TensorBoard's default settings (smoothing, outliers ignored in the
-    y range) every line has a point inside the drawn y range.
+    Each chart of the layout is held to :func:`check_chart` with the lines it draws (every tag
+    its regexes match, in every run); a chart that matches no logged tag is "no data".
     """
     problems = []
     for title, regexes in layout_tags(layout).items():
-        series = {(run, tag): [v for _, v in points] for run, tags in runs.items()
-                  for tag in _matching(regexes, tags) if (points := tags[tag])}
+        series = {(run, tag): list(tags[tag]) for run, tags in runs.items() for tag in _matching(regexes, tags) if tags[tag]}
         if not series:
             problems.append(f"{title!r}: no data (its regexes {regexes} match no logged tag)")
             continue
-        for run in runs:
-            lines = [tag for (r, tag) in series if r == run]
-            if len(lines) > MAX_SERIES_PER_CHART:
-                problems.append(f"{title!r}: {len(lines)} lines for run {run!r} (at most {MAX_SERIES_PER_CHART}): {lines}")
-        steps = {key: {s for s, _ in runs[key[0]][key[1]]} for key in series}
-        if all(len(s) < 2 for s in steps.values()):
-            problems.append(f"{title!r}: every line is a single step (show single-step data as a figure or a table)")
-        scales = {key: max(abs(v) for v in values) for key, values in series.items()}
-        biggest = max(scales, key=scales.get)
-        for key, scale in scales.items():
-            if 0 < scale and scales[biggest] > MAX_SCALE_RATIO * scale:
-                problems.append(f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
-                                f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat")
-        smoothed = {key: _smoothed(values, smoothing) for key, values in series.items()}
-        low, high = _default_y_domain(list(smoothed.values()))
-        for key, values in smoothed.items():
-            if not any(low <= v <= high for v in values):
-                problems.append(f"{title!r}: {key[1]} of run {key[0]!r} lies outside the y range TensorBoard draws by "
-                                f"default [{low:.6g}, {high:.6g}] (outliers ignored)")
+        problems += check_chart(title, series, smoothing)
+    return problems
+
+
+def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float = 0.6,
+                tensorboard_y_range: bool = True) -> list[str]:
+    """The rules one chart keeps; returns the broken ones, in words.
+
+    Args:
+        title: the chart's title (for the messages).
+        series: ``{(run, line name): [(step, value), ...]}``, every line the chart draws.
+        smoothing: TensorBoard's smoothing weight (0.6 by default).
+        tensorboard_y_range: check the lines against the y range TensorBoard draws by default
+            (False for a figure's axes: matplotlib's range holds every point).
+
+    Rules: the chart has a line; at most :data:`MAX_SERIES_PER_CHART` lines per run; not every
+    line is a single step (one step is a figure or a table, not a chart); no line's largest
+    |value| is more than :data:`MAX_SCALE_RATIO` times another non-zero line's (a capacity drawn
+    with usage flattens the usage to zero); and with TensorBoard's default settings (smoothing,
+    outliers ignored in the y range) every line has a point inside the drawn y range.
+    """
+    series = {key: points for key, points in series.items() if len(points)}
+    if not series:
+        return [f"{title!r}: no data"]
+    problems = []
+    for run in sorted({run for run, _ in series}):
+        lines = sorted(name for r, name in series if r == run)
+        if len(lines) > MAX_SERIES_PER_CHART:
+            problems.append(f"{title!r}: {len(lines)} lines for run {run!r} (at most {MAX_SERIES_PER_CHART}): {lines}")
+    if all(len({step for step, _ in points}) < 2 for points in series.values()):
+        problems.append(f"{title!r}: every line is a single step (show single-step data as a figure or a table)")
+    scales = {key: max(abs(v) for _, v in points) for key, points in series.items()}
+    biggest = max(scales, key=scales.get)
+    for key, scale in scales.items():
+        if 0 < scale and scales[biggest] > MAX_SCALE_RATIO * scale:
+            problems.append(f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
+                            f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat")
+    if not tensorboard_y_range:
+        return problems
+    smoothed = {key: _smoothed([v for _, v in points], smoothing) for key, points in series.items()}
+    low, high = _default_y_domain(list(smoothed.values()))
+    for key, values in smoothed.items():
+        if not any(low <= v <= high for v in values):
+            problems.append(f"{title!r}: {key[1]} of run {key[0]!r} lies outside the y range TensorBoard draws by "
+                            f"default [{low:.6g}, {high:.6g}] (outliers ignored)")
     return problems

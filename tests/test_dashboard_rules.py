@@ -1,0 +1,249 @@
+"""Every dashboard chart is readable at a glance: the rules of ``check_dashboard`` on real logs.
+
+The rules (lightning_memkit/tensorboard/layout.py): every chart has data; at most 3 lines per run;
+not only single-step lines; no line 100x bigger than another non-zero one in the same chart; every
+line inside the y range TensorBoard draws with its default settings (smoothing 0.6, outliers ignored).
+
+Checked on logs memkit writes here on CPU (a fit with MemoryTracker + LayerTrace; a compare run)
+and on the shared H100 logs (tests/data/h100_logs, see its README). Those were written with the old
+layout: it must break the rules (so the checker can fail), and today's layout built from their
+tags with ``layout_from_tags`` (what ``update_dashboards`` writes into old logs, i.e. what a user
+sees after upgrading) must keep them, read back through a real TensorBoard server too.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from conftest import LinearStack, make_trainer, read_scalars
+from lightning_memkit import MemoryTracker
+from lightning_memkit.callbacks.layer_trace import LayerTrace
+from lightning_memkit.modes.compare import compare_modes, read_compare
+from lightning_memkit.records import RECORDS_FILENAME, read_records
+from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
+from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
+from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, check_chart, check_dashboard, layout_from_tags, layout_tags
+from lightning_memkit.units import format_bytes
+
+H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
+H100_DEMO = os.path.join(H100, "gl")
+H100_COMPARE = os.path.join(H100, "gc")
+
+
+def run_dirs(root):
+    return sorted({os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", "events.out.tfevents.*"), recursive=True)})
+
+
+def scalars_by_run(root):
+    """``{run name: {tag: [(step, value)]}}`` of every run under ``root``, read with TensorBoard's reader."""
+    return {os.path.relpath(d, root): read_scalars(d) for d in run_dirs(root)}
+
+
+def steps_per_tag(scalars):
+    return {tag: len({step for step, _ in points}) for tag, points in scalars.items()}
+
+
+def matched(layout, tags):
+    return {title: sorted(t for t in tags for r in regexes if re.match(r, t)) for title, regexes in layout_tags(layout).items()}
+
+
+# ---------------------------------------------------------------------------------------------- H100 logs
+def test_the_h100_runs_old_layout_breaks_the_rules():
+    """What the H100 screenshots showed, found by the checker: the checker can fail."""
+    demo = check_dashboard(read_layout(run_dirs(H100_DEMO)[0]), scalars_by_run(H100_DEMO))
+    assert any("device_total_MiB" in p and "is 474x" in p and "flat" in p for p in demo), demo
+    assert any(p.startswith("\"layer trace: categories at the traced step's peak (MiB)\": every line is a single step") for p in demo)
+    assert any("'CUDA allocator: allocated vs reserved vs step peak (MiB)': 4 lines" in p for p in demo)
+    compare_runs = scalars_by_run(H100_COMPARE)
+    compare = check_dashboard(read_layout(os.path.join(H100_COMPARE, "baseline")), compare_runs)
+    assert sum("'NVML device memory vs what the allocator holds (MiB)': 4 lines" in p for p in compare) == 4  # 16 lines
+    assert any(p.startswith("'validation runs: peaks (MiB)': every line is a single step") for p in compare)
+
+
+def test_h100_demo_with_todays_layout_keeps_the_rules():
+    [run] = run_dirs(H100_DEMO)
+    scalars = read_scalars(run)
+    layout = layout_from_tags(steps_per_tag(scalars))
+    assert check_dashboard(layout, {"demo": scalars}) == []
+    lines = matched(layout, scalars)
+    assert lines["device (NVML): all processes vs this process vs allocator reserved (MiB)"] == [
+        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"]
+    assert lines["CUDA step peak: allocated vs reserved (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
+    assert lines["validation runs: CUDA peak allocated vs peak reserved (MiB)"] == [
+        "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
+    drawn = {t for ts in lines.values() for t in ts}
+    # the capacity and the layer trace's one-step values are on no chart ...
+    assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
+    # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
+    assert {t for t in scalars if t.startswith("memory/train/")} - drawn == {"memory/train/device_total_MiB", "memory/train/active_MiB"}
+    # the capacity and the headroom are numbers, from NVML's own readings
+    summary, history = read_records(os.path.join(run, RECORDS_FILENAME))
+    total = max(r.device_total_bytes for r in history)
+    used = max(r.device_used_bytes for r in history)
+    table = device_table(history)
+    assert f"capacity (NVML total)  {format_bytes(total)}".replace("  ", " ") in re.sub(" +", " ", table)
+    assert f"headroom at that step {format_bytes(total - used)} ({(total - used) / total:.1%} of capacity)" in re.sub(" +", " ", table)
+    process = max(history, key=lambda r: r.process_device_bytes)
+    assert f"of which outside the allocator {format_bytes(process.process_device_bytes - process.reserved_bytes)}" in re.sub(" +", " ", table)
+
+
+def test_h100_compare_with_todays_layout_keeps_the_rules():
+    runs = scalars_by_run(H100_COMPARE)
+    modes = [name for name, scalars in runs.items() if any(t.startswith("memory/train/") for t in scalars)]
+    assert sorted(modes) == ["amp", "amp+checkpoint", "baseline", "checkpoint"]
+    layouts = [layout_from_tags(steps_per_tag(runs[m]), compare=True) for m in modes]
+    assert all(layout == layouts[0] for layout in layouts)
+    layout = layouts[0]
+    assert list(layout) == ["memkit: modes compared"]
+    assert check_dashboard(layout, runs) == []
+    for title, regexes in layout_tags(layout).items():  # one line per mode's run, in every chart
+        for mode in modes:
+            assert len(matched({"c": {title: ["Multiline", regexes]}}, runs[mode])[title]) == 1, (title, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
+    """``update_dashboards`` on a copy of the old logs; a real ``tensorboard`` serves today's layout and every chart's data."""
+    from lightning_memkit.tensorboard.server import TensorBoardServer
+
+    for name, compare in (("gl", False), ("gc", True)):
+        root = str(tmp_path / name)
+        shutil.copytree(os.path.join(H100, name), root)
+        updated = update_dashboards(root)
+        runs = scalars_by_run(root)
+        assert {os.path.relpath(d, root) for d in updated} == {n for n, s in runs.items() if any(t.startswith("memory/train/") for t in s)}
+        expected = next(iter(updated.values()))
+        assert all(layout == expected for layout in updated.values())
+        assert expected == layout_from_tags(steps_per_tag(next(s for s in runs.values() if "memory/train/reserved_MiB" in s)),
+                                            compare=compare)
+        with TensorBoardServer(root, startup_timeout_s=90) as server:
+            served = server.get_json("/data/plugin/custom_scalars/layout")
+            charts = {c["title"]: {ch["title"]: ["Multiline", ch["multiline"]["tag"]] for ch in c["chart"]} for c in served["category"]}
+            assert charts == expected  # the new layout replaced the one written at fit start
+            served_runs = {}
+            for title, regexes in layout_tags(charts).items():
+                for run in runs:
+                    for regex in regexes:  # what the Custom Scalars tab fetches for this chart
+                        answer = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": regex})
+                        for tag, events in answer["tag_to_events"].items():
+                            served_runs.setdefault(run, {})[tag] = [(step, value) for _, step, value in events]
+            assert check_dashboard(charts, served_runs) == []
+
+
+# ---------------------------------------------------------------------------------------------- memkit's own CPU runs
+@pytest.fixture(scope="module")
+def cpu_fit(tmp_path_factory):
+    """A real CPU fit: MemoryTracker + LayerTrace, validation after steps 2, 5 and 8."""
+    root = tmp_path_factory.mktemp("rules_fit")
+    logger = TensorBoardLogger(str(root), name="run", version=0)
+    trainer = make_trainer(root, max_steps=9, logger=logger, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
+                           callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)])
+    trainer.fit(LinearStack(val_batches=1, optimizer="adam"))
+    return logger.log_dir
+
+
+def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = read_scalars(cpu_fit)
+    layout = read_layout(cpu_fit)
+    assert check_dashboard(layout, {"run": scalars}) == []
+    assert layout == layout_from_tags(steps_per_tag(scalars))  # written at fit time = rebuilt from the tags
+    assert list(layout) == ["memkit: memory per step"]
+    assert matched(layout, scalars) == {
+        "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
+        "tensors (exact): live at step end (MiB)": ["memory/train/tensor_MiB"],
+        "host RSS: step peak vs step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
+        "validation runs: tensor peak, exact (MiB)": ["memory/val/peak_tensor_MiB"],
+    }
+    assert sorted({s for s, _ in scalars["memory/val/peak_tensor_MiB"]}) == [2, 5, 8]
+    # the layer trace is one step: its scalars are logged but on no chart; its figure and tables are in Images and Text
+    assert any(t.startswith("memory/trace/") for t in scalars)
+    accumulator = EventAccumulator(cpu_fit, size_guidance={"images": 0, "tensors": 0})
+    accumulator.Reload()
+    assert "memory/trace/figure" in accumulator.Tags()["images"]
+    assert {"memory/trace/categories/text_summary", "memory/trace/table/text_summary"} <= set(accumulator.Tags()["tensors"])
+
+
+def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
+    """Validation is configured but runs once (after step 2 of 4): the validation chart would be a dot."""
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=4, logger=logger, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
+                           callbacks=[MemoryTracker(verbose=False)])
+    trainer.fit(LinearStack(val_batches=1))
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/val/peak_tensor_MiB"]] == [2]
+    layout = read_layout(logger.log_dir)  # what TensorBoard shows: the last layout of the run
+    assert "validation runs: tensor peak, exact (MiB)" not in layout_tags(layout)
+    assert check_dashboard(layout, {"run": scalars}) == []
+    assert layout == layout_from_tags(steps_per_tag(scalars))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cpu_compare_run_keeps_the_rules(tmp_path):
+    from lightning_memkit import zoo
+
+    compare_modes(lambda: zoo.DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8),
+                  modes="baseline,checkpoint", max_steps=4, accelerator="cpu", root_dir=str(tmp_path), verbose=False)
+    runs = scalars_by_run(str(tmp_path))
+    layouts = {name: read_layout(os.path.join(str(tmp_path), name)) for name in ("baseline", "checkpoint")}
+    layout = layouts["baseline"]
+    assert layouts["checkpoint"] == layout and list(layout) == ["memkit: modes compared"]
+    assert check_dashboard(layout, runs) == []
+    for title, lines in matched(layout, runs["baseline"]).items():
+        assert len(lines) == 1, title
+    assert layout == layout_from_tags(steps_per_tag(runs["baseline"]), compare=True)
+
+
+# ---------------------------------------------------------------------------------------------- figures (Images tab, memkit report)
+def figure_problems(figure, runs_are_lines=False):
+    """check_chart on every axes of a matplotlib figure: its lines (the red peak marker is a point of one of them)."""
+    problems = []
+    for ax in figure.axes:
+        series = {}
+        for line in ax.get_lines():
+            if line.get_color() == PEAK_COLOR:
+                continue
+            label = line.get_label()
+            series[(label if runs_are_lines else "figure", label)] = list(zip(line.get_xdata(), line.get_ydata()))
+        if not series:  # a bar chart (one value per mode: single-step data, drawn as bars): only the scale rule
+            heights = [patch.get_height() for patch in ax.patches]
+            assert heights and max(heights) <= 100 * min(heights), heights
+            continue
+        problems += check_chart(ax.get_title(loc="left") or ax.get_title() or figure._suptitle.get_text(), series, tensorboard_y_range=False)
+        assert len(series) <= (len(series) if runs_are_lines else MAX_SERIES_PER_CHART)
+    return problems
+
+
+def test_memory_per_step_figures_keep_the_rules(cpu_fit):
+    summary, history = read_records(os.path.join(H100_DEMO, "demo-transformer", "version_0", RECORDS_FILENAME))
+    figure = memory_per_step_figure(summary, history)
+    assert figure_problems(figure) == []
+    assert [ax.get_title(loc="left") for ax in figure.axes] == [
+        "CUDA step peak: allocated vs reserved (MiB)", "CUDA at step end: allocated vs reserved (MiB)",
+        "device (NVML): all processes vs this process vs allocator reserved (MiB)", "host RSS: step peak vs step end (MiB)"]
+    cpu_summary, cpu_history = read_records(os.path.join(cpu_fit, RECORDS_FILENAME))
+    assert figure_problems(memory_per_step_figure(cpu_summary, cpu_history)) == []
+    compare = read_compare(H100_COMPARE)
+    for figure in compare_figures(compare).values():
+        assert figure_problems(figure, runs_are_lines=True) == []
+
+
+def test_memkit_report_of_the_h100_logs_has_the_device_numbers(tmp_path):
+    from lightning_memkit.cli import main
+
+    out = tmp_path / "report.html"
+    assert main(["report", H100, "-o", str(out)]) == 0
+    page = out.read_text()
+    _, history = read_records(os.path.join(H100_DEMO, "demo-transformer", "version_0", RECORDS_FILENAME))
+    import html
+
+    assert html.escape(device_table(history)) in page
