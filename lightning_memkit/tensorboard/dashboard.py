@@ -170,8 +170,8 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
     if pruned == layout:
         return False
     _LAYOUTS[experiment] = pruned
-    # step 0 again, like the first: TensorBoard's readers replace a tag's points at or after a step
-    # that comes again, so the run has one layout, this one
+    # TensorBoard's Custom Scalars tab shows a run's last layout event (it reads one point of the
+    # config tag, the last): this one replaces the fit-start layout
     experiment.add_custom_scalars(pruned)
     return True
 
@@ -262,8 +262,9 @@ def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
 def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]]) -> str:
     """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the layout.
 
-    TensorBoard then shows this layout for the run instead of the one written at fit start (its
-    readers replace a tag's points when a step comes again). Returns the new file's path.
+    TensorBoard then shows this layout for the run instead of the one written at fit start: the
+    Custom Scalars tab reads a run's last layout event, and the new file sorts after the run's
+    own (its name starts with a later timestamp). Returns the new file's path.
     """
     import glob
     import os
