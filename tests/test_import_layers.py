@@ -1,8 +1,9 @@
 """The package's import layers, read from the source with ``ast``: no import cycle among its modules,
 and no lower layer imports the Lightning callbacks (the core works without them).
 
-Every import is counted, at module level or inside a function, guarded by ``TYPE_CHECKING`` or not:
-a function-level import is still a dependency, only a later one. ``import a.b.c`` and
+Every import is counted, at module level or inside a function: a function-level import is still a
+dependency, only a later one. Imports under ``if TYPE_CHECKING:`` (annotations only) never run, so they
+make no import cycle; they still count for the callbacks rule. ``import a.b.c`` and
 ``from a.b import c`` (``c`` a submodule) are edges to ``a.b.c``; ``from a.b import name`` is an edge
 to ``a.b``. Parent packages a dotted import runs implicitly are not edges (every import of the
 package would otherwise depend on its root ``__init__``).
@@ -11,10 +12,8 @@ package would otherwise depend on its root ``__init__``).
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
-import pytest
 
 PACKAGE = "lightning_memkit"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE

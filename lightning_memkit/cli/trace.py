@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 import warnings
-from typing import Any
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, build_trainer, json_object, load_object
 
