@@ -439,3 +439,78 @@ def test_misuse_is_refused_with_a_clear_message():
         MemoryTracker(tensor_accounting="on")
     with pytest.raises(MisconfigurationException, match="cuda_memory_history"):
         MemoryTracker(cuda_memory_history=-1)
+
+
+# ---------------------------------------------------------------------------- the whole process
+class _KeepsPerStep(LinearStack):
+    """Keeps 65,536 bytes per training step (a float32 tensor of 16,384 elements in a list)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.kept = []
+
+    def training_step(self, batch, batch_idx):
+        self.kept.append(torch.zeros(16384))
+        return super().training_step(batch, batch_idx)
+
+
+class _CachesAtBatchStart(Callback):
+    """Another callback: caches 4,000 bytes (1,000 float32) at every batch start, measured or not."""
+
+    def __init__(self):
+        self.cache = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.cache.append(torch.ones(1000))
+
+
+@pytest.mark.parametrize("cache_first", [True, False])
+def test_memory_kept_outside_the_window_shows_by_its_exact_bytes(tmp_path, cache_first):
+    """every_n_steps=2: between two measured steps the module keeps 2 x 65,536 bytes (one of them
+    in the unmeasured step) and the other callback 2 x 4,000 (one at the unmeasured step's
+    start, one at the measured step's start, before or after the tracker's window opens): the
+    process grows by 2 * 65,536 + 2 * 4,000 = 139,072 bytes per measured step, and so does
+    tensor_MiB, read back from TensorBoard. Nothing else in these steps outlives them."""
+    per_measured_step = 2 * 65_536 + 2 * 4_000
+    assert per_measured_step == 139_072
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    tracker, cache = MemoryTracker(every_n_steps=2, log_validation=False, verbose=False), _CachesAtBatchStart()
+    callbacks = [cache, tracker] if cache_first else [tracker, cache]
+    model = _KeepsPerStep(samples=128)  # 16 batches: no epoch boundary in 10 steps
+    make_trainer(tmp_path, max_steps=10, logger=logger, callbacks=callbacks).fit(model)
+    assert [r.step for r in tracker.history] == [0, 2, 4, 6, 8]
+    growth = [b.tensor_bytes - a.tensor_bytes for a, b in zip(tracker.history, list(tracker.history)[1:])]
+    assert growth == [per_measured_step] * 4
+    logged = read_scalars(logger.log_dir)["memory/train/tensor_MiB"]
+    assert [s for s, _ in logged] == [0, 2, 4, 6, 8]
+    # TensorBoard stores float32: the logged values are the readings as float32 holds them
+    assert [v for _, v in logged] == [float(numpy.float32(r.tensor_bytes / MiB)) for r in tracker.history]
+    assert len(model.kept) == 10 and len(cache.cache) == 10
+
+
+def test_a_tracker_kept_after_the_fit_holds_no_tensor(tmp_path):
+    """The user keeps the tracker (to read tracker.history) and drops the model and the Trainer:
+    no tensor of the model's is alive (counted with gc), after a normal fit and after a failed one."""
+    import gc
+    import weakref
+
+    from live_tensors import describe
+    from lightning_memkit.zoo import DemoTransformer
+
+    for failing in (False, True):
+        tracker = MemoryTracker(verbose=False)
+        model = _HugeAllocation() if failing else DemoTransformer()
+        logger = TensorBoardLogger(str(tmp_path), name=f"tb{failing}")
+        trainer = make_trainer(tmp_path, max_steps=3, logger=logger, callbacks=[tracker], limit_val_batches=1)
+        if failing:
+            with pytest.raises(RuntimeError, match="can't allocate memory"):
+                trainer.fit(model)
+        else:
+            trainer.fit(model)
+        model_tensors = [weakref.ref(p) for p in model.parameters()]
+        del model, trainer, logger
+        gc.collect()
+        alive = [r() for r in model_tensors if r() is not None]
+        assert alive == [], describe(alive)
+        assert tracker.history and tracker._meter is None
+        assert not any(isinstance(t, torch.Tensor) for t in gc.get_referents(*gc.get_referents(tracker)))

@@ -212,6 +212,15 @@ class MemoryTracker(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
+        self._drop_module_references(pl_module)
+
+    def _drop_module_references(self, pl_module: LightningModule) -> None:
+        # Lightning gives every callback the module's bound log/log_dict at fit start
+        # (CallbackConnector._attach_model_logging_functions); they would keep the whole model
+        # (parameters, gradients, optimizer state through it) alive in a tracker kept to read history.
+        for name in ("log", "log_dict"):
+            if getattr(vars(self).get(name), "__self__", None) is pl_module:
+                del self.__dict__[name]
 
     def _release(self) -> None:
         """Drop everything the run needed (probes, the accountant, the process hook): a tracker
@@ -389,6 +398,7 @@ class MemoryTracker(Callback):
             except Exception:
                 pass
         self._release()
+        self._drop_module_references(pl_module)
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
         directory = self.oom_dir or log_dir(trainer)
