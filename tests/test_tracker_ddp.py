@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
             return self.net(x).pow(2).sum() + extra[0] * 0
 
     out = sys.argv[1]
-    tracker = MemoryTracker(per_rank=True, verbose=False)
+    tracker = MemoryTracker(per_rank=True, verbose=False, tensor_peak_every_n_steps=1)
     trainer = pl.Trainer(
         strategy="ddp", accelerator="cpu", devices=2, max_steps=3, logger=TensorBoardLogger(out, name="tb", version=0),
         callbacks=[tracker], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
