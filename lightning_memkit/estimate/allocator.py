@@ -303,6 +303,13 @@ class CudaAllocatorModel:
             block = before
         self._add_free(block)
 
+    def cache_segment(self, nbytes: int, small: bool = False) -> None:
+        """Add a free segment of ``nbytes`` to the small or large pool, as if earlier work had left it
+        cached (reserved, nothing allocated in it): the state a replay starts from."""
+        if nbytes <= 0 or nbytes % MIN_BLOCK_BYTES:
+            raise ValueError(f"a segment is a positive multiple of {MIN_BLOCK_BYTES} bytes, not {nbytes}")
+        self._add_free(self._new_segment(nbytes, small))
+
     def replay(self, events: Iterable[tuple[str, object, int]]) -> "CudaAllocatorModel":
         """Apply ``("alloc", key, nbytes)`` and ``("free", key, 0)`` events in order; returns self."""
         for kind, key, nbytes in events:
