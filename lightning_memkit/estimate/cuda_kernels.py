@@ -384,7 +384,7 @@ class _CudaWorkspaces(TorchDispatchMode):
         kernels = self.kernels
         if func in self._matmuls:
             # one cuBLAS handle, and workspace, per thread: the autograd engine's backward thread has its own
-            thread = "backward" if torch._C._current_graph_task_id() >= 0 else "main"
+            thread = "backward" if _in_backward() else "main"
             if thread not in kernels.cublas:
                 kernels.cublas[thread] = _block(cublas_workspace_bytes(kernels.gpu), args)
                 kernels.used.add("cublas:workspace")
@@ -422,6 +422,12 @@ class _CudaWorkspaces(TorchDispatchMode):
             del delta
             return outputs
         return func(*args, **kwargs)
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward now (torch's private graph-task id; -1 outside)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() >= 0
 
 
 def _device_of(args: Any) -> torch.device:
