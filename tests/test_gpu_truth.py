@@ -231,3 +231,16 @@ def test_the_gpu_generation_changes_the_attention_kernel_and_the_estimate():
     v100 = estimate_memory(module, batch=batch, mode="bf16", optimizer=optimizer, device="cuda", gpu="v100")
     assert any("attention: flash" in note for note in h100.notes) and any("attention: math" in note for note in v100.notes)
     assert v100.cuda.peak_allocated_bytes > h100.cuda.peak_allocated_bytes  # L x L weights on the V100
+
+
+def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
+    from live_tensors import live_tensor_bytes
+
+    module, batch = _TinyTransformer(), torch.randn(2, 64, 64)
+    originals = (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy)
+    estimate_memory(module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda")  # warm-up
+    before = live_tensor_bytes()
+    estimate = estimate_memory(module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda")
+    assert estimate.cuda.peak_allocated_bytes > 64 * MiB  # the two cuBLAS workspaces are in the simulated peak
+    assert live_tensor_bytes() == before
+    assert (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy) == originals
