@@ -157,12 +157,15 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     assert check_dashboard(layout, {"run": scalars}) == []
     assert layout == layout_from_tags(steps_per_tag(scalars))  # written at fit time = rebuilt from the tags
     assert list(layout) == ["memkit: memory per step"]
-    assert matched(layout, scalars) == {
+    expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
         "tensors (exact): live at step end (MiB)": ["memory/train/tensor_MiB"],
         "host RSS: step peak vs step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
-        "validation runs: tensor peak, exact (MiB)": ["memory/val/peak_tensor_MiB"],
+        "validation runs: tensor peak vs live at end, exact (MiB)": ["memory/val/peak_tensor_MiB", "memory/val/tensor_MiB"],
     }
+    if len(scalars["memory/train/peak_tensor_MiB"]) < 2:  # MemoryTracker may sample the accountant's peak: one point is no chart
+        del expected["tensors (exact): step peak (MiB)"]
+    assert matched(layout, scalars) == expected
     assert sorted({s for s, _ in scalars["memory/val/peak_tensor_MiB"]}) == [2, 5, 8]
     # the layer trace is one step: its scalars are logged but on no chart; its figure and tables are in Images and Text
     assert any(t.startswith("memory/trace/") for t in scalars)
@@ -181,7 +184,7 @@ def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
     scalars = read_scalars(logger.log_dir)
     assert [s for s, _ in scalars["memory/val/peak_tensor_MiB"]] == [2]
     layout = read_layout(logger.log_dir)  # what TensorBoard shows: the last layout of the run
-    assert "validation runs: tensor peak, exact (MiB)" not in layout_tags(layout)
+    assert "validation runs: tensor peak vs live at end, exact (MiB)" not in layout_tags(layout)
     assert check_dashboard(layout, {"run": scalars}) == []
     assert layout == layout_from_tags(steps_per_tag(scalars))
 

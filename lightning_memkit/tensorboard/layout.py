@@ -54,8 +54,10 @@ _HOST_CHARTS = [
 _CUDA_VALIDATION_CHARTS = [
     ("validation runs: CUDA peak allocated vs peak reserved (MiB)", "val", ["peak_allocated_bytes", "peak_reserved_bytes"]),
 ]
+# two lines, not one: a chart of a single line with two points (two validation runs) is empty in
+# TensorBoard by default (both points are "outliers" of the 5th-95th percentile range)
 _TENSOR_VALIDATION_CHARTS = [
-    ("validation runs: tensor peak, exact (MiB)", "val", ["peak_tensor_bytes"]),
+    ("validation runs: tensor peak vs live at end, exact (MiB)", "val", ["peak_tensor_bytes", "tensor_bytes"]),
 ]
 _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
@@ -238,13 +240,20 @@ def _quantile(ordered: Sequence[float], p: float) -> float:
 
 
 def _default_y_domain(series: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """The y range TensorBoard draws by default: values within the 5th-95th percentile
-    ("Ignore outliers in chart scaling", ticked by default), padded by 10 % each side."""
+    """The y range TensorBoard draws by default, as its line chart computes it: the values
+    within the 5th-95th percentile of all the chart's (smoothed) values ("Ignore outliers in
+    chart scaling", ticked by default); none left (two distinct values: each is an "outlier")
+    gives the empty chart's [0, 1]; one value v gives [0, 2v]; else the range padded by 5 %
+    each side (TensorBoard rounds it outwards further)."""
     values = sorted(v for s in series for v in s)
     low_q, high_q = _quantile(values, 0.05), _quantile(values, 0.95)
-    kept = [v for v in values if low_q <= v <= high_q] or values
+    kept = [v for v in values if low_q <= v <= high_q]
+    if not kept:
+        return 0.0, 1.0
     low, high = kept[0], kept[-1]
-    pad = (high - low) * 0.1 or max(abs(high) * 0.1, 1e-9)
+    if low == high:
+        return (-1.0, 1.0) if low == 0 else (min(0.0, 2 * low), max(0.0, 2 * low))
+    pad = (high - low) * 0.05
     return low - pad, high + pad
 
 
