@@ -275,7 +275,7 @@ def test_a_search_stopped_by_the_dataset_says_so(tmp_path, capsys):
     data = SyntheticDataModule(batch_size=8, train_size=48, val_size=16, input_shape=(FEATURES,))
     result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=1024)
     assert result.batch_size == 48 and result.reason == "dataset" and data.batch_size == 48
-    assert "no larger batch: the train dataset has 48 samples; using 48" in capsys.readouterr().out
+    assert "no larger batch: the train dataset has 48 samples (the dataset, not memory, bounds it); using 48" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------ as a Lightning user writes it

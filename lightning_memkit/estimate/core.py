@@ -311,6 +311,7 @@ class _Reuse:
     def __init__(self) -> None:
         self.copies: dict[int, tuple[nn.Module, FakeSession, nn.Module]] = {}
         self.batches: dict[tuple[int, int], tuple[Any, int | None]] = {}
+        self.estimates: dict[tuple, MemoryEstimate] = {}  # the same estimate asked twice (a table, then a prediction)
 
 
 _CACHE: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("memkit_fake_copies", default=None)
@@ -421,6 +422,24 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
 
 
 def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int, trainer: Any = None, gpu: Any = None) -> MemoryEstimate:
+    cache = _CACHE.get()
+    key = None
+    if fake and cache is not None:  # inside reusing_fake_copies(): the same question gets the same answer
+        size = batch_size if batch_size is not None else batch_size_of(_prepare(module, batch, batch_size, datamodule)[0])
+        key = (id(module), id(batch), size, mode, str(device), id(optimizer), id(loss_fn), id(datamodule), id(trainer), repr(gpu))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable mode object: no memo
+            key = None
+        if key is not None and key in cache.estimates:
+            return copy.deepcopy(cache.estimates[key])
+    estimate = _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake, steps, trainer, gpu)
+    if key is not None:
+        cache.estimates[key] = copy.deepcopy(estimate)
+    return estimate
+
+
+def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int, trainer: Any = None, gpu: Any = None) -> MemoryEstimate:
     started = time.perf_counter()
     mode = _resolve_mode(mode)
     target = torch.device(device) if not isinstance(device, torch.device) else device

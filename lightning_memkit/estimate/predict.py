@@ -163,7 +163,7 @@ def _predict(module, capacity, target, mode, margin, device, batch, max_val, tol
             points.append((size, cache[size].required_bytes))
         return cache[size].required_bytes
 
-    first, second = max(1, base // 2), max(2, base * 2)
+    first, second = base, max(2, base * 2)  # the batch's own size: often estimated already (memkit estimate's table)
     required(first), required(second)
     growth = AffineGrowth.fit(points)
     mode_name = cache[first].mode
