@@ -230,3 +230,132 @@ def test_auto_cuts_a_plain_sequential_chain_when_no_block_repeats():
     for got, want in zip((p.grad for p in model.parameters()), expected):
         assert torch.equal(got, want)
     handle.remove()
+
+
+# ------------------------------------------------------------------------------------------ measuring keeps nothing
+def test_measuring_forward_keeps_nothing_and_peaks_like_a_no_grad_forward():
+    """The measuring forward replaces every saved tensor by a placeholder: its peak is a no_grad forward's
+    (exact, accountant), it still counts exactly what a grad forward keeps for backward, and afterwards the
+    process holds what it held before, with no graph."""
+    from lightning_memkit import TensorAccountant
+    from lightning_memkit.modes.checkpointing import measure_forward
+
+    from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+
+    torch.manual_seed(0)
+    model = BlockNet(blocks=6, width=64)
+    x = torch.randn(256, 8)
+    peaks, kept = {}, {}
+    for grad in (False, True):
+        accountant = TensorAccountant()
+        with torch.set_grad_enabled(grad), accountant:
+            output = model(x)
+        peaks[grad], kept[grad] = accountant.peak_bytes, accountant.current_bytes
+        del output
+    before = live_tensor_bytes()
+    measured = measure_forward(model, (x,), {f"blocks.{i}": [model.blocks[i]] for i in range(6)}, count_flops=True)
+    assert measured.peak_bytes == peaks[False] < kept[True] / 4
+    assert measured.activation_bytes == kept[True]  # what a grad forward keeps alive for backward, to the byte
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+    assert live_tensor_bytes() == before
+
+
+def test_a_sample_that_runs_backward_is_a_clear_error_for_a_budget_and_a_warning_otherwise():
+    model = BlockNet(blocks=3)
+    x = torch.randn(8, 8)
+
+    def step():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="cannot run a backward"):
+        apply_checkpointing(model, "budget=0.5", sample=step)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.warns(RuntimeWarning, match="not measured"):
+        handle = apply_checkpointing(model, "auto", sample=step)
+    assert handle.plan.count == 2 and handle.plan.baseline_activation_bytes is None
+    handle.remove()
+
+
+# ------------------------------------------------------------------------------------------ budget units, class + budget
+@pytest.mark.parametrize("value", [1.5, 2, "2", "1e9", "budget=2", "budget=1.5", 0, -0.5, True, "lots"])
+def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
+    from lightning_memkit.modes.checkpointing import parse_budget
+
+    with pytest.raises(ValueError, match=r"fraction in \(0, 1\].*512MiB"):
+        if isinstance(value, str) and value.startswith("budget="):
+            apply_checkpointing(BlockNet(), value, sample=(torch.randn(2, 8),))
+        else:
+            parse_budget(value)
+
+
+def test_budget_forms_that_say_their_unit():
+    from lightning_memkit.modes.checkpointing import normalize_policy, parse_budget
+
+    assert parse_budget(1) == CheckpointBudget(fraction=1.0)
+    assert parse_budget("0.25") == CheckpointBudget(fraction=0.25)
+    assert normalize_policy("budget=512MiB") == CheckpointBudget(bytes=512 * 2**20)
+    assert normalize_policy("budget=4096B") == CheckpointBudget(bytes=4096)
+    assert CheckpointBudget(bytes=4096).bytes == 4096  # bytes= says its unit: an int of bytes
+    with pytest.raises(ValueError, match="int of bytes"):
+        CheckpointBudget(bytes=4096.5)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.act, self.drop, self.down = nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.down(self.drop(self.act(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.mlp = MLP(width)
+
+    def forward(self, x):
+        h = x + torch.tanh(self.mix(x))
+        return h + self.mlp(h)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, blocks: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_a_class_policy_with_a_budget_chooses_only_among_its_matches():
+    """ActivationCheckpointing({MLP}, budget=0.5) used to drop {MLP} silently and checkpoint whole blocks."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    base = copy.deepcopy(model)
+    x = torch.randn(64, 8)
+    handle = apply_checkpointing(model, CheckpointBudget(fraction=0.8, within={MLP}), sample=(x,))
+    plan = handle.plan
+    assert plan.count > 0 and all(name.endswith(".mlp") for name in plan.names), plan.names
+    assert plan.measured_activation_bytes <= plan.budget_bytes == int(0.8 * plan.baseline_activation_bytes)
+    assert plan.policy == "budget=0.8 within {MLP}" and "{MLP}" in plan.note
+    _step(base, x)
+    _step(model, x)
+    _assert_same_training_effect(base, model)
+    handle.remove()
+    # the MLPs alone cannot reach what whole blocks can: refused with the figure to ask for, not widened
+    with pytest.raises(ValueError, match=r"cannot be met: checkpointing all 4 candidates \(the modules \{MLP\} matches\)"):
+        apply_checkpointing(model, CheckpointBudget(fraction=0.2, within={MLP}), sample=(x,))
+    assert apply_checkpointing(model, CheckpointBudget(fraction=0.2), sample=(x,)).plan.count > 0  # blocks can
+    with pytest.raises(ValueError, match="matched no module.*MLP"):
+        plan_checkpointing(model, CheckpointBudget(fraction=0.5, within={nn.Conv2d}))
+    with pytest.raises(ValueError, match="within"):
+        CheckpointBudget(fraction=0.5, within="auto")

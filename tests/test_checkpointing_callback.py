@@ -171,14 +171,153 @@ def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
 
 def test_measuring_forwards_stay_out_of_the_first_step_reading_whatever_the_order(tmp_path):
     """ActivationCheckpointing listed after MemoryTracker still measures before the step window opens:
-    step 0's exact peak is the same in both orders."""
+    step 0's exact peak, above what the process held before the fit, is the same in both orders."""
+    import gc
+
     from lightning_memkit import MemoryTracker
 
+    from live_tensors import live_tensor_bytes
+
     peaks = []
-    for order in ("tracker_first", "checkpoint_first"):
+    for order in ("warm_up", "tracker_first", "checkpoint_first"):  # the first fit makes torch's and Lightning's lazy globals
+        gc.collect()
+        before = live_tensor_bytes()  # the tracker's reading is the whole process's: compare what the fit adds
         tracker = MemoryTracker(verbose=False)
         checkpointing = ActivationCheckpointing(budget=0.5, verbose=False)
         callbacks = [tracker, checkpointing] if order == "tracker_first" else [checkpointing, tracker]
         _fit(DropoutBatchNormNet(blocks=6), tmp_path / order, callbacks)
-        peaks.append([r.peak_tensor_bytes for r in tracker.history if r.stage == "train"])
-    assert peaks[0] == peaks[1]
+        peaks.append([r.peak_tensor_bytes - before for r in tracker.history if r.stage == "train" and r.peak_tensor_bytes is not None])
+    assert peaks[1] and peaks[1] == peaks[2]
+
+
+# ------------------------------------------------------------------------------------------ nothing held
+def _small_transformer(batch_size: int = 16):
+    from lightning_memkit.zoo import DemoTransformer
+
+    torch.manual_seed(0)
+    return DemoTransformer(vocab_size=100, d_model=32, nhead=4, layers=4, dim_feedforward=64, seq_len=32, dropout=0.1,
+                           batch_size=batch_size)
+
+
+class _Step0Probe(pl.Callback):
+    """Listed after ActivationCheckpointing: what the whole process holds when step 0 starts (gc count)."""
+
+    def __init__(self) -> None:
+        self.live_bytes = None
+        self.graph = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+
+        if batch_idx == 0 and trainer.global_step == 0:
+            self.live_bytes = live_tensor_bytes()
+            self.graph = describe(tensors_with_grad_fn()) or None
+
+    def teardown(self, trainer, pl_module, stage):
+        for name in ("log", "log_dict"):  # Lightning's binding to the model, which would keep it alive
+            vars(self).pop(name, None)
+
+
+@pytest.mark.parametrize("arguments", [{}, {"budget": 0.5}], ids=["default", "budget"])
+def test_measuring_leaves_no_graph_and_a_kept_callback_holds_no_tensor(tmp_path, arguments):
+    """At default arguments (measure=True) and with a budget, on a transformer with dropout: step 0 starts
+    with no autograd graph alive and exactly the live tensor bytes of a baseline fit; after the fit no graph;
+    with model and Trainer deleted the kept callback holds no tensor of the model's; with it deleted too,
+    the process holds what it held before."""
+    import gc
+    import weakref
+
+    from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+
+    gc.collect()
+    before = live_tensor_bytes()
+    baseline_probe = _Step0Probe()
+    _fit(_small_transformer(), tmp_path / "baseline", [baseline_probe])
+    gc.collect()
+
+    callback = ActivationCheckpointing(verbose=False, **arguments)
+    probe = _Step0Probe()
+    model = _small_transformer()
+    trainer = _fit(model, tmp_path / "checkpointed", [callback, probe])
+    assert callback.plan is not None and callback.plan.count > 0 and callback.plan.measured_activation_bytes is not None
+    assert probe.graph is None, f"graph alive at step 0's start: {probe.graph}"
+    assert probe.live_bytes == baseline_probe.live_bytes, (probe.live_bytes, baseline_probe.live_bytes)
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+
+    model_tensors = [weakref.ref(t) for t in [*model.parameters(), *model.buffers()]]
+    del model, trainer
+    gc.collect()
+    assert not [r for r in model_tensors if r() is not None], "the kept callback keeps the model's tensors alive"
+    del callback
+    assert live_tensor_bytes() == before, describe(live_tensors())
+
+
+def test_default_measuring_trains_at_the_largest_batch_that_trains_checkpointed(tmp_path):
+    """Measuring needs no more memory than the checkpointed steps: under a MemoryBudget set to the exact peak
+    of a checkpointed fit that does not measure (the tightest budget that run trains in: its batch is the
+    largest that fits), the same fit at default arguments (measure=True) trains too, and its step 0 (the
+    measuring forwards included) peaks no higher than its later steps. An unchecked fit does not fit."""
+    from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
+
+    class StepPeaks(pl.Callback):  # listed first: its window takes in ActivationCheckpointing's measuring
+        def __init__(self, budget):
+            self.budget, self.peaks = budget, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.budget.accountant.reset_peak()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.peaks.append(self.budget.accountant.peak_bytes)
+
+    def fit(budget_bytes, callbacks):
+        budget = MemoryBudget(budget_bytes)
+        model = _small_transformer(batch_size=32)
+        budget.adopt([*model.parameters(), *model.buffers()])
+        peaks = StepPeaks(budget)
+        with budget:
+            _fit(model, tmp_path, [peaks, *callbacks])
+        return budget.accountant.peak_bytes, peaks.peaks
+
+    tight, _ = fit(2**40, [ActivationCheckpointing(measure=False, verbose=False)])
+    with pytest.raises(BudgetExceededError):
+        fit(tight, [])  # without checkpointing the step does not fit: the budget is tight
+    measured = ActivationCheckpointing(verbose=False)
+    peak, step_peaks = fit(tight, [measured])
+    assert measured.plan.measured_activation_bytes < measured.plan.baseline_activation_bytes
+    assert peak <= tight
+    assert step_peaks[0] <= min(step_peaks[1:]), step_peaks
+    assert measured.plan.measuring_peak_bytes < measured.plan.baseline_activation_bytes
+
+
+def test_budget_units_are_unambiguous_and_a_class_policy_limits_the_budget(tmp_path):
+    for ambiguous in (1.5, 2, "2", "1e9"):
+        with pytest.raises(MisconfigurationException, match=r"fraction in \(0, 1\].*unit"):
+            ActivationCheckpointing(budget=ambiguous)
+    assert ActivationCheckpointing(budget=1).policy.fraction == 1.0
+    assert ActivationCheckpointing(budget="512MiB").policy.bytes == 512 * 2**20
+    with pytest.raises(MisconfigurationException, match="budget= once"):
+        ActivationCheckpointing("budget=0.5", budget=0.5)
+    with pytest.raises(MisconfigurationException, match="matched no module"):
+        _fit(DropoutBatchNormNet(), tmp_path, [ActivationCheckpointing({nn.Conv2d}, budget=0.5)])
+
+    class Block(nn.Module):  # a block whose MLP part is a class of its own
+        def __init__(self, width=32):
+            super().__init__()
+            self.mix = nn.Linear(width, width)
+            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width))
+
+        def forward(self, x):
+            h = x + torch.tanh(self.mix(x))
+            return h + self.mlp(h)
+
+    class Net(DropoutBatchNormNet):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    callback = ActivationCheckpointing({nn.Sequential}, budget=0.6, verbose=False)
+    _fit(Net(), tmp_path / "mlp", [callback])
+    plan = callback.plan
+    assert plan.count > 0 and all(name.endswith(".mlp") for name in plan.names), plan.names
+    assert plan.measured_activation_bytes <= plan.budget_bytes
+    assert plan.policy == "budget=0.6 within {Sequential}"

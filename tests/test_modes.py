@@ -39,6 +39,9 @@ def test_parse_mode_words(text, precision, checkpoint):
     ("checkpoint+checkpoint:auto", "checkpointing twice"),
     ("checkpoint:everything", "unknown checkpoint policy"),
     ("checkpoint:budget=lots", "bad budget"),
+    ("checkpoint:budget=2", r"bad budget '2'.*fraction.*512MiB"),  # 2 bytes or 200%? refused when parsed
+    ("checkpoint:budget=1.5", r"bad budget '1.5'.*fraction.*512MiB"),
+    ("amp+checkpoint:budget=1e9", r"bad budget '1e9'"),
     ("", "not a mode"),
 ])
 def test_bad_modes_list_the_valid_words(text, message):

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 #: how to write a budget; every budget error ends with it.
-BUDGET_UNITS_HINT = ("write a fraction of the baseline activation memory in (0, 1], e.g. budget=0.5, "
+BUDGET_UNITS_HINT = ("write a fraction in (0, 1] of the baseline activation memory, e.g. budget=0.5, "
                      "or a size with a unit, e.g. budget='512MiB' (CheckpointBudget(bytes=...) takes an int of bytes)")
 
 

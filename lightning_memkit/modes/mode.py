@@ -28,7 +28,7 @@ PRECISION_WORDS: dict[str, str | None] = {
     "fp16": "16-mixed",
     "16-mixed": "16-mixed",
 }
-#: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction or a size).
+#: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction in (0, 1] or a size with a unit).
 CHECKPOINT_WORDS = ("checkpoint", "checkpoint:auto", "checkpoint:budget=FRACTION", "checkpoint:budget=SIZE")
 #: every word a mode string may combine with ``+``.
 MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS
@@ -180,7 +180,8 @@ def _parse_checkpoint_word(word: str, text: str) -> Any:
         except ValueError:
             raise ValueError(
                 f"mode {text!r}: bad budget {argument[len('budget='):]!r}; write checkpoint:budget=0.5 (a fraction of the "
-                "baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size)"
+                "baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size with a unit); "
+                "a bare number above 1 is ambiguous"
             ) from None
     raise ValueError(f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}")
 
