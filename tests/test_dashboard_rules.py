@@ -250,3 +250,17 @@ def test_memkit_report_of_the_h100_logs_has_the_device_numbers(tmp_path):
     import html
 
     assert html.escape(device_table(history)) in page
+
+
+def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, capsys):
+    from lightning_memkit.cli import main
+
+    root = tmp_path / "gl"
+    shutil.copytree(H100_DEMO, root)
+    [run] = run_dirs(str(root))
+    old = read_layout(run)
+    assert main(["report", str(root), "-o", str(tmp_path / "r.html"), "--update-dashboards"]) == 0
+    assert "updated the dashboard of demo-transformer/version_0: 7 chart(s)" in capsys.readouterr().out
+    layout = read_layout(run)
+    assert layout != old and layout == layout_from_tags(steps_per_tag(read_scalars(run)))
+    assert read_scalars(run) == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed

@@ -17,6 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("logdir", help="the log dir (searched recursively), e.g. lightning_logs or memkit_logs")
     parser.add_argument("-o", "--output", default="memkit_report.html", help="HTML file to write (default: memkit_report.html)")
     parser.add_argument("--png", metavar="DIR", default=None, help="also write each figure as a PNG into DIR")
+    parser.add_argument("--update-dashboards", action="store_true",
+                        help="also give every memkit run under LOGDIR today's TensorBoard dashboard, built from the tags it "
+                             "logged (for logs written by an older memkit; adds one small event file per run)")
     parser.set_defaults(run=run)
 
 
@@ -36,4 +39,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"  could not read: {line}")
     for path in written:
         print(f"wrote {path}")
+    if args.update_dashboards:
+        import os
+
+        from lightning_memkit.tensorboard.dashboard import update_dashboards
+
+        try:
+            updated = update_dashboards(args.logdir)
+        except OSError as error:
+            print(f"memkit report: could not update the dashboards under {args.logdir}: {error}", file=sys.stderr)
+            return 1
+        for run_dir, layout in updated.items():
+            charts = sum(len(category) for category in layout.values())
+            print(f"updated the dashboard of {os.path.relpath(run_dir, args.logdir)}: {charts} chart(s)")
     return 0
