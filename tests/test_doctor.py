@@ -253,7 +253,8 @@ def test_no_false_alarm_on_robustness_modules_over_20_steps(name, tmp_path):
         module = getattr(r, name)()
     if name in ("WithValidation", "TwoValLoaders"):
         overrides = {"limit_val_batches": None, "val_check_interval": 3}
-    doctor = doctor_fit(module, tmp_path, steps=20, **overrides)
+    # two optimizers step twice per batch: Lightning's max_steps counts optimizer steps
+    doctor = doctor_fit(module, tmp_path, steps=40 if name == "GAN" else 20, **overrides)
     report = doctor.report
     assert report.steps == 20
     assert report.healthy, report.format()
@@ -411,3 +412,33 @@ def test_cli_doctor_refuses_bad_arguments(tmp_path, capsys):
     assert main(["doctor", f"{path}:Nope"]) == 2
     assert "has no 'Nope'" in capsys.readouterr().err
     assert main(["doctor", f"{path}:Leaky", "--steps", "3", "--analyse-step", "5"]) == 2
+
+
+# ============================================================================================ the watcher alone
+def test_leak_watcher_reports_steady_growth_once_and_ignores_oscillation():
+    from lightning_memkit.doctor import LeakWatcher
+
+    watcher = LeakWatcher(window=3, warmup_steps=1)
+    found = [watcher.observe(step, 1000 + 100 * step) for step in range(8)]
+    reports = [r for r in found if r is not None]
+    assert len(reports) == 1 and found.index(reports[0]) == 4  # warm-up step 0, then 3 increases after step 1
+    assert reports[0].bytes_per_step == 100 and (reports[0].first_step, reports[0].last_step) == (1, 4)
+    assert "add lightning_memkit.MemoryDoctor()" in reports[0].format()  # no recorder: who is unknown
+    calm = LeakWatcher(window=3, warmup_steps=0)
+    assert all(calm.observe(step, 1000 + (step % 2) * 64) is None for step in range(20))  # accumulation-like
+    with pytest.raises(ValueError, match="window"):
+        LeakWatcher(window=1)
+
+
+def test_the_doctor_kept_after_fit_holds_no_tensor(tmp_path):
+    from live_tensors import live_tensor_bytes
+
+    gc.collect()
+    before = live_tensor_bytes()
+    module = OutputsList()
+    doctor = doctor_fit(module, tmp_path)
+    assert doctor.report.leak is not None
+    del module
+    gc.collect()
+    assert live_tensor_bytes() - before == 0
+    assert doctor.report.to_dict()["leak"]["bytes_per_step"] == ACTIVATION

@@ -124,10 +124,19 @@ class MemoryDoctor(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
+        self._drop_module_references(pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close()
+        self._drop_module_references(pl_module)
+
+    def _drop_module_references(self, pl_module: LightningModule) -> None:
+        # Lightning gives every callback the module's bound log/log_dict at fit start; a doctor kept to
+        # read its report would keep the whole model (and its leaks) alive through them.
+        for name in ("log", "log_dict"):
+            if getattr(vars(self).get(name), "__self__", None) is pl_module:
+                del self.__dict__[name]
 
     def _close(self) -> None:
         session = self._session

@@ -83,37 +83,37 @@ class GraphLeakReport:
 
 def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: int = 1_000_000,
                            holders: bool = False) -> tuple[int, list[GraphHolder]]:
-    """Count the distinct autograd nodes reachable from every live tensor that has a ``grad_fn``.
+    """Count the distinct autograd nodes reachable from live tensors that have a ``grad_fn``.
 
-    Call it between steps, when no graph should be alive. Returns ``(nodes, holders)``; ``holders``
-    (only with ``holders=True``) lists the tensors holding graphs, largest graph first. The walk
-    stops at ``max_nodes``. Costs a full ``gc.collect()`` and one pass over ``gc.get_objects()``
-    (milliseconds to tens of milliseconds).
+    Call it between steps, when no graph should be alive. With a ``recorder``, the roots are the tensors
+    it saw made (:meth:`CreationRecorder.tensors_with_graph`, cheap); without one, every tensor ``gc``
+    can reach after a full collection (tens of milliseconds to seconds in a large process). Returns
+    ``(nodes, holders)``; ``holders`` (only with ``holders=True``) lists the tensors holding graphs,
+    grouped by maker, largest graph first. The walk stops at ``max_nodes``.
     """
-    gc.collect()  # garbage (unreachable cycles not yet collected) holds no graph the program can reach
-    roots = []
-    with warnings.catch_warnings():  # isinstance on a deprecated module alias warns
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
-                    roots.append(obj)
-            except Exception:  # noqa: BLE001 - some proxies raise on isinstance
-                continue
+    if recorder is not None:
+        roots = recorder.tensors_with_graph()
+    else:
+        gc.collect()  # garbage (unreachable cycles not yet collected) holds no graph the program can reach
+        roots = []
+        with warnings.catch_warnings():  # isinstance on a deprecated module alias warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                try:
+                    if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+                        roots.append(obj)
+                except Exception:  # noqa: BLE001 - some proxies raise on isinstance
+                    continue
     seen: dict[int, Any] = {}  # id -> node: the node objects stay alive, so ids are not reused mid-walk
     found: dict[tuple, GraphHolder] = {}
     for tensor in roots:
         before = len(seen)
-        reached = 0
         stack = [tensor.grad_fn]
-        mine: set[int] = set()
         while stack and len(seen) < max_nodes:
             node = stack.pop()
-            if node is None or id(node) in mine:
+            if node is None or id(node) in seen:
                 continue
-            mine.add(id(node))
             seen[id(node)] = node
-            reached += 1
             stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
         if holders and len(seen) > before:
             creation = recorder.creation_of(tensor) if recorder is not None else None

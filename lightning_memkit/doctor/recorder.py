@@ -206,6 +206,7 @@ class CreationRecorder(TorchDispatchMode):
         super().__init__()
         self._live: dict[int, Creation] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._made: dict[int, weakref.ref] = {}  # storage key -> the tensor its op returned (for kept graphs)
         self._lock = threading.RLock()
         self._names: dict[int, str] = {}
         self._module_stack: list[str] = []
@@ -310,6 +311,11 @@ class CreationRecorder(TorchDispatchMode):
             self._live[key] = creation
             self._refs[key] = ref
             self.live_bytes += creation.nbytes
+        if not adopted:
+            try:
+                self._made[key] = weakref.ref(tensor)
+            except TypeError:
+                pass
         if self._window is not None:
             self._window.append(creation)
         return creation
@@ -318,6 +324,7 @@ class CreationRecorder(TorchDispatchMode):
         with self._lock:
             creation = self._live.pop(key, None)
             self._refs.pop(key, None)
+            self._made.pop(key, None)
             if creation is None:
                 return
             creation.freed_at = self._clock
@@ -392,6 +399,18 @@ class CreationRecorder(TorchDispatchMode):
         """The records of every live storage the recorder knows (a snapshot)."""
         with self._lock:
             return list(self._live.values())
+
+    def tensors_with_graph(self) -> list[torch.Tensor]:
+        """The tensors the recorder saw made (each storage's first tensor) that are alive and attached to
+        an autograd graph (``grad_fn`` set): where a graph kept across steps hangs. No ``gc`` pass."""
+        with self._lock:
+            refs = list(self._made.values())
+        found = []
+        for ref in refs:
+            tensor = ref()
+            if tensor is not None and tensor.grad_fn is not None:
+                found.append(tensor)
+        return found
 
     def creation_of(self, tensor: torch.Tensor) -> Creation | None:
         """The record of ``tensor``'s storage, or ``None`` when the recorder never saw it made."""

@@ -127,8 +127,8 @@ class DoctorSession:
         window: steps of growth in a row that make a leak (see :class:`LeakWatcher`).
         warmup_steps: first steps not compared (gradients and optimizer state appear there).
         analyse_step: the step whose liveness is analysed (``None``: none).
-        graph_check: also count the autograd nodes alive at each step's start (a ``gc`` pass, a few
-            milliseconds) to find graphs kept across steps.
+        graph_check: also count the autograd nodes reachable at each step's start from the tensors the
+            recorder saw made, to find graphs kept across steps (``total += loss``).
         max_points: live-bytes points kept for the report.
     """
 
@@ -162,7 +162,7 @@ class DoctorSession:
         self.steps += 1
         found = self.watcher.observe(step, live)
         if self.graph_watcher is not None and self.graph_leak is None:
-            nodes, _ = count_kept_graph_nodes()
+            nodes, _ = count_kept_graph_nodes(recorder)
             grown = self.graph_watcher.observe(step, nodes)
             if grown is not None:
                 _, holders = count_kept_graph_nodes(recorder, holders=True)
