@@ -1,8 +1,8 @@
 """Step timing that means the same on every device: GPU time from CUDA events on CUDA, a host clock
 elsewhere, with no host synchronisation per step; and the spread of a run's step times.
 
-On CUDA the host only *launches* work: a host clock around a step measures the launch (the issue that
-led here measured 28.4 ms for a BERT step whose synchronised time was 299 ms). :class:`StepTimer`
+On CUDA the host only *launches* work: a host clock around a step measures the launches (28.4 ms was
+reported for a BERT-base step whose synchronised time on an H100 was 299 ms). :class:`StepTimer`
 records a CUDA event at each end of a window on the current stream and reads ``elapsed_time`` only
 once both events have completed (``Event.query()``, which never blocks), or after the run.
 """

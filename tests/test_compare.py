@@ -14,6 +14,7 @@ import pytest
 
 from lightning_memkit import zoo
 from lightning_memkit.cli import main
+from lightning_memkit.modes import Mode
 from lightning_memkit.modes.compare import COMPARE_FORMAT, CheckpointWarning, ModeResult, compare_modes, read_compare
 from lightning_memkit.records import read_records
 from lightning_memkit.units import format_bytes
@@ -98,6 +99,21 @@ def test_step_times_median_and_spread_over_the_steps_after_warm_up(compared):
     for line in table.splitlines()[2:6]:
         assert (" ~" in line) == (line.split()[0] in noisy), line
     assert ("~ within noise" in table) == bool(noisy)
+
+
+def test_modes_do_not_see_each_other_and_compare_leaves_nothing_behind(tmp_path):
+    from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+
+    before = live_tensor_bytes()
+    # the same mode twice: the second must not count the first's model, gradients and optimizer state
+    # (a Trainer <-> module cycle keeps them until the cycle collector runs)
+    result = compare_modes(tiny_transformer, modes=["baseline", Mode(name="again")], max_steps=2, accelerator="cpu",
+                           root_dir=str(tmp_path), verbose=False, write=False)
+    first, again = result["baseline"], result["again"]
+    assert first.peak_source == again.peak_source == "peak_tensor_bytes"
+    assert again.peak_allocated_bytes == first.peak_allocated_bytes and again.peak_ratio == 1.0
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+    assert live_tensor_bytes() - before == 0
 
 
 def test_the_warm_up_is_validated_and_all_steps_are_timed_without_it(tmp_path):

@@ -31,6 +31,8 @@ PEAK_FIGURE = "compare_peak_memory.png"
 STEPS_FIGURE = "compare_memory_per_step.png"
 #: fewer timed steps than this and the table says the spread is unreliable.
 MIN_TIMED_STEPS = 10
+#: StepReading peak fields, best first: a mode's peak comes from the first one its readings have.
+PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
 
 
 class CheckpointWarning(UserWarning):
@@ -51,7 +53,8 @@ class ModeResult:
         batch_size: samples per training batch (first tensor's first dimension), when known.
         peak_allocated_bytes: highest per-step peak: CUDA peak allocated, or on CPU the exact peak
             tensor bytes from the accountant (see ``peak_source``).
-        peak_source: the StepReading field the peak comes from (``peak_allocated_bytes`` or ``peak_tensor_bytes``).
+        peak_source: the StepReading field the peak comes from, the same for every step: ``peak_allocated_bytes``
+            (CUDA), else ``peak_tensor_bytes`` (the accountant), else ``host_peak_rss_bytes``.
         peak_reserved_bytes: CUDA only: highest per-step peak reserved by the caching allocator.
         median_step_time_s: median time of a training step (batch start to batch end) over the timed
             steps (those after ``warmup_steps``), including memkit's probes. On CUDA it is GPU time
@@ -398,6 +401,19 @@ def _step_recorder():
     return _StepRecorder()
 
 
+def _release_previous_mode() -> None:
+    """Free what the previous mode left to the cycle collector (Trainer <-> module cycles keep a model,
+    its gradients and optimizer state alive until a collection): on CUDA, and in the CPU reading of every
+    live tensor, the next mode's peak would count them."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the next mode's peak reserved starts from an empty cache too
+
+
 def _pick_val_metric(metrics: dict[str, float], wanted: str | None) -> tuple[str | None, float | None]:
     if wanted is not None:
         return wanted, metrics.get(wanted)
@@ -427,7 +443,7 @@ def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: 
         pl.seed_everything(seed, verbose=False)
         model = model_factory()
         datamodule = datamodule_factory() if datamodule_factory is not None else None
-        tracker = MemoryTracker(verbose=False)
+        tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # CPU: the exact peak of every step
         recorder = _step_recorder()
         options = dict(
             accelerator=accelerator, devices=devices, max_steps=max_steps, logger=logger, default_root_dir=root_dir,
@@ -445,12 +461,15 @@ def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: 
         if verbose:
             traceback.print_exc()
         return result
-    train = [r for r in tracker.history if r.stage == "train" and r.peak_bytes is not None]
+    train = [r for r in tracker.history if r.stage == "train"]
     result.steps = trainer.global_step
-    result.step_peaks = [[r.step, int(r.peak_bytes)] for r in train]
+    # one source for every step (a step without the CUDA or accountant peak must not fall back to host RSS)
+    source = next((f for f in PEAK_SOURCES if any(getattr(r, f) is not None for r in train)), None)
+    train = [r for r in train if source is not None and getattr(r, source) is not None]
+    result.step_peaks = [[r.step, int(getattr(r, source))] for r in train]
     if train:
-        result.peak_allocated_bytes = max(r.peak_bytes for r in train)
-        result.peak_source = tracker.summary.peak_source
+        result.peak_allocated_bytes = max(peak for _, peak in result.step_peaks)
+        result.peak_source = source
         reserved = [r.peak_reserved_bytes for r in train if r.peak_reserved_bytes is not None]
         result.peak_reserved_bytes = max(reserved) if reserved else None
     times = recorder.step_times_s()
@@ -579,9 +598,11 @@ def compare_modes(
     results = []
     device = "cpu"
     for mode in parsed:
+        _release_previous_mode()
         results.append(_run_mode(mode, model_factory, datamodule_factory, max_steps=max_steps, accelerator=accelerator,
                                  devices=devices, root_dir=root_dir, seed=seed, val_batches=val_batches, val_metric=val_metric,
                                  trainer_kwargs=dict(trainer_kwargs or {}), verbose=verbose, warmup_steps=warmup_steps))
+    _release_previous_mode()  # the last mode's model is freed before compare returns, too
     try:
         from lightning_memkit.modes.mode import _device_type
 
