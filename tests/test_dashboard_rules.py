@@ -264,3 +264,5 @@ def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, 
     layout = read_layout(run)
     assert layout != old and layout == layout_from_tags(steps_per_tag(read_scalars(run)))
     assert read_scalars(run) == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
+    files = sorted(os.listdir(run))
+    assert update_dashboards(str(root)) == {} and sorted(os.listdir(run)) == files  # a second call adds nothing

@@ -287,7 +287,8 @@ def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, di
     For logs written by an older memkit: each run directory whose event files hold
     ``<prefix>/train/...`` scalars gets :func:`~lightning_memkit.tensorboard.layout.layout_from_tags`
     of its own tags (a run beside a ``compare.json`` is a mode of ``memkit compare``), written by
-    :func:`write_layout`. Nothing else in the run is touched. Returns ``{run_dir: layout}``.
+    :func:`write_layout` unless it shows that layout already. Nothing else in the run is touched.
+    Returns ``{run_dir: layout}`` of the runs it updated.
     """
     import glob
     import os
@@ -304,6 +305,8 @@ def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, di
             continue
         compare = os.path.exists(os.path.join(os.path.dirname(run_dir), "compare.json"))
         layout = layout_from_tags(steps, prefix=prefix, compare=compare)
+        if read_layout(run_dir) == layout:  # already today's: a second call adds nothing
+            continue
         write_layout(run_dir, layout)
         updated[run_dir] = layout
     return updated
