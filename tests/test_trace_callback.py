@@ -83,8 +83,8 @@ def test_trainer_run_writes_table_figure_scalars_and_json(tmp_path):
 
 def test_every_n_steps_and_at_steps_and_memory_tracker_together(tmp_path):
     model = LinearStack(batch_size=8, optimizer="sgd")
-    callback = LayerTrace(at_steps=(0,), every_n_steps=2, max_depth=1)
-    tracker = MemoryTracker(verbose=False)
+    callback = LayerTrace(at_steps=(0,), every_n_steps=2, max_depth=1, dirpath=tmp_path, verbose=False)
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # the exact peak of every step
     trainer = make_trainer(tmp_path, max_steps=5, callbacks=[tracker, callback])
     trainer.fit(model)
     assert [r.step for r in callback.results] == [0, 2, 4]
@@ -306,8 +306,12 @@ def lightning_info():
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
+    from lightning_utilities.core import rank_zero
+
     handler = Collect(level=logging.INFO)
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    # the logger rank_zero_info writes to: lightning.pytorch's, or pytorch_lightning's once that package was imported
+    # (torchmetrics may import it; it re-points the shared rank_zero module's logger, still to the console)
+    logger = rank_zero.log
     logger.addHandler(handler)
     try:
         yield lines
@@ -329,28 +333,45 @@ def test_verbose_by_default_prints_the_categories_and_where_everything_went(tmp_
 
 
 def test_verbose_without_tensorboard_says_how_to_see_the_table_and_false_prints_nothing(tmp_path, lightning_info):
+    logger = CSVLogger(str(tmp_path), name="csv")
     callback = LayerTrace(at_steps=(0,))
-    make_trainer(tmp_path, max_steps=1, callbacks=[callback]).fit(LinearStack(batch_size=8))
+    make_trainer(tmp_path, max_steps=1, logger=logger, callbacks=[callback]).fit(LinearStack(batch_size=8))
     (printed,) = [line for line in lightning_info if line.startswith("memkit LayerTrace")]
-    assert ".results[-1].format_table()" in printed and f"memkit report {tmp_path}" in printed
+    assert ".results[-1].format_table()" in printed and f"memkit report {logger.log_dir}" in printed
+    assert f"raw events: {os.path.join(logger.log_dir, 'memkit_trace_step0.json')}" in printed
+    lightning_info.clear()
+    make_trainer(tmp_path / "nolog", max_steps=1, callbacks=[LayerTrace(at_steps=(0,))]).fit(LinearStack(batch_size=8))
+    (printed,) = [line for line in lightning_info if line.startswith("memkit LayerTrace")]
+    assert "no file without a logger; LayerTrace(dirpath=...) writes them" in printed
     lightning_info.clear()
     make_trainer(tmp_path / "quiet", max_steps=1, callbacks=[LayerTrace(at_steps=(0,), verbose=False)]).fit(LinearStack(batch_size=8))
     assert not [line for line in lightning_info if "memkit" in line]
 
 
-def test_without_a_logger_files_go_to_default_root_dir_and_never_overwrite_another_run(tmp_path, monkeypatch):
+def test_files_go_to_the_logger_or_dirpath_never_unasked_into_the_working_directory(tmp_path, monkeypatch):
     from lightning_memkit.report.sources import find_sources
 
     working = tmp_path / "cwd"
     working.mkdir()
     monkeypatch.chdir(working)
-    root = tmp_path / "root"
-    first = LayerTrace(verbose=False)
-    make_trainer(root, max_steps=2, logger=False, callbacks=[first]).fit(LinearStack(batch_size=8))
+    # no logger, no dirpath: no file at all (not in the working directory, not in default_root_dir)
+    quiet = LayerTrace(verbose=False)
+    make_trainer(tmp_path / "default_root", max_steps=2, logger=False, callbacks=[quiet]).fit(LinearStack(batch_size=8))
+    assert quiet.paths == [] and quiet.results[0].step == 1
+    assert list(working.iterdir()) == [] and not list((tmp_path / "default_root").rglob("memkit_trace*"))
+    # the logger's log dir
+    logger = CSVLogger(str(tmp_path), name="csv")
+    logged = LayerTrace(verbose=False)
+    make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[logged]).fit(LinearStack(batch_size=8))
+    assert logged.paths == [os.path.join(logger.log_dir, "memkit_trace_step1.json")]
+    # dirpath, twice: the second run never overwrites the first run's file
+    root = tmp_path / "traces"
+    first = LayerTrace(verbose=False, dirpath=root)
+    make_trainer(tmp_path, max_steps=2, logger=False, callbacks=[first]).fit(LinearStack(batch_size=8))
     assert first.paths == [str(root / "memkit_trace_step1.json")]
     written = (root / "memkit_trace_step1.json").read_text()
-    second = LayerTrace(verbose=False)
-    make_trainer(root, max_steps=2, logger=False, callbacks=[second]).fit(LinearStack(batch_size=16))
+    second = LayerTrace(verbose=False, dirpath=str(root))
+    make_trainer(tmp_path, max_steps=2, logger=False, callbacks=[second]).fit(LinearStack(batch_size=16))
     assert second.paths == [str(root / "memkit_trace_step1-v1.json")]
     assert (root / "memkit_trace_step1.json").read_text() == written  # the first run's file is untouched
     assert read_trace(second.paths[0]) == second.results[0] and read_trace(first.paths[0]) == first.results[0]
@@ -358,6 +379,8 @@ def test_without_a_logger_files_go_to_default_root_dir_and_never_overwrite_anoth
     # memkit report finds both runs' traces
     assert sorted(os.path.basename(t.path) for t in find_sources(str(root)).traces) == [
         "memkit_trace_step1-v1.json", "memkit_trace_step1.json"]
+    with pytest.raises(MisconfigurationException, match="dirpath"):
+        LayerTrace(dirpath=3)
 
 
 def test_write_new_file_takes_the_first_free_version(tmp_path):

@@ -57,13 +57,14 @@ class LayerTrace(Callback):
     ``memory/trace/peak_MiB``, ``end_MiB``       MiB    the step's peak / end live tensor bytes
     ``memory/trace/peak/<category>_MiB``         MiB    each category at the peak (every logger)
     ``memory/trace/end/<category>_MiB``          MiB    each category at step end (every logger)
-    ``<log_dir>/memkit_trace_step{N}.json``      bytes  the raw events (``_rank{r}`` added on rank r > 0)
+    ``<dir>/memkit_trace_step{N}.json``          bytes  the raw events (``_rank{r}`` added on rank r > 0)
     ===========================================  =====  =============================================
 
-    ``<log_dir>`` is the first logger's ``log_dir``, else ``trainer.default_root_dir``. A file of
-    that name already there (another run's, e.g. with ``logger=False``) is never overwritten:
-    the new one gets the first free ``-v1``, ``-v2``, ... suffix (``memkit_trace_step1-v1.json``),
-    as Lightning's ModelCheckpoint does.
+    ``<dir>`` is ``dirpath`` when given, else the first logger's ``log_dir``; without a logger
+    and without ``dirpath`` no file is written (nothing lands in the working directory unasked;
+    the results stay on :attr:`results`), the rule MemoryTracker's records follow too. A file of
+    that name already there (another run's) is never overwritten: the new one gets the first free
+    ``-v1``, ``-v2``, ... suffix (``memkit_trace_step1-v1.json``), as Lightning's ModelCheckpoint does.
 
     Categories: parameters, buffers, gradients, optimizer_state, autocast_weight_copies,
     activations (saved for backward), inputs, temporaries, other; on CUDA also
@@ -81,6 +82,8 @@ class LayerTrace(Callback):
         verbose: after each traced step, print (Lightning's info log, global rank zero) the bytes
             per category and where the table, figure and JSON went; ``False``: print nothing.
         max_results: traced results kept in :attr:`results` (oldest dropped).
+        dirpath: the directory for the JSON files; default: the first logger's ``log_dir``, and no
+            file without a logger.
 
     Attributes:
         results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
@@ -103,6 +106,7 @@ class LayerTrace(Callback):
         figure: bool = True,
         verbose: bool = True,
         max_results: int = 16,
+        dirpath: str | os.PathLike | None = None,
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise MisconfigurationException(f"LayerTrace(every_n_steps={every_n_steps!r}): give a positive integer, or None to trace only at_steps")
@@ -124,6 +128,9 @@ class LayerTrace(Callback):
         self.figure = figure
         self.verbose = verbose
         self.max_results = max_results
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise MisconfigurationException(f"LayerTrace(dirpath={dirpath!r}): give a directory path, or None for the logger's log dir")
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self.results: list[LayerTraceResult] = []
         self.paths: list[str] = []
         self._tracer: LayerTracer | None = None
@@ -238,13 +245,14 @@ class LayerTrace(Callback):
             logger.log_metrics(result.metrics(self.prefix), step=step)
             if isinstance(logger, TensorBoardLogger):
                 self._to_tensorboard(logger, result, step)
-        directory = log_dir(trainer)
+        directory = self.dirpath if self.dirpath is not None else log_dir(trainer) if trainer.loggers else None
         path = None
-        try:
-            path = write_new_file(directory, trace_filename(result.step, result.rank), result.to_json())
-            self.paths.append(path)
-        except OSError as error:
-            rank_zero_warn(f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}")
+        if directory is not None:
+            try:
+                path = write_new_file(directory, trace_filename(result.step, result.rank), result.to_json())
+                self.paths.append(path)
+            except OSError as error:
+                rank_zero_warn(f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}")
         if self.verbose:
             rank_zero_info(self._summary(trainer, result, path))
 
@@ -257,11 +265,13 @@ class LayerTrace(Callback):
             lines.append(f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "
                          f"text {self.prefix}/trace/table and image {self.prefix}/trace/figure")
         else:
-            where = os.path.dirname(path) if path is not None else log_dir(trainer)
-            lines.append(f"module table (no TensorBoardLogger to log it to): this LayerTrace's .results[-1].format_table(), "
-                         f"or `memkit report {where}`")
+            lines.append("module table (no TensorBoardLogger to log it to): this LayerTrace's .results[-1].format_table()"
+                         + (f", or `memkit report {os.path.dirname(path)}`" if path is not None else ""))
         if path is not None:
             lines.append(f"raw events: {path}")
+        else:
+            lines.append("raw events: no file without a logger; LayerTrace(dirpath=...) writes them, "
+                         "or .results[-1].to_json(path)")
         return "\n".join(lines)
 
     def _to_tensorboard(self, logger: TensorBoardLogger, result: LayerTraceResult, step: int) -> None:
