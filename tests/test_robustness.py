@@ -484,7 +484,7 @@ def test_layer_trace_frozen_submodule_has_no_gradients_and_buffers_are_counted(t
 ], ids=["dict-batch", "lstm", "manual-gan", "accumulate-clip"])
 def test_layer_trace_on_unusual_steps_traces_the_whole_step(factory, overrides, tmp_path):
     module = factory()
-    trace = LayerTrace(at_steps=(1,), figure=False)
+    trace = LayerTrace(at_steps=(1,), figure=False, dirpath=tmp_path)  # no logger here: the file goes where asked
     options = dict(max_steps=2)
     options.update(overrides)
     fit(module, tmp_path, [trace], **options)
