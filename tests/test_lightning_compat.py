@@ -67,3 +67,52 @@ def test_wrappers_fall_back_when_the_internals_are_missing():
     trainer = types.SimpleNamespace(global_step=7)
     assert logging_step(trainer) == 7
     assert optimizer_steps_after_batch(trainer) is True
+
+
+def test_the_stand_in_trainer_answers_what_a_real_trainer_answers(tmp_path):
+    """estimated_stepping_batches (and the settings it reads) of a real fit, against the estimate's stand-in
+    built from the same settings, for epochs-, steps- and accumulation-bound runs."""
+    from lightning_memkit._lightning_compat import StandInTrainer
+
+    class Read(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.real = (trainer.estimated_stepping_batches, trainer.max_steps, trainer.max_epochs, trainer.num_devices,
+                         trainer.world_size, str(trainer.precision), trainer.global_step, trainer.current_epoch)
+            # the estimate gives the stand-in the train loader's length, as memkit does with the batch it samples
+            self.stand_in = StandInTrainer.like(trainer, num_training_batches=len(pl_module.train_dataloader()))
+
+    for options in (dict(max_steps=-1, max_epochs=3), dict(max_steps=5), dict(max_steps=-1, max_epochs=2, accumulate_grad_batches=3),
+                    dict(max_steps=-1, max_epochs=-1, limit_train_batches=2), dict(max_steps=-1, max_epochs=1, accumulate_grad_batches=2)):
+        reader = Read()
+        trainer = make_trainer(tmp_path, callbacks=[reader], **options)
+        if options.get("max_epochs") == -1:  # an endless fit: read the settings, do not run it
+            trainer.fit_loop.epoch_loop.max_steps = 1
+        trainer.fit(LinearStack(samples=56))  # 7 batches per epoch
+        stand_in = reader.stand_in
+        assert (stand_in.estimated_stepping_batches, stand_in.max_steps, stand_in.max_epochs, stand_in.num_devices,
+                stand_in.world_size, stand_in.precision, stand_in.global_step, stand_in.current_epoch) == reader.real, options
+
+
+def test_the_trial_clean_up_wrappers_find_what_they_clear(tmp_path):
+    """The private fit-loop attributes the batch-size search clears after a trial exist where the wrappers look."""
+    from lightning_memkit._lightning_compat import clear_logged_results, drop_train_data_fetcher, logged_metrics_state, restore_logged_metrics
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            results = trainer.fit_loop.epoch_loop._results
+            assert results.batch is batch and trainer.fit_loop._data_fetcher is not None  # what a trial leaves behind
+            clear_logged_results(trainer)
+            drop_train_data_fetcher(trainer)
+            assert results.batch is None and trainer.fit_loop._data_fetcher is None
+            trainer.should_stop = True
+
+        def on_train_end(self, trainer, pl_module):
+            saved = logged_metrics_state(trainer)
+            assert set(saved) == {"_callback_metrics", "_logged_metrics", "_progress_bar_metrics"}
+            restore_logged_metrics(trainer, {"_callback_metrics": {"kept": 1.0}, "_progress_bar_metrics": {}})
+            assert trainer.callback_metrics == {"kept": 1.0} and trainer.progress_bar_metrics == {}
+            self.ran = True
+
+    check = Check()
+    make_trainer(tmp_path, max_steps=2, callbacks=[check]).fit(LinearStack(log_loss=True))
+    assert check.ran
