@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
-import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -69,10 +69,12 @@ class MemoryTracker(Callback):
     CUDA's ``allocated`` does; ``peak_tensor_MiB`` appears on the steps the accountant measured
     (``tensor_peak_every_n_steps``).
 
-    Where the readings go: with ``every_n_steps=1`` they are logged through Lightning's own
-    logging (``self.log``), so Lightning writes them at its ``log_every_n_steps``, in the same
-    rows as your metrics and with ``epoch``; with ``every_n_steps > 1`` memkit writes its own rows
-    (with ``epoch``) at each measured step. Validation readings go in the validation rows.
+    Where the readings go: into Lightning's own ``log_metrics`` call for the same step (the one
+    that writes your ``self.log`` metrics and ``epoch``), so a CSV row holds both; validation
+    readings go in the validation row. With ``every_n_steps=1`` the loggers get the steps
+    Lightning logs (``log_every_n_steps``; memkit writes its own row, with ``epoch``, at such a
+    step when you log nothing); with ``every_n_steps > 1`` every measured step, in its own row
+    when Lightning writes none then. Every reading is in :attr:`history`.
     At fit end ``memory/summary/run_peak_MiB``, ``run_peak_step``, ``capacity_MiB`` and
     ``run_peak_fraction`` are logged and a summary table is printed.
 
@@ -178,7 +180,9 @@ class MemoryTracker(Callback):
         self._history_recording = False
         self._validation_window = False
         self._last_peak_step: int | None = None
-        self._logged_names: set[str] = set()
+        # a reading waiting for Lightning's own log_metrics call at its step: (step, metrics, loggers still to get it)
+        self._pending: tuple[int, dict[str, float], list, str] | None = None
+        self._wrapped_loggers: list[tuple[Any, Any]] = []
         self._records_written: set[str] = set()
 
     # ------------------------------------------------------------------ set-up
@@ -193,7 +197,8 @@ class MemoryTracker(Callback):
             self.summary = RunSummary()
             self.records_path = self.oom_report_path = None
         self._last_peak_step = None
-        self._logged_names = set()
+        self._pending = None
+        self._wrap_loggers(trainer)
         device = trainer.strategy.root_device
         self._meter = MemoryMeter(
             device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host, extra_probes=self.extra_probes
@@ -229,6 +234,8 @@ class MemoryTracker(Callback):
             self._meter.shutdown()
             self._meter = None
         self._reducer = None
+        self._pending = None
+        self._unwrap_loggers()
         if self._history_recording:
             stop_memory_history()
             self._history_recording = False
@@ -240,9 +247,7 @@ class MemoryTracker(Callback):
         if meter is None:
             return
         if not meter.is_open:
-            if self._logged_names:  # values logged at an earlier step are not this step's
-                _forget_logged_values(trainer, self._logged_names)
-                self._logged_names = set()
+            self._flush_pending(trainer)
             step = logging_step(trainer)
             if step % self.every_n_steps:
                 return
@@ -310,22 +315,62 @@ class MemoryTracker(Callback):
         metrics = step_metrics(logged, self.prefix)
         for rank_reading in ranks:
             metrics.update(step_metrics(rank_reading, self.prefix, rank=rank_reading.rank))
-        if logged.stage == "train" and self.every_n_steps > 1:
-            # memkit's own rows at its own steps (Lightning would write only at its log_every_n_steps)
-            metrics["epoch"] = float(trainer.current_epoch)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=logged.step)
+        # Lightning's own log_metrics call for this step (its logger connector's, which carries the
+        # epoch) gets these values too, so they land in the same row as the user's metrics; if
+        # Lightning writes nothing at this step, _flush_pending decides at the next hook.
+        self._flush_pending(trainer)
+        self._pending = (logged.step, metrics, list(trainer.loggers), logged.stage)
+
+    def _flush_pending(self, trainer: Trainer) -> None:
+        """Write a reading Lightning's own logging did not take: always for a validation run or
+        with ``every_n_steps > 1``; with ``every_n_steps=1`` only at Lightning's logging steps
+        (``log_every_n_steps``), where it wrote nothing itself because nothing else was logged."""
+        pending, self._pending = self._pending, None
+        if pending is None or not pending[2]:
             return
-        # Through Lightning's logging: it writes these in the same rows as the user's metrics
-        # (with epoch), at its own logging steps. CPU float64 tensors: exact, and no device sync.
-        on_step = logged.stage == "train"
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")  # values are reduced over ranks already
-            for name, value in metrics.items():
-                pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=on_step, on_epoch=not on_step,
-                              reduce_fx="max", prog_bar=False, logger=True, sync_dist=False)
-        if on_step:
-            self._logged_names = set(metrics)
+        step, metrics, loggers, stage = pending
+        if stage == "train" and self.every_n_steps == 1:
+            every = trainer.log_every_n_steps
+            if not every or (step + 1) % every:
+                return  # Lightning does not log this step: the reading stays in history only
+        row = dict(metrics, epoch=float(trainer.current_epoch))
+        for logger in loggers:
+            logger.log_metrics(row, step=step)
+
+    def _wrap_loggers(self, trainer: Trainer) -> None:
+        """Let each logger's ``log_metrics`` add the pending reading to Lightning's own call for
+        the same step (the one with ``epoch`` in it, from Lightning's logger connector)."""
+        self._unwrap_loggers()
+        reference = weakref.ref(self)
+        for logger in trainer.loggers:
+            original = logger.log_metrics
+
+            def log_metrics(metrics, step=None, *args, _original=original, _logger=logger, **kwargs):
+                tracker = reference()
+                pending = tracker._pending if tracker is not None else None
+                if pending is not None and step == pending[0] and "epoch" in metrics and _logger in pending[2]:
+                    pending[2].remove(_logger)
+                    metrics = {**metrics, **pending[1]}
+                    if not pending[2]:
+                        tracker._pending = None
+                return _original(metrics, step, *args, **kwargs)
+
+            logger.log_metrics = log_metrics
+            self._wrapped_loggers.append((logger, log_metrics))
+
+    def _unwrap_loggers(self) -> None:
+        for logger, wrapper in self._wrapped_loggers:
+            if vars(logger).get("log_metrics") is wrapper:
+                del logger.log_metrics  # the class's own method again
+        self._wrapped_loggers = []
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush_pending(trainer)  # after Lightning's own validation logging
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush_pending(trainer)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -335,6 +380,7 @@ class MemoryTracker(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush_pending(trainer)
         if self.summary.peak_bytes is None:
             return
         metrics = summary_metrics(self.summary, self.prefix)
@@ -392,6 +438,10 @@ class MemoryTracker(Callback):
                 reading = meter.close()
         if is_out_of_memory(exception):
             self._write_oom_report(trainer, exception, reading)
+        try:
+            self._flush_pending(trainer)
+        except Exception:
+            pass
         for logger in trainer.loggers:
             try:
                 logger.save()
@@ -447,23 +497,3 @@ class MemoryTracker(Callback):
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
-
-def _forget_logged_values(trainer: Trainer, names: set[str]) -> None:
-    """Keep Lightning from writing memkit's values of an earlier step again.
-
-    A value given to ``self.log(on_step=True)`` stays in Lightning's results until it is logged
-    again, and Lightning writes whatever is there at each of its logging steps; a key memkit did
-    not log this step (``peak_tensor_MiB`` between accountant steps) must not be written with an
-    old value. Private Lightning internal: ``trainer._results`` entries named
-    ``"on_train_batch_end.<name>"`` and their ``has_reset`` flag, which ``valid_items()`` skips and
-    the next ``self.log`` clears. Pinned by tests/test_memory_tracker.py; if it moves, stale
-    values may be written, training is unaffected.
-    """
-    try:
-        results = trainer._results
-        for name in names:
-            item = results.get(f"on_train_batch_end.{name}") if results is not None else None
-            if item is not None:
-                item.has_reset = True
-    except Exception:  # noqa: BLE001 - never break training over a logging detail
-        pass
