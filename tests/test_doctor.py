@@ -223,6 +223,25 @@ def test_callback_that_keeps_each_batch(tmp_path):
     assert report.graph_leak is None
 
 
+class KeepScaledInputs(pl.Callback):
+    """Makes a tensor in its on_train_batch_end, which runs after the doctor's (the doctor comes first)."""
+
+    def __init__(self) -> None:
+        self.kept = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.kept.append(batch[0] * 2)
+
+
+def test_a_tensor_made_in_another_callbacks_hook_after_the_doctors_is_attributed(tmp_path):
+    # recording runs from one step's start to the next's, so hooks after the doctor's own are seen
+    report = doctor_fit(Net(), tmp_path, callbacks=[KeepScaledInputs()]).report
+    assert report.leak.bytes_per_step == B * D_IN * FLOAT32
+    top = growing(report)[0]
+    assert (top.op, top.phase, top.shape) == ("aten.mul", "other", [B, D_IN])
+    assert top.where.endswith("in on_train_batch_end: self.kept.append(batch[0] * 2)")
+
+
 def test_a_leak_is_warned_once_and_the_report_is_written(tmp_path):
     doctor = MemoryDoctor(verbose=True)
     with pytest.warns(UserWarning, match="memory leak") as warned:
@@ -442,3 +461,14 @@ def test_the_doctor_kept_after_fit_holds_no_tensor(tmp_path):
     gc.collect()
     assert live_tensor_bytes() - before == 0
     assert doctor.report.to_dict()["leak"]["bytes_per_step"] == ACTIVATION
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_outputs_appended_to_a_list_on_cuda(tmp_path):
+    # the recorder counts storages on any device: the same exact bytes per step, on the GPU
+    report = doctor_fit(OutputsList(), tmp_path, accelerator="gpu").report
+    assert report.leak.bytes_per_step == ACTIVATION
+    top = growing(report)[0]
+    assert (top.op, top.module) == ("aten.addmm", "body.2")
+    assert report.liveness is not None and report.liveness.peak_bytes > 0
