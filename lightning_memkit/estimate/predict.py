@@ -22,7 +22,12 @@ __all__ = ["AffineGrowth", "BatchSizePrediction", "predict_max_batch_size", "dev
 
 @dataclass(frozen=True)
 class AffineGrowth:
-    """``bytes(batch) = fixed_bytes + per_sample_bytes * batch`` (bytes; ``per_sample_bytes`` > 0)."""
+    """``bytes(batch) = fixed_bytes + per_sample_bytes * batch`` (bytes; ``per_sample_bytes`` > 0).
+
+    A fit over a few batch sizes: ``fixed_bytes`` is the line's intercept there, not the model's fixed
+    memory (it may be negative where allocator segments make the curve step); ``per_sample_bytes`` is
+    the growth per sample near those sizes.
+    """
 
     fixed_bytes: float
     per_sample_bytes: float
@@ -80,9 +85,10 @@ class BatchSizePrediction:
         return asdict(self)
 
     def __str__(self) -> str:
-        return (f"max batch {self.batch_size} ({self.mode}): {format_bytes(self.predicted_bytes)} of "
-                f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} margin; "
-                f"{format_bytes(self.growth.fixed_bytes)} + {format_bytes(self.growth.per_sample_bytes)}/sample")
+        # the growth's intercept is a local fit (it can be negative), so only the slope near the answer is shown
+        return (f"max batch {self.batch_size} ({self.mode}): needs {format_bytes(self.predicted_bytes)} of "
+                f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} kept free; "
+                f"+{format_bytes(self.growth.per_sample_bytes)} per sample near it{' (capped by max_val)' if self.limited_by_max else ''}")
 
 
 def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
