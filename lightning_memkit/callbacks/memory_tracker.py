@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.distributed import ReadingReducer
-from lightning_memkit.meter import MemoryMeter, training_state_tensors
+from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
 from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.probes.cuda import dump_memory_snapshot, start_memory_history, stop_memory_history
@@ -255,7 +255,7 @@ class MemoryTracker(Callback):
             if peak:
                 self._last_peak_step = step
             meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
-        meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
+        meter.resume(_gradients(pl_module))
 
     def _peak_this_step(self, trainer: Trainer, step: int) -> bool:
         """Whether the accountant runs during this step (see ``tensor_peak_every_n_steps``)."""
@@ -292,7 +292,7 @@ class MemoryTracker(Callback):
     @override
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._validation_window and self._meter is not None:
-            self._meter.resume(training_state_tensors(pl_module, trainer.optimizers, batch))
+            self._meter.resume(_gradients(pl_module))
 
     @override
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -497,3 +497,9 @@ class MemoryTracker(Callback):
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
+
+def _gradients(pl_module: LightningModule) -> list[torch.Tensor]:
+    """The parameters' gradients: the one part of the training state that the meter's
+    whole-process sweeps cannot find, for a gradient has no Python object until it is read
+    (parameters, buffers, optimizer state and the batch are found by the sweeps)."""
+    return [p.grad for p in pl_module.parameters() if p.grad is not None]
