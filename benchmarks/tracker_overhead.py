@@ -18,13 +18,18 @@ descheduled sibling make step times jump by tens of milliseconds, which would dr
     python benchmarks/tracker_overhead.py            # about 2 minutes on 2 cores
     python benchmarks/tracker_overhead.py --quick    # a smoke run
 
-Variants:
+Variants (every one logs at the same interval: log_every_n_steps=1, MemoryTracker every step):
     none          no memory callback
     memkit        MemoryTracker(tensor_accounting=False): host RSS + per-step peak RSS on CPU
                   (the allocator path: on CUDA it reads allocator counters instead)
-    memkit+acct   MemoryTracker(tensor_accounting=True): the exact tensor accountant as well
-                  (what tensor_accounting="auto" gives on CPU)
+    memkit        MemoryTracker(): the default on CPU: host RSS, the whole process's live tensor
+     default      bytes every step (tensor_MiB), the accountant's per-op peak on one logged step in 10
+    memkit+peak   MemoryTracker(tensor_peak_every_n_steps=1): the accountant's exact peak on every
+                  step as well (what tensor_accounting=True gave before the default sampled it)
     devicestats   lightning.pytorch.callbacks.DeviceStatsMonitor(cpu_stats=True)
+
+Models: "100ms" a 2-block transformer encoder (lightning_memkit.zoo.DemoTransformer, many small
+ops, like a small GPT), "20ms" a wide MLP, "1ms" a tiny MLP (almost nothing but per-op overhead).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import MemoryTracker
+from lightning_memkit.zoo import DemoTransformer
 
 
 class BenchMLP(pl.LightningModule):
@@ -75,11 +81,29 @@ class BenchMLP(pl.LightningModule):
         return DataLoader(TensorDataset(self.data), batch_size=self.batch_size)
 
 
+class BenchTransformer(DemoTransformer):
+    """DemoTransformer with 2 blocks (its loss logged every step); enough data for any run here."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=2, batch_size=16)
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, self.hparams.vocab_size, (16 * 200, self.hparams.seq_len))
+        labels = torch.randint(0, self.hparams.num_classes, (16 * 200,))
+        return DataLoader(TensorDataset(tokens, labels), batch_size=16)
+
+
 MODELS = {
     # name: (constructor kwargs, measured steps per run)
+    "100ms": ({}, 20),
     "20ms": (dict(width=1024, depth=3, batch_size=128, in_features=512), 40),
     "1ms": (dict(width=32, depth=1, batch_size=8, in_features=16), 150),
 }
+
+
+def _model(name: str) -> pl.LightningModule:
+    kwargs, _ = MODELS[name]
+    return BenchTransformer() if name == "100ms" else BenchMLP(**kwargs)
 
 
 class _StepClock(pl.Callback):
@@ -129,8 +153,10 @@ def _callbacks(variant: str) -> list[pl.Callback]:
         return []
     if variant == "memkit":
         return [MemoryTracker(tensor_accounting=False, verbose=False)]
-    if variant == "memkit+acct":
-        return [MemoryTracker(tensor_accounting=True, verbose=False)]
+    if variant == "memkit-default":
+        return [MemoryTracker(verbose=False)]
+    if variant == "memkit+peak":
+        return [MemoryTracker(tensor_accounting=True, tensor_peak_every_n_steps=1, verbose=False)]
     if variant == "devicestats":
         return [DeviceStatsMonitor(cpu_stats=True)]
     raise ValueError(f"unknown variant {variant!r}")
@@ -169,7 +195,7 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
     median(even step times) / median(odd step times)."""
     kwargs, steps = MODELS[model_name]
     torch.manual_seed(0)
-    model = BenchMLP(**kwargs)
+    model = _model(model_name)
     step_clock = _StepClock(clock)
     callbacks = [_EveryOtherStep(c) for c in _callbacks(variant)]
     trainer = pl.Trainer(
@@ -177,7 +203,8 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
         callbacks=[step_clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
-    model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
+    if isinstance(model, BenchMLP):
+        model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
     trainer.fit(model)
     times = [b - a for a, b in zip(step_clock.starts, step_clock.starts[1:])]
     even = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 0]
@@ -190,7 +217,7 @@ def run_once(model_name: str, variant: str, root: str, warmup: int = 5, clock=ti
     variant's callback hooks (seconds, by ``clock``), after ``warmup`` steps."""
     kwargs, steps = MODELS[model_name]
     torch.manual_seed(0)
-    model = BenchMLP(**kwargs)
+    model = _model(model_name)
     step_clock = _StepClock(clock)
     callbacks = _callbacks(variant)
     timers = [_HookTimer(c, clock) for c in callbacks]
@@ -209,6 +236,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per variant and model (interleaved)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, fewer steps: a smoke run")
+    parser.add_argument("--models", default="", help="comma-separated subset of: " + ", ".join(MODELS))
+    parser.add_argument("--no-paired", action="store_true", help="skip the paired (alternating-step) runs")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu (default): process CPU time, all threads (the logger's writer thread included), "
                              "robust to other processes competing for the cores; wall: time.perf_counter")
@@ -222,7 +251,11 @@ def main() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    variants = ["none", "memkit", "memkit+acct", "devicestats"]
+    parser_models = args.models.split(",") if args.models else list(MODELS)
+    for name in list(MODELS):
+        if name not in parser_models:
+            del MODELS[name]
+    variants = ["none", "memkit", "memkit-default", "memkit+peak", "devicestats"]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     root = tempfile.mkdtemp(prefix="memkit-bench-")
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
@@ -245,9 +278,9 @@ def main() -> None:
                 median = statistics.median(by_variant[variant])
                 hooks = statistics.median(in_hooks[model_name][variant])
                 rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
-        print(f"{'model':<6} {'variant':<12} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}")
+        print(f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}")
         for model_name, variant, n, ms, ratio, hooks in rows:
-            print(f"{model_name:<6} {variant:<12} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
+            print(f"{model_name:<6} {variant:<15} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
         print()
         for model_name in MODELS:
             r = {v: ratio for m, v, _, _, ratio, _ in rows if m == model_name}
@@ -258,10 +291,14 @@ def main() -> None:
                   f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
                   f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
                   f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
-                  f"accountant: memkit+acct/none = {r['memkit+acct']:.3f}, in-hook {h['memkit+acct']:.3f} ms")
+                  f"default: memkit-default/none = {r['memkit-default']:.3f} "
+                  f"({'cheaper' if r['memkit-default'] <= r['devicestats'] else 'NOT cheaper'} than devicestats); "
+                  f"peak every step: memkit+peak/none = {r['memkit+peak']:.3f}")
         # Paired: one run alternates steps with and without the callback; the ratio
         # even/odd, divided by the same ratio of a run with no callback (the control),
         # is the callback's cost per logged step with the load shared by both sides.
+        if args.no_paired:
+            return
         paired = {m: {v: [] for v in variants} for m in MODELS}
         for repeat in range(repeats):
             for model_name in MODELS:
@@ -269,12 +306,12 @@ def main() -> None:
                 for variant in order:
                     paired[model_name][variant].append(run_paired(model_name, variant, root, clock=clock))
         print("\npaired (one run alternates steps with and without the callback; median of runs):")
-        print(f"{'model':<6} {'variant':<12} {'with/without':>13} {'over control':>13}")
+        print(f"{'model':<6} {'variant':<15} {'with/without':>13} {'over control':>13}")
         for model_name in MODELS:
             control = statistics.median(paired[model_name]["none"])
             for variant in variants:
                 ratio = statistics.median(paired[model_name][variant])
-                print(f"{model_name:<6} {variant:<12} {ratio:>13.3f} {ratio / control:>13.3f}")
+                print(f"{model_name:<6} {variant:<15} {ratio:>13.3f} {ratio / control:>13.3f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
