@@ -363,6 +363,25 @@ def test_plain_pytorch_session_finds_the_leak_and_leaves_no_mode_on():
     del kept
 
 
+class FailsAtStep3(OutputsList):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failed_fit_leaves_no_mode_or_hook_and_keeps_the_report(tmp_path):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    doctor = MemoryDoctor(verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=12, callbacks=[doctor, MemoryTracker(verbose=False)])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailsAtStep3())
+    assert _get_current_dispatch_mode_stack() == []
+    assert not torch.nn.modules.module._global_forward_pre_hooks and not torch.nn.modules.module._global_forward_hooks
+    assert doctor.report is not None and doctor.report.steps == 4 and doctor.report.liveness.step == 1
+
+
 def test_doctor_arguments_are_checked():
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 

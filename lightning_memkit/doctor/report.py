@@ -126,7 +126,8 @@ class DoctorSession:
         optimizers: their state is state, never a leak.
         window: steps of growth in a row that make a leak (see :class:`LeakWatcher`).
         warmup_steps: first steps not compared (gradients and optimizer state appear there).
-        analyse_step: the step whose liveness is analysed (``None``: none).
+        analyse_step: the step whose liveness is analysed, or the first watched step after it (a resumed
+            run); ``None``: none.
         graph_check: also count the autograd nodes reachable at each step's start from the tensors the
             recorder saw made, to find graphs kept across steps (``total += loss``).
         max_points: live-bytes points kept for the report.
@@ -170,7 +171,7 @@ class DoctorSession:
                                                   grown.live_bytes_at_start, holders[:10])
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
-        if step == self.analyse_step and self.liveness is None and not self._analysing:
+        if self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing:
             self._analysing = True
             recorder.begin_liveness()
         return found
