@@ -39,15 +39,15 @@ def test_every_chart_matches_tags_memory_tracker_logs():
     matched = _matches(layout, train | val | ranks)
     assert all(matched.values()), [t for t, m in matched.items() if not m]
     assert all(len(m) <= 3 for m in matched.values()), matched  # 2 ranks: at most 2 lines on a per-rank chart
-    assert matched["CUDA step peak: allocated vs reserved (MiB)"] == {"memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
-    assert matched["CUDA at step end: allocated vs reserved (MiB)"] == {"memory/train/allocated_MiB", "memory/train/reserved_MiB"}
+    assert matched["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == {"memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
+    assert matched["CUDA at step end, top to bottom: reserved, allocated (MiB)"] == {"memory/train/allocated_MiB", "memory/train/reserved_MiB"}
     assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {"memory/train/alloc_retries", "memory/train/ooms"}
-    assert matched["device (NVML): all processes vs this process vs allocator reserved (MiB)"] == {
+    assert matched["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == {
         "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"}
     assert matched["tensors (exact): step peak (MiB)"] == {"memory/train/peak_tensor_MiB"}
     assert matched["tensors (exact): live at step end (MiB)"] == {"memory/train/tensor_MiB"}
-    assert matched["host RSS: step peak vs step end (MiB)"] == {"memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
-    assert matched["validation runs: CUDA peak allocated vs peak reserved (MiB)"] == {
+    assert matched["host RSS, top to bottom: step peak, step end (MiB)"] == {"memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
+    assert matched["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == {
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"}
     assert matched["per rank: CUDA step peak allocated (MiB; one line per rank)"] == {
         "memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB"}

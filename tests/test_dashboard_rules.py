@@ -28,7 +28,8 @@ from lightning_memkit.modes.compare import compare_modes, read_compare
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, check_chart, check_dashboard, layout_from_tags, layout_tags
+from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout, layout_from_tags,
+                                                 layout_tags)
 from lightning_memkit.units import format_bytes
 
 H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
@@ -72,10 +73,10 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     layout = layout_from_tags(steps_per_tag(scalars))
     assert check_dashboard(layout, {"demo": scalars}) == []
     lines = matched(layout, scalars)
-    assert lines["device (NVML): all processes vs this process vs allocator reserved (MiB)"] == [
+    assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == [
         "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"]
-    assert lines["CUDA step peak: allocated vs reserved (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
-    assert lines["validation runs: CUDA peak allocated vs peak reserved (MiB)"] == [
+    assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
+    assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
     drawn = {t for ts in lines.values() for t in ts}
     # the capacity and the layer trace's one-step values are on no chart ...
@@ -160,8 +161,8 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
         "tensors (exact): live at step end (MiB)": ["memory/train/tensor_MiB"],
-        "host RSS: step peak vs step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
-        "validation runs: tensor peak vs live at end, exact (MiB)": ["memory/val/peak_tensor_MiB", "memory/val/tensor_MiB"],
+        "host RSS, top to bottom: step peak, step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
+        "validation runs, exact tensors, top to bottom: peak, live at end (MiB)": ["memory/val/peak_tensor_MiB", "memory/val/tensor_MiB"],
     }
     if len(scalars["memory/train/peak_tensor_MiB"]) < 2:  # MemoryTracker may sample the accountant's peak: one point is no chart
         del expected["tensors (exact): step peak (MiB)"]
@@ -184,7 +185,7 @@ def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
     scalars = read_scalars(logger.log_dir)
     assert [s for s, _ in scalars["memory/val/peak_tensor_MiB"]] == [2]
     layout = read_layout(logger.log_dir)  # what TensorBoard shows: the last layout of the run
-    assert "validation runs: tensor peak vs live at end, exact (MiB)" not in layout_tags(layout)
+    assert "validation runs, exact tensors, top to bottom: peak, live at end (MiB)" not in layout_tags(layout)
     assert check_dashboard(layout, {"run": scalars}) == []
     assert layout == layout_from_tags(steps_per_tag(scalars))
 
@@ -231,8 +232,8 @@ def test_memory_per_step_figures_keep_the_rules(cpu_fit):
     figure = memory_per_step_figure(summary, history)
     assert figure_problems(figure) == []
     assert [ax.get_title(loc="left") for ax in figure.axes] == [
-        "CUDA step peak: allocated vs reserved (MiB)", "CUDA at step end: allocated vs reserved (MiB)",
-        "device (NVML): all processes vs this process vs allocator reserved (MiB)", "host RSS: step peak vs step end (MiB)"]
+        "CUDA step peak, top to bottom: reserved, allocated (MiB)", "CUDA at step end, top to bottom: reserved, allocated (MiB)",
+        "device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)", "host RSS, top to bottom: step peak, step end (MiB)"]
     cpu_summary, cpu_history = read_records(os.path.join(cpu_fit, RECORDS_FILENAME))
     assert figure_problems(memory_per_step_figure(cpu_summary, cpu_history)) == []
     compare = read_compare(H100_COMPARE)
@@ -266,3 +267,29 @@ def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, 
     assert read_scalars(run) == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
     files = sorted(os.listdir(run))
     assert update_dashboards(str(root)) == {} and sorted(os.listdir(run)) == files  # a second call adds nothing
+
+
+def top_to_bottom(regex):
+    """The tags a "top to bottom" chart's regex names, in its order: ``^memory/train/(a|b)$`` -> [a, b]."""
+    head, alternatives = re.match(r"\^(.*)/\((.*)\)\$$", regex).groups()
+    return [head.replace("\\", "") + "/" + name.replace("\\", "") for name in alternatives.split("|")]
+
+
+@pytest.mark.parametrize("root", [H100_DEMO, H100_COMPARE, "cpu"])
+def test_lines_lie_top_to_bottom_as_the_titles_say(root, cpu_fit):
+    """Within a run TensorBoard tells lines apart by marker shape only: the title's order is the lines' order, at every step."""
+    runs = {"cpu": read_scalars(cpu_fit)} if root == "cpu" else scalars_by_run(root)
+    checked = 0
+    charts = {**layout_tags(dashboard_layout(cuda=True)), **layout_tags(dashboard_layout(cuda=False))}
+    for title, [regex] in charts.items():
+        if "top to bottom" not in title:
+            continue
+        order = top_to_bottom(regex)
+        for scalars in runs.values():
+            if not all(tag in scalars for tag in order):
+                continue
+            values = [dict(scalars[tag]) for tag in order]
+            for step in set.intersection(*(set(v) for v in values)):
+                assert all(upper[step] >= lower[step] for upper, lower in zip(values, values[1:])), (title, step, order)
+                checked += 1
+    assert checked >= 10  # steps x charts compared

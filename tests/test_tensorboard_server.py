@@ -86,7 +86,7 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
     steps = {tag: len({step for _, step, _ in server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": tag})})
              for tag in server.get_json("/data/plugin/scalars/tags")[run]}
     expected = prune_layout(dashboard_layout(cuda=False, tensors=True, host=True, validation=True), steps)
-    assert "host RSS: step peak vs step end (MiB)" in expected["memkit: memory per step"]
+    assert "host RSS, top to bottom: step peak, step end (MiB)" in expected["memkit: memory per step"]
     assert [c["title"] for c in layout["category"]] == list(expected)
     charts = {chart["title"]: chart["multiline"]["tag"] for c in layout["category"] for chart in c["chart"]}
     assert charts == {title: spec[1] for category in expected.values() for title, spec in category.items()}
@@ -99,7 +99,7 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
             assert served["regex_valid"], regex
             matched = set(served["tag_to_events"])
             assert matched and matched == {t for t in tags if re.match(regex, t)}, (title, regex)
-    host_chart = charts["host RSS: step peak vs step end (MiB)"][0]
+    host_chart = charts["host RSS, top to bottom: step peak, step end (MiB)"][0]
     served = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": host_chart})
     assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
     # and the rules every chart keeps, on the data the server hands the Custom Scalars tab

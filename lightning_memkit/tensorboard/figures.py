@@ -51,11 +51,11 @@ SERIES_STYLE: dict[str, tuple[str, str, str]] = {
 #: Each panel draws at most three lines of one scale (a capacity or a process's whole device memory
 #: is never on the allocator's panel, where it flattened the allocator's lines to zero).
 PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("CUDA step peak: allocated vs reserved", ("peak_allocated_bytes", "peak_reserved_bytes"), ("peak_allocated_bytes",)),
-    ("CUDA at step end: allocated vs reserved", ("allocated_bytes", "reserved_bytes"), ()),
-    ("device (NVML): all processes vs this process vs allocator reserved", ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
-    ("tensors (exact): step peak vs live at step end", ("peak_tensor_bytes", "tensor_bytes"), ("peak_tensor_bytes",)),
-    ("host RSS: step peak vs step end", ("host_peak_rss_bytes", "host_rss_bytes"), ("host_peak_rss_bytes",)),
+    ("CUDA step peak, top to bottom: reserved, allocated", ("peak_reserved_bytes", "peak_allocated_bytes"), ("peak_allocated_bytes",)),
+    ("CUDA at step end, top to bottom: reserved, allocated", ("reserved_bytes", "allocated_bytes"), ()),
+    ("device (NVML), top to bottom: all processes, this process, allocator reserved", ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
+    ("tensors (exact), top to bottom: step peak, live at step end", ("peak_tensor_bytes", "tensor_bytes"), ("peak_tensor_bytes",)),
+    ("host RSS, top to bottom: step peak, step end", ("host_peak_rss_bytes", "host_rss_bytes"), ("host_peak_rss_bytes",)),
 )
 SERIES_STYLE.update({
     "device_used_bytes": ("NVML: all processes", "#17becf", "-"),

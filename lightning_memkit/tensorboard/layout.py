@@ -29,17 +29,20 @@ MAX_SERIES_PER_CHART = 3
 MAX_SCALE_RATIO = 100.0
 
 # A chart: (title, stage, fields). Stage "train", "val" or "rank" (``<prefix>/train/rank<r>/``).
-# Titles name the lines in the order TensorBoard's legend lists them.
+# TensorBoard tells a run's lines apart only by marker shape, with the legend folded away: a chart
+# of several lines draws quantities ordered by definition (reserved >= allocated, a step's peak >=
+# its end, all processes >= this process >= its allocator), and its title names them top to bottom,
+# in the order of ``fields`` (tests/test_dashboard_rules.py checks the order on real logs).
 _CUDA_CHARTS = [
-    ("CUDA step peak: allocated vs reserved (MiB)", "train", ["peak_allocated_bytes", "peak_reserved_bytes"]),
-    ("CUDA at step end: allocated vs reserved (MiB)", "train", ["allocated_bytes", "reserved_bytes"]),
+    ("CUDA step peak, top to bottom: reserved, allocated (MiB)", "train", ["peak_reserved_bytes", "peak_allocated_bytes"]),
+    ("CUDA at step end, top to bottom: reserved, allocated (MiB)", "train", ["reserved_bytes", "allocated_bytes"]),
     ("CUDA fragmentation: reserved but cut off from larger blocks (MiB)", "train", ["fragmentation_bytes"]),
     ("CUDA allocator: retries after flushing the cache, OOMs (count)", "train", ["alloc_retries", "ooms"]),
 ]
 # NVML's capacity is not a line here: at 80 GB it flattened every other line to zero. It is in the
 # summary table and the device table (Text tab); the chart compares quantities of one scale.
 _NVML_CHARTS = [
-    ("device (NVML): all processes vs this process vs allocator reserved (MiB)", "train",
+    ("device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)", "train",
      ["device_used_bytes", "process_device_bytes", "reserved_bytes"]),
 ]
 # Two charts, not one: the accountant's peak may be read on fewer steps than the live bytes
@@ -49,15 +52,15 @@ _TENSOR_CHARTS = [
     ("tensors (exact): live at step end (MiB)", "train", ["tensor_bytes"]),
 ]
 _HOST_CHARTS = [
-    ("host RSS: step peak vs step end (MiB)", "train", ["host_peak_rss_bytes", "host_rss_bytes"]),
+    ("host RSS, top to bottom: step peak, step end (MiB)", "train", ["host_peak_rss_bytes", "host_rss_bytes"]),
 ]
 _CUDA_VALIDATION_CHARTS = [
-    ("validation runs: CUDA peak allocated vs peak reserved (MiB)", "val", ["peak_allocated_bytes", "peak_reserved_bytes"]),
+    ("validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)", "val", ["peak_reserved_bytes", "peak_allocated_bytes"]),
 ]
 # two lines, not one: a chart of a single line with two points (two validation runs) is empty in
 # TensorBoard by default (both points are "outliers" of the 5th-95th percentile range)
 _TENSOR_VALIDATION_CHARTS = [
-    ("validation runs: tensor peak vs live at end, exact (MiB)", "val", ["peak_tensor_bytes", "tensor_bytes"]),
+    ("validation runs, exact tensors, top to bottom: peak, live at end (MiB)", "val", ["peak_tensor_bytes", "tensor_bytes"]),
 ]
 _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
