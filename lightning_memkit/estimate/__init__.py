@@ -3,7 +3,14 @@ and the largest batch size predicted from a few estimates."""
 
 from lightning_memkit.estimate.allocator import AllocatorView, CudaAllocatorModel
 from lightning_memkit.estimate.batches import NoBatchError
-from lightning_memkit.estimate.core import CATEGORIES, EstimateError, MemoryEstimate, estimate_memory, measure_training_step
+from lightning_memkit.estimate.core import (
+    CATEGORIES,
+    EstimateError,
+    MemoryEstimate,
+    estimate_memory,
+    measure_training_step,
+    reusing_fake_copies,
+)
 
 __all__ = [
     "AllocatorView",
@@ -14,6 +21,7 @@ __all__ = [
     "NoBatchError",
     "estimate_memory",
     "measure_training_step",
+    "reusing_fake_copies",
 ]
 from lightning_memkit.estimate.predict import AffineGrowth, BatchSizePrediction, device_capacity_bytes, predict_max_batch_size  # noqa: E402
 
