@@ -244,3 +244,15 @@ def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
     assert estimate.cuda.peak_allocated_bytes > 64 * MiB  # the two cuBLAS workspaces are in the simulated peak
     assert live_tensor_bytes() == before
     assert (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy) == originals
+
+
+@pytest.mark.parametrize("dtype, trace, buffer", [(torch.float32, "BertLike_b8_32-true", 12595200),
+                                                  (torch.bfloat16, "BertLike_b8_bf16-mixed", 12779776)])
+def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer):
+    def run(session):
+        q, k, v = _qkv(session, dtype)
+        return lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1).sum().backward()
+    sizes, _, _ = _fake_allocations(run)
+    backward = [e["size"] for e in load_trace(trace)["events"] if e["action"] == "alloc" and not e["frames"]]
+    assert backward.count(buffer) == 24  # one per layer (12) and step (2), freed at once
+    assert any(abs(size - buffer) <= 512 for size in sizes)  # the modelled transient: the same 512-byte blocks, or one more
