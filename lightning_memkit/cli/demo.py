@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.model, args.batch_size)
     tracker = MemoryTracker(tensor_peak_every_n_steps=1)  # a showcase: the exact peak of every step (costs ~1.1x here)
     # Step 1 is the first step after Adam has created its state: the layer trace shows all of it.
-    layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,))
+    # verbose=False: the demo prints the category table itself, below, with where the module table went.
+    layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,), verbose=False)
     loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
     from lightning_memkit.cli.common import CliError, build_trainer
 
