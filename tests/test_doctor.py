@@ -491,3 +491,12 @@ def test_outputs_appended_to_a_list_on_cuda(tmp_path):
     top = growing(report)[0]
     assert (top.op, top.module) == ("aten.addmm", "body.2")
     assert report.liveness is not None and report.liveness.peak_bytes > 0
+
+
+def test_the_example_runs_and_finds_both_problems():
+    from conftest import run_script
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    output = run_script([os.path.join("examples", "doctor.py")], cwd=root, timeout=300)
+    assert f"-> {16 * FLOAT32 * 8} bytes kept per step; made by aten.addmm in encoder.2" in output
+    assert f"({16 * 4096 * FLOAT32} B, 1 tensors): aten.addmm in expand" in output
