@@ -281,6 +281,8 @@ class _CudaFunctions(TorchFunctionMode):
                     attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
                 compute_lse = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
                 return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale=scale)[0]
+            if bound.get("enable_gqa"):  # grouped heads: torch's own math path repeats them
+                return NotImplemented
             return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
     # ------------------------------------------------------------------ dropout
