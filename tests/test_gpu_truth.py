@@ -256,3 +256,14 @@ def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer)
     backward = [e["size"] for e in load_trace(trace)["events"] if e["action"] == "alloc" and not e["frames"]]
     assert backward.count(buffer) == 24  # one per layer (12) and step (2), freed at once
     assert any(abs(size - buffer) <= 512 for size in sizes)  # the modelled transient: the same 512-byte blocks, or one more
+
+
+def test_the_estimate_replays_with_the_allocator_settings_of_pytorch_cuda_alloc_conf(monkeypatch):
+    module, batch = _TinyTransformer(), torch.randn(8, 256, 64)
+    options = dict(batch=batch, optimizer=lambda p: torch.optim.AdamW(p), device="cuda", gpu="h100")
+    plain = estimate_memory(module, **options).cuda
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    expandable = estimate_memory(module, **options).cuda
+    assert CudaKernels().config.expandable_segments
+    assert expandable.segments <= 2 < plain.segments  # one growing segment per pool
+    assert expandable.peak_allocated_bytes <= plain.peak_allocated_bytes  # blocks split down to 512 bytes
