@@ -29,11 +29,11 @@ __all__ = [
     "KERNEL_TABLE",
     "KernelRow",
     "CudaKernels",
-    "CudaTarget",
     "attention_backend",
     "conv_workspace_bytes",
     "cublas_workspace_bytes",
     "cublaslt_workspace_bytes",
+    "cuda_target",
 ]
 
 #: GPU names -> compute capability (major, minor). ``sm90``, ``9.0`` or ``(9, 0)`` are accepted too.
@@ -515,5 +515,3 @@ def cuda_target(device: torch.device, fake: bool, mode: Any = None, gpu: Any = N
         precision = "16-mixed" if mode.precision == "amp" else mode.precision
     return CudaKernels(gpu, {None: "32-true"}.get(precision, precision))
 
-
-CudaTarget = CudaKernels
