@@ -293,3 +293,23 @@ def test_lines_lie_top_to_bottom_as_the_titles_say(root, cpu_fit):
                 assert all(upper[step] >= lower[step] for upper, lower in zip(values, values[1:])), (title, step, order)
                 checked += 1
     assert checked >= 10  # steps x charts compared
+
+
+def test_the_device_table_goes_to_the_text_tab(tmp_path, cpu_fit):
+    """log_memory_summary (MemoryTracker's fit end) on the H100 run's records: capacity and headroom as text, next to the summary."""
+    from lightning.pytorch import Trainer
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_memkit.tensorboard.dashboard import DEVICE_TEXT_TAG, log_memory_summary, markdown_code
+
+    summary, history = read_records(os.path.join(H100_DEMO, "demo-transformer", "version_0", RECORDS_FILENAME))
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = Trainer(logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False)
+    assert log_memory_summary(trainer, summary, history, step=60)
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    [event] = accumulator.Tensors(f"memory/{DEVICE_TEXT_TAG}/text_summary")
+    assert event.step == 60 and event.tensor_proto.string_val[0].decode() == markdown_code(device_table(history))
+    # no NVML reading (the CPU fit): no device table
+    _, cpu_history = read_records(os.path.join(cpu_fit, RECORDS_FILENAME))
+    assert cpu_history and device_table(cpu_history) is None
