@@ -15,12 +15,14 @@ def main(steps: int = 3) -> list:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    meter = MemoryMeter("cpu")  # tensor_accounting="auto": the exact accountant on CPU
+    # tensor_accounting="auto": the exact accountant on CPU; tensor_scope="process": its reading is
+    # every live tensor storage of the process (found once by a gc sweep here, then followed)
+    meter = MemoryMeter("cpu")
     readings = []
     for step in range(steps):
         x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-        # what the step starts with (parameters, gradients, optimizer state, the batch) is
-        # counted once; everything the step allocates is counted as it happens
+        # the gradients have no Python object for the sweeps to find: they come in with the
+        # training state (counted once); everything the step allocates is counted as it happens
         with meter.measure(step, existing=training_state_tensors(model, [optimizer], (x, y))):
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
