@@ -327,7 +327,7 @@ def assert_same_training(factory, tmp_path, callbacks, **overrides):
                          ids=["dict-batch", "tied", "frozen-buffers", "gru", "manual-gan", "iterable"])
 def test_tracker_reads_every_step_of_unusual_modules(factory, tmp_path):
     module = factory()
-    tracker = MemoryTracker(verbose=False)
+    tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # the accountant's peak on every step
     trainer = fit(module, tmp_path, [tracker], max_steps=3 if not isinstance(module, GAN) else 6)
     # GAN: two optimizer steps per batch, still one reading per batch (Lightning's logging step)
     assert train_steps(tracker) == [0, 1, 2]
@@ -351,7 +351,7 @@ def test_tracker_accumulation_scheduler_and_clipping_one_reading_per_optimizer_s
 
 
 def test_tracker_every_n_steps_without_validation_logs_only_those_steps(tmp_path):
-    tracker = MemoryTracker(every_n_steps=2, log_validation=False, verbose=False)
+    tracker = MemoryTracker(every_n_steps=2, log_validation=False, verbose=False, tensor_peak_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="run", version="")
     fit(WithValidation(), tmp_path, [tracker], max_steps=5, logger=logger, limit_val_batches=2, val_check_interval=2,
         check_val_every_n_epoch=None)
