@@ -19,7 +19,7 @@ from lightning_memkit.search import BudgetExceededError, MemoryBudget
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 
-__version__ = "0.1.0"
+from lightning_memkit._version import __version__  # noqa: E402 - one definition, read by the report too
 
 __all__ = [
     "Mode",

@@ -29,9 +29,6 @@ PENDING_EDGES: dict[tuple[str, str], str] = {
         "pending: compare_modes trains with MemoryTracker (issue 9 item 6, another helper)",
     (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_checkpointing"):
         "pending: Mode builds the ActivationCheckpointing callback (found by this test; not yet assigned)",
-    (f"{PACKAGE}.report.render", PACKAGE):
-        "pending: the report reads __version__ from the root package, which exports the callbacks "
-        "(found by this test; e.g. move __version__ to a leaf module)",
 }
 
 

@@ -226,7 +226,7 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
 
 def build_report(sources: ReportSources, title: str = "memkit memory report") -> Report:
     """Render everything in ``sources`` into a :class:`Report` (self-contained HTML plus figures)."""
-    from lightning_memkit import __version__
+    from lightning_memkit._version import __version__
 
     builder = _Builder()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
