@@ -24,13 +24,13 @@ test: setup
 
 # The GPU lane: only the tests marked `cuda`, in their own venv (GPU_VENV) set up the same way with the
 # torch build for your CUDA, e.g.
-#   make test-gpu TORCH_SPEC="torch==2.11.0" PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu130
+#   make test-gpu TORCH_SPEC="torch==2.11.0" PIP_EXTRA_INDEX_URL=<your CUDA wheel index>
 # It refuses to run without a TORCH_SPEC, and fails (rather than skipping everything) when that torch sees no GPU.
 GPU_VENV ?= .venv-gpu
 
 test-gpu:
 	@if [ "$(origin TORCH_SPEC)" = "file" ]; then \
-		echo "make test-gpu: give the torch build for your CUDA, e.g. make test-gpu TORCH_SPEC=\"torch==2.11.0\" PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu130" >&2; \
+		echo "make test-gpu: give the torch build for your CUDA, e.g. make test-gpu TORCH_SPEC=\"torch==2.11.0\" PIP_EXTRA_INDEX_URL=<your CUDA wheel index>" >&2; \
 		exit 2; fi
 	$(MAKE) setup VENV=$(GPU_VENV) TORCH_SPEC="$(TORCH_SPEC)"
 	@$(GPU_VENV)/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch ' + torch.__version__ + ' in $(GPU_VENV) sees no CUDA device; install a CUDA build (TORCH_SPEC, PIP_EXTRA_INDEX_URL) on a machine with a GPU')"
