@@ -511,3 +511,10 @@ def test_a_tracker_kept_after_the_fit_holds_no_tensor(tmp_path):
         assert alive == [], describe(alive)
         assert tracker.history and tracker._meter is None
         assert not any(isinstance(t, torch.Tensor) for t in gc.get_referents(*gc.get_referents(tracker)))
+
+
+def test_new_arguments_refuse_misuse_with_a_clear_message():
+    with pytest.raises(MisconfigurationException, match="tensor_peak_every_n_steps=0.*positive integer"):
+        MemoryTracker(tensor_peak_every_n_steps=0)
+    with pytest.raises(MisconfigurationException, match="records_file=3.*path"):
+        MemoryTracker(records_file=3)
