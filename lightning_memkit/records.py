@@ -29,8 +29,8 @@ MEMORY_FIELDS: dict[str, str] = {
     "process_device_bytes": "NVML: device memory used by this process (CUDA context and libraries included)",
     "host_rss_bytes": "host: resident set size of this process at step end",
     "host_peak_rss_bytes": "host: peak resident set size during this step (Linux VmHWM, reset every step)",
-    "tensor_bytes": "accountant: bytes of live tensor storages at step end (exact, any device)",
-    "peak_tensor_bytes": "accountant: highest live tensor bytes during this step (exact, any device)",
+    "tensor_bytes": "accountant: bytes of every live tensor storage of the process at step end (exact; as CUDA's allocated)",
+    "peak_tensor_bytes": "accountant: highest of those bytes during this step (exact; on the steps the accountant measured)",
 }
 
 #: Count-valued fields of :class:`StepReading`.

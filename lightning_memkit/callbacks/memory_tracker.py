@@ -60,8 +60,8 @@ class MemoryTracker(Callback):
     ``process_device_MiB``        MiB    NVML: this process's device memory (context, libraries included)
     ``host_rss_MiB``              MiB    host: process resident set size at step end
     ``host_peak_rss_MiB``         MiB    host: peak RSS during the step (Linux; see docs for fallback)
-    ``tensor_MiB``                MiB    accountant: live tensor bytes at step end (exact)
-    ``peak_tensor_MiB``           MiB    accountant: peak live tensor bytes during the step (exact)
+    ``tensor_MiB``                MiB    accountant: every live tensor of the process at step end (exact)
+    ``peak_tensor_MiB``           MiB    accountant: its highest during the step (exact; sampled steps)
     ============================  =====  ==================================================
 
     ``tensor_MiB`` / ``peak_tensor_MiB`` count every live tensor storage of the process on the
