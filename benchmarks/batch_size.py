@@ -7,7 +7,10 @@
    BatchSizeFinder (power and binsearch, the budget enforced around the whole tuner call): real
    trials, total search time, and distance from the true maximum (exact bisection on real trials).
 
-Run: python benchmarks/batch_size.py [--repeats 3] [--clock cpu|wall] [--threads 1]
+3. Speed of the estimate: a BERT-base-sized encoder at batch 32, and memkit estimate's five modes with
+   and without reusing the fake copy (reusing_fake_copies).
+
+Run: python benchmarks/batch_size.py [--repeats 3] [--clock cpu|wall] [--threads 1] [--sections estimate,speed,search]
 
 ``--clock cpu`` (default) times with this process's CPU time, which other jobs on a shared machine
 do not inflate; ``--threads 1`` makes CPU time equal to compute time.
@@ -16,6 +19,7 @@ do not inflate; ``--threads 1`` makes CPU time equal to compute time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -84,6 +88,43 @@ def estimate_section(repeats):
         speed.append((label, f"{f:.3f}s", f"{r:.3f}s", f"{r / f:.2f}x", f"{m:.3f}s", f"{m / f:.2f}x"))
     print("estimate_memory (2 fake steps) vs one real step (no accountant) and vs measure_training_step (2 real steps, accountant); medians of", repeats)
     print(format_table(("CNN", "estimate", "real step", "real/estimate", "measured", "measured/estimate"), speed))
+    print()
+
+
+def speed_section(repeats):
+    """BERT-base-sized encoder at batch 32 (CUDA target): one estimate; and memkit estimate's work for five
+    modes (an estimate and a prediction each) with a fresh fake copy per estimate vs reusing_fake_copies()."""
+    from lightning_memkit.estimate import predict_max_batch_size
+    from lightning_memkit.estimate.core import reusing_fake_copies
+
+    bert = DemoTransformer(vocab_size=30522, d_model=768, nhead=12, layers=12, dim_feedforward=3072, seq_len=512, batch_size=32)
+    estimate_memory(bert, 32, device="cuda")  # one-off costs (imports, kernel tables)
+    single = []
+    for _ in range(repeats):
+        started = CLOCK()
+        estimate_memory(bert, 32, device="cuda")
+        single.append(CLOCK() - started)
+    print(f"estimate_memory(BERT-base shape, batch 32, device='cuda'): median {statistics.median(single):.2f}s of {repeats} "
+          f"({', '.join(f'{t:.2f}' for t in single)})")
+    modes = ("baseline", "amp", "checkpoint", "amp+checkpoint", "checkpoint:budget=0.5")
+    module = DemoTransformer()
+
+    def table(reuse):
+        started = CLOCK()
+        with reusing_fake_copies() if reuse else contextlib.nullcontext():
+            for mode in modes:
+                estimate_memory(module, None, mode=mode, device="cuda")
+                predict_max_batch_size(module, 16 * 2**30, mode=mode, device="cuda")
+        return CLOCK() - started
+
+    fresh, reused = [], []
+    for _ in range(repeats):  # alternate
+        fresh.append(table(False))
+        reused.append(table(True))
+    f, r = statistics.median(fresh), statistics.median(reused)
+    print(format_table(("memkit estimate, DemoTransformer, 5 modes", "time", "vs fresh"),
+                       [("a fresh fake copy per estimate, no memo", f"{f:.2f}s", "1.00x"),
+                        ("reusing_fake_copies() (what memkit estimate does)", f"{r:.2f}s", f"{r / f:.2f}x")]))
     print()
 
 
@@ -177,13 +218,19 @@ def main():
     parser.add_argument("--target", type=int, default=700, help="the budget is the measured peak at this batch size")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time (default) or wall time")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--sections", default="estimate,speed,search", help="comma-separated: estimate, speed, search")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, {args.clock} clock\n")
-    estimate_section(args.repeats)
-    search_section(args.repeats, args.target)
+    sections = set(args.sections.split(","))
+    if "estimate" in sections:
+        estimate_section(args.repeats)
+    if "speed" in sections:
+        speed_section(args.repeats)
+    if "search" in sections:
+        search_section(args.repeats, args.target)
 
 
 if __name__ == "__main__":
