@@ -11,6 +11,7 @@ from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.doctor import CreationRecorder, DoctorReport, DoctorSession, LeakWatcher
 from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
+from lightning_memkit.estimate import DistributedEstimate, estimate_distributed_memory, model_state_bytes
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory
@@ -50,6 +51,9 @@ __all__ = [
     "estimate_memory",
     "measure_training_step",
     "predict_max_batch_size",
+    "estimate_distributed_memory",
+    "model_state_bytes",
+    "DistributedEstimate",
     "MemoryEstimate",
     "MaxBatchSize",
     "find_max_batch_size",

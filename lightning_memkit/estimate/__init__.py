@@ -26,3 +26,16 @@ __all__ = [
 from lightning_memkit.estimate.predict import AffineGrowth, BatchSizePrediction, device_capacity_bytes, predict_max_batch_size  # noqa: E402
 
 __all__ += ["AffineGrowth", "BatchSizePrediction", "device_capacity_bytes", "predict_max_batch_size"]
+from lightning_memkit.estimate.distributed import (  # noqa: E402
+    STRATEGIES,
+    DistributedEstimate,
+    ModelStates,
+    Sharding,
+    estimate_distributed_memory,
+    model_state_bytes,
+    optimizer_state_bytes_per_parameter,
+    sharding_of,
+)
+
+__all__ += ["STRATEGIES", "DistributedEstimate", "ModelStates", "Sharding", "estimate_distributed_memory", "model_state_bytes",
+            "optimizer_state_bytes_per_parameter", "sharding_of"]
