@@ -109,7 +109,7 @@ class ProcessTensors:
         acc.current_bytes                              # every live CPU tensor storage, in bytes
         process.stop()
 
-    Cost: the start's full sweep (about 0.1-0.2 s in a Lightning process), then a look at the young
+    Cost: the start's full sweep (measured: 237 ms over 376,591 objects after importing Lightning, loaded 2-core machine), then a look at the young
     generation at each collection and each :meth:`sweep` (tens of microseconds), and a walk of
     the autograd graphs alive at a sweep (none between training steps, normally).
     """
