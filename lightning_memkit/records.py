@@ -121,6 +121,8 @@ class RunSummary:
         device: the device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
         steps_measured: how many readings the run produced (training steps and validation runs).
         train_steps_measured: how many training steps were measured.
+        train_steps_with_peak: how many of them have a reading of :attr:`peak_source` (on CPU the
+            accountant's exact peak is sampled: ``MemoryTracker(tensor_peak_every_n_steps=...)``).
         validation_runs_measured: how many validation runs were measured.
         peak_reserved_bytes: the highest per-step reserved peak (CUDA), or ``None``.
         max_fragmentation_bytes: the highest fragmentation seen (CUDA), or ``None``.
@@ -135,6 +137,7 @@ class RunSummary:
     device: str = "cpu"
     steps_measured: int = 0
     train_steps_measured: int = 0
+    train_steps_with_peak: int = 0
     validation_runs_measured: int = 0
     peak_reserved_bytes: int | None = None
     max_fragmentation_bytes: int | None = None
@@ -154,6 +157,10 @@ class RunSummary:
             # one source for the run: a reading without the best source seen (a step the CPU
             # accountant did not measure has host RSS only) never stands in for it
             better = self.peak_source is None or _PEAK_SOURCES.index(source) < _PEAK_SOURCES.index(self.peak_source)
+            if better:  # counted again under the better source
+                self.train_steps_with_peak = 0
+            if better or source == self.peak_source:
+                self.train_steps_with_peak += reading.stage == "train"
             if better or (source == self.peak_source and peak > self.peak_bytes):
                 self.peak_bytes = peak
                 self.peak_step = reading.step

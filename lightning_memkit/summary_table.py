@@ -42,6 +42,9 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     if last is not None and last.host_rss_bytes is not None:
         rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
     rows.append(("training steps measured", str(summary.train_steps_measured)))
+    if summary.peak_source and summary.train_steps_with_peak < summary.train_steps_measured:
+        rows.append(("steps with the peak", f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "
+                                             f"training steps ({summary.peak_source} is sampled)"))
     if summary.validation_runs_measured:
         rows.append(("validation runs measured", str(summary.validation_runs_measured)))
     return "memkit memory summary\n" + format_table(("measure", "value"), rows, left_columns=2)

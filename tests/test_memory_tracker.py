@@ -518,3 +518,24 @@ def test_new_arguments_refuse_misuse_with_a_clear_message():
         MemoryTracker(tensor_peak_every_n_steps=0)
     with pytest.raises(MisconfigurationException, match="records_file=3.*path"):
         MemoryTracker(records_file=3)
+
+
+def test_default_sampling_reads_the_peak_of_the_first_two_training_steps(tmp_path):
+    """A short run that Lightning never logs (log_every_n_steps=50 by default) still gets its run peak
+    from training steps, not only from validation runs: steps 0 and 1 always get the accountant's
+    exact peak, and the summary says on how many training steps the peak was read."""
+    model = LinearStack((32, 64, 48, 16), batch_size=8, val_batches=1)
+    tracker = MemoryTracker(verbose=False)  # the default tensor_peak_every_n_steps=10
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, max_steps=6, callbacks=[tracker], logger=logger, log_every_n_steps=50,
+                 limit_val_batches=1, val_check_interval=3).fit(model)
+
+    train = [r for r in tracker.history if r.stage == "train"]
+    assert [r.step for r in train] == list(range(6))
+    peaked = [r.step for r in train if r.peak_tensor_bytes is not None]
+    assert peaked[:2] == [0, 1], peaked
+    summary = tracker.summary
+    assert summary.train_steps_with_peak == len(peaked)
+    assert summary.peak_stage == "train", (summary.peak_stage, summary.peak_step)
+    assert summary.peak_bytes == max(r.peak_tensor_bytes for r in tracker.history if r.peak_tensor_bytes is not None)
+    assert summary.peak_bytes > max(r.peak_tensor_bytes for r in tracker.history if r.stage == "validate")

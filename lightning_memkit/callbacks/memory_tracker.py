@@ -27,6 +27,9 @@ from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, 
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, step_metrics, summary_metrics
 
+#: how many measured training steps at the start of a run always get the accountant's exact peak
+_ALWAYS_PEAKED_STEPS = 2
+
 __all__ = ["MemoryTracker"]
 
 
@@ -87,9 +90,11 @@ class MemoryTracker(Callback):
             where there are no allocator counters (CPU and other non-CUDA devices).
         tensor_peak_every_n_steps: the accountant's exact per-step peak (``peak_tensor_MiB``)
             costs a Python call per aten op during the step (1.10x on a 20 ms CPU step); it runs
-            on at most one step in this many (default 10), and only on steps whose readings the
-            loggers will get: with ``every_n_steps=1``, steps Lightning writes
-            (``log_every_n_steps``); else every n-th measured step. 1 = every such step.
+            on the run's first two measured training steps (no optimizer state yet, then all of
+            it), then on at most one step in this many (default 10), only on steps whose readings
+            the loggers will get: with ``every_n_steps=1``, steps Lightning writes
+            (``log_every_n_steps``); else every n-th measured step. 1 = every such step. The
+            summary says on how many training steps the peak was read.
             ``tensor_MiB`` (live bytes at step end) is read every measured step at a cost of
             tens of microseconds. Validation runs always get their peak. See docs/memory_tracker.md.
         nvml: read NVML on CUDA devices.
@@ -180,6 +185,7 @@ class MemoryTracker(Callback):
         self._history_recording = False
         self._validation_window = False
         self._last_peak_step: int | None = None
+        self._peak_steps_taken = 0
         # a reading waiting for Lightning's own log_metrics call at its step: (step, metrics, loggers still to get it)
         self._pending: tuple[int, dict[str, float], list, str] | None = None
         self._wrapped_loggers: list[tuple[Any, Any]] = []
@@ -197,6 +203,7 @@ class MemoryTracker(Callback):
             self.summary = RunSummary()
             self.records_path = self.oom_report_path = None
         self._last_peak_step = None
+        self._peak_steps_taken = 0
         self._pending = None
         self._wrap_loggers(trainer)
         device = trainer.strategy.root_device
@@ -254,12 +261,18 @@ class MemoryTracker(Callback):
             peak = self._peak_this_step(trainer, step)
             if peak:
                 self._last_peak_step = step
+                self._peak_steps_taken += 1
             meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
         meter.resume(_gradients(pl_module))
 
     def _peak_this_step(self, trainer: Trainer, step: int) -> bool:
         """Whether the accountant runs during this step (see ``tensor_peak_every_n_steps``)."""
         n = self.tensor_peak_every_n_steps
+        if self._peak_steps_taken < _ALWAYS_PEAKED_STEPS:
+            # A run's first measured steps always get the peak, logged or not: step 0 (no optimizer
+            # state yet) and the first step with all of it, so the run peak covers training even when
+            # Lightning logs no step of a short run (log_every_n_steps defaults to 50).
+            return True
         if self.every_n_steps == 1 and trainer.loggers:
             # only steps Lightning writes, at most one in n
             every = trainer.log_every_n_steps
