@@ -71,7 +71,7 @@ def test_user_file_errors_and_wrong_classes_get_a_message_not_a_traceback(tmp_pa
     assert main(["estimate", f"{plain}:Plain", "--device-memory", "1GiB"]) == 2
     assert "not a LightningModule class" in capsys.readouterr().err
     assert main(["estimate", f"{plain}:NoData", "--device-memory", "1GiB"]) == 2
-    assert "NoData defines no train_dataloader(); add one" in capsys.readouterr().err
+    assert "NoData defines no train_dataloader(); give the datamodule that feeds it with --datamodule" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
