@@ -51,7 +51,17 @@ def fsdp_activation_checkpointing_configured(strategy: Any) -> bool | None:
     return bool(getattr(strategy, "_activation_checkpointing_kwargs", None))
 
 
-# ---------------------------------------------------------------------------- batch-size search (issue 5)
+def forget_model_logging(callback: Any) -> None:
+    """Drop ``callback.log`` / ``callback.log_dict``: Lightning binds them to the LightningModule on every
+    callback when a fit starts (``_CallbackConnector._attach_model_logging_functions``) and never removes
+    them, so a callback kept after the fit (to read its records) would keep the model, its gradients
+    and its optimizer state alive. Lightning binds them again at the next fit, validate or test.
+    Pinned by tests/test_lightning_compat.py."""
+    for name in ("log", "log_dict"):
+        vars(callback).pop(name, None)
+
+
+# ---------------------------------------------------------------------------- batch-size search
 def fit_data_from_module(trainer: Any) -> bool:
     """Whether the fit's train data comes from the LightningModule or a DataModule (not loaders given to ``fit``).
 

@@ -116,3 +116,19 @@ def test_the_trial_clean_up_wrappers_find_what_they_clear(tmp_path):
     check = Check()
     make_trainer(tmp_path, max_steps=2, callbacks=[check]).fit(LinearStack(log_loss=True))
     assert check.ran
+
+
+def test_lightning_binds_the_modules_logging_on_callbacks_and_forget_model_logging_drops_it(tmp_path):
+    """Pins the Lightning behaviour forget_model_logging exists for: at fit start every callback gets
+    the module's bound ``log``/``log_dict`` (which keep the module alive), and nothing removes them."""
+    from lightning.pytorch import Callback
+
+    from conftest import LinearStack, make_trainer
+    from lightning_memkit._lightning_compat import forget_model_logging
+
+    callback = Callback()
+    model = LinearStack()
+    make_trainer(tmp_path, max_steps=1, callbacks=[callback]).fit(model)
+    assert vars(callback)["log"].__self__ is model and vars(callback)["log_dict"].__self__ is model
+    forget_model_logging(callback)
+    assert "log" not in vars(callback) and "log_dict" not in vars(callback)

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import fsdp_activation_checkpointing_configured
+from lightning_memkit._lightning_compat import forget_model_logging, fsdp_activation_checkpointing_configured
 from lightning_memkit.modes.checkpointing import (
     CheckpointBudget,
     CheckpointHandle,
@@ -186,10 +186,7 @@ class ActivationCheckpointing(Callback):
             self._handle.remove()
             self._handle = None
         self._pending = False
-        # Lightning binds ``log``/``log_dict`` of the LightningModule on every callback when a fit starts and never
-        # unbinds them: a callback kept after the fit would keep the model (and its gradients, optimizer state) alive.
-        for name in ("log", "log_dict"):
-            vars(self).pop(name, None)
+        forget_model_logging(self)  # a callback kept after the fit must not keep the model
 
 
 def _run_before_step_windows(trainer: Trainer, callback: Callback) -> None:

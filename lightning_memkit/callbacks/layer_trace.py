@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import format_bytes
@@ -194,14 +194,14 @@ class LayerTrace(Callback):
         if self._tracer is not None:  # never leave hooks or modes behind after a failure
             tracer, self._tracer = self._tracer, None
             tracer.stop()
-        _forget_model_logging(self)
+        forget_model_logging(self)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._tracer is not None:
             tracer, self._tracer = self._tracer, None
             tracer.stop()
-        _forget_model_logging(self)
+        forget_model_logging(self)
 
     def _unreached_message(self) -> str | None:
         """The fit-end warning for ``at_steps`` (or ``every_n_steps``) this run never traced, or None."""
@@ -286,13 +286,4 @@ class LayerTrace(Callback):
                 rank_zero_warn(f"memkit LayerTrace: no figure ({error}); install matplotlib or pass figure=False")
                 self.figure = False
         experiment.flush()
-
-
-def _forget_model_logging(callback: Callback) -> None:
-    """Drop ``callback.log`` / ``callback.log_dict``: Lightning binds them to the LightningModule on
-    every callback when a fit starts (``_CallbackConnector._attach_model_logging_functions``) and
-    never removes them, so a callback kept after the fit would keep the model, its gradients and
-    its optimizer state alive. Lightning binds them again at the next fit/validate/test."""
-    for name in ("log", "log_dict"):
-        vars(callback).pop(name, None)
 

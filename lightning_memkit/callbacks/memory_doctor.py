@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 
 __all__ = ["MemoryDoctor"]
@@ -132,11 +132,7 @@ class MemoryDoctor(Callback):
         self._drop_module_references(pl_module)
 
     def _drop_module_references(self, pl_module: LightningModule) -> None:
-        # Lightning gives every callback the module's bound log/log_dict at fit start; a doctor kept to
-        # read its report would keep the whole model (and its leaks) alive through them.
-        for name in ("log", "log_dict"):
-            if getattr(vars(self).get(name), "__self__", None) is pl_module:
-                del self.__dict__[name]
+        forget_model_logging(self)  # a callback kept to read its records must not keep the model
 
     def _close(self) -> None:
         session = self._session

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
@@ -227,12 +227,7 @@ class MemoryTracker(Callback):
         self._drop_module_references(pl_module)
 
     def _drop_module_references(self, pl_module: LightningModule) -> None:
-        # Lightning gives every callback the module's bound log/log_dict at fit start
-        # (CallbackConnector._attach_model_logging_functions); they would keep the whole model
-        # (parameters, gradients, optimizer state through it) alive in a tracker kept to read history.
-        for name in ("log", "log_dict"):
-            if getattr(vars(self).get(name), "__self__", None) is pl_module:
-                del self.__dict__[name]
+        forget_model_logging(self)  # a callback kept to read its records must not keep the model
 
     def _release(self) -> None:
         """Drop everything the run needed (probes, the accountant, the process hook): a tracker
