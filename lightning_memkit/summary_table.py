@@ -41,6 +41,10 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     last = history[-1] if history else None
     if last is not None and last.host_rss_bytes is not None:
         rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
+    leak = summary.extra.get("leak")
+    if leak:
+        rows.append(("memory growth", f"{format_bytes(leak['bytes_per_measured_step'])} per measured step from step "
+                                      f"{leak['first_step']} (a leak unless freed at epoch end)"))
     rows.append(("training steps measured", str(summary.train_steps_measured)))
     if summary.peak_source and summary.train_steps_with_peak < summary.train_steps_measured:
         rows.append(("steps with the peak", f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "

@@ -539,3 +539,54 @@ def test_default_sampling_reads_the_peak_of_the_first_two_training_steps(tmp_pat
     assert summary.peak_stage == "train", (summary.peak_stage, summary.peak_step)
     assert summary.peak_bytes == max(r.peak_tensor_bytes for r in tracker.history if r.peak_tensor_bytes is not None)
     assert summary.peak_bytes > max(r.peak_tensor_bytes for r in tracker.history if r.stage == "validate")
+
+
+class _KeepsPerStep(LinearStack):
+    """Keeps ``kept_elements`` float32 (bytes: 4 each) from every training step in a list: a leak."""
+
+    def __init__(self, kept_elements: int = 16384, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kept_elements = kept_elements
+        self.kept: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.kept.append(torch.zeros(self.kept_elements))
+        return super().training_step(batch, batch_idx)
+
+
+class _CyclicGarbagePerStep(LinearStack):
+    """Drops, every step, a reference cycle holding 64 KiB: garbage, not a leak, alive until collected."""
+
+    def training_step(self, batch, batch_idx):
+        cycle: dict = {"tensor": torch.zeros(16384)}
+        cycle["self"] = cycle
+        return super().training_step(batch, batch_idx)
+
+
+def test_steady_growth_is_reported_once_with_its_exact_bytes_per_step(tmp_path, recwarn):
+    model = _KeepsPerStep(batch_size=8, samples=8 * 12)
+    tracker = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=12, callbacks=[tracker]).fit(model)
+    report = tracker.leak_report
+    assert report is not None and report.bytes_per_step == 16384 * FLOAT32
+    leak_warnings = [w for w in recwarn if "memkit MemoryTracker: memory leak" in str(w.message)]
+    assert len(leak_warnings) == 1 and "(65536 bytes) per step" in str(leak_warnings[0].message)
+    assert tracker.summary.extra["leak"]["bytes_per_measured_step"] == 65536
+    assert "memory growth" in __import__("lightning_memkit.summary_table", fromlist=["x"]).format_summary(tracker.summary)
+
+
+def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has_not_reached(tmp_path):
+    steady = MemoryTracker(verbose=False)
+    make_trainer(tmp_path, max_steps=12, callbacks=[steady]).fit(LinearStack(batch_size=8, samples=8 * 12))
+    assert steady.leak_report is None and "leak" not in steady.summary.extra
+
+    import gc
+    garbage = MemoryTracker(verbose=False)
+    gc.disable()  # the cycles then stay until the tracker's own confirming collection
+    try:
+        make_trainer(tmp_path, max_steps=12, callbacks=[garbage]).fit(_CyclicGarbagePerStep(batch_size=8, samples=8 * 12))
+    finally:
+        gc.enable()
+    train = [r.tensor_bytes for r in garbage.history if r.stage == "train"]
+    assert train[6] - train[2] >= 4 * 65536, train  # it did grow, uncollected, until the tracker looked
+    assert garbage.leak_report is None

@@ -7,6 +7,7 @@ history, checkpoints, OOM report); measuring is MemoryMeter's job.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import weakref
 from typing import Any, Sequence
@@ -19,6 +20,7 @@ from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.distributed import ReadingReducer
+from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
 from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
 from lightning_memkit.probes.base import MemoryProbe
@@ -120,11 +122,21 @@ class MemoryTracker(Callback):
             with the built-in ones every measured step (a failing probe warns once and is
             switched off; training continues).
         verbose: print the summary table at fit end (global rank zero only).
+        detect_leaks: watch the live bytes at the end of each measured training step (every live
+            tensor of the process: CUDA's allocated bytes, or the CPU reading); when they grow at
+            every one of ``leak_window`` measured steps in a row, and still after one full
+            ``gc.collect()`` (so garbage the collector has not reached yet is never called a leak),
+            warn once with the bytes per measured step, and keep it in :attr:`leak_report` and the
+            summary. Costs one comparison per step. ``MemoryDoctor`` / ``memkit doctor`` then name
+            who made the memory.
+        leak_window: how many measured steps of growth in a row make a leak (>= 2).
 
     Attributes:
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
         summary: the run's :class:`~lightning_memkit.records.RunSummary`.
         oom_report_path: the path of the OOM report, if one was written.
+        leak_report: the :class:`~lightning_memkit.doctor.LeakReport` of steady growth, once
+            found (``detect_leaks``), else ``None``.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
             which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other
             than the default), or ``None`` when none was written.
@@ -149,6 +161,8 @@ class MemoryTracker(Callback):
         extra_probes: Sequence[MemoryProbe] = (),
         tensor_peak_every_n_steps: int = 10,
         records_file: str | None = None,
+        detect_leaks: bool = True,
+        leak_window: int = 5,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
@@ -162,6 +176,8 @@ class MemoryTracker(Callback):
             raise MisconfigurationException(f"MemoryTracker(max_history={max_history!r}): give a positive integer")
         if not isinstance(cuda_memory_history, int) or cuda_memory_history < 0:
             raise MisconfigurationException(f"MemoryTracker(cuda_memory_history={cuda_memory_history!r}): give 0 (off) or a number of entries, e.g. 100000")
+        if not isinstance(leak_window, int) or isinstance(leak_window, bool) or leak_window < 2:
+            raise MisconfigurationException(f"MemoryTracker(leak_window={leak_window!r}): give an integer >= 2 (measured steps of growth in a row that make a leak)")
         self.every_n_steps = every_n_steps
         self.log_validation = log_validation
         self.tensor_accounting = tensor_accounting
@@ -190,6 +206,9 @@ class MemoryTracker(Callback):
         self._pending: tuple[int, dict[str, float], list, str] | None = None
         self._wrapped_loggers: list[tuple[Any, Any]] = []
         self._records_written: set[str] = set()
+        self.detect_leaks = detect_leaks
+        self.leak_report: LeakReport | None = None
+        self._leaks = LeakWatcher(window=leak_window, warmup_steps=2)
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -202,6 +221,8 @@ class MemoryTracker(Callback):
             self.history.clear()
             self.summary = RunSummary()
             self.records_path = self.oom_report_path = None
+            self.leak_report = None
+            self._leaks.reset()
         self._last_peak_step = None
         self._peak_steps_taken = 0
         self._pending = None
@@ -318,6 +339,8 @@ class MemoryTracker(Callback):
         logged, ranks = self._reducer.reduce(reading, self.per_rank) if self._reducer else (reading, [])
         self.history.append(logged)
         self.summary.update(logged)
+        if self.detect_leaks and logged.stage == "train" and self.leak_report is None:
+            self._watch_for_leaks(trainer, logged)
         if not trainer.loggers:
             return
         metrics = step_metrics(logged, self.prefix)
@@ -385,6 +408,40 @@ class MemoryTracker(Callback):
         from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
 
         register_dashboard(trainer)
+
+    def _watch_for_leaks(self, trainer: Trainer, reading: StepReading) -> None:
+        live = reading.allocated_bytes if reading.allocated_bytes is not None else reading.tensor_bytes
+        if live is None:
+            return
+        found = self._leaks.observe(reading.step, live)
+        if found is None:
+            return
+        # Confirm before warning: tensors in reference cycles stay alive until the collector reaches
+        # them, which can look like growth for a few steps. One full collection (rare: only here).
+        gc.collect()
+        now = self._live_bytes_now(reading)
+        start = found.live_bytes_at_start[0][1]
+        grown = found.bytes_per_step * (len(found.live_bytes_at_start) - 1) // 2
+        # Under DDP the readings are the maximum over ranks and `now` is this rank's: not comparable.
+        if not (self._reducer is not None and self._reducer.enabled) and now is not None and now - start < grown:
+            self._leaks.reset()  # it was garbage; keep watching
+            self._leaks.warmup_steps = 0
+            return
+        self.leak_report = found
+        self.summary.extra["leak"] = {"bytes_per_measured_step": found.bytes_per_step, "first_step": found.first_step,
+                                      "last_step": found.last_step, "every_n_steps": self.every_n_steps}
+        every = "" if self.every_n_steps == 1 else f" (a measured step is every {self.every_n_steps} steps)"
+        rank_zero_warn(f"memkit MemoryTracker: {found.format()}{every}. If it is not freed at the end of the epoch, it is "
+                       "a leak that ends in an out-of-memory error: MemoryDoctor() or `memkit doctor` names who makes it.")
+
+    def _live_bytes_now(self, reading: StepReading) -> int | None:
+        if reading.allocated_bytes is not None:
+            return torch.cuda.memory_allocated(self._meter.device) if self._meter is not None else None
+        probe = self._meter.tensor_probe if self._meter is not None else None
+        if probe is None:
+            return None
+        probe.sweep()
+        return probe.accountant.current_bytes
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
