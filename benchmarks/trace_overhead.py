@@ -15,7 +15,7 @@ Usage::
     python benchmarks/trace_overhead.py               # prints a table of medians and ratios
     python benchmarks/trace_overhead.py --batch-size 64 --repeats 30
 
-Targets (issue 3): traced / plain <= 1.5, between / plain <= 1.01.
+Targets: traced / plain <= 1.5, between / plain <= 1.01.
 """
 
 from __future__ import annotations
