@@ -113,6 +113,10 @@ class MaxBatchSize(Callback):
         return self.result.batch_size
 
     @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        compat.forget_model_logging(self)  # a callback kept to read its result must not keep the model
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"optimal_batch_size": self.optimal_batch_size}
 
