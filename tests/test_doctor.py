@@ -500,3 +500,27 @@ def test_the_example_runs_and_finds_both_problems():
     output = run_script([os.path.join("examples", "doctor.py")], cwd=root, timeout=300)
     assert f"-> {16 * FLOAT32 * 8} bytes kept per step; made by aten.addmm in encoder.2" in output
     assert f"({16 * 4096 * FLOAT32} B, 1 tensors): aten.addmm in expand" in output
+
+
+def test_the_verdict_is_in_tensorboards_text_tab_and_in_memkit_report(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_memkit.callbacks.memory_doctor import DOCTOR_TEXT_TAG
+    from lightning_memkit.cli import main
+
+    logger = TensorBoardLogger(str(tmp_path / "logs"), name="leaky", version=0)
+    doctor = doctor_fit(OutputsList(), tmp_path, logger=logger)
+    verdict = doctor.report.format()
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    [event] = accumulator.Tensors(f"{DOCTOR_TEXT_TAG}/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert text.splitlines() == ["    " + line for line in verdict.splitlines()]
+    assert f"({ACTIVATION} bytes) per step" in text
+
+    out = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "Memory doctor <code>leaky/version_0</code>: memory survives steps" in page
+    assert f"({ACTIVATION} bytes) per step" in page and "aten.addmm" in page

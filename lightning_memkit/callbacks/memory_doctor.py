@@ -13,12 +13,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 
 __all__ = ["MemoryDoctor"]
 
 #: the doctor's report, written at fit end beside the logs
 REPORT_FILENAME = "memkit_doctor.json"
+#: the TensorBoard text tag of the doctor's verdict
+DOCTOR_TEXT_TAG = "memory/doctor/verdict"
 
 
 class MemoryDoctor(Callback):
@@ -118,6 +121,10 @@ class MemoryDoctor(Callback):
                 self.report_path = self.report.to_json(os.path.join(directory, REPORT_FILENAME))
             except OSError as error:
                 rank_zero_warn(f"memkit doctor: could not write {REPORT_FILENAME} to {directory}: {error}")
+        experiment = tensorboard_experiment(trainer)
+        if experiment is not None:  # the verdict in TensorBoard's Text tab
+            experiment.add_text(DOCTOR_TEXT_TAG, markdown_code(self.report.format()), global_step=trainer.global_step)
+            experiment.flush()
         if self.verbose and trainer.is_global_zero:
             print(self.report.format())
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from lightning_memkit.modes.compare import read_compare
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
-from lightning_memkit.report.sources import CompareFile, OomFile, ReportSources, RunRecords, TraceFile
+from lightning_memkit.report.sources import CompareFile, DoctorFile, OomFile, ReportSources, RunRecords, TraceFile
 from lightning_memkit.summary_table import format_summary, format_table
 from lightning_memkit.tensorboard.figures import compare_figures
 from lightning_memkit.units import MiB
@@ -171,6 +171,15 @@ def _oom_section(builder: _Builder, oom: OomFile) -> None:
         builder.add(f"<details><summary>CUDA allocator summary at the failure</summary>{_pre(str(data['cuda_memory_summary']))}</details>")
 
 
+def _doctor_section(builder: _Builder, doctor: DoctorFile) -> None:
+    from lightning_memkit.doctor.report import DoctorReport
+
+    report = DoctorReport.from_dict(doctor.data)
+    verdict = "healthy" if report.healthy else "memory survives steps"
+    builder.add(f"<h2>Memory doctor <code>{html.escape(doctor.name)}</code>: {verdict}</h2>")
+    builder.add(_pre(report.format()))
+
+
 def _trace_section(builder: _Builder, trace: TraceFile) -> None:
     rank = f", rank {trace.rank}" if trace.rank else ""
     builder.add(f"<h2>Layer trace <code>{html.escape(trace.name)}</code>, step {trace.step}{rank}</h2>")
@@ -240,6 +249,8 @@ def build_report(sources: ReportSources, title: str = "memkit memory report") ->
         found.append(f"{len(sources.compares)} mode comparison(s)")
     if sources.ooms:
         found.append(f"{len(sources.ooms)} out-of-memory report(s)")
+    if sources.doctors:
+        found.append(f"{len(sources.doctors)} memory doctor verdict(s)")
     builder.add('<h2>What was found</h2><ul class="found">' + "".join(f"<li>{html.escape(f)}</li>" for f in found) + "</ul>")
     if sources.missing:
         builder.add('<p>Not found:</p><ul class="missing">' + "".join(f"<li>{html.escape(m)}</li>" for m in sources.missing) + "</ul>")
@@ -247,6 +258,8 @@ def build_report(sources: ReportSources, title: str = "memkit memory report") ->
         builder.add('<p>Could not read:</p><ul class="problems">' + "".join(f"<li>{html.escape(p)}</li>" for p in sources.problems) + "</ul>")
     for oom in sources.ooms:
         _oom_section(builder, oom)
+    for doctor in sources.doctors:
+        _doctor_section(builder, doctor)
     for compare in sources.compares:
         _compare_section(builder, compare)
     for run in sources.runs:

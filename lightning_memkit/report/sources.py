@@ -19,7 +19,7 @@ from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, 
 
 __all__ = [
     "TRACE_FORMAT", "COMPARE_FORMAT", "MEMORY_FORMAT", "TRACE_PATTERN", "COMPARE_JSON", "COMPARE_CSV",
-    "OOM_PATTERN", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources", "ReportInputError", "find_sources",
+    "OOM_PATTERN", "DOCTOR_JSON", "DoctorFile", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources", "ReportInputError", "find_sources",
 ]
 
 MEMORY_FORMAT = "lightning-memkit/memory"
@@ -30,6 +30,8 @@ COMPARE_FORMAT = "lightning-memkit/compare"
 TRACE_PATTERN = re.compile(r"^memkit_trace_step(\d+|x)(?:_rank(\d+))?(?:-v\d+)?\.json$")
 #: MemoryTracker's out-of-memory report: ``memkit_oom_rank{r}.json`` (see lightning_memkit.oom).
 OOM_PATTERN = re.compile(r"^memkit_oom_rank(\d+)\.json$")
+#: what MemoryDoctor writes at fit end (lightning_memkit.callbacks.memory_doctor.REPORT_FILENAME)
+DOCTOR_JSON = "memkit_doctor.json"
 COMPARE_JSON = "compare.json"
 COMPARE_CSV = "compare.csv"
 _EVENTS_GLOB = "events.out.tfevents.*"
@@ -102,6 +104,16 @@ class OomFile:
 
 
 @dataclass
+class DoctorFile:
+    """The memory doctor's verdict ``memkit_doctor.json`` (MemoryDoctor, at fit end): ``data`` is
+    :meth:`lightning_memkit.doctor.DoctorReport.to_dict`'s JSON."""
+
+    name: str
+    path: str
+    data: dict[str, Any]
+
+
+@dataclass
 class ReportSources:
     """Everything found under a log dir, and what was not.
 
@@ -111,6 +123,7 @@ class ReportSources:
         traces: layer-trace files.
         compares: compare results.
         ooms: out-of-memory reports.
+        doctors: the memory doctor's verdicts.
         problems: files that looked like memkit's but could not be read, with why.
         missing: one sentence per kind of data that was not found, saying what writes it.
         files_seen: how many files were looked at.
@@ -121,6 +134,7 @@ class ReportSources:
     traces: list[TraceFile] = field(default_factory=list)
     compares: list[CompareFile] = field(default_factory=list)
     ooms: list[OomFile] = field(default_factory=list)
+    doctors: list[DoctorFile] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     files_seen: int = 0
@@ -128,7 +142,7 @@ class ReportSources:
     @property
     def empty(self) -> bool:
         """Whether nothing at all can be shown."""
-        return not (self.runs or self.traces or self.compares or self.ooms)
+        return not (self.runs or self.traces or self.compares or self.ooms or self.doctors)
 
 
 def _format_of(data: Any) -> str:
@@ -218,6 +232,11 @@ def find_sources(logdir: str) -> ReportSources:
                     if not isinstance(data, dict) or not {"error_type", "summary"} <= set(data):
                         raise ValueError("not a memkit out-of-memory report (no error_type and summary keys)")
                     sources.ooms.append(OomFile(run, path, int(OOM_PATTERN.match(name).group(1)), data))
+                elif name == DOCTOR_JSON:
+                    data = _read_json(path)
+                    if not isinstance(data, dict) or not {"steps", "leak"} <= set(data):
+                        raise ValueError("not a memkit doctor report (no steps and leak keys)")
+                    sources.doctors.append(DoctorFile(run, path, data))
                 elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
                     sources.compares.append(_read_compare(run, directory, files))
                 elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
@@ -252,6 +271,7 @@ def find_sources(logdir: str) -> ReportSources:
             "  - memkit_trace_step<N>.json (LayerTrace)\n"
             f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
             "  - memkit_oom_rank<r>.json (MemoryTracker, when a run runs out of memory)\n"
+            f"  - {DOCTOR_JSON} (MemoryDoctor, memkit doctor)\n"
             "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
         )
     return sources
