@@ -21,7 +21,12 @@ SCALAR = FLOAT32  # a 0-dim float32 tensor
 
 
 def _process_bytes(meter: MemoryMeter) -> int:
-    """The process's live tensor bytes as the meter reads them now (an empty window)."""
+    """The process's live tensor bytes as the meter reads them now (an empty window), after a full
+    collection: garbage that earlier tests left in reference cycles would otherwise be counted here
+    and freed by a collection later in the test."""
+    import gc
+
+    gc.collect()
     meter.open(-1)
     return meter.close().tensor_bytes
 
