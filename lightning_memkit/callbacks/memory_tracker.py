@@ -28,6 +28,7 @@ from lightning_memkit.probes.cuda import dump_memory_snapshot, start_memory_hist
 from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, write_records
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, step_metrics, summary_metrics
+from lightning_memkit.units import format_bytes
 
 #: how many measured training steps at the start of a run always get the accountant's exact peak
 _ALWAYS_PEAKED_STEPS = 2
@@ -431,8 +432,10 @@ class MemoryTracker(Callback):
         self.summary.extra["leak"] = {"bytes_per_measured_step": found.bytes_per_step, "first_step": found.first_step,
                                       "last_step": found.last_step, "every_n_steps": self.every_n_steps}
         every = "" if self.every_n_steps == 1 else f" (a measured step is every {self.every_n_steps} steps)"
-        rank_zero_warn(f"memkit MemoryTracker: {found.format()}{every}. If it is not freed at the end of the epoch, it is "
-                       "a leak that ends in an out-of-memory error: MemoryDoctor() or `memkit doctor` names who makes it.")
+        rank_zero_warn(f"memkit MemoryTracker: memory leak? live tensor memory at the end of each measured step grows by "
+                       f"{format_bytes(found.bytes_per_step)} ({found.bytes_per_step} bytes) per measured step, steps "
+                       f"{found.first_step}..{found.last_step}{every}. If it is not freed at the end of the epoch, it is a "
+                       "leak that ends in an out-of-memory error: MemoryDoctor() or `memkit doctor` names the code that keeps it.")
 
     def _live_bytes_now(self, reading: StepReading) -> int | None:
         if reading.allocated_bytes is not None:
