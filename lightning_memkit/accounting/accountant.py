@@ -283,7 +283,7 @@ class TensorAccountant(TorchDispatchMode):
             return
         # A view, an in-place or an out= op: an output sharing an input's storage is not new,
         # but its size may have changed (resize_, out= resizing).
-        input_keys = {id(s) for s in map(storage_of, _tensors_in((args, kwargs))) if s is not None}
+        input_keys = storage_keys((args, kwargs))
         for output in outputs:
             storage = storage_of(output)
             if storage is None:
@@ -315,6 +315,12 @@ def _tensors_in(tree: Any) -> list[torch.Tensor]:
 
 
 _ALIAS_CACHE: dict[Any, bool] = {}
+
+
+def storage_keys(tree: Any) -> set[int]:
+    """The ids of the storages behind the tensors in ``tree`` (an op's arguments): the keys under
+    which the accountant and the doctor's recorder know a storage."""
+    return {id(s) for s in map(storage_of, _tensors_in(tree)) if s is not None}
 
 
 def returns_alias(func: Any) -> bool:

@@ -131,15 +131,12 @@ class MemoryDoctor(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
-        self._drop_module_references(pl_module)
+        forget_model_logging(self)  # kept to read its records, it must not keep the model
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close()
-        self._drop_module_references(pl_module)
-
-    def _drop_module_references(self, pl_module: LightningModule) -> None:
-        forget_model_logging(self)  # a callback kept to read its records must not keep the model
+        forget_model_logging(self)  # kept to read its records, it must not keep the model
 
     def _close(self) -> None:
         session = self._session

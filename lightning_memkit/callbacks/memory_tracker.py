@@ -246,10 +246,7 @@ class MemoryTracker(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._release()
-        self._drop_module_references(pl_module)
-
-    def _drop_module_references(self, pl_module: LightningModule) -> None:
-        forget_model_logging(self)  # a callback kept to read its records must not keep the model
+        forget_model_logging(self)  # kept to read its records, it must not keep the model
 
     def _release(self) -> None:
         """Drop everything the run needed (probes, the accountant, the process hook): a tracker
@@ -516,7 +513,7 @@ class MemoryTracker(Callback):
             except Exception:
                 pass
         self._release()
-        self._drop_module_references(pl_module)
+        forget_model_logging(self)  # kept to read its records, it must not keep the model
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
         directory = self.oom_dir or log_dir(trainer)

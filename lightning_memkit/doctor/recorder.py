@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_memkit.accounting.accountant import _tensors_in, returns_alias, storage_of
+from lightning_memkit.accounting.accountant import _tensors_in, returns_alias, storage_keys, storage_of
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.trace._torch_compat import in_backward
 
@@ -382,7 +382,7 @@ class CreationRecorder(TorchDispatchMode):
                     creation.last_use_frame = frame
         alias = returns_alias(func)
         if alias and input_keys is None:
-            input_keys = {id(s) for s in map(storage_of, _tensors_in((args, kwargs))) if s is not None}
+            input_keys = storage_keys((args, kwargs))
         for output in outputs:
             storage = storage_of(output)
             if storage is None:
