@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 
 from lightning_memkit.cli import main
+from lightning_memkit.cli.estimate import KERNELS_PREFIX
 from lightning_memkit.estimate import estimate_memory, predict_max_batch_size
 from lightning_memkit.units import format_bytes
+
+
+def _table(text: str, header_word: str) -> tuple[list[str], dict[tuple[str, ...], list[str]]]:
+    """The printed table whose header starts with ``header_word``: its header cells and rows by the first cells
+    (columns are separated by two or more spaces; a size such as ``1.50 MiB`` is one cell)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_word))
+    header = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(header):
+            break
+        rows[tuple(cells[:2]) if header[1] == "mode" else (cells[0],)] = cells
+    return header, rows
 
 
 def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys):
@@ -14,20 +31,52 @@ def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys
     status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "64MiB", "--device", "cpu",
                    "--modes", "baseline,bf16", "--json", str(out_json)])
     assert status == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[:6] == ["mode", "batch", "peak", "(tensors)", "device", "needs"]
-    rows = {line.split()[0]: line.split() for line in lines[3:]}
-    assert set(rows) == {"baseline", "bf16"}
+    header, rows = _table(capsys.readouterr().out, "mode")
+    assert header == ["mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"]
+    assert {key[0] for key in rows} == {"baseline", "bf16"}
     from lightning_memkit.zoo import DemoMLP
 
     estimate = estimate_memory(DemoMLP(), mode="baseline", device="cpu")
     prediction = predict_max_batch_size(DemoMLP(), 64 * 2**20, mode="baseline", device="cpu")
-    assert rows["baseline"][1] == "32"
-    assert " ".join(rows["baseline"][2:4]) == format_bytes(estimate.peak_bytes)
-    assert rows["baseline"][6] == str(prediction.batch_size)
+    baseline = rows[("baseline",)]
+    assert baseline[1] == "32"
+    # on a CPU target the allocated figure is the tensor peak and there is no caching allocator to reserve
+    assert baseline[2:5] == [format_bytes(estimate.peak_bytes), "-", format_bytes(estimate.required_bytes)]
+    assert baseline[5] == str(prediction.batch_size)
     data = json.loads(out_json.read_text())
     assert data["results"][0]["estimate"]["peak_bytes"] == estimate.peak_bytes
     assert data["results"][0]["max_batch"]["batch_size"] == prediction.batch_size
+
+
+#: a transformer small enough for a CUDA-target estimate in a second (on CPU fakes)
+TINY = {"vocab_size": 64, "d_model": 32, "nhead": 2, "layers": 1, "dim_feedforward": 64, "seq_len": 16, "batch_size": 4}
+
+
+def test_cuda_target_prints_reserved_beside_allocated_and_the_kernels_each_gpu_picks(tmp_path, capsys):
+    """--gpu reaches the kernel table: an H100 runs bf16 attention through flash, a V100 (sm70) cannot; every
+    figure printed is the library's own estimate for that GPU."""
+    from lightning_memkit.zoo import DemoTransformer
+
+    printed = {}
+    for gpu in ("h100", "v100"):
+        out_json = tmp_path / f"{gpu}.json"
+        status = main(["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(TINY),
+                       "--device-memory", "1GiB", "--modes", "bf16", "--gpu", gpu, "--json", str(out_json)])
+        out = capsys.readouterr().out
+        assert status == 0
+        header, rows = _table(out, "mode")
+        assert header[2:5] == ["allocated", "reserved", "device needs"]
+        estimate = estimate_memory(DemoTransformer(**TINY), mode="bf16", device="cuda", gpu=gpu)
+        assert rows[("bf16",)][2:5] == [format_bytes(estimate.cuda.peak_allocated_bytes),
+                                        format_bytes(estimate.cuda.peak_reserved_bytes), format_bytes(estimate.required_bytes)]
+        assert json.loads(out_json.read_text())["results"][0]["estimate"]["cuda"] == estimate.cuda.to_dict()
+        kernels = [line for line in out.splitlines() if line.startswith("kernels assumed")]
+        (note,) = [n for n in estimate.notes if n.startswith(KERNELS_PREFIX)]
+        assert kernels == ["kernels assumed (bf16): " + note[len(KERNELS_PREFIX):]]
+        assert f"on cuda ({gpu}, sm" in out.splitlines()[0]
+        printed[gpu] = (kernels[0], estimate.cuda.peak_allocated_bytes)
+    assert "attention: flash" in printed["h100"][0] and "attention: flash" not in printed["v100"][0]
+    assert printed["h100"][1] != printed["v100"][1]  # and the cuBLAS workspace differs (32 MiB from sm90)
 
 
 def test_estimate_bad_input_says_what_to_do(capsys):
@@ -75,3 +124,106 @@ def test_estimate_without_a_loader_points_at_datamodule_and_a_negative_memory_is
     assert err.strip() == "memkit estimate: --device-memory -16GiB: a memory size is positive; write e.g. --device-memory 16GiB"
     assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "0"]) == 2
     assert "a memory size is positive" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ --strategy
+#: an MLP whose model states outweigh its activations at batch 2, so sharding decides how many GPUs it needs
+WIDE = {"hidden": 1024, "depth": 4, "batch_size": 2}
+
+
+def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_path, capsys):
+    """Rows per strategy x mode at --world-size, each figure the library's per-rank estimate; "min GPUs" is the
+    first of 1, 2, 4, ... whose per-rank peak fits, and a strategy that never fits (DDP: every rank holds
+    everything) says so."""
+    import math
+
+    import torch
+
+    from lightning_memkit.estimate import reusing_fake_copies
+    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.zoo import DemoMLP
+
+    module = DemoMLP(**WIDE)
+    strategies, sizes = ("ddp", "fsdp", "deepspeed_stage_2"), (1, 2, 4, 8, 16)
+    with reusing_fake_copies():
+        needs = {(s, n): estimate_distributed_memory(module, strategy=s, world_size=n, wrap={torch.nn.Linear},
+                                                     device="cpu").peak_bytes
+                 for s in strategies for n in sizes}
+    # a device where FSDP fits on 4 ranks but not on 2
+    memory = math.ceil(needs[("fsdp", 4)] / 0.95) + 1
+    assert needs[("fsdp", 2)] > 0.95 * memory
+    out_json = tmp_path / "ranks.json"
+    status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--device", "cpu",
+                   "--strategy", ",".join(strategies), "--world-size", "8", "--max-world-size", "16", "--wrap", "Linear",
+                   "--device-memory", str(memory), "--modes", "baseline,bf16", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0
+    header, rows = _table(out, "strategy")
+    assert header == ["strategy", "mode", "ranks", "batch/rank", "allocated/rank", "reserved/rank", "device needs/rank",
+                      "fits", "min GPUs"]
+    assert set(rows) == {(s, m) for s in strategies for m in ("baseline", "bf16")}
+    for strategy in strategies:
+        row = rows[(strategy, "baseline")]
+        expected_min = next((n for n in sizes if needs[(strategy, n)] <= 0.95 * memory), None)
+        assert row[2:] == ["8", "2", format_bytes(needs[(strategy, 8)]), "-", format_bytes(needs[(strategy, 8)]),
+                           "yes" if needs[(strategy, 8)] <= 0.95 * memory else "no",
+                           str(expected_min) if expected_min else "none <= 16"]
+    assert rows[("fsdp", "baseline")][-1] == "4" and rows[("ddp", "baseline")][-1] == "none <= 16"
+    assert "ddp baseline: none fits on up to 16 GPUs" in out
+    data = json.loads(out_json.read_text())
+    assert data["world_sizes_tried"] == list(sizes)
+    fsdp = next(r for r in data["results"] if r["strategy"] == "fsdp" and r["mode"] == "baseline")
+    assert fsdp["per_rank"]["allocated_bytes"] == needs[("fsdp", 8)] and fsdp["min_world_size"] == 4
+    assert {int(n): v for n, v in fsdp["device_bytes_by_world_size"].items()} == {n: needs[("fsdp", n)] for n in (1, 2, 4)}
+
+
+def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
+    """On a CUDA target a rank's allocated and reserved figures are the one-process allocator view moved by the
+    rank's tensor difference (its shards and buffers), and the device needs add the CUDA context."""
+    import torch
+
+    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.zoo import DemoMLP
+
+    out_json = tmp_path / "ranks.json"
+    status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--strategy", "fsdp",
+                   "--world-size", "4", "--wrap", "Linear", "--device-memory", "1GiB", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0
+    estimate = estimate_distributed_memory(DemoMLP(**WIDE), strategy="fsdp", world_size=4, wrap={torch.nn.Linear}, device="cuda")
+    shift = estimate.peak_bytes - estimate.single.peak_bytes
+    assert shift < 0  # the shards are smaller than the whole model's states
+    view = estimate.single.cuda
+    allocated, reserved = view.peak_allocated_bytes + shift, view.peak_reserved_bytes + shift
+    _, rows = _table(out, "strategy")
+    assert rows[("fsdp", "baseline")][4:7] == [format_bytes(allocated), format_bytes(reserved),
+                                               format_bytes(reserved + view.context_bytes)]
+    result = json.loads(out_json.read_text())["results"][0]
+    assert result["per_rank"] == {"allocated_bytes": allocated, "reserved_bytes": reserved,
+                                  "device_bytes": reserved + view.context_bytes}
+    assert result["estimate"]["peak_bytes"] == estimate.peak_bytes
+    assert any(line.startswith("kernels assumed (baseline): GPU ") for line in out.splitlines())
+
+
+def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
+    import torch
+
+    from lightning_memkit.estimate.distributed import STRATEGIES
+
+    base = ["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "1GiB"]
+    cases = [
+        (["--strategy", "ddp,zero9"], f"--strategy zero9: unknown strategy; choose from: {', '.join(STRATEGIES)}"),
+        (["--strategy", "fsdp", "--world-size", "0"], "--world-size 0: the number of ranks is at least 1"),
+        (["--world-size", "8"], "--world-size is for multi-GPU estimates: give --strategy too"),
+        (["--strategy", "fsdp", "--wrap", "Block"], "--wrap Block: DemoMLP has no layer of that class; its layer classes are: "),
+        (["--gpu", "h1000"], "--gpu: unknown GPU 'h1000': give a name ("),
+        (["--gpu", "a100", "--device", "cpu"], "--gpu a100 picks CUDA kernels; it needs --device cuda"),
+        (["--check", "--device", "cpu"], "--check measures a real step on a GPU against a CUDA estimate; use --device cuda"),
+        (["--check", "--strategy", "ddp"], "--check trains on this machine's one GPU; it does not run --strategy"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--check"], "--check trains two real steps on a GPU, and torch sees none here"))
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("memkit estimate: " + message), (extra, err)
