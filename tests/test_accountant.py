@@ -264,3 +264,62 @@ def test_saved_tensor_data_pins_the_private_autograd_api():
     y.sum().backward()
     assert saved_tensor_data(y.grad_fn) == []  # freed by backward
     assert any(n.startswith("_raw_saved_") for n in dir(z.grad_fn))
+
+
+def test_storage_resized_outside_the_dispatcher_is_counted_when_it_happens():
+    """``UntypedStorage.resize_`` runs no aten op (FSDP2 frees and re-grows its all-gather buffers
+    with it): the accountant follows it through memkit's wrap, live bytes and peak alike."""
+    from lightning_memkit.accounting.storage_resize import watching_storage_resizes
+
+    acc = TensorAccountant()
+    assert watching_storage_resizes()
+    with acc:
+        buffer = torch.empty(1000)              # 4000 B
+        other = torch.empty(250)                # 1000 B
+    assert acc.current_bytes == 5000
+    buffer.untyped_storage().resize_(0)         # freed in place, outside the mode
+    assert acc.current_bytes == 1000
+    acc.reset_peak()
+    assert acc.peak_bytes == 1000
+    buffer.untyped_storage().resize_(4000)      # grown back, outside the mode: the peak sees it now
+    assert acc.current_bytes == 5000 and acc.peak_bytes == 5000
+    buffer.untyped_storage().resize_(0)
+    with acc:
+        small = torch.empty(500)                # 2000 B: a peak of 3000 B, not 7000 B
+    assert acc.current_bytes == 3000 and acc.peak_bytes == 5000
+    acc.reset_peak()
+    with acc:
+        buffer.untyped_storage().resize_(8000)  # inside the mode too (no aten op either way)
+        buffer.view(-1)[:2000].fill_(1.0)
+    assert acc.current_bytes == 11000 and acc.peak_bytes == 11000
+    assert acc.current_bytes_by_label == {"unlabelled": 11000}
+    del buffer
+    assert acc.current_bytes == 3000
+    del other, small
+    assert acc.current_bytes == 0 and acc.errors == []
+
+
+def test_storage_resize_wrap_is_what_fsdp2_calls_and_never_changes_the_result():
+    """Pins the private surface the wrap relies on: FSDP2's ``free_storage`` / ``alloc_storage``
+    resize through ``UntypedStorage.resize_`` (no aten op), and the wrap returns torch's result."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    assert ".resize_(0)" in inspect.getsource(_fsdp_param.free_storage)
+    assert ".resize_(size)" in inspect.getsource(_fsdp_param.alloc_storage)
+    acc = TensorAccountant()
+    with acc:
+        tensor = torch.arange(64, dtype=torch.float32)  # 256 B
+    _fsdp_param.free_storage(tensor)
+    assert acc.current_bytes == 0 and tensor.untyped_storage().nbytes() == 0
+    _fsdp_param.alloc_storage(tensor)
+    assert acc.current_bytes == 256 and acc.peak_bytes == 256
+    storage = tensor.untyped_storage()
+    assert storage.resize_(128) is storage and storage.nbytes() == 128  # torch's own result (the storage), passed through
+    assert acc.current_bytes == 128
+    untracked = torch.empty(10)
+    untracked.untyped_storage().resize_(0)      # not counted, not an error
+    assert acc.current_bytes == 128 and acc.errors == []
+    del tensor, storage
+    assert acc.current_bytes == 0

@@ -15,6 +15,9 @@ How it counts, and why:
 * Tensors that existed before the accountant started (parameters, optimizer state,
   the batch) are not counted unless they are *adopted* with :meth:`TensorAccountant.adopt`;
   adoption is idempotent, so re-adopting the same parameters every step is cheap.
+* A storage resized outside the dispatcher (``UntypedStorage.resize_``: FSDP2 frees and re-grows its
+  all-gather buffers that way) is seen when it happens, through memkit's one wrap of that method
+  (:mod:`lightning_memkit.accounting.storage_resize`), so the live bytes and the peak follow it.
 * ``__torch_dispatch__`` must never raise: an exception while dispatching a view op can
   abort the interpreter. Every failure is caught and kept in :attr:`TensorAccountant.errors`.
 """
@@ -28,22 +31,42 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-__all__ = ["StorageRecord", "TensorAccountant", "returns_alias", "storage_of"]
+from lightning_memkit.accounting.storage_resize import watch_storage_resizes
+
+__all__ = ["StorageRecord", "TensorAccountant", "is_wrapper_tensor", "returns_alias", "storage_of", "storages_of"]
 
 #: at most this many distinct error messages are kept; later ones are only counted.
 _MAX_ERRORS = 20
 
 
+# Per tensor type: is it a wrapper subclass (DTensor, any ``__tensor_flatten__`` subclass)? Its own storage
+# is sized like the whole logical tensor but holds no memory (no data pointer); its inner tensors hold it.
+_WRAPPER_TYPES: dict[type, bool] = {torch.Tensor: False, torch.nn.Parameter: False}
+
+
+def is_wrapper_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a wrapper subclass (``torch.distributed.tensor.DTensor``, or any tensor subclass
+    with ``__tensor_flatten__``): its memory is in its inner tensors, not in its own storage. Cached per type."""
+    kind = type(tensor)
+    answer = _WRAPPER_TYPES.get(kind)
+    if answer is None:
+        answer = _WRAPPER_TYPES[kind] = is_traceable_wrapper_subclass_type(kind)
+    return answer
+
+
 def storage_of(tensor: Any) -> torch.UntypedStorage | None:
-    """Return the untyped storage behind ``tensor``, or ``None`` when it has none.
+    """Return the untyped storage behind ``tensor``, or ``None`` when it has none that holds memory.
 
     Sparse, nested and most wrapper-subclass tensors have no single storage; they are
     skipped rather than guessed at, as are a lazy module's parameters before its first forward
     (``nn.LazyLinear``'s ``UninitializedParameter``: no storage yet; once materialized, counted).
+    A wrapper subclass (DTensor: FSDP2's sharded parameters, their gradients and optimizer state)
+    has a storage of its whole logical size with no memory behind it: ``None`` here, and
+    :func:`storages_of` gives its inner tensors' storages, where its memory is.
     """
-    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor):
+    if not isinstance(tensor, torch.Tensor) or torch.nn.parameter.is_lazy(tensor) or is_wrapper_tensor(tensor):
         return None
     if tensor.layout is not torch.strided:
         return None
@@ -51,6 +74,23 @@ def storage_of(tensor: Any) -> torch.UntypedStorage | None:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def storages_of(tensor: Any) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s memory: its own (:func:`storage_of`), or for a wrapper subclass
+    (``is_wrapper_tensor``: DTensor...) those of its inner tensors, found with ``__tensor_flatten__``.
+    Empty when there is none."""
+    if isinstance(tensor, torch.Tensor) and is_wrapper_tensor(tensor):
+        try:
+            names, _ = tensor.__tensor_flatten__()
+        except Exception:  # noqa: BLE001 - an exotic subclass: nothing we can count
+            return []
+        found: list[torch.UntypedStorage] = []
+        for name in names:
+            found.extend(storages_of(getattr(tensor, name, None)))
+        return found
+    storage = storage_of(tensor)
+    return [] if storage is None else [storage]
 
 
 @dataclass
@@ -111,6 +151,7 @@ class TensorAccountant(TorchDispatchMode):
         self.error_count = 0
         self._peak_listeners: list[Callable[[int], None]] = []
         self._storage_listeners: list[tuple[Callable[[StorageRecord], None] | None, Callable[[StorageRecord], None] | None]] = []
+        watch_storage_resizes(self)  # resizes outside the dispatcher, for as long as this accountant lives
 
     # ------------------------------------------------------------------ labels
     @property
@@ -184,8 +225,13 @@ class TensorAccountant(TorchDispatchMode):
         added = 0
         for tensor in tensors:
             storage = storage_of(tensor)
-            if storage is not None and id(storage) not in self._records:
-                added += self._track(storage, label, adopted=True)
+            if storage is not None:
+                if id(storage) not in self._records:
+                    added += self._track(storage, label, adopted=True)
+            elif isinstance(tensor, torch.Tensor) and is_wrapper_tensor(tensor):
+                for inner in storages_of(tensor):
+                    if id(inner) not in self._records:
+                        added += self._track(inner, label, adopted=True)
         return added
 
     def adopt_storage(self, storage: torch.UntypedStorage, label: str = "adopted") -> int:
@@ -232,8 +278,14 @@ class TensorAccountant(TorchDispatchMode):
             if on_release is not None:
                 on_release(record)
 
+    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """Take a tracked storage's new size (``storage.nbytes()``) after it was resized in place: by an
+        aten op (``resize_``, an ``out=`` argument, ``set_``) or outside the dispatcher
+        (``UntypedStorage.resize_``, reported by :mod:`~lightning_memkit.accounting.storage_resize`).
+        Untracked storages are ignored. A storage resized to 0 bytes stays tracked at 0 until freed."""
+        self._resize(storage)
+
     def _resize(self, storage: torch.UntypedStorage) -> None:
-        """An in-place op (``resize_``, ``set_``) may change a tracked storage's size."""
         record = self._records.get(id(storage))
         if record is None:
             return
@@ -278,21 +330,24 @@ class TensorAccountant(TorchDispatchMode):
             # inputs need not be looked at (the common case, and the cheap one).
             for output in outputs:
                 storage = storage_of(output)
-                if storage is not None and id(storage) not in self._records:
-                    self._track(storage, self._label, adopted=False)
+                if storage is not None:
+                    if id(storage) not in self._records:
+                        self._track(storage, self._label, adopted=False)
+                elif is_wrapper_tensor(output):  # a DTensor's memory is its local tensor's
+                    for inner in storages_of(output):
+                        if id(inner) not in self._records:
+                            self._track(inner, self._label, adopted=False)
             return
         # A view, an in-place or an out= op: an output sharing an input's storage is not new,
         # but its size may have changed (resize_, out= resizing).
         input_keys = storage_keys((args, kwargs))
         for output in outputs:
-            storage = storage_of(output)
-            if storage is None:
-                continue
-            key = id(storage)
-            if key in input_keys:
-                self._resize(storage)
-            elif key not in self._records:
-                self._track(storage, self._label, adopted=False)
+            for storage in storages_of(output):
+                key = id(storage)
+                if key in input_keys:
+                    self._resize(storage)
+                elif key not in self._records:
+                    self._track(storage, self._label, adopted=False)
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
@@ -320,7 +375,7 @@ _ALIAS_CACHE: dict[Any, bool] = {}
 def storage_keys(tree: Any) -> set[int]:
     """The ids of the storages behind the tensors in ``tree`` (an op's arguments): the keys under
     which the accountant and the doctor's recorder know a storage."""
-    return {id(s) for s in map(storage_of, _tensors_in(tree)) if s is not None}
+    return {id(s) for tensor in _tensors_in(tree) for s in storages_of(tensor)}
 
 
 def returns_alias(func: Any) -> bool:

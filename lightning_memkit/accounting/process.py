@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 import torch
 
-from lightning_memkit.accounting.accountant import TensorAccountant, storage_of
+from lightning_memkit.accounting.accountant import TensorAccountant, storages_of
 
 __all__ = ["PROCESS_LABEL", "ProcessTensors", "saved_tensor_data"]
 
@@ -177,15 +177,16 @@ class ProcessTensors:
         with torch._C.DisableTorchFunctionSubclass():
             for tensor in tensors:
                 try:
-                    storage = storage_of(tensor)
-                    if storage is not None and storage.device.type == device_type:
-                        accountant.adopt_storage(storage, PROCESS_LABEL)
+                    # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
+                    for storage in storages_of(tensor):
+                        if storage.device.type == device_type:
+                            accountant.adopt_storage(storage, PROCESS_LABEL)
                     if tensor.grad_fn is not None:
                         roots.add(tensor)
                     elif tensor.requires_grad and tensor.grad is not None:  # a leaf's gradient has no Python object until read
-                        grad_storage = storage_of(tensor.grad)
-                        if grad_storage is not None and grad_storage.device.type == device_type:
-                            accountant.adopt_storage(grad_storage, PROCESS_LABEL)
+                        for grad_storage in storages_of(tensor.grad):
+                            if grad_storage.device.type == device_type:
+                                accountant.adopt_storage(grad_storage, PROCESS_LABEL)
                 except Exception:  # noqa: BLE001 - half-built or exotic tensors are skipped
                     self.errors += 1
 
