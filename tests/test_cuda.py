@@ -227,3 +227,61 @@ def test_no_cuda_memory_is_left_after_a_fit_with_every_memkit_callback(tmp_path)
     del callbacks
     gc.collect()
     assert torch.cuda.memory_allocated() == before
+
+
+# ---------------------------------------------------------------------------------- memkit estimate --check
+class _TwoStepPeaks(Callback):
+    """Peaks of two training steps from ``on_train_start``, as the recorded GPU truth was taken."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.cuda.synchronize()
+        self.peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+
+
+def test_memkit_estimate_check_prints_the_estimate_against_two_real_steps_and_leaves_nothing(tmp_path, capsys):
+    import json
+    import re
+
+    from lightning_memkit.cli import main
+    from lightning_memkit.units import format_bytes
+
+    def fit_two_steps(precision: str) -> tuple[int, int]:
+        reader = _TwoStepPeaks()
+        trainer = _trainer(tmp_path, [reader], max_steps=2, precision=precision)
+        trainer.fit(zoo.DemoTransformer(**SMALL))
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+        return reader.peaks
+
+    fit_two_steps("32-true")  # warm-up: cuBLAS workspaces (main and autograd threads), context
+    before = torch.cuda.memory_allocated()
+    out_json = tmp_path / "check.json"
+    status = main(["estimate", "lightning_memkit.zoo:DemoTransformer", "--init-args", json.dumps(SMALL),
+                   "--modes", "baseline,bf16", "--check", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    # the check's copies, trainers and cached blocks are gone
+    left = live_tensors("cuda")
+    assert left == [], describe(left)
+    assert torch.cuda.memory_allocated() == before
+    results = {r["mode"]: r for r in json.loads(out_json.read_text())["results"]}
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode") and "allocated real" in line)
+    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip()) for line in lines[start + 2:start + 4]}
+    for mode, precision in (("baseline", "32-true"), ("bf16", "bf16-mixed")):
+        check, cuda = results[mode]["check"], results[mode]["estimate"]["cuda"]
+        assert check["steps"] == 2
+        assert check["estimated_peak_allocated_bytes"] == cuda["peak_allocated_bytes"]
+        # what it printed as real is what torch reports for the same two steps of a fresh fit
+        assert (check["peak_allocated_bytes"], check["peak_reserved_bytes"]) == fit_two_steps(precision)
+        real_allocated, real_reserved = check["peak_allocated_bytes"], check["peak_reserved_bytes"]
+        assert rows[mode][2:] == [
+            format_bytes(cuda["peak_allocated_bytes"]), format_bytes(real_allocated),
+            f"{(cuda['peak_allocated_bytes'] - real_allocated) / real_allocated:+.1%}",
+            format_bytes(cuda["peak_reserved_bytes"]), format_bytes(real_reserved),
+            f"{(cuda['peak_reserved_bytes'] - real_reserved) / real_reserved:+.1%}"]

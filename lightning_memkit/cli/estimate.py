@@ -333,6 +333,7 @@ def measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_s
     """
     import copy
     import gc
+    import logging
     import tempfile
 
     import lightning.pytorch as pl
@@ -375,6 +376,10 @@ def measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_s
     reader = PeakReader()
     gc.collect()
     torch.cuda.empty_cache()
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")]
+    levels = [logger.level for logger in quiet]  # the Trainer's banner lines would split the printed tables
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
     try:
         with tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
             trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=2, precision=kwargs["precision"], logger=False,
@@ -384,6 +389,8 @@ def measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_s
             trainer.fit(real, datamodule=datamodule)
             del trainer
     finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
         del real, datamodule
         gc.collect()
         torch.cuda.empty_cache()
