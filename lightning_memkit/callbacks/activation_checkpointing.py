@@ -24,6 +24,7 @@ from lightning_memkit.modes.checkpointing import (
     parse_budget,
     plan_checkpointing,
 )
+from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper, user_name
 from lightning_memkit.units import MiB
 
 __all__ = ["ActivationCheckpointing"]
@@ -40,9 +41,12 @@ class ActivationCheckpointing(Callback):
 
     Before the first training batch the chosen submodules are wrapped with torch's non-reentrant
     ``torch.utils.checkpoint`` (every parameter gets its gradient; dropout masks replay exactly;
-    BatchNorm running statistics are updated once, not again on recompute). Works on one device and
-    under DDP. Under ``FSDPStrategy`` it wraps nothing and defers, with a warning, to the strategy's
-    own ``activation_checkpointing_policy``.
+    BatchNorm running statistics are updated once, not again on recompute). Works on one device, under
+    DDP and under ``ModelParallelStrategy`` (FSDP2: the blocks ``fully_shard`` made are wrapped inside FSDP's
+    hooks, so a recompute finds the parameters gathered). Under ``FSDPStrategy`` it wraps nothing and
+    defers, with a warning, to the strategy's own ``activation_checkpointing_policy``; a model that already
+    holds torch's ``checkpoint_wrapper`` (applied in ``configure_model``, say) is not wrapped twice: it warns
+    once and steps aside.
 
     Args:
         policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/ModuleDict/Sequential), a set of
@@ -127,6 +131,16 @@ class ActivationCheckpointing(Callback):
         if not self._pending:
             return
         self._pending = False
+        wrapped = [name for name, module in pl_module.named_modules() if is_checkpoint_wrapper(module)]
+        if wrapped:
+            # The model checkpoints itself (torch's checkpoint_wrapper, e.g. applied in configure_model under
+            # ModelParallelStrategy): wrapping it again would recompute each block twice for no saving.
+            rank_zero_warn(
+                f"ActivationCheckpointing: the model already checkpoints {len(wrapped)} module(s) with torch's "
+                f"checkpoint_wrapper ({', '.join(user_name(n) for n in wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}), "
+                "so this callback wraps nothing; drop one of the two."
+            )
+            return
         measure = self.measure or isinstance(self.policy, CheckpointBudget)
         if measure and not pl_module.automatic_optimization and self.sample_fn is None:
             measure = False

@@ -9,7 +9,18 @@ from typing import Callable
 
 import torch
 
-__all__ = ["in_backward", "in_checkpoint_recomputation", "queue_backward_end_callback"]
+__all__ = ["in_backward", "in_checkpoint_recomputation", "queue_backward_end_callback", "WRAPPER_ATTRIBUTES", "user_name",
+           "user_class", "wrapped_module", "is_checkpoint_wrapper"]
+
+#: The attribute under which torch's module wrappers keep the user's module, so a qualified name gets
+#: one more segment per wrapper: FSDP1's ``FullyShardedDataParallel`` (``FSDP_WRAPPED_MODULE``, also what
+#: Lightning's FSDPStrategy wraps with), torch's ``checkpoint_wrapper`` (``_CHECKPOINT_WRAPPED_MODULE``,
+#: what ``FSDPStrategy(activation_checkpointing_policy=...)`` applies) and ``torch.compile``'s
+#: ``OptimizedModule`` (``_orig_mod``). Pinned against torch's own constants by tests/test_callbacks_fsdp.py.
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+COMPILED_MODULE = "_orig_mod"
+WRAPPER_ATTRIBUTES = (FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE)
 
 
 def in_backward() -> bool:
@@ -46,3 +57,44 @@ def in_checkpoint_recomputation() -> bool:
     if not hooks:
         return False
     return getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
+
+
+def user_name(qualified_name: str) -> str:
+    """``qualified_name`` without the segments torch's wrappers add (see :data:`WRAPPER_ATTRIBUTES`):
+    ``blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.fc1`` -> ``blocks.0.fc1``, the name in
+    the user's own model."""
+    if not qualified_name:
+        return qualified_name
+    return ".".join(part for part in qualified_name.split(".") if part not in WRAPPER_ATTRIBUTES)
+
+
+def wrapped_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside any stack of torch's wrappers around ``module`` (itself if unwrapped)."""
+    seen = 0
+    while seen < 16:  # a wrapper of a wrapper of ...; never loop forever on a strange module
+        inner = next((module._modules[a] for a in WRAPPER_ATTRIBUTES if module._modules.get(a) is not None), None)
+        if inner is None:
+            return module
+        module, seen = inner, seen + 1
+    return module
+
+
+def user_class(module: torch.nn.Module) -> type:
+    """The class the user wrote for ``module``: through torch's wrappers, and without FSDP2's dynamic
+    subclass (``fully_shard`` turns a ``Block`` into an ``FSDPBlock(FSDPModule, Block)`` in place)."""
+    cls = type(wrapped_module(module))
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return cls
+    if issubclass(cls, FSDPModule):
+        for base in cls.__mro__[1:]:
+            if base is not FSDPModule and not issubclass(base, FSDPModule) and issubclass(base, torch.nn.Module):
+                return base
+    return cls
+
+
+def is_checkpoint_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torch's activation-checkpoint wrapper (``checkpoint_wrapper``; what
+    ``FSDPStrategy(activation_checkpointing_policy=...)`` and ``apply_activation_checkpointing`` install)."""
+    return module._modules.get(CHECKPOINT_WRAPPED_MODULE) is not None

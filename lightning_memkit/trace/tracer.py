@@ -43,7 +43,14 @@ from lightning_memkit.accounting.categories import (
     CategoryBreakdown,
     cuda_memory_extras,
 )
-from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
+from lightning_memkit.trace._torch_compat import (
+    in_backward,
+    in_checkpoint_recomputation,
+    queue_backward_end_callback,
+    user_class,
+    user_name,
+    wrapped_module,
+)
 from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 
 __all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
@@ -59,7 +66,7 @@ class _ModuleInfo:
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
-        self.cls = type(module).__name__
+        self.cls = user_class(module).__name__
         self.depth = 0 if not name else name.count(".") + 1
         self.module = module
 
@@ -177,17 +184,25 @@ class LayerTracer:
                 else:
                     raise TypeError(f"modules=: give qualified-name patterns (e.g. 'features.*') or nn.Module classes, not {item!r}")
         infos: dict[nn.Module, _ModuleInfo] = {}
-        for name, module in model.named_modules():
+        named: set[str] = set()
+        for qualified_name, module in model.named_modules():
+            # Names and classes are the user's: a module inside torch's wrappers (FSDP1, checkpoint_wrapper,
+            # torch.compile) is traced once, as its outermost wrapper, under the name it has in the user's model
+            # (the wrapper's hooks also see what it does around the module: FSDP1's all-gather, say).
+            name = user_name(qualified_name)
+            if name in named:
+                continue
+            named.add(name)
             info = _ModuleInfo(name, module)
             if max_depth is not None and info.depth > max_depth:
                 continue
             if modules is not None and not (
-                any(fnmatch.fnmatchcase(name, p) for p in patterns) or isinstance(module, tuple(classes))
+                any(fnmatch.fnmatchcase(name, p) for p in patterns) or isinstance(wrapped_module(module), tuple(classes))
             ):
                 continue
             infos[module] = info
         if not infos:
-            names = [n or "(root)" for n, _ in model.named_modules()][:12]
+            names = list(dict.fromkeys(user_name(n) or "(root)" for n, _ in model.named_modules()))[:12]
             raise ValueError(f"modules={modules!r} with max_depth={max_depth!r} selects no module of {type(model).__name__}; its modules include: {', '.join(names)}")
         return infos
 
@@ -514,7 +529,7 @@ class LayerTracer:
                 parameter_count += parameter.numel()
         errors = list(self.errors) + [f"accountant: {e}" for e in self.accountant.errors]
         return LayerTraceResult(
-            step=self.step, rank=self.rank, device=str(self._device), model=type(self.model).__name__,
+            step=self.step, rank=self.rank, device=str(self._device), model=user_class(self.model).__name__,
             parameter_count=parameter_count, events=list(self.events), start_bytes=self._start_bytes,
             end_bytes=self.accountant.current_bytes, peak_bytes=peak, peak_event_index=peak_index,
             at_peak=at_peak, at_end=at_end, errors=errors,
