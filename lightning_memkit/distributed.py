@@ -35,8 +35,9 @@ def _decode(vector: torch.Tensor, step: int, stage: str, rank: int) -> StepReadi
 class ReadingReducer:
     """Max (and optionally every rank's value) of a StepReading over the ranks.
 
-    Build it on every rank at the same point (it creates a process group when the default
-    one is not gloo). Outside torch.distributed it returns the reading unchanged.
+    Build it on every rank at the same point (it creates its own gloo process group, so its
+    calls never mix with the strategy's collectives). Outside torch.distributed it returns the
+    reading unchanged.
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
@@ -48,8 +49,10 @@ class ReadingReducer:
             return
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        if dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # memkit's own group even when training's is gloo too: its calls never interleave with the strategy's
+        # collectives (FSDP's all-gathers run on the default group), and its timeout is memkit's, not the
+        # strategy's (Lightning's default: 30 minutes).
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def reduce(self, reading: StepReading, per_rank: bool = False) -> tuple[StepReading, list[StepReading]]:
         """Return (max over ranks with ``rank=-1``, every rank's reading if ``per_rank``)."""

@@ -66,15 +66,22 @@ class MemoryBudget:
             train_step()                    # raises BudgetExceededError past 256 MiB
         budget.accountant.peak_bytes        # the peak reached (bytes)
 
+    ``stop_at_crossing=False`` raises nothing: the step runs to its end and :attr:`peak_exceeded` says
+    whether it crossed the budget. The batch-size search judges trials so under a strategy whose step
+    itself communicates (FSDP, model parallel): a rank that stopped mid-step would leave the others
+    waiting in the step's next collective.
+
     Attributes:
         accountant: the :class:`~lightning_memkit.TensorAccountant` that counts.
-        exceeded: how many times the budget was crossed.
+        exceeded: how many times the budget was crossed (and an op failed; 0 with ``stop_at_crossing=False``).
+        stop_at_crossing: whether an op that crosses the budget fails (``BudgetExceededError``).
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, stop_at_crossing: bool = True) -> None:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
             raise ValueError(f"budget must be a positive number of bytes, not {budget_bytes!r}; e.g. budget=256 * 2**20")
         self.budget_bytes = budget_bytes
+        self.stop_at_crossing = stop_at_crossing
         self.accountant = TensorAccountant()
         self.exceeded = 0
         self._guard = _Guard(self)
@@ -89,15 +96,22 @@ class MemoryBudget:
         """Bytes of counted tensors alive now."""
         return self.accountant.current_bytes
 
+    @property
+    def peak_exceeded(self) -> bool:
+        """Whether the accountant's peak (bytes, since its last ``reset_peak``) is over the budget."""
+        return self.accountant.peak_bytes > self.budget_bytes
+
     def __enter__(self) -> "MemoryBudget":
         if self._depth == 0:
             self.accountant.__enter__()
-            self._guard.__enter__()
+            if self.stop_at_crossing:
+                self._guard.__enter__()
         self._depth += 1
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self._guard.__exit__(None, None, None)
+            if self.stop_at_crossing:
+                self._guard.__exit__(None, None, None)
             self.accountant.__exit__(None, None, None)

@@ -93,7 +93,11 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
 
 # ------------------------------------------------------------------------------------------ DDP
 class _Outcomes:
-    """Each trial's outcome agreed over ranks on a side gloo group with a timeout (lockstep, no deadlock)."""
+    """Each trial's outcome agreed over ranks on a side gloo group with a timeout (lockstep, no deadlock).
+
+    The group is memkit's own, never the one training communicates on, so its calls cannot interleave
+    with the strategy's collectives; its timeout turns a rank that never arrives into an error.
+    """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
@@ -101,20 +105,44 @@ class _Outcomes:
         self.dist = dist
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = None
+        #: the ranks whose trial failed, at the last :meth:`agree`
+        self.failed_ranks: list[int] = []
         if self.enabled:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def agree(self, fits: bool, peak: int | None, extra: int = 0) -> tuple[bool, int | None, int]:
-        """(all ranks fit, max peak over ranks, min of ``extra`` over ranks)."""
+        """(all ranks fit, max peak over ranks, min of ``extra`` over ranks); :attr:`failed_ranks` names
+        the ranks that did not fit."""
         if not self.enabled:
+            self.failed_ranks = [] if fits else [0]
             return fits, peak, extra
-        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), -int(extra)], dtype=torch.int64)
-        self.dist.all_reduce(vector, op=self.dist.ReduceOp.MAX, group=self.group)
-        failed, peak_max, neg_extra = (int(v) for v in vector.tolist())
-        return failed == 0, (None if peak_max < 0 else peak_max), -neg_extra
+        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), int(extra)], dtype=torch.int64)
+        gathered = [torch.empty_like(vector) for _ in range(self.dist.get_world_size())]
+        self.dist.all_gather(gathered, vector, group=self.group)
+        rows = torch.stack(gathered)
+        self.failed_ranks = [rank for rank, failed in enumerate(rows[:, 0].tolist()) if failed]
+        peak_max = int(rows[:, 1].max())
+        return not self.failed_ranks, (None if peak_max < 0 else peak_max), int(rows[:, 2].min())
 
     def min(self, value: int) -> int:
         return self.agree(True, None, value)[2]
+
+
+def step_communicates(trainer: Any, module: Any) -> bool:
+    """Whether a training step itself waits for the other ranks, beyond what a trial can switch off.
+
+    DDP's gradient all-reduce and buffer broadcast can be switched off for a trial (each rank then steps
+    alone); FSDP's and FSDP2's all-gathers and reduce-scatters, DeepSpeed's and SyncBatchNorm's cannot:
+    a rank that stops mid-step leaves the others waiting in the step's next collective.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if not isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel):
+        return True
+    return any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
 
 
 def _no_barrier(*args: Any, **kwargs: Any) -> None:
@@ -288,16 +316,20 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     check_searchable(trainer, module, config)
     device = trainer.strategy.root_device
     outcomes = _Outcomes()
+    # Under FSDP / model parallel a trial's step cannot be made rank-local: no rank may stop mid-step, so a
+    # trial is judged by its measured peak against the budget after its steps end, on every rank.
+    communicates = step_communicates(trainer, module)
     snapshot = _Snapshot(trainer, module, config.batch_arg_name)
     original_size = snapshot.batch_size
     original_accumulate = trainer.accumulate_grad_batches
-    budget = MemoryBudget(int(config.budget)) if config.budget is not None else None
+    stop = not communicates
+    budget = MemoryBudget(int(config.budget), stop_at_crossing=stop) if config.budget is not None else None
     max_seconds = config.max_seconds
     if budget is None and device.type == "cpu":
         # Exhausting host RAM rarely raises: Linux's OOM killer ends the process instead. So a CPU search
         # without a budget counts live tensors against most of the RAM that is free now, and fails cleanly.
         # On CPU memory seldom bounds the batch, time does: the trials also stop at CPU_MAX_SECONDS.
-        budget = MemoryBudget(host_search_budget_bytes())
+        budget = MemoryBudget(host_search_budget_bytes(), stop_at_crossing=stop)
         if max_seconds is None:
             max_seconds = CPU_MAX_SECONDS
         _say(trainer, f"memkit: no budget= on CPU: memory is counted against {format_bytes(budget.budget_bytes)} "
@@ -310,6 +342,10 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         capacity = cuda_capacity_bytes(device)
     if capacity is not None:
         capacity = outcomes.min(capacity)  # every rank must search the same way: the tightest memory decides
+    if communicates and budget is None and capacity is not None:
+        # CUDA under FSDP / model parallel: the device's memory as a budget judged after each trial, so a trial
+        # near the limit is refused by its measured peak on every rank, not by an OOM on one rank mid-step.
+        budget = MemoryBudget(capacity, stop_at_crossing=False)
     result: SearchResult | None = None
     checkpoint_policy = config.checkpoint_policy
     if checkpoint_policy is not None:
@@ -334,7 +370,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         if dataset_length is not None and dataset_length < max_val:
             max_val = dataset_length
         if budget is not None:
-            state_bytes = sum(t.numel() * t.element_size() for t in module.parameters())
+            # this rank's share: a sharded parameter (FSDP2's DTensor) holds only its local shard here
+            state_bytes = sum(_local(t).numel() * t.element_size() for t in module.parameters())
             if state_bytes > budget.budget_bytes:
                 raise BatchSizeSearchError(
                     f"the budget of {format_bytes(budget.budget_bytes)} is smaller than the model's parameters alone "
@@ -352,7 +389,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                               f"({estimate_seconds:.2f}s)", config.verbose)
 
         def run_trial(size: int) -> Trial:
-            return _trial(trainer, module, size, config, budget, device, outcomes)
+            return _trial(trainer, module, size, config, budget, device, outcomes, communicates)
 
         def progress(trial: Trial) -> None:
             outcome = "fits" if trial.fits else "out of memory"
@@ -411,7 +448,8 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
         return None, None
 
 
-def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: MemoryBudget | None, device: torch.device, outcomes: _Outcomes) -> Trial:
+def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: MemoryBudget | None, device: torch.device,
+           outcomes: _Outcomes, communicates: bool = False) -> Trial:
     _lightning_setattr(module, config.batch_arg_name, size)
     error_text: str | None = None
     steps = 0
@@ -438,6 +476,14 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
         except BaseException as error:  # noqa: BLE001 - only out-of-memory is caught; the rest re-raised
             if not is_out_of_memory(error):
                 raise
+            if communicates:
+                # The other ranks wait in this step's next collective, which this rank will never join.
+                raise BatchSizeSearchError(
+                    f"rank {trainer.global_rank} ran out of memory at batch size {size} inside a step of "
+                    f"{type(trainer.strategy).__name__}, whose collectives the other ranks are waiting in: the search "
+                    "cannot go on. Give MaxBatchSize(budget=...) below this device's memory (trials are then judged by "
+                    f"their measured peak after the step, on every rank) or a smaller max_val= ({str(error).splitlines()[0][:200]})"
+                ) from None
             error_text = str(error).splitlines()[0][:300]
             traceback.clear_frames(error.__traceback__)
             del error
@@ -452,12 +498,28 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
                           "ends too early; give a larger dataset or a smaller steps_per_trial")
     if budget is not None:
         peak = budget.accountant.peak_bytes
+        if fits and not budget.stop_at_crossing and budget.peak_exceeded:
+            fits = False
+            error_text = (f"peak {format_bytes(peak)} over the budget of {format_bytes(budget.budget_bytes)} "
+                          f"({peak} > {budget.budget_bytes} bytes; judged after the step, which every rank finished)")
     elif device.type == "cuda":
         peak = int(torch.cuda.max_memory_reserved(device))
     else:
         peak = None
     fits, peak, _ = outcomes.agree(fits, peak if fits else None)
-    return Trial(size, fits, peak if fits else None, time.perf_counter() - started, None if fits else (error_text or "out of memory on another rank"))
+    if fits:
+        return Trial(size, True, peak, time.perf_counter() - started, None)
+    if not outcomes.enabled:
+        return Trial(size, False, None, time.perf_counter() - started, error_text or "out of memory")
+    failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
+    where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+    return Trial(size, False, None, time.perf_counter() - started, f"{where}: {error_text}" if error_text else where)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard (``to_local()``), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def _state_tensors(trainer: Any, module: Any) -> Iterator[torch.Tensor]:
