@@ -220,6 +220,7 @@ def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
         (["--gpu", "a100", "--device", "cpu"], "--gpu a100 picks CUDA kernels; it needs --device cuda"),
         (["--check", "--device", "cpu"], "--check measures a real step on a GPU against a CUDA estimate; use --device cuda"),
         (["--check", "--strategy", "ddp"], "--check trains on this machine's one GPU; it does not run --strategy"),
+        (["--check", "--meta-init"], "--check trains real steps, and a module built with --meta-init has no weights"),
     ]
     if not torch.cuda.is_available():
         cases.append((["--check"], "--check trains two real steps on a GPU, and torch sees none here"))
@@ -227,3 +228,17 @@ def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("memkit estimate: " + message), (extra, err)
+
+
+def test_meta_init_estimates_what_the_module_with_weights_estimates(tmp_path, capsys):
+    """--meta-init builds the module without weights (for models larger than the machine): same figures."""
+    results = []
+    for extra in ([], ["--meta-init"]):
+        out_json = tmp_path / f"ranks{len(extra)}.json"
+        assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--strategy", "fsdp",
+                     "--world-size", "2", "--device-memory", "1GiB", "--json", str(out_json)] + extra) == 0
+        capsys.readouterr()
+        results.append(json.loads(out_json.read_text())["results"][0])
+    for result in results:
+        result["estimate"]["elapsed_s"] = result["estimate"]["single"]["elapsed_s"] = 0.0
+    assert results[0] == results[1]

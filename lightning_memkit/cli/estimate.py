@@ -55,6 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--wrap", default=None, metavar="CLASSES",
                         help="FSDP units for --strategy fsdp*/model_parallel: comma-separated class names of the module's "
                              "layers (your auto_wrap_policy), e.g. TransformerEncoderLayer (default: the whole model is one unit)")
+    parser.add_argument("--meta-init", action="store_true",
+                        help="build the module on the meta device (no weights, no host memory, no init time): for models "
+                             "larger than this machine; the estimate is the same")
     parser.add_argument("--check", action="store_true",
                         help="on a GPU: also train two real steps per mode (a Trainer on a copy of the module) and print the "
                              "estimate against torch.cuda.max_memory_allocated/reserved, with the error")
@@ -156,6 +159,8 @@ def _check_refusal(args: argparse.Namespace, gpu: Any) -> None:
 
     if args.strategy is not None:
         raise CliError("--check trains on this machine's one GPU; it does not run --strategy (drop one of them)")
+    if args.meta_init:
+        raise CliError("--check trains real steps, and a module built with --meta-init has no weights; drop one of them")
     if args.device != "cuda":
         raise CliError("--check measures a real step on a GPU against a CUDA estimate; use --device cuda (the default)")
     if not torch.cuda.is_available():
@@ -191,7 +196,13 @@ def run(args: argparse.Namespace) -> int:
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
         cls = load_object(args.module)
-        module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        if args.meta_init:
+            import torch
+
+            with torch.device("meta"):
+                module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        else:
+            module = build_instance(cls, json_object(args.init_args, "--init-args"))
         import lightning.pytorch as pl
 
         if not isinstance(module, pl.LightningModule):
