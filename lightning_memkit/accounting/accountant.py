@@ -201,6 +201,12 @@ class TensorAccountant(TorchDispatchMode):
         storage = storage_of(tensor)
         return None if storage is None else self._records.get(id(storage))
 
+    def records_of(self, tensor: torch.Tensor) -> list[StorageRecord]:
+        """The records of the tracked storages holding ``tensor``'s memory (:func:`storages_of`: a wrapper
+        subclass such as DTensor has its inner tensors'); empty when none is tracked."""
+        records = (self._records.get(id(storage)) for storage in storages_of(tensor))
+        return [record for record in records if record is not None]
+
     def live_records(self) -> list[StorageRecord]:
         """A snapshot of the records of every live, tracked storage."""
         with self._lock:

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
-from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
+from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant, is_wrapper_tensor
 
 __all__ = [
     "CATEGORIES",
@@ -190,6 +190,13 @@ class CategoryAttributor:
             tensors = tree_flatten(tensors)[0]  # nested batches; flat lists skip pytree's cost
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
+                continue
+            if is_wrapper_tensor(tensor):  # a DTensor (FSDP2's parameters, gradients, state): its local tensor's storage
+                adopted += self.accountant.adopt([tensor], label=category)
+                for record in self.accountant.records_of(tensor):
+                    if id(record) not in self._roles:
+                        self._roles[id(record)] = category
+                        self._kept[id(record)] = record
                 continue
             record = self.accountant.record_of(tensor)
             if record is None:

@@ -7,10 +7,11 @@ same per-rank batch), so one fake step answers for all of them: world size 64 co
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -272,6 +273,89 @@ def _unit_bytes(module: nn.Module, units: list[nn.Module]) -> list[int]:
     return sizes
 
 
+@contextlib.contextmanager
+def _fake_process_group(world_size: int) -> Iterator[Any]:
+    """A fake default process group of ``world_size`` ranks (this process is rank 0; collectives move no
+    data) and a 1-D CPU device mesh over it, for the length of the block.
+
+    torch's ``FakeProcessGroup`` backend is registered by the private ``torch.testing._internal.distributed.fake_pg``
+    (what TorchTitan's memory estimation uses); tests/test_estimate_distributed.py pins it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("this torch has no torch.distributed: FSDP2's estimate runs FSDP2 itself and needs it")
+    if dist.is_initialized():
+        raise ValueError("a process group is already initialized in this process: estimate FSDP2 (strategy='model_parallel') "
+                         "before init_process_group, or in a separate process (its fake process group is the default group)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks' values
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
+    """Inside the block, :func:`~lightning_memkit.estimate.estimate_memory` shards its fake copy of the module
+    with ``shard`` before the steps (and before the optimizer is made, as Lightning's ``configure_model`` runs
+    before ``configure_optimizers``), and starts the peak after the sharding (set-up is not the step).
+
+    estimate/core.py has no hook for this yet: it wraps the module-level ``_run_steps`` for the block's
+    length, and turns off the reuse of fake copies (a sharded copy must not serve an unsharded estimate).
+    """
+    from lightning_memkit.estimate import core
+
+    original = core._run_steps
+
+    def run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Any, loss_fn: Any, autocast: Any, acc: Any, *args: Any, **kwargs: Any) -> None:
+        with acc.labelled("setup"):
+            shard(module_copy)
+        acc.attributor.assign_module(module_copy)  # the shards are the parameters now
+        acc.reset_peak()
+        return original(module_copy, batch, make_optimizer, loss_fn, autocast, acc, *args, **kwargs)
+
+    token = core._CACHE.set(None)
+    core._run_steps = run_steps
+    try:
+        yield
+    finally:
+        core._run_steps = original
+        core._CACHE.reset(token)
+
+
+def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwargs: dict[str, Any]) -> None:
+    """``fully_shard`` each module whose class is in ``wrap``, innermost first, then the root: what a
+    ``configure_model`` under Lightning's ModelParallelStrategy does."""
+    from torch.distributed.fsdp import fully_shard
+
+    if wrap:
+        classes = tuple(wrap)
+        units = [m for m in module.modules() if isinstance(m, classes) and m is not module]
+        for unit in reversed(units):  # post-order: an inner unit is sharded before the unit holding it
+            fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+
+
+def _fsdp2_estimate(module: nn.Module, batch_size: int | None, sharding: Sharding, wrap: Any,
+                    fully_shard_kwargs: dict[str, Any], estimate_kwargs: dict[str, Any]) -> tuple[Any, dict[str, int], dict[str, int]]:
+    """FSDP2 run on fake tensors: the fake copy is sharded by torch's own ``fully_shard`` over a fake process
+    group of the world size, and two steps run as Lightning does. Rank 0's view (FSDP2 pads every rank's shard
+    to the same size, so every rank plays this role). Returns the estimate, its categories and the buffers."""
+    from lightning_memkit.estimate.core import estimate_memory
+
+    with _fake_process_group(sharding.shard_size) as mesh, \
+            _sharded_step_copy(lambda copy_: _fully_shard_units(copy_, wrap, mesh, fully_shard_kwargs)):
+        single = estimate_memory(module, batch_size, **estimate_kwargs)
+    # FSDP2's gathered parameters and communication buffers are in the categories where the accountant finds
+    # them at the peak (saved for backward: activations; in flight: temporaries), not a category of their own
+    categories, buffers = dict(single.by_category), {}
+    return single, categories, buffers
+
+
 def estimate_distributed_memory(
     module: nn.Module,
     batch_size: int | None = None,
@@ -283,6 +367,7 @@ def estimate_distributed_memory(
     gradient_as_bucket_view: bool = False,
     wrap: Any = None,
     prefetch: int = 1,
+    fully_shard_kwargs: dict[str, Any] | None = None,
     **estimate_kwargs: Any,
 ) -> DistributedEstimate:
     """Predict one rank's training-step memory under a multi-device strategy, without the cluster.
@@ -295,7 +380,15 @@ def estimate_distributed_memory(
       copy of every trainable gradient (``bucket_cap_mb`` splits it into buckets, it does not shrink it);
       with ``gradient_as_bucket_view=True`` the gradients *are* the buckets: only the part of the buckets
       the peak's gradients do not already cover is added.
-    - ``fsdp*`` / ``model_parallel``: the all-gathered parameters of the largest unit in flight plus
+    - ``model_parallel`` (FSDP2, Lightning's ModelParallelStrategy): no arithmetic. The fake copy is sharded by
+      torch's own ``fully_shard`` (each module of a class in ``wrap``, then the root, with ``fully_shard_kwargs``:
+      ``reshard_after_forward``, ``mp_policy``...) over a fake process group of ``world_size`` ranks, and the two
+      steps run through FSDP2's real hooks: its shards, gathered parameters, all-gather and reduce-scatter
+      buffers and prefetching are what it allocates (checked within 0.001% of real 2- and 4-process CPU runs).
+      Its buffers sit in the categories where the accountant finds them at the peak (gathered parameters saved
+      for backward under ``activations``, the rest under ``temporaries``); ``buffers`` is empty. Needs no
+      process group initialised in this process (the fake one is the default group while it runs).
+    - ``fsdp*`` (FSDP1, arithmetic, not yet checked against real runs): the all-gathered parameters of the largest unit in flight plus
       ``prefetch`` more units, and the reduce-scatter input of the largest unit's gradients. Units are the
       modules whose class is in ``wrap`` (the auto-wrap policy's layer classes, as Lightning's
       ``auto_wrap_policy={Block}``); without ``wrap`` the whole model is one unit (FSDP gathers all of it).
@@ -307,8 +400,10 @@ def estimate_distributed_memory(
         world_size: the number of ranks (data-parallel degree).
         shard_size: HYBRID_SHARD's shard group (ranks of a node); default ``world_size``.
         bucket_cap_mb, gradient_as_bucket_view: DDP's arguments.
-        wrap: FSDP's wrapped layer classes (a set of ``nn.Module`` subclasses).
-        prefetch: FSDP units gathered ahead of the one computing (FSDP's forward/backward prefetch: 1).
+        wrap: FSDP's wrapped layer classes (a set of ``nn.Module`` subclasses): the auto-wrap policy, or the
+            classes ``configure_model`` calls ``fully_shard`` on.
+        prefetch: FSDP1 units gathered ahead of the one computing (FSDP's forward/backward prefetch: 1).
+        fully_shard_kwargs: FSDP2's ``fully_shard`` keyword arguments other than ``mesh`` (``model_parallel`` only).
         estimate_kwargs: ``mode=``, ``device=``, ``optimizer=``, ``loss_fn=``, ``batch=``, ``datamodule=``,
             ``trainer=``, ``gpu=`` of :func:`~lightning_memkit.estimate.estimate_memory` (``device`` defaults to ``"cuda"``).
 
@@ -323,9 +418,14 @@ def estimate_distributed_memory(
         raise ValueError(f"bucket_cap_mb must be positive (DDP's default is 25), not {bucket_cap_mb!r}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (FSDP prefetches 1 unit), not {prefetch!r}")
+    n = sharding.shard_size
+    if sharding.strategy == "model_parallel":
+        single, categories, buffers = _fsdp2_estimate(module, batch_size, sharding, wrap, dict(fully_shard_kwargs or {}), estimate_kwargs)
+        return DistributedEstimate(strategy=sharding.strategy, world_size=world_size, shard_size=n, peak_bytes=single.peak_bytes,
+                                   by_category=categories, buffers=buffers, single=single, rank_roles=1,
+                                   elapsed_s=time.perf_counter() - started, notes=list(single.notes))
     single = estimate_memory(module, batch_size, **estimate_kwargs)
     categories = dict(single.by_category)
-    n = sharding.shard_size
     notes = list(single.notes)
 
     def shard(nbytes: int, sharded: bool) -> int:
