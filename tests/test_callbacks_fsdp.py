@@ -200,6 +200,17 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     assert classes["blocks.0"] == "Block" and classes["blocks.0.fc1"] == "Linear" and classes["head"] == "Linear"
     assert not any("FSDP" in c for c in classes.values()) and not any("_wrapped_module" in m for m in classes)
     assert any(e.recompute for e in trace0.events if e.module == "blocks.1.fc1")  # checkpointed blocks recompute
+    # each rank's shards, by hand: fully_shard splits every parameter's dim 0 over the 2 ranks, padded to
+    # ceil(dim0 / 2) rows. A block: fc1 (128, 32) + (128,), fc2 (32, 128) + (32,) -> 64*32 + 64 + 16*128 + 16;
+    # the head (1, 32) + (1,): one padded row each, which rank 1 holds as padding only.
+    block = 64 * 32 + 64 + 16 * 128 + 16
+    head = 32 + 1
+    assert trace0.parameter_count == 3 * (128 * 32 + 128 + 32 * 128 + 32) + head  # the model's, not a shard
+    for rank, trace in enumerate((trace0, trace1)):
+        assert trace.at_end["parameters"] == 4 * (3 * block + head), rank
+        # Adam's exp_avg and exp_avg_sq follow the local shard without its padding (rank 1's head shard is
+        # empty), plus a 4-byte step per parameter (14 parameters)
+        assert trace.at_end["optimizer_state"] == 2 * 4 * (3 * block + (head if rank == 0 else 0)) + 4 * 14, rank
 
 
 # ---------------------------------------------------------------------------------------------- FSDP1 (no CPU)
