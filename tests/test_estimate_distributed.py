@@ -276,3 +276,28 @@ def test_fsdp2_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(t
 @pytest.mark.slow
 def test_ddp_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(tmp_path):
     _check_lightning_run(tmp_path, "ddp", 4)
+
+
+# ------------------------------------------------------------------ the largest batch per rank
+def test_predict_max_batch_size_per_rank_under_a_strategy():
+    """The largest per-rank batch under DDP and FSDP2 on 4 ranks in 8 MB: each size is one rank's estimate;
+    the answer fits and one more sample does not; FSDP2's sharded states leave room for a larger batch."""
+    from lightning_memkit.estimate.predict import predict_max_batch_size
+
+    model = DemoTransformer(dropout=0.0, layers=2, d_model=64, dim_feedforward=128, seq_len=32)
+    budget = 8_000_000
+    answers = {}
+    for strategy in ("ddp", "model_parallel"):
+        prediction = predict_max_batch_size(model, budget, margin=0.0, device="cpu", strategy=strategy, world_size=4,
+                                            wrap={nn.TransformerEncoderLayer})
+        sizes = dict(prediction.estimates)
+        size = prediction.batch_size
+        assert sizes[size] <= budget < sizes[size + 1], prediction.estimates
+        answers[strategy] = size
+    direct = estimate_distributed_memory(model, answers["ddp"] + 1, strategy="ddp", world_size=4, device="cpu")
+    assert direct.required_bytes == direct.peak_bytes > budget  # on CPU nothing is added on top of the tensors
+    assert answers["model_parallel"] > answers["ddp"]
+    with pytest.raises(ValueError, match="world_size=4 needs strategy="):
+        predict_max_batch_size(model, budget, device="cpu", world_size=4)
+    with pytest.raises(ValueError, match="unknown strategy 'dpp'"):
+        predict_max_batch_size(model, budget, device="cpu", strategy="dpp", world_size=4)

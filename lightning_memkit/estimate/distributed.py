@@ -235,6 +235,18 @@ class DistributedEstimate:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def mode(self) -> str:
+        """The mode's name (``"baseline"``, ``"bf16"``...)."""
+        return self.single.mode
+
+    @property
+    def required_bytes(self) -> int:
+        """Bytes one rank's device must have: ``peak_bytes`` plus what the one-process estimate's allocator view
+        adds on top of its tensors (CUDA: rounding, reserved segments, context; elsewhere nothing). FSDP2's
+        estimate is the sharded step itself, so its view is the rank's own."""
+        return self.peak_bytes + self.single.required_bytes - self.single.peak_bytes
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         data = asdict(self)

@@ -120,6 +120,8 @@ def predict_max_batch_size(
     max_val: int = 1 << 20,
     tolerance: float = 0.01,
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
+    strategy: Any = None,
+    world_size: int = 1,
     **estimate_kwargs: Any,
 ) -> BatchSizePrediction:
     """Predict the largest batch size whose training step fits in ``device_memory`` (fake tensors only).
@@ -139,6 +141,11 @@ def predict_max_batch_size(
         tolerance: stop refining when the bracket is this fraction of the answer.
         estimator: the function that estimates one size (``estimate_memory``; tests pass
             ``measure_training_step``).
+        strategy, world_size: the largest batch *per rank* under a multi-device strategy on ``world_size``
+            ranks (``"ddp"``, ``"model_parallel"``, ``"fsdp"``, ``"deepspeed_stage_2"``...; see
+            :func:`~lightning_memkit.estimate.distributed.estimate_distributed_memory`, whose own arguments
+            such as ``wrap=`` go in ``estimate_kwargs``): each size is one rank's estimate, one fake step per
+            rank role, and ``device_memory`` is one device's memory.
 
     Raises:
         ValueError: when even batch size 1 does not fit (the message gives the fixed bytes) or the
@@ -148,6 +155,17 @@ def predict_max_batch_size(
 
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r}: give a fraction in [0, 1), e.g. 0.05 to keep 5% free")
+    if strategy is not None:
+        if estimator is not estimate_memory:
+            raise ValueError("give strategy= (a per-rank distributed estimate) or estimator=, not both")
+        from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
+
+        sharding_of(strategy, world_size)  # a bad name or size fails here, before any estimate
+
+        def estimator(module_: nn.Module, batch_size: int | None, **kwargs: Any) -> Any:
+            return estimate_distributed_memory(module_, batch_size, strategy=strategy, world_size=world_size, **kwargs)
+    elif world_size != 1:
+        raise ValueError(f"world_size={world_size!r} needs strategy= (e.g. strategy='ddp'): without one the estimate is one process's")
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
     with reusing_fake_copies():  # one fake copy and one sample batch serve every size
