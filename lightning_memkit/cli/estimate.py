@@ -306,6 +306,8 @@ def _error_percent(estimated: int, measured: int) -> str:
 
 def _check(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any, Any]]) -> dict[str, dict]:
     """Two real training steps per estimated mode on this GPU, printed beside the estimate; returns per-mode results."""
+    import gc
+
     import torch
 
     from lightning_memkit.summary_table import format_table
@@ -314,9 +316,10 @@ def _check(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any
     rows, checks = [], {}
     for name, (mode, estimate) in estimates.items():
         try:
-            measured = measure_cuda_steps(module, args, mode, estimate.batch_size)
+            measured = _measure_cuda_steps(module, args, mode, estimate.batch_size)
         except Exception as error:  # noqa: BLE001 - one mode's failure is reported in its row, the others still run
-            checks[name] = {"error": f"{type(error).__name__}: {error}"}
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            checks[name] = {"error": f"{type(error).__name__}: {first_line}"}
             rows.append((name, estimate.batch_size, format_bytes(estimate.cuda.peak_allocated_bytes), "-", "-",
                          format_bytes(estimate.cuda.peak_reserved_bytes), "-", "-"))
             print(f"memkit estimate --check: mode {name}: {checks[name]['error']}", file=sys.stderr)
@@ -328,13 +331,15 @@ def _check(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any
                      _error_percent(allocated, measured["peak_allocated_bytes"]),
                      format_bytes(reserved), format_bytes(measured["peak_reserved_bytes"]),
                      _error_percent(reserved, measured["peak_reserved_bytes"])))
+    gc.collect()  # what a failed fit's error held is gone now: give its cached blocks back too
+    torch.cuda.empty_cache()
     print(f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of the module, "
           "peaks from on_train_start)")
     print(format_table(("mode", "batch", "allocated est", "allocated real", "error", "reserved est", "reserved real", "error"), rows))
     return checks
 
 
-def measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_size: int | None) -> dict[str, int]:
+def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_size: int | None) -> dict[str, int]:
     """Train two real steps of a copy of ``module`` on this GPU in ``mode`` (Lightning's Trainer, as the recorded
     GPU truth was taken) and return ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()`` over them,
     counted from ``on_train_start`` (model and optimizer on the device, no optimizer state yet), in bytes.
