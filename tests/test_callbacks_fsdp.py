@@ -213,6 +213,74 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
         assert trace.at_end["optimizer_state"] == 2 * 4 * (3 * block + (head if rank == 0 else 0)) + 4 * 14, rank
 
 
+FAILING_TRIAL = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    sys.path.insert(0, {tests!r})
+    from conftest import LinearStack
+    from lightning_memkit import MaxBatchSize
+
+    class Sharded(LinearStack):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh)
+            fully_shard(self, mesh=self.device_mesh)
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            # a real out-of-memory error on rank 0 alone, between two FSDP2 all-gathers of its forward
+            hidden = self.net[0](x)
+            if self.global_rank == 0 and len(x) >= 16:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (rank 0 only)")
+            return self.net[2:](self.net[1](hidden)).pow(2).sum()
+
+    search = MaxBatchSize(budget="64MiB", init_val=16, max_val=64, steps_per_trial=1, use_estimate=False, verbose=False)
+    trainer = pl.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
+                         callbacks=[search], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(Sharded(batch_size=4, samples=128))
+    print("FINISHED", trainer.global_rank, flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_real_out_of_memory_error_on_one_rank_inside_an_fsdp2_trial_ends_the_run_on_every_rank(tmp_path):
+    """Rank 0 alone raises a real out-of-memory error inside a trial's FSDP2 step, where rank 1 waits in
+    the next all-gather: the search cannot go on, and it must not hang. Rank 0 ends with memkit's error
+    (saying what to do); rank 1's collective fails as rank 0's process goes; the run ends well inside the
+    timeout, with no rank reporting a finished fit."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "failing_trial.py"
+    script.write_text(FAILING_TRIAL.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=180)  # returns when every rank has closed its output: all ended
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"a rank hung after another rank's out-of-memory error inside a sharded trial:\n{output[-4000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0 and "FINISHED" not in output, output[-3000:]
+    assert "rank 0 ran out of memory at batch size 16 inside a step of ModelParallelStrategy" in output, output[-3000:]
+    assert "Give MaxBatchSize(budget=...)" in output
+    assert "[rank1]" in output and "Connection closed by peer" in output, output[-3000:]  # rank 1 ended too, not hung
+
+
 # ---------------------------------------------------------------------------------------------- FSDP1 (no CPU)
 def test_lightning_and_torch_refuse_fsdp1_on_cpu():
     """Pins the limit the module docstring states: if a release lifts it, extend this file to FSDPStrategy."""

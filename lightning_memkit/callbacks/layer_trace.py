@@ -37,8 +37,11 @@ class LayerTrace(Callback):
     A traced step covers the whole training step, ``on_train_batch_start`` to
     ``on_train_batch_end``: forward, backward and the optimizer step (with gradient
     accumulation, every micro-batch up to the optimizer step). Its hooks and modes are removed
-    afterwards, so other steps run at full speed. Under DDP each rank traces its own step; no
-    collective is used.
+    afterwards, so other steps run at full speed. Under DDP, FSDP and ``ModelParallelStrategy`` (FSDP2)
+    each rank traces its own step (its own shards); no collective is used. Module names and classes are
+    the user's: the segments torch's wrappers add (FSDP1's ``_fsdp_wrapped_module``, ``checkpoint_wrapper``'s
+    ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``) are dropped, a wrapped module is
+    traced once, and FSDP2's ``FSDPBlock`` is shown as ``Block``.
 
     After each traced step, global rank zero prints (Lightning's info log, as Lightning's own
     callbacks do; ``verbose=False`` turns it off) the bytes per category and where the module

@@ -59,7 +59,15 @@ class MaxBatchSize(Callback):
 
     Under DDP every rank runs the same trials in lockstep; each trial's outcome is agreed over the
     ranks (the size must fit on all of them), and inside a trial nothing waits for another rank, so
-    a rank that alone runs out of memory cannot deadlock the others.
+    a rank that alone runs out of memory cannot deadlock the others. Under FSDP, ``ModelParallelStrategy``
+    (FSDP2), DeepSpeed or with SyncBatchNorm the step itself communicates, so no rank may stop in the
+    middle of it: the budget (``budget=``, on CPU half the host's free memory, on CUDA the device's free
+    memory) is then checked against each trial's measured peak after every rank finished its steps, and a
+    failed trial names the ranks that were over. A real out-of-memory error inside such a step (CUDA,
+    beyond the budget) ends the search with an error saying so: the other ranks wait in a collective that
+    rank will never join: under gloo their collective fails as that rank's process ends (a few seconds),
+    and Lightning's launcher ends every rank when one of its child ranks fails; under NCCL a rank left
+    waiting may hold on until the strategy's ``timeout``.
     """
 
     def __init__(self, margin: float = 0.05, init_val: int | None = None, max_val: int = 8192, steps_per_trial: int = 3,
