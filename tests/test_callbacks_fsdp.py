@@ -125,7 +125,7 @@ SCRIPT = textwrap.dedent(
             "warnings": [str(w.message) for w in caught if "memkit" in str(w.message)],
             "plan": sorted(checkpointing.plan.names), "activation": [checkpointing.plan.measured_activation_bytes],
             "batch_size": model.batch_size, "found": search.optimal_batch_size,
-            "trials": [[t.batch_size, t.fits, t.peak_bytes, t.error] for t in search.result.trials],
+            "trials": [[t.batch_size, t.fits, t.peak_bytes, t.error, t.seconds] for t in search.result.trials],
             "same_gradients": same_gradients, "blocks_sharded": blocks_sharded, "steps": trainer.global_step,
         }}, file)
     """
@@ -154,7 +154,7 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     assert [r["steps"] for r in ranks] == [3, 3]
 
     # ---- MaxBatchSize: the same trials and answer on both ranks; the failures were rank 1's alone
-    outcomes = [[t[:3] for t in r["trials"]] for r in ranks]
+    outcomes = [[t[:3] + t[4:] for t in r["trials"]] for r in ranks]  # times too: the slowest rank's, on every rank
     assert outcomes[0] == outcomes[1] and ranks[0]["found"] == ranks[1]["found"], outcomes
     trials = ranks[0]["trials"]
     failed = [t for t in trials if not t[1]]

@@ -107,25 +107,49 @@ class _Outcomes:
         self.group = None
         #: the ranks whose trial failed, at the last :meth:`agree`
         self.failed_ranks: list[int] = []
+        #: the slowest rank's ``seconds`` at the last :meth:`agree`
+        self.slowest_seconds = 0.0
         if self.enabled:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
-    def agree(self, fits: bool, peak: int | None, extra: int = 0) -> tuple[bool, int | None, int]:
+    def agree(self, fits: bool, peak: int | None, extra: int = 0, seconds: float = 0.0) -> tuple[bool, int | None, int]:
         """(all ranks fit, max peak over ranks, min of ``extra`` over ranks); :attr:`failed_ranks` names
-        the ranks that did not fit."""
+        the ranks that did not fit, :attr:`slowest_seconds` is the largest ``seconds`` (a trial's time: the
+        search's time limit must decide the same on every rank)."""
         if not self.enabled:
             self.failed_ranks = [] if fits else [0]
+            self.slowest_seconds = seconds
             return fits, peak, extra
-        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), int(extra)], dtype=torch.int64)
-        gathered = [torch.empty_like(vector) for _ in range(self.dist.get_world_size())]
-        self.dist.all_gather(gathered, vector, group=self.group)
-        rows = torch.stack(gathered)
+        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), int(extra), int(seconds * 1e6)], dtype=torch.int64)
+        rows = self._gather(vector)
         self.failed_ranks = [rank for rank, failed in enumerate(rows[:, 0].tolist()) if failed]
         peak_max = int(rows[:, 1].max())
+        self.slowest_seconds = int(rows[:, 3].max()) / 1e6
         return not self.failed_ranks, (None if peak_max < 0 else peak_max), int(rows[:, 2].min())
 
     def min(self, value: int) -> int:
         return self.agree(True, None, value)[2]
+
+    def prediction(self, growth: Any, predicted: int | None) -> tuple[Any, int | None]:
+        """One prediction for every rank (each estimated its own batch, and an estimate may fail on one rank
+        only): none if any rank has none, else the smallest predicted size with the growth it came with."""
+        if not self.enabled:
+            return growth, predicted
+        vector = torch.tensor([-1.0 if predicted is None or growth is None else float(predicted),
+                               0.0 if growth is None else float(growth.fixed_bytes),
+                               0.0 if growth is None else float(growth.per_sample_bytes)], dtype=torch.float64)
+        rows = self._gather(vector)
+        if bool((rows[:, 0] < 0).any()):
+            return None, None
+        chosen = int(rows[:, 0].argmin())
+        if growth is not None:
+            growth = type(growth)(float(rows[chosen, 1]), float(rows[chosen, 2]))
+        return growth, int(rows[chosen, 0])
+
+    def _gather(self, vector: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(vector) for _ in range(self.dist.get_world_size())]
+        self.dist.all_gather(gathered, vector, group=self.group)
+        return torch.stack(gathered)
 
 
 def step_communicates(trainer: Any, module: Any) -> bool:
@@ -383,8 +407,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
             estimate_started = time.perf_counter()
             growth, predicted = _predict(trainer, module, capacity, device, config)  # the module is wrapped already
             estimate_seconds = time.perf_counter() - estimate_started
+            growth, predicted = outcomes.prediction(growth, predicted)  # every rank must search the same sizes
             if predicted is not None:
-                predicted = outcomes.min(predicted)
                 _say(trainer, f"memkit: the estimate predicts a largest batch of {predicted} in {format_bytes(capacity)} "
                               f"({estimate_seconds:.2f}s)", config.verbose)
 
@@ -506,14 +530,15 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
         peak = int(torch.cuda.max_memory_reserved(device))
     else:
         peak = None
-    fits, peak, _ = outcomes.agree(fits, peak if fits else None)
+    fits, peak, _ = outcomes.agree(fits, peak if fits else None, seconds=time.perf_counter() - started)
+    seconds = outcomes.slowest_seconds  # the same on every rank, so the time limit stops every rank's search alike
     if fits:
-        return Trial(size, True, peak, time.perf_counter() - started, None)
+        return Trial(size, True, peak, seconds, None)
     if not outcomes.enabled:
-        return Trial(size, False, None, time.perf_counter() - started, error_text or "out of memory")
+        return Trial(size, False, None, seconds, error_text or "out of memory")
     failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
     where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-    return Trial(size, False, None, time.perf_counter() - started, f"{where}: {error_text}" if error_text else where)
+    return Trial(size, False, None, seconds, f"{where}: {error_text}" if error_text else where)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
