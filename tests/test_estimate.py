@@ -122,6 +122,24 @@ def test_predict_max_batch_size_matches_the_measured_limit():
         predict_max_batch_size(module, 100_000, device="cpu")
 
 
+def test_predict_max_batch_size_when_memory_is_flat_at_small_batches():
+    """A small model whose peak sits in the optimizer step at small batches: the two first estimates are
+    equal, so the fitted slope is zero. The search must still reach the real limit (thousands), not creep
+    up from the first sizes a percent at a time (it once answered 10)."""
+    from lightning_memkit.zoo import DemoTransformer
+
+    module = DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=1, dim_feedforward=64, seq_len=16, batch_size=4)
+    memory = 1 << 30
+    prediction = predict_max_batch_size(module, memory, gpu="h100")
+    first, second = prediction.estimates[:2]
+    assert first[1] == second[1]  # the flat start this test is about
+    target = 0.95 * memory
+    answer = prediction.batch_size
+    assert estimate_memory(module, answer, gpu="h100").required_bytes <= target
+    assert estimate_memory(module, answer + max(1, round(0.01 * answer)) + 1, gpu="h100").required_bytes > target
+    assert answer > 1000 and len(prediction.estimates) <= 12
+
+
 def test_bad_input_gets_clear_errors():
     plain = nn.Linear(8, 2)
     with pytest.raises(NoBatchError, match="pass an example batch"):
