@@ -18,7 +18,7 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake import FakeSession, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 
@@ -107,6 +107,29 @@ def test_fake_session_pins_the_private_fake_tensor_api():
         assert is_fake(value) and value.item() == 1.0   # placeholder scalar
         assert torch.ones(1, dtype=torch.bool).item() is True
     assert value.untyped_storage().nbytes() == 4
+
+
+def test_fake_step_ops_answer_what_the_three_modes_answer():
+    # the estimate's accountant does FakeStepOps' work in its own dispatch (one Python mode layer, not three):
+    # pinned against what FakeTensorMode, ScalarPlaceholders and LossBuffers answer for the same ops
+    session, ops = FakeSession(), FakeStepOps()
+    device, item = torch.ops.prim.device.default, torch.ops.aten._local_scalar_dense.default
+    with session.fake_mode_only():
+        x = torch.empty(4, 3)
+        assert is_fake(x) and ops.answer(device, (x,)) == x.device == torch.device("cpu")
+        assert ops.answer(item, (x.sum(),)) == 1.0 and ops.answer(item, (torch.ones(1, dtype=torch.bool),)) is True
+        assert ops.answer(item, (torch.ones(1, dtype=torch.long),)) == 1
+        assert ops.answer(torch.ops.aten.add.Tensor, (x, x)) is NOT_ANSWERED
+        assert ops.answer(device, (torch.ones(1, device="meta"),)) == torch.device("meta")  # a fake meta tensor
+        mse = torch.ops.aten.mse_loss.default
+        plain = mse(x, x)
+        kept = ops.adjust(mse, (x, x), {}, plain)
+        assert ops.adjust(torch.ops.aten.add.Tensor, (x, x), {}, plain) is plain
+    assert ops.answer(device, (torch.ones(1, device="meta"),)) is NOT_ANSWERED  # not a fake: left to the dispatcher
+    with session.active():
+        three_layers = torch.nn.functional.mse_loss(torch.empty(4, 3), torch.empty(4, 3))
+    assert kept.dim() == 0 and kept.untyped_storage().nbytes() == three_layers.untyped_storage().nbytes()
+    assert (mse in ops.loss_ops) == (kept.untyped_storage().nbytes() == 48)  # this torch's real mse_loss keeps its buffer
 
 
 def test_predict_max_batch_size_matches_the_measured_limit():

@@ -29,7 +29,7 @@ from lightning_memkit.estimate.allocator import (
 )
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
-from lightning_memkit.estimate.fake import FakeSession, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, is_fake
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -112,10 +112,16 @@ class MemoryEstimate:
 
 class _StepAccountant(TensorAccountant):
     """The accountant plus what the estimate needs: the live records at each new peak, the phase
-    of the peak, and (for the CUDA model) the allocation/free events in order."""
+    of the peak, and (for the CUDA model) the allocation/free events in order.
 
-    def __init__(self, record_events: bool) -> None:
+    On a fake step it also does :class:`~lightning_memkit.estimate.fake.FakeStepOps`' work (placeholder
+    scalars, kept loss buffers, fake tensors' devices) in the same dispatch call: one Python mode layer
+    per op instead of three, with the same results (the step runs inside ``FakeSession.fake_mode_only``).
+    """
+
+    def __init__(self, record_events: bool, fake_ops: FakeStepOps | None = None) -> None:
         super().__init__()
+        self.fake_ops = fake_ops
         self.events: list[tuple[str, int, int]] | None = [] if record_events else None
         if record_events:
             self.add_storage_listener(lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
@@ -127,6 +133,20 @@ class _StepAccountant(TensorAccountant):
         self.peak_step = 0
         self.step = 0
         self.add_peak_listener(self._on_peak)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        ops = self.fake_ops
+        if ops is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        answer = ops.answer(func, args)
+        if answer is not NOT_ANSWERED:  # no kernel, no tensor made: nothing to count
+            return answer
+        result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        try:
+            self._account(func, args, kwargs, result)
+        except BaseException as error:  # never raise here (see TensorAccountant)
+            self._record_error(f"{func}: {type(error).__name__}: {error}")
+        return result
 
     def _on_peak(self, _peak: int) -> None:
         self.peak_records = self.live_records()
@@ -448,7 +468,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     optimizer_hook = f"{type(module).__name__}.configure_optimizers" if optimizer is None and _is_lightning_module(module) else "optimizer="
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
-    acc = _StepAccountant(record_events=target.type == "cuda")
+    acc = _StepAccountant(record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None)
     kernels = cuda_target(target, fake, mode, gpu)  # the CUDA target's kernels and allocator (estimate/cuda_kernels.py)
     attached = getattr(module, "_trainer", None)
     handle = None
@@ -462,6 +482,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, "cpu"))
                 batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
                 context = session.active
+                step_context = session.fake_mode_only  # the accountant does the rest (FakeStepOps)
                 if target.type != "cuda" and any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
                     notes.append("nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
                                  "gives it no size): this peak is low; measure_training_step() gives the real CPU figure")
@@ -474,7 +495,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 if batch_size is not None:
                     batch = rebatch(batch, batch_size)
                 batch = _move(batch, where)
-                context = contextlib.nullcontext
+                context = step_context = contextlib.nullcontext
             _attach_trainer(module_copy, trainer if trainer is not None else attached, batches, mode, datamodule, target.type)
             module_copy.train()
             autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
@@ -491,7 +512,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
-            with context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
+            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
                 _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
                            foreach=fake and target.type == "cuda")
         except (EstimateError, NoBatchError):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["FakeSession", "is_fake", "ScalarPlaceholders", "LossBuffers"]
+__all__ = ["FakeSession", "is_fake", "ScalarPlaceholders", "LossBuffers", "FakeStepOps"]
 
 
 def _fake_tensor_module():
@@ -31,6 +31,14 @@ def is_fake(tensor: Any) -> bool:
     return isinstance(tensor, _fake_tensor_module().FakeTensor)
 
 
+def _placeholder(tensor: torch.Tensor) -> bool | float | int:
+    """The value ``.item()`` of a fake tensor answers: True, 1.0 or 1 by dtype."""
+    dtype = tensor.dtype
+    if dtype is torch.bool:
+        return True
+    return 1.0 if (dtype.is_floating_point or dtype.is_complex) else 1
+
+
 class ScalarPlaceholders(TorchDispatchMode):
     """Answer ``tensor.item()`` on fake tensors with a placeholder (1, 1.0 or True).
 
@@ -42,10 +50,7 @@ class ScalarPlaceholders(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
-            dtype = args[0].dtype
-            if dtype is torch.bool:
-                return True
-            return 1.0 if (dtype.is_floating_point or dtype.is_complex) else 1
+            return _placeholder(args[0])
         return func(*args, **(kwargs or {}))
 
 
@@ -100,11 +105,66 @@ class LossBuffers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         out = func(*args, **(kwargs or {}))
-        if func in self.ops and isinstance(out, torch.Tensor) and out.dim() == 0 and is_fake(out):
-            reduction = (kwargs or {}).get("reduction", args[2] if len(args) > 2 else 1)
-            if reduction != 0 and all(isinstance(a, torch.Tensor) for a in args[:2]):
-                buffer = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape), dtype=out.dtype, device=out.device)
-                out = buffer.as_strided((), ())
+        if func in self.ops:
+            out = _with_loss_buffer(args, kwargs, out)
+        return out
+
+
+def _with_loss_buffer(args: Any, kwargs: Any, out: Any) -> Any:
+    """``out`` (a kept-buffer loss op's result) as a 0-dim view of a fake buffer the unreduced loss's size."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0 and is_fake(out):
+        reduction = (kwargs or {}).get("reduction", args[2] if len(args) > 2 else 1)
+        if reduction != 0 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+            buffer = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape), dtype=out.dtype, device=out.device)
+            out = buffer.as_strided((), ())
+    return out
+
+
+#: returned by :meth:`FakeStepOps.answer` for an op it leaves to the kernels below
+NOT_ANSWERED = object()
+
+
+class FakeStepOps:
+    """:class:`ScalarPlaceholders` and :class:`LossBuffers` as two plain calls, for a dispatch mode that
+    already sees every op of a fake step (the estimate's accountant), so the step has one Python mode
+    layer above the fake mode instead of three.
+
+    Each Python dispatch mode costs every op a trip through Python; on a fake step most ops are
+    ``prim.device`` queries (the autograd engine and C++ argument checks ask each fake tensor its
+    device), so :meth:`answer` also serves those from the fake tensor itself, as
+    ``FakeTensorMode`` would, without going down to it. Use inside :meth:`FakeSession.fake_mode_only`::
+
+        ops = FakeStepOps()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            answer = ops.answer(func, args)
+            if answer is not NOT_ANSWERED:
+                return answer
+            return ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+    """
+
+    def __init__(self) -> None:
+        fake_tensor = _fake_tensor_module()
+        self._fake_type = fake_tensor.FakeTensor
+        self._device = torch.ops.prim.device.default
+        self._item = torch.ops.aten._local_scalar_dense.default
+        self.loss_ops = losses_keeping_their_buffer()
+
+    def answer(self, func: Any, args: Any) -> Any:
+        """The result of ``func(*args)`` when it needs no kernel (a fake tensor's device, a fake
+        scalar's placeholder value), else :data:`NOT_ANSWERED`."""
+        if func is self._device:
+            tensor = args[0] if len(args) == 1 else None
+            if type(tensor) is self._fake_type:  # exactly what FakeTensorMode's device handler answers
+                return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
+            return NOT_ANSWERED
+        if func is self._item and isinstance(args[0], self._fake_type):
+            return _placeholder(args[0])
+        return NOT_ANSWERED
+
+    def adjust(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+        """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer)."""
+        if func in self.loss_ops:
+            return _with_loss_buffer(args, kwargs, out)
         return out
 
 
@@ -164,4 +224,11 @@ class FakeSession:
     def active(self) -> Iterator[None]:
         """Run the ``with`` body in the fake world (factory functions create fake tensors)."""
         with self.mode, ScalarPlaceholders(), LossBuffers():
+            yield
+
+    @contextlib.contextmanager
+    def fake_mode_only(self) -> Iterator[None]:
+        """The fake world without :class:`ScalarPlaceholders` and :class:`LossBuffers`: for a caller whose
+        own dispatch mode, entered inside this block, does their work through :class:`FakeStepOps`."""
+        with self.mode:
             yield
