@@ -2,7 +2,8 @@
 
 What runs on CPU with torch 2.13 / Lightning 2.6: ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in
 ``configure_model``) does, and one run here holds MemoryTracker, LayerTrace, ActivationCheckpointing and
-MaxBatchSize together, with one rank's probe failing and one rank alone over the search's budget.
+MaxBatchSize together, with one rank's probe failing and one rank alone over the search's budget, then a
+second fit in which one rank alone raises a real out-of-memory error inside a trial.
 ``FSDPStrategy`` (FSDP1) does not: Lightning refuses ``accelerator="cpu"`` and torch's
 ``FullyShardedDataParallel`` itself needs an accelerator (pinned below), so FSDP1 is checked only through
 what runs without it: torch's ``checkpoint_wrapper`` (what its ``activation_checkpointing_policy``
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import read_scalars, run_script
+from conftest import read_scalars
 from lightning_memkit.trace import LayerTracer, read_trace
 from lightning_memkit.units import MiB
 
@@ -128,8 +129,51 @@ SCRIPT = textwrap.dedent(
             "trials": [[t.batch_size, t.fits, t.peak_bytes, t.error, t.seconds] for t in search.result.trials],
             "same_gradients": same_gradients, "blocks_sharded": blocks_sharded, "steps": trainer.global_step,
         }}, file)
+
+    # a second fit in the same 2 processes: rank 0 alone raises a real out-of-memory error inside a trial's
+    # FSDP2 step, between two all-gathers of its forward, while rank 1 goes on to the next all-gather
+    class FailsOnRankZero(Net):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            hidden = self.blocks[0](x)
+            if self.global_rank == 0 and len(x) >= 16:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (rank 0 only)")
+            for block in self.blocks[1:]:
+                hidden = block(hidden)
+            return self.head(hidden).pow(2).mean()
+
+    search = MaxBatchSize(budget=budget, init_val=16, max_val=64, steps_per_trial=1, use_estimate=False, verbose=False)
+    trainer = pl.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
+                         callbacks=[search], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
+    print("SECOND FIT", trainer.global_rank, flush=True)
+    trainer.fit(FailsOnRankZero())
+    print("FINISHED", trainer.global_rank, flush=True)
     """
 )
+
+
+def _run_until_every_rank_ends(args: list[str], cwd: str, timeout: float) -> tuple[int, str]:
+    """``python *args`` in its own session; returns (exit status, output) once every process writing to its
+    output has ended (the ranks included); a run past ``timeout`` is killed and fails the test as a hang."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("MASTER_PORT", None)
+    process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{args[0]} hung: not every rank ended in {timeout} s:\n{output[-4000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, output
 
 
 @pytest.mark.slow
@@ -142,12 +186,21 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     hooks; gradients equal the unwrapped model's. MaxBatchSize: rank 1 alone crosses the budget at the
     larger sizes, inside steps full of FSDP2 collectives; no rank stops mid-step (no deadlock), every
     trial's outcome and the answer are the same on both ranks, and the failing trials name rank 1.
+    A second fit in the same processes: rank 0 alone raises a real out-of-memory error inside a trial; the
+    run ends on both ranks with memkit's message.
     """
     script = tmp_path / "fsdp2_run.py"
     script.write_text(SCRIPT.format(extra=EXTRA_PER_SAMPLE))
     budget = 900 * 1024  # bytes: between rank 0's and rank 1's peaks at the larger trial sizes
-    run_script([str(script), str(tmp_path), str(budget)], cwd=str(tmp_path), timeout=240)  # kills both ranks on timeout
+    returncode, output = _run_until_every_rank_ends([str(script), str(tmp_path), str(budget)], str(tmp_path), timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    # ---- the second fit: a real out-of-memory error on rank 0 alone inside an FSDP2 trial ends the run on
+    # both ranks (rank 1's all-gather fails as rank 0's process goes), with memkit's message; no hang
+    assert output.count("SECOND FIT") == 2 and "FINISHED" not in output and returncode != 0, output[-3000:]
+    assert "rank 0 ran out of memory at batch size 16 inside a step of ModelParallelStrategy" in output, output[-3000:]
+    assert "Give MaxBatchSize(budget=...)" in output
+    assert "[rank1]" in output and "Connection closed by peer" in output, output[-3000:]
 
     # ---- the model really is FSDP2-sharded, and trained its steps after the search
     assert [r["blocks_sharded"] for r in ranks] == ["FSDPBlock", "FSDPBlock"]
@@ -211,74 +264,6 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
         # Adam's exp_avg and exp_avg_sq follow the local shard without its padding (rank 1's head shard is
         # empty), plus a 4-byte step per parameter (14 parameters)
         assert trace.at_end["optimizer_state"] == 2 * 4 * (3 * block + (head if rank == 0 else 0)) + 4 * 14, rank
-
-
-FAILING_TRIAL = textwrap.dedent(
-    """
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
-    sys.path.insert(0, {tests!r})
-    from conftest import LinearStack
-    from lightning_memkit import MaxBatchSize
-
-    class Sharded(LinearStack):
-        def configure_model(self):
-            from torch.distributed.fsdp import fully_shard
-            for layer in self.net:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=self.device_mesh)
-            fully_shard(self, mesh=self.device_mesh)
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            # a real out-of-memory error on rank 0 alone, between two FSDP2 all-gathers of its forward
-            hidden = self.net[0](x)
-            if self.global_rank == 0 and len(x) >= 16:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (rank 0 only)")
-            return self.net[2:](self.net[1](hidden)).pow(2).sum()
-
-    search = MaxBatchSize(budget="64MiB", init_val=16, max_val=64, steps_per_trial=1, use_estimate=False, verbose=False)
-    trainer = pl.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
-                         callbacks=[search], enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(Sharded(batch_size=4, samples=128))
-    print("FINISHED", trainer.global_rank, flush=True)
-    """
-)
-
-
-@pytest.mark.slow
-def test_a_real_out_of_memory_error_on_one_rank_inside_an_fsdp2_trial_ends_the_run_on_every_rank(tmp_path):
-    """Rank 0 alone raises a real out-of-memory error inside a trial's FSDP2 step, where rank 1 waits in
-    the next all-gather: the search cannot go on, and it must not hang. Rank 0 ends with memkit's error
-    (saying what to do); rank 1's collective fails as rank 0's process goes; the run ends well inside the
-    timeout, with no rank reporting a finished fit."""
-    import signal
-    import subprocess
-    import sys
-
-    script = tmp_path / "failing_trial.py"
-    script.write_text(FAILING_TRIAL.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=180)  # returns when every rank has closed its output: all ended
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"a rank hung after another rank's out-of-memory error inside a sharded trial:\n{output[-4000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode != 0 and "FINISHED" not in output, output[-3000:]
-    assert "rank 0 ran out of memory at batch size 16 inside a step of ModelParallelStrategy" in output, output[-3000:]
-    assert "Give MaxBatchSize(budget=...)" in output
-    assert "[rank1]" in output and "Connection closed by peer" in output, output[-3000:]  # rank 1 ended too, not hung
 
 
 # ---------------------------------------------------------------------------------------------- FSDP1 (no CPU)
@@ -358,11 +343,9 @@ def test_wrapper_names_match_torch():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
-    from lightning_memkit.trace._torch_compat import CHECKPOINT_WRAPPED_MODULE, COMPILED_MODULE
+    from lightning_memkit.trace._torch_compat import CHECKPOINT_WRAPPED_MODULE
     from lightning_memkit.trace._torch_compat import FSDP_WRAPPED_MODULE as OURS
     from lightning_memkit.trace._torch_compat import user_name
 
     assert (OURS, CHECKPOINT_WRAPPED_MODULE) == (FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE)
-    compiled = torch.compile(nn.Linear(2, 2))
-    assert COMPILED_MODULE in dict(compiled.named_children())
     assert user_name("blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.fc1") == "blocks.0.fc1"

@@ -16,7 +16,8 @@ __all__ = ["in_backward", "in_checkpoint_recomputation", "queue_backward_end_cal
 #: one more segment per wrapper: FSDP1's ``FullyShardedDataParallel`` (``FSDP_WRAPPED_MODULE``, also what
 #: Lightning's FSDPStrategy wraps with), torch's ``checkpoint_wrapper`` (``_CHECKPOINT_WRAPPED_MODULE``,
 #: what ``FSDPStrategy(activation_checkpointing_policy=...)`` applies) and ``torch.compile``'s
-#: ``OptimizedModule`` (``_orig_mod``). Pinned against torch's own constants by tests/test_callbacks_fsdp.py.
+#: ``OptimizedModule`` (``_orig_mod``). The first two are pinned against torch's own constants by
+#: tests/test_callbacks_fsdp.py (torch names no constant for the third).
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 COMPILED_MODULE = "_orig_mod"
