@@ -28,8 +28,9 @@ from lightning_memkit.modes.compare import compare_modes, read_compare
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout, layout_from_tags,
-                                                 layout_tags)
+from lightning_memkit.tensorboard.layout import (DASHBOARD_TAG_PART, MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout,
+                                                 layout_from_tags, layout_tags, readable_layout, tensorboard_ticks, tensorboard_y_range,
+                                                 tick_label)
 from lightning_memkit.units import format_bytes
 
 H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
@@ -48,6 +49,33 @@ def scalars_by_run(root):
 
 def steps_per_tag(scalars):
     return {tag: len({step for step, _ in points}) for tag, points in scalars.items()}
+
+
+def todays_layout(scalars, compare=False):
+    """What ``update_dashboards`` gives a run that logged ``scalars``: the layout, and the scalars with its rebased lines."""
+    own = {t: v for t, v in scalars.items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
+    layout, lines = readable_layout(layout_from_tags(steps_per_tag(own), compare=compare), {"run": own})
+    return layout, {**own, **lines.get("run", {})}
+
+
+def check_rebased_lines(layout, scalars):
+    """Every rebased line a layout draws is its logged line minus the base its chart's title names, at the same steps.
+
+    Returns how many lines were checked."""
+    checked = 0
+    for title, regexes in layout_tags(layout).items():
+        for tag in sorted(t for t in scalars for r in regexes if re.match(r, t)):
+            if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/"):
+                continue
+            unit, base = re.search(r"\((KiB|MiB) above ([0-9,.]+) (KiB|MiB)", title).group(1, 2)
+            source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_above_base_{unit}", "_MiB")
+            factor = 1024 if unit == "KiB" else 1
+            assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
+            for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
+                assert rebased == pytest.approx(value * factor - float(base.replace(",", "")), abs=1e-5), (tag, title)
+            assert min(v for _, v in scalars[tag]) >= -1e-5  # the base is at or below every value
+            checked += 1
+    return checked
 
 
 def matched(layout, tags):
@@ -69,16 +97,25 @@ def test_the_h100_runs_old_layout_breaks_the_rules():
 
 def test_h100_demo_with_todays_layout_keeps_the_rules():
     [run] = run_dirs(H100_DEMO)
-    scalars = read_scalars(run)
-    layout = layout_from_tags(steps_per_tag(scalars))
+    logged = read_scalars(run)
+    # the charts chosen from the tags alone: host RSS moves by 13 MiB around 1,500 MiB, and TensorBoard's
+    # three-digit labels read 1.5e+3 or 1.51e+3 on every tick (docs/images of the earlier dashboard show it)
+    assert check_dashboard(layout_from_tags(steps_per_tag(logged)), {"demo": logged}) == [
+        "'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks "
+        "['1.5e+3', '1.5e+3', '1.5e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3']: three significant "
+        "digits cannot tell them apart"]
+    layout, scalars = todays_layout(logged)
     assert check_dashboard(layout, {"demo": scalars}) == []
+    assert check_rebased_lines(layout, scalars) == 2
     lines = matched(layout, scalars)
+    assert lines["host RSS, top to bottom: step peak, step end (MiB above 1,490 MiB)"] == [
+        "memory/dashboard/train/host_peak_rss_above_base_MiB", "memory/dashboard/train/host_rss_above_base_MiB"]
     assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == [
         "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"]
     assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
     assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
-    drawn = {t for ts in lines.values() for t in ts}
+    drawn = {t.replace("/dashboard/", "/").replace("_above_base_MiB", "_MiB") for ts in lines.values() for t in ts}
     # the capacity and the layer trace's one-step values are on no chart ...
     assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
     # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
@@ -98,7 +135,7 @@ def test_h100_compare_with_todays_layout_keeps_the_rules():
     runs = scalars_by_run(H100_COMPARE)
     modes = [name for name, scalars in runs.items() if any(t.startswith("memory/train/") for t in scalars)]
     assert sorted(modes) == ["amp", "amp+checkpoint", "baseline", "checkpoint"]
-    layouts = [layout_from_tags(steps_per_tag(runs[m]), compare=True) for m in modes]
+    layouts = [todays_layout(runs[m], compare=True)[0] for m in modes]
     assert all(layout == layouts[0] for layout in layouts)
     layout = layouts[0]
     assert list(layout) == ["memkit: modes compared"]
@@ -122,8 +159,7 @@ def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
         assert {os.path.relpath(d, root) for d in updated} == {n for n, s in runs.items() if any(t.startswith("memory/train/") for t in s)}
         expected = next(iter(updated.values()))
         assert all(layout == expected for layout in updated.values())
-        assert expected == layout_from_tags(steps_per_tag(next(s for s in runs.values() if "memory/train/reserved_MiB" in s)),
-                                            compare=compare)
+        assert expected == todays_layout(next(s for s in runs.values() if "memory/train/reserved_MiB" in s), compare=compare)[0]
         with TensorBoardServer(root, startup_timeout_s=90) as server:
             served = server.get_json("/data/plugin/custom_scalars/layout")
             charts = {c["title"]: {ch["title"]: ["Multiline", ch["multiline"]["tag"]] for ch in c["chart"]} for c in served["category"]}
@@ -156,17 +192,23 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     scalars = read_scalars(cpu_fit)
     layout = read_layout(cpu_fit)
     assert check_dashboard(layout, {"run": scalars}) == []
-    assert layout == layout_from_tags(steps_per_tag(scalars))  # written at fit time = rebuilt from the tags
+    assert layout == todays_layout(scalars)[0]  # written at fit time = rebuilt from the logged scalars
     assert list(layout) == ["memkit: memory per step"]
+    check_rebased_lines(layout, scalars)
+    # each chart draws these logged lines, or the same lines above a base its title names
+    sources = {re.sub(r" \((KiB|MiB) above [0-9,.]+ (KiB|MiB)", " (MiB", title):
+               [t.replace("/dashboard/", "/").replace("_above_base_KiB", "_MiB").replace("_above_base_MiB", "_MiB") for t in tags]
+               for title, tags in matched(layout, scalars).items()}
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
         "tensors (exact): live at step end (MiB)": ["memory/train/tensor_MiB"],
         "host RSS, top to bottom: step peak, step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
         "validation runs, exact tensors, top to bottom: peak, live at end (MiB)": ["memory/val/peak_tensor_MiB", "memory/val/tensor_MiB"],
     }
-    if len(scalars["memory/train/peak_tensor_MiB"]) < 2:  # MemoryTracker may sample the accountant's peak: one point is no chart
-        del expected["tensors (exact): step peak (MiB)"]
-    assert matched(layout, scalars) == expected
+    # the accountant's peak is read on the first two steps (and one in ten after): two points, both under 1 MiB, which
+    # TensorBoard draws in its empty chart's [0, 1] (test_a_sampled_peak_of_a_few_points_... has one it would clip)
+    assert len(scalars["memory/train/peak_tensor_MiB"]) == 2 and max(v for _, v in scalars["memory/train/peak_tensor_MiB"]) < 1
+    assert sources == expected
     assert sorted({s for s, _ in scalars["memory/val/peak_tensor_MiB"]}) == [2, 5, 8]
     # the layer trace is one step: its scalars are logged but on no chart; its figure and tables are in Images and Text
     assert any(t.startswith("memory/trace/") for t in scalars)
@@ -187,7 +229,31 @@ def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
     layout = read_layout(logger.log_dir)  # what TensorBoard shows: the last layout of the run
     assert "validation runs, exact tensors, top to bottom: peak, live at end (MiB)" not in layout_tags(layout)
     assert check_dashboard(layout, {"run": scalars}) == []
-    assert layout == layout_from_tags(steps_per_tag(scalars))
+    assert layout == todays_layout(scalars)[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_sampled_peak_of_a_few_points_has_no_chart_at_fit_end(tmp_path):
+    """The accountant's peak read on steps 0, 1, 11 and 21 of a 31-step run logged every step: TensorBoard's outlier
+    clipping (5th to 95th percentile, on by default) cuts the ends of so short a line. The layout written at fit start
+    draws it and breaks the rule; the one written at fit end (what TensorBoard shows) has no such chart and keeps every rule."""
+    from test_dashboard import read_layouts
+
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    trainer = make_trainer(tmp_path, max_steps=31, logger=logger, callbacks=[MemoryTracker(verbose=False)])
+    trainer.fit(LinearStack(optimizer="adam"))
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [0, 1, 11, 21]
+    assert len(scalars["memory/train/tensor_MiB"]) == 31
+    first, last = {c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in read_layouts(logger.log_dir)[0].items()}, read_layout(logger.log_dir)
+    title = "tensors (exact): step peak (MiB)"
+    assert title in layout_tags(first)
+    problems = check_dashboard(first, {"run": scalars})
+    assert any(p.startswith(f"{title!r}: ") and "points of memory/train/peak_tensor_MiB of run 'run' lie outside the y range" in p
+               for p in problems), problems
+    assert title not in layout_tags(last) and check_dashboard(last, {"run": scalars}) == []
+    assert last == todays_layout(scalars)[0]
+    assert any(t.startswith("tensors (exact): live at step end") for t in layout_tags(last))  # read every step: its chart stays
 
 
 @pytest.mark.slow
@@ -204,7 +270,7 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
     assert check_dashboard(layout, runs) == []
     for title, lines in matched(layout, runs["baseline"]).items():
         assert len(lines) == 1, title
-    assert layout == layout_from_tags(steps_per_tag(runs["baseline"]), compare=True)
+    assert layout == todays_layout(runs["baseline"], compare=True)[0]
 
 
 # ---------------------------------------------------------------------------------------------- figures (Images tab, memkit report)
@@ -263,8 +329,10 @@ def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, 
     assert main(["report", str(root), "-o", str(tmp_path / "r.html"), "--update-dashboards"]) == 0
     assert "updated the dashboard of demo-transformer/version_0: 7 chart(s)" in capsys.readouterr().out
     layout = read_layout(run)
-    assert layout != old and layout == layout_from_tags(steps_per_tag(read_scalars(run)))
-    assert read_scalars(run) == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
+    assert layout != old and layout == todays_layout(read_scalars(run))[0]
+    assert check_rebased_lines(layout, read_scalars(run)) == 2  # host RSS's two lines, above 1,490 MiB
+    logged = {t: v for t, v in read_scalars(run).items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
+    assert logged == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
     files = sorted(os.listdir(run))
     assert update_dashboards(str(root)) == {} and sorted(os.listdir(run)) == files  # a second call adds nothing
 

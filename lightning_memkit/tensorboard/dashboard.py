@@ -11,12 +11,12 @@ import weakref
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
-from lightning_memkit.tensorboard.layout import dashboard_layout, layout_from_tags, prune_layout
+from lightning_memkit.tensorboard.layout import DASHBOARD_TAG_PART, dashboard_layout, layout_from_tags, prune_layout, readable_layout
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
            "DEVICE_TEXT_TAG", "device_table", "read_layout", "write_layout", "update_dashboards",
-           "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE"]
+           "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE", "read_run_scalars"]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
 SUMMARY_TEXT_TAG = "summary/table"
@@ -162,11 +162,29 @@ def _steps_per_tag(history: Sequence[StepReading], prefix: str, world_size: int)
 
 def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading], prefix: str) -> bool:
     """At fit end: rewrite the run's layout without the charts it left empty or single-step
-    (no NVML reading, a validation run that never came or came once). Returns whether it rewrote."""
+    (no NVML reading, a validation run that never came or came once), and readable for the values
+    it logged (:func:`~lightning_memkit.tensorboard.layout.readable_layout`: a chart TensorBoard
+    would clip is left out, a chart whose axis labels would repeat draws its lines above a named
+    base; those lines are written here, at the steps of the logged ones). The values are read back
+    from the run's event files, as TensorBoard reads them. Returns whether it rewrote the layout."""
     layout = _LAYOUTS.get(experiment)
     if not layout:
         return False
     pruned = prune_layout(layout, _steps_per_tag(history, prefix, getattr(trainer, "world_size", 1)))
+    run_dir = getattr(experiment, "log_dir", None) or getattr(experiment, "logdir", None)
+    lines: dict[str, list[tuple[int, float]]] = {}
+    if run_dir and hasattr(experiment, "add_scalar"):
+        experiment.flush()
+        try:
+            pruned, derived = readable_layout(pruned, {"run": read_run_scalars(run_dir, prefix)}, prefix=prefix)
+            lines = derived.get("run", {})
+        except Exception as error:  # never break training for a dashboard
+            import warnings
+
+            warnings.warn(f"memkit: the dashboard of {run_dir} keeps its fit-start layout ({type(error).__name__}: {error})", stacklevel=2)
+    for tag, points in lines.items():
+        for step, value in points:
+            experiment.add_scalar(tag, value, global_step=step)
     if pruned == layout:
         return False
     _LAYOUTS[experiment] = pruned
@@ -174,6 +192,19 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
     # config tag, the last): this one replaces the fit-start layout
     experiment.add_custom_scalars(pruned)
     return True
+
+
+def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of the scalars in ``run_dir``'s event files (read with
+    TensorBoard's own reader, every point), without the dashboard's rebased lines
+    (``<prefix>/dashboard/...``, which are made from the others)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    own = f"{prefix}/{DASHBOARD_TAG_PART}/"
+    return {tag: sorted((e.step, e.value) for e in accumulator.Scalars(tag))
+            for tag in accumulator.Tags()["scalars"] if not tag.startswith(own)}
 
 
 def markdown_code(text: str) -> str:
@@ -259,8 +290,10 @@ def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
     return {c.title: {ch.title: ["Multiline", list(ch.multiline.tag)] for ch in c.chart} for c in layout.category}
 
 
-def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]]) -> str:
-    """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the layout.
+def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]], lines: dict[str, list[tuple[int, float]]] | None = None) -> str:
+    """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the
+    layout and the lines it draws that the run does not have yet (``lines``: ``{tag: [(step,
+    value), ...]}``, the rebased lines of :func:`~lightning_memkit.tensorboard.layout.readable_layout`).
 
     TensorBoard then shows this layout for the run instead of the one written at fit start: the
     Custom Scalars tab reads a run's last layout event, and the new file sorts after the run's
@@ -274,6 +307,9 @@ def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]]) -> str:
     before = set(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
     writer = SummaryWriter(run_dir, filename_suffix=".memkit-layout")
     try:
+        for tag, points in (lines or {}).items():
+            for step, value in points:
+                writer.add_scalar(tag, value, global_step=step)
         writer.add_custom_scalars(layout)
     finally:
         writer.close()
@@ -286,27 +322,25 @@ def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, di
 
     For logs written by an older memkit: each run directory whose event files hold
     ``<prefix>/train/...`` scalars gets :func:`~lightning_memkit.tensorboard.layout.layout_from_tags`
-    of its own tags (a run beside a ``compare.json`` is a mode of ``memkit compare``), written by
-    :func:`write_layout` unless it shows that layout already. Nothing else in the run is touched.
+    of its own tags (a run beside a ``compare.json`` is a mode of ``memkit compare``), made readable
+    for its values by :func:`~lightning_memkit.tensorboard.layout.readable_layout` (with the rebased
+    lines it draws), written by :func:`write_layout` unless it shows that layout already. Nothing else in the run is touched.
     Returns ``{run_dir: layout}`` of the runs it updated.
     """
     import glob
     import os
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     updated = {}
     run_dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)})
     for run_dir in run_dirs:
-        accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-        accumulator.Reload()
-        steps = {tag: len({e.step for e in accumulator.Scalars(tag)}) for tag in accumulator.Tags()["scalars"]}
-        if not any(tag.startswith(f"{prefix}/train/") for tag in steps):
+        scalars = read_run_scalars(run_dir, prefix)
+        if not any(tag.startswith(f"{prefix}/train/") for tag in scalars):
             continue
         compare = os.path.exists(os.path.join(os.path.dirname(run_dir), "compare.json"))
-        layout = layout_from_tags(steps, prefix=prefix, compare=compare)
+        steps = {tag: len({step for step, _ in points}) for tag, points in scalars.items()}
+        layout, derived = readable_layout(layout_from_tags(steps, prefix=prefix, compare=compare), {"run": scalars}, prefix=prefix)
         if read_layout(run_dir) == layout:  # already today's: a second call adds nothing
             continue
-        write_layout(run_dir, layout)
+        write_layout(run_dir, layout, derived.get("run", {}))
         updated[run_dir] = layout
     return updated

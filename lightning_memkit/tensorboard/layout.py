@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS, metric_name
 
 __all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "MAX_SCALE_RATIO", "dashboard_layout", "layout_from_tags",
-           "prune_layout", "layout_tags", "check_dashboard", "check_chart"]
+           "prune_layout", "layout_tags", "check_dashboard", "check_chart", "clipping_problems", "tick_problems",
+           "MAX_CLIPPED_FRACTION", "tensorboard_y_range", "tensorboard_ticks", "tick_label", "readable_layout",
+           "DASHBOARD_TAG_PART", "COMPARE_CATEGORY"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
 TRACE_TAG_PART = "trace"
+#: the category of a ``memkit compare`` mode's layout (one line per mode's run in every chart).
+COMPARE_CATEGORY = "memkit: modes compared"
 #: the most lines one chart draws for one run.
 MAX_SERIES_PER_CHART = 3
 #: the largest ratio between the biggest and the smallest non-zero series of one chart (by largest |value|).
 MAX_SCALE_RATIO = 100.0
+#: the largest share of a line's points that may lie outside the y range TensorBoard draws by
+#: default (it ignores values beyond the 5th and 95th percentiles: up to 10 % of a long line).
+MAX_CLIPPED_FRACTION = 0.1
 
 # A chart: (title, stage, fields). Stage "train", "val" or "rank" (``<prefix>/train/rank<r>/``).
 # TensorBoard tells a run's lines apart only by marker shape, with the legend folded away: a chart
@@ -127,7 +135,7 @@ def dashboard_layout(
         keys += ["peak_reserved", "fragmentation"] if cuda else []
         keys += ["process_device"] if cuda and nvml else []
         keys += ["host_rss"] if host else []
-        layout["memkit: modes compared"] = _charts(prefix, [_COMPARE_CHARTS[k] for k in keys])
+        layout[COMPARE_CATEGORY] = _charts(prefix, [_COMPARE_CHARTS[k] for k in keys])
         return layout
     step_charts: list[tuple[str, str, list[str]]] = []
     if cuda:
@@ -242,22 +250,112 @@ def _quantile(ordered: Sequence[float], p: float) -> float:
     return ordered[lo] if lo + 1 >= len(ordered) else ordered[lo] + (ordered[lo + 1] - ordered[lo]) * (i - lo)
 
 
-def _default_y_domain(series: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """The y range TensorBoard draws by default, as its line chart computes it: the values
-    within the 5th-95th percentile of all the chart's (smoothed) values ("Ignore outliers in
-    chart scaling", ticked by default); none left (two distinct values: each is an "outlier")
-    gives the empty chart's [0, 1]; one value v gives [0, 2v]; else the range padded by 5 %
-    each side (TensorBoard rounds it outwards further)."""
-    values = sorted(v for s in series for v in s)
-    low_q, high_q = _quantile(values, 0.05), _quantile(values, 0.95)
-    kept = [v for v in values if low_q <= v <= high_q]
-    if not kept:
+def _tick_increment(start: float, stop: float, count: int) -> float:
+    """d3's tickIncrement: the tick step for ``count`` ticks (1, 2 or 5 times a power of ten; negative: 1/step)."""
+    step = (stop - start) / count
+    power = math.floor(math.log10(step))
+    error = step / 10 ** power
+    factor = 10 if error >= _E10 else 5 if error >= _E5 else 2 if error >= _E2 else 1
+    return factor * 10 ** power if power >= 0 else -(10 ** -power) / factor
+
+
+_E10, _E5, _E2 = math.sqrt(50), math.sqrt(10), math.sqrt(2)
+
+
+def _nice(start: float, stop: float, count: int = 10) -> tuple[float, float]:
+    """d3's linear ``scale.nice()``: the domain rounded outwards to the tick step."""
+    previous = None
+    for _ in range(10):
+        step = _tick_increment(start, stop, count)
+        if step == previous:
+            break
+        if step > 0:
+            start, stop = math.floor(start / step) * step, math.ceil(stop / step) * step
+        else:
+            start, stop = math.ceil(start * step) / step, math.floor(stop * step) / step
+        previous = step
+    return start, stop
+
+
+def tensorboard_y_range(values: Iterable[float], ignore_outliers: bool = True) -> tuple[float, float]:
+    """The y range TensorBoard's line chart draws for these values (MiB, or whatever they are).
+
+    As TensorBoard 2.x computes it (its ``LinearScale``): with "Ignore outliers in chart scaling"
+    (ticked by default) only the values between the 5th and 95th percentile count (d3's
+    interpolated quantiles), none left (e.g. two distinct values) gives ``[0, 1]``; one value v
+    gives ``[0, 2v]`` (``[-1, 1]`` for 0); else the extent padded by 5 % each side and rounded
+    outwards to d3's tick step. Pass the smoothed values: TensorBoard scales to the smoothed line.
+    """
+    ordered = sorted(v for v in values if math.isfinite(v))
+    if not ordered:
         return 0.0, 1.0
-    low, high = kept[0], kept[-1]
+    if ignore_outliers:
+        low_q, high_q = _quantile(ordered, 0.05), _quantile(ordered, 0.95)
+        ordered = [v for v in ordered if low_q <= v <= high_q]
+        if not ordered:
+            return 0.0, 1.0
+    low, high = ordered[0], ordered[-1]
     if low == high:
-        return (-1.0, 1.0) if low == 0 else (min(0.0, 2 * low), max(0.0, 2 * low))
-    pad = (high - low) * 0.05
-    return low - pad, high + pad
+        return (-1.0, 1.0) if low == 0 else ((2 * low, 0.0) if low < 0 else (0.0, 2 * low))
+    pad = (high - low + 2.220446049250313e-16) * 0.05
+    return _nice(low - pad, high + pad)
+
+
+def tensorboard_ticks(low: float, high: float, count: int = 10) -> list[float]:
+    """The y-axis ticks TensorBoard draws over ``[low, high]`` (d3's ``ticks(10)``)."""
+    if not high > low:
+        return [low]
+    step = (high - low) / count
+    power = math.floor(math.log10(step))
+    error = step / 10 ** power
+    factor = 10 if error >= _E10 else 5 if error >= _E5 else 2 if error >= _E2 else 1
+    js_round = lambda x: math.floor(x + 0.5)  # noqa: E731  (Math.round)
+    if power < 0:
+        inc = 10 ** -power / factor
+        first, last = js_round(low * inc), js_round(high * inc)
+        first += first / inc < low
+        last -= last / inc > high
+        return [(first + i) / inc for i in range(last - first + 1)]
+    inc = 10 ** power * factor
+    first, last = js_round(low / inc), js_round(high / inc)
+    first += first * inc < low
+    last -= last * inc > high
+    return [(first + i) * inc for i in range(last - first + 1)]
+
+
+def _significant(x: float, digits: int) -> tuple[str, int]:
+    """The ``digits`` significant digits of |x| and its exponent, rounded as JavaScript does (ties away from zero)."""
+    exact = abs(Decimal(x))
+    exponent = exact.adjusted()
+    scaled = int(exact.scaleb(digits - 1 - exponent).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+    if scaled >= 10 ** digits:
+        exponent += 1
+        scaled = int(exact.scaleb(digits - 1 - exponent).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+    return str(scaled), exponent
+
+
+def tick_label(x: float, digits: int = 3) -> str:
+    """A y-axis tick label as TensorBoard writes it: d3's ``.3~g``, or ``.3~e`` from 10,000 up and below 0.01.
+
+    ``4.4296`` -> ``4.43``, ``1494`` -> ``1.49e+3``, ``12345`` -> ``1.235e+4``, ``0.005`` -> ``5e-3``.
+    """
+    magnitude = abs(x)
+    if magnitude < 1e-15:
+        return "0"
+    sign = "-" if x < 0 else ""
+    exponential = magnitude >= 1e4 or magnitude < 0.01
+    figures, exponent = _significant(x, digits + 1 if exponential else digits)
+    if exponential or exponent < -6 or exponent >= digits:
+        mantissa = figures[0] + "." + figures[1:]
+    elif exponent >= 0:
+        mantissa = figures[:exponent + 1] + "." + figures[exponent + 1:]
+    else:
+        mantissa = "0." + "0" * (-exponent - 1) + figures
+    if "." in mantissa:
+        mantissa = mantissa.rstrip("0").rstrip(".")
+    if exponential or exponent < -6 or exponent >= digits:
+        return f"{sign}{mantissa}e{'+' if exponent >= 0 else '-'}{abs(exponent)}"
+    return sign + mantissa
 
 
 def check_dashboard(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
@@ -291,14 +389,18 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
         title: the chart's title (for the messages).
         series: ``{(run, line name): [(step, value), ...]}``, every line the chart draws.
         smoothing: TensorBoard's smoothing weight (0.6 by default).
-        tensorboard_y_range: check the lines against the y range TensorBoard draws by default
-            (False for a figure's axes: matplotlib's range holds every point).
+        tensorboard_y_range: check the lines against the y range and the axis labels TensorBoard
+            draws by default (False for a figure's axes: matplotlib's range holds every point).
 
     Rules: the chart has a line; at most :data:`MAX_SERIES_PER_CHART` lines per run; not every
     line is a single step (one step is a figure or a table, not a chart); no line's largest
     |value| is more than :data:`MAX_SCALE_RATIO` times another non-zero line's (a capacity drawn
-    with usage flattens the usage to zero); and with TensorBoard's default settings (smoothing,
-    outliers ignored in the y range) every line has a point inside the drawn y range.
+    with usage flattens the usage to zero). With TensorBoard's default settings (smoothing,
+    "Ignore outliers in chart scaling"): no line has more than :data:`MAX_CLIPPED_FRACTION` of
+    its points outside the drawn y range (TensorBoard leaves out the values beyond the 5th and
+    95th percentile, meant for a few spikes of a long line: a line of a few points, such as a
+    peak read on one step in ten, loses its ends), and the y axis's tick labels (three significant
+    digits) are all different (a value moving by a few KiB around 4.43 MiB gets "4.43" on every tick).
     """
     series = {key: points for key, points in series.items() if len(points)}
     if not series:
@@ -318,10 +420,120 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
                             f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat")
     if not tensorboard_y_range:
         return problems
-    smoothed = {key: _smoothed([v for _, v in points], smoothing) for key, points in series.items()}
-    low, high = _default_y_domain(list(smoothed.values()))
+    return problems + clipping_problems(title, series, smoothing) + tick_problems(title, series, smoothing)
+
+
+def _drawn(series: Mapping[Any, Sequence[tuple[float, float]]], smoothing: float) -> tuple[dict[Any, list[float]], tuple[float, float]]:
+    """Each line's smoothed values (what TensorBoard draws and scales to) and the y range it draws."""
+    smoothed = {key: _smoothed([v for _, v in sorted(points)], smoothing) for key, points in series.items() if points}
+    return smoothed, tensorboard_y_range([v for values in smoothed.values() for v in values])
+
+
+def clipping_problems(title: str, series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float = 0.6) -> list[str]:
+    """:func:`check_chart`'s clipping rule alone: the lines that have more than
+    :data:`MAX_CLIPPED_FRACTION` of their (smoothed) points outside TensorBoard's default y range."""
+    smoothed, (low, high) = _drawn(series, smoothing)
+    problems = []
     for key, values in smoothed.items():
-        if not any(low <= v <= high for v in values):
-            problems.append(f"{title!r}: {key[1]} of run {key[0]!r} lies outside the y range TensorBoard draws by "
-                            f"default [{low:.6g}, {high:.6g}] (outliers ignored)")
+        outside = sum(not low <= v <= high for v in values)
+        if outside > MAX_CLIPPED_FRACTION * len(values):
+            problems.append(f"{title!r}: {outside} of the {len(values)} points of {key[1]} of run {key[0]!r} lie outside the y range "
+                            f"TensorBoard draws by default [{low:.6g}, {high:.6g}] (outliers ignored)")
     return problems
+
+
+def tick_problems(title: str, series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float = 0.6) -> list[str]:
+    """:func:`check_chart`'s axis rule alone: the y axis's tick labels, as TensorBoard writes them
+    over its default y range, must all differ."""
+    _, (low, high) = _drawn(series, smoothing)
+    labels = [tick_label(t) for t in tensorboard_ticks(low, high)]
+    if len(set(labels)) == len(labels):
+        return []
+    return [f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: three significant digits "
+            f"cannot tell them apart"]
+
+
+# ---------------------------------------------------------------------------------------------- readable at a glance
+#: the path part of the dashboard's rebased lines: ``<prefix>/dashboard/train/host_rss_above_base_MiB`` is
+#: ``memory/train/host_rss_MiB`` minus the base its chart's title names (written at fit end, see :func:`readable_layout`).
+DASHBOARD_TAG_PART = "dashboard"
+
+
+def _rebased(regex: str, prefix: str, unit: str) -> str:
+    """A chart regex (or tag) of memkit's ``<prefix>/...<field>_MiB`` lines, for their rebased lines."""
+    head = re.escape(prefix) + "/"
+    start = "^" if regex.startswith("^") else ""
+    body = regex[len(start):]
+    if body.startswith(head):
+        body = head + DASHBOARD_TAG_PART + "/" + body[len(head):]
+    elif body.startswith(prefix + "/"):
+        body = prefix + "/" + DASHBOARD_TAG_PART + "/" + body[len(prefix) + 1:]
+    return start + body.replace("_MiB", f"_above_base_{unit}")
+
+
+def _base(values: Sequence[float]) -> tuple[str, float, float, str]:
+    """(unit, factor from MiB, base in that unit, the base as the title writes it) for a line of MiB values on a large base.
+
+    The unit is KiB when the values move by less than 1 MiB, else MiB; the base is the lowest value rounded
+    down to the order of magnitude of the values' range, so the rebased values start near zero."""
+    low, high = min(values), max(values)
+    unit, factor = ("KiB", 1024.0) if high - low < 1 else ("MiB", 1.0)
+    span = (high - low) * factor
+    step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
+    base = math.floor(low * factor / step) * step
+    decimals = max(0, -math.floor(math.log10(step)))
+    return unit, factor, base, f"{base:,.{decimals}f} {unit}"
+
+
+def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+                    prefix: str = DEFAULT_PREFIX, smoothing: float = 0.6) -> tuple[dict[str, dict[str, list[Any]]], dict[str, dict[str, list[tuple[int, float]]]]]:
+    """``layout`` made readable at TensorBoard's default settings, for the values the runs logged.
+
+    Args:
+        layout: a custom-scalars layout (:func:`dashboard_layout`).
+        runs: ``{run name: {tag: [(step, value), ...]}}`` as TensorBoard reads them.
+        prefix: MemoryTracker's ``prefix``.
+        smoothing: TensorBoard's smoothing weight.
+
+    Returns:
+        ``(layout, lines)``: the layout, and ``{run: {tag: [(step, value), ...]}}`` of the rebased
+        lines it draws, to be written into each run (:func:`~lightning_memkit.tensorboard.dashboard.update_dashboards`
+        and MemoryTracker's fit end do).
+
+    Two changes, each where :func:`check_chart` says TensorBoard would draw a chart badly:
+
+    - a chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few points,
+      e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
+      clipping) is left out; its points are in the memory-per-step figure (Images tab);
+    - a chart of one run whose y axis would repeat a tick label (:func:`tick_problems`: a value
+      moving by a few KiB around 4.43 MiB reads "4.43" on every tick) draws its lines above a
+      base that its title names, in KiB when they move by less than 1 MiB: "live at step end
+      (KiB above 4,628.4 KiB)". The rebased line is the logged one minus the base, at the same steps.
+
+    The charts of ``memkit compare`` (:data:`COMPARE_CATEGORY`) are kept as they are: every mode's
+    run holds the same layout, and one mode's values cannot decide it.
+    """
+    readable: dict[str, dict[str, list[Any]]] = {}
+    lines: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for category, charts in layout.items():
+        if category == COMPARE_CATEGORY:
+            readable[category] = {title: [spec[0], list(spec[1])] for title, spec in charts.items()}
+            continue
+        for title, spec in charts.items():
+            regexes = list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
+            series = {(run, tag): list(tags[tag]) for run, tags in runs.items() for tag in _matching(regexes, tags) if tags[tag]}
+            if series and clipping_problems(title, series, smoothing):
+                continue
+            chart_runs = {run for run, _ in series}
+            if (len(chart_runs) == 1 and tick_problems(title, series, smoothing)
+                    and all(tag.endswith("_MiB") for _, tag in series)):
+                unit, factor, base, text = _base([v for points in series.values() for _, v in points])
+                rebased = {(run, _rebased(tag, prefix, unit)): [(step, round(v * factor - base, 6)) for step, v in points]
+                           for (run, tag), points in series.items()}
+                if not tick_problems(title, rebased, smoothing) and not clipping_problems(title, rebased, smoothing):
+                    title = title.replace("(MiB", f"({unit} above {text}", 1) if "(MiB" in title else f"{title} ({unit} above {text})"
+                    regexes = [_rebased(r, prefix, unit) for r in regexes]
+                    for (run, tag), points in rebased.items():
+                        lines.setdefault(run, {})[tag] = points
+            readable.setdefault(category, {})[title] = ["Multiline", regexes]
+    return readable, lines
