@@ -47,11 +47,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         try:
             storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
-            continue
-        if storage.device.type == "meta":
-            continue
-        seen[(str(storage.device), storage.data_ptr())] = storage.nbytes()
+            if storage.device.type == "meta":
+                continue
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts; a wrapper
+            continue  # subclass's (DTensor's) own storage, which holds no memory (its local tensor is counted)
+        seen[(str(storage.device), pointer)] = storage.nbytes()
     return sum(seen.values())
 
 

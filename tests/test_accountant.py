@@ -323,3 +323,52 @@ def test_storage_resize_wrap_is_what_fsdp2_calls_and_never_changes_the_result():
     assert acc.current_bytes == 128 and acc.errors == []
     del tensor, storage
     assert acc.current_bytes == 0
+
+
+def test_fsdp2_reading_equals_an_independent_gc_count(tmp_path):
+    """FSDP2 (``fully_shard`` on each block and the root, gloo, world size 1, in a fresh process): after each
+    step the meter's whole-process reading equals the bytes of every storage ``gc`` can reach. It needs both:
+    DTensors counted by their local shard (their own storage is the full size with no memory) and the gathered
+    parameters' ``resize_(0)`` after use followed (otherwise each unit's unsharded parameters stay counted)."""
+    import os
+
+    from conftest import run_script
+
+    script = tmp_path / "fsdp2_count.py"
+    script.write_text(
+        "import sys, warnings\n"
+        "warnings.filterwarnings('ignore')\n"
+        "import torch, torch.distributed as dist\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from live_tensors import live_tensor_bytes\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from lightning_memkit import MemoryMeter\n"
+        "from lightning_memkit.zoo import DemoTransformer\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "torch.manual_seed(0)\n"
+        "model = DemoTransformer(dropout=0.0)\n"
+        "for block in model.blocks:\n"
+        "    fully_shard(block)\n"
+        "fully_shard(model)\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+        "meter = MemoryMeter('cpu', host=False)\n"
+        "tokens, labels = torch.randint(0, 1000, (16, 64)), torch.randint(0, 10, (16,))\n"
+        "for step in range(2):\n"
+        "    with meter.measure(step):\n"
+        "        loss = torch.nn.functional.cross_entropy(model(tokens), labels)\n"
+        "        opt.zero_grad(set_to_none=True)\n"
+        "        loss.backward()\n"
+        "        del loss\n"
+        "        opt.step()\n"
+        "    print('step', meter.last.tensor_bytes, live_tensor_bytes(), meter.last.peak_tensor_bytes)\n"
+        "print('states', sum(p.numel() * 4 for p in model.parameters()))\n"
+        "dist.destroy_process_group()\n"
+    )
+    output = run_script([str(script)], cwd=str(tmp_path), timeout=300)
+    steps = [[int(v) for v in line.split()[1:]] for line in output.splitlines() if line.startswith("step ")]
+    (states,) = [int(line.split()[1]) for line in output.splitlines() if line.startswith("states ")]
+    assert len(steps) == 2, output[-3000:]
+    for reading, counted, peak in steps:
+        assert reading == counted and peak > reading
+    # parameters, their gradients and Adam's two moments (plus a 4-byte step per tensor), the batch besides
+    assert steps[1][0] - 4 * states > 0 and steps[1][0] == steps[0][0]
