@@ -101,14 +101,16 @@ def read_layouts(log_dir):
 
 def _layout_events(log_dir):
     """How many times the run's layout was registered (at fit start). A second layout event is
-    fit end's rewrite without the charts the run left empty or single-step: it must be exactly that."""
-    from lightning_memkit.tensorboard.dashboard import read_layout
-    from lightning_memkit.tensorboard.layout import layout_from_tags
+    fit end's rewrite without the charts the run left empty, single-step or clipped, with the lines TensorBoard
+    could not label drawn above a base: it must be exactly what ``update_dashboards`` gives these logs."""
+    from lightning_memkit.tensorboard.dashboard import read_layout, read_run_scalars
+    from lightning_memkit.tensorboard.layout import layout_from_tags, readable_layout
 
     layouts = read_layouts(log_dir)
     if len(layouts) == 2:
-        steps = {tag: len({s for s, _ in points}) for tag, points in read_scalars(log_dir).items()}
-        assert layouts[1] != layouts[0] and read_layout(log_dir) == layout_from_tags(steps)
+        scalars = read_run_scalars(log_dir)
+        steps = {tag: len({s for s, _ in points}) for tag, points in scalars.items()}
+        assert layouts[1] != layouts[0] and read_layout(log_dir) == readable_layout(layout_from_tags(steps), {"run": scalars})[0]
         return 1
     return len(layouts)
 

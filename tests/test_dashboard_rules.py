@@ -58,6 +58,14 @@ def todays_layout(scalars, compare=False):
     return layout, {**own, **lines.get("run", {})}
 
 
+def todays_compare_layout(runs):
+    """What ``update_dashboards`` gives every mode's run of a compare root: one layout for all (one base per chart)."""
+    own = {run: {t: v for t, v in scalars.items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")} for run, scalars in runs.items()}
+    modes = {run: scalars for run, scalars in own.items() if any(t.startswith("memory/train/") for t in scalars)}
+    layout, lines = readable_layout(layout_from_tags(steps_per_tag(next(iter(modes.values()))), compare=True), modes)
+    return layout, {run: {**scalars, **lines.get(run, {})} for run, scalars in own.items()}
+
+
 def check_rebased_lines(layout, scalars):
     """Every rebased line a layout draws is its logged line minus the base its chart's title names, at the same steps.
 
@@ -68,7 +76,7 @@ def check_rebased_lines(layout, scalars):
             if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/"):
                 continue
             unit, base = re.search(r"\((KiB|MiB) above ([0-9,.]+) (KiB|MiB)", title).group(1, 2)
-            source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_above_base_{unit}", "_MiB")
+            source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB")
             factor = 1024 if unit == "KiB" else 1
             assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
             for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
@@ -109,13 +117,13 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     assert check_rebased_lines(layout, scalars) == 2
     lines = matched(layout, scalars)
     assert lines["host RSS, top to bottom: step peak, step end (MiB above 1,490 MiB)"] == [
-        "memory/dashboard/train/host_peak_rss_above_base_MiB", "memory/dashboard/train/host_rss_above_base_MiB"]
+        "memory/dashboard/train/host_peak_rss_MiB_above_1490_MiB", "memory/dashboard/train/host_rss_MiB_above_1490_MiB"]
     assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == [
         "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"]
     assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
     assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
-    drawn = {t.replace("/dashboard/", "/").replace("_above_base_MiB", "_MiB") for ts in lines.values() for t in ts}
+    drawn = {re.sub(r"_(KiB|MiB)_above_[0-9.]+_(KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
     # the capacity and the layer trace's one-step values are on no chart ...
     assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
     # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
@@ -135,9 +143,7 @@ def test_h100_compare_with_todays_layout_keeps_the_rules():
     runs = scalars_by_run(H100_COMPARE)
     modes = [name for name, scalars in runs.items() if any(t.startswith("memory/train/") for t in scalars)]
     assert sorted(modes) == ["amp", "amp+checkpoint", "baseline", "checkpoint"]
-    layouts = [todays_layout(runs[m], compare=True)[0] for m in modes]
-    assert all(layout == layouts[0] for layout in layouts)
-    layout = layouts[0]
+    layout, runs = todays_compare_layout(runs)
     assert list(layout) == ["memkit: modes compared"]
     assert check_dashboard(layout, runs) == []
     for title, regexes in layout_tags(layout).items():  # one line per mode's run, in every chart
@@ -159,7 +165,7 @@ def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
         assert {os.path.relpath(d, root) for d in updated} == {n for n, s in runs.items() if any(t.startswith("memory/train/") for t in s)}
         expected = next(iter(updated.values()))
         assert all(layout == expected for layout in updated.values())
-        assert expected == todays_layout(next(s for s in runs.values() if "memory/train/reserved_MiB" in s), compare=compare)[0]
+        assert expected == (todays_compare_layout(runs) if compare else todays_layout(next(iter(runs.values()))))[0]
         with TensorBoardServer(root, startup_timeout_s=90) as server:
             served = server.get_json("/data/plugin/custom_scalars/layout")
             charts = {c["title"]: {ch["title"]: ["Multiline", ch["multiline"]["tag"]] for ch in c["chart"]} for c in served["category"]}
@@ -197,7 +203,7 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     check_rebased_lines(layout, scalars)
     # each chart draws these logged lines, or the same lines above a base its title names
     sources = {re.sub(r" \((KiB|MiB) above [0-9,.]+ (KiB|MiB)", " (MiB", title):
-               [t.replace("/dashboard/", "/").replace("_above_base_KiB", "_MiB").replace("_above_base_MiB", "_MiB") for t in tags]
+               [re.sub(r"_(KiB|MiB)_above_[0-9.]+_(KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
                for title, tags in matched(layout, scalars).items()}
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
@@ -232,6 +238,16 @@ def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
     assert layout == todays_layout(scalars)[0]
 
 
+class GrowingStep(LinearStack):
+    """A step whose peak grows by 64 KiB per step (a scratch tensor sized by the step): every sampled peak differs."""
+
+    def training_step(self, batch, batch_idx):
+        import torch
+
+        scratch = torch.ones(16384 * (self.global_step + 1))  # 64 KiB more each step, freed at step end
+        return super().training_step(batch, batch_idx) + 0 * scratch[0]
+
+
 @pytest.mark.timeout(300)
 def test_a_sampled_peak_of_a_few_points_has_no_chart_at_fit_end(tmp_path):
     """The accountant's peak read on steps 0, 1, 11 and 21 of a 31-step run logged every step: TensorBoard's outlier
@@ -241,9 +257,11 @@ def test_a_sampled_peak_of_a_few_points_has_no_chart_at_fit_end(tmp_path):
 
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(tmp_path, max_steps=31, logger=logger, callbacks=[MemoryTracker(verbose=False)])
-    trainer.fit(LinearStack(optimizer="adam"))
+    trainer.fit(GrowingStep(optimizer="adam"))
     scalars = read_scalars(logger.log_dir)
     assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == [0, 1, 11, 21]
+    peaks = [v for _, v in scalars["memory/train/peak_tensor_MiB"]]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 4
     assert len(scalars["memory/train/tensor_MiB"]) == 31
     first, last = {c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in read_layouts(logger.log_dir)[0].items()}, read_layout(logger.log_dir)
     title = "tensors (exact): step peak (MiB)"
@@ -262,7 +280,7 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
     from lightning_memkit import zoo
 
     compare_modes(lambda: zoo.DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8),
-                  modes="baseline,checkpoint", max_steps=4, accelerator="cpu", root_dir=str(tmp_path), verbose=False)
+                  modes="baseline,checkpoint", max_steps=10, accelerator="cpu", root_dir=str(tmp_path), verbose=False)
     runs = scalars_by_run(str(tmp_path))
     layouts = {name: read_layout(os.path.join(str(tmp_path), name)) for name in ("baseline", "checkpoint")}
     layout = layouts["baseline"]
@@ -270,7 +288,9 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
     assert check_dashboard(layout, runs) == []
     for title, lines in matched(layout, runs["baseline"]).items():
         assert len(lines) == 1, title
-    assert layout == todays_layout(runs["baseline"], compare=True)[0]
+    assert layout == todays_compare_layout(runs)[0]
+    for scalars in runs.values():  # the lines fit end wrote above a base: each the logged one minus that base
+        check_rebased_lines(layout, scalars)
 
 
 # ---------------------------------------------------------------------------------------------- figures (Images tab, memkit report)

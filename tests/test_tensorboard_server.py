@@ -22,7 +22,7 @@ from lightning_memkit.records import read_records
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.dashboard import FIGURE_TAG, SUMMARY_TEXT_TAG
 from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import check_dashboard, dashboard_layout, prune_layout
+from lightning_memkit.tensorboard.layout import DASHBOARD_TAG_PART, check_dashboard, dashboard_layout, prune_layout, readable_layout
 from lightning_memkit.tensorboard.server import TensorBoardServer
 from lightning_memkit.units import MiB
 
@@ -82,11 +82,12 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
     _, run, _, _ = run_logs
     layout = server.get_json("/data/plugin/custom_scalars/layout")
     # the layout written at fit start, less the charts fit end found single-step (the accountant's
-    # peak may be sampled: in 6 steps it may be read once)
-    steps = {tag: len({step for _, step, _ in server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": tag})})
-             for tag in server.get_json("/data/plugin/scalars/tags")[run]}
-    expected = prune_layout(dashboard_layout(cuda=False, tensors=True, host=True, validation=True), steps)
-    assert "host RSS, top to bottom: step peak, step end (MiB)" in expected["memkit: memory per step"]
+    # peak may be sampled: in 6 steps it may be read once) or clipped, readable for the values logged
+    logged = {tag: [(step, value) for _, step, value in server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": tag})]
+              for tag in server.get_json("/data/plugin/scalars/tags")[run] if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
+    steps = {tag: len({step for step, _ in points}) for tag, points in logged.items()}
+    expected = readable_layout(prune_layout(dashboard_layout(cuda=False, tensors=True, host=True, validation=True), steps), {run: logged})[0]
+    [host_title] = [t for t in expected["memkit: memory per step"] if t.startswith("host RSS, top to bottom: step peak, step end (")]
     assert [c["title"] for c in layout["category"]] == list(expected)
     charts = {chart["title"]: chart["multiline"]["tag"] for c in layout["category"] for chart in c["chart"]}
     assert charts == {title: spec[1] for category in expected.values() for title, spec in category.items()}
@@ -99,9 +100,14 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
             assert served["regex_valid"], regex
             matched = set(served["tag_to_events"])
             assert matched and matched == {t for t in tags if re.match(regex, t)}, (title, regex)
-    host_chart = charts["host RSS, top to bottom: step peak, step end (MiB)"][0]
+    host_chart = charts[host_title][0]
     served = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": host_chart})
-    assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
+    if host_title.endswith("(MiB)"):
+        assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
+    else:  # drawn above a base: the lines fit end wrote
+        unit, base = re.search(r"\((KiB|MiB) above ([0-9,.]+) ", host_title).groups()
+        assert set(served["tag_to_events"]) == {f"memory/{DASHBOARD_TAG_PART}/train/{n}_{unit}_above_{base.replace(',', '')}_{unit}"
+                                                for n in ("host_rss", "host_peak_rss")}
     # and the rules every chart keeps, on the data the server hands the Custom Scalars tab
     served_runs = {run: {}}
     for regexes in charts.values():

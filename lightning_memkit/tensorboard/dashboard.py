@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
-from lightning_memkit.tensorboard.layout import DASHBOARD_TAG_PART, dashboard_layout, layout_from_tags, prune_layout, readable_layout
+from lightning_memkit.tensorboard.layout import COMPARE_CATEGORY, DASHBOARD_TAG_PART, dashboard_layout, layout_from_tags, prune_layout, readable_layout
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
@@ -176,8 +176,14 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
     if run_dir and hasattr(experiment, "add_scalar"):
         experiment.flush()
         try:
-            pruned, derived = readable_layout(pruned, {"run": read_run_scalars(run_dir, prefix)}, prefix=prefix)
-            lines = derived.get("run", {})
+            runs = {run_dir: read_run_scalars(run_dir, prefix)}
+            siblings = _compare_siblings(run_dir) if COMPARE_CATEGORY in pruned else []
+            runs.update((sibling, read_run_scalars(sibling, prefix)) for sibling in siblings)
+            pruned, derived = readable_layout(pruned, runs, prefix=prefix)
+            lines = _new_lines(run_dir, derived.get(run_dir, {}), prefix) if siblings else derived.get(run_dir, {})
+            for sibling in siblings:  # the modes compared so far: one layout, one base for all of them
+                if read_layout(sibling) != pruned:
+                    write_layout(sibling, pruned, _new_lines(sibling, derived.get(sibling, {}), prefix))
         except Exception as error:  # never break training for a dashboard
             import warnings
 
@@ -194,17 +200,36 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
     return True
 
 
-def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, list[tuple[int, float]]]:
+def _compare_siblings(run_dir: str) -> list[str]:
+    """The other runs of the ``memkit compare`` root that ``run_dir`` (a mode's run) is in: the run
+    directories beside it whose layout is the modes-compared one."""
+    import glob
+    import os
+
+    root = os.path.dirname(os.path.abspath(run_dir))
+    dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "events.out.tfevents.*"))})
+    return [d for d in dirs if os.path.abspath(d) != os.path.abspath(run_dir) and COMPARE_CATEGORY in (read_layout(d) or {})]
+
+
+def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX, rebased: bool = False) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` of the scalars in ``run_dir``'s event files (read with
     TensorBoard's own reader, every point), without the dashboard's rebased lines
-    (``<prefix>/dashboard/...``, which are made from the others)."""
+    (``<prefix>/dashboard/...``, which are made from the others), or only those with ``rebased=True``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     accumulator.Reload()
     own = f"{prefix}/{DASHBOARD_TAG_PART}/"
     return {tag: sorted((e.step, e.value) for e in accumulator.Scalars(tag))
-            for tag in accumulator.Tags()["scalars"] if not tag.startswith(own)}
+            for tag in accumulator.Tags()["scalars"] if tag.startswith(own) == rebased}
+
+
+def _new_lines(run_dir: str, lines: dict[str, list[tuple[int, float]]], prefix: str) -> dict[str, list[tuple[int, float]]]:
+    """The rebased lines ``run_dir`` does not hold yet (a line's tag names its base: the same tag is the same line)."""
+    if not lines:
+        return {}
+    held = read_run_scalars(run_dir, prefix, rebased=True)
+    return {tag: points for tag, points in lines.items() if tag not in held}
 
 
 def markdown_code(text: str) -> str:
@@ -332,15 +357,21 @@ def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, di
 
     updated = {}
     run_dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)})
+    groups: dict[str, dict[str, dict]] = {}  # the runs drawn together: a compare root's modes, else each run alone
     for run_dir in run_dirs:
         scalars = read_run_scalars(run_dir, prefix)
         if not any(tag.startswith(f"{prefix}/train/") for tag in scalars):
             continue
         compare = os.path.exists(os.path.join(os.path.dirname(run_dir), "compare.json"))
-        steps = {tag: len({step for step, _ in points}) for tag, points in scalars.items()}
-        layout, derived = readable_layout(layout_from_tags(steps, prefix=prefix, compare=compare), {"run": scalars}, prefix=prefix)
-        if read_layout(run_dir) == layout:  # already today's: a second call adds nothing
-            continue
-        write_layout(run_dir, layout, derived.get("run", {}))
-        updated[run_dir] = layout
+        groups.setdefault(os.path.dirname(run_dir) if compare else run_dir, {})[run_dir] = scalars
+    for group, runs in groups.items():
+        compare = group not in runs
+        first = next(iter(runs.values()))
+        steps = {tag: len({step for step, _ in points}) for tag, points in first.items()}
+        layout, derived = readable_layout(layout_from_tags(steps, prefix=prefix, compare=compare), runs, prefix=prefix)
+        for run_dir in runs:
+            if read_layout(run_dir) == layout:  # already today's: a second call adds nothing
+                continue
+            write_layout(run_dir, layout, _new_lines(run_dir, derived.get(run_dir, {}), prefix))
+            updated[run_dir] = layout
     return updated

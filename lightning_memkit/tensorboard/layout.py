@@ -454,13 +454,14 @@ def tick_problems(title: str, series: Mapping[tuple[str, str], Sequence[tuple[fl
 
 
 # ---------------------------------------------------------------------------------------------- readable at a glance
-#: the path part of the dashboard's rebased lines: ``<prefix>/dashboard/train/host_rss_above_base_MiB`` is
-#: ``memory/train/host_rss_MiB`` minus the base its chart's title names (written at fit end, see :func:`readable_layout`).
+#: the path part of the dashboard's rebased lines: ``<prefix>/dashboard/train/host_rss_MiB_above_1490_MiB`` is
+#: ``memory/train/host_rss_MiB`` minus 1,490 MiB, the base its chart's title names (written at fit end, see :func:`readable_layout`).
 DASHBOARD_TAG_PART = "dashboard"
 
 
-def _rebased(regex: str, prefix: str, unit: str) -> str:
-    """A chart regex (or tag) of memkit's ``<prefix>/...<field>_MiB`` lines, for their rebased lines."""
+def _rebased(regex: str, prefix: str, unit: str, base: str, is_regex: bool = True) -> str:
+    """A chart regex (or a tag, ``is_regex=False``) of memkit's ``<prefix>/...<field>_MiB`` lines, for
+    the same lines in ``unit`` above ``base`` (a plain number): ``..._MiB`` -> ``..._KiB_above_4628.4_KiB``."""
     head = re.escape(prefix) + "/"
     start = "^" if regex.startswith("^") else ""
     body = regex[len(start):]
@@ -468,11 +469,11 @@ def _rebased(regex: str, prefix: str, unit: str) -> str:
         body = head + DASHBOARD_TAG_PART + "/" + body[len(head):]
     elif body.startswith(prefix + "/"):
         body = prefix + "/" + DASHBOARD_TAG_PART + "/" + body[len(prefix) + 1:]
-    return start + body.replace("_MiB", f"_above_base_{unit}")
+    return start + body.replace("_MiB", f"_{unit}_above_{re.escape(base) if is_regex else base}_{unit}")
 
 
-def _base(values: Sequence[float]) -> tuple[str, float, float, str]:
-    """(unit, factor from MiB, base in that unit, the base as the title writes it) for a line of MiB values on a large base.
+def _base(values: Sequence[float]) -> tuple[str, float, float, str, str]:
+    """(unit, factor from MiB, base in that unit, the base as the title writes it, as the tag writes it) for MiB values on a large base.
 
     The unit is KiB when the values move by less than 1 MiB, else MiB; the base is the lowest value rounded
     down to the order of magnitude of the values' range, so the rebased values start near zero."""
@@ -482,7 +483,7 @@ def _base(values: Sequence[float]) -> tuple[str, float, float, str]:
     step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
     base = math.floor(low * factor / step) * step
     decimals = max(0, -math.floor(math.log10(step)))
-    return unit, factor, base, f"{base:,.{decimals}f} {unit}"
+    return unit, factor, base, f"{base:,.{decimals}f} {unit}", f"{base:.{decimals}f}"
 
 
 def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
@@ -505,34 +506,30 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
     - a chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few points,
       e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
       clipping) is left out; its points are in the memory-per-step figure (Images tab);
-    - a chart of one run whose y axis would repeat a tick label (:func:`tick_problems`: a value
-      moving by a few KiB around 4.43 MiB reads "4.43" on every tick) draws its lines above a
-      base that its title names, in KiB when they move by less than 1 MiB: "live at step end
-      (KiB above 4,628.4 KiB)". The rebased line is the logged one minus the base, at the same steps.
+    - a chart whose y axis would repeat a tick label (:func:`tick_problems`: a value moving by a
+      few KiB around 4.43 MiB reads "4.43" on every tick) draws its lines above a base that its
+      title names, in KiB when they move by less than 1 MiB: "live at step end (KiB above
+      4,628.4 KiB)". The rebased line (``<prefix>/dashboard/train/tensor_KiB_above_4628.4_KiB``) is
+      the logged one in that unit minus the base, at the same steps.
 
-    The charts of ``memkit compare`` (:data:`COMPARE_CATEGORY`) are kept as they are: every mode's
-    run holds the same layout, and one mode's values cannot decide it.
+    Pass every run the layout is drawn with (a ``memkit compare`` root's modes): one base for all
+    of them, so each mode's run gets the same layout.
     """
     readable: dict[str, dict[str, list[Any]]] = {}
     lines: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for category, charts in layout.items():
-        if category == COMPARE_CATEGORY:
-            readable[category] = {title: [spec[0], list(spec[1])] for title, spec in charts.items()}
-            continue
         for title, spec in charts.items():
             regexes = list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
             series = {(run, tag): list(tags[tag]) for run, tags in runs.items() for tag in _matching(regexes, tags) if tags[tag]}
             if series and clipping_problems(title, series, smoothing):
                 continue
-            chart_runs = {run for run, _ in series}
-            if (len(chart_runs) == 1 and tick_problems(title, series, smoothing)
-                    and all(tag.endswith("_MiB") for _, tag in series)):
-                unit, factor, base, text = _base([v for points in series.values() for _, v in points])
-                rebased = {(run, _rebased(tag, prefix, unit)): [(step, round(v * factor - base, 6)) for step, v in points]
+            if series and tick_problems(title, series, smoothing) and all(tag.endswith("_MiB") for _, tag in series):
+                unit, factor, base, text, plain = _base([v for points in series.values() for _, v in points])
+                rebased = {(run, _rebased(tag, prefix, unit, plain, is_regex=False)): [(step, round(v * factor - base, 6)) for step, v in points]
                            for (run, tag), points in series.items()}
                 if not tick_problems(title, rebased, smoothing) and not clipping_problems(title, rebased, smoothing):
                     title = title.replace("(MiB", f"({unit} above {text}", 1) if "(MiB" in title else f"{title} ({unit} above {text})"
-                    regexes = [_rebased(r, prefix, unit) for r in regexes]
+                    regexes = [_rebased(r, prefix, unit, plain) for r in regexes]
                     for (run, tag), points in rebased.items():
                         lines.setdefault(run, {})[tag] = points
             readable.setdefault(category, {})[title] = ["Multiline", regexes]
