@@ -1,6 +1,7 @@
 """Compare memory modes on one LightningModule: baseline, AMP, activation checkpointing, both.
 
     .venv/bin/python examples/compare_modes.py            # CPU: 12 steps per mode, a few minutes
+    .venv/bin/python examples/compare_modes.py --steps 2 --modes baseline,checkpoint   # seconds: too few steps to time
     tensorboard --logdir memkit_compare                   # the runs overlay; figures under "compare"
 
 The same in one command:
@@ -8,6 +9,8 @@ The same in one command:
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch import nn
@@ -38,11 +41,16 @@ def plain_pytorch() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="training steps per mode (default: 12)")
+    parser.add_argument("--modes", default="baseline,amp,checkpoint,amp+checkpoint",
+                        help="comma-separated modes (default: baseline,amp,checkpoint,amp+checkpoint)")
+    arguments = parser.parse_args()
     plain_pytorch()
     result = compare_modes(
         lambda: DemoTransformer(layers=4, seq_len=64, batch_size=16),
-        modes="baseline,amp,checkpoint,amp+checkpoint",
-        max_steps=12,
+        modes=arguments.modes,
+        max_steps=arguments.steps,
         accelerator="auto",
         root_dir="memkit_compare",
     )

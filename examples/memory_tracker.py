@@ -1,9 +1,12 @@
 """MemoryTracker on a small LightningModule: per-step memory in TensorBoard and CSV, on CPU or GPU.
 
     python examples/memory_tracker.py            # then: tensorboard --logdir memkit_example_logs
+    python examples/memory_tracker.py --steps 4 --logdir /tmp/logs   # fewer steps, logs elsewhere
 """
 
 from __future__ import annotations
+
+import argparse
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -33,4 +36,8 @@ def main(logdir: str = "memkit_example_logs", steps: int = 20) -> MemoryTracker:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logdir", default="memkit_example_logs", help="log directory (default: memkit_example_logs)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+    arguments = parser.parse_args()
+    main(arguments.logdir, arguments.steps)
