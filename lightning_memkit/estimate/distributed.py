@@ -380,9 +380,13 @@ def _fsdp2_estimate(module: nn.Module, batch_size: int | None, sharding: Shardin
     with _fake_process_group(sharding.shard_size) as mesh, \
             _sharded_step_copy(lambda copy_: _fully_shard_units(copy_, wrap, mesh, fully_shard_kwargs)):
         single = estimate_memory(module, batch_size, **estimate_kwargs)
-    # FSDP2's gathered parameters and communication buffers are in the categories where the accountant finds
-    # them at the peak (saved for backward: activations; in flight: temporaries), not a category of their own
-    categories, buffers = dict(single.by_category), {}
+    # FSDP2 frees each unit's gathered (unsharded) parameters with resize_(0) after use; their records read 0
+    # bytes by the time the categories are taken, so what the peak holds beyond the categories is exactly them.
+    # Its flat all-gather / reduce-scatter buffers are ordinary allocations, counted under temporaries.
+    categories = dict(single.by_category)
+    gathered = single.peak_bytes - sum(categories.values())
+    buffers = {"fsdp2_gathered_parameters": gathered}
+    categories["strategy_buffers"] = gathered
     return single, categories, buffers
 
 
@@ -415,9 +419,9 @@ def estimate_distributed_memory(
       ``reshard_after_forward``, ``mp_policy``...) over a fake process group of ``world_size`` ranks, and the two
       steps run through FSDP2's real hooks: its shards, gathered parameters, all-gather and reduce-scatter
       buffers and prefetching are what it allocates (checked within 0.001% of real 2- and 4-process CPU runs).
-      Its buffers sit in the categories where the accountant finds them at the peak (gathered parameters saved
-      for backward under ``activations``, the rest under ``temporaries``); ``buffers`` is empty. Needs no
-      process group initialised in this process (the fake one is the default group while it runs).
+      ``buffers["fsdp2_gathered_parameters"]`` (= ``strategy_buffers``) is the units' gathered parameters at the
+      peak; its flat all-gather and reduce-scatter buffers are under ``temporaries``. Needs no process group
+      initialised in this process (the fake one is the default group while it runs).
     - ``fsdp*`` (FSDP1, arithmetic, not yet checked against real runs): the all-gathered parameters of the largest unit in flight plus
       ``prefetch`` more units, and the reduce-scatter input of the largest unit's gradients. Units are the
       modules whose class is in ``wrap`` (the auto-wrap policy's layer classes, as Lightning's
