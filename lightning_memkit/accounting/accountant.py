@@ -98,7 +98,8 @@ class StorageRecord:
     """What the accountant knows about one live storage.
 
     Attributes:
-        nbytes: size of the storage in bytes (as allocated, before any allocator rounding).
+        nbytes: size of the storage in bytes (as allocated, before any allocator rounding); a resize in place
+            updates it, so a record kept from earlier reads the storage's size now, not then.
         device: the storage's device, e.g. ``"cpu"`` or ``"cuda:0"``.
         label: the accountant's label when the storage was allocated or adopted
             (``"adopted"`` for adopted tensors unless a label was given).
