@@ -54,7 +54,8 @@ def main() -> None:
     rows = [[s] + [f"{model_state_bytes(parameters, s, n, precision='16-mixed', optimizer=torch.optim.AdamW).total_bytes / 1e9:.2f}" for n in sizes]
             for s in ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]]
     print(format_table(["strategy"] + [f"N={n}" for n in sizes], rows))
-    print("\nPeak per rank (GiB): model-state shards + strategy buffers + activations of one fake step:")
+    print("\nPeak per rank (GiB): model-state shards + strategy buffers + activations of one fake step"
+          " (model_parallel: FSDP2's own fake step, sharded by fully_shard):")
     rows, shown = [], None
     adamw = lambda params: torch.optim.AdamW(params)  # noqa: E731
     with reusing_fake_copies():  # the fake copy of the model is made once
@@ -64,17 +65,18 @@ def main() -> None:
                 estimate = estimate_distributed_memory(model, strategy=strategy, world_size=n, batch=batch, loss_fn=loss_fn,
                                                        optimizer=adamw, device="cpu", wrap={nn.TransformerEncoderLayer})
                 row.append(f"{estimate.peak_bytes / 2**30:.2f}")
-                if (strategy, n) == ("fsdp", 8):
+                if (strategy, n) == ("model_parallel", 8):
                     shown = estimate
             rows.append(row)
         print(format_table(["strategy"] + [f"N={n}" for n in sizes], rows))
-    print("\nOne estimate at N=8 under FSDP FULL_SHARD, by category:")
+    print("\nOne estimate at N=8 under FSDP2 (fully_shard run on a fake process group of 8), by category:")
     print(shown.summary())
-    for n in (2, 64):  # fresh estimates (no reuse): one fake step whatever the world size
-        started = time.perf_counter()
-        estimate_distributed_memory(model, strategy="fsdp", world_size=n, batch=batch, loss_fn=loss_fn, optimizer=adamw,
-                                    device="cpu", wrap={nn.TransformerEncoderLayer})
-        print(f"time of one fresh estimate, fsdp, N={n}: {time.perf_counter() - started:.2f} s")
+    for strategy in ("fsdp", "model_parallel"):
+        for n in (2, 64):  # fresh estimates (no reuse): one fake step whatever the world size
+            started = time.perf_counter()
+            estimate_distributed_memory(model, strategy=strategy, world_size=n, batch=batch, loss_fn=loss_fn, optimizer=adamw,
+                                        device="cpu", wrap={nn.TransformerEncoderLayer})
+            print(f"time of one fresh estimate, {strategy}, N={n}: {time.perf_counter() - started:.2f} s")
 
 
 if __name__ == "__main__":
