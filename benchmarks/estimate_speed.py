@@ -49,6 +49,9 @@ CASES = {
 LEVERS = {
     "one-dispatch-layer": "the accountant does the fake step's placeholder scalars, kept loss buffers and "
                           "fake devices itself (one Python mode layer instead of three)",
+    "foreach-in-place": "an optimizer's in-place _foreach_*_ ops on fakes are answered without FakeTensorMode "
+                        "(they return and allocate nothing)",
+    "fake-parameter": "the fake copy flags its new fakes as parameters instead of nn.Parameter's detach() of each",
 }
 
 
@@ -56,11 +59,17 @@ LEVERS = {
 def _switch_off(lever: str) -> None:
     """Put back the behaviour before ``lever`` (this tree only)."""
     import lightning_memkit.estimate.core as core
-    from lightning_memkit.estimate.fake import FakeSession
+    import lightning_memkit.estimate.fake as fake
 
     if lever == "one-dispatch-layer":  # the three modes again: fake world + ScalarPlaceholders + LossBuffers, plain accountant
-        FakeSession.fake_mode_only = FakeSession.active
+        fake.FakeSession.fake_mode_only = fake.FakeSession.active
         core.FakeStepOps = lambda: None
+    elif lever == "foreach-in-place":  # every in-place foreach op goes down to FakeTensorMode again
+        fake._is_in_place_foreach = lambda func: False
+    elif lever == "fake-parameter":  # nn.Parameter(fake): a detach() through FakeTensorMode per parameter
+        from torch import nn
+
+        core.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(tensor, requires_grad=requires_grad)
     else:
         raise SystemExit(f"unknown lever {lever!r}; choose from: {', '.join(LEVERS)}")
 

@@ -18,7 +18,7 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 
@@ -125,11 +125,31 @@ def test_fake_step_ops_answer_what_the_three_modes_answer():
         plain = mse(x, x)
         kept = ops.adjust(mse, (x, x), {}, plain)
         assert ops.adjust(torch.ops.aten.add.Tensor, (x, x), {}, plain) is plain
+        # an optimizer's in-place foreach update on fakes returns nothing and allocates nothing: not dispatched
+        add_, mul_ = torch.ops.aten._foreach_add_.List, torch.ops.aten._foreach_mul_.Scalar
+        assert add_([x, x], [x, x]) is None and ops.answer(add_, ([x, x], [x, x]), {"alpha": 2}) is None
+        assert ops.answer(mul_, ([x],  0.5)) is None and ops.answer(torch.ops.aten._foreach_mul.Scalar, ([x], 0.5)) is NOT_ANSWERED
+    real = torch.ones(2)
+    assert ops.answer(add_, ([real], [real])) is NOT_ANSWERED  # a real tensor is really updated
     assert ops.answer(device, (torch.ones(1, device="meta"),)) is NOT_ANSWERED  # not a fake: left to the dispatcher
     with session.active():
         three_layers = torch.nn.functional.mse_loss(torch.empty(4, 3), torch.empty(4, 3))
     assert kept.dim() == 0 and kept.untyped_storage().nbytes() == three_layers.untyped_storage().nbytes()
     assert (mse in ops.loss_ops) == (kept.untyped_storage().nbytes() == 48)  # this torch's real mse_loss keeps its buffer
+
+
+def test_fake_parameter_is_what_nn_parameter_makes_of_a_fake():
+    # the fake copy flags its fresh fakes as parameters instead of letting nn.Parameter detach each one (an op)
+    session = FakeSession()
+    made, reference = fake_parameter(session.tensor(torch.ones(3, 2))), nn.Parameter(session.tensor(torch.ones(3, 2)))
+    assert is_fake(made) and isinstance(made, nn.Parameter) and type(made) is type(reference)
+    assert made.requires_grad and made.is_leaf and made.grad_fn is None
+    module = nn.Linear(2, 3)
+    module.weight = made  # registered as the module's parameter
+    assert any(p is made for p in module.parameters())
+    frozen = fake_parameter(session.tensor(torch.ones(2)), requires_grad=False)
+    assert isinstance(frozen, nn.Parameter) and not frozen.requires_grad
+    assert type(fake_parameter(torch.ones(2))) is nn.Parameter  # not a fake: nn.Parameter's own path
 
 
 def test_predict_max_batch_size_matches_the_measured_limit():

@@ -29,7 +29,7 @@ from lightning_memkit.estimate.allocator import (
 )
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, is_fake
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -138,7 +138,7 @@ class _StepAccountant(TensorAccountant):
         ops = self.fake_ops
         if ops is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        answer = ops.answer(func, args)
+        answer = ops.answer(func, args, kwargs)
         if answer is not NOT_ANSWERED:  # no kernel, no tensor made: nothing to count
             return answer
         result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
@@ -375,7 +375,8 @@ def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...])
     memo: dict[int, Any] = {id(obj): None for obj in detach if obj is not None}
     for parameter in module.parameters():
         if id(parameter) not in memo:
-            memo[id(parameter)] = nn.Parameter(_cpu_fake(session, parameter.detach()), requires_grad=parameter.requires_grad)
+            # a new fake (or, for a parameter already fake, its new detached alias): flagged, not detached again
+            memo[id(parameter)] = fake_parameter(_cpu_fake(session, parameter.detach()), requires_grad=parameter.requires_grad)
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = _cpu_fake(session, buffer)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["FakeSession", "is_fake", "ScalarPlaceholders", "LossBuffers", "FakeStepOps"]
+__all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps"]
 
 
 def _fake_tensor_module():
@@ -29,6 +29,21 @@ def _fake_tensor_module():
 def is_fake(tensor: Any) -> bool:
     """Whether ``tensor`` is a fake tensor (shape, dtype and storage size, no data)."""
     return isinstance(tensor, _fake_tensor_module().FakeTensor)
+
+
+def fake_parameter(fake: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    """``nn.Parameter(fake, requires_grad)`` for a fake tensor made for it (nothing else holds ``fake``).
+
+    For a tensor subclass, ``nn.Parameter`` returns ``data.detach().requires_grad_(requires_grad)``
+    flagged ``_is_param`` (so ``isinstance(p, nn.Parameter)`` holds); its ``detach()`` is an op through
+    FakeTensorMode, one per parameter of a fake copy. A fresh fake needs no detached alias: it is
+    flagged itself. Anything but a fake goes through ``nn.Parameter``.
+    """
+    if not is_fake(fake):
+        return nn.Parameter(fake, requires_grad=requires_grad)
+    fake.requires_grad_(requires_grad)
+    fake._is_param = True
+    return fake
 
 
 def _placeholder(tensor: torch.Tensor) -> bool | float | int:
@@ -132,11 +147,15 @@ class FakeStepOps:
     Each Python dispatch mode costs every op a trip through Python; on a fake step most ops are
     ``prim.device`` queries (the autograd engine and C++ argument checks ask each fake tensor its
     device), so :meth:`answer` also serves those from the fake tensor itself, as
-    ``FakeTensorMode`` would, without going down to it. Use inside :meth:`FakeSession.fake_mode_only`::
+    ``FakeTensorMode`` would, without going down to it. It also answers the in-place ``_foreach_*_``
+    ops of an optimizer's update on fake tensors: they return nothing and allocate nothing (on the
+    fakes, and in CUDA's multi-tensor kernels), and on fakes they would only cost FakeTensorMode a
+    look at every tensor of their lists (its cache key); their argument checks are what is given up.
+    Use inside :meth:`FakeSession.fake_mode_only`::
 
         ops = FakeStepOps()
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            answer = ops.answer(func, args)
+            answer = ops.answer(func, args, kwargs)
             if answer is not NOT_ANSWERED:
                 return answer
             return ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
@@ -147,25 +166,52 @@ class FakeStepOps:
         self._fake_type = fake_tensor.FakeTensor
         self._device = torch.ops.prim.device.default
         self._item = torch.ops.aten._local_scalar_dense.default
+        self._returns_nothing_in_place: dict[Any, bool] = {}  # per op: an in-place _foreach_ op without outputs
         self.loss_ops = losses_keeping_their_buffer()
 
-    def answer(self, func: Any, args: Any) -> Any:
-        """The result of ``func(*args)`` when it needs no kernel (a fake tensor's device, a fake
-        scalar's placeholder value), else :data:`NOT_ANSWERED`."""
+    def answer(self, func: Any, args: Any, kwargs: Any = None) -> Any:
+        """The result of ``func(*args, **kwargs)`` when it needs no kernel (a fake tensor's device, a fake
+        scalar's placeholder value, ``None`` for an in-place ``_foreach_*_`` op on fakes), else :data:`NOT_ANSWERED`."""
         if func is self._device:
             tensor = args[0] if len(args) == 1 else None
             if type(tensor) is self._fake_type:  # exactly what FakeTensorMode's device handler answers
                 return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return NOT_ANSWERED
-        if func is self._item and isinstance(args[0], self._fake_type):
-            return _placeholder(args[0])
+        if func is self._item:
+            return _placeholder(args[0]) if isinstance(args[0], self._fake_type) else NOT_ANSWERED
+        in_place = self._returns_nothing_in_place.get(func)
+        if in_place is None:
+            in_place = self._returns_nothing_in_place[func] = _is_in_place_foreach(func)
+        if in_place and self._only_fakes(args) and (not kwargs or self._only_fakes(kwargs.values())):
+            return None
         return NOT_ANSWERED
+
+    def _only_fakes(self, values: Any) -> bool:
+        """Whether every tensor in ``values`` (and in its lists) is a fake (a real tensor is really updated)."""
+        fake = self._fake_type
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and not isinstance(item, fake):
+                        return False
+            elif isinstance(value, torch.Tensor) and not isinstance(value, fake):
+                return False
+        return True
 
     def adjust(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer)."""
         if func in self.loss_ops:
             return _with_loss_buffer(args, kwargs, out)
         return out
+
+
+def _is_in_place_foreach(func: Any) -> bool:
+    """Whether ``func`` is an in-place ``_foreach_*_`` aten op that returns nothing (by its schema)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    name = schema.name
+    return name.startswith("aten::_foreach_") and name.endswith("_") and not schema.returns
 
 
 class FakeSession:
@@ -213,8 +259,8 @@ class FakeSession:
         memo: dict[int, Any] = {id(obj): None for obj in detach_from if obj is not None}
         for parameter in module.parameters():
             if id(parameter) not in memo:
-                fake = self.tensor(parameter.detach())
-                memo[id(parameter)] = nn.Parameter(fake, requires_grad=parameter.requires_grad)
+                fake = self.tensor(parameter.detach())  # a new fake (or the new alias of a fake parameter)
+                memo[id(parameter)] = fake_parameter(fake, requires_grad=parameter.requires_grad)
         for buffer in module.buffers():
             if id(buffer) not in memo:
                 memo[id(buffer)] = self.tensor(buffer)
