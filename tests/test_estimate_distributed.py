@@ -117,11 +117,13 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
 
     from live_tensors import live_tensor_bytes, tensors_with_grad_fn
 
+    import sys
+
     model = DemoTransformer(dropout=0.0)
-    before = live_tensor_bytes()
+    before, excepthook = live_tensor_bytes(), sys.excepthook
     estimates = {n: estimate_distributed_memory(model, strategy="model_parallel", world_size=n, device="cpu",
                                                 wrap={nn.TransformerEncoderLayer}) for n in (2, 4)}
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and sys.excepthook is excepthook
     # torch's DTensor sharding cache keeps each device mesh (its int32 rank tensor) alive: nothing else stays
     assert live_tensor_bytes() - before == 4 * (2 + 4) and tensors_with_grad_fn() == []
     for n, estimate in estimates.items():

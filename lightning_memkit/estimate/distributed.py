@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
@@ -304,11 +305,13 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from torch.distributed.device_mesh import init_device_mesh
 
+    excepthook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:" and never undoes it
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks' values
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 @contextlib.contextmanager
