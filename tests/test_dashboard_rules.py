@@ -75,9 +75,9 @@ def check_rebased_lines(layout, scalars):
         for tag in sorted(t for t in scalars for r in regexes if re.match(r, t)):
             if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/"):
                 continue
-            unit, base = re.search(r"\((KiB|MiB) above ([0-9,.]+) (KiB|MiB)", title).group(1, 2)
+            unit, base = re.search(r"\((B|KiB|MiB) above ([0-9,.]+) (B|KiB|MiB)", title).group(1, 2)
             source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB")
-            factor = 1024 if unit == "KiB" else 1
+            factor = {"B": 2 ** 20, "KiB": 1024, "MiB": 1}[unit]
             assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
             for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
                 assert rebased == pytest.approx(value * factor - float(base.replace(",", "")), abs=1e-5), (tag, title)
@@ -123,7 +123,7 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
     assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
-    drawn = {re.sub(r"_(KiB|MiB)_above_[0-9.]+_(KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
+    drawn = {re.sub(r"_(B|KiB|MiB)_above_[0-9.]+_(B|KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
     # the capacity and the layer trace's one-step values are on no chart ...
     assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
     # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
@@ -202,8 +202,8 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     assert list(layout) == ["memkit: memory per step"]
     check_rebased_lines(layout, scalars)
     # each chart draws these logged lines, or the same lines above a base its title names
-    sources = {re.sub(r" \((KiB|MiB) above [0-9,.]+ (KiB|MiB)", " (MiB", title):
-               [re.sub(r"_(KiB|MiB)_above_[0-9.]+_(KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
+    sources = {re.sub(r" \((B|KiB|MiB) above [0-9,.]+ (B|KiB|MiB)", " (MiB", title):
+               [re.sub(r"_(B|KiB|MiB)_above_[0-9.]+_(B|KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
                for title, tags in matched(layout, scalars).items()}
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],

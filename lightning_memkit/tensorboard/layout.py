@@ -475,10 +475,11 @@ def _rebased(regex: str, prefix: str, unit: str, base: str, is_regex: bool = Tru
 def _base(values: Sequence[float]) -> tuple[str, float, float, str, str]:
     """(unit, factor from MiB, base in that unit, the base as the title writes it, as the tag writes it) for MiB values on a large base.
 
-    The unit is KiB when the values move by less than 1 MiB, else MiB; the base is the lowest value rounded
-    down to the order of magnitude of the values' range, so the rebased values start near zero."""
+    The unit is bytes when the values move by less than 1 KiB, KiB when by less than 1 MiB, else MiB; the
+    base is the lowest value rounded down to the order of magnitude of the values' range, so the rebased
+    values start near zero."""
     low, high = min(values), max(values)
-    unit, factor = ("KiB", 1024.0) if high - low < 1 else ("MiB", 1.0)
+    unit, factor = ("B", 1048576.0) if high - low < 1 / 1024 else ("KiB", 1024.0) if high - low < 1 else ("MiB", 1.0)
     span = (high - low) * factor
     step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
     base = math.floor(low * factor / step) * step
@@ -508,7 +509,7 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
       clipping) is left out; its points are in the memory-per-step figure (Images tab);
     - a chart whose y axis would repeat a tick label (:func:`tick_problems`: a value moving by a
       few KiB around 4.43 MiB reads "4.43" on every tick) draws its lines above a base that its
-      title names, in KiB when they move by less than 1 MiB: "live at step end (KiB above
+      title names, in KiB when they move by less than 1 MiB (bytes, less than 1 KiB): "live at step end (KiB above
       4,628.4 KiB)". The rebased line (``<prefix>/dashboard/train/tensor_KiB_above_4628.4_KiB``) is
       the logged one in that unit minus the base, at the same steps.
 
