@@ -141,6 +141,11 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
         assert estimate.buffers == {"fsdp2_gathered_parameters": block + root}
         assert estimate.peak_bytes == sum(estimate.by_category.values())
     assert estimates[4].peak_bytes < estimates[2].peak_bytes
+    # fully_shard's own arguments are honoured: without resharding after forward every block stays gathered
+    kept = estimate_distributed_memory(model, strategy="model_parallel", world_size=2, device="cpu", wrap={nn.TransformerEncoderLayer},
+                                       fully_shard_kwargs={"reshard_after_forward": False})
+    everything = sum(-(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    assert kept.buffers["fsdp2_gathered_parameters"] == everything > estimates[2].buffers["fsdp2_gathered_parameters"]
     # the sharded copy never serves an unsharded estimate, and the module is untouched
     assert all(type(p) is nn.Parameter for p in model.parameters())
     from lightning_memkit.estimate import reusing_fake_copies

@@ -421,7 +421,7 @@ def estimate_distributed_memory(
       torch's own ``fully_shard`` (each module of a class in ``wrap``, then the root, with ``fully_shard_kwargs``:
       ``reshard_after_forward``, ``mp_policy``...) over a fake process group of ``world_size`` ranks, and the two
       steps run through FSDP2's real hooks: its shards, gathered parameters, all-gather and reduce-scatter
-      buffers and prefetching are what it allocates (checked within 0.001% of real 2- and 4-process CPU runs).
+      buffers and prefetching are what it allocates (checked within 0.01% of real 2- and 4-process CPU runs).
       ``buffers["fsdp2_gathered_parameters"]`` (= ``strategy_buffers``) is the units' gathered parameters at the
       peak; its flat all-gather and reduce-scatter buffers are under ``temporaries``. Needs no process group
       initialised in this process (the fake one is the default group while it runs).
