@@ -1,7 +1,9 @@
 """Fake tensors behind memkit's own small interface: a fake copy of a module, fake batches, placeholder scalars.
 
 torch's FakeTensorMode is private (``torch._subclasses.fake_tensor``); every use of it in memkit goes
-through this module, and tests/test_estimate_fake.py pins the behaviour memkit relies on.
+through this module, and tests/test_estimate.py (test_fake_session_pins_the_private_fake_tensor_api,
+test_fake_step_ops_answer_what_the_three_modes_answer, test_fake_parameter_is_what_nn_parameter_makes_of_a_fake)
+pins the behaviour memkit relies on.
 """
 
 from __future__ import annotations
