@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-gpu
+.PHONY: setup demo test test-extended test-gpu
 
 $(BIN)/memkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The 4-process checks (`extended` marker) that `make test` skips to stay within 10 minutes on 2 cores.
+test-extended: setup
+	MEMKIT_EXTENDED=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m extended -rs
 
 # The GPU lane: only the tests marked `cuda`, in their own venv (GPU_VENV) set up the same way with the
 # torch build for your CUDA, e.g.

@@ -107,13 +107,17 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` (the GPU lane, ``make test-gpu``) are collected everywhere and skipped
-    where torch sees no CUDA device."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one")
+    where torch sees no CUDA device. Tests marked ``extended`` (4-process runs: half a minute each on
+    2 cores, beyond what the 10-minute suite can hold) are skipped unless ``MEMKIT_EXTENDED=1``
+    (``make test-extended``)."""
+    extended = os.environ.get("MEMKIT_EXTENDED") == "1"
+    skip_extended = pytest.mark.skip(reason="a 4-process check beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+        if item.get_closest_marker("extended") is not None and not extended:
+            item.add_marker(skip_extended)
 
 
 @pytest.fixture(autouse=True)

@@ -247,11 +247,13 @@ def test_fsdp2_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tm
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp2_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(tmp_path):
     _check_lightning_run(tmp_path, "model_parallel", 4, wrap={nn.TransformerEncoderLayer})
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ddp_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(tmp_path):
     _check_lightning_run(tmp_path, "ddp", 4)
 
