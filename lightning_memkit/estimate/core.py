@@ -336,6 +336,11 @@ class _Reuse:
 
 _CACHE: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("memkit_fake_copies", default=None)
 
+#: Set (for a block) by an estimate that must change the step's copy of the module before the steps,
+#: inside the accountant: the distributed estimate shards it as a strategy's ``configure_model`` would.
+#: Called as ``prepare(module_copy, accountant)``; a context variable, so concurrent estimates don't see it.
+_PREPARE_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar("memkit_prepare_copy", default=None)
+
 
 @contextlib.contextmanager
 def reusing_fake_copies() -> Iterator[None]:
@@ -514,6 +519,9 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
             with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
+                prepare = _PREPARE_COPY.get()
+                if prepare is not None:
+                    prepare(module_copy, acc)
                 _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
                            foreach=fake and target.type == "cuda")
         except (EstimateError, NoBatchError):

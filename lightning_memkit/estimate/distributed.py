@@ -320,27 +320,25 @@ def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
     with ``shard`` before the steps (and before the optimizer is made, as Lightning's ``configure_model`` runs
     before ``configure_optimizers``), and starts the peak after the sharding (set-up is not the step).
 
-    estimate/core.py has no hook for this yet: it wraps the module-level ``_run_steps`` for the block's
-    length, and turns off the reuse of fake copies (a sharded copy must not serve an unsharded estimate).
+    Through estimate/core.py's ``_PREPARE_COPY`` hook (a context variable: concurrent estimates don't see
+    it), with the reuse of fake copies turned off for the block (a sharded copy must not serve an
+    unsharded estimate).
     """
     from lightning_memkit.estimate import core
 
-    original = core._run_steps
-
-    def run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Any, loss_fn: Any, autocast: Any, acc: Any, *args: Any, **kwargs: Any) -> None:
+    def prepare(module_copy: nn.Module, acc: Any) -> None:
         with acc.labelled("setup"):
             shard(module_copy)
         acc.attributor.assign_module(module_copy)  # the shards are the parameters now
         acc.reset_peak()
-        return original(module_copy, batch, make_optimizer, loss_fn, autocast, acc, *args, **kwargs)
 
-    token = core._CACHE.set(None)
-    core._run_steps = run_steps
+    cache_token = core._CACHE.set(None)
+    prepare_token = core._PREPARE_COPY.set(prepare)
     try:
         yield
     finally:
-        core._run_steps = original
-        core._CACHE.reset(token)
+        core._PREPARE_COPY.reset(prepare_token)
+        core._CACHE.reset(cache_token)
 
 
 def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwargs: dict[str, Any]) -> None:
