@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
+from lightning_memkit.estimate.fake import NOT_ANSWERED, _fake_tensor_module, fake_device_query
 from lightning_memkit.units import KiB, MiB
 
 __all__ = [
@@ -380,8 +381,14 @@ class _CudaWorkspaces(TorchDispatchMode):
         self._conv_backward = aten.convolution_backward.default
         self._flash_backward = aten._scaled_dot_product_flash_attention_backward.default
         self._efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
+        self._device = torch.ops.prim.device.default
+        self._fake_type = _fake_tensor_module().FakeTensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if func is self._device:  # most of a fake step's ops: answered here, not by every mode below
+            answer = fake_device_query(args, self._fake_type)
+            if answer is not NOT_ANSWERED:
+                return answer
         kwargs = kwargs or {}
         kernels = self.kernels
         if func in self._matmuls:

@@ -175,10 +175,7 @@ class FakeStepOps:
         """The result of ``func(*args, **kwargs)`` when it needs no kernel (a fake tensor's device, a fake
         scalar's placeholder value, ``None`` for an in-place ``_foreach_*_`` op on fakes), else :data:`NOT_ANSWERED`."""
         if func is self._device:
-            tensor = args[0] if len(args) == 1 else None
-            if type(tensor) is self._fake_type:  # exactly what FakeTensorMode's device handler answers
-                return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
-            return NOT_ANSWERED
+            return fake_device_query(args, self._fake_type)
         if func is self._item:
             return _placeholder(args[0]) if isinstance(args[0], self._fake_type) else NOT_ANSWERED
         in_place = self._returns_nothing_in_place.get(func)
@@ -205,6 +202,16 @@ class FakeStepOps:
         if func in self.loss_ops:
             return _with_loss_buffer(args, kwargs, out)
         return out
+
+
+def fake_device_query(args: Any, fake_type: Any = None) -> Any:
+    """The answer to ``prim.device(tensor)`` for a fake ``tensor`` (exactly what FakeTensorMode's device
+    handler answers), else :data:`NOT_ANSWERED`. A dispatch mode above the fake mode answers these
+    itself: they are most of a fake step's ops, and each Python mode layer they pass costs Python time."""
+    tensor = args[0] if len(args) == 1 else None
+    if type(tensor) is (fake_type or _fake_tensor_module().FakeTensor):
+        return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
+    return NOT_ANSWERED
 
 
 def _is_in_place_foreach(func: Any) -> bool:
