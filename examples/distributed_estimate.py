@@ -1,11 +1,13 @@
 """Will it fit on N GPUs? Per-rank memory of a 1B-parameter transformer under each strategy, estimated
 on fake tensors (no GPU, no cluster, no real weights: the model is built on the meta device).
 
-    python examples/distributed_estimate.py            # the table in docs/distributed.md
+    python examples/distributed_estimate.py              # the table in docs/distributed.md
+    python examples/distributed_estimate.py --layers 2   # the same tables for 2 blocks instead of 20, in seconds
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
 
@@ -20,13 +22,13 @@ VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 32_000, 2048, 20, 16, 1024, 4
 
 
 class GPTLike(nn.Module):
-    """Token embedding, ``LAYERS`` pre-norm encoder blocks (causal mask), tied-free output head."""
+    """Token embedding, ``layers`` pre-norm encoder blocks (causal mask), tied-free output head."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
-                                    for _ in range(LAYERS))
+                                    for _ in range(layers))
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -42,9 +44,12 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=LAYERS, help=f"encoder blocks (default: {LAYERS})")
+    layers = parser.parse_args().layers
     warnings.filterwarnings("ignore")
-    with torch.device("meta"):  # 1B parameters, no memory
-        model = GPTLike()
+    with torch.device("meta"):  # 1B parameters (20 blocks), no memory
+        model = GPTLike(layers)
     parameters = sum(p.numel() for p in model.parameters())
     batch = (torch.zeros(BATCH, SEQ, dtype=torch.long), torch.zeros(BATCH, SEQ, dtype=torch.long))
     strategies = ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "fsdp_shard_grad_op", "fsdp", "model_parallel"]

@@ -279,3 +279,37 @@ def test_compare_modes(runner, tmp_path):
     assert lowest.group(1) == best["mode"]
     ratio = best["peak_allocated_bytes"] / modes["baseline"]["peak_allocated_bytes"]
     assert math.isclose(float(lowest.group(2)), ratio, abs_tol=0.005)
+
+
+def test_distributed_estimate(runner, tmp_path):
+    output = run_example(runner, "distributed_estimate.py", ["--layers", "2"], tmp_path)
+    # GPTLike's parameters by hand: embedding and head (vocab x width each), and per pre-norm encoder block
+    # in_proj 3W^2+3W, out_proj W^2+W, linear1 4W^2+4W, linear2 4W^2+W, two LayerNorms 4W
+    vocab, width, layers = 32_000, 2048, 2
+    parameters = 2 * vocab * width + layers * (12 * width**2 + 13 * width)
+    assert f"GPTLike: {parameters / 1e9:.2f}B parameters" in output, output[-3000:]
+    tables = re.findall(r"^strategy\s+N=1\s+N=2\s+N=8\s+N=64\n-[- ]+\n((?:\w+(?:\s+[\d.]+){4}\n)+)", output, flags=re.M)
+    assert len(tables) == 2, output[-3000:]
+    states, peaks = ({row.split()[0]: [float(v) for v in row.split()[1:]] for row in table.splitlines()} for table in tables)
+    # model states per rank: the ZeRO paper's 16 bytes per parameter (fp16 weights and gradients, fp32 Adam
+    # copy, momentum and variance), stage 1 shards the 12 optimizer bytes, stage 2 the gradients too, stage 3 all
+    zero = {"ddp": lambda n: 16, "deepspeed_stage_1": lambda n: 4 + 12 / n, "deepspeed_stage_2": lambda n: 2 + 14 / n,
+            "deepspeed_stage_3": lambda n: 16 / n}
+    assert states.keys() == zero.keys()
+    for strategy, per_parameter in zero.items():
+        expected = [per_parameter(n) * parameters / 1e9 for n in (1, 2, 8, 64)]
+        assert states[strategy] == pytest.approx(expected, abs=0.0051), strategy  # printed to 0.01 GB
+    # peaks per rank: a sharded strategy needs less on more ranks, and less than DDP's replica on 2 or more
+    assert peaks.keys() == {"ddp", "deepspeed_stage_1", "deepspeed_stage_2", "fsdp_shard_grad_op", "fsdp", "model_parallel"}
+    for strategy, row in peaks.items():
+        if strategy != "ddp":
+            assert row == sorted(row, reverse=True) and all(row[i] < peaks["ddp"][i] for i in (1, 2, 3)), (strategy, row)
+    # the FSDP2 estimate shown by category is the table's N=8 cell; its fp32 parameters are an eighth of the
+    # model's (shards padded to a multiple of 8 rows), Adam's two moments twice that
+    shown = re.search(r"^parameters\s+([\d.]+ \w+)\n^optimizer_state\s+([\d.]+ \w+)\n(?:.*\n)*?^peak per rank \(tensors\)\s+([\d.]+) GiB",
+                      output, flags=re.M)
+    assert shown, output[-3000:]
+    assert float(shown.group(3)) == peaks["model_parallel"][2]
+    assert mib(shown.group(1)) == pytest.approx(parameters * FLOAT32 / 8 / MiB, rel=1e-3)
+    assert mib(shown.group(2)) == pytest.approx(2 * mib(shown.group(1)), abs=0.01)
+    assert len(re.findall(r"^time of one fresh estimate, (fsdp|model_parallel), N=(2|64): [\d.]+ s$", output, flags=re.M)) == 4
