@@ -181,6 +181,10 @@ def test_predict_max_batch_size_when_memory_is_flat_at_small_batches():
     assert estimate_memory(module, answer, gpu="h100").required_bytes <= target
     assert estimate_memory(module, answer + max(1, round(0.01 * answer)) + 1, gpu="h100").required_bytes > target
     assert answer > 1000 and len(prediction.estimates) <= 12
+    # max_val caps the answer even when the first sizes estimated (the batch's own, and double) fit above it
+    capped = predict_max_batch_size(module, memory, gpu="h100", max_val=6)
+    assert capped.batch_size == 6 and capped.limited_by_max
+    assert capped.predicted_bytes == estimate_memory(module, 6, gpu="h100").required_bytes
 
 
 def test_bad_input_gets_clear_errors():

@@ -194,7 +194,7 @@ def _predict(module, capacity, target, mode, margin, device, batch, max_val, tol
     lo, hi = 0, max_val + 1
     for size, value in points:
         if value <= target:
-            lo = max(lo, size)
+            lo = max(lo, min(size, max_val))  # the first sizes (the batch's own and double) may exceed max_val
         else:
             hi = min(hi, size)
     guess = growth.largest_fitting(target)
