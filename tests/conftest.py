@@ -130,9 +130,10 @@ def _quiet_lightning():
         yield
 
 
-def run_script(args: list[str], cwd: str, timeout: float = 180) -> str:
-    """Run ``python *args`` in its own session (a DDP launcher and its ranks), kill the whole
-    group on timeout, fail the test unless it exits 0; returns its output (stdout and stderr)."""
+def run_process(args: list[str], cwd: str, timeout: float = 180) -> tuple[int, str]:
+    """Run ``python *args`` in its own session (a DDP launcher and its ranks) until every process writing
+    to its output has ended; kill the whole group and fail the test as a hang on timeout. Returns
+    ``(exit status, output)`` (stdout and stderr)."""
     import signal
     import subprocess
     import sys
@@ -146,9 +147,15 @@ def run_script(args: list[str], cwd: str, timeout: float = 180) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"{args[0]} did not finish in {timeout} s:\n{output[-4000:]}")
+        pytest.fail(f"{args[0]} did not finish (every rank) in {timeout} s:\n{output[-4000:]}")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-4000:]
+    return process.returncode, output
+
+
+def run_script(args: list[str], cwd: str, timeout: float = 180) -> str:
+    """:func:`run_process`, failing the test unless it exits 0; returns its output."""
+    returncode, output = run_process(args, cwd, timeout)
+    assert returncode == 0, output[-4000:]
     return output

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import read_scalars
+from conftest import read_scalars, run_process
 from lightning_memkit.trace import LayerTracer, read_trace
 from lightning_memkit.units import MiB
 
@@ -153,29 +153,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run_until_every_rank_ends(args: list[str], cwd: str, timeout: float) -> tuple[int, str]:
-    """``python *args`` in its own session; returns (exit status, output) once every process writing to its
-    output has ended (the ranks included); a run past ``timeout`` is killed and fails the test as a hang."""
-    import signal
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{args[0]} hung: not every rank ended in {timeout} s:\n{output[-4000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, output
-
-
 @pytest.mark.slow
 def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     """One FSDP2 run (ModelParallelStrategy, 2 processes) with every memkit callback.
@@ -192,7 +169,7 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     script = tmp_path / "fsdp2_run.py"
     script.write_text(SCRIPT.format(extra=EXTRA_PER_SAMPLE))
     budget = 900 * 1024  # bytes: between rank 0's and rank 1's peaks at the larger trial sizes
-    returncode, output = _run_until_every_rank_ends([str(script), str(tmp_path), str(budget)], str(tmp_path), timeout=240)
+    returncode, output = run_process([str(script), str(tmp_path), str(budget)], str(tmp_path), timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     # ---- the second fit: a real out-of-memory error on rank 0 alone inside an FSDP2 trial ends the run on
