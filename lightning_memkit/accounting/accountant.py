@@ -231,14 +231,9 @@ class TensorAccountant(TorchDispatchMode):
         """
         added = 0
         for tensor in tensors:
-            storage = storage_of(tensor)
-            if storage is not None:
+            for storage in storages_of(tensor):  # a DTensor's are its local tensor's
                 if id(storage) not in self._records:
                     added += self._track(storage, label, adopted=True)
-            elif isinstance(tensor, torch.Tensor) and is_wrapper_tensor(tensor):
-                for inner in storages_of(tensor):
-                    if id(inner) not in self._records:
-                        added += self._track(inner, label, adopted=True)
         return added
 
     def adopt_storage(self, storage: torch.UntypedStorage, label: str = "adopted") -> int:
@@ -340,7 +335,7 @@ class TensorAccountant(TorchDispatchMode):
                 if storage is not None:
                     if id(storage) not in self._records:
                         self._track(storage, self._label, adopted=False)
-                elif is_wrapper_tensor(output):  # a DTensor's memory is its local tensor's
+                elif is_wrapper_tensor(output):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
                     for inner in storages_of(output):
                         if id(inner) not in self._records:
                             self._track(inner, self._label, adopted=False)
