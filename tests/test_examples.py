@@ -313,3 +313,73 @@ def test_distributed_estimate(runner, tmp_path):
     assert mib(shown.group(1)) == pytest.approx(parameters * FLOAT32 / 8 / MiB, rel=1e-3)
     assert mib(shown.group(2)) == pytest.approx(2 * mib(shown.group(1)), abs=0.01)
     assert len(re.findall(r"^time of one fresh estimate, (fsdp|model_parallel), N=(2|64): [\d.]+ s$", output, flags=re.M)) == 4
+
+
+def test_building_blocks(runner, tmp_path):
+    output = run_example(runner, "building_blocks.py", [], tmp_path)
+
+    def numbers(pattern: str) -> list[int]:
+        found = re.search(pattern, output, flags=re.M)
+        assert found, (pattern, output[-3000:])
+        return [int(group) for group in found.groups()]
+
+    # 1. Linear(256, 128) adopted, then a step inside the accountant: its gradients, out (32 x 128) and the loss
+    linear = (256 * 128 + 128) * FLOAT32
+    adopted, live, peak = numbers(r"^accountant: adopted (\d+) B, live (\d+) B, peak (\d+) B$")
+    assert (adopted, live) == (linear, 2 * linear + 32 * 128 * FLOAT32 + FLOAT32) and peak > live
+    # 2. the 8 KiB tensor, then the 128 x 256 input that crossed the 64 KiB budget
+    assert numbers(r"^budget: (\d+) B requested over (\d+) B; is_out_of_memory: True; exceeded (\d+) time") == [
+        8 * 1024 + 128 * 256 * FLOAT32, 64 * 1024, 1]
+    # 3. SGD keeps no state: live at each step's end are the parameters, their gradients and the batch
+    mlp = (256 * 512 + 512 + 512 * 10 + 10) * FLOAT32
+    readings = [tuple(map(int, row)) for row in re.findall(r"^reading: step (\d): peak (\d+) B, live at end (\d+) B$", output, flags=re.M)]
+    assert [step for step, _, _ in readings] == [0, 1, 2], output[-3000:]
+    assert all(end == 2 * mlp + 32 * 256 * FLOAT32 + 32 * INT64 < peak for _, peak, end in readings)
+    summary = re.search(r"^summary: peak (\d+) B at step (\d) \(peak_tensor_bytes\), 3 steps$", output, flags=re.M)
+    top = max(peak for _, peak, _ in readings)
+    assert summary and (int(summary.group(1)), int(summary.group(2))) == (top, next(s for s, p, _ in readings if p == top))
+    # 4. ReLU saves its output (32 x 512) for backward, the second Linear saves that same storage (counted once);
+    # Adam's two moments per parameter and one float32 step per parameter tensor
+    assert re.search(rf"^trace: 1\s+ReLU\s+forward: saved {32 * 512 * FLOAT32} B", output, flags=re.M), output[-3000:]
+    assert re.search(rf"^trace: 2\s+Linear\s+forward: saved 0 B", output, flags=re.M), output[-3000:]
+    events, trace_peak, state, again = numbers(r"^trace: (\d+) events, peak (\d+) B, optimizer state at end (\d+) B; from JSON: (\d+) B$")
+    assert state == 2 * mlp + 4 * FLOAT32 and again == trace_peak and events >= 8
+    # 5. each step keeps one 32 x 128 output: the watcher's and the doctor's growth per step, exactly
+    assert numbers(r"^leak: (\d+) B per step, made by aten\.addmm") == [32 * 128 * FLOAT32]
+    assert numbers(r"^doctor: healthy False, (\d+) B per step; from JSON: (\d+) B$") == [32 * 128 * FLOAT32] * 2
+    # 6. the budget is half the measured baseline activations, and the chosen blocks meet it
+    plan = re.search(r"^mode bf16\+checkpoint:budget=0\.5: autocast torch\.bfloat16; checkpointed (\d) of 6 blocks, "
+                     r"activations ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget [\d.]+ \w+, (\d+) B\)$", output, flags=re.M)
+    assert plan and 1 <= int(plan.group(1)) <= 6, output[-3000:]
+    assert int(plan.group(4)) == pytest.approx(mib(plan.group(2)) * MiB / 2, abs=0.01 * MiB)
+    assert mib(plan.group(3)) * MiB <= int(plan.group(4))
+
+
+def test_estimate_and_search(runner, tmp_path):
+    from lightning_memkit.zoo import DemoMLP
+
+    output = run_example(runner, "estimate_and_search.py", ["--budget", "3MiB"], tmp_path)
+    parameters = sum(p.numel() * p.element_size() for p in DemoMLP().parameters())
+    assert f"DemoMLP: {parameters} B of parameters" in output, output[-3000:]
+    # on a CPU target the fake step's peak is the real step's, byte for byte; Adam: two moments and a step per tensor
+    estimate = re.search(r"^estimate: peak (\d+) B \(fake, .*\); measured: peak (\d+) B \(measured\); optimizer state (\d+) B$",
+                         output, flags=re.M)
+    tensors = len(list(DemoMLP().parameters()))
+    assert estimate and estimate.group(1) == estimate.group(2), output[-3000:]
+    assert int(estimate.group(3)) == 2 * parameters + tensors * FLOAT32
+    # one rank of four: DDP holds everything, ZeRO-3 a quarter of the parameters and of Adam's state
+    ranks = {name: tuple(map(int, rest)) for name, *rest in re.findall(
+        r"^(\w+) on 4 ranks: parameters (\d+) B, optimizer state (\d+) B, peak (\d+) B per rank$", output, flags=re.M)}
+    assert ranks.keys() == {"ddp", "deepspeed_stage_3"}, output[-3000:]
+    assert ranks["ddp"][:2] == (parameters, 2 * parameters + tensors * FLOAT32)
+    assert ranks["deepspeed_stage_3"][:2] == (parameters // 4, (2 * parameters + tensors * FLOAT32) // 4)
+    assert ranks["deepspeed_stage_3"][2] < ranks["ddp"][2]
+    # the search: the size found is the largest trial that fitted, under the budget; the fit trained with it
+    trials = [(int(size), outcome) for size, outcome in re.findall(r"^trial: batch (\d+): (fits|out of memory)", output, flags=re.M)]
+    fitted = [(int(size), int(peak)) for size, peak in re.findall(r"^trial: batch (\d+): fits, peak (\d+) B$", output, flags=re.M)]
+    found = re.search(r"^search: batch size (\d+) under (\d+) B \((\w+)\); module's batch_size (\d+)$", output, flags=re.M)
+    assert found and fitted and int(found.group(2)) == 3 * MiB, output[-3000:]
+    batch = int(found.group(1))
+    assert (batch, int(found.group(4))) == (max(fitted)[0], batch) and max(fitted)[1] <= 3 * MiB
+    assert all(outcome == "out of memory" for size, outcome in trials if size > batch)
+    assert f"trained 2 steps with batch size {batch}" in output
