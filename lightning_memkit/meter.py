@@ -22,7 +22,12 @@ __all__ = ["MemoryMeter", "training_state_tensors"]
 
 def training_state_tensors(module: torch.nn.Module | None, optimizers: Iterable[Any] = (), batch: Any = None) -> Iterator[torch.Tensor]:
     """Every tensor a training step starts with: parameters, their gradients, buffers,
-    optimizer state and the batch (nested lists, tuples and dicts are walked)."""
+    optimizer state and the batch (nested lists, tuples and dicts are walked).
+
+    ``module`` gives the parameters, their gradients and the buffers (``None``: none), ``optimizers``
+    their state (``optimizer.state``), ``batch`` its tensors. Pass the result as ``existing=`` to
+    :meth:`MemoryMeter.measure` so what the step starts with is counted once, in bytes.
+    """
     if module is not None:
         for parameter in module.parameters():
             yield parameter
@@ -104,6 +109,8 @@ class MemoryMeter:
     def open(self, step: int, stage: str = "train", rank: int = 0, *, tensor_peak: bool = True) -> None:
         """Open a window: every probe's peak starts from now.
 
+        ``step`` (training steps), ``stage`` (``"train"`` or ``"validate"``) and ``rank`` (the global
+        rank) label the :class:`~lightning_memkit.StepReading` that :meth:`close` returns.
         ``tensor_peak=False``: the accountant stays inactive in this window (no per-op cost);
         the reading has ``tensor_bytes`` (live at the window's end) but no ``peak_tensor_bytes``.
         """
@@ -141,7 +148,11 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def measure(self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0, *, tensor_peak: bool = True) -> Iterator["MemoryMeter"]:
-        """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`."""
+        """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`.
+
+        ``step``, ``stage``, ``rank`` and ``tensor_peak`` are :meth:`open`'s; ``existing`` is
+        :meth:`resume`'s (the tensors the step starts with: :func:`training_state_tensors`).
+        """
         self.open(step, stage, rank, tensor_peak=tensor_peak)
         self.resume(existing)
         try:

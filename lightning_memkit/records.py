@@ -48,6 +48,12 @@ class StepReading:
     lines up with the loss curve; ``stage`` is ``"train"`` or ``"validate"`` (a validation
     reading covers the whole validation run and sits at the training step it followed).
     Fields a probe could not read on this device are ``None``.
+
+    Attributes:
+        step: the training step (Lightning's ``global_step`` axis) the reading belongs to.
+        stage: ``"train"`` or ``"validate"``.
+        rank: the global rank of the process that read it; ``-1`` for the maximum over ranks
+            (under DDP, the reading MemoryTracker logs).
     """
 
     step: int
@@ -100,6 +106,11 @@ class StepReading:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+# the measured fields' meanings are defined once, in MEMORY_FIELDS and COUNT_FIELDS; help() shows them too
+if StepReading.__doc__:  # None under python -OO
+    StepReading.__doc__ = (StepReading.__doc__.rstrip() + "\n" + "".join(
+        f"        {name} (bytes): {meaning}.\n" for name, meaning in MEMORY_FIELDS.items()) + "".join(
+        f"        {name} (a count): {meaning}.\n" for name, meaning in COUNT_FIELDS.items()) + "    ")
 _STEP_READING_FIELDS = tuple(f.name for f in dataclasses.fields(StepReading))
 #: where a step's peak comes from, best first (see StepReading.peak_bytes)
 _PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
@@ -126,7 +137,10 @@ class RunSummary:
         validation_runs_measured: how many validation runs were measured.
         peak_reserved_bytes: the highest per-step reserved peak (CUDA), or ``None``.
         max_fragmentation_bytes: the highest fragmentation seen (CUDA), or ``None``.
-        alloc_retries: allocator retries by the end of the run (CUDA), or ``None``.
+        alloc_retries: allocator retries by the end of the run (CUDA; a count), or ``None``.
+        extra: what a writer adds beyond these fields, JSON-ready (MemoryTracker's ``"leak"``:
+            ``bytes_per_measured_step`` in bytes, ``first_step`` / ``last_step`` and ``every_n_steps``
+            in training steps); kept through :meth:`to_dict` / :meth:`from_dict`.
     """
 
     peak_bytes: int | None = None

@@ -70,7 +70,7 @@ class GraphLeakReport:
                 "holders": [h.to_dict() if isinstance(h, GraphHolder) else h for h in self.holders]}
 
     def format(self, limit: int = 5) -> str:
-        """The report as text."""
+        """The report as text: the growth in graph nodes per step and at most ``limit`` holders."""
         lines = [f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's start, "
                  f"steps {self.first_step}..{self.last_step} (backward freed their saved tensors; the nodes stay in host memory)"]
         for holder in self.holders[:limit]:

@@ -122,7 +122,7 @@ class LeakReport:
                 "survivors": [g.to_dict() for g in self.survivors], "growing": [g.to_dict() for g in self.growing]}
 
     def format(self, limit: int = 8) -> str:
-        """The report as text (MiB = 2**20 bytes)."""
+        """The report as text, at most ``limit`` groups of who made what was kept (MiB = 2**20 bytes)."""
         lines = [f"memory leak: live tensor memory at step start grows by {format_bytes(self.bytes_per_step)} "
                  f"({self.bytes_per_step} bytes) per step, steps {self.first_step}..{self.last_step}"]
         if self.growing:
@@ -183,8 +183,8 @@ class LeakWatcher:
         self.report = None
 
     def observe(self, step: int, live_bytes: int) -> LeakReport | None:
-        """Take the live bytes at the start of ``step``; return a :class:`LeakReport` the first time
-        growth is steady (``window`` increases in a row), else ``None``."""
+        """Take ``live_bytes`` (bytes of live tensors) at the start of ``step``; return a :class:`LeakReport`
+        the first time growth is steady (``window`` increases in a row), else ``None``."""
         self._seen += 1
         if self._seen <= self.warmup_steps:
             return None

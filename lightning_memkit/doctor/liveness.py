@@ -59,7 +59,7 @@ class LivenessReport:
                 "held_too_long_bytes": self.held_too_long_bytes, "held_too_long": [g.to_dict() for g in self.held_too_long]}
 
     def format(self, limit: int = 8) -> str:
-        """The report as text (MiB = 2**20 bytes)."""
+        """The report as text, at most ``limit`` groups of what is held too long (MiB = 2**20 bytes)."""
         where = f" in {self.peak_module}" if self.peak_module else ""
         lines = [f"step {self.step} peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes), "
                  f"after {self.peak_op}{where} ({self.peak_phase})", "  made of:"]

@@ -280,7 +280,8 @@ class CreationRecorder(TorchDispatchMode):
             self._assign(leaves, "inputs", step=self.step)
 
     def adopt(self, tensors: Iterable[Any], role: str | None = None) -> int:
-        """Know existing tensors (op ``"existing"``); returns the bytes newly adopted."""
+        """Know existing tensors (op ``"existing"``); returns the bytes newly adopted. ``role``: the lifetime
+        role to give those without one (see :attr:`Creation.role`: ``"parameters"``, ``"gradients"``, ...), or ``None``."""
         before = self.live_bytes
         self._assign(list(tensors), role)
         return self.live_bytes - before

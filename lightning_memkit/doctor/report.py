@@ -153,7 +153,11 @@ class DoctorSession:
     def step_start(self, step: int, batch: Any = None, *, module: torch.nn.Module | None = None,
                    optimizers: Iterable[Any] | None = None) -> LeakReport | GraphLeakReport | None:
         """A step begins: measure the live bytes, test for growth (a :class:`LeakReport`, or a
-        :class:`GraphLeakReport` for graphs kept across steps, the first time it is steady), then record the step (its liveness too when it is ``analyse_step``)."""
+        :class:`GraphLeakReport` for graphs kept across steps, the first time it is steady), then record the step (its liveness too when it is ``analyse_step``).
+
+        ``batch``: the step's input (its tensors are recorded as the input of this step); ``module`` /
+        ``optimizers``: the training state when it is not the session's own (``None``: the session's).
+        """
         module = module if module is not None else self.module
         optimizers = self.optimizers if optimizers is None else list(optimizers)
         recorder = self.recorder
@@ -178,7 +182,8 @@ class DoctorSession:
 
     def step_end(self, step: int, *, module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None) -> None:
         """A step's optimizer step is done: finish its liveness analysis if it was being analysed.
-        Recording goes on until the next :meth:`step_start` or :meth:`close`."""
+        Recording goes on until the next :meth:`step_start` or :meth:`close`. ``module`` /
+        ``optimizers``: as in :meth:`step_start`."""
         if self._analysing:
             self._analysing = False
             module = module if module is not None else self.module

@@ -73,7 +73,7 @@ class CheckpointBudget:
             object.__setattr__(self, "within", within)
 
     def target_bytes(self, baseline_activation_bytes: int) -> int:
-        """The budget in bytes, given the baseline activation bytes."""
+        """The budget in bytes, given ``baseline_activation_bytes`` (the activation bytes measured without checkpointing)."""
         if self.fraction is not None:
             return int(self.fraction * baseline_activation_bytes)
         return int(self.bytes)  # type: ignore[arg-type]

@@ -269,7 +269,8 @@ class CompareResult:
         return "\n".join(lines)
 
     def write(self, directory: str | None = None, figures: bool = True) -> dict[str, str]:
-        """Write compare.csv, compare.json and (with ``figures``) the two PNG figures; returns their paths."""
+        """Write compare.csv, compare.json and (with ``figures``) the two PNG figures into ``directory``
+        (default: :attr:`root_dir`); returns their paths by kind."""
         directory = directory or self.root_dir
         os.makedirs(directory, exist_ok=True)
         csv_path = os.path.join(directory, CSV_NAME)

@@ -147,6 +147,8 @@ class Mode:
         autocast and, for fp16, the gradient scaling) and an
         :class:`~lightning_memkit.callbacks.activation_checkpointing.ActivationCheckpointing` callback
         when the mode checkpoints (``callback_kwargs`` are passed to it). Merge ``callbacks`` with your own.
+        ``accelerator`` (``"auto"``, ``"cpu"``, ``"gpu"`` or a device) decides what ``"amp"`` means there
+        (see :meth:`precision_for`).
         """
         kwargs: dict[str, Any] = {"precision": _LIGHTNING_PRECISION[self.precision_for(accelerator)], "callbacks": []}
         if self.checkpoint is not None:

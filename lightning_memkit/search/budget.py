@@ -88,7 +88,8 @@ class MemoryBudget:
         self._depth = 0
 
     def adopt(self, tensors: Iterable[Any], label: str = "adopted") -> int:
-        """Count tensors that already exist (idempotent); returns the bytes newly counted."""
+        """Count tensors that already exist (idempotent); returns the bytes newly counted. ``label``: the
+        accountant's label for them (see :meth:`TensorAccountant.labelled <lightning_memkit.TensorAccountant.labelled>`)."""
         return self.accountant.adopt(tensors, label)
 
     @property

@@ -207,7 +207,8 @@ class LayerTraceResult:
         return cls(**kwargs)
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
-        """The trace as JSON text; also written to ``path`` when given."""
+        """The trace as JSON text (``indent`` spaces per level, ``None``: one line); also written to
+        ``path`` when given (its directory is made)."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
             directory = os.path.dirname(os.fspath(path))
@@ -218,8 +219,8 @@ class LayerTraceResult:
         return text
 
     def to_csv(self, path: str | os.PathLike | None = None) -> str:
-        """The raw events as CSV (one row per event, columns :data:`CSV_COLUMNS`); shapes are
-        written ``8x3x32x32`` and joined with ``;``."""
+        """The raw events as CSV (one row per event, columns :data:`CSV_COLUMNS`; bytes as integers);
+        shapes are written ``8x3x32x32`` and joined with ``;``. Also written to ``path`` when given."""
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
@@ -236,7 +237,11 @@ class LayerTraceResult:
 
     # ------------------------------------------------------------------ display (see trace/render.py)
     def format_table(self, max_depth: int | None = None, markers: bool = True) -> str:
-        """The indented module tree (name, phase, delta MiB, live MiB, saved MiB, shape)."""
+        """The indented module tree (name, phase, delta MiB, live MiB, saved MiB, shape; MiB = 2**20 bytes).
+
+        ``max_depth``: leave out modules deeper than this (root 0); ``markers=False``: leave out the
+        step markers (``[backward-end]``, ``[optimizer-step]``...).
+        """
         from lightning_memkit.trace.render import format_trace_table
 
         return format_trace_table(self, max_depth=max_depth, markers=markers)
@@ -248,7 +253,8 @@ class LayerTraceResult:
         return format_category_table(self)
 
     def figure(self, title: str | None = None):
-        """A matplotlib figure of live memory against event index, the peak marked."""
+        """A matplotlib figure of live memory (MiB) against event index, the peak marked, under ``title``
+        (default: the model's class and the step)."""
         from lightning_memkit.trace.render import trace_figure
 
         return trace_figure(self, title=title)

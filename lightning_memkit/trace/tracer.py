@@ -556,8 +556,8 @@ def trace_step(
         print(tracer.result.format_table())
 
     ``inputs`` (the batch, any nesting) is counted as the ``inputs`` category; without it, the
-    tensors passed to the first traced module that existed before the step are. The other
-    arguments are :class:`LayerTracer`'s.
+    tensors passed to the first traced module that existed before the step are. ``optimizers``,
+    ``max_depth``, ``modules``, ``step`` and ``rank`` are :class:`LayerTracer`'s. Bytes are exact.
     """
     tracer = LayerTracer(model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank)
     tracer.start(inputs)
