@@ -18,7 +18,7 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_detach, fake_parameter, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 
@@ -136,6 +136,28 @@ def test_fake_step_ops_answer_what_the_three_modes_answer():
         three_layers = torch.nn.functional.mse_loss(torch.empty(4, 3), torch.empty(4, 3))
     assert kept.dim() == 0 and kept.untyped_storage().nbytes() == three_layers.untyped_storage().nbytes()
     assert (mse in ops.loss_ops) == (kept.untyped_storage().nbytes() == 48)  # this torch's real mse_loss keeps its buffer
+
+
+def test_fake_detach_is_what_fake_tensor_mode_makes_of_a_detach():
+    # the estimate's dispatch answers detach() of a fake itself (a quarter of a fake step's ops): pinned against
+    # FakeTensorMode's own detach, which fake_detach wraps private torch APIs to reproduce
+    session, ops = FakeSession(), FakeStepOps()
+    detach = torch.ops.aten.detach.default
+    with session.fake_mode_only():
+        x = torch.empty(4, 3, requires_grad=True)
+        y = (x * 2).t()
+        made, reference = fake_detach(y), y.detach()
+        assert ops.answer(detach, (y,)) is not NOT_ANSWERED
+    assert type(made) is type(reference) and is_fake(made)
+    assert made.fake_mode is reference.fake_mode and made.device == reference.device == torch.device("cpu")
+    assert (made.shape, made.stride(), made.storage_offset(), made.dtype) == (reference.shape, reference.stride(), reference.storage_offset(), reference.dtype)
+    assert made.untyped_storage()._cdata == y.untyped_storage()._cdata == reference.untyped_storage()._cdata
+    assert not made.requires_grad and made.grad_fn is None and y.grad_fn is not None
+    version = made._version
+    with session.fake_mode_only():
+        y.add_(1)  # detach shares the version counter: autograd's check of saved tensors still sees in-place changes
+    assert made._version == reference._version == version + 1
+    assert fake_detach(torch.ones(2)) is NOT_ANSWERED  # a real tensor
 
 
 def test_fake_parameter_is_what_nn_parameter_makes_of_a_fake():
