@@ -154,6 +154,8 @@ class CheckpointHandle:
     instance ``forward`` it had before (usually none) and nothing else left behind.
     """
 
+    plan: CheckpointPlan
+
     def __init__(self, plan: CheckpointPlan, wrapped: list[nn.Module]) -> None:
         self.plan = plan
         self._wrapped = wrapped
