@@ -339,3 +339,31 @@ def test_keyword_arguments_in_documented_calls_exist():
                 if keyword not in parameters and not (passes_on and keyword in every_parameter):
                     wrong.append(f"{where}: {name}({keyword}=...)")
     assert not wrong, "\n".join(wrong)
+
+
+def _code_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced code block of a markdown text."""
+    blocks, language, lines = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, lines = line[3:].strip(), []
+            else:
+                blocks.append((language, "\n".join(lines)))
+                language = None
+        elif language is not None:
+            lines.append(line)
+    return blocks
+
+
+def test_make_targets_in_the_docs_exist():
+    targets = set(re.findall(r"^([\w-]+):", _read(os.path.join(ROOT, "Makefile")), flags=re.M))
+    named = {}
+    for where, text in _doc_texts().items():
+        code = [body for language, body in _code_blocks(text) if language in ("", "bash", "sh", "console")]
+        code += re.findall(r"`(make [^`\n]+)`", text)
+        for snippet in code:
+            for target in re.findall(r"(?:^|[\s;&(])make ([a-z][\w-]*)", snippet, flags=re.M):
+                named.setdefault(target, where)
+    assert {"demo", "test"} <= set(named), "the README's two commands are gone"
+    assert not {target: where for target, where in named.items() if target not in targets}, targets
