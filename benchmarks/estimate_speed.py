@@ -52,8 +52,8 @@ LEVERS = {
     "foreach-in-place": "an optimizer's in-place _foreach_*_ ops on fakes are answered without FakeTensorMode "
                         "(they return and allocate nothing)",
     "fake-parameter": "the fake copy flags its new fakes as parameters instead of nn.Parameter's detach() of each",
-    "fake-detach": "detach() of a fake (autograd's saved-tensor handles and gradient accumulation) is answered "
-                   "by the accountant's dispatch instead of FakeTensorMode",
+    "fake-view": "view ops of a fake (detach for autograd's saved tensors and gradient accumulation; t, view, "
+                 "transpose) are answered by the accountant's dispatch instead of FakeTensorMode",
 }
 
 
@@ -72,8 +72,8 @@ def _switch_off(lever: str) -> None:
         from torch import nn
 
         core.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(tensor, requires_grad=requires_grad)
-    elif lever == "fake-detach":  # every detach goes down to FakeTensorMode again
-        fake.fake_detach = lambda tensor, fake_type=None: fake.NOT_ANSWERED
+    elif lever == "fake-view":  # every view op goes down to FakeTensorMode again
+        fake._is_plain_view = lambda func: False
     else:
         raise SystemExit(f"unknown lever {lever!r}; choose from: {', '.join(LEVERS)}")
 

@@ -18,7 +18,7 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_detach, fake_parameter, is_fake
+from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, fake_view, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 
@@ -138,26 +138,46 @@ def test_fake_step_ops_answer_what_the_three_modes_answer():
     assert (mse in ops.loss_ops) == (kept.untyped_storage().nbytes() == 48)  # this torch's real mse_loss keeps its buffer
 
 
-def test_fake_detach_is_what_fake_tensor_mode_makes_of_a_detach():
-    # the estimate's dispatch answers detach() of a fake itself (a quarter of a fake step's ops): pinned against
-    # FakeTensorMode's own detach, which fake_detach wraps private torch APIs to reproduce
+VIEWS = [
+    (torch.ops.aten.detach.default, ()), (torch.ops.aten.t.default, ()), (torch.ops.aten.view.default, ([2, 2, 3],)),
+    (torch.ops.aten.transpose.int, (0, 1)), (torch.ops.aten.select.int, (1, 2)), (torch.ops.aten.expand.default, ([5, 4, 3],)),
+    (torch.ops.aten.slice.Tensor, (0, 1, 4, 2)), (torch.ops.aten.split.Tensor, (3,)), (torch.ops.aten.unbind.int, (1,)),
+    (torch.ops.aten.as_strided.default, ([2, 2], [1, 3], 1)), (torch.ops.aten.unsqueeze.default, (0,)),
+]
+
+
+@pytest.mark.parametrize("op, extra", VIEWS, ids=[str(op) for op, _ in VIEWS])
+def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
+    # the estimate's dispatch answers view ops of a fake itself (half of a fake step's ops): pinned against
+    # FakeTensorMode's own result, which fake_view reproduces through private torch APIs
     session, ops = FakeSession(), FakeStepOps()
-    detach = torch.ops.aten.detach.default
     with session.fake_mode_only():
-        x = torch.empty(4, 3, requires_grad=True)
-        y = (x * 2).t()
-        made, reference = fake_detach(y), y.detach()
-        assert ops.answer(detach, (y,)) is not NOT_ANSWERED
-    assert type(made) is type(reference) and is_fake(made)
-    assert made.fake_mode is reference.fake_mode and made.device == reference.device == torch.device("cpu")
-    assert (made.shape, made.stride(), made.storage_offset(), made.dtype) == (reference.shape, reference.stride(), reference.storage_offset(), reference.dtype)
-    assert made.untyped_storage()._cdata == y.untyped_storage()._cdata == reference.untyped_storage()._cdata
-    assert not made.requires_grad and made.grad_fn is None and y.grad_fn is not None
-    version = made._version
+        base = (torch.empty(4, 3, requires_grad=True) * 2).detach()  # a non-leaf's alias, as autograd saves them
+        made, reference = fake_view(op, (base, *extra)), op(base, *extra)
+        assert ops.answer(op, (base, *extra)) is not NOT_ANSWERED
+    made_list = list(made) if isinstance(made, (list, tuple)) else [made]
+    reference_list = list(reference) if isinstance(reference, (list, tuple)) else [reference]
+    assert type(made) is type(reference) and len(made_list) == len(reference_list)
+    for mine, theirs in zip(made_list, reference_list):
+        assert type(mine) is type(theirs) and is_fake(mine) and mine.fake_mode is theirs.fake_mode
+        assert mine.device == theirs.device == torch.device("cpu")
+        assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.storage_offset(), theirs.dtype)
+        assert mine.untyped_storage()._cdata == base.untyped_storage()._cdata == theirs.untyped_storage()._cdata
+        assert not mine.requires_grad and mine.grad_fn is None
+    version = made_list[0]._version
     with session.fake_mode_only():
-        y.add_(1)  # detach shares the version counter: autograd's check of saved tensors still sees in-place changes
-    assert made._version == reference._version == version + 1
-    assert fake_detach(torch.ones(2)) is NOT_ANSWERED  # a real tensor
+        base.add_(1)  # a view shares its base's version counter: autograd still sees in-place changes of saved tensors
+    assert made_list[0]._version == reference_list[0]._version == version + 1
+
+
+def test_fake_view_leaves_other_calls_to_fake_tensor_mode():
+    session, ops = FakeSession(), FakeStepOps()
+    with session.fake_mode_only():
+        x = torch.empty(4, 3)
+        assert ops.answer(torch.ops.aten._unsafe_view.default, (x, [12])) is NOT_ANSWERED  # not a view op
+        assert ops.answer(torch.ops.aten.reshape.default, (x, [12])) is NOT_ANSWERED       # a composite
+        assert ops.answer(torch.ops.aten.view_as.default, (x, x)) is NOT_ANSWERED           # two tensors
+    assert fake_view(torch.ops.aten.t.default, (torch.ones(2, 3),)) is NOT_ANSWERED     # a real tensor
 
 
 def test_fake_parameter_is_what_nn_parameter_makes_of_a_fake():

@@ -153,8 +153,9 @@ class FakeStepOps:
     ops of an optimizer's update on fake tensors: they return nothing and allocate nothing (on the
     fakes, and in CUDA's multi-tensor kernels), and on fakes they would only cost FakeTensorMode a
     look at every tensor of their lists (its cache key); their argument checks are what is given up.
-    And it answers ``detach`` of a fake (see :func:`fake_detach`): a quarter of a fake step's ops
-    (autograd's saved-tensor handles and its gradient accumulation each detach).
+    And it answers view ops on a fake, ``detach`` included (see :func:`fake_view`): half of a fake
+    step's ops (autograd's saved-tensor handles and gradient accumulation detach; ``t``, ``view``,
+    ``transpose`` around every matmul).
     Use inside :meth:`FakeSession.fake_mode_only`::
 
         ops = FakeStepOps()
@@ -170,7 +171,7 @@ class FakeStepOps:
         self._fake_type = fake_tensor.FakeTensor
         self._device = torch.ops.prim.device.default
         self._item = torch.ops.aten._local_scalar_dense.default
-        self._detach = torch.ops.aten.detach.default
+        self._is_view: dict[Any, bool] = {}  # per op: a view FakeTensorMode would cache (see fake_view)
         self._returns_nothing_in_place: dict[Any, bool] = {}  # per op: an in-place _foreach_ op without outputs
         self.loss_ops = losses_keeping_their_buffer()
 
@@ -181,8 +182,11 @@ class FakeStepOps:
             return fake_device_query(args, self._fake_type)
         if func is self._item:
             return _placeholder(args[0]) if isinstance(args[0], self._fake_type) else NOT_ANSWERED
-        if func is self._detach and not kwargs:
-            return fake_detach(args[0], self._fake_type)
+        is_view = self._is_view.get(func)
+        if is_view is None:
+            is_view = self._is_view[func] = _is_plain_view(func)
+        if is_view:
+            return fake_view(func, args, kwargs, self._fake_type)
         in_place = self._returns_nothing_in_place.get(func)
         if in_place is None:
             in_place = self._returns_nothing_in_place[func] = _is_in_place_foreach(func)
@@ -219,25 +223,44 @@ def fake_device_query(args: Any, fake_type: Any = None) -> Any:
     return NOT_ANSWERED
 
 
-def fake_detach(tensor: Any, fake_type: Any = None) -> Any:
-    """``tensor.detach()`` for a plain fake ``tensor`` without a trip through FakeTensorMode, else
-    :data:`NOT_ANSWERED`.
+def _is_plain_view(func: Any) -> bool:
+    """Whether ``func`` is an aten view op with its own kernels (not a composite that may or may not
+    alias, which FakeTensorMode does not cache either)."""
+    if not isinstance(func, torch._ops.OpOverload) or not func.is_view or func.namespace != "aten":
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
-    A detach makes an alias and allocates nothing; FakeTensorMode would compute a cache key and
-    wrap the meta kernel's alias, about 6x the cost of doing the same here: the meta alias made
-    below every Python mode (sharing storage and version counter, as ``detach`` does), wrapped as
-    a fake of the same device and mode. Fakes that carry more than that (a constant, a real
-    tensor, a subclass's type, symbolic shapes) go the normal way.
+
+def fake_view(func: Any, args: Any, kwargs: Any = None, fake_type: Any = None) -> Any:
+    """The result of the view op ``func(*args, **kwargs)`` (``detach``, ``view``, ``t``, ``transpose``...)
+    on one plain fake tensor without a trip through FakeTensorMode, else :data:`NOT_ANSWERED`.
+
+    A view allocates nothing. FakeTensorMode would hash the arguments for its cache and rebuild the
+    alias from the cached metadata; here the op's meta kernel runs on the fake's meta storage, as
+    FakeTensorMode's own kernel invocation does (so shape, strides and the shared storage and version
+    counter are the kernel's), and its outputs are wrapped as fakes of the same device and mode,
+    about 6x cheaper. Fakes that carry more than that (a constant, a real tensor, a subclass's type,
+    symbolic shapes) and calls with more than one tensor go the normal way.
     """
-    if type(tensor) is not (fake_type or _fake_tensor_module().FakeTensor):
+    fake_type = fake_type or _fake_tensor_module().FakeTensor
+    tensors = [value for value in args if isinstance(value, torch.Tensor)]
+    if kwargs:
+        tensors += [value for value in kwargs.values() if isinstance(value, torch.Tensor)]
+    if len(tensors) != 1 or type(tensors[0]) is not fake_type:
         return NOT_ANSWERED
-    mode = tensor.fake_mode
-    if (mode.in_kernel_invocation or mode.shape_env is not None or tensor.constant is not None
-            or tensor.real_tensor is not None or tensor.pytype is not None or tensor.dispatch_keys is not None):
+    base = tensors[0]
+    mode = base.fake_mode
+    if (mode.in_kernel_invocation or mode.shape_env is not None or base.constant is not None
+            or base.real_tensor is not None or base.pytype is not None or base.dispatch_keys is not None):
         return NOT_ANSWERED
-    with torch._C._DisableTorchDispatch():
-        alias = torch.ops.aten.detach.default(tensor)  # the meta alias, below every Python mode
-    return type(tensor)(mode, alias, tensor.fake_device)
+    with _fake_tensor_module().in_kernel_invocation_manager(mode):
+        out = func(*args, **(kwargs or {}))
+    device = base.fake_device
+    if isinstance(out, torch.Tensor):
+        return fake_type(mode, out, device)
+    if isinstance(out, (list, tuple)) and all(isinstance(item, torch.Tensor) for item in out):
+        return type(out)(fake_type(mode, item, device) for item in out)
+    raise TypeError(f"{func} returned {type(out).__name__}, not a view")  # a view op always returns tensors
 
 
 def _is_in_place_foreach(func: Any) -> bool:
