@@ -317,6 +317,7 @@ def test_distributed_estimate(runner, tmp_path):
 
 def test_building_blocks(runner, tmp_path):
     output = run_example(runner, "building_blocks.py", [], tmp_path)
+    assert os.listdir(tmp_path) == []  # plain PyTorch steps: nothing written
 
     def numbers(pattern: str) -> list[int]:
         found = re.search(pattern, output, flags=re.M)
@@ -383,3 +384,4 @@ def test_estimate_and_search(runner, tmp_path):
     assert (batch, int(found.group(4))) == (max(fitted)[0], batch) and max(fitted)[1] <= 3 * MiB
     assert all(outcome == "out of memory" for size, outcome in trials if size > batch)
     assert f"trained 2 steps with batch size {batch}" in output
+    assert os.listdir(tmp_path) == []  # no logger, no checkpoint, the search's trials leave nothing
