@@ -110,6 +110,32 @@ class MemoryEstimate:
         return title + "\n" + format_table(("", "bytes"), rows)
 
 
+_ITEM = torch.ops.aten._local_scalar_dense.default
+_BINCOUNT = torch.ops.aten.bincount.default
+
+#: What ``.item()`` of a fake floating-point tensor answers inside the optimizer's step (elsewhere it is 1.0,
+#: see :class:`~lightning_memkit.estimate.fake.ScalarPlaceholders`). An optimizer reads its scalars there (step
+#: counts, NAdam's running product of momentum factors) and divides by ``x`` and ``1 - x``: 1.0 makes NAdam's
+#: ``1 - mu_product`` zero, 0.5 keeps both non-zero. Memory does not depend on the value.
+OPTIMIZER_FLOAT_PLACEHOLDER = 0.5
+
+
+def _fake_bincount(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """``torch.bincount(input, weights, minlength)`` on a fake input with ``minlength > 0``: a fake of
+    ``minlength`` counts (the real length when every value is below ``minlength``, as for class ids counted
+    into ``num_classes`` bins: torchmetrics' confusion matrices and accuracies), instead of FakeTensorMode's
+    data-dependent-shape error. ``None`` when ``minlength`` is 0 (the length is the data's maximum + 1)."""
+    bound = {"weights": None, "minlength": 0, **dict(zip(("input", "weights", "minlength"), args)), **(kwargs or {})}
+    source, weights, minlength = bound["input"], bound["weights"], int(bound["minlength"] or 0)
+    if minlength <= 0 or not is_fake(source):
+        return None
+    if weights is None:
+        dtype = torch.int64
+    else:  # a real bincount sums float32/float64 weights in their dtype, any other dtype in float64
+        dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
+    return torch.empty(minlength, dtype=dtype, device=source.device)
+
+
 class _StepAccountant(TensorAccountant):
     """The accountant plus what the estimate needs: the live records at each new peak, the phase
     of the peak, and (for the CUDA model) the allocation/free events in order.
@@ -133,6 +159,7 @@ class _StepAccountant(TensorAccountant):
         self.peak_step = 0
         self.step = 0
         self.add_peak_listener(self._on_peak)
+        self.optimizer_phase = False  # inside optimizer.step(): a fake float read answers OPTIMIZER_FLOAT_PLACEHOLDER
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         ops = self.fake_ops
@@ -140,8 +167,15 @@ class _StepAccountant(TensorAccountant):
             return super().__torch_dispatch__(func, types, args, kwargs)
         answer = ops.answer(func, args, kwargs)
         if answer is not NOT_ANSWERED:  # no kernel, no tensor made: nothing to count
+            if func is _ITEM and self.optimizer_phase and type(answer) is float:
+                return OPTIMIZER_FLOAT_PLACEHOLDER
             return answer
-        result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        if func is _BINCOUNT:
+            result = _fake_bincount(args, kwargs)
+            if result is None:
+                result = func(*args, **(kwargs or {}))
+        else:
+            result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
         try:
             self._account(func, args, kwargs, result)
         except BaseException as error:  # never raise here (see TensorAccountant)
@@ -253,7 +287,11 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
         del loss
         attributor.assign_module(module_copy)  # the new gradients
         with acc.labelled("optimizer"), _hook(f"the optimizer step ({optimizer_name}.step)"):
-            optimizer.step()
+            acc.optimizer_phase = True
+            try:
+                optimizer.step()
+            finally:
+                acc.optimizer_phase = False
         attributor.assign_optimizers([optimizer])  # state made lazily by the first step
 
 
@@ -263,6 +301,8 @@ def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
     ops per parameter *list*, not per parameter). Groups that chose ``foreach``/``fused`` keep it."""
     for group in optimizer.param_groups:
         if "foreach" in group and group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+            if isinstance(optimizer, torch.optim.Adam) and torch.is_tensor(group.get("lr")) and not group.get("capturable"):
+                continue  # torch keeps Adam/AdamW single-tensor for a tensor lr without capturable (adam.py)
             group["foreach"] = True
 
 

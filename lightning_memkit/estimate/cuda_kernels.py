@@ -10,6 +10,7 @@ and each row is pinned by tests/test_gpu_truth.py against allocator traces recor
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -125,23 +126,48 @@ def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
 
 
-def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
-                      gpu: GpuTarget, enable_gqa: bool = False) -> str:
-    """The fused ``scaled_dot_product_attention`` kernel CUDA picks: ``"flash"``, ``"efficient"`` or ``"math"``.
+#: capabilities where flash attention refuses training with head dims in (192, 224], or above 224 with dropout
+_FLASH_LIMITED_HEAD_DIMS = ((8, 6), (8, 9), (12, 0), (12, 1))
 
-    torch's order is flash, then memory-efficient, then math (sdp_utils.cpp): flash needs sm80+, fp16 or
-    bf16, no attention mask, a head dim that is a multiple of 8 and at most 256; memory-efficient needs
-    sm50+, fp32, fp16 or bf16 (bf16 on sm80+), a head dim aligned to 16 bytes. Both need 4-D inputs of one dtype.
+
+def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+                      gpu: GpuTarget, enable_gqa: bool = False, is_causal: bool = False) -> str:
+    """The ``scaled_dot_product_attention`` kernel CUDA picks: ``"flash"``, ``"efficient"`` or ``"math"``.
+
+    torch's order is flash, then memory-efficient, then math (``select_sdp_backend`` in sdp_utils.cpp;
+    cuDNN attention only when ``TORCH_CUDNN_SDPA_PREFERRED`` puts it first, not modelled). All need 4-D
+    inputs of one dtype and the same batch. Flash: sm80 to sm121, fp16 or bf16, no attention mask, equal
+    head dims of at most 256 (torch pads them to a multiple of 8), ``is_causal`` only with equal query and
+    key lengths, grouped-query heads allowed (``enable_gqa``); on sm86/89/120 no training with head dims in
+    (192, 224], or above 224 with dropout. Memory-efficient: sm50 to sm121, fp32 or fp16 (and bf16 on
+    sm80+), equal query and key head dims aligned to ``minimum_gemm_alignment`` (8 elements for fp16/bf16
+    on tensor cores, 4 for fp32 on sm80+, 1 for fp32 before), the same number of heads in query, key and
+    value. Anything else runs the math path.
     """
     tensors = (query, key, value)
-    if any(t.dim() != 4 for t in tensors) or len({t.dtype for t in tensors}) != 1 or enable_gqa and key.shape[1] != query.shape[1]:
+    if any(t.dim() != 4 for t in tensors) or len({t.dtype for t in tensors}) != 1 or len({t.shape[0] for t in tensors}) != 1:
         return "math"
-    dtype, head_dim = query.dtype, query.shape[-1]
-    if gpu.capability >= (8, 0) and dtype in (torch.float16, torch.bfloat16) and attn_mask is None \
-            and head_dim % 8 == 0 and head_dim <= 256 and value.shape[-1] == head_dim:
+    dtype, capability = query.dtype, gpu.capability
+    q_heads, k_heads, v_heads = query.shape[1], key.shape[1], value.shape[1]
+    same_heads = q_heads == k_heads == v_heads
+    grouped = enable_gqa and k_heads == v_heads and k_heads > 0 and q_heads % k_heads == 0
+    q_dim, k_dim, v_dim = query.shape[-1], key.shape[-1], value.shape[-1]
+    half = dtype in (torch.float16, torch.bfloat16)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    limited = capability in _FLASH_LIMITED_HEAD_DIMS and needs_grad and (192 < q_dim <= 224 or (q_dim > 224 and dropout_p > 0.0))
+    if ((8, 0) <= capability <= (12, 1) and half and attn_mask is None and (same_heads or grouped)
+            and q_dim == k_dim == v_dim and 0 < q_dim <= 256 and not limited
+            and not (is_causal and query.shape[-2] != key.shape[-2])
+            and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)):
         return "flash"
-    aligned = (head_dim * query.element_size()) % 16 == 0 and (value.shape[-1] * value.element_size()) % 16 == 0
-    if gpu.capability >= (5, 0) and aligned and (dtype in (torch.float32, torch.float16) or (dtype is torch.bfloat16 and gpu.capability >= (8, 0))):
+    tensor_cores = capability >= (8, 0) or (capability >= (7, 0) and half)
+    alignment = 4 if capability >= (8, 0) else 1
+    if tensor_cores:
+        alignment = max(alignment, 128 // (16 if half else 32))
+    dtypes = (torch.float16, torch.float32, torch.bfloat16) if capability >= (8, 0) else (torch.float16, torch.float32)
+    if ((5, 0) <= capability <= (12, 1) and same_heads and dtype in dtypes and q_dim == k_dim
+            and q_dim > 0 and q_dim % alignment == 0 and v_dim > 0 and v_dim % alignment == 0
+            and all(t.stride(-1) == 1 for t in tensors)):
         return "efficient"
     return "math"
 
@@ -167,14 +193,21 @@ class KernelRow:
 
 #: The CUDA target's kernel choices, one row each (printed by ``memkit estimate`` on a CUDA target).
 KERNEL_TABLE: tuple[KernelRow, ...] = (
-    KernelRow("scaled_dot_product_attention", "fp16/bf16, no mask, head dim %8 == 0 and <= 256, sm80+",
+    KernelRow("scaled_dot_product_attention", "fp16/bf16, no mask, equal head dims <= 256 (padded to a multiple of 8), "
+              "grouped-query heads allowed, is_causal only with equal lengths, sm80+ (attention_backend has all the rules)",
               "flash: output, logsumexp (B,H,L) fp32, philox seed+offset (2 x 8 B); backward: dq/dk/dv and a "
               "transient fp32 dq accumulator + softmax_d (B,L,H,D + B,H,L floats)",
               "math path: L x L weights, softmax, a float dropout mask", "trace_BertLike_b8_bf16-mixed: 196608-byte lse, two 8-byte seeds, 12779776-byte backward buffer"),
-    KernelRow("scaled_dot_product_attention", "fp32 (or a mask, or fp16 before sm80), head dim aligned to 16 bytes",
-              "memory-efficient: output, logsumexp (B,H,ceil32(L)) fp32 (seed and offset on the host); backward: "
-              "dq/dk/dv, delta (B,H,L floats) and a transient fp32 dq accumulator",
+    KernelRow("scaled_dot_product_attention", "no flash: fp32, fp16 (bf16 on sm80+), a mask allowed, the same heads in q, k, v, "
+              "head dims aligned (8 elements for fp16/bf16, 4 for fp32 on sm80+, 1 for fp32 before)",
+              "memory-efficient: output, logsumexp (B,H,ceil32(L)) fp32 (seed and offset on the host), a bool mask made additive "
+              "and padded to 8 columns when its strides are not; backward: dq/dk/dv, delta (B,H,L floats) and a transient fp32 dq accumulator",
               "math path: L x L weights, softmax, a float dropout mask", "trace_BertLike_b8_32-true: 196608-byte lse per layer, 12595200-byte backward buffer"),
+    KernelRow("scaled_dot_product_attention", "neither (grouped heads in fp32, bf16 before sm80, unaligned head dims...)",
+              "math: fp16/bf16 q, k, v copied to fp32, q and k each scaled, grouped k/v heads repeated, (B,H,L,S) fp32 weights "
+              "(the mask added in place), _safe_softmax, fused dropout (bool mask), the weights cast back as a second output",
+              "the CPU kernels (CPU flash attention without dropout; with dropout a float mask)",
+              "not in the traces: tests/test_estimate_unseen.py pins it against torch's _scaled_dot_product_attention_math"),
     KernelRow("dropout (F.dropout, nn.Dropout)", "training, 0 < p < 1",
               "fused native_dropout: output and a bool (1 byte/element) mask", "output and a float mask (input's dtype)",
               "trace_BertLike_b8_32-true: 3145728-byte masks beside 12582912-byte fp32 outputs"),
@@ -266,25 +299,32 @@ class _CudaFunctions(TorchFunctionMode):
         bound.update(kwargs)
         query, key, value = bound["query"], bound["key"], bound["value"]
         attn_mask, dropout_p = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
-        is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
+        is_causal, scale, enable_gqa = bool(bound.get("is_causal", False)), bound.get("scale"), bool(bound.get("enable_gqa", False))
         if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
             return NotImplemented
         dtype = _autocast_dtype()
-        if dtype is not None:  # sdpa is on CUDA's lower-precision autocast list
+        if dtype is not None:  # sdpa is on CUDA's lower-precision autocast list: every fp32 tensor argument is cast
             query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype == torch.float32 else t for t in (query, key, value))
-        backend = attention_backend(query, key, value, attn_mask, dropout_p, self.kernels.gpu, bool(bound.get("enable_gqa", False)))
+            if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.float32:
+                attn_mask = attn_mask.to(dtype)
+        backend = attention_backend(query, key, value, attn_mask, dropout_p, self.kernels.gpu, enable_gqa, is_causal)
         self.kernels.used.add(f"attention:{backend}")
         with _no_autocast():
+            if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:
+                attn_mask = _additive_mask(attn_mask, query.dtype)
             if backend == "flash":
-                return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+                head_dim = query.shape[-1]
+                if head_dim % 8:  # torch pads q, k, v to a multiple of 8 for flash and slices the output back
+                    scale = scale if scale is not None else head_dim ** -0.5
+                    query, key, value = (F.pad(t, (0, 8 - head_dim % 8)) for t in (query, key, value))
+                output = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+                return output[..., :head_dim] if output.shape[-1] != head_dim else output
             if backend == "efficient":
-                if attn_mask is not None and attn_mask.dtype == torch.bool:  # torch converts a bool mask to an additive bias
-                    attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(), float("-inf"))
+                if attn_mask is not None:
+                    attn_mask = _efficient_mask(attn_mask, query, key)
                 compute_lse = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
                 return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale=scale)[0]
-            if bound.get("enable_gqa"):  # grouped heads: torch's own math path repeats them
-                return NotImplemented
-            return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+            return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     # ------------------------------------------------------------------ dropout
     def _dropout(self, func, args, kwargs):
@@ -333,20 +373,56 @@ class _CudaFunctions(TorchFunctionMode):
                               ignore_index=bound["ignore_index"], reduction=bound["reduction"])
 
 
-def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
-    """CUDA's math fallback (sdpa's ``_scaled_dot_product_attention_math``) with CUDA's fused dropout."""
-    scale = scale if scale is not None else query.shape[-1] ** -0.5
-    weights = torch.matmul(query * scale, key.transpose(-2, -1))
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: attend) as the additive mask torch's ``convert_boolean_attn_mask`` makes of it
+    (``where`` between two scalar tensors: one mask-sized tensor of ``dtype``)."""
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device))
+
+
+def _efficient_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The additive mask as torch hands it to the memory-efficient kernel (``preprocess_mask``): a mask whose
+    strides are not multiples of 8 (or whose last stride is not 1) is padded by ``8 - S % 8`` columns and
+    sliced back, then expanded (a view) to (B, H, L, S)."""
+    aligned = all(stride % 8 == 0 for stride in mask.stride()[:-1]) and (mask.dim() == 0 or mask.stride(-1) == 1)
+    if not aligned:
+        length = mask.shape[-1]
+        mask = F.pad(mask, (0, 8 - length % 8))[..., :length]
+    return mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+
+
+def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
+    """CUDA's math fallback, as torch's ``_scaled_dot_product_attention_math`` runs it on CUDA tensors: fp16/bf16
+    inputs computed in fp32 (unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was set), query and
+    key each scaled by sqrt(scale), a causal mask made additive, the mask added in place (fake tensors would take
+    the out-of-place add), grouped key/value heads repeated, ``_safe_softmax``, CUDA's fused dropout (bool mask),
+    and both outputs (the result and the weights) cast back to the input dtype."""
+    origin = query.dtype
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    reduce_in_half = bool(allowed()) if allowed is not None else False
+    # the C++ function's locals (query_acc, key_acc, value_acc, the scaled query, the repeated key and value)
+    # live until it returns: kept here the same way
+    query_acc, key_acc, value_acc = (t.float() if not reduce_in_half and t.dtype in (torch.float16, torch.bfloat16) else t
+                                     for t in (query, key, value))
+    factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query_acc.shape[-1]))
+    scaled_query = query_acc * factor
     if is_causal:
-        length, source = query.shape[-2], key.shape[-2]
-        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        weights = weights.masked_fill(causal.logical_not(), float("-inf"))
+        length, source = scaled_query.shape[-2], key_acc.shape[-2]
+        attn_mask = _additive_mask(torch.ones(length, source, dtype=torch.bool, device=query.device).tril(), scaled_query.dtype)
+    key_expanded, value_expanded = key_acc, value_acc
+    if enable_gqa and key_acc.shape[-3] != scaled_query.shape[-3]:
+        key_expanded = key_acc.repeat_interleave(scaled_query.shape[-3] // key_acc.shape[-3], -3)
+        value_expanded = value_acc.repeat_interleave(scaled_query.shape[-3] // value_acc.shape[-3], -3)
+    weights = torch.matmul(scaled_query, key_expanded.transpose(-2, -1) * factor)
     if attn_mask is not None:
-        weights = weights.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool else weights + attn_mask
-    weights = torch.softmax(weights, -1)
+        weights.add_(attn_mask)
+    weights = torch.ops.aten._safe_softmax(weights, -1)
     if dropout_p > 0.0:
         weights = torch.native_dropout(weights, dropout_p, True)[0]
-    return torch.matmul(weights, value)
+    weights_out = weights.to(origin)  # the op's second output (C++ builds the returned tuple's last element first)
+    output = torch.matmul(weights, value_expanded).to(origin)
+    del weights_out, weights, query_acc, key_acc, value_acc, scaled_query, key_expanded, value_expanded  # sdpa keeps only the output
+    return output
 
 
 def _autocast_dtype() -> torch.dtype | None:
