@@ -54,8 +54,8 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     per_rank = layout["memkit: per rank (DDP)"]
     # a chart whose values TensorBoard's three-digit axis could not label draws them above a base its title names
     # (tests/test_dashboard_rules.py checks those lines): here, as logged
-    logged = lambda t: re.sub(r"_(B|KiB|MiB)_above_[0-9.]+_(B|KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/"))  # noqa: E731
-    matched = {re.sub(r"\((B|KiB|MiB) above [0-9,.]+ (B|KiB|MiB)", "(MiB", title): {logged(t) for t in tags for r in regexes if re.match(r, t)}
+    logged = lambda t: re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))  # noqa: E731
+    matched = {re.sub(r"\((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", "(MiB", title): {logged(t) for t in tags for r in regexes if re.match(r, t)}
                for title, regexes in per_rank.items()}
     expected = {  # no reserved chart on CPU: every chart has lines, one per rank
         "per rank: live tensors at step end, exact (MiB; one line per rank)": {"memory/train/rank0/tensor_MiB", "memory/train/rank1/tensor_MiB"},

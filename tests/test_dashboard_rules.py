@@ -75,9 +75,14 @@ def check_rebased_lines(layout, scalars):
         for tag in sorted(t for t in scalars for r in regexes if re.match(r, t)):
             if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/"):
                 continue
-            unit, base = re.search(r"\((B|KiB|MiB) above ([0-9,.]+) (B|KiB|MiB)", title).group(1, 2)
-            source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB")
-            factor = {"B": 2 ** 20, "KiB": 1024, "MiB": 1}[unit]
+            above = re.search(r"\((B|KiB|MiB|GiB) above ([0-9,.]+) (B|KiB|MiB|GiB)", title)
+            if above:
+                unit, base = above.group(1, 2)
+                source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB")
+            else:  # drawn in a larger unit, no base: "(GiB)"
+                unit, base = re.search(r"\((GiB)\b", title).group(1), "0"
+                source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}", "_MiB")
+            factor = {"B": 2 ** 20, "KiB": 1024, "MiB": 1, "GiB": 1 / 1024}[unit]
             assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
             for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
                 assert rebased == pytest.approx(value * factor - float(base.replace(",", "")), abs=1e-5), (tag, title)
@@ -108,22 +113,30 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     logged = read_scalars(run)
     # the charts chosen from the tags alone: host RSS moves by 13 MiB around 1,500 MiB, and TensorBoard's
     # three-digit labels read 1.5e+3 or 1.51e+3 on every tick (docs/images of the earlier dashboard show it)
+    # and NVML's chart reaches 1,403 MiB, which TensorBoard labels "1e+3" ... "1.5e+3" (the screenshot's NVML axis)
+    host_ticks = "['1.5e+3', '1.5e+3', '1.5e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3']"
     assert check_dashboard(layout_from_tags(steps_per_tag(logged)), {"demo": logged}) == [
-        "'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks "
-        "['1.5e+3', '1.5e+3', '1.5e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3']: three significant "
-        "digits cannot tell them apart"]
+        "'device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)': the y axis over [100, 1500] "
+        "labels ticks ['1e+3', '1.1e+3', '1.2e+3', '1.3e+3', '1.4e+3', '1.5e+3'] in exponent notation (values of 1,000 or more): "
+        "draw them in a larger unit",
+        f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks {host_ticks}: "
+        "three significant digits cannot tell them apart",
+        f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels ticks {host_ticks} in "
+        "exponent notation (values of 1,000 or more): draw them in a larger unit"]
     layout, scalars = todays_layout(logged)
     assert check_dashboard(layout, {"demo": scalars}) == []
-    assert check_rebased_lines(layout, scalars) == 2
+    assert check_rebased_lines(layout, scalars) == 5
     lines = matched(layout, scalars)
     assert lines["host RSS, top to bottom: step peak, step end (MiB above 1,490 MiB)"] == [
         "memory/dashboard/train/host_peak_rss_MiB_above_1490_MiB", "memory/dashboard/train/host_rss_MiB_above_1490_MiB"]
-    assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == [
-        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"]
+    # NVML's chart in GiB (1.37 GiB, not "1.4e+3"); the logged _MiB tags are unchanged
+    assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (GiB)"] == [
+        "memory/dashboard/train/device_used_GiB", "memory/dashboard/train/process_device_GiB", "memory/dashboard/train/reserved_GiB"]
+    assert max(v for _, v in scalars["memory/dashboard/train/device_used_GiB"]) < 1.4 < max(v for _, v in scalars["memory/train/device_used_MiB"]) / 1000
     assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
     assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
         "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
-    drawn = {re.sub(r"_(B|KiB|MiB)_above_[0-9.]+_(B|KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
+    drawn = {re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
     # the capacity and the layer trace's one-step values are on no chart ...
     assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
     # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
@@ -202,8 +215,8 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     assert list(layout) == ["memkit: memory per step"]
     check_rebased_lines(layout, scalars)
     # each chart draws these logged lines, or the same lines above a base its title names
-    sources = {re.sub(r" \((B|KiB|MiB) above [0-9,.]+ (B|KiB|MiB)", " (MiB", title):
-               [re.sub(r"_(B|KiB|MiB)_above_[0-9.]+_(B|KiB|MiB)$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
+    sources = {re.sub(r" \((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", " (MiB", title):
+               [re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
                for title, tags in matched(layout, scalars).items()}
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
@@ -350,7 +363,7 @@ def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, 
     assert "updated the dashboard of demo-transformer/version_0: 7 chart(s)" in capsys.readouterr().out
     layout = read_layout(run)
     assert layout != old and layout == todays_layout(read_scalars(run))[0]
-    assert check_rebased_lines(layout, read_scalars(run)) == 2  # host RSS's two lines, above 1,490 MiB
+    assert check_rebased_lines(layout, read_scalars(run)) == 5  # host RSS's two lines above 1,490 MiB, NVML's three in GiB
     logged = {t: v for t, v in read_scalars(run).items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
     assert logged == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
     files = sorted(os.listdir(run))

@@ -104,8 +104,10 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
     served = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": host_chart})
     if host_title.endswith("(MiB)"):
         assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
+    elif host_title.endswith("(GiB)"):  # values of 1,000 MiB or more: drawn in GiB, the lines fit end wrote
+        assert set(served["tag_to_events"]) == {f"memory/{DASHBOARD_TAG_PART}/train/{n}_GiB" for n in ("host_rss", "host_peak_rss")}
     else:  # drawn above a base: the lines fit end wrote
-        unit, base = re.search(r"\((B|KiB|MiB) above ([0-9,.]+) ", host_title).groups()
+        unit, base = re.search(r"\((B|KiB|MiB|GiB) above ([0-9,.]+) ", host_title).groups()
         assert set(served["tag_to_events"]) == {f"memory/{DASHBOARD_TAG_PART}/train/{n}_{unit}_above_{base.replace(',', '')}_{unit}"
                                                 for n in ("host_rss", "host_peak_rss")}
     # and the rules every chart keeps, on the data the server hands the Custom Scalars tab

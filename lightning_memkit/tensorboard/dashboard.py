@@ -100,7 +100,8 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
             tensors=accountant is True or (accountant == "auto" and not cuda),
             host=tracker.host,
             validation=tracker.log_validation and _validates(trainer),
-            ranks=tracker.per_rank and getattr(trainer, "world_size", 1) > 1,
+            # the world size: with more than three ranks the per-rank charts split into groups of ranks
+            ranks=getattr(trainer, "world_size", 1) if tracker.per_rank and getattr(trainer, "world_size", 1) > 1 else False,
         )
     for callback in callbacks:
         asked = getattr(callback, DASHBOARD_OPTIONS_ATTRIBUTE, None)

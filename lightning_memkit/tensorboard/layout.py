@@ -21,7 +21,8 @@ from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS, metric
 __all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "MAX_SCALE_RATIO", "dashboard_layout", "layout_from_tags",
            "prune_layout", "layout_tags", "check_dashboard", "check_chart", "clipping_problems", "tick_problems",
            "MAX_CLIPPED_FRACTION", "tensorboard_y_range", "tensorboard_ticks", "tick_label", "readable_layout",
-           "DASHBOARD_TAG_PART", "COMPARE_CATEGORY"]
+           "DASHBOARD_TAG_PART", "COMPARE_CATEGORY", "MAX_TICK_LABEL",
+           "RANK_CATEGORY", "rank_groups"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
@@ -32,6 +33,9 @@ COMPARE_CATEGORY = "memkit: modes compared"
 MAX_SERIES_PER_CHART = 3
 #: the largest ratio between the biggest and the smallest non-zero series of one chart (by largest |value|).
 MAX_SCALE_RATIO = 100.0
+#: tick labels at or above this are written in exponent notation by TensorBoard (d3's ``.3~g``: 1,400 -> "1.4e+3"),
+#: so a chart keeps its labels below it: MiB values that reach it are drawn in GiB (:func:`readable_layout`).
+MAX_TICK_LABEL = 1000.0
 #: the largest share of a line's points that may lie outside the y range TensorBoard draws by
 #: default (it ignores values beyond the 5th and 95th percentiles: up to 10 % of a long line).
 MAX_CLIPPED_FRACTION = 0.1
@@ -81,6 +85,11 @@ _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
 }
 
 
+#: the category of the per-rank charts (DDP with ``MemoryTracker(per_rank=True)``); with more ranks than
+#: :data:`MAX_SERIES_PER_CHART`, one category per quantity: ``"memkit: per rank (DDP): host RSS at step end"``.
+RANK_CATEGORY = "memkit: per rank (DDP)"
+
+
 def _rank_charts(cuda: bool, host: bool) -> list[tuple[str, str, list[str]]]:
     # on CPU the live tensor bytes at step end: read every step (the accountant's peak may be sampled)
     peak = ("per rank: CUDA step peak allocated (MiB; one line per rank)", "rank", ["peak_allocated_bytes"]) if cuda else \
@@ -93,6 +102,43 @@ def _rank_charts(cuda: bool, host: bool) -> list[tuple[str, str, list[str]]]:
     return charts
 
 
+def rank_groups(world_size: int) -> list[list[int]]:
+    """The ranks each per-rank chart draws: all of them up to :data:`MAX_SERIES_PER_CHART`, else
+    ``ceil(world_size / 3)`` charts of consecutive ranks, as even as can be (4 -> [0, 1], [2, 3];
+    7 -> [0, 1, 2], [3, 4], [5, 6]), so no chart draws more than three lines."""
+    if world_size <= MAX_SERIES_PER_CHART:
+        return [list(range(world_size))]
+    count = -(-world_size // MAX_SERIES_PER_CHART)
+    small, extra = divmod(world_size, count)
+    groups, start = [], 0
+    for index in range(count):
+        size = small + (index < extra)
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def _rank_layout(prefix: str, cuda: bool, host: bool, world_size: int | None) -> dict[str, dict[str, list[Any]]]:
+    """The per-rank categories: one chart per quantity with every rank's line (``world_size`` unknown, or
+    at most three ranks), else one category per quantity with a chart per group of ranks (:func:`rank_groups`)."""
+    charts = _rank_charts(cuda, host)
+    if world_size is None or world_size <= MAX_SERIES_PER_CHART:
+        return {RANK_CATEGORY: _charts(prefix, charts)}
+    escaped = re.escape(prefix)
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for title, _, fields in charts:
+        quantity = title[len("per rank: "):title.index(" (MiB")]
+        names = [re.escape(metric_name(f)) for f in fields]
+        alternatives = names[0] if len(names) == 1 else "(" + "|".join(names) + ")"
+        category = layout.setdefault(f"{RANK_CATEGORY}: {quantity}", {})
+        for group in rank_groups(world_size):
+            label = f"rank {group[0]}" if len(group) == 1 else f"ranks {group[0]}-{group[-1]}"
+            ranks = "(" + "|".join(str(r) for r in group) + ")"
+            category[f"per rank: {quantity} (MiB; {label}, one line each)"] = [
+                "Multiline", [f"^{escaped}/{STAGE_TAGS['train']}/rank{ranks}/{alternatives}$"]]
+    return layout
+
+
 def dashboard_layout(
     prefix: str = DEFAULT_PREFIX,
     cuda: bool = False,
@@ -100,7 +146,7 @@ def dashboard_layout(
     host: bool = True,
     validation: bool = True,
     trace: bool = False,
-    ranks: bool = False,
+    ranks: bool | int = False,
     compare: bool = False,
     nvml: bool | None = None,
 ) -> dict[str, dict[str, list[Any]]]:
@@ -121,7 +167,11 @@ def dashboard_layout(
         validation: the per-validation-run peaks.
         trace: accepted for compatibility and ignored: a layer trace is one step, shown as a figure
             (Images tab) and tables (Text tab), not as scalars at a single step.
-        ranks: per-rank charts, one line per rank (DDP with ``MemoryTracker(per_rank=True)``).
+        ranks: per-rank charts, one line per rank (DDP with ``MemoryTracker(per_rank=True)``): ``True``
+            for one chart per quantity with every rank, or the world size (an int): with more than
+            :data:`MAX_SERIES_PER_CHART` ranks each quantity gets its own category and a chart per
+            group of at most three consecutive ranks (:func:`rank_groups`), so no chart draws more
+            than three lines.
         compare: a ``memkit compare`` mode's run: one category, "modes overlaid", one chart per
             quantity and one line per mode's run (each mode is a TensorBoard run under one root).
         nvml: NVML's device chart (all processes vs this process vs allocator reserved);
@@ -152,7 +202,9 @@ def dashboard_layout(
     if step_charts:
         layout["memkit: memory per step"] = _charts(prefix, step_charts)
     if ranks:
-        layout["memkit: per rank (DDP)"] = _charts(prefix, _rank_charts(cuda, host))
+        world_size = None if ranks is True else int(ranks)
+        if world_size is None or world_size > 1:
+            layout.update(_rank_layout(prefix, cuda, host, world_size))
     return layout
 
 
@@ -224,7 +276,7 @@ def layout_from_tags(tags: Mapping[str, int] | Iterable[str], prefix: str = DEFA
         tensors=has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
         host=has(train, "host_rss_bytes"),
         validation=any(t.startswith(val) for t in steps),
-        ranks=any(re.match(re.escape(train) + r"rank[0-9]+/", t) for t in steps),
+        ranks=max((int(m.group(1)) + 1 for m in (re.match(re.escape(train) + r"rank([0-9]+)/", t) for t in steps) if m), default=0),
         compare=compare,
     )
     return prune_layout(dashboard_layout(**options), steps)
@@ -443,14 +495,21 @@ def clipping_problems(title: str, series: Mapping[tuple[str, str], Sequence[tupl
 
 
 def tick_problems(title: str, series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float = 0.6) -> list[str]:
-    """:func:`check_chart`'s axis rule alone: the y axis's tick labels, as TensorBoard writes them
-    over its default y range, must all differ."""
+    """:func:`check_chart`'s axis rules alone: the y axis's tick labels, as TensorBoard writes them
+    over its default y range, must all differ, and none may be at or above :data:`MAX_TICK_LABEL`
+    (TensorBoard writes 1,400 as "1.4e+3": a chart of MiB values that reach 1,000 is drawn in GiB)."""
     _, (low, high) = _drawn(series, smoothing)
-    labels = [tick_label(t) for t in tensorboard_ticks(low, high)]
-    if len(set(labels)) == len(labels):
-        return []
-    return [f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: three significant digits "
-            f"cannot tell them apart"]
+    ticks = tensorboard_ticks(low, high)
+    labels = [tick_label(t) for t in ticks]
+    problems = []
+    if len(set(labels)) != len(labels):
+        problems.append(f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: three significant digits "
+                        f"cannot tell them apart")
+    large = [label for t, label in zip(ticks, labels) if abs(t) >= MAX_TICK_LABEL]
+    if large:
+        problems.append(f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels ticks {large} in exponent notation "
+                        f"(values of {MAX_TICK_LABEL:,.0f} or more): draw them in a larger unit")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------- readable at a glance
@@ -459,9 +518,10 @@ def tick_problems(title: str, series: Mapping[tuple[str, str], Sequence[tuple[fl
 DASHBOARD_TAG_PART = "dashboard"
 
 
-def _rebased(regex: str, prefix: str, unit: str, base: str, is_regex: bool = True) -> str:
+def _rebased(regex: str, prefix: str, unit: str, base: str | None, is_regex: bool = True) -> str:
     """A chart regex (or a tag, ``is_regex=False``) of memkit's ``<prefix>/...<field>_MiB`` lines, for
-    the same lines in ``unit`` above ``base`` (a plain number): ``..._MiB`` -> ``..._KiB_above_4628.4_KiB``."""
+    the same lines in ``unit`` above ``base`` (a plain number): ``..._MiB`` -> ``..._KiB_above_4628.4_KiB``;
+    with ``base=None``, in ``unit`` alone: ``..._MiB`` -> ``..._GiB``."""
     head = re.escape(prefix) + "/"
     start = "^" if regex.startswith("^") else ""
     body = regex[len(start):]
@@ -469,22 +529,33 @@ def _rebased(regex: str, prefix: str, unit: str, base: str, is_regex: bool = Tru
         body = head + DASHBOARD_TAG_PART + "/" + body[len(head):]
     elif body.startswith(prefix + "/"):
         body = prefix + "/" + DASHBOARD_TAG_PART + "/" + body[len(prefix) + 1:]
+    if base is None:
+        return start + body.replace("_MiB", f"_{unit}")
     return start + body.replace("_MiB", f"_{unit}_above_{re.escape(base) if is_regex else base}_{unit}")
 
 
 def _base(values: Sequence[float]) -> tuple[str, float, float, str, str]:
     """(unit, factor from MiB, base in that unit, the base as the title writes it, as the tag writes it) for MiB values on a large base.
 
-    The unit is bytes when the values move by less than 1 KiB, KiB when by less than 1 MiB, else MiB; the
-    base is the lowest value rounded down to the order of magnitude of the values' range, so the rebased
+    The unit is bytes when the values move by less than 1 KiB, KiB when by less than 1 MiB, MiB when by
+    less than 100 MiB, else GiB; the base is the lowest value rounded down to the order of magnitude of the values' range, so the rebased
     values start near zero."""
     low, high = min(values), max(values)
-    unit, factor = ("B", 1048576.0) if high - low < 1 / 1024 else ("KiB", 1024.0) if high - low < 1 else ("MiB", 1.0)
+    unit, factor = ("B", 1048576.0) if high - low < 1 / 1024 else ("KiB", 1024.0) if high - low < 1 else \
+        ("MiB", 1.0) if high - low < MAX_TICK_LABEL / 10 else ("GiB", 1 / 1024)
     span = (high - low) * factor
     step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
     base = math.floor(low * factor / step) * step
     decimals = max(0, -math.floor(math.log10(step)))
     return unit, factor, base, f"{base:,.{decimals}f} {unit}", f"{base:.{decimals}f}"
+
+
+def _displays(values: Sequence[float], large: bool) -> list[tuple[str, float, float, str, str | None]]:
+    """The ways to draw MiB ``values`` that :func:`readable_layout` tries, in order, as ``(unit, factor
+    from MiB, base in that unit, the base as the title writes it, as the tag writes it or None)``:
+    when TensorBoard would label ticks of 1,000 or more (``large``), in GiB as they are; then above a
+    base (:func:`_base`)."""
+    return ([("GiB", 1 / 1024, 0.0, "", None)] if large else []) + [_base(values)]
 
 
 def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
@@ -507,11 +578,17 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
     - a chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few points,
       e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
       clipping) is left out; its points are in the memory-per-step figure (Images tab);
+    - a chart whose y axis would label a tick at 1,000 or more (:func:`tick_problems`: TensorBoard
+      writes 1,400 MiB as "1.4e+3") draws its lines in GiB: "device (NVML), ... (GiB)", lines
+      ``<prefix>/dashboard/train/device_used_GiB`` (the logged MiB / 1024, at the same steps);
     - a chart whose y axis would repeat a tick label (:func:`tick_problems`: a value moving by a
-      few KiB around 4.43 MiB reads "4.43" on every tick) draws its lines above a base that its
-      title names, in KiB when they move by less than 1 MiB (bytes, less than 1 KiB): "live at step end (KiB above
-      4,628.4 KiB)". The rebased line (``<prefix>/dashboard/train/tensor_KiB_above_4628.4_KiB``) is
+      few KiB around 4.43 MiB reads "4.43" on every tick), in GiB too, draws its lines above a base that its
+      title names, in KiB when they move by less than 1 MiB (bytes, less than 1 KiB; GiB from 100 MiB):
+      "live at step end (KiB above 4,628.4 KiB)". The rebased line (``<prefix>/dashboard/train/tensor_KiB_above_4628.4_KiB``) is
       the logged one in that unit minus the base, at the same steps.
+
+    The logged ``_MiB`` tags are never changed (CSV, the Scalars tab and ``memkit report`` read them as
+    they are); the redrawn lines are extra tags under ``<prefix>/dashboard/``.
 
     Pass every run the layout is drawn with (a ``memkit compare`` root's modes): one base for all
     of them, so each mode's run gets the same layout.
@@ -525,13 +602,18 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
             if series and clipping_problems(title, series, smoothing):
                 continue
             if series and tick_problems(title, series, smoothing) and all(tag.endswith("_MiB") for _, tag in series):
-                unit, factor, base, text, plain = _base([v for points in series.values() for _, v in points])
-                rebased = {(run, _rebased(tag, prefix, unit, plain, is_regex=False)): [(step, round(v * factor - base, 6)) for step, v in points]
-                           for (run, tag), points in series.items()}
-                if not tick_problems(title, rebased, smoothing) and not clipping_problems(title, rebased, smoothing):
-                    title = title.replace("(MiB", f"({unit} above {text}", 1) if "(MiB" in title else f"{title} ({unit} above {text})"
+                _, (low, high) = _drawn(series, smoothing)
+                large = any(abs(t) >= MAX_TICK_LABEL for t in tensorboard_ticks(low, high))
+                for unit, factor, base, text, plain in _displays([v for points in series.values() for _, v in points], large):
+                    redrawn = {(run, _rebased(tag, prefix, unit, plain, is_regex=False)): [(step, round(v * factor - base, 6)) for step, v in points]
+                               for (run, tag), points in series.items()}
+                    if tick_problems(title, redrawn, smoothing) or clipping_problems(title, redrawn, smoothing):
+                        continue
+                    named = unit if plain is None else f"{unit} above {text}"
+                    title = title.replace("(MiB", f"({named}", 1) if "(MiB" in title else f"{title} ({named})"
                     regexes = [_rebased(r, prefix, unit, plain) for r in regexes]
-                    for (run, tag), points in rebased.items():
+                    for (run, tag), points in redrawn.items():
                         lines.setdefault(run, {})[tag] = points
+                    break
             readable.setdefault(category, {})[title] = ["Multiline", regexes]
     return readable, lines
