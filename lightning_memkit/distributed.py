@@ -2,7 +2,9 @@
 
 Every rank sends a vector of the same length (missing values as -1), so ranks whose probes
 differ (NVML off on one node, say) still agree on the collective's shape; the group has a
-timeout, so a rank that stops reducing turns into an error, never a hang.
+timeout, so a rank that stops reducing turns into an error, never a hang. Every side group memkit
+makes (:func:`side_group`) is destroyed by its owner when it is done (:func:`release_group`), so a
+job of many fits does not accumulate process groups (each holds sockets and a thread per peer).
 """
 
 from __future__ import annotations
@@ -15,9 +17,28 @@ import torch.distributed as dist
 
 from lightning_memkit.records import StepReading
 
-__all__ = ["ReadingReducer"]
+__all__ = ["ReadingReducer", "side_group", "release_group"]
 
 _MISSING = -1
+
+
+def side_group(timeout_s: float) -> object:
+    """A new gloo process group of every rank, with its own timeout (seconds): memkit's calls on it
+    never interleave with the strategy's collectives (FSDP's all-gathers run on the default group),
+    and a rank that never arrives is an error after ``timeout_s``, not a hang. Every rank must call
+    it at the same point (``new_group`` is collective). Give it back with :func:`release_group`."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def release_group(group: object | None) -> None:
+    """Destroy a group :func:`side_group` made (a local call on each rank: no collective). Nothing
+    happens for ``None``, or when torch.distributed was torn down already (the group went with it)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError):  # destroyed already (the whole world, or twice)
+        pass
 
 
 def _encode(reading: StepReading) -> torch.Tensor:
@@ -36,8 +57,8 @@ class ReadingReducer:
     """Max (and optionally every rank's value) of a StepReading over the ranks.
 
     Build it on every rank at the same point (it creates its own gloo process group, so its
-    calls never mix with the strategy's collectives). Outside torch.distributed it returns the
-    reading unchanged.
+    calls never mix with the strategy's collectives) and :meth:`close` it when done. Outside
+    torch.distributed it returns the reading unchanged.
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
@@ -52,7 +73,14 @@ class ReadingReducer:
         # memkit's own group even when training's is gloo too: its calls never interleave with the strategy's
         # collectives (FSDP's all-gathers run on the default group), and its timeout is memkit's, not the
         # strategy's (Lightning's default: 30 minutes).
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = side_group(timeout_s)
+
+    def close(self) -> None:
+        """Destroy the side group (MemoryTracker does at teardown and after a failure); the reducer then
+        returns readings unchanged. Safe to call twice."""
+        group, self.group = self.group, None
+        self.enabled = False
+        release_group(group)
 
     def reduce(self, reading: StepReading, per_rank: bool = False) -> tuple[StepReading, list[StepReading]]:
         """Return (max over ranks with ``rank=-1``, every rank's reading if ``per_rank``)."""

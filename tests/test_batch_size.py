@@ -227,9 +227,16 @@ DDP_SCRIPT = textwrap.dedent(
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
     budgets = [int(sys.argv[2]), int(sys.argv[3])]
     rank = int(os.environ.get("LOCAL_RANK", 0))
+    from torch.distributed import distributed_c10d  # private: only this test counts the process groups
+    groups = []
+    class CountGroups(pl.Callback):  # before the search: the search runs at fit start, in a fit that stops after it
+        def setup(self, trainer, pl_module, stage):
+            groups.append(len(distributed_c10d._world.pg_map))
+    trainer.callbacks.append(CountGroups())
     result = find_max_batch_size(trainer, module, data, budget=budgets[rank], max_val=512, verbose=False)
+    groups.append(len(distributed_c10d._world.pg_map))
     with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.txt"), "w") as f:
-        f.write(f"{result.batch_size} {len(result.trials)}")
+        f.write(f"{result.batch_size} {len(result.trials)} {groups[0]} {groups[-1]}")
     """
 )
 
@@ -241,6 +248,7 @@ def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
     run_script([str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240)  # kills both ranks on timeout
     answers = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
     assert answers[0] == answers[1], answers
+    assert answers[0][2] == answers[0][3], answers  # the search's own gloo group is destroyed after it
     size = int(answers[0][0])
     assert 0.9 * 60 <= size <= 62, size  # rank 1's smaller budget decides (per-rank batch, DDP adds nothing per sample)
 

@@ -109,7 +109,7 @@ def test_foreign_directory_fails_and_names_what_it_found(tmp_path, capsys):
 
 
 def test_missing_directory_fails(tmp_path, capsys):
-    assert main(["report", str(tmp_path / "nope")]) == 1
+    assert main(["report", str(tmp_path / "nope")]) == 2  # a wrong argument, as every verb's: exit 2
     assert "is not a directory" in capsys.readouterr().err
 
 
@@ -208,7 +208,13 @@ def test_report_of_a_run_that_ran_out_of_memory(tmp_path, capsys):
     readings = [StepReading.from_dict(r) for r in oom["last_readings"]] + [StepReading.from_dict(oom["failing_step_reading"])]
     assert [r.step for r in readings] == [0, 1, 2]
     assert html.escape(readings_table(readings)) in page
-    # the run never reached fit end: its readings come back from the TensorBoard scalars, and the report says so
+    # the fit raised: MemoryTracker wrote its exact readings up to the failure, and the report says the fit did not finish
+    [run] = find_sources(str(tmp_path / "logs")).runs
+    assert run.exact and [r.step for r in run.history] == [0, 1]
+    assert run.summary.extra["ended_by"].startswith("RuntimeError: ") and "the fit did not finish: RuntimeError" in page
+    # without that file (a run killed with no exception, or an older memkit) they come back from the TensorBoard scalars
+    os.remove(os.path.join(logger.log_dir, RECORDS_FILENAME))
     [run] = find_sources(str(tmp_path / "logs")).runs
     assert not run.exact and [r.step for r in run.history] == [0, 1]
-    assert "rebuilt from TensorBoard scalars" in page
+    assert main(["report", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    assert "rebuilt from TensorBoard scalars" in out.read_text()

@@ -32,16 +32,26 @@ SCRIPT = textwrap.dedent(
             (x,) = batch
             return self.net(x).pow(2).sum() + extra[0] * 0
 
+    def process_groups():
+        from torch.distributed import distributed_c10d
+        return len(distributed_c10d._world.pg_map)  # private: only this test counts the groups
+
+    class CountGroups(pl.Callback):  # the groups while the tracker is set up (its own gloo group among them)
+        def on_train_start(self, trainer, pl_module):
+            self.during = process_groups()
+
     out = sys.argv[1]
     tracker = MemoryTracker(per_rank=True, verbose=False, tensor_peak_every_n_steps=1)
+    counter = CountGroups()
     trainer = pl.Trainer(
         strategy="ddp", accelerator="cpu", devices=2, max_steps=3, logger=TensorBoardLogger(out, name="tb", version=0),
-        callbacks=[tracker], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[tracker, counter], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
     trainer.fit(RankDependent(batch_size=8))
     with open(os.path.join(out, f"rank{{trainer.global_rank}}.json"), "w") as file:
-        json.dump({{"history": [r.to_dict() for r in tracker.history], "world_size": trainer.world_size}}, file)
+        json.dump({{"history": [r.to_dict() for r in tracker.history], "world_size": trainer.world_size,
+                   "groups_during": counter.during, "groups_after": process_groups()}}, file)
     """
 )
 
@@ -57,6 +67,8 @@ def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
         with open(tmp_path / f"rank{rank}.json") as file:
             ranks.append(json.load(file))
     assert ranks[0]["world_size"] == 2
+    # the tracker's own gloo group is destroyed at teardown: a job of many fits does not accumulate groups
+    assert [(r["groups_during"] - r["groups_after"]) for r in ranks] == [1, 1]
     # both ranks hold the same reduced history: the max over ranks, rank=-1
     assert ranks[0]["history"] == ranks[1]["history"]
     history = ranks[0]["history"]

@@ -25,7 +25,7 @@ from lightning_memkit.modes.checkpointing import (
     plan_checkpointing,
 )
 from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper, user_name
-from lightning_memkit.units import MiB
+from lightning_memkit.units import MiB, format_bytes
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -61,7 +61,9 @@ class ActivationCheckpointing(Callback):
             (FLOPs): two extra forward passes that keep no activation (a ``saved_tensors_hooks``
             placeholder replaces every saved tensor, so their peak is about a ``no_grad`` forward's),
             no backward, RNG and running statistics restored. Budgets always measure (one more forward
-            per added block when the prediction falls short).
+            per added block when the prediction falls short). A plan measured to save no activation
+            bytes (a model that already calls ``torch.utils.checkpoint`` in its forward: wrapping it again
+            only recomputes twice) is undone with a warning: nothing stays wrapped.
         sample_fn: ``(pl_module, batch) -> output`` running the forward to measure; default
             ``pl_module.training_step(batch, 0)`` with ``self.log`` muted (required for manual
             optimization, whose training_step also steps the optimizer).
@@ -152,6 +154,18 @@ class ActivationCheckpointing(Callback):
         if isinstance(self.policy, CheckpointBudget) and trainer.world_size > 1:
             self._agree_across_ranks(trainer, pl_module)
         self.plan = self._handle.plan
+        if self._saves_nothing(trainer, self.plan):
+            self._handle.remove()
+            self._handle = None
+            rank_zero_warn(
+                f"ActivationCheckpointing: checkpointing {self.plan.count} region(s) ({', '.join(self.plan.names[:3])}"
+                f"{', ...' if self.plan.count > 3 else ''}) saved no activation memory when measured "
+                f"({format_bytes(self.plan.baseline_activation_bytes)} -> {format_bytes(self.plan.measured_activation_bytes)}): "
+                "the model may checkpoint them itself (torch.utils.checkpoint in forward), or what autograd saves there "
+                "is their inputs anyway. Nothing is wrapped, so backward recomputes nothing; drop this callback, or "
+                "give a policy naming other modules."
+            )
+            self.plan.note = (self.plan.note + ". " if self.plan.note else "") + "unwrapped: it saved nothing when measured"
         if self.verbose:
             rank_zero_info(self.plan.summary())
         metrics = {"memory/checkpoint/regions": float(self.plan.count)}
@@ -162,6 +176,15 @@ class ActivationCheckpointing(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+    @staticmethod
+    def _saves_nothing(trainer: Trainer, plan: CheckpointPlan) -> bool:
+        """Whether the measured plan saves no activation bytes (every rank takes rank 0's answer)."""
+        saving = plan.measured_saving_bytes
+        nothing = plan.count > 0 and saving is not None and saving <= 0
+        if trainer.world_size > 1:
+            nothing = bool(trainer.strategy.broadcast(nothing, src=0))
+        return nothing
 
     def _agree_across_ranks(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Each rank measured its own batch; all ranks take rank 0's choice so every replica does the same work.

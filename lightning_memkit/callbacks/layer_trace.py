@@ -15,7 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import format_bytes
@@ -86,7 +87,7 @@ class LayerTrace(Callback):
             per category and where the table, figure and JSON went; ``False``: print nothing.
         max_results: traced results kept in :attr:`results` (oldest dropped).
         dirpath: the directory for the JSON files; default: the first logger's ``log_dir``, and no
-            file without a logger.
+            file without a logger (``logger=False``, or ``fast_dev_run``, which switches the loggers off).
 
     Attributes:
         results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
@@ -243,12 +244,18 @@ class LayerTrace(Callback):
     def _publish(self, trainer: Trainer, result: LayerTraceResult) -> None:
         if result.errors:
             rank_zero_warn(f"memkit LayerTrace: step {result.step} traced with problems: {'; '.join(result.errors[:3])}")
+        if not result.module_events("forward"):
+            # e.g. a training_step that returns None before calling the model (a skipped batch): the table would
+            # show the step markers alone, which reads like a step that used no memory
+            rank_zero_warn(f"memkit LayerTrace: step {result.step} ran no module's forward (training_step returned before "
+                           "calling the model, e.g. a skipped batch that returns None): its trace holds the step markers "
+                           "only; trace another step (at_steps=..., or `memkit trace --step N`)")
         step = result.step if result.step is not None else 0
         for logger in trainer.loggers:
             logger.log_metrics(result.metrics(self.prefix), step=step)
             if isinstance(logger, TensorBoardLogger):
                 self._to_tensorboard(logger, result, step)
-        directory = self.dirpath if self.dirpath is not None else log_dir(trainer) if trainer.loggers else None
+        directory = self.dirpath if self.dirpath is not None else run_files_dir(trainer)
         path = None
         if directory is not None:
             try:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
@@ -109,7 +110,11 @@ class MaxBatchSize(Callback):
     def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
         """Run the search now (also from ``on_train_epoch_start`` mid-training); returns the size found."""
         if trainer.fast_dev_run:
-            return int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
+            size = int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
+            # as Lightning's BatchSizeFinder: no search in a smoke test, and it says so (it was silent: result None)
+            rank_zero_warn(f"MaxBatchSize: no batch-size search under fast_dev_run (a smoke test of a few batches); training "
+                           f"uses the batch size as set{f' ({size})' if size else ''}. Run without fast_dev_run to search.")
+            return size
         self.config.checkpoint_policy = _checkpoint_policy(trainer)
         try:
             self.result = search_in_fit(trainer, pl_module, self.config)

@@ -12,7 +12,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 
@@ -53,7 +54,10 @@ class MemoryDoctor(Callback):
 
     Attributes:
         report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
-        report_path: ``<log_dir>/memkit_doctor.json`` written at fit end (``None`` without a log dir).
+        report_path: ``<log_dir>/memkit_doctor.json`` written at fit end in the first logger's log dir;
+            ``None`` without a logger (``logger=False``, ``fast_dev_run``): nothing lands in the working
+            directory unasked, :attr:`report` has the verdict (``report.to_json(path)`` writes it).
+            A fit that raises writes the verdict up to the failure too.
     """
 
     def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True) -> None:
@@ -114,13 +118,7 @@ class MemoryDoctor(Callback):
         self._close()
         if self.report is None:
             return
-        directory = log_dir(trainer)
-        if trainer.is_global_zero and directory:
-            try:
-                os.makedirs(directory, exist_ok=True)
-                self.report_path = self.report.to_json(os.path.join(directory, REPORT_FILENAME))
-            except OSError as error:
-                rank_zero_warn(f"memkit doctor: could not write {REPORT_FILENAME} to {directory}: {error}")
+        self._write_report(trainer)
         experiment = tensorboard_experiment(trainer)
         if experiment is not None:  # the verdict in TensorBoard's Text tab
             experiment.add_text(DOCTOR_TEXT_TAG, markdown_code(self.report.format()), global_step=trainer.global_step)
@@ -130,8 +128,24 @@ class MemoryDoctor(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        watching = self._session is not None
         self._close()
+        if watching and self.report is not None:
+            # nothing is lost: the verdict up to the failure (a leak that ended in an out-of-memory error, say)
+            try:
+                self._write_report(trainer)
+            except Exception:  # never mask the user's exception
+                pass
         forget_model_logging(self)  # kept to read its records, it must not keep the model
+
+    def _write_report(self, trainer: Trainer) -> None:
+        directory = run_files_dir(trainer)  # no logger (or fast_dev_run): no file in the working directory
+        if trainer.is_global_zero and directory:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                self.report_path = self.report.to_json(os.path.join(directory, REPORT_FILENAME))
+            except OSError as error:
+                rank_zero_warn(f"memkit doctor: could not write {REPORT_FILENAME} to {directory}: {error}")
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

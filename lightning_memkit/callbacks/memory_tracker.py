@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
 from lightning_memkit.meter import MemoryMeter
@@ -112,8 +113,9 @@ class MemoryTracker(Callback):
             dropped, the run summary is unaffected.
         records_file: where the readings are written at fit end for ``memkit report``. ``None``
             (default): ``<log_dir>/memkit_memory.json`` in the first logger's directory when the
-            Trainer has a logger, and no file without a logger (the readings stay on
-            :attr:`history`; :meth:`save_records` writes them). A path (a file, or an existing
+            Trainer has a logger, and no file without a logger (``logger=False``, or ``fast_dev_run``,
+            which switches the loggers off; the readings stay on :attr:`history`; :meth:`save_records`
+            writes them). A path (a file, or an existing
             directory) writes there. An existing file is never overwritten: the name gets
             ``-v1``, ``-v2``... as Lightning's checkpoints do.
         prefix: the first part of every logged key. Several MemoryTrackers in one Trainer (say,
@@ -140,7 +142,9 @@ class MemoryTracker(Callback):
             found (``detect_leaks``), else ``None``.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
             which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other
-            than the default), or ``None`` when none was written.
+            than the default), or ``None`` when none was written. A fit that raises (an error in
+            your step, an out-of-memory error, Ctrl-C) writes it too, with the readings up to the
+            failure and ``summary.extra["ended_by"]`` naming the exception.
     """
 
     #: ActivationCheckpointing moves itself ahead of callbacks that open a step window.
@@ -224,6 +228,7 @@ class MemoryTracker(Callback):
             self.records_path = self.oom_report_path = None
             self.leak_report = None
             self._leaks.reset()
+        self.summary.extra.pop("ended_by", None)  # a fit resumed after a failure goes on
         self._last_peak_step = None
         self._peak_steps_taken = 0
         self._pending = None
@@ -254,6 +259,8 @@ class MemoryTracker(Callback):
         if self._meter is not None:
             self._meter.shutdown()
             self._meter = None
+        if self._reducer is not None:
+            self._reducer.close()  # its gloo group: a job of many fits must not accumulate them
         self._reducer = None
         self._pending = None
         self._unwrap_loggers()
@@ -471,9 +478,10 @@ class MemoryTracker(Callback):
     def _records_target(self, trainer: Trainer) -> str | None:
         if self.records_file is not None:
             return self.records_file
-        if not trainer.loggers:
-            return None  # no logger: nothing written into the working directory unless asked
-        return os.path.join(log_dir(trainer), self._records_name())
+        directory = run_files_dir(trainer)
+        if directory is None:
+            return None  # no logger (or fast_dev_run's stand-in): nothing written into the working directory unless asked
+        return os.path.join(directory, self._records_name())
 
     def save_records(self, path: str) -> str:
         """Write :attr:`summary` and :attr:`history` as JSON (what ``memkit report`` reads) to
@@ -512,8 +520,24 @@ class MemoryTracker(Callback):
                 logger.save()
             except Exception:
                 pass
+        self._save_records_after_failure(trainer, exception)
         self._release()
         forget_model_logging(self)  # kept to read its records, it must not keep the model
+
+    def _save_records_after_failure(self, trainer: Trainer, exception: BaseException) -> None:
+        """Nothing is lost: the readings up to the failure go where fit end would have put them
+        (``memkit report`` reads exact bytes, not the float32 MiB of the event files, and a CSV-only
+        run has no event files), with ``summary.extra["ended_by"]`` saying how the fit ended."""
+        if not trainer.is_global_zero or self.summary.peak_bytes is None:
+            return
+        self.summary.extra["ended_by"] = f"{type(exception).__name__}: {exception}"[:500]
+        try:
+            target = self._records_target(trainer)
+            if target is not None:
+                self.records_path = self.save_records(target)
+        except Exception as error:  # never mask the user's exception
+            rank_zero_warn(f"memkit MemoryTracker: the readings could not be written after the failure ({type(error).__name__}: {error}); "
+                           "they are on this tracker's .history")
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
         directory = self.oom_dir or log_dir(trainer)

@@ -13,7 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "report", help="write a self-contained HTML memory report from a log dir",
         description="Read memkit's files under LOGDIR (memkit_memory.json, memkit_trace_step<N>.json, compare.json/.csv, "
                     "TensorBoard event files; never pickles) and write one HTML file with the summary table, figures, "
-                    "layer table and mode comparison. Exits 1 when LOGDIR holds nothing memkit wrote.")
+                    "layer table and mode comparison. Exits 1 when LOGDIR holds nothing memkit wrote, 2 when it is not a directory.")
     parser.add_argument("logdir", help="the log dir (searched recursively), e.g. lightning_logs or memkit_logs")
     parser.add_argument("-o", "--output", default="memkit_report.html", help="HTML file to write (default: memkit_report.html)")
     parser.add_argument("--png", metavar="DIR", default=None, help="also write each figure as a PNG into DIR")
@@ -24,8 +24,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    from lightning_memkit.cli.common import CliError
     from lightning_memkit.report import ReportInputError, write_report
 
+    if not os.path.isdir(args.logdir):  # a wrong argument (exit 2, as every verb's), not an empty log dir (exit 1)
+        raise CliError(f"{args.logdir!r} is not a directory; give the log dir of a run trained with memkit "
+                       "(e.g. the --logdir of `memkit demo`, or lightning_logs)")
     try:
         sources, written = write_report(args.logdir, args.output, args.png)
     except ReportInputError as error:

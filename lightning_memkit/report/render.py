@@ -136,6 +136,9 @@ def _run_section(builder: _Builder, run: RunRecords) -> None:
     builder.add(f"<h2>Run <code>{html.escape(run.name)}</code></h2>")
     source = "" if run.exact else " (rebuilt from TensorBoard scalars: float32 MiB, not exact bytes)"
     builder.add(f'<p class="meta">from {html.escape(os.path.basename(run.path))}{html.escape(source)}</p>')
+    ended_by = run.summary.extra.get("ended_by")
+    if ended_by:  # MemoryTracker writes its records when the fit raises, too
+        builder.add(f'<p class="problems">the fit did not finish: {html.escape(str(ended_by))}; the readings end at the failure</p>')
     builder.add(_pre(format_summary(run.summary, run.history)))
     device = device_table(run.history)
     if device:  # capacity and headroom as numbers: a capacity line would flatten every other line

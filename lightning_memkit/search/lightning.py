@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import gc
 import math
 import time
@@ -110,7 +109,16 @@ class _Outcomes:
         #: the slowest rank's ``seconds`` at the last :meth:`agree`
         self.slowest_seconds = 0.0
         if self.enabled:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            from lightning_memkit.distributed import side_group
+
+            self.group = side_group(timeout_s)
+
+    def close(self) -> None:
+        """Destroy the side group (after the search): a job of many searches must not accumulate groups."""
+        from lightning_memkit.distributed import release_group
+
+        group, self.group = self.group, None
+        release_group(group)
 
     def agree(self, fits: bool, peak: int | None, extra: int = 0, seconds: float = 0.0) -> tuple[bool, int | None, int]:
         """(all ranks fit, max peak over ranks, min of ``extra`` over ranks); :attr:`failed_ranks` names
@@ -428,6 +436,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
             result.reason = "dataset"
         result.estimate_seconds = estimate_seconds
     finally:
+        outcomes.close()
         if checkpointing is not None:
             checkpointing.remove()
         snapshot.restore(trainer, module, config.batch_arg_name)

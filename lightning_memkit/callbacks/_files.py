@@ -1,0 +1,24 @@
+"""Where the callbacks write their files: the run's log directory, and only when the run logs somewhere.
+
+One rule for MemoryTracker (``memkit_memory.json``), LayerTrace (``memkit_trace_step<N>.json``)
+and MemoryDoctor (``memkit_doctor.json``): no file lands in the working directory unless asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memkit._lightning_compat import log_dir
+
+__all__ = ["run_files_dir"]
+
+
+def run_files_dir(trainer: Any) -> str | None:
+    """The first logger's log dir, or ``None`` when the run logs nowhere: ``logger=False``, or
+    ``fast_dev_run``, whose ``DummyLogger`` stands in for the loggers Lightning switches off (its
+    ``log_dir`` would be ``default_root_dir``, the working directory by default)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    if not any(not isinstance(logger, DummyLogger) for logger in trainer.loggers):
+        return None
+    return log_dir(trainer)
