@@ -228,6 +228,7 @@ class TensorAccountant(TorchDispatchMode):
 
         Storages that are already tracked are skipped, so adopting the same tensors every
         step costs a dictionary lookup per tensor. Non-tensors and ``None`` are ignored.
+        ``label`` names the new records (``StorageRecord.label``: what made them, shown in reports).
         """
         added = 0
         for tensor in tensors:
@@ -237,7 +238,7 @@ class TensorAccountant(TorchDispatchMode):
         return added
 
     def adopt_storage(self, storage: torch.UntypedStorage, label: str = "adopted") -> int:
-        """Count one existing storage (not yet tracked); return the bytes newly counted."""
+        """Count one existing storage (not yet tracked), its record named ``label``; return the bytes newly counted."""
         if id(storage) in self._records:
             return 0
         return self._track(storage, label, adopted=True)

@@ -28,7 +28,8 @@ class ResizeWatcher(Protocol):
     """What a watcher implements: called after ``storage`` was resized in place (its new size is
     ``storage.nbytes()``). Runs on the caller's thread, on the resize's path: keep it cheap."""
 
-    def storage_resized(self, storage: torch.UntypedStorage) -> None: ...
+    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was just resized in place; its size is now ``storage.nbytes()`` bytes."""
 
 
 _WATCHERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
