@@ -231,3 +231,74 @@ def test_cuda_target_estimates_and_names_the_kernel(factory, gpu, mode, kernel):
     assumed = next(note for note in estimate.notes if note.startswith("CUDA kernels assumed"))
     assert kernel in assumed
     assert estimate.cuda.peak_allocated_bytes >= estimate.peak_bytes > 0
+
+
+# ============================================================================================ manual optimization
+class ManualTwoOptimizers(pl.LightningModule):
+    """Manual optimization as Lightning's docs write it: two optimizers from configure_optimizers with a
+    scheduler, toggle_optimizer, manual_backward inside a closure passed to step, clip_gradients,
+    self.lr_schedulers().step()."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.batch_size = batch_size
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 1)
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(16, 16, generator=generator), torch.randn(16, 1, generator=generator))
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        encoder_opt, head_opt = self.optimizers()
+
+        def closure():
+            loss = F.mse_loss(self.head(self.encoder(x)), y)
+            encoder_opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(encoder_opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            return loss
+
+        self.toggle_optimizer(encoder_opt)
+        encoder_opt.step(closure=closure)
+        self.untoggle_optimizer(encoder_opt)
+        self.toggle_optimizer(head_opt)
+        loss = F.mse_loss(self.head(self.encoder(x).detach()), y)
+        head_opt.zero_grad()
+        self.manual_backward(loss)
+        head_opt.step()
+        self.untoggle_optimizer(head_opt)
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        encoder_opt = torch.optim.AdamW(self.encoder.parameters(), lr=1e-3)
+        head_opt = torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)
+        return [encoder_opt, head_opt], [torch.optim.lr_scheduler.StepLR(encoder_opt, 1)]
+
+
+def _gan():
+    from test_robustness import GAN
+    return GAN()
+
+
+@pytest.mark.parametrize("factory", [_gan, ManualTwoOptimizers], ids=["gan", "closure-toggle-clip-schedule"])
+def test_manual_optimization_is_estimated_as_its_training_step_runs_it(factory):
+    module = factory()
+    estimate, measured = estimate_memory(module, 4, device="cpu"), measure_training_step(module, 4, device="cpu")
+    assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
+    optimizers = configured = module.configure_optimizers()
+    if isinstance(configured, (list, tuple)) and configured and isinstance(configured[0], list):
+        optimizers = configured[0]
+    # both optimizers' state (Adam: two moments per parameter; SGD: one momentum buffer) is counted
+    state = sum(p.numel() * 4 * (2 if isinstance(opt, torch.optim.Adam) else 1) for opt in optimizers for g in opt.param_groups for p in g["params"])
+    assert state <= estimate.by_category["optimizer_state"] <= state + 4 * 64
+    cuda = estimate_memory(module, 4, device="cuda", gpu="h100", mode="bf16")
+    assert cuda.cuda.peak_allocated_bytes > cuda.peak_bytes > estimate.parameters_bytes
+
+
+def test_manual_optimization_refuses_a_loss_fn_it_would_not_use():
+    with pytest.raises(Exception, match="manual optimization.*loss_fn= does not apply"):
+        estimate_memory(ManualTwoOptimizers(), 4, device="cpu", loss_fn=lambda module, batch: module.head(batch[0]).sum())

@@ -295,6 +295,70 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
         attributor.assign_optimizers([optimizer])  # state made lazily by the first step
 
 
+class _ManualStrategy:
+    """What a LightningModule under manual optimization reaches through ``self.trainer.strategy`` in its own
+    ``training_step``: ``manual_backward`` calls :meth:`backward` (Lightning's ``Strategy.backward``: the
+    module's ``backward`` hook, i.e. ``loss.backward()``) and each ``self.optimizers()`` wrapper's ``step``
+    calls :meth:`optimizer_step` (``optimizer.step(closure=...)``, the closure run inside the step as torch's
+    optimizers do). The phases are labelled and attributed as the automatic step's are."""
+
+    def __init__(self, acc: _StepAccountant, module_copy: nn.Module, foreach: bool) -> None:
+        self.acc, self.module, self.foreach = acc, module_copy, foreach
+        self._lightning_optimizers: list[Any] = []
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.acc.labelled("backward"), _hook(f"the backward of the loss ({type(self.module).__name__}.manual_backward)"):
+            self.module.backward(closure_loss, *args, **kwargs)
+        self.acc.attributor.assign_module(self.module)  # the new gradients
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        acc = self.acc
+        with acc.labelled("optimizer"), _hook(f"the optimizer step ({type(optimizer).__name__}.step)"):
+            acc.optimizer_phase = True
+            try:
+                result = optimizer.step(closure=closure, **kwargs)
+            finally:
+                acc.optimizer_phase = False
+        acc.attributor.assign_optimizers([optimizer])  # state made lazily by the first step
+        return result
+
+
+def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | None, autocast, acc: _StepAccountant, steps: int,
+                      foreach: bool = False) -> None:
+    """Lightning's manual optimization: ``configure_optimizers`` (or ``optimizer=``) gives the optimizers and
+    schedulers, the stand-in trainer answers ``self.optimizers()`` (Lightning's ``LightningOptimizer`` wrappers
+    over :class:`_ManualStrategy`), ``self.lr_schedulers()`` and ``toggle_optimizer``, and ``training_step``
+    runs the forward, backward and steps itself, under the precision's autocast as Lightning runs it."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer, _configure_optimizers, _configure_schedulers_manual_opt
+    from lightning.pytorch.plugins.precision import Precision
+
+    name = type(module_copy).__name__
+    with _hook(f"{name}.configure_optimizers" if optimizer is None else "optimizer="):
+        if optimizer is None:
+            optimizers, schedulers, _ = _configure_optimizers(module_copy.configure_optimizers())
+            configs = _configure_schedulers_manual_opt(schedulers)
+        else:
+            optimizers, configs = [optimizer(module_copy.parameters())], []
+    if not optimizers:
+        raise EstimateError(f"{name}.configure_optimizers returned no optimizer; a manually optimized module steps its own optimizers")
+    if foreach:
+        for each in optimizers:
+            _use_foreach(each)
+    strategy = _ManualStrategy(acc, module_copy, foreach)
+    strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(each, strategy) for each in optimizers]
+    trainer = module_copy.trainer
+    trainer.optimizers, trainer.lr_scheduler_configs = optimizers, configs
+    trainer.strategy, trainer.precision_plugin = strategy, Precision()
+    for step in range(1, steps + 1):
+        acc.step = step
+        with acc.labelled("forward"), autocast(), _hook(f"{name}.training_step"):
+            module_copy.training_step(batch, step - 1)
+        trainer.global_step += 1
+        acc.attributor.assign_optimizers(optimizers)
+
+
 def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
     """Run the optimizer's multi-tensor (``foreach``) implementation, as torch does by default for
     parameters on CUDA: its temporaries are the ones a CUDA step allocates (and it dispatches a few
@@ -322,8 +386,6 @@ def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: 
     """Check the arguments; returns the batch (sampled if not given) and the loader's length in batches."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}")
-    if _is_lightning_module(module) and not module.automatic_optimization:
-        raise EstimateError(f"{type(module).__name__} uses manual optimization; estimate_memory models Lightning's automatic optimization. Estimate a plain nn.Module with loss_fn= and optimizer= instead")
     if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
         raise EstimateError(f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before "
                             "the first forward: run one forward with an example batch first, then estimate")
@@ -510,7 +572,11 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     mode = _resolve_mode(mode)
     target = torch.device(device) if not isinstance(device, torch.device) else device
     batch, batches = _prepare(module, batch, batch_size, datamodule)
-    make_optimizer = _optimizer_factory(module, optimizer)
+    manual = _is_lightning_module(module) and not module.automatic_optimization
+    if manual and loss_fn is not None:
+        raise EstimateError(f"{type(module).__name__} uses manual optimization: its training_step runs the backward and the "
+                            "optimizer steps itself, so loss_fn= does not apply; leave it out")
+    make_optimizer = None if manual else _optimizer_factory(module, optimizer)
     optimizer_hook = f"{type(module).__name__}.configure_optimizers" if optimizer is None and _is_lightning_module(module) else "optimizer="
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
@@ -553,7 +619,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                         return loss_fn(module_copy, batch)
 
                 try:
-                    handle = apply_checkpointing(module_copy, mode.checkpoint, sample=sample)
+                    # a manually optimized training_step also steps its optimizers: no measuring forward through it
+                    handle = apply_checkpointing(module_copy, mode.checkpoint, sample=None if manual else sample)
                 except ValueError as error:
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
@@ -562,8 +629,11 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 prepare = _PREPARE_COPY.get()
                 if prepare is not None:
                     prepare(module_copy, acc)
-                _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
-                           foreach=fake and target.type == "cuda")
+                if manual:
+                    _run_manual_steps(module_copy, batch, optimizer, autocast, acc, steps, foreach=fake and target.type == "cuda")
+                else:
+                    _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
+                               foreach=fake and target.type == "cuda")
         except (EstimateError, NoBatchError):
             raise
         except Exception as error:
