@@ -83,12 +83,12 @@ def _memkit_files(root) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- files
 @pytest.mark.parametrize("overrides", [dict(logger=False), dict(fast_dev_run=4)], ids=["logger=False", "fast_dev_run"])
-def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(overrides, tmp_path, monkeypatch):
+def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(overrides, tmp_path, monkeypatch, capsys):
     """``fast_dev_run`` swaps the loggers for a DummyLogger whose log dir is ``default_root_dir`` (the working
     directory by default): memkit_memory.json and memkit_doctor.json landed there. Now no memkit callback
     writes a file without a logger; every result stays on the callback."""
     monkeypatch.chdir(tmp_path)
-    tracker, trace, doctor = MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False), MemoryDoctor(verbose=False)
+    tracker, trace, doctor = MemoryTracker(verbose=True), LayerTrace(at_steps=(1,), verbose=False), MemoryDoctor(verbose=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, callbacks=[tracker, trace, doctor], **overrides)
     trainer.fit(LinearStack())
@@ -96,6 +96,20 @@ def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(
     assert trace.results and trace.results[-1].step == 1 and doctor.report is not None
     assert tracker.records_path is None and doctor.report_path is None and trace.paths == []
     assert _memkit_files(tmp_path) == []
+    # and the printed summary says where the readings are
+    assert "memkit readings: no logger, so nothing was logged; every measured step on this tracker's .history; records: no file" \
+        in capsys.readouterr().out
+
+
+def test_rows_memkit_writes_itself_carry_the_epoch_as_lightnings_rows_do(tmp_path):
+    """A module that logs nothing gets memkit's own CSV rows; their epoch read "0.0", "1.0" where
+    Lightning's rows read "0", "1" (a user filtering on row["epoch"] == "1" missed them)."""
+    logger = CSVLogger(str(tmp_path), name="csv")
+    _trainer(tmp_path, logger=logger, max_steps=-1, max_epochs=2, limit_train_batches=2,
+             callbacks=[MemoryTracker(verbose=False)]).fit(LinearStack())
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
+        rows = [row for row in csv.DictReader(file) if row.get("memory/train/tensor_MiB")]
+    assert [(row["step"], row["epoch"]) for row in rows] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
 
 
 def test_a_step_that_raises_leaves_the_exact_readings_and_the_doctors_verdict(tmp_path):

@@ -369,7 +369,7 @@ class MemoryTracker(Callback):
             every = trainer.log_every_n_steps
             if not every or (step + 1) % every:
                 return  # Lightning does not log this step: the reading stays in history only
-        row = dict(metrics, epoch=float(trainer.current_epoch))
+        row = dict(metrics, epoch=trainer.current_epoch)  # an int, as in the rows Lightning writes itself
         for logger in loggers:
             logger.log_metrics(row, step=step)
 
@@ -466,9 +466,22 @@ class MemoryTracker(Callback):
                 self.records_path = self.save_records(target)
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
+                print(self._where_readings_went(trainer))
             from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
 
             log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)
+
+    def _where_readings_went(self, trainer: Trainer) -> str:
+        """One line under the printed summary: where a user finds the per-step readings of this run."""
+        places = [type(logger).__name__ for logger in trainer.loggers if type(logger).__name__ != "DummyLogger"]
+        if not places:
+            where = "no logger, so nothing was logged"
+        elif trainer.log_every_n_steps and self.every_n_steps == 1:
+            where = f"{', '.join(places)} at the steps Lightning logs (log_every_n_steps={trainer.log_every_n_steps})"
+        else:
+            where = ", ".join(places)
+        file = self.records_path or "no file (MemoryTracker(records_file=...) or .save_records(path) writes one)"
+        return f"memkit readings: {where}; every measured step on this tracker's .history; records: {file}"
 
     # ------------------------------------------------------------------ records
     def _records_name(self) -> str:
