@@ -543,7 +543,8 @@ class MemoryTracker(Callback):
         run has no event files), with ``summary.extra["ended_by"]`` saying how the fit ended."""
         if not trainer.is_global_zero or self.summary.peak_bytes is None:
             return
-        self.summary.extra["ended_by"] = f"{type(exception).__name__}: {exception}"[:500]
+        message = str(exception)
+        self.summary.extra["ended_by"] = (f"{type(exception).__name__}: {message}" if message else type(exception).__name__)[:500]
         try:
             target = self._records_target(trainer)
             if target is not None:
