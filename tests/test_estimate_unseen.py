@@ -302,3 +302,11 @@ def test_manual_optimization_is_estimated_as_its_training_step_runs_it(factory):
 def test_manual_optimization_refuses_a_loss_fn_it_would_not_use():
     with pytest.raises(Exception, match="manual optimization.*loss_fn= does not apply"):
         estimate_memory(ManualTwoOptimizers(), 4, device="cpu", loss_fn=lambda module, batch: module.head(batch[0]).sum())
+
+
+def test_a_checkpoint_budget_measures_a_forward_that_updates_a_metric():
+    # the budget's measuring forward runs training_step on fakes too: torchmetrics' bincount must answer there
+    module = MetricCNN()
+    estimate = estimate_memory(module, 4, device="cpu", mode="checkpoint:budget=0.5")
+    measured = measure_training_step(module, 4, device="cpu", mode="checkpoint:budget=0.5")
+    assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
@@ -134,6 +135,18 @@ def _fake_bincount(args: Any, kwargs: Any) -> torch.Tensor | None:
     else:  # a real bincount sums float32/float64 weights in their dtype, any other dtype in float64
         dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
     return torch.empty(minlength, dtype=dtype, device=source.device)
+
+
+class _BincountOnFakes(TorchDispatchMode):
+    """:func:`_fake_bincount` for code that runs on fakes outside the step's accountant (a checkpoint budget's
+    measuring forward)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if func is _BINCOUNT:
+            result = _fake_bincount(args, kwargs)
+            if result is not None:
+                return result
+        return func(*args, **(kwargs or {}))
 
 
 class _StepAccountant(TensorAccountant):
@@ -615,7 +628,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 from lightning_memkit.modes.checkpointing import apply_checkpointing
 
                 def sample() -> Any:  # a budget policy measures the step's forward on the same (fake) batch
-                    with context(), autocast():
+                    with context(), (_BincountOnFakes() if fake else contextlib.nullcontext()), autocast():
                         return loss_fn(module_copy, batch)
 
                 try:
