@@ -476,7 +476,9 @@ class MemoryTracker(Callback):
         places = [type(logger).__name__ for logger in trainer.loggers if type(logger).__name__ != "DummyLogger"]
         if not places:
             where = "no logger, so nothing was logged"
-        elif trainer.log_every_n_steps and self.every_n_steps == 1:
+        elif self.every_n_steps == 1 and not trainer.log_every_n_steps:
+            where = f"{', '.join(places)}: the summary only (log_every_n_steps=0: Lightning logs no step)"
+        elif self.every_n_steps == 1:
             where = f"{', '.join(places)} at the steps Lightning logs (log_every_n_steps={trainer.log_every_n_steps})"
         else:
             where = ", ".join(places)
