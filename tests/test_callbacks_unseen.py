@@ -250,6 +250,30 @@ def test_charts_of_1000_mib_or_more_have_no_exponent_labels(low, high, title_uni
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def test_memkit_report_rebuilds_a_csv_only_run_exactly_and_one_run_per_fit(tmp_path, capsys):
+    """A CSVLogger run without memkit_memory.json (killed, or an older memkit) was "none of them memkit's";
+    its metrics.csv holds the readings as float64 MiB, so they come back to the byte. A fit logged to
+    TensorBoard and CSV (two directories) is one run, not two."""
+    from lightning_memkit.cli import main
+    from lightning_memkit.report import find_sources
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    trackers = []
+    for version, loggers in enumerate(([CSVLogger(str(tmp_path), name="csv")],
+                                       [TensorBoardLogger(str(tmp_path), name="both"), CSVLogger(str(tmp_path), name="both_csv")])):
+        trackers.append(MemoryTracker(verbose=False))
+        _trainer(tmp_path, logger=loggers, max_steps=3 + version, callbacks=[trackers[-1]]).fit(LinearStack(log_loss=True))
+    for path in glob.glob(str(tmp_path / "**" / RECORDS_FILENAME), recursive=True):
+        os.remove(path)  # as after a run that was killed
+    runs = find_sources(str(tmp_path)).runs
+    assert [(r.name, r.exact, r.rebuilt_from) for r in runs] == [("both_csv/version_0", True, "metrics.csv"),
+                                                                  ("csv/version_0", True, "metrics.csv")]
+    readings = lambda history: [(r.step, r.stage, r.values()) for r in history]  # noqa: E731
+    assert [readings(r.history) for r in runs] == [readings(trackers[1].history), readings(trackers[0].history)]  # to the byte
+    assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    assert "2 run(s)" in capsys.readouterr().out and "rebuilt from metrics.csv: float64 MiB, exact bytes" in (tmp_path / "r.html").read_text()
+
+
 @pytest.mark.parametrize("path", ["missing_dir", "a_file.txt"])
 def test_memkit_report_on_a_path_that_is_not_a_directory_is_one_line_and_exit_2(path, tmp_path, capsys):
     from lightning_memkit.cli import main

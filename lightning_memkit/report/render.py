@@ -134,7 +134,8 @@ def _run_section(builder: _Builder, run: RunRecords) -> None:
     from lightning_memkit.tensorboard.figures import memory_per_step_figure
 
     builder.add(f"<h2>Run <code>{html.escape(run.name)}</code></h2>")
-    source = "" if run.exact else " (rebuilt from TensorBoard scalars: float32 MiB, not exact bytes)"
+    source = ("" if not run.rebuilt_from else f" (rebuilt from {run.rebuilt_from}: float64 MiB, exact bytes)" if run.exact
+              else f" (rebuilt from {run.rebuilt_from}: float32 MiB, not exact bytes)")
     builder.add(f'<p class="meta">from {html.escape(os.path.basename(run.path))}{html.escape(source)}</p>')
     ended_by = run.summary.extra.get("ended_by")
     if ended_by:  # MemoryTracker writes its records when the fit raises, too

@@ -45,15 +45,19 @@ class ReportInputError(Exception):
 
 @dataclass
 class RunRecords:
-    """One run's memory readings: from ``memkit_memory.json`` (exact bytes), or rebuilt from
-    TensorBoard scalars when the run never reached fit end (``exact=False``: float32 MiB).
+    """One run's memory readings: from ``memkit_memory.json`` (exact bytes), or, where a run has none
+    (it was killed, or an older memkit), rebuilt from the memory columns of its CSVLogger's
+    ``metrics.csv`` (float64 MiB: exact bytes, ``rebuilt_from="metrics.csv"``) or from the scalars
+    of its TensorBoard event files (``exact=False``: float32 MiB).
 
     Attributes:
         name: the run's directory relative to the log dir (``.`` for the log dir itself).
         path: the file read (the JSON, or the run directory for event files).
         summary: the run summary (from the file, or folded from the readings by ``RunSummary.update``).
         history: the readings, oldest first.
-        exact: whether the bytes are exact (JSON) or rounded from TensorBoard's float32 MiB.
+        exact: whether the bytes are exact (JSON, CSV) or rounded from TensorBoard's float32 MiB.
+        rebuilt_from: ``""`` for ``memkit_memory.json``, else what the readings were rebuilt from
+            (``"metrics.csv"``, ``"TensorBoard scalars"``).
     """
 
     name: str
@@ -61,6 +65,7 @@ class RunRecords:
     summary: RunSummary
     history: list[StepReading]
     exact: bool = True
+    rebuilt_from: str = ""
 
 
 @dataclass
@@ -186,7 +191,41 @@ def _scalar_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecor
     summary = RunSummary(device="? (from TensorBoard scalars)")
     for reading in history:
         summary.update(reading)
-    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=False)
+    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=False, rebuilt_from="TensorBoard scalars")
+
+
+#: the file Lightning's CSVLogger writes its rows to
+CSV_METRICS = "metrics.csv"
+
+
+def _csv_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
+    """Readings rebuilt from the memkit columns of a CSVLogger's ``metrics.csv`` (no memkit_memory.json
+    there). The values are bytes / 2**20 written as float64, so ``round(value * 2**20)`` is exact."""
+    from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
+
+    stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
+    field_of = {metric_name(f): f for f in StepReading.value_fields()}
+    readings: dict[tuple[str, int], StepReading] = {}
+    with open(os.path.join(directory, CSV_METRICS), newline="", encoding="utf-8") as file:
+        for row in csv.DictReader(file):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for column, text in row.items():
+                parts = (column or "").split("/")
+                if text in (None, "") or len(parts) != 3 or parts[0] != prefix or parts[1] not in stage_of or parts[2] not in field_of:
+                    continue  # per-rank, summary and foreign columns are not step readings
+                stage, name = stage_of[parts[1]], field_of[parts[2]]
+                reading = readings.setdefault((stage, int(float(step))), StepReading(step=int(float(step)), stage=stage, rank=-1))
+                value = float(text) * 2**20 if name.endswith("_bytes") else float(text)
+                setattr(reading, name, int(round(value)))
+    if not readings:
+        return None
+    history = sorted(readings.values(), key=lambda r: (r.step, r.stage != "train"))
+    summary = RunSummary(device="? (from metrics.csv)")
+    for reading in history:
+        summary.update(reading)
+    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=True, rebuilt_from=CSV_METRICS)
 
 
 def find_sources(logdir: str) -> ReportSources:
@@ -202,6 +241,7 @@ def find_sources(logdir: str) -> ReportSources:
     logdir = os.path.abspath(logdir)
     sources = ReportSources(logdir)
     event_dirs: list[str] = []
+    csv_dirs: list[str] = []
     record_dirs: set[str] = set()
     seen_examples: list[str] = []
     for directory, subdirs, files in os.walk(logdir):
@@ -241,6 +281,8 @@ def find_sources(logdir: str) -> ReportSources:
                     sources.compares.append(_read_compare(run, directory, files))
                 elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
                     event_dirs.append(directory)
+                elif name == CSV_METRICS:
+                    csv_dirs.append(directory)
             except (OSError, ValueError, KeyError, TypeError) as error:
                 sources.problems.append(f"{os.path.relpath(path, logdir)}: cannot read it ({error})")
         if sources.files_seen > MAX_FILES:
@@ -255,6 +297,23 @@ def find_sources(logdir: str) -> ReportSources:
             continue
         if run is not None:
             sources.runs.append(run)
+    for directory in csv_dirs:  # a CSVLogger's run without memkit_memory.json
+        if directory in record_dirs:
+            continue
+        try:
+            run = _csv_run(logdir, directory)
+        except (OSError, ValueError, csv.Error) as error:
+            sources.problems.append(f"{os.path.relpath(os.path.join(directory, CSV_METRICS), logdir)}: cannot read it ({error})")
+            continue
+        if run is None:
+            continue
+        # The same fit logged to TensorBoard too (loggers=[TensorBoardLogger, CSVLogger]: two directories): one run,
+        # from its records or, exact, from the CSV rather than from float32 event scalars.
+        same = next((other for other in sources.runs if _same_readings(run, other)), None)
+        if same is None:
+            sources.runs.append(run)
+        elif not same.exact:
+            sources.runs[sources.runs.index(same)] = run
     sources.runs.sort(key=_run_order(sources))
     sources.traces.sort(key=lambda t: (t.name, t.step if t.step is not None else -1, t.rank))
     sources.ooms.sort(key=lambda o: (o.name, o.rank))
@@ -267,7 +326,8 @@ def find_sources(logdir: str) -> ReportSources:
         raise ReportInputError(
             f"nothing to report in {logdir}: {found}.{problems}\n"
             "memkit report looks for:\n"
-            f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end) or TensorBoard event files with memory/ scalars\n"
+            f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end), or TensorBoard event files or a {CSV_METRICS} "
+            "with memory/ scalars\n"
             "  - memkit_trace_step<N>.json (LayerTrace)\n"
             f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
             "  - memkit_oom_rank<r>.json (MemoryTracker, when a run runs out of memory)\n"
@@ -275,6 +335,21 @@ def find_sources(logdir: str) -> ReportSources:
             "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
         )
     return sources
+
+
+def _same_readings(csv_run: RunRecords, other: RunRecords) -> bool:
+    """Whether every reading rebuilt from a CSV is one of ``other``'s (the same fit seen by two loggers):
+    the same step and stage, each value equal (to float32 MiB's rounding when ``other`` came from event files)."""
+    theirs = {(r.step, r.stage): r for r in other.history}
+    for reading in csv_run.history:
+        match = theirs.get((reading.step, reading.stage))
+        if match is None:
+            return False
+        for name, value in reading.values().items():
+            known = getattr(match, name)
+            if known is None or abs(known - value) > (0 if other.exact else 1e-6 * max(abs(value), 2**20)):
+                return False
+    return True
 
 
 def _run_order(sources: ReportSources):
@@ -310,12 +385,14 @@ def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
 
 def _say_what_is_missing(sources: ReportSources, seen_examples: list[str]) -> None:
     if not sources.runs:
-        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME} and no TensorBoard event file with memory/ "
+        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME}, no TensorBoard event file and no {CSV_METRICS} with memory/ "
                                "scalars; add MemoryTracker() to the Trainer's callbacks")
-    elif not all(r.exact for r in sources.runs):
-        inexact = ", ".join(r.name for r in sources.runs if not r.exact)
-        sources.missing.append(f"no {RECORDS_FILENAME} for {inexact} (the run did not reach fit end?): its readings "
-                               "come from TensorBoard scalars, rounded to float32 MiB")
+    else:
+        for origin, detail in (("TensorBoard scalars", ", rounded to float32 MiB"), (CSV_METRICS, " (float64 MiB: exact bytes)")):
+            rebuilt = ", ".join(r.name for r in sources.runs if r.rebuilt_from == origin)
+            if rebuilt:
+                sources.missing.append(f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its readings "
+                                       f"come from {origin}{detail}")
     if not sources.traces:
         sources.missing.append("no layer trace (memkit_trace_step<N>.json): add LayerTrace() to the callbacks, "
                                "or run `memkit trace FILE.py:Module`")
