@@ -452,7 +452,8 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
     its points outside the drawn y range (TensorBoard leaves out the values beyond the 5th and
     95th percentile, meant for a few spikes of a long line: a line of a few points, such as a
     peak read on one step in ten, loses its ends), and the y axis's tick labels (three significant
-    digits) are all different (a value moving by a few KiB around 4.43 MiB gets "4.43" on every tick).
+    digits) are all different (a value moving by a few KiB around 4.43 MiB gets "4.43" on every tick)
+    and below :data:`MAX_TICK_LABEL` (1,400 is labelled "1.4e+3").
     """
     series = {key: points for key, points in series.items() if len(points)}
     if not series:
