@@ -310,3 +310,32 @@ def test_a_checkpoint_budget_measures_a_forward_that_updates_a_metric():
     estimate = estimate_memory(module, 4, device="cpu", mode="checkpoint:budget=0.5")
     measured = measure_training_step(module, 4, device="cpu", mode="checkpoint:budget=0.5")
     assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
+
+
+# ============================================================================================ Lightning's hooks
+class HookedGPT(GroupedGPT):
+    """Keeps a flat copy of every gradient after backward (as a gradient-noise or EMA-of-gradients hook does)
+    and records the clipping Lightning asks for."""
+
+    clip_requests: list = []
+
+    def on_after_backward(self):
+        self.grad_snapshot = torch.cat([p.grad.flatten() for p in self.parameters() if p.grad is not None])
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        type(self).clip_requests.append((gradient_clip_val, gradient_clip_algorithm))
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def test_the_step_runs_lightnings_hooks_and_the_trainers_gradient_clipping():
+    trainer = pl.Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="value", max_steps=10, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    HookedGPT.clip_requests.clear()
+    hooked, plain = HookedGPT(dropout=0.0), GroupedGPT(dropout=0.0)
+    estimate = estimate_memory(hooked, 4, device="cpu", trainer=trainer)
+    assert HookedGPT.clip_requests == [(0.5, "value")] * 2  # once per step, with the trainer's settings
+    measured = measure_training_step(hooked, 4, device="cpu", trainer=trainer)
+    assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
+    # the snapshot (one float per parameter element) lives from the first backward on: the peak holds it
+    snapshot = sum(p.numel() for p in hooked.parameters()) * 4
+    assert estimate.peak_bytes == estimate_memory(plain, 4, device="cpu", trainer=trainer).peak_bytes + snapshot

@@ -281,24 +281,51 @@ def _hook(name: str) -> Iterator[None]:
 
 
 def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable, autocast, acc: _StepAccountant, steps: int,
-               optimizer_hook: str = "the optimizer", foreach: bool = False) -> None:
+               optimizer_hook: str = "the optimizer", foreach: bool = False, lightning_hooks: bool = False) -> None:
+    """Two automatic-optimization steps. With ``lightning_hooks`` (a LightningModule stepped by its own
+    ``training_step``) the module's hooks run where Lightning's closure and precision plugin call them:
+    ``on_before_zero_grad`` and ``optimizer_zero_grad``; ``on_before_backward``, ``backward`` and
+    ``on_after_backward``; ``on_before_optimizer_step`` and ``configure_gradient_clipping`` (the trainer's
+    ``gradient_clip_val``); then the optimizer's step."""
     with _hook(optimizer_hook):
         optimizer = make_optimizer(module_copy)
     if foreach:
         _use_foreach(optimizer)
     optimizer_name = type(optimizer).__name__
     attributor = acc.attributor
+    name = type(module_copy).__name__
+    trainer = getattr(module_copy, "_trainer", None) if lightning_hooks else None
     for step in range(1, steps + 1):
         acc.step = step
         with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
             loss = loss_fn(module_copy, batch)
         # Lightning's automatic optimization: zero_grad after the forward, before backward.
         with acc.labelled("zero_grad"):
-            optimizer.zero_grad(set_to_none=True)
+            if lightning_hooks:
+                with _hook(f"{name}.on_before_zero_grad"):
+                    module_copy.on_before_zero_grad(optimizer)
+                with _hook(f"{name}.optimizer_zero_grad"):
+                    module_copy.optimizer_zero_grad(0, step - 1, optimizer)
+            else:
+                optimizer.zero_grad(set_to_none=True)
         with acc.labelled("backward"), _hook("the backward of the loss"):
-            loss.backward()
+            if lightning_hooks:
+                with _hook(f"{name}.on_before_backward"):
+                    module_copy.on_before_backward(loss)
+                module_copy.backward(loss)
+                with _hook(f"{name}.on_after_backward"):
+                    module_copy.on_after_backward()
+            else:
+                loss.backward()
         del loss
         attributor.assign_module(module_copy)  # the new gradients
+        if lightning_hooks:
+            with acc.labelled("optimizer"):
+                with _hook(f"{name}.on_before_optimizer_step"):
+                    module_copy.on_before_optimizer_step(optimizer)
+                with _hook(f"{name}.configure_gradient_clipping"):
+                    module_copy.configure_gradient_clipping(optimizer, gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
+                                                            gradient_clip_algorithm=getattr(trainer, "gradient_clip_algorithm", None))
         with acc.labelled("optimizer"), _hook(f"the optimizer step ({optimizer_name}.step)"):
             acc.optimizer_phase = True
             try:
@@ -545,6 +572,13 @@ def _attach_trainer(module_copy: nn.Module, trainer: Any, batches: int | None, m
         stand_in.precision = {None: "32-true", "amp": amp}.get(mode.precision, mode.precision)
     if datamodule is not None:
         stand_in.datamodule = datamodule
+    for setting in ("gradient_clip_val", "gradient_clip_algorithm"):  # Trainer(gradient_clip_val=...) clips every step
+        value = getattr(trainer, setting, None)
+        if value is not None:
+            setattr(stand_in, setting, value)
+    from lightning.pytorch.plugins.precision import Precision
+
+    stand_in.precision_plugin = Precision()  # what LightningModule.clip_gradients calls (torch's clip_grad_norm_/value_)
     attach_stand_in_trainer(module_copy, stand_in)
 
 
@@ -646,7 +680,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     _run_manual_steps(module_copy, batch, optimizer, autocast, acc, steps, foreach=fake and target.type == "cuda")
                 else:
                     _run_steps(module_copy, batch, make_optimizer, loss_fn, autocast, acc, steps, optimizer_hook,
-                               foreach=fake and target.type == "cuda")
+                               foreach=fake and target.type == "cuda",
+                               lightning_hooks=loss_fn is _default_loss and _is_lightning_module(module_copy))
         except (EstimateError, NoBatchError):
             raise
         except Exception as error:
