@@ -30,6 +30,9 @@ class MaxBatchSize(Callback):
     through the Trainer's own fit loop, precision and strategy) confirm it, bisecting only between
     a size that ran and one that ran out of memory. The size returned always ran. Weights,
     optimizer state, loop counters, RNG states, callbacks and loggers are as before the search.
+    Under ``fast_dev_run`` (a smoke test) there is no search, as with Lightning's finder, and a
+    warning says so (``result`` stays ``None``). Its trials' side gloo group under DDP is destroyed
+    after the search.
 
     Args:
         margin: the search stops when the largest size that ran is within this fraction of the
