@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.estimate.cuda_kernels import GpuTarget, _additive_mask, _math_attention, attention_backend
+from lightning_memkit.estimate.cuda_kernels import GpuTarget, _additive_mask, _label_smoothing_term, _math_attention, attention_backend
 
 
 # ============================================================================================ models
@@ -209,6 +209,36 @@ def test_math_fallback_allocates_what_torchs_composite_allocates(dtype, gqa, mas
     assert sizes == torch_sizes
 
 
+def _cross_entropy_step(loss_fn, weighted, reduction):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 10, generator=generator).requires_grad_()
+    target = torch.randint(0, 10, (12,), generator=generator)
+    target[:3] = -100
+    weight = torch.rand(10, generator=generator) if weighted else None
+    sizes: list[int] = []
+    accountant = TensorAccountant()
+    accountant.add_storage_listener(lambda record: sizes.append(record.nbytes), None)
+    with accountant:
+        loss = loss_fn(logits, target, weight, reduction)
+        (loss.sum() if loss.dim() else loss).backward()
+    return sorted(sizes), accountant.peak_bytes
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class-weights"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_smoothing_term_allocates_what_torchs_cross_entropy_allocates(weighted, reduction):
+    # on fp32 logits (no autocast casts) memkit's CUDA-autocast cross_entropy is torch's own composite, op for op
+    def memkit(logits, target, weight, reduction):
+        log_probs = torch.log_softmax(logits, 1, dtype=logits.dtype)
+        nll = F.nll_loss(log_probs.float(), target, weight, ignore_index=-100, reduction=reduction)
+        return _label_smoothing_term(log_probs, nll, target, weight, 1, reduction, -100, 0.1)
+
+    def torchs(logits, target, weight, reduction):
+        return F.cross_entropy(logits, target, weight, ignore_index=-100, reduction=reduction, label_smoothing=0.1)
+
+    assert _cross_entropy_step(memkit, weighted, reduction) == _cross_entropy_step(torchs, weighted, reduction)
+
+
 # ============================================================================================ whole estimates
 @pytest.mark.parametrize("factory", [GroupedGPT, PaddedEncoder, MetricCNN, lambda: MetricCNN(optimizer="nadam")],
                          ids=["grouped-gpt", "padded-encoder", "torchmetrics", "nadam"])
@@ -221,11 +251,12 @@ def test_cpu_estimate_equals_the_measured_step(factory):
 @pytest.mark.parametrize("factory, gpu, mode, kernel", [
     (GroupedGPT, "h100", "bf16", "attention: flash"),
     (GroupedGPT, "v100", "fp16", "attention: math"),
+    (GroupedGPT, "a100", "bf16", "cross_entropy: CUDA autocast"),  # label smoothing: CUDA's autocast path too
     (PaddedEncoder, "h100", "bf16", "attention: memory-efficient"),
     (PaddedEncoder, "v100", "bf16", "attention: math"),
     (lambda: MetricCNN(optimizer="adam_tensor_lr"), "h100", None, "cuDNN workspaces"),
     (lambda: MetricCNN(optimizer="nadam"), "v100", "fp16", "cuDNN workspaces"),
-], ids=["gpt-h100-bf16", "gpt-v100-fp16", "encoder-h100-bf16", "encoder-v100-bf16", "adam-tensor-lr-h100", "nadam-v100-fp16"])
+], ids=["gpt-h100-bf16", "gpt-v100-fp16", "gpt-a100-bf16-smoothing", "encoder-h100-bf16", "encoder-v100-bf16", "adam-tensor-lr-h100", "nadam-v100-fp16"])
 def test_cuda_target_estimates_and_names_the_kernel(factory, gpu, mode, kernel):
     estimate = estimate_memory(factory(), 4, device="cuda", gpu=gpu, mode=mode)
     assumed = next(note for note in estimate.notes if note.startswith("CUDA kernels assumed"))

@@ -214,8 +214,9 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
     KernelRow("linear", "input of 3+ dims, not contiguous, with bias",
               "matmul then bias added in place (one output)", "fake tensors take the out-of-place add (a second output)",
               "trace_BertLike_b8_32-true: three allocations per in-projection"),
-    KernelRow("cross_entropy under autocast", "fp16/bf16 logits, class-index targets, no label smoothing",
-              "log_softmax in the logits' dtype, then nll_loss on an fp32 copy (autocast's fp32 list)",
+    KernelRow("cross_entropy under autocast", "fp16/bf16 logits, class-index targets",
+              "log_softmax in the logits' dtype, then nll_loss on an fp32 copy (autocast's fp32 list); with label smoothing "
+              "the class sum of the log-probabilities reduced in fp32 (one float per position)",
               "CPU autocast casts the whole loss to fp32 (an fp32 copy and fp32 log-probabilities)",
               "trace_BertLike_b8_bf16-mixed: 250036224-byte bf16 log-probs and a 500072448-byte fp32 copy"),
     KernelRow("matmul family (mm, addmm, bmm...)", "first call on the stream",
@@ -362,15 +363,45 @@ class _CudaFunctions(TorchFunctionMode):
         input, target = bound["input"], bound["target"]
         dtype = _autocast_dtype()
         if (dtype is None or not isinstance(input, torch.Tensor) or input.dtype not in (torch.float16, torch.bfloat16)
-                or not isinstance(target, torch.Tensor) or target.is_floating_point() or bound["label_smoothing"]
+                or not isinstance(target, torch.Tensor) or target.is_floating_point()
                 or bound["size_average"] is not None or bound["reduce"] is not None):
             return NotImplemented
         self.kernels.used.add("cross_entropy:autocast")
-        weight = bound["weight"]
+        weight, smoothing, reduction, ignore_index = bound["weight"], float(bound["label_smoothing"]), bound["reduction"], bound["ignore_index"]
         with _no_autocast():
-            log_probs = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
-            return F.nll_loss(log_probs.float(), target, None if weight is None else weight.float(),
-                              ignore_index=bound["ignore_index"], reduction=bound["reduction"])
+            class_dim = 1 if input.dim() > 1 else 0
+            log_probs = torch.log_softmax(input, class_dim, dtype=input.dtype)
+            nll = F.nll_loss(log_probs.float(), target, None if weight is None else weight.float(),
+                             ignore_index=ignore_index, reduction=reduction)
+            if not smoothing:
+                return nll
+            return _label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing)
+
+
+def _label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing):
+    """The rest of ``cross_entropy_loss_label_smoothing`` (LossNLL.cpp) as CUDA autocast runs it, given the
+    low-precision log-probabilities and the nll loss: the class sum reduced in fp32 (``sum`` is on autocast's
+    fp32-dtype list; with a class weight the product is fp32 by promotion), the ignored positions zeroed, the
+    reduction (the weighted mean as torch takes it for tensor subclasses, without a data-dependent shape)."""
+    if weight is not None:
+        shape = [1] * log_probs.dim()
+        shape[class_dim] = weight.shape[0]
+        smooth = -(log_probs * weight.view(shape)).sum(class_dim)
+    else:
+        smooth = -log_probs.sum(class_dim, dtype=torch.float32)
+    ignored = target == ignore_index
+    smooth.masked_fill_(ignored, 0.0)
+    if reduction == "mean":
+        if weight is not None:
+            kept_weights = weight.gather(0, target.masked_fill(ignored, 0).flatten()).masked_fill_(ignored.flatten(), 0)
+            total = smooth.sum() / kept_weights.sum()
+        else:
+            total = smooth.sum() / (~ignored).sum()
+    elif reduction == "sum":
+        total = smooth.sum()
+    else:
+        total = smooth
+    return (1 - smoothing) * nll + total * (smoothing / log_probs.shape[class_dim])
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
