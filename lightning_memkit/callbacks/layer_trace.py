@@ -248,8 +248,9 @@ class LayerTrace(Callback):
             # e.g. a training_step that returns None before calling the model (a skipped batch): the table would
             # show the step markers alone, which reads like a step that used no memory
             rank_zero_warn(f"memkit LayerTrace: step {result.step} ran no module's forward (training_step returned before "
-                           "calling the model, e.g. a skipped batch that returns None): its trace holds the step markers "
-                           "only; trace another step (at_steps=..., or `memkit trace --step N`)")
+                           "calling the model, e.g. a skipped batch that returns None; or the model runs without module "
+                           "hooks, e.g. TorchScript): its trace holds the step markers only; trace another step "
+                           "(at_steps=..., or `memkit trace --step N`)")
         step = result.step if result.step is not None else 0
         for logger in trainer.loggers:
             logger.log_metrics(result.metrics(self.prefix), step=step)
