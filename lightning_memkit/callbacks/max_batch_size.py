@@ -37,8 +37,8 @@ class MaxBatchSize(Callback):
     Args:
         margin: the search stops when the largest size that ran is within this fraction of the
             smallest that ran out of memory (the answer is then within ``margin`` of the true maximum).
-        init_val: the first size tried (default: just below the estimate's prediction).
-        max_val: never try more than this (also capped at the dataset's length).
+        init_val: the first size tried, in samples per batch (default: just below the estimate's prediction).
+        max_val: never try more than this many samples per batch (also capped at the dataset's length).
         steps_per_trial: training steps per trial (the peak comes in step 2 at the latest).
         max_trials: at most this many trials.
         budget: on CPU, a memory budget (bytes or ``"256MiB"``) for live tensors, counted by the
@@ -111,7 +111,8 @@ class MaxBatchSize(Callback):
         self.find(trainer, pl_module)
 
     def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """Run the search now (also from ``on_train_epoch_start`` mid-training); returns the size found."""
+        """Run the search now (also from ``on_train_epoch_start`` mid-training) for ``trainer``'s fit of
+        ``pl_module``; returns the size found (samples per batch), also kept as ``optimal_batch_size``."""
         if trainer.fast_dev_run:
             size = int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
             # as Lightning's BatchSizeFinder: no search in a smoke test, and it says so (it was silent: result None)

@@ -15,6 +15,7 @@ DEFAULT_MODES = "baseline,amp,checkpoint,amp+checkpoint"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `memkit compare` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
         "compare", help="train a LightningModule in several memory modes and compare memory, speed and accuracy",
         description="Train a fresh copy of a LightningModule in each memory mode (same seed, same data, MemoryTracker on) "
@@ -39,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `memkit compare` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
     from lightning_memkit.modes.compare import CheckpointWarning, compare_modes
     from lightning_memkit.modes.mode import parse_modes
 

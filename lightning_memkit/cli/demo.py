@@ -12,6 +12,7 @@ MODELS = ("mlp", "cnn", "transformer")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `memkit demo` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser("demo", help="train a small built-in model with MemoryTracker and write TensorBoard logs",
                                    description="Train a small built-in LightningModule on synthetic data with MemoryTracker, "
                                                "write TensorBoard logs and print the memory summary.")
@@ -37,6 +38,7 @@ def build_model(name: str, batch_size: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `memkit demo` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
     if args.steps < 1 or args.batch_size < 1:
         print("memkit demo: --steps and --batch-size must be positive integers", file=sys.stderr)
         return 2

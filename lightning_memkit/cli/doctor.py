@@ -20,6 +20,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `memkit doctor` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
         "doctor", help="train a few steps and find leaks, tensors held too long, and who made them",
         description="Train a LightningModule for N steps while recording who made every tensor (aten op, module, "
@@ -39,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `memkit doctor` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
     if args.steps < 1:
         raise CliError("--steps must be a positive integer, e.g. --steps 20")
     if args.window < 2:

@@ -9,6 +9,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `memkit report` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
         "report", help="write a self-contained HTML memory report from a log dir",
         description="Read memkit's files under LOGDIR (memkit_memory.json, memkit_trace_step<N>.json, compare.json/.csv, "
@@ -24,6 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `memkit report` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
     import os
 
     from lightning_memkit.cli.common import CliError

@@ -18,6 +18,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `memkit trace` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
         "trace", help="print the per-module memory table of one training step of a LightningModule",
         description="Train a LightningModule for a few steps with LayerTrace and print the memory of each module "
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `memkit trace` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
     if args.batch_size is not None and args.batch_size < 1:
         print("memkit trace: --batch-size must be a positive integer", file=sys.stderr)
         return 2
