@@ -370,3 +370,64 @@ def test_the_step_runs_lightnings_hooks_and_the_trainers_gradient_clipping():
     # the snapshot (one float per parameter element) lives from the first backward on: the peak holds it
     snapshot = sum(p.numel() for p in hooked.parameters()) * 4
     assert estimate.peak_bytes == estimate_memory(plain, 4, device="cpu", trainer=trainer).peak_bytes + snapshot
+
+
+# ============================================================================================ CUDA's autocast lists
+def _cuda_autocast_fp32_cases():
+    # torch/testing/_internal/autocast_test_lists.py's AutocastTestLists, read from the file: importing the module
+    # needs torch's test dependencies (expecttest), the class itself only torch
+    import collections
+    import pathlib
+
+    text = (pathlib.Path(torch.__file__).parent / "testing" / "_internal" / "autocast_test_lists.py").read_text()
+    namespace = {"torch": torch, "collections": collections, "TEST_WITH_ROCM": False}
+    exec(text[text.index("class AutocastTestLists"):text.index("class AutocastCPUTestLists")], namespace)  # noqa: S102
+    lists = namespace["AutocastTestLists"](torch.device("cpu"))
+    cases = [(torch, entry) for entry in lists.torch_fp32] + [(torch._C._nn, entry) for entry in lists.nn_fp32]
+    return cases + [(torch.Tensor, entry) for entry in lists.methods_fp32]
+
+
+def test_the_cuda_target_runs_torchs_cuda_autocast_fp32_lists():
+    # torch's own CUDA autocast test lists (ops CUDA runs in fp32 whatever the autocast dtype): on the CUDA target's
+    # fake step each comes out fp32, where CPU autocast (what the fake step runs on) leaves several in fp16
+    from lightning_memkit.estimate.cuda_kernels import CudaKernels, _CudaFunctions
+
+    functions = _CudaFunctions(CudaKernels("h100", "16-mixed"))
+    wrong = []
+    for owner, entry in _cuda_autocast_fp32_cases():
+        name, args, kwargs = entry[0], entry[1], (entry[2] if len(entry) > 2 else {})
+        with functions, functions.patched(), torch.autocast("cpu", dtype=torch.float16):
+            out = getattr(owner, name)(*args, **kwargs)
+        if (out[0] if isinstance(out, tuple) else out).dtype != torch.float32:
+            wrong.append(name)
+    assert not wrong, f"not fp32 as CUDA autocast makes them: {wrong}"
+    with functions, functions.patched(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.einsum("ij,jk->ik", torch.randn(4, 4), torch.randn(4, 4)).dtype == torch.bfloat16  # CUDA: lower precision
+        volume = torch.empty(1, 2, 4, 4, 4, dtype=torch.bfloat16, device="meta")  # the CPU kernel has no bf16
+        assert F.avg_pool3d(volume, 2).dtype == torch.bfloat16  # CPU autocast would run it in fp32; CUDA's leaves it
+    assert torch.Tensor.__dict__.get("exp") is None and F.layer_norm.__module__ == "torch.nn.functional"  # all put back
+
+
+def test_group_norm_and_softmax_under_bf16_are_fp32_on_a_cuda_target():
+    # a UNet-style block: bf16 convolution outputs normalised by GroupNorm (fp32 on CUDA: an fp32 copy and output)
+    # and a hand-written attention softmax (fp32 on CUDA); checkpointed, the recomputation must agree
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)
+
+        def forward(self, x):
+            h = self.norm(self.conv(x))
+            flat = h.flatten(2)
+            weights = (flat.transpose(1, 2) @ flat).softmax(-1)
+            return h + (flat @ weights).view_as(h)
+
+    model = nn.Sequential(Block(), Block(), Block())
+    batch = torch.randn(2, 8, 16, 16)
+    options = dict(batch=batch, device="cuda", gpu="h100", optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    bf16 = estimate_memory(model, mode="bf16", **options)
+    assert any("CUDA autocast's op lists" in note for note in bf16.notes)
+    # the fp32 softmax weights (2 x 256 x 256 x 4 bytes per block) are held for backward
+    assert bf16.activations_bytes >= 3 * 2 * 256 * 256 * 4
+    checkpointed = estimate_memory(model, mode="bf16+checkpoint", **options)
+    assert checkpointed.peak_bytes < bf16.peak_bytes

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
 from lightning_memkit.estimate.fake import NOT_ANSWERED, _fake_tensor_module, fake_device_query
@@ -219,6 +220,13 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
               "the class sum of the log-probabilities reduced in fp32 (one float per position)",
               "CPU autocast casts the whole loss to fp32 (an fp32 copy and fp32 log-probabilities)",
               "trace_BertLike_b8_bf16-mixed: 250036224-byte bf16 log-probs and a 500072448-byte fp32 copy"),
+    KernelRow("autocast's op lists (bf16/fp16 modes)", "ops CUDA's autocast lists differently from CPU's (_autocast_policies)",
+              "layer_norm, group_norm, rms_norm, exp, log, pow, norms, distance and embedding losses: fp16/bf16 arguments cast to "
+              "fp32 (an fp32 copy and an fp32 result); softmax, log_softmax, sum, cumsum, prod: an fp32 result; einsum, mv, addmv, "
+              "addr, multi_dot: fp32 arguments cast down; 3-D poolings and reflect/replicate padding: left as they come",
+              "CPU autocast's lists: those ops in the low-precision dtype (and the 3-D poolings and paddings cast to fp32)",
+              "not in the traces (no such op in their models): tests/test_estimate_unseen.py checks torch's own CUDA autocast test "
+              "lists (torch/testing/_internal/autocast_test_lists.py)"),
     KernelRow("matmul family (mm, addmm, bmm...)", "first call on the stream",
               "the cuBLAS workspace, kept, one for the forward's thread and one for autograd's backward thread: 32 MiB on sm90+, 8 MiB + 128 KiB before (CUBLAS_WORKSPACE_CONFIG); "
               "the first addmm also the cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE)", "nothing",
@@ -255,6 +263,11 @@ class _CudaFunctions(TorchFunctionMode):
             torch._C._nn.linear: self._linear,
             F.cross_entropy: self._cross_entropy,
         }
+        policy_handlers = {"fp32": self._autocast_fp32, "fp32_set_opt_dtype": self._autocast_fp32_dtype,
+                           "lower_precision": self._autocast_lower, "untouched": self._autocast_untouched}
+        # patched, not handled by the mode: torch-function modes are not active while autograd recomputes a
+        # checkpointed region in the backward, and the recomputation must make the same dtypes as the forward
+        self._patches = [(owner, name, policy_handlers[policy]) for owner, name, policy in _autocast_policies()]
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
@@ -263,11 +276,12 @@ class _CudaFunctions(TorchFunctionMode):
         torch-function mode does not see calls made inside a Python function it passed on."""
         names = {"scaled_dot_product_attention": self._attention, "dropout": self._dropout, "linear": self._linear,
                  "cross_entropy": self._cross_entropy}
-        saved = {name: getattr(F, name) for name in names}
+        patches = [(F, name, handler) for name, handler in names.items()]
+        patches += [patch for patch in self._patches if not (patch[0] is F and patch[1] in names)]
+        # a class's own attribute is put back; an inherited one (torch.Tensor's methods from TensorBase) is deleted again
+        saved = [(owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)) for owner, name, _ in patches]
 
-        def wrapper(name, handler):
-            original = saved[name]
-
+        def wrapper(name, handler, original):
             def call(*args, **kwargs):
                 result = handler(original, args, kwargs)
                 return original(*args, **kwargs) if result is NotImplemented else result
@@ -277,12 +291,15 @@ class _CudaFunctions(TorchFunctionMode):
             return call
 
         try:
-            for name, handler in names.items():
-                setattr(F, name, wrapper(name, handler))
+            for (owner, name, handler), (_, _, original) in zip(patches, saved):
+                setattr(owner, name, wrapper(name, handler, getattr(owner, name)))
             yield
         finally:
-            for name, original in saved.items():
-                setattr(F, name, original)
+            for owner, name, original in saved:
+                if original is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
@@ -292,6 +309,46 @@ class _CudaFunctions(TorchFunctionMode):
             if result is not NotImplemented:
                 return result
         return func(*args, **kwargs)
+
+    # ------------------------------------------------------------------ CUDA's autocast policy
+    # The fake step runs CPU autocast; where CUDA's autocast lists an op differently (see _autocast_policies),
+    # the call runs as CUDA's autocast would run it: its arguments cast, then the op with autocast off.
+    def _autocast_fp32(self, func, args, kwargs):
+        if _autocast_dtype() is None or not _any_tensor(args, kwargs, _is_low_precision):
+            return NotImplemented
+        if getattr(func, "__name__", "") == "interpolate" and _bound(("input", "size", "scale_factor", "mode"), args, kwargs).get("mode", "nearest") not in _UPSAMPLE_MODES:
+            return NotImplemented  # 'area' pools: not on the list
+        self.kernels.used.add("autocast:cuda-policy")
+        args, kwargs = _cast_tensors(args, kwargs, _is_low_precision, torch.float32)
+        with _no_autocast():
+            return func(*args, **kwargs)
+
+    def _autocast_fp32_dtype(self, func, args, kwargs):
+        if _autocast_dtype() is None or kwargs.get("dtype") is not None or len(args) > _DTYPE_POSITION.get(getattr(func, "__name__", ""), 99):
+            return NotImplemented
+        first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("input"))
+        if not isinstance(first, torch.Tensor) or not _is_low_precision(first):
+            return NotImplemented
+        self.kernels.used.add("autocast:cuda-policy")
+        with _no_autocast():
+            return func(*args, **{**kwargs, "dtype": torch.float32})
+
+    def _autocast_lower(self, func, args, kwargs):
+        dtype = _autocast_dtype()
+        if dtype is None:
+            return NotImplemented
+        self.kernels.used.add("autocast:cuda-policy")
+        args, kwargs = _cast_tensors(args, kwargs, lambda t: t.is_floating_point() and t.dtype == torch.float32, dtype)
+        with _no_autocast():
+            return func(*args, **kwargs)
+
+    def _autocast_untouched(self, func, args, kwargs):
+        if _autocast_dtype() is None:
+            return NotImplemented
+        if getattr(func, "__name__", "") == "pad" and _bound(("input", "pad", "mode"), args, kwargs).get("mode", "constant") == "constant":
+            return NotImplemented
+        with _no_autocast():  # CPU autocast would cast these to fp32; CUDA's runs them as they come
+            return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ attention
     def _attention(self, func, args, kwargs):
@@ -376,6 +433,66 @@ class _CudaFunctions(TorchFunctionMode):
             if not smoothing:
                 return nll
             return _label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing)
+
+
+#: F.interpolate modes that reach an upsample op (on CUDA autocast's fp32 list)
+_UPSAMPLE_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear")
+
+#: where a positional ``dtype`` argument sits (after input, dim; F's after _stacklevel), by function name
+_DTYPE_POSITION = {"softmax": 2, "log_softmax": 2}
+
+
+def _autocast_policies() -> list[tuple[Any, str, str]]:
+    """``(owner, name, policy)`` for the functions and Tensor methods whose CUDA autocast policy differs from CPU
+    autocast's (torch's autocast_mode.cpp lists, also in torch/testing/_internal/autocast_test_lists.py):
+
+    * ``fp32``: CUDA casts fp16/bf16 arguments to fp32 (CPU leaves them): layer_norm, group_norm, rms_norm,
+      softplus, cosine_similarity, acos, asin, cosh, erfinv, sinh, tan, exp, log, log1p, expm1, log2, log10,
+      rsqrt, reciprocal, pow, norm, renorm, logsumexp, dist, pdist, cdist, the embedding / margin / KL losses,
+      the upsampling of ``interpolate``;
+    * ``fp32_set_opt_dtype``: CUDA runs them with ``dtype=float32`` on fp16/bf16 inputs (an fp32 result, no
+      input copy): softmax, log_softmax, sum, cumsum, prod, cumprod, vector_norm;
+    * ``lower_precision``: CUDA casts fp32 arguments to the autocast dtype (CPU does not list them): einsum,
+      mv, addmv, addr, chain_matmul, multi_dot;
+    * ``untouched``: CPU casts them to fp32, CUDA does not list them: the 3-D poolings and reflect /
+      replicate padding.
+    """
+    T = torch.Tensor
+    table = {
+        "fp32": [(F, "layer_norm"), (F, "group_norm"), (F, "rms_norm"), (F, "softplus"), (F, "cosine_similarity"), (F, "interpolate"),
+                 (torch._C._nn, "softplus"), (T, "__pow__")]
+                + [(torch, name) for name in ("layer_norm", "group_norm", "rms_norm", "cosine_similarity", "poisson_nll_loss",
+                                              "cosine_embedding_loss", "hinge_embedding_loss", "kl_div", "margin_ranking_loss",
+                                              "triplet_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist")]
+                + [(owner, name) for name in ("acos", "asin", "cosh", "erfinv", "sinh", "tan", "exp", "log", "log1p", "expm1", "log2",
+                                              "log10", "rsqrt", "reciprocal", "pow", "norm", "renorm", "logsumexp") for owner in (torch, T)],
+        "fp32_set_opt_dtype": [(F, "softmax"), (F, "log_softmax"), (torch.linalg, "vector_norm")]
+                              + [(owner, name) for name in ("softmax", "log_softmax", "sum", "cumsum", "prod", "cumprod") for owner in (torch, T)],
+        "lower_precision": [(torch, "einsum"), (torch, "chain_matmul"), (torch.linalg, "multi_dot")]
+                           + [(owner, name) for name in ("mv", "addmv", "addr") for owner in (torch, T)],
+        "untouched": [(F, "avg_pool3d"), (F, "max_pool3d"), (F, "adaptive_avg_pool3d"), (F, "pad")],
+    }
+    return [(owner, name, policy) for policy, entries in table.items() for owner, name in entries if getattr(owner, name, None) is not None]
+
+
+_INHERITED = object()  # marks a patched class attribute the class did not define itself
+
+
+def _is_low_precision(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float16, torch.bfloat16)
+
+
+def _any_tensor(args: Any, kwargs: Any, test) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and test(leaf) for leaf in tree_flatten((args, kwargs))[0])
+
+
+def _cast_tensors(args: Any, kwargs: Any, test, dtype: torch.dtype) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` with every tensor passing ``test`` cast to ``dtype`` (as autocast's cached_cast)."""
+    return tree_map(lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and test(leaf) else leaf, (args, kwargs))
+
+
+def _bound(names: tuple[str, ...], args: Any, kwargs: Any) -> dict[str, Any]:
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def _label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing):
@@ -609,6 +726,7 @@ class CudaKernels:
             "cublas:workspace": f"cuBLAS workspace {cublas_workspace_bytes(self.gpu) // KiB} KiB",
             "conv:cudnn-workspace": "cuDNN workspaces: input + output + weight per call",
             "16-mixed:grad-scaler": "GradScaler state",
+            "autocast:cuda-policy": "CUDA autocast's op lists (fp32 norms, softmax and sums; einsum in low precision)",
         }
         return [f"GPU {self.gpu.name} (sm{self.gpu.sm})"] + [words.get(name, name) for name in sorted(self.used)]
 
