@@ -431,3 +431,48 @@ def test_group_norm_and_softmax_under_bf16_are_fp32_on_a_cuda_target():
     assert bf16.activations_bytes >= 3 * 2 * 256 * 256 * 4
     checkpointed = estimate_memory(model, mode="bf16+checkpoint", **options)
     assert checkpointed.peak_bytes < bf16.peak_bytes
+
+
+# ============================================================================================ against a real fit
+def _tensor_attributes(module: nn.Module) -> list[torch.Tensor]:
+    return [v for each in module.modules() for v in vars(each).values() if isinstance(v, torch.Tensor)]
+
+
+class _StepPeak(pl.Callback):
+    """Each training batch's peak in a real Trainer.fit, counted by the accountant: what is live when the batch
+    starts (parameters, buffers, gradients, tensors the module keeps, optimizer state, the batch) adopted, then
+    every allocation."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.initial: set[int] = set()
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = {id(v) for v in _tensor_attributes(pl_module)}  # on the host, as a GPU run would leave them
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        live = list(pl_module.parameters()) + list(pl_module.buffers()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        live += [v for v in _tensor_attributes(pl_module) if id(v) not in self.initial]  # a hook's kept tensor, not a dataset
+        live += [v for opt in trainer.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        live += [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
+        self.accountant = TensorAccountant()
+        self.accountant.adopt(live)
+        self.accountant.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.accountant.__exit__(None, None, None)
+        self.peaks.append(self.accountant.peak_bytes)
+
+
+@pytest.mark.parametrize("factory, steps, clip", [(_gan, 4, None), (ManualTwoOptimizers, 4, None), (lambda: HookedGPT(dropout=0.0), 2, None),
+                                                  (lambda: HookedGPT(dropout=0.0), 2, 0.5)],
+                         ids=["gan", "closure-toggle-clip-schedule", "hooked-gpt", "hooked-gpt-clipped-by-the-trainer"])
+def test_the_estimate_equals_a_real_lightning_step(tmp_path, factory, steps, clip):
+    # two optimizer steps per batch for the manual modules (global_step counts both)
+    peaks = _StepPeak()
+    trainer = pl.Trainer(max_steps=steps, default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[peaks], accelerator="cpu", gradient_clip_val=clip)
+    trainer.fit(factory())
+    assert len(peaks.peaks) == 2
+    unattached = pl.Trainer(max_steps=steps, logger=False, gradient_clip_val=clip)
+    assert estimate_memory(factory(), 4, device="cpu", trainer=unattached).peak_bytes == max(peaks.peaks)
