@@ -152,6 +152,8 @@ class MetricCNN(pl.LightningModule):
             return torch.optim.NAdam(self.parameters(), lr=1e-3, decoupled_weight_decay=True, weight_decay=0.01)
         if self.optimizer == "adam_tensor_lr":
             return torch.optim.Adam(self.parameters(), lr=torch.tensor(1e-3))
+        if self.optimizer == "adamw_capturable":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, capturable=True)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, nesterov=True)
 
 
@@ -256,7 +258,8 @@ def test_cpu_estimate_equals_the_measured_step(factory):
     (PaddedEncoder, "v100", "bf16", "attention: math"),
     (lambda: MetricCNN(optimizer="adam_tensor_lr"), "h100", None, "cuDNN workspaces"),
     (lambda: MetricCNN(optimizer="nadam"), "v100", "fp16", "cuDNN workspaces"),
-], ids=["gpt-h100-bf16", "gpt-v100-fp16", "gpt-a100-bf16-smoothing", "encoder-h100-bf16", "encoder-v100-bf16", "adam-tensor-lr-h100", "nadam-v100-fp16"])
+    (lambda: MetricCNN(optimizer="adamw_capturable"), "h100", "bf16", "cuDNN workspaces"),
+], ids=["gpt-h100-bf16", "gpt-v100-fp16", "gpt-a100-bf16-smoothing", "encoder-h100-bf16", "encoder-v100-bf16", "adam-tensor-lr-h100", "nadam-v100-fp16", "adamw-capturable-h100"])
 def test_cuda_target_estimates_and_names_the_kernel(factory, gpu, mode, kernel):
     estimate = estimate_memory(factory(), 4, device="cuda", gpu=gpu, mode=mode)
     assumed = next(note for note in estimate.notes if note.startswith("CUDA kernels assumed"))

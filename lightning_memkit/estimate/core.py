@@ -402,8 +402,12 @@ def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | 
 def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
     """Run the optimizer's multi-tensor (``foreach``) implementation, as torch does by default for
     parameters on CUDA: its temporaries are the ones a CUDA step allocates (and it dispatches a few
-    ops per parameter *list*, not per parameter). Groups that chose ``foreach``/``fused`` keep it."""
+    ops per parameter *list*, not per parameter). Groups that chose ``foreach``/``fused`` keep it.
+    ``capturable=True`` (CUDA graphs) asserts that parameters are on CUDA, which the CPU fakes are not: those
+    groups run the non-capturable update (its step counters on the host: a few scalars fewer per parameter)."""
     for group in optimizer.param_groups:
+        if group.get("capturable"):
+            group["capturable"] = False
         if "foreach" in group and group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
             if isinstance(optimizer, torch.optim.Adam) and torch.is_tensor(group.get("lr")) and not group.get("capturable"):
                 continue  # torch keeps Adam/AdamW single-tensor for a tensor lr without capturable (adam.py)
