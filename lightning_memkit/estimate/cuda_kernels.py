@@ -135,8 +135,9 @@ def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       gpu: GpuTarget, enable_gqa: bool = False, is_causal: bool = False) -> str:
     """The ``scaled_dot_product_attention`` kernel CUDA picks: ``"flash"``, ``"efficient"`` or ``"math"``.
 
-    torch's order is flash, then memory-efficient, then math (``select_sdp_backend`` in sdp_utils.cpp;
-    cuDNN attention only when ``TORCH_CUDNN_SDPA_PREFERRED`` puts it first, not modelled). All need 4-D
+    torch's order is flash, then memory-efficient, then math (``select_sdp_backend`` in sdp_utils.cpp). Recent
+    sdp_utils.cpp put cuDNN attention first on sm90/sm100 with cuDNN >= 9.9 unless ``TORCH_CUDNN_SDPA_PREFERRED=0``;
+    it is not modelled as its own backend (its forward keeps the same (B,H,L) fp32 logsumexp as flash). All need 4-D
     inputs of one dtype and the same batch. Flash: sm80 to sm121, fp16 or bf16, no attention mask, equal
     head dims of at most 256 (torch pads them to a multiple of 8), ``is_causal`` only with equal query and
     key lengths, grouped-query heads allowed (``enable_gqa``); on sm86/89/120 no training with head dims in
