@@ -479,3 +479,20 @@ def test_the_estimate_equals_a_real_lightning_step(tmp_path, factory, steps, cli
     assert len(peaks.peaks) == 2
     unattached = pl.Trainer(max_steps=steps, logger=False, gradient_clip_val=clip)
     assert estimate_memory(factory(), 4, device="cpu", trainer=unattached).peak_bytes == max(peaks.peaks)
+
+
+def test_max_batch_size_searches_a_manually_optimized_module_with_the_estimate(tmp_path):
+    from test_robustness import GAN
+
+    from lightning_memkit import MaxBatchSize
+
+    def search(use_estimate):
+        finder = MaxBatchSize(budget=400_000, max_val=1024, use_estimate=use_estimate, verbose=False)
+        trainer = pl.Trainer(max_steps=4, default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[finder], accelerator="cpu")
+        trainer.fit(GAN(samples=1024))
+        return finder.result
+
+    guided, blind = search(True), search(False)
+    assert guided.predicted is not None and len(guided.trials) <= 4 < len(blind.trials)
+    assert guided.batch_size == blind.batch_size

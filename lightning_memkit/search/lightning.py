@@ -86,8 +86,6 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
             "forward, so a trial cannot be undone: run one forward with an example batch before trainer.fit (e.g. in "
             "__init__), or leave MaxBatchSize out"
         )
-    if not module.automatic_optimization and config.use_estimate:
-        config.use_estimate = False
 
 
 # ------------------------------------------------------------------------------------------ DDP
