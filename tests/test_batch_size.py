@@ -347,3 +347,53 @@ def test_a_cpu_search_without_budget_says_what_bounds_it(tmp_path, capsys):
     assert "no budget= on CPU" in out and "trials stop after 60s" in out
     assert result.batch_size == 96 and result.reason == "dataset" and result.trial_count == 1
     assert "the dataset, not memory, bounds it" in out
+
+
+class _ToggledGAN(pl.LightningModule):
+    """Manual optimization with Lightning's toggle_optimizer: while one optimizer steps, the other's parameters
+    have requires_grad=False until untoggle_optimizer, which a trial that runs out of memory mid-step never reaches."""
+
+    def __init__(self, batch_size=4):
+        super().__init__()
+        self.automatic_optimization = False
+        self.batch_size = batch_size
+        self.generator = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        self.discriminator = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        g_opt, d_opt = self.optimizers()
+        fake = self.generator(torch.randn(real.shape[0], 8))
+        self.toggle_optimizer(d_opt)
+        d_loss = torch.nn.functional.softplus(self.discriminator(fake.detach())).mean() + torch.nn.functional.softplus(-self.discriminator(real)).mean()
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        self.untoggle_optimizer(d_opt)
+        self.toggle_optimizer(g_opt)
+        g_loss = torch.nn.functional.softplus(-self.discriminator(fake)).mean()
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        self.untoggle_optimizer(g_opt)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.generator.parameters(), lr=1e-3), torch.optim.Adam(self.discriminator.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("use_estimate", [True, False], ids=["estimate", "trials-only"])
+def test_a_trial_out_of_memory_between_toggle_and_untoggle_leaves_every_parameter_trainable(use_estimate, tmp_path):
+    # a trial stopped mid-step by the budget never reaches untoggle_optimizer: the parameters it froze must be
+    # trainable again for the next trial and for training (before: 'element 0 ... does not require grad')
+    torch.manual_seed(0)
+    module = _ToggledGAN()
+    flags = {name: p.requires_grad for name, p in module.named_parameters()}
+    finder = MaxBatchSize(budget=600_000, max_val=4096, use_estimate=use_estimate, verbose=False)
+    trainer = _trainer(tmp_path, max_steps=6, callbacks=[finder])
+    trainer.fit(module)
+    assert any(not trial.fits for trial in finder.result.trials)  # some trial did run out of memory
+    assert trainer.global_step == 6 and {name: p.requires_grad for name, p in module.named_parameters()} == flags

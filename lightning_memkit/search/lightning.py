@@ -234,6 +234,9 @@ class _Snapshot:
         # the gradients the module holds now (None before fit; the last step's mid-training): the trials'
         # last gradients must not stay alive on the device after the search
         self.gradients = [(p, None if p.grad is None else _to_host(p.grad)) for p in module.parameters()]
+        # which parameters train: a trial that runs out of memory between toggle_optimizer and untoggle_optimizer
+        # (manual optimization) leaves the other optimizers' parameters frozen, and the next toggle would keep them so
+        self.requires_grad = [(p, p.requires_grad) for p in module.parameters()]
         self.optimizers = [_to_host(o.state_dict()) for o in trainer.optimizers]
         self.schedulers = [_to_host(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
         self.precision = _to_host(trainer.precision_plugin.state_dict())
@@ -252,7 +255,14 @@ class _Snapshot:
         self.rng = preserved_rng()
         self.rng.__enter__()
 
+    def restore_requires_grad(self) -> None:
+        """Every parameter trains or is frozen as it was when the search began."""
+        for parameter, requires_grad in self.requires_grad:
+            if parameter.requires_grad != requires_grad:
+                parameter.requires_grad_(requires_grad)
+
     def restore(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
+        self.restore_requires_grad()
         with torch.no_grad():
             module.load_state_dict(self.module_state)
             for parameter, gradient in self.gradients:
@@ -419,6 +429,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                               f"({estimate_seconds:.2f}s)", config.verbose)
 
         def run_trial(size: int) -> Trial:
+            snapshot.restore_requires_grad()  # the last trial may have stopped inside toggle_optimizer's window
             return _trial(trainer, module, size, config, budget, device, outcomes, communicates)
 
         def progress(trial: Trial) -> None:
