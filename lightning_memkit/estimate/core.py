@@ -797,7 +797,8 @@ def measure_training_step(
 ) -> MemoryEstimate:
     """Measure what :func:`estimate_memory` predicts: the same two steps on a real deep copy of ``module``.
 
-    Same arguments and result as :func:`estimate_memory` (``source="measured"``); it allocates real
+    Same arguments (``batch_size`` in samples, ``batch``, ``mode``, ``device``, ``optimizer``, ``loss_fn``,
+    ``datamodule``, ``trainer``) and result as :func:`estimate_memory` (``source="measured"``); it allocates real
     memory and takes real compute time. The step runs where the module's parameters are (the batch is
     moved there, as Lightning does); ``device`` only decides whether the CUDA allocator view is added.
     ``module`` and RNG states are untouched. A module on the meta device cannot be measured.

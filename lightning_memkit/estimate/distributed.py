@@ -188,6 +188,14 @@ def model_state_bytes(num_parameters: int, strategy: Any = "ddp", world_size: in
     2Ψ + 14Ψ/N, stage 3 16Ψ/N. The torch layout (DDP, FSDP, FSDP2 under autocast) keeps fp32 parameters
     and gradients: 4 + 4 + 8 = 16 bytes for Adam. ``"32-true"``: 4 + 4 + state. Shards are rounded up
     (rank 0 holds the largest). Per-tensor state (Adam's ``step``) is left out: it is bytes per tensor, not per parameter.
+
+    Args:
+        num_parameters: trainable parameters (elements, Ψ).
+        strategy: a name of :data:`STRATEGIES` (``"ddp"``, ``"fsdp"``, ``"model_parallel"`` for FSDP2, ``"deepspeed_stage_3"``...) or a Lightning strategy.
+        world_size: ranks (N).
+        precision: Lightning's precision string.
+        optimizer: the optimizer class or factory whose state per parameter is learnt (default Adam).
+        shard_size: ranks the states are sharded over (default ``world_size``; smaller for hybrid sharding).
     """
     if not isinstance(num_parameters, int) or num_parameters < 0:
         raise ValueError(f"num_parameters must be a non-negative integer, not {num_parameters!r}")

@@ -137,7 +137,7 @@ def predict_max_batch_size(
         margin: fraction of ``device_memory`` to keep free (0.05 = aim for 95%).
         device: the target device (``"cuda"`` adds allocator rounding, segments and allowances).
         batch: an example batch (default: one from the module's train dataloader).
-        max_val: never predict more than this.
+        max_val: never predict more than this many samples per batch.
         tolerance: stop refining when the bracket is this fraction of the answer.
         estimator: the function that estimates one size (``estimate_memory``; tests pass
             ``measure_training_step``).
