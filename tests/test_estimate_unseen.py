@@ -411,6 +411,28 @@ def test_the_cuda_target_runs_torchs_cuda_autocast_fp32_lists():
     assert torch.Tensor.__dict__.get("exp") is None and F.layer_norm.__module__ == "torch.nn.functional"  # all put back
 
 
+def test_the_cuda_autocast_patches_leave_other_threads_alone():
+    # the patches are process-wide while the fake step runs; another thread's real computation under CPU autocast
+    # (a user's thread, a loader's) must get CPU autocast's dtypes, not the CUDA policy the fake step follows
+    import threading
+
+    from lightning_memkit.estimate.cuda_kernels import CudaKernels, _CudaFunctions
+
+    def sum_dtype():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.randn(4, 4).to(torch.bfloat16).sum(0).dtype
+
+    cpu_policy = sum_dtype()
+    functions = _CudaFunctions(CudaKernels("h100", "bf16-mixed"))
+    seen = {}
+    with functions, functions.patched():
+        seen["step thread"] = sum_dtype()
+        other = threading.Thread(target=lambda: seen.update(other=sum_dtype()))
+        other.start()
+        other.join(timeout=60)
+    assert cpu_policy == torch.bfloat16 and seen == {"step thread": torch.float32, "other": cpu_policy}
+
+
 def test_group_norm_and_softmax_under_bf16_are_fp32_on_a_cuda_target():
     # a UNet-style block: bf16 convolution outputs normalised by GroupNorm (fp32 on CUDA: an fp32 copy and output)
     # and a hand-written attention softmax (fp32 on CUDA); checkpointed, the recomputation must agree

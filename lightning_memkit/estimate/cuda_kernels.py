@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -282,8 +283,14 @@ class _CudaFunctions(TorchFunctionMode):
         # a class's own attribute is put back; an inherited one (torch.Tensor's methods from TensorBase) is deleted again
         saved = [(owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)) for owner, name, _ in patches]
 
+        # the patches are process-wide, the fake step runs on this thread: any other thread's calls (a data
+        # loader's pin-memory thread, a user's own) go straight to the original function
+        step_thread = threading.get_ident()
+
         def wrapper(name, handler, original):
             def call(*args, **kwargs):
+                if threading.get_ident() != step_thread:
+                    return original(*args, **kwargs)
                 result = handler(original, args, kwargs)
                 return original(*args, **kwargs) if result is NotImplemented else result
 
