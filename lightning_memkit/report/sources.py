@@ -165,33 +165,53 @@ def _read_json(path: str) -> Any:
         return json.load(file)
 
 
+class _LoggedReadings:
+    """Step readings put back together from memkit's logged values (``<prefix>/<stage>/<field>_MiB`` tags or
+    CSV columns, MiB = bytes / 2**20), for a run whose memkit_memory.json is missing."""
+
+    def __init__(self, prefix: str) -> None:
+        from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
+
+        self.prefix = prefix
+        self.stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
+        self.field_of = {metric_name(f): f for f in StepReading.value_fields()}
+        self.readings: dict[tuple[str, int], StepReading] = {}
+
+    def field(self, name: str) -> tuple[str, str] | None:
+        """The (stage, reading field) a logged name holds, or None: per-rank, summary and foreign names are
+        not step readings."""
+        parts = (name or "").split("/")
+        if len(parts) != 3 or parts[0] != self.prefix or parts[1] not in self.stage_of or parts[2] not in self.field_of:
+            return None
+        return self.stage_of[parts[1]], self.field_of[parts[2]]
+
+    def set(self, stage: str, name: str, step: int, value: float) -> None:
+        reading = self.readings.setdefault((stage, step), StepReading(step=step, stage=stage, rank=-1))
+        setattr(reading, name, int(round(value * 2**20 if name.endswith("_bytes") else value)))
+
+    def run(self, logdir: str, directory: str, device: str, exact: bool, rebuilt_from: str) -> RunRecords | None:
+        if not self.readings:
+            return None
+        history = sorted(self.readings.values(), key=lambda r: (r.step, r.stage != "train"))
+        summary = RunSummary(device=device)
+        for reading in history:
+            summary.update(reading)
+        return RunRecords(_relative(logdir, directory), directory, summary, history, exact=exact, rebuilt_from=rebuilt_from)
+
+
 def _scalar_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
     """Readings rebuilt from the memkit scalars in a run's event files (no memkit_memory.json there)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
-
-    stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
-    field_of = {metric_name(f): f for f in StepReading.value_fields()}
+    logged = _LoggedReadings(prefix)
     accumulator = EventAccumulator(directory, size_guidance={"scalars": 0})
     accumulator.Reload()
-    readings: dict[tuple[str, int], StepReading] = {}
     for tag in accumulator.Tags().get("scalars", []):
-        parts = tag.split("/")
-        if len(parts) != 3 or parts[0] != prefix or parts[1] not in stage_of or parts[2] not in field_of:
-            continue  # per-rank, summary and foreign scalars are not step readings
-        stage, name = stage_of[parts[1]], field_of[parts[2]]
-        for event in accumulator.Scalars(tag):
-            reading = readings.setdefault((stage, event.step), StepReading(step=event.step, stage=stage, rank=-1))
-            value = event.value * 2**20 if name.endswith("_bytes") else event.value
-            setattr(reading, name, int(round(value)))
-    if not readings:
-        return None
-    history = sorted(readings.values(), key=lambda r: (r.step, r.stage != "train"))
-    summary = RunSummary(device="? (from TensorBoard scalars)")
-    for reading in history:
-        summary.update(reading)
-    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=False, rebuilt_from="TensorBoard scalars")
+        field = logged.field(tag)
+        if field is not None:
+            for event in accumulator.Scalars(tag):
+                logged.set(*field, event.step, event.value)
+    return logged.run(logdir, directory, "? (from TensorBoard scalars)", exact=False, rebuilt_from="TensorBoard scalars")
 
 
 #: the file Lightning's CSVLogger writes its rows to
@@ -201,31 +221,17 @@ CSV_METRICS = "metrics.csv"
 def _csv_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
     """Readings rebuilt from the memkit columns of a CSVLogger's ``metrics.csv`` (no memkit_memory.json
     there). The values are bytes / 2**20 written as float64, so ``round(value * 2**20)`` is exact."""
-    from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
-
-    stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
-    field_of = {metric_name(f): f for f in StepReading.value_fields()}
-    readings: dict[tuple[str, int], StepReading] = {}
+    logged = _LoggedReadings(prefix)
     with open(os.path.join(directory, CSV_METRICS), newline="", encoding="utf-8") as file:
         for row in csv.DictReader(file):
             step = row.get("step")
             if step in (None, ""):
                 continue
             for column, text in row.items():
-                parts = (column or "").split("/")
-                if text in (None, "") or len(parts) != 3 or parts[0] != prefix or parts[1] not in stage_of or parts[2] not in field_of:
-                    continue  # per-rank, summary and foreign columns are not step readings
-                stage, name = stage_of[parts[1]], field_of[parts[2]]
-                reading = readings.setdefault((stage, int(float(step))), StepReading(step=int(float(step)), stage=stage, rank=-1))
-                value = float(text) * 2**20 if name.endswith("_bytes") else float(text)
-                setattr(reading, name, int(round(value)))
-    if not readings:
-        return None
-    history = sorted(readings.values(), key=lambda r: (r.step, r.stage != "train"))
-    summary = RunSummary(device="? (from metrics.csv)")
-    for reading in history:
-        summary.update(reading)
-    return RunRecords(_relative(logdir, directory), directory, summary, history, exact=True, rebuilt_from=CSV_METRICS)
+                field = logged.field(column)
+                if field is not None and text not in (None, ""):
+                    logged.set(*field, int(float(step)), float(text))
+    return logged.run(logdir, directory, "? (from metrics.csv)", exact=True, rebuilt_from=CSV_METRICS)
 
 
 def find_sources(logdir: str) -> ReportSources:
