@@ -342,8 +342,8 @@ class _ManualStrategy:
     calls :meth:`optimizer_step` (``optimizer.step(closure=...)``, the closure run inside the step as torch's
     optimizers do). The phases are labelled and attributed as the automatic step's are."""
 
-    def __init__(self, acc: _StepAccountant, module_copy: nn.Module, foreach: bool) -> None:
-        self.acc, self.module, self.foreach = acc, module_copy, foreach
+    def __init__(self, acc: _StepAccountant, module_copy: nn.Module) -> None:
+        self.acc, self.module = acc, module_copy
         self._lightning_optimizers: list[Any] = []
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -372,7 +372,6 @@ def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | 
     over :class:`_ManualStrategy`), ``self.lr_schedulers()`` and ``toggle_optimizer``, and ``training_step``
     runs the forward, backward and steps itself, under the precision's autocast as Lightning runs it."""
     from lightning.pytorch.core.optimizer import LightningOptimizer, _configure_optimizers, _configure_schedulers_manual_opt
-    from lightning.pytorch.plugins.precision import Precision
 
     name = type(module_copy).__name__
     with _hook(f"{name}.configure_optimizers" if optimizer is None else "optimizer="):
@@ -386,11 +385,11 @@ def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | 
     if foreach:
         for each in optimizers:
             _use_foreach(each)
-    strategy = _ManualStrategy(acc, module_copy, foreach)
+    strategy = _ManualStrategy(acc, module_copy)
     strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(each, strategy) for each in optimizers]
     trainer = module_copy.trainer
     trainer.optimizers, trainer.lr_scheduler_configs = optimizers, configs
-    trainer.strategy, trainer.precision_plugin = strategy, Precision()
+    trainer.strategy = strategy  # its precision_plugin is _attach_trainer's (what clip_gradients calls)
     for step in range(1, steps + 1):
         acc.step = step
         with acc.labelled("forward"), autocast(), _hook(f"{name}.training_step"):
@@ -409,7 +408,7 @@ def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
         if group.get("capturable"):
             group["capturable"] = False
         if "foreach" in group and group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
-            if isinstance(optimizer, torch.optim.Adam) and torch.is_tensor(group.get("lr")) and not group.get("capturable"):
+            if isinstance(optimizer, torch.optim.Adam) and torch.is_tensor(group.get("lr")):
                 continue  # torch keeps Adam/AdamW single-tensor for a tensor lr without capturable (adam.py)
             group["foreach"] = True
 
