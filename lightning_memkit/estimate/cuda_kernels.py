@@ -299,7 +299,7 @@ class _CudaFunctions(TorchFunctionMode):
             return call
 
         try:
-            for (owner, name, handler), (_, _, original) in zip(patches, saved):
+            for owner, name, handler in patches:
                 setattr(owner, name, wrapper(name, handler, getattr(owner, name)))
             yield
         finally:
