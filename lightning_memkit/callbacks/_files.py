@@ -10,15 +10,20 @@ from typing import Any
 
 from lightning_memkit._lightning_compat import log_dir
 
-__all__ = ["run_files_dir"]
+__all__ = ["logging_loggers", "run_files_dir"]
+
+
+def logging_loggers(trainer: Any) -> list[Any]:
+    """The trainer's loggers that log somewhere: all but ``fast_dev_run``'s ``DummyLogger``."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    return [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
 
 
 def run_files_dir(trainer: Any) -> str | None:
     """The first logger's log dir, or ``None`` when the run logs nowhere: ``logger=False``, or
     ``fast_dev_run``, whose ``DummyLogger`` stands in for the loggers Lightning switches off (its
     ``log_dir`` would be ``default_root_dir``, the working directory by default)."""
-    from lightning.pytorch.loggers.logger import DummyLogger
-
-    if not any(not isinstance(logger, DummyLogger) for logger in trainer.loggers):
+    if not logging_loggers(trainer):
         return None
     return log_dir(trainer)

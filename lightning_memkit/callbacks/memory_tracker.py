@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
-from lightning_memkit.callbacks._files import run_files_dir
+from lightning_memkit.callbacks._files import logging_loggers, run_files_dir
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
 from lightning_memkit.meter import MemoryMeter
@@ -473,7 +473,7 @@ class MemoryTracker(Callback):
 
     def _where_readings_went(self, trainer: Trainer) -> str:
         """One line under the printed summary: where a user finds the per-step readings of this run."""
-        places = [type(logger).__name__ for logger in trainer.loggers if type(logger).__name__ != "DummyLogger"]
+        places = [type(logger).__name__ for logger in logging_loggers(trainer)]
         if not places:
             where = "no logger, so nothing was logged"
         elif self.every_n_steps == 1 and not trainer.log_every_n_steps:
