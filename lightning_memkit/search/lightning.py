@@ -445,6 +445,10 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
             result.reason = "dataset"
         result.estimate_seconds = estimate_seconds
     finally:
+        # progress's closure holds `search`, which holds progress (and run_trial, which holds the snapshot): a
+        # reference cycle that kept a copy of the weights alive until the next full collection. Clearing the
+        # shared cell breaks it, so the copies go as soon as the snapshot is restored.
+        search = None
         outcomes.close()
         if checkpointing is not None:
             checkpointing.remove()
