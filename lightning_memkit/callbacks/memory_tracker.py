@@ -317,10 +317,13 @@ class MemoryTracker(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A validation run inside an accumulation window (the training window is open) is
-        # not measured: closing that window here would log a partial training step.
-        self._validation_window = self._validating(trainer) and not self._meter.is_open
+        self._validation_window = self._validating(trainer)
         if self._validation_window:
+            if self._meter.is_open:
+                # a validation run inside an accumulation window (val_check_interval inside an optimizer
+                # step): the training window is set aside, not closed (that would log a partial step),
+                # and taken back after the run, its peak without the validation's memory
+                self._meter.set_aside()
             self._meter.open(logging_step(trainer), "validate", trainer.global_rank, tensor_peak=True)
 
     @override
@@ -337,6 +340,8 @@ class MemoryTracker(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._validation_window and self._meter is not None and self._meter.is_open:
             self._log(trainer, self._meter.close(), pl_module)
+        if self._meter is not None and self._meter.has_window_aside:
+            self._meter.take_back()
         self._validation_window = False
 
     # ------------------------------------------------------------------ logging
