@@ -293,6 +293,7 @@ class _Snapshot:
         for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
             config.scheduler.load_state_dict(copy.deepcopy(state))
         trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        _reset_scaler(trainer)  # load_state_dict keeps an optimizer "unscaled" by a trial that ran out of memory
         trainer.callbacks = self.callbacks
         trainer.loggers = self.loggers
         trainer.fit_loop.epoch_loop.max_steps = self.max_steps
@@ -307,6 +308,15 @@ class _Snapshot:
         module.train(self.training)
         _lightning_setattr(module, batch_arg_name, self.batch_size)
         self.rng.__exit__(None, None, None)
+
+
+def _reset_scaler(trainer: Any) -> None:
+    """Every optimizer ready for ``unscale_`` again in the precision plugin's GradScaler (``16-mixed``)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
+
+        reset_scaler_optimizer_stages(scaler)
 
 
 def _trainer_mode(trainer: Any) -> Any:
@@ -567,6 +577,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
                     f"their measured peak after the step, on every rank) or a smaller max_val= ({str(error).splitlines()[0][:200]})"
                 ) from None
             error_text = str(error).splitlines()[0][:300]
+            _reset_scaler(trainer)  # out of memory between the scaler's unscale_ and update: the next trial unscales again
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step
