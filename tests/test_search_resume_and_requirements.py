@@ -120,3 +120,17 @@ def test_a_failing_clean_up_never_hides_the_searchs_own_error(tmp_path):
         with pytest.raises(ValueError, match="the step's own error"):
             _trainer(tmp_path, [MaxBatchSize(budget="256MiB", init_val=8, max_val=16, use_estimate=False, verbose=False)],
                      max_steps=2).fit(FailingStepMLP(), datamodule=SetOnceDataModule())
+
+
+def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_path, capsys):
+    from lightning_memkit import MemoryTracker
+    from lightning_memkit.units import format_bytes
+
+    search, tracker = _search(), MemoryTracker()
+    _trainer(tmp_path, [search, tracker], max_steps=2).fit(CountingMLP(), datamodule=_data())
+    chosen = [t for t in search.result.trials if t.fits and t.batch_size == search.result.batch_size][-1]
+    printed = capsys.readouterr().out
+    line = f"batch 16: trial peak {format_bytes(chosen.peak_bytes)} of the {format_bytes(2**28)} budget; that peak counts one training step's tensors"
+    assert printed.count("batch-size search") == 1 and line in printed, printed
+    assert "the run peak counts every live tensor of the process" in printed
+    assert tracker.summary.extra["batch_search"].startswith("batch 16: ")

@@ -15,7 +15,7 @@ from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
                                                check_searchable, search_in_fit)
-from lightning_memkit.units import parse_bytes
+from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MaxBatchSize", "find_max_batch_size"]
 
@@ -147,6 +147,8 @@ class MaxBatchSize(Callback):
         except BatchSizeSearchError as error:
             raise MisconfigurationException(str(error)) from None
         self.optimal_batch_size = self.result.batch_size
+        self._peak_counts = ("tensors" if self.config.budget is not None or trainer.strategy.root_device.type != "cuda"
+                             else "reserved")
         self.trained_with = {"batch_size": int(_lightning_getattr(pl_module, self.config.batch_arg_name)),
                              "accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
         if self._exit_after_search:
@@ -156,6 +158,24 @@ class MaxBatchSize(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         compat.forget_model_logging(self)  # a callback kept to read its result must not keep the model
+
+    def summary_note(self) -> str | None:
+        """One line for MemoryTracker's summary: the chosen batch's trial peak against the search's budget,
+        and what that peak counts beside the tracker's run peak (they measure different things); ``None``
+        before a search."""
+        result = self.result
+        if result is None:
+            return None
+        peaks = [t.peak_bytes for t in result.trials if t.fits and t.batch_size == result.batch_size and t.peak_bytes is not None]
+        of = f" of the {format_bytes(result.capacity_bytes)} budget" if result.capacity_bytes else ""
+        peak = f"trial peak {format_bytes(peaks[-1])}{of}" if peaks else f"trials within{of or ' memory'}"
+        if getattr(self, "_peak_counts", "tensors") == "tensors":
+            counts = ("that peak counts one training step's tensors (the model's state, the batch, what the step "
+                      "allocates); the run peak counts every live tensor of the process (datasets, other callbacks' tensors too)")
+        else:
+            counts = ("that peak is the CUDA allocator's reserved bytes during one trial; the run peak is allocated bytes "
+                      "over the whole run")
+        return f"batch {result.batch_size}: {peak}; {counts}"
 
     def _reuse(self, trainer: Trainer, pl_module: LightningModule) -> int:
         """A resumed fit: the checkpointed run's batch size (and accumulation), no trial."""

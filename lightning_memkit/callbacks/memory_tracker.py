@@ -460,6 +460,11 @@ class MemoryTracker(Callback):
         self._flush_pending(trainer)
         if self.summary.peak_bytes is None:
             return
+        for callback in trainer.callbacks:  # MaxBatchSize: its trial peak beside the run peak, with what each counts
+            note = getattr(callback, "summary_note", None)
+            text = note() if callable(note) else None
+            if isinstance(text, str):
+                self.summary.extra["batch_search"] = text
         metrics = summary_metrics(self.summary, self.prefix)
         step = logging_step(trainer)
         for logger in trainer.loggers:
