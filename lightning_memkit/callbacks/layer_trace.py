@@ -28,6 +28,11 @@ from lightning_memkit.trace.tracer import LayerTracer
 
 __all__ = ["LayerTrace"]
 
+#: the trace's scalars (after ``<prefix>/``) that loggers other than TensorBoard get: a few columns in a
+#: metrics.csv, not one per category and moment (TensorBoard and the JSON file have every category)
+COMPACT_METRICS = ("trace/peak_MiB", "trace/end_MiB", "trace/peak/parameters_MiB", "trace/peak/gradients_MiB",
+                   "trace/peak/optimizer_state_MiB", "trace/peak/activations_MiB")
+
 #: the accepted form of LayerTrace's ``modules`` (also in docs/arguments.md)
 MODULES_ACCEPTED = ("an fnmatch pattern of module names ('encoder.layers.*'), an nn.Module subclass, a class path "
                     "('torch.nn.Linear'), a list of them, or None")
@@ -66,10 +71,14 @@ class LayerTrace(Callback):
     TensorBoard text ``memory/trace/categories`` MiB    bytes per category at the peak and the end
     TensorBoard image ``memory/trace/figure``    MiB    live memory against event index (``add_figure``)
     ``memory/trace/peak_MiB``, ``end_MiB``       MiB    the step's peak / end live tensor bytes
-    ``memory/trace/peak/<category>_MiB``         MiB    each category at the peak (every logger)
-    ``memory/trace/end/<category>_MiB``          MiB    each category at step end (every logger)
+    ``memory/trace/peak/<category>_MiB``         MiB    each category at the peak (TensorBoard)
+    ``memory/trace/end/<category>_MiB``          MiB    each category at step end (TensorBoard)
     ``<dir>/memkit_trace_step{N}.json``          bytes  the raw events (``_rank{r}`` added on rank r > 0)
     ===========================================  =====  =============================================
+
+    Loggers other than TensorBoard (a CSVLogger's metrics.csv) get six columns only: ``peak_MiB``,
+    ``end_MiB`` and the peak's parameters, gradients, optimizer_state and activations
+    (:data:`COMPACT_METRICS`); every category is in the JSON file.
 
     ``<dir>`` is ``dirpath`` when given, else the first logger's ``log_dir``; without a logger
     and without ``dirpath`` no file is written (nothing lands in the working directory unasked;
@@ -256,10 +265,14 @@ class LayerTrace(Callback):
                            "hooks, e.g. TorchScript): its trace holds the step markers only; trace another step "
                            "(at_steps=..., or `memkit trace --step N`)")
         step = result.step if result.step is not None else 0
+        metrics = result.metrics(self.prefix)
+        compact = {name: value for name, value in metrics.items() if name[len(self.prefix) + 1:] in COMPACT_METRICS}
         for logger in trainer.loggers:
-            logger.log_metrics(result.metrics(self.prefix), step=step)
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TensorBoardLogger):  # every category (memkit's dashboard charts them)
+                logger.log_metrics(metrics, step=step)
                 self._to_tensorboard(logger, result, step)
+            else:  # a table's columns (metrics.csv): the compact set; every category is in the JSON file
+                logger.log_metrics(compact, step=step)
         directory = self.dirpath if self.dirpath is not None else run_files_dir(trainer)
         path = None
         if directory is not None:

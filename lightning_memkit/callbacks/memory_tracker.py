@@ -340,6 +340,9 @@ class MemoryTracker(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._validation_window and self._meter is not None and self._meter.is_open:
             self._log(trainer, self._meter.close(), pl_module)
+            if self.records_path is not None and trainer.is_global_zero and trainer.state.fn == "validate":
+                # trainer.validate() after fit: the records written at fit end get this reading too, as .history has
+                self.records_path = self.save_records(self.records_path)
         if self._meter is not None and self._meter.has_window_aside:
             self._meter.take_back()
         self._validation_window = False
