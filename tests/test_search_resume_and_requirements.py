@@ -134,3 +134,17 @@ def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_p
     assert printed.count("batch-size search") == 1 and line in printed, printed
     assert "the run peak counts every live tensor of the process" in printed
     assert tracker.summary.extra["batch_search"].startswith("batch 16: ")
+
+
+def test_layer_trace_on_a_resumed_run_says_a_step_before_the_checkpoint_belongs_to_the_run_before(tmp_path):
+    from lightning_memkit import LayerTrace
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    _trainer(tmp_path, [checkpoint], max_steps=3).fit(CountingMLP(), datamodule=_data())
+    trace = LayerTrace(at_steps=(1,), verbose=False)
+    with pytest.warns(UserWarning, match="LayerTrace") as caught:
+        _trainer(tmp_path, [trace], max_steps=5).fit(CountingMLP(), datamodule=_data(), ckpt_path=checkpoint.last_model_path)
+    said = " ".join(str(w.message) for w in caught if "LayerTrace" in str(w.message))
+    assert "step 1 of at_steps came before this run's first step 3" in said, said
+    assert "give a step this resumed run reaches, from 3 to 4, e.g. LayerTrace(at_steps=(3,))" in said, said
+    assert "train longer" not in said, said
