@@ -128,6 +128,9 @@ class MaxBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is not None and self.trained_with is not None and not self.search_on_resume:
+            self._reuse(trainer, pl_module)  # resumed: the checkpointed run's batch, no trial
+            return
         self.find(trainer, pl_module)
 
     def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
@@ -139,8 +142,6 @@ class MaxBatchSize(Callback):
             rank_zero_warn(f"MaxBatchSize: no batch-size search under fast_dev_run (a smoke test of a few batches); training "
                            f"uses the batch size as set{f' ({size})' if size else ''}. Run without fast_dev_run to search.")
             return size
-        if trainer.ckpt_path is not None and self.trained_with is not None and not self.search_on_resume:
-            return self._reuse(trainer, pl_module)
         self.config.checkpoint_policy = _checkpoint_policy(trainer)
         try:
             self.result = search_in_fit(trainer, pl_module, self.config)
