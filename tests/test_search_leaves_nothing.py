@@ -122,3 +122,43 @@ def test_compare_leaves_no_tensor_in_a_cycle(tmp_path):
     run()  # warm-up
     grown, collected, extra = _uncollected_growth(run)
     assert grown == collected == 0, extra
+
+
+def test_memkits_callbacks_leave_no_tensor_only_a_cycle_keeps(tmp_path):
+    """A fit with every memkit callback, the collector off: of what it leaves (the model, trainer and data
+    kept), a full collection finds no tensor that only a reference cycle held."""
+    from lightning_memkit import ActivationCheckpointing, LayerTrace, MemoryDoctor
+    from lightning_memkit.zoo import DemoTransformer
+
+    def fit(root):
+        torch.manual_seed(0)
+        module = DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16, dropout=0.0)
+        data = SyntheticDataModule(batch_size=4, train_size=32, val_size=8, input_shape=(16,), vocab_size=50)
+        callbacks = [MemoryTracker(verbose=False), LayerTrace(verbose=False), ActivationCheckpointing(verbose=False),
+                     MemoryDoctor(verbose=False)]
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=1,
+                             num_sanity_val_steps=0, default_root_dir=str(root), callbacks=callbacks)
+        trainer.fit(module, datamodule=data)
+        return module, data, trainer
+
+    fit(tmp_path / "warm")
+    gc.collect()
+    gc.disable()
+    try:
+        kept = fit(tmp_path / "run")
+    finally:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        gc.set_debug(0)
+        gc.enable()
+    cyclic = []
+    for obj in gc.garbage:
+        try:
+            if isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor":
+                cyclic.append(obj)
+        except ReferenceError:  # a dead weakref proxy
+            continue
+    gc.garbage.clear()
+    assert cyclic == [], describe(cyclic)
+    del kept
