@@ -155,8 +155,10 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
         top = max((v for f in fields for v in _series(history, f)[1]), default=high)
         ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # beside the plot, never on a line
-    # under the plot, not beside the first panel's title (a long title and this overlapped)
-    axes[-1].set_xlabel(f"training step  ·  {summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}")
+    axes[-1].set_xlabel("training step")
+    # under the whole figure (constrained layout gives it its own row), not beside the first panel's title,
+    # which a long panel title overlapped
+    figure.supxlabel(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
     return figure
 
 
