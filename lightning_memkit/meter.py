@@ -45,6 +45,10 @@ def training_state_tensors(module: torch.nn.Module | None, optimizers: Iterable[
                 yield leaf
 
 
+#: the reading's fields that are a window's highest value (kept over :meth:`MemoryMeter.set_aside`)
+_PEAK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "host_peak_rss_bytes", "peak_tensor_bytes")
+
+
 class MemoryMeter:
     """Measure the memory of steps on one device.
 
@@ -84,6 +88,8 @@ class MemoryMeter:
         self.last: StepReading | None = None
         self._open: tuple[int, str, int] | None = None
         self._tensor_peak = True
+        self._aside: tuple[tuple[int, str, int], bool, dict[str, int]] | None = None
+        self._carried_peaks: dict[str, int] = {}
 
     @property
     def tensor_probe(self) -> TensorProbe | None:
@@ -116,7 +122,44 @@ class MemoryMeter:
         """
         self._open = (step, stage, rank)
         self._tensor_peak = tensor_peak
+        self._carried_peaks = {}
         self.probes.reset_peak()
+
+    @property
+    def has_window_aside(self) -> bool:
+        """Whether a window was set aside by :meth:`set_aside` (and not yet taken back)."""
+        return self._aside is not None
+
+    def set_aside(self) -> None:
+        """Set the open window aside, so that another can open and close (a validation run that
+        Lightning starts inside a training step's accumulation window) without splitting it.
+
+        The window's peaks so far (bytes) are kept; :meth:`take_back` reopens it, and its reading at
+        :meth:`close` has the higher of its peaks before and after, the other window's memory not
+        included. Its end-of-window values (``tensor_bytes``, ``allocated_bytes``...) are read at close.
+        """
+        if self._open is None:
+            raise RuntimeError("MemoryMeter.set_aside() called with no open window")
+        if self._aside is not None:
+            raise RuntimeError("MemoryMeter.set_aside(): a window is already set aside; take_back() it first")
+        self.pause()
+        peaks = {name: value for name, value in self.probes.read().items() if name in _PEAK_FIELDS}
+        for name, value in self._carried_peaks.items():
+            peaks[name] = max(value, peaks.get(name, value))
+        self._aside = (self._open, self._tensor_peak, peaks)
+        self._open = None
+        self._carried_peaks = {}
+
+    def take_back(self) -> None:
+        """Reopen the window :meth:`set_aside` kept (close any window opened since first)."""
+        if self._aside is None:
+            raise RuntimeError("MemoryMeter.take_back() called with no window set aside")
+        if self._open is not None:
+            raise RuntimeError("MemoryMeter.take_back(): close the window opened since set_aside() first")
+        self._open, self._tensor_peak, peaks = self._aside
+        self._aside = None
+        self.probes.reset_peak()
+        self._carried_peaks = peaks
 
     def resume(self, existing: Iterable[Any] = ()) -> None:
         """Activate the accountant for a (micro-)batch, counting ``existing`` tensors once
@@ -143,7 +186,11 @@ class MemoryMeter:
         self.pause()
         step, stage, rank = self._open
         self._open = None
-        self.last = StepReading(step=step, stage=stage, rank=rank, **self.probes.read())
+        values = self.probes.read()
+        for name, value in self._carried_peaks.items():  # the peaks before a set_aside()
+            values[name] = max(value, values.get(name, value))
+        self._carried_peaks = {}
+        self.last = StepReading(step=step, stage=stage, rank=rank, **values)
         return self.last
 
     @contextlib.contextmanager

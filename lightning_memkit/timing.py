@@ -28,6 +28,10 @@ TIME_SOURCES: dict[str, str] = {
 def _device_type(device: Any) -> str:
     if device is None:
         return "cpu"
+    if isinstance(device, bool):
+        raise ValueError(f"StepTimer({device!r}): give a device (torch.device, 'cuda:0', 'cpu', an int for a CUDA device), not a bool")
+    if isinstance(device, int):
+        return "cuda"  # as torch.device(0) is cuda:0
     if isinstance(device, str):
         return device.split(":")[0].lower()
     return getattr(device, "type", str(device))
@@ -54,7 +58,8 @@ class StepTimer:
     Elsewhere ``clock`` (default ``time.perf_counter``, wall seconds) is read at both ends.
 
     Args:
-        device: the device the timed work runs on (``torch.device``, ``"cuda:0"``, ``"cpu"``, ``None`` = CPU).
+        device: the device the timed work runs on (``torch.device``, ``"cuda:0"``, ``"cpu"``, ``None`` = CPU;
+            an int is that CUDA device, as ``torch.device(0)`` is ``cuda:0``).
         clock: the host clock for non-CUDA devices, returning seconds.
         max_pending: CUDA windows kept unread at most (bounded memory; see above).
 

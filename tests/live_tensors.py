@@ -18,11 +18,14 @@ from typing import Iterable
 import torch
 
 
-def live_tensors(device: str | None = None) -> list[torch.Tensor]:
+def live_tensors(device: str | None = None, collect: bool = True) -> list[torch.Tensor]:
     """Every tensor object the garbage collector can reach (parameters and buffers included),
     after a full collection; ``device`` (``"cpu"``, ``"cuda"``, ``"meta"``) keeps only that type.
-    Fake and meta tensors hold no memory and are left out unless ``device="meta"`` asks for them."""
-    gc.collect()
+    Fake and meta tensors hold no memory and are left out unless ``device="meta"`` asks for them.
+    ``collect=False``: no collection first, so tensors kept only by reference cycles count too
+    (what a process holds until the collector next runs)."""
+    if collect:
+        gc.collect()
     found: list[torch.Tensor] = []
     for obj in gc.get_objects():
         try:
@@ -56,9 +59,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def live_tensor_bytes(device: str | None = "cpu") -> int:
-    """Bytes of every distinct storage the process's live tensors hold (``cpu`` by default)."""
-    return storage_bytes(live_tensors(device))
+def live_tensor_bytes(device: str | None = "cpu", collect: bool = True) -> int:
+    """Bytes of every distinct storage the process's live tensors hold (``cpu`` by default);
+    ``collect=False`` counts those only reference cycles keep as well."""
+    return storage_bytes(live_tensors(device, collect))
 
 
 def tensors_with_grad_fn() -> list[torch.Tensor]:

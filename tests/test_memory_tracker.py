@@ -252,14 +252,15 @@ def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
 
 def test_validation_inside_an_accumulation_window_does_not_split_the_step(tmp_path):
     """Validation after micro-batch 3 falls inside optimizer step 1's window: that step must
-    still give exactly one training reading; the validation run there is not measured."""
+    still give exactly one training reading; the validation run there is measured too (the
+    training window is set aside meanwhile), at the step Lightning logs it at."""
     tracker = MemoryTracker(verbose=False)
     make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[tracker], val_check_interval=3,
                  limit_val_batches=1, check_val_every_n_epoch=None).fit(LinearStack(val_batches=1))
     train = [r.step for r in tracker.history if r.stage == "train"]
     validate = [r.step for r in tracker.history if r.stage == "validate"]
     assert train == [0, 1, 2]
-    assert validate == [2]  # after micro-batch 6, when step 2's window had closed
+    assert validate == [1, 2]  # after micro-batch 3 (inside step 1's window) and micro-batch 6
 
 
 def test_csv_logger_has_the_columns(tmp_path):

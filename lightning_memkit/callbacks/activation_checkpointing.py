@@ -6,7 +6,9 @@ checkpoint_measure, checkpoint_wrap; applied by checkpointing).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -14,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, fsdp_activation_checkpointing_configured
+from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.modes.checkpointing import (
     CheckpointBudget,
     CheckpointHandle,
@@ -28,6 +31,11 @@ from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper, user_nam
 from lightning_memkit.units import MiB, format_bytes
 
 __all__ = ["ActivationCheckpointing"]
+
+#: the accepted forms of ActivationCheckpointing's ``policy`` and ``budget`` (also in docs/arguments.md)
+POLICY_ACCEPTED = ("'auto', 'budget=0.5', a set of nn.Module subclasses or their class paths "
+                   "(['torch.nn.TransformerEncoderLayer']), a CheckpointBudget, or a callable (name, module) -> bool")
+BUDGET_ACCEPTED = "a fraction in (0, 1] (0.5), a size with a unit ('512MiB'), a CheckpointBudget, or None"
 
 
 class ActivationCheckpointing(Callback):
@@ -50,7 +58,8 @@ class ActivationCheckpointing(Callback):
 
     Args:
         policy: ``"auto"`` (repeated blocks: same-class children of a ModuleList/ModuleDict/Sequential), a set of
-            module classes, a callable ``(qualified_name, module) -> bool``, or a budget:
+            module classes (or their class paths, ``["torch.nn.TransformerEncoderLayer"]``, imported: what a YAML
+            config gives), a callable ``(qualified_name, module) -> bool``, or a budget:
             ``CheckpointBudget(fraction=0.5)`` / ``"budget=0.5"`` (of the baseline activation memory) or
             ``CheckpointBudget(bytes="512MiB")`` / ``"budget=512MiB"``. See docs/modes.md.
         budget: a budget for the activation memory: a fraction in ``(0, 1]`` of the baseline (``0.5``)
@@ -81,17 +90,28 @@ class ActivationCheckpointing(Callback):
             numbers only, so a callback kept after the fit holds no tensor of the model's.
     """
 
-    def __init__(self, policy: Any = "auto", *, budget: float | str | CheckpointBudget | None = None, measure: bool = True,
+    def __init__(self, policy: str | Sequence[str | type[nn.Module]] | type[nn.Module] | CheckpointBudget | Callable[[str, nn.Module], bool] = "auto",
+                 *, budget: float | str | CheckpointBudget | None = None, measure: bool = True,
                  sample_fn: Callable[[LightningModule, Any], Any] | None = None, verbose: bool = True) -> None:
+        owner = "ActivationCheckpointing"
+        checks.boolean(owner, "measure", measure)
+        checks.boolean(owner, "verbose", verbose)
+        if sample_fn is not None and not callable(sample_fn):
+            raise checks.refuse(owner, "sample_fn", sample_fn, "a callable (pl_module, batch) -> output, or None")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float, str, CheckpointBudget))):
+            raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
         try:
             policy = normalize_policy(policy)
-            if budget is not None:
-                if isinstance(policy, CheckpointBudget):
-                    raise ValueError(f"the policy is already a budget ({describe_policy(policy)}); give budget= once")
-                policy = parse_budget(budget, within=None if policy == "auto" else policy)
-            self.policy = policy
         except ValueError as error:
-            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
+            raise MisconfigurationException(f"{owner}(policy={policy!r}): {error}; give {POLICY_ACCEPTED}") from None
+        if budget is not None:
+            if isinstance(policy, CheckpointBudget):
+                raise MisconfigurationException(f"{owner}: the policy is already a budget ({describe_policy(policy)}); give budget= once")
+            try:
+                policy = parse_budget(budget, within=None if policy == "auto" else policy)
+            except ValueError as error:
+                raise MisconfigurationException(f"{owner}(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}") from None
+        self.policy = policy
         self.measure = measure
         self.sample_fn = sample_fn
         self.verbose = verbose
@@ -150,7 +170,7 @@ class ActivationCheckpointing(Callback):
         try:
             self._handle = apply_checkpointing(pl_module, self.policy, sample=sample)
         except ValueError as error:
-            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from error
+            raise MisconfigurationException(f"ActivationCheckpointing: {error}") from None
         if isinstance(self.policy, CheckpointBudget) and trainer.world_size > 1:
             self._agree_across_ranks(trainer, pl_module)
         self.plan = self._handle.plan

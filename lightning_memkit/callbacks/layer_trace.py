@@ -7,7 +7,9 @@ hooks, which loggers and files. Measuring is the tracer's job.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Sequence
+
+import torch.nn as nn
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -16,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
@@ -24,6 +27,15 @@ from lightning_memkit.trace.records import LayerTraceResult, trace_filename, wri
 from lightning_memkit.trace.tracer import LayerTracer
 
 __all__ = ["LayerTrace"]
+
+#: the trace's scalars (after ``<prefix>/``) that loggers other than TensorBoard get: a few columns in a
+#: metrics.csv, not one per category and moment (TensorBoard and the JSON file have every category)
+COMPACT_METRICS = ("trace/peak_MiB", "trace/end_MiB", "trace/peak/parameters_MiB", "trace/peak/gradients_MiB",
+                   "trace/peak/optimizer_state_MiB", "trace/peak/activations_MiB")
+
+#: the accepted form of LayerTrace's ``modules`` (also in docs/arguments.md)
+MODULES_ACCEPTED = ("an fnmatch pattern of module names ('encoder.layers.*'), an nn.Module subclass, a class path "
+                    "('torch.nn.Linear'), a list of them, or None")
 
 
 class LayerTrace(Callback):
@@ -59,10 +71,14 @@ class LayerTrace(Callback):
     TensorBoard text ``memory/trace/categories`` MiB    bytes per category at the peak and the end
     TensorBoard image ``memory/trace/figure``    MiB    live memory against event index (``add_figure``)
     ``memory/trace/peak_MiB``, ``end_MiB``       MiB    the step's peak / end live tensor bytes
-    ``memory/trace/peak/<category>_MiB``         MiB    each category at the peak (every logger)
-    ``memory/trace/end/<category>_MiB``          MiB    each category at step end (every logger)
+    ``memory/trace/peak/<category>_MiB``         MiB    each category at the peak (TensorBoard)
+    ``memory/trace/end/<category>_MiB``          MiB    each category at step end (TensorBoard)
     ``<dir>/memkit_trace_step{N}.json``          bytes  the raw events (``_rank{r}`` added on rank r > 0)
     ===========================================  =====  =============================================
+
+    Loggers other than TensorBoard (a CSVLogger's metrics.csv) get six columns only: ``peak_MiB``,
+    ``end_MiB`` and the peak's parameters, gradients, optimizer_state and activations
+    (:data:`COMPACT_METRICS`); every category is in the JSON file.
 
     ``<dir>`` is ``dirpath`` when given, else the first logger's ``log_dir``; without a logger
     and without ``dirpath`` no file is written (nothing lands in the working directory unasked;
@@ -80,7 +96,9 @@ class LayerTrace(Callback):
             created state is included.
         every_n_steps: also trace every n-th step (``n, 2n, ...``).
         max_depth: trace modules at most this deep (root 0); ``None`` traces all.
-        modules: only trace these modules: qualified-name ``fnmatch`` patterns or classes.
+        modules: only trace these modules: qualified-name ``fnmatch`` patterns (``"encoder.layers.*"``),
+            ``nn.Module`` classes, or class paths naming one (``"torch.nn.Linear"``: a dotted string whose
+            last part starts with an upper-case letter is imported, as from a YAML config).
         prefix: the first part of every logged key.
         figure: log the figure (needs matplotlib) to TensorBoard loggers.
         verbose: after each traced step, print (Lightning's info log, global rank zero) the bytes
@@ -102,39 +120,28 @@ class LayerTrace(Callback):
 
     def __init__(
         self,
-        at_steps: Iterable[int] | None = None,
+        at_steps: int | str | Sequence[int | str] | None = None,
         every_n_steps: int | None = None,
         max_depth: int | None = None,
-        modules: Iterable[str | type] | str | type | None = None,
+        modules: str | type[nn.Module] | Sequence[str | type[nn.Module]] | None = None,
         prefix: str = DEFAULT_PREFIX,
         figure: bool = True,
         verbose: bool = True,
         max_results: int = 16,
         dirpath: str | os.PathLike | None = None,
     ) -> None:
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1):
-            raise MisconfigurationException(f"LayerTrace(every_n_steps={every_n_steps!r}): give a positive integer, or None to trace only at_steps")
+        owner = "LayerTrace"
+        self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1, "a positive integer, or None to trace only at_steps", optional=True)
         if at_steps is None:
             at_steps = (1,) if every_n_steps is None else ()
-        try:
-            steps = {int(s) for s in at_steps}
-        except (TypeError, ValueError):
-            raise MisconfigurationException(f"LayerTrace(at_steps={at_steps!r}): give step numbers, e.g. (1, 100)") from None
-        if any(s < 0 for s in steps):
-            raise MisconfigurationException(f"LayerTrace(at_steps={sorted(steps)}): steps are counted from 0; give non-negative integers")
-        if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 0):
-            raise MisconfigurationException(f"LayerTrace(max_depth={max_depth!r}): give None or an integer >= 0")
-        self.at_steps = frozenset(steps)
-        self.every_n_steps = every_n_steps
-        self.max_depth = max_depth
-        self.modules = modules
-        self.prefix = prefix
-        self.figure = figure
-        self.verbose = verbose
-        self.max_results = max_results
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise MisconfigurationException(f"LayerTrace(dirpath={dirpath!r}): give a directory path, or None for the logger's log dir")
-        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        self.at_steps = checks.steps(owner, "at_steps", at_steps, "a step (an int >= 0, or a str holding one) or a list of them, e.g. [1, 100]")
+        self.max_depth = checks.integer(owner, "max_depth", max_depth, 0, "None or an integer >= 0", optional=True)
+        self.modules = checks.module_filters(owner, "modules", modules, MODULES_ACCEPTED)
+        self.prefix = checks.text(owner, "prefix", prefix, "a non-empty str, e.g. 'memory'")
+        self.figure = checks.boolean(owner, "figure", figure)
+        self.verbose = checks.boolean(owner, "verbose", verbose)
+        self.max_results = checks.integer(owner, "max_results", max_results, 1, "an integer >= 1 (results kept)")
+        self.dirpath = checks.path(owner, "dirpath", dirpath, "a directory path (str), or None for the logger's log dir")
         self.results: list[LayerTraceResult] = []
         self.paths: list[str] = []
         self._tracer: LayerTracer | None = None
@@ -238,6 +245,12 @@ class LayerTrace(Callback):
             problems.append(f"{steps(inside)} not traced (the fit ended before that step's optimizer step)")
         if never_by_every:
             problems.append(f"every_n_steps={self.every_n_steps} traced no step")
+        if before and not after and not inside and not never_by_every:
+            # a resumed fit: training longer cannot reach a step before the checkpoint
+            fix = (f"give a step this resumed run reaches, from {first} to {last}, e.g. LayerTrace(at_steps=({first},)); the steps "
+                   "before the checkpoint belong to the run that wrote it (its trace files, if it traced them)")
+        elif before:
+            fix += f"; steps before {first} belong to the run that wrote the checkpoint"
         return f"memkit LayerTrace: {'; '.join(problems)}: {ran}. Nothing was traced for {'them' if len(missing) > 1 else 'it'}; to trace, {fix}."
 
     # ------------------------------------------------------------------ sinks
@@ -252,10 +265,14 @@ class LayerTrace(Callback):
                            "hooks, e.g. TorchScript): its trace holds the step markers only; trace another step "
                            "(at_steps=..., or `memkit trace --step N`)")
         step = result.step if result.step is not None else 0
+        metrics = result.metrics(self.prefix)
+        compact = {name: value for name, value in metrics.items() if name[len(self.prefix) + 1:] in COMPACT_METRICS}
         for logger in trainer.loggers:
-            logger.log_metrics(result.metrics(self.prefix), step=step)
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TensorBoardLogger):  # every category (memkit's dashboard charts them)
+                logger.log_metrics(metrics, step=step)
                 self._to_tensorboard(logger, result, step)
+            else:  # a table's columns (metrics.csv): the compact set; every category is in the JSON file
+                logger.log_metrics(compact, step=step)
         directory = self.dirpath if self.dirpath is not None else run_files_dir(trainer)
         path = None
         if directory is not None:

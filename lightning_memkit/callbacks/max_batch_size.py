@@ -11,11 +11,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.search.core import SearchError, SearchResult
-from lightning_memkit.search.lightning import BatchSizeSearchError, SearchConfig, check_searchable, search_in_fit
-from lightning_memkit.units import parse_bytes
+from lightning_memkit.search.lightning import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
+                                               check_searchable, search_in_fit)
+from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MaxBatchSize", "find_max_batch_size"]
+
+#: the accepted form of MaxBatchSize's ``budget`` (also in docs/arguments.md)
+BUDGET_ACCEPTED = "a positive number of bytes (int) or a size with a unit ('256MiB'), or None"
 
 
 class MaxBatchSize(Callback):
@@ -56,6 +61,9 @@ class MaxBatchSize(Callback):
         max_seconds: stop before a trial projected to end past this many seconds of trials (the
             answer is then the largest size that ran). Default: no limit, except 60 s on CPU without
             ``budget=``, where time, not memory, usually bounds the batch.
+        search_on_resume: a fit resumed from a checkpoint (``ckpt_path=``) that holds this callback's
+            state trains with the checkpointed run's batch size (and ``accumulate_grad_batches``)
+            without a trial; ``True`` searches again.
 
     Attributes:
         result: the :class:`~lightning_memkit.search.core.SearchResult` (trials, timings).
@@ -77,24 +85,36 @@ class MaxBatchSize(Callback):
     def __init__(self, margin: float = 0.05, init_val: int | None = None, max_val: int = 8192, steps_per_trial: int = 3,
                  max_trials: int = 25, budget: int | str | None = None, batch_arg_name: str = "batch_size",
                  keep_effective_batch_size: bool = False, use_estimate: bool = True, verbose: bool = True,
-                 max_seconds: float | None = None) -> None:
-        if not 0 < margin < 1:
-            raise MisconfigurationException(f"MaxBatchSize(margin={margin!r}): give a fraction in (0, 1), e.g. 0.05")
-        for name, value in (("max_val", max_val), ("steps_per_trial", steps_per_trial), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MisconfigurationException(f"MaxBatchSize({name}={value!r}): give a positive integer")
-        if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0):
-            raise MisconfigurationException(f"MaxBatchSize(max_seconds={max_seconds!r}): give a positive number of seconds, or None")
+                 max_seconds: float | None = None, search_on_resume: bool = False) -> None:
+        owner = "MaxBatchSize"
+        checks.number(owner, "margin", margin, "a fraction in (0, 1), e.g. 0.05", low=0, high=1)
+        checks.integer(owner, "init_val", init_val, 1, "a positive integer (samples per batch), or None", optional=True)
+        checks.integer(owner, "max_val", max_val, 1, "a positive integer (samples per batch)")
+        checks.integer(owner, "steps_per_trial", steps_per_trial, 1, "a positive integer (training steps per trial)")
+        checks.integer(owner, "max_trials", max_trials, 1, "a positive integer (trials at most)")
+        checks.number(owner, "max_seconds", max_seconds, "a positive number of seconds, or None", low=0, optional=True)
+        checks.text(owner, "batch_arg_name", batch_arg_name, "the name (a non-empty str) of the attribute that holds the batch size")
+        for name, value in (("keep_effective_batch_size", keep_effective_batch_size), ("use_estimate", use_estimate),
+                            ("verbose", verbose), ("search_on_resume", search_on_resume)):
+            checks.boolean(owner, name, value)
         if init_val is not None and init_val > max_val:
             raise MisconfigurationException(f"MaxBatchSize(init_val={init_val}, max_val={max_val}): init_val must not exceed max_val")
+        if isinstance(budget, bool) or not (budget is None or isinstance(budget, (int, str))):
+            raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
         try:
             budget_bytes = None if budget is None else parse_bytes(budget)
         except ValueError as error:
-            raise MisconfigurationException(f"MaxBatchSize(budget={budget!r}): {error}") from None
+            raise MisconfigurationException(f"MaxBatchSize(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}") from None
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
+        self.search_on_resume = search_on_resume
         self.config = SearchConfig(margin, init_val, max_val, steps_per_trial, max_trials, budget_bytes, batch_arg_name,
                                    keep_effective_batch_size, use_estimate, verbose, max_seconds)
         self.result: SearchResult | None = None
         self.optimal_batch_size: int | None = None
+        #: what the fit trained with after the search: ``{"batch_size": samples, "accumulate_grad_batches": n}``,
+        #: kept in checkpoints so a resumed fit trains with it again
+        self.trained_with: dict[str, int] | None = None
         self._exit_after_search = False
 
     @override
@@ -108,6 +128,9 @@ class MaxBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is not None and self.trained_with is not None and not self.search_on_resume:
+            self._reuse(trainer, pl_module)  # resumed: the checkpointed run's batch, no trial
+            return
         self.find(trainer, pl_module)
 
     def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
@@ -125,6 +148,10 @@ class MaxBatchSize(Callback):
         except BatchSizeSearchError as error:
             raise MisconfigurationException(str(error)) from None
         self.optimal_batch_size = self.result.batch_size
+        self._peak_counts = ("tensors" if self.config.budget is not None or trainer.strategy.root_device.type != "cuda"
+                             else "reserved")
+        self.trained_with = {"batch_size": int(_lightning_getattr(pl_module, self.config.batch_arg_name)),
+                             "accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
         if self._exit_after_search:
             raise compat.tuner_exit_exception()()
         return self.result.batch_size
@@ -133,13 +160,42 @@ class MaxBatchSize(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         compat.forget_model_logging(self)  # a callback kept to read its result must not keep the model
 
+    def summary_note(self) -> str | None:
+        """One line for MemoryTracker's summary: the chosen batch's trial peak against the search's budget,
+        and what that peak counts beside the tracker's run peak (they measure different things); ``None``
+        before a search."""
+        result = self.result
+        if result is None:
+            return None
+        peaks = [t.peak_bytes for t in result.trials if t.fits and t.batch_size == result.batch_size and t.peak_bytes is not None]
+        of = f" of the {format_bytes(result.capacity_bytes)} budget" if result.capacity_bytes else ""
+        peak = f"trial peak {format_bytes(peaks[-1])}{of}" if peaks else f"trials within{of or ' memory'}"
+        if getattr(self, "_peak_counts", "tensors") == "tensors":
+            counts = ("that peak counts one training step's tensors (the model's state, the batch, what the step "
+                      "allocates); the run peak counts every live tensor of the process (datasets, other callbacks' tensors too)")
+        else:
+            counts = ("that peak is the CUDA allocator's reserved bytes during one trial; the run peak is allocated bytes "
+                      "over the whole run")
+        return f"batch {result.batch_size}: {peak}; {counts}"
+
+    def _reuse(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """A resumed fit: the checkpointed run's batch size (and accumulation), no trial."""
+        size = self.trained_with["batch_size"]
+        _lightning_setattr(pl_module, self.config.batch_arg_name, size)
+        trainer.accumulate_grad_batches = self.trained_with.get("accumulate_grad_batches", trainer.accumulate_grad_batches)
+        if self.config.verbose and trainer.is_global_zero:
+            print(f"memkit: resumed from {trainer.ckpt_path}: batch size {size} from the checkpoint (the search found "
+                  f"{self.optimal_batch_size}); no search (MaxBatchSize(search_on_resume=True) searches again)", flush=True)
+        return size
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"optimal_batch_size": self.optimal_batch_size}
+        return {"optimal_batch_size": self.optimal_batch_size, "trained_with": self.trained_with}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimal_batch_size = state_dict.get("optimal_batch_size")
+        self.trained_with = state_dict.get("trained_with")
 
 
 def _checkpoint_policy(trainer: Trainer) -> Any:

@@ -8,11 +8,11 @@ import os
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
@@ -61,12 +61,11 @@ class MemoryDoctor(Callback):
     """
 
     def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 2:
-            raise MisconfigurationException(f"MemoryDoctor(window={window!r}): give an integer >= 2, e.g. 5 steps of growth")
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise MisconfigurationException(f"MemoryDoctor(warmup_steps={warmup_steps!r}): give an integer >= 0")
-        if analyse_step is not None and (not isinstance(analyse_step, int) or analyse_step < 0):
-            raise MisconfigurationException(f"MemoryDoctor(analyse_step={analyse_step!r}): give a step >= 0, or None")
+        owner = "MemoryDoctor"
+        checks.integer(owner, "window", window, 2, "an integer >= 2, e.g. 5 steps of growth")
+        checks.integer(owner, "warmup_steps", warmup_steps, 0, "an integer >= 0 (steps before watching)")
+        checks.integer(owner, "analyse_step", analyse_step, 0, "a step (an integer >= 0), or None", optional=True)
+        checks.boolean(owner, "verbose", verbose)
         self.window = window
         self.warmup_steps = warmup_steps
         self.analyse_step = analyse_step

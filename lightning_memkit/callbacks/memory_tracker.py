@@ -10,15 +10,15 @@ import collections
 import gc
 import os
 import weakref
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
+from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import logging_loggers, run_files_dir
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
@@ -107,6 +107,10 @@ class MemoryTracker(Callback):
             the unprefixed keys are always the maximum over ranks.
         cuda_memory_history: on CUDA, record allocator history with this many entries so an
             out-of-memory error leaves a ``torch.cuda.memory._dump_snapshot`` file (0 = off).
+        cuda_memory_stacks: the stacks that history records: ``"python"`` (default: Python frames,
+            so writing the snapshot after an out-of-memory error takes seconds) or ``"all"`` (C++
+            frames too, torch's own default: symbolizing them can take minutes on a large job, long
+            enough for other DDP ranks to time out).
         oom_dir: where the OOM report goes; default: the first logger's log dir, else the
             trainer's ``default_root_dir``.
         max_history: readings kept in :attr:`history` (and checkpoints); older ones are
@@ -154,49 +158,46 @@ class MemoryTracker(Callback):
         self,
         every_n_steps: int = 1,
         log_validation: bool = True,
-        tensor_accounting: bool | str = "auto",
+        tensor_accounting: bool | Literal["auto"] = "auto",
         nvml: bool = True,
         host: bool = True,
         per_rank: bool = False,
         cuda_memory_history: int = 0,
-        oom_dir: str | None = None,
+        oom_dir: str | os.PathLike | None = None,
         max_history: int = 10_000,
         prefix: str = DEFAULT_PREFIX,
         verbose: bool = True,
         extra_probes: Sequence[MemoryProbe] = (),
         tensor_peak_every_n_steps: int = 10,
-        records_file: str | None = None,
+        records_file: str | os.PathLike | None = None,
         detect_leaks: bool = True,
         leak_window: int = 5,
+        cuda_memory_stacks: Literal["python", "all"] = "python",
     ) -> None:
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
-        if tensor_accounting not in (True, False, "auto"):
-            raise MisconfigurationException(f"MemoryTracker(tensor_accounting={tensor_accounting!r}): choose True, False or 'auto'")
-        if not isinstance(tensor_peak_every_n_steps, int) or isinstance(tensor_peak_every_n_steps, bool) or tensor_peak_every_n_steps < 1:
-            raise MisconfigurationException(f"MemoryTracker(tensor_peak_every_n_steps={tensor_peak_every_n_steps!r}): give a positive integer, e.g. 1 for the exact peak of every logged step")
-        if records_file is not None and not isinstance(records_file, (str, os.PathLike)):
-            raise MisconfigurationException(f"MemoryTracker(records_file={records_file!r}): give a path (str), or None for the logger's log dir")
-        if not isinstance(max_history, int) or max_history < 1:
-            raise MisconfigurationException(f"MemoryTracker(max_history={max_history!r}): give a positive integer")
-        if not isinstance(cuda_memory_history, int) or cuda_memory_history < 0:
-            raise MisconfigurationException(f"MemoryTracker(cuda_memory_history={cuda_memory_history!r}): give 0 (off) or a number of entries, e.g. 100000")
-        if not isinstance(leak_window, int) or isinstance(leak_window, bool) or leak_window < 2:
-            raise MisconfigurationException(f"MemoryTracker(leak_window={leak_window!r}): give an integer >= 2 (measured steps of growth in a row that make a leak)")
-        self.every_n_steps = every_n_steps
-        self.log_validation = log_validation
-        self.tensor_accounting = tensor_accounting
-        self.nvml = nvml
-        self.host = host
-        self.per_rank = per_rank
-        self.cuda_memory_history = cuda_memory_history
-        self.oom_dir = oom_dir
-        self.max_history = max_history
-        self.prefix = prefix
-        self.verbose = verbose
+        owner = "MemoryTracker"
+        self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1, "a positive integer, e.g. 1 to log every step")
+        self.log_validation = checks.boolean(owner, "log_validation", log_validation)
+        self.tensor_accounting = checks.choice(owner, "tensor_accounting", tensor_accounting, (True, False, "auto"), "True, False or 'auto'")
+        self.nvml = checks.boolean(owner, "nvml", nvml)
+        self.host = checks.boolean(owner, "host", host)
+        self.per_rank = checks.boolean(owner, "per_rank", per_rank)
+        self.cuda_memory_history = checks.integer(owner, "cuda_memory_history", cuda_memory_history, 0,
+                                                  "0 (off) or a number of entries, e.g. 100000")
+        self.cuda_memory_stacks = checks.choice(owner, "cuda_memory_stacks", cuda_memory_stacks, ("python", "all"),
+                                                "'python' (Python frames only: a fast snapshot) or 'all' (C++ frames too)")
+        self.oom_dir = checks.path(owner, "oom_dir", oom_dir, "a directory path (str), or None for the logger's log dir")
+        self.max_history = checks.integer(owner, "max_history", max_history, 1, "a positive integer (readings kept)")
+        self.prefix = checks.text(owner, "prefix", prefix, "a non-empty str, e.g. 'memory'")
+        self.verbose = checks.boolean(owner, "verbose", verbose)
+        if isinstance(extra_probes, (str, bytes)) or not hasattr(extra_probes, "__iter__") or not all(isinstance(p, MemoryProbe) for p in extra_probes):
+            raise checks.refuse(owner, "extra_probes", extra_probes, "a list of MemoryProbe instances")
         self.extra_probes = list(extra_probes)
-        self.tensor_peak_every_n_steps = tensor_peak_every_n_steps
-        self.records_file = None if records_file is None else os.fspath(records_file)
+        self.tensor_peak_every_n_steps = checks.integer(owner, "tensor_peak_every_n_steps", tensor_peak_every_n_steps, 1,
+                                                        "a positive integer, e.g. 1 for the exact peak of every logged step")
+        self.records_file = checks.path(owner, "records_file", records_file, "a path (str), or None for the logger's log dir")
+        self.detect_leaks = checks.boolean(owner, "detect_leaks", detect_leaks)
+        leak_window = checks.integer(owner, "leak_window", leak_window, 2,
+                                     "an integer >= 2 (measured steps of growth in a row that make a leak)")
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -211,7 +212,6 @@ class MemoryTracker(Callback):
         self._pending: tuple[int, dict[str, float], list, str] | None = None
         self._wrapped_loggers: list[tuple[Any, Any]] = []
         self._records_written: set[str] = set()
-        self.detect_leaks = detect_leaks
         self.leak_report: LeakReport | None = None
         self._leaks = LeakWatcher(window=leak_window, warmup_steps=2)
 
@@ -244,7 +244,7 @@ class MemoryTracker(Callback):
         except Exception:
             self.summary.capacity_bytes = None
         if self.cuda_memory_history and device.type == "cuda":
-            self._history_recording = start_memory_history(self.cuda_memory_history)
+            self._history_recording = start_memory_history(self.cuda_memory_history, stacks=self.cuda_memory_stacks)
             if not self._history_recording:
                 rank_zero_warn("memkit: this torch cannot record CUDA memory history; OOM reports will have no snapshot.")
 
@@ -317,10 +317,13 @@ class MemoryTracker(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A validation run inside an accumulation window (the training window is open) is
-        # not measured: closing that window here would log a partial training step.
-        self._validation_window = self._validating(trainer) and not self._meter.is_open
+        self._validation_window = self._validating(trainer)
         if self._validation_window:
+            if self._meter.is_open:
+                # a validation run inside an accumulation window (val_check_interval inside an optimizer
+                # step): the training window is set aside, not closed (that would log a partial step),
+                # and taken back after the run, its peak without the validation's memory
+                self._meter.set_aside()
             self._meter.open(logging_step(trainer), "validate", trainer.global_rank, tensor_peak=True)
 
     @override
@@ -337,6 +340,11 @@ class MemoryTracker(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._validation_window and self._meter is not None and self._meter.is_open:
             self._log(trainer, self._meter.close(), pl_module)
+            if self.records_path is not None and trainer.is_global_zero and trainer.state.fn == "validate":
+                # trainer.validate() after fit: the records written at fit end get this reading too, as .history has
+                self.records_path = self.save_records(self.records_path)
+        if self._meter is not None and self._meter.has_window_aside:
+            self._meter.take_back()
         self._validation_window = False
 
     # ------------------------------------------------------------------ logging
@@ -455,6 +463,11 @@ class MemoryTracker(Callback):
         self._flush_pending(trainer)
         if self.summary.peak_bytes is None:
             return
+        for callback in trainer.callbacks:  # MaxBatchSize: its trial peak beside the run peak, with what each counts
+            note = getattr(callback, "summary_note", None)
+            text = note() if callable(note) else None
+            if isinstance(text, str):
+                self.summary.extra["batch_search"] = text
         metrics = summary_metrics(self.summary, self.prefix)
         step = logging_step(trainer)
         for logger in trainer.loggers:

@@ -67,12 +67,22 @@ class LivenessReport:
             if value:
                 lines.append(f"    {part:<18} {format_bytes(value):>12}  {PEAK_PARTS[part]}")
         lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} ({self.held_too_long_bytes} bytes)")
-        for group in self.held_too_long[:limit]:
+        listed = [g for g in self.held_too_long if g.total_bytes >= TINY_GROUP_BYTES]
+        tiny = [g for g in self.held_too_long if g.total_bytes < TINY_GROUP_BYTES]
+        for group in listed[:limit]:
             last = (f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
                     if group.last_use_op else "nothing in this step (kept from an earlier one)")
             lines.append(f"    {format_bytes(group.total_bytes)} ({group.total_bytes} B, {group.count} tensors): "
                          f"{group.describe()}; last used by {last}")
+        if tiny:  # scalars and step counters (4-byte tensors) are not worth a line each
+            total, count = sum(g.total_bytes for g in tiny), sum(g.count for g in tiny)
+            lines.append(f"    {format_bytes(total)} ({total} B, {count} tensors) in {len(tiny)} small group"
+                         f"{'s' if len(tiny) > 1 else ''} of under {format_bytes(TINY_GROUP_BYTES)} each (scalars, counters): not listed")
         return "\n".join(lines)
+
+
+#: held-too-long groups smaller than this (bytes) are summed on one line of :meth:`LivenessReport.format`
+TINY_GROUP_BYTES = 1024
 
 
 def analyse_liveness(creations: list[Creation], start: int, end: int, step: int | None = None) -> LivenessReport:

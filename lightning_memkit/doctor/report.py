@@ -37,6 +37,8 @@ class DoctorReport:
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
         liveness: the analysed step's peak, what it is made of and what is held too long there, or ``None``.
         errors: problems met while recording (the doctor steps aside rather than failing training).
+        steps_needed: how many watched steps a leak needs to show (``warmup_steps + window + 1``); with fewer
+            (``fast_dev_run``, a short run) no verdict on leaks is given. ``None``: not known (an old report).
     """
 
     steps: int = 0
@@ -46,6 +48,7 @@ class DoctorReport:
     graph_leak: GraphLeakReport | None = None
     liveness: LivenessReport | None = None
     errors: list = field(default_factory=list)
+    steps_needed: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -57,7 +60,8 @@ class DoctorReport:
         return {"steps": self.steps, "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
                 "steady_bytes": self.steady_bytes, "leak": self.leak.to_dict() if self.leak else None,
                 "graph_leak": self.graph_leak.to_dict() if self.graph_leak else None,
-                "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors)}
+                "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors),
+                "steps_needed": self.steps_needed}
 
     def to_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` as JSON; returns the path."""
@@ -85,12 +89,16 @@ class DoctorReport:
                                          holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
         return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None, live_bytes_at_start=data.get("live_bytes_at_start", []),
                    steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
-                   errors=data.get("errors", []))
+                   errors=data.get("errors", []), steps_needed=data.get("steps_needed"))
 
     def format(self) -> str:
         """The verdict as text: steady state, leaks (bytes/step, who), held too long at the peak, the peak's parts."""
         lines = [f"memkit doctor: {self.steps} steps watched"]
-        if self.leak is None:
+        too_few = self.steps_needed is not None and self.steps < self.steps_needed
+        if self.leak is None and too_few:
+            lines.append(f"too few steps to judge a leak: {self.steps} watched, growth shows over {self.steps_needed} "
+                         "(warmup_steps + window + 1); train longer (fast_dev_run trains 1 step) or give a smaller window")
+        elif self.leak is None:
             steady = f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)" if self.steady_bytes is not None else "-"
             lines.append(("no leak: " if self.graph_leak is None else "")
                          + f"live tensor memory at step start is steady at {steady}")
@@ -202,4 +210,5 @@ class DoctorSession:
         """The verdict so far."""
         points = list(self.points)
         return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
-                            leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors))
+                            leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
+                            steps_needed=self.watcher.warmup_steps + self.watcher.window + 1)

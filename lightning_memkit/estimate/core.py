@@ -496,11 +496,29 @@ def reusing_fake_copies() -> Iterator[None]:
     if _CACHE.get() is not None:  # nested: the outer block's cache serves
         yield
         return
-    token = _CACHE.set(_Reuse())
+    cache = _Reuse()
+    token = _CACHE.set(cache)
     try:
         yield
     finally:
         _CACHE.reset(token)
+        for _, _, module_copy in cache.copies.values():
+            _dismantle(module_copy)
+        cache.copies.clear()
+
+
+def _dismantle(module_copy: nn.Module | None) -> None:
+    """Empty every submodule of a copy the estimate made and is done with.
+
+    A copy sits in reference cycles that are not memkit's to change (a torchmetrics ``Metric``'s wrapped
+    ``update`` holds the metric; the step's trainer stub holds the copy), so dropping it freed its tensors
+    (a metric's real state tensors, the fakes) only at the next full ``gc.collect()``. With every module's
+    attributes gone, the cycles hold nothing and the tensors go at once.
+    """
+    if module_copy is None:
+        return
+    for each in list(module_copy.modules()):
+        each.__dict__.clear()
 
 
 def _cpu_fake(session: FakeSession, tensor: torch.Tensor) -> torch.Tensor:
@@ -692,6 +710,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
         finally:
             if handle is not None:
                 handle.remove()
+            if not (fake and _CACHE.get() is not None):  # a cached fake copy is dismantled when its block ends
+                _dismantle(locals().get("module_copy"))
     if acc.errors:
         notes.append("accountant errors: " + "; ".join(acc.errors[:3]))
     view = None

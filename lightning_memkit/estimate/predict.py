@@ -101,7 +101,8 @@ def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("no CUDA device here to read the memory of: give device_memory=, e.g. device_memory='16GiB' or 16 * 2**30")
-        return int(torch.cuda.get_device_properties(device.index or torch.cuda.current_device()).total_memory)
+        # cuda:0 is device 0 (an index of 0 is falsy: `index or current_device()` read the current device's)
+        return int(torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device()).total_memory)
     if device.type == "cpu":
         import psutil
 

@@ -120,7 +120,8 @@ def normalize_policy(policy: Any) -> Any:
     """Validate a checkpoint policy and return its canonical form.
 
     Accepted: ``"auto"``; a module class or an iterable of module classes (returned as a
-    frozenset); a callable ``(qualified_name, module) -> bool``; a :class:`CheckpointBudget`; a string
+    frozenset), each also as its class path (``"torch.nn.TransformerEncoderLayer"``, imported: what a
+    YAML config gives); a callable ``(qualified_name, module) -> bool``; a :class:`CheckpointBudget`; a string
     ``"budget=0.5"`` (a fraction in (0, 1]) / ``"budget=512MiB"`` (a size with a unit).
 
     Raises:
@@ -134,12 +135,12 @@ def normalize_policy(policy: Any) -> Any:
             return "auto"
         if text.lower().startswith("budget="):
             return parse_budget(text[len("budget="):])
-        raise ValueError(f"unknown checkpoint policy {policy!r}; use 'auto', 'budget=0.5', 'budget=512MiB', "
-                         "a set of module classes, or a callable (name, module) -> bool")
+        policy = {_policy_class(policy)}
     if isinstance(policy, type):
         policy = {policy}
     if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = frozenset(policy)
+        # class paths as strings (a YAML config's `policy: [torch.nn.TransformerEncoderLayer]`) are imported
+        classes = frozenset(_policy_class(c) if isinstance(c, str) else c for c in policy)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if not classes or bad:
             raise ValueError(f"checkpoint policy {policy!r}: a set of policy classes must hold nn.Module subclasses, "
@@ -149,6 +150,18 @@ def normalize_policy(policy: Any) -> Any:
         return policy
     raise ValueError(f"checkpoint policy {policy!r} is not understood; use 'auto', CheckpointBudget(fraction=0.5), "
                      "a set of module classes, or a callable (name, module) -> bool")
+
+
+def _policy_class(text: str) -> type:
+    """The module class a policy string names by its class path (``"torch.nn.TransformerEncoderLayer"``)."""
+    from lightning_memkit._class_paths import resolve_class_path
+
+    found = resolve_class_path(text, strict=True)
+    if found is None:
+        raise ValueError(f"unknown checkpoint policy {text!r}; use 'auto', 'budget=0.5', 'budget=512MiB', a class path "
+                         "such as 'torch.nn.TransformerEncoderLayer' (or a list of them), a set of module classes, or a "
+                         "callable (name, module) -> bool")
+    return found
 
 
 def describe_policy(policy: Any) -> str:

@@ -55,10 +55,12 @@ class CudaAllocatorProbe(MemoryProbe):
 
 # --- torch.cuda.memory's private history API, wrapped so tests pin its behaviour ---------
 
-def start_memory_history(max_entries: int) -> bool:
-    """Start recording allocator history (for an OOM snapshot); ``False`` if unsupported."""
+def start_memory_history(max_entries: int, stacks: str = "python") -> bool:
+    """Start recording allocator history (for an OOM snapshot), ``max_entries`` events at most, with
+    ``stacks`` (``"python"``: Python frames only, which the snapshot writes in seconds; ``"all"``: C++
+    frames too, torch's default, whose symbolization can take minutes); ``False`` if unsupported."""
     try:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
         return True
     except (AttributeError, RuntimeError, TypeError):
         return False

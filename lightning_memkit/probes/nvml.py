@@ -12,14 +12,17 @@ import torch
 
 from lightning_memkit.probes.base import MemoryProbe, ProbeUnavailable
 
-__all__ = ["NvmlProbe"]
+__all__ = ["NvmlProbe", "find_nvml_handle", "pci_bus_id_of"]
 
 
 class NvmlProbe(MemoryProbe):
     """Device memory used and total, and this process's device memory, from NVML.
 
-    The NVML device is found by UUID, so ``CUDA_VISIBLE_DEVICES`` re-numbering is handled.
-    Per-process memory is ``None`` where the driver does not report it (some containers).
+    The NVML device is found by its UUID (``GPU-...``), a MIG slice's UUID (``MIG-...``), then its PCI bus
+    id, never by the CUDA ordinal (NVML numbers devices ignoring ``CUDA_VISIBLE_DEVICES``, so an ordinal
+    can name another GPU); when none finds it, or NVML raises, the probe is unavailable (a warning, and
+    the run goes on without NVML's readings). On a MIG slice found only by its PCI bus id the readings
+    are the whole GPU's. Per-process memory is ``None`` where the driver does not report it (some containers).
     """
 
     name = "nvml"
@@ -44,12 +47,14 @@ class NvmlProbe(MemoryProbe):
             raise ProbeUnavailable("NVML works but torch sees no CUDA device")
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            if not uuid.startswith("GPU-"):
-                uuid = "GPU-" + uuid
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        except Exception:
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            properties = torch.cuda.get_device_properties(index)
+            self._handle = find_nvml_handle(pynvml, str(getattr(properties, "uuid", "")), pci_bus_id_of(properties))
+        except ProbeUnavailable:
+            self.close()
+            raise
+        except Exception as error:  # reading the device's identity failed: no guess by ordinal
+            self.close()
+            raise ProbeUnavailable(f"cannot identify {device} for NVML ({type(error).__name__}: {error})") from error
         self._pid = os.getpid()
 
     def read(self) -> dict[str, int]:
@@ -69,3 +74,39 @@ class NvmlProbe(MemoryProbe):
             self._nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def pci_bus_id_of(properties: object) -> str | None:
+    """NVML's PCI bus id (``"00000000:3B:00.0"``) of a CUDA device from torch's device properties
+    (``pci_domain_id``, ``pci_bus_id``, ``pci_device_id``), or ``None`` where torch does not give them."""
+    try:
+        domain, bus, device = (int(getattr(properties, name)) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return f"{domain:08X}:{bus:02X}:{device:02X}.0"
+
+
+def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
+    """The NVML handle of the CUDA device with torch's ``uuid`` (with or without its ``GPU-``/``MIG-``
+    prefix) and ``pci_bus_id``: by UUID as a GPU, then as a MIG slice, then by PCI bus id. Never by index.
+
+    Raises:
+        ProbeUnavailable: none of them found it (each attempt's NVML error in the message).
+    """
+    bare = uuid.strip()
+    for prefix in ("GPU-", "MIG-"):
+        if bare.startswith(prefix):
+            bare = bare[len(prefix):]
+    attempts: list[tuple[str, str, object]] = []
+    if bare:
+        attempts += [("UUID", f"GPU-{bare}", nvml.nvmlDeviceGetHandleByUUID), ("MIG UUID", f"MIG-{bare}", nvml.nvmlDeviceGetHandleByUUID)]
+    if pci_bus_id:
+        attempts.append(("PCI bus id", pci_bus_id, nvml.nvmlDeviceGetHandleByPciBusId))
+    failures = []
+    for what, key, lookup in attempts:
+        try:
+            return lookup(key)
+        except Exception as error:  # pynvml.NVMLError and its subclasses (NVMLError_NotFound, ...)
+            failures.append(f"{what} {key}: {type(error).__name__}: {error}")
+    raise ProbeUnavailable("NVML does not know this CUDA device (" + ("; ".join(failures) or "torch gives no UUID or PCI bus id")
+                           + "); NVML readings are off")

@@ -395,7 +395,14 @@ def _say_what_is_missing(sources: ReportSources, seen_examples: list[str]) -> No
                                "scalars; add MemoryTracker() to the Trainer's callbacks")
     else:
         for origin, detail in (("TensorBoard scalars", ", rounded to float32 MiB"), (CSV_METRICS, " (float64 MiB: exact bytes)")):
-            rebuilt = ", ".join(r.name for r in sources.runs if r.rebuilt_from == origin)
+            runs = [r for r in sources.runs if r.rebuilt_from == origin]
+            # a run with validation readings only was trainer.validate() (or test): MemoryTracker writes the
+            # records at fit end, which such a run has not
+            evaluated = ", ".join(r.name for r in runs if r.history and all(x.stage != "train" for x in r.history))
+            rebuilt = ", ".join(r.name for r in runs if not (r.history and all(x.stage != "train" for x in r.history)))
+            if evaluated:
+                sources.missing.append(f"no {RECORDS_FILENAME} for {evaluated}: a validate-only run (no training step; "
+                                       f"MemoryTracker writes that file at fit end): its readings come from {origin}{detail}")
             if rebuilt:
                 sources.missing.append(f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its readings "
                                        f"come from {origin}{detail}")

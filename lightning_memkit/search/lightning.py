@@ -80,12 +80,33 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
             f"self.{config.batch_arg_name} = <int> (or a hyperparameter of that name) and build train_dataloader() with it, "
             "or give batch_arg_name= the attribute you use"
         )
+    # the search sets the size for each trial where Lightning's finder does: a read-only one must stop it here
+    for holder, where in _batch_size_holders(module, config.batch_arg_name):
+        try:
+            setattr(holder, config.batch_arg_name, getattr(holder, config.batch_arg_name))
+        except AttributeError as error:
+            raise BatchSizeSearchError(
+                f"the batch-size search sets {where}.{config.batch_arg_name} for each trial, and it cannot be set ({error}): "
+                f"make it a plain attribute (self.{config.batch_arg_name} = <int> in __init__) or give its property a setter "
+                f"(@{config.batch_arg_name}.setter), or give batch_arg_name= an attribute that can be set"
+            ) from None
     if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
         raise BatchSizeSearchError(
             f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before the first "
             "forward, so a trial cannot be undone: run one forward with an example batch before trainer.fit (e.g. in "
             "__init__), or leave MaxBatchSize out"
         )
+
+
+def _batch_size_holders(module: Any, name: str) -> list[tuple[Any, str]]:
+    """The objects ``lightning_setattr`` sets ``name`` on (the module, the datamodule; a hparams dict is
+    always settable), each with the class name a message gives it."""
+    holders = [(module, type(module).__name__)] if hasattr(module, name) else []
+    trainer = getattr(module, "_trainer", None)
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and hasattr(datamodule, name):
+        holders.append((datamodule, type(datamodule).__name__))
+    return holders
 
 
 # ------------------------------------------------------------------------------------------ DDP
@@ -272,6 +293,7 @@ class _Snapshot:
         for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
             config.scheduler.load_state_dict(copy.deepcopy(state))
         trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        _reset_scaler(trainer)  # load_state_dict keeps an optimizer "unscaled" by a trial that ran out of memory
         trainer.callbacks = self.callbacks
         trainer.loggers = self.loggers
         trainer.fit_loop.epoch_loop.max_steps = self.max_steps
@@ -286,6 +308,15 @@ class _Snapshot:
         module.train(self.training)
         _lightning_setattr(module, batch_arg_name, self.batch_size)
         self.rng.__exit__(None, None, None)
+
+
+def _reset_scaler(trainer: Any) -> None:
+    """Every optimizer ready for ``unscale_`` again in the precision plugin's GradScaler (``16-mixed``)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
+
+        reset_scaler_optimizer_stages(scaler)
 
 
 def _trainer_mode(trainer: Any) -> Any:
@@ -444,12 +475,21 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         if dataset_length is not None and result.batch_size >= dataset_length:
             result.reason = "dataset"
         result.estimate_seconds = estimate_seconds
-    finally:
-        outcomes.close()
-        if checkpointing is not None:
-            checkpointing.remove()
-        snapshot.restore(trainer, module, config.batch_arg_name)
-        _release_memory(device)
+    except BaseException:
+        # the search failed: putting the state back must not replace its error with one of its own
+        search = None
+        try:
+            _clean_up(trainer, module, config, outcomes, checkpointing, snapshot, device)
+        except Exception as cleanup_error:  # noqa: BLE001 - reported, the search's own error goes on
+            warnings.warn(f"memkit: after the failed batch-size search, putting the trainer's state back failed too "
+                          f"({type(cleanup_error).__name__}: {cleanup_error}); the search's error follows", RuntimeWarning, stacklevel=2)
+        raise
+    else:
+        # progress's closure holds `search`, which holds progress (and run_trial, which holds the snapshot): a
+        # reference cycle that kept a copy of the weights alive until the next full collection. Clearing the
+        # shared cell breaks it, so the copies go as soon as the snapshot is restored.
+        search = None
+        _clean_up(trainer, module, config, outcomes, checkpointing, snapshot, device)
     found = result.batch_size
     size, accumulate = found, original_accumulate
     if config.keep_effective_batch_size:
@@ -469,6 +509,16 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
          config.verbose)
     return result
+
+
+def _clean_up(trainer: Any, module: Any, config: SearchConfig, outcomes: _Outcomes, checkpointing: Any, snapshot: _Snapshot,
+              device: torch.device) -> None:
+    """After the search: its side group gone, the trials' checkpointing removed, every state put back."""
+    outcomes.close()
+    if checkpointing is not None:
+        checkpointing.remove()
+    snapshot.restore(trainer, module, config.batch_arg_name)
+    _release_memory(device)
 
 
 def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, config: SearchConfig):
@@ -527,6 +577,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
                     f"their measured peak after the step, on every rank) or a smaller max_val= ({str(error).splitlines()[0][:200]})"
                 ) from None
             error_text = str(error).splitlines()[0][:300]
+            _reset_scaler(trainer)  # out of memory between the scaler's unscale_ and update: the next trial unscales again
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step

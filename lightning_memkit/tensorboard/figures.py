@@ -133,7 +133,11 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
         for field in fields:
             label, color, style = SERIES_STYLE[field]
             steps, values = _series(train, field)
-            if steps:
+            if steps and _sampled(train, steps):
+                # read on some steps only (the accountant's peak, every tensor_peak_every_n_steps): a line would
+                # draw values between the samples that were never measured, so markers only
+                ax.plot(steps, values, "o", color=color, label=label + " (sampled steps)", markersize=5)
+            elif steps:
                 ax.plot(steps, values, style, color=color, label=label, linewidth=1.8,
                         marker="." if len(steps) < 40 else None)
             if field in val_fields:
@@ -152,8 +156,16 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
         ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # beside the plot, never on a line
     axes[-1].set_xlabel("training step")
-    axes[0].set_title(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9, loc="right")
+    # under the whole figure (constrained layout gives it its own row), not beside the first panel's title,
+    # which a long panel title overlapped
+    figure.supxlabel(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
     return figure
+
+
+def _sampled(train: Sequence[StepReading], steps: list[int]) -> bool:
+    """Whether a series read at ``steps`` skips training readings between its first and last step."""
+    inside = sum(1 for r in train if steps[0] <= r.step <= steps[-1])
+    return len(steps) < inside
 
 
 def compare_figures(compare) -> dict[str, Figure]:
