@@ -461,8 +461,10 @@ def test_leak_watcher_reports_steady_growth_once_and_ignores_oscillation():
     watcher = LeakWatcher(window=3, warmup_steps=1)
     found = [watcher.observe(step, 1000 + 100 * step) for step in range(8)]
     reports = [r for r in found if r is not None]
-    assert len(reports) == 1 and found.index(reports[0]) == 4  # warm-up step 0, then 3 increases after step 1
-    assert reports[0].bytes_per_step == 100 and (reports[0].first_step, reports[0].last_step) == (1, 4)
+    # warm-up step 0; no epochs given: judged at every step; the floor rises at steps 2, 3 and 4, the
+    # last counted once step 5 is seen (a point's floor is the least bytes from it on)
+    assert len(reports) == 1 and found.index(reports[0]) == 5
+    assert reports[0].bytes_per_step == 100 and (reports[0].first_step, reports[0].last_step) == (2, 4)
     assert "add lightning_memkit.MemoryDoctor()" in reports[0].format()  # no recorder: who is unknown
     calm = LeakWatcher(window=3, warmup_steps=0)
     assert all(calm.observe(step, 1000 + (step % 2) * 64) is None for step in range(20))  # accumulation-like
