@@ -199,6 +199,8 @@ def _render(root: str, edges: list) -> str:
             text += f".{key}" if _identifier(key) else f".__dict__[{key!r}]"
         elif kind == "cell":
             text += ".cell_contents"
+        elif kind == "graph":
+            text += key
         elif kind == "dict":
             text += ".__dict__"
         else:
@@ -265,20 +267,32 @@ def _annotate(path: HolderPath, objects: list) -> None:
                 path.holder = path.text = holder
                 path.note = _metric_state_note(parent, metric_path, key, objects[index + 1])
                 return
-    # a plain container: the last list, dict, set or deque on the way is where it grows
-    for index in range(len(edges) - 1, -1, -1):
-        kind, _ = edges[index]
-        parent = objects[index]
-        if kind in ("index", "item", "member") \
-                and not (index and edges[index - 1][0] == "attr" and edges[index - 1][1] in _NAMED_DICTS):
-            holder = _render(path.root, edges[:index])
-            size = len(parent) if hasattr(parent, "__len__") else None
-            if holder != path.root or size:
-                path.holder = holder
-                if size is not None:
-                    path.note = (f"{holder} is a {type(parent).__name__} of {size} entries that keeps them: delete them there "
-                                 f"(clear it when done, bound it, or keep .item() / .detach().cpu() values)")
+    # a tensor kept with its autograd graph: the graph keeps what its nodes saved
+    for index, (kind, key) in enumerate(edges):
+        if kind == "graph" and key == ".grad_fn":
+            keeper = _render(path.root, edges[:index])
+            path.holder = keeper
+            path.note = (f"{keeper} keeps its autograd graph, and the graph keeps the tensors its nodes saved (backward never "
+                         f"ran on it, or ran with retain_graph=True): keep .detach() (or .item()) of it, not the tensor with its graph")
             break
+    # a plain container: the largest list, dict, set or deque on the way is where it grows
+    best = None
+    for index, (kind, _) in enumerate(edges):
+        parent = objects[index]
+        if kind in ("index", "item", "member") and not (index and edges[index - 1][0] == "attr" and edges[index - 1][1] in _NAMED_DICTS) \
+                and hasattr(parent, "__len__") and not isinstance(parent, torch.Tensor):
+            size = len(parent)
+            if best is None or size > best[1]:
+                best = (index, size, type(parent).__name__)
+    if best is not None and not path.note:
+        index, size, type_name = best
+        holder = _render(path.root, edges[:index])
+        path.holder = holder
+        path.note = (f"{holder} is a {type_name} of {size} entries that keeps them: delete them there "
+                     f"(clear it when done, bound it, or keep .item() / .detach().cpu() values)")
+    elif best is not None:
+        index, size, type_name = best
+        path.note += f"; {_render(path.root, edges[:index])} is a {type_name} of {size} entries"
     if path.lightning:
         path.note = ("Lightning's own objects keep it (not your code)" + (f"; {path.note}" if path.note else ""))
 
@@ -349,7 +363,7 @@ def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0,
             children = [(None, child) for child in gc.get_referents(obj)]  # its __dict__, a parameter's attributes
             node = obj.grad_fn if graphs else None
             if node is not None:
-                children.append((("attr", "grad_fn"), _GraphNode(node)))
+                children.append((("graph", ".grad_fn"), _GraphNode(node)))
         elif isinstance(obj, _GraphNode):
             children = obj.children()
         else:
@@ -438,12 +452,12 @@ class _GraphNode:
             except RuntimeError:  # freed by backward
                 continue
             if isinstance(value, torch.Tensor):
-                found.append((("attr", name), value))
+                found.append((("graph", f".{name}"), value))
             elif isinstance(value, (tuple, list)):
-                found.extend((("attr", f"{name}[{i}]"), v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+                found.extend((("graph", f".{name}[{i}]"), v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
         for index, (following, _) in enumerate(getattr(node, "next_functions", ()) or ()):
             if following is not None:
-                found.append((("attr", f"next_functions[{index}][0]"), _GraphNode(following)))
+                found.append((("graph", f".next_functions[{index}][0]"), _GraphNode(following)))
         return found
 
 

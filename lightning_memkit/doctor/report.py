@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes
+from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes, saved_in_nodes
 from lightning_memkit.doctor.holders import HolderSearch, attach_holders, user_roots
 from lightning_memkit.doctor.leaks import CreatorGroup, LeakReport, LeakWatcher
 from lightning_memkit.doctor.liveness import LivenessReport, analyse_liveness
@@ -217,9 +217,13 @@ class DoctorSession:
         return found
 
     def _graph_report(self, grown: LeakReport) -> None:
-        _, holders = count_kept_graph_nodes(self.recorder, holders=True)
+        nodes: list = []
+        _, holders = count_kept_graph_nodes(self.recorder, holders=True, nodes_out=nodes)
+        saved = saved_in_nodes(nodes, self.recorder)
+        del nodes
         self.graph_leak = GraphLeakReport(grown.bytes_per_step, grown.first_step, grown.last_step,
-                                          grown.live_bytes_at_start, holders[:10])
+                                          grown.live_bytes_at_start, holders[:10], saved["tensors"], saved["bytes"],
+                                          saved["unseen_tensors"], saved["unseen_bytes"], saved["constants"])
 
     def _find_holders(self, report: LeakReport) -> None:
         if self.holders_time_limit_s <= 0:
