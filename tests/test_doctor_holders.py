@@ -271,3 +271,117 @@ def test_the_per_epoch_list_does_look_like_growth_within_each_epoch(tmp_path):
     losses = F.mse_loss(torch.zeros(B, D), torch.zeros(B, D)).untyped_storage().nbytes()
     assert [points[step] - points[8] for step in range(8, 16)] == [k * losses for k in range(8)]
     assert [points[8 * e] for e in range(1, 4)] == [points[8]] * 3
+
+
+# ============================================================================================ the rule alone
+def test_the_floor_rule_finds_growth_every_k_steps_and_not_a_saw_tooth_or_a_filled_cache():
+    # 1280 B kept every 2nd step, and 3000 B that live only on odd steps (a validation's own tensors):
+    # the floor at odd step k is the next even step's bytes; it rises at steps 1, 3, ..., 17 (step 19 is
+    # the last point, not yet a floor), by 1280 B each: 8 x 1280 B over 16 steps is 640 B per step
+    periodic = [(step, 1000 + 1280 * (step // 2) + (3000 if step % 2 else 0)) for step in range(20)]
+    assert rising_floor(periodic, 5) == (640, 1, 17, 9)
+    # a list cleared every 8 steps: within each epoch it climbs, then its floor is back where it was;
+    # the last epoch's climb alone looks like growth until its end is seen (why the watcher waits for it)
+    saw_tooth = [(step, 1000 + 512 * (step % 8)) for step in range(32)]
+    assert rising_floor(saw_tooth + [(32, 1000)], 5) is None
+    assert rising_floor(saw_tooth, 5) == (512, 25, 30, 6)
+    # a cache that fills up in 6 steps and then stays: the floor stopped rising long ago
+    cache = [(step, 1000 + 512 * min(step, 6)) for step in range(24)]
+    assert rising_floor(cache, 5) is None
+    assert rising_floor(cache[:9], 5) == (512, 1, 6, 6)  # while it fills, it is growth like any other
+
+
+def test_the_watcher_judges_epochs_when_they_end_and_the_run_when_it_ends():
+    watcher = LeakWatcher(window=3, warmup_steps=0)
+    # 3 epochs of 8 steps; a per-epoch list (512 B a step) cleared at each epoch's end
+    found = [watcher.observe(step, 1000 + 512 * (step % 8), epoch=step // 8) for step in range(24)]
+    assert found == [None] * 24
+    assert watcher.finish(live_bytes=1000) is None  # the last epoch's end freed it: no leak
+    leaking = LeakWatcher(window=3, warmup_steps=0)
+    # the same growth, never freed: found at the first epoch's end (the first step of epoch 1)
+    found = [leaking.observe(step, 1000 + 512 * step, epoch=step // 8) for step in range(24)]
+    assert [i for i, r in enumerate(found) if r is not None] == [8]
+    assert found[8].bytes_per_step == 512
+    # one epoch only: judged at the end, and only if the memory is still there
+    single = LeakWatcher(window=3, warmup_steps=0)
+    assert all(single.observe(step, 1000 + 512 * step, epoch=0) is None for step in range(8))
+    assert single.finish(live_bytes=1000 + 512 * 8, freed_at_end=0).bytes_per_step == 512
+    freed = LeakWatcher(window=3, warmup_steps=0)
+    assert all(freed.observe(step, 1000 + 512 * step, epoch=0) is None for step in range(8))
+    assert freed.finish(live_bytes=1000, freed_at_end=512 * 8) is None
+
+
+# ============================================================================================ the search alone
+class Holder:
+    def __init__(self) -> None:
+        self.items = {"a": [], "b": []}
+
+
+def test_find_holders_names_the_shortest_path_from_the_best_root():
+    kept = torch.zeros(8)
+    holder = Holder()
+    holder.items["b"].append(kept.view(2, 4))  # a view kept: the same storage counts
+    model = nn.Linear(2, 2)
+    model.extra = holder
+    roots = user_roots(module=model, extra={"cache": holder}, globals_of_user_modules=False)
+    search = find_holders([kept], roots, time_limit_s=5.0)
+    [path] = search.paths.values()
+    # two roots reach it: the holder itself in fewer steps than through the model
+    assert (path.text, path.kind, search.stopped) == ("cache.items['b'][0]", "global", "all found")
+    assert "cache.items is a dict of 2 entries" in path.note  # the largest container on the way
+    del roots[id(holder)]
+    search = find_holders([kept], roots, time_limit_s=5.0)
+    assert [p.text for p in search.paths.values()] == ["model.extra.items['b'][0]"]
+
+
+def test_find_holders_gives_up_fast_when_no_root_reaches_the_tensor():
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(50)])
+    unreachable = [torch.zeros(3)]  # a local variable: no root the user knows reaches it
+    search = find_holders(unreachable, user_roots(module=model, globals_of_user_modules=False), time_limit_s=5.0)
+    assert search.paths == {} and search.stopped == "no more referents"
+    # it walked what the model reaches (its modules, their dicts, parameters), not the whole process
+    assert search.objects < 2000 < len(gc.get_objects())
+    limited = find_holders(unreachable, user_roots(module=model, globals_of_user_modules=False), time_limit_s=0.0)
+    assert limited.stopped == "time limit" and limited.objects < search.objects
+
+
+def test_a_tensor_lightning_keeps_is_named_as_lightnings(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    module = Net()
+    trainer.fit(module)
+    kept = torch.zeros(3)
+    trainer.fit_loop.epoch_loop.hidden_for_the_test = [kept]
+    [path] = find_holders([kept], user_roots(trainer, module, globals_of_user_modules=False)).paths.values()
+    assert path.text == "trainer.fit_loop.epoch_loop.hidden_for_the_test[0]" and path.lightning
+    assert path.note.startswith("Lightning's own objects keep it (not your code)")
+    del trainer.fit_loop.epoch_loop.hidden_for_the_test
+
+
+def test_the_doctor_leaves_nothing_behind_after_naming_holders(tmp_path):
+    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+
+    gc.collect()
+    before = live_tensor_bytes()
+    module = HooksPileUp()
+    report = fit(module, tmp_path, 12)[0]  # the trainer (it keeps the module) is not kept
+    assert report.leak.growing[0].holder == "model.body[2]._forward_hooks"
+    del module
+    gc.collect()
+    assert live_tensor_bytes() - before == 0 and tensors_with_grad_fn() == []
+
+
+def test_memkit_doctor_prints_one_progress_line_per_window_unless_told_not_to(tmp_path, capsys):
+    from lightning_memkit.cli import main
+    from test_doctor import LEAKY_FILE
+
+    path = tmp_path / "leaky.py"
+    path.write_text(LEAKY_FILE)
+    assert main(["doctor", f"{path}:Leaky", "--steps", "10", "--batch-size", "4"]) == 3
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("memkit doctor: step ")]
+    # the first step, then one line per --window (5) steps watched: steps 0, 4 and 9
+    assert [line.split(",")[0] for line in progress] == ["memkit doctor: step 0/10", "memkit doctor: step 4/10",
+                                                         "memkit doctor: step 9/10"], captured.err
+    assert "held by model.history[9]" in captured.out
+    assert main(["doctor", f"{path}:Leaky", "--steps", "10", "--batch-size", "4", "--no-progress"]) == 3
+    assert "memkit doctor: step " not in capsys.readouterr().err

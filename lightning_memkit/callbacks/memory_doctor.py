@@ -71,6 +71,8 @@ class MemoryDoctor(Callback):
             ``None`` without a logger (``logger=False``, ``fast_dev_run``): nothing lands in the working
             directory unasked, :attr:`report` has the verdict (``report.to_json(path)`` writes it).
             A fit that raises writes the verdict up to the failure too.
+        holder_search: the :class:`~lightning_memkit.doctor.holders.HolderSearch` of the leak reported (what
+            it found, its ``seconds`` and why it stopped), or ``None``.
     """
 
     def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True,
@@ -95,12 +97,14 @@ class MemoryDoctor(Callback):
         self._step: int | None = None
         self._warned = False
         self._first_step: int | None = None
+        self.holder_search = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
         self.report = None
         self.report_path = None
+        self.holder_search = None
         reference = weakref.ref(trainer)
 
         def roots() -> dict:
@@ -109,7 +113,7 @@ class MemoryDoctor(Callback):
         self._session = DoctorSession(pl_module, trainer.optimizers, window=self.window, warmup_steps=self.warmup_steps,
                                       analyse_step=self.analyse_step, roots=roots, holders_time_limit_s=self.holders_time_limit_s)
         self._warned = False
-        self._first_step: int | None = None
+        self._first_step = None
         try:  # what feeds the run exists before it: a pre-built batch is never memory a step added
             self._session.recorder.know_existing([trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module])
         except Exception as error:  # noqa: BLE001 - a loader that cannot be walked: its batches may look new
@@ -218,6 +222,7 @@ class MemoryDoctor(Callback):
         if session is not None:
             session.close()
             self.report = session.report()
+            self.holder_search = session.holder_search
             self._session = None
         self._step = None
 

@@ -396,6 +396,8 @@ def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0,
         search.levels = max(search.levels, len(edges))
         edges, objects = _attributes(edges, objects)
         _, name, kind = roots[origin[tid]]
+        if kind == "global" and isinstance(objects[0], dict) and edges and edges[0][0] == "item" and _identifier(edges[0][1]):
+            edges[0] = ("attr", edges[0][1])  # a module's global: module.name
         path = HolderPath(root=name, kind=kind, edges=edges)
         _annotate(path, objects)
         paths[key] = path
