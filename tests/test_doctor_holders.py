@@ -385,3 +385,11 @@ def test_memkit_doctor_prints_one_progress_line_per_window_unless_told_not_to(tm
     assert "held by model.history[9]" in captured.out
     assert main(["doctor", f"{path}:Leaky", "--steps", "10", "--batch-size", "4", "--no-progress"]) == 3
     assert "memkit doctor: step " not in capsys.readouterr().err
+
+
+def test_too_few_steps_are_said_to_be_too_few_to_judge(tmp_path):
+    doctor = MemoryDoctor(verbose=False)
+    make_trainer(tmp_path, fast_dev_run=True, callbacks=[doctor]).fit(Net())
+    # the 2 warm-up steps, then 5 rises of the floor between a first and a last point: 9 steps
+    assert "too few steps to judge a leak: 1 watched, 9 needed" in doctor.report.format()
+    assert "no leak" not in doctor.report.format()

@@ -1,16 +1,18 @@
 """Who keeps a leaked tensor alive: the path of references from an object the user knows to it.
 
-Owns :func:`find_holders` (a breadth-first walk *up* the garbage collector's referrers, from the
-leaked tensors to known roots, bounded in time), :func:`user_roots` (the LightningModule as ``model``,
-each callback as ``trainer.callbacks[i]``, the Trainer, the datamodule, the globals of the user's
-modules) and :class:`HolderPath` (the path printed as code you can paste: ``model.outputs[17]``,
+Owns :func:`find_holders` (a breadth-first walk *down* the garbage collector's referents, from known
+roots to the leaked tensors' storages, bounded in time), :func:`user_roots` (the LightningModule as
+``model``, each callback as ``trainer.callbacks[i]``, the Trainer, the datamodule, the globals of the
+user's modules), :func:`attach_holders` (the doctor's use: one search per leak report, for all its
+groups) and :class:`HolderPath` (the path printed as code you can paste: ``model.outputs[17]``,
 ``trainer.callbacks[2].saved[3]``, ``model.encoder[1]._forward_hooks``).
 
-Cost: each level of the walk is one ``gc.get_referrers`` call, a pass over every object the collector
-tracks (tens of milliseconds in a Lightning process). The walk runs only when the doctor reports a
-leak, once for all its groups together, and stops as soon as nothing new can lead to a root: it never
-climbs through frames, modules, classes, functions' globals or memkit's own objects, so a tensor that
-only a local variable (or autograd's graph) keeps costs one or two levels. Core code, no Lightning import.
+Cost: the walk visits what the roots reach, never entering modules, classes, code, frames, functions'
+globals or memkit's own objects; it stops as soon as each leaked group has a holder. What the roots
+reach is small next to the process (hundreds to thousands of objects for a Lightning run, against
+hundreds of thousands the collector tracks), so a tensor no root reaches (a local variable, torch's
+global hooks) costs a few milliseconds, not a pass over the whole heap per level as a search up
+``gc.get_referrers`` would. Core code, no Lightning import.
 """
 
 from __future__ import annotations

@@ -273,9 +273,15 @@ class LeakWatcher:
         return list(self._history)
 
     @property
+    def steps_needed(self) -> int:
+        """The fewest observed steps that can show a leak: the warm-up, then ``window + 2`` points (``window``
+        rises, the first point before them and a last point after, whose own floor is not yet known)."""
+        return self.warmup_steps + self.window + 2
+
+    @property
     def enough_steps(self) -> bool:
-        """Whether enough steps were watched for a leak to be judged (``window`` rises need ``window + 1`` points)."""
-        return len(self._history) > self.window
+        """Whether enough steps were watched for a leak to be judged (see :attr:`steps_needed`)."""
+        return self._seen >= self.steps_needed
 
     def reset(self) -> None:
         """Forget what was observed (a new run)."""

@@ -278,4 +278,4 @@ class DoctorSession:
         points = list(self.points)
         return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
                             leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
-                            steps_needed=self.warmup_steps + self.window + 1)
+                            steps_needed=self.watcher.steps_needed)
