@@ -18,6 +18,7 @@ from lightning_memkit._lightning_compat import forget_model_logging, logging_ste
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.holders import user_roots
+from lightning_memkit.doctor.leaks import rising_floor
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 from lightning_memkit.units import format_bytes
 
@@ -164,9 +165,16 @@ class MemoryDoctor(Callback):
             return
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         of = f"/{total}" if total else ""
-        verdict = "leak found" if session.watcher.report is not None else \
-            ("watching" if not session.watcher.enough_steps else "no leak so far")
-        print(f"memkit doctor: step {self._step}{of}, {done} steps watched, live tensors {format_bytes(session.watched_bytes())}"
+        watcher = session.watcher
+        if watcher.report is not None:
+            verdict = f"leak: {watcher.report.bytes_per_step} B per step"
+        elif not watcher.enough_steps:
+            verdict = "too few steps to judge yet"
+        else:
+            rising = rising_floor(watcher.points, watcher.window, watcher.min_bytes_per_step)
+            verdict = (f"floor rising by {rising[0]} B per step so far; judged when the epoch or training ends"
+                       if rising else "floor steady")
+        print(f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors {format_bytes(session.watched_bytes())}"
               f" ({verdict})", file=sys.stderr, flush=True)
 
     @override

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
+from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.recorder import CreationRecorder, format_frame
 
 __all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes", "saved_in_nodes"]
@@ -110,13 +111,7 @@ def saved_in_nodes(nodes: Iterable[Any], recorder: CreationRecorder | None = Non
     storages: dict[int, tuple[int, bool]] = {}
     constants = 0
     for node in nodes:
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # freed by backward
-                continue
+        for _, value in _torch_compat.saved_values(node):
             values = value if isinstance(value, (tuple, list)) else (value,)
             for item in values:
                 if isinstance(item, torch.Tensor):

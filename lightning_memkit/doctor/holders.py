@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.recorder import _LIBRARY_ROOTS
 
 __all__ = ["HolderPath", "HolderSearch", "find_holders", "user_roots", "attach_holders", "HOOK_DICTS"]
@@ -448,13 +449,7 @@ class _GraphNode:
         storages; none once backward freed them) and the next nodes."""
         node = self.node
         found: list = []
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # freed by backward
-                continue
+        for name, value in _torch_compat.saved_values(node):
             if isinstance(value, torch.Tensor):
                 found.append((("graph", f".{name}"), value))
             elif isinstance(value, (tuple, list)):

@@ -101,6 +101,16 @@ _TRAINER_ENTRIES = frozenset({"fit", "validate", "test", "predict"})
 LIGHTNING_OWN = "(Lightning's own)"
 
 
+_IS_LIGHTNING: dict[Any, bool] = {}
+
+
+def _is_lightning(code: Any) -> bool:
+    found = _IS_LIGHTNING.get(code)
+    if found is None:
+        found = _IS_LIGHTNING[code] = code.co_filename.startswith(_LIGHTNING_ROOTS)
+    return found
+
+
 def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
     """``(filename, line, function)`` of the innermost frame above the caller that is the user's
     code (not torch, Lightning, memkit or the standard library), or ``None``.
@@ -114,11 +124,11 @@ def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
         code = frame.f_code
         if not _is_library(code):
             if lightning is not None and callee is not None and callee.f_code.co_name in _TRAINER_ENTRIES \
-                    and callee.f_code.co_filename.startswith(_LIGHTNING_ROOTS):
+                    and _is_lightning(callee.f_code):
                 own = lightning.f_code
                 return own.co_filename, lightning.f_lineno, f"{own.co_name} {LIGHTNING_OWN}"
             return code.co_filename, frame.f_lineno, code.co_name
-        if lightning is None and code.co_filename.startswith(_LIGHTNING_ROOTS):
+        if lightning is None and _is_lightning(code):
             lightning = frame
         callee = frame
         frame = frame.f_back

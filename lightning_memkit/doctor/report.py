@@ -128,7 +128,11 @@ class DoctorSession:
         print(session.report().format())
 
     Recording stays on from a step's start to the next step's start (so whatever runs between steps is
-    attributed too) and stops in :meth:`close`.
+    attributed too) and stops in :meth:`close`. Give ``step_start(..., epoch=e)`` when the loop has
+    epochs: growth is then judged when an epoch ends and at :meth:`finish` (``close(finish=True)``), so
+    memory freed at each epoch's end is no leak; without epochs every step is judged. When a leak is
+    reported, who holds it is searched (:func:`~lightning_memkit.doctor.holders.attach_holders`) and
+    the search kept in :attr:`holder_search`.
 
     Args:
         module: the model (named in the records; its parameters, buffers and gradients are state).
@@ -137,7 +141,7 @@ class DoctorSession:
         warmup_steps: first steps not compared (gradients and optimizer state appear there).
         analyse_step: the step whose liveness is analysed, or the first watched step after it (a resumed
             run); ``None``: none.
-        roots: a function returning the objects a user knows, ``{id(obj): (obj, "name")}`` (see
+        roots: a function returning the objects a user knows, ``{id(obj): (obj, "name", kind)}`` (see
             :func:`~lightning_memkit.doctor.holders.user_roots`), from which the holders of a leak are
             searched when one is reported; ``None``: the module as ``model`` and the user's module globals.
         holders_time_limit_s: the most seconds the holder search may take, for a report (0: no search).
