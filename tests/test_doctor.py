@@ -192,6 +192,7 @@ def test_loss_accumulated_with_its_graph_keeps_graph_nodes(tmp_path):
     assert holder.grad_fn == "AddBackward0" and holder.shape == [] and "self.total += loss" in holder.where
     assert "graph kept across steps" in report.format()
     assert report.graph_leak.saved_tensors == 0 and "backward freed their saved tensors" in report.format()
+    assert holder.holder == "model.total" and "held by model.total  <- delete here" in report.format()
 
 
 def test_forward_hook_that_stores_inputs(tmp_path):

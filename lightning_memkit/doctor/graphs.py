@@ -31,6 +31,8 @@ class GraphHolder:
         made_by: who made it (a :class:`~lightning_memkit.doctor.Creation` description), or ``""``.
         where: the user's line that made it, or ``""``.
         count: how many such tensors (same root node type, shape, dtype and maker); ``nodes`` is theirs together.
+        holder: where a program reaches one of them, as code you can paste (``"model.total"``), or ``""``
+            (see :func:`~lightning_memkit.doctor.holders.find_holders`).
     """
 
     grad_fn: str
@@ -41,6 +43,7 @@ class GraphHolder:
     made_by: str = ""
     where: str = ""
     count: int = 1
+    holder: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -101,6 +104,8 @@ class GraphLeakReport:
             made = f", made by {holder.made_by}" if holder.made_by else ""
             lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {holder.dtype.replace('torch.', '')} "
                          f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
+            if holder.holder:
+                lines.append(f"    held by {holder.holder}  <- delete here (keep .detach() or .item() of it)")
         return "\n".join(lines)
 
 
@@ -130,7 +135,8 @@ def saved_in_nodes(nodes: Iterable[Any], recorder: CreationRecorder | None = Non
 
 
 def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: int = 1_000_000,
-                           holders: bool = False, nodes_out: list | None = None) -> tuple[int, list[GraphHolder]]:
+                           holders: bool = False, nodes_out: list | None = None,
+                           samples_out: dict | None = None) -> tuple[int, list[GraphHolder]]:
     """Count the distinct autograd nodes reachable from live tensors that have a ``grad_fn``.
 
     Call it between steps, when no graph should be alive. With a ``recorder``, the roots are the tensors
@@ -139,6 +145,7 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
     ``(nodes, holders)``; ``holders`` (only with ``holders=True``) lists the tensors holding graphs,
     grouped by maker, largest graph first. The walk stops at ``max_nodes``. ``nodes_out``: a list that gets
     the nodes counted (for :func:`saved_in_nodes`; drop it after, it keeps the graphs alive).
+    ``samples_out``: a dict that gets, for each holder (by ``id``), one of its tensors (for the holder search; drop it after).
     """
     if recorder is not None:
         roots = recorder.tensors_with_graph()
@@ -178,6 +185,8 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 found[key].nodes += holder.nodes
             else:
                 found[key] = holder
+                if samples_out is not None:
+                    samples_out[id(holder)] = tensor
     if nodes_out is not None:
         nodes_out.extend(seen.values())
     return len(seen), sorted(found.values(), key=lambda h: -h.nodes)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes, saved_in_nodes
-from lightning_memkit.doctor.holders import HolderSearch, attach_holders, user_roots
+from lightning_memkit.doctor.holders import HolderSearch, attach_holders, find_holders, user_roots
 from lightning_memkit.doctor.leaks import CreatorGroup, LeakReport, LeakWatcher
 from lightning_memkit.doctor.liveness import LivenessReport, analyse_liveness
 from lightning_memkit.doctor.recorder import CreationRecorder
@@ -222,9 +222,24 @@ class DoctorSession:
 
     def _graph_report(self, grown: LeakReport) -> None:
         nodes: list = []
-        _, holders = count_kept_graph_nodes(self.recorder, holders=True, nodes_out=nodes)
+        samples: dict = {}
+        _, holders = count_kept_graph_nodes(self.recorder, holders=True, nodes_out=nodes, samples_out=samples)
         saved = saved_in_nodes(nodes, self.recorder)
         del nodes
+        if self.holders_time_limit_s > 0 and samples:
+            try:
+                roots = self.roots() if self.roots is not None else user_roots(module=self.module)
+                tensors = [samples[id(h)] for h in holders[:10] if id(h) in samples]
+                search = find_holders(tensors, roots, self.holders_time_limit_s, graphs=False)
+                for holder in holders[:10]:
+                    tensor = samples.get(id(holder))
+                    storage = tensor.untyped_storage() if tensor is not None else None
+                    path = search.paths.get(id(storage)) if storage is not None else None
+                    if path is not None:
+                        holder.holder = path.text
+            except Exception as error:  # noqa: BLE001 - naming the holder must never fail the diagnosis
+                self.recorder.errors.append(f"graph holder search: {type(error).__name__}: {error}")
+        samples.clear()
         self.graph_leak = GraphLeakReport(grown.bytes_per_step, grown.first_step, grown.last_step,
                                           grown.live_bytes_at_start, holders[:10], saved["tensors"], saved["bytes"],
                                           saved["unseen_tensors"], saved["unseen_bytes"], saved["constants"])
