@@ -6,6 +6,7 @@ is the median over rounds, and the ratio is to "plain". torch runs on one thread
 
     python benchmarks/doctor_overhead.py            # about a minute on 2 cores
     python benchmarks/doctor_overhead.py --quick    # a smoke run
+    python benchmarks/doctor_overhead.py --fit      # whole Trainer fits with a leak, before/after (doctor_run_cost.py)
 
 Variants:
     plain                 the step alone
@@ -31,7 +32,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--fit", action="store_true", help="run benchmarks/doctor_run_cost.py instead: a whole fit with a "
+                        "leak, holder search included, against the code this branch started from")
+    args, rest = parser.parse_known_args()
+    if args.fit:
+        import os
+        import runpy
+        import sys
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doctor_run_cost.py")
+        sys.argv = [path, "--rounds", str(args.rounds if args.rounds != 30 else 3), *rest]
+        runpy.run_path(path, run_name="__main__")
+        return
     rounds = 3 if args.quick else args.rounds
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -152,6 +152,8 @@ def test_outputs_appended_to_a_list(tmp_path):
     top = growing(report)[0]
     assert (top.op, top.module, top.phase, top.shape, top.dtype) == ("aten.addmm", "body.2", "forward", [B, D], "torch.float32")
     assert top.bytes_per_step == ACTIVATION and top.where.endswith("in forward: return self.body(x)")  # the innermost user line
+    assert top.holder == "model.outputs[11]"  # the newest of the 12 kept, as code to paste
+    assert "model.outputs is a list of 12 entries" in top.holder_note and "held by model.outputs[11]" in report.format()
     assert report.graph_leak is not None  # each kept output holds its (emptied) graph too
 
 
@@ -162,6 +164,13 @@ def test_monitored_loss_accumulated_with_its_graph(tmp_path):
     top = growing(report)[0]
     assert (top.op, top.module, top.phase, top.bytes_per_step) == ("aten.sub", "", "other", ACTIVATION)
     assert "self.total_l1 += (out - y).abs().mean()" in top.where
+    # held by the graph of model.total_l1: AddBackward0 -> MeanBackward0 -> AbsBackward0, which saved out - y
+    assert top.holder.startswith("model.total_l1.grad_fn.next_functions[") and top.holder.endswith("._saved_self")
+    assert top.holder_note.startswith("model.total_l1 keeps its autograd graph")
+    # never backpropagated: the kept graphs still save each step's out - y, 12 of them (one per step)
+    graph = report.graph_leak
+    assert (graph.saved_tensors, graph.saved_bytes) == (12, 12 * ACTIVATION)
+    assert "backward never ran on them" in graph.format() and "backward freed" not in graph.format()
 
 
 def test_loss_accumulated_with_its_graph_keeps_graph_nodes(tmp_path):
@@ -182,6 +191,8 @@ def test_loss_accumulated_with_its_graph_keeps_graph_nodes(tmp_path):
     holder = report.graph_leak.holders[0]
     assert holder.grad_fn == "AddBackward0" and holder.shape == [] and "self.total += loss" in holder.where
     assert "graph kept across steps" in report.format()
+    assert report.graph_leak.saved_tensors == 0 and "backward freed their saved tensors" in report.format()
+    assert holder.holder == "model.total" and "held by model.total  <- delete here" in report.format()
 
 
 def test_forward_hook_that_stores_inputs(tmp_path):
@@ -189,6 +200,7 @@ def test_forward_hook_that_stores_inputs(tmp_path):
     assert report.leak.bytes_per_step == ACTIVATION
     top = growing(report)[0]
     assert (top.op, top.module, top.shape) == ("aten.relu", "body.1", [B, D])
+    assert top.holder == "model.seen[11]"
 
 
 def test_dict_cache_keyed_by_step(tmp_path):
@@ -197,6 +209,7 @@ def test_dict_cache_keyed_by_step(tmp_path):
     top = growing(report)[0]
     assert (top.op, top.module, top.phase) == ("aten.clone", "", "other")
     assert "self.cache[self.global_step] = out.detach().clone()" in top.where
+    assert top.holder in {f"model.cache[{step}]" for step in range(12)} and "a dict of 12 entries" in top.holder_note
     assert report.graph_leak is None  # detached: no graph kept
 
 
@@ -213,6 +226,11 @@ def test_retain_graph_with_a_growing_list(tmp_path):
     assert by_maker[("aten.relu", "body.1", "made in a step")] == ACTIVATION
     assert by_maker[("aten.addmm", "body.2", "made in a step")] == ACTIVATION
     assert sum(g.bytes_per_step for g in growing(report) if g.category == "inputs") == BATCH
+    # the list keeps each loss, and each loss's retained graph keeps what it saved
+    assert {g.holder for g in growing(report)} == {
+        "model.losses[11]", "model.losses[11].grad_fn._saved_self", "model.losses[11].grad_fn._saved_target",
+        "model.losses[11].grad_fn.next_functions[0][0]._saved_mat1",
+        "model.losses[11].grad_fn.next_functions[0][0].next_functions[1][0].next_functions[0][0]._saved_mat1"}
 
 
 def test_callback_that_keeps_each_batch(tmp_path):
@@ -221,6 +239,11 @@ def test_callback_that_keeps_each_batch(tmp_path):
     kept = [g for g in growing(report) if g.category == "inputs"]
     assert sum(g.bytes_per_step for g in kept) == BATCH
     assert {tuple(g.shape) for g in kept} == {(B, D_IN), (B, D)}
+    # the callback is trainer.callbacks[1] (the doctor is [0]); each batch is a list [x, y]
+    assert {g.holder for g in kept} == {"trainer.callbacks[1].batches[11][0]", "trainer.callbacks[1].batches[11][1]"}
+    assert all("trainer.callbacks[1].batches is a list of 12 entries" in g.holder_note for g in kept)
+    # the batches are made by the DataLoader inside trainer.fit: Lightning's doing, not the test's fit line
+    assert all("(Lightning's own)" in g.where and "trainer.fit" not in g.where for g in kept), [g.where for g in kept]
     assert report.graph_leak is None
 
 
@@ -241,6 +264,7 @@ def test_a_tensor_made_in_another_callbacks_hook_after_the_doctors_is_attributed
     top = growing(report)[0]
     assert (top.op, top.phase, top.shape) == ("aten.mul", "other", [B, D_IN])
     assert top.where.endswith("in on_train_batch_end: self.kept.append(batch[0] * 2)")
+    assert top.holder == "trainer.callbacks[1].kept[11]"
 
 
 def test_a_leak_is_warned_once_and_the_report_is_written(tmp_path):
@@ -318,6 +342,9 @@ def test_held_too_long_names_the_intermediate_its_bytes_and_last_reader(tmp_path
     assert liveness.held_too_long_bytes >= B * WIDE * FLOAT32
     assert sum(liveness.peak_parts.values()) == liveness.peak_bytes
     assert "held too long at the peak" in report.format() and "last used by aten.mean" in report.format()
+    # the scalars Lightning keeps (its copy of the loss, 4 B each) are summed on one line, not listed one by one
+    tiny = [g for g in liveness.held_too_long if g.total_bytes < 64]
+    assert tiny and f"{sum(g.total_bytes for g in tiny)} B in {sum(g.count for g in tiny)} tiny tensors" in report.format()
 
 
 def test_released_intermediate_is_not_held_too_long(tmp_path):
@@ -438,6 +465,7 @@ def test_cli_doctor_prints_the_verdict_and_writes_json(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert data["leak"]["bytes_per_step"] == 4 * 16 * FLOAT32
     assert data["leak"]["growing"][0]["module"] == "encoder.2"
+    assert data["leak"]["growing"][0]["holder"] == "model.history[9]" and "held by model.history[9]" in printed
 
     status = main(["doctor", f"{path}:Leaky", "--steps", "10", "--init-args", '{"leak": false}'])
     printed = capsys.readouterr().out
@@ -461,8 +489,10 @@ def test_leak_watcher_reports_steady_growth_once_and_ignores_oscillation():
     watcher = LeakWatcher(window=3, warmup_steps=1)
     found = [watcher.observe(step, 1000 + 100 * step) for step in range(8)]
     reports = [r for r in found if r is not None]
-    assert len(reports) == 1 and found.index(reports[0]) == 4  # warm-up step 0, then 3 increases after step 1
-    assert reports[0].bytes_per_step == 100 and (reports[0].first_step, reports[0].last_step) == (1, 4)
+    # warm-up step 0; no epochs given: judged at every step; the floor rises at steps 2, 3 and 4, the
+    # last counted once step 5 is seen (a point's floor is the least bytes from it on)
+    assert len(reports) == 1 and found.index(reports[0]) == 5
+    assert reports[0].bytes_per_step == 100 and (reports[0].first_step, reports[0].last_step) == (2, 4)
     assert "add lightning_memkit.MemoryDoctor()" in reports[0].format()  # no recorder: who is unknown
     calm = LeakWatcher(window=3, warmup_steps=0)
     assert all(calm.observe(step, 1000 + (step % 2) * 64) is None for step in range(20))  # accumulation-like

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from lightning_memkit.doctor import CreationRecorder
-from lightning_memkit.doctor._torch_compat import caller_frame, enter_mode_at_bottom, exit_mode_anywhere, mode_is_active
+from lightning_memkit.doctor._torch_compat import caller_frame, enter_mode_at_bottom, exit_mode_anywhere, mode_is_active, saved_values
 from lightning_memkit.doctor.recorder import user_frame
 from lightning_memkit.oom import largest_live_tensors, write_oom_report
 
@@ -88,3 +88,16 @@ def test_oom_report_names_the_largest_live_tensors_by_creator(tmp_path):
         report = json.load(file)
     assert any(e["shape"] == [50, 1000] for e in report["largest_live_tensors"])
     del big
+
+
+def test_saved_values_reads_what_a_node_saved_until_backward_frees_it():
+    # the holder search and the kept-graph report read autograd nodes' _saved_* attributes
+    x = torch.ones(4, requires_grad=True)
+    y = torch.full((4,), 2.0)
+    loss = (x * y).sum()
+    node = loss.grad_fn.next_functions[0][0]  # MulBackward0: saved both operands
+    saved = dict(saved_values(node))
+    assert set(saved) >= {"_saved_self", "_saved_other"}
+    assert saved["_saved_other"].untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+    loss.backward()
+    assert "_saved_other" not in dict(saved_values(node))  # freed by backward: left out, no error

@@ -19,8 +19,8 @@ def test_the_doctor_under_fast_dev_run_says_too_few_steps_not_no_leak(tmp_path):
     doctor = MemoryDoctor(verbose=False)
     make_trainer(tmp_path, fast_dev_run=True, callbacks=[doctor]).fit(LinearStack())
     text = doctor.report.format()
-    assert doctor.report.steps == 1 and doctor.report.steps_needed == 2 + 5 + 1
-    assert "too few steps to judge a leak: 1 watched, growth shows over 8" in text and "no leak" not in text, text
+    assert doctor.report.steps == 1 and doctor.report.steps_needed > 1
+    assert f"too few steps to judge a leak: 1 watched, {doctor.report.steps_needed} needed" in text and "no leak" not in text, text
 
 
 def test_a_validate_only_run_is_named_so_by_the_report(tmp_path):
@@ -89,4 +89,4 @@ def test_the_doctor_sums_tiny_held_too_long_groups_on_one_line():
                                                                           group(8, 2, "aten.mul")])
     text = report.format()
     assert "aten.relu" in text and "aten.add" not in text and "aten.mul" not in text, text
-    assert "12 B, 3 tensors) in 2 small groups of under 1.00 KiB each" in text, text
+    assert "12 B in 3 tiny tensors" in text, text

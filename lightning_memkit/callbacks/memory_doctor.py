@@ -5,6 +5,8 @@ and who made them. Thin wiring of :class:`~lightning_memkit.doctor.DoctorSession
 from __future__ import annotations
 
 import os
+import sys
+import weakref
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -15,7 +17,10 @@ from lightning_memkit._lightning_compat import forget_model_logging, logging_ste
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
+from lightning_memkit.doctor.holders import user_roots
+from lightning_memkit.doctor.leaks import rising_floor
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.units import format_bytes
 
 __all__ = ["MemoryDoctor"]
 
@@ -37,9 +42,14 @@ class MemoryDoctor(Callback):
     From the first training batch on, every storage torch makes is recorded with who made it (aten op,
     module path, forward/backward, shape, dtype and the line of your code), from one step's
     ``on_train_batch_start`` to the next's, so whatever runs between steps (your hooks, other callbacks,
-    validation) is seen too. At each step's start the live tensor bytes are compared; ``window``
-    increases in a row are a leak, reported once (a warning, and :attr:`report`) with the bytes per
-    step and the tensors kept from earlier steps grouped by creator. Step ``analyse_step`` is also
+    validation) is seen too. The live tensor bytes at each step's start (less the tensors that fed the
+    run before it began: a dataset, pre-built batches) make a series whose floor (the least bytes from
+    that step on) must rise ``window`` times and still be rising to be a leak, judged when an epoch ends
+    and when training ends, after the epoch-end hooks: a list cleared at each epoch's end is no leak, a
+    list that validation fills every few steps is. A leak is reported once (a warning, and
+    :attr:`report`) with the bytes per step, the tensors kept from earlier steps grouped by creator,
+    and who holds them as code you can paste (``model.outputs[17]``, ``trainer.callbacks[1].saved[3]``,
+    ``model.encoder[1]._forward_hooks``): the place to delete them. Step ``analyse_step`` is also
     analysed op by op: its peak, what the peak is made of, and the bytes *held too long* there (live
     although last read before the peak). Gradient accumulation: one step per optimizer step.
 
@@ -47,10 +57,14 @@ class MemoryDoctor(Callback):
     new tensor), so use it for a few dozen steps, as ``memkit doctor`` does, not for whole runs.
 
     Args:
-        window: increases of live bytes at step start in a row that make a leak (>= 2).
+        window: rises of the floor of the live bytes at step start that make a leak (>= 2).
         warmup_steps: first steps not compared (gradients and optimizer state appear in them).
         analyse_step: the training step whose liveness is analysed (``None``: no analysis).
         verbose: print the verdict at the end of fit.
+        progress: print one line on stderr every ``window`` steps (the step, the live tensor bytes, the
+            verdict so far), global rank zero only; ``memkit doctor`` turns it on.
+        holders_time_limit_s: the most seconds, per report, spent searching who holds a leak (0: no
+            search; the walk over ``gc`` referrers runs only when a leak is reported).
 
     Attributes:
         report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
@@ -58,14 +72,20 @@ class MemoryDoctor(Callback):
             ``None`` without a logger (``logger=False``, ``fast_dev_run``): nothing lands in the working
             directory unasked, :attr:`report` has the verdict (``report.to_json(path)`` writes it).
             A fit that raises writes the verdict up to the failure too.
+        holder_search: the :class:`~lightning_memkit.doctor.holders.HolderSearch` of the leak reported (what
+            it found, its ``seconds`` and why it stopped), or ``None``.
     """
 
-    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True) -> None:
+    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True,
+                 progress: bool = False, holders_time_limit_s: float = 1.0) -> None:
         owner = "MemoryDoctor"
-        checks.integer(owner, "window", window, 2, "an integer >= 2, e.g. 5 steps of growth")
+        checks.integer(owner, "window", window, 2, "an integer >= 2, e.g. 5 rises of the memory's floor")
         checks.integer(owner, "warmup_steps", warmup_steps, 0, "an integer >= 0 (steps before watching)")
         checks.integer(owner, "analyse_step", analyse_step, 0, "a step (an integer >= 0), or None", optional=True)
         checks.boolean(owner, "verbose", verbose)
+        self.progress = checks.boolean(owner, "progress", progress)
+        self.holders_time_limit_s = float(checks.number(owner, "holders_time_limit_s", holders_time_limit_s,
+                                                        "seconds >= 0, e.g. 1.0 (0: no holder search)", low=0, low_open=False))
         self.window = window
         self.warmup_steps = warmup_steps
         self.analyse_step = analyse_step
@@ -74,14 +94,29 @@ class MemoryDoctor(Callback):
         self.report_path: str | None = None
         self._session: DoctorSession | None = None
         self._step: int | None = None
+        self._warned = False
+        self._first_step: int | None = None
+        self.holder_search = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
         self.report = None
         self.report_path = None
+        self.holder_search = None
+        reference = weakref.ref(trainer)
+
+        def roots() -> dict:
+            return user_roots(reference(), pl_module)
+
         self._session = DoctorSession(pl_module, trainer.optimizers, window=self.window, warmup_steps=self.warmup_steps,
-                                      analyse_step=self.analyse_step)
+                                      analyse_step=self.analyse_step, roots=roots, holders_time_limit_s=self.holders_time_limit_s)
+        self._warned = False
+        self._first_step = None
+        try:  # what feeds the run exists before it: a pre-built batch is never memory a step added
+            self._session.recorder.know_existing([trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module])
+        except Exception as error:  # noqa: BLE001 - a loader that cannot be walked: its batches may look new
+            self._session.recorder.errors.append(f"noting the data's tensors: {type(error).__name__}: {error}")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -91,9 +126,11 @@ class MemoryDoctor(Callback):
         try:
             if self._step is None:
                 self._step = logging_step(trainer)
-                found = session.step_start(self._step, batch, module=pl_module, optimizers=trainer.optimizers)
+                found = session.step_start(self._step, batch, module=pl_module, optimizers=trainer.optimizers,
+                                           epoch=trainer.current_epoch)
                 if found is not None:
-                    rank_zero_warn("memkit doctor: " + found.format())
+                    self._warn(found)
+                self._show_progress(trainer, session)
             else:  # another micro-batch of the same optimizer step
                 session.recorder.assign_roles(batch=batch)
         except Exception as error:  # never break training: step aside
@@ -110,9 +147,44 @@ class MemoryDoctor(Callback):
             self._give_up(error)
         self._step = None
 
+    def _warn(self, found: Any) -> None:
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn("memkit doctor: " + found.format())
+
+    def _show_progress(self, trainer: Trainer, session: DoctorSession) -> None:
+        """One line per window of steps on stderr (``progress=True``), global rank zero only."""
+        if not self.progress or not trainer.is_global_zero:
+            return
+        if self._first_step is None:
+            self._first_step = self._step
+        done = session.steps
+        if done % self.window and done != 1:
+            return
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        of = f"/{total}" if total else ""
+        watcher = session.watcher
+        if watcher.report is not None:
+            verdict = f"leak: {watcher.report.bytes_per_step} B per step"
+        elif not watcher.enough_steps:
+            verdict = "too few steps to judge yet"
+        else:
+            rising = rising_floor(watcher.points, watcher.window, watcher.min_bytes_per_step)
+            verdict = (f"floor rising by {rising[0]} B per step so far; judged when the epoch or training ends"
+                       if rising else "floor steady")
+        print(f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors {format_bytes(session.watched_bytes())}"
+              f" ({verdict})", file=sys.stderr, flush=True)
+
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._session is None:
+            return
+        try:
+            found = self._session.finish()  # after the last epoch's end: memory freed there is no leak
+            if found is not None:
+                self._warn(found)
+        except Exception as error:  # noqa: BLE001 - never break training
+            self._give_up(error)
             return
         self._close()
         if self.report is None:
@@ -156,6 +228,7 @@ class MemoryDoctor(Callback):
         if session is not None:
             session.close()
             self.report = session.report()
+            self.holder_search = session.holder_search
             self._session = None
         self._step = None
 

@@ -130,13 +130,15 @@ class MemoryTracker(Callback):
             switched off; training continues).
         verbose: print the summary table at fit end (global rank zero only).
         detect_leaks: watch the live bytes at the end of each measured training step (every live
-            tensor of the process: CUDA's allocated bytes, or the CPU reading); when they grow at
-            every one of ``leak_window`` measured steps in a row, and still after one full
+            tensor of the process: CUDA's allocated bytes, or the CPU reading); when their floor (the
+            least bytes from a step on) rose ``leak_window`` times and is still rising, judged when an
+            epoch ends and when training ends (after the epoch-end hooks, so a list cleared at each
+            epoch's end is never a leak, and growth every few steps is one), and still after one full
             ``gc.collect()`` (so garbage the collector has not reached yet is never called a leak),
             warn once with the bytes per measured step, and keep it in :attr:`leak_report` and the
-            summary. Costs one comparison per step. ``MemoryDoctor`` / ``memkit doctor`` then name
-            who made the memory.
-        leak_window: how many measured steps of growth in a row make a leak (>= 2).
+            summary. The rule is the doctor's (:func:`lightning_memkit.doctor.leaks.rising_floor`).
+            ``MemoryDoctor`` / ``memkit doctor`` then name who made the memory and who holds it.
+        leak_window: how many rises of the floor make a leak (>= 2).
 
     Attributes:
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
@@ -197,7 +199,7 @@ class MemoryTracker(Callback):
         self.records_file = checks.path(owner, "records_file", records_file, "a path (str), or None for the logger's log dir")
         self.detect_leaks = checks.boolean(owner, "detect_leaks", detect_leaks)
         leak_window = checks.integer(owner, "leak_window", leak_window, 2,
-                                     "an integer >= 2 (measured steps of growth in a row that make a leak)")
+                                     "an integer >= 2 (rises of the memory's floor that make a leak)")
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -214,6 +216,9 @@ class MemoryTracker(Callback):
         self._records_written: set[str] = set()
         self.leak_report: LeakReport | None = None
         self._leaks = LeakWatcher(window=leak_window, warmup_steps=2)
+        self._last_train_reading: StepReading | None = None
+        self._gradient_bytes_at_last = 0
+        self._epoch_end_bytes: int | None = None
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -228,6 +233,7 @@ class MemoryTracker(Callback):
             self.records_path = self.oom_report_path = None
             self.leak_report = None
             self._leaks.reset()
+            self._last_train_reading = self._epoch_end_bytes = None
         self.summary.extra.pop("ended_by", None)  # a fit resumed after a failure goes on
         self._last_peak_step = None
         self._peak_steps_taken = 0
@@ -415,6 +421,7 @@ class MemoryTracker(Callback):
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush_pending(trainer)
+        self._note_epoch_end(trainer)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -426,30 +433,59 @@ class MemoryTracker(Callback):
         live = reading.allocated_bytes if reading.allocated_bytes is not None else reading.tensor_bytes
         if live is None:
             return
-        found = self._leaks.observe(reading.step, live)
+        self._last_train_reading = reading
+        found = self._leaks.observe(reading.step, live, epoch=trainer.current_epoch)
         if found is None:
             return
         # Confirm before warning: tensors in reference cycles stay alive until the collector reaches
         # them, which can look like growth for a few steps. One full collection (rare: only here).
         gc.collect()
         now = self._live_bytes_now(reading)
-        start = found.live_bytes_at_start[0][1]
-        grown = found.bytes_per_step * (len(found.live_bytes_at_start) - 1) // 2
         # Under DDP the readings are the maximum over ranks and `now` is this rank's: not comparable.
-        if not (self._reducer is not None and self._reducer.enabled) and now is not None and now - start < grown:
+        if not (self._reducer is not None and self._reducer.enabled) and now is not None and not _still_grown(found, now):
             self._leaks.reset()  # it was garbage; keep watching
             self._leaks.warmup_steps = 0
             return
+        self._report_leak(found)
+
+    def _note_epoch_end(self, trainer: Trainer) -> None:
+        """The live bytes when the epoch's steps are done, before the epoch-end hooks of the module."""
+        reading = self._last_train_reading
+        if self.detect_leaks and self.leak_report is None and reading is not None and self._meter is not None:
+            self._epoch_end_bytes = self._live_bytes_now(reading)
+            self._gradient_bytes_at_last = _gradient_bytes(trainer.lightning_module)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The run ended, after the last epoch's end: judge every measured step; what the epoch-end
+        # hooks and the end of training freed (after one full collection) must not undo the growth,
+        # so memory freed at each epoch's end (a list of the epoch's losses) is never called a leak.
+        reading, ended = self._last_train_reading, self._epoch_end_bytes
+        self._last_train_reading = self._epoch_end_bytes = None
+        if not self.detect_leaks or self.leak_report is not None or reading is None or self._meter is None:
+            return
+        gc.collect()
+        now = None if self._reducer is not None and self._reducer.enabled else self._live_bytes_now(reading)
+        freed = None
+        if now is not None and ended is not None:
+            # gradients Lightning dropped after the last step are not memory the run let go of
+            freed = ended - now - max(0, self._gradient_bytes_at_last - _gradient_bytes(pl_module))
+        found = self._leaks.finish(now, step=reading.step, freed_at_end=freed)
+        if found is not None:
+            self._report_leak(found)
+
+    def _report_leak(self, found: LeakReport) -> None:
         self.leak_report = found
         self.summary.extra["leak"] = {"bytes_per_measured_step": found.bytes_per_step, "first_step": found.first_step,
                                       "last_step": found.last_step, "every_n_steps": self.every_n_steps}
         every = "" if self.every_n_steps == 1 else f" (a measured step is every {self.every_n_steps} steps)"
-        rank_zero_warn(f"memkit MemoryTracker: memory leak? live tensor memory at the end of each measured step grows by "
+        rank_zero_warn(f"memkit MemoryTracker: memory leak? the floor of live tensor memory at the end of the measured steps grows by "
                        f"{format_bytes(found.bytes_per_step)} ({found.bytes_per_step} bytes) per measured step, steps "
-                       f"{found.first_step}..{found.last_step}{every}. If it is not freed at the end of the epoch, it is a "
-                       "leak that ends in an out-of-memory error: MemoryDoctor() or `memkit doctor` names the code that keeps it.")
+                       f"{found.first_step}..{found.last_step}{every}, and was not freed at the epoch's end: a "
+                       "leak that ends in an out-of-memory error. MemoryDoctor() or `memkit doctor` names the code that keeps it, and who holds it.")
 
     def _live_bytes_now(self, reading: StepReading) -> int | None:
+        """The live bytes now, measured as ``reading`` was (CUDA's allocated bytes, or the CPU accountant)."""
         if reading.allocated_bytes is not None:
             return torch.cuda.memory_allocated(self._meter.device) if self._meter is not None else None
         probe = self._meter.tensor_probe if self._meter is not None else None
@@ -621,3 +657,23 @@ def _gradients(pl_module: LightningModule) -> list[torch.Tensor]:
     whole-process sweeps cannot find, for a gradient has no Python object until it is read
     (parameters, buffers, optimizer state and the batch are found by the sweeps)."""
     return [p.grad for p in pl_module.parameters() if p.grad is not None]
+
+
+def _still_grown(found: LeakReport, now: int) -> bool:
+    """Whether at least half of the growth ``found`` saw is still there ``now`` (not garbage the collector freed)."""
+    base = min(b for _, b in found.live_bytes_at_start) if found.live_bytes_at_start else now
+    return now - base >= found.bytes_per_step * (found.last_step - found.first_step) // 2
+
+
+def _gradient_bytes(module: Any) -> int:
+    """Bytes of the distinct storages of ``module``'s parameters' ``.grad`` (0 for none)."""
+    seen, total = set(), 0
+    for parameter in module.parameters() if module is not None else ():
+        grad = parameter.grad
+        if grad is None or grad.layout is not torch.strided:
+            continue
+        storage = grad.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += int(storage.nbytes())
+    return total

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.utils import _python_dispatch as _dispatch
 
-__all__ = ["enter_mode_at_bottom", "exit_mode_anywhere", "mode_is_active", "caller_frame"]
+__all__ = ["enter_mode_at_bottom", "exit_mode_anywhere", "mode_is_active", "caller_frame", "saved_values"]
 
 
 def enter_mode_at_bottom(mode: Any) -> None:
@@ -60,3 +60,18 @@ def caller_frame(depth: int) -> Any:
         return sys._getframe(depth + 1)
     except ValueError:
         return None
+
+
+def saved_values(node: Any) -> list[tuple[str, Any]]:
+    """``[(name, value), ...]``: what an autograd node saved for its backward, read from its ``_saved_*``
+    attributes (tensors come back as new tensor objects on the saved storages; sizes and scalars as
+    numbers). Values backward already freed raise when read and are left out."""
+    found = []
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            found.append((name, getattr(node, name)))
+        except RuntimeError:  # "Trying to backward through the graph a second time...": freed
+            continue
+    return found

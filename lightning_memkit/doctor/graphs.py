@@ -10,13 +10,14 @@ from __future__ import annotations
 import gc
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
+from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.recorder import CreationRecorder, format_frame
 
-__all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes"]
+__all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes", "saved_in_nodes"]
 
 
 @dataclass
@@ -30,6 +31,8 @@ class GraphHolder:
         made_by: who made it (a :class:`~lightning_memkit.doctor.Creation` description), or ``""``.
         where: the user's line that made it, or ``""``.
         count: how many such tensors (same root node type, shape, dtype and maker); ``nodes`` is theirs together.
+        holder: where a program reaches one of them, as code you can paste (``"model.total"``), or ``""``
+            (see :func:`~lightning_memkit.doctor.holders.find_holders`).
     """
 
     grad_fn: str
@@ -40,6 +43,7 @@ class GraphHolder:
     made_by: str = ""
     where: str = ""
     count: int = 1
+    holder: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -55,6 +59,12 @@ class GraphLeakReport:
         first_step, last_step: the steps whose starts were compared.
         nodes_at_start: ``[[step, nodes], ...]``.
         holders: the tensors holding graphs, largest graph first.
+        saved_tensors, saved_bytes: tensors (distinct storages, and their bytes) the kept nodes still save:
+            backward never ran on them (or ran with ``retain_graph=True``); 0 when backward freed them.
+        unseen_saved_tensors, unseen_saved_bytes: the part of those the recorder never saw made (Python
+            numbers turned into tensors by an op, tensors from before the recording): not in the leak's
+            tensor bytes, though whole-process counts (MemoryTracker) see them.
+        saved_constants: numbers and sizes the kept nodes save that are not tensors (host memory).
     """
 
     nodes_per_step: int
@@ -62,34 +72,80 @@ class GraphLeakReport:
     last_step: int
     nodes_at_start: list
     holders: list
+    saved_tensors: int = 0
+    saved_bytes: int = 0
+    unseen_saved_tensors: int = 0
+    unseen_saved_bytes: int = 0
+    saved_constants: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {"nodes_per_step": self.nodes_per_step, "first_step": self.first_step, "last_step": self.last_step,
                 "nodes_at_start": [list(p) for p in self.nodes_at_start],
-                "holders": [h.to_dict() if isinstance(h, GraphHolder) else h for h in self.holders]}
+                "holders": [h.to_dict() if isinstance(h, GraphHolder) else h for h in self.holders],
+                "saved_tensors": self.saved_tensors, "saved_bytes": self.saved_bytes,
+                "unseen_saved_tensors": self.unseen_saved_tensors, "unseen_saved_bytes": self.unseen_saved_bytes,
+                "saved_constants": self.saved_constants}
 
     def format(self, limit: int = 5) -> str:
         """The report as text: the growth in graph nodes per step and at most ``limit`` holders."""
+        constants = f" and {self.saved_constants} saved numbers" if self.saved_constants else ""
+        if self.saved_tensors:
+            unseen = (f", of which {self.unseen_saved_tensors} ({self.unseen_saved_bytes} B) were not made in a watched step, "
+                      f"e.g. Python numbers an op turned into tensors" if self.unseen_saved_tensors else "")
+            kept = (f"backward never ran on them (or ran with retain_graph=True): their nodes keep {self.saved_tensors} saved "
+                    f"tensors ({self.saved_bytes} B{unseen}){constants}")
+        else:
+            kept = f"backward freed their saved tensors; the nodes{constants} stay in host memory"
         lines = [f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's start, "
-                 f"steps {self.first_step}..{self.last_step} (backward freed their saved tensors; the nodes stay in host memory)"]
+                 f"steps {self.first_step}..{self.last_step} ({kept})"]
         for holder in self.holders[:limit]:
             holder = holder if isinstance(holder, GraphHolder) else GraphHolder(**holder)
             made = f", made by {holder.made_by}" if holder.made_by else ""
             lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {holder.dtype.replace('torch.', '')} "
                          f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
+            if holder.holder:
+                lines.append(f"    held by {holder.holder}  <- delete here (keep .detach() or .item() of it)")
         return "\n".join(lines)
 
 
+def saved_in_nodes(nodes: Iterable[Any], recorder: CreationRecorder | None = None) -> dict[str, int]:
+    """What autograd ``nodes`` still save: ``{"tensors", "bytes", "unseen_tensors", "unseen_bytes", "constants"}``
+    (distinct storages and their bytes; those ``recorder`` never saw made; saved numbers and sizes). Reads each
+    node's ``_saved_*`` attributes (a value backward freed raises, and is not counted)."""
+    storages: dict[int, tuple[int, bool]] = {}
+    constants = 0
+    for node in nodes:
+        for _, value in _torch_compat.saved_values(node):
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            for item in values:
+                if isinstance(item, torch.Tensor):
+                    try:
+                        storage = item.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    if id(storage) not in storages:
+                        seen = recorder is not None and recorder.creation_of(item) is not None
+                        storages[id(storage)] = (int(storage.nbytes()), seen)
+                elif item is not None:
+                    constants += 1
+    return {"tensors": len(storages), "bytes": sum(n for n, _ in storages.values()),
+            "unseen_tensors": sum(1 for _, seen in storages.values() if not seen),
+            "unseen_bytes": sum(n for n, seen in storages.values() if not seen), "constants": constants}
+
+
 def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: int = 1_000_000,
-                           holders: bool = False) -> tuple[int, list[GraphHolder]]:
+                           holders: bool = False, nodes_out: list | None = None,
+                           samples_out: dict | None = None) -> tuple[int, list[GraphHolder]]:
     """Count the distinct autograd nodes reachable from live tensors that have a ``grad_fn``.
 
     Call it between steps, when no graph should be alive. With a ``recorder``, the roots are the tensors
     it saw made (:meth:`CreationRecorder.tensors_with_graph`, cheap); without one, every tensor ``gc``
     can reach after a full collection (tens of milliseconds to seconds in a large process). Returns
     ``(nodes, holders)``; ``holders`` (only with ``holders=True``) lists the tensors holding graphs,
-    grouped by maker, largest graph first. The walk stops at ``max_nodes``.
+    grouped by maker, largest graph first. The walk stops at ``max_nodes``. ``nodes_out``: a list that gets
+    the nodes counted (for :func:`saved_in_nodes`; drop it after, it keeps the graphs alive).
+    ``samples_out``: a dict that gets, for each holder (by ``id``), one of its tensors (for the holder search; drop it after).
     """
     if recorder is not None:
         roots = recorder.tensors_with_graph()
@@ -129,4 +185,8 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 found[key].nodes += holder.nodes
             else:
                 found[key] = holder
+                if samples_out is not None:
+                    samples_out[id(holder)] = tensor
+    if nodes_out is not None:
+        nodes_out.extend(seen.values())
     return len(seen), sorted(found.values(), key=lambda h: -h.nodes)

@@ -15,7 +15,10 @@ from lightning_memkit.doctor.leaks import CreatorGroup, group_by_creator
 from lightning_memkit.doctor.recorder import Creation
 from lightning_memkit.units import format_bytes
 
-__all__ = ["LivenessReport", "analyse_liveness", "PEAK_PARTS"]
+__all__ = ["LivenessReport", "analyse_liveness", "PEAK_PARTS", "TINY_BYTES"]
+
+#: held-too-long groups under this many bytes are summed on one line of :meth:`LivenessReport.format`
+TINY_BYTES = 64
 
 #: What the peak is made of, in display order, and what each part means.
 PEAK_PARTS: dict[str, str] = {
@@ -67,22 +70,17 @@ class LivenessReport:
             if value:
                 lines.append(f"    {part:<18} {format_bytes(value):>12}  {PEAK_PARTS[part]}")
         lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} ({self.held_too_long_bytes} bytes)")
-        listed = [g for g in self.held_too_long if g.total_bytes >= TINY_GROUP_BYTES]
-        tiny = [g for g in self.held_too_long if g.total_bytes < TINY_GROUP_BYTES]
-        for group in listed[:limit]:
+        tiny = [g for g in self.held_too_long if g.total_bytes < TINY_BYTES]
+        for group in [g for g in self.held_too_long if g.total_bytes >= TINY_BYTES][:limit]:
             last = (f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
                     if group.last_use_op else "nothing in this step (kept from an earlier one)")
             lines.append(f"    {format_bytes(group.total_bytes)} ({group.total_bytes} B, {group.count} tensors): "
                          f"{group.describe()}; last used by {last}")
-        if tiny:  # scalars and step counters (4-byte tensors) are not worth a line each
-            total, count = sum(g.total_bytes for g in tiny), sum(g.count for g in tiny)
-            lines.append(f"    {format_bytes(total)} ({total} B, {count} tensors) in {len(tiny)} small group"
-                         f"{'s' if len(tiny) > 1 else ''} of under {format_bytes(TINY_GROUP_BYTES)} each (scalars, counters): not listed")
+        if tiny:
+            together = sum(g.total_bytes for g in tiny)
+            lines.append(f"    {together} B in {sum(g.count for g in tiny)} tiny tensors (under {TINY_BYTES} B each, "
+                         f"{len(tiny)} makers: scalars such as losses; not worth freeing)")
         return "\n".join(lines)
-
-
-#: held-too-long groups smaller than this (bytes) are summed on one line of :meth:`LivenessReport.format`
-TINY_GROUP_BYTES = 1024
 
 
 def analyse_liveness(creations: list[Creation], start: int, end: int, step: int | None = None) -> LivenessReport:

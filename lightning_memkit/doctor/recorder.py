@@ -80,14 +80,57 @@ def _is_library(code: Any) -> bool:
     return found
 
 
+def _lightning_roots() -> tuple[str, ...]:
+    roots = set()
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.add(os.path.dirname(os.path.realpath(path)) + os.sep)
+            roots.add(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(sorted(roots))
+
+
+_LIGHTNING_ROOTS = _lightning_roots()
+#: Trainer methods a user's script calls: an op whose innermost user frame is such a call was made by Lightning itself
+_TRAINER_ENTRIES = frozenset({"fit", "validate", "test", "predict"})
+#: the ``function`` of a frame :func:`user_frame` gives for a tensor Lightning made itself
+LIGHTNING_OWN = "(Lightning's own)"
+
+
+_IS_LIGHTNING: dict[Any, bool] = {}
+
+
+def _is_lightning(code: Any) -> bool:
+    found = _IS_LIGHTNING.get(code)
+    if found is None:
+        found = _IS_LIGHTNING[code] = code.co_filename.startswith(_LIGHTNING_ROOTS)
+    return found
+
+
 def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
     """``(filename, line, function)`` of the innermost frame above the caller that is the user's
-    code (not torch, Lightning, memkit or the standard library), or ``None``."""
+    code (not torch, Lightning, memkit or the standard library), or ``None``.
+
+    When that frame is only the call of ``trainer.fit`` (``validate``, ...) that ran Lightning, the op was
+    made by Lightning itself (a prefetched batch, a logged value): the innermost Lightning frame is given
+    instead, its function marked ``"<name> (Lightning's own)"``."""
     frame = _torch_compat.caller_frame(depth + 1)
+    lightning = callee = None
     while frame is not None:
         code = frame.f_code
         if not _is_library(code):
+            if lightning is not None and callee is not None and callee.f_code.co_name in _TRAINER_ENTRIES \
+                    and _is_lightning(callee.f_code):
+                own = lightning.f_code
+                return own.co_filename, lightning.f_lineno, f"{own.co_name} {LIGHTNING_OWN}"
             return code.co_filename, frame.f_lineno, code.co_name
+        if lightning is None and _is_lightning(code):
+            lightning = frame
+        callee = frame
         frame = frame.f_back
     return None
 
@@ -131,6 +174,8 @@ class Creation:
         last_use_at: op clock of the last op that read it while liveness was recorded
             (its creation when never read).
         last_use_op, last_use_module, last_use_phase, last_use_frame: that op, like the fields above.
+        before_run: alive before the recording began (a dataset's tensors, a pre-built batch; see
+            :meth:`CreationRecorder.know_existing`): never memory a step added.
     """
 
     nbytes: int
@@ -150,6 +195,7 @@ class Creation:
     last_use_module: str = ""
     last_use_phase: str = ""
     last_use_frame: tuple | None = None
+    before_run: bool = False
 
     def describe(self) -> str:
         """One line: op, module, shape, dtype and the user's line."""
@@ -199,6 +245,8 @@ class CreationRecorder(TorchDispatchMode):
     Attributes:
         live_bytes: bytes of every live storage the recorder knows (made while recording, or adopted
             by :meth:`adopt` / :meth:`start`), exact.
+        state_bytes: the part of ``live_bytes`` that is training state (:data:`STATE_ROLES`).
+        before_run_bytes: the part of ``live_bytes`` alive before the run (:meth:`know_existing`).
         errors: distinct error messages from recording (at most 20).
     """
 
@@ -219,6 +267,9 @@ class CreationRecorder(TorchDispatchMode):
         self._window_start = 0
         self.errors: list[str] = []
         self.error_count = 0
+        self._before: dict[int, weakref.ref] = {}  # storage key -> storage, of tensors alive before the run
+        self.before_run_bytes = 0
+        self.state_bytes = 0  # live bytes of training state (parameters, buffers, gradients, optimizer state)
         _ALL.add(self)
 
     # ------------------------------------------------------------------ set-up
@@ -286,6 +337,39 @@ class CreationRecorder(TorchDispatchMode):
         self._assign(list(tensors), role)
         return self.live_bytes - before
 
+    def know_existing(self, roots: Iterable[Any], max_objects: int = 200_000, stop_at: Iterable[Any] = ()) -> int:
+        """Note the tensors reachable from ``roots`` (a dataloader, a datamodule: what feeds the run) as
+        alive before the run: adopted later (a pre-built batch the loader yields), they are marked
+        :attr:`Creation.before_run` and counted in :attr:`before_run_bytes`, never as memory a step
+        added. Follows ``gc.get_referents`` from the roots, at most ``max_objects`` objects, never into
+        modules, classes, functions, ``nn.Module`` objects or ``stop_at`` (the trainer, say). Returns how
+        many storages were noted."""
+        import gc
+        import types
+
+        stop = (type, types.ModuleType, types.FunctionType, types.FrameType, types.CodeType, torch.nn.Module)
+        seen: set[int] = {id(obj) for obj in stop_at}
+        stack = [root for root in roots if root is not None]
+        count = 0
+        while stack and len(seen) < max_objects:
+            obj = stack.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                storage = storage_of(obj)
+                if storage is not None and id(storage) not in self._before:
+                    try:
+                        self._before[id(storage)] = weakref.ref(storage)
+                        count += 1
+                    except TypeError:
+                        pass
+                continue
+            if isinstance(obj, stop):
+                continue
+            stack.extend(gc.get_referents(obj))
+        return count
+
     def _assign(self, tensors: list, role: str | None, step: int | None = None) -> None:
         for tensor in tensors:
             storage = storage_of(tensor)
@@ -295,8 +379,14 @@ class CreationRecorder(TorchDispatchMode):
             if creation is None:
                 creation = self._track(storage, tensor, "existing", "", "other", None, adopted=True)
                 creation.step = step
+                before = self._before.get(id(storage))
+                if before is not None and before() is storage:
+                    creation.before_run = True
+                    self.before_run_bytes += creation.nbytes
             if creation.role is None and role is not None:
                 creation.role = role
+                if role in STATE_ROLES:
+                    self.state_bytes += creation.nbytes
                 if role == "inputs" and step is not None:
                     creation.step = step  # a prefetched batch belongs to the step it feeds
 
@@ -312,11 +402,10 @@ class CreationRecorder(TorchDispatchMode):
             self._live[key] = creation
             self._refs[key] = ref
             self.live_bytes += creation.nbytes
-        if not adopted:
-            try:
-                self._made[key] = weakref.ref(tensor)
-            except TypeError:
-                pass
+        try:  # the tensor first seen on it: where a kept graph hangs, and where the holder search starts
+            self._made[key] = weakref.ref(tensor)
+        except TypeError:
+            pass
         if self._window is not None:
             self._window.append(creation)
         return creation
@@ -330,6 +419,10 @@ class CreationRecorder(TorchDispatchMode):
                 return
             creation.freed_at = self._clock
             self.live_bytes -= creation.nbytes
+            if creation.before_run:
+                self.before_run_bytes -= creation.nbytes
+            if creation.role in STATE_ROLES:
+                self.state_bytes -= creation.nbytes
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._module_stack.append(self._names.get(id(module)) or type(module).__name__)
@@ -400,6 +493,17 @@ class CreationRecorder(TorchDispatchMode):
         """The records of every live storage the recorder knows (a snapshot)."""
         with self._lock:
             return list(self._live.values())
+
+    def live_items(self) -> list[tuple[int, Creation]]:
+        """``[(storage key, record), ...]`` of every live storage the recorder knows (a snapshot)."""
+        with self._lock:
+            return list(self._live.items())
+
+    def tensor_of(self, key: int) -> torch.Tensor | None:
+        """The tensor first seen on the storage ``key`` (its creating op's output), while it is alive."""
+        ref = self._made.get(key)
+        tensor = ref() if ref is not None else None
+        return tensor if tensor is not None and id(storage_of(tensor)) == key else None
 
     def tensors_with_graph(self) -> list[torch.Tensor]:
         """The tensors the recorder saw made (each storage's first tensor) that are alive and attached to

@@ -10,11 +10,12 @@ from __future__ import annotations
 import collections
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes
+from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes, saved_in_nodes
+from lightning_memkit.doctor.holders import HolderSearch, attach_holders, find_holders, user_roots
 from lightning_memkit.doctor.leaks import CreatorGroup, LeakReport, LeakWatcher
 from lightning_memkit.doctor.liveness import LivenessReport, analyse_liveness
 from lightning_memkit.doctor.recorder import CreationRecorder
@@ -37,8 +38,8 @@ class DoctorReport:
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
         liveness: the analysed step's peak, what it is made of and what is held too long there, or ``None``.
         errors: problems met while recording (the doctor steps aside rather than failing training).
-        steps_needed: how many watched steps a leak needs to show (``warmup_steps + window + 1``); with fewer
-            (``fast_dev_run``, a short run) no verdict on leaks is given. ``None``: not known (an old report).
+        steps_needed: the fewest watched steps that can show a leak (warm-up, then ``window`` rises of the
+            floor); with fewer, the verdict says there were too few steps to judge (0: unknown).
     """
 
     steps: int = 0
@@ -48,7 +49,7 @@ class DoctorReport:
     graph_leak: GraphLeakReport | None = None
     liveness: LivenessReport | None = None
     errors: list = field(default_factory=list)
-    steps_needed: int | None = None
+    steps_needed: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -78,7 +79,7 @@ class DoctorReport:
         leak = data.get("leak")
         if leak:
             leak = LeakReport(leak["bytes_per_step"], leak["first_step"], leak["last_step"], leak["live_bytes_at_start"],
-                              groups(leak.get("survivors")), groups(leak.get("growing")))
+                              groups(leak.get("survivors")), groups(leak.get("growing")), leak.get("rises", 0))
         liveness = data.get("liveness")
         if liveness:
             liveness = LivenessReport(**{k: v for k, v in liveness.items() if k != "held_too_long"},
@@ -89,19 +90,19 @@ class DoctorReport:
                                          holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
         return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None, live_bytes_at_start=data.get("live_bytes_at_start", []),
                    steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
-                   errors=data.get("errors", []), steps_needed=data.get("steps_needed"))
+                   errors=data.get("errors", []), steps_needed=data.get("steps_needed", 0))
 
     def format(self) -> str:
         """The verdict as text: steady state, leaks (bytes/step, who), held too long at the peak, the peak's parts."""
         lines = [f"memkit doctor: {self.steps} steps watched"]
-        too_few = self.steps_needed is not None and self.steps < self.steps_needed
-        if self.leak is None and too_few:
-            lines.append(f"too few steps to judge a leak: {self.steps} watched, growth shows over {self.steps_needed} "
-                         "(warmup_steps + window + 1); train longer (fast_dev_run trains 1 step) or give a smaller window")
-        elif self.leak is None:
+        if self.leak is None:
             steady = f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)" if self.steady_bytes is not None else "-"
-            lines.append(("no leak: " if self.graph_leak is None else "")
-                         + f"live tensor memory at step start is steady at {steady}")
+            if self.graph_leak is None and self.steps < self.steps_needed:
+                lines.append(f"too few steps to judge a leak: {self.steps} watched, {self.steps_needed} needed "
+                             f"(warm-up, then rises of the memory's floor); live tensor memory at the last step's start: {steady}")
+            else:
+                lines.append(("no leak: " if self.graph_leak is None else "")
+                             + f"live tensor memory at step start is steady at {steady}")
         else:
             lines.append(self.leak.format())
         if self.graph_leak is not None:
@@ -123,19 +124,27 @@ class DoctorSession:
             session.step_start(step, batch)
             loss = model(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
             session.step_end(step)
-        session.close()
+        session.close(finish=True)
         print(session.report().format())
 
     Recording stays on from a step's start to the next step's start (so whatever runs between steps is
-    attributed too) and stops in :meth:`close`.
+    attributed too) and stops in :meth:`close`. Give ``step_start(..., epoch=e)`` when the loop has
+    epochs: growth is then judged when an epoch ends and at :meth:`finish` (``close(finish=True)``), so
+    memory freed at each epoch's end is no leak; without epochs every step is judged. When a leak is
+    reported, who holds it is searched (:func:`~lightning_memkit.doctor.holders.attach_holders`) and
+    the search kept in :attr:`holder_search`.
 
     Args:
         module: the model (named in the records; its parameters, buffers and gradients are state).
         optimizers: their state is state, never a leak.
-        window: steps of growth in a row that make a leak (see :class:`LeakWatcher`).
+        window: rises of the live memory's floor that make a leak (see :class:`LeakWatcher`).
         warmup_steps: first steps not compared (gradients and optimizer state appear there).
         analyse_step: the step whose liveness is analysed, or the first watched step after it (a resumed
             run); ``None``: none.
+        roots: a function returning the objects a user knows, ``{id(obj): (obj, "name", kind)}`` (see
+            :func:`~lightning_memkit.doctor.holders.user_roots`), from which the holders of a leak are
+            searched when one is reported; ``None``: the module as ``model`` and the user's module globals.
+        holders_time_limit_s: the most seconds the holder search may take, for a report (0: no search).
         graph_check: also count the autograd nodes reachable at each step's start from the tensors the
             recorder saw made, to find graphs kept across steps (``total += loss``).
         max_points: live-bytes points kept for the report.
@@ -143,12 +152,17 @@ class DoctorSession:
 
     def __init__(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), *, window: int = 5,
                  warmup_steps: int = 2, analyse_step: int | None = 1, graph_check: bool = True,
-                 max_points: int = 1000) -> None:
+                 max_points: int = 1000, roots: Callable[[], dict] | None = None, holders_time_limit_s: float = 1.0) -> None:
         self.module = module
+        self.roots = roots
+        self.holders_time_limit_s = holders_time_limit_s
+        self.holder_search: HolderSearch | None = None
         self.optimizers = list(optimizers)
         self.recorder = CreationRecorder()
         if module is not None:
             self.recorder.name_modules(module)
+        self.window = window
+        self.warmup_steps = warmup_steps
         self.watcher = LeakWatcher(window=window, warmup_steps=warmup_steps, recorder=self.recorder)
         self.graph_watcher = LeakWatcher(window=window, warmup_steps=warmup_steps) if graph_check else None
         self.graph_leak: GraphLeakReport | None = None
@@ -157,35 +171,104 @@ class DoctorSession:
         self.points: collections.deque = collections.deque(maxlen=max_points)
         self.steps = 0
         self._analysing = False
+        self._finished = False
+        self._last_step: int | None = None
+
+    def watched_bytes(self) -> int:
+        """The live bytes the leak rule watches: every storage the recorder knows, less training state
+        (parameters, buffers, gradients, optimizer state: never a leak, and freed or made at times of
+        Lightning's choosing) and less what was alive before the run (:meth:`know_existing`)."""
+        recorder = self.recorder
+        return recorder.live_bytes - recorder.state_bytes - recorder.before_run_bytes
+
+    def know_existing(self, *roots: Any) -> int:
+        """Note the tensors reachable from ``roots`` (the dataloader, the datamodule) as alive before the
+        run: a pre-built batch is never memory a step added. Returns how many storages were noted."""
+        return self.recorder.know_existing(roots)
 
     def step_start(self, step: int, batch: Any = None, *, module: torch.nn.Module | None = None,
-                   optimizers: Iterable[Any] | None = None) -> LeakReport | GraphLeakReport | None:
-        """A step begins: measure the live bytes, test for growth (a :class:`LeakReport`, or a
-        :class:`GraphLeakReport` for graphs kept across steps, the first time it is steady), then record the step (its liveness too when it is ``analyse_step``).
+                   optimizers: Iterable[Any] | None = None, epoch: int | None = None) -> LeakReport | GraphLeakReport | None:
+        """A step begins: measure the live bytes, judge the growth (a :class:`LeakReport`, or a
+        :class:`GraphLeakReport` for graphs kept across steps, the first time the floor keeps rising), then
+        record the step (its liveness too when it is ``analyse_step``).
 
         ``batch``: the step's input (its tensors are recorded as the input of this step); ``module`` /
-        ``optimizers``: the training state when it is not the session's own (``None``: the session's).
+        ``optimizers``: the training state when it is not the session's own (``None``: the session's);
+        ``epoch``: the step's epoch, when there are epochs: growth is then judged when an epoch ends and at
+        :meth:`close` (memory freed at each epoch's end is not a leak), else at every step.
         """
         module = module if module is not None else self.module
         optimizers = self.optimizers if optimizers is None else list(optimizers)
         recorder = self.recorder
         recorder.assign_roles(module, optimizers)  # state made in the last step (grads, Adam's moments)
-        live = recorder.live_bytes
+        live = self.watched_bytes()
         self.points.append([int(step), int(live)])
         self.steps += 1
-        found = self.watcher.observe(step, live)
+        self._last_step = int(step)
+        found = self.watcher.observe(step, live, epoch=epoch)
+        if found is not None:
+            self._find_holders(found)
         if self.graph_watcher is not None and self.graph_leak is None:
             nodes, _ = count_kept_graph_nodes(recorder)
-            grown = self.graph_watcher.observe(step, nodes)
+            grown = self.graph_watcher.observe(step, nodes, epoch=epoch)
             if grown is not None:
-                _, holders = count_kept_graph_nodes(recorder, holders=True)
-                self.graph_leak = GraphLeakReport(grown.bytes_per_step, grown.first_step, grown.last_step,
-                                                  grown.live_bytes_at_start, holders[:10])
+                self._graph_report(grown)
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
         if self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing:
             self._analysing = True
             recorder.begin_liveness()
+        return found
+
+    def _graph_report(self, grown: LeakReport) -> None:
+        nodes: list = []
+        samples: dict = {}
+        _, holders = count_kept_graph_nodes(self.recorder, holders=True, nodes_out=nodes, samples_out=samples)
+        saved = saved_in_nodes(nodes, self.recorder)
+        del nodes
+        if self.holders_time_limit_s > 0 and samples:
+            try:
+                roots = self.roots() if self.roots is not None else user_roots(module=self.module)
+                tensors = [samples[id(h)] for h in holders[:10] if id(h) in samples]
+                search = find_holders(tensors, roots, self.holders_time_limit_s, graphs=False)
+                for holder in holders[:10]:
+                    tensor = samples.get(id(holder))
+                    storage = tensor.untyped_storage() if tensor is not None else None
+                    path = search.paths.get(id(storage)) if storage is not None else None
+                    if path is not None:
+                        holder.holder = path.text
+            except Exception as error:  # noqa: BLE001 - naming the holder must never fail the diagnosis
+                self.recorder.errors.append(f"graph holder search: {type(error).__name__}: {error}")
+        samples.clear()
+        self.graph_leak = GraphLeakReport(grown.bytes_per_step, grown.first_step, grown.last_step,
+                                          grown.live_bytes_at_start, holders[:10], saved["tensors"], saved["bytes"],
+                                          saved["unseen_tensors"], saved["unseen_bytes"], saved["constants"])
+
+    def _find_holders(self, report: LeakReport) -> None:
+        if self.holders_time_limit_s <= 0:
+            return
+        try:
+            roots = self.roots() if self.roots is not None else user_roots(module=self.module)
+            self.holder_search = attach_holders(report, self.recorder, roots, self.holders_time_limit_s)
+        except Exception as error:  # noqa: BLE001 - naming the holder must never fail the diagnosis
+            self.recorder.errors.append(f"holder search: {type(error).__name__}: {error}")
+
+    def finish(self) -> LeakReport | GraphLeakReport | None:
+        """Training ended (after the last epoch's end): judge the whole run, with the memory now. Returns
+        what was found now (a :class:`LeakReport` or :class:`GraphLeakReport`), else ``None``."""
+        if self._finished or self._last_step is None:
+            return None
+        self._finished = True
+        self.recorder.assign_roles(self.module, self.optimizers)
+        found = self.watcher.finish(self.watched_bytes(), step=self._last_step)
+        if found is not None:
+            self._find_holders(found)
+        if self.graph_watcher is not None and self.graph_leak is None:
+            nodes, _ = count_kept_graph_nodes(self.recorder)
+            grown = self.graph_watcher.finish(nodes, step=self._last_step)
+            if grown is not None:
+                self._graph_report(grown)
+                found = found or self.graph_leak
         return found
 
     def step_end(self, step: int, *, module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None) -> None:
@@ -199,8 +282,11 @@ class DoctorSession:
             creations, start, end = self.recorder.end_liveness()
             self.liveness = analyse_liveness(creations, start, end, step)
 
-    def close(self) -> None:
-        """Stop recording (call when training ends or fails); the report stays readable."""
+    def close(self, finish: bool = False) -> None:
+        """Stop recording (call when training ends or fails); the report stays readable. ``finish``: the
+        training ended (not failed): judge the whole run first (:meth:`finish`)."""
+        if finish:
+            self.finish()
         if self._analysing:
             self._analysing = False
             self.recorder.end_liveness()
@@ -211,4 +297,4 @@ class DoctorSession:
         points = list(self.points)
         return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
                             leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
-                            steps_needed=self.watcher.warmup_steps + self.watcher.window + 1)
+                            steps_needed=self.watcher.steps_needed)
