@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from lightning_memkit import MemoryTracker
 from lightning_memkit.probes import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
+from lightning_memkit.tensorboard.layout import is_frame_tag
 from lightning_memkit.tensorboard.tags import step_tag
 from lightning_memkit.units import MiB
 
@@ -196,7 +197,7 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     # ... and the dashboard's rebased copies of them (docs/dashboard.md: lines drawn above a base the
     # chart's title names, written at fit end where TensorBoard's tick labels would repeat)
     rebased = {t for t in scalars if t.startswith("memory/dashboard/")}
-    for tag in rebased:
+    for tag in rebased - {t for t in rebased if is_frame_tag(t)}:  # frame lines: tests/test_dashboard_rules.py
         source = re.fullmatch(r"memory/dashboard/(.+?)_(B|KiB|MiB|GiB)(_above_[0-9.]+_\2)?", tag)  # GiB alone: values of 1,000 MiB and more
         assert source and f"memory/{source.group(1)}_MiB" in documented, tag
     assert {t for t in scalars if t.startswith("memory/")} - rebased == documented
@@ -446,6 +447,19 @@ def test_misuse_is_refused_with_a_clear_message():
 
 
 # ---------------------------------------------------------------------------- the whole process
+@pytest.mark.parametrize("steps, every, expected", [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
+def test_the_first_two_logged_steps_get_the_peak(tmp_path, steps, every, expected):
+    """A short or sparsely logged run still gets a step-peak line of two points or more: the first two steps Lightning
+    logs always get the accountant's peak (with log_every_n_steps=5 the run's always-peaked steps 0 and 1 are not
+    logged), then one logged step in tensor_peak_every_n_steps (10)."""
+    tracker = MemoryTracker(verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, max_steps=steps, callbacks=[tracker], logger=logger, log_every_n_steps=every).fit(LinearStack())
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == expected
+    assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [s for s in range(steps) if (s + 1) % every == 0]
+
+
 class _KeepsPerStep(LinearStack):
     """Keeps 65,536 bytes per training step (a float32 tensor of 16,384 elements in a list)."""
 
