@@ -78,6 +78,7 @@ _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
     "peak_tensor": ("modes overlaid: tensor step peak, exact (MiB)", "train", ["peak_tensor_bytes"]),
     "tensor": ("modes overlaid: live tensors at step end, exact (MiB)", "train", ["tensor_bytes"]),
+    "allocated": ("modes overlaid: CUDA allocated at step end (MiB)", "train", ["allocated_bytes"]),
     "peak_reserved": ("modes overlaid: CUDA step peak reserved (MiB)", "train", ["peak_reserved_bytes"]),
     "fragmentation": ("modes overlaid: CUDA fragmentation (MiB)", "train", ["fragmentation_bytes"]),
     "process_device": ("modes overlaid: this process on the device, NVML (MiB)", "train", ["process_device_bytes"]),
@@ -181,7 +182,8 @@ def dashboard_layout(
     nvml = cuda if nvml is None else nvml
     layout: dict[str, dict[str, list[Any]]] = {}
     if compare:
-        keys = ["peak_allocated"] if cuda else ["peak_tensor", "tensor"]
+        # every run's primary charts: its step peak, its live memory at step end, the process (device or host)
+        keys = ["peak_allocated", "allocated"] if cuda else ["peak_tensor", "tensor"]
         keys += ["peak_reserved", "fragmentation"] if cuda else []
         keys += ["process_device"] if cuda and nvml else []
         keys += ["host_rss"] if host else []
