@@ -33,6 +33,13 @@ from lightning_memkit.units import format_bytes
 
 #: how many measured training steps at the start of a run always get the accountant's exact peak
 _ALWAYS_PEAKED_STEPS = 2
+# fits a MemoryTracker saw end in this process, and whether the note on an earlier fit's tensors was printed (once)
+_PROCESS = {"fits_ended": 0, "earlier_fit_said": False}
+#: the note printed (once per process, with the summary) when an earlier fit ran in the same process (a notebook)
+EARLIER_FIT_NOTE = ("memkit MemoryTracker: an earlier fit ran in this process. The readings count every live tensor of the "
+                    "process (on CUDA, everything allocated on the device), so tensors an earlier fit left alive (a model, "
+                    "trainer or outputs still referenced, e.g. in a notebook) are in them; delete those references (and run "
+                    "gc.collect()) before fit to read this run's memory alone.")
 
 __all__ = ["MemoryTracker"]
 
@@ -475,6 +482,10 @@ class MemoryTracker(Callback):
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
                 print(self._where_readings_went(trainer))
+                if _PROCESS["fits_ended"] and not _PROCESS["earlier_fit_said"]:
+                    _PROCESS["earlier_fit_said"] = True
+                    print(EARLIER_FIT_NOTE)
+            _PROCESS["fits_ended"] += 1
             from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
 
             log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)
