@@ -328,7 +328,15 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
     assert layouts["checkpoint"] == layout and list(layout) == ["memkit: modes compared"]
     assert check_dashboard(layout, runs) == []
     for title, lines in matched(layout, runs["baseline"]).items():
-        assert len(lines) == 1, title
+        assert len([t for t in lines if not is_frame_tag(t)]) == 1, title
+        frames = [t for t in lines if is_frame_tag(t)]
+        assert len(frames) == (2 if title.endswith(FRAME_TITLE) else 0), (title, frames)
+        if frames:  # one frame for every mode: at the lowest and highest value of the chart's lines over all modes
+            values = [v for run in ("baseline", "checkpoint") for t in matched(layout, runs[run])[title] if not is_frame_tag(t)
+                      for _, v in runs[run][t]]
+            assert sorted(float(re.search(r"_([0-9.]+)_(B|KiB|MiB|GiB)$", t).group(1)) for t in frames) == [
+                pytest.approx(min(values), rel=1e-6, abs=1e-5), pytest.approx(max(values), rel=1e-6, abs=1e-5)]
+            assert all(set(matched(layout, runs[run])[title]) >= set(frames) for run in ("baseline", "checkpoint"))
     assert layout == todays_compare_layout(runs)[0]
     for scalars in runs.values():  # the lines fit end wrote above a base: each the logged one minus that base
         check_rebased_lines(layout, scalars)

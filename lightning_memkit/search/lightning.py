@@ -482,7 +482,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                      "bounds it: give max_seconds= or budget=)",
              "max_val": f"; no larger batch tried: max_val={config.max_val}",
              "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
-    _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
+    ran = "fits" if any(t.fits and t.batch_size == found for t in result.trials) else "ran its steps too slowly for a larger one"
+    _say(trainer, f"memkit: batch size {found} {ran} ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
          config.verbose)
     return result
 

@@ -22,7 +22,7 @@ __all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "MAX_SCALE_RATIO", "dashboa
            "prune_layout", "layout_tags", "check_dashboard", "check_chart", "clipping_problems", "tick_problems",
            "MAX_CLIPPED_FRACTION", "tensorboard_y_range", "tensorboard_ticks", "tick_label", "readable_layout",
            "DASHBOARD_TAG_PART", "COMPARE_CATEGORY", "MAX_TICK_LABEL",
-           "RANK_CATEGORY", "rank_groups", "FRAME_TITLE", "FRAME_TAG_PART", "is_frame_tag"]
+           "RANK_CATEGORY", "rank_groups", "FRAME_TITLE", "FRAME_TAG_PART", "is_frame_tag", "SHORT_LINE_POINTS"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
@@ -576,11 +576,13 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
         lines it draws, to be written into each run (:func:`~lightning_memkit.tensorboard.dashboard.update_dashboards`
         and MemoryTracker's fit end do).
 
-    Two changes, each where :func:`check_chart` says TensorBoard would draw a chart badly:
+    The changes, each where :func:`check_chart` says TensorBoard would draw a chart badly:
 
-    - a chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few points,
-      e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
-      clipping) is left out; its points are in the memory-per-step figure (Images tab);
+    - no chart is left out. A chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few
+      points, e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
+      clipping), or whose short lines (:data:`SHORT_LINE_POINTS`) have raw points outside the range drawn for
+      the smoothed ones, gets two flat lines per run at the lowest and the highest value of its lines
+      (``<prefix>/dashboard/frame/...``, named in the title by :data:`FRAME_TITLE`), so the range holds every point;
     - a chart whose y axis would label a tick at 1,000 or more (:func:`tick_problems`: TensorBoard
       writes 1,400 MiB as "1.4e+3") draws its lines in GiB: "device (NVML), ... (GiB)", lines
       ``<prefix>/dashboard/train/device_used_GiB`` (the logged MiB / 1024, at the same steps);
@@ -602,7 +604,7 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
         for title, spec in charts.items():
             regexes = list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
             series = {(run, tag): list(tags[tag]) for run, tags in runs.items() for tag in _matching(regexes, tags) if tags[tag]}
-            framed = bool(series) and bool(clipping_problems(title, series, smoothing))
+            framed = bool(series) and bool(clipping_problems(title, series, smoothing) or _short_raw_outside(series, smoothing))
             drawn = {**series, **_frame_lines(series)} if framed else dict(series)
             display = None  # (unit, factor from MiB, base, the base as the title writes it, as the tag writes it)
             if series and tick_problems(title, drawn, smoothing) and all(tag.endswith("_MiB") for _, tag in series):
@@ -644,6 +646,20 @@ FRAME_TITLE = "; flat lines: lowest, highest"
 #: the path part of a frame line's tag: ``<prefix>/dashboard/frame/train/peak_tensor/low_4.43_MiB``.
 FRAME_TAG_PART = DASHBOARD_TAG_PART + "/frame"
 _FRAME_KEYS = ("<frame: lowest>", "<frame: highest>")
+
+
+#: a line of at most this many points is short (a short run, a sparse logging interval, a sampled peak): its raw
+#: points, drawn faint behind the smoothed line, must lie in the drawn y range too, else the chart is framed.
+SHORT_LINE_POINTS = 10
+
+
+def _short_raw_outside(series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float) -> bool:
+    """Whether a chart of short lines (:data:`SHORT_LINE_POINTS`) draws a raw point outside its y range: TensorBoard
+    scales to the smoothed lines, so the last raw point of a short rising line is often cut off at the top."""
+    if not series or max(len(points) for points in series.values()) > SHORT_LINE_POINTS:
+        return False
+    _, (low, high) = _drawn(series, smoothing)
+    return any(not low <= v <= high for points in series.values() for _, v in points)
 
 
 def is_frame_tag(tag: str) -> bool:
