@@ -474,3 +474,14 @@ def test_a_trial_out_of_memory_between_toggle_and_untoggle_leaves_every_paramete
     trainer.fit(module)
     assert any(not trial.fits for trial in finder.result.trials)  # some trial did run out of memory
     assert trainer.global_step == 6 and {name: p.requires_grad for name, p in module.named_parameters()} == flags
+
+
+def test_a_search_without_a_prediction_says_why_not_predicted_none(tmp_path, capsys):
+    """No "predicted None": the search's line and its table say the estimate was unavailable, and why."""
+    module, data = _setup()
+    result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=64, use_estimate=False)
+    out = capsys.readouterr().out
+    assert "memkit: the estimate was unavailable (use_estimate=False): the search goes by trials alone" in out
+    assert result.predicted is None and result.estimate_unavailable == "use_estimate=False"
+    head = result.table().splitlines()[0]
+    assert "the estimate was unavailable (use_estimate=False)" in head and "None" not in head
