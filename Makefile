@@ -10,8 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 $(BIN)/memkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --progress-bar on "$(TORCH_SPEC)"
+	$(BIN)/pip install --progress-bar on -e '.[dev]'
 	touch $(BIN)/memkit
 
 setup: $(BIN)/memkit

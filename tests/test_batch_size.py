@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import textwrap
 
 import lightning.pytorch as pl
@@ -337,16 +338,92 @@ def test_the_search_core_stops_before_a_trial_that_would_run_past_max_seconds():
         BatchSizeSearch(trial, max_seconds=0)
 
 
-def test_a_cpu_search_without_budget_says_what_bounds_it(tmp_path, capsys):
+START = re.compile(r"^memkit: trial (\d+): batch (\d+) starts(?: \([^)]*\))?, at most ([\d.]+)s", re.M)
+END = re.compile(r"^memkit: trial (\d+): batch (\d+) -> (fits|out of memory|too slow), peak ([^(]+) \(([\d.]+)s\)$", re.M)
+
+
+def trial_lines(out):
+    """[(trial, batch, limit s)] of the start lines and [(trial, batch, outcome, seconds)] of the end lines, in order."""
+    starts = [(int(n), int(b), float(limit)) for n, b, limit in START.findall(out)]
+    ends = [(int(n), int(b), outcome, float(seconds)) for n, b, outcome, _, seconds in END.findall(out)]
+    return starts, ends
+
+
+def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, capsys):
+    """No budget= on CPU: the announcement says what bounds the search (host memory, seconds per trial and in all), the first
+    trial is small (it times a step), every trial prints a line as it starts and as it ends, none runs past its announced
+    limit, later sizes grow at most 4x, and the process's peak resident memory stays under the host memory announced."""
+    from lightning_memkit.probes.host import HostProbe
+    from lightning_memkit.units import parse_bytes
+
     torch.manual_seed(0)
     module = DemoMLP(in_features=FEATURES, hidden=128, depth=2)
     del module.batch_size
-    data = SyntheticDataModule(batch_size=8, train_size=96, val_size=16, input_shape=(FEATURES,))
-    result = find_max_batch_size(_trainer(tmp_path), module, data)
+    data = SyntheticDataModule(batch_size=8, train_size=512, val_size=16, input_shape=(FEATURES,))
+    probe = HostProbe()
+    probe.reset_peak()
+    result = find_max_batch_size(_trainer(tmp_path), module, data, max_val=256)
+    peak_rss = probe.read()["host_peak_rss_bytes"]
     out = capsys.readouterr().out
-    assert "no budget= on CPU" in out and "trials stop after 60s" in out
-    assert result.batch_size == 96 and result.reason == "dataset" and result.trial_count == 1
-    assert "the dataset, not memory, bounds it" in out
+    [announced] = re.findall(r"^memkit: no budget= on CPU: .*$", out, flags=re.M)
+    assert "each trial runs at most 20s and all trials 60s" in announced, announced
+    assert "the first trial is at most batch 4" in announced
+    host = parse_bytes(re.search(r"host memory stays under ([\d.]+ [KMG]iB)", announced).group(1).replace(" ", ""))
+    assert probe.peak_is_per_step and peak_rss <= host * 1.005, (peak_rss, host)  # the announced figure is rounded to 3 digits
+    starts, ends = trial_lines(out)
+    assert len(starts) == len(ends) == result.trial_count >= 3
+    assert [(n, b) for n, b, _ in starts] == [(n, b) for n, b, _, _ in ends] == [(i + 1, t.batch_size) for i, t in enumerate(result.trials)]
+    assert starts[0][1] <= 4 and "(small: it times a step)" in out
+    assert all(limit == 20 for _, _, limit in starts)
+    assert all(t.seconds <= 20 for t in result.trials)
+    for index, trial in enumerate(result.trials[1:], start=1):
+        ran = [t.batch_size for t in result.trials[:index] if t.fits]
+        assert trial.batch_size <= 4 * max(ran), (trial.batch_size, ran)
+    assert result.batch_size == 256 and result.reason == "max_val"
+    assert f"memkit: batch size 256 fits ({result.trial_count} trials" in out
+
+
+class _SlowAbove(DemoMLP):
+    """A step that takes 1.1 s above ``fast_up_to`` samples (a cache cliff: the seconds per sample measured below it do not
+    foretell it)."""
+
+    def __init__(self, fast_up_to, **kwargs):
+        super().__init__(**kwargs)
+        self.fast_up_to = fast_up_to
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(1.1 if batch[0].shape[0] > self.fast_up_to else 0.02)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("fast_up_to", [8, 0], ids=["cliff-above-8", "slow-from-the-first"])
+def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_search(fast_up_to, tmp_path, capsys, monkeypatch):
+    """A trial may run 2 s; a step above the cliff takes 1.1 s: after its first step the next would end past 2 s, so the
+    trial stops there (too slow) and the search ends with the largest size that ran in time, or, when even the first
+    (small) trial was too slow, with that size (its step ran without running out of memory): training goes on."""
+    from lightning_memkit.search import limits
+
+    monkeypatch.setattr(limits, "CPU_TRIAL_SECONDS", 2.0)
+    torch.manual_seed(0)
+    module = _SlowAbove(fast_up_to, in_features=FEATURES, hidden=64, depth=1)
+    del module.batch_size
+    data = SyntheticDataModule(batch_size=8, train_size=512, val_size=16, input_shape=(FEATURES,))
+    trainer = _trainer(tmp_path)
+    result = find_max_batch_size(trainer, module, data, max_val=256)
+    out = capsys.readouterr().out
+    starts, ends = trial_lines(out)
+    assert all(limit == 2 for _, _, limit in starts) and len(starts) == len(ends) == result.trial_count
+    [slow] = [t for t in result.trials if not t.fits]
+    assert slow is result.trials[-1] and slow.batch_size > fast_up_to
+    assert "the next would end past the trial's limit of 2s (1 of 3 steps ran)" in slow.error, slow.error
+    assert ends[-1][2] == "too slow" and all(outcome == "fits" for _, _, outcome, _ in ends[:-1])
+    ran = [t.batch_size for t in result.trials if t.fits]
+    assert result.batch_size == (max(ran) if fast_up_to else slow.batch_size) == data.batch_size
+    assert result.reason == "time" and "too slow" in result.table()
+    assert "(time, not memory, bounds it" in out
+    assert all(type(c).__name__ != "_Deadline" for c in trainer.callbacks)  # no deadline left behind
 
 
 class _ToggledGAN(pl.LightningModule):
@@ -397,3 +474,14 @@ def test_a_trial_out_of_memory_between_toggle_and_untoggle_leaves_every_paramete
     trainer.fit(module)
     assert any(not trial.fits for trial in finder.result.trials)  # some trial did run out of memory
     assert trainer.global_step == 6 and {name: p.requires_grad for name, p in module.named_parameters()} == flags
+
+
+def test_a_search_without_a_prediction_says_why_not_predicted_none(tmp_path, capsys):
+    """No "predicted None": the search's line and its table say the estimate was unavailable, and why."""
+    module, data = _setup()
+    result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=64, use_estimate=False)
+    out = capsys.readouterr().out
+    assert "memkit: the estimate was unavailable (use_estimate=False): the search goes by trials alone" in out
+    assert result.predicted is None and result.estimate_unavailable == "use_estimate=False"
+    head = result.table().splitlines()[0]
+    assert "the estimate was unavailable (use_estimate=False)" in head and "None" not in head

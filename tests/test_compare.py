@@ -7,6 +7,7 @@ import csv
 import glob
 import json
 import os
+import re
 import statistics
 import textwrap
 
@@ -216,7 +217,16 @@ def test_cli_compare(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "memkit compare (cpu, 2 steps, ratios vs baseline)" in out and "checkpoint" in out
-    assert read_compare(str(tmp_path))["checkpoint"].checkpoint_regions == 2
+    written = read_compare(str(tmp_path))
+    assert written["checkpoint"].checkpoint_regions == 2
+    # one line per mode as it ends, before the table: its peak as compare.json has it, its median step time, its steps
+    progress = re.findall(r"^memkit compare: mode (\d)/2 (\S+): peak ([^,]+), ([\d.]+) ms/step, (\d+) steps \(([\d.]+)s\)$", out, flags=re.M)
+    assert [(n, mode, peak, steps) for n, mode, peak, _, steps, _ in progress] == [
+        (str(i + 1), mode, format_bytes(written[mode].peak_allocated_bytes), "2") for i, mode in enumerate(("baseline", "checkpoint"))]
+    assert [float(ms) for _, _, _, ms, _, _ in progress] == [round(written[m].median_step_time_s * 1000, 1) for m in ("baseline", "checkpoint")]
+    assert out.index("memkit compare: mode 2/2") < out.index("memkit compare (cpu, 2 steps")
+    assert main(args[:4] + ["--modes", "baseline", "--steps", "1", "--no-progress"] + args[8:]) == 0
+    assert "memkit compare: mode" not in capsys.readouterr().out
     assert main(["compare", spec, "--modes", "baseline,ampp", "--logdir", str(tmp_path)]) == 2
     assert "valid words" in capsys.readouterr().err
     assert main(["compare", spec, "--init-args", "[1]", "--logdir", str(tmp_path)]) == 2

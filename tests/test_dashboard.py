@@ -75,6 +75,7 @@ def test_layout_follows_prefix_and_switches():
     assert list(compare) == ["memkit: modes compared"]
     assert _matches(compare, {step_tag(f, "train") for f in ALL_FIELDS}) == {
         "modes overlaid: CUDA step peak allocated (MiB)": {"memory/train/peak_allocated_MiB"},
+        "modes overlaid: CUDA allocated at step end (MiB)": {"memory/train/allocated_MiB"},
         "modes overlaid: CUDA step peak reserved (MiB)": {"memory/train/peak_reserved_MiB"},
         "modes overlaid: CUDA fragmentation (MiB)": {"memory/train/fragmentation_MiB"},
         "modes overlaid: this process on the device, NVML (MiB)": {"memory/train/process_device_MiB"},

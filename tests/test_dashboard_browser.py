@@ -1,11 +1,13 @@
 """The dashboard as a browser draws it: headless Chromium on a real ``tensorboard``, the Custom Scalars tab read from the page.
 
-For each kind of run (a CPU fit with MemoryTracker + LayerTrace, a two-process DDP run, a ``memkit compare`` root,
+For each kind of run (a CPU fit with MemoryTracker + LayerTrace, a 5-step fit and a 12-step fit logged every 5 steps
+of a small GPT, a two-process DDP run, a ``memkit compare`` root,
 and the shared H100 logs of ``memkit demo --model transformer`` and ``memkit compare`` given today's layout), the
 rendered page is read through the Chrome DevTools protocol (its DOM, shadow roots included) and held to the
 dashboard's rules at TensorBoard's default settings:
 
 - every chart of the served layout is on the page once, under its title, and no other;
+- the run's primary charts (step peak, live memory, the process's memory) are among them (:data:`PRIMARY`);
 - every chart lists at least one matching tag and at most 3 per run ("Matches (N)") and draws a line;
 - the y axis's tick labels, as TensorBoard writes them, all differ, and are exactly the ones
   ``lightning_memkit.tensorboard.layout`` predicts from the served values (``tensorboard_y_range``,
@@ -186,6 +188,14 @@ def make_logs(kind: str, tmp_path_factory) -> str:
                                callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)])
         trainer.fit(LinearStack(val_batches=1, optimizer="adam"))
         return str(root)
+    if kind in ("cpu5", "sparse"):  # a short run, and a sparsely logged one: a small GPT with a datamodule, as a user writes it
+        from lightning_gpt import CharDataModule, TinyGPT
+
+        steps, every = (5, 1) if kind == "cpu5" else (12, 5)
+        trainer = make_trainer(root, max_steps=steps, log_every_n_steps=every, logger=TensorBoardLogger(str(root), name=kind, version=0),
+                               callbacks=[MemoryTracker(verbose=False)])
+        trainer.fit(TinyGPT(), datamodule=CharDataModule())
+        return str(root)
     if kind == "ddp":
         script = root / "ddp_run.py"
         script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
@@ -226,10 +236,23 @@ def served_chart_values(server, layout: dict) -> dict[str, dict[tuple[str, str],
     return charts
 
 
+#: the primary charts every kind of run shows, with data: the step peak, the live memory of the device it trained on
+#: (tensors on CPU, allocated on CUDA) and the process's memory (host RSS on CPU, the device seen by NVML on CUDA)
+PRIMARY = {
+    "cpu": ("tensors (exact): step peak (", "tensors (exact): live at step end (", "host RSS, top to bottom: step peak, step end ("),
+    "compare": ("modes overlaid: tensor step peak, exact (", "modes overlaid: live tensors at step end, exact (", "modes overlaid: host RSS at step end ("),
+    "h100_gl": ("CUDA step peak, top to bottom: reserved, allocated (", "CUDA at step end, top to bottom: reserved, allocated (",
+                "device (NVML), top to bottom: all processes, this process, allocator reserved ("),
+    "h100_gc": ("modes overlaid: CUDA step peak allocated (", "modes overlaid: CUDA allocated at step end (",
+                "modes overlaid: this process on the device, NVML ("),
+}
+PRIMARY["cpu5"] = PRIMARY["sparse"] = PRIMARY["ddp"] = PRIMARY["cpu"]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["cpu", "ddp", "compare", "h100_gl", "h100_gc"])
+@pytest.mark.parametrize("kind", ["cpu", "cpu5", "sparse", "ddp", "compare", "h100_gl", "h100_gc"])
 def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_factory):
-    from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, _drawn, check_chart, tensorboard_ticks, tick_label)
+    from lightning_memkit.tensorboard.layout import (FRAME_TITLE, MAX_SERIES_PER_CHART, _drawn, check_chart, tensorboard_ticks, tick_label)
     from lightning_memkit.tensorboard.server import TensorBoardServer
 
     with TensorBoardServer(make_logs(kind, tmp_path_factory), startup_timeout_s=90) as server:
@@ -241,11 +264,13 @@ def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_f
 
     by_title = {card["title"]: card for card in cards}
     assert sorted(card["title"] for card in cards) == sorted(titles), [c["title"] for c in cards]  # each chart once, no other
+    for start in PRIMARY[kind]:  # never dropped, whatever the run's length and logging interval: drawn below with its lines
+        assert [t for t in titles if t.startswith(start)], (kind, start, titles)
     for title in titles:
         card = by_title[title]
         runs = [entry.rsplit("(", 1)[1].rstrip(")") for entry in card["matches"]]
         assert card["matches"], (kind, title, "no tag matched")
-        per_run_limit = MAX_SERIES_PER_CHART if not title.startswith("per rank:") else 8
+        per_run_limit = (MAX_SERIES_PER_CHART if not title.startswith("per rank:") else 8) + 2 * title.endswith(FRAME_TITLE)
         assert max(runs.count(run) for run in runs) <= per_run_limit, (kind, title, card["matches"])
         assert card["lines"] >= 1 and not card["text"], (kind, title, card)
         # the axis as drawn: distinct labels, exactly the ones the rules' model of TensorBoard predicts

@@ -28,9 +28,9 @@ from lightning_memkit.modes.compare import compare_modes, read_compare
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import (DASHBOARD_TAG_PART, MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout,
+from lightning_memkit.tensorboard.layout import (DASHBOARD_TAG_PART, FRAME_TITLE, MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout,
                                                  layout_from_tags, layout_tags, readable_layout, tensorboard_ticks, tensorboard_y_range,
-                                                 tick_label)
+                                                 is_frame_tag, tick_label)
 from lightning_memkit.units import format_bytes
 
 H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
@@ -73,7 +73,7 @@ def check_rebased_lines(layout, scalars):
     checked = 0
     for title, regexes in layout_tags(layout).items():
         for tag in sorted(t for t in scalars for r in regexes if re.match(r, t)):
-            if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/"):
+            if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/") or is_frame_tag(tag):
                 continue
             above = re.search(r"\((B|KiB|MiB|GiB) above ([0-9,.]+) (B|KiB|MiB|GiB)", title)
             if above:
@@ -89,6 +89,29 @@ def check_rebased_lines(layout, scalars):
             assert min(v for _, v in scalars[tag]) >= -1e-5  # the base is at or below every value
             checked += 1
     return checked
+
+
+def check_frame_lines(layout, scalars):
+    """Every framed chart (its title ends with FRAME_TITLE) draws two flat lines, named by their values, at exactly the
+    lowest and the highest value of its other lines, at their steps; no other chart has them. Returns how many charts had frames."""
+    framed = 0
+    for title, regexes in layout_tags(layout).items():
+        tags = sorted(t for t in scalars if any(re.match(r, t) for r in regexes))
+        frames = [t for t in tags if is_frame_tag(t)]
+        lines = [t for t in tags if not is_frame_tag(t)]
+        if not title.endswith(FRAME_TITLE):
+            assert not frames, (title, frames)
+            continue
+        values = [v for t in lines for _, v in scalars[t]]
+        steps = sorted({s for t in lines for s, _ in scalars[t]})
+        [low] = [t for t in frames if "/low_" in t]
+        [high] = [t for t in frames if "/high_" in t]
+        for tag, expected in ((low, min(values)), (high, max(values))):
+            assert [s for s, _ in scalars[tag]] == steps, tag
+            assert all(v == pytest.approx(expected, rel=1e-6, abs=1e-5) for _, v in scalars[tag]), (tag, expected)  # float32 events
+            assert float(re.search(r"/(low|high)_([0-9.]+)_(B|KiB|MiB|GiB)$", tag).group(2)) == pytest.approx(expected, rel=1e-6, abs=1e-5)
+        framed += 1
+    return framed
 
 
 def matched(layout, tags):
@@ -215,8 +238,9 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     assert list(layout) == ["memkit: memory per step"]
     check_rebased_lines(layout, scalars)
     # each chart draws these logged lines, or the same lines above a base its title names
-    sources = {re.sub(r" \((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", " (MiB", title):
-               [re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for t in tags]
+    check_frame_lines(layout, scalars)
+    sources = {re.sub(r" \((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", " (MiB", title.removesuffix(FRAME_TITLE)):
+               [re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for t in tags if not is_frame_tag(t)]
                for title, tags in matched(layout, scalars).items()}
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
@@ -262,10 +286,11 @@ class GrowingStep(LinearStack):
 
 
 @pytest.mark.timeout(300)
-def test_a_sampled_peak_of_a_few_points_has_no_chart_at_fit_end(tmp_path):
+def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path):
     """The accountant's peak read on steps 0, 1, 11 and 21 of a 31-step run logged every step: TensorBoard's outlier
     clipping (5th to 95th percentile, on by default) cuts the ends of so short a line. The layout written at fit start
-    draws it and breaks the rule; the one written at fit end (what TensorBoard shows) has no such chart and keeps every rule."""
+    draws it and breaks the rule; the one written at fit end (what TensorBoard shows) keeps the chart, drawn between two
+    flat lines at its lowest and highest values (so the 5th-95th percentile range holds every point), and keeps every rule."""
     from test_dashboard import read_layouts
 
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
@@ -283,6 +308,9 @@ def test_a_sampled_peak_of_a_few_points_has_no_chart_at_fit_end(tmp_path):
     assert any(p.startswith(f"{title!r}: ") and "points of memory/train/peak_tensor_MiB of run 'run' lie outside the y range" in p
                for p in problems), problems
     assert title not in layout_tags(last) and check_dashboard(last, {"run": scalars}) == []
+    framed = [t for t in layout_tags(last) if t.startswith("tensors (exact): step peak (") and t.endswith(FRAME_TITLE)]
+    assert len(framed) == 1, layout_tags(last)  # the chart stays, framed
+    assert check_frame_lines(last, scalars) >= 1
     assert last == todays_layout(scalars)[0]
     assert any(t.startswith("tensors (exact): live at step end") for t in layout_tags(last))  # read every step: its chart stays
 
@@ -300,7 +328,15 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
     assert layouts["checkpoint"] == layout and list(layout) == ["memkit: modes compared"]
     assert check_dashboard(layout, runs) == []
     for title, lines in matched(layout, runs["baseline"]).items():
-        assert len(lines) == 1, title
+        assert len([t for t in lines if not is_frame_tag(t)]) == 1, title
+        frames = [t for t in lines if is_frame_tag(t)]
+        assert len(frames) == (2 if title.endswith(FRAME_TITLE) else 0), (title, frames)
+        if frames:  # one frame for every mode: at the lowest and highest value of the chart's lines over all modes
+            values = [v for run in ("baseline", "checkpoint") for t in matched(layout, runs[run])[title] if not is_frame_tag(t)
+                      for _, v in runs[run][t]]
+            assert sorted(float(re.search(r"_([0-9.]+)_(B|KiB|MiB|GiB)$", t).group(1)) for t in frames) == [
+                pytest.approx(min(values), rel=1e-6, abs=1e-5), pytest.approx(max(values), rel=1e-6, abs=1e-5)]
+            assert all(set(matched(layout, runs[run])[title]) >= set(frames) for run in ("baseline", "checkpoint"))
     assert layout == todays_compare_layout(runs)[0]
     for scalars in runs.values():  # the lines fit end wrote above a base: each the logged one minus that base
         check_rebased_lines(layout, scalars)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from lightning_memkit import MemoryTracker
 from lightning_memkit.probes import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
+from lightning_memkit.tensorboard.layout import is_frame_tag
 from lightning_memkit.tensorboard.tags import step_tag
 from lightning_memkit.units import MiB
 
@@ -196,7 +197,7 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     # ... and the dashboard's rebased copies of them (docs/dashboard.md: lines drawn above a base the
     # chart's title names, written at fit end where TensorBoard's tick labels would repeat)
     rebased = {t for t in scalars if t.startswith("memory/dashboard/")}
-    for tag in rebased:
+    for tag in rebased - {t for t in rebased if is_frame_tag(t)}:  # frame lines: tests/test_dashboard_rules.py
         source = re.fullmatch(r"memory/dashboard/(.+?)_(B|KiB|MiB|GiB)(_above_[0-9.]+_\2)?", tag)  # GiB alone: values of 1,000 MiB and more
         assert source and f"memory/{source.group(1)}_MiB" in documented, tag
     assert {t for t in scalars if t.startswith("memory/")} - rebased == documented
@@ -447,6 +448,19 @@ def test_misuse_is_refused_with_a_clear_message():
 
 
 # ---------------------------------------------------------------------------- the whole process
+@pytest.mark.parametrize("steps, every, expected", [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
+def test_the_first_two_logged_steps_get_the_peak(tmp_path, steps, every, expected):
+    """A short or sparsely logged run still gets a step-peak line of two points or more: the first two steps Lightning
+    logs always get the accountant's peak (with log_every_n_steps=5 the run's always-peaked steps 0 and 1 are not
+    logged), then one logged step in tensor_peak_every_n_steps (10)."""
+    tracker = MemoryTracker(verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    make_trainer(tmp_path, max_steps=steps, callbacks=[tracker], logger=logger, log_every_n_steps=every).fit(LinearStack())
+    scalars = read_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == expected
+    assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [s for s in range(steps) if (s + 1) % every == 0]
+
+
 class _KeepsPerStep(LinearStack):
     """Keeps 65,536 bytes per training step (a float32 tensor of 16,384 elements in a list)."""
 
@@ -600,3 +614,22 @@ def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has
     train = [r.tensor_bytes for r in garbage.history if r.stage == "train"]
     assert train[6] - train[2] >= 4 * 65536, train  # it did grow, uncollected, until the tracker looked
     assert garbage.leak_report is None
+
+
+def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readings_count_it(tmp_path, capsys, monkeypatch):
+    """A notebook: the second fit's readings count every live tensor of the process, the first model's (still referenced)
+    included. The summary says so once per process, not at the first fit, not again at the third."""
+    from lightning_memkit.callbacks import memory_tracker
+
+    monkeypatch.setattr(memory_tracker, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})
+    kept, outputs, trackers = [], [], []
+    for _ in range(3):
+        kept.append(LinearStack())  # the notebook keeps each model
+        trackers.append(MemoryTracker())
+        make_trainer(tmp_path, max_steps=2, callbacks=[trackers[-1]]).fit(kept[-1])
+        outputs.append(capsys.readouterr().out)
+    assert all("memkit memory summary" in out for out in outputs)
+    assert [out.count(memory_tracker.EARLIER_FIT_NOTE) for out in outputs] == [0, 1, 0]
+    # and it is true: the second fit's live tensors at step 0 hold the first model's parameters too
+    first_model = sum(p.numel() * p.element_size() for p in kept[0].parameters())
+    assert trackers[1].history[0].tensor_bytes - trackers[0].history[0].tensor_bytes >= first_model > 0

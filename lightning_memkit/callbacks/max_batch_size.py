@@ -49,15 +49,18 @@ class MaxBatchSize(Callback):
         budget: on CPU, a memory budget (bytes or ``"256MiB"``) for live tensors, counted by the
             tensor accountant; crossing it raises an out-of-memory error, so the search is
             testable without a GPU. Without one, a CPU search uses half the host memory available
-            at its start (exhausting RAM would summon the OOM killer, not an exception) and stops
-            its trials after ``max_seconds`` (default 60 s on CPU). On CUDA the memory free on the
+            at its start (exhausting RAM would summon the OOM killer, not an exception) and bounds
+            every trial before it runs, the first included: at most 20 s each and ``max_seconds``
+            (default 60 s) in all, a first trial of at most 4 samples that times a step
+            (see ``lightning_memkit.search.limits``). On CUDA the memory free on the
             device (other processes' memory excluded) plus what this process caches is the budget,
             capped by ``torch.cuda.set_per_process_memory_fraction``.
         batch_arg_name: the attribute (module, hparams or datamodule) that holds the batch size.
         keep_effective_batch_size: keep ``batch_size * accumulate_grad_batches`` as before by
             choosing the largest divisor of it that fits and raising ``accumulate_grad_batches``.
         use_estimate: jump near the answer with the estimate (``False``: double, then bisect).
-        verbose: print each trial (size, outcome, peak) on rank zero.
+        verbose: print each trial as it starts (size, time limit, expected peak) and as it ends
+            (outcome, peak in bytes, seconds), on rank zero.
         max_seconds: stop before a trial projected to end past this many seconds of trials (the
             answer is then the largest size that ran). Default: no limit, except 60 s on CPU without
             ``budget=``, where time, not memory, usually bounds the batch.

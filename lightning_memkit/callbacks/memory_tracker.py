@@ -33,6 +33,13 @@ from lightning_memkit.units import format_bytes
 
 #: how many measured training steps at the start of a run always get the accountant's exact peak
 _ALWAYS_PEAKED_STEPS = 2
+# fits a MemoryTracker saw end in this process, and whether the note on an earlier fit's tensors was printed (once)
+_PROCESS = {"fits_ended": 0, "earlier_fit_said": False}
+#: the note printed (once per process, with the summary) when an earlier fit ran in the same process (a notebook)
+EARLIER_FIT_NOTE = ("memkit MemoryTracker: an earlier fit ran in this process. The readings count every live tensor of the "
+                    "process (on CUDA, everything allocated on the device), so tensors an earlier fit left alive (a model, "
+                    "trainer or outputs still referenced, e.g. in a notebook) are in them; delete those references (and run "
+                    "gc.collect()) before fit to read this run's memory alone.")
 
 __all__ = ["MemoryTracker"]
 
@@ -95,7 +102,8 @@ class MemoryTracker(Callback):
         tensor_peak_every_n_steps: the accountant's exact per-step peak (``peak_tensor_MiB``)
             costs a Python call per aten op during the step (1.10x on a 20 ms CPU step); it runs
             on the run's first two measured training steps (no optimizer state yet, then all of
-            it), then on at most one step in this many (default 10), only on steps whose readings
+            it) and, with ``every_n_steps=1``, on the first two steps Lightning logs, then on at
+            most one step in this many (default 10), only on steps whose readings
             the loggers will get: with ``every_n_steps=1``, steps Lightning writes
             (``log_every_n_steps``); else every n-th measured step. 1 = every such step. The
             summary says on how many training steps the peak was read.
@@ -210,6 +218,7 @@ class MemoryTracker(Callback):
         self._validation_window = False
         self._last_peak_step: int | None = None
         self._peak_steps_taken = 0
+        self._logged_peak_steps = 0  # peaked steps whose readings the loggers got (every_n_steps=1)
         # a reading waiting for Lightning's own log_metrics call at its step: (step, metrics, loggers still to get it)
         self._pending: tuple[int, dict[str, float], list, str] | None = None
         self._wrapped_loggers: list[tuple[Any, Any]] = []
@@ -237,6 +246,7 @@ class MemoryTracker(Callback):
         self.summary.extra.pop("ended_by", None)  # a fit resumed after a failure goes on
         self._last_peak_step = None
         self._peak_steps_taken = 0
+        self._logged_peak_steps = 0
         self._pending = None
         self._wrap_loggers(trainer)
         device = trainer.strategy.root_device
@@ -289,6 +299,8 @@ class MemoryTracker(Callback):
             if peak:
                 self._last_peak_step = step
                 self._peak_steps_taken += 1
+                every = trainer.log_every_n_steps if trainer.loggers else 0
+                self._logged_peak_steps += bool(every) and (step + 1) % every == 0
             meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
         meter.resume(_gradients(pl_module))
 
@@ -305,7 +317,10 @@ class MemoryTracker(Callback):
             every = trainer.log_every_n_steps
             if not every or (step + 1) % every:
                 return False
-            return self._last_peak_step is None or step - self._last_peak_step >= n or step < self._last_peak_step
+            # the first two logged steps always get it, so the step-peak line has two points even in a
+            # short or sparsely logged run (12 steps, log_every_n_steps=5: steps 4 and 9)
+            return self._logged_peak_steps < _ALWAYS_PEAKED_STEPS or self._last_peak_step is None \
+                or step - self._last_peak_step >= n or step < self._last_peak_step
         return step % (self.every_n_steps * n) == 0
 
     @override
@@ -516,6 +531,10 @@ class MemoryTracker(Callback):
             if self.verbose:
                 print(format_summary(self.summary, list(self.history)))
                 print(self._where_readings_went(trainer))
+                if _PROCESS["fits_ended"] and not _PROCESS["earlier_fit_said"]:
+                    _PROCESS["earlier_fit_said"] = True
+                    print(EARLIER_FIT_NOTE)
+            _PROCESS["fits_ended"] += 1
             from lightning_memkit.tensorboard.dashboard import log_memory_summary  # summary table + figure in TensorBoard
 
             log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)

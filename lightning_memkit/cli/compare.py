@@ -36,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--val-batches", type=int, default=2, help="validation batches run at the end of each mode (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for every mode (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG and TensorBoard figures")
+    parser.add_argument("--no-progress", action="store_true", help="no line per mode as it ends (peak, step time, seconds)")
     parser.set_defaults(run=run)
 
 
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", CheckpointWarning)  # printed below as one line, not with a source line
         result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
                                accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
-                               figures=not args.no_figures, verbose=True, warmup_steps=args.warmup_steps)
+                               figures=not args.no_figures, verbose=True, warmup_steps=args.warmup_steps,
+                               progress=not args.no_progress)
     for mode_result in result.results:
         if mode_result.checkpoint_warning():
             print(f"memkit compare: warning: {mode_result.checkpoint_warning()}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-__all__ = ["add_parser", "run", "MODELS"]
+__all__ = ["add_parser", "run", "MODELS", "explain_peaks"]
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -69,7 +69,53 @@ def run(args: argparse.Namespace) -> int:
     for result in layer_trace.results:
         print(f"\nLayer trace of step {result.step} (memory by category; the module table is in TensorBoard's Text tab):")
         print(result.format_categories())
+    explained = explain_peaks(tracker.summary, layer_trace.results[-1] if layer_trace.results else None, trainer)
+    if explained:
+        print("\n" + explained)
     print(f"\nTensorBoard logs: {os.path.abspath(loggers[0].log_dir)}")
     print(f"Open them with:   tensorboard --logdir {args.logdir}   (the Custom Scalars tab is memkit's dashboard)")
     print(f"Offline report:   memkit report {args.logdir} -o memkit_report.html")
     return 0
+
+
+def _dataset_bytes(trainer) -> int | None:
+    """Bytes of the tensors the training dataset holds (its ``tensors``, as a ``TensorDataset`` keeps them, or tensor
+    attributes, as the built-in models' datasets do; each storage once), else ``None``."""
+    import torch
+
+    dataset = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
+    if dataset is None:
+        return None
+    held = list(getattr(dataset, "tensors", None) or ()) + list(getattr(dataset, "__dict__", {}).values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)}
+    return sum(storages.values()) or None
+
+
+def explain_peaks(summary, trace, trainer) -> str | None:
+    """What the run peak of the summary counts, next to the layer trace's peak: the whole process vs the traced step.
+
+    Args:
+        summary: MemoryTracker's :class:`~lightning_memkit.records.RunSummary` (bytes).
+        trace: the last :class:`~lightning_memkit.trace.records.LayerTraceResult`, or ``None``.
+        trainer: the fitted Trainer (its training dataset's tensors, when it holds them, are named in bytes).
+
+    Returns:
+        the explanation (plain text, sizes as ``format_bytes`` writes them), or ``None`` without a run peak.
+    """
+    from lightning_memkit.units import format_bytes
+
+    if summary.peak_bytes is None:
+        return None
+    cuda = (summary.peak_source or "").endswith(("allocated_bytes", "reserved_bytes"))
+    where = "everything the process holds on the GPU" if cuda else "every live tensor of the process"
+    parts = [f"What the peaks count: the run peak ({format_bytes(summary.peak_bytes)} at step {summary.peak_step}) is the whole "
+             f"process, {where}: the model, its gradients and optimizer state, the step's activations, and whatever else is "
+             "alive (the dataset held in memory, tensors of an earlier fit still referenced)."]
+    data = None if cuda else _dataset_bytes(trainer)
+    if data:
+        parts.append(f"The training dataset's tensors alone are {format_bytes(data)}.")
+    if trace is not None:
+        parts.append(f"The layer trace's peak ({format_bytes(trace.peak_bytes)} at step {trace.step}) counts the traced step's "
+                     "tensors by category (parameters, gradients, optimizer state, activations, temporaries): the gap is "
+                     "memory the step did not make.")
+    return "\n".join(parts)

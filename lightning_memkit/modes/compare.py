@@ -12,6 +12,7 @@ import json
 import os
 import re
 import traceback
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ from lightning_memkit.summary_table import format_table
 from lightning_memkit.timing import TIME_SOURCES, StepTimer, TimeSpread, time_spread, within_noise
 from lightning_memkit.units import MiB, format_bytes
 
-__all__ = ["COMPARE_FORMAT", "ModeResult", "CompareResult", "CheckpointWarning", "compare_modes", "read_compare"]
+__all__ = ["COMPARE_FORMAT", "ModeResult", "CompareResult", "CheckpointWarning", "compare_modes", "read_compare", "progress_line"]
 
 #: the ``format`` key of compare.json; bump the number on an incompatible change.
 COMPARE_FORMAT = "lightning-memkit/compare/1"
@@ -543,6 +544,16 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
     return warnings_text
 
 
+def progress_line(index: int, count: int, result: "ModeResult", seconds: float) -> str:
+    """The line ``compare_modes(progress=True)`` prints as mode ``index`` of ``count`` ends: its peak (bytes, as
+    ``format_bytes`` writes them), median step time (ms) and the mode's wall time (seconds), or why it failed."""
+    head = f"memkit compare: mode {index}/{count} {result.mode}"
+    if result.status != "ok":
+        return f"{head}: failed ({str(result.error).splitlines()[0][:200] if result.error else 'no message'}) ({seconds:.1f}s)"
+    step = "-" if result.median_step_time_s is None else f"{result.median_step_time_s * 1000:.1f} ms/step"
+    return f"{head}: peak {format_bytes(result.peak_allocated_bytes)}, {step}, {result.steps} steps ({seconds:.1f}s)"
+
+
 def compare_modes(
     model_factory: Callable[[], Any],
     datamodule_factory: Callable[[], Any] | None = None,
@@ -560,6 +571,7 @@ def compare_modes(
     figures: bool = True,
     verbose: bool = True,
     warmup_steps: int = 3,
+    progress: bool = False,
 ) -> CompareResult:
     """Train a fresh model in each mode for ``max_steps`` steps and compare memory, speed and accuracy.
 
@@ -583,6 +595,8 @@ def compare_modes(
             spread are over the rest; on CUDA they are GPU time (CUDA events, no host synchronisation per
             step), elsewhere wall time. A time ratio is "within noise" when the mode's interquartile
             range overlaps the baseline's.
+        progress: print one line per mode as it ends (its peak, median step time and seconds), so a long
+            comparison shows where it is (``memkit compare`` does; ``--no-progress`` turns it off).
 
     Returns:
         A :class:`CompareResult`, one :class:`ModeResult` per mode (``result["amp"]``): peaks in bytes,
@@ -598,11 +612,14 @@ def compare_modes(
     parsed = parse_modes(modes if not isinstance(modes, Mode) else [modes])
     results = []
     device = "cpu"
-    for mode in parsed:
+    for index, mode in enumerate(parsed, start=1):
         _release_previous_mode()
+        started = time.perf_counter()
         results.append(_run_mode(mode, model_factory, datamodule_factory, max_steps=max_steps, accelerator=accelerator,
                                  devices=devices, root_dir=root_dir, seed=seed, val_batches=val_batches, val_metric=val_metric,
                                  trainer_kwargs=dict(trainer_kwargs or {}), verbose=verbose, warmup_steps=warmup_steps))
+        if progress:
+            print(progress_line(index, len(parsed), results[-1], time.perf_counter() - started), flush=True)
     _release_previous_mode()  # the last mode's model is freed before compare returns, too
     try:
         from lightning_memkit.modes.mode import _device_type

@@ -54,6 +54,7 @@ class SearchResult:
             the next trial would have run past ``max_seconds``).
         estimate_seconds: time spent estimating before the first trial.
         seconds: total wall time, estimate included.
+        estimate_unavailable: why there was no prediction (the estimate's error, ``use_estimate=False``), ``None`` with one.
     """
 
     batch_size: int
@@ -64,6 +65,7 @@ class SearchResult:
     reason: str = ""
     estimate_seconds: float = 0.0
     seconds: float = 0.0
+    estimate_unavailable: str | None = None
 
     @property
     def trial_count(self) -> int:
@@ -76,8 +78,11 @@ class SearchResult:
 
     def table(self) -> str:
         """The trials as a plain-text table."""
-        rows = [(i + 1, t.batch_size, "fits" if t.fits else "out of memory", format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, t in enumerate(self.trials)]
-        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; predicted {self.predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
+        predicted = (f"predicted {self.predicted}" if self.predicted is not None else
+                     f"the estimate was unavailable ({self.estimate_unavailable})" if self.estimate_unavailable else "no estimate")
+        outcomes = ["fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory" for t in self.trials]
+        rows = [(i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, (t, outcome) in enumerate(zip(self.trials, outcomes))]
+        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
         return head + "\n" + format_table(("trial", "batch", "outcome", "peak", "time"), rows)
 
 

@@ -23,7 +23,8 @@ from lightning_memkit.estimate.batches import batch_size_of, preserved_rng
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
+from lightning_memkit.search.core import SearchError, SearchResult, Trial
+from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
 from lightning_memkit.units import format_bytes
 
 __all__ = ["SearchConfig", "search_in_fit", "BatchSizeSearchError", "cuda_capacity_bytes"]
@@ -396,6 +397,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     stop = not communicates
     budget = MemoryBudget(int(config.budget), stop_at_crossing=stop) if config.budget is not None else None
     max_seconds = config.max_seconds
+    limits: TrialLimits | None = None
     if budget is None and device.type == "cpu":
         # Exhausting host RAM rarely raises: Linux's OOM killer ends the process instead. So a CPU search
         # without a budget counts live tensors against most of the RAM that is free now, and fails cleanly.
@@ -403,9 +405,11 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         budget = MemoryBudget(host_search_budget_bytes(), stop_at_crossing=stop)
         if max_seconds is None:
             max_seconds = CPU_MAX_SECONDS
-        _say(trainer, f"memkit: no budget= on CPU: memory is counted against {format_bytes(budget.budget_bytes)} "
-                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now) and the trials stop after "
-                      f"{max_seconds:g}s; give budget= (e.g. budget='2GiB') for a memory limit of your own", config.verbose)
+        # Every trial is bounded before it runs, the first one included (search/limits.py).
+        limits = TrialLimits.for_cpu(budget.budget_bytes, max_seconds)
+        _say(trainer, f"memkit: no budget= on CPU: tensors are counted against {format_bytes(budget.budget_bytes)} "
+                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now); {limits.announcement()}; "
+                      "give budget= (e.g. budget='2GiB') for a memory limit of your own", config.verbose)
     capacity: int | None = None
     if budget is not None:
         capacity = budget.budget_bytes
@@ -450,28 +454,38 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                 )
         growth = predicted = None
         estimate_seconds = 0.0
+        unavailable = None if config.use_estimate else "use_estimate=False"
+        if capacity is None and config.use_estimate:
+            unavailable = "no memory capacity to predict against"
         if config.use_estimate and capacity is not None:
+            _say(trainer, "memkit: estimating the step on fake tensors ...", config.verbose)
             estimate_started = time.perf_counter()
-            growth, predicted = _predict(trainer, module, capacity, device, config)  # the module is wrapped already
+            growth, predicted, unavailable = _predict(trainer, module, capacity, device, config)  # the module is wrapped already
             estimate_seconds = time.perf_counter() - estimate_started
             growth, predicted = outcomes.prediction(growth, predicted)  # every rank must search the same sizes
             if predicted is not None:
                 _say(trainer, f"memkit: the estimate predicts a largest batch of {predicted} in {format_bytes(capacity)} "
                               f"({estimate_seconds:.2f}s)", config.verbose)
+            else:
+                unavailable = unavailable or "another rank's estimate failed"
+        if predicted is None:
+            _say(trainer, f"memkit: the estimate was unavailable ({unavailable}): the search goes by trials alone", config.verbose)
 
         def run_trial(size: int) -> Trial:
             snapshot.restore_requires_grad()  # the last trial may have stopped inside toggle_optimizer's window
-            return _trial(trainer, module, size, config, budget, device, outcomes, communicates)
+            # no deadline where a step communicates: a rank stopped after its step would leave the others waiting
+            trainer.callbacks = [search.deadline] if search.deadline is not None and not communicates else []
+            try:
+                return _trial(trainer, module, size, config, budget, device, outcomes, communicates)
+            finally:
+                trainer.callbacks = []
 
-        def progress(trial: Trial) -> None:
-            outcome = "fits" if trial.fits else "out of memory"
-            _say(trainer, f"memkit: trial {len(search.trials)}: batch {trial.batch_size} -> {outcome}, peak "
-                          f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)", config.verbose)
-
-        search = BatchSizeSearch(run_trial, capacity_bytes=capacity, growth=growth, predicted=predicted,
-                                 init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
-                                 margin=config.margin, max_trials=config.max_trials, on_trial=progress, max_seconds=max_seconds)
+        search = BoundedSearch(run_trial, limits=limits, say=lambda text: _say(trainer, text, config.verbose),
+                               capacity_bytes=capacity, growth=growth, predicted=predicted,
+                               init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
+                               margin=config.margin, max_trials=config.max_trials, max_seconds=max_seconds)
         result = search.run()
+        result.estimate_unavailable = unavailable if predicted is None else None
         if dataset_length is not None and result.batch_size >= dataset_length:
             result.reason = "dataset"
         result.estimate_seconds = estimate_seconds
@@ -501,12 +515,15 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
     compat.reload_train_dataloader(trainer)
     result.seconds = time.perf_counter() - started
     tail = f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})" if config.keep_effective_batch_size else ""
+    bound = (f"{max_seconds or 0:g}s of trials" if limits is None or limits.trial_seconds is None else
+             f"{max_seconds or 0:g}s of trials or {limits.trial_seconds:g}s for one trial")
     limit = {"dataset": f"; no larger batch: the train dataset has {dataset_length} samples (the dataset, not memory, bounds it)",
-             "time": f"; stopped before the next, larger trial would run past {max_seconds or 0:g}s of trials (time, not memory, "
+             "time": f"; stopped before the next, larger trial would run past {bound} (time, not memory, "
                      "bounds it: give max_seconds= or budget=)",
              "max_val": f"; no larger batch tried: max_val={config.max_val}",
              "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
-    _say(trainer, f"memkit: batch size {found} fits ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
+    ran = "fits" if any(t.fits and t.batch_size == found for t in result.trials) else "ran its steps too slowly for a larger one"
+    _say(trainer, f"memkit: batch size {found} {ran} ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
          config.verbose)
     return result
 
@@ -534,10 +551,11 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
         # estimates are not enough: at small batches the peak is often in the optimizer step, flat in batch.)
         prediction = predict_max_batch_size(module, memory, mode=_trainer_mode(trainer), margin=0.0, device=target,
                                             batch=batch, max_val=config.max_val, tolerance=config.margin)
-        return prediction.growth, prediction.batch_size
+        return prediction.growth, prediction.batch_size, None
     except Exception as error:  # the estimate only speeds the search up; trials decide
-        warnings.warn(f"memkit: could not estimate the step ({error}); searching by trials only", RuntimeWarning, stacklevel=2)
-        return None, None
+        why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else 'no message'}"
+        warnings.warn(f"memkit: the estimate was unavailable ({why}); searching by trials only", RuntimeWarning, stacklevel=2)
+        return None, None, why
 
 
 def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: MemoryBudget | None, device: torch.device,
@@ -565,10 +583,12 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
                     trainer.fit_loop.run()
             else:
                 trainer.fit_loop.run()
-        except BaseException as error:  # noqa: BLE001 - only out-of-memory is caught; the rest re-raised
-            if not is_out_of_memory(error):
+        except BaseException as error:  # noqa: BLE001 - only out-of-memory (and a trial past its time limit) is caught
+            if isinstance(error, TrialTooSlow):  # its next step would end past its time limit (search/limits.py)
+                error_text = f"too slow: {error} ({trainer.fit_loop.epoch_loop.global_step} of {config.steps_per_trial} steps ran)"
+            elif not is_out_of_memory(error):
                 raise
-            if communicates:
+            elif communicates:
                 # The other ranks wait in this step's next collective, which this rank will never join.
                 raise BatchSizeSearchError(
                     f"rank {trainer.global_rank} ran out of memory at batch size {size} inside a step of "
@@ -576,8 +596,9 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
                     "cannot go on. Give MaxBatchSize(budget=...) below this device's memory (trials are then judged by "
                     f"their measured peak after the step, on every rank) or a smaller max_val= ({str(error).splitlines()[0][:200]})"
                 ) from None
-            error_text = str(error).splitlines()[0][:300]
-            _reset_scaler(trainer)  # out of memory between the scaler's unscale_ and update: the next trial unscales again
+            else:
+                error_text = str(error).splitlines()[0][:300]
+            _reset_scaler(trainer)  # stopped between the scaler's unscale_ and update: the next trial unscales again
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step
@@ -604,7 +625,8 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     if fits:
         return Trial(size, True, peak, seconds, None)
     if not outcomes.enabled:
-        return Trial(size, False, None, seconds, error_text or "out of memory")
+        slow = (error_text or "").startswith("too slow")  # its steps ran within memory: their peak is known
+        return Trial(size, False, budget.accountant.peak_bytes if slow and budget is not None else None, seconds, error_text or "out of memory")
     failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
     where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
     return Trial(size, False, None, seconds, f"{where}: {error_text}" if error_text else where)

@@ -22,7 +22,7 @@ __all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "MAX_SCALE_RATIO", "dashboa
            "prune_layout", "layout_tags", "check_dashboard", "check_chart", "clipping_problems", "tick_problems",
            "MAX_CLIPPED_FRACTION", "tensorboard_y_range", "tensorboard_ticks", "tick_label", "readable_layout",
            "DASHBOARD_TAG_PART", "COMPARE_CATEGORY", "MAX_TICK_LABEL",
-           "RANK_CATEGORY", "rank_groups"]
+           "RANK_CATEGORY", "rank_groups", "FRAME_TITLE", "FRAME_TAG_PART", "is_frame_tag", "SHORT_LINE_POINTS"]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
@@ -78,6 +78,7 @@ _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
     "peak_tensor": ("modes overlaid: tensor step peak, exact (MiB)", "train", ["peak_tensor_bytes"]),
     "tensor": ("modes overlaid: live tensors at step end, exact (MiB)", "train", ["tensor_bytes"]),
+    "allocated": ("modes overlaid: CUDA allocated at step end (MiB)", "train", ["allocated_bytes"]),
     "peak_reserved": ("modes overlaid: CUDA step peak reserved (MiB)", "train", ["peak_reserved_bytes"]),
     "fragmentation": ("modes overlaid: CUDA fragmentation (MiB)", "train", ["fragmentation_bytes"]),
     "process_device": ("modes overlaid: this process on the device, NVML (MiB)", "train", ["process_device_bytes"]),
@@ -181,7 +182,8 @@ def dashboard_layout(
     nvml = cuda if nvml is None else nvml
     layout: dict[str, dict[str, list[Any]]] = {}
     if compare:
-        keys = ["peak_allocated"] if cuda else ["peak_tensor", "tensor"]
+        # every run's primary charts: its step peak, its live memory at step end, the process (device or host)
+        keys = ["peak_allocated", "allocated"] if cuda else ["peak_tensor", "tensor"]
         keys += ["peak_reserved", "fragmentation"] if cuda else []
         keys += ["process_device"] if cuda and nvml else []
         keys += ["host_rss"] if host else []
@@ -460,7 +462,7 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
         return [f"{title!r}: no data"]
     problems = []
     for run in sorted({run for run, _ in series}):
-        lines = sorted(name for r, name in series if r == run)
+        lines = sorted(name for r, name in series if r == run and not is_frame_tag(name))
         if len(lines) > MAX_SERIES_PER_CHART:
             problems.append(f"{title!r}: {len(lines)} lines for run {run!r} (at most {MAX_SERIES_PER_CHART}): {lines}")
     if all(len({step for step, _ in points}) < 2 for points in series.values()):
@@ -574,11 +576,13 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
         lines it draws, to be written into each run (:func:`~lightning_memkit.tensorboard.dashboard.update_dashboards`
         and MemoryTracker's fit end do).
 
-    Two changes, each where :func:`check_chart` says TensorBoard would draw a chart badly:
+    The changes, each where :func:`check_chart` says TensorBoard would draw a chart badly:
 
-    - a chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few points,
-      e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
-      clipping) is left out; its points are in the memory-per-step figure (Images tab);
+    - no chart is left out. A chart whose lines TensorBoard would cut (:func:`clipping_problems`: a line of a few
+      points, e.g. an exact peak read on one step in ten of a short run, loses its ends to the outlier
+      clipping), or whose short lines (:data:`SHORT_LINE_POINTS`) have raw points outside the range drawn for
+      the smoothed ones, gets two flat lines per run at the lowest and the highest value of its lines
+      (``<prefix>/dashboard/frame/...``, named in the title by :data:`FRAME_TITLE`), so the range holds every point;
     - a chart whose y axis would label a tick at 1,000 or more (:func:`tick_problems`: TensorBoard
       writes 1,400 MiB as "1.4e+3") draws its lines in GiB: "device (NVML), ... (GiB)", lines
       ``<prefix>/dashboard/train/device_used_GiB`` (the logged MiB / 1024, at the same steps);
@@ -600,21 +604,89 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Map
         for title, spec in charts.items():
             regexes = list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
             series = {(run, tag): list(tags[tag]) for run, tags in runs.items() for tag in _matching(regexes, tags) if tags[tag]}
-            if series and clipping_problems(title, series, smoothing):
-                continue
-            if series and tick_problems(title, series, smoothing) and all(tag.endswith("_MiB") for _, tag in series):
-                _, (low, high) = _drawn(series, smoothing)
+            framed = bool(series) and bool(clipping_problems(title, series, smoothing) or _short_raw_outside(series, smoothing))
+            drawn = {**series, **_frame_lines(series)} if framed else dict(series)
+            display = None  # (unit, factor from MiB, base, the base as the title writes it, as the tag writes it)
+            if series and tick_problems(title, drawn, smoothing) and all(tag.endswith("_MiB") for _, tag in series):
+                _, (low, high) = _drawn(drawn, smoothing)
                 large = any(abs(t) >= MAX_TICK_LABEL for t in tensorboard_ticks(low, high))
-                for unit, factor, base, text, plain in _displays([v for points in series.values() for _, v in points], large):
-                    redrawn = {(run, _rebased(tag, prefix, unit, plain, is_regex=False)): [(step, round(v * factor - base, 6)) for step, v in points]
-                               for (run, tag), points in series.items()}
-                    if tick_problems(title, redrawn, smoothing) or clipping_problems(title, redrawn, smoothing):
+                for candidate in _displays([v for points in series.values() for _, v in points], large):
+                    unit, factor, base, _, _ = candidate
+                    redrawn = {key: [(step, round(v * factor - base, 6)) for step, v in points] for key, points in drawn.items()}
+                    if not (tick_problems(title, redrawn, smoothing) or clipping_problems(title, redrawn, smoothing)):
+                        display = candidate
+                        break
+            if display is not None:
+                unit, factor, base, text, plain = display
+                named = unit if plain is None else f"{unit} above {text}"
+                title = title.replace("(MiB", f"({named}", 1) if "(MiB" in title else f"{title} ({named})"
+                regexes = [_rebased(r, prefix, unit, plain) for r in regexes]
+                for (run, tag), points in series.items():
+                    lines.setdefault(run, {})[_rebased(tag, prefix, unit, plain, is_regex=False)] = \
+                        [(step, round(v * factor - base, 6)) for step, v in points]
+            if framed:
+                unit, factor, base = display[:3] if display is not None else ("MiB", 1.0, 0.0)
+                frame_tags = set()
+                for (run, key), points in drawn.items():
+                    if key not in _FRAME_KEYS:
                         continue
-                    named = unit if plain is None else f"{unit} above {text}"
-                    title = title.replace("(MiB", f"({named}", 1) if "(MiB" in title else f"{title} ({named})"
-                    regexes = [_rebased(r, prefix, unit, plain) for r in regexes]
-                    for (run, tag), points in redrawn.items():
-                        lines.setdefault(run, {})[tag] = points
-                    break
+                    value = round(points[0][1] * factor - base, 6)
+                    tag = _frame_tag(prefix, next(tag for r, tag in sorted(series) if r == run), key, value, unit)
+                    frame_tags.add(tag)
+                    lines.setdefault(run, {})[tag] = [(step, value) for step, _ in points]
+                regexes = regexes + ["^(" + "|".join(re.escape(t) for t in sorted(frame_tags)) + ")$"]
+                title += FRAME_TITLE
             readable.setdefault(category, {})[title] = ["Multiline", regexes]
     return readable, lines
+
+
+#: what a framed chart's title ends with: :func:`readable_layout` draws two flat lines, at the lowest and the highest value
+#: of the chart's lines, so TensorBoard's default y range (outliers ignored) holds every point of a short line.
+FRAME_TITLE = "; flat lines: lowest, highest"
+#: the path part of a frame line's tag: ``<prefix>/dashboard/frame/train/peak_tensor/low_4.43_MiB``.
+FRAME_TAG_PART = DASHBOARD_TAG_PART + "/frame"
+_FRAME_KEYS = ("<frame: lowest>", "<frame: highest>")
+
+
+#: a line of at most this many points is short (a short run, a sparse logging interval, a sampled peak): its raw
+#: points, drawn faint behind the smoothed line, must lie in the drawn y range too, else the chart is framed.
+SHORT_LINE_POINTS = 10
+
+
+def _short_raw_outside(series: Mapping[tuple[str, str], Sequence[tuple[float, float]]], smoothing: float) -> bool:
+    """Whether a chart of short lines (:data:`SHORT_LINE_POINTS`) draws a raw point outside its y range: TensorBoard
+    scales to the smoothed lines, so the last raw point of a short rising line is often cut off at the top."""
+    if not series or max(len(points) for points in series.values()) > SHORT_LINE_POINTS:
+        return False
+    _, (low, high) = _drawn(series, smoothing)
+    return any(not low <= v <= high for points in series.values() for _, v in points)
+
+
+def is_frame_tag(tag: str) -> bool:
+    """Whether ``tag`` is a frame line of the dashboard (:data:`FRAME_TITLE`), not a reading."""
+    return f"/{FRAME_TAG_PART}/" in tag
+
+
+def _frame_lines(series: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Two flat lines per run, at the lowest and the highest value of every line of the chart (all runs), at the
+    steps that run's lines were logged at: with them at least a third of the chart's points lie at each end, so
+    TensorBoard's 5th-95th percentile range spans every value of the lines however few their points."""
+    values = [v for points in series.values() for _, v in points]
+    low, high = min(values), max(values)
+    frames: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for run in sorted({run for run, _ in series}):
+        steps = sorted({step for (r, _), points in series.items() if r == run for step, _ in points})
+        frames[(run, _FRAME_KEYS[0])] = [(step, low) for step in steps]
+        frames[(run, _FRAME_KEYS[1])] = [(step, high) for step in steps]
+    return frames
+
+
+def _frame_tag(prefix: str, tag: str, key: str, value: float, unit: str) -> str:
+    """The tag of a frame line of the chart whose first line is ``tag``: it names its value, so a chart drawn again
+    with another range (a compare root that got a mode) gets new lines, not values written twice at one step."""
+    head = prefix + "/"
+    body = tag[len(head):] if tag.startswith(head) else tag
+    body = re.sub(r"/rank[0-9]+/", "/ranks/", body)
+    body = re.sub(r"_(B|KiB|MiB|GiB)$", "", body)
+    side = "low" if key == _FRAME_KEYS[0] else "high"
+    return f"{prefix}/{FRAME_TAG_PART}/{body}/{side}_{value:.6f}".rstrip("0").rstrip(".") + f"_{unit}"

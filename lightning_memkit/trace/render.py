@@ -56,7 +56,7 @@ def _phase(event: TraceEvent) -> str:
 
 
 def format_trace_table(result: LayerTraceResult, max_depth: int | None = None, markers: bool = True) -> str:
-    """The seed's table: one line per event, modules indented by depth.
+    """The layer-trace table: one line per event, modules indented by depth.
 
     Columns: module (``name (Class)``, ``#n`` for the n-th call of a module used more than
     once), phase, delta MiB (blank when nothing changed), live MiB, saved MiB (forward events:
