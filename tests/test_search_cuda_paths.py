@@ -77,7 +77,7 @@ class ScaledMLP(DemoMLP):
 def _fit_with_scaler(tmp_path, accelerator, plugins, precision=None):
     data = SyntheticDataModule(batch_size=4, train_size=256, val_size=8, input_shape=(FEATURES,))
     model = ScaledMLP()
-    search = MaxBatchSize(budget="1GiB" if accelerator == "cpu" else None, init_val=4, max_val=64, use_estimate=False,
+    search = MaxBatchSize(budget="1GiB" if accelerator == "cpu" else None, init_val=4, max_val=16, use_estimate=False,
                           verbose=False)
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=3, plugins=plugins, precision=precision,
                          callbacks=[search], logger=False, enable_progress_bar=False, enable_checkpointing=False,

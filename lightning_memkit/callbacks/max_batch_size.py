@@ -174,11 +174,9 @@ class MaxBatchSize(Callback):
         of = f" of the {format_bytes(result.capacity_bytes)} budget" if result.capacity_bytes else ""
         peak = f"trial peak {format_bytes(peaks[-1])}{of}" if peaks else f"trials within{of or ' memory'}"
         if getattr(self, "_peak_counts", "tensors") == "tensors":
-            counts = ("that peak counts one training step's tensors (the model's state, the batch, what the step "
-                      "allocates); the run peak counts every live tensor of the process (datasets, other callbacks' tensors too)")
+            counts = "counts one step's tensors (model state, batch, step); the run peak, every live tensor of the process"
         else:
-            counts = ("that peak is the CUDA allocator's reserved bytes during one trial; the run peak is allocated bytes "
-                      "over the whole run")
+            counts = "is the allocator's reserved bytes in one trial; the run peak, allocated bytes over the run"
         return f"batch {result.batch_size}: {peak}; {counts}"
 
     def _reuse(self, trainer: Trainer, pl_module: LightningModule) -> int:
