@@ -77,7 +77,8 @@ class SearchResult:
     def table(self) -> str:
         """The trials as a plain-text table."""
         rows = [(i + 1, t.batch_size, "fits" if t.fits else "out of memory", format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, t in enumerate(self.trials)]
-        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; predicted {self.predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
+        predicted = "no prediction" if self.predicted is None else f"predicted {self.predicted}"
+        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
         return head + "\n" + format_table(("trial", "batch", "outcome", "peak", "time"), rows)
 
 
