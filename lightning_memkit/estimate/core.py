@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -30,7 +31,15 @@ from lightning_memkit.estimate.allocator import (
 )
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, is_fake
+from lightning_memkit.estimate.fake import (
+    NOT_ANSWERED,
+    REAL_VALUES_NUMEL,
+    FakeSession,
+    FakeStepOps,
+    fake_parameter,
+    is_fake,
+    keeps_real_values,
+)
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -183,7 +192,10 @@ class _StepAccountant(TensorAccountant):
             if func is _ITEM and self.optimizer_phase and type(answer) is float:
                 return OPTIMIZER_FLOAT_PLACEHOLDER
             return answer
-        if func is _BINCOUNT:
+        result = ops.run_real(func, args, kwargs)  # masks, token ids and positions keep their real values
+        if result is not NOT_ANSWERED:
+            pass
+        elif func is _BINCOUNT:
             result = _fake_bincount(args, kwargs)
             if result is None:
                 result = func(*args, **(kwargs or {}))
@@ -503,6 +515,15 @@ def reusing_fake_copies() -> Iterator[None]:
         _CACHE.reset(token)
 
 
+def _rebatched(session: FakeSession, tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """``tensor`` grown or cut to ``size`` rows for the fake step: rows repeated for real when the result keeps real
+    values (:func:`keeps_real_values`: token ids, masks, labels), else an empty fake of the new shape."""
+    shape = (size, *tensor.shape[1:])
+    if keeps_real_values(tensor) and math.prod(shape) <= REAL_VALUES_NUMEL:
+        return tensor.index_select(0, torch.arange(size) % tensor.shape[0])
+    return session.empty(shape, tensor.dtype, "cpu")
+
+
 def _cpu_fake(session: FakeSession, tensor: torch.Tensor) -> torch.Tensor:
     """A fake CPU tensor with ``tensor``'s shape, strides and dtype, wherever ``tensor`` lives (CPU, CUDA,
     meta): the fake step runs on CPU fakes only, so parameters and batch always share one device and a
@@ -641,8 +662,9 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
             if fake:
                 session, module_copy = _fake_module(module, attached)
                 if batch_size is not None:
-                    batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, "cpu"))
-                batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+                    batch = rebatch(batch, batch_size, lambda t, n: _rebatched(session, t, n))
+                batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf)
+                                 else leaf, batch)
                 context = session.active
                 step_context = session.fake_mode_only  # the accountant does the rest (FakeStepOps)
                 if target.type != "cuda" and any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:

@@ -17,7 +17,44 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps"]
+__all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps", "REAL_VALUES_NUMEL",
+           "keeps_real_values"]
+
+#: The most elements a tensor of integers or booleans may have to keep its real values in a fake step (2**21:
+#: 16 MiB of int64). See :func:`keeps_real_values`.
+REAL_VALUES_NUMEL = 1 << 21
+
+
+def keeps_real_values(tensor: Any) -> bool:
+    """Whether ``tensor`` stays a real tensor in a fake step: a real (not fake) CPU tensor of integers or booleans
+    with at most :data:`REAL_VALUES_NUMEL` elements (token ids, attention masks, labels, positions, counters).
+
+    Libraries decide what to run by looking at such tensors: transformers drops an all-ones attention mask
+    unless the mask "is tracing" (``isinstance(mask, FakeTensor)``), reads ``mask.all()``, takes ``nonzero`` of
+    labels. A fake answers none of those as the real tensor does, so the fake step would build what the real
+    step never builds. Kept real, they answer exactly; the ops whose tensor inputs are all such tensors run
+    for real (:meth:`FakeStepOps.run_real`), and a real tensor that meets a fake becomes a fake (FakeTensorMode's
+    ``allow_non_fake_inputs``). Their memory is counted as any other output: a real step allocates the same
+    bytes. Floating-point tensors (activations, parameters) always stay fake.
+    """
+    return (isinstance(tensor, torch.Tensor) and not is_fake(tensor) and tensor.layout is torch.strided
+            and tensor.device.type == "cpu" and not (tensor.is_floating_point() or tensor.is_complex())
+            and tensor.numel() <= REAL_VALUES_NUMEL and not torch.nn.parameter.is_lazy(tensor))
+
+
+def _flat_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments (nested lists, tuples and dicts)."""
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
 
 
 def _fake_tensor_module():
@@ -207,10 +244,99 @@ class FakeStepOps:
         return True
 
     def adjust(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
-        """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer)."""
+        """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer; a norm's saved
+        statistics in the dtype the real kernel gives them, see :func:`norm_statistics_dtypes`; a small integer
+        or boolean tensor made from nothing, e.g. ``torch.arange(length)``, real as in :meth:`run_real`)."""
         if func in self.loss_ops:
             return _with_loss_buffer(args, kwargs, out)
+        if isinstance(out, tuple) and _norm_kind(func) is not None:
+            return _with_real_statistics_dtypes(func, args, kwargs, out)
+        if (type(out) is self._fake_type and out.device.type == "cpu" and not (out.is_floating_point() or out.is_complex())
+                and out.numel() <= REAL_VALUES_NUMEL and not _flat_tensors((args, kwargs))):
+            return self.run_real(func, args, kwargs, factory=True)
         return out
+
+    def run_real(self, func: Any, args: Any, kwargs: Any = None, factory: bool = False) -> Any:
+        """``func(*args, **kwargs)`` run for real, below every dispatch mode, when its tensor arguments all keep real
+        values (:func:`keeps_real_values`: masks, token ids, positions), else :data:`NOT_ANSWERED`. Its outputs are
+        real tensors answering value queries (``mask.all()``, ``nonzero``, ``item``) as in the real step. With
+        ``factory`` (an op with no tensor argument, whose fake result was small and integral) it runs regardless."""
+        if not factory:
+            tensors = _flat_tensors((args, kwargs))
+            if not tensors or not all(keeps_real_values(tensor) for tensor in tensors):
+                return NOT_ANSWERED
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return func(*args, **(kwargs or {}))
+
+
+#: aten norm ops whose saved statistics (mean, rstd / invstd) may be float32 on a reduced-precision input
+_NORM_OPS = {"aten::native_layer_norm": "layer", "aten::native_batch_norm": "batch", "aten::_native_batch_norm_legit": "batch",
+             "aten::_native_batch_norm_legit_functional": "batch", "aten::_native_batch_norm_legit_no_training": "batch",
+             "aten::native_group_norm": "group"}
+_NORM_KIND: dict[Any, str | None] = {}
+_NORM_DTYPES: dict[tuple, tuple | None] = {}
+
+
+def _norm_kind(func: Any) -> str | None:
+    kind = _NORM_KIND.get(func, False)
+    if kind is False:
+        schema = getattr(func, "_schema", None)
+        kind = _NORM_KIND[func] = _NORM_OPS.get(schema.name) if schema is not None else None
+    return kind
+
+
+def norm_statistics_dtypes(func: Any, args: Any, kwargs: Any = None) -> tuple[torch.dtype, ...] | None:
+    """The dtypes of the outputs of the norm op ``func(*args, **kwargs)`` (``native_layer_norm``, the batch norms,
+    ``native_group_norm``) as this torch's real CPU kernel gives them, asked once per op and argument dtypes by
+    running it on a tiny real copy of the arguments; ``None`` for another op or when it cannot be asked.
+
+    torch's meta kernels give every output the input's dtype; the real kernels save the statistics in float32
+    for a bf16/fp16 input with float32 weights (CPU autocast leaves norms to their inputs: LayerNorm after a
+    bf16 Linear), and the batch norms do for any bf16 input. The bytes differ by 2 per statistic."""
+    kind = _norm_kind(func)
+    if kind is None or not args or not isinstance(args[0], torch.Tensor) or kwargs:
+        return None
+    key = (func, tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args), tuple(type(a) for a in args))
+    if key in _NORM_DTYPES:
+        return _NORM_DTYPES[key]
+    x = args[0]
+    answer = None
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            tiny = list(args)
+            if kind == "layer":
+                tiny[0] = torch.ones((1, *args[1]), dtype=x.dtype)
+            elif kind == "batch":
+                tiny[0] = torch.ones((2, x.shape[1]), dtype=x.dtype) if x.dim() > 1 else torch.ones(2, dtype=x.dtype)
+            else:  # group: (input, weight, bias, N, C, HxW, group, eps)
+                tiny[0] = torch.ones((1, x.shape[1], 1), dtype=x.dtype)
+                tiny[3], tiny[5] = 1, 1
+            for index in range(1, len(tiny)):
+                value = args[index]
+                if isinstance(value, torch.Tensor):
+                    tiny[index] = torch.ones(tuple(value.shape), dtype=value.dtype)
+            out = func(*tiny)
+            answer = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in out)
+    except Exception:  # noqa: BLE001 - an argument form not foreseen: leave the meta kernel's dtypes
+        answer = None
+    _NORM_DTYPES[key] = answer
+    return answer
+
+
+def _with_real_statistics_dtypes(func: Any, args: Any, kwargs: Any, out: tuple) -> tuple:
+    """``out`` with each fake output whose dtype the real kernel gives otherwise replaced by an empty fake of that dtype."""
+    dtypes = norm_statistics_dtypes(func, args, kwargs)
+    if dtypes is None or len(dtypes) != len(out):
+        return out
+    fixed = list(out)
+    for index, (tensor, dtype) in enumerate(zip(out, dtypes)):
+        if index and dtype is not None and is_fake(tensor) and tensor.dtype != dtype:
+            fixed[index] = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device=tensor.device)
+    return tuple(fixed)
 
 
 def fake_device_query(args: Any, fake_type: Any = None) -> Any:
