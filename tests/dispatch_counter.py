@@ -30,7 +30,9 @@ def _storage(tensor: Any):
 
 class StorageCounter(TorchDispatchMode):
     """Counts, in bytes, the storages alive before (``existing``: counted once by data pointer) and those every op
-    creates while active; ``peak_bytes`` is the highest total seen."""
+    creates while active (an output sharing an input's storage, a view or an in-place result, is not new, except
+    ``lift_fresh``'s: ``torch.tensor(data)`` shows the dispatcher a tensor it made outside it);
+    ``peak_bytes`` is the highest total seen."""
 
     def __init__(self, existing: Iterable[Any] = ()) -> None:
         super().__init__()
@@ -47,9 +49,12 @@ class StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         out = func(*args, **(kwargs or {}))
+        inputs = set()
+        if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(data): made outside the dispatcher, new all the same
+            inputs = {storage.data_ptr() for storage in map(_storage, tree_flatten((args, kwargs))[0]) if storage is not None}
         for tensor in tree_flatten(out)[0]:
             storage = _storage(tensor)
-            if storage is None or storage.data_ptr() in self.known:
+            if storage is None or storage.data_ptr() in self.known or storage.data_ptr() in inputs:
                 continue  # a view, an in-place result or a storage from before
             pointer = storage.data_ptr()
             self.known[pointer] = storage.nbytes()
