@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 import contextvars
@@ -345,6 +347,8 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
             finally:
                 acc.optimizer_phase = False
         attributor.assign_optimizers([optimizer])  # state made lazily by the first step
+        if trainer is not None and hasattr(trainer, "global_step"):
+            trainer.global_step += 1  # as the fit loop counts optimizer steps
 
 
 class _ManualStrategy:
@@ -470,10 +474,25 @@ def _optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callabl
         def configured(copy_: nn.Module) -> torch.optim.Optimizer:
             with _hook(f"{type(module).__name__}.configure_optimizers"):
                 returned = copy_.configure_optimizers()
-            return _first_optimizer(returned)
+            optimizer = _first_optimizer(returned)
+            _give_trainer_optimizers(copy_, returned)
+            return optimizer
 
         return configured
     raise EstimateError(f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)")
+
+
+def _give_trainer_optimizers(module_copy: nn.Module, returned: Any) -> None:
+    """What ``self.trainer.optimizers`` and ``self.lr_schedulers()`` answer during fit: the optimizers and
+    scheduler configs of what the copy's ``configure_optimizers`` returned, read by Lightning's own parser."""
+    trainer = getattr(module_copy, "_trainer", None)
+    if trainer is None or not hasattr(trainer, "lr_scheduler_configs"):
+        return
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+    optimizers, schedulers, monitor = _configure_optimizers(returned)
+    trainer.optimizers = optimizers
+    trainer.lr_scheduler_configs = _configure_schedulers_automatic_opt(schedulers, monitor)
 
 
 def _cuda_allowances(module: nn.Module) -> tuple[int, int]:
@@ -606,6 +625,36 @@ def _attach_trainer(module_copy: nn.Module, trainer: Any, batches: int | None, m
     attach_stand_in_trainer(module_copy, stand_in)
 
 
+def _library_directories() -> tuple[str, ...]:
+    """Directories whose files are not the user's: memkit, torch, Lightning, the standard library, installed packages."""
+    import site
+    import sysconfig
+
+    import lightning_memkit
+
+    places = [os.path.dirname(lightning_memkit.__file__), os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
+    places += list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    try:
+        import lightning
+
+        places.append(os.path.dirname(lightning.__file__))
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(os.path.realpath(place) + os.sep for place in places if place)
+
+
+def _user_line(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback in the user's own code (not memkit, torch,
+    Lightning, the standard library or an installed package), or ``""``."""
+    libraries = _library_directories()
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = os.path.realpath(frame.filename)
+        if not frame.filename.startswith("<") and not path.startswith(libraries):
+            found = f"{frame.filename}:{frame.lineno}"
+    return found
+
+
 def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateError:
     where = "on fake tensors" if fake else "on a real copy"
     if isinstance(error, _HookFailed):
@@ -613,6 +662,9 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
     else:
         hook, cause = f"the training step of {type(module).__name__}", error
     text = f"{type(cause).__name__}: {cause}"
+    where_in_user_code = _user_line(cause)
+    if where_in_user_code:
+        hook = f"{hook} ({where_in_user_code})"
     hint = ""
     if "data-dependent" in text.lower() or "DynamicOutputShape" in type(cause).__name__:
         hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a "
