@@ -117,3 +117,18 @@ def test_an_estimate_of_a_module_with_torchmetrics_prints_no_library_warning_and
                 del loss
                 optimizer.step()
     assert abs(estimate.peak_bytes - counter.peak_bytes) <= 64
+
+
+def test_a_compiled_lightning_module_is_estimated_as_its_eager_program_with_a_note():
+    from lightning_memkit.estimate.core import COMPILED_NOTE, compiled_original
+
+    module = MetricModule()
+    compiled = torch.compile(module)  # Trainer.fit takes it; compiling happens at the first call only
+    assert compiled_original(compiled) is module and compiled_original(module) is None  # pins OptimizedModule._orig_mod
+    eager = estimate_memory(module, 4, device="cpu")
+    estimate = estimate_memory(compiled, 4, device="cpu")
+    assert estimate.peak_bytes == eager.peak_bytes and estimate.by_category == eager.by_category
+    assert COMPILED_NOTE in estimate.notes and COMPILED_NOTE not in eager.notes
+    from lightning_memkit.estimate import predict_max_batch_size
+
+    assert predict_max_batch_size(compiled, "64MiB", device="cpu").batch_size == predict_max_batch_size(module, "64MiB", device="cpu").batch_size

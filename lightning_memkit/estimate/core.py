@@ -852,8 +852,33 @@ def estimate_memory(
         NoBatchError: no batch anywhere (the message says what to pass).
         EstimateError: the step cannot run on fake tensors; the message names the hook that failed
             (``configure_optimizers``, ``training_step``, the backward, the optimizer step) and the error.
+
+    A ``torch.compile``'d module (``OptimizedModule``, as ``Trainer.fit`` takes it) is estimated as the eager
+    program of the module it wraps, and every such estimate carries a note saying so.
     """
-    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    original = compiled_original(module)
+    if original is None:
+        return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    estimate = _run(original, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    estimate.notes.append(COMPILED_NOTE)
+    return estimate
+
+
+#: the note on an estimate of a ``torch.compile``'d module
+COMPILED_NOTE = ("torch.compile: this is the eager program's figure (the module torch.compile wraps, run without "
+                 "compiling); the compiled program's memory differs (fused kernels, other saved tensors)")
+
+
+def compiled_original(module: Any) -> nn.Module | None:
+    """The module a ``torch.compile``'d ``module`` wraps (``OptimizedModule._orig_mod``), or ``None`` when ``module``
+    is not one. Reads torch's private ``torch._dynamo.eval_frame.OptimizedModule``, pinned by tests/test_fake_values.py."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return None
+    if isinstance(module, OptimizedModule):
+        return getattr(module, "_orig_mod", None)
+    return None
 
 
 def measure_training_step(

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate.batches import batch_size_of
-from lightning_memkit.estimate.core import EstimateError, MemoryEstimate, _prepare, estimate_memory, reusing_fake_copies
+from lightning_memkit.estimate.core import (
+    EstimateError,
+    MemoryEstimate,
+    _prepare,
+    compiled_original,
+    estimate_memory,
+    reusing_fake_copies,
+)
 from lightning_memkit.units import format_bytes
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
@@ -194,6 +201,7 @@ def predict_max_batch_size(
         raise ValueError(f"world_size={world_size!r} needs strategy= (e.g. strategy='ddp'): without one the estimate is one process's")
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
+    module = compiled_original(module) or module  # a torch.compile'd module: its eager program (see estimate_memory)
     with reusing_fake_copies():  # one fake copy and one sample batch serve every size
         return _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs)
 
