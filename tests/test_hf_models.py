@@ -147,3 +147,13 @@ def test_the_fake_step_keeps_the_loaders_mask_real_and_floats_fake():
     assert keeps_real_values(torch.ones(4, SEQ, dtype=torch.long)) and keeps_real_values(torch.ones(3, dtype=torch.bool))
     assert not keeps_real_values(torch.ones(4, SEQ))  # activations' dtypes stay fake
     assert not keeps_real_values(torch.ones(REAL_VALUES_NUMEL + 1, dtype=torch.int8))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cuda_target_bf16_decoder_runs_flash_attention_with_and_without_the_all_ones_mask():
+    # with the mask built on fakes, SDPA got an attn_mask and the CUDA estimate assumed memory-efficient attention
+    estimates = {mask: estimate_memory(HFModule("llama", mask=mask), BATCH, device="cuda", gpu="h100", mode="bf16") for mask in (True, False)}
+    for estimate in estimates.values():
+        (kernels,) = [note for note in estimate.notes if note.startswith("CUDA kernels assumed")]
+        assert "attention: flash" in kernels
+    assert estimates[True].peak_bytes - estimates[False].peak_bytes == BATCH * SEQ * 8  # the loader's mask only
