@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 __all__ = ["log_dir", "logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured", "StandInTrainer",
@@ -189,7 +190,9 @@ class StandInTrainer:
 
     A LightningModule's ``configure_optimizers`` (and sometimes ``training_step``) reads the trainer:
     ``self.trainer.estimated_stepping_batches`` to size a warm-up + cosine schedule, ``max_steps``,
-    ``max_epochs``, ``num_devices``, ``world_size``, ``precision``, ``global_step``... The estimate
+    ``max_epochs``, ``num_devices``, ``world_size``, ``precision``, ``global_step``, ``current_epoch``,
+    ``log_dir`` (a path; nothing is created there), and, once the estimate has called the module's own
+    ``configure_optimizers``, ``optimizers`` and ``lr_scheduler_configs`` (``self.lr_schedulers()``). The estimate
     attaches this object to its *copy* of the module, never to the user's module. Values are those a
     ``Trainer(**settings)`` would give at the start of ``fit`` (step 0, epoch 0, one device on rank 0),
     or, when the module is attached to a real Trainer, read from it. Memory does not depend on these
@@ -203,7 +206,7 @@ class StandInTrainer:
 
     def __init__(self, *, max_steps: int = -1, max_epochs: int | None = None, num_training_batches: int | float = 1,
                  accumulate_grad_batches: int = 1, num_devices: int = 1, num_nodes: int = 1, precision: str = "32-true",
-                 datamodule: Any = None, lightning_module: Any = None) -> None:
+                 datamodule: Any = None, lightning_module: Any = None, log_dir: str | None = None) -> None:
         if max_epochs is None:
             max_epochs = DEFAULT_MAX_EPOCHS if max_steps == -1 else -1
         self.max_steps = max_steps
@@ -233,7 +236,9 @@ class StandInTrainer:
         self.lr_scheduler_configs: list[Any] = []
         self.gradient_clip_val = None
         self.gradient_clip_algorithm = None
-        self.log_dir = None
+        # what Trainer() would give (its default logger's directory); a path, nothing is created there
+        self.log_dir = log_dir if log_dir is not None else os.path.join(os.getcwd(), "lightning_logs", "version_0")
+        self.default_root_dir = os.getcwd()
         self.limit_train_batches = 1.0
         self.val_check_interval = 1.0
         self.check_val_every_n_epoch = 1
@@ -267,7 +272,8 @@ class StandInTrainer:
             for name, read in (("max_steps", lambda t: t.max_steps), ("max_epochs", lambda t: t.max_epochs),
                                ("accumulate_grad_batches", lambda t: t.accumulate_grad_batches),
                                ("num_devices", lambda t: t.num_devices), ("num_nodes", lambda t: t.num_nodes),
-                               ("precision", lambda t: str(t.precision)), ("datamodule", lambda t: t.datamodule)):
+                               ("precision", lambda t: str(t.precision)), ("datamodule", lambda t: t.datamodule),
+                               ("log_dir", lambda t: t.log_dir)):
                 try:
                     value = read(trainer)
                 except Exception:  # noqa: BLE001 - a property that needs a running fit keeps the default

@@ -372,3 +372,38 @@ def test_fsdp2_reading_equals_an_independent_gc_count(tmp_path):
         assert reading == counted and peak > reading
     # parameters, their gradients and Adam's two moments (plus a 4-byte step per tensor), the batch besides
     assert steps[1][0] - 4 * states > 0 and steps[1][0] == steps[0][0]
+
+
+def test_an_accountant_exited_below_another_mode_leaves_that_mode_active():
+    # TorchDispatchMode.__exit__ pops the top of the stack: MemoryTracker pausing its accountant between two
+    # micro-batches while LayerTrace's accountant sat above it used to pop LayerTrace's instead of its own.
+    from lightning_memkit.accounting._torch_compat import dispatch_mode_stack
+
+    below, above = TensorAccountant(), TensorAccountant()
+    below.__enter__()
+    above.__enter__()
+    try:
+        below.__exit__(None, None, None)
+        assert dispatch_mode_stack() == [above]
+        x = torch.ones(256)  # 1 KiB, seen by the mode still active, not by the one that left
+        assert above.current_bytes == 1024 and below.current_bytes == 0
+        below.__exit__(None, None, None)  # not on the stack: nothing happens
+        assert dispatch_mode_stack() == [above]
+    finally:
+        above.__exit__(None, None, None)
+    assert dispatch_mode_stack() == []
+    del x
+
+
+def test_torch_compat_mode_stack_functions_are_where_the_accountant_reads_them():
+    # pins the private torch.utils._python_dispatch functions behind accounting/_torch_compat.py
+    from torch.utils import _python_dispatch
+
+    from lightning_memkit.accounting import _torch_compat
+
+    for name in ("_get_current_dispatch_mode_stack", "_pop_mode", "_push_mode"):
+        assert callable(getattr(_python_dispatch, name)), name
+    mode = TensorAccountant()
+    with mode:
+        assert _torch_compat.dispatch_mode_stack() == [mode]
+    assert _torch_compat.dispatch_mode_stack() == []

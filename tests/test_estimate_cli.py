@@ -155,7 +155,7 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     out_json = tmp_path / "ranks.json"
     status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--device", "cpu",
                    "--strategy", ",".join(strategies), "--world-size", "8", "--max-world-size", "16", "--wrap", "Linear",
-                   "--device-memory", str(memory), "--modes", "baseline,bf16", "--json", str(out_json)])
+                   "--device-memory", f"{memory}B", "--modes", "baseline,bf16", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert status == 0
     header, rows = _table(out, "strategy")
@@ -242,3 +242,39 @@ def test_meta_init_estimates_what_the_module_with_weights_estimates(tmp_path, ca
     for result in results:
         result["estimate"]["elapsed_s"] = result["estimate"]["single"]["elapsed_s"] = 0.0
     assert results[0] == results[1]
+
+
+# ------------------------------------------------------------------------------------------ CLI syntax and exit codes
+def test_a_bare_device_memory_number_is_refused_naming_the_unit_to_write(capsys):
+    # '16' read as bytes answered "does not fit in 15 B": a device's memory is never a handful of bytes
+    assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "16", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("memkit estimate: --device-memory 16 has no unit; write --device-memory 16GiB (or 16GB, decimal; "
+                   "a byte count as 16B)")
+    assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "16", "--device", "cpu", "--modes", "bf16"]) == 2
+
+
+def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(capsys):
+    from lightning_memkit.zoo import DemoTransformer
+
+    needs = {mode: estimate_memory(DemoTransformer(**TINY), 1, mode=mode, device="cpu").required_bytes for mode in ("baseline", "bf16")}
+    small, large = sorted(needs, key=needs.get)
+    assert needs[small] < needs[large]  # bf16 autocast on CPU keeps bf16 weight copies beside the fp32 ones
+    memory = (needs[small] + needs[large]) // 2  # batch 1 fits in one mode, not in the other
+    status = main(["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(TINY), "--device-memory",
+                   f"{memory}B", "--device", "cpu", "--modes", "baseline,bf16", "--margin", "0"])
+    captured = capsys.readouterr()
+    assert status == 1  # one requested mode failed: the command failed, though the other row is printed
+    _, rows = _table(captured.out, "mode")
+    assert rows[(small,)][5] == "1" and rows[(large,)][1:] == ["-"] * 6  # max batch 1; nothing for the other
+    (line,) = [line for line in captured.err.splitlines() if line.startswith(f"memkit estimate: mode {large}:")]
+    assert f"it needs {format_bytes(needs[large])}" in line
+    assert "--modes checkpoint" in line and "mode=" not in line and "'" not in line
+
+
+def test_the_search_summary_says_no_prediction_rather_than_none():
+    from lightning_memkit.search.core import SearchResult, Trial
+
+    result = SearchResult(batch_size=8, trials=[Trial(8, True, 1024, 0.5)], reason="max_val")
+    assert "None" not in result.table() and "no prediction" in result.table().splitlines()[0]
+    assert "predicted 12," in SearchResult(batch_size=8, predicted=12, reason="converged").table()

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -486,3 +487,56 @@ def test_traced_steps_leave_the_next_steps_start_as_an_untraced_run_has_it(tmp_p
     traced = fit(LayerTrace(at_steps=(0, 1), verbose=False))
     assert [graphs for _, graphs in traced] == [0, 0, 0]
     assert traced == baseline
+
+
+class _MetricAccumulating(pl.LightningModule):
+    """A step whose activations dominate, updating torchmetrics metrics (one called like a module, one with a
+    list state, whose hash changes with every update) and logging one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+        self.train_loss = torchmetrics.MeanMetric()
+        self.losses = torchmetrics.CatMetric()
+        self.data = torch.randn(1024, 64, generator=torch.Generator().manual_seed(0))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).pow(2).mean()
+        self.train_loss(loss)
+        self.losses.update(loss.detach())
+        self.log("train_loss", self.train_loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.data), batch_size=256)
+
+
+def _micro_batch_peaks(result) -> list[int]:
+    starts = [e.index for e in result.events if e.phase == "pre-forward" and e.module == "net"]
+    bounds = starts + [len(result.events)]
+    return [max(e.live_bytes for e in result.events[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # torchmetrics on torch's pytree, not memkit's
+def test_beside_memory_tracker_under_accumulation_with_torchmetrics_both_micro_batches_are_traced(tmp_path):
+    alone = LayerTrace(at_steps=(1,), verbose=False, dirpath=tmp_path / "alone")
+    make_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[alone]).fit(_MetricAccumulating())
+    trace = LayerTrace(at_steps=(1,), verbose=False, dirpath=tmp_path / "both")
+    tracker = MemoryTracker(verbose=False)  # pauses its accountant after each micro-batch, under the tracer's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[tracker, trace]).fit(_MetricAccumulating())
+    assert [str(w.message) for w in caught if "memkit" in str(w.message)] == []
+    (result,) = trace.results
+    (reference,) = alone.results
+    first, second = _micro_batch_peaks(result)
+    assert abs(first - second) <= 0.01 * first  # the same micro-batch twice (plain PyTorch: the same height)
+    assert result.peak_bytes == reference.peak_bytes  # the tracker beside it changes nothing the trace sees
+    assert result.errors == []
+    metric_phases = {e.phase for e in result.events if e.module in ("train_loss", "losses")}
+    assert metric_phases == {"pre-forward", "forward"}  # a metric's update has no backward row

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting.storage_resize import watch_storage_resizes
 
 __all__ = ["StorageRecord", "TensorAccountant", "is_wrapper_tensor", "returns_alias", "storage_of", "storages_of"]
@@ -316,6 +317,16 @@ class TensorAccountant(TorchDispatchMode):
             self.errors.append(message)
 
     # ------------------------------------------------------------------ dispatch
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """Leave the dispatch-mode stack, removing exactly this accountant wherever it is on it.
+
+        ``TorchDispatchMode.__exit__`` pops the top mode, which is another one when a mode was entered after
+        this accountant and is still active (LayerTrace's, entered inside MemoryTracker's window and kept over
+        several micro-batches): that mode would silently stop seeing the step. Exiting an accountant that is
+        not on the stack does nothing."""
+        parent_exit = super().__exit__
+        _torch_compat.exit_mode_in_place(self, lambda: parent_exit(exc_type, exc_val, exc_tb))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         result = func(*args, **(kwargs or {}))
         try:

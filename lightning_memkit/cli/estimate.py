@@ -77,7 +77,18 @@ def _memory(text: str) -> int:
         raise CliError(f"--device-memory: {error}") from None
     if memory <= 0:
         raise CliError(f"--device-memory {text}: a memory size is positive; write e.g. --device-memory 16GiB")
+    if re.fullmatch(r"\s*[0-9.eE+]+\s*", text):
+        # a device's memory is never a few bytes: a bare number is a unit left out, not a byte count
+        number = text.strip()
+        raise CliError(f"--device-memory {number} has no unit; write --device-memory {number}GiB (or {number}GB, "
+                       f"decimal; a byte count as {number}B)")
     return memory
+
+
+def _other_modes_hint(mode: str) -> str:
+    """How to ask this command for the modes that need less memory than ``mode``."""
+    others = [name for name in ("bf16", "checkpoint", "bf16+checkpoint") if name != mode]
+    return "try " + " or ".join(f"--modes {name}" for name in others)
 
 
 def _gpu(args: argparse.Namespace) -> Any:
@@ -258,7 +269,7 @@ def _target_words(args: argparse.Namespace, gpu: Any) -> str:
 
 
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
-    from lightning_memkit.estimate import EstimateError, NoBatchError, estimate_memory, predict_max_batch_size
+    from lightning_memkit.estimate import DoesNotFitError, EstimateError, NoBatchError, estimate_memory, predict_max_batch_size
     from lightning_memkit.estimate.core import reusing_fake_copies
     from lightning_memkit.summary_table import format_table
     from lightning_memkit.units import format_bytes
@@ -276,6 +287,8 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
                 results.append({"mode": mode.name, "estimate": estimate.to_dict(), "max_batch": prediction.to_dict()})
                 estimates[mode.name] = (mode, estimate)
             except (NoBatchError, EstimateError, ValueError) as error:
+                if isinstance(error, DoesNotFitError):  # the fix, in this command's syntax
+                    error = error.describe(_other_modes_hint(mode.name))
                 rows.append((mode.name, "-", "-", "-", "-", "-", "-"))
                 results.append({"mode": mode.name, "error": str(error)})
                 print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
@@ -284,7 +297,7 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     print(format_table(("mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"), rows))
     for line in _kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
-    status = 0 if any("error" not in r for r in results) else 1
+    status = 0 if all("error" not in r for r in results) else 1  # any requested mode that failed fails the command
     if args.check and estimates:
         checks = _check(args, module, estimates)
         for result in results:
@@ -500,8 +513,8 @@ def _run_distributed(args, module, datamodule, modes, strategies, memory, gpu, w
                 print(f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still needs "
                       f"{format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: activations, "
                       f"{'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}workspaces, the CUDA "
-                      "context); try checkpoint or bf16, a smaller batch per rank, more memory per GPU"
-                      f"{', or a sharding strategy' if not _fully_sharded(result['strategy']) else ''}")
+                      "context); try --modes checkpoint or --modes bf16, a smaller --batch-size, more memory per GPU"
+                      f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}")
     lines = _kernels_and_notes(notes_by_mode)
     if args.device == "cuda" and done:
         lines.append("note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
@@ -513,4 +526,4 @@ def _run_distributed(args, module, datamodule, modes, strategies, memory, gpu, w
             json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory,
                        "world_size": args.world_size, "world_sizes_tried": sizes, "results": results},
                       file, indent=2, default=str)
-    return 0 if done else 1
+    return 0 if len(done) == len(results) else 1  # any requested strategy and mode that failed fails the command

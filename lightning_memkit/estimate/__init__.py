@@ -23,9 +23,15 @@ __all__ = [
     "measure_training_step",
     "reusing_fake_copies",
 ]
-from lightning_memkit.estimate.predict import AffineGrowth, BatchSizePrediction, device_capacity_bytes, predict_max_batch_size  # noqa: E402
+from lightning_memkit.estimate.predict import (  # noqa: E402
+    AffineGrowth,
+    BatchSizePrediction,
+    DoesNotFitError,
+    device_capacity_bytes,
+    predict_max_batch_size,
+)
 
-__all__ += ["AffineGrowth", "BatchSizePrediction", "device_capacity_bytes", "predict_max_batch_size"]
+__all__ += ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "device_capacity_bytes", "predict_max_batch_size"]
 from lightning_memkit.estimate.distributed import (  # noqa: E402
     STRATEGIES,
     DistributedEstimate,

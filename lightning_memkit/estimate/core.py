@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import os
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 import contextvars
@@ -30,7 +33,15 @@ from lightning_memkit.estimate.allocator import (
 )
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
-from lightning_memkit.estimate.fake import NOT_ANSWERED, FakeSession, FakeStepOps, fake_parameter, is_fake
+from lightning_memkit.estimate.fake import (
+    NOT_ANSWERED,
+    REAL_VALUES_NUMEL,
+    FakeSession,
+    FakeStepOps,
+    fake_parameter,
+    is_fake,
+    keeps_real_values,
+)
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -183,7 +194,10 @@ class _StepAccountant(TensorAccountant):
             if func is _ITEM and self.optimizer_phase and type(answer) is float:
                 return OPTIMIZER_FLOAT_PLACEHOLDER
             return answer
-        if func is _BINCOUNT:
+        result = ops.run_real(func, args, kwargs)  # masks, token ids and positions keep their real values
+        if result is not NOT_ANSWERED:
+            pass
+        elif func is _BINCOUNT:
             result = _fake_bincount(args, kwargs)
             if result is None:
                 result = func(*args, **(kwargs or {}))
@@ -333,6 +347,8 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
             finally:
                 acc.optimizer_phase = False
         attributor.assign_optimizers([optimizer])  # state made lazily by the first step
+        if trainer is not None and hasattr(trainer, "global_step"):
+            trainer.global_step += 1  # as the fit loop counts optimizer steps
 
 
 class _ManualStrategy:
@@ -458,10 +474,25 @@ def _optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callabl
         def configured(copy_: nn.Module) -> torch.optim.Optimizer:
             with _hook(f"{type(module).__name__}.configure_optimizers"):
                 returned = copy_.configure_optimizers()
-            return _first_optimizer(returned)
+            optimizer = _first_optimizer(returned)
+            _give_trainer_optimizers(copy_, returned)
+            return optimizer
 
         return configured
     raise EstimateError(f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)")
+
+
+def _give_trainer_optimizers(module_copy: nn.Module, returned: Any) -> None:
+    """What ``self.trainer.optimizers`` and ``self.lr_schedulers()`` answer during fit: the optimizers and
+    scheduler configs of what the copy's ``configure_optimizers`` returned, read by Lightning's own parser."""
+    trainer = getattr(module_copy, "_trainer", None)
+    if trainer is None or not hasattr(trainer, "lr_scheduler_configs"):
+        return
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+    optimizers, schedulers, monitor = _configure_optimizers(returned)
+    trainer.optimizers = optimizers
+    trainer.lr_scheduler_configs = _configure_schedulers_automatic_opt(schedulers, monitor)
 
 
 def _cuda_allowances(module: nn.Module) -> tuple[int, int]:
@@ -519,6 +550,15 @@ def _dismantle(module_copy: nn.Module | None) -> None:
         return
     for each in list(module_copy.modules()):
         each.__dict__.clear()
+
+
+def _rebatched(session: FakeSession, tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """``tensor`` grown or cut to ``size`` rows for the fake step: rows repeated for real when the result keeps real
+    values (:func:`keeps_real_values`: token ids, masks, labels), else an empty fake of the new shape."""
+    shape = (size, *tensor.shape[1:])
+    if keeps_real_values(tensor) and math.prod(shape) <= REAL_VALUES_NUMEL:
+        return tensor.index_select(0, torch.arange(size) % tensor.shape[0])
+    return session.empty(shape, tensor.dtype, "cpu")
 
 
 def _cpu_fake(session: FakeSession, tensor: torch.Tensor) -> torch.Tensor:
@@ -603,6 +643,36 @@ def _attach_trainer(module_copy: nn.Module, trainer: Any, batches: int | None, m
     attach_stand_in_trainer(module_copy, stand_in)
 
 
+def _library_directories() -> tuple[str, ...]:
+    """Directories whose files are not the user's: memkit, torch, Lightning, the standard library, installed packages."""
+    import site
+    import sysconfig
+
+    import lightning_memkit
+
+    places = [os.path.dirname(lightning_memkit.__file__), os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
+    places += list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    try:
+        import lightning
+
+        places.append(os.path.dirname(lightning.__file__))
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(os.path.realpath(place) + os.sep for place in places if place)
+
+
+def _user_line(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback in the user's own code (not memkit, torch,
+    Lightning, the standard library or an installed package), or ``""``."""
+    libraries = _library_directories()
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        path = os.path.realpath(frame.filename)
+        if not frame.filename.startswith("<") and not path.startswith(libraries):
+            found = f"{frame.filename}:{frame.lineno}"
+    return found
+
+
 def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateError:
     where = "on fake tensors" if fake else "on a real copy"
     if isinstance(error, _HookFailed):
@@ -610,6 +680,9 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
     else:
         hook, cause = f"the training step of {type(module).__name__}", error
     text = f"{type(cause).__name__}: {cause}"
+    where_in_user_code = _user_line(cause)
+    if where_in_user_code:
+        hook = f"{hook} ({where_in_user_code})"
     hint = ""
     if "data-dependent" in text.lower() or "DynamicOutputShape" in type(cause).__name__:
         hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a "
@@ -659,8 +732,9 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
             if fake:
                 session, module_copy = _fake_module(module, attached)
                 if batch_size is not None:
-                    batch = rebatch(batch, batch_size, lambda t, n: session.empty((n, *t.shape[1:]), t.dtype, "cpu"))
-                batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+                    batch = rebatch(batch, batch_size, lambda t, n: _rebatched(session, t, n))
+                batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf)
+                                 else leaf, batch)
                 context = session.active
                 step_context = session.fake_mode_only  # the accountant does the rest (FakeStepOps)
                 if target.type != "cuda" and any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
@@ -798,8 +872,33 @@ def estimate_memory(
         NoBatchError: no batch anywhere (the message says what to pass).
         EstimateError: the step cannot run on fake tensors; the message names the hook that failed
             (``configure_optimizers``, ``training_step``, the backward, the optimizer step) and the error.
+
+    A ``torch.compile``'d module (``OptimizedModule``, as ``Trainer.fit`` takes it) is estimated as the eager
+    program of the module it wraps, and every such estimate carries a note saying so.
     """
-    return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    original = compiled_original(module)
+    if original is None:
+        return _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    estimate = _run(original, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake=True, steps=2, trainer=trainer, gpu=gpu)
+    estimate.notes.append(COMPILED_NOTE)
+    return estimate
+
+
+#: the note on an estimate of a ``torch.compile``'d module
+COMPILED_NOTE = ("torch.compile: this is the eager program's figure (the module torch.compile wraps, run without "
+                 "compiling); the compiled program's memory differs (fused kernels, other saved tensors)")
+
+
+def compiled_original(module: Any) -> nn.Module | None:
+    """The module a ``torch.compile``'d ``module`` wraps (``OptimizedModule._orig_mod``), or ``None`` when ``module``
+    is not one. Reads torch's private ``torch._dynamo.eval_frame.OptimizedModule``, pinned by tests/test_fake_values.py."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return None
+    if isinstance(module, OptimizedModule):
+        return getattr(module, "_orig_mod", None)
+    return None
 
 
 def measure_training_step(

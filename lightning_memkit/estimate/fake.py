@@ -17,7 +17,44 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps"]
+__all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps", "REAL_VALUES_NUMEL",
+           "keeps_real_values", "KnownValues", "known_value"]
+
+#: The most elements a tensor of integers or booleans may have to keep its real values in a fake step (2**21:
+#: 16 MiB of int64). See :func:`keeps_real_values`.
+REAL_VALUES_NUMEL = 1 << 21
+
+
+def keeps_real_values(tensor: Any) -> bool:
+    """Whether ``tensor`` stays a real tensor in a fake step: a real (not fake) CPU tensor of integers or booleans
+    with at most :data:`REAL_VALUES_NUMEL` elements (token ids, attention masks, labels, positions, counters).
+
+    Libraries decide what to run by looking at such tensors: transformers drops an all-ones attention mask
+    unless the mask "is tracing" (``isinstance(mask, FakeTensor)``), reads ``mask.all()``, takes ``nonzero`` of
+    labels. A fake answers none of those as the real tensor does, so the fake step would build what the real
+    step never builds. Kept real, they answer exactly; the ops whose tensor inputs are all such tensors run
+    for real (:meth:`FakeStepOps.run_real`), and a real tensor that meets a fake becomes a fake (FakeTensorMode's
+    ``allow_non_fake_inputs``). Their memory is counted as any other output: a real step allocates the same
+    bytes. Floating-point tensors (activations, parameters) always stay fake.
+    """
+    return (isinstance(tensor, torch.Tensor) and not is_fake(tensor) and tensor.layout is torch.strided
+            and tensor.device.type == "cpu" and not (tensor.is_floating_point() or tensor.is_complex())
+            and tensor.numel() <= REAL_VALUES_NUMEL and not torch.nn.parameter.is_lazy(tensor))
+
+
+def _flat_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments (nested lists, tuples and dicts)."""
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
 
 
 def _fake_tensor_module():
@@ -140,6 +177,171 @@ def _with_loss_buffer(args: Any, kwargs: Any, out: Any) -> Any:
 #: returned by :meth:`FakeStepOps.answer` for an op it leaves to the kernels below
 NOT_ANSWERED = object()
 
+_UNKNOWN = object()
+_KNOWN_ATTRIBUTE = "_memkit_every_element"
+
+
+def _as_dtype(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` as an element of a tensor of ``dtype`` holds it (a Python bool, int or float), or unknown."""
+    if dtype is torch.bool:
+        return bool(value)
+    if dtype.is_floating_point:
+        return float(value)
+    if dtype.is_complex:
+        return _UNKNOWN
+    return int(value)
+
+
+def known_value(tensor: Any) -> Any:
+    """The value every element of the fake ``tensor`` is known to hold (see :class:`KnownValues`), else ``None``."""
+    value = getattr(tensor, _KNOWN_ATTRIBUTE, _UNKNOWN) if is_fake(tensor) else _UNKNOWN
+    return None if value is _UNKNOWN else value
+
+
+class KnownValues:
+    """Values a fake step knows without data: every element of a fake tensor equal to one Python value.
+
+    User code asks about values the memory does not depend on, and a fake answering a placeholder would take
+    another path than the real step: torchmetrics' ``if torch.isnan(x).any(): warn(...); x = x[~nans]`` warned
+    "Encountered nan values" on every estimate and indexed by a mask the real step never builds. What is known:
+
+    * ``isnan``/``isinf``/``isposinf``/``isneginf`` of a fake whose values are unknown are all ``False``: the
+      fake step models a step on finite data (a real step on NaN data answers otherwise, and is not estimated);
+    * ``zeros``/``ones``/``full`` (and their ``_like``/``new_`` forms) and ``fill_`` hold their fill value;
+    * a pointwise op (``torch.Tag.pointwise``: ``~``, ``|``, ``==``, casts), a view, a copy, and ``any``/``all``/
+      ``amax``/``amin``/``max()``/``min()`` of known tensors (and Python or real 0-dim scalars) hold the op's result on the values,
+      computed on real 0-dim tensors.
+
+    ``tensor.item()`` (``bool(tensor)``) of a known fake answers the value. An in-place op on a known fake that
+    is not one of these forgets it. The value is kept as an attribute of the fake tensor object.
+    """
+
+    _SEEDS = ("aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf")
+    _FILLS = {"aten::zeros": 0, "aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones": 1, "aten::ones_like": 1,
+              "aten::new_ones": 1}
+    _FILL_ARGUMENT = {"aten::full": 1, "aten::full_like": 1, "aten::new_full": 2, "aten::fill_": 1, "aten::fill": 1,
+                      "aten::scalar_tensor": 0}
+    _REDUCTIONS = ("aten::any", "aten::all", "aten::amax", "aten::amin")
+    _COPIES = ("aten::_to_copy", "aten::clone", "aten::to", "aten::contiguous", "aten::lift_fresh_copy")
+
+    def __init__(self) -> None:
+        self._kind: dict[Any, str | None] = {}
+        self.count = 0  # values made known so far: until one is, ops other than seeds and fills need no look
+
+    def _kind_of(self, func: Any) -> str | None:
+        kind = self._kind.get(func, _UNKNOWN)
+        if kind is _UNKNOWN:
+            schema = getattr(func, "_schema", None)
+            name = schema.name if schema is not None else ""
+            if name in self._SEEDS:
+                kind = "seed"
+            elif name in self._FILLS or name in self._FILL_ARGUMENT:
+                kind = "fill"
+            elif name in self._REDUCTIONS or (name in ("aten::max", "aten::min") and getattr(func, "_overloadname", "") == "default"):
+                kind = "reduction"  # of the whole tensor (max.dim's values and indices are not looked at)
+            elif name in self._COPIES or getattr(func, "is_view", False):
+                kind = "copy"
+            elif torch.Tag.pointwise in getattr(func, "tags", ()):
+                kind = "pointwise"
+            else:
+                kind = None
+            self._kind[func] = kind
+        return kind
+
+    def after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Record what is known of ``out`` (the result of ``func(*args, **kwargs)`` in a fake step)."""
+        kind = self._kind_of(func)
+        if kind is None:
+            if self.count:
+                self._forget_mutated(func, args)
+            return
+        if kind != "seed" and kind != "fill" and not self.count:
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        try:
+            with _disable_current_modes():  # values are computed on real tensors, below every mode
+                value = self._value(kind, func, args, kwargs or {})
+        except Exception:  # noqa: BLE001 - an unforeseen argument form: nothing is known
+            value = _UNKNOWN
+        targets = [out] if isinstance(out, torch.Tensor) else []
+        if getattr(func, "_schema", None) is not None and func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            targets.append(args[0])  # an in-place op: its first argument holds the result
+        for target in targets:
+            if not is_fake(target):
+                continue
+            if value is not _UNKNOWN:
+                value = _as_dtype(value, target.dtype)
+            if value is _UNKNOWN:
+                if hasattr(target, _KNOWN_ATTRIBUTE):
+                    delattr(target, _KNOWN_ATTRIBUTE)
+            else:
+                setattr(target, _KNOWN_ATTRIBUTE, value)
+                self.count += 1
+
+    def _forget_mutated(self, func: Any, args: Any) -> None:
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for argument, value in zip(schema.arguments, args):
+            if argument.alias_info is not None and argument.alias_info.is_write and is_fake(value) and hasattr(value, _KNOWN_ATTRIBUTE):
+                delattr(value, _KNOWN_ATTRIBUTE)
+
+    def _value(self, kind: str, func: Any, args: Any, kwargs: dict) -> Any:
+        name = func._schema.name
+        if kind == "fill":
+            if name in self._FILLS:
+                return self._FILLS[name]
+            index = self._FILL_ARGUMENT[name]
+            value = kwargs.get("fill_value", kwargs.get("value", args[index] if len(args) > index else _UNKNOWN))
+            if isinstance(value, torch.Tensor):
+                value = self._scalar(value)
+            return value if isinstance(value, (bool, int, float)) else _UNKNOWN
+        if kind == "seed":
+            source = args[0]
+            if not is_fake(source):
+                return _UNKNOWN
+            known = self._scalar(source)
+            if known is _UNKNOWN:
+                return False
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                return bool(func(torch.tensor(known)).item())
+        source = args[0] if args else None
+        if not isinstance(source, torch.Tensor):
+            return _UNKNOWN
+        if kind == "copy":
+            return self._scalar(source)
+        if kind == "reduction":
+            known = self._scalar(source)
+            if known is _UNKNOWN or source.numel() == 0:
+                return _UNKNOWN
+            return bool(known) if name in ("aten::any", "aten::all") else known
+        # pointwise: every tensor argument known (or a real 0-dim tensor), computed on 0-dim real tensors
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            scalars = []
+            for value in args:
+                if isinstance(value, torch.Tensor):
+                    known = self._scalar(value)
+                    if known is _UNKNOWN:
+                        return _UNKNOWN
+                    value = torch.tensor(known, dtype=value.dtype)
+                scalars.append(value)
+            result = func(*scalars, **kwargs)
+            return result.item() if isinstance(result, torch.Tensor) and result.numel() == 1 else _UNKNOWN
+
+    @staticmethod
+    def _scalar(tensor: torch.Tensor) -> Any:
+        """The value every element of ``tensor`` holds: known for a fake, read for a real 0-dim CPU tensor."""
+        if is_fake(tensor):
+            return getattr(tensor, _KNOWN_ATTRIBUTE, _UNKNOWN)
+        if tensor.dim() == 0 and tensor.device.type == "cpu":
+            return tensor.item()
+        return _UNKNOWN
+
 
 class FakeStepOps:
     """:class:`ScalarPlaceholders` and :class:`LossBuffers` as two plain calls, for a dispatch mode that
@@ -174,6 +376,7 @@ class FakeStepOps:
         self._is_view: dict[Any, bool] = {}  # per op: a view FakeTensorMode would cache (see fake_view)
         self._returns_nothing_in_place: dict[Any, bool] = {}  # per op: an in-place _foreach_ op without outputs
         self.loss_ops = losses_keeping_their_buffer()
+        self.known = KnownValues()
 
     def answer(self, func: Any, args: Any, kwargs: Any = None) -> Any:
         """The result of ``func(*args, **kwargs)`` when it needs no kernel (a fake tensor's device, a fake
@@ -181,12 +384,18 @@ class FakeStepOps:
         if func is self._device:
             return fake_device_query(args, self._fake_type)
         if func is self._item:
-            return _placeholder(args[0]) if isinstance(args[0], self._fake_type) else NOT_ANSWERED
+            if not isinstance(args[0], self._fake_type):
+                return NOT_ANSWERED
+            known = known_value(args[0])
+            return _placeholder(args[0]) if known is None else known
         is_view = self._is_view.get(func)
         if is_view is None:
             is_view = self._is_view[func] = _is_plain_view(func)
         if is_view:
-            return fake_view(func, args, kwargs, self._fake_type)
+            out = fake_view(func, args, kwargs, self._fake_type)
+            if self.known.count and out is not NOT_ANSWERED:
+                self.known.after(func, args, kwargs, out)
+            return out
         in_place = self._returns_nothing_in_place.get(func)
         if in_place is None:
             in_place = self._returns_nothing_in_place[func] = _is_in_place_foreach(func)
@@ -207,10 +416,100 @@ class FakeStepOps:
         return True
 
     def adjust(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
-        """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer)."""
+        """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer; a norm's saved
+        statistics in the dtype the real kernel gives them, see :func:`norm_statistics_dtypes`; a small integer
+        or boolean tensor made from nothing, e.g. ``torch.arange(length)``, real as in :meth:`run_real`)."""
+        self.known.after(func, args, kwargs, out)
         if func in self.loss_ops:
             return _with_loss_buffer(args, kwargs, out)
+        if isinstance(out, tuple) and _norm_kind(func) is not None:
+            return _with_real_statistics_dtypes(func, args, kwargs, out)
+        if (type(out) is self._fake_type and out.device.type == "cpu" and not (out.is_floating_point() or out.is_complex())
+                and out.numel() <= REAL_VALUES_NUMEL and not _flat_tensors((args, kwargs))):
+            return self.run_real(func, args, kwargs, factory=True)
         return out
+
+    def run_real(self, func: Any, args: Any, kwargs: Any = None, factory: bool = False) -> Any:
+        """``func(*args, **kwargs)`` run for real, below every dispatch mode, when its tensor arguments all keep real
+        values (:func:`keeps_real_values`: masks, token ids, positions), else :data:`NOT_ANSWERED`. Its outputs are
+        real tensors answering value queries (``mask.all()``, ``nonzero``, ``item``) as in the real step. With
+        ``factory`` (an op with no tensor argument, whose fake result was small and integral) it runs regardless."""
+        if not factory:
+            tensors = _flat_tensors((args, kwargs))
+            if not tensors or not all(keeps_real_values(tensor) for tensor in tensors):
+                return NOT_ANSWERED
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return func(*args, **(kwargs or {}))
+
+
+#: aten norm ops whose saved statistics (mean, rstd / invstd) may be float32 on a reduced-precision input
+_NORM_OPS = {"aten::native_layer_norm": "layer", "aten::native_batch_norm": "batch", "aten::_native_batch_norm_legit": "batch",
+             "aten::_native_batch_norm_legit_functional": "batch", "aten::_native_batch_norm_legit_no_training": "batch",
+             "aten::native_group_norm": "group"}
+_NORM_KIND: dict[Any, str | None] = {}
+_NORM_DTYPES: dict[tuple, tuple | None] = {}
+
+
+def _norm_kind(func: Any) -> str | None:
+    kind = _NORM_KIND.get(func, False)
+    if kind is False:
+        schema = getattr(func, "_schema", None)
+        kind = _NORM_KIND[func] = _NORM_OPS.get(schema.name) if schema is not None else None
+    return kind
+
+
+def norm_statistics_dtypes(func: Any, args: Any, kwargs: Any = None) -> tuple[torch.dtype, ...] | None:
+    """The dtypes of the outputs of the norm op ``func(*args, **kwargs)`` (``native_layer_norm``, the batch norms,
+    ``native_group_norm``) as this torch's real CPU kernel gives them, asked once per op and argument dtypes by
+    running it on a tiny real copy of the arguments; ``None`` for another op or when it cannot be asked.
+
+    torch's meta kernels give every output the input's dtype; the real kernels save the statistics in float32
+    for a bf16/fp16 input with float32 weights (CPU autocast leaves norms to their inputs: LayerNorm after a
+    bf16 Linear), and the batch norms do for any bf16 input. The bytes differ by 2 per statistic."""
+    kind = _norm_kind(func)
+    if kind is None or not args or not isinstance(args[0], torch.Tensor) or kwargs:
+        return None
+    key = (func, tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args), tuple(type(a) for a in args))
+    if key in _NORM_DTYPES:
+        return _NORM_DTYPES[key]
+    x = args[0]
+    answer = None
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            tiny = list(args)
+            if kind == "layer":
+                tiny[0] = torch.ones((1, *args[1]), dtype=x.dtype)
+            elif kind == "batch":
+                tiny[0] = torch.ones((2, x.shape[1]), dtype=x.dtype) if x.dim() > 1 else torch.ones(2, dtype=x.dtype)
+            else:  # group: (input, weight, bias, N, C, HxW, group, eps)
+                tiny[0] = torch.ones((1, x.shape[1], 1), dtype=x.dtype)
+                tiny[3], tiny[5] = 1, 1
+            for index in range(1, len(tiny)):
+                value = args[index]
+                if isinstance(value, torch.Tensor):
+                    tiny[index] = torch.ones(tuple(value.shape), dtype=value.dtype)
+            out = func(*tiny)
+            answer = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in out)
+    except Exception:  # noqa: BLE001 - an argument form not foreseen: leave the meta kernel's dtypes
+        answer = None
+    _NORM_DTYPES[key] = answer
+    return answer
+
+
+def _with_real_statistics_dtypes(func: Any, args: Any, kwargs: Any, out: tuple) -> tuple:
+    """``out`` with each fake output whose dtype the real kernel gives otherwise replaced by an empty fake of that dtype."""
+    dtypes = norm_statistics_dtypes(func, args, kwargs)
+    if dtypes is None or len(dtypes) != len(out):
+        return out
+    fixed = list(out)
+    for index, (tensor, dtype) in enumerate(zip(out, dtypes)):
+        if index and dtype is not None and is_fake(tensor) and tensor.dtype != dtype:
+            fixed[index] = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device=tensor.device)
+    return tuple(fixed)
 
 
 def fake_device_query(args: Any, fake_type: Any = None) -> Any:

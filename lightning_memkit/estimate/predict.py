@@ -14,10 +14,43 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate.batches import batch_size_of
-from lightning_memkit.estimate.core import EstimateError, MemoryEstimate, _prepare, estimate_memory, reusing_fake_copies
+from lightning_memkit.estimate.core import (
+    EstimateError,
+    MemoryEstimate,
+    _prepare,
+    compiled_original,
+    estimate_memory,
+    reusing_fake_copies,
+)
 from lightning_memkit.units import format_bytes
 
-__all__ = ["AffineGrowth", "BatchSizePrediction", "predict_max_batch_size", "device_capacity_bytes"]
+__all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
+
+
+class DoesNotFitError(ValueError):
+    """Even batch size 1 needs more than the memory given (a ``ValueError``).
+
+    Attributes:
+        module_name: the module's class name.
+        needed_bytes: what batch size 1 needs (the estimate's ``required_bytes``), bytes.
+        target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes.
+        capacity_bytes: the device memory given, bytes.
+        margin: the fraction of ``capacity_bytes`` kept free.
+    """
+
+    def __init__(self, module_name: str, needed_bytes: int, target_bytes: int, capacity_bytes: int, margin: float) -> None:
+        self.module_name = module_name
+        self.needed_bytes = needed_bytes
+        self.target_bytes = target_bytes
+        self.capacity_bytes = capacity_bytes
+        self.margin = margin
+        super().__init__(self.describe("try mode='bf16' or 'checkpoint'"))
+
+    def describe(self, modes_hint: str) -> str:
+        """The message with ``modes_hint`` (how the caller's interface names other modes) as the first fix."""
+        return (f"{self.module_name} does not fit in {format_bytes(self.target_bytes)} ({1 - self.margin:.0%} of "
+                f"{format_bytes(self.capacity_bytes)}) even at batch size 1: it needs {format_bytes(self.needed_bytes)}; "
+                f"{modes_hint}, a smaller model, or more memory")
 
 
 @dataclass(frozen=True)
@@ -169,6 +202,7 @@ def predict_max_batch_size(
         raise ValueError(f"world_size={world_size!r} needs strategy= (e.g. strategy='ddp'): without one the estimate is one process's")
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
+    module = compiled_original(module) or module  # a torch.compile'd module: its eager program (see estimate_memory)
     with reusing_fake_copies():  # one fake copy and one sample batch serve every size
         return _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs)
 
@@ -224,10 +258,7 @@ def _predict(module, capacity, target, mode, margin, device, batch, max_val, tol
     if lo == 0:
         value = required(1)
         if value > target:
-            raise ValueError(
-                f"{type(module).__name__} does not fit in {format_bytes(target)} ({1 - margin:.0%} of {format_bytes(capacity)}) "
-                f"even at batch size 1: it needs {format_bytes(value)}; try mode='bf16' or 'checkpoint', a smaller model, or more memory"
-            )
+            raise DoesNotFitError(type(module).__name__, value, target, capacity, margin)
         lo = 1
     # The growth near the answer (at small batches the peak may sit in the optimizer step, flat in
     # batch), fitted over a wide enough span that allocator segment steps do not dominate the slope.

@@ -79,7 +79,7 @@ class SearchResult:
     def table(self) -> str:
         """The trials as a plain-text table."""
         predicted = (f"predicted {self.predicted}" if self.predicted is not None else
-                     f"the estimate was unavailable ({self.estimate_unavailable})" if self.estimate_unavailable else "no estimate")
+                     f"the estimate was unavailable ({self.estimate_unavailable})" if self.estimate_unavailable else "no prediction")
         outcomes = ["fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory" for t in self.trials]
         rows = [(i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, (t, outcome) in enumerate(zip(self.trials, outcomes))]
         head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"

@@ -74,7 +74,8 @@ class _ModuleInfo:
 class _Call:
     """One call of a module: the open forward frame, then its backward bookkeeping."""
 
-    __slots__ = ("info", "call", "recompute", "order", "saved_bytes", "needs_input_grads", "pre_backward_seen", "backward_seen")
+    __slots__ = ("info", "call", "recompute", "order", "saved_bytes", "needs_input_grads", "pre_backward_seen", "backward_seen",
+                 "input_grads")
 
     def __init__(self, info: _ModuleInfo, call: int, recompute: bool, order: int) -> None:
         self.info = info
@@ -85,6 +86,9 @@ class _Call:
         self.needs_input_grads = False
         self.pre_backward_seen = False
         self.backward_seen = False
+        # the shapes and dtypes of its inputs' gradients when they came before its outputs' (an output that is an
+        # input); never the gradients themselves, which the tracer must not keep alive
+        self.input_grads: tuple[list[list[int]], list[str]] | None = None
 
 
 class _TracingAccountant(TensorAccountant):
@@ -172,7 +176,7 @@ class LayerTracer:
 
     # ------------------------------------------------------------------ selection
     @staticmethod
-    def _select_modules(model: nn.Module, max_depth: int | None, modules: Any) -> dict[nn.Module, _ModuleInfo]:
+    def _select_modules(model: nn.Module, max_depth: int | None, modules: Any) -> dict[int, _ModuleInfo]:
         patterns: list[str] = []
         classes: list[type] = []
         if modules is not None:
@@ -183,7 +187,8 @@ class LayerTracer:
                     classes.append(item)
                 else:
                     raise TypeError(f"modules=: give qualified-name patterns (e.g. 'features.*') or nn.Module classes, not {item!r}")
-        infos: dict[nn.Module, _ModuleInfo] = {}
+        # keyed by identity: a module's hash may be its own (torchmetrics' Metric hashes its state, which changes as it updates)
+        infos: dict[int, _ModuleInfo] = {}
         named: set[str] = set()
         for qualified_name, module in model.named_modules():
             # Names and classes are the user's: a module inside torch's wrappers (FSDP1, checkpoint_wrapper,
@@ -200,7 +205,7 @@ class LayerTracer:
                 any(fnmatch.fnmatchcase(name, p) for p in patterns) or isinstance(wrapped_module(module), tuple(classes))
             ):
                 continue
-            infos[module] = info
+            infos[id(module)] = info
         if not infos:
             names = list(dict.fromkeys(user_name(n) or "(root)" for n, _ in model.named_modules()))[:12]
             raise ValueError(f"modules={modules!r} with max_depth={max_depth!r} selects no module of {type(model).__name__}; its modules include: {', '.join(names)}")
@@ -225,8 +230,8 @@ class LayerTracer:
         self.events: list[TraceEvent] = []
         self.errors: list[str] = []
         self._handles: list[Any] = []
-        self._calls: dict[nn.Module, int] = {}
-        self._recompute_calls: dict[nn.Module, int] = {}
+        self._calls: dict[int, int] = {}  # by id(module), as _infos
+        self._recompute_calls: dict[int, int] = {}
         self._stack: list[_Call] = []
         self._order = 0
         self._recompute_depth = 0
@@ -314,7 +319,8 @@ class LayerTracer:
         return torch.device("cpu")
 
     def _install_hooks(self) -> None:
-        for module in self._infos:
+        for info in self._infos.values():
+            module = info.module
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._forward, with_kwargs=True, always_call=True))
         seen: set[int] = set()
@@ -370,9 +376,10 @@ class LayerTracer:
 
     # ------------------------------------------------------------------ events
     def _emit(self, phase: str, info: _ModuleInfo | None, call: int = 0, recompute: bool = False,
-              tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0) -> None:
+              tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0,
+              described: tuple[list[list[int]], list[str]] | None = None) -> None:
         live = self.accountant.current_bytes
-        shapes, dtypes = _shapes(tensors)
+        shapes, dtypes = _shapes(tensors) if described is None else described
         self.events.append(TraceEvent(
             index=len(self.events), phase=phase,
             module=info.name if info else "", module_class=info.cls if info else "",
@@ -389,7 +396,7 @@ class LayerTracer:
         if not self._active:
             return
         try:
-            info = self._infos[module]
+            info = self._infos[id(module)]
             recompute = in_backward()
             tensors = _tensors(args) + (_tensors(kwargs) if kwargs else [])
             if recompute:
@@ -401,8 +408,8 @@ class LayerTracer:
                 if untracked:  # tensors from before the step: the batch, or other state
                     self.attributor.assign(untracked, "other" if self._forward_seen else "inputs")
                 self._forward_seen = True
-            call = counts.get(module, 0)
-            counts[module] = call + 1
+            call = counts.get(id(module), 0)
+            counts[id(module)] = call + 1
             self._emit("pre-forward", info, call, recompute, tensors)
             frame = _Call(info, call, recompute, self._order)
             self._order += 1
@@ -451,7 +458,10 @@ class LayerTracer:
                 return
             frame.pre_backward_seen = True
             self._emit("pre-backward", frame.info, frame.call, False, [grad])
-            if not frame.needs_input_grads:
+            if frame.input_grads is not None:  # an output that is also an input: its gradient hook ran first
+                frame.backward_seen = True
+                self._emit("backward", frame.info, frame.call, False, described=frame.input_grads)
+            elif not frame.needs_input_grads:
                 self._pending_backward.append(frame)
         except Exception as error:
             self._error("pre-backward hook", error)
@@ -462,6 +472,12 @@ class LayerTracer:
         try:
             self._ensure_backward_end_callback()
             if frame.backward_seen:
+                return
+            if not frame.pre_backward_seen:
+                # No gradient reached this call's outputs (yet): its inputs' gradients come from elsewhere. A call
+                # whose outputs take no part in the loss has no backward (a torchmetrics metric updated with the
+                # loss); an output that is its input (nn.Identity) gets its gradient right after, see _pre_backward.
+                frame.input_grads = _shapes(list(grads))
                 return
             frame.backward_seen = True
             self._emit("backward", frame.info, frame.call, False, list(grads))
