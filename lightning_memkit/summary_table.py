@@ -45,6 +45,9 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     if leak:
         rows.append(("memory growth", f"{format_bytes(leak['bytes_per_measured_step'])} per measured step from step "
                                       f"{leak['first_step']} (a leak unless freed at epoch end)"))
+    compiled = summary.extra.get("compiled")
+    if compiled:
+        rows.append(("compiled model", f"{', '.join(compiled['parts'])}: {compiled['measured']}"))
     rows.append(("training steps measured", str(summary.train_steps_measured)))
     if summary.peak_source and summary.train_steps_with_peak < summary.train_steps_measured:
         rows.append(("steps with the peak", f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "

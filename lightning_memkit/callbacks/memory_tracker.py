@@ -15,11 +15,12 @@ from typing import Any, Sequence
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks._files import logging_loggers, run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
 from lightning_memkit.meter import MemoryMeter
@@ -133,6 +134,12 @@ class MemoryTracker(Callback):
             summary. Costs one comparison per step. ``MemoryDoctor`` / ``memkit doctor`` then name
             who made the memory.
         leak_window: how many measured steps of growth in a row make a leak (>= 2).
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): the steps stay compiled; ``peak_tensor_MiB`` is then read from the CPU
+            allocator's own events (torch's profiler with ``profile_memory``; it keeps compile on), and
+            ``tensor_MiB`` as always. ``"eager"``: the peak-measured steps run eagerly under the accountant
+            (the eager program's peak, not the compiled one's). CUDA's counters are the compiled program's
+            either way. The summary says which. See docs/compile.md.
 
     Attributes:
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
@@ -168,6 +175,7 @@ class MemoryTracker(Callback):
         records_file: str | None = None,
         detect_leaks: bool = True,
         leak_window: int = 5,
+        compiled: str = "keep",
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise MisconfigurationException(f"MemoryTracker(every_n_steps={every_n_steps!r}): give a positive integer, e.g. 1 to log every step")
@@ -183,6 +191,10 @@ class MemoryTracker(Callback):
             raise MisconfigurationException(f"MemoryTracker(cuda_memory_history={cuda_memory_history!r}): give 0 (off) or a number of entries, e.g. 100000")
         if not isinstance(leak_window, int) or isinstance(leak_window, bool) or leak_window < 2:
             raise MisconfigurationException(f"MemoryTracker(leak_window={leak_window!r}): give an integer >= 2 (measured steps of growth in a row that make a leak)")
+        if compiled not in COMPILED_CHOICES:
+            raise MisconfigurationException(f"MemoryTracker(compiled={compiled!r}): choose 'keep' (measure the compiled steps as they run) "
+                                            "or 'eager' (run the peak-measured steps eagerly for the accountant's breakdown)")
+        self.compiled = compiled
         self.every_n_steps = every_n_steps
         self.log_validation = log_validation
         self.tensor_accounting = tensor_accounting
@@ -413,6 +425,23 @@ class MemoryTracker(Callback):
         from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
 
         register_dashboard(trainer)
+        self._note_compiled(pl_module)
+
+    def _note_compiled(self, pl_module: LightningModule) -> None:
+        """A compiled model (found after ``configure_model``): measure it without switching compile off, and say so once."""
+        self.summary.extra.pop("compiled", None)
+        parts = compiled_parts(pl_module)
+        if not parts or self._meter is None:
+            return
+        self._meter.compiled = self.compiled
+        if self._meter.tensor_probe is None:
+            how = "CUDA allocator counters (the compiled program's)"
+        elif self.compiled == "keep":
+            how = f"peak_tensor from the allocator's events, steps kept compiled; {NOT_SEEN_COMPILED}"
+        else:
+            how = "peak_tensor by the accountant: the peak-measured steps run EAGERLY (compiled='eager'), so their peak is the eager program's"
+        self.summary.extra["compiled"] = {"parts": parts, "measured": how}
+        rank_zero_info(f"memkit MemoryTracker: compiled model ({', '.join(parts)}): {how}")
 
     def _watch_for_leaks(self, trainer: Trainer, reading: StepReading) -> None:
         live = reading.allocated_bytes if reading.allocated_bytes is not None else reading.tensor_bytes

@@ -1,0 +1,110 @@
+"""memkit and ``torch.compile``: find what is compiled, read the allocator without switching compile off.
+
+memkit's exact accountant is a TorchDispatchMode, and dynamo runs no compiled code while such a mode is active
+(worse: a frame first met under one is skipped for the rest of the process). So on a compiled model memkit measures
+what the allocator sees instead (:class:`AllocatorPeak`: the allocator's own events, recorded by torch's profiler,
+which is infrastructure and keeps compile on), and enters its modes only when asked, inside :func:`force_eager`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memkit.compiled._torch_compat import (
+    OPTIMIZED_MODULE,
+    allocator_events,
+    compiled_call_impl,
+    compiled_function,
+    dynamo_counters,
+    force_eager,
+    is_compiling,
+    profiler_active,
+)
+
+__all__ = ["AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
+
+#: What memkit does with a compiled model: ``"keep"`` (default) measures what the allocator sees and leaves it
+#: compiled; ``"eager"`` runs the measured steps eagerly for the per-op / per-module breakdown (the eager program's).
+COMPILED_CHOICES = ("keep", "eager")
+
+#: What memkit cannot see in a compiled model when it keeps it compiled (said once in each output).
+NOT_SEEN_COMPILED = ("inside compiled code memkit sees the allocator only: no per-op or per-module attribution "
+                     "(the eager breakdown: compiled=\"eager\", which runs those steps eagerly)")
+
+_STEP_METHODS = ("forward", "training_step", "validation_step")
+
+
+def compiled_parts(module: nn.Module) -> list[str]:
+    """The compiled parts of ``module``, by qualified name: submodules that are ``torch.compile(m)`` wrappers
+    or were compiled in place (``m.compile()``), and compiled methods (``forward``, ``training_step``: what
+    Lightning's ``from_compiled`` installs), e.g. ``["model", "training_step"]``. Empty: nothing compiled.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"compiled_parts(module): give an nn.Module, not {type(module).__name__}")
+    parts: list[str] = []
+    for name, child in module.named_modules():
+        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(child) is not None:
+            if not any(name.startswith(p + ".") for p in parts):
+                parts.append(name or "<root>")
+    for method in _STEP_METHODS:
+        if compiled_function(module.__dict__.get(method)):
+            parts.append(method)
+    return parts
+
+
+class AllocatorPeak:
+    """The peak of the allocator's live bytes over windows of a step, from the allocator's own events.
+
+    Torch's profiler (``profile_memory=True``) records every allocation and free the allocator makes on
+    ``device`` (compiled code included: it is infrastructure, dynamo keeps compiling under it). A window's
+    peak is the bytes live when it opens (given to :meth:`start`) plus the highest running sum of the signed
+    event bytes. Costs about a profiled step (every op is recorded): a diagnosis mode, not free.
+
+    Only one profiler can record at a time: when one is already recording (yours, or Lightning's
+    ``profiler="pytorch"``), :meth:`start` returns False and the window has no peak.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.peak_bytes: int | None = None
+        self._profile: Any = None
+        self._live_at_start = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether a window is recording."""
+        return self._profile is not None
+
+    def reset(self) -> None:
+        """Forget the peak (a new step)."""
+        self.peak_bytes = None
+
+    def start(self, live_bytes: int) -> bool:
+        """Open a window; ``live_bytes``: the bytes live on the device now. False when another profiler records."""
+        if self._profile is not None:
+            return True
+        if profiler_active():
+            return False
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        self._profile = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False, with_stack=False)
+        self._profile.__enter__()
+        self._live_at_start = int(live_bytes)
+        return True
+
+    def stop(self) -> int | None:
+        """Close the window; returns the step's peak so far (bytes), also on :attr:`peak_bytes`."""
+        profile, self._profile = self._profile, None
+        if profile is None:
+            return self.peak_bytes
+        profile.__exit__(None, None, None)
+        running = highest = 0
+        for _, nbytes in allocator_events(profile, self.device.type):
+            running += nbytes
+            if running > highest:
+                highest = running
+        peak = self._live_at_start + highest
+        self.peak_bytes = peak if self.peak_bytes is None else max(self.peak_bytes, peak)
+        return self.peak_bytes

@@ -1,0 +1,166 @@
+"""memkit with torch.compile: measuring never switches compile off, and checkpointing works compiled.
+
+Models (tests/compile_models.py) use ``backend="aot_eager"`` through a counting backend: each step's compiled
+graph calls are counted, so "compiled on every step" is read, not assumed.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_memkit import ActivationCheckpointing
+from tests.compile_models import CompiledCNN, CompiledGPT2, CountingBackend, GraphCallsPerStep
+from tests.conftest import make_trainer
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    gc.collect()  # garbage of an earlier test would count in a whole-process reading
+    yield
+    torch._dynamo.reset()
+
+
+def _fit(model, tmp_path, callbacks=(), steps=3, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, max_steps=steps, callbacks=list(callbacks), **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+@pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["gpt2", "cnn"])
+def test_checkpointing_a_compiled_model_trains_compiled_with_the_uncompiled_losses(tmp_path, make):
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    compiled = make(backend=backend)
+    torch.manual_seed(0)
+    eager = make(compile=False)
+    counts = GraphCallsPerStep(backend)
+    checkpointing = ActivationCheckpointing("auto", verbose=False)
+    _fit(compiled, tmp_path / "compiled", [checkpointing, counts])
+    _fit(eager, tmp_path / "eager", [ActivationCheckpointing("auto", verbose=False)])
+    assert checkpointing.plan is not None and checkpointing.plan.count >= 1
+    assert backend.compiled >= 1 and all(calls >= 1 for calls in counts.per_step), counts.per_step
+    torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(compiled.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # BatchNorm statistics updated once, as eager
+
+
+class _ProfiledSteps(pl.Callback):
+    """The tests' own reading of each training step's peak: the bytes of every live CPU tensor storage at the
+    batch's start (a walk of the collector's objects, plus the gradients) plus the highest running sum of the
+    allocator's ``[memory]`` events that the public ``torch.profiler.profile(...).events()`` lists."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._profile = None
+        self._base = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from tests.live_tensors import storage_bytes
+
+        # no gc.collect() first: garbage in reference cycles holds its memory until the collector runs, in this
+        # run as in the tracker's
+        tensors = []
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and type(obj).__name__ != "FakeTensor":
+                    tensors.append(obj)
+            except ReferenceError:  # a dead weakref proxy
+                continue
+        self._base = storage_bytes(tensors + [p.grad for p in pl_module.parameters() if p.grad is not None])
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._profile.__exit__(None, None, None)
+        # the allocator's events as kineto recorded them (profile.events() folds most into their ops)
+        memory = sorted((e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]")
+        running = highest = 0
+        for _, nbytes in memory:
+            running += nbytes
+            highest = max(highest, running)
+        self.peaks.append(self._base + highest)
+        self._profile = None
+
+
+@pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["gpt2", "cnn"])
+def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_path, make):
+    from lightning_memkit import MemoryTracker
+
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    model = make(backend=backend)
+    counts = GraphCallsPerStep(backend)
+    tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
+    _fit(model, tmp_path / "tracked", [tracker, counts], steps=4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert len(counts.per_step) == 4 and min(counts.per_step) >= 1, counts.per_step  # compiled graphs ran at every step
+    assert tracker.summary.extra["compiled"]["parts"] == [next(n for n, m in model.named_children() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule))]
+    peaks = [r.peak_tensor_bytes for r in tracker.history]
+    assert None not in peaks
+
+    del model, backend, counts  # the profiled run below counts every live tensor of the process, as the tracker did
+    torch._dynamo.reset()
+    gc.collect()
+    torch.manual_seed(0)
+    again = make(backend=CountingBackend())
+    profiled = _ProfiledSteps()
+    _fit(again, tmp_path / "profiled", [profiled], steps=4)
+    for step, (mine, theirs) in enumerate(zip(peaks, profiled.peaks)):
+        assert abs(mine - theirs) <= 0.01 * theirs, (step, mine, theirs)
+
+
+def test_compile_compat_pins_the_torch_internals():
+    """The torch internals lightning_memkit.compiled._torch_compat reads, checked against the real thing."""
+    from lightning_memkit.compiled import _torch_compat as compat
+    from lightning_memkit.compiled import compiled_parts
+
+    assert compat.OPTIMIZED_MODULE is torch._dynamo.eval_frame.OptimizedModule
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    wrapped = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2), backend="eager"), torch.nn.Linear(2, 2))
+    in_place = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    in_place[0].compile(backend="eager")
+    assert compiled_parts(plain) == [] and compiled_parts(wrapped) == ["0"] and compiled_parts(in_place) == ["0"]
+    assert compat.compiled_call_impl(in_place[0]) is not None and compat.compiled_call_impl(plain[0]) is None
+    assert compat.compiled_function(torch.compile(lambda x: x + 1, backend="eager"))
+
+    seen = []
+
+    @torch.compile(backend="eager")
+    def traced(x):
+        seen.append(compat.is_compiling())
+        return x * 2
+
+    traced(torch.ones(2))
+    assert seen == [True] and not compat.is_compiling()
+
+    # a compiled frame first called under a dispatch mode inside force_eager() still compiles afterwards
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    backend = CountingBackend("eager")
+    doubled = torch.compile(lambda x: x * 3, backend=backend)
+    with compat.force_eager(), Passthrough():
+        doubled(torch.ones(2))
+    assert backend.compiled == 0
+    doubled(torch.ones(2))
+    assert backend.compiled == 1 and backend.calls == 1
+    assert compat.dynamo_counters()["stats"]["unique_graphs"] >= 1
+
+    # the allocator's events: a 4000-byte tensor allocated then freed
+    assert not compat.profiler_active()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        assert compat.profiler_active()
+        block = torch.empty(1000, dtype=torch.float32)
+        del block
+    events = [nbytes for _, nbytes in compat.allocator_events(profile, "cpu")]
+    assert 4000 in events and -4000 in events and events.index(4000) < events.index(-4000)
