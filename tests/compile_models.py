@@ -41,9 +41,10 @@ class CompiledGPT2(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
-        loss = self.model(input_ids=tokens, labels=tokens).loss
+        output = self.model(input_ids=tokens, labels=tokens)
+        loss = output.loss
         if self.leak:
-            self.kept.append(loss)  # the planted leak: each step's loss kept with its graph
+            self.kept.append((loss, output.logits))  # the planted leak: each step's loss and logits kept with their graph
         self.losses.append(loss.item())
         return loss
 
@@ -76,9 +77,10 @@ class CompiledCNN(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         images, labels = batch
-        loss = F.cross_entropy(self.net(images), labels)
+        logits = self.net(images)
+        loss = F.cross_entropy(logits, labels)
         if self.leak:
-            self.kept.append(loss)
+            self.kept.append((loss, logits))  # the planted leak: each step's loss and logits kept with their graph
         self.losses.append(loss.item())
         return loss
 

@@ -164,3 +164,23 @@ def test_compile_compat_pins_the_torch_internals():
         del block
     events = [nbytes for _, nbytes in compat.allocator_events(profile, "cpu")]
     assert 4000 in events and -4000 in events and events.index(4000) < events.index(-4000)
+
+
+@pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["gpt2", "cnn"])
+def test_doctor_finds_a_kept_graph_on_a_compiled_model_without_switching_compile_off(tmp_path, make):
+    from lightning_memkit import MemoryDoctor
+
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    model = make(backend=backend, leak=True)
+    counts = GraphCallsPerStep(backend)
+    doctor = MemoryDoctor(window=3, warmup_steps=1, verbose=False)
+    _fit(model, tmp_path, [doctor, counts], steps=6)
+    assert min(counts.per_step) >= 1, counts.per_step  # compiled graphs ran at every step
+    report = doctor.report
+    assert report.leak is not None and "compiled model" in report.compiled, report.format()
+    # what one step keeps: its loss and logits (backward freed what their graph saved), bytes read off the tensors
+    kept = sum(tensor.untyped_storage().nbytes() for tensor in model.kept[-1])
+    assert report.leak.bytes_per_step == kept, report.format()
+    assert report.leak.growing and report.leak.growing[0].op.startswith("found between steps ("), report.leak.format()
+    assert sum(group.bytes_per_step for group in report.leak.growing) == kept

@@ -9,11 +9,12 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks._files import run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 
@@ -51,6 +52,12 @@ class MemoryDoctor(Callback):
         warmup_steps: first steps not compared (gradients and optimizer state appear in them).
         analyse_step: the training step whose liveness is analysed (``None``: no analysis).
         verbose: print the verdict at the end of fit.
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): training stays compiled; the live bytes between steps are the CPU allocator's
+            (its events, read through torch's profiler), who made a kept tensor is what a walk of the collector's
+            objects finds between steps (its shape and ``grad_fn``; no module, no line), and no step is analysed
+            op by op. ``"eager"``: the recorded steps run eagerly (every step from the first), for the full
+            op-by-op record of the eager program. See docs/compile.md.
 
     Attributes:
         report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
@@ -60,7 +67,12 @@ class MemoryDoctor(Callback):
             A fit that raises writes the verdict up to the failure too.
     """
 
-    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True) -> None:
+    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True,
+                 compiled: str = "keep") -> None:
+        if compiled not in COMPILED_CHOICES:
+            raise MisconfigurationException(f"MemoryDoctor(compiled={compiled!r}): choose 'keep' (training stays compiled) "
+                                            "or 'eager' (the recorded steps run eagerly, for the op-by-op record)")
+        self.compiled = compiled
         if not isinstance(window, int) or isinstance(window, bool) or window < 2:
             raise MisconfigurationException(f"MemoryDoctor(window={window!r}): give an integer >= 2, e.g. 5 steps of growth")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -83,6 +95,13 @@ class MemoryDoctor(Callback):
         self.report_path = None
         self._session = DoctorSession(pl_module, trainer.optimizers, window=self.window, warmup_steps=self.warmup_steps,
                                       analyse_step=self.analyse_step)
+        parts = compiled_parts(pl_module)
+        if parts:
+            self._session.recorder.compiled = self.compiled
+            how = (f"live bytes from the CPU allocator's events, training kept compiled; {NOT_SEEN_COMPILED}"
+                   if self.compiled == "keep" else "the recorded steps run EAGERLY (compiled='eager')")
+            self._session.compiled_note = f"compiled model ({', '.join(parts)}): {how}"
+            rank_zero_info(f"memkit doctor: {self._session.compiled_note}")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -24,7 +24,7 @@ from lightning_memkit.compiled._torch_compat import (
     profiler_active,
 )
 
-__all__ = ["AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
+__all__ = ["AllocatorBalance", "AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
 
 #: What memkit does with a compiled model: ``"keep"`` (default) measures what the allocator sees and leaves it
 #: compiled; ``"eager"`` runs the measured steps eagerly for the per-op / per-module breakdown (the eager program's).
@@ -55,6 +55,59 @@ def compiled_parts(module: nn.Module) -> list[str]:
     return parts
 
 
+class _AllocatorStream:
+    """The one torch profiler (``profile_memory=True``) that every memkit reader of the allocator's events shares:
+    only one profiler records at a time, so MemoryTracker, LayerTrace and MemoryDoctor read the same recording.
+    :meth:`flush` stops it, hands the events to every reader, and starts it again while anyone reads."""
+
+    def __init__(self) -> None:
+        self._profile: Any = None
+        self._readers: list[Any] = []
+
+    def subscribe(self, reader: Any) -> bool:
+        if reader in self._readers:
+            return True
+        if self._profile is None:
+            if profiler_active():
+                return False
+            self._start()
+        else:
+            self.flush()  # what came before is not this reader's
+        self._readers.append(reader)
+        return True
+
+    def unsubscribe(self, reader: Any) -> None:
+        if reader not in self._readers:
+            return
+        self.flush()
+        self._readers.remove(reader)
+        if not self._readers and self._profile is not None:
+            profile, self._profile = self._profile, None
+            profile.__exit__(None, None, None)
+
+    def flush(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is None:
+            return
+        profile.__exit__(None, None, None)
+        by_device: dict[str, list[tuple[int, int]]] = {}
+        for reader in list(self._readers):
+            kind = reader.device.type
+            if kind not in by_device:
+                by_device[kind] = allocator_events(profile, kind)
+            reader.feed(by_device[kind])
+        if self._readers:
+            self._start()
+
+    def _start(self) -> None:
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                               record_shapes=False, with_stack=False)
+        self._profile.__enter__()
+
+
+_STREAM = _AllocatorStream()
+
+
 class AllocatorPeak:
     """The peak of the allocator's live bytes over windows of a step, from the allocator's own events.
 
@@ -63,20 +116,20 @@ class AllocatorPeak:
     peak is the bytes live when it opens (given to :meth:`start`) plus the highest running sum of the signed
     event bytes. Costs about a profiled step (every op is recorded): a diagnosis mode, not free.
 
-    Only one profiler can record at a time: when one is already recording (yours, or Lightning's
+    memkit's readers share one profiler. When another one is already recording (yours, or Lightning's
     ``profiler="pytorch"``), :meth:`start` returns False and the window has no peak.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.peak_bytes: int | None = None
-        self._profile: Any = None
-        self._live_at_start = 0
+        self._active = False
+        self._base = self._running = self._highest = 0
 
     @property
     def active(self) -> bool:
         """Whether a window is recording."""
-        return self._profile is not None
+        return self._active
 
     def reset(self) -> None:
         """Forget the peak (a new step)."""
@@ -84,27 +137,71 @@ class AllocatorPeak:
 
     def start(self, live_bytes: int) -> bool:
         """Open a window; ``live_bytes``: the bytes live on the device now. False when another profiler records."""
-        if self._profile is not None:
+        if self._active:
             return True
-        if profiler_active():
+        if not _STREAM.subscribe(self):
             return False
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        self._profile = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False, with_stack=False)
-        self._profile.__enter__()
-        self._live_at_start = int(live_bytes)
+        self._active = True
+        self._base, self._running, self._highest = int(live_bytes), 0, 0
         return True
 
-    def stop(self) -> int | None:
-        """Close the window; returns the step's peak so far (bytes), also on :attr:`peak_bytes`."""
-        profile, self._profile = self._profile, None
-        if profile is None:
-            return self.peak_bytes
-        profile.__exit__(None, None, None)
-        running = highest = 0
-        for _, nbytes in allocator_events(profile, self.device.type):
+    def feed(self, events: list[tuple[int, int]]) -> None:
+        """Take the allocator's ``(time ns, signed bytes)`` events, in time order (the shared profiler calls it)."""
+        running, highest = self._running, self._highest
+        for _, nbytes in events:
             running += nbytes
             if running > highest:
                 highest = running
-        peak = self._live_at_start + highest
+        self._running, self._highest = running, highest
+
+    def stop(self) -> int | None:
+        """Close the window; returns the step's peak so far (bytes), also on :attr:`peak_bytes`."""
+        if not self._active:
+            return self.peak_bytes
+        _STREAM.unsubscribe(self)
+        self._active = False
+        peak = self._base + self._highest
         self.peak_bytes = peak if self.peak_bytes is None else max(self.peak_bytes, peak)
         return self.peak_bytes
+
+
+class AllocatorBalance:
+    """The allocator's live bytes on ``device`` over a long stretch (many steps), from its own events: the
+    bytes live at :meth:`start` plus every allocation and free since. What a leak check between steps reads on
+    a compiled model, where no dispatch mode can see the tensors compiled code makes (saved activations of a
+    kept graph included). Shares memkit's one profiler (see :class:`AllocatorPeak`)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._active = False
+        self._bytes = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether it is recording."""
+        return self._active
+
+    def start(self, live_bytes: int) -> bool:
+        """Begin from ``live_bytes`` live now. False when another profiler records."""
+        if self._active:
+            return True
+        if not _STREAM.subscribe(self):
+            return False
+        self._active, self._bytes = True, int(live_bytes)
+        return True
+
+    def feed(self, events: list[tuple[int, int]]) -> None:
+        """Take the allocator's events (the shared profiler calls it)."""
+        self._bytes += sum(nbytes for _, nbytes in events)
+
+    def live_bytes(self) -> int:
+        """The allocator's live bytes now (bytes)."""
+        if self._active:
+            _STREAM.flush()
+        return self._bytes
+
+    def stop(self) -> None:
+        """Stop recording."""
+        if self._active:
+            _STREAM.unsubscribe(self)
+            self._active = False

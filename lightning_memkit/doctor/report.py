@@ -37,6 +37,7 @@ class DoctorReport:
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
         liveness: the analysed step's peak, what it is made of and what is held too long there, or ``None``.
         errors: problems met while recording (the doctor steps aside rather than failing training).
+        compiled: on a compiled model, how it was recorded and what could not be seen (``""``: not compiled).
     """
 
     steps: int = 0
@@ -46,6 +47,7 @@ class DoctorReport:
     graph_leak: GraphLeakReport | None = None
     liveness: LivenessReport | None = None
     errors: list = field(default_factory=list)
+    compiled: str = ""
 
     @property
     def healthy(self) -> bool:
@@ -57,7 +59,8 @@ class DoctorReport:
         return {"steps": self.steps, "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
                 "steady_bytes": self.steady_bytes, "leak": self.leak.to_dict() if self.leak else None,
                 "graph_leak": self.graph_leak.to_dict() if self.graph_leak else None,
-                "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors)}
+                "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors),
+                "compiled": self.compiled}
 
     def to_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` as JSON; returns the path."""
@@ -85,11 +88,13 @@ class DoctorReport:
                                          holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
         return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None, live_bytes_at_start=data.get("live_bytes_at_start", []),
                    steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
-                   errors=data.get("errors", []))
+                   errors=data.get("errors", []), compiled=data.get("compiled", ""))
 
     def format(self) -> str:
         """The verdict as text: steady state, leaks (bytes/step, who), held too long at the peak, the peak's parts."""
         lines = [f"memkit doctor: {self.steps} steps watched"]
+        if self.compiled:
+            lines.append(self.compiled)
         if self.leak is None:
             steady = f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)" if self.steady_bytes is not None else "-"
             lines.append(("no leak: " if self.graph_leak is None else "")
@@ -149,6 +154,7 @@ class DoctorSession:
         self.points: collections.deque = collections.deque(maxlen=max_points)
         self.steps = 0
         self._analysing = False
+        self.compiled_note = ""  # set by whoever finds the model compiled (MemoryDoctor): said once in the report
 
     def step_start(self, step: int, batch: Any = None, *, module: torch.nn.Module | None = None,
                    optimizers: Iterable[Any] | None = None) -> LeakReport | GraphLeakReport | None:
@@ -162,7 +168,8 @@ class DoctorSession:
         optimizers = self.optimizers if optimizers is None else list(optimizers)
         recorder = self.recorder
         recorder.assign_roles(module, optimizers)  # state made in the last step (grads, Adam's moments)
-        live = recorder.live_bytes
+        recorder.catch_up()  # a compiled model kept compiled: what the last step made, found by a walk
+        live = recorder.live_bytes_now()
         self.points.append([int(step), int(live)])
         self.steps += 1
         found = self.watcher.observe(step, live)
@@ -175,7 +182,8 @@ class DoctorSession:
                                                   grown.live_bytes_at_start, holders[:10])
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
-        if self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing:
+        if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing
+                and recorder.compiled != "keep"):  # no op is seen inside compiled code: no liveness to analyse
             self._analysing = True
             recorder.begin_liveness()
         return found
@@ -202,4 +210,5 @@ class DoctorSession:
         """The verdict so far."""
         points = list(self.points)
         return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
-                            leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors))
+                            leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
+                            compiled=self.compiled_note)
