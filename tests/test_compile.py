@@ -165,6 +165,13 @@ def test_compile_compat_pins_the_torch_internals():
     events = [nbytes for _, nbytes in compat.allocator_events(profile, "cpu")]
     assert 4000 in events and -4000 in events and events.index(4000) < events.index(-4000)
 
+    # a block allocated while nothing recorded: its free is reported once sizes are tracked
+    assert compat.track_cpu_allocation_sizes()
+    older = torch.empty(3000, dtype=torch.uint8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        del older
+    assert -3000 in [nbytes for _, nbytes in compat.allocator_events(profile, "cpu")]
+
 
 @pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["gpt2", "cnn"])
 def test_doctor_finds_a_kept_graph_on_a_compiled_model_without_switching_compile_off(tmp_path, make):
@@ -184,3 +191,26 @@ def test_doctor_finds_a_kept_graph_on_a_compiled_model_without_switching_compile
     assert report.leak.bytes_per_step == kept, report.format()
     assert report.leak.growing and report.leak.growing[0].op.startswith("found between steps ("), report.leak.format()
     assert sum(group.bytes_per_step for group in report.leak.growing) == kept
+
+
+@pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["gpt2", "cnn"])
+def test_layer_trace_of_a_compiled_model_runs_compiled_with_rows_only_where_real(tmp_path, make):
+    from lightning_memkit import LayerTrace
+
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    model = make(backend=backend)
+    counts = GraphCallsPerStep(backend)
+    trace = LayerTrace(at_steps=(1,), verbose=False, figure=False)
+    _fit(model, tmp_path, [trace, counts], steps=2)
+    assert min(counts.per_step) >= 1, counts.per_step  # the traced step 1 ran compiled graphs too
+    result = trace.results[0]
+    region = next(n for n, m in model.named_children() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule))
+    modules = {e.module for e in result.module_events()}
+    assert modules == {region}  # the compiled region only: nothing inside compiled code (training_step calls no forward of the root)
+    forward = result.module_events("forward", region)[0]
+    pre = result.module_events("pre-forward", region)[0]
+    outputs = forward.live_bytes - pre.live_bytes - forward.saved_bytes
+    assert forward.saved_bytes > 0 and outputs > 0  # the compiled graph's saved activations, and its outputs
+    assert result.peak_bytes >= max(e.live_bytes for e in result.events) and result.notes and "compiled" in result.notes[0]
+    assert "note: compiled model" in result.format_table()

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks._files import run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import format_bytes
@@ -88,6 +89,11 @@ class LayerTrace(Callback):
         max_results: traced results kept in :attr:`results` (oldest dropped).
         dirpath: the directory for the JSON files; default: the first logger's ``log_dir``, and no
             file without a logger (``logger=False``, or ``fast_dev_run``, which switches the loggers off).
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): the traced step runs compiled; rows for the modules outside compiled code and
+            one per compiled region (its bytes and what its graph saved for backward, from the CPU allocator's
+            events), no category split inside compiled code; the table says so. ``"eager"``: the traced step
+            runs eagerly, traced module by module (the eager program's bytes). See docs/compile.md.
 
     Attributes:
         results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
@@ -111,7 +117,12 @@ class LayerTrace(Callback):
         verbose: bool = True,
         max_results: int = 16,
         dirpath: str | os.PathLike | None = None,
+        compiled: str = "keep",
     ) -> None:
+        if compiled not in COMPILED_CHOICES:
+            raise MisconfigurationException(f"LayerTrace(compiled={compiled!r}): choose 'keep' (trace the compiled step as it runs) "
+                                            "or 'eager' (run the traced step eagerly, module by module)")
+        self.compiled = compiled
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise MisconfigurationException(f"LayerTrace(every_n_steps={every_n_steps!r}): give a positive integer, or None to trace only at_steps")
         if at_steps is None:
@@ -177,7 +188,7 @@ class LayerTrace(Callback):
         self._traced_steps.add(step)
         try:
             tracer = LayerTracer(pl_module, trainer.optimizers, max_depth=self.max_depth, modules=self.modules,
-                                 step=step, rank=trainer.global_rank)
+                                 step=step, rank=trainer.global_rank, compiled=self.compiled)
             tracer.start(inputs=batch)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"LayerTrace: {error}") from error
@@ -271,6 +282,7 @@ class LayerTrace(Callback):
         """What ``verbose`` prints after a traced step: the category table and where everything went."""
         lines = [f"memkit LayerTrace: step {result.step} on {result.device}: peak {format_bytes(result.peak_bytes)}, "
                  f"end {format_bytes(result.end_bytes)}; bytes by category:", result.format_categories()]
+        lines.extend(f"note: {note}" for note in result.notes)
         board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
         if board is not None:
             lines.append(f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "

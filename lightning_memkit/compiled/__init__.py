@@ -22,9 +22,10 @@ from lightning_memkit.compiled._torch_compat import (
     force_eager,
     is_compiling,
     profiler_active,
+    track_cpu_allocation_sizes,
 )
 
-__all__ = ["AllocatorBalance", "AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
+__all__ = ["AllocatorBalance", "AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "compiled_regions", "is_compiled_wrapper", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
 
 #: What memkit does with a compiled model: ``"keep"`` (default) measures what the allocator sees and leaves it
 #: compiled; ``"eager"`` runs the measured steps eagerly for the per-op / per-module breakdown (the eager program's).
@@ -37,6 +38,22 @@ NOT_SEEN_COMPILED = ("inside compiled code memkit sees the allocator only: no pe
 _STEP_METHODS = ("forward", "training_step", "validation_step")
 
 
+def compiled_regions(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of the outermost compiled submodules of ``module``: ``torch.compile(m)``
+    wrappers and modules compiled in place (``m.compile()``), in ``named_modules`` order."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(child) is not None:
+            if not any(name.startswith(n + ".") or not n for n, _ in found):
+                found.append((name, child))
+    return found
+
+
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper (its hooks run outside the compiled code, around it)."""
+    return OPTIMIZED_MODULE is not None and isinstance(module, OPTIMIZED_MODULE)
+
+
 def compiled_parts(module: nn.Module) -> list[str]:
     """The compiled parts of ``module``, by qualified name: submodules that are ``torch.compile(m)`` wrappers
     or were compiled in place (``m.compile()``), and compiled methods (``forward``, ``training_step``: what
@@ -44,11 +61,7 @@ def compiled_parts(module: nn.Module) -> list[str]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"compiled_parts(module): give an nn.Module, not {type(module).__name__}")
-    parts: list[str] = []
-    for name, child in module.named_modules():
-        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(child) is not None:
-            if not any(name.startswith(p + ".") for p in parts):
-                parts.append(name or "<root>")
+    parts = [name or "<root>" for name, _ in compiled_regions(module)]
     for method in _STEP_METHODS:
         if compiled_function(module.__dict__.get(method)):
             parts.append(method)
@@ -100,6 +113,7 @@ class _AllocatorStream:
             self._start()
 
     def _start(self) -> None:
+        track_cpu_allocation_sizes()  # frees of blocks allocated while nothing recorded are reported too
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                                record_shapes=False, with_stack=False)
         self._profile.__enter__()
@@ -153,6 +167,12 @@ class AllocatorPeak:
             if running > highest:
                 highest = running
         self._running, self._highest = running, highest
+
+    def now(self) -> tuple[int, int]:
+        """``(live bytes now, peak bytes since the window opened)`` of an open window (bytes)."""
+        if self._active:
+            _STREAM.flush()
+        return self._base + self._running, self._base + self._highest
 
     def stop(self) -> int | None:
         """Close the window; returns the step's peak so far (bytes), also on :attr:`peak_bytes`."""

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["OPTIMIZED_MODULE", "allocator_events", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
+__all__ = ["OPTIMIZED_MODULE", "allocator_events", "track_cpu_allocation_sizes", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
            "is_compiling", "profiler_active"]
 
 
@@ -86,3 +86,36 @@ def allocator_events(profile: Any, device_type: str = "cpu") -> list[tuple[int, 
               if event.name() == "[memory]" and event.device_type() == wanted]
     events.sort(key=lambda item: item[0])  # stable: same-time events keep their order
     return events
+
+
+_SIZES_TRACKED: bool | None = None
+
+
+def track_cpu_allocation_sizes() -> bool:
+    """Make the CPU allocator remember every block's size from now on, so a free recorded by the profiler is
+    reported even for a block allocated while no profiler recorded (else it is dropped, with the warning
+    "Memory block of unknown size was allocated before the profiling started"). Sets c10's
+    ``FLAGS_caffe2_report_cpu_memory_usage`` in ``libc10`` (what ``ProfiledCPUMemoryReporter`` reads; a hash-table
+    entry per CPU allocation). Returns whether it is set; False where the library or the flag is not found."""
+    global _SIZES_TRACKED
+    if _SIZES_TRACKED is not None:
+        return _SIZES_TRACKED
+    _SIZES_TRACKED = False
+    try:
+        import ctypes
+        import glob
+        import os
+
+        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        candidates = sorted(glob.glob(os.path.join(lib_dir, "libc10.*"))) + sorted(glob.glob(os.path.join(lib_dir, "c10.dll")))
+        for path in candidates:
+            try:
+                flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+            except (OSError, ValueError):
+                continue
+            flag.value = True
+            _SIZES_TRACKED = True
+            break
+    except Exception:  # noqa: BLE001 - a platform without ctypes access: frees of older blocks go unreported
+        _SIZES_TRACKED = False
+    return _SIZES_TRACKED
