@@ -214,3 +214,51 @@ def test_layer_trace_of_a_compiled_model_runs_compiled_with_rows_only_where_real
     assert forward.saved_bytes > 0 and outputs > 0  # the compiled graph's saved activations, and its outputs
     assert result.peak_bytes >= max(e.live_bytes for e in result.events) and result.notes and "compiled" in result.notes[0]
     assert "note: compiled model" in result.format_table()
+
+
+def test_the_allocator_reading_equals_the_exact_accountant_on_an_eager_step(tmp_path):
+    """Where both can run (an eager model), the peak from the allocator's events and the accountant's exact peak
+    agree; the allocator also sees its own few bytes of bookkeeping, hence the small allowance."""
+    from lightning_memkit import MemoryTracker
+
+    readings = {}
+    for how in (None, "keep"):
+        torch.manual_seed(0)
+        model = CompiledGPT2(compile=False)
+        tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
+
+        class _Measure(pl.Callback):
+            def on_fit_start(self, trainer, pl_module, how=how, tracker=tracker):
+                tracker._meter.compiled = how  # the allocator's events on an eager model, to compare
+
+        _fit(model, tmp_path / str(how), [tracker, _Measure()], steps=3)
+        readings[how] = [r.peak_tensor_bytes for r in tracker.history]
+        del model, tracker
+        gc.collect()
+    for exact, allocator in zip(readings[None], readings["keep"]):
+        assert 0 <= allocator - exact <= 256, readings
+
+
+def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_checkpointing_lowers_the_peak(tmp_path):
+    from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker
+
+    peaks = {}
+    for checkpointed in (False, True):
+        torch._dynamo.reset()
+        backend = CountingBackend()
+        torch.manual_seed(0)
+        model = CompiledGPT2(backend=backend, layers=4, width=64)
+        counts = GraphCallsPerStep(backend)
+        tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
+        callbacks = [tracker, LayerTrace(at_steps=(2,), verbose=False, figure=False), MemoryDoctor(verbose=False), counts]
+        if checkpointed:
+            callbacks.insert(0, ActivationCheckpointing("auto", verbose=False))
+        _fit(model, tmp_path / str(checkpointed), callbacks, steps=4)
+        assert len(counts.per_step) == 4 and min(counts.per_step) >= 1, counts.per_step
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+        assert callbacks[-3].results and callbacks[-2].report is not None and callbacks[-2].report.compiled
+        peaks[checkpointed] = [r.peak_tensor_bytes for r in tracker.history]
+        assert None not in peaks[checkpointed]  # the shared profiler served the tracker while the others read it too
+        del model, tracker, callbacks, counts, backend
+        gc.collect()
+    assert max(peaks[True][1:]) < min(peaks[False][1:]), peaks  # the compiled step's peak, lowered by checkpointing
