@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memkit.compiled._torch_compat import (
+    MARK_PREFIX,
     OPTIMIZED_MODULE,
     allocator_events,
     compiled_call_impl,
@@ -21,6 +22,7 @@ from lightning_memkit.compiled._torch_compat import (
     dynamo_counters,
     force_eager,
     is_compiling,
+    mark,
     profiler_active,
     track_cpu_allocation_sizes,
 )
@@ -103,11 +105,11 @@ class _AllocatorStream:
         if profile is None:
             return
         profile.__exit__(None, None, None)
-        by_device: dict[str, list[tuple[int, int]]] = {}
+        by_device: dict[str, list[Any]] = {}
         for reader in list(self._readers):
             kind = reader.device.type
             if kind not in by_device:
-                by_device[kind] = allocator_events(profile, kind)
+                by_device[kind] = allocator_events(profile, kind, marks=True)
             reader.feed(by_device[kind])
         if self._readers:
             self._start()
@@ -139,6 +141,9 @@ class AllocatorPeak:
         self.peak_bytes: int | None = None
         self._active = False
         self._base = self._running = self._highest = 0
+        self._mark_prefix = f"{id(self)}:"
+        #: ``name -> (live bytes, peak bytes so far)`` at each :meth:`mark`, once its window's events are read
+        self.marks: dict[str, tuple[int, int]] = {}
 
     @property
     def active(self) -> bool:
@@ -157,19 +162,33 @@ class AllocatorPeak:
             return False
         self._active = True
         self._base, self._running, self._highest = int(live_bytes), 0, 0
+        self.marks = {}
         return True
 
-    def feed(self, events: list[tuple[int, int]]) -> None:
-        """Take the allocator's ``(time ns, signed bytes)`` events, in time order (the shared profiler calls it)."""
+    def feed(self, events: list[Any]) -> None:
+        """Take the allocator's ``(time ns, signed bytes)`` events and memkit's marks, in time order (the shared
+        profiler calls it)."""
         running, highest = self._running, self._highest
-        for _, nbytes in events:
-            running += nbytes
+        for event in events:
+            if len(event) == 3:
+                key = event[2][len(MARK_PREFIX):]
+                if key.startswith(self._mark_prefix):
+                    self.marks[key[len(self._mark_prefix):]] = (self._base + running, self._base + highest)
+                continue
+            running += event[1]
             if running > highest:
                 highest = running
         self._running, self._highest = running, highest
 
+    def mark(self, name: str) -> None:
+        """Remember this moment: after the window's events are read, :attr:`marks` ``[name]`` holds
+        ``(live bytes, peak bytes so far)`` at it. Safe anywhere, backward hooks included (nothing stops)."""
+        if self._active:
+            mark(self._mark_prefix + name)
+
     def now(self) -> tuple[int, int]:
-        """``(live bytes now, peak bytes since the window opened)`` of an open window (bytes)."""
+        """``(live bytes now, peak bytes since the window opened)`` of an open window (bytes). It stops and restarts
+        the profiler: never call it inside backward or an op (use :meth:`mark`)."""
         if self._active:
             _STREAM.flush()
         return self._base + self._running, self._base + self._highest
@@ -210,9 +229,9 @@ class AllocatorBalance:
         self._active, self._bytes = True, int(live_bytes)
         return True
 
-    def feed(self, events: list[tuple[int, int]]) -> None:
-        """Take the allocator's events (the shared profiler calls it)."""
-        self._bytes += sum(nbytes for _, nbytes in events)
+    def feed(self, events: list[Any]) -> None:
+        """Take the allocator's events (the shared profiler calls it; marks are skipped)."""
+        self._bytes += sum(event[1] for event in events)
 
     def live_bytes(self) -> int:
         """The allocator's live bytes now (bytes)."""

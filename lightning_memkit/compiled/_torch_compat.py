@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["OPTIMIZED_MODULE", "allocator_events", "track_cpu_allocation_sizes", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
+__all__ = ["MARK_PREFIX", "OPTIMIZED_MODULE", "allocator_events", "mark", "track_cpu_allocation_sizes", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
            "is_compiling", "profiler_active"]
 
 
@@ -75,17 +75,36 @@ def profiler_active() -> bool:
     return bool(check()) if check is not None else False
 
 
-def allocator_events(profile: Any, device_type: str = "cpu") -> list[tuple[int, int]]:
+#: the name prefix of memkit's marks in a profile (see :func:`mark`)
+MARK_PREFIX = "memkit::mark::"
+
+
+def allocator_events(profile: Any, device_type: str = "cpu", marks: bool = False) -> list[tuple[int, int] | tuple[int, int, str]]:
     """The allocator's events a finished ``torch.profiler.profile(profile_memory=True)`` recorded on
     ``device_type``: ``(time ns, signed bytes)`` in time order (an allocation positive, a free negative).
+    ``marks=True``: memkit's marks (:func:`mark`) too, as ``(time ns, 0, name)``, in the same order.
 
     Reads the kineto results' ``[memory]`` events (``profile.profiler.kineto_results.events()``).
     """
     wanted = getattr(torch._C._autograd.DeviceType, device_type.upper())
-    events = [(event.start_ns(), event.nbytes()) for event in profile.profiler.kineto_results.events()
-              if event.name() == "[memory]" and event.device_type() == wanted]
+    events: list[Any] = []
+    for event in profile.profiler.kineto_results.events():
+        name = event.name()
+        if name == "[memory]":
+            if event.device_type() == wanted:
+                events.append((event.start_ns(), event.nbytes()))
+        elif marks and name.startswith(MARK_PREFIX):
+            events.append((event.start_ns(), 0, name))
     events.sort(key=lambda item: item[0])  # stable: same-time events keep their order
     return events
+
+
+def mark(name: str) -> None:
+    """Put a mark named ``MARK_PREFIX + name`` into the recording profile, on the same clock as the allocator's
+    events (an empty ``record_function``): where a moment of the step falls among them, read after the profile
+    stops, for the profiler must not be stopped inside backward."""
+    with torch.autograd.profiler.record_function(MARK_PREFIX + name):
+        pass
 
 
 _SIZES_TRACKED: bool | None = None

@@ -299,6 +299,7 @@ class LayerTracer:
         self._last_live = self.accountant.current_bytes
         self._start_bytes = self.accountant.current_bytes
         self._allocator: AllocatorPeak | None = None
+        self._region_forwards: list[tuple[int, int, int]] = []
         if self.compiled == "keep":
             self._allocator = AllocatorPeak(self._device if self._device.type == "cpu" else "cpu")
             if self._device.type != "cpu" or not self._allocator.start(self._start_bytes):
@@ -339,6 +340,7 @@ class LayerTracer:
         finally:
             if self._allocator is not None:
                 self._allocator.stop()
+                self._fill_from_allocator()
             if self._stack_exit is not None:
                 self._stack_exit.close()
                 self._stack_exit = None
@@ -434,7 +436,9 @@ class LayerTracer:
     def _emit(self, phase: str, info: _ModuleInfo | None, call: int = 0, recompute: bool = False,
               tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0) -> None:
         if self._allocator is not None:
-            live, peak = self._allocator.now()
+            # bytes filled in after the step (_fill_from_allocator): the profiler cannot stop inside backward
+            self._allocator.mark(str(len(self.events)))
+            live = peak = 0
         else:
             live, peak = self.accountant.current_bytes, self.accountant.peak_bytes
         shapes, dtypes = _shapes(tensors)
@@ -446,6 +450,19 @@ class LayerTracer:
             saved_bytes=saved_bytes, shapes=shapes, dtypes=dtypes,
         ))
         self._last_live = live
+
+    def _fill_from_allocator(self) -> None:
+        """A compiled model: each event's bytes from the allocator's events up to its mark, read after the step."""
+        marks = self._allocator.marks
+        last = self._start_bytes
+        for event in self.events:
+            live, peak = marks.get(str(event.index), (last, max(last, event.peak_bytes)))
+            event.live_bytes, event.peak_bytes, event.delta_bytes = live, peak, live - last
+            last = live
+        for pre_index, forward_index, outputs_bytes in self._region_forwards:
+            before = self.events[pre_index].live_bytes
+            forward = self.events[forward_index]
+            forward.saved_bytes = max(0, forward.live_bytes - before - outputs_bytes)
 
     def _marker(self, phase: str) -> None:
         self._emit(phase, None)
@@ -470,7 +487,7 @@ class LayerTracer:
             counts[module] = call + 1
             self._emit("pre-forward", info, call, recompute, tensors)
             frame = _Call(info, call, recompute, self._order)
-            frame.live_before = self._last_live
+            frame.live_before = len(self.events) - 1  # the pre-forward event (its bytes, on a compiled model, come later)
             self._order += 1
             self._stack.append(frame)
             if recompute:
@@ -500,9 +517,8 @@ class LayerTracer:
             outputs = _tensors(output)
             if self._allocator is not None and is_compiled_wrapper(module):
                 # what the compiled graph left alive for backward: its forward's growth less its outputs' storages
-                live, _ = self._allocator.now()
                 outputs_bytes = sum({id(s): s.nbytes() for s in (storage_of(t) for t in outputs) if s is not None}.values())
-                frame.saved_bytes = max(0, live - frame.live_before - outputs_bytes)
+                self._region_forwards.append((frame.live_before, len(self.events), outputs_bytes))
             self._emit("forward", frame.info, frame.call, frame.recompute, outputs, frame.saved_bytes)
             if self._stack:
                 self._stack[-1].saved_bytes += frame.saved_bytes
@@ -593,7 +609,7 @@ class LayerTracer:
         peak = self.accountant.peak_bytes
         end = self.accountant.current_bytes
         if self._allocator is not None:
-            end, peak = self._allocator.now()
+            end, peak = self._allocator.now() if self._allocator.active else (self.events[-1].live_bytes, self._allocator.peak_bytes or 0)
             # inside compiled code nothing is attributed: the peak's rise above what the tracer knows is "other"
             at_peak = self.attributor.breakdown()
             unseen = max(0, peak - at_peak.total_bytes)
