@@ -11,6 +11,7 @@ wall time, because other processes' load on a shared machine stretches wall time
     traced          LayerTrace(every_n_steps=1): every step traced (rows per compiled region)
     doctor          MemoryDoctor(): the allocator's live bytes between steps, a walk for kept tensors
     eager           the same model uncompiled, no memkit (what switching compile off would cost)
+    eager+tracker   the uncompiled model with MemoryTracker() (memkit's own per-step cost, for comparison)
 
 For each: graph calls per step (a counting backend wraps the real one: > 0 on every measured step means compiled
 code ran at every step), and the tracker's step peak.
@@ -120,9 +121,10 @@ def main() -> None:
         del callbacks
         gc.collect()
     eager = build(args, False, None)
-    clock = StepClock(None)
-    fit(eager, [clock], args.steps, root)
-    rows.append(("eager", statistics.median(clock.times[args.warmup:]), 0, None))
+    for name, callbacks in (("eager", []), ("eager+tracker", [MemoryTracker(verbose=False)])):
+        clock = StepClock(None)
+        fit(eager, callbacks + [clock], args.steps, root)
+        rows.append((name, statistics.median(clock.times[args.warmup:]), 0, None))
 
     base = rows[0][1]
     print(f"{'variant':<15}{'ms/step (CPU)':>14}{'ratio':>8}{'graph calls/step (min)':>24}{'tracker peak bytes':>20}")
