@@ -262,3 +262,19 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
         del model, tracker, callbacks, counts, backend
         gc.collect()
     assert max(peaks[True][1:]) < min(peaks[False][1:]), peaks  # the compiled step's peak, lowered by checkpointing
+
+
+def test_a_budgeted_trial_leaves_a_compiled_model_compiled_for_training():
+    """MaxBatchSize's CPU trials count tensors under a MemoryBudget (a dispatch mode): the trial runs the eager
+    program, and the model compiles at its next call outside it, as if the trial never happened."""
+    from lightning_memkit.search.budget import MemoryBudget
+
+    backend = CountingBackend("eager")
+    layer = torch.nn.Linear(8, 8)
+    compiled = torch.compile(layer, backend=backend)
+    x = torch.randn(4, 8)
+    with MemoryBudget(2**20) as budget:
+        compiled(x).sum().backward()
+    assert backend.compiled == 0 and budget.accountant.peak_bytes >= 4 * 8 * 4  # the trial ran eagerly, counted
+    compiled(x).sum().backward()
+    assert backend.compiled == 1 and backend.calls == 1
