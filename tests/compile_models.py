@@ -15,7 +15,7 @@ def tiny_gpt2(layers: int = 2, width: int = 32, vocab: int = 128, positions: int
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=vocab, n_positions=positions,
-                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
     config.attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
