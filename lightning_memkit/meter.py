@@ -97,6 +97,21 @@ class MemoryMeter:
         return self.probes.find(TensorProbe)  # type: ignore[return-value]
 
     @property
+    def compiled(self) -> str | None:
+        """How the steps of a compiled model are measured (:attr:`TensorProbe.compiled
+        <lightning_memkit.probes.TensorProbe.compiled>`): ``"keep"`` (the peak from the allocator's events, the
+        step runs compiled), ``"eager"`` (the accountant, the measured steps run eagerly) or ``None`` (no
+        compiled model: the accountant). Set it when the model is compiled; memkit's callbacks do."""
+        probe = self.tensor_probe
+        return probe.compiled if probe is not None else None
+
+    @compiled.setter
+    def compiled(self, value: str | None) -> None:
+        probe = self.tensor_probe
+        if probe is not None:
+            probe.compiled = value
+
+    @property
     def is_open(self) -> bool:
         """Whether a window is open."""
         return self._open is not None

@@ -48,6 +48,9 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     search = summary.extra.get("batch_search")
     if isinstance(search, str):  # MaxBatchSize's peak measures something else than the run peak: said once, here
         rows.append(("batch-size search", search))
+    compiled = summary.extra.get("compiled")
+    if compiled:
+        rows.append(("compiled model", f"{', '.join(compiled['parts'])}: {compiled['measured']}"))
     rows.append(("training steps measured", str(summary.train_steps_measured)))
     if summary.peak_source and summary.train_steps_with_peak < summary.train_steps_measured:
         rows.append(("steps with the peak", f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "

@@ -623,7 +623,9 @@ def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readi
 
     monkeypatch.setattr(memory_tracker, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})
     kept, outputs, trackers = [], [], []
+    import gc
     for _ in range(3):
+        gc.collect()  # an earlier test's cyclic garbage, freed mid-loop, would move the step-0 readings compared below
         kept.append(LinearStack())  # the notebook keeps each model
         trackers.append(MemoryTracker())
         make_trainer(tmp_path, max_steps=2, callbacks=[trackers[-1]]).fit(kept[-1])

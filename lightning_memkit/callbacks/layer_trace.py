@@ -7,7 +7,7 @@ hooks, which loggers and files. Measuring is the tracer's job.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Literal, Any, Sequence
 
 import torch.nn as nn
 
@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES
 from lightning_memkit.tensorboard.dashboard import markdown_code
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import format_bytes
@@ -106,6 +107,11 @@ class LayerTrace(Callback):
         max_results: traced results kept in :attr:`results` (oldest dropped).
         dirpath: the directory for the JSON files; default: the first logger's ``log_dir``, and no
             file without a logger (``logger=False``, or ``fast_dev_run``, which switches the loggers off).
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): the traced step runs compiled; rows for the modules outside compiled code and
+            one per compiled region (its bytes and what its graph saved for backward, from the CPU allocator's
+            events), no category split inside compiled code; the table says so. ``"eager"``: the traced step
+            runs eagerly, traced module by module (the eager program's bytes). See docs/compile.md.
 
     Attributes:
         results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
@@ -129,8 +135,11 @@ class LayerTrace(Callback):
         verbose: bool = True,
         max_results: int = 16,
         dirpath: str | os.PathLike | None = None,
+        compiled: Literal["keep", "eager"] = "keep",
     ) -> None:
         owner = "LayerTrace"
+        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
+                                      "'keep' (trace the compiled step as it runs) or 'eager' (run the traced step eagerly, module by module)")
         self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1, "a positive integer, or None to trace only at_steps", optional=True)
         if at_steps is None:
             at_steps = (1,) if every_n_steps is None else ()
@@ -184,7 +193,7 @@ class LayerTrace(Callback):
         self._traced_steps.add(step)
         try:
             tracer = LayerTracer(pl_module, trainer.optimizers, max_depth=self.max_depth, modules=self.modules,
-                                 step=step, rank=trainer.global_rank)
+                                 step=step, rank=trainer.global_rank, compiled=self.compiled)
             tracer.start(inputs=batch)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"LayerTrace: {error}") from error
@@ -288,6 +297,7 @@ class LayerTrace(Callback):
         """What ``verbose`` prints after a traced step: the category table and where everything went."""
         lines = [f"memkit LayerTrace: step {result.step} on {result.device}: peak {format_bytes(result.peak_bytes)}, "
                  f"end {format_bytes(result.end_bytes)}; bytes by category:", result.format_categories()]
+        lines.extend(f"note: {note}" for note in result.notes)
         board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
         if board is not None:
             lines.append(f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "

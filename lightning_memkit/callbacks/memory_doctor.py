@@ -7,15 +7,17 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Any
+from typing import Literal, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.holders import user_roots
 from lightning_memkit.doctor.leaks import rising_floor
@@ -65,6 +67,12 @@ class MemoryDoctor(Callback):
             verdict so far), global rank zero only; ``memkit doctor`` turns it on.
         holders_time_limit_s: the most seconds, per report, spent searching who holds a leak (0: no
             search; the walk over ``gc`` referrers runs only when a leak is reported).
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): training stays compiled; the live bytes between steps are the CPU allocator's
+            (its events, read through torch's profiler), who made a kept tensor is what a walk of the collector's
+            objects finds between steps (its shape and ``grad_fn``; no module, no line), and no step is analysed
+            op by op. ``"eager"``: the recorded steps run eagerly (every step from the first), for the full
+            op-by-op record of the eager program. See docs/compile.md.
 
     Attributes:
         report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
@@ -77,7 +85,8 @@ class MemoryDoctor(Callback):
     """
 
     def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True,
-                 progress: bool = False, holders_time_limit_s: float = 1.0) -> None:
+                 progress: bool = False, holders_time_limit_s: float = 1.0,
+                 compiled: Literal["keep", "eager"] = "keep") -> None:
         owner = "MemoryDoctor"
         checks.integer(owner, "window", window, 2, "an integer >= 2, e.g. 5 rises of the memory's floor")
         checks.integer(owner, "warmup_steps", warmup_steps, 0, "an integer >= 0 (steps before watching)")
@@ -86,6 +95,8 @@ class MemoryDoctor(Callback):
         self.progress = checks.boolean(owner, "progress", progress)
         self.holders_time_limit_s = float(checks.number(owner, "holders_time_limit_s", holders_time_limit_s,
                                                         "seconds >= 0, e.g. 1.0 (0: no holder search)", low=0, low_open=False))
+        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
+                                      "'keep' (training stays compiled) or 'eager' (the recorded steps run eagerly, for the op-by-op record)")
         self.window = window
         self.warmup_steps = warmup_steps
         self.analyse_step = analyse_step
@@ -117,6 +128,13 @@ class MemoryDoctor(Callback):
             self._session.recorder.know_existing([trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module])
         except Exception as error:  # noqa: BLE001 - a loader that cannot be walked: its batches may look new
             self._session.recorder.errors.append(f"noting the data's tensors: {type(error).__name__}: {error}")
+        parts = compiled_parts(pl_module)
+        if parts:
+            self._session.recorder.compiled = self.compiled
+            how = (f"live bytes from the CPU allocator's events, training kept compiled; {NOT_SEEN_COMPILED}"
+                   if self.compiled == "keep" else "the recorded steps run EAGERLY (compiled='eager')")
+            self._session.compiled_note = f"compiled model ({', '.join(parts)}): {how}"
+            rank_zero_info(f"memkit doctor: {self._session.compiled_note}")
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -14,12 +14,14 @@ from typing import Any, Literal, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import logging_loggers, run_files_dir
+from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
 from lightning_memkit.meter import MemoryMeter
@@ -147,6 +149,12 @@ class MemoryTracker(Callback):
             summary. The rule is the doctor's (:func:`lightning_memkit.doctor.leaks.rising_floor`).
             ``MemoryDoctor`` / ``memkit doctor`` then name who made the memory and who holds it.
         leak_window: how many rises of the floor make a leak (>= 2).
+        compiled: what to do when the model (or a submodule, or its ``training_step``) is ``torch.compile``d.
+            ``"keep"`` (default): the steps stay compiled; ``peak_tensor_MiB`` is then read from the CPU
+            allocator's own events (torch's profiler with ``profile_memory``; it keeps compile on), and
+            ``tensor_MiB`` as always. ``"eager"``: the peak-measured steps run eagerly under the accountant
+            (the eager program's peak, not the compiled one's). CUDA's counters are the compiled program's
+            either way. The summary says which. See docs/compile.md.
 
     Attributes:
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
@@ -183,6 +191,7 @@ class MemoryTracker(Callback):
         detect_leaks: bool = True,
         leak_window: int = 5,
         cuda_memory_stacks: Literal["python", "all"] = "python",
+        compiled: Literal["keep", "eager"] = "keep",
     ) -> None:
         owner = "MemoryTracker"
         self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1, "a positive integer, e.g. 1 to log every step")
@@ -201,6 +210,8 @@ class MemoryTracker(Callback):
         self.verbose = checks.boolean(owner, "verbose", verbose)
         if isinstance(extra_probes, (str, bytes)) or not hasattr(extra_probes, "__iter__") or not all(isinstance(p, MemoryProbe) for p in extra_probes):
             raise checks.refuse(owner, "extra_probes", extra_probes, "a list of MemoryProbe instances")
+        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
+                                      "'keep' (measure the compiled steps as they run) or 'eager' (run the peak-measured steps eagerly for the accountant's breakdown)")
         self.extra_probes = list(extra_probes)
         self.tensor_peak_every_n_steps = checks.integer(owner, "tensor_peak_every_n_steps", tensor_peak_every_n_steps, 1,
                                                         "a positive integer, e.g. 1 for the exact peak of every logged step")
@@ -443,6 +454,23 @@ class MemoryTracker(Callback):
         from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
 
         register_dashboard(trainer)
+        self._note_compiled(pl_module)
+
+    def _note_compiled(self, pl_module: LightningModule) -> None:
+        """A compiled model (found after ``configure_model``): measure it without switching compile off, and say so once."""
+        self.summary.extra.pop("compiled", None)
+        parts = compiled_parts(pl_module)
+        if not parts or self._meter is None:
+            return
+        self._meter.compiled = self.compiled
+        if self._meter.tensor_probe is None:
+            how = "CUDA allocator counters (the compiled program's)"
+        elif self.compiled == "keep":
+            how = f"peak_tensor from the allocator's events, steps kept compiled; {NOT_SEEN_COMPILED}"
+        else:
+            how = "peak_tensor by the accountant: the peak-measured steps run EAGERLY (compiled='eager'), so their peak is the eager program's"
+        self.summary.extra["compiled"] = {"parts": parts, "measured": how}
+        rank_zero_info(f"memkit MemoryTracker: compiled model ({', '.join(parts)}): {how}")
 
     def _watch_for_leaks(self, trainer: Trainer, reading: StepReading) -> None:
         live = reading.allocated_bytes if reading.allocated_bytes is not None else reading.tensor_bytes

@@ -270,7 +270,64 @@ class CreationRecorder(TorchDispatchMode):
         self._before: dict[int, weakref.ref] = {}  # storage key -> storage, of tensors alive before the run
         self.before_run_bytes = 0
         self.state_bytes = 0  # live bytes of training state (parameters, buffers, gradients, optimizer state)
+        self._compiled: str | None = None
+        self._balance: Any = None  # AllocatorBalance on a compiled model kept compiled
+        self._eager: Any = None  # force_eager() while recording a compiled model eagerly
         _ALL.add(self)
+
+    # ------------------------------------------------------------------ compiled models
+    @property
+    def compiled(self) -> str | None:
+        """How a compiled model is recorded. ``None`` (default): the dispatch mode sees every op. ``"keep"``: no
+        dispatch mode (under one dynamo runs nothing compiled); the live bytes come from the allocator's own
+        events (:class:`~lightning_memkit.compiled.AllocatorBalance`) and who made a tensor is only what a walk of
+        the collector's objects finds between steps (op ``"found between steps"``, its ``grad_fn``; no module, no
+        line). ``"eager"``: the dispatch mode as usual, with compiled code run eagerly while recording."""
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, value: str | None) -> None:
+        from lightning_memkit.compiled import COMPILED_CHOICES
+
+        if value is not None and value not in COMPILED_CHOICES:
+            raise ValueError(f"CreationRecorder.compiled={value!r}: choose one of {COMPILED_CHOICES} or None")
+        self.stop()
+        self._compiled = value
+
+    def catch_up(self) -> None:
+        """Know the tensors made since the last look that the recorder could not see made (``compiled="keep"``):
+        a walk of the collector's objects, each new storage recorded as made in the step before. Nothing otherwise."""
+        if self._compiled != "keep":
+            return
+        import gc
+        import warnings
+
+        with warnings.catch_warnings():  # isinstance on some module attributes warns (torch.distributed.reduce_op)
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            tensors = []
+            for obj in objects:
+                try:
+                    if isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor" and obj.device.type != "meta":
+                        tensors.append(obj)
+                except Exception:  # noqa: BLE001 - dead weakref proxies and the like raise on isinstance
+                    continue
+            del objects
+        for obj in tensors:
+            storage = storage_of(obj)
+            if storage is None or id(storage) in self._live:
+                continue
+            grad_fn = obj.grad_fn
+            op = "found between steps" + (f" ({type(grad_fn).__name__})" if grad_fn is not None else "")
+            creation = self._track(storage, obj, op, "", "other", None)
+            creation.step = self.step
+
+    def live_bytes_now(self) -> int:
+        """The live bytes to compare between steps: :attr:`live_bytes`, or with ``compiled="keep"`` the
+        allocator's live bytes (what compiled code holds without a Python object counted too)."""
+        if self._balance is not None and self._balance.active:
+            return self._balance.live_bytes()
+        return self.live_bytes
 
     # ------------------------------------------------------------------ set-up
     def name_modules(self, root: torch.nn.Module) -> None:
@@ -295,6 +352,22 @@ class CreationRecorder(TorchDispatchMode):
         ``optimizers`` and the ``batch`` (role ``"inputs"``, of this step), then enter the mode."""
         self.step = step
         self.assign_roles(module, optimizers, batch)
+        if self._compiled == "keep":
+            if self._balance is None or not self._balance.active:
+                from lightning_memkit.compiled import AllocatorBalance
+
+                self.catch_up()
+                self._balance = AllocatorBalance("cpu")
+                if not self._balance.start(self.live_bytes):
+                    self.error_count += 1
+                    self.errors.append("another profiler records: the allocator's live bytes are not read (compiled model); "
+                                       "only the tensors found between steps are compared")
+            return
+        if self._compiled == "eager" and self._eager is None:
+            from lightning_memkit.compiled import force_eager
+
+            self._eager = force_eager()
+            self._eager.__enter__()
         if not self.is_active:
             _torch_compat.enter_mode_at_bottom(self)
             from torch.nn.modules import module as module_hooks
@@ -310,6 +383,12 @@ class CreationRecorder(TorchDispatchMode):
             handle.remove()
         self._hooks = []
         self._module_stack.clear()
+        if self._balance is not None:
+            self._balance.stop()
+            self._balance = None
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            eager.__exit__(None, None, None)
         _torch_compat.exit_mode_anywhere(self)
         _ACTIVE.discard(self)
 

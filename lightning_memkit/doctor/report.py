@@ -40,6 +40,7 @@ class DoctorReport:
         errors: problems met while recording (the doctor steps aside rather than failing training).
         steps_needed: the fewest watched steps that can show a leak (warm-up, then ``window`` rises of the
             floor); with fewer, the verdict says there were too few steps to judge (0: unknown).
+        compiled: on a compiled model, how it was recorded and what could not be seen (``""``: not compiled).
     """
 
     steps: int = 0
@@ -50,6 +51,7 @@ class DoctorReport:
     liveness: LivenessReport | None = None
     errors: list = field(default_factory=list)
     steps_needed: int = 0
+    compiled: str = ""
 
     @property
     def healthy(self) -> bool:
@@ -62,7 +64,8 @@ class DoctorReport:
                 "steady_bytes": self.steady_bytes, "leak": self.leak.to_dict() if self.leak else None,
                 "graph_leak": self.graph_leak.to_dict() if self.graph_leak else None,
                 "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors),
-                "steps_needed": self.steps_needed}
+                "steps_needed": self.steps_needed,
+                "compiled": self.compiled}
 
     def to_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` as JSON; returns the path."""
@@ -90,11 +93,14 @@ class DoctorReport:
                                          holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
         return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None, live_bytes_at_start=data.get("live_bytes_at_start", []),
                    steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
-                   errors=data.get("errors", []), steps_needed=data.get("steps_needed", 0))
+                   errors=data.get("errors", []), steps_needed=data.get("steps_needed", 0),
+                   compiled=data.get("compiled", ""))
 
     def format(self) -> str:
         """The verdict as text: steady state, leaks (bytes/step, who), held too long at the peak, the peak's parts."""
         lines = [f"memkit doctor: {self.steps} steps watched"]
+        if self.compiled:
+            lines.append(self.compiled)
         if self.leak is None:
             steady = f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)" if self.steady_bytes is not None else "-"
             if self.graph_leak is None and self.steps < self.steps_needed:
@@ -173,12 +179,15 @@ class DoctorSession:
         self._analysing = False
         self._finished = False
         self._last_step: int | None = None
+        self.compiled_note = ""  # set by whoever finds the model compiled (MemoryDoctor): said once in the report
 
     def watched_bytes(self) -> int:
         """The live bytes the leak rule watches: every storage the recorder knows, less training state
         (parameters, buffers, gradients, optimizer state: never a leak, and freed or made at times of
         Lightning's choosing) and less what was alive before the run (:meth:`know_existing`)."""
         recorder = self.recorder
+        if recorder.live_bytes_now() != recorder.live_bytes:  # a compiled model kept compiled: the allocator's live bytes
+            return recorder.live_bytes_now()
         return recorder.live_bytes - recorder.state_bytes - recorder.before_run_bytes
 
     def know_existing(self, *roots: Any) -> int:
@@ -201,6 +210,7 @@ class DoctorSession:
         optimizers = self.optimizers if optimizers is None else list(optimizers)
         recorder = self.recorder
         recorder.assign_roles(module, optimizers)  # state made in the last step (grads, Adam's moments)
+        recorder.catch_up()  # a compiled model kept compiled: what the last step made, found by a walk
         live = self.watched_bytes()
         self.points.append([int(step), int(live)])
         self.steps += 1
@@ -215,7 +225,8 @@ class DoctorSession:
                 self._graph_report(grown)
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
-        if self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing:
+        if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing
+                and recorder.compiled != "keep"):  # no op is seen inside compiled code: no liveness to analyse
             self._analysing = True
             recorder.begin_liveness()
         return found
@@ -297,4 +308,5 @@ class DoctorSession:
         points = list(self.points)
         return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
                             leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
-                            steps_needed=self.watcher.steps_needed)
+                            steps_needed=self.watcher.steps_needed,
+                            compiled=self.compiled_note)

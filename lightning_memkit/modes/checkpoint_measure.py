@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.compiled import force_eager
 from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 
 __all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
@@ -175,6 +176,9 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
     run = _runner(module, sample)
     try:
         with contextlib.ExitStack() as stack:
+            # the accountant (a dispatch mode) would make dynamo skip a compiled frame it first meets here for the
+            # rest of the process: the measuring forward runs eagerly and leaves dynamo's caches alone
+            stack.enter_context(force_eager())
             stack.enter_context(_side_effect_free(module))
             stack.enter_context(torch.enable_grad())
             if counter is not None:

@@ -68,12 +68,23 @@ def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Mo
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if _compiling():
+        # Under torch.compile dynamo traces the checkpoint as its own higher-order op and cannot trace a
+        # nested ``context_fn``; it also recomputes inside the compiled backward graph, functionally, so a
+        # BatchNorm's running statistics are updated once (by the forward) without memkit's freeze.
+        return _torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     stat_modules = tuple(stat_modules)
 
     def contexts() -> tuple[Any, Any]:
         return contextlib.nullcontext(), frozen_running_stats(stat_modules)
 
     return _torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs)
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing the calling frame (``torch.compiler.is_compiling``; False on a torch without it)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 @dataclass

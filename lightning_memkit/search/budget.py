@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.accounting.accountant import TensorAccountant
+from lightning_memkit.compiled import force_eager
 from lightning_memkit.units import format_bytes
 
 __all__ = ["BudgetExceededError", "MemoryBudget"]
@@ -57,6 +58,8 @@ class MemoryBudget:
 
     Counts what the accountant counts: tensors allocated while the budget is active, plus those
     :meth:`adopt`-ed (parameters, optimizer state). Works on every device, fake tensors included.
+    Compiled code runs eagerly inside the budget (``torch.compiler.set_stance("force_eager")``): the accountant
+    is a dispatch mode, and dynamo would otherwise never compile a frame first met under it.
 
     Usage::
 
@@ -86,6 +89,7 @@ class MemoryBudget:
         self.exceeded = 0
         self._guard = _Guard(self)
         self._depth = 0
+        self._eager: Any = None
 
     def adopt(self, tensors: Iterable[Any], label: str = "adopted") -> int:
         """Count tensors that already exist (idempotent); returns the bytes newly counted. ``label``: the
@@ -104,6 +108,10 @@ class MemoryBudget:
 
     def __enter__(self) -> "MemoryBudget":
         if self._depth == 0:
+            # a dispatch mode: dynamo would skip a compiled frame first met under it for the rest of the process, so
+            # a compiled model runs its budgeted trials eagerly (the eager program's memory) and trains compiled after
+            self._eager = force_eager()
+            self._eager.__enter__()
             self.accountant.__enter__()
             if self.stop_at_crossing:
                 self._guard.__enter__()
@@ -116,3 +124,6 @@ class MemoryBudget:
             if self.stop_at_crossing:
                 self._guard.__exit__(None, None, None)
             self.accountant.__exit__(None, None, None)
+            eager, self._eager = self._eager, None
+            if eager is not None:
+                eager.__exit__(None, None, None)

@@ -149,6 +149,7 @@ class LayerTraceResult:
         at_peak: the category breakdown at the peak.
         at_end: the category breakdown at step end.
         errors: problems the tracer stepped around (the step itself was never interrupted).
+        notes: what the trace could not see and why (a compiled model traced as it runs), said once.
     """
 
     format: str = TRACE_FORMAT
@@ -165,6 +166,7 @@ class LayerTraceResult:
     at_peak: CategoryBreakdown = field(default_factory=CategoryBreakdown)
     at_end: CategoryBreakdown = field(default_factory=CategoryBreakdown)
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ queries
     def module_events(self, phase: str | None = None, module: str | None = None) -> list[TraceEvent]:

@@ -79,7 +79,8 @@ def format_trace_table(result: LayerTraceResult, max_depth: int | None = None, m
               f"peak {format_bytes(result.peak_bytes)} (before event {result.peak_event_index}), "
               f"start {format_bytes(result.start_bytes)}, end {format_bytes(result.end_bytes)}")
     table = format_table(("module", "phase", "delta MiB", "live MiB", "saved MiB", "shape"), rows)
-    return header + "\n" + table
+    notes = "".join(f"\nnote: {note}" for note in getattr(result, "notes", ()))
+    return header + notes + "\n" + table
 
 
 def format_category_table(result: LayerTraceResult) -> str:

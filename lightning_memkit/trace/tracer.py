@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
+from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant, storage_of
 from lightning_memkit.accounting.categories import (
     AUTOCAST_COPY_LABEL,
     RECOMPUTE_LABEL,
@@ -43,6 +43,7 @@ from lightning_memkit.accounting.categories import (
     CategoryBreakdown,
     cuda_memory_extras,
 )
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions, force_eager, is_compiled_wrapper
 from lightning_memkit.trace._torch_compat import (
     in_backward,
     in_checkpoint_recomputation,
@@ -75,7 +76,7 @@ class _Call:
     """One call of a module: the open forward frame, then its backward bookkeeping."""
 
     __slots__ = ("info", "call", "recompute", "order", "saved_bytes", "needs_input_grads", "pre_backward_seen", "backward_seen",
-                 "input_grads")
+                 "input_grads", "live_before")
 
     def __init__(self, info: _ModuleInfo, call: int, recompute: bool, order: int) -> None:
         self.info = info
@@ -89,6 +90,7 @@ class _Call:
         # the shapes and dtypes of its inputs' gradients when they came before its outputs' (an output that is an
         # input); never the gradients themselves, which the tracer must not keep alive
         self.input_grads: tuple[list[list[int]], list[str]] | None = None
+        self.live_before = 0
 
 
 class _TracingAccountant(TensorAccountant):
@@ -104,6 +106,19 @@ class _TracingAccountant(TensorAccountant):
         except BaseException as error:  # never raise inside dispatch
             self._record_error(f"labelling {func}: {type(error).__name__}: {error}")
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _inside(qualified_name: str, hidden: str) -> bool:
+    """Whether a module named ``qualified_name`` runs inside compiled code that starts at ``hidden``: ``"x."`` is
+    the inside of ``torch.compile``'s wrapper ``x``, ``"x"`` a module compiled in place (``x`` itself too), ``""``
+    everything (a compiled ``training_step``), ``"."`` every submodule (a compiled root ``forward``)."""
+    if hidden == "":
+        return True
+    if hidden == ".":
+        return qualified_name != ""
+    if hidden.endswith("."):
+        return qualified_name.startswith(hidden)
+    return qualified_name == hidden or qualified_name.startswith(hidden + ".")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -139,6 +154,14 @@ class LayerTracer:
             (``"features.*"``; ``""`` is the root) or that are instances of one of these classes.
         step: the training step number written into the result.
         rank: the process's global rank written into the result.
+        compiled: what to do when ``model`` has ``torch.compile``d parts. ``"keep"`` (default): the step runs
+            compiled; no dispatch mode is entered (dynamo would run nothing compiled under one); bytes come from
+            the allocator's own events (:class:`~lightning_memkit.compiled.AllocatorPeak`); only modules outside
+            compiled code and each compiled region as a whole get rows (a hook inside compiled code would be
+            compiled into it), and a compiled region's forward ``saved_bytes`` is the bytes its graph left alive
+            for backward (its forward's growth less its outputs). No category split inside compiled code: the
+            peak's rise is ``other``. ``"eager"``: the traced step runs eagerly, traced module by module as
+            an eager model (the eager program's bytes). :attr:`LayerTraceResult.notes` says which.
 
     After the ``with`` block (or :meth:`stop`), :attr:`result` holds the
     :class:`~lightning_memkit.trace.records.LayerTraceResult`. A tracer traces one step; make a
@@ -157,7 +180,10 @@ class LayerTracer:
         modules: Iterable[str | type] | str | type | None = None,
         step: int | None = None,
         rank: int = 0,
+        compiled: str = "keep",
     ) -> None:
+        if compiled not in COMPILED_CHOICES:
+            raise ValueError(f"compiled={compiled!r}: choose 'keep' (trace the compiled step as it runs) or 'eager' (run the traced step eagerly)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"LayerTracer traces an nn.Module, not {type(model).__name__}; pass your model (the LightningModule itself is fine)")
         if max_depth is not None and (not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0):
@@ -169,14 +195,28 @@ class LayerTracer:
         self.max_depth = max_depth
         self.step = step
         self.rank = rank
-        self._infos = self._select_modules(model, max_depth, modules)
+        regions = compiled_regions(model)
+        methods = [m for m in ("forward", "training_step") if m in compiled_parts(model)]
+        self.compiled = compiled if (regions or methods) else None
+        self.notes: list[str] = []
+        hidden: list[str] = []
+        if self.compiled == "keep":
+            # hooks inside compiled code would be compiled into it: only modules outside it, and torch.compile's
+            # wrappers (their hooks run around the compiled call), get rows
+            hidden = [name + "." if is_compiled_wrapper(module) else name for name, module in regions]
+            if "training_step" in methods:
+                hidden = [""]
+            elif "forward" in methods:
+                hidden = ["."]  # the root's own hooks run around its compiled forward; every submodule is inside
+        self._hidden = hidden
+        self._infos = self._select_modules(model, max_depth, modules, hidden)
         self.result: LayerTraceResult | None = None
         self._active = False
         self._stack_exit: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ selection
     @staticmethod
-    def _select_modules(model: nn.Module, max_depth: int | None, modules: Any) -> dict[int, _ModuleInfo]:
+    def _select_modules(model: nn.Module, max_depth: int | None, modules: Any, hidden: Sequence[str] = ()) -> dict[int, _ModuleInfo]:
         patterns: list[str] = []
         classes: list[type] = []
         if modules is not None:
@@ -191,6 +231,8 @@ class LayerTracer:
         infos: dict[int, _ModuleInfo] = {}
         named: set[str] = set()
         for qualified_name, module in model.named_modules():
+            if any(_inside(qualified_name, h) for h in hidden):
+                continue  # inside compiled code
             # Names and classes are the user's: a module inside torch's wrappers (FSDP1, checkpoint_wrapper,
             # torch.compile) is traced once, as its outermost wrapper, under the name it has in the user's model
             # (the wrapper's hooks also see what it does around the module: FSDP1's all-gather, say).
@@ -206,7 +248,7 @@ class LayerTracer:
             ):
                 continue
             infos[id(module)] = info
-        if not infos:
+        if not infos and not hidden:
             names = list(dict.fromkeys(user_name(n) or "(root)" for n, _ in model.named_modules()))[:12]
             raise ValueError(f"modules={modules!r} with max_depth={max_depth!r} selects no module of {type(model).__name__}; its modules include: {', '.join(names)}")
         return infos
@@ -260,11 +302,29 @@ class LayerTracer:
         self._install_hooks()
         self._last_live = self.accountant.current_bytes
         self._start_bytes = self.accountant.current_bytes
+        self._allocator: AllocatorPeak | None = None
+        self._region_forwards: list[tuple[int, int, int]] = []
+        if self.compiled == "keep":
+            self._allocator = AllocatorPeak(self._device if self._device.type == "cpu" else "cpu")
+            if self._device.type != "cpu" or not self._allocator.start(self._start_bytes):
+                self._allocator = None
+                self.errors.append("compiled model: the allocator's events could not be read (another profiler records, "
+                                   "or not a CPU model): bytes inside compiled code are not seen")
+            self.notes = [f"compiled model ({', '.join(compiled_parts(self.model))}), traced as it runs: rows for modules outside "
+                          "compiled code and for each compiled region as a whole (its saved bytes: what its graph kept for "
+                          "backward); bytes from the allocator's events; no category split inside compiled code (the peak's "
+                          "rise is 'other'); LayerTrace(compiled='eager') traces the eager program module by module"]
+        elif self.compiled == "eager":
+            self.notes = [f"compiled model ({', '.join(compiled_parts(self.model))}): this step ran EAGERLY (compiled='eager'); "
+                          "its bytes are the eager program's"]
         self._marker("step-start")
         stack = contextlib.ExitStack()
         try:
-            stack.enter_context(self.attributor.watch_saved_tensors())
-            stack.enter_context(self.accountant)
+            if self.compiled == "eager":
+                stack.enter_context(force_eager())  # the accountant below would make dynamo skip compiled frames for good
+            if self.compiled != "keep":
+                stack.enter_context(self.attributor.watch_saved_tensors())
+                stack.enter_context(self.accountant)
         except BaseException:
             stack.close()
             self._remove_hooks()
@@ -282,6 +342,9 @@ class LayerTracer:
         try:
             self._marker("step-end")
         finally:
+            if self._allocator is not None:
+                self._allocator.stop()
+                self._fill_from_allocator()
             if self._stack_exit is not None:
                 self._stack_exit.close()
                 self._stack_exit = None
@@ -378,16 +441,34 @@ class LayerTracer:
     def _emit(self, phase: str, info: _ModuleInfo | None, call: int = 0, recompute: bool = False,
               tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0,
               described: tuple[list[list[int]], list[str]] | None = None) -> None:
-        live = self.accountant.current_bytes
+        if self._allocator is not None:
+            # bytes filled in after the step (_fill_from_allocator): the profiler cannot stop inside backward
+            self._allocator.mark(str(len(self.events)))
+            live = peak = 0
+        else:
+            live, peak = self.accountant.current_bytes, self.accountant.peak_bytes
         shapes, dtypes = _shapes(tensors) if described is None else described
         self.events.append(TraceEvent(
             index=len(self.events), phase=phase,
             module=info.name if info else "", module_class=info.cls if info else "",
             depth=info.depth if info else 0, call=call, recompute=recompute,
-            live_bytes=live, delta_bytes=live - self._last_live, peak_bytes=self.accountant.peak_bytes,
+            live_bytes=live, delta_bytes=live - self._last_live, peak_bytes=peak,
             saved_bytes=saved_bytes, shapes=shapes, dtypes=dtypes,
         ))
         self._last_live = live
+
+    def _fill_from_allocator(self) -> None:
+        """A compiled model: each event's bytes from the allocator's events up to its mark, read after the step."""
+        marks = self._allocator.marks
+        last = self._start_bytes
+        for event in self.events:
+            live, peak = marks.get(str(event.index), (last, max(last, event.peak_bytes)))
+            event.live_bytes, event.peak_bytes, event.delta_bytes = live, peak, live - last
+            last = live
+        for pre_index, forward_index, outputs_bytes in self._region_forwards:
+            before = self.events[pre_index].live_bytes
+            forward = self.events[forward_index]
+            forward.saved_bytes = max(0, forward.live_bytes - before - outputs_bytes)
 
     def _marker(self, phase: str) -> None:
         self._emit(phase, None)
@@ -412,6 +493,7 @@ class LayerTracer:
             counts[id(module)] = call + 1
             self._emit("pre-forward", info, call, recompute, tensors)
             frame = _Call(info, call, recompute, self._order)
+            frame.live_before = len(self.events) - 1  # the pre-forward event (its bytes, on a compiled model, come later)
             self._order += 1
             self._stack.append(frame)
             if recompute:
@@ -439,6 +521,10 @@ class LayerTracer:
             if frame is None:
                 return
             outputs = _tensors(output)
+            if self._allocator is not None and is_compiled_wrapper(module):
+                # what the compiled graph left alive for backward: its forward's growth less its outputs' storages
+                outputs_bytes = sum({id(s): s.nbytes() for s in (storage_of(t) for t in outputs) if s is not None}.values())
+                self._region_forwards.append((frame.live_before, len(self.events), outputs_bytes))
             self._emit("forward", frame.info, frame.call, frame.recompute, outputs, frame.saved_bytes)
             if self._stack:
                 self._stack[-1].saved_bytes += frame.saved_bytes
@@ -536,6 +622,14 @@ class LayerTracer:
                 for key, value in extras.items():
                     setattr(breakdown, key, value)
         peak = self.accountant.peak_bytes
+        end = self.accountant.current_bytes
+        if self._allocator is not None:
+            end, peak = self._allocator.now() if self._allocator.active else (self.events[-1].live_bytes, self._allocator.peak_bytes or 0)
+            # inside compiled code nothing is attributed: the peak's rise above what the tracer knows is "other"
+            at_peak = self.attributor.breakdown()
+            unseen = max(0, peak - at_peak.total_bytes)
+            at_peak.bytes_by_category["other"] = at_peak.bytes_by_category.get("other", 0) + unseen
+            at_peak.total_bytes += unseen
         peak_index = next((e.index for e in self.events if e.peak_bytes >= peak), None)
         seen: set[int] = set()
         parameter_count = 0
@@ -547,8 +641,8 @@ class LayerTracer:
         return LayerTraceResult(
             step=self.step, rank=self.rank, device=str(self._device), model=user_class(self.model).__name__,
             parameter_count=parameter_count, events=list(self.events), start_bytes=self._start_bytes,
-            end_bytes=self.accountant.current_bytes, peak_bytes=peak, peak_event_index=peak_index,
-            at_peak=at_peak, at_end=at_end, errors=errors,
+            end_bytes=end, peak_bytes=peak, peak_event_index=peak_index,
+            at_peak=at_peak, at_end=at_end, errors=errors, notes=list(self.notes),
         )
 
 
@@ -562,6 +656,7 @@ def trace_step(
     modules: Iterable[str | type] | str | type | None = None,
     step: int | None = None,
     rank: int = 0,
+    compiled: str = "keep",
 ) -> Iterator[LayerTracer]:
     """Trace the training step run inside the ``with`` block; the result is ``tracer.result``.
 
@@ -573,9 +668,9 @@ def trace_step(
 
     ``inputs`` (the batch, any nesting) is counted as the ``inputs`` category; without it, the
     tensors passed to the first traced module that existed before the step are. ``optimizers``,
-    ``max_depth``, ``modules``, ``step`` and ``rank`` are :class:`LayerTracer`'s. Bytes are exact.
+    ``max_depth``, ``modules``, ``step``, ``rank`` and ``compiled`` are :class:`LayerTracer`'s. Bytes are exact.
     """
-    tracer = LayerTracer(model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank)
+    tracer = LayerTracer(model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank, compiled=compiled)
     tracer.start(inputs)
     try:
         yield tracer
