@@ -681,13 +681,12 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
         hook, cause = f"the training step of {type(module).__name__}", error
     text = f"{type(cause).__name__}: {cause}"
     where_in_user_code = _user_line(cause)
-    if where_in_user_code:
-        hook = f"{hook} ({where_in_user_code})"
     hint = ""
     if "data-dependent" in text.lower() or "DynamicOutputShape" in type(cause).__name__:
         hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a "
                 "small batch, or express it without the data-dependent shape.")
-    return EstimateError(f"{hook} failed {where}: {text}.{hint}")
+    at = f" (at {where_in_user_code})" if where_in_user_code else ""
+    return EstimateError(f"{hook} failed {where}: {text}{at}.{hint}")
 
 
 def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int, trainer: Any = None, gpu: Any = None) -> MemoryEstimate:

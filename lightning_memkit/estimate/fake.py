@@ -243,6 +243,8 @@ class KnownValues:
                 kind = "copy"
             elif torch.Tag.pointwise in getattr(func, "tags", ()):
                 kind = "pointwise"
+            elif schema is not None and schema.is_mutable:
+                kind = "mutates"  # writes an argument: what was known of it is forgotten
             else:
                 kind = None
             self._kind[func] = kind
@@ -252,18 +254,23 @@ class KnownValues:
         """Record what is known of ``out`` (the result of ``func(*args, **kwargs)`` in a fake step)."""
         kind = self._kind_of(func)
         if kind is None:
+            return
+        if kind == "mutates":
             if self.count:
                 self._forget_mutated(func, args)
             return
         if kind != "seed" and kind != "fill" and not self.count:
             return
-        from torch.utils._python_dispatch import _disable_current_modes
+        if kind in ("pointwise", "copy", "reduction") and not self._may_know(args):
+            value = _UNKNOWN  # a fake argument of unknown values (the common case): no need to compute
+        else:
+            from torch.utils._python_dispatch import _disable_current_modes
 
-        try:
-            with _disable_current_modes():  # values are computed on real tensors, below every mode
-                value = self._value(kind, func, args, kwargs or {})
-        except Exception:  # noqa: BLE001 - an unforeseen argument form: nothing is known
-            value = _UNKNOWN
+            try:
+                with _disable_current_modes():  # values are computed on real tensors, below every mode
+                    value = self._value(kind, func, args, kwargs or {})
+            except Exception:  # noqa: BLE001 - an unforeseen argument form: nothing is known
+                value = _UNKNOWN
         targets = [out] if isinstance(out, torch.Tensor) else []
         if getattr(func, "_schema", None) is not None and func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
             targets.append(args[0])  # an in-place op: its first argument holds the result
@@ -278,6 +285,17 @@ class KnownValues:
             else:
                 setattr(target, _KNOWN_ATTRIBUTE, value)
                 self.count += 1
+
+    @staticmethod
+    def _may_know(args: Any) -> bool:
+        """Whether the op's tensor arguments may all be known: no fake among them without a known value."""
+        seen = False
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                if is_fake(value) and not hasattr(value, _KNOWN_ATTRIBUTE):
+                    return False
+                seen = True
+        return seen
 
     def _forget_mutated(self, func: Any, args: Any) -> None:
         schema = getattr(func, "_schema", None)
@@ -424,7 +442,7 @@ class FakeStepOps:
             return _with_loss_buffer(args, kwargs, out)
         if isinstance(out, tuple) and _norm_kind(func) is not None:
             return _with_real_statistics_dtypes(func, args, kwargs, out)
-        if (type(out) is self._fake_type and out.device.type == "cpu" and not (out.is_floating_point() or out.is_complex())
+        if (type(out) is self._fake_type and not (out.is_floating_point() or out.is_complex()) and out.device.type == "cpu"
                 and out.numel() <= REAL_VALUES_NUMEL and not _flat_tensors((args, kwargs))):
             return self.run_real(func, args, kwargs, factory=True)
         return out
@@ -435,6 +453,10 @@ class FakeStepOps:
         real tensors answering value queries (``mask.all()``, ``nonzero``, ``item``) as in the real step. With
         ``factory`` (an op with no tensor argument, whose fake result was small and integral) it runs regardless."""
         if not factory:
+            fake = self._fake_type
+            for value in args:  # the common case, cheaply: an op on a fake (this runs for every op of the step)
+                if type(value) is fake:
+                    return NOT_ANSWERED
             tensors = _flat_tensors((args, kwargs))
             if not tensors or not all(keeps_real_values(tensor) for tensor in tensors):
                 return NOT_ANSWERED
