@@ -247,7 +247,7 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
         torch._dynamo.reset()
         backend = CountingBackend()
         torch.manual_seed(0)
-        model = CompiledGPT2(backend=backend, layers=4, width=64)
+        model = CompiledGPT2(backend=backend, layers=3)
         counts = GraphCallsPerStep(backend)
         tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
         callbacks = [tracker, LayerTrace(at_steps=(2,), verbose=False, figure=False), MemoryDoctor(verbose=False), counts]
