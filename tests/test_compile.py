@@ -247,7 +247,7 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
         torch._dynamo.reset()
         backend = CountingBackend()
         torch.manual_seed(0)
-        model = CompiledGPT2(backend=backend, layers=4, width=64)
+        model = CompiledGPT2(backend=backend, layers=3)
         counts = GraphCallsPerStep(backend)
         tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
         callbacks = [tracker, LayerTrace(at_steps=(2,), verbose=False, figure=False), MemoryDoctor(verbose=False), counts]
@@ -281,3 +281,27 @@ def test_a_budgeted_trial_leaves_a_compiled_model_compiled_for_training():
     assert backend.compiled == 0 and budget.accountant.peak_bytes >= 4 * 8 * 4  # the trial ran eagerly, counted
     compiled(x).sum().backward()
     assert backend.compiled == 1 and backend.calls == 1
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_tracker_reads_the_compiled_steps_max_memory_allocated(tmp_path):
+    """GPU lane: on CUDA the tracker enters no dispatch mode; a compiled step's peak is the caching allocator's
+    ``max_memory_allocated`` over the step, read here by the test itself at each batch end."""
+    from lightning_memkit import MemoryTracker
+
+    class _Allocator(pl.Callback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.peaks.append(torch.cuda.max_memory_allocated())
+
+    backend = CountingBackend()
+    torch.manual_seed(0)
+    model = CompiledCNN(backend=backend)
+    counts = GraphCallsPerStep(backend)
+    tracker = MemoryTracker(verbose=False)
+    allocator = _Allocator()
+    _fit(model, tmp_path, [counts, tracker, allocator], steps=4, accelerator="cuda")
+    assert min(counts.per_step) >= 1, counts.per_step
+    assert [r.peak_allocated_bytes for r in tracker.history] == allocator.peaks
