@@ -393,3 +393,28 @@ def test_too_few_steps_are_said_to_be_too_few_to_judge(tmp_path):
     # the 2 warm-up steps, then 5 rises of the floor between a first and a last point: 9 steps
     assert "too few steps to judge a leak: 1 watched, 9 needed" in doctor.report.format()
     assert "no leak" not in doctor.report.format()
+
+
+class OutputsEveryEpoch(Net):
+    """Keeps each step's output over 4 epochs of 8 steps: a leak that no epoch's end frees."""
+
+    def __init__(self) -> None:
+        super().__init__(batches=8)
+        self.outputs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.outputs.append(out.detach())
+        return F.mse_loss(out, y)
+
+
+def test_a_leak_across_epochs_is_found_when_the_first_epoch_ends(tmp_path):
+    doctor = MemoryDoctor(verbose=False)
+    with pytest.warns(UserWarning, match="memory leak") as warned:
+        make_trainer(tmp_path, max_steps=32, callbacks=[doctor]).fit(OutputsEveryEpoch())
+    report = doctor.report
+    # judged at step 8, the first of epoch 1: the floor rose at steps 3..7 (8 is the newest point)
+    assert (report.leak.first_step, report.leak.last_step, report.leak.bytes_per_step) == (3, 7, ACTIVATION)
+    assert report.leak.growing[0].holder == "model.outputs[7]"
+    assert sum("memory leak" in str(w.message) for w in warned) == 1
