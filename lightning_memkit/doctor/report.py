@@ -31,8 +31,9 @@ class DoctorReport:
     Attributes:
         steps: how many training steps were watched.
         live_bytes_at_start: ``[[step, bytes], ...]`` live tensor bytes at each watched step's start
-            (the last ``max_points``; every storage the doctor knows: training state, batches, and
-            whatever was made in a watched step).
+            (the last ``max_points``): what the leak rule watches, every storage the doctor knows
+            (batches, whatever was made in a watched step) less training state and less the tensors that
+            fed the run before it began (:meth:`DoctorSession.watched_bytes`).
         steady_bytes: the live bytes at the last watched step's start.
         leak: the steady growth found, once, or ``None``.
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
