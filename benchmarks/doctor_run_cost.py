@@ -97,7 +97,8 @@ def export(ref: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ref", default=None, help="git revision of the code before (default: where this branch left main)")
+    parser.add_argument("--ref", default=None, help="git revision of the code before (default: where this branch left main; "
+                        "once main has merged it, give the commit before, e.g. --ref c35829c)")
     parser.add_argument("--before", default=None, help="a directory holding the package before (instead of --ref)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

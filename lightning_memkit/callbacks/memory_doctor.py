@@ -194,6 +194,15 @@ class MemoryDoctor(Callback):
               f" ({verdict})", file=sys.stderr, flush=True)
 
     @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # callbacks' epoch-end hooks run before the LightningModule's, which may free what the epoch kept
+        if self._session is not None:
+            try:
+                self._session.epoch_end()
+            except Exception as error:  # noqa: BLE001 - never break training
+                self._give_up(error)
+
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._session is None:
             return

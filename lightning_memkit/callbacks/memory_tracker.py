@@ -508,12 +508,15 @@ class MemoryTracker(Callback):
         if not self.detect_leaks or self.leak_report is not None or reading is None or self._meter is None:
             return
         gc.collect()
-        now = None if self._reducer is not None and self._reducer.enabled else self._live_bytes_now(reading)
+        now = self._live_bytes_now(reading)
         freed = None
         if now is not None and ended is not None:
-            # gradients Lightning dropped after the last step are not memory the run let go of
+            # both this rank's own measures (comparable under DDP too); gradients Lightning dropped
+            # after the last step are not memory the run let go of
             freed = ended - now - max(0, self._gradient_bytes_at_last - _gradient_bytes(pl_module))
-        found = self._leaks.finish(now, step=reading.step, freed_at_end=freed)
+        # under DDP the readings are the maximum over ranks: `now` (this rank's) is not comparable to them
+        distributed = self._reducer is not None and self._reducer.enabled
+        found = self._leaks.finish(None if distributed else now, step=reading.step, freed_at_end=freed)
         if found is not None:
             self._report_leak(found)
 

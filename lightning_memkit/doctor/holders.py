@@ -144,7 +144,7 @@ def _edge(parent: Any, child: Any) -> tuple[str, Any]:
     if isinstance(parent, dict):
         for key, value in parent.items():
             if value is child:
-                return "item", key
+                return "item", key if isinstance(key, (str, int, float, bool, type(None))) else _Shown(repr(key))
         return "key", None
     if isinstance(parent, (list, tuple, collections.deque)):
         for index, value in enumerate(parent):
@@ -182,8 +182,15 @@ def _edge(parent: Any, child: Any) -> tuple[str, Any]:
     return "ref", type(parent).__name__
 
 
+class _Shown(str):
+    """A dict key that is no plain value, kept as its text (a path must not keep the key alive)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _identifier(key: Any) -> bool:
-    return isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
+    return type(key) is str and key.isidentifier() and not keyword.iskeyword(key)
 
 
 def _render(root: str, edges: list) -> str:

@@ -309,10 +309,10 @@ class LeakWatcher:
 
     def finish(self, live_bytes: int | None = None, step: int | None = None, freed_at_end: int | None = None) -> LeakReport | None:
         """The run ended: judge every point. The growth must still be there (at least half of it), else
-        the memory freed at the end was only held for the epoch: with a recorder, the bytes the growing
-        groups made in the rising steps and still keep; without one, ``freed_at_end`` (the bytes freed from
-        the end of the last epoch's steps to now, after its end hooks) must be under half the growth, or
-        else ``live_bytes`` (the live bytes now) over the floor before the first rise at least half of it.
+        the memory freed at the end was only held for the epoch: ``freed_at_end`` (the bytes freed from
+        the end of the last epoch's steps to now, after its end hooks) under half the growth, or, with a
+        recorder, the bytes the growing groups made in the rising steps still alive; without either,
+        ``live_bytes`` (the live bytes now) over the floor before the first rise at least half of it.
         Returns the report when found now."""
         if self.report is not None:
             return None
@@ -337,8 +337,12 @@ class LeakWatcher:
                             live_bytes_at_start=[list(p) for p in points[start:]], rises=rises)
         if self.recorder is not None:
             kept = self._attribute(report, step, final)
-            if final and kept < grown // 2:
-                return None  # what the rising steps made is freed now: it was held for the epoch
+            undone = freed_at_end is not None and freed_at_end >= grown - grown // 2
+            if final and kept < grown // 2 and (freed_at_end is None or undone):
+                # what the rising steps made is freed now (a list of the epoch's tensors), or, when it was
+                # re-made since (torchmetrics copies its list states on each forward), the epoch's end
+                # freed the growth: it was held for the epoch
+                return None
         self.report = report
         return report
 

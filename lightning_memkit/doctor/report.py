@@ -31,8 +31,9 @@ class DoctorReport:
     Attributes:
         steps: how many training steps were watched.
         live_bytes_at_start: ``[[step, bytes], ...]`` live tensor bytes at each watched step's start
-            (the last ``max_points``; every storage the doctor knows: training state, batches, and
-            whatever was made in a watched step).
+            (the last ``max_points``): what the leak rule watches, every storage the doctor knows
+            (batches, whatever was made in a watched step) less training state and less the tensors that
+            fed the run before it began (:meth:`DoctorSession.watched_bytes`).
         steady_bytes: the live bytes at the last watched step's start.
         leak: the steady growth found, once, or ``None``.
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
@@ -180,6 +181,7 @@ class DoctorSession:
         self._finished = False
         self._last_step: int | None = None
         self.compiled_note = ""  # set by whoever finds the model compiled (MemoryDoctor): said once in the report
+        self._epoch_end_bytes: int | None = None
 
     def watched_bytes(self) -> int:
         """The live bytes the leak rule watches: every storage the recorder knows, less training state
@@ -264,6 +266,12 @@ class DoctorSession:
         except Exception as error:  # noqa: BLE001 - naming the holder must never fail the diagnosis
             self.recorder.errors.append(f"holder search: {type(error).__name__}: {error}")
 
+    def epoch_end(self) -> None:
+        """An epoch's steps are done (call before the epoch-end code that may free what the epoch kept):
+        :meth:`finish` then tells memory freed at the epoch's end from memory kept."""
+        self.recorder.assign_roles(self.module, self.optimizers)
+        self._epoch_end_bytes = self.watched_bytes()
+
     def finish(self) -> LeakReport | GraphLeakReport | None:
         """Training ended (after the last epoch's end): judge the whole run, with the memory now. Returns
         what was found now (a :class:`LeakReport` or :class:`GraphLeakReport`), else ``None``."""
@@ -271,7 +279,9 @@ class DoctorSession:
             return None
         self._finished = True
         self.recorder.assign_roles(self.module, self.optimizers)
-        found = self.watcher.finish(self.watched_bytes(), step=self._last_step)
+        now = self.watched_bytes()
+        freed = None if self._epoch_end_bytes is None else self._epoch_end_bytes - now
+        found = self.watcher.finish(now, step=self._last_step, freed_at_end=freed)
         if found is not None:
             self._find_holders(found)
         if self.graph_watcher is not None and self.graph_leak is None:
