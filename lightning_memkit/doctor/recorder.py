@@ -80,9 +80,13 @@ def _is_library(code: Any) -> bool:
     return found
 
 
-def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
-    """``(filename, line, function)`` of the innermost frame above the caller that is the user's
-    code (not torch, Lightning, memkit or the standard library), or ``None``."""
+def user_frame(depth: int = 0) -> tuple[str, int, str] | None:
+    """``(filename, line, function)`` of the innermost frame, from the caller's outwards, that is the user's
+    code (not torch, Lightning, memkit or the standard library), or ``None``.
+
+    Found by what each frame is, never by a fixed depth: how many frames torch's dispatch puts between an
+    op's caller and a dispatch mode changes between releases. ``depth`` skips that many frames above the
+    caller first (for a caller that knows its own frames are not the answer)."""
     frame = _torch_compat.caller_frame(depth + 1)
     while frame is not None:
         code = frame.f_code
@@ -365,7 +369,7 @@ class CreationRecorder(TorchDispatchMode):
         frame: Any = False  # computed at most once per op, and only when needed
         input_keys: set[int] | None = None
         if liveness:
-            frame = user_frame(3)
+            frame = user_frame()
             input_keys = set()
             clock = self._clock
             for tensor in _tensors_in((args, kwargs)):
@@ -392,7 +396,7 @@ class CreationRecorder(TorchDispatchMode):
             if key in self._live or (alias and key in input_keys):
                 continue
             if frame is False:
-                frame = user_frame(3)
+                frame = user_frame()
             self._track(storage, output, name, module, phase, frame)
 
     # ------------------------------------------------------------------ reading
