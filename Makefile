@@ -5,12 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+# more packages installed next to torch (quoted one by one), e.g. the torchvision built for that torch
+EXTRA_SPEC ?=
 
-.PHONY: setup demo test test-extended test-gpu
+.PHONY: setup demo test test-extended test-gpu test-newest
 
 $(BIN)/memkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" $(foreach spec,$(EXTRA_SPEC),"$(spec)")
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(BIN)/memkit
 
@@ -19,8 +21,24 @@ setup: $(BIN)/memkit
 demo: setup
 	$(BIN)/memkit demo
 
+# The suite on both ends of the supported torch range: the CPU wheel above, then the newest torch pip gives
+# (test-newest). NEWEST=0 skips the second (a quick local run).
+NEWEST ?= 1
+
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	@if [ "$(NEWEST)" = "1" ]; then $(MAKE) --no-print-directory test-newest; fi
+
+# The newest torch pip gives here (2.14.1: on x86 a CUDA build, which runs on CPU) with its torchvision and
+# timm, so the torchvision/timm tests run too; in its own venv (NEWEST_VENV), set up like .venv.
+NEWEST_VENV ?= .venv-newest
+NEWEST_TORCH ?= torch==2.14.1
+NEWEST_EXTRA ?= torchvision==0.29.1 timm
+
+test-newest:
+	$(MAKE) --no-print-directory setup VENV=$(NEWEST_VENV) TORCH_SPEC="$(NEWEST_TORCH)" EXTRA_SPEC="$(NEWEST_EXTRA)"
+	$(NEWEST_VENV)/bin/python -c "import torch; print('test-newest: torch', torch.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 # The 4-process checks (`extended` marker) that `make test` skips to stay within 10 minutes on 2 cores.
 test-extended: setup
