@@ -3,6 +3,8 @@
 The public API is what this module exports; everything else may change.
 """
 
+# first: below the supported torch range, importing fails here with one line naming the range
+from lightning_memkit import _torch_range  # noqa: F401
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.layer_trace import LayerTrace

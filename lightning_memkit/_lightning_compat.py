@@ -106,6 +106,25 @@ def reset_fit_progress(trainer: Any) -> None:
     fit_loop.restarting = False
 
 
+def manual_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and the scheduler configs of a manually optimized module, from what its
+    ``configure_optimizers`` returned: Lightning's private ``_configure_optimizers`` (every accepted return
+    shape) then ``_configure_schedulers_manual_opt`` (``lightning.pytorch.core.optimizer``), as
+    ``Trainer.fit`` sets them up."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_manual_opt
+
+    optimizers, schedulers, _ = _configure_optimizers(configured)
+    return optimizers, _configure_schedulers_manual_opt(schedulers)
+
+
+def lightning_optimizers(optimizers: list[Any], strategy: Any) -> list[Any]:
+    """Lightning's ``LightningOptimizer`` wrappers of ``optimizers`` for ``strategy`` (its private
+    ``_to_lightning_optimizer``), what ``self.optimizers()`` returns in a manually optimized module."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return [LightningOptimizer._to_lightning_optimizer(each, strategy) for each in optimizers]
+
+
 def tuner_exit_exception() -> type:
     """Lightning's exception that ends ``fit`` quietly after a tuner callback (``_TunerExitException``)."""
     from lightning.pytorch.utilities.exceptions import _TunerExitException

@@ -228,7 +228,9 @@ def _check_lightning_run(tmp_path, strategy, devices, batch=16, **estimate_kwarg
         error = (estimate.peak_bytes - step_peak) / step_peak
         print(f"{strategy} x{devices} rank {rank}: measured {step_peak}, estimated {estimate.peak_bytes}, {error:+.4%}")
         errors.append(error)
-    assert max(map(abs, errors)) < 0.02
+    # estimate_distributed_memory's docs: within 0.01% of real 2- and 4-process CPU runs (measured here: DDP x2
+    # -0.0002%); 2% let DDP's buckets lose the 1-D parameters (-26,664 B per rank) unseen
+    assert max(map(abs, errors)) < 1e-4, errors
     return estimate, errors
 
 

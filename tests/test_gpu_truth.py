@@ -40,7 +40,9 @@ def test_cuda_estimate_matches_the_recorded_h100_peaks(row):
     estimate = estimate_memory(module, mode=MODES[row["precision"]], device="cuda", gpu="h100")
     allocated = estimate.cuda.peak_allocated_bytes / row["peak_allocated_bytes"] - 1
     reserved = estimate.cuda.peak_reserved_bytes / row["peak_reserved_bytes"] - 1
-    assert -0.03 <= allocated <= 0.10, f"peak allocated {allocated:+.1%} of the H100's"
+    # the estimate achieves -0.32%..+0.41% on these rows (this torch, 2.13); a broken kernel or allocator rule moves
+    # a row by more (e.g. splitting cached blocks without the >1 MiB rule: -0.75% and -0.89% on the ResNetish rows)
+    assert abs(allocated) <= 0.005, f"peak allocated {allocated:+.2%} of the H100's"
     known = _KNOWN_HIGH.get((row["model"], row["batch_size"], row["precision"]))
     if known and reserved > 0.15:
         pytest.xfail(known)
@@ -99,6 +101,7 @@ def test_attention_backend_follows_dtype_mask_head_dim_and_gpu_generation():
     assert attention_backend(qbf, qbf, qbf, None, 0.1, h100) == "flash"
     assert attention_backend(q16, q16, q16, torch.empty(16, 16, device="meta"), 0.1, h100) == "efficient"  # a mask: no flash
     assert attention_backend(q16, q16, q16, None, 0.1, t4) == "efficient"   # flash needs sm80+
+    assert attention_backend(qbf, qbf, qbf, None, 0.1, GpuTarget.parse("a100")) == "flash"  # sm80 is enough
     assert attention_backend(qbf, qbf, qbf, None, 0.1, v100) == "math"      # bf16 needs sm80+
     odd = torch.empty(2, 4, 16, 30, dtype=torch.bfloat16, device="meta")
     assert attention_backend(odd, odd, odd, None, 0.0, h100) == "flash"     # torch pads the head dim to 8 for flash
@@ -153,6 +156,21 @@ def test_cross_entropy_under_autocast_as_cuda_runs_it():
     assert sorted(s for s in sizes if s > 512) == [250036224, 500072448]   # bf16 log-probs, their fp32 copy
     traced = [size for sizes_ in _trace_sizes("BertLike_b8_bf16-mixed", "cross_entropy@functional").values() for size in sizes_]
     assert sorted(set(s for s in traced if s > 512)) == [250036224, 500072448]
+
+
+def test_layer_norm_under_autocast_runs_in_fp32_as_cuda_runs_it():
+    """CUDA's autocast lists layer_norm as fp32: a bf16 input is copied to fp32 and the output is fp32
+    (CPU autocast, which the fake step runs, leaves a bf16 input in bf16)."""
+    shape = (8, 512, 768)
+
+    def run(session):
+        x = torch.empty(shape, dtype=torch.bfloat16, requires_grad=True)
+        weight, bias = torch.empty(shape[-1], requires_grad=True), torch.empty(shape[-1], requires_grad=True)
+        return lambda: F.layer_norm(x, shape[-1:], weight, bias)
+    sizes, kernels, out = _fake_allocations(run, autocast=torch.bfloat16)
+    elements = shape[0] * shape[1] * shape[2]
+    assert out.dtype == torch.float32
+    assert sorted(sizes) == sorted([4 * elements, 4 * elements, 4 * shape[0] * shape[1], 4 * shape[0] * shape[1]])  # input copy, output, mean, rstd
 
 
 def test_cublas_workspaces_one_per_thread_kept_as_the_traces_show():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
@@ -132,3 +133,17 @@ def test_lightning_binds_the_modules_logging_on_callbacks_and_forget_model_loggi
     assert vars(callback)["log"].__self__ is model and vars(callback)["log_dict"].__self__ is model
     forget_model_logging(callback)
     assert "log" not in vars(callback) and "log_dict" not in vars(callback)
+
+
+def test_manual_optimizers_and_schedulers_read_every_configure_optimizers_shape():
+    from lightning_memkit._lightning_compat import manual_optimizers_and_schedulers
+
+    model = LinearStack()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    second = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
+    assert manual_optimizers_and_schedulers(first) == ([first], [])
+    optimizers, configs = manual_optimizers_and_schedulers(([first, second], [scheduler]))
+    assert optimizers == [first, second] and [c.scheduler for c in configs] == [scheduler]
+    optimizers, configs = manual_optimizers_and_schedulers({"optimizer": first, "lr_scheduler": {"scheduler": scheduler}})
+    assert optimizers == [first] and [c.scheduler for c in configs] == [scheduler]

@@ -74,13 +74,14 @@ def test_build_probes_for_cpu():
     assert [type(p) for p in build_probes("cpu", tensor_accounting=False, host=False).probes] == []
 
 
-def test_cuda_history_wrappers_pin_the_private_api():
+def test_cuda_history_wrappers_pin_the_private_api(tmp_path):
     # memkit reaches torch.cuda.memory's private history API only through these wrappers
     assert callable(torch.cuda.memory._record_memory_history)
     assert callable(torch.cuda.memory._dump_snapshot)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # a CPU build, or a CUDA build (pip's torch 2.14.1) on a machine without a GPU
         assert cuda_probe.start_memory_history(1000) is False
-        assert cuda_probe.dump_memory_snapshot("/tmp/memkit-none.pickle") is False
+        assert cuda_probe.dump_memory_snapshot(str(tmp_path / "none.pickle")) is False
+        assert not (tmp_path / "none.pickle").exists()
         cuda_probe.stop_memory_history()  # never raises
 
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.accounting import _torch_compat
+from lightning_memkit.accounting._torch_compat import is_traceable_wrapper_subclass_type
 from lightning_memkit.accounting.storage_resize import watch_storage_resizes
 
 __all__ = ["StorageRecord", "TensorAccountant", "is_wrapper_tensor", "returns_alias", "storage_of", "storages_of"]

@@ -34,6 +34,7 @@ from typing import Any, Iterable
 
 import torch
 
+from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting.accountant import TensorAccountant, storages_of
 
 __all__ = ["PROCESS_LABEL", "ProcessTensors", "saved_tensor_data"]
@@ -71,13 +72,14 @@ def saved_tensor_data(node: Any) -> list[Any]:
     bindings): a tensor saved plainly comes back as a tensor sharing its storage; one packed by a
     ``saved_tensors_hooks`` pack hook comes back as whatever the hook returned (activation
     checkpointing's placeholders), and no unpack hook runs. A saved value already freed by
-    backward (``data`` is ``None``) is skipped. Pinned by tests/test_accountant.py.
+    backward (``data`` is ``None``) is skipped. Through accounting/_torch_compat.py; pinned by
+    tests/test_accountant.py and tests/test_torch_compat.py.
     """
     kind = type(node)
     names = _SAVED_NAMES.get(kind)
     if names is None:
         try:
-            names = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+            names = _torch_compat.saved_tensor_attributes(node)
         except Exception:  # noqa: BLE001 - an exotic node: nothing to read
             names = ()
         _SAVED_NAMES[kind] = names
@@ -88,10 +90,7 @@ def saved_tensor_data(node: Any) -> list[Any]:
         except Exception:  # noqa: BLE001 - freed by backward ("backward through the graph a second time")
             continue
         for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-            try:
-                data = saved.data
-            except Exception:  # noqa: BLE001
-                continue
+            data = _torch_compat.saved_value(saved)
             if data is not None:  # None once backward has freed it
                 found.append(data)
     return found

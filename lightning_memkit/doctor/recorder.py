@@ -537,7 +537,7 @@ class CreationRecorder(TorchDispatchMode):
         frame: Any = False  # computed at most once per op, and only when needed
         input_keys: set[int] | None = None
         if liveness:
-            frame = user_frame(3)
+            frame = user_frame()
             input_keys = set()
             clock = self._clock
             for tensor in _tensors_in((args, kwargs)):
@@ -564,7 +564,7 @@ class CreationRecorder(TorchDispatchMode):
             if key in self._live or (alias and key in input_keys):
                 continue
             if frame is False:
-                frame = user_frame(3)
+                frame = user_frame()
             self._track(storage, output, name, module, phase, frame)
 
     # ------------------------------------------------------------------ reading

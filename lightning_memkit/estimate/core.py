@@ -387,13 +387,12 @@ def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | 
     schedulers, the stand-in trainer answers ``self.optimizers()`` (Lightning's ``LightningOptimizer`` wrappers
     over :class:`_ManualStrategy`), ``self.lr_schedulers()`` and ``toggle_optimizer``, and ``training_step``
     runs the forward, backward and steps itself, under the precision's autocast as Lightning runs it."""
-    from lightning.pytorch.core.optimizer import LightningOptimizer, _configure_optimizers, _configure_schedulers_manual_opt
+    from lightning_memkit._lightning_compat import lightning_optimizers, manual_optimizers_and_schedulers
 
     name = type(module_copy).__name__
     with _hook(f"{name}.configure_optimizers" if optimizer is None else "optimizer="):
         if optimizer is None:
-            optimizers, schedulers, _ = _configure_optimizers(module_copy.configure_optimizers())
-            configs = _configure_schedulers_manual_opt(schedulers)
+            optimizers, configs = manual_optimizers_and_schedulers(module_copy.configure_optimizers())
         else:
             optimizers, configs = [optimizer(module_copy.parameters())], []
     if not optimizers:
@@ -402,7 +401,7 @@ def _run_manual_steps(module_copy: nn.Module, batch: Any, optimizer: Callable | 
         for each in optimizers:
             _use_foreach(each)
     strategy = _ManualStrategy(acc, module_copy)
-    strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(each, strategy) for each in optimizers]
+    strategy._lightning_optimizers = lightning_optimizers(optimizers, strategy)
     trainer = module_copy.trainer
     trainer.optimizers, trainer.lr_scheduler_configs = optimizers, configs
     trainer.strategy = strategy  # its precision_plugin is _attach_trainer's (what clip_gradients calls)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
+from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake import NOT_ANSWERED, _fake_tensor_module, fake_device_query
 from lightning_memkit.units import KiB, MiB
 
@@ -383,13 +384,13 @@ class _CudaFunctions(TorchFunctionMode):
                 if head_dim % 8:  # torch pads q, k, v to a multiple of 8 for flash and slices the output back
                     scale = scale if scale is not None else head_dim ** -0.5
                     query, key, value = (F.pad(t, (0, 8 - head_dim % 8)) for t in (query, key, value))
-                output = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+                output = _torch_compat.flash_attention(query, key, value, dropout_p, is_causal, scale)
                 return output[..., :head_dim] if output.shape[-1] != head_dim else output
             if backend == "efficient":
                 if attn_mask is not None:
                     attn_mask = _efficient_mask(attn_mask, query, key)
                 compute_lse = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
-                return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale=scale)[0]
+                return _torch_compat.efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale)
             return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     # ------------------------------------------------------------------ dropout
@@ -572,7 +573,7 @@ def _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     weights = torch.matmul(scaled_query, key_expanded.transpose(-2, -1) * factor)
     if attn_mask is not None:
         weights.add_(attn_mask)
-    weights = torch.ops.aten._safe_softmax(weights, -1)
+    weights = _torch_compat.safe_softmax(weights, -1)
     if dropout_p > 0.0:
         weights = torch.native_dropout(weights, dropout_p, True)[0]
     weights_out = weights.to(origin)  # the op's second output (C++ builds the returned tuple's last element first)
@@ -648,14 +649,14 @@ class _CudaWorkspaces(TorchDispatchMode):
                 _transient(int(size * CONV_WEIGHT_GRAD_WORKSPACE_FACTOR), args)
             return outputs
         if func is self._flash_backward:
-            query = args[1]
+            query = _torch_compat.argument(func, "query", args, kwargs)
             batch, heads, length, dim = query.shape
             rounded_length, rounded_dim = -(-length // 128) * 128, -(-dim // 32) * 32
             outputs = func(*args, **kwargs)
             _transient(4 * batch * heads * rounded_length * (rounded_dim + 1), args)
             return outputs
         if func is self._efficient_backward:
-            query = args[1]
+            query = _torch_compat.argument(func, "query", args, kwargs)
             batch, heads, length, dim = query.shape
             delta = _block(4 * batch * heads * length, args)
             outputs = func(*args, **kwargs)

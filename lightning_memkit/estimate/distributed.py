@@ -301,7 +301,7 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
     data) and a 1-D CPU device mesh over it, for the length of the block.
 
     torch's ``FakeProcessGroup`` backend is registered by the private ``torch.testing._internal.distributed.fake_pg``
-    (what TorchTitan's memory estimation uses); tests/test_estimate_distributed.py pins it.
+    (what TorchTitan's memory estimation uses), through estimate/_torch_compat.py; tests/test_torch_compat.py pins it.
     """
     import torch.distributed as dist
 
@@ -310,8 +310,11 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
     if dist.is_initialized():
         raise ValueError("a process group is already initialized in this process: estimate FSDP2 (strategy='model_parallel') "
                          "before init_process_group, or in a separate process (its fake process group is the default group)")
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_memkit.estimate import _torch_compat
+
+    _torch_compat.register_fake_process_group()
 
     excepthook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:" and never undoes it
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
@@ -358,8 +361,11 @@ def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwar
     fake tensors costs a fake tensor per chunk (23 s for a 1B model on 64 ranks, against 5 s on 2); on meta it
     is cheap. The parameters' values are not needed, only their shapes; tied parameters stay tied.
     """
-    from torch.distributed.fsdp import fully_shard
     from torch.utils._python_dispatch import _disable_current_modes
+
+    from lightning_memkit.estimate import _torch_compat
+
+    fully_shard = _torch_compat.fully_shard()
 
     with _disable_current_modes():  # no fake mode, no accountant: meta tensors only
         metas: dict[int, nn.Parameter] = {}

@@ -1,7 +1,7 @@
 """Fake tensors behind memkit's own small interface: a fake copy of a module, fake batches, placeholder scalars.
 
 torch's FakeTensorMode is private (``torch._subclasses.fake_tensor``); every use of it in memkit goes
-through this module, and tests/test_estimate.py (test_fake_session_pins_the_private_fake_tensor_api,
+through this module (its private attributes through estimate/_torch_compat.py), and tests/test_estimate.py (test_fake_session_pins_the_private_fake_tensor_api,
 test_fake_step_ops_answer_what_the_three_modes_answer, test_fake_parameter_is_what_nn_parameter_makes_of_a_fake)
 pins the behaviour memkit relies on.
 """
@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from lightning_memkit.estimate import _torch_compat
 
 __all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps", "REAL_VALUES_NUMEL",
            "keeps_real_values", "KnownValues", "known_value"]
@@ -58,11 +60,7 @@ def _flat_tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _fake_tensor_module():
-    try:
-        from torch._subclasses import fake_tensor
-    except ImportError as error:  # pragma: no cover - every supported torch has it
-        raise RuntimeError(f"this torch ({torch.__version__}) has no fake tensors; memkit's estimate needs torch >= 2.1") from error
-    return fake_tensor
+    return _torch_compat.fake_tensor_module()
 
 
 def is_fake(tensor: Any) -> bool:
@@ -571,16 +569,15 @@ def fake_view(func: Any, args: Any, kwargs: Any = None, fake_type: Any = None) -
         return NOT_ANSWERED
     base = tensors[0]
     mode = base.fake_mode
-    if (mode.in_kernel_invocation or mode.shape_env is not None or base.constant is not None
-            or base.real_tensor is not None or base.pytype is not None or base.dispatch_keys is not None):
+    if mode.in_kernel_invocation or mode.shape_env is not None or _torch_compat.carries_more_than_metadata(base):
         return NOT_ANSWERED
     with _fake_tensor_module().in_kernel_invocation_manager(mode):
         out = func(*args, **(kwargs or {}))
     device = base.fake_device
     if isinstance(out, torch.Tensor):
-        return fake_type(mode, out, device)
+        return _torch_compat.wrap_fake(fake_type, mode, out, device)
     if isinstance(out, (list, tuple)) and all(isinstance(item, torch.Tensor) for item in out):
-        return type(out)(fake_type(mode, item, device) for item in out)
+        return type(out)(_torch_compat.wrap_fake(fake_type, mode, item, device) for item in out)
     raise TypeError(f"{func} returned {type(out).__name__}, not a view")  # a view op always returns tensors
 
 

@@ -75,7 +75,10 @@ def stop_memory_history() -> None:
 
 
 def dump_memory_snapshot(path: str) -> bool:
-    """Write the allocator snapshot (viewable at pytorch.org/memory_viz); ``False`` on failure."""
+    """Write the allocator snapshot (viewable at pytorch.org/memory_viz); ``False`` on failure, and without a
+    CUDA device (a CUDA build of torch on a machine without a GPU would write an empty snapshot)."""
+    if not torch.cuda.is_available():
+        return False
     try:
         torch.cuda.memory._dump_snapshot(path)
         return True

@@ -1,0 +1,106 @@
+"""The private torch internals the estimate uses, wrapped in one place.
+
+Each function names the private API it reads and either takes the path this torch offers or raises an
+error saying what is missing. Pinned by tests/test_torch_compat.py: if a torch release moves one, that
+test says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group", "fully_shard",
+           "safe_softmax", "flash_attention", "efficient_attention", "argument", "FAKE_EXTRAS"]
+
+#: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
+#: ``torch._subclasses.fake_tensor.FakeTensor``): a constant's value, the real tensor of a
+#: ``propagate_real_tensors`` run, a subclass's Python type and dispatch keys (FakeTensorMode's wrapper-subclass
+#: support). A torch whose ``FakeTensor`` lacks one cannot carry that thing, so a missing attribute reads as None.
+FAKE_EXTRAS = ("constant", "real_tensor", "pytype", "dispatch_keys")
+
+
+def fake_tensor_module() -> Any:
+    """``torch._subclasses.fake_tensor`` (FakeTensor, FakeTensorMode, in_kernel_invocation_manager)."""
+    try:
+        from torch._subclasses import fake_tensor
+    except ImportError as error:  # pragma: no cover - every supported torch has it
+        raise RuntimeError(f"this torch ({torch.__version__}) has no torch._subclasses.fake_tensor; "
+                           "memkit's estimate needs the torch range lightning_memkit declares") from error
+    return fake_tensor
+
+
+def carries_more_than_metadata(fake: Any) -> bool:
+    """Whether the fake tensor ``fake`` carries anything in :data:`FAKE_EXTRAS` (then only FakeTensorMode
+    itself may make its views)."""
+    return any(getattr(fake, name, None) is not None for name in FAKE_EXTRAS)
+
+
+def wrap_fake(fake_type: type, mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` over the meta tensor ``meta`` on ``device``: ``FakeTensor(mode, elem, device)``,
+    the constructor FakeTensorMode's own kernel invocation wraps its outputs with."""
+    return fake_type(mode, meta, device)
+
+
+def register_fake_process_group() -> None:
+    """Register torch's ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``:
+    collectives that move no data), which FSDP2's estimate runs ``fully_shard`` over."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    except ImportError as error:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no fake process group "
+                           "(torch.testing._internal.distributed.fake_pg): FSDP2's estimate needs it; "
+                           "estimate strategy='ddp' instead, or use a torch in lightning_memkit's declared range") from error
+
+
+def fully_shard() -> Any:
+    """FSDP2's ``fully_shard`` (``torch.distributed.fsdp.fully_shard``), which FSDP2's estimate runs on the meta copy."""
+    try:
+        from torch.distributed.fsdp import fully_shard as found
+    except ImportError as error:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no torch.distributed.fsdp.fully_shard: "
+                           "estimate strategy='model_parallel' needs it") from error
+    return found
+
+
+def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.ops.aten._safe_softmax``: the softmax CUDA's math attention runs (rows that are all -inf give 0)."""
+    op = getattr(torch.ops.aten, "_safe_softmax", None)
+    if op is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no aten._safe_softmax, which the CUDA math "
+                           "attention of lightning_memkit's declared torch range runs")
+    return op(weights, dim)
+
+
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, is_causal: bool,
+                    scale: float | None) -> torch.Tensor:
+    """The output of ``aten._scaled_dot_product_flash_attention`` (no debug mask), its arguments passed by
+    their schema names."""
+    outputs = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                                 return_debug_mask=False, scale=scale)
+    return outputs[0]
+
+
+def efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
+                        compute_log_sumexp: bool, dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """The output of ``aten._scaled_dot_product_efficient_attention``, its arguments passed by their schema names."""
+    outputs = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_bias=attn_bias,
+                                                                     compute_log_sumexp=compute_log_sumexp, dropout_p=dropout_p,
+                                                                     is_causal=is_causal, scale=scale)
+    return outputs[0]
+
+
+_ARGUMENT_INDEX: dict[tuple[Any, str], int] = {}
+
+
+def argument(op: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """The argument ``name`` of a call to the aten overload ``op`` (read where the op's schema puts it,
+    positional or keyword), so no code depends on an argument's position."""
+    index = _ARGUMENT_INDEX.get((op, name))
+    if index is None:
+        names = [a.name for a in op._schema.arguments]
+        if name not in names:
+            raise RuntimeError(f"{op} in this torch ({torch.__version__}) has no argument {name!r} (it has {names})")
+        index = _ARGUMENT_INDEX[(op, name)] = names.index(name)
+    return args[index] if index < len(args) else kwargs[name]

@@ -1,0 +1,144 @@
+"""Pins the private torch internals wrapped in lightning_memkit/estimate/_torch_compat.py and
+lightning_memkit/accounting/_torch_compat.py: if a torch release moves one, the test named after it fails."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from lightning_memkit.accounting import _torch_compat as accounting_compat
+from lightning_memkit.accounting.process import saved_tensor_data
+from lightning_memkit.doctor.recorder import user_frame
+from lightning_memkit.estimate import _torch_compat as estimate_compat
+
+
+def test_fake_tensors_name_the_extras_a_plain_fake_view_must_not_carry():
+    mode = FakeTensorMode()
+    with mode:
+        plain = torch.empty(2, 3)
+        constant = torch.tensor(2.0)  # FakeTensorMode keeps a scalar's value as the fake's constant
+    for name in estimate_compat.FAKE_EXTRAS:  # a renamed attribute would read as "absent" and let a view skip the mode
+        assert hasattr(plain, name), name
+    assert not estimate_compat.carries_more_than_metadata(plain)
+    assert estimate_compat.carries_more_than_metadata(constant)
+
+
+def test_wrap_fake_makes_the_fake_fakeTensorMode_makes():
+    mode = FakeTensorMode()
+    with mode:
+        made = torch.empty(4, 6).t()
+    meta = torch.empty(4, 6, device="meta").t()
+    wrapped = estimate_compat.wrap_fake(FakeTensor, mode, meta, torch.device("cpu"))
+    assert type(wrapped) is FakeTensor and wrapped.fake_mode is mode
+    assert (wrapped.device, wrapped.shape, wrapped.stride()) == (made.device, made.shape, made.stride())
+
+
+def test_the_fake_process_group_backend_and_fully_shard():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    estimate_compat.register_fake_process_group()
+    assert "fake" in dist.Backend.backend_list
+    assert estimate_compat.fully_shard() is fully_shard
+
+
+def test_safe_softmax_gives_zeros_for_a_fully_masked_row():
+    weights = torch.tensor([[0.0, 1.0, 2.0], [float("-inf")] * 3])
+    out = estimate_compat.safe_softmax(weights, -1)
+    assert torch.equal(out[0], torch.softmax(weights[0], -1))
+    assert torch.equal(out[1], torch.zeros(3))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_the_attention_kernels_take_their_arguments_by_schema_name(kernel):
+    query = torch.empty(2, 4, 16, 32, device="meta", dtype=torch.float16)
+    key = torch.empty(2, 4, 24, 32, device="meta", dtype=torch.float16)
+    if kernel == "flash":
+        out = estimate_compat.flash_attention(query, key, key, 0.1, False, None)
+        positional = torch.ops.aten._scaled_dot_product_flash_attention(query, key, key, 0.1, False, False)[0]
+    else:
+        out = estimate_compat.efficient_attention(query, key, key, None, True, 0.1, False, 0.5)
+        positional = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, key, None, True, 0.1, False, scale=0.5)[0]
+    assert (out.shape, out.dtype) == (positional.shape, positional.dtype) == ((2, 4, 16, 32), torch.float16)
+
+
+def test_argument_reads_an_aten_argument_by_its_schema_name():
+    for op in (torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+               torch.ops.aten._scaled_dot_product_efficient_attention_backward.default):
+        args = tuple(range(len(op._schema.arguments)))
+        assert estimate_compat.argument(op, "query", args, {}) == 1  # grad_out, query, key, value, ...
+        assert estimate_compat.argument(op, "scale", args[:-1], {"scale": "s"}) == "s"
+    with pytest.raises(RuntimeError, match="has no argument 'querry'"):
+        estimate_compat.argument(torch.ops.aten._scaled_dot_product_flash_attention_backward.default, "querry", (), {})
+
+
+def test_saved_values_of_a_node_share_the_saved_tensors_storage_and_are_gone_after_backward():
+    x = torch.randn(5, requires_grad=True)
+    w = torch.randn(5, requires_grad=True)  # both need the other's value for backward
+    y = x * w
+    node = y.grad_fn
+    assert set(accounting_compat.saved_tensor_attributes(node)) == {"_raw_saved_other", "_raw_saved_self"}
+    assert type(node._raw_saved_self).__name__ == "SavedTensor" and hasattr(type(node._raw_saved_self), "data")
+    pointers = sorted(t.untyped_storage().data_ptr() for t in saved_tensor_data(node))
+    assert pointers == sorted([x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()])
+    y.sum().backward()
+    assert saved_tensor_data(node) == []
+
+
+def test_a_torch_without_saved_tensor_data_warns_once_and_counts_nothing(monkeypatch):
+    class SavedWithoutData:  # torch 2.8's SavedTensor binding: no ``data``
+        pass
+
+    monkeypatch.setattr(accounting_compat, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="has no SavedTensor.data"):
+        assert accounting_compat.saved_value(SavedWithoutData()) is accounting_compat.SAVED_FREED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accounting_compat.saved_value(SavedWithoutData()) is accounting_compat.SAVED_FREED  # once only
+
+
+def test_wrapper_subclass_types_are_recognised():
+    from torch.distributed.tensor import DTensor
+
+    assert accounting_compat.is_traceable_wrapper_subclass_type(DTensor)
+    assert not accounting_compat.is_traceable_wrapper_subclass_type(torch.Tensor)
+    assert not accounting_compat.is_traceable_wrapper_subclass_type(torch.nn.Parameter)
+
+
+_LIBRARY_FRAMES = "def through(depth, fn):\n    return fn() if depth == 0 else through(depth - 1, fn)\n"
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 5])
+def test_user_frame_is_found_by_what_frames_are_not_how_many(depth):
+    """Any number of library frames (here: code whose file is inside torch's package) between the user's
+    line and the caller of user_frame: the user's line is found."""
+    namespace: dict = {}
+    exec(compile(_LIBRARY_FRAMES, os.path.join(os.path.dirname(torch.__file__), "_memkit_test_frames.py"), "exec"), namespace)
+    line = sys._getframe().f_lineno + 1
+    found = namespace["through"](depth, user_frame)
+    assert found == (__file__, line, "test_user_frame_is_found_by_what_frames_are_not_how_many")
+
+
+def test_the_recorder_names_the_users_line_under_torchs_own_python_frames():
+    """Ops made directly, through torch's Python functional (F.dropout) and through a module's forward:
+    each creation names this file's line, whatever frames torch's dispatch puts in between."""
+    from lightning_memkit.doctor import CreationRecorder
+
+    layer = torch.nn.Linear(4, 3)
+    recorder = CreationRecorder()
+    recorder.start(0, module=layer)
+    first = test_the_recorder_names_the_users_line_under_torchs_own_python_frames.__code__.co_firstlineno
+    x = torch.randn(2, 4)                           # first + 9
+    hidden = layer(x)                               # first + 10
+    dropped = F.dropout(hidden, 0.5, training=True)  # first + 11
+    recorder.stop()
+    name = "test_the_recorder_names_the_users_line_under_torchs_own_python_frames"
+    assert recorder.creation_of(x).frame == (__file__, first + 9, name)
+    assert recorder.creation_of(hidden).frame == (__file__, first + 10, name)
+    assert recorder.creation_of(dropped).frame == (__file__, first + 11, name)
