@@ -35,6 +35,29 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
+def _note_storage(storages: dict, obj: torch.Tensor, creation_of: Any, format_frame: Any) -> None:
+    """Add ``obj``'s storage to ``storages`` (see :func:`largest_live_tensors`), or count one more tensor on it."""
+    storage = obj.untyped_storage()
+    if storage.device.type == "meta":  # a fake tensor (an estimate's): no memory behind it
+        return
+    key = (str(storage.device), storage.data_ptr())
+    entry = storages.get(key)
+    if entry is None:
+        creation = creation_of(obj)
+        storages[key] = {
+            "nbytes": int(storage.nbytes()), "device": str(storage.device), "shape": list(obj.shape),
+            "dtype": str(obj.dtype), "count": 1, "grad_fn": type(obj.grad_fn).__name__ if obj.grad_fn else "",
+            "parameter": isinstance(obj, torch.nn.Parameter),
+            "made_by": creation.describe() if creation else "",
+            "where": format_frame(creation.frame) if creation else "",
+        }
+    else:
+        entry["count"] += 1
+        entry["parameter"] = entry["parameter"] or isinstance(obj, torch.nn.Parameter)
+        if not entry["grad_fn"] and obj.grad_fn is not None:
+            entry["grad_fn"] = type(obj.grad_fn).__name__
+
+
 def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
     """The largest live tensor storages of the process, with who made them, largest first.
 
@@ -58,25 +81,9 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
                 try:
                     if not isinstance(obj, torch.Tensor) or obj.device.type == "meta" or obj.layout is not torch.strided:
                         continue
-                    storage = obj.untyped_storage()
-                except Exception:  # noqa: BLE001 - fake, sparse or proxy objects
-                    continue
-                key = (str(storage.device), storage.data_ptr())
-                entry = storages.get(key)
-                if entry is None:
-                    creation = creation_of(obj)
-                    storages[key] = {
-                        "nbytes": int(storage.nbytes()), "device": str(storage.device), "shape": list(obj.shape),
-                        "dtype": str(obj.dtype), "count": 1, "grad_fn": type(obj.grad_fn).__name__ if obj.grad_fn else "",
-                        "parameter": isinstance(obj, torch.nn.Parameter),
-                        "made_by": creation.describe() if creation else "",
-                        "where": format_frame(creation.frame) if creation else "",
-                    }
-                else:
-                    entry["count"] += 1
-                    entry["parameter"] = entry["parameter"] or isinstance(obj, torch.nn.Parameter)
-                    if not entry["grad_fn"] and obj.grad_fn is not None:
-                        entry["grad_fn"] = type(obj.grad_fn).__name__
+                    _note_storage(storages, obj, creation_of, format_frame)
+                except Exception:  # noqa: BLE001 - one odd tensor (fake, sparse, proxy, a subclass left by an earlier
+                    continue       # estimate) is skipped; the report lists the others
         del objects
         return sorted(storages.values(), key=lambda e: -e["nbytes"])[:limit]
     except Exception as error:  # noqa: BLE001 - a report must still be written

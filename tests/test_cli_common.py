@@ -125,7 +125,11 @@ def test_a_file_inside_a_package_is_imported_from_the_package_root(tmp_path, mon
 
 
 def test_estimate_prints_a_row_for_a_checkpoint_budget_mode(capsys):
+    # DemoMLP's three blocks cannot meet half the baseline's activations: the mode gets its row (dashes), the
+    # reason on stderr, and the command fails as for any mode that failed
     assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "cpu", "--device-memory", "1GiB",
-                 "--modes", "baseline,checkpoint:budget=0.5"]) == 0
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+                 "--modes", "baseline,checkpoint:budget=0.5"]) == 1
+    captured = capsys.readouterr()
+    rows = [line.split()[0] for line in captured.out.splitlines() if line.strip()]
     assert "baseline" in rows and "checkpoint:budget=0.5" in rows
+    assert "budget" in captured.err and "cannot be met" in captured.err
