@@ -34,19 +34,11 @@ def enter_mode_at_bottom(mode: Any) -> None:
 
 def exit_mode_anywhere(mode: Any) -> bool:
     """Exit ``mode`` wherever it is on this thread's dispatch-mode stack, leaving the modes above it
-    in place and in order. Returns ``False`` (and does nothing) when ``mode`` is not on the stack."""
-    stack = _dispatch._get_current_dispatch_mode_stack()
-    if not any(entry is mode for entry in stack):
-        return False
-    above = []
-    while _dispatch._get_current_dispatch_mode_stack()[-1] is not mode:
-        above.append(_dispatch._pop_mode())
-    try:
-        mode.__exit__(None, None, None)
-    finally:
-        for other in reversed(above):
-            _dispatch._push_mode(other)
-    return True
+    in place and in order. Returns ``False`` (and does nothing) when ``mode`` is not on the stack.
+    The stack surgery is the accountant's (:func:`lightning_memkit.accounting._torch_compat.exit_mode_in_place`)."""
+    from lightning_memkit.accounting._torch_compat import exit_mode_in_place
+
+    return exit_mode_in_place(mode, lambda: mode.__exit__(None, None, None))
 
 
 def mode_is_active(mode: Any) -> bool:
