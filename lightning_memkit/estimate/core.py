@@ -647,9 +647,8 @@ def _library_directories() -> tuple[str, ...]:
     import site
     import sysconfig
 
-    import lightning_memkit
-
-    places = [os.path.dirname(lightning_memkit.__file__), os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_memkit/, not imported: a cycle
+    places = [package, os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
     places += list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     try:
         import lightning
