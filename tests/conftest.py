@@ -159,3 +159,24 @@ def run_script(args: list[str], cwd: str, timeout: float = 180) -> str:
     returncode, output = run_process(args, cwd, timeout)
     assert returncode == 0, output[-4000:]
     return output
+
+
+def rerun_in_own_process(request, tmp_path, timeout_s: int = 600) -> bool:
+    """Run the calling test again in a fresh Python process and assert it passes there; ``False`` inside that process.
+
+    For a whole-process reading that what earlier tests leave in the process moves (caches of torch and the libraries,
+    the process's resident memory): the claim is checked as a user's run sees it, from a fresh process. Usage, first
+    line of the test: ``if rerun_in_own_process(request, tmp_path): return``."""
+    import re
+    import subprocess
+    import sys
+
+    nodeid = request.node.nodeid
+    if os.environ.get("MEMKIT_OWN_PROCESS") == nodeid:
+        return False
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", nodeid,
+                             "--basetemp", str(tmp_path / "own-process")],
+                            cwd=str(request.config.rootpath), env={**os.environ, "MEMKIT_OWN_PROCESS": nodeid},
+                            capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    return True

