@@ -46,10 +46,10 @@ _ACTIVE: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()
 _ALL: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()  # every recorder alive: they know live storages
 
 
-def _library_roots() -> tuple[str, ...]:
+def _package_roots(names: tuple[str, ...]) -> set[str]:
+    """The directories of the importable packages ``names`` (real and as-given paths, each ending in a separator)."""
     roots = set()
-    for name in ("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "torchmetrics",
-                 "lightning_memkit", "typing_extensions"):
+    for name in names:
         try:
             module = __import__(name)
         except ImportError:
@@ -58,6 +58,12 @@ def _library_roots() -> tuple[str, ...]:
         if path:
             roots.add(os.path.dirname(os.path.realpath(path)) + os.sep)
             roots.add(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return roots
+
+
+def _library_roots() -> tuple[str, ...]:
+    roots = _package_roots(("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning",
+                            "torchmetrics", "lightning_memkit", "typing_extensions"))
     for key in ("stdlib", "platstdlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -81,17 +87,7 @@ def _is_library(code: Any) -> bool:
 
 
 def _lightning_roots() -> tuple[str, ...]:
-    roots = set()
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
-        try:
-            module = __import__(name)
-        except ImportError:
-            continue
-        path = getattr(module, "__file__", None)
-        if path:
-            roots.add(os.path.dirname(os.path.realpath(path)) + os.sep)
-            roots.add(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(sorted(roots))
+    return tuple(sorted(_package_roots(("lightning", "pytorch_lightning", "lightning_fabric"))))
 
 
 _LIGHTNING_ROOTS = _lightning_roots()

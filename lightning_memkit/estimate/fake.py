@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from lightning_memkit.accounting.accountant import _tensors_in  # the op-argument walk the accountant runs per op
 from lightning_memkit.estimate import _torch_compat
 
 __all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps", "REAL_VALUES_NUMEL",
@@ -42,22 +43,6 @@ def keeps_real_values(tensor: Any) -> bool:
     return (isinstance(tensor, torch.Tensor) and not is_fake(tensor) and tensor.layout is torch.strided
             and tensor.device.type == "cpu" and not (tensor.is_floating_point() or tensor.is_complex())
             and tensor.numel() <= REAL_VALUES_NUMEL and not torch.nn.parameter.is_lazy(tensor))
-
-
-def _flat_tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments (nested lists, tuples and dicts)."""
-    found: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return found
-
 
 def _fake_tensor_module():
     return _torch_compat.fake_tensor_module()
@@ -441,7 +426,7 @@ class FakeStepOps:
         if isinstance(out, tuple) and _norm_kind(func) is not None:
             return _with_real_statistics_dtypes(func, args, kwargs, out)
         if (type(out) is self._fake_type and not (out.is_floating_point() or out.is_complex()) and out.device.type == "cpu"
-                and out.numel() <= REAL_VALUES_NUMEL and not _flat_tensors((args, kwargs))):
+                and out.numel() <= REAL_VALUES_NUMEL and not _tensors_in((args, kwargs))):
             return self.run_real(func, args, kwargs, factory=True)
         return out
 
@@ -455,7 +440,7 @@ class FakeStepOps:
             for value in args:  # the common case, cheaply: an op on a fake (this runs for every op of the step)
                 if type(value) is fake:
                     return NOT_ANSWERED
-            tensors = _flat_tensors((args, kwargs))
+            tensors = _tensors_in((args, kwargs))
             if not tensors or not all(keeps_real_values(tensor) for tensor in tensors):
                 return NOT_ANSWERED
         from torch.utils._python_dispatch import _disable_current_modes
