@@ -307,6 +307,8 @@ def _quantile(ordered: Sequence[float], p: float) -> float:
 def _tick_increment(start: float, stop: float, count: int) -> float:
     """d3's tickIncrement: the tick step for ``count`` ticks (1, 2 or 5 times a power of ten; negative: 1/step)."""
     step = (stop - start) / count
+    if not step > 0:  # an empty domain (start == stop after rounding): d3 answers NaN and its nice() stops
+        return math.nan
     power = math.floor(math.log10(step))
     error = step / 10 ** power
     factor = 10 if error >= _E10 else 5 if error >= _E5 else 2 if error >= _E2 else 1
@@ -319,8 +321,11 @@ _E10, _E5, _E2 = math.sqrt(50), math.sqrt(10), math.sqrt(2)
 def _nice(start: float, stop: float, count: int = 10) -> tuple[float, float]:
     """d3's linear ``scale.nice()``: the domain rounded outwards to the tick step."""
     previous = None
+    given = start, stop
     for _ in range(10):
         step = _tick_increment(start, stop, count)
+        if math.isnan(step):  # d3 breaks out without setting the domain: the one it was given stays
+            return given
         if step == previous:
             break
         if step > 0:
@@ -467,8 +472,10 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
             problems.append(f"{title!r}: {len(lines)} lines for run {run!r} (at most {MAX_SERIES_PER_CHART}): {lines}")
     if all(len({step for step, _ in points}) < 2 for points in series.values()):
         problems.append(f"{title!r}: every line is a single step (show single-step data as a figure or a table)")
-    scales = {key: max(abs(v) for _, v in points) for key, points in series.items()}
-    biggest = max(scales, key=scales.get)
+    # The scale rule is about logged readings: a frame line marks the range, and a line redrawn above a base (``..._above_...``)
+    # starts near zero by design (its logged line, above no base, is what the rule compares).
+    scales = {key: max(abs(v) for _, v in points) for key, points in series.items() if not is_frame_tag(key[1]) and not _is_rebased(key[1])}
+    biggest = max(scales, key=scales.get) if scales else None
     for key, scale in scales.items():
         if 0 < scale and scales[biggest] > MAX_SCALE_RATIO * scale:
             problems.append(f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
@@ -476,6 +483,11 @@ def check_chart(title: str, series: Mapping[tuple[str, str], Sequence[tuple[floa
     if not tensorboard_y_range:
         return problems
     return problems + clipping_problems(title, series, smoothing) + tick_problems(title, series, smoothing)
+
+
+def _is_rebased(tag: str) -> bool:
+    """Whether ``tag`` is a line :func:`readable_layout` redrew above a base (``..._KiB_above_4628.4_KiB``)."""
+    return re.search(r"_above_[0-9.]+_(B|KiB|MiB|GiB)$", tag) is not None
 
 
 def _drawn(series: Mapping[Any, Sequence[tuple[float, float]]], smoothing: float) -> tuple[dict[Any, list[float]], tuple[float, float]]:
@@ -537,15 +549,20 @@ def _rebased(regex: str, prefix: str, unit: str, base: str | None, is_regex: boo
     return start + body.replace("_MiB", f"_{unit}_above_{re.escape(base) if is_regex else base}_{unit}")
 
 
-def _base(values: Sequence[float]) -> tuple[str, float, float, str, str]:
+#: the units a rebased line can be drawn in, smallest first, with their factor from MiB
+_UNITS = (("B", 1048576.0), ("KiB", 1024.0), ("MiB", 1.0), ("GiB", 1 / 1024))
+
+
+def _base(values: Sequence[float], unit: str | None = None) -> tuple[str, float, float, str, str]:
     """(unit, factor from MiB, base in that unit, the base as the title writes it, as the tag writes it) for MiB values on a large base.
 
-    The unit is bytes when the values move by less than 1 KiB, KiB when by less than 1 MiB, MiB when by
+    The unit, unless given, is bytes when the values move by less than 1 KiB, KiB when by less than 1 MiB, MiB when by
     less than 100 MiB, else GiB; the base is the lowest value rounded down to the order of magnitude of the values' range, so the rebased
     values start near zero."""
     low, high = min(values), max(values)
-    unit, factor = ("B", 1048576.0) if high - low < 1 / 1024 else ("KiB", 1024.0) if high - low < 1 else \
-        ("MiB", 1.0) if high - low < MAX_TICK_LABEL / 10 else ("GiB", 1 / 1024)
+    if unit is None:
+        unit = "B" if high - low < 1 / 1024 else "KiB" if high - low < 1 else "MiB" if high - low < MAX_TICK_LABEL / 10 else "GiB"
+    factor = dict(_UNITS)[unit]
     span = (high - low) * factor
     step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
     base = math.floor(low * factor / step) * step
@@ -557,8 +574,11 @@ def _displays(values: Sequence[float], large: bool) -> list[tuple[str, float, fl
     """The ways to draw MiB ``values`` that :func:`readable_layout` tries, in order, as ``(unit, factor
     from MiB, base in that unit, the base as the title writes it, as the tag writes it or None)``:
     when TensorBoard would label ticks of 1,000 or more (``large``), in GiB as they are; then above a
-    base (:func:`_base`)."""
-    return ([("GiB", 1 / 1024, 0.0, "", None)] if large else []) + [_base(values)]
+    base (:func:`_base`) in the unit that suits the values' range, then in each larger unit (values moving by
+    0.9 MiB are 0 to 921.6 KiB above their base, and an axis up to 1,000 KiB labels its top "1e+3": 0 to 0.9 MiB reads right)."""
+    natural = _base(values)
+    larger = [unit for unit, _ in _UNITS][[unit for unit, _ in _UNITS].index(natural[0]) + 1:]
+    return ([("GiB", 1 / 1024, 0.0, "", None)] if large else []) + [natural] + [_base(values, unit) for unit in larger]
 
 
 def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
