@@ -27,6 +27,21 @@ def test_new_tensor_counts_its_storage_bytes_exactly():
     del a, b, c
 
 
+def test_tensors_built_from_python_data_are_counted():
+    """torch.tensor(data) builds its tensor in C++ outside the dispatcher and hands it to aten.lift_fresh (an alias by
+    its schema): a loss weight or a step counter made that way inside a step is memory the step holds."""
+    acc = TensorAccountant()
+    with acc:
+        weights = torch.tensor([1.0, 2.0, 3.0, 4.0])             # 4 float32
+        step = torch.tensor(7, dtype=torch.int64)                  # 1 int64
+        mask = torch.tensor([[True, False]] * 5)                    # 10 bool
+        assert acc.current_bytes == 16 + 8 + 10
+        assert all(acc.is_tracked(t) for t in (weights, step, mask))
+        del weights, mask
+        assert acc.current_bytes == 8
+    assert acc.peak_bytes == 34
+
+
 def test_views_inplace_and_detach_are_not_double_counted():
     acc = TensorAccountant()
     with acc:

@@ -353,6 +353,14 @@ class TensorAccountant(TorchDispatchMode):
                         if id(inner) not in self._records:
                             self._track(inner, self._label, adopted=False)
             return
+        if func in _LIFT_FRESH:
+            # torch.tensor(data) builds its tensor in C++, outside the dispatcher, then hands it to lift_fresh (an
+            # alias by its schema): that tensor is a new allocation no op made, so it is counted here.
+            for output in outputs:
+                for storage in storages_of(output):
+                    if id(storage) not in self._records:
+                        self._track(storage, self._label, adopted=False)
+            return
         # A view, an in-place or an out= op: an output sharing an input's storage is not new,
         # but its size may have changed (resize_, out= resizing).
         input_keys = storage_keys((args, kwargs))
@@ -363,6 +371,10 @@ class TensorAccountant(TorchDispatchMode):
                     self._resize(storage)
                 elif key not in self._records:
                     self._track(storage, self._label, adopted=False)
+
+
+#: the ops torch.tensor() hands its freshly built tensor to (``lift_fresh(Tensor(a) self) -> Tensor(a)``)
+_LIFT_FRESH = frozenset({torch.ops.aten.lift_fresh.default})
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
