@@ -75,6 +75,11 @@ class MemoryEstimate:
         source: ``"fake"`` (estimated, no real memory used) or ``"measured"`` (a real step on a copy).
         elapsed_s: wall time of the estimate, seconds.
         notes: caveats that apply to this estimate.
+        host_bytes: with offload (``mode="offload"``, CUDA target), the peak of pinned host memory the offloaded
+            saved tensors occupy, in bytes: ``numel * element_size`` of every tensor saved in one step's forward
+            (torch's ``save_on_cpu`` copies each save: a tensor saved twice counts twice, parameters too), before
+            the caching host allocator rounds each block up. ``0`` without offload. Not part of ``peak_bytes``,
+            which counts the device.
     """
 
     peak_bytes: int
@@ -88,6 +93,7 @@ class MemoryEstimate:
     source: str = "fake"
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
 
     @property
     def required_bytes(self) -> int:
@@ -111,6 +117,8 @@ class MemoryEstimate:
         """A plain-text table of the peak and its categories."""
         rows = [(name, format_bytes(self.by_category.get(name, 0))) for name in CATEGORIES]
         rows.append(("peak (tensors)", format_bytes(self.peak_bytes)))
+        if self.host_bytes:
+            rows.append(("offloaded to host (pinned)", format_bytes(self.host_bytes)))
         if self.cuda is not None:
             rows += [
                 ("CUDA allocated peak", format_bytes(self.cuda.peak_allocated_bytes)),
@@ -184,10 +192,13 @@ class _StepAccountant(TensorAccountant):
         self.step = 0
         self.add_peak_listener(self._on_peak)
         self.optimizer_phase = False  # inside optimizer.step(): a fake float read answers OPTIMIZER_FLOAT_PLACEHOLDER
+        self.host_copy = False  # inside offload's pack: the copy lives in host memory, not on the device counted here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         ops = self.fake_ops
         if ops is None:
+            if self.host_copy:
+                return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
         answer = ops.answer(func, args, kwargs)
         if answer is not NOT_ANSWERED:  # no kernel, no tensor made: nothing to count
@@ -203,6 +214,8 @@ class _StepAccountant(TensorAccountant):
                 result = func(*args, **(kwargs or {}))
         else:
             result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        if self.host_copy:
+            return result
         try:
             self._account(func, args, kwargs, result)
         except BaseException as error:  # never raise here (see TensorAccountant)
@@ -214,6 +227,48 @@ class _StepAccountant(TensorAccountant):
         self.peak_tick = self.attributor.tick
         self.peak_phase = self.label
         self.peak_step = self.step
+
+
+class _HostCopy:
+    """One offloaded saved tensor: its host copy, counted in :class:`_OffloadModel` while it lives."""
+
+    __slots__ = ("tensor", "nbytes", "owner")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, owner: "_OffloadModel") -> None:
+        self.tensor, self.nbytes, self.owner = tensor, nbytes, owner
+
+    def __del__(self) -> None:
+        self.owner.current_bytes -= self.nbytes
+
+
+class _OffloadModel:
+    """torch's ``save_on_cpu(pin_memory=True)`` as the step's accountant must see it: each saved tensor is copied to
+    a host buffer of ``numel * element_size`` bytes that the device ledger does not count (the host ledger here
+    does), so the device tensor is freed when the forward drops it; each unpack in backward allocates a
+    device copy (counted), as ``packed.to(device)`` does."""
+
+    def __init__(self, acc: _StepAccountant) -> None:
+        self.acc = acc
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> _HostCopy:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.acc.host_copy = True
+        try:
+            host = tensor.detach().clone(memory_format=torch.contiguous_format)
+        finally:
+            self.acc.host_copy = False
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return _HostCopy(host, nbytes, self)
+
+    @staticmethod
+    def unpack(packed: _HostCopy) -> torch.Tensor:
+        return packed.tensor.clone()
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -709,6 +764,10 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     started = time.perf_counter()
     mode = _resolve_mode(mode)
     target = torch.device(device) if not isinstance(device, torch.device) else device
+    if mode is not None and mode.offload and target.type != "cuda":
+        from lightning_memkit.modes.offload import OFFLOAD_ON_CPU
+
+        raise EstimateError(f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs on CPU fakes)")
     batch, batches = _prepare(module, batch, batch_size, datamodule)
     manual = _is_lightning_module(module) and not module.automatic_optimization
     if manual and loss_fn is not None:
@@ -719,6 +778,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
     acc = _StepAccountant(record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None)
+    offload = _OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, gpu)  # the CUDA target's kernels and allocator (estimate/cuda_kernels.py)
     attached = getattr(module, "_trainer", None)
     handle = None
@@ -764,7 +824,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
-            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
+            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()), \
+                    (offload.hooks() if offload is not None else contextlib.nullcontext()):
                 prepare = _PREPARE_COPY.get()
                 if prepare is not None:
                     prepare(module_copy, acc)
@@ -804,6 +865,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
         source="fake" if fake else "measured",
         elapsed_s=time.perf_counter() - started,
         notes=notes,
+        host_bytes=offload.peak_bytes if offload is not None else 0,
     )
 
 
