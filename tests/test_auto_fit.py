@@ -180,3 +180,10 @@ def test_autofit_refuses_data_it_cannot_resize(tmp_path):
                          enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[AutoFit(verbose=False)])
     with pytest.raises(MisconfigurationException, match="cannot resize dataloaders passed straight to trainer.fit"):
         trainer.fit(module, train_dataloaders=loader)
+
+
+def test_autofit_plans_nothing_under_fast_dev_run(tmp_path):
+    auto = AutoFit(device_memory=1, verbose=False)  # a budget nothing fits: a plan would fail
+    with pytest.warns(UserWarning, match="AutoFit: no planning under fast_dev_run"):
+        _, data, trainer, _ = _fit(tmp_path, [auto], fast_dev_run=1)
+    assert auto.plan is None and auto.applied is None and data.batch_size == BATCH

@@ -46,6 +46,7 @@ class AutoFit(Callback):
     nothing. A precision is the Trainer's to set, not a callback's: when the best plan changes precision (only if
     ``modes`` allows one) it prints the ``Trainer(precision=...)`` argument to add and trains this fit with the
     fastest plan that ran at the Trainer's own precision.
+    Under ``fast_dev_run`` (a smoke test) it plans nothing and warns, as ``MaxBatchSize`` does.
 
     Args:
         device_memory: the memory budget, bytes or a size (``"20GiB"``); default: the GPU's memory (free, with
@@ -129,6 +130,11 @@ class AutoFit(Callback):
                 print(f"memkit AutoFit: resumed from {trainer.ckpt_path}: applying the checkpointed run's plan "
                       f"({_describe(self.applied)}), no planning", flush=True)
             self._apply(trainer, pl_module, self.applied)
+            return
+        if trainer.fast_dev_run:
+            # as MaxBatchSize and Lightning's BatchSizeFinder: a smoke test of a few batches runs no trial
+            rank_zero_warn("AutoFit: no planning under fast_dev_run (a smoke test of a few batches); training uses the batch "
+                           "size and accumulation as set. Run without fast_dev_run to plan.")
             return
         from lightning_memkit.plan.planner import PlanError, plan_fit
 

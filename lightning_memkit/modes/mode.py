@@ -170,7 +170,7 @@ class Mode:
         if self.offload:
             from lightning_memkit.callbacks.activation_offload import ActivationOffload
 
-            kwargs["callbacks"].append(ActivationOffload())
+            kwargs["callbacks"].append(ActivationOffload(verbose=callback_kwargs.get("verbose", True)))
         return kwargs
 
     def with_name(self, name: str) -> "Mode":
