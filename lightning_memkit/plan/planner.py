@@ -350,6 +350,36 @@ def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps:
         del trainer, data
 
 
+def _copy_of(module: Any) -> Any:
+    attached = getattr(module, "_trainer", None)
+    copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    copied._trainer = None
+    return copied
+
+
+def _release(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int) -> float:
+    """The median seconds of ``timed`` optimizer steps of ``candidate`` after ``warmup`` ones, on a deep copy of
+    ``module`` (no budget: the CPU time model's overhead calibration at a small micro-batch)."""
+    from lightning_memkit.estimate.batches import preserved_rng, rebatch
+
+    cuda = device_type == "cuda"
+    with preserved_rng(), _quiet_lightning():
+        copied = _copy_of(module)
+        micro = rebatch(batch, candidate.micro_batch)
+        clock = _clock(candidate.accumulation, cuda)
+        _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
+        seconds = statistics.median(clock.step_seconds()[warmup:])
+        del copied, micro, clock
+    _release(cuda)
+    return seconds
+
+
 def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str,
            warmup: int, timed: int) -> tuple[bool, int | None, float | None, str]:
     """One real trial on a deep copy of ``module``: ``(fits, peak bytes, median samples/s, note)``.
@@ -364,19 +394,16 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     from lightning_memkit.search.budget import MemoryBudget
 
     cuda = device_type == "cuda"
-    attached = getattr(module, "_trainer", None)
     error_text = None
     peak = None
     seconds: list[float] = []
     with preserved_rng(), _quiet_lightning():
-        copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
-        copied._trainer = None
+        copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
         clock = _clock(candidate.accumulation, cuda)
         try:
             if cuda:
-                gc.collect()
-                torch.cuda.empty_cache()
+                _release(cuda)
                 torch.cuda.reset_peak_memory_stats()
                 _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
                 peak = int(torch.cuda.max_memory_allocated())
@@ -398,9 +425,7 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
         if error_text is None:
             seconds = clock.step_seconds()[warmup:]
         del copied, micro, clock
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    _release(cuda)
     if error_text is not None:
         return False, None, None, error_text
     if not seconds:
@@ -439,6 +464,15 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         PlanError: bad input (the message says what to do): not a LightningModule, a budget below the model's
             parameters, a batch size that is not a positive integer, ``trials`` outside 1..3, several devices.
     """
+    from lightning_memkit.estimate.batches import preserved_rng
+
+    with preserved_rng():  # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were
+        return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
+                         verbose, warmup_steps, timed_steps)
+
+
+def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device: Any, modes: Any, datamodule: Any,
+              trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any) -> Plan:
     started = time.perf_counter()
     say = (lambda text: print(text, flush=True)) if verbose else (lambda text: None)
     try:
@@ -519,27 +553,36 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
             for candidate in space[1:]:
                 rows.append(_estimate_row(module, candidate, batch, device_type, gpu, datamodule, budget, model))
     if not fits_as_is:
-        ranked = _ranked(rows)
         if not can_run:
             notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
                          "for real trials and a best configuration")
-        queue = [r for r in ranked if r.fits and not r.ran and r.measured_peak_bytes is None and not r.note.startswith("out of")]
+        if device_type == "cpu" and can_run:
+            # the per-op overhead (what makes small micro-batches slow) from one timed real step at the smallest
+            # micro-batch: not a trial (no budget, no candidate chosen by it), said in the notes
+            small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
+                         and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
+            if small is not None and small.candidate.micro_batch < effective:
+                probe = Candidate(small.candidate.micro_batch, 1, small.candidate.precision)
+                measured = _timed_step(module, probe, batch, device_type, 1, 3)
+                model = model.fit_overhead(small.costs, 1, measured)
+                notes.append(f"CPU per-op overhead {model.roofline.op_overhead_s * 1e6:.1f} us, from one timed real step at "
+                             f"micro-batch {probe.micro_batch} (calibration, not a trial)")
+        _repredict(rows, model)
         calibrated = device_type != "cpu"
-        for row in queue:
-            if not can_run or trials_run >= trials:
+        while can_run and trials_run < trials:
+            queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
+            if not queue:
                 break
+            row = queue[0]
             trials_run += 1
             _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say)
             if row.ran and not calibrated and row.costs is not None:
-                # CPU: the first trial sets the time model's scale (it was one of the trials, not an extra step)
+                # CPU: the first trial that ran sets the time model's kernel scale (one of the trials, no extra step)
                 measured_step = row.candidate.effective_batch / row.measured_samples_per_s
-                model = model.calibrated(row.predicted_step_s, measured_step)
+                model = model.fit_scale(row.costs, row.candidate.accumulation, measured_step)
                 calibrated = True
-                for other in rows:
-                    if other.costs is not None:
-                        other.predicted_step_s = model.step_seconds(other.costs, other.candidate.accumulation, other.offload_bytes)
-                        other.predicted_samples_per_s = other.candidate.effective_batch / other.predicted_step_s
-                notes.append(f"CPU time model calibrated by the first real trial (scale {model.scale:.2f} on the measured roofline)")
+                _repredict(rows, model)
+                notes.append(f"CPU kernel time scale {model.scale:.2f} x the measured roofline, from the first real trial")
         ran = [r for r in rows if r.ran]
         best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
         rows = _ranked(rows)
@@ -553,6 +596,13 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
             f"{trials_run} trials)")
     return plan
+
+
+def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
+    for row in rows:
+        if row.costs is not None:
+            row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes)
+            row.predicted_samples_per_s = row.candidate.effective_batch / row.predicted_step_s
 
 
 def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any) -> None:

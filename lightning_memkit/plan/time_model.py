@@ -10,9 +10,10 @@ backward) and the once-per-step part (the optimizer).
 One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch and
 dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (micro-batch ops +
 batch_overhead) + optimizer ops``. The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's
-dense peak FLOP/s per dtype, HBM bandwidth, host link); on CPU they are measured on this machine by
-:func:`calibrate_cpu` (a matmul, a large elementwise op, a tiny op: about 0.1 s, no model step) and the scale is
-then set by the first real trial (:meth:`TimeModel.calibrated`).
+dense peak FLOP/s per dtype, HBM bandwidth, host link). On CPU they are measured on this machine by
+:func:`calibrate_cpu` (a matmul, a large elementwise op, a tiny op: about 0.1 s, no model step), the per-op overhead
+by one timed real step at micro-batch 1 (:meth:`TimeModel.fit_overhead`; not a trial), and the kernels' scale by the
+first real trial (:meth:`TimeModel.fit_scale`).
 """
 
 from __future__ import annotations
@@ -140,14 +141,15 @@ class _Ops:
     def bytes(self) -> int:
         return sum(item[1] for item in self.items)
 
-    def seconds(self, roof: Roofline) -> float:
+    def kernel_seconds(self, roof: Roofline) -> float:
+        """The ops' roofline time (no overhead), seconds."""
         flops_fp32 = roof.fp32_flops * KERNEL_EFFICIENCY["flops"]
         flops_low = roof.low_flops * KERNEL_EFFICIENCY["flops"]
         bandwidth = roof.bandwidth * KERNEL_EFFICIENCY["bandwidth"]
         total = 0.0
         for flops, nbytes, low in self.items:
             total += max(flops / (flops_low if low else flops_fp32), nbytes / bandwidth)
-        return total + self.count * roof.op_overhead_s
+        return total
 
 
 def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
@@ -197,26 +199,54 @@ class OpCosts:
 class TimeModel:
     """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds).
 
+    ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
+    [+ offload copies]) + scale * roofline(optimizer ops) + op_overhead * optimizer ops``.
+
     Attributes:
-        roofline: the device's speeds.
-        scale: measured / predicted step time of a real trial (1.0 before calibration).
+        roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
+        scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit_scale`).
     """
 
     roofline: Roofline
     scale: float = 1.0
 
-    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
-        """Predicted seconds of one optimizer step of ``accumulation`` micro-batches: ``accumulation * (micro-batch ops
-        + batch overhead + offload copies) + optimizer ops``, times :attr:`scale`. ``offload_bytes``: bytes of saved
-        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`)."""
+    def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
+        """(roofline seconds, overhead seconds) of one step."""
         roof = self.roofline
-        micro = costs.micro.seconds(roof) / costs.micro_batches + roof.batch_overhead_s
-        if offload_bytes:
-            micro += 2 * offload_bytes / roof.host_link
-        return self.scale * (accumulation * micro + costs.optimizer.seconds(roof))
+        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
+        overhead = (accumulation * (costs.micro.count / costs.micro_batches * roof.op_overhead_s + roof.batch_overhead_s)
+                    + costs.optimizer.count * roof.op_overhead_s)
+        return kernels, overhead
 
-    def calibrated(self, predicted_s: float, measured_s: float) -> "TimeModel":
-        """A copy whose predictions are scaled so that ``predicted_s`` (made by this model) becomes ``measured_s``."""
-        if predicted_s <= 0 or measured_s <= 0:
+    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
+        """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
+        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped)."""
+        kernels, overhead = self._parts(costs, accumulation)
+        copies = accumulation * 2 * offload_bytes / self.roofline.host_link if offload_bytes else 0.0
+        return self.scale * kernels + overhead + copies
+
+    def fit_overhead(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
+        """A copy whose per-op overhead makes this step (``costs`` at ``accumulation``) take ``measured_s`` (a timed
+        real step at a small micro-batch, where the overhead dominates); the batch overhead is folded into it. Never
+        below the measured tiny-op cost."""
+        roof = replace(self.roofline, batch_overhead_s=0.0)
+        probe = replace(self, roofline=replace(roof, op_overhead_s=0.0))
+        kernels, _ = probe._parts(costs, accumulation)
+        ops = accumulation * costs.micro.count / costs.micro_batches + costs.optimizer.count
+        if ops <= 0:
             return self
-        return replace(self, scale=self.scale * measured_s / predicted_s)
+        overhead = max(self.roofline.op_overhead_s, (measured_s - self.scale * kernels) / ops)
+        return replace(self, roofline=replace(roof, op_overhead_s=overhead))
+
+    def fit_scale(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
+        """A copy whose kernel scale makes this step take ``measured_s`` (a real trial), the overheads kept; when
+        the overheads alone exceed the measurement, everything is scaled instead."""
+        kernels, overhead = self._parts(costs, accumulation)
+        if kernels <= 0 or measured_s <= 0:
+            return self
+        if measured_s > overhead:
+            return replace(self, scale=(measured_s - overhead) / kernels)
+        ratio = measured_s / (self.scale * kernels + overhead)
+        roof = self.roofline
+        return replace(self, scale=self.scale * ratio,
+                       roofline=replace(roof, op_overhead_s=roof.op_overhead_s * ratio, batch_overhead_s=roof.batch_overhead_s * ratio))
