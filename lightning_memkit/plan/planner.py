@@ -268,6 +268,31 @@ def _estimate_row(module: Any, candidate: Candidate, batch: Any, device_type: st
                    offload_bytes=offload_bytes)
 
 
+def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow], batch: Any, device_type: str, gpu: Any,
+                       datamodule: Any, budget: int, model: TimeModel) -> int:
+    """Estimate the candidates not in ``rows`` yet, per mode (precision, checkpointing, offload) from the largest
+    micro-batch down, stopping two micro-batches after the first that fits; returns how many were left out."""
+    families: dict[tuple, list[Candidate]] = {}
+    for candidate in space:
+        families.setdefault((candidate.precision, repr(candidate.checkpoint), candidate.offload), []).append(candidate)
+    done = {row.candidate: row for row in rows}
+    skipped = 0
+    for members in families.values():
+        fitting = 0
+        for candidate in sorted(members, key=lambda c: -c.micro_batch):
+            if fitting >= 2:
+                skipped += 1
+                continue
+            row = done.get(candidate)
+            if row is None:
+                row = _estimate_row(module, candidate, batch, device_type, gpu, datamodule, budget, model)
+                rows.append(row)
+            if row.predicted_peak_bytes is None:  # this mode cannot be estimated (its note says why): its smaller ones neither
+                break
+            fitting += row.fits
+    return skipped
+
+
 def _ranked(rows: list[PlanRow]) -> list[PlanRow]:
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -(r.predicted_samples_per_s or 0.0))
     rest = sorted((r for r in rows if not r.fits), key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0))
@@ -550,8 +575,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 fits_as_is, best = True, baseline
                 baseline.note = "fits as is: nothing to change; " + baseline.note
         if not fits_as_is:
-            for candidate in space[1:]:
-                rows.append(_estimate_row(module, candidate, batch, device_type, gpu, datamodule, budget, model))
+            skipped = _estimate_families(module, space, rows, batch, device_type, gpu, datamodule, budget, model)
+            if skipped:
+                notes.append(f"{skipped} smaller micro-batches not estimated: below two that fit in the same mode they fit too "
+                             "(memory grows with the micro-batch) and are slower (the same FLOPs in more, smaller steps)")
     if not fits_as_is:
         if not can_run:
             notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
