@@ -601,6 +601,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             if not queue:
                 break
             row = queue[0]
+            twin = next((r for r in rows if r.note.startswith("ran") and _signature(r) == _signature(row)), None)
+            if twin is not None:  # the same program as a configuration that ran (e.g. a budget that chose every block)
+                row.note = f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
+                continue
             trials_run += 1
             _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say)
             if row.ran and not calibrated and row.costs is not None:
@@ -623,6 +627,14 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
             f"{trials_run} trials)")
     return plan
+
+
+def _signature(row: PlanRow) -> tuple:
+    """What makes two rows the same program: batch split, precision, offload, predicted peak and the step's ops."""
+    costs = row.costs
+    ops = (costs.micro.count, costs.micro.flops_fp32, costs.micro.flops_low, costs.micro.bytes) if costs is not None else None
+    c = row.candidate
+    return (c.micro_batch, c.accumulation, c.precision, c.offload, row.predicted_peak_bytes, ops)
 
 
 def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
