@@ -240,3 +240,17 @@ def test_memkit_plan_refuses_bad_arguments_with_exit_status_2(argv, message):
 def test_memkit_plan_refuses_a_missing_file():
     code, _, err = _memkit(["plan", "no_such_file.py:Model", "--device", "cpu"])
     assert code == 2 and "does not exist" in err
+
+
+def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
+    table = {name: tuple(float(v) for v in values) for name, *values in rows}
+    expected = {name: (r.fp32_flops / 1e12, r.low_flops / 1e12, r.bandwidth / 1e9, r.host_link / 1e9, r.memory_bytes / 2**30)
+                for name, r in ROOFLINES.items()}
+    assert table.keys() == expected.keys()
+    for name, values in table.items():
+        assert values == pytest.approx(expected[name]), name
