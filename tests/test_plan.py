@@ -254,3 +254,17 @@ def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
     assert table.keys() == expected.keys()
     for name, values in table.items():
         assert values == pytest.approx(expected[name]), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here the plan runs real trials (tested in the GPU lane)")
+def test_a_gpu_plan_without_a_gpu_is_the_prediction_only():
+    module = _tiny_transformer(batch_size=8)
+    need = estimate_memory(module, device="cuda", gpu="h100").required_bytes
+    plan = plan_fit(module, gpu="h100", device_memory=2 * need, modes="micro_batch", verbose=False)
+    assert plan.device == "cuda" and plan.trials == 0 and plan.best is None and not plan.fits_as_is
+    assert plan.rows[0].fits and plan.rows[0].predicted_peak_bytes == need
+    assert all(row.measured_samples_per_s is None for row in plan.rows)
+    assert any("no GPU here" in note for note in plan.notes)
+    assert plan.trainer_arguments() == {}
+    code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--gpu", "h100", "--modes", "micro_batch"])
+    assert code == 1 and "no GPU here" in out  # no best configuration: nothing ran
