@@ -122,7 +122,7 @@ class Plan:
         """
         if self.best is None:
             return {}
-        kwargs = self.best.mode.trainer_kwargs(self.device, verbose=False)
+        kwargs = _trainer_kwargs(self.best, self.device)
         arguments: dict[str, Any] = {"accumulate_grad_batches": self.best.accumulation, "precision": kwargs["precision"]}
         if kwargs.get("callbacks"):
             arguments["callbacks"] = kwargs["callbacks"]
@@ -142,6 +142,8 @@ class Plan:
                       "    - class_path: lightning_memkit.ActivationCheckpointing",
                       "      init_args:",
                       f"        policy: {_policy_yaml(best.checkpoint)}"]
+            if not _is_budget(best.checkpoint):
+                lines.append("        measure: false")
         lines += ["model:  # or data: wherever your dataloader takes its batch size",
                   f"  batch_size: {best.micro_batch}"]
         return "\n".join(lines) + "\n"
@@ -166,6 +168,20 @@ class Plan:
                               "measured samples/s", "note"), rows)
         tail = "\n".join(f"note: {n}" for n in self.notes)
         return head + "\n" + table + ("\n" + tail if tail else "")
+
+
+def _is_budget(policy: Any) -> bool:
+    from lightning_memkit.modes.checkpointing import CheckpointBudget
+
+    return isinstance(policy, CheckpointBudget)
+
+
+def _trainer_kwargs(candidate: Candidate, accelerator: str) -> dict[str, Any]:
+    """The candidate's ``precision`` and ``callbacks`` for a Trainer: its checkpointing callback does not measure
+    (a measuring forward at the first batch would add its own peak to the step's) unless its policy is a budget,
+    which needs the measurement to choose its blocks."""
+    extra = {} if candidate.checkpoint is None or _is_budget(candidate.checkpoint) else {"measure": False}
+    return candidate.mode.trainer_kwargs(accelerator, verbose=False, **extra)
 
 
 def _policy_yaml(policy: Any) -> str:
@@ -357,7 +373,7 @@ def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps:
     from lightning_memkit.meter import training_state_tensors
 
     cuda = device_type == "cuda"
-    kwargs = candidate.mode.trainer_kwargs("gpu" if cuda else "cpu", verbose=False)
+    kwargs = _trainer_kwargs(candidate, "gpu" if cuda else "cpu")
     trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulation,
                       precision=kwargs["precision"], callbacks=([clock] if clock is not None else []) + kwargs["callbacks"],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
