@@ -1,6 +1,6 @@
 """My batch does not fit: the fastest way to train it anyway, with plan_fit, then a fit with the plan.
 
-Runs on CPU in about a minute: the memory budget is a CPU budget of live tensors (the accountant's bytes), set below
+Runs on CPU in well under a minute on an idle machine: the memory budget is a CPU budget of live tensors (the accountant's bytes), set below
 what the baseline (the batch as is) needs, so the planner must change something: a smaller micro-batch with gradient
 accumulation (the effective batch stays the same), or activation checkpointing. On a GPU leave ``--budget`` out and
 the device's memory is the budget.
@@ -31,8 +31,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps of the fit with the plan (default: 4)")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = DemoTransformer(vocab_size=256, d_model=64, nhead=4, layers=4, dim_feedforward=256, seq_len=32, dropout=0.0,
-                            batch_size=32)
+    model = DemoTransformer(vocab_size=256, d_model=64, nhead=4, layers=2, dim_feedforward=256, seq_len=32, dropout=0.0,
+                            batch_size=16)
 
     # 1. What the batch as is needs (fake tensors, exact on CPU), and a budget below it.
     baseline = estimate_memory(model, device="cpu").peak_bytes
