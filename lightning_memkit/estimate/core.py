@@ -192,6 +192,8 @@ class _StepAccountant(TensorAccountant):
         self.step = 0
         self.add_peak_listener(self._on_peak)
         self.optimizer_phase = False  # inside optimizer.step(): a fake float read answers OPTIMIZER_FLOAT_PLACEHOLDER
+        self.micro_batch = 0  # which micro-batch of the step (gradient accumulation, see accumulating())
+        self.op_listener = _OP_LISTENER.get() if fake_ops is not None else None
         self.host_copy = False  # inside offload's pack: the copy lives in host memory, not on the device counted here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
@@ -220,6 +222,12 @@ class _StepAccountant(TensorAccountant):
             self._account(func, args, kwargs, result)
         except BaseException as error:  # never raise here (see TensorAccountant)
             self._record_error(f"{func}: {type(error).__name__}: {error}")
+        listener = self.op_listener
+        if listener is not None:
+            try:
+                listener(func, args, kwargs, result, self)
+            except BaseException as error:  # never raise here: the listener only observes
+                self._record_error(f"op listener on {func}: {type(error).__name__}: {error}")
         return result
 
     def _on_peak(self, _peak: int) -> None:
@@ -364,29 +372,34 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
     attributor = acc.attributor
     name = type(module_copy).__name__
     trainer = getattr(module_copy, "_trainer", None) if lightning_hooks else None
+    micro_batches = max(1, int(_MICRO_BATCHES.get()))
     for step in range(1, steps + 1):
         acc.step = step
-        with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
-            loss = loss_fn(module_copy, batch)
-        # Lightning's automatic optimization: zero_grad after the forward, before backward.
-        with acc.labelled("zero_grad"):
-            if lightning_hooks:
-                with _hook(f"{name}.on_before_zero_grad"):
-                    module_copy.on_before_zero_grad(optimizer)
-                with _hook(f"{name}.optimizer_zero_grad"):
-                    module_copy.optimizer_zero_grad(0, step - 1, optimizer)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-        with acc.labelled("backward"), _hook("the backward of the loss"):
-            if lightning_hooks:
-                with _hook(f"{name}.on_before_backward"):
-                    module_copy.on_before_backward(loss)
-                module_copy.backward(loss)
-                with _hook(f"{name}.on_after_backward"):
-                    module_copy.on_after_backward()
-            else:
-                loss.backward()
-        del loss
+        for micro in range(micro_batches):
+            acc.micro_batch = micro
+            with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
+                loss = loss_fn(module_copy, batch)
+            # Lightning's automatic optimization: zero_grad after the forward, before backward (with gradient
+            # accumulation only on the first micro-batch of a step: the later ones add to the gradients)
+            if micro == 0:
+                with acc.labelled("zero_grad"):
+                    if lightning_hooks:
+                        with _hook(f"{name}.on_before_zero_grad"):
+                            module_copy.on_before_zero_grad(optimizer)
+                        with _hook(f"{name}.optimizer_zero_grad"):
+                            module_copy.optimizer_zero_grad(0, step - 1, optimizer)
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+            with acc.labelled("backward"), _hook("the backward of the loss"):
+                if lightning_hooks:
+                    with _hook(f"{name}.on_before_backward"):
+                        module_copy.on_before_backward(loss)
+                    module_copy.backward(loss)
+                    with _hook(f"{name}.on_after_backward"):
+                        module_copy.on_after_backward()
+                else:
+                    loss.backward()
+            del loss
         attributor.assign_module(module_copy)  # the new gradients
         if lightning_hooks:
             with acc.labelled("optimizer"):
@@ -572,6 +585,42 @@ _CACHE: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("memkit_f
 _PREPARE_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar("memkit_prepare_copy", default=None)
 
 
+#: Micro-batches per optimizer step in the estimated step (gradient accumulation, as Lightning's
+#: ``accumulate_grad_batches``: ``zero_grad`` after the first micro-batch's forward only, the later backwards add to
+#: the gradients). Set for a block by :func:`accumulating`; 1 (no accumulation) by default.
+_MICRO_BATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("memkit_micro_batches", default=1)
+
+#: Set for a block by :func:`observing_ops`: called as ``listener(func, args, kwargs, result, accountant)`` for every
+#: op of a fake step that runs a kernel (the accountant's ``step``, ``micro_batch`` and ``label`` say where it is).
+_OP_LISTENER: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("memkit_op_listener", default=None)
+
+
+@contextlib.contextmanager
+def accumulating(micro_batches: int) -> Iterator[None]:
+    """Inside the block, every automatic-optimization step :func:`estimate_memory` runs has ``micro_batches``
+    forward/backward passes before its optimizer step (gradient accumulation; ``micro_batches`` >= 1). Two are
+    enough for the peak of any accumulation >= 2: the third and later micro-batches repeat the second."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}: give a positive integer")
+    token = _MICRO_BATCHES.set(micro_batches)
+    try:
+        yield
+    finally:
+        _MICRO_BATCHES.reset(token)
+
+
+@contextlib.contextmanager
+def observing_ops(listener: Callable[..., None]) -> Iterator[None]:
+    """Inside the block, :func:`estimate_memory`'s fake steps call ``listener(func, args, kwargs, result, accountant)``
+    for every op that runs a kernel (the op's fake inputs and outputs: shapes, dtypes; no values). Estimates are
+    not memoised inside the block (a memoised answer runs no op)."""
+    token = _OP_LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _OP_LISTENER.reset(token)
+
+
 @contextlib.contextmanager
 def reusing_fake_copies() -> Iterator[None]:
     """Inside the block, :func:`estimate_memory` makes one fake copy per module (and takes one sample
@@ -747,9 +796,12 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
     key = None
     if fake and cache is not None:  # inside reusing_fake_copies(): the same question gets the same answer
         size = batch_size if batch_size is not None else batch_size_of(_prepare(module, batch, batch_size, datamodule)[0])
-        key = (id(module), id(batch), size, mode, str(device), id(optimizer), id(loss_fn), id(datamodule), id(trainer), repr(gpu))
+        key = (id(module), id(batch), size, mode, str(device), id(optimizer), id(loss_fn), id(datamodule), id(trainer), repr(gpu),
+               _MICRO_BATCHES.get())
+        if _OP_LISTENER.get() is not None:
+            key = None  # an observed step must run
         try:
-            hash(key)
+            hash(key) if key is not None else None
         except TypeError:  # an unhashable mode object: no memo
             key = None
         if key is not None and key in cache.estimates:
