@@ -20,9 +20,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_memkit
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryDoctor, MemoryTracker
+from lightning_memkit.callbacks.activation_offload import ActivationOffload
+from lightning_memkit.callbacks.auto_fit import AutoFit
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "arguments.md")
-CALLBACKS = {c.__name__: c for c in (MemoryTracker, LayerTrace, MaxBatchSize, ActivationCheckpointing, MemoryDoctor)}
+CALLBACKS = {c.__name__: c for c in (MemoryTracker, LayerTrace, MaxBatchSize, ActivationCheckpointing, MemoryDoctor,
+                                     AutoFit, ActivationOffload)}
 
 
 def _table() -> list[tuple[str, str, str, str, str]]:

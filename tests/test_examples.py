@@ -245,6 +245,21 @@ def test_find_batch_size(runner, tmp_path):
     assert predicted.keys() == {"baseline", "bf16"} and predicted["bf16"] > predicted["baseline"], output[-3000:]
 
 
+def test_plan_fit(runner, tmp_path):
+    output = run_example(runner, "plan_fit.py", ["--steps", "2"], tmp_path, timeout=400)
+    head = re.search(r"baseline: batch (\d+) needs ([\d.]+ \w+); budget ([\d.]+ \w+)", output)
+    trained = re.search(r"trained (\d+) steps of (\d+) samples with micro (\d+) x (\d+)", output)
+    best = re.search(r"^\* micro (\d+) x (\d+).*?\s([\d.]+ \w+)\s+[\d.]+\s+ran: median step", output, flags=re.M)
+    assert head and trained and best, output[-3000:]
+    batch, budget = int(head.group(1)), mib(head.group(3))
+    assert mib(head.group(2)) > budget  # the baseline does not fit the budget
+    assert int(trained.group(1)) == 2 and int(trained.group(2)) == batch  # the effective batch is kept
+    assert int(trained.group(3)) * int(trained.group(4)) == batch
+    assert (trained.group(3), trained.group(4)) == best.groups()[:2]
+    assert mib(best.group(3)) <= budget  # the chosen configuration's measured peak, in the budget
+    assert int(re.search(r"; (\d) real trials?", output).group(1)) <= 3
+
+
 def test_layer_trace(runner, tmp_path):
     from lightning_memkit.zoo import DemoCNN
 

@@ -26,7 +26,7 @@ import lightning_memkit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 API_PAGE = "api.md"
-VERBS = ("demo", "estimate", "trace", "compare", "report", "doctor")
+VERBS = ("demo", "estimate", "trace", "compare", "report", "doctor", "plan")
 
 
 def _read(path: str) -> str:

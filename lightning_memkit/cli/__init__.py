@@ -19,6 +19,7 @@ VERBS = {
     "trace": "trace",
     "estimate": "estimate",
     "doctor": "doctor",
+    "plan": "plan",
 }
 
 

@@ -75,6 +75,11 @@ class MemoryEstimate:
         source: ``"fake"`` (estimated, no real memory used) or ``"measured"`` (a real step on a copy).
         elapsed_s: wall time of the estimate, seconds.
         notes: caveats that apply to this estimate.
+        host_bytes: with offload (``mode="offload"``, CUDA target), the peak of pinned host memory the offloaded
+            saved tensors occupy, in bytes: ``numel * element_size`` of every tensor saved in one step's forward
+            (torch's ``save_on_cpu`` copies each save: a tensor saved twice counts twice, parameters too), before
+            the caching host allocator rounds each block up. ``0`` without offload. Not part of ``peak_bytes``,
+            which counts the device.
     """
 
     peak_bytes: int
@@ -88,6 +93,7 @@ class MemoryEstimate:
     source: str = "fake"
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
 
     @property
     def required_bytes(self) -> int:
@@ -111,6 +117,8 @@ class MemoryEstimate:
         """A plain-text table of the peak and its categories."""
         rows = [(name, format_bytes(self.by_category.get(name, 0))) for name in CATEGORIES]
         rows.append(("peak (tensors)", format_bytes(self.peak_bytes)))
+        if self.host_bytes:
+            rows.append(("offloaded to host (pinned)", format_bytes(self.host_bytes)))
         if self.cuda is not None:
             rows += [
                 ("CUDA allocated peak", format_bytes(self.cuda.peak_allocated_bytes)),
@@ -184,10 +192,15 @@ class _StepAccountant(TensorAccountant):
         self.step = 0
         self.add_peak_listener(self._on_peak)
         self.optimizer_phase = False  # inside optimizer.step(): a fake float read answers OPTIMIZER_FLOAT_PLACEHOLDER
+        self.micro_batch = 0  # which micro-batch of the step (gradient accumulation, see accumulating())
+        self.op_listener = _OP_LISTENER.get() if fake_ops is not None else None
+        self.host_copy = False  # inside offload's pack: the copy lives in host memory, not on the device counted here
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         ops = self.fake_ops
         if ops is None:
+            if self.host_copy:
+                return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
         answer = ops.answer(func, args, kwargs)
         if answer is not NOT_ANSWERED:  # no kernel, no tensor made: nothing to count
@@ -203,10 +216,18 @@ class _StepAccountant(TensorAccountant):
                 result = func(*args, **(kwargs or {}))
         else:
             result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        if self.host_copy:
+            return result
         try:
             self._account(func, args, kwargs, result)
         except BaseException as error:  # never raise here (see TensorAccountant)
             self._record_error(f"{func}: {type(error).__name__}: {error}")
+        listener = self.op_listener
+        if listener is not None:
+            try:
+                listener(func, args, kwargs, result, self)
+            except BaseException as error:  # never raise here: the listener only observes
+                self._record_error(f"op listener on {func}: {type(error).__name__}: {error}")
         return result
 
     def _on_peak(self, _peak: int) -> None:
@@ -214,6 +235,48 @@ class _StepAccountant(TensorAccountant):
         self.peak_tick = self.attributor.tick
         self.peak_phase = self.label
         self.peak_step = self.step
+
+
+class _HostCopy:
+    """One offloaded saved tensor: its host copy, counted in :class:`_OffloadModel` while it lives."""
+
+    __slots__ = ("tensor", "nbytes", "owner")
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int, owner: "_OffloadModel") -> None:
+        self.tensor, self.nbytes, self.owner = tensor, nbytes, owner
+
+    def __del__(self) -> None:
+        self.owner.current_bytes -= self.nbytes
+
+
+class _OffloadModel:
+    """torch's ``save_on_cpu(pin_memory=True)`` as the step's accountant must see it: each saved tensor is copied to
+    a host buffer of ``numel * element_size`` bytes that the device ledger does not count (the host ledger here
+    does), so the device tensor is freed when the forward drops it; each unpack in backward allocates a
+    device copy (counted), as ``packed.to(device)`` does."""
+
+    def __init__(self, acc: _StepAccountant) -> None:
+        self.acc = acc
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> _HostCopy:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.acc.host_copy = True
+        try:
+            host = tensor.detach().clone(memory_format=torch.contiguous_format)
+        finally:
+            self.acc.host_copy = False
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return _HostCopy(host, nbytes, self)
+
+    @staticmethod
+    def unpack(packed: _HostCopy) -> torch.Tensor:
+        return packed.tensor.clone()
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -309,29 +372,34 @@ def _run_steps(module_copy: nn.Module, batch: Any, make_optimizer: Callable[[nn.
     attributor = acc.attributor
     name = type(module_copy).__name__
     trainer = getattr(module_copy, "_trainer", None) if lightning_hooks else None
+    micro_batches = max(1, int(_MICRO_BATCHES.get()))
     for step in range(1, steps + 1):
         acc.step = step
-        with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
-            loss = loss_fn(module_copy, batch)
-        # Lightning's automatic optimization: zero_grad after the forward, before backward.
-        with acc.labelled("zero_grad"):
-            if lightning_hooks:
-                with _hook(f"{name}.on_before_zero_grad"):
-                    module_copy.on_before_zero_grad(optimizer)
-                with _hook(f"{name}.optimizer_zero_grad"):
-                    module_copy.optimizer_zero_grad(0, step - 1, optimizer)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-        with acc.labelled("backward"), _hook("the backward of the loss"):
-            if lightning_hooks:
-                with _hook(f"{name}.on_before_backward"):
-                    module_copy.on_before_backward(loss)
-                module_copy.backward(loss)
-                with _hook(f"{name}.on_after_backward"):
-                    module_copy.on_after_backward()
-            else:
-                loss.backward()
-        del loss
+        for micro in range(micro_batches):
+            acc.micro_batch = micro
+            with acc.labelled("forward"), autocast(), _hook("the loss (loss_fn)"):
+                loss = loss_fn(module_copy, batch)
+            # Lightning's automatic optimization: zero_grad after the forward, before backward (with gradient
+            # accumulation only on the first micro-batch of a step: the later ones add to the gradients)
+            if micro == 0:
+                with acc.labelled("zero_grad"):
+                    if lightning_hooks:
+                        with _hook(f"{name}.on_before_zero_grad"):
+                            module_copy.on_before_zero_grad(optimizer)
+                        with _hook(f"{name}.optimizer_zero_grad"):
+                            module_copy.optimizer_zero_grad(0, step - 1, optimizer)
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+            with acc.labelled("backward"), _hook("the backward of the loss"):
+                if lightning_hooks:
+                    with _hook(f"{name}.on_before_backward"):
+                        module_copy.on_before_backward(loss)
+                    module_copy.backward(loss)
+                    with _hook(f"{name}.on_after_backward"):
+                        module_copy.on_after_backward()
+                else:
+                    loss.backward()
+            del loss
         attributor.assign_module(module_copy)  # the new gradients
         if lightning_hooks:
             with acc.labelled("optimizer"):
@@ -517,6 +585,42 @@ _CACHE: contextvars.ContextVar[_Reuse | None] = contextvars.ContextVar("memkit_f
 _PREPARE_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar("memkit_prepare_copy", default=None)
 
 
+#: Micro-batches per optimizer step in the estimated step (gradient accumulation, as Lightning's
+#: ``accumulate_grad_batches``: ``zero_grad`` after the first micro-batch's forward only, the later backwards add to
+#: the gradients). Set for a block by :func:`accumulating`; 1 (no accumulation) by default.
+_MICRO_BATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("memkit_micro_batches", default=1)
+
+#: Set for a block by :func:`observing_ops`: called as ``listener(func, args, kwargs, result, accountant)`` for every
+#: op of a fake step that runs a kernel (the accountant's ``step``, ``micro_batch`` and ``label`` say where it is).
+_OP_LISTENER: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("memkit_op_listener", default=None)
+
+
+@contextlib.contextmanager
+def accumulating(micro_batches: int) -> Iterator[None]:
+    """Inside the block, every automatic-optimization step :func:`estimate_memory` runs has ``micro_batches``
+    forward/backward passes before its optimizer step (gradient accumulation; ``micro_batches`` >= 1). Two are
+    enough for the peak of any accumulation >= 2: the third and later micro-batches repeat the second."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}: give a positive integer")
+    token = _MICRO_BATCHES.set(micro_batches)
+    try:
+        yield
+    finally:
+        _MICRO_BATCHES.reset(token)
+
+
+@contextlib.contextmanager
+def observing_ops(listener: Callable[..., None]) -> Iterator[None]:
+    """Inside the block, :func:`estimate_memory`'s fake steps call ``listener(func, args, kwargs, result, accountant)``
+    for every op that runs a kernel (the op's fake inputs and outputs: shapes, dtypes; no values). Estimates are
+    not memoised inside the block (a memoised answer runs no op)."""
+    token = _OP_LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _OP_LISTENER.reset(token)
+
+
 @contextlib.contextmanager
 def reusing_fake_copies() -> Iterator[None]:
     """Inside the block, :func:`estimate_memory` makes one fake copy per module (and takes one sample
@@ -692,9 +796,12 @@ def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule
     key = None
     if fake and cache is not None:  # inside reusing_fake_copies(): the same question gets the same answer
         size = batch_size if batch_size is not None else batch_size_of(_prepare(module, batch, batch_size, datamodule)[0])
-        key = (id(module), id(batch), size, mode, str(device), id(optimizer), id(loss_fn), id(datamodule), id(trainer), repr(gpu))
+        key = (id(module), id(batch), size, mode, str(device), id(optimizer), id(loss_fn), id(datamodule), id(trainer), repr(gpu),
+               _MICRO_BATCHES.get())
+        if _OP_LISTENER.get() is not None:
+            key = None  # an observed step must run
         try:
-            hash(key)
+            hash(key) if key is not None else None
         except TypeError:  # an unhashable mode object: no memo
             key = None
         if key is not None and key in cache.estimates:
@@ -709,6 +816,10 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     started = time.perf_counter()
     mode = _resolve_mode(mode)
     target = torch.device(device) if not isinstance(device, torch.device) else device
+    if mode is not None and mode.offload and target.type != "cuda":
+        from lightning_memkit.modes.offload import OFFLOAD_ON_CPU
+
+        raise EstimateError(f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs on CPU fakes)")
     batch, batches = _prepare(module, batch, batch_size, datamodule)
     manual = _is_lightning_module(module) and not module.automatic_optimization
     if manual and loss_fn is not None:
@@ -719,6 +830,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
     loss_fn = loss_fn or _default_loss
     notes: list[str] = []
     acc = _StepAccountant(record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None)
+    offload = _OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, gpu)  # the CUDA target's kernels and allocator (estimate/cuda_kernels.py)
     attached = getattr(module, "_trainer", None)
     handle = None
@@ -764,7 +876,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
-            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()):
+            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()), \
+                    (offload.hooks() if offload is not None else contextlib.nullcontext()):
                 prepare = _PREPARE_COPY.get()
                 if prepare is not None:
                     prepare(module_copy, acc)
@@ -804,6 +917,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
         source="fake" if fake else "measured",
         elapsed_s=time.perf_counter() - started,
         notes=notes,
+        host_bytes=offload.peak_bytes if offload is not None else 0,
     )
 
 

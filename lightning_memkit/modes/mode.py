@@ -1,4 +1,4 @@
-"""A training memory mode: precision and activation checkpointing as one value, parsed from a string.
+"""A training memory mode: precision, activation checkpointing and activation offload as one value, parsed from a string.
 
 ``parse_mode("amp+checkpoint:auto")`` gives a :class:`Mode`; ``mode.trainer_kwargs("cpu")`` gives the
 Trainer arguments for it, and ``mode.autocast("cpu")`` / ``apply_checkpointing`` apply it to a plain module.
@@ -16,7 +16,8 @@ import torch
 
 from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
 
-__all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "MODE_WORDS"]
+__all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "OFFLOAD_WORD",
+           "MODE_WORDS"]
 
 #: precision words -> the precision they ask for ("amp" is resolved per device by :func:`resolve_precision`).
 PRECISION_WORDS: dict[str, str | None] = {
@@ -30,8 +31,10 @@ PRECISION_WORDS: dict[str, str | None] = {
 }
 #: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction in (0, 1] or a size with a unit).
 CHECKPOINT_WORDS = ("checkpoint", "checkpoint:auto", "checkpoint:budget=FRACTION", "checkpoint:budget=SIZE")
+#: the offload word: saved activations to pinned host memory (CUDA only, see :mod:`lightning_memkit.modes.offload`).
+OFFLOAD_WORD = "offload"
 #: every word a mode string may combine with ``+``.
-MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS
+MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS + (OFFLOAD_WORD,)
 
 _LIGHTNING_PRECISION = {None: "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -73,7 +76,7 @@ def resolve_precision(precision: str | None, device: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to train the same module: a precision and an activation-checkpointing policy.
+    """One way to train the same module: a precision, an activation-checkpointing policy and activation offload.
 
     Attributes:
         precision: ``None`` (full fp32), ``"amp"`` (``16-mixed`` on CUDA, ``bf16-mixed`` on CPU, see
@@ -82,6 +85,8 @@ class Mode:
             :func:`~lightning_memkit.modes.checkpointing.apply_checkpointing`: ``"auto"``, a frozenset of
             module classes, a callable ``(name, module) -> bool`` or a
             :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`.
+        offload: ``True`` to move what autograd saves to pinned host memory during the forward (torch's
+            ``save_on_cpu``; CUDA only: refused on CPU, see :mod:`lightning_memkit.modes.offload`).
         name: the label used in tables, CSV and TensorBoard run names (default: built from the parts,
             e.g. ``"amp+checkpoint"``).
 
@@ -97,12 +102,15 @@ class Mode:
     precision: str | None = None
     checkpoint: Any = None
     name: str = ""
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in (None, "amp", "bf16-mixed", "16-mixed"):
             raise ValueError(f"Mode(precision={self.precision!r}): choose None, 'amp', 'bf16-mixed' or '16-mixed'")
         if self.checkpoint is not None:
             object.__setattr__(self, "checkpoint", normalize_policy(self.checkpoint))
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"Mode(offload={self.offload!r}): give True or False (a bool)")
         if not self.name:
             object.__setattr__(self, "name", self._default_name())
 
@@ -112,12 +120,14 @@ class Mode:
             parts.append({"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16"}[self.precision])
         if self.checkpoint is not None:
             parts.append("checkpoint" if self.checkpoint == "auto" else f"checkpoint:{describe_policy(self.checkpoint)}")
+        if self.offload:
+            parts.append(OFFLOAD_WORD)
         return "+".join(parts) or "baseline"
 
     @property
     def is_baseline(self) -> bool:
-        """Whether the mode changes nothing (full precision, no checkpointing)."""
-        return self.precision is None and self.checkpoint is None
+        """Whether the mode changes nothing (full precision, no checkpointing, no offload)."""
+        return self.precision is None and self.checkpoint is None and not self.offload
 
     def precision_for(self, device: Any) -> str | None:
         """The concrete mixed precision on ``device`` (``None`` for full precision); see :func:`resolve_precision`."""
@@ -146,7 +156,9 @@ class Mode:
         ``"bf16-mixed"`` or ``"16-mixed"``, so Lightning's own ``MixedPrecision`` plugin does the
         autocast and, for fp16, the gradient scaling) and an
         :class:`~lightning_memkit.callbacks.activation_checkpointing.ActivationCheckpointing` callback
-        when the mode checkpoints (``callback_kwargs`` are passed to it). Merge ``callbacks`` with your own.
+        when the mode checkpoints (``callback_kwargs`` are passed to it), and an
+        :class:`~lightning_memkit.callbacks.activation_offload.ActivationOffload` callback when it offloads
+        (it refuses a CPU run at fit start). Merge ``callbacks`` with your own.
         ``accelerator`` (``"auto"``, ``"cpu"``, ``"gpu"`` or a device) decides what ``"amp"`` means there
         (see :meth:`precision_for`).
         """
@@ -155,6 +167,10 @@ class Mode:
             from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 
             kwargs["callbacks"].append(ActivationCheckpointing(policy=self.checkpoint, **callback_kwargs))
+        if self.offload:
+            from lightning_memkit.callbacks.activation_offload import ActivationOffload
+
+            kwargs["callbacks"].append(ActivationOffload(verbose=callback_kwargs.get("verbose", True)))
         return kwargs
 
     def with_name(self, name: str) -> "Mode":
@@ -162,12 +178,16 @@ class Mode:
         return dataclasses.replace(self, name=name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description: name, precision word and checkpoint policy description."""
-        return {
+        """A JSON-ready description: name, precision word and checkpoint policy description (and
+        ``"offload": True`` when the mode offloads)."""
+        data: dict[str, Any] = {
             "name": self.name,
             "precision": self.precision,
             "checkpoint": None if self.checkpoint is None else describe_policy(self.checkpoint),
         }
+        if self.offload:
+            data["offload"] = True
+        return data
 
 
 def _parse_checkpoint_word(word: str, text: str) -> Any:
@@ -194,7 +214,8 @@ def parse_mode(text: str | Mode) -> Mode:
     Words are joined with ``+``: at most one precision word (``baseline``/``fp32``, ``amp``, ``bf16``,
     ``fp16``) and at most one checkpoint word (``checkpoint`` = ``checkpoint:auto``,
     ``checkpoint:budget=0.5`` for a fraction of the baseline activation memory,
-    ``checkpoint:budget=512MiB`` for a size). The mode's name is the text as written.
+    ``checkpoint:budget=512MiB`` for a size) and ``offload`` (saved activations to pinned host memory, CUDA
+    only). The mode's name is the text as written.
 
     Raises:
         ValueError: naming the bad word and listing the valid ones.
@@ -206,7 +227,7 @@ def parse_mode(text: str | Mode) -> Mode:
     cleaned = text.strip().lower()
     precision: str | None = None
     checkpoint: Any = None
-    seen_precision = seen_checkpoint = False
+    seen_precision = seen_checkpoint = offload = False
     for word in (w.strip() for w in cleaned.split("+")):
         if word in PRECISION_WORDS:
             if seen_precision:
@@ -216,9 +237,13 @@ def parse_mode(text: str | Mode) -> Mode:
             if seen_checkpoint:
                 raise ValueError(f"mode {text!r} names checkpointing twice; use one of: {', '.join(CHECKPOINT_WORDS)}")
             checkpoint, seen_checkpoint = _parse_checkpoint_word(word, text), True
+        elif word == OFFLOAD_WORD:
+            if offload:
+                raise ValueError(f"mode {text!r} names offload twice; give it once")
+            offload = True
         else:
             raise ValueError(f"unknown mode word {word!r} in {text!r}; valid words (join with '+'): {', '.join(MODE_WORDS)}")
-    return Mode(precision=precision, checkpoint=checkpoint, name=cleaned)
+    return Mode(precision=precision, checkpoint=checkpoint, name=cleaned, offload=offload)
 
 
 def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[Mode]:

@@ -1,0 +1,238 @@
+"""The planner against brute force, on CPU: issue 25's acceptance table.
+
+Three models (a transformer LM, tests/lightning_gpt.py's TinyGPT; a CNN, zoo.DemoResNet; a Hugging Face GPT-2 built
+from a GPT2Config, no download) x two CPU budgets each, both below the baseline's peak at the effective batch
+(set from the estimate: half-way between the full batch's and half the batch's peak, and between a quarter's and
+an eighth's). For each case:
+
+- brute force: every configuration of the planner's space (``candidate_space``: micro-batch x accumulation x
+  checkpointing, precision unchanged) trained for real, ``WARMUP`` optimizer steps then ``TIMED`` timed ones
+  (median samples/s), its peak counted by the budget's accountant; the fastest that fit is the reference;
+- the planner (``plan_fit``, at most 3 real trials): its choice's samples/s (as brute force measured it) within 5%
+  of the best? its trials, and whether its choice's real peak stayed under the budget;
+- Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
+  configurations that fit in brute force;
+- a Composer-style "halve the micro-batch until it fits, accumulate" and a BatchSizeFinder-style "largest power-of-two
+  batch that fits (doubling from 2), then accumulate to the effective batch": their answers replayed on the
+  brute-force trials (the same runs: a trial's fit or OOM does not change), with the trials each would have run.
+
+The trials run through the planner's own trial runner (a real Trainer on a copy, the MemoryBudget accountant),
+so brute force, the planner and the baselines are measured the same way. Prints one markdown table.
+
+Run: python benchmarks/plan_bruteforce.py            (about 10 minutes on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+WARMUP, TIMED = 2, 10
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties): Pearson's correlation of the ranks."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+class GPT2Module(pl.LightningModule):
+    """A GPT-2 from a transformers GPT2Config (no download), trained on its own LM loss over random token ids."""
+
+    def __init__(self, batch_size: int = 32, seq: int = 64, vocab: int = 512, layers: int = 4, width: int = 128) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=seq,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                         bos_token_id=0, eos_token_id=0)
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.batch_size = batch_size
+        self.ids = torch.randint(0, vocab, (4 * batch_size, seq), generator=torch.Generator().manual_seed(0))
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.ids), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class LMModule(pl.LightningModule):
+    """tests/lightning_gpt.py's TinyGPT with a train_dataloader of its own (the planner reads the module's batch)."""
+
+    def __init__(self, batch_size: int = 32, seq: int = 64) -> None:
+        super().__init__()
+        from lightning_gpt import TinyGPT
+
+        torch.manual_seed(0)
+        self.gpt = TinyGPT(vocab=256, d_model=128, heads=4, layers=4, seq_len=seq)
+        self.batch_size = batch_size
+        tokens = torch.randint(0, 256, (4 * batch_size, seq + 1), generator=torch.Generator().manual_seed(0))
+        self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        return torch.nn.functional.cross_entropy(self.gpt(tokens).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _cnn():
+    from lightning_memkit.zoo import DemoResNet
+
+    torch.manual_seed(0)
+    return DemoResNet(batch_size=64)
+
+
+MODELS = {
+    "transformer LM (TinyGPT d128 x4, seq 64)": (lambda: LMModule(batch_size=32), 32),
+    "CNN (DemoResNet, 32x32)": (_cnn, 64),
+    "HF GPT-2 (GPT2Config d128 x4, seq 64)": (lambda: GPT2Module(batch_size=32), 32),
+}
+
+
+def _budgets(module, batch: int) -> list[tuple[str, int]]:
+    from lightning_memkit.estimate.core import estimate_memory
+
+    peak = {size: estimate_memory(module, size, device="cpu").peak_bytes for size in (batch, batch // 2, batch // 4, batch // 8)}
+    return [("mild", (peak[batch] + peak[batch // 2]) // 2), ("tight", (peak[batch // 4] + peak[batch // 8]) // 2)]
+
+
+def _run_case(name: str, make, batch: int, label: str, budget: int) -> dict:
+    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.plan.planner import _trial, plan_fit
+    from lightning_memkit.plan.space import DEFAULT_PLAN_MODES, candidate_space
+    from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
+
+    module = make()
+    sample, _ = sample_batch_and_length(module, None)
+    space = candidate_space(batch, modes=DEFAULT_PLAN_MODES, device_type="cpu",
+                            can_checkpoint=bool(find_repeated_blocks(module)))
+    brute: dict = {}
+    started = time.perf_counter()
+    for candidate in space:
+        fits, peak, samples, note = _trial(module, candidate, sample, budget, "cpu", WARMUP, TIMED)
+        brute[candidate] = (fits, peak, samples)
+    brute_s = time.perf_counter() - started
+    fitting = {c: v for c, v in brute.items() if v[0]}
+    best = max(fitting, key=lambda c: fitting[c][2]) if fitting else None
+
+    plan = plan_fit(make(), batch_size=batch, device_memory=budget, device="cpu", verbose=False)
+    chosen = plan.best
+    chosen_brute = brute.get(chosen) if chosen is not None else None
+    predicted = {row.candidate: row.predicted_samples_per_s for row in plan.rows}
+    pairs = [(predicted[c], fitting[c][2]) for c in fitting if predicted.get(c) is not None]
+    rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
+
+    # Composer-style: halve the micro-batch from the effective batch until a trial fits (no checkpointing)
+    plain = [c for c in space if c.checkpoint is None]
+    composer, composer_trials = None, 0
+    size = batch
+    while size >= 1:
+        candidate = next((c for c in plain if c.micro_batch == size), None)
+        if candidate is not None:
+            composer_trials += 1
+            if brute[candidate][0]:
+                composer = candidate
+                break
+        size //= 2
+    # BatchSizeFinder-style (power mode): double from 2 while it fits; then the largest divisor of the batch <= it
+    finder_trials, largest, size = 0, None, 2
+    while size <= batch:
+        candidate = next((c for c in plain if c.micro_batch == size), None)
+        finder_trials += 1
+        if candidate is None or not brute[candidate][0]:
+            break
+        largest, size = size, size * 2
+    finder = None
+    if largest is not None:
+        finder = max((c for c in plain if c.micro_batch <= largest and brute[c][0]), key=lambda c: c.micro_batch, default=None)
+
+    def speed(candidate) -> float | None:
+        return brute[candidate][2] if candidate is not None and brute[candidate][0] else None
+
+    best_speed = fitting[best][2] if best is not None else None
+    return dict(model=name, label=label, budget=budget, space=len(space), fitting=len(fitting), best=best, best_speed=best_speed,
+                chosen=chosen, chosen_speed=speed(chosen), plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
+                plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
+                brute_peak=chosen_brute[1] if chosen_brute else None, trials=plan.trials, rho=rho, pairs=len(pairs),
+                composer=composer, composer_speed=speed(composer), composer_trials=composer_trials,
+                finder=finder, finder_speed=speed(finder), finder_trials=finder_trials,
+                brute_s=brute_s, plan_s=plan.seconds)
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    from lightning_memkit.units import format_bytes
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    started = time.perf_counter()
+    results = []
+    for name, (make, batch) in MODELS.items():
+        for label, budget in _budgets(make(), batch):
+            result = _run_case(name, make, batch, label, budget)
+            results.append(result)
+            print(f"# {name} {label}: done ({result['brute_s']:.0f} s brute force, {result['plan_s']:.0f} s plan)", file=sys.stderr, flush=True)
+
+    def describe(candidate) -> str:
+        return candidate.describe().replace(", 32-true", "") if candidate is not None else "none fit"
+
+    def pct(speed, best) -> str:
+        return f"{100 * speed / best:.0f}%" if speed is not None and best else "-"
+
+    print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
+          "steps per configuration (median); samples/s as brute force measured them; % of the brute-force best")
+    print()
+    print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
+          "real peak <= budget | Spearman | halve until it fits | largest batch, then accumulate |")
+    print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---|")
+    for r in results:
+        peak = r["plan_peak"] if r["plan_peak"] is not None else r["brute_peak"]
+        under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
+        within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+        print(f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | "
+              f"{describe(r['best'])} ({r['best_speed']:.1f}) | {describe(r['chosen'])} | {pct(r['chosen_speed'], r['best_speed'])} | "
+              f"{within} | {r['trials']} | {under} | {r['rho']:.2f} (n={r['pairs']}) | "
+              f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
+              f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |", flush=True)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""``memkit plan FILE.py:Module``: the fastest way to train the module's batch in a memory budget (precision only when
+allowed, checkpointing, micro-batch x accumulation, offload on CUDA), predicted on fake tensors and proved by at most
+three real trials; prints the ranked table, then the Trainer arguments and a LightningCLI YAML snippet for the best.
+
+Exit status: 0 with a best configuration (or the module fits as is), 1 when nothing fit in a real trial (or, for a CUDA
+plan on a machine without a GPU, nothing could run: the table is the prediction only), 2 for bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from lightning_memkit.cli.common import add_init_arguments
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="my batch does not fit: the fastest way to train it anyway (micro-batch, checkpointing, precision, offload)",
+        description="Estimate every way to train the module's effective batch that the allowed modes give (fake tensors, "
+                    "one step each: memory and predicted time), rank those that fit by predicted samples/s, run the top "
+                    "ones as real trials (at most 3, on a copy of the module) and print the fastest that fit, with its "
+                    "Trainer arguments and a LightningCLI YAML snippet. A module that fits as is is left as it is.")
+    parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
+    add_init_arguments(parser, datamodule=True)
+    parser.add_argument("--device-memory", default=None,
+                        help="the memory budget, e.g. 4GiB (default: --gpu's memory, this GPU's, or on CPU half the host memory available)")
+    if hasattr(parser, "_negative_number_matcher"):  # '-4GiB' reaches the option and gets its own message
+        parser._negative_number_matcher = re.compile(r"^-\.?\d")
+    parser.add_argument("--gpu", default=None, metavar="GPU",
+                        help="plan for this GPU: h100, a100, l4, sm90, ... (its kernels, roofline and memory); implies --device cuda")
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                        help="where the plan is for (default: cuda when a GPU is here or --gpu is given, else cpu)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="the effective batch to keep, samples per optimizer step (default: the train dataloader's batch)")
+    parser.add_argument("--modes", default=None,
+                        help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp), offload "
+                             "(default: micro_batch,checkpoint: memory-only changes)")
+    parser.add_argument("--trials", type=int, default=3, help="the most real trials, 1 to 3 (default: 3)")
+    parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
+    parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the plan to this JSON file")
+    parser.set_defaults(run=run)
+
+
+def _plan_json(plan: Any) -> dict:
+    rows = [{"configuration": row.candidate.describe(), "micro_batch": row.candidate.micro_batch,
+             "accumulation": row.candidate.accumulation, "precision": row.candidate.precision,
+             "checkpoint": row.candidate.checkpoint_text, "offload": row.candidate.offload,
+             "predicted_peak_bytes": row.predicted_peak_bytes, "predicted_step_s": row.predicted_step_s,
+             "predicted_samples_per_s": row.predicted_samples_per_s, "fits": row.fits,
+             "measured_peak_bytes": row.measured_peak_bytes, "measured_samples_per_s": row.measured_samples_per_s,
+             "note": row.note} for row in plan.rows]
+    arguments = {k: v for k, v in plan.trainer_arguments().items() if k != "callbacks"}
+    return {"best": plan.best.describe() if plan.best is not None else None, "fits_as_is": plan.fits_as_is,
+            "budget_bytes": plan.budget_bytes, "effective_batch": plan.effective_batch, "trials": plan.trials,
+            "device": plan.device, "trainer_arguments": arguments, "yaml": plan.yaml(), "rows": rows, "notes": plan.notes}
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
+    from lightning_memkit.cli.estimate import _memory
+    from lightning_memkit.plan.planner import PlanError, plan_fit
+
+    try:
+        if args.world_size is not None or args.strategy is not None:
+            raise CliError("--world-size/--strategy: memkit plan plans one device for now; for a rank's memory under a "
+                           "strategy use memkit estimate --strategy")
+        memory = _memory(args.device_memory) if args.device_memory is not None else None
+        if args.batch_size is not None and args.batch_size < 1:
+            raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
+        if not 1 <= args.trials <= 3:
+            raise CliError(f"--trials {args.trials}: give 1 to 3")
+        gpu = None
+        if args.gpu is not None:
+            from lightning_memkit.estimate.cuda_kernels import GpuTarget
+
+            if args.device == "cpu":
+                raise CliError(f"--gpu {args.gpu} plans for a GPU; drop --device cpu (or --gpu)")
+            try:
+                gpu = GpuTarget.parse(args.gpu)
+            except ValueError as error:
+                raise CliError(f"--gpu: {error}") from None
+        cls = load_object(args.module)
+        module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        import lightning.pytorch as pl
+
+        if not isinstance(module, pl.LightningModule):
+            raise CliError(f"{args.module} is not a LightningModule class; memkit plan trains real trials with a Trainer: "
+                           "give a LightningModule")
+        datamodule = None
+        if args.datamodule:
+            datamodule = build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
+                                        what="datamodule")
+        elif getattr(type(module), "train_dataloader", None) is pl.LightningModule.train_dataloader:
+            raise CliError(f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
+                           "--datamodule FILE.py:DataModuleClass")
+        plan = plan_fit(module, batch_size=args.batch_size, device_memory=memory, gpu=gpu, device=args.device,
+                        modes=args.modes, datamodule=datamodule, trials=args.trials, verbose=True)
+    except (CliError, PlanError) as error:
+        print(f"memkit plan: {error}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    if plan.fits_as_is:
+        print(f"\nThe module fits in {_size(plan.budget_bytes)} as is (batch {plan.effective_batch}): nothing to change.")
+    elif plan.best is not None:
+        arguments = plan.trainer_arguments()
+        shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items() if k != "callbacks")
+        callbacks = ""
+        if "callbacks" in arguments:
+            callbacks = f", callbacks=[ActivationCheckpointing(policy={plan.best.checkpoint_text!r})]"
+        print(f"\nBest: {plan.best.describe()}. Set the dataloader's batch size to {plan.best.micro_batch} and train with:")
+        print(f"  Trainer({shown}{callbacks})")
+        print("LightningCLI config:")
+        print(plan.yaml(), end="")
+    if args.json_path:
+        with open(args.json_path, "w") as handle:
+            json.dump(_plan_json(plan), handle, indent=2, default=str)
+    return 0 if plan.best is not None else 1
+
+
+def _size(nbytes: int) -> str:
+    from lightning_memkit.units import format_bytes
+
+    return format_bytes(nbytes)

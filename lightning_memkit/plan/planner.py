@@ -1,0 +1,669 @@
+"""``plan_fit``: the fastest way to train the user's effective batch within a memory budget, proved by real trials.
+
+1. The baseline (the user's batch as is) is estimated on fake tensors; when it fits, one real trial confirms it and
+   the plan changes nothing.
+2. Otherwise every candidate of the space (:mod:`lightning_memkit.plan.space`) is estimated in one fake step each,
+   which gives both its peak (:func:`~lightning_memkit.estimate.estimate_memory`) and its ops' FLOPs and bytes
+   (:class:`~lightning_memkit.plan.time_model.OpCosts`), hence its predicted step time.
+3. The candidates predicted to fit (on CUDA with :data:`CUDA_MARGIN` of the memory kept free for the allocator; on
+   CPU the estimate counts the same bytes as the budget) are ranked by predicted samples/s, and the top ones run as
+   real trials (at most ``trials``, 3): a real Lightning ``Trainer`` on a deep copy of the module (the module, its
+   optimizer state and the RNG states are untouched), :data:`WARMUP_STEPS` optimizer steps of warm-up then
+   :data:`TIMED_STEPS` timed ones (``perf_counter`` on CPU, CUDA events on GPU; the median), the peak measured (the
+   accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
+   cleanly; ``max_memory_allocated`` on CUDA). On CPU the first trial also calibrates the time model's scale.
+4. The best is the fastest trial that fit: never a configuration that did not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import statistics
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
+from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, roofline_for
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
+
+__all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "MAX_TRIALS"]
+
+#: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
+CUDA_MARGIN = 0.05
+#: optimizer steps run before the timed ones in a real trial
+WARMUP_STEPS = 1
+#: optimizer steps timed in a real trial (their median)
+TIMED_STEPS = 4
+#: the most real trials a plan runs
+MAX_TRIALS = 3
+
+
+class PlanError(ValueError):
+    """The plan cannot be made as asked; the message says what to change."""
+
+
+@dataclass
+class PlanRow:
+    """One candidate's figures.
+
+    Attributes:
+        candidate: the configuration.
+        predicted_peak_bytes: the estimate's peak (bytes; on CUDA what the device needs: allocator and context
+            included); ``None`` when the estimate failed (see ``note``).
+        predicted_step_s: predicted seconds per optimizer step (all its micro-batches).
+        predicted_samples_per_s: effective batch / predicted step time (samples per second).
+        fits: whether the prediction fits the budget (with :data:`CUDA_MARGIN` on CUDA).
+        measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
+        measured_samples_per_s: the real trial's median samples per second, ``None`` when not run or failed.
+        note: what happened (estimate error, trial outcome).
+    """
+
+    candidate: Candidate
+    predicted_peak_bytes: int | None
+    predicted_step_s: float | None
+    predicted_samples_per_s: float | None
+    fits: bool
+    measured_peak_bytes: int | None = None
+    measured_samples_per_s: float | None = None
+    note: str = ""
+    costs: OpCosts | None = field(default=None, repr=False, compare=False)
+    offload_bytes: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def ran(self) -> bool:
+        """Whether a real trial ran this candidate to the end within the budget."""
+        return self.measured_samples_per_s is not None
+
+
+@dataclass
+class Plan:
+    """What :func:`plan_fit` found.
+
+    Attributes:
+        rows: ranked by predicted samples/s among those predicted to fit, then the rest.
+        best: the fastest candidate that fit in a real trial (``None`` when none did, or none could run here).
+        fits_as_is: the baseline (the user's batch, nothing changed) fits: ``best`` is the baseline.
+        budget_bytes: the memory budget (bytes).
+        effective_batch: the user's samples per optimizer step (every candidate keeps it).
+        trials: how many real trials ran (at most :data:`MAX_TRIALS`).
+        device: ``"cpu"`` or ``"cuda"``.
+        notes: what the reader should know (no GPU here, calibration, failed trials).
+        seconds: wall time of the plan, seconds.
+    """
+
+    rows: list[PlanRow]
+    best: Candidate | None
+    fits_as_is: bool
+    budget_bytes: int
+    effective_batch: int
+    trials: int
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def best_row(self) -> PlanRow | None:
+        """The row of :attr:`best`."""
+        return next((row for row in self.rows if row.candidate == self.best), None) if self.best is not None else None
+
+    def trainer_arguments(self) -> dict[str, Any]:
+        """``lightning.pytorch.Trainer`` arguments for :attr:`best`: ``accumulate_grad_batches``, ``precision`` and,
+        when it checkpoints, ``callbacks`` (an :class:`~lightning_memkit.ActivationCheckpointing`). The micro-batch is
+        the dataloader's batch size (:attr:`Candidate.micro_batch`). Empty when there is no best.
+        """
+        if self.best is None:
+            return {}
+        kwargs = _trainer_kwargs(self.best, self.device)
+        arguments: dict[str, Any] = {"accumulate_grad_batches": self.best.accumulation, "precision": kwargs["precision"]}
+        if kwargs.get("callbacks"):
+            arguments["callbacks"] = kwargs["callbacks"]
+        return arguments
+
+    def yaml(self) -> str:
+        """A LightningCLI config snippet for :attr:`best` (``trainer:`` and the micro-batch as ``batch_size``)."""
+        if self.best is None:
+            return "# memkit plan: no configuration fit in a real trial\n"
+        best = self.best
+        lines = [f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})",
+                 "trainer:",
+                 f"  accumulate_grad_batches: {best.accumulation}",
+                 f"  precision: {best.precision}"]
+        if best.checkpoint is not None:
+            lines += ["  callbacks:",
+                      "    - class_path: lightning_memkit.ActivationCheckpointing",
+                      "      init_args:",
+                      f"        policy: {_policy_yaml(best.checkpoint)}"]
+            if not _is_budget(best.checkpoint):
+                lines.append("        measure: false")
+        lines += ["model:  # or data: wherever your dataloader takes its batch size",
+                  f"  batch_size: {best.micro_batch}"]
+        return "\n".join(lines) + "\n"
+
+    def table(self) -> str:
+        """The ranked table: configuration, predicted peak, step time, samples/s, fits, measured figures."""
+        head = (f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} on {self.device}; "
+                f"{self.trials} real trial{'s' if self.trials != 1 else ''}")
+        rows = []
+        for row in self.rows:
+            rows.append((
+                ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
+                format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-",
+                f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
+                f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
+                "yes" if row.fits else "no",
+                format_bytes(row.measured_peak_bytes) if row.measured_peak_bytes is not None else "-",
+                f"{row.measured_samples_per_s:.1f}" if row.measured_samples_per_s is not None else "-",
+                row.note,
+            ))
+        table = format_table(("configuration", "predicted peak", "step", "samples/s", "fits", "measured peak",
+                              "measured samples/s", "note"), rows)
+        tail = "\n".join(f"note: {n}" for n in self.notes)
+        return head + "\n" + table + ("\n" + tail if tail else "")
+
+
+def _is_budget(policy: Any) -> bool:
+    from lightning_memkit.modes.checkpointing import CheckpointBudget
+
+    return isinstance(policy, CheckpointBudget)
+
+
+def _trainer_kwargs(candidate: Candidate, accelerator: str) -> dict[str, Any]:
+    """The candidate's ``precision`` and ``callbacks`` for a Trainer: its checkpointing callback does not measure
+    (a measuring forward at the first batch would add its own peak to the step's) unless its policy is a budget,
+    which needs the measurement to choose its blocks."""
+    extra = {} if candidate.checkpoint is None or _is_budget(candidate.checkpoint) else {"measure": False}
+    return candidate.mode.trainer_kwargs(accelerator, verbose=False, **extra)
+
+
+def _policy_yaml(policy: Any) -> str:
+    from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+
+    if isinstance(policy, CheckpointBudget) and policy.within is None:
+        return policy.describe()
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, frozenset):
+        return "[" + ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in policy)) + "]"
+    return describe_policy(policy)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _budget_bytes(device_memory: Any, device_type: str, gpu: Any) -> int:
+    from lightning_memkit.units import parse_bytes
+
+    if device_memory is not None:
+        if isinstance(device_memory, bool):
+            raise PlanError(f"device_memory={device_memory!r}: give bytes (an int) or a size such as '4GiB'")
+        try:
+            budget = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
+        except (ValueError, TypeError) as error:
+            raise PlanError(f"device_memory={device_memory!r}: {error}; give bytes (an int) or a size such as '4GiB'") from None
+        if budget <= 0:
+            raise PlanError(f"device_memory={device_memory!r}: a memory size is positive; give e.g. '4GiB'")
+        return budget
+    if device_type == "cuda":
+        if gpu is not None or not torch.cuda.is_available():
+            roof = roofline_for(gpu)
+            return roof.memory_bytes
+        from lightning_memkit.search.lightning import cuda_capacity_bytes
+
+        return cuda_capacity_bytes(torch.device("cuda", torch.cuda.current_device()))
+    from lightning_memkit.search.lightning import host_search_budget_bytes
+
+    return host_search_budget_bytes()
+
+
+def _device_type(device: Any, gpu: Any) -> str:
+    if device is None:
+        return "cuda" if gpu is not None or torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type if not isinstance(device, str) or device not in ("gpu",) else "cuda"
+    if kind not in ("cpu", "cuda"):
+        raise PlanError(f"device={device!r}: plan_fit plans for 'cpu' or 'cuda'")
+    if gpu is not None and kind != "cuda":
+        raise PlanError(f"gpu={gpu!r} names a CUDA device; drop it or give device='cuda'")
+    return kind
+
+
+def _user_precision(module: Any) -> str:
+    trainer = getattr(module, "_trainer", None)
+    text = str(getattr(trainer, "precision", "32-true")) if trainer is not None else "32-true"
+    return text if text in ("32-true", "bf16-mixed", "16-mixed") else "32-true"
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's per-Trainer info lines and the trials' expected warnings (a bare iterable, few steps) are not shown."""
+    names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+    loggers = [logging.getLogger(name) for name in names]
+    try:  # the logger Lightning's rank_zero_info writes to (whichever Lightning package was imported last named it)
+        from lightning_utilities.core import rank_zero
+
+        loggers.append(rank_zero.log)
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="lightning")
+            warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|does not have many workers|val_dataloader).*")
+            yield
+    finally:
+        for each, level in zip(loggers, levels):
+            each.setLevel(level)
+
+
+# ------------------------------------------------------------------------------------------ estimates
+def _estimate_row(module: Any, candidate: Candidate, batch: Any, device_type: str, gpu: Any, datamodule: Any,
+                  budget: int, model: TimeModel) -> PlanRow:
+    from lightning_memkit.estimate.core import EstimateError, accumulating, estimate_memory, observing_ops
+
+    costs = OpCosts()
+    try:
+        mode = candidate.mode
+        with accumulating(min(candidate.accumulation, 2)), observing_ops(costs):
+            estimate = estimate_memory(module, candidate.micro_batch, batch=batch, mode=mode, device=device_type,
+                                       datamodule=datamodule, gpu=gpu if device_type == "cuda" else None)
+    except (EstimateError, ValueError) as error:
+        return PlanRow(candidate, None, None, None, False, note=f"not estimated: {str(error).splitlines()[0][:160]}")
+    peak = int(estimate.required_bytes)
+    usable = budget * (1 - CUDA_MARGIN) if device_type == "cuda" else budget
+    offload_bytes = int(getattr(estimate, "offload_bytes", 0) or getattr(estimate, "host_bytes", 0) or 0) if candidate.offload else 0
+    step_s = model.step_seconds(costs, candidate.accumulation, offload_bytes)
+    return PlanRow(candidate, peak, step_s, candidate.effective_batch / step_s, peak <= usable, costs=costs,
+                   offload_bytes=offload_bytes)
+
+
+def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow], batch: Any, device_type: str, gpu: Any,
+                       datamodule: Any, budget: int, model: TimeModel) -> int:
+    """Estimate the candidates not in ``rows`` yet, per mode (precision, checkpointing, offload) from the largest
+    micro-batch down, stopping two micro-batches after the first that fits; returns how many were left out."""
+    families: dict[tuple, list[Candidate]] = {}
+    for candidate in space:
+        families.setdefault((candidate.precision, repr(candidate.checkpoint), candidate.offload), []).append(candidate)
+    done = {row.candidate: row for row in rows}
+    skipped = 0
+    for members in families.values():
+        fitting = 0
+        for candidate in sorted(members, key=lambda c: -c.micro_batch):
+            if fitting >= 2:
+                skipped += 1
+                continue
+            row = done.get(candidate)
+            if row is None:
+                row = _estimate_row(module, candidate, batch, device_type, gpu, datamodule, budget, model)
+                rows.append(row)
+            if row.predicted_peak_bytes is None:  # this mode cannot be estimated (its note says why): its smaller ones neither
+                break
+            fitting += row.fits
+    return skipped
+
+
+def _ranked(rows: list[PlanRow]) -> list[PlanRow]:
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: -(r.predicted_samples_per_s or 0.0))
+    rest = sorted((r for r in rows if not r.fits), key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0))
+    return fitting + rest
+
+
+# ------------------------------------------------------------------------------------------ trials
+class _Batches:
+    """The same batch ``count`` times: the trial's training data (no loader time in the timing)."""
+
+    def __init__(self, batch: Any, count: int) -> None:
+        self.batch, self.count = batch, count
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.count):
+            yield self.batch
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def _clock(accumulation: int, cuda: bool) -> Any:
+    from lightning.pytorch import Callback
+
+    class _StepClock(Callback):
+        """Marks the start of the first micro-batch and the end of every optimizer step."""
+
+        def __init__(self) -> None:
+            self.marks: list[Any] = []
+
+        def _mark(self) -> None:
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.marks.append(event)
+            else:
+                self.marks.append(time.perf_counter())
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self._mark()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if (batch_idx + 1) % accumulation == 0:
+                self._mark()
+
+        def step_seconds(self) -> list[float]:
+            if cuda:
+                torch.cuda.synchronize()
+                return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    return _StepClock()
+
+
+def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps: int, accumulation: int,
+         clock: Any, guard: Any) -> None:
+    """``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch`` with a real Trainer in the candidate's
+    precision and checkpointing (under ``guard``, a MemoryBudget, when given)."""
+    from lightning.pytorch import Trainer
+
+    from lightning_memkit.meter import training_state_tensors
+
+    cuda = device_type == "cuda"
+    kwargs = _trainer_kwargs(candidate, "gpu" if cuda else "cpu")
+    trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulation,
+                      precision=kwargs["precision"], callbacks=([clock] if clock is not None else []) + kwargs["callbacks"],
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
+    data = _Batches(batch, steps * accumulation)
+    try:
+        if guard is not None:
+            guard.adopt(training_state_tensors(module, (), batch), "state")
+            with guard:
+                trainer.fit(module, train_dataloaders=data)
+        else:
+            trainer.fit(module, train_dataloaders=data)
+    finally:
+        module._trainer = None  # the trainer (and its optimizers' state) goes with this call
+        del trainer, data
+
+
+def _copy_of(module: Any) -> Any:
+    attached = getattr(module, "_trainer", None)
+    copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    copied._trainer = None
+    return copied
+
+
+def _release(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int) -> float:
+    """The median seconds of ``timed`` optimizer steps of ``candidate`` after ``warmup`` ones, on a deep copy of
+    ``module`` (no budget: the CPU time model's overhead calibration at a small micro-batch)."""
+    from lightning_memkit.estimate.batches import preserved_rng, rebatch
+
+    cuda = device_type == "cuda"
+    with preserved_rng(), _quiet_lightning():
+        copied = _copy_of(module)
+        micro = rebatch(batch, candidate.micro_batch)
+        clock = _clock(candidate.accumulation, cuda)
+        _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
+        seconds = statistics.median(clock.step_seconds()[warmup:])
+        del copied, micro, clock
+    _release(cuda)
+    return seconds
+
+
+def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str,
+           warmup: int, timed: int) -> tuple[bool, int | None, float | None, str]:
+    """One real trial on a deep copy of ``module``: ``(fits, peak bytes, median samples/s, note)``.
+
+    On CPU the memory and the time are measured in two fits of the same copy: first two optimizer steps under a
+    :class:`~lightning_memkit.search.budget.MemoryBudget` (the accountant counts every tensor against the budget and
+    stops an over-budget step cleanly; the second step is the steady state; an accumulation of 2 has the peak of any
+    larger one), then, when it fit, ``warmup + timed`` steps without the accountant (its per-op bookkeeping would be
+    in the time). On CUDA one fit does both (``max_memory_allocated`` costs nothing)."""
+    from lightning_memkit.estimate.batches import preserved_rng, rebatch
+    from lightning_memkit.oom import is_out_of_memory
+    from lightning_memkit.search.budget import MemoryBudget
+
+    cuda = device_type == "cuda"
+    error_text = None
+    peak = None
+    seconds: list[float] = []
+    with preserved_rng(), _quiet_lightning():
+        copied = _copy_of(module)
+        micro = rebatch(batch, candidate.micro_batch)
+        clock = _clock(candidate.accumulation, cuda)
+        try:
+            if cuda:
+                _release(cuda)
+                torch.cuda.reset_peak_memory_stats()
+                _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
+                peak = int(torch.cuda.max_memory_allocated())
+                reserved = int(torch.cuda.max_memory_reserved())
+                if reserved > budget:
+                    error_text = f"over the budget: {format_bytes(reserved)} reserved > {format_bytes(budget)}"
+            else:
+                guard = MemoryBudget(budget)
+                _fit(copied, candidate, micro, device_type, 2, min(candidate.accumulation, 2), None, guard)
+                peak = guard.accountant.peak_bytes
+                del guard
+                _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
+        except BaseException as error:  # noqa: BLE001 - only out-of-memory is a trial's outcome
+            if not is_out_of_memory(error):
+                raise
+            error_text = "out of memory: " + str(error).splitlines()[0][:200]
+            traceback.clear_frames(error.__traceback__)
+            del error
+        if error_text is None:
+            seconds = clock.step_seconds()[warmup:]
+        del copied, micro, clock
+    _release(cuda)
+    if error_text is not None:
+        return False, None, None, error_text
+    if not seconds:
+        return False, peak, None, "no timed step ran"
+    median = statistics.median(seconds)
+    return True, peak, candidate.effective_batch / median, f"ran: median step {median * 1e3:.1f} ms"
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int | str | None = None, gpu: Any = None,
+             device: Any = None, modes: Any = None, datamodule: Any = None, trials: int = MAX_TRIALS, world_size: int = 1,
+             strategy: Any = None, verbose: bool = True, warmup_steps: int = WARMUP_STEPS,
+             timed_steps: int = TIMED_STEPS) -> Plan:
+    """The fastest way to train ``module`` at its effective batch within a memory budget, proved by real trials.
+
+    Args:
+        module: a LightningModule (trials train a deep copy of it with a real ``Trainer``; it is left untouched).
+        batch_size: the effective batch (samples per optimizer step) to keep; default: the train dataloader's batch.
+        device_memory: the budget, bytes or a size (``"4GiB"``); default: the GPU's memory (``gpu=`` or this
+            machine's, less what other processes hold), on CPU half the host memory available now.
+        gpu: the GPU to plan for (``"h100"``, ``"sm80"``...): its kernels, roofline and memory; implies CUDA.
+        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available or ``gpu`` is given, else CPU).
+        modes: what may change: ``"micro_batch,checkpoint"`` (the default: memory-only changes), plus ``bf16`` /
+            ``fp16`` / ``amp`` (a precision change) and ``offload`` (CUDA only); see :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
+        datamodule: a LightningDataModule to take the sample batch from.
+        trials: the most real trials (1 to :data:`MAX_TRIALS`).
+        world_size, strategy: one device only for now (1 and ``None``).
+        verbose: print progress lines.
+        warmup_steps, timed_steps: optimizer steps per trial before timing, and timed (their median counts).
+
+    Returns:
+        a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here
+        (a CUDA plan on a machine without a GPU: predictions only).
+
+    Raises:
+        PlanError: bad input (the message says what to do): not a LightningModule, a budget below the model's
+            parameters, a batch size that is not a positive integer, ``trials`` outside 1..3, several devices.
+    """
+    from lightning_memkit.estimate.batches import preserved_rng
+
+    with preserved_rng():  # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were
+        return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
+                         verbose, warmup_steps, timed_steps)
+
+
+def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device: Any, modes: Any, datamodule: Any,
+              trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any) -> Plan:
+    started = time.perf_counter()
+    say = (lambda text: print(text, flush=True)) if verbose else (lambda text: None)
+    try:
+        from lightning.pytorch import LightningModule
+    except ImportError:  # pragma: no cover
+        raise PlanError("plan_fit runs real Lightning trials: install lightning") from None
+    if not isinstance(module, LightningModule):
+        raise PlanError(f"plan_fit plans a LightningModule's training (its trials run a real Trainer); {type(module).__name__} "
+                        "is not one: wrap it in a LightningModule with training_step and configure_optimizers")
+    if isinstance(trials, bool) or not isinstance(trials, int) or not 1 <= trials <= MAX_TRIALS:
+        raise PlanError(f"trials={trials!r}: give 1 to {MAX_TRIALS} (the plan proves its choice in at most {MAX_TRIALS} real trials)")
+    for name, value in (("warmup_steps", warmup_steps), ("timed_steps", timed_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+            raise PlanError(f"{name}={value!r}: give a {'non-negative' if name == 'warmup_steps' else 'positive'} integer")
+    if world_size != 1 or strategy is not None:
+        raise PlanError(f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
+                        f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory")
+    try:
+        plan_modes = parse_plan_modes(modes)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    device_type = _device_type(device, gpu)
+    budget = _budget_bytes(device_memory, device_type, gpu)
+
+    from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, sample_batch_and_length
+
+    try:
+        batch, _ = sample_batch_and_length(module, datamodule)
+    except NoBatchError as error:
+        raise PlanError(str(error)) from None
+    effective = batch_size if batch_size is not None else batch_size_of(batch)
+    if effective is None or isinstance(effective, bool) or not isinstance(effective, int) or effective < 1:
+        raise PlanError(f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)")
+    state_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    if state_bytes > budget:
+        raise PlanError(f"the budget of {format_bytes(budget)} is below the model's parameters alone ({format_bytes(state_bytes)}): "
+                        "no micro-batch, checkpointing or precision makes it fit; give more memory or a smaller model")
+    manual = not module.automatic_optimization
+    from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
+
+    can_checkpoint = bool(find_repeated_blocks(module))
+    user_precision = _user_precision(module)
+    try:
+        space = candidate_space(effective, modes=plan_modes, device_type=device_type, precision=user_precision,
+                                can_checkpoint=can_checkpoint, can_accumulate=not manual)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    notes: list[str] = []
+    if "checkpoint" in plan_modes and not can_checkpoint:
+        notes.append(f"no checkpointing candidates: {type(module).__name__} has no repeated blocks to checkpoint")
+    if manual and "micro_batch" in plan_modes:
+        notes.append("manual optimization: no gradient accumulation (Lightning's accumulate_grad_batches does not apply)")
+    can_run = device_type == "cpu" or torch.cuda.is_available()
+    if device_type == "cpu":
+        model = TimeModel(calibrate_cpu())
+    else:
+        model = TimeModel(roofline_for(gpu))
+
+    from lightning_memkit.estimate.core import reusing_fake_copies
+
+    rows: list[PlanRow] = []
+    trials_run = 0
+    best: PlanRow | None = None
+    fits_as_is = False
+    with reusing_fake_copies():
+        baseline = _estimate_row(module, space[0], batch, device_type, gpu, datamodule, budget, model)
+        rows.append(baseline)
+        say(f"memkit plan: baseline {baseline.candidate.describe()}: predicted peak "
+            f"{format_bytes(baseline.predicted_peak_bytes) if baseline.predicted_peak_bytes is not None else '-'} "
+            f"of {format_bytes(budget)}")
+        if baseline.fits and can_run:
+            trials_run += 1
+            _run_row(module, baseline, batch, budget, device_type, warmup_steps, timed_steps, say)
+            if baseline.ran:
+                fits_as_is, best = True, baseline
+                baseline.note = "fits as is: nothing to change; " + baseline.note
+        if not fits_as_is:
+            skipped = _estimate_families(module, space, rows, batch, device_type, gpu, datamodule, budget, model)
+            if skipped:
+                notes.append(f"{skipped} smaller micro-batches not estimated: below two that fit in the same mode they fit too "
+                             "(memory grows with the micro-batch) and are slower (the same FLOPs in more, smaller steps)")
+    if not fits_as_is:
+        if not can_run:
+            notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
+                         "for real trials and a best configuration")
+        if device_type == "cpu" and can_run:
+            # the per-op overhead (what makes small micro-batches slow) from one timed real step at the smallest
+            # micro-batch: not a trial (no budget, no candidate chosen by it), said in the notes
+            small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
+                         and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
+            if small is not None and small.candidate.micro_batch < effective:
+                probe = Candidate(small.candidate.micro_batch, 1, small.candidate.precision)
+                measured = _timed_step(module, probe, batch, device_type, 1, 3)
+                model = model.fit_overhead(small.costs, 1, measured)
+                notes.append(f"CPU per-op overhead {model.roofline.op_overhead_s * 1e6:.1f} us, from one timed real step at "
+                             f"micro-batch {probe.micro_batch} (calibration, not a trial)")
+        _repredict(rows, model)
+        calibrated = device_type != "cpu"
+        while can_run and trials_run < trials:
+            queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
+            if not queue:
+                break
+            row = queue[0]
+            twin = next((r for r in rows if r.note.startswith("ran") and _signature(r) == _signature(row)), None)
+            if twin is not None:  # the same program as a configuration that ran (e.g. a budget that chose every block)
+                row.note = f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
+                continue
+            trials_run += 1
+            _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say)
+            if row.ran and not calibrated and row.costs is not None:
+                # CPU: the first trial that ran sets the time model's kernel scale (one of the trials, no extra step)
+                measured_step = row.candidate.effective_batch / row.measured_samples_per_s
+                model = model.fit_scale(row.costs, row.candidate.accumulation, measured_step)
+                calibrated = True
+                _repredict(rows, model)
+                notes.append(f"CPU kernel time scale {model.scale:.2f} x the measured roofline, from the first real trial")
+        ran = [r for r in rows if r.ran]
+        best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
+        rows = _ranked(rows)
+        if best is None and can_run:
+            notes.append("no candidate fit in a real trial: give more memory, or allow more modes (bf16, checkpoint)")
+    plan = Plan(rows, best.candidate if best is not None else None, fits_as_is, budget, effective, trials_run, device_type,
+                notes, time.perf_counter() - started)
+    if fits_as_is:
+        say(f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change")
+    elif best is not None:
+        say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
+            f"{trials_run} trials)")
+    return plan
+
+
+def _signature(row: PlanRow) -> tuple:
+    """What makes two rows the same program: batch split, precision, offload, predicted peak and the step's ops."""
+    costs = row.costs
+    ops = (costs.micro.count, costs.micro.flops_fp32, costs.micro.flops_low, costs.micro.bytes) if costs is not None else None
+    c = row.candidate
+    return (c.micro_batch, c.accumulation, c.precision, c.offload, row.predicted_peak_bytes, ops)
+
+
+def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
+    for row in rows:
+        if row.costs is not None:
+            row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes)
+            row.predicted_samples_per_s = row.candidate.effective_batch / row.predicted_step_s
+
+
+def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any) -> None:
+    say(f"memkit plan: trial: {row.candidate.describe()} ...")
+    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed)
+    row.measured_peak_bytes = peak if fits else None
+    row.measured_samples_per_s = samples if fits else None
+    row.note = note
+    say(f"memkit plan: trial: {row.candidate.describe()} -> {note}" + (f", peak {format_bytes(peak)}" if peak is not None and fits else ""))

@@ -1,0 +1,174 @@
+"""The planner's candidate space: every way to train the user's effective batch that the allowed modes give.
+
+A candidate is a micro-batch and an accumulation whose product is the user's effective batch exactly, a
+precision (only when the user allows one), an activation-checkpointing policy (none, a budget of half the
+activations, or every repeated block) and, on CUDA only, activation offload. The space stays small (tens of
+candidates): at most :data:`MAX_MICRO_BATCHES` micro-batches (the divisors of the batch nearest to its halvings),
+three checkpointing choices, the precisions allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+
+__all__ = ["Candidate", "candidate_space", "micro_batches", "parse_plan_modes", "PLAN_MODE_WORDS", "DEFAULT_PLAN_MODES",
+           "MAX_MICRO_BATCHES", "CHECKPOINT_CHOICES"]
+
+#: the words ``modes=`` (``--modes``) accepts: what the planner may change.
+PLAN_MODE_WORDS = ("baseline", "micro_batch", "checkpoint", "bf16", "fp16", "amp", "offload")
+#: what the planner may change by default: memory-only changes (no precision change, no offload)
+DEFAULT_PLAN_MODES = ("micro_batch", "checkpoint")
+#: the most micro-batch sizes tried (the batch, then the divisors nearest to its halvings)
+MAX_MICRO_BATCHES = 8
+#: the checkpointing choices: none, a budget of half the baseline activation memory, every repeated block ("auto")
+CHECKPOINT_CHOICES: tuple[Any, ...] = (None, CheckpointBudget(fraction=0.5), "auto")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to train the user's effective batch.
+
+    Attributes:
+        micro_batch: samples per forward/backward (the dataloader's batch size).
+        accumulation: micro-batches per optimizer step (``accumulate_grad_batches``);
+            ``micro_batch * accumulation`` is the user's effective batch.
+        precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
+        checkpoint: ``None`` or what ``ActivationCheckpointing(policy=...)`` / ``apply_checkpointing`` accept
+            (``"auto"``, a :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`, a set of module classes).
+        offload: saved activations kept in pinned host memory (CUDA only).
+    """
+
+    micro_batch: int
+    accumulation: int
+    precision: str = "32-true"
+    checkpoint: Any = None
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accumulation"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Candidate({name}={value!r}): give a positive integer")
+        if self.precision not in ("32-true", "bf16-mixed", "16-mixed"):
+            raise ValueError(f"Candidate(precision={self.precision!r}): give '32-true', 'bf16-mixed' or '16-mixed'")
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step: ``micro_batch * accumulation``."""
+        return self.micro_batch * self.accumulation
+
+    @property
+    def mode(self) -> Any:
+        """The :class:`~lightning_memkit.modes.mode.Mode` (precision and checkpointing) the estimate runs in."""
+        from lightning_memkit.modes.mode import Mode
+
+        precision = None if self.precision == "32-true" else self.precision
+        mode = Mode(precision=precision, checkpoint=self.checkpoint)
+        if self.offload:
+            try:
+                import dataclasses
+
+                mode = dataclasses.replace(mode, offload=True)  # the offload mode (modes/offload.py)
+            except TypeError:
+                raise ValueError("offload is not available in this version of memkit's modes") from None
+        return mode
+
+    @property
+    def checkpoint_text(self) -> str:
+        """The checkpointing policy in words (``"none"``, ``"auto"``, ``"budget=0.5"``)."""
+        return "none" if self.checkpoint is None else describe_policy(self.checkpoint)
+
+    def describe(self) -> str:
+        """One short line: ``micro 16 x 4, 32-true, checkpoint budget=0.5``."""
+        parts = [f"micro {self.micro_batch} x {self.accumulation}", self.precision]
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint {self.checkpoint_text}")
+        if self.offload:
+            parts.append("offload")
+        return ", ".join(parts)
+
+
+def micro_batches(effective_batch: int, limit: int = MAX_MICRO_BATCHES) -> list[int]:
+    """The micro-batch sizes tried for ``effective_batch``: divisors only (micro-batch x accumulation is the batch
+    exactly), the batch itself first, then for each halving the largest divisor not above it; at most ``limit``."""
+    if isinstance(effective_batch, bool) or not isinstance(effective_batch, int) or effective_batch < 1:
+        raise ValueError(f"batch_size={effective_batch!r}: give a positive integer (samples per optimizer step)")
+    divisors = [d for d in range(1, effective_batch + 1) if effective_batch % d == 0]
+    chosen: list[int] = []
+    aim = float(effective_batch)
+    while aim >= 1 and len(chosen) < limit:
+        size = max(d for d in divisors if d <= aim)
+        if size not in chosen:
+            chosen.append(size)
+        aim /= 2
+    if 1 not in chosen and len(chosen) < limit:
+        chosen.append(1)
+    return chosen
+
+
+def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
+    """The planner's modes from ``"checkpoint,micro_batch,bf16"`` (or a list); ``None`` gives :data:`DEFAULT_PLAN_MODES`.
+
+    Raises:
+        ValueError: for an unknown word (the message lists :data:`PLAN_MODE_WORDS`), or two precisions.
+    """
+    if modes is None:
+        return DEFAULT_PLAN_MODES
+    words = [w.strip().lower() for w in (modes.split(",") if isinstance(modes, str) else list(modes)) if str(w).strip()]
+    if not words:
+        raise ValueError(f"no modes in {modes!r}; write e.g. micro_batch,checkpoint (add bf16 to allow a precision change)")
+    for word in words:
+        if word not in PLAN_MODE_WORDS:
+            raise ValueError(f"unknown plan mode {word!r}; choose from: {', '.join(PLAN_MODE_WORDS)} (comma-separated)")
+    if len({w for w in words if w in ("bf16", "fp16", "amp")}) > 1:
+        raise ValueError(f"modes {modes!r} allow two precisions; give one of bf16, fp16, amp")
+    return tuple(dict.fromkeys(words))
+
+
+def _allowed_precision(modes: tuple[str, ...], device_type: str) -> str | None:
+    from lightning_memkit.modes.mode import resolve_precision
+
+    for word, precision in (("bf16", "bf16-mixed"), ("fp16", "16-mixed"), ("amp", "amp")):
+        if word in modes:
+            return resolve_precision(precision, device_type)
+    return None
+
+
+def candidate_space(effective_batch: int, *, modes: tuple[str, ...] = DEFAULT_PLAN_MODES, device_type: str = "cpu",
+                    precision: str = "32-true", can_checkpoint: bool = True, can_accumulate: bool = True) -> list[Candidate]:
+    """Every candidate for ``effective_batch`` the ``modes`` allow (the baseline, the user's batch as is, first).
+
+    Args:
+        effective_batch: the user's samples per optimizer step.
+        modes: from :func:`parse_plan_modes`: ``micro_batch`` (smaller micro-batches with accumulation),
+            ``checkpoint`` (:data:`CHECKPOINT_CHOICES`), a precision word, ``offload`` (CUDA only).
+        device_type: ``"cpu"`` or ``"cuda"``.
+        precision: the user's own precision (the baseline's).
+        can_checkpoint: whether the module has blocks to checkpoint (``find_repeated_blocks``).
+        can_accumulate: whether accumulation applies (not under manual optimization).
+
+    Raises:
+        ValueError: ``offload`` asked for on a device other than CUDA (the reason says why).
+    """
+    if "offload" in modes and device_type != "cuda":
+        raise ValueError(f"offload keeps saved activations in pinned host memory while a CUDA device computes; on "
+                         f"{device_type} the activations are already in host memory: leave offload out of the modes")
+    sizes = micro_batches(effective_batch) if "micro_batch" in modes and can_accumulate else [effective_batch]
+    precisions = [precision]
+    other = _allowed_precision(modes, device_type)
+    if other is not None and other != precision:
+        precisions.append(other)
+    checkpoints = list(CHECKPOINT_CHOICES) if "checkpoint" in modes and can_checkpoint else [None]
+    offloads = [False, True] if "offload" in modes else [False]
+    space = [Candidate(effective_batch, 1, precision)]
+    for offload in offloads:
+        for chosen_precision in precisions:
+            for checkpoint in checkpoints:
+                for size in sizes:
+                    candidate = Candidate(size, effective_batch // size, chosen_precision, checkpoint, offload)
+                    if candidate not in space:
+                        space.append(candidate)
+    return space

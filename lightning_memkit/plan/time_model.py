@@ -1,0 +1,252 @@
+"""Predicted step time from the fake step: FLOPs and bytes moved per op, a roofline per device, a per-op overhead.
+
+The estimate's fake step (:func:`~lightning_memkit.estimate.estimate_memory`) runs every op of a training step on
+fake tensors; :class:`OpCosts` listens to those ops (:func:`~lightning_memkit.estimate.core.observing_ops`) in the
+same fake step that gives the memory, and keeps, for the steady-state step (the second), each op's FLOPs (torch's
+own formulas, ``torch.utils.flop_counter``), bytes moved (inputs + outputs; a view moves none) and dtype, split into
+the per-micro-batch part (forward, backward and the recompute of checkpointed regions, which reruns inside the
+backward) and the once-per-step part (the optimizer).
+
+One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch and
+dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (micro-batch ops +
+batch_overhead) + optimizer ops``. The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's
+dense peak FLOP/s per dtype, HBM bandwidth, host link). On CPU they are measured on this machine by
+:func:`calibrate_cpu` (a matmul, a large elementwise op, a tiny op: about 0.1 s, no model step), the per-op overhead
+by one timed real step at micro-batch 1 (:meth:`TimeModel.fit_overhead`; not a trial), and the kernels' scale by the
+first real trial (:meth:`TimeModel.fit_scale`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from lightning_memkit.plan._torch_compat import is_view_op, op_flops
+
+__all__ = ["Roofline", "ROOFLINES", "roofline_for", "calibrate_cpu", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """One device's speeds.
+
+    Attributes:
+        name: the device.
+        fp32_flops: peak dense FP32 FLOP/s (no TF32: torch's default matmul precision).
+        low_flops: peak dense FLOP/s in bf16/fp16 (tensor cores on GPUs).
+        bandwidth: memory bandwidth, bytes/s (HBM on GPUs).
+        host_link: host <-> device bandwidth, bytes/s (PCIe or NVLink-C2C; what activation offload moves over).
+        op_overhead_s: seconds per op beyond its roofline time (kernel launch, Python and dispatcher), seconds.
+        batch_overhead_s: seconds per micro-batch beyond its ops (Lightning's loop, hooks, the batch's transfer).
+        memory_bytes: the device's memory, bytes (the budget when none is given; 0 for the CPU).
+    """
+
+    name: str
+    fp32_flops: float
+    low_flops: float
+    bandwidth: float
+    host_link: float
+    op_overhead_s: float = 8e-6
+    batch_overhead_s: float = 1e-3
+    memory_bytes: int = 0
+
+
+_T = 1e12
+_GB = 1e9
+_GIB = 1 << 30
+#: The roofline table (dense peaks from the vendors' data sheets; SXM parts where there are several). Real kernels
+#: reach :data:`KERNEL_EFFICIENCY` of these. Host links: PCIe 3 x16 16 GB/s, PCIe 4 32 GB/s, PCIe 5 64 GB/s,
+#: PCIe 6 128 GB/s, NVLink-C2C (GH200, GB200) 450 GB/s per direction. Memory: the largest part's, GiB.
+ROOFLINES: dict[str, Roofline] = {
+    "v100": Roofline("v100", 15.7 * _T, 125 * _T, 900 * _GB, 16 * _GB, memory_bytes=32 * _GIB),
+    "t4": Roofline("t4", 8.1 * _T, 65 * _T, 320 * _GB, 16 * _GB, memory_bytes=16 * _GIB),
+    "a100": Roofline("a100", 19.5 * _T, 312 * _T, 2039 * _GB, 32 * _GB, memory_bytes=80 * _GIB),
+    "a10": Roofline("a10", 31.2 * _T, 125 * _T, 600 * _GB, 32 * _GB, memory_bytes=24 * _GIB),
+    "l4": Roofline("l4", 30.3 * _T, 121 * _T, 300 * _GB, 32 * _GB, memory_bytes=24 * _GIB),
+    "l40s": Roofline("l40s", 91.6 * _T, 362 * _T, 864 * _GB, 32 * _GB, memory_bytes=48 * _GIB),
+    "h100": Roofline("h100", 67 * _T, 989 * _T, 3350 * _GB, 64 * _GB, memory_bytes=80 * _GIB),
+    "h200": Roofline("h200", 67 * _T, 989 * _T, 4800 * _GB, 64 * _GB, memory_bytes=141 * _GIB),
+    "gh200": Roofline("gh200", 67 * _T, 989 * _T, 4000 * _GB, 450 * _GB, memory_bytes=96 * _GIB),
+    "b200": Roofline("b200", 80 * _T, 2250 * _T, 8000 * _GB, 128 * _GB, memory_bytes=180 * _GIB),
+}
+#: the row for a compute capability not named in the table (by major version)
+_BY_MAJOR = {7: "v100", 8: "a100", 9: "h100", 10: "b200"}
+#: the share of a roofline's peak that real kernels reach (matmuls, elementwise)
+KERNEL_EFFICIENCY = {"flops": 0.7, "bandwidth": 0.8}
+
+
+def roofline_for(gpu: Any = None) -> Roofline:
+    """The :data:`ROOFLINES` row for a GPU (a name, ``"sm90"``, a :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`;
+    ``None``: this machine's GPU, else an H100). Names are matched as :class:`GpuTarget` parses them; an unnamed GPU gets
+    its generation's row."""
+    from lightning_memkit.estimate.cuda_kernels import GpuTarget
+
+    target = GpuTarget.parse(gpu)
+    for name in sorted(ROOFLINES, key=len, reverse=True):
+        if name in target.name:
+            return ROOFLINES[name]
+    return ROOFLINES[_BY_MAJOR.get(target.capability[0], "h100")]
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    fn()  # warm
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - started) / repeats)
+    return best
+
+
+def calibrate_cpu() -> Roofline:
+    """This CPU's speeds, measured (about 0.1 s; the tensors are freed before it returns): FP32 and bf16 matmul
+    FLOP/s (512 x 512), bandwidth of an elementwise add over 16 MiB, the cost of one tiny op."""
+    with torch.no_grad():
+        a = torch.randn(512, 512)
+        b = torch.randn(512, 512)
+        fp32 = 2 * 512 ** 3 / _timed(lambda: torch.mm(a, b), 4)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        low = 2 * 512 ** 3 / _timed(lambda: torch.mm(a16, b16), 4)
+        big = torch.empty(4 << 20)
+        bandwidth = 3 * big.numel() * 4 / _timed(lambda: torch.add(big, 1.0), 4)  # read + write + the out allocation
+        tiny = torch.zeros(1)
+        overhead = _timed(lambda: torch.add(tiny, 1.0), 200)
+        del a, b, a16, b16, big, tiny
+    return Roofline("cpu (measured)", fp32, low, bandwidth, bandwidth, op_overhead_s=overhead, batch_overhead_s=1e-3)
+
+
+@dataclass
+class _Ops:
+    flops_fp32: float = 0.0
+    flops_low: float = 0.0
+    count: int = 0
+    items: list[tuple[int, int, bool]] = field(default_factory=list)  # (flops, bytes, low precision) per op
+
+    def add(self, flops: int, nbytes: int, low: bool) -> None:
+        self.items.append((flops, nbytes, low))
+        self.count += 1
+        if low:
+            self.flops_low += flops
+        else:
+            self.flops_fp32 += flops
+
+    @property
+    def bytes(self) -> int:
+        return sum(item[1] for item in self.items)
+
+    def kernel_seconds(self, roof: Roofline) -> float:
+        """The ops' roofline time (no overhead), seconds."""
+        flops_fp32 = roof.fp32_flops * KERNEL_EFFICIENCY["flops"]
+        flops_low = roof.low_flops * KERNEL_EFFICIENCY["flops"]
+        bandwidth = roof.bandwidth * KERNEL_EFFICIENCY["bandwidth"]
+        total = 0.0
+        for flops, nbytes, low in self.items:
+            total += max(flops / (flops_low if low else flops_fp32), nbytes / bandwidth)
+        return total
+
+
+def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
+    total, dtype = 0, None
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+            if dtype is None and leaf.is_floating_point():
+                dtype = leaf.dtype
+    return total, dtype
+
+
+class OpCosts:
+    """The ops of one fake step, as a listener for :func:`~lightning_memkit.estimate.core.observing_ops`.
+
+    Keeps the steady-state step's (the second step's) ops: :attr:`micro` (forward, backward, recompute; all the
+    micro-batches the fake step ran: :attr:`micro_batches`) and :attr:`optimizer` (the optimizer step, once per step).
+    """
+
+    def __init__(self, step: int = 2) -> None:
+        self.step = step
+        self.micro = _Ops()
+        self.optimizer = _Ops()
+        self.micro_batches = 1
+
+    def __call__(self, func: Any, args: Any, kwargs: Any, result: Any, accountant: Any) -> None:
+        if accountant.step != self.step:
+            return
+        self.micro_batches = max(self.micro_batches, getattr(accountant, "micro_batch", 0) + 1)
+        out_bytes, out_dtype = _tensor_bytes(result)
+        if is_view_op(func):
+            nbytes = 0
+        else:
+            in_bytes, _ = _tensor_bytes((args, kwargs))
+            nbytes = in_bytes + out_bytes
+        flops = op_flops(func, args, kwargs, result)
+        target = self.optimizer if accountant.label == "optimizer" else self.micro
+        target.add(flops, nbytes, out_dtype in _LOW)
+
+    @property
+    def micro_batch_flops(self) -> float:
+        """FLOPs of one micro-batch's forward and backward (recompute included)."""
+        return (self.micro.flops_fp32 + self.micro.flops_low) / self.micro_batches
+
+
+@dataclass
+class TimeModel:
+    """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds).
+
+    ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
+    [+ offload copies]) + scale * roofline(optimizer ops) + op_overhead * optimizer ops``.
+
+    Attributes:
+        roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
+        scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit_scale`).
+    """
+
+    roofline: Roofline
+    scale: float = 1.0
+
+    def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
+        """(roofline seconds, overhead seconds) of one step."""
+        roof = self.roofline
+        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
+        overhead = (accumulation * (costs.micro.count / costs.micro_batches * roof.op_overhead_s + roof.batch_overhead_s)
+                    + costs.optimizer.count * roof.op_overhead_s)
+        return kernels, overhead
+
+    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
+        """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
+        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped)."""
+        kernels, overhead = self._parts(costs, accumulation)
+        copies = accumulation * 2 * offload_bytes / self.roofline.host_link if offload_bytes else 0.0
+        return self.scale * kernels + overhead + copies
+
+    def fit_overhead(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
+        """A copy whose per-op overhead makes this step (``costs`` at ``accumulation``) take ``measured_s`` (a timed
+        real step at a small micro-batch, where the overhead dominates); the batch overhead is folded into it. Never
+        below the measured tiny-op cost."""
+        roof = replace(self.roofline, batch_overhead_s=0.0)
+        probe = replace(self, roofline=replace(roof, op_overhead_s=0.0))
+        kernels, _ = probe._parts(costs, accumulation)
+        ops = accumulation * costs.micro.count / costs.micro_batches + costs.optimizer.count
+        if ops <= 0:
+            return self
+        overhead = max(self.roofline.op_overhead_s, (measured_s - self.scale * kernels) / ops)
+        return replace(self, roofline=replace(roof, op_overhead_s=overhead))
+
+    def fit_scale(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
+        """A copy whose kernel scale makes this step take ``measured_s`` (a real trial), the overheads kept; when
+        the overheads alone exceed the measurement, everything is scaled instead."""
+        kernels, overhead = self._parts(costs, accumulation)
+        if kernels <= 0 or measured_s <= 0:
+            return self
+        if measured_s > overhead:
+            return replace(self, scale=(measured_s - overhead) / kernels)
+        ratio = measured_s / (self.scale * kernels + overhead)
+        roof = self.roofline
+        return replace(self, scale=self.scale * ratio,
+                       roofline=replace(roof, op_overhead_s=roof.op_overhead_s * ratio, batch_overhead_s=roof.batch_overhead_s * ratio))

@@ -1,0 +1,270 @@
+"""The planner (lightning_memkit/plan): candidate space, the time model's op counts, plan_fit's real trials on CPU
+under a budget the baseline does not fit, and ``memkit plan``.
+
+Budgets are set from the estimate of the baseline (the estimate counts the bytes the budget's accountant counts, so on
+CPU a plan's trial peak is compared with the estimate exactly); figures of FLOPs are computed by hand.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_memkit.estimate import estimate_memory, measure_training_step
+from lightning_memkit.estimate.core import accumulating, observing_ops
+from lightning_memkit.plan import Candidate, PlanError, plan_fit
+from lightning_memkit.plan._torch_compat import is_view_op, op_flops
+from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
+from lightning_memkit.plan.time_model import ROOFLINES, OpCosts, TimeModel, roofline_for
+from lightning_memkit.zoo import DemoTransformer
+
+from conftest import LinearStack
+from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+
+FAST = {"warmup_steps": 1, "timed_steps": 2, "verbose": False}
+
+
+def _tiny_transformer(batch_size: int = 16) -> DemoTransformer:
+    return DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16, num_classes=4,
+                           dropout=0.0, batch_size=batch_size)
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ the space
+def test_micro_batches_divide_the_effective_batch_and_the_space_keeps_it():
+    assert micro_batches(64) == [64, 32, 16, 8, 4, 2, 1]
+    assert micro_batches(12) == [12, 6, 3, 1]
+    assert micro_batches(7) == [7, 1]
+    space = candidate_space(48, modes=parse_plan_modes("micro_batch,checkpoint,bf16"), device_type="cpu")
+    assert space[0] == Candidate(48, 1)  # the baseline first
+    assert all(c.micro_batch * c.accumulation == 48 for c in space)
+    assert {c.precision for c in space} == {"32-true", "bf16-mixed"}
+    assert len(space) == len(set(space)) <= 64
+    # the default changes memory only: no precision, no offload
+    assert {c.precision for c in candidate_space(48, device_type="cpu")} == {"32-true"}
+    with pytest.raises(ValueError, match="offload"):
+        candidate_space(48, modes=parse_plan_modes("micro_batch,offload"), device_type="cpu")
+    with pytest.raises(ValueError, match="unknown plan mode 'fp8'"):
+        parse_plan_modes("micro_batch,fp8")
+
+
+# ------------------------------------------------------------------------------------------ time model
+def test_torch_flop_formulas_and_view_schema_on_fake_tensors():
+    """Pins the torch internals plan/_torch_compat.py reads (flop_registry, the schema's alias info)."""
+    with FakeTensorMode():
+        a, b = torch.randn(64, 128), torch.randn(128, 256)
+        out = torch.ops.aten.mm.default(a, b)
+        assert op_flops(torch.ops.aten.mm.default, (a, b), {}, out) == 2 * 64 * 128 * 256
+        assert op_flops(torch.ops.aten.add.Tensor, (a, a), {}, a) == 0
+    assert is_view_op(torch.ops.aten.view.default) and is_view_op(torch.ops.aten.t.default)
+    assert not is_view_op(torch.ops.aten.add.Tensor) and not is_view_op(torch.ops.aten.add_.Tensor)
+
+
+def test_the_fake_step_counts_each_linear_layers_flops_by_hand():
+    """A Linear stack: forward 2*B*i*o per layer, backward the same for the weight's gradient and, except for the
+    first layer (its input needs no gradient), for the input's: exactly what the listener sums per micro-batch."""
+    dims, batch = (32, 64, 48, 16), 8
+    module = LinearStack(dims, batch_size=batch)
+    costs = OpCosts()
+    with observing_ops(costs):
+        estimate_memory(module, device="cpu")
+    layers = list(zip(dims, dims[1:]))
+    expected = sum(2 * batch * i * o * (2 if index == 0 else 3) for index, (i, o) in enumerate(layers))
+    assert costs.micro_batches == 1
+    assert costs.micro_batch_flops == expected
+    assert costs.optimizer.flops_fp32 + costs.optimizer.flops_low == 0  # SGD: elementwise only
+    assert costs.optimizer.count > 0 and costs.micro.bytes > 0
+
+
+def test_accumulation_in_the_fake_step_matches_a_real_step_exactly():
+    """Gradient accumulation (zero_grad on the first micro-batch only) in the estimate: the same bytes as the real
+    step with accumulation, and more than without it (the second backward adds to live gradients)."""
+    module = LinearStack((64, 256, 256, 8), batch_size=256, samples=256)  # the peak in the backward, not the optimizer step
+    plain = estimate_memory(module, device="cpu").peak_bytes
+    with accumulating(2):
+        fake = estimate_memory(module, device="cpu").peak_bytes
+        real = measure_training_step(module, device="cpu").peak_bytes
+    assert fake == real
+    assert fake > plain
+    with pytest.raises(ValueError, match="positive integer"):
+        with accumulating(0):
+            pass
+
+
+def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
+    module = LinearStack((32, 64, 48, 16), batch_size=8)
+    costs = OpCosts()
+    with accumulating(2), observing_ops(costs):
+        estimate_memory(module, device="cpu")
+    model = TimeModel(ROOFLINES["h100"])
+    # same samples per step: 8 micro-batches of 1 pay 8x the per-op and per-batch overheads of one batch of 8
+    one = model.step_seconds(costs, 1)
+    eight = model.step_seconds(costs, 8)
+    assert eight > one
+    assert eight - one == pytest.approx(7 * (costs.micro.count / costs.micro_batches * ROOFLINES["h100"].op_overhead_s
+                                             + ROOFLINES["h100"].batch_overhead_s), rel=0.2)
+    fitted = model.fit_scale(costs, 1, 2 * one)
+    assert fitted.step_seconds(costs, 1) == pytest.approx(2 * one)
+    assert roofline_for("h100") is ROOFLINES["h100"] and roofline_for("sm80") is ROOFLINES["a100"]
+
+
+# ------------------------------------------------------------------------------------------ plan_fit
+@pytest.mark.timeout(600)
+def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
+    module = _tiny_transformer(batch_size=8)
+    baseline = estimate_memory(module, device="cpu").peak_bytes
+    smallest = estimate_memory(module, 2, device="cpu").peak_bytes
+    budget = (baseline + smallest) // 2
+    before_state = _state(module)
+    rng = torch.get_rng_state()
+
+    plan = plan_fit(module, device_memory=budget, device="cpu", **FAST)
+    assert not plan.fits_as_is
+    assert plan.best is not None and plan.effective_batch == 8
+    assert 1 <= plan.trials <= 3
+    assert all(row.candidate.effective_batch == 8 for row in plan.rows)
+    row = plan.best_row
+    assert row.ran and row.measured_peak_bytes <= budget
+    # on CPU the estimate counts what the trial's accountant counts, up to the few scalars Lightning's loop makes
+    # (the estimate stands in for its trainer): within 1 KiB
+    assert abs(row.measured_peak_bytes - row.predicted_peak_bytes) <= 1024
+    # never a configuration that did not run; ranked: those predicted to fit first
+    assert sum(r.measured_samples_per_s is not None for r in plan.rows) <= plan.trials
+    fits = [r.fits for r in plan.rows]
+    assert fits == sorted(fits, reverse=True)
+    assert plan.rows[-1].candidate == Candidate(8, 1) and not plan.rows[-1].fits  # the baseline does not fit
+    # the module, its state and the RNG are as they were; the trials ran on a copy
+    assert all(torch.equal(value, before_state[name]) for name, value in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters()) and module._trainer is None
+    assert torch.equal(rng, torch.get_rng_state())
+    arguments = plan.trainer_arguments()
+    assert arguments["accumulate_grad_batches"] == plan.best.accumulation
+    assert arguments["precision"] == "32-true"
+    assert f"accumulate_grad_batches: {plan.best.accumulation}" in plan.yaml()
+    assert f"batch_size: {plan.best.micro_batch}" in plan.yaml()
+    assert plan.best.describe() in plan.table()
+
+
+@pytest.mark.timeout(600)
+def test_plan_leaves_no_tensor_behind():
+    module = LinearStack((32, 256, 256, 8), batch_size=32, optimizer="adam")
+    budget = (estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    plan_fit(module, device_memory=budget, device="cpu", trials=1, **FAST)  # lazily made globals of torch and Lightning
+    before = live_tensor_bytes()
+    plan = plan_fit(module, device_memory=budget, device="cpu", trials=2, **FAST)
+    assert plan.best is not None and plan.trials <= 2
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+    assert live_tensor_bytes() == before, describe(live_tensors())
+
+
+@pytest.mark.timeout(300)
+def test_a_module_that_fits_as_is_is_left_as_it_is():
+    module = LinearStack((32, 64, 48, 16), batch_size=8)
+    plan = plan_fit(module, device_memory="64MiB", device="cpu", **FAST)
+    assert plan.fits_as_is and plan.best == Candidate(8, 1)
+    assert plan.trials == 1 and len(plan.rows) == 1
+    assert plan.rows[0].measured_peak_bytes == plan.rows[0].predicted_peak_bytes
+    assert plan.trainer_arguments() == {"accumulate_grad_batches": 1, "precision": "32-true"}
+
+
+def test_bad_input_is_refused_with_what_to_do():
+    module = LinearStack((32, 64, 48, 16), batch_size=8)
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    with pytest.raises(PlanError, match="below the model's parameters alone"):
+        plan_fit(module, device_memory=params - 1, device="cpu", **FAST)
+    with pytest.raises(PlanError, match="batch_size=0"):
+        plan_fit(module, batch_size=0, device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="give 1 to 3"):
+        plan_fit(module, trials=4, device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="offload"):
+        plan_fit(module, modes="micro_batch,offload", device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="one device"):
+        plan_fit(module, world_size=2, device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="not one"):
+        plan_fit(torch.nn.Linear(2, 2), device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="a size such as"):
+        plan_fit(module, device_memory="lots", device="cpu", **FAST)
+
+
+# ------------------------------------------------------------------------------------------ the command
+def _memkit(argv: list[str]) -> tuple[int, str, str]:
+    from lightning_memkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+SPEC = "lightning_memkit.zoo:DemoTransformer"
+ARGS = json.dumps({"vocab_size": 64, "d_model": 32, "nhead": 2, "layers": 2, "dim_feedforward": 64, "seq_len": 16,
+                   "num_classes": 4, "dropout": 0.0, "batch_size": 8})
+
+
+@pytest.mark.timeout(300)
+def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--device", "cpu", "--device-memory", "256MiB",
+                              "--trials", "1", "--json", str(path)])
+    assert code == 0, err
+    assert "fits in 256.00 MiB as is (batch 8): nothing to change" in out
+    data = json.loads(path.read_text())
+    assert data["fits_as_is"] and data["trials"] == 1 and data["effective_batch"] == 8
+    assert data["trainer_arguments"] == {"accumulate_grad_batches": 1, "precision": "32-true"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trials", "5"], "--trials 5: give 1 to 3"),
+    (["--device-memory", "-1GiB"], "a memory size is positive"),
+    (["--device-memory", "4"], "has no unit"),
+    (["--batch-size", "0"], "--batch-size 0: give a positive integer"),
+    (["--modes", "micro_batch,offload"], "offload"),
+    (["--world-size", "2"], "one device"),
+    (["--device-memory", "1KiB"], "below the model's parameters alone"),
+])
+def test_memkit_plan_refuses_bad_arguments_with_exit_status_2(argv, message):
+    code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--device", "cpu", *argv])
+    assert code == 2
+    assert message in err and err.startswith("memkit plan: ")
+
+
+def test_memkit_plan_refuses_a_missing_file():
+    code, _, err = _memkit(["plan", "no_such_file.py:Model", "--device", "cpu"])
+    assert code == 2 and "does not exist" in err
+
+
+def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
+    table = {name: tuple(float(v) for v in values) for name, *values in rows}
+    expected = {name: (r.fp32_flops / 1e12, r.low_flops / 1e12, r.bandwidth / 1e9, r.host_link / 1e9, r.memory_bytes / 2**30)
+                for name, r in ROOFLINES.items()}
+    assert table.keys() == expected.keys()
+    for name, values in table.items():
+        assert values == pytest.approx(expected[name]), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here the plan runs real trials (tested in the GPU lane)")
+def test_a_gpu_plan_without_a_gpu_is_the_prediction_only():
+    module = _tiny_transformer(batch_size=8)
+    need = estimate_memory(module, device="cuda", gpu="h100").required_bytes
+    plan = plan_fit(module, gpu="h100", device_memory=2 * need, modes="micro_batch", verbose=False)
+    assert plan.device == "cuda" and plan.trials == 0 and plan.best is None and not plan.fits_as_is
+    assert plan.rows[0].fits and plan.rows[0].predicted_peak_bytes == need
+    assert all(row.measured_samples_per_s is None for row in plan.rows)
+    assert any("no GPU here" in note for note in plan.notes)
+    assert plan.trainer_arguments() == {}
+    code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--gpu", "h100", "--modes", "micro_batch"])
+    assert code == 1 and "no GPU here" in out  # no best configuration: nothing ran
