@@ -15,6 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from lightning_memkit.accounting.process import keep_out_of_readings
 from lightning_memkit.records import StepReading
 
 __all__ = ["ReadingReducer", "side_group", "release_group"]
@@ -59,6 +60,11 @@ class ReadingReducer:
     Build it on every rank at the same point (it creates its own gloo process group, so its
     calls never mix with the strategy's collectives) and :meth:`close` it when done. Outside
     torch.distributed it returns the reading unchanged.
+
+    The tensors it hands to gloo are made once and reused: gloo's worker thread drops its reference to a
+    collective's tensors at a moment that depends on scheduling (after the call returned), so a tensor made
+    per call could still be alive when the next step's reading starts, and be counted on one rank and not
+    another. They are memkit's, not the training's: whole-process readings leave them out.
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
@@ -74,6 +80,11 @@ class ReadingReducer:
         # collectives (FSDP's all-gathers run on the default group), and its timeout is memkit's, not the
         # strategy's (Lightning's default: 30 minutes).
         self.group = side_group(timeout_s)
+        size = len(StepReading.value_fields())
+        self._vector = torch.empty(size, dtype=torch.int64)
+        self._gathered = [torch.empty(size, dtype=torch.int64) for _ in range(self.world_size)]
+        self._maximum = torch.empty(size, dtype=torch.int64)
+        keep_out_of_readings(self._vector, self._maximum, *self._gathered)
 
     def close(self) -> None:
         """Destroy the side group (MemoryTracker does at teardown and after a failure); the reducer then
@@ -86,16 +97,15 @@ class ReadingReducer:
         """Return (max over ranks with ``rank=-1``, every rank's reading if ``per_rank``)."""
         if not self.enabled:
             return reading, ([reading] if per_rank else [])
-        vector = _encode(reading)
+        self._vector.copy_(_encode(reading))
         try:
             if per_rank:
-                gathered = [torch.empty_like(vector) for _ in range(self.world_size)]
-                dist.all_gather(gathered, vector, group=self.group)
-                stacked = torch.stack(gathered)
+                dist.all_gather(self._gathered, self._vector, group=self.group)
+                stacked = torch.stack(self._gathered)
                 maximum = stacked.max(dim=0).values
                 ranks = [_decode(row, reading.step, reading.stage, r) for r, row in enumerate(stacked)]
             else:
-                maximum = vector.clone()
+                maximum = self._maximum.copy_(self._vector)
                 dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
                 ranks = []
         except Exception as error:  # a rank out of step: log locally, never hang or crash

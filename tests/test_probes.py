@@ -117,6 +117,25 @@ def test_tensor_probe_process_scope_counts_what_it_was_not_given():
     del other
 
 
+def test_process_scope_leaves_out_memkits_own_buffers_for_as_long_as_they_live():
+    """keep_out_of_readings (the cross-rank reducer's gloo buffers): a whole-process reading never counts
+    those storages, whether they exist before the probe starts or are made after; the rest is counted."""
+    from lightning_memkit.accounting.process import keep_out_of_readings
+
+    older = torch.empty(64)  # 256 B, made before the probe's full sweep
+    keep_out_of_readings(older)
+    probe = TensorProbe()
+    probe.reset_peak()
+    before = probe.read()["tensor_bytes"]
+    newer, counted = torch.empty(32), torch.empty(8)  # 128 B left out, 32 B counted
+    keep_out_of_readings(newer)
+    probe.reset_peak()
+    assert probe.read()["tensor_bytes"] == before + 32
+    assert not probe.accountant.is_tracked(older) and not probe.accountant.is_tracked(newer)
+    probe.close()
+    del older, newer, counted
+
+
 class _Counting(MemoryProbe):
     name = "counting"
 

@@ -16,7 +16,7 @@ EXTRA_ELEMENTS = 2**20  # rank r holds (r + 1) * 4 MiB more than the model needs
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys, warnings
+    import json, os, sys, time, warnings, weakref
     warnings.filterwarnings("ignore")
     import torch
     import lightning.pytorch as pl
@@ -39,6 +39,37 @@ SCRIPT = textwrap.dedent(
     class CountGroups(pl.Callback):  # the groups while the tracker is set up (its own gloo group among them)
         def on_train_start(self, trainer, pl_module):
             self.during = process_groups()
+            settle_sigterm_broadcasts(trainer.fit_loop.epoch_loop)
+
+    def settle_sigterm_broadcasts(loop):
+        # Lightning broadcasts a new 8-byte int64 tensor before every step (its SIGTERM check). gloo's worker
+        # thread lets go of it after the broadcast returned, at a moment that depends on scheduling: on a loaded
+        # machine it can still be alive at the step's peak on one rank (counted there: it is live memory), which
+        # is not what this test holds. Lightning's broadcast runs unchanged; the step waits until it is freed.
+        original = loop._broadcast_sigterm_tensor  # Lightning 2.6's name: fails loudly if it changes
+        broadcast = torch.distributed.broadcast
+
+        def tracked_broadcast(tensor, *args, **kwargs):
+            result = broadcast(tensor, *args, **kwargs)
+            sent.append(weakref.ref(tensor.untyped_storage()))
+            return result
+
+        def broadcast_then_settle():
+            torch.distributed.broadcast = tracked_broadcast
+            try:
+                original()
+            finally:
+                torch.distributed.broadcast = broadcast
+            deadline = time.monotonic() + 60
+            while any(ref() is not None for ref in sent):
+                assert time.monotonic() < deadline, "gloo kept Lightning's SIGTERM tensor for 60 s"
+                time.sleep(0.001)
+            settled.append(len(sent))
+            sent.clear()
+
+        sent, settled = [], []
+        loop._broadcast_sigterm_tensor = broadcast_then_settle
+        loop.settled = settled
 
     out = sys.argv[1]
     tracker = MemoryTracker(per_rank=True, verbose=False, tensor_peak_every_n_steps=1)
@@ -51,7 +82,8 @@ SCRIPT = textwrap.dedent(
     trainer.fit(RankDependent(batch_size=8))
     with open(os.path.join(out, f"rank{{trainer.global_rank}}.json"), "w") as file:
         json.dump({{"history": [r.to_dict() for r in tracker.history], "world_size": trainer.world_size,
-                   "groups_during": counter.during, "groups_after": process_groups()}}, file)
+                   "groups_during": counter.during, "groups_after": process_groups(),
+                   "sigterm_broadcasts": trainer.fit_loop.epoch_loop.settled}}, file)
     """
 )
 
@@ -69,6 +101,8 @@ def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     assert ranks[0]["world_size"] == 2
     # the tracker's own gloo group is destroyed at teardown: a job of many fits does not accumulate groups
     assert [(r["groups_during"] - r["groups_after"]) for r in ranks] == [1, 1]
+    # Lightning's SIGTERM broadcast ran once before each step, and its tensor was freed before the step began
+    assert [r["sigterm_broadcasts"] for r in ranks] == [[1, 1, 1], [1, 1, 1]]
     # both ranks hold the same reduced history: the max over ranks, rank=-1
     assert ranks[0]["history"] == ranks[1]["history"]
     history = ranks[0]["history"]

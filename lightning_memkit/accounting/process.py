@@ -37,7 +37,7 @@ import torch
 from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting.accountant import TensorAccountant, storages_of
 
-__all__ = ["PROCESS_LABEL", "ProcessTensors", "saved_tensor_data"]
+__all__ = ["PROCESS_LABEL", "ProcessTensors", "keep_out_of_readings", "saved_tensor_data"]
 
 #: the accountant label of storages adopted because they were found alive in the process.
 PROCESS_LABEL = "process"
@@ -47,6 +47,23 @@ _TENSOR_TYPES: set[type] = {torch.Tensor, torch.nn.Parameter}
 _OTHER_TYPES: set[type] = set()
 # Per autograd-node type: the names of its saved-tensor attributes (``_raw_saved_*``).
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+# memkit's own buffers (keep_out_of_readings): storage id -> weak reference, dropped when the storage is freed.
+_KEPT_OUT: dict[int, weakref.ref] = {}
+
+
+def keep_out_of_readings(*tensors: torch.Tensor) -> None:
+    """Never count these tensors' storages in a whole-process reading: memkit's own buffers (the
+    cross-rank reducer's, a few hundred bytes), which are not the training's memory. Each stays left out
+    for as long as its storage lives. A storage some accountant counts already stays counted until freed."""
+    for tensor in tensors:
+        for storage in storages_of(tensor):
+            key = id(storage)
+            _KEPT_OUT[key] = weakref.ref(storage, lambda _ref, key=key: _KEPT_OUT.pop(key, None))
+
+
+def _kept_out(storage: torch.UntypedStorage) -> bool:
+    ref = _KEPT_OUT.get(id(storage))
+    return ref is not None and ref() is storage
 
 
 def _tensors_among(objects: list[Any]) -> list[torch.Tensor]:
@@ -178,7 +195,7 @@ class ProcessTensors:
                 try:
                     # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
                     for storage in storages_of(tensor):
-                        if storage.device.type == device_type:
+                        if storage.device.type == device_type and not (_KEPT_OUT and _kept_out(storage)):
                             accountant.adopt_storage(storage, PROCESS_LABEL)
                     if tensor.grad_fn is not None:
                         roots.add(tensor)
