@@ -91,6 +91,20 @@ def test_saved_values_of_a_node_share_the_saved_tensors_storage_and_are_gone_aft
     assert saved_tensor_data(node) == []
 
 
+def test_version_of_moves_with_the_in_place_op_that_gives_a_tensor_a_new_grad_fn():
+    # ProcessTensors walks a tensor's graph again only when this number moved (accounting/_torch_compat.version_of)
+    x = torch.randn(4, requires_grad=True)
+    y = x * 2
+    before, node = accounting_compat.version_of(y), type(y.grad_fn)
+    y.exp_()
+    assert accounting_compat.version_of(y) == before + 1 and type(y.grad_fn) is not node  # ExpBackward0 now
+    y[0:2].add_(1)  # through a view: the base's version and grad_fn (CopySlices) change too
+    assert accounting_compat.version_of(y) == before + 2 and type(y.grad_fn).__name__ == "CopySlices"
+    with torch.inference_mode():
+        z = torch.ones(2)
+    assert accounting_compat.version_of(z) is None  # an inference tensor keeps no version counter
+
+
 def test_a_torch_without_saved_tensor_data_warns_once_and_counts_nothing(monkeypatch):
     class SavedWithoutData:  # torch 2.8's SavedTensor binding: no ``data``
         pass

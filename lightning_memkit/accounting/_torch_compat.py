@@ -14,7 +14,7 @@ import torch
 from torch.utils import _python_dispatch as _dispatch
 
 __all__ = ["dispatch_mode_stack", "exit_mode_in_place", "is_traceable_wrapper_subclass_type", "saved_tensor_attributes",
-           "saved_value", "SAVED_FREED"]
+           "saved_value", "SAVED_FREED", "version_of"]
 
 
 def dispatch_mode_stack() -> list[Any]:
@@ -85,3 +85,13 @@ def saved_value(saved: Any) -> Any:
         return saved.data
     except Exception:  # noqa: BLE001 - this one value is unreadable (freed); the feature itself is on
         return SAVED_FREED
+
+
+def version_of(tensor: Any) -> int | None:
+    """``tensor``'s version counter (the private ``Tensor._version``): every in-place op on the tensor or on a
+    view of it adds one, and an in-place op is the only way a live tensor gets a new ``grad_fn`` (autograd's
+    "rebase history"). ``None`` where it cannot be read (an inference tensor keeps no version counter)."""
+    try:
+        return int(tensor._version)
+    except Exception:  # noqa: BLE001 - inference tensors raise; None: "unknown, look again"
+        return None

@@ -15,7 +15,11 @@ over a training process is 100+ ms, far too slow per step):
 * **Tensors with no Python object** are reached from ones that have one: a leaf tensor's ``.grad``,
   and the tensors an autograd graph saved for backward (walked from every live tensor with a
   ``grad_fn``, read through :func:`saved_tensor_data`, which never runs an unpack hook, so a
-  checkpointed graph is never recomputed).
+  checkpointed graph is never recomputed). Each such tensor's graph is walked once (again only
+  after an in-place op gave it a new ``grad_fn``): a graph never gains saved tensors later, and
+  the leaves a walk reached are read again at every sweep for a new ``.grad``. Graphs that live
+  for the whole run (dynamo keeps FakeTensors with a ``grad_fn`` as long as the compiled code)
+  are therefore walked once, not at every step.
 * Storages are adopted into the accountant (label ``"process"``), which counts each once and sees
   its free through a weak reference, as for every other storage.
 
@@ -126,14 +130,30 @@ class ProcessTensors:
         process.stop()
 
     Cost: the start's full sweep (measured: 237 ms over 376,591 objects after importing Lightning, loaded 2-core machine), then a look at the young
-    generation at each collection and each :meth:`sweep` (tens of microseconds), and a walk of
-    the autograd graphs alive at a sweep (none between training steps, normally).
+    generation at each collection and each :meth:`sweep` (tens of microseconds), a walk of each
+    autograd graph made since the last sweep (none between training steps, normally), and a read of
+    the ``.grad`` of the leaves earlier walks reached (:attr:`nodes_walked` counts the nodes walked).
     """
 
     def __init__(self, accountant: TensorAccountant, device_type: str = "cpu") -> None:
         self.accountant = accountant
         self.device_type = torch.device(device_type).type
-        self._roots: weakref.WeakSet = weakref.WeakSet()  # live tensors with a grad_fn: graphs to walk
+        # Tensors are kept by id, never in a WeakSet: a WeakSet compares a tensor it already holds with
+        # ``==`` (an elementwise comparison: compute and a new tensor, an error for more than one element, a
+        # millisecond through a FakeTensor's dispatch).
+        # Live tensors with a grad_fn found since the last walk: graphs to walk at the next sweep.
+        self._roots: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Roots already walked (id -> (weak reference, version)), walked again only after an in-place op on
+        # them (their version counter moved: the one way a tensor gets a new grad_fn). Below a grad_fn the
+        # graph never gains a saved tensor (backward only frees them, and the accountant sees frees through
+        # its weak references), so a second walk could find only what changed on the leaves it reaches:
+        # those leaves are kept (weakly) in ``_leaves``, whose storages and ``.grad`` every sweep reads.
+        # Walking every live graph at every sweep cost ~30 ms a step in a process holding dynamo's compiled
+        # code (its FakeTensors with a grad_fn live as long as the compiled code): issue 21.
+        self._walked: dict[int, tuple[weakref.ref, int | None]] = {}
+        self._leaves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        #: autograd nodes visited by graph walks since :meth:`start` (a count; what a sweep's walk costs)
+        self.nodes_walked = 0
         self._callback = None
         self._pid = os.getpid()
         self.errors = 0
@@ -167,7 +187,9 @@ class ProcessTensors:
         if self._callback is not None:
             _remove_callback(self._callback)
             self._callback = None
-        self._roots = weakref.WeakSet()
+        self._roots = weakref.WeakValueDictionary()
+        self._walked = {}
+        self._leaves = weakref.WeakValueDictionary()
 
     def sweep(self) -> None:
         """Adopt the tensors made since the last look, and what live autograd graphs saved."""
@@ -187,29 +209,74 @@ class ProcessTensors:
         except Exception:  # noqa: BLE001 - a measurement must never break the program
             self.errors += 1
 
-    def _adopt(self, tensors: Iterable[torch.Tensor]) -> None:
-        accountant, device_type, roots = self.accountant, self.device_type, self._roots
+    def _adopt(self, tensors: Iterable[torch.Tensor], leaves: weakref.WeakValueDictionary | None = None) -> None:
+        """Adopt the storages of ``tensors`` on the measured device, and the ``.grad`` of those that are
+        leaves; a tensor with a ``grad_fn`` not walked yet (at its version) becomes a root to walk.
+        ``leaves``: where to keep the leaves (requiring grad) met, for later sweeps to read again."""
+        roots, walked = self._roots, self._walked
         # a tensor subclass's __torch_function__ must not run (or recurse) for these reads
         with torch._C.DisableTorchFunctionSubclass():
             for tensor in tensors:
                 try:
-                    # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
-                    for storage in storages_of(tensor):
-                        if storage.device.type == device_type and not (_KEPT_OUT and _kept_out(storage)):
-                            accountant.adopt_storage(storage, PROCESS_LABEL)
+                    self._adopt_storages(tensor)
                     if tensor.grad_fn is not None:
-                        roots.add(tensor)
-                    elif tensor.requires_grad and tensor.grad is not None:  # a leaf's gradient has no Python object until read
-                        for grad_storage in storages_of(tensor.grad):
-                            if grad_storage.device.type == device_type:
-                                accountant.adopt_storage(grad_storage, PROCESS_LABEL)
+                        key = id(tensor)
+                        entry = walked.get(key)
+                        if (entry is None or entry[0]() is not tensor or entry[1] is None
+                                or entry[1] != _torch_compat.version_of(tensor)) and roots.get(key) is not tensor:
+                            roots[key] = tensor
+                    elif tensor.requires_grad:
+                        if leaves is not None and leaves.get(id(tensor)) is not tensor:
+                            leaves[id(tensor)] = tensor
+                        grad = tensor.grad  # a leaf's gradient has no Python object until read
+                        if grad is not None:
+                            self._adopt_storages(grad)
+                except _AccountantError as error:
+                    self._record(error)
                 except Exception:  # noqa: BLE001 - half-built or exotic tensors are skipped
                     self.errors += 1
 
+    def _adopt_storages(self, tensor: torch.Tensor) -> None:
+        # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
+        for storage in storages_of(tensor):
+            if storage.device.type == self.device_type and not (_KEPT_OUT and _kept_out(storage)):
+                try:
+                    self.accountant.adopt_storage(storage, PROCESS_LABEL)
+                except Exception as error:  # noqa: BLE001 - the accountant's own failure (a listener's): reported
+                    raise _AccountantError(error) from error
+
+    def _record(self, error: "_AccountantError") -> None:
+        # An error of the accountant (a peak or storage listener that raised) is the accountant's, as when it
+        # happens in its dispatch mode: kept in its ``errors``, so that its probe reports it and steps aside,
+        # whether the collector hook or the accountant's own dispatch adopted the storage first.
+        cause = error.__cause__ or error
+        self.accountant._record_error(f"adopting a live tensor: {type(cause).__name__}: {cause}")
+
+    def _adopt_leaves(self) -> None:
+        """Adopt again the leaves earlier walks reached: their storage (``.data`` may have been
+        replaced) and their gradient, made or replaced since."""
+        leaves = list(self._leaves.values())
+        if leaves:
+            self._adopt(leaves)
+
+    def _remember_walked(self, root: torch.Tensor) -> None:
+        key, table = id(root), self._walked
+
+        def forget(reference: weakref.ref, key: int = key, table: dict = table) -> None:  # the root was freed
+            entry = table.get(key)
+            if entry is not None and entry[0] is reference:
+                del table[key]
+
+        table[key] = (weakref.ref(root, forget), _torch_compat.version_of(root))
+
     def _walk_graphs(self) -> None:
-        roots = list(self._roots)
+        self._adopt_leaves()
+        roots = list(self._roots.values())
         if not roots:
             return
+        for root in roots:
+            self._remember_walked(root)
+        self._roots = weakref.WeakValueDictionary()
         seen: dict[int, Any] = {}  # holds the nodes during the walk, so ids stay unique
         stack = [t.grad_fn for t in roots]
         found: list[torch.Tensor] = []
@@ -218,6 +285,7 @@ class ProcessTensors:
             if node is None or id(node) in seen:
                 continue
             seen[id(node)] = node
+            self.nodes_walked += 1
             variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf itself
             if isinstance(variable, torch.Tensor):
                 found.append(variable)
@@ -226,7 +294,11 @@ class ProcessTensors:
                 stack.extend(n for n, _ in node.next_functions)
             except Exception:  # noqa: BLE001
                 continue
-        self._adopt(found)
+        self._adopt(found, leaves=self._leaves)
+
+
+class _AccountantError(Exception):
+    """An exception the accountant raised while adopting a storage (not a tensor that could not be read)."""
 
 
 def _remove_callback(callback) -> None:
