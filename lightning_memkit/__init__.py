@@ -7,6 +7,8 @@ The public API is what this module exports; everything else may change.
 from lightning_memkit import _torch_range  # noqa: F401
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.activation_offload import ActivationOffload
+from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
@@ -17,6 +19,7 @@ from lightning_memkit.estimate import DistributedEstimate, estimate_distributed_
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory
+from lightning_memkit.plan import Candidate, Plan, PlanError, PlanRow, plan_fit
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.search import BudgetExceededError, MemoryBudget
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
@@ -31,6 +34,13 @@ __all__ = [
     "compare_modes",
     "CheckpointBudget",
     "ActivationCheckpointing",
+    "ActivationOffload",
+    "AutoFit",
+    "plan_fit",
+    "Plan",
+    "PlanRow",
+    "PlanError",
+    "Candidate",
     "MemoryTracker",
     "MemoryDoctor",
     "DoctorSession",
