@@ -383,8 +383,11 @@ def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, 
     assert f"memkit: batch size 256 fits ({result.trial_count} trials" in out
 
 
+SLOW_STEP_S = 3.3  # a step above the cliff: more than half a trial's limit (6 s), so one step is all that runs
+
+
 class _SlowAbove(DemoMLP):
-    """A step that takes 1.1 s above ``fast_up_to`` samples (a cache cliff: the seconds per sample measured below it do not
+    """A step that takes 3.3 s above ``fast_up_to`` samples (a cache cliff: the seconds per sample measured below it do not
     foretell it)."""
 
     def __init__(self, fast_up_to, **kwargs):
@@ -394,18 +397,20 @@ class _SlowAbove(DemoMLP):
     def training_step(self, batch, batch_idx):
         import time
 
-        time.sleep(1.1 if batch[0].shape[0] > self.fast_up_to else 0.02)
+        time.sleep(SLOW_STEP_S if batch[0].shape[0] > self.fast_up_to else 0.02)
         return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize("fast_up_to", [8, 0], ids=["cliff-above-8", "slow-from-the-first"])
 def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_search(fast_up_to, tmp_path, capsys, monkeypatch):
-    """A trial may run 2 s; a step above the cliff takes 1.1 s: after its first step the next would end past 2 s, so the
+    """A trial may run 6 s; a step above the cliff takes 3.3 s: after its first step the next would end past 6 s, so the
     trial stops there (too slow) and the search ends with the largest size that ran in time, or, when even the first
     (small) trial was too slow, with that size (its step ran without running out of memory): training goes on."""
     from lightning_memkit.search import limits
 
-    monkeypatch.setattr(limits, "CPU_TRIAL_SECONDS", 2.0)
+    # 6 s, not less: the steps below the cliff (20 ms of sleep and a tiny MLP) took 0.6 s each in a niced process on a
+    # loaded 2-core machine, and three of them must fit in a trial
+    monkeypatch.setattr(limits, "CPU_TRIAL_SECONDS", 6.0)
     torch.manual_seed(0)
     module = _SlowAbove(fast_up_to, in_features=FEATURES, hidden=64, depth=1)
     del module.batch_size
@@ -414,10 +419,10 @@ def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_se
     result = find_max_batch_size(trainer, module, data, max_val=256)
     out = capsys.readouterr().out
     starts, ends = trial_lines(out)
-    assert all(limit == 2 for _, _, limit in starts) and len(starts) == len(ends) == result.trial_count
+    assert all(limit == 6 for _, _, limit in starts) and len(starts) == len(ends) == result.trial_count
     [slow] = [t for t in result.trials if not t.fits]
     assert slow is result.trials[-1] and slow.batch_size > fast_up_to
-    assert "the next would end past the trial's limit of 2s (1 of 3 steps ran)" in slow.error, slow.error
+    assert "the next would end past the trial's limit of 6s (1 of 3 steps ran)" in slow.error, slow.error
     assert ends[-1][2] == "too slow" and all(outcome == "fits" for _, _, outcome, _ in ends[:-1])
     ran = [t.batch_size for t in result.trials if t.fits]
     assert result.batch_size == (max(ran) if fast_up_to else slow.batch_size) == data.batch_size
