@@ -138,7 +138,7 @@ class MemoryMeter:
         self._open = (step, stage, rank)
         self._tensor_peak = tensor_peak
         self._carried_peaks = {}
-        self.probes.reset_peak()
+        self._reset_peaks()
 
     @property
     def has_window_aside(self) -> bool:
@@ -173,8 +173,15 @@ class MemoryMeter:
             raise RuntimeError("MemoryMeter.take_back(): close the window opened since set_aside() first")
         self._open, self._tensor_peak, peaks = self._aside
         self._aside = None
-        self.probes.reset_peak()
+        self._reset_peaks()
         self._carried_peaks = peaks
+
+    def _reset_peaks(self) -> None:
+        probe = self.tensor_probe
+        if probe is not None:
+            # a window without the tensor peak reads only tensor_bytes at its end, swept for then
+            probe.sweep_at_reset = self._tensor_peak
+        self.probes.reset_peak()
 
     def resume(self, existing: Iterable[Any] = ()) -> None:
         """Activate the accountant for a (micro-)batch, counting ``existing`` tensors once

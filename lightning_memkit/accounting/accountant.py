@@ -199,6 +199,10 @@ class TensorAccountant(TorchDispatchMode):
         storage = storage_of(tensor)
         return storage is not None and id(storage) in self._records
 
+    def tracks_storage(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` (an untyped storage) is counted by this accountant: one dictionary lookup."""
+        return id(storage) in self._records
+
     def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
         """The :class:`StorageRecord` of ``tensor``'s storage, or ``None`` if untracked."""
         storage = storage_of(tensor)

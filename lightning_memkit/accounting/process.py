@@ -49,6 +49,8 @@ PROCESS_LABEL = "process"
 # Per-type answers to "is this a tensor type", so a sweep classifies each type once, in C.
 _TENSOR_TYPES: set[type] = {torch.Tensor, torch.nn.Parameter}
 _OTHER_TYPES: set[type] = set()
+# Tensor types whose memory is their one strided storage (storage_of's answer without its checks).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Per autograd-node type: the names of its saved-tensor attributes (``_raw_saved_*``).
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 # memkit's own buffers (keep_out_of_readings): storage id -> weak reference, dropped when the storage is freed.
@@ -218,7 +220,7 @@ class ProcessTensors:
         with torch._C.DisableTorchFunctionSubclass():
             for tensor in tensors:
                 try:
-                    self._adopt_storages(tensor)
+                    on_device = self._adopt_storages(tensor)
                     if tensor.grad_fn is not None:
                         key = id(tensor)
                         entry = walked.get(key)
@@ -226,7 +228,9 @@ class ProcessTensors:
                                 or entry[1] != _torch_compat.version_of(tensor)) and roots.get(key) is not tensor:
                             roots[key] = tensor
                     elif tensor.requires_grad:
-                        if leaves is not None and leaves.get(id(tensor)) is not tensor:
+                        # kept: a plain tensor (its storage may be replaced: ``param.data = ...``), or one
+                        # holding memory here; not a subclass holding none here (dynamo's FakeTensors, on meta)
+                        if leaves is not None and (on_device or type(tensor) in _PLAIN_TYPES) and leaves.get(id(tensor)) is not tensor:
                             leaves[id(tensor)] = tensor
                         grad = tensor.grad  # a leaf's gradient has no Python object until read
                         if grad is not None:
@@ -236,14 +240,30 @@ class ProcessTensors:
                 except Exception:  # noqa: BLE001 - half-built or exotic tensors are skipped
                     self.errors += 1
 
-    def _adopt_storages(self, tensor: torch.Tensor) -> None:
-        # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
-        for storage in storages_of(tensor):
-            if storage.device.type == self.device_type and not (_KEPT_OUT and _kept_out(storage)):
+    def _adopt_storages(self, tensor: torch.Tensor) -> bool:
+        """Adopt ``tensor``'s storages on the measured device; whether it has one there (or one counted)."""
+        accountant, device_type = self.accountant, self.device_type
+        if type(tensor) in _PLAIN_TYPES and tensor.layout is torch.strided:
+            # the common case, cheaply: one storage, most often counted already (no device object made)
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                return False
+            if accountant.tracks_storage(storage):
+                return True
+            storages = [storage]
+        else:
+            # a wrapper subclass (DTensor) counts by its inner tensors: its own storage holds no memory
+            storages = storages_of(tensor)
+        on_device = False
+        for storage in storages:
+            if storage.device.type == device_type and not (_KEPT_OUT and _kept_out(storage)):
+                on_device = True
                 try:
-                    self.accountant.adopt_storage(storage, PROCESS_LABEL)
+                    accountant.adopt_storage(storage, PROCESS_LABEL)
                 except Exception as error:  # noqa: BLE001 - the accountant's own failure (a listener's): reported
                     raise _AccountantError(error) from error
+        return on_device
 
     def _record(self, error: "_AccountantError") -> None:
         # An error of the accountant (a peak or storage listener that raised) is the accountant's, as when it
