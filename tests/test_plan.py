@@ -268,3 +268,21 @@ def test_a_gpu_plan_without_a_gpu_is_the_prediction_only():
     assert plan.trainer_arguments() == {}
     code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--gpu", "h100", "--modes", "micro_batch"])
     assert code == 1 and "no GPU here" in out  # no best configuration: nothing ran
+
+
+def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again():
+    """Checkpointing the stack (its nn.Sequential) runs its forward again inside the backward, up to the last tensor
+    the backward needs (torch's non-reentrant checkpoint stops early): the last Linear's matmul is not rerun, its
+    output is saved by nothing. The step's FLOPs grow by exactly 2*B*i*o for every other layer."""
+    from lightning_memkit.modes.mode import Mode
+
+    dims, batch = (32, 64, 48, 16), 8
+    module = LinearStack(dims, batch_size=batch)
+    plain, checkpointed = OpCosts(), OpCosts()
+    with observing_ops(plain):
+        estimate_memory(module, device="cpu")
+    with observing_ops(checkpointed):
+        estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
+    rerun = sum(2 * batch * i * o for i, o in list(zip(dims, dims[1:]))[:-1])
+    assert checkpointed.micro_batch_flops - plain.micro_batch_flops == rerun
+    assert checkpointed.micro.count > plain.micro.count
