@@ -65,6 +65,9 @@ class PlanRow:
         measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
         measured_samples_per_s: the real trial's median samples per second, ``None`` when not run or failed.
         note: what happened (estimate error, trial outcome).
+        costs: the fake step's ops (:class:`~lightning_memkit.plan.time_model.OpCosts`: FLOPs, bytes, counts) the
+            predicted time comes from; ``None`` when the estimate failed.
+        offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
     """
 
     candidate: Candidate
