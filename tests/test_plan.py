@@ -286,3 +286,20 @@ def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again()
     rerun = sum(2 * batch * i * o for i, o in list(zip(dims, dims[1:]))[:-1])
     assert checkpointed.micro_batch_flops - plain.micro_batch_flops == rerun
     assert checkpointed.micro.count > plain.micro.count
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+def test_plan_on_a_gpu_fits_a_budget_the_baseline_does_not():
+    """The GPU lane: the same plan on a CUDA device, trials timed with CUDA events, peaks from the allocator."""
+    module = DemoTransformer(vocab_size=1000, d_model=256, nhead=4, layers=4, dim_feedforward=1024, seq_len=256,
+                             dropout=0.0, batch_size=64)
+    need = estimate_memory(module, device="cuda").required_bytes
+    small = estimate_memory(module, 8, device="cuda").required_bytes
+    budget = (need + small) // 2
+    plan = plan_fit(module, device="cuda", device_memory=budget, **FAST)
+    assert plan.device == "cuda" and not plan.fits_as_is
+    assert plan.best is not None and plan.best.effective_batch == 64 and 1 <= plan.trials <= 3
+    row = plan.best_row
+    assert row.ran and row.measured_peak_bytes <= budget
+    assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())  # trials ran on a copy
