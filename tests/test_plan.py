@@ -112,8 +112,15 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
     assert eight > one
     assert eight - one == pytest.approx(7 * (costs.micro.count / costs.micro_batches * ROOFLINES["h100"].op_overhead_s
                                              + ROOFLINES["h100"].batch_overhead_s), rel=0.2)
-    fitted = model.fit_scale(costs, 1, 2 * one)
+    fitted = model.fit([(costs, 1, 2 * one)])  # one real step: the kernels' scale, the overhead kept
     assert fitted.step_seconds(costs, 1) == pytest.approx(2 * one)
+    # two real steps made by a known scale and per-op overhead: the fit finds both
+    truth = model.fit([(costs, 1, 1.0)])
+    truth = type(model)(roofline=type(truth.roofline)(**{**truth.roofline.__dict__, "op_overhead_s": 3e-5,
+                                                          "batch_overhead_s": 3e-5}), scale=2.5)
+    observed = [(costs, a, truth.step_seconds(costs, a)) for a in (1, 8)]
+    recovered = model.fit(observed)
+    assert recovered.scale == pytest.approx(2.5) and recovered.roofline.op_overhead_s == pytest.approx(3e-5)
     assert roofline_for("h100") is ROOFLINES["h100"] and roofline_for("sm80") is ROOFLINES["a100"]
 
 
