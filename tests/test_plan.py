@@ -310,3 +310,40 @@ def test_plan_on_a_gpu_fits_a_budget_the_baseline_does_not():
     row = plan.best_row
     assert row.ran and row.measured_peak_bytes <= budget
     assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())  # trials ran on a copy
+
+
+@pytest.mark.timeout(300)
+def test_training_with_the_plan_follows_the_unplanned_run():
+    """The same effective batch: 2 micro-batches of 4 with accumulate_grad_batches=2 train on the same samples per
+    optimizer step as batches of 8 (a mean loss, no dropout, the same shuffled order): the loss curve, per optimizer
+    step the mean of its micro-batches' losses, is the same to float tolerance (Adam's steps then differ by < 1e-4)."""
+    import lightning.pytorch as pl
+
+    class Losses(pl.Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(float(outputs["loss"]))
+
+    def train(batch_size: int, accumulate: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        pl.seed_everything(0, verbose=False)
+        model = _tiny_transformer(batch_size=batch_size)
+        losses = Losses()
+        trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, callbacks=[losses])
+        trainer.fit(model)
+        # Lightning hands on_train_batch_end each micro-batch's loss divided by the accumulation (what it backpropagates)
+        per_step = [sum(losses.values[i:i + accumulate]) for i in range(0, len(losses.values), accumulate)]
+        return per_step, _state(model)
+
+    module = _tiny_transformer(batch_size=8)
+    budget = (estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch", trials=1, **FAST)
+    assert plan.best == Candidate(4, 2)  # the only micro-batch of 8 between the two estimates, without checkpointing
+    planned, planned_state = train(plan.best.micro_batch, plan.trainer_arguments()["accumulate_grad_batches"])
+    unplanned, unplanned_state = train(8, 1)
+    assert len(planned) == len(unplanned) == 3
+    assert planned == pytest.approx(unplanned, rel=1e-5)
+    assert max(float((planned_state[k] - v).abs().max()) for k, v in unplanned_state.items()) < 1e-4
