@@ -16,8 +16,7 @@ import warnings
 
 import lightning.pytorch as pl
 
-from lightning_memkit import estimate_memory
-from lightning_memkit.plan import plan_fit
+from lightning_memkit import Candidate, Plan, PlanError, PlanRow, estimate_memory, plan_fit
 from lightning_memkit.units import format_bytes
 from lightning_memkit.zoo import DemoTransformer
 
@@ -40,16 +39,22 @@ def main() -> None:
     print(f"baseline: batch {model.batch_size} needs {format_bytes(baseline)}; budget {format_bytes(budget)}")
 
     # 2. The plan: every candidate estimated, the top ones trained for real (at most 3 trials, on a copy of the model).
-    plan = plan_fit(model, device_memory=budget, device="cpu")
+    try:
+        plan: Plan = plan_fit(model, device_memory=budget, device="cpu")
+    except PlanError as error:  # input it cannot plan for (a budget below the parameters...): the message says what to give
+        raise SystemExit(f"cannot plan: {error}")
     print(plan.table())
+    ran: list[PlanRow] = [row for row in plan.rows if row.ran]
+    print(f"{len(ran)} of {len(plan.rows)} candidates trained for real")
+    best: Candidate = plan.best
     print(plan.yaml())
 
     # 3. Train with it: the micro-batch is the dataloader's batch size, the rest are Trainer arguments.
-    model.batch_size = plan.best.micro_batch
+    model.batch_size = best.micro_batch
     trainer = pl.Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, **plan.trainer_arguments())
     trainer.fit(model)
-    print(f"trained {trainer.global_step} steps of {plan.best.effective_batch} samples with {plan.best.describe()}")
+    print(f"trained {trainer.global_step} steps of {best.effective_batch} samples with {best.describe()}")
 
 
 if __name__ == "__main__":

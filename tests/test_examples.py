@@ -258,6 +258,8 @@ def test_plan_fit(runner, tmp_path):
     assert (trained.group(3), trained.group(4)) == best.groups()[:2]
     assert mib(best.group(3)) <= budget  # the chosen configuration's measured peak, in the budget
     assert int(re.search(r"; (\d) real trials?", output).group(1)) <= 3
+    ran = re.search(r"^(\d+) of (\d+) candidates trained for real$", output, flags=re.M)
+    assert ran and 1 <= int(ran.group(1)) <= min(3, int(ran.group(2))), output[-3000:]
 
 
 def test_layer_trace(runner, tmp_path):
