@@ -262,6 +262,21 @@ def test_plan_fit(runner, tmp_path):
     assert ran and 1 <= int(ran.group(1)) <= min(3, int(ran.group(2))), output[-3000:]
 
 
+def test_auto_fit(runner, tmp_path):
+    output = run_example(runner, "auto_fit.py", ["--steps", "2"], tmp_path, timeout=400)
+    head = re.search(r"^batch (\d+) needs ([\d.]+ \w+); budget ([\d.]+ \w+)$", output, flags=re.M)
+    applied = re.search(r"^AutoFit applied: micro-batch (\d+) x accumulate_grad_batches (\d+), checkpointing (\S+), offload (\w+)$",
+                        output, flags=re.M)
+    trained = re.search(r"^trained (\d+) steps of (\d+) samples", output, flags=re.M)
+    assert head and applied and trained, output[-3000:]
+    batch = int(head.group(1))
+    assert mib(head.group(2)) > mib(head.group(3))  # the batch as is does not fit: something had to change
+    micro, accumulation = int(applied.group(1)), int(applied.group(2))
+    assert micro * accumulation == batch == int(trained.group(2)) and int(trained.group(1)) == 2
+    assert (micro, applied.group(3)) != (batch, "None")  # the plan changed the micro-batch or checkpointed
+    assert applied.group(4) == "False" and "ActivationOffload in the Trainer's callbacks: False (CUDA only)" in output
+
+
 def test_layer_trace(runner, tmp_path):
     from lightning_memkit.zoo import DemoCNN
 
