@@ -112,8 +112,15 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
     assert eight > one
     assert eight - one == pytest.approx(7 * (costs.micro.count / costs.micro_batches * ROOFLINES["h100"].op_overhead_s
                                              + ROOFLINES["h100"].batch_overhead_s), rel=0.2)
-    fitted = model.fit_scale(costs, 1, 2 * one)
+    fitted = model.fit([(costs, 1, 2 * one)])  # one real step: the kernels' scale, the overhead kept
     assert fitted.step_seconds(costs, 1) == pytest.approx(2 * one)
+    # two real steps made by a known scale and per-op overhead: the fit finds both
+    truth = model.fit([(costs, 1, 1.0)])
+    truth = type(model)(roofline=type(truth.roofline)(**{**truth.roofline.__dict__, "op_overhead_s": 3e-5,
+                                                          "batch_overhead_s": 3e-5}), scale=2.5)
+    observed = [(costs, a, truth.step_seconds(costs, a)) for a in (1, 8)]
+    recovered = model.fit(observed)
+    assert recovered.scale == pytest.approx(2.5) and recovered.roofline.op_overhead_s == pytest.approx(3e-5)
     assert roofline_for("h100") is ROOFLINES["h100"] and roofline_for("sm80") is ROOFLINES["a100"]
 
 
@@ -268,3 +275,75 @@ def test_a_gpu_plan_without_a_gpu_is_the_prediction_only():
     assert plan.trainer_arguments() == {}
     code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--gpu", "h100", "--modes", "micro_batch"])
     assert code == 1 and "no GPU here" in out  # no best configuration: nothing ran
+
+
+def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again():
+    """Checkpointing the stack (its nn.Sequential) runs its forward again inside the backward, up to the last tensor
+    the backward needs (torch's non-reentrant checkpoint stops early): the last Linear's matmul is not rerun, its
+    output is saved by nothing. The step's FLOPs grow by exactly 2*B*i*o for every other layer."""
+    from lightning_memkit.modes.mode import Mode
+
+    dims, batch = (32, 64, 48, 16), 8
+    module = LinearStack(dims, batch_size=batch)
+    plain, checkpointed = OpCosts(), OpCosts()
+    with observing_ops(plain):
+        estimate_memory(module, device="cpu")
+    with observing_ops(checkpointed):
+        estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
+    rerun = sum(2 * batch * i * o for i, o in list(zip(dims, dims[1:]))[:-1])
+    assert checkpointed.micro_batch_flops - plain.micro_batch_flops == rerun
+    assert checkpointed.micro.count > plain.micro.count
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+def test_plan_on_a_gpu_fits_a_budget_the_baseline_does_not():
+    """The GPU lane: the same plan on a CUDA device, trials timed with CUDA events, peaks from the allocator."""
+    module = DemoTransformer(vocab_size=1000, d_model=256, nhead=4, layers=4, dim_feedforward=1024, seq_len=256,
+                             dropout=0.0, batch_size=64)
+    need = estimate_memory(module, device="cuda").required_bytes
+    small = estimate_memory(module, 8, device="cuda").required_bytes
+    budget = (need + small) // 2
+    plan = plan_fit(module, device="cuda", device_memory=budget, **FAST)
+    assert plan.device == "cuda" and not plan.fits_as_is
+    assert plan.best is not None and plan.best.effective_batch == 64 and 1 <= plan.trials <= 3
+    row = plan.best_row
+    assert row.ran and row.measured_peak_bytes <= budget
+    assert all(p.device.type == "cpu" and p.grad is None for p in module.parameters())  # trials ran on a copy
+
+
+@pytest.mark.timeout(300)
+def test_training_with_the_plan_follows_the_unplanned_run():
+    """The same effective batch: 2 micro-batches of 4 with accumulate_grad_batches=2 train on the same samples per
+    optimizer step as batches of 8 (a mean loss, no dropout, the same shuffled order): the loss curve, per optimizer
+    step the mean of its micro-batches' losses, is the same to float tolerance (Adam's steps then differ by < 1e-4)."""
+    import lightning.pytorch as pl
+
+    class Losses(pl.Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(float(outputs["loss"]))
+
+    def train(batch_size: int, accumulate: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        pl.seed_everything(0, verbose=False)
+        model = _tiny_transformer(batch_size=batch_size)
+        losses = Losses()
+        trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, callbacks=[losses])
+        trainer.fit(model)
+        # Lightning hands on_train_batch_end each micro-batch's loss divided by the accumulation (what it backpropagates)
+        per_step = [sum(losses.values[i:i + accumulate]) for i in range(0, len(losses.values), accumulate)]
+        return per_step, _state(model)
+
+    module = _tiny_transformer(batch_size=8)
+    budget = (estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch", trials=1, **FAST)
+    assert plan.best == Candidate(4, 2)  # the only micro-batch of 8 between the two estimates, without checkpointing
+    planned, planned_state = train(plan.best.micro_batch, plan.trainer_arguments()["accumulate_grad_batches"])
+    unplanned, unplanned_state = train(8, 1)
+    assert len(planned) == len(unplanned) == 3
+    assert planned == pytest.approx(unplanned, rel=1e-5)
+    assert max(float((planned_state[k] - v).abs().max()) for k, v in unplanned_state.items()) < 1e-4

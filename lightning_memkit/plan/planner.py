@@ -65,6 +65,9 @@ class PlanRow:
         measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
         measured_samples_per_s: the real trial's median samples per second, ``None`` when not run or failed.
         note: what happened (estimate error, trial outcome).
+        costs: the fake step's ops (:class:`~lightning_memkit.plan.time_model.OpCosts`: FLOPs, bytes, counts) the
+            predicted time comes from; ``None`` when the estimate failed.
+        offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
     """
 
     candidate: Candidate
@@ -448,9 +451,13 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
                 torch.cuda.reset_peak_memory_stats()
                 _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
                 peak = int(torch.cuda.max_memory_allocated())
+                # the budget is the device's memory: the CUDA context lives in it beside what the allocator reserves
+                from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+
                 reserved = int(torch.cuda.max_memory_reserved())
-                if reserved > budget:
-                    error_text = f"over the budget: {format_bytes(reserved)} reserved > {format_bytes(budget)}"
+                if reserved + CUDA_CONTEXT_BYTES > budget:
+                    error_text = (f"over the budget: {format_bytes(reserved)} reserved + {format_bytes(CUDA_CONTEXT_BYTES)} "
+                                  f"CUDA context > {format_bytes(budget)}")
             else:
                 guard = MemoryBudget(budget)
                 _fit(copied, candidate, micro, device_type, 2, min(candidate.accumulation, 2), None, guard)
@@ -599,19 +606,19 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         if not can_run:
             notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
                          "for real trials and a best configuration")
+        base_model, observations = model, []
         if device_type == "cpu" and can_run:
-            # the per-op overhead (what makes small micro-batches slow) from one timed real step at the smallest
-            # micro-batch: not a trial (no budget, no candidate chosen by it), said in the notes
+            # one timed real step at the smallest micro-batch estimated (where the per-op overhead weighs most): a
+            # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
                 probe = Candidate(small.candidate.micro_batch, 1, small.candidate.precision)
-                measured = _timed_step(module, probe, batch, device_type, 1, 3)
-                model = model.fit_overhead(small.costs, 1, measured)
-                notes.append(f"CPU per-op overhead {model.roofline.op_overhead_s * 1e6:.1f} us, from one timed real step at "
-                             f"micro-batch {probe.micro_batch} (calibration, not a trial)")
+                observations.append((small.costs, 1, _timed_step(module, probe, batch, device_type, 1, 3)))
+                model = base_model.fit(observations)
+                notes.append(f"CPU time model: one timed real step at micro-batch {probe.micro_batch} calibrates it "
+                             "(not a trial); each trial refits it")
         _repredict(rows, model)
-        calibrated = device_type != "cpu"
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
             if not queue:
@@ -623,13 +630,15 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 continue
             trials_run += 1
             _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say)
-            if row.ran and not calibrated and row.costs is not None:
-                # CPU: the first trial that ran sets the time model's kernel scale (one of the trials, no extra step)
-                measured_step = row.candidate.effective_batch / row.measured_samples_per_s
-                model = model.fit_scale(row.costs, row.candidate.accumulation, measured_step)
-                calibrated = True
+            if row.ran and device_type == "cpu" and row.costs is not None:
+                # CPU: every trial that ran refits the time model (scale of the kernels, per-op overhead), and the
+                # candidates not run yet are ranked again
+                observations.append((row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s))
+                model = base_model.fit(observations)
                 _repredict(rows, model)
-                notes.append(f"CPU kernel time scale {model.scale:.2f} x the measured roofline, from the first real trial")
+        if device_type == "cpu" and observations:
+            notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
+                         f"{model.roofline.op_overhead_s * 1e6:.1f} us per op")
         ran = [r for r in rows if r.ran]
         best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
         rows = _ranked(rows)

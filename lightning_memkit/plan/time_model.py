@@ -12,8 +12,8 @@ dispatch cost that makes small micro-batches slow); a step takes ``accumulation 
 batch_overhead) + optimizer ops``. The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's
 dense peak FLOP/s per dtype, HBM bandwidth, host link). On CPU they are measured on this machine by
 :func:`calibrate_cpu` (a matmul, a large elementwise op, a tiny op: about 0.1 s, no model step), the per-op overhead
-by one timed real step at micro-batch 1 (:meth:`TimeModel.fit_overhead`; not a trial), and the kernels' scale by the
-first real trial (:meth:`TimeModel.fit_scale`).
+and the kernels' scale are fitted (:meth:`TimeModel.fit`) to one timed real step at a small micro-batch (calibration,
+not a trial) and to every real trial as it ends.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class TimeModel:
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
-        scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit_scale`).
+        scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit`).
     """
 
     roofline: Roofline
@@ -225,28 +225,40 @@ class TimeModel:
         copies = accumulation * 2 * offload_bytes / self.roofline.host_link if offload_bytes else 0.0
         return self.scale * kernels + overhead + copies
 
-    def fit_overhead(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
-        """A copy whose per-op overhead makes this step (``costs`` at ``accumulation``) take ``measured_s`` (a timed
-        real step at a small micro-batch, where the overhead dominates); the batch overhead is folded into it. Never
-        below the measured tiny-op cost."""
-        roof = replace(self.roofline, batch_overhead_s=0.0)
-        probe = replace(self, roofline=replace(roof, op_overhead_s=0.0))
-        kernels, _ = probe._parts(costs, accumulation)
-        ops = accumulation * costs.micro.count / costs.micro_batches + costs.optimizer.count
-        if ops <= 0:
-            return self
-        overhead = max(self.roofline.op_overhead_s, (measured_s - self.scale * kernels) / ops)
-        return replace(self, roofline=replace(roof, op_overhead_s=overhead))
-
-    def fit_scale(self, costs: OpCosts, accumulation: int, measured_s: float) -> "TimeModel":
-        """A copy whose kernel scale makes this step take ``measured_s`` (a real trial), the overheads kept; when
-        the overheads alone exceed the measurement, everything is scaled instead."""
-        kernels, overhead = self._parts(costs, accumulation)
-        if kernels <= 0 or measured_s <= 0:
-            return self
-        if measured_s > overhead:
-            return replace(self, scale=(measured_s - overhead) / kernels)
-        ratio = measured_s / (self.scale * kernels + overhead)
+    def _terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
+        """(roofline seconds of the step's kernels at scale 1, its op count with one op per micro-batch for the loop)."""
         roof = self.roofline
-        return replace(self, scale=self.scale * ratio,
-                       roofline=replace(roof, op_overhead_s=roof.op_overhead_s * ratio, batch_overhead_s=roof.batch_overhead_s * ratio))
+        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
+        ops = accumulation * (costs.micro.count / costs.micro_batches + 1) + costs.optimizer.count
+        return kernels, ops
+
+    def fit(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
+        """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``. The kernel
+        scale ``a`` and the per-op overhead ``o`` (the per-batch overhead folded in as one op per micro-batch) solve
+        ``seconds = a * roofline + o * ops`` by least squares over the observations, both kept positive; with one
+        observation (or a fit that is not positive) only the scale is fitted and the overhead kept."""
+        terms = [(*self._terms(costs, accumulation), seconds) for costs, accumulation, seconds in observations
+                 if seconds > 0]
+        if not terms:
+            return self
+        roof = self.roofline
+        if len(terms) >= 2:
+            skk = sum(k * k for k, _, _ in terms)
+            skn = sum(k * n for k, n, _ in terms)
+            snn = sum(n * n for _, n, _ in terms)
+            skt = sum(k * t for k, _, t in terms)
+            snt = sum(n * t for _, n, t in terms)
+            det = skk * snn - skn * skn
+            if det > 0:
+                scale = (skt * snn - skn * snt) / det
+                overhead = (skk * snt - skn * skt) / det
+                if scale > 0 and overhead > 0:
+                    return replace(self, scale=scale, roofline=replace(roof, op_overhead_s=overhead, batch_overhead_s=overhead))
+        kernels, ops, seconds = terms[-1]
+        overhead = roof.op_overhead_s
+        if kernels > 0 and seconds > overhead * ops:
+            return replace(self, scale=(seconds - overhead * ops) / kernels,
+                           roofline=replace(roof, batch_overhead_s=overhead))
+        ratio = seconds / max(self.scale * kernels + overhead * ops, 1e-12)
+        return replace(self, scale=self.scale * ratio, roofline=replace(roof, op_overhead_s=overhead * ratio,
+                                                                        batch_overhead_s=overhead * ratio))
