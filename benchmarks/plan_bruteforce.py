@@ -19,7 +19,8 @@ an eighth's). For each case:
 The trials run through the planner's own trial runner (a real Trainer on a copy, the MemoryBudget accountant),
 so brute force, the planner and the baselines are measured the same way. Prints one markdown table.
 
-Run: python benchmarks/plan_bruteforce.py            (about 10 minutes on 2 CPU cores)
+Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (one model's brute force is 15 configurations x 11
+optimizer steps: minutes on an idle CPU; the figures below a table are only as good as the machine is quiet)
 """
 
 from __future__ import annotations
@@ -212,38 +213,40 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     from lightning_memkit.units import format_bytes
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    started = time.perf_counter()
-    results = []
-    for name, (make, batch) in MODELS.items():
-        runs, seconds = _brute_force(make, batch)
-        print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
-        for label, budget in _budgets(make(), batch):
-            result = _run_case(name, make, batch, label, budget, runs)
-            results.append(result)
-            print(f"# {name} {label}: planned in {result['plan_s']:.0f} s", file=sys.stderr, flush=True)
-
     def describe(candidate) -> str:
         return candidate.describe().replace(", 32-true", "") if candidate is not None else "none fit"
 
     def pct(speed, best) -> str:
         return f"{100 * speed / best:.0f}%" if speed is not None and best else "-"
 
+    def row(r) -> str:
+        peak = r["plan_peak"] if r["plan_peak"] is not None else r["brute_peak"]
+        under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
+        within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+        best = f"{describe(r['best'])} ({r['best_speed']:.1f})" if r["best"] is not None else "none fit"
+        return (f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
+                f"{describe(r['chosen'])} | {pct(r['chosen_speed'], r['best_speed'])} | {within} | {r['trials']} | {under} | "
+                f"{r['rho']:.2f} (n={r['pairs']}) | "
+                f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
+                f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |")
+
+    started = time.perf_counter()
     print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
           "steps per configuration (median); samples/s as brute force measured them; % of the brute-force best")
     print()
     print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
           "real peak <= budget | Spearman | halve until it fits | largest batch, then accumulate |")
-    print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---|")
-    for r in results:
-        peak = r["plan_peak"] if r["plan_peak"] is not None else r["brute_peak"]
-        under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
-        within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
-        print(f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | "
-              f"{describe(r['best'])} ({r['best_speed']:.1f}) | {describe(r['chosen'])} | {pct(r['chosen_speed'], r['best_speed'])} | "
-              f"{within} | {r['trials']} | {under} | {r['rho']:.2f} (n={r['pairs']}) | "
-              f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
-              f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |", flush=True)
+    print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---|", flush=True)
+    only = sys.argv[1:]
+    for name, (make, batch) in MODELS.items():
+        if only and not any(word.lower() in name.lower() for word in only):
+            continue
+        runs, seconds = _brute_force(make, batch)
+        print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
+        for label, budget in _budgets(make(), batch):
+            result = _run_case(name, make, batch, label, budget, runs)
+            print(row(result), flush=True)
+            print(f"# {name} {label}: planned in {result['plan_s']:.0f} s", file=sys.stderr, flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 
