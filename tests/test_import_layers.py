@@ -32,6 +32,8 @@ TRAINER_BUILDING_EDGES: dict[tuple[str, str], str] = {
     (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_checkpointing"):
         "Mode.trainer_kwargs returns the Trainer arguments of a mode: its precision flag and, for a "
         "checkpoint mode, the ActivationCheckpointing callback",
+    (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_offload"):
+        "Mode.trainer_kwargs of an offload mode adds the ActivationOffload callback",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any, ContextManager
 import torch
 
 from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
+from lightning_memkit.modes.devices import device_type as _device_type  # its old name here: compare.py imports it from this module
 
 __all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "OFFLOAD_WORD",
            "MODE_WORDS"]
@@ -38,23 +39,6 @@ MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS + (OFFLOAD_WORD,)
 
 _LIGHTNING_PRECISION = {None: "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def _device_type(device: Any) -> str:
-    """``"cpu"``, ``"cuda"``, ``"mps"``... from an accelerator name, a torch.device or a Lightning Accelerator."""
-    if isinstance(device, torch.device):
-        return device.type
-    if device is None or device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(device, str):
-        name = device.split(":")[0].lower()
-        return "cuda" if name == "gpu" else name
-    # a Lightning Accelerator instance
-    name = type(device).__name__.lower()
-    for kind in ("cuda", "mps", "xla", "cpu"):
-        if kind in name:
-            return kind
-    raise ValueError(f"cannot tell the device type of accelerator {device!r}; pass 'cpu', 'cuda' or a torch.device")
 
 
 def resolve_precision(precision: str | None, device: Any) -> str | None:

@@ -38,9 +38,9 @@ OFFLOAD_ON_CPU = "offload moves saved activations from a GPU to host memory; on 
 def check_offload_device(device: Any) -> None:
     """Raise ``ValueError`` (saying why) unless ``device`` (``"cuda"``, ``"gpu"``, a ``torch.device``, a Lightning
     accelerator) is a CUDA device: offload only moves memory from a GPU to the host."""
-    from lightning_memkit.modes.mode import _device_type
+    from lightning_memkit.modes.devices import device_type
 
-    kind = _device_type(device)
+    kind = device_type(device)
     if kind != "cuda":
         raise ValueError(f"{OFFLOAD_ON_CPU} (the device here is {kind!r}); train on a CUDA GPU, or leave 'offload' out of the mode")
 
