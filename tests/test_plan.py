@@ -7,6 +7,7 @@ CPU a plan's trial peak is compared with the estimate exactly); figures of FLOPs
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -27,7 +28,7 @@ from lightning_memkit.zoo import DemoTransformer
 from conftest import LinearStack
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
-FAST = {"warmup_steps": 1, "timed_steps": 2, "verbose": False}
+FAST = {"warmup_steps": 1, "timed_steps": 2, "timed_seconds": 0.2, "verbose": False}
 
 
 def _tiny_transformer(batch_size: int = 16) -> DemoTransformer:
@@ -114,13 +115,18 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
                                              + ROOFLINES["h100"].batch_overhead_s), rel=0.2)
     fitted = model.fit([(costs, 1, 2 * one)])  # one real step: the kernels' scale, the overhead kept
     assert fitted.step_seconds(costs, 1) == pytest.approx(2 * one)
-    # two real steps made by a known scale and per-op overhead: the fit finds both
-    truth = model.fit([(costs, 1, 1.0)])
-    truth = type(model)(roofline=type(truth.roofline)(**{**truth.roofline.__dict__, "op_overhead_s": 3e-5,
-                                                          "batch_overhead_s": 3e-5}), scale=2.5)
+    # two real steps made by a known scale and per-op overhead, with the loop's overheads (measured apart) kept:
+    # the fit finds both, and leaves the loop's as they were
+    loop = dataclasses.replace(ROOFLINES["h100"], batch_overhead_s=7e-4, step_overhead_s=3e-4)
+    model = TimeModel(loop)
+    truth = TimeModel(dataclasses.replace(loop, op_overhead_s=3e-5), scale=2.5)
     observed = [(costs, a, truth.step_seconds(costs, a)) for a in (1, 8)]
     recovered = model.fit(observed)
     assert recovered.scale == pytest.approx(2.5) and recovered.roofline.op_overhead_s == pytest.approx(3e-5)
+    assert (recovered.roofline.batch_overhead_s, recovered.roofline.step_overhead_s) == (7e-4, 3e-4)
+    # a step predicted is the sum of its parts: kernels x scale + ops x per-op + micro-batches x per-batch + per-step
+    kernels, ops = truth._terms(costs, 8)
+    assert truth.step_seconds(costs, 8) == pytest.approx(2.5 * kernels + 3e-5 * ops + 8 * 7e-4 + 3e-4)
     assert roofline_for("h100") is ROOFLINES["h100"] and roofline_for("sm80") is ROOFLINES["a100"]
 
 
@@ -159,6 +165,31 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
     assert f"accumulate_grad_batches: {plan.best.accumulation}" in plan.yaml()
     assert f"batch_size: {plan.best.micro_batch}" in plan.yaml()
     assert plan.best.describe() in plan.table()
+    # CPU: with more than one trial, each was timed three times more in rounds of alternating order (the median counts)
+    ran = [r for r in plan.rows if r.ran]
+    if len(ran) > 1:
+        assert all("median of 4 interleaved timings" in r.note for r in ran), [r.note for r in ran]
+        assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
+    assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
+
+
+def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkeypatch):
+    """The CPU timing's stop rule: at least ``timed`` steps and at least ``seconds`` of them, at an optimizer step's end
+    (every micro-batch of the last step ran), and never more than MAX_TIMED_STEPS."""
+    from lightning_memkit.plan import planner
+
+    module = LinearStack((16, 32, 4), batch_size=4)
+    batch = next(iter(module.train_dataloader()))
+    candidate = Candidate(2, 2)
+    micro = [part[:2] for part in batch] if isinstance(batch, (list, tuple)) else batch[:2]
+    seconds = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 0.05)
+    assert len(seconds) >= 3 and sum(seconds) >= 0.05
+    assert sum(seconds[:-1]) < 0.05 or len(seconds) == 3  # it stopped at the first step that made the sum
+    monkeypatch.setattr(planner, "MAX_TIMED_STEPS", 7)
+    capped = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 1e9)
+    assert len(capped) == 7
+    once = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 0.0)
+    assert len(once) == 3
 
 
 @pytest.mark.timeout(600)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import statistics
@@ -35,14 +36,24 @@ from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, 
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
-__all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "MAX_TRIALS"]
+__all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
+           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
 #: optimizer steps run before the timed ones in a real trial
 WARMUP_STEPS = 1
-#: optimizer steps timed in a real trial (their median)
+#: optimizer steps timed in a real trial (their median), at least
 TIMED_STEPS = 4
+#: CPU: a trial's timing goes on past TIMED_STEPS until its timed steps add up to this many seconds (at most
+#: MAX_TIMED_STEPS): a CPU's speed drifts by tens of percent over fractions of a second, and a few 15 ms steps
+#: measured one phase of it, not the configuration
+TIMED_SECONDS = 1.0
+#: the most optimizer steps a trial times
+MAX_TIMED_STEPS = 200
+#: CPU: when several trials ran, each is timed this many times more (TIMED_SECONDS / 2 each), in rounds of
+#: alternating order, and the median of its timings counts
+RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
 
@@ -333,7 +344,9 @@ class _Batches:
         return self.count
 
 
-def _clock(accumulation: int, cuda: bool) -> Any:
+def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, seconds: float = 0.0) -> Any:
+    """A callback timing every optimizer step; on CPU, when ``seconds`` is given, it stops the fit once ``timed`` steps
+    after ``warmup`` have run and add up to ``seconds`` (the fit's ``max_steps`` is the cap)."""
     from lightning.pytorch import Callback
 
     class _StepClock(Callback):
@@ -341,6 +354,10 @@ def _clock(accumulation: int, cuda: bool) -> Any:
 
         def __init__(self) -> None:
             self.marks: list[Any] = []
+
+        def _enough(self) -> bool:
+            done = len(self.marks) - 1 - warmup  # timed steps ended
+            return done >= timed and self.marks[-1] - self.marks[warmup] >= seconds
 
         def _mark(self) -> None:
             if cuda:
@@ -357,6 +374,8 @@ def _clock(accumulation: int, cuda: bool) -> Any:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % accumulation == 0:
                 self._mark()
+                if seconds > 0 and not cuda and self._enough():
+                    trainer.should_stop = True  # at an optimizer step's end: the loop stops before the next batch
 
         def step_seconds(self) -> list[float]:
             if cuda:
@@ -407,32 +426,73 @@ def _release(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int) -> float:
-    """The median seconds of ``timed`` optimizer steps of ``candidate`` after ``warmup`` ones, on a deep copy of
-    ``module`` (no budget: the CPU time model's overhead calibration at a small micro-batch)."""
+def _timing_fit(copied: Any, candidate: Candidate, micro: Any, device_type: str, warmup: int, timed: int,
+                seconds: float) -> list[float]:
+    """``warmup`` optimizer steps, then at least ``timed`` timed ones (on CPU, until they add up to ``seconds``, at
+    most :data:`MAX_TIMED_STEPS`) of ``candidate`` on ``copied``: the timed steps' seconds."""
+    cuda = device_type == "cuda"
+    timing = 0.0 if cuda else seconds
+    steps = warmup + (max(timed, MAX_TIMED_STEPS) if timing > 0 else timed)
+    clock = _clock(candidate.accumulation, cuda, warmup, timed, timing)
+    _fit(copied, candidate, micro, device_type, steps, candidate.accumulation, clock, None)
+    return clock.step_seconds()[warmup:]
+
+
+def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int,
+                seconds: float = 0.0) -> list[float]:
+    """The seconds of the timed optimizer steps of ``candidate`` (see :func:`_timing_fit`) on a deep copy of
+    ``module``, no budget: the CPU time model's calibration, and the interleaved rounds that time the trials again."""
     from lightning_memkit.estimate.batches import preserved_rng, rebatch
 
     cuda = device_type == "cuda"
     with preserved_rng(), _quiet_lightning():
         copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
-        clock = _clock(candidate.accumulation, cuda)
-        _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
-        seconds = statistics.median(clock.step_seconds()[warmup:])
-        del copied, micro, clock
+        timed_seconds = _timing_fit(copied, candidate, micro, device_type, warmup, timed, seconds)
+        del copied, micro
     _release(cuda)
-    return seconds
+    return timed_seconds
+
+
+def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float]:
+    """Lightning's own cost on this CPU, seconds: ``(per micro-batch, per optimizer step)``, from a module with one
+    ``Linear(1, 1)`` trained with accumulation 1 and ``accumulation`` (the medians' difference is the micro-batches'
+    cost, the rest the step's). The fake step sees the model's ops, not the loop around them (hooks, the closure,
+    the batch's transfer, ``zero_grad``), which is what makes many small micro-batches slow on a CPU."""
+    from lightning.pytorch import LightningModule
+
+    class _Nothing(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    medians = []
+    with _quiet_lightning():
+        for each in (1, accumulation):
+            clock = _clock(each, False)
+            _fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup + timed, each, clock, None)
+            medians.append(statistics.median(clock.step_seconds()[warmup:]))
+            del clock
+    per_batch = max(medians[1] - medians[0], 0.0) / (accumulation - 1)
+    return per_batch, max(medians[0] - per_batch, 0.0)
 
 
 def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str,
-           warmup: int, timed: int) -> tuple[bool, int | None, float | None, str]:
+           warmup: int, timed: int, seconds: float = 0.0) -> tuple[bool, int | None, float | None, str]:
     """One real trial on a deep copy of ``module``: ``(fits, peak bytes, median samples/s, note)``.
 
     On CPU the memory and the time are measured in two fits of the same copy: first two optimizer steps under a
     :class:`~lightning_memkit.search.budget.MemoryBudget` (the accountant counts every tensor against the budget and
     stops an over-budget step cleanly; the second step is the steady state; an accumulation of 2 has the peak of any
-    larger one), then, when it fit, ``warmup + timed`` steps without the accountant (its per-op bookkeeping would be
-    in the time). On CUDA one fit does both (``max_memory_allocated`` costs nothing)."""
+    larger one), then, when it fit, ``warmup`` steps and at least ``timed`` timed ones without the accountant (its
+    per-op bookkeeping would be in the time), until they add up to ``seconds``. On CUDA one fit does both
+    (``max_memory_allocated`` costs nothing)."""
     from lightning_memkit.estimate.batches import preserved_rng, rebatch
     from lightning_memkit.oom import is_out_of_memory
     from lightning_memkit.search.budget import MemoryBudget
@@ -440,11 +500,11 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     cuda = device_type == "cuda"
     error_text = None
     peak = None
-    seconds: list[float] = []
     with preserved_rng(), _quiet_lightning():
         copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
         clock = _clock(candidate.accumulation, cuda)
+        timed_seconds: list[float] = []
         try:
             if cuda:
                 _release(cuda)
@@ -463,30 +523,31 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
                 _fit(copied, candidate, micro, device_type, 2, min(candidate.accumulation, 2), None, guard)
                 peak = guard.accountant.peak_bytes
                 del guard
-                _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
+                timed_seconds = _timing_fit(copied, candidate, micro, device_type, warmup, timed, seconds)
         except BaseException as error:  # noqa: BLE001 - only out-of-memory is a trial's outcome
             if not is_out_of_memory(error):
                 raise
             error_text = "out of memory: " + str(error).splitlines()[0][:200]
             traceback.clear_frames(error.__traceback__)
             del error
-        if error_text is None:
-            seconds = clock.step_seconds()[warmup:]
+        if error_text is None and cuda:
+            timed_seconds = clock.step_seconds()[warmup:]
         del copied, micro, clock
     _release(cuda)
     if error_text is not None:
         return False, None, None, error_text
-    if not seconds:
+    if not timed_seconds:
         return False, peak, None, "no timed step ran"
-    median = statistics.median(seconds)
-    return True, peak, candidate.effective_batch / median, f"ran: median step {median * 1e3:.1f} ms"
+    median = statistics.median(timed_seconds)
+    return (True, peak, candidate.effective_batch / median,
+            f"ran: median step {median * 1e3:.1f} ms of {len(timed_seconds)}")
 
 
 # ------------------------------------------------------------------------------------------ the plan
 def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int | str | None = None, gpu: Any = None,
              device: Any = None, modes: Any = None, datamodule: Any = None, trials: int = MAX_TRIALS, world_size: int = 1,
              strategy: Any = None, verbose: bool = True, warmup_steps: int = WARMUP_STEPS,
-             timed_steps: int = TIMED_STEPS) -> Plan:
+             timed_steps: int = TIMED_STEPS, timed_seconds: float = TIMED_SECONDS) -> Plan:
     """The fastest way to train ``module`` at its effective batch within a memory budget, proved by real trials.
 
     Args:
@@ -502,7 +563,11 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         trials: the most real trials (1 to :data:`MAX_TRIALS`).
         world_size, strategy: one device only for now (1 and ``None``).
         verbose: print progress lines.
-        warmup_steps, timed_steps: optimizer steps per trial before timing, and timed (their median counts).
+        warmup_steps, timed_steps: optimizer steps per trial before timing, and timed at least (their median counts).
+        timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
+            :data:`MAX_TIMED_STEPS`), and when several trials ran each is timed :data:`RETIMING_ROUNDS` times more
+            for half as long, in rounds of alternating order, the median counting (a CPU's speed drifts by tens of
+            percent within seconds); 0 times ``timed_steps`` steps once.
 
     Returns:
         a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here
@@ -516,11 +581,12 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
 
     with preserved_rng():  # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were
         return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
-                         verbose, warmup_steps, timed_steps)
+                         verbose, warmup_steps, timed_steps, timed_seconds)
 
 
 def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device: Any, modes: Any, datamodule: Any,
-              trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any) -> Plan:
+              trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any,
+              timed_seconds: Any) -> Plan:
     started = time.perf_counter()
     say = (lambda text: print(text, flush=True)) if verbose else (lambda text: None)
     try:
@@ -535,6 +601,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     for name, value in (("warmup_steps", warmup_steps), ("timed_steps", timed_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
             raise PlanError(f"{name}={value!r}: give a {'non-negative' if name == 'warmup_steps' else 'positive'} integer")
+    if isinstance(timed_seconds, bool) or not isinstance(timed_seconds, (int, float)) or not 0 <= timed_seconds < float("inf"):
+        raise PlanError(f"timed_seconds={timed_seconds!r}: give seconds >= 0 (0: time timed_steps steps once)")
     if world_size != 1 or strategy is not None:
         raise PlanError(f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
                         f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory")
@@ -575,7 +643,9 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         notes.append("manual optimization: no gradient accumulation (Lightning's accumulate_grad_batches does not apply)")
     can_run = device_type == "cpu" or torch.cuda.is_available()
     if device_type == "cpu":
-        model = TimeModel(calibrate_cpu())
+        # the roofline of this CPU's kernels, and Lightning's own cost per micro-batch and per step, measured here
+        per_batch, per_step = _loop_overheads()
+        model = TimeModel(dataclasses.replace(calibrate_cpu(), batch_overhead_s=per_batch, step_overhead_s=per_step))
     else:
         model = TimeModel(roofline_for(gpu))
 
@@ -606,7 +676,7 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         if not can_run:
             notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
                          "for real trials and a best configuration")
-        base_model, observations = model, []
+        base_model, observations, calibrations = model, [], []
         if device_type == "cpu" and can_run:
             # one timed real step at the smallest micro-batch estimated (where the per-op overhead weighs most): a
             # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes
@@ -614,7 +684,9 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
                 probe = Candidate(small.candidate.micro_batch, 1, small.candidate.precision)
-                observations.append((small.costs, 1, _timed_step(module, probe, batch, device_type, 1, 3)))
+                calibration = statistics.median(_timed_step(module, probe, batch, device_type, 1, 3, timed_seconds / 2))
+                calibrations.append((small.costs, 1, calibration))
+                observations.append(calibrations[-1])
                 model = base_model.fit(observations)
                 notes.append(f"CPU time model: one timed real step at micro-batch {probe.micro_batch} calibrates it "
                              "(not a trial); each trial refits it")
@@ -629,17 +701,28 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 row.note = f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
                 continue
             trials_run += 1
-            _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say)
+            _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say, timed_seconds)
             if row.ran and device_type == "cpu" and row.costs is not None:
                 # CPU: every trial that ran refits the time model (scale of the kernels, per-op overhead), and the
                 # candidates not run yet are ranked again
                 observations.append((row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s))
                 model = base_model.fit(observations)
                 _repredict(rows, model)
+        ran = [r for r in rows if r.ran]
+        if device_type == "cpu" and timed_seconds > 0 and len(ran) > 1:
+            _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
+            observations = calibrations + [(r.costs, r.candidate.accumulation,
+                                                r.candidate.effective_batch / r.measured_samples_per_s)
+                                               for r in ran if r.costs is not None]
+            model = base_model.fit(observations)
+            _repredict(rows, model)
+            notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
+                         "counts): a CPU's speed drifts by tens of percent while a plan runs")
         if device_type == "cpu" and observations:
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
-                         f"{model.roofline.op_overhead_s * 1e6:.1f} us per op")
-        ran = [r for r in rows if r.ran]
+                         f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
+                         f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
+                         f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step")
         best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
         rows = _ranked(rows)
         if best is None and can_run:
@@ -669,10 +752,32 @@ def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
             row.predicted_samples_per_s = row.candidate.effective_batch / row.predicted_step_s
 
 
-def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any) -> None:
+def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any,
+             seconds: float = 0.0) -> None:
     say(f"memkit plan: trial: {row.candidate.describe()} ...")
-    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed)
+    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds)
     row.measured_peak_bytes = peak if fits else None
     row.measured_samples_per_s = samples if fits else None
     row.note = note
     say(f"memkit plan: trial: {row.candidate.describe()} -> {note}" + (f", peak {format_bytes(peak)}" if peak is not None and fits else ""))
+
+
+def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
+                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> None:
+    """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
+    time for ``seconds / 2``: a row's step is the median of its first timing and these, so the machine's phases of
+    speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. The configurations
+    fit already (the trial measured their peak): no budget here."""
+    firsts = {id(row): row.candidate.effective_batch / row.measured_samples_per_s for row in ran}
+    medians: dict[int, list[float]] = {id(row): [firsts[id(row)]] for row in ran}
+    for round_ in range(rounds):
+        for row in (ran[::-1] if round_ % 2 == 0 else ran):
+            again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
+            medians[id(row)].append(again)
+    for row in ran:
+        each = medians[id(row)]
+        step = statistics.median(each)
+        row.measured_samples_per_s = row.candidate.effective_batch / step
+        row.note = (f"ran: step {step * 1e3:.1f} ms (median of {len(each)} interleaved timings: "
+                    f"{', '.join(f'{t * 1e3:.1f}' for t in each)} ms)")
+        say(f"memkit plan: timed in {len(each)} rounds: {row.candidate.describe()} -> {step * 1e3:.1f} ms")

@@ -9,11 +9,12 @@ backward) and the once-per-step part (the optimizer).
 
 One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch and
 dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (micro-batch ops +
-batch_overhead) + optimizer ops``. The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's
-dense peak FLOP/s per dtype, HBM bandwidth, host link). On CPU they are measured on this machine by
-:func:`calibrate_cpu` (a matmul, a large elementwise op, a tiny op: about 0.1 s, no model step), the per-op overhead
-and the kernels' scale are fitted (:meth:`TimeModel.fit`) to one timed real step at a small micro-batch (calibration,
-not a trial) and to every real trial as it ends.
+batch_overhead) + optimizer ops + step_overhead`` (the overheads: the training loop's own cost, which no op shows).
+The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's dense peak FLOP/s per dtype, HBM
+bandwidth, host link). On CPU they are measured on this machine by :func:`calibrate_cpu` (a matmul, a large
+elementwise op, a tiny op: about 0.1 s, no model step), the loop's overheads are measured by the planner (a trivial
+module in Lightning's loop), and the per-op overhead and the kernels' scale are fitted (:meth:`TimeModel.fit`) to one
+timed real step at a small micro-batch (calibration, not a trial) and to every real trial as it ends.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Roofline:
         op_overhead_s: seconds per op beyond its roofline time (kernel launch, Python and dispatcher), seconds.
         batch_overhead_s: seconds per micro-batch beyond its ops (Lightning's loop, hooks, the batch's transfer).
         memory_bytes: the device's memory, bytes (the budget when none is given; 0 for the CPU).
+        step_overhead_s: seconds per optimizer step beyond its ops (Lightning's optimizer loop, ``zero_grad``).
     """
 
     name: str
@@ -55,6 +57,7 @@ class Roofline:
     op_overhead_s: float = 8e-6
     batch_overhead_s: float = 1e-3
     memory_bytes: int = 0
+    step_overhead_s: float = 0.0
 
 
 _T = 1e12
@@ -200,7 +203,7 @@ class TimeModel:
     """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds).
 
     ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
-    [+ offload copies]) + scale * roofline(optimizer ops) + op_overhead * optimizer ops``.
+    [+ offload copies]) + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``.
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
@@ -213,10 +216,8 @@ class TimeModel:
     def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds, overhead seconds) of one step."""
         roof = self.roofline
-        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
-        overhead = (accumulation * (costs.micro.count / costs.micro_batches * roof.op_overhead_s + roof.batch_overhead_s)
-                    + costs.optimizer.count * roof.op_overhead_s)
-        return kernels, overhead
+        kernels, ops = self._terms(costs, accumulation)
+        return kernels, ops * roof.op_overhead_s + accumulation * roof.batch_overhead_s + roof.step_overhead_s
 
     def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
@@ -226,22 +227,29 @@ class TimeModel:
         return self.scale * kernels + overhead + copies
 
     def _terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
-        """(roofline seconds of the step's kernels at scale 1, its op count with one op per micro-batch for the loop)."""
+        """(roofline seconds of the step's kernels at scale 1, the step's op count)."""
         roof = self.roofline
         kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
-        ops = accumulation * (costs.micro.count / costs.micro_batches + 1) + costs.optimizer.count
+        ops = accumulation * costs.micro.count / costs.micro_batches + costs.optimizer.count
         return kernels, ops
 
     def fit(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
-        """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``. The kernel
-        scale ``a`` and the per-op overhead ``o`` (the per-batch overhead folded in as one op per micro-batch) solve
-        ``seconds = a * roofline + o * ops`` by least squares over the observations, both kept positive; with one
-        observation (or a fit that is not positive) only the scale is fitted and the overhead kept."""
-        terms = [(*self._terms(costs, accumulation), seconds) for costs, accumulation, seconds in observations
-                 if seconds > 0]
+        """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``.
+
+        The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
+        step) are measured apart and kept; the kernel scale ``a`` and the per-op overhead ``o`` solve
+        ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided by
+        its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
+        that is not positive) only the scale is fitted and the per-op overhead kept."""
+        roof = self.roofline
+        terms = []
+        for costs, accumulation, seconds in observations:
+            if seconds > 0:
+                kernels, ops = self._terms(costs, accumulation)
+                loop = accumulation * roof.batch_overhead_s + roof.step_overhead_s
+                terms.append((kernels / seconds, ops / seconds, (seconds - loop) / seconds))
         if not terms:
             return self
-        roof = self.roofline
         if len(terms) >= 2:
             skk = sum(k * k for k, _, _ in terms)
             skn = sum(k * n for k, n, _ in terms)
@@ -249,16 +257,19 @@ class TimeModel:
             skt = sum(k * t for k, _, t in terms)
             snt = sum(n * t for _, n, t in terms)
             det = skk * snn - skn * skn
-            if det > 0:
+            if det > 1e-12 * skk * snn:
                 scale = (skt * snn - skn * snt) / det
                 overhead = (skk * snt - skn * skt) / det
                 if scale > 0 and overhead > 0:
-                    return replace(self, scale=scale, roofline=replace(roof, op_overhead_s=overhead, batch_overhead_s=overhead))
-        kernels, ops, seconds = terms[-1]
-        overhead = roof.op_overhead_s
-        if kernels > 0 and seconds > overhead * ops:
-            return replace(self, scale=(seconds - overhead * ops) / kernels,
-                           roofline=replace(roof, batch_overhead_s=overhead))
-        ratio = seconds / max(self.scale * kernels + overhead * ops, 1e-12)
-        return replace(self, scale=self.scale * ratio, roofline=replace(roof, op_overhead_s=overhead * ratio,
-                                                                        batch_overhead_s=overhead * ratio))
+                    return replace(self, scale=scale, roofline=replace(roof, op_overhead_s=overhead))
+        # the scale alone, from the observations' sums (the per-op overhead kept)
+        kernels = sum(k for k, _, _ in terms)
+        rest = sum(t - n * roof.op_overhead_s for _, n, t in terms)
+        if kernels > 0 and rest > 0:
+            return replace(self, scale=rest / kernels)
+        # the overheads alone already exceed the measured time: shrink the per-op overhead to fit
+        ops = sum(n for _, n, _ in terms)
+        target = sum(t for _, _, t in terms) - self.scale * kernels
+        if ops > 0 and target > 0:
+            return replace(self, roofline=replace(roof, op_overhead_s=target / ops))
+        return self
