@@ -37,7 +37,9 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-WARMUP, TIMED = 1, 10
+WARMUP, TIMED = 1, int(os.environ.get("PLAN_BRUTE_TIMED", "10"))
+#: rounds of the brute force (every configuration once per round, the order rotated; the median of the rounds)
+ROUNDS = int(os.environ.get("PLAN_BRUTE_ROUNDS", "5"))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -132,10 +134,15 @@ def _budgets(module, batch: int) -> list[tuple[str, int]]:
     return [("mild", (peak[batch] + peak[batch // 2]) // 2), ("tight", (peak[batch // 4] + peak[batch // 8]) // 2)]
 
 
-def _brute_force(make, batch: int) -> tuple[dict, float]:
-    """Every configuration of the planner's space trained for real, once, with no budget: ``{candidate: (peak bytes,
-    median samples/s)}``. A budget's trial fails exactly when this peak (the same accountant's) is above it, so each
-    budget's fitting set is read from these runs instead of training every configuration again per budget."""
+def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float]:
+    """Every configuration of the planner's space trained for real with no budget: ``{candidate: (peak bytes, median
+    samples/s)}``. A budget's trial fails exactly when this peak (the same accountant's) is above it, so each budget's
+    fitting set is read from these runs instead of training every configuration again per budget.
+
+    The machine's speed drifts by tens of percent over a minute (a configuration's step took 24, 20 and 14 ms in
+    three rounds a few seconds apart on an idle 2-core VM), so one pass in a fixed order would favour whatever ran
+    when the machine was fast. Each configuration runs in ``rounds`` rounds, the order rotated and reversed from
+    round to round, and its samples/s is the median of its round medians."""
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
     from lightning_memkit.plan.planner import _trial
@@ -146,14 +153,47 @@ def _brute_force(make, batch: int) -> tuple[dict, float]:
     space = candidate_space(batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module)))
     _trial(module, space[0], sample, 1 << 50, "cpu", WARMUP, TIMED)  # discarded: the process's first steps run slower
     started = time.perf_counter()
+    peaks: dict = {}
+    speeds: dict = {candidate: [] for candidate in space}
+    for round_ in range(rounds):
+        shift = round_ * len(space) // rounds
+        order = space[shift:] + space[:shift]
+        for candidate in (order[::-1] if round_ % 2 else order):
+            fits, peak, samples, note = _trial(module, candidate, sample, 1 << 50, "cpu", WARMUP, TIMED)
+            if not fits:
+                raise RuntimeError(f"{candidate.describe()} did not run without a budget: {note}")
+            peaks.setdefault(candidate, peak)
+            speeds[candidate].append(samples)
+    # Configurations that are the same program (a budget that chose the same blocks as "auto": the same real peak and
+    # the same ops in the fake step) are one configuration measured twice: their rounds are pooled, so the reference
+    # does not rank two samples of the machine's noise against each other.
+    same = _same_programs(module, space, sample, peaks)
     runs = {}
     for candidate in space:
-        fits, peak, samples, note = _trial(module, candidate, sample, 1 << 50, "cpu", WARMUP, TIMED)
-        if not fits:
-            raise RuntimeError(f"{candidate.describe()} did not run without a budget: {note}")
-        runs[candidate] = (peak, samples)
-        print(f"#   {candidate.describe()}: peak {peak:,} B, {samples:.1f} samples/s", file=sys.stderr, flush=True)
+        pooled = [s for twin in same[candidate] for s in speeds[twin]]
+        runs[candidate] = (peaks[candidate], statistics.median(pooled))
+    for candidate, (peak, samples) in runs.items():
+        spread = max(speeds[candidate]) / min(speeds[candidate]) - 1
+        twins = [c.describe() for c in same[candidate] if c != candidate]
+        print(f"#   {candidate.describe()}: peak {peak:,} B, {samples:.1f} samples/s (rounds: "
+              f"{', '.join(f'{s:.0f}' for s in speeds[candidate])}; spread {spread:.0%})"
+              + (f"; the same program as {', '.join(twins)}: rounds pooled" if twins else ""), file=sys.stderr, flush=True)
     return runs, time.perf_counter() - started
+
+
+def _same_programs(module, space, sample, peaks) -> dict:
+    """``{candidate: [candidates that run the same program, itself included]}``: the same micro-batch, accumulation and
+    precision, the same real peak (measured) and the same ops in the fake step (count, FLOPs, bytes)."""
+    from lightning_memkit.estimate.core import reusing_fake_copies
+    from lightning_memkit.plan.planner import _estimate_row, _signature
+    from lightning_memkit.plan.time_model import ROOFLINES, TimeModel
+
+    keys = {}
+    with reusing_fake_copies():
+        for candidate in space:
+            row = _estimate_row(module, candidate, sample, "cpu", None, None, 1 << 50, TimeModel(ROOFLINES["h100"]))
+            keys[candidate] = (_signature(row), peaks[candidate])
+    return {c: [d for d in space if keys[d] == keys[c]] for c in space}
 
 
 def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict) -> dict:
@@ -168,6 +208,13 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict) 
     chosen_brute = brute.get(chosen) if chosen is not None else None
     predicted = {row.candidate: row.predicted_samples_per_s for row in plan.rows}
     pairs = [(predicted[c], fitting[c][2]) for c in fitting if predicted.get(c) is not None]
+    for row in plan.rows:  # the time model against brute force, row by row (stderr: the diagnosis, not the table)
+        measured = brute.get(row.candidate)
+        print(f"#     {row.candidate.describe()}: predicted {row.predicted_samples_per_s or 0:.1f} samples/s"
+              f"{' (fits)' if row.fits else ''}, brute force {measured[2]:.1f}{' (fits)' if measured[0] else ''}; "
+              f"trial: {row.note}", file=sys.stderr, flush=True)
+    for note in plan.notes:
+        print(f"#     note: {note}", file=sys.stderr, flush=True)
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
 
     # Composer-style: halve the micro-batch from the effective batch until a trial fits (no checkpointing)
@@ -232,7 +279,8 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
-          "steps per configuration (median); samples/s as brute force measured them; % of the brute-force best")
+          f"steps per configuration and round (median), {ROUNDS} rounds in rotated order (median of the rounds); samples/s as brute "
+          "force measured them; % of the brute-force best")
     print()
     print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
           "real peak <= budget | Spearman | halve until it fits | largest batch, then accumulate |")
@@ -241,7 +289,7 @@ def main() -> None:
     for name, (make, batch) in MODELS.items():
         if only and not any(word.lower() in name.lower() for word in only):
             continue
-        runs, seconds = _brute_force(make, batch)
+        runs, seconds = _brute_force(make, batch, ROUNDS)
         print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
         for label, budget in _budgets(make(), batch):
             result = _run_case(name, make, batch, label, budget, runs)
