@@ -7,7 +7,8 @@ an eighth's). For each case:
 
 - brute force: every configuration of the planner's space (``candidate_space``: micro-batch x accumulation x
   checkpointing, precision unchanged) trained for real, ``WARMUP`` optimizer steps then ``TIMED`` timed ones
-  (median samples/s), its peak counted by the budget's accountant; the fastest that fit is the reference;
+  (median samples/s), in ``ROUNDS`` rounds of rotated order (the median of the rounds; configurations that are the
+  same program pooled), its peak counted by the budget's accountant; the fastest that fit is the reference;
 - the planner (``plan_fit``, at most 3 real trials): its choice's samples/s (as brute force measured it) within 5%
   of the best? its trials, and whether its choice's real peak stayed under the budget;
 - Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
@@ -19,8 +20,10 @@ an eighth's). For each case:
 The trials run through the planner's own trial runner (a real Trainer on a copy, the MemoryBudget accountant),
 so brute force, the planner and the baselines are measured the same way. Prints one markdown table.
 
-Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (one model's brute force is 15 configurations x 11
-optimizer steps: minutes on an idle CPU; the figures below a table are only as good as the machine is quiet)
+Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (environment: PLAN_BRUTE_ROUNDS, default 5;
+PLAN_BRUTE_TIMED, default 10. One model's brute force is 15 configurations x ROUNDS x (1 + TIMED) optimizer steps:
+minutes on an idle CPU; stderr has every configuration's rounds and every plan row's prediction beside its
+measurement. docs/plan.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7, 16 minutes)
 """
 
 from __future__ import annotations
