@@ -124,6 +124,15 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
     recovered = model.fit(observed)
     assert recovered.scale == pytest.approx(2.5) and recovered.roofline.op_overhead_s == pytest.approx(3e-5)
     assert (recovered.roofline.batch_overhead_s, recovered.roofline.step_overhead_s) == (7e-4, 3e-4)
+    # one step faster than its kernels plus the per-op overhead allow: the per-op overhead shrinks (the scale and the
+    # loop's overheads kept) until the prediction is the measurement
+    kernels, ops = model._terms(costs, 8)
+    per_op = loop.op_overhead_s
+    assert kernels < 0.75 * ops * per_op  # the case: no positive scale explains it
+    seconds = 8 * 7e-4 + 3e-4 + kernels + 0.25 * ops * per_op
+    quick = model.fit([(costs, 8, seconds)])
+    assert quick.scale == 1.0 and quick.roofline.op_overhead_s == pytest.approx(0.25 * per_op)
+    assert quick.step_seconds(costs, 8) == pytest.approx(seconds)
     # a step predicted is the sum of its parts: kernels x scale + ops x per-op + micro-batches x per-batch + per-step
     kernels, ops = truth._terms(costs, 8)
     assert truth.step_seconds(costs, 8) == pytest.approx(2.5 * kernels + 3e-5 * ops + 8 * 7e-4 + 3e-4)
@@ -231,6 +240,8 @@ def test_bad_input_is_refused_with_what_to_do():
         plan_fit(torch.nn.Linear(2, 2), device_memory="64MiB", device="cpu", **FAST)
     with pytest.raises(PlanError, match="a size such as"):
         plan_fit(module, device_memory="lots", device="cpu", **FAST)
+    with pytest.raises(PlanError, match=r"timed_seconds=-1: give seconds >= 0"):
+        plan_fit(module, device_memory="64MiB", device="cpu", **{**FAST, "timed_seconds": -1})
 
 
 # ------------------------------------------------------------------------------------------ the command

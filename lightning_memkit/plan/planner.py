@@ -472,13 +472,9 @@ def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    medians = []
     with _quiet_lightning():
-        for each in (1, accumulation):
-            clock = _clock(each, False)
-            _fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup + timed, each, clock, None)
-            medians.append(statistics.median(clock.step_seconds()[warmup:]))
-            del clock
+        medians = [statistics.median(_timing_fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup, timed, 0.0))
+                   for each in (1, accumulation)]
     per_batch = max(medians[1] - medians[0], 0.0) / (accumulation - 1)
     return per_batch, max(medians[0] - per_batch, 0.0)
 
@@ -503,7 +499,7 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     with preserved_rng(), _quiet_lightning():
         copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
-        clock = _clock(candidate.accumulation, cuda)
+        clock = _clock(candidate.accumulation, cuda) if cuda else None  # on CPU _timing_fit times the steps
         timed_seconds: list[float] = []
         try:
             if cuda:
@@ -643,9 +639,7 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         notes.append("manual optimization: no gradient accumulation (Lightning's accumulate_grad_batches does not apply)")
     can_run = device_type == "cpu" or torch.cuda.is_available()
     if device_type == "cpu":
-        # the roofline of this CPU's kernels, and Lightning's own cost per micro-batch and per step, measured here
-        per_batch, per_step = _loop_overheads()
-        model = TimeModel(dataclasses.replace(calibrate_cpu(), batch_overhead_s=per_batch, step_overhead_s=per_step))
+        model = TimeModel(calibrate_cpu())  # the roofline of this CPU's kernels, measured here
     else:
         model = TimeModel(roofline_for(gpu))
 
@@ -678,6 +672,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          "for real trials and a best configuration")
         base_model, observations, calibrations = model, [], []
         if device_type == "cpu" and can_run:
+            # Lightning's own cost per micro-batch and per step, measured here: what no op of the fake step shows
+            per_batch, per_step = _loop_overheads()
+            base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
+                                                               step_overhead_s=per_step))
             # one timed real step at the smallest micro-batch estimated (where the per-op overhead weighs most): a
             # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
@@ -705,15 +703,13 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             if row.ran and device_type == "cpu" and row.costs is not None:
                 # CPU: every trial that ran refits the time model (scale of the kernels, per-op overhead), and the
                 # candidates not run yet are ranked again
-                observations.append((row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s))
+                observations.append(_observation(row))
                 model = base_model.fit(observations)
                 _repredict(rows, model)
         ran = [r for r in rows if r.ran]
         if device_type == "cpu" and timed_seconds > 0 and len(ran) > 1:
             _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
-            observations = calibrations + [(r.costs, r.candidate.accumulation,
-                                                r.candidate.effective_batch / r.measured_samples_per_s)
-                                               for r in ran if r.costs is not None]
+            observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
             model = base_model.fit(observations)
             _repredict(rows, model)
             notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
@@ -745,6 +741,11 @@ def _signature(row: PlanRow) -> tuple:
     return (c.micro_batch, c.accumulation, c.precision, c.offload, row.predicted_peak_bytes, ops)
 
 
+def _observation(row: PlanRow) -> tuple[OpCosts, int, float]:
+    """A trial that ran, as the time model's fit takes it: ``(costs, accumulation, measured seconds per step)``."""
+    return row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s
+
+
 def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
     for row in rows:
         if row.costs is not None:
@@ -768,8 +769,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     time for ``seconds / 2``: a row's step is the median of its first timing and these, so the machine's phases of
     speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. The configurations
     fit already (the trial measured their peak): no budget here."""
-    firsts = {id(row): row.candidate.effective_batch / row.measured_samples_per_s for row in ran}
-    medians: dict[int, list[float]] = {id(row): [firsts[id(row)]] for row in ran}
+    medians = {id(row): [_observation(row)[2]] for row in ran}
     for round_ in range(rounds):
         for row in (ran[::-1] if round_ % 2 == 0 else ran):
             again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
