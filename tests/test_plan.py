@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -20,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import accumulating, observing_ops
 from lightning_memkit.plan import Candidate, PlanError, plan_fit
+from lightning_memkit.plan import planner
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
 from lightning_memkit.plan.time_model import ROOFLINES, OpCosts, TimeModel, roofline_for
@@ -174,10 +176,13 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
     assert f"accumulate_grad_batches: {plan.best.accumulation}" in plan.yaml()
     assert f"batch_size: {plan.best.micro_batch}" in plan.yaml()
     assert plan.best.describe() in plan.table()
-    # CPU: with more than one trial, each was timed three times more in rounds of alternating order (the median counts)
+    # CPU: with more than one trial, each was timed three times more in rounds of alternating order (the median
+    # counts), and a close call between the two fastest up to CLOSE_CALL_ROUNDS times more
     ran = [r for r in plan.rows if r.ran]
     if len(ran) > 1:
-        assert all("median of 4 interleaved timings" in r.note for r in ran), [r.note for r in ran]
+        timings = [int(re.search(r"median of (\d+) interleaved timings", r.note).group(1)) for r in ran]
+        assert all(4 <= n <= 4 + planner.CLOSE_CALL_ROUNDS for n in timings), [r.note for r in ran]
+        assert sum(n > 4 for n in timings) in (0, 2), timings  # the close call times the two fastest alike
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
 
@@ -389,3 +394,131 @@ def test_training_with_the_plan_follows_the_unplanned_run():
     assert len(planned) == len(unplanned) == 3
     assert planned == pytest.approx(unplanned, rel=1e-5)
     assert max(float((planned_state[k] - v).abs().max()) for k, v in unplanned_state.items()) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------ checkpointing's own cost
+def test_a_checkpointed_call_has_one_region_number_in_its_forward_and_its_recompute():
+    """checkpoint_region() names the checkpointed call the code runs in: the same number in the first forward and
+    in the recompute inside the backward, a new one per call, 0 outside; without gradients nothing is checkpointed."""
+    from lightning_memkit.modes.checkpointing import apply_checkpointing
+    from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
+
+    seen = []
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append(checkpoint_region())
+            return torch.tanh(self.layer(x))
+
+    model = torch.nn.Sequential(Block(), Block())
+    handle = apply_checkpointing(model, {Block})
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    assert checkpoint_region() == 0
+    first, second = seen[0], seen[1]
+    assert 0 < first < second and sorted(seen) == sorted([first, second, first, second])  # each call recomputed once
+    seen.clear()
+    with torch.no_grad():
+        model(x)
+    assert seen == [0, 0]
+    handle.remove()
+
+
+def test_the_fake_step_counts_checkpointed_calls_and_the_ops_inside_them():
+    """LinearStack's Sequential checkpointed: one call per micro-batch, its ops the 3 matmuls and 2 ReLUs (a Linear's
+    transpose is a view: no kernel), at any accumulation; without checkpointing, none."""
+    from lightning_memkit.modes.mode import Mode
+
+    module = LinearStack((32, 64, 48, 16), batch_size=8)
+    for micro_batches in (1, 2):
+        plain, checkpointed = OpCosts(), OpCosts()
+        with accumulating(micro_batches):
+            with observing_ops(plain):
+                estimate_memory(module, device="cpu")
+            with observing_ops(checkpointed):
+                estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
+        assert plain.checkpoint_terms == (0.0, 0.0)
+        assert checkpointed.checkpoint_terms == (1.0, 5.0)
+
+
+def test_the_time_model_prices_checkpointed_calls_and_their_ops_per_micro_batch():
+    from lightning_memkit.modes.mode import Mode
+
+    module = LinearStack((32, 64, 48, 16), batch_size=8)
+    costs = OpCosts()
+    with accumulating(2), observing_ops(costs):
+        estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
+    roof = dataclasses.replace(ROOFLINES["h100"], batch_overhead_s=7e-4, step_overhead_s=3e-4)
+    without = TimeModel(roof, scale=2.0)
+    priced = TimeModel(dataclasses.replace(roof, checkpoint_call_s=4e-4, checkpoint_op_s=5e-5), scale=2.0)
+    for accumulation in (1, 4):
+        extra = priced.step_seconds(costs, accumulation) - without.step_seconds(costs, accumulation)
+        assert extra == pytest.approx(accumulation * (1 * 4e-4 + 5 * 5e-5))
+    # the fit keeps them, as measured apart, and finds the scale and per-op overhead beside them
+    truth = TimeModel(dataclasses.replace(priced.roofline, op_overhead_s=3e-5), scale=2.5)
+    plain = OpCosts()
+    with accumulating(2), observing_ops(plain):
+        estimate_memory(module, device="cpu")
+    observed = [(c, a, truth.step_seconds(c, a)) for c, a in ((costs, 1), (plain, 8), (costs, 4))]
+    recovered = priced.fit(observed)
+    assert recovered.scale == pytest.approx(2.5) and recovered.roofline.op_overhead_s == pytest.approx(3e-5)
+    assert (recovered.roofline.checkpoint_call_s, recovered.roofline.checkpoint_op_s) == (4e-4, 5e-5)
+
+
+@pytest.mark.timeout(300)
+def test_checkpointings_cost_is_measured_with_the_plans_own_counting_and_leaves_nothing():
+    from lightning_memkit.plan import checkpoint_cost
+
+    assert checkpoint_cost._counts(3) == (6.0, 6.0)  # a Linear's addmm and a tanh per layer, recomputed whole
+    checkpoint_cost.measure_checkpoint_overheads(5e-6, rounds=1, repeats=1)  # torch's lazily made globals
+    before = live_tensor_bytes()
+    per_call, per_op = checkpoint_cost.measure_checkpoint_overheads(5e-6, rounds=2, repeats=3)
+    assert per_call >= 0 and per_op >= 0 and per_call + per_op > 0  # torch's checkpoint is never free on a CPU
+    assert live_tensor_bytes() == before, describe(live_tensors())
+    assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
+
+
+def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part(monkeypatch):
+    """The rounds' rule with the timings given: three trials timed RETIMING_ROUNDS more times each; two within
+    CLOSE_CALL are then timed alone, in more rounds, until they part (or CLOSE_CALL_ROUNDS run out); a clear
+    winner gets no more rounds."""
+    def rows(first_seconds):
+        made = []
+        for micro, seconds in zip((8, 4, 2), first_seconds):
+            row = planner.PlanRow(Candidate(micro, 8 // micro), 1, seconds, 8 / seconds, True)
+            row.measured_samples_per_s, row.note = 8 / seconds, "ran"
+            made.append(row)
+        return made
+
+    calls = []
+
+    def timings(plan):  # seconds per candidate's micro-batch, a list consumed per call (the last repeats)
+        def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+            calls.append(candidate.micro_batch)
+            queue = plan[candidate.micro_batch]
+            return [queue.pop(0) if len(queue) > 1 else queue[0]]
+        return timed_step
+
+    # a clear winner (micro 8 at 10 ms, the others 20 and 30 ms): 3 rounds of all three, nothing more
+    monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.020], 2: [0.030]}))
+    ran = rows((0.010, 0.020, 0.030))
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 0
+    assert sorted(calls) == sorted([8, 4, 2] * planner.RETIMING_ROUNDS)
+    # a close call (10 vs 10.5 ms) that parts after two more rounds (micro 4's third timing on is 13 ms: its median
+    # is 10.5 ms after 4 timings and 5, 11.75 ms after 6)
+    calls.clear()
+    monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0105, 0.0105, 0.013], 2: [0.030]}))
+    ran = rows((0.010, 0.0105, 0.030))
+    close = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    assert close == 2 and calls.count(2) == planner.RETIMING_ROUNDS and calls.count(8) == calls.count(4) == 3 + 2
+    assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010) and "median of 6 interleaved timings" in ran[0].note
+    # a close call that never parts: CLOSE_CALL_ROUNDS more rounds, then the medians decide
+    calls.clear()
+    monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.030]}))
+    ran = rows((0.010, 0.0101, 0.030))
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
+    assert calls.count(8) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS

@@ -15,7 +15,9 @@ so dropout masks match. Two things are added on top of torch:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -28,9 +30,21 @@ from lightning_memkit.modes.checkpoint_plan import CheckpointPlan
 if TYPE_CHECKING:
     from lightning_memkit.modes.checkpoint_policy import Region
 
-__all__ = ["CheckpointHandle", "checkpointed_call", "frozen_running_stats", "is_checkpointed", "unwrap_modules", "wrap_regions"]
+__all__ = ["CheckpointHandle", "checkpointed_call", "checkpoint_region", "frozen_running_stats", "is_checkpointed",
+           "unwrap_modules", "wrap_regions"]
 
 _STATE_ATTR = "_memkit_checkpoint_state"
+
+#: the checkpointed call the running code is inside (0: none); a new number per call, the same in its recompute
+_REGION: contextvars.ContextVar[int] = contextvars.ContextVar("memkit_checkpoint_region", default=0)
+_REGION_NUMBERS = itertools.count(1)
+
+
+def checkpoint_region() -> int:
+    """The number of the checkpointed call (:func:`checkpointed_call`) the calling code runs inside, in its first
+    forward and in its recompute alike; 0 outside any. The planner's time model counts the ops of checkpointed
+    regions with it: a region costs more than its ops (torch's saved-tensor hooks, the recompute's bookkeeping)."""
+    return _REGION.get()
 
 
 def _has_running_stats(module: nn.Module) -> bool:
@@ -74,11 +88,19 @@ def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Mo
         # BatchNorm's running statistics are updated once (by the forward) without memkit's freeze.
         return _torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     stat_modules = tuple(stat_modules)
+    number = next(_REGION_NUMBERS)
 
     def contexts() -> tuple[Any, Any]:
         return contextlib.nullcontext(), frozen_running_stats(stat_modules)
 
-    return _torch_checkpoint(function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs)
+    def region(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        token = _REGION.set(number)
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            _REGION.reset(token)
+
+    return _torch_checkpoint(region, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs)
 
 
 def _compiling() -> bool:

@@ -32,12 +32,13 @@ from typing import Any, Iterator
 import torch
 
 from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
+from lightning_memkit.plan.checkpoint_cost import measure_checkpoint_overheads
 from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, roofline_for
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
-           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS"]
+           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ROUNDS"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -56,6 +57,10 @@ MAX_TIMED_STEPS = 200
 RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
+#: CPU: after the rounds, two fastest trials whose median steps are closer than this share are a close call...
+CLOSE_CALL = 0.10
+#: ...and those two are timed in up to this many more rounds (each TIMED_SECONDS / 2), until they part
+CLOSE_CALL_ROUNDS = 4
 
 
 class PlanError(ValueError):
@@ -563,7 +568,8 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
             :data:`MAX_TIMED_STEPS`), and when several trials ran each is timed :data:`RETIMING_ROUNDS` times more
             for half as long, in rounds of alternating order, the median counting (a CPU's speed drifts by tens of
-            percent within seconds); 0 times ``timed_steps`` steps once.
+            percent within seconds), and the two fastest, when within :data:`CLOSE_CALL`, up to
+            :data:`CLOSE_CALL_ROUNDS` times more; 0 times ``timed_steps`` steps once.
 
     Returns:
         a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here
@@ -674,8 +680,14 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         if device_type == "cpu" and can_run:
             # Lightning's own cost per micro-batch and per step, measured here: what no op of the fake step shows
             per_batch, per_step = _loop_overheads()
+            per_call, per_inside = 0.0, 0.0
+            if any(r.costs is not None and r.costs.regions for r in rows):
+                # what torch's checkpoint runs in Python per checkpointed call and per op inside one, measured here:
+                # on a CPU it outweighs the recomputed FLOPs of a small micro-batch
+                per_call, per_inside = measure_checkpoint_overheads(model.roofline.op_overhead_s)
             base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
-                                                               step_overhead_s=per_step))
+                                                               step_overhead_s=per_step, checkpoint_call_s=per_call,
+                                                               checkpoint_op_s=per_inside))
             # one timed real step at the smallest micro-batch estimated (where the per-op overhead weighs most): a
             # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
@@ -708,17 +720,22 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 _repredict(rows, model)
         ran = [r for r in rows if r.ran]
         if device_type == "cpu" and timed_seconds > 0 and len(ran) > 1:
-            _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
+            close_rounds = _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
             observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
             model = base_model.fit(observations)
             _repredict(rows, model)
             notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
-                         "counts): a CPU's speed drifts by tens of percent while a plan runs")
+                         "counts): a CPU's speed drifts by tens of percent while a plan runs"
+                         + (f"; the two fastest were within {CLOSE_CALL:.0%} and were timed in {close_rounds} more "
+                            "rounds" if close_rounds else ""))
         if device_type == "cpu" and observations:
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
                          f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
                          f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
-                         f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step")
+                         f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step"
+                         + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
+                            f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
+                            if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s else ""))
         best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
         rows = _ranked(rows)
         if best is None and can_run:
@@ -764,16 +781,31 @@ def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: st
 
 
 def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
-                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> None:
+                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> int:
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
     time for ``seconds / 2``: a row's step is the median of its first timing and these, so the machine's phases of
-    speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. The configurations
-    fit already (the trial measured their peak): no budget here."""
+    speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. When the two fastest
+    are then within :data:`CLOSE_CALL`, those two are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until
+    they part. The configurations fit already (the trial measured their peak): no budget here. Returns the close
+    call's rounds."""
     medians = {id(row): [_observation(row)[2]] for row in ran}
-    for round_ in range(rounds):
-        for row in (ran[::-1] if round_ % 2 == 0 else ran):
+
+    def time_again(rows: list[PlanRow], round_: int) -> None:
+        for row in (rows[::-1] if round_ % 2 == 0 else rows):
             again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
             medians[id(row)].append(again)
+
+    for round_ in range(rounds):
+        time_again(ran, round_)
+    # a close call between the two fastest is timed on, those two alone, until they part or the rounds run out: the
+    # median of four timings still moves by several percent on a noisy CPU, more than such a difference
+    close_rounds = 0
+    while close_rounds < CLOSE_CALL_ROUNDS:
+        first, second = sorted(ran, key=lambda row: statistics.median(medians[id(row)]))[:2]
+        if statistics.median(medians[id(second)]) > statistics.median(medians[id(first)]) * (1 + CLOSE_CALL):
+            break
+        time_again([first, second], rounds + close_rounds)
+        close_rounds += 1
     for row in ran:
         each = medians[id(row)]
         step = statistics.median(each)
@@ -781,3 +813,4 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         row.note = (f"ran: step {step * 1e3:.1f} ms (median of {len(each)} interleaved timings: "
                     f"{', '.join(f'{t * 1e3:.1f}' for t in each)} ms)")
         say(f"memkit plan: timed in {len(each)} rounds: {row.candidate.describe()} -> {step * 1e3:.1f} ms")
+    return close_rounds

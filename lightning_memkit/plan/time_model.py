@@ -9,12 +9,15 @@ backward) and the once-per-step part (the optimizer).
 
 One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch and
 dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (micro-batch ops +
-batch_overhead) + optimizer ops + step_overhead`` (the overheads: the training loop's own cost, which no op shows).
+batch_overhead + checkpointing's overhead) + optimizer ops + step_overhead`` (the overheads: the training loop's own
+cost, which no op shows, and what torch's checkpoint runs in Python per checkpointed call and per op inside one).
 The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's dense peak FLOP/s per dtype, HBM
 bandwidth, host link). On CPU they are measured on this machine by :func:`calibrate_cpu` (a matmul, a large
-elementwise op, a tiny op: about 0.1 s, no model step), the loop's overheads are measured by the planner (a trivial
-module in Lightning's loop), and the per-op overhead and the kernels' scale are fitted (:meth:`TimeModel.fit`) to one
-timed real step at a small micro-batch (calibration, not a trial) and to every real trial as it ends.
+elementwise op, a tiny op: about 0.1 s, no model step), the loop's overheads and checkpointing's are measured by the
+planner (a trivial module in Lightning's loop; a chain of tiny blocks plain and checkpointed,
+:mod:`~lightning_memkit.plan.checkpoint_cost`), and the per-op overhead and the kernels' scale are fitted
+(:meth:`TimeModel.fit`) to one timed real step at a small micro-batch (calibration, not a trial) and to every real
+trial as it ends.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
 __all__ = ["Roofline", "ROOFLINES", "roofline_for", "calibrate_cpu", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
@@ -47,6 +51,11 @@ class Roofline:
         batch_overhead_s: seconds per micro-batch beyond its ops (Lightning's loop, hooks, the batch's transfer).
         memory_bytes: the device's memory, bytes (the budget when none is given; 0 for the CPU).
         step_overhead_s: seconds per optimizer step beyond its ops (Lightning's optimizer loop, ``zero_grad``).
+        checkpoint_call_s: seconds per checkpointed call beyond its ops (torch's checkpoint frame, the recompute's
+            start; Python on the host). Measured on CPU (:mod:`~lightning_memkit.plan.checkpoint_cost`); 0 in the
+            GPU rows (not measured there: a GPU plan's trials time it).
+        checkpoint_op_s: seconds per op inside a checkpointed call beyond the op (the saved-tensor hooks of the
+            forward, the recompute and the backward). Measured on CPU; 0 in the GPU rows.
     """
 
     name: str
@@ -58,6 +67,8 @@ class Roofline:
     batch_overhead_s: float = 1e-3
     memory_bytes: int = 0
     step_overhead_s: float = 0.0
+    checkpoint_call_s: float = 0.0
+    checkpoint_op_s: float = 0.0
 
 
 _T = 1e12
@@ -177,6 +188,8 @@ class OpCosts:
         self.micro = _Ops()
         self.optimizer = _Ops()
         self.micro_batches = 1
+        self.regions: set[int] = set()  # the checkpointed calls of the step's forwards
+        self.region_ops = 0  # the ops inside them (their first forward; the recompute's are in micro too)
 
     def __call__(self, func: Any, args: Any, kwargs: Any, result: Any, accountant: Any) -> None:
         if accountant.step != self.step:
@@ -191,6 +204,15 @@ class OpCosts:
         flops = op_flops(func, args, kwargs, result)
         target = self.optimizer if accountant.label == "optimizer" else self.micro
         target.add(flops, nbytes, out_dtype in _LOW)
+        region = checkpoint_region()
+        if region and accountant.label == "forward":
+            self.regions.add(region)
+            self.region_ops += 1
+
+    @property
+    def checkpoint_terms(self) -> tuple[float, float]:
+        """Per micro-batch: ``(checkpointed regions, ops inside them)`` (their first forward)."""
+        return len(self.regions) / self.micro_batches, self.region_ops / self.micro_batches
 
     @property
     def micro_batch_flops(self) -> float:
@@ -203,7 +225,8 @@ class TimeModel:
     """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds).
 
     ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
-    [+ offload copies]) + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``.
+    + checkpoint_call * checkpointed calls + checkpoint_op * ops inside them [+ offload copies])
+    + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``.
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
@@ -217,7 +240,14 @@ class TimeModel:
         """(roofline seconds, overhead seconds) of one step."""
         roof = self.roofline
         kernels, ops = self._terms(costs, accumulation)
-        return kernels, ops * roof.op_overhead_s + accumulation * roof.batch_overhead_s + roof.step_overhead_s
+        return kernels, ops * roof.op_overhead_s + self._measured_overheads(costs, accumulation)
+
+    def _measured_overheads(self, costs: OpCosts, accumulation: int) -> float:
+        """Seconds of one step that the roofline's measured overheads give: Lightning's loop, checkpointing's frames."""
+        roof = self.roofline
+        calls, inside = costs.checkpoint_terms
+        checkpointing = calls * roof.checkpoint_call_s + inside * roof.checkpoint_op_s
+        return accumulation * (roof.batch_overhead_s + checkpointing) + roof.step_overhead_s
 
     def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
@@ -237,7 +267,8 @@ class TimeModel:
         """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``.
 
         The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
-        step) are measured apart and kept; the kernel scale ``a`` and the per-op overhead ``o`` solve
+        step) and checkpointing's (:attr:`Roofline.checkpoint_call_s`, :attr:`Roofline.checkpoint_op_s`) are measured
+        apart and kept; the kernel scale ``a`` and the per-op overhead ``o`` solve
         ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided by
         its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
         that is not positive) only the scale is fitted and the per-op overhead kept."""
@@ -246,7 +277,7 @@ class TimeModel:
         for costs, accumulation, seconds in observations:
             if seconds > 0:
                 kernels, ops = self._terms(costs, accumulation)
-                loop = accumulation * roof.batch_overhead_s + roof.step_overhead_s
+                loop = self._measured_overheads(costs, accumulation)
                 terms.append((kernels / seconds, ops / seconds, (seconds - loop) / seconds))
         if not terms:
             return self
