@@ -185,6 +185,7 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
         assert sum(n > 4 for n in timings) in (0, 2), timings  # the close call times the two fastest alike
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
+    assert any("calibrate it (not trials)" in note and "once per step" in note for note in plan.notes)
 
 
 def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkeypatch):
@@ -522,3 +523,33 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     ran = rows((0.010, 0.0101, 0.030))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
     assert calls.count(8) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+
+
+def test_a_measured_once_per_step_part_replaces_the_optimizers_ops():
+    """TimeModel(step_s=...): the optimizer's ops are out of the step's terms, step_s is in it once per step whatever
+    the accumulation, and the fit keeps it while it finds the scale and per-op overhead of the model's own ops."""
+    module = LinearStack((32, 64, 48, 16), batch_size=8, optimizer="adam")
+    costs = OpCosts()
+    with accumulating(2), observing_ops(costs):
+        estimate_memory(module, device="cpu")
+    assert costs.optimizer.count > 0
+    roof = dataclasses.replace(ROOFLINES["h100"], batch_overhead_s=7e-4, step_overhead_s=3e-4)
+    from_ops, measured = TimeModel(roof), TimeModel(roof, step_s=5e-3)
+    micro_ops = costs.micro.count / costs.micro_batches
+    for accumulation in (1, 4):
+        kernels, ops = measured._terms(costs, accumulation)
+        assert ops == accumulation * micro_ops
+        assert measured.step_seconds(costs, accumulation) == pytest.approx(
+            kernels + ops * roof.op_overhead_s + accumulation * 7e-4 + 5e-3)
+        assert from_ops._terms(costs, accumulation)[1] == accumulation * micro_ops + costs.optimizer.count
+    small = OpCosts()  # a micro-batch of 1: another ratio of kernels to ops
+    with accumulating(2), observing_ops(small):
+        estimate_memory(module, 1, device="cpu")
+    truth = dataclasses.replace(measured, scale=3.0, roofline=dataclasses.replace(roof, op_overhead_s=4e-5))
+    recovered = measured.fit([(costs, 1, truth.step_seconds(costs, 1)), (small, 8, truth.step_seconds(small, 8))])
+    assert recovered.scale == pytest.approx(3.0) and recovered.roofline.op_overhead_s == pytest.approx(4e-5)
+    assert recovered.step_s == 5e-3
+    # one micro-batch at two accumulations (the calibration alone): kernels and ops in one ratio, no split of them:
+    # the scale alone is fitted, the per-op overhead kept
+    alone = measured.fit([(small, a, truth.step_seconds(small, a)) for a in (1, 4)])
+    assert alone.roofline.op_overhead_s == roof.op_overhead_s and 0 < alone.scale < float("inf")

@@ -38,7 +38,8 @@ from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
-           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ROUNDS"]
+           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ROUNDS",
+           "CALIBRATION_ACCUMULATION"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -57,6 +58,9 @@ MAX_TIMED_STEPS = 200
 RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
+#: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
+#: micro-batch; the rest: the once-per-step part)
+CALIBRATION_ACCUMULATION = 4
 #: CPU: after the rounds, two fastest trials whose median steps are closer than this share are a close call...
 CLOSE_CALL = 0.10
 #: ...and those two are timed in up to this many more rounds (each TIMED_SECONDS / 2), until they part
@@ -459,6 +463,19 @@ def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str,
     return timed_seconds
 
 
+def _calibration_steps(module: Any, candidate: Candidate, batch: Any, device_type: str, seconds: float,
+                       rounds: int = 2) -> dict[int, float]:
+    """``{accumulation: median seconds per optimizer step}`` of ``candidate``'s micro-batch at accumulation 1 and
+    :data:`CALIBRATION_ACCUMULATION`, timed in ``rounds`` rounds of alternating order (each ``seconds / 2 / rounds``):
+    the machine's phases fall on both alike."""
+    each: dict[int, list[float]] = {1: [], CALIBRATION_ACCUMULATION: []}
+    for round_ in range(rounds):
+        for accumulation in (sorted(each) if round_ % 2 == 0 else sorted(each, reverse=True)):
+            probe = Candidate(candidate.micro_batch, accumulation, candidate.precision)
+            each[accumulation] += _timed_step(module, probe, batch, device_type, 1, 2, seconds / 2 / rounds)
+    return {accumulation: statistics.median(seconds_) for accumulation, seconds_ in each.items()}
+
+
 def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float]:
     """Lightning's own cost on this CPU, seconds: ``(per micro-batch, per optimizer step)``, from a module with one
     ``Linear(1, 1)`` trained with accumulation 1 and ``accumulation`` (the medians' difference is the micro-batches'
@@ -688,18 +705,25 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
-            # one timed real step at the smallest micro-batch estimated (where the per-op overhead weighs most): a
-            # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes
+            # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
+            # accumulation 1 and CALIBRATION_ACCUMULATION: a calibration of the time model, not a trial (no budget, no
+            # candidate chosen by it), said in the notes. Their difference is a micro-batch's time, the rest the
+            # once-per-step part (the optimizer, zero_grad, the loop), the same for every candidate: measured, it
+            # keeps the optimizer's many cheap ops out of the per-op overhead fitted to the model's
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
-                probe = Candidate(small.candidate.micro_batch, 1, small.candidate.precision)
-                calibration = statistics.median(_timed_step(module, probe, batch, device_type, 1, 3, timed_seconds / 2))
-                calibrations.append((small.costs, 1, calibration))
-                observations.append(calibrations[-1])
+                timings = _calibration_steps(module, small.candidate, batch, device_type, timed_seconds)
+                one, many = timings[1], timings[CALIBRATION_ACCUMULATION]
+                per_micro = max(many - one, 0.0) / (CALIBRATION_ACCUMULATION - 1)
+                base_model = dataclasses.replace(base_model, step_s=max(one - per_micro, per_step))
+                calibrations += [(small.costs, 1, one), (small.costs, CALIBRATION_ACCUMULATION, many)]
+                observations += calibrations
                 model = base_model.fit(observations)
-                notes.append(f"CPU time model: one timed real step at micro-batch {probe.micro_batch} calibrates it "
-                             "(not a trial); each trial refits it")
+                notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
+                             f"1 and {CALIBRATION_ACCUMULATION} calibrate it (not trials): "
+                             f"{per_micro * 1e3:.2f} ms per micro-batch, {base_model.step_s * 1e3:.2f} ms once per step "
+                             "(the optimizer, the loop); each trial refits it")
         _repredict(rows, model)
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]

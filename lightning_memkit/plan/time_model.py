@@ -226,15 +226,21 @@ class TimeModel:
 
     ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
     + checkpoint_call * checkpointed calls + checkpoint_op * ops inside them [+ offload copies])
-    + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``.
+    + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``; with :attr:`step_s` measured,
+    its last three terms are ``step_s``.
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
         scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit`).
+        step_s: the once-per-step part measured, seconds (the optimizer step, ``zero_grad``, Lightning's optimizer
+            loop: the same for every candidate of one module), or ``None``: from the optimizer's ops. On a CPU the
+            optimizer's many tiny ops cost a fraction of the model's per op, which one fitted per-op overhead
+            cannot say.
     """
 
     roofline: Roofline
     scale: float = 1.0
+    step_s: float | None = None
 
     def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds, overhead seconds) of one step."""
@@ -247,7 +253,8 @@ class TimeModel:
         roof = self.roofline
         calls, inside = costs.checkpoint_terms
         checkpointing = calls * roof.checkpoint_call_s + inside * roof.checkpoint_op_s
-        return accumulation * (roof.batch_overhead_s + checkpointing) + roof.step_overhead_s
+        once = roof.step_overhead_s if self.step_s is None else self.step_s
+        return accumulation * (roof.batch_overhead_s + checkpointing) + once
 
     def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
@@ -259,8 +266,11 @@ class TimeModel:
     def _terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds of the step's kernels at scale 1, the step's op count)."""
         roof = self.roofline
-        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches + costs.optimizer.kernel_seconds(roof)
-        ops = accumulation * costs.micro.count / costs.micro_batches + costs.optimizer.count
+        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches
+        ops = accumulation * costs.micro.count / costs.micro_batches
+        if self.step_s is None:  # the optimizer from its ops; else it is in step_s
+            kernels += costs.optimizer.kernel_seconds(roof)
+            ops += costs.optimizer.count
         return kernels, ops
 
     def fit(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
@@ -268,7 +278,7 @@ class TimeModel:
 
         The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
         step) and checkpointing's (:attr:`Roofline.checkpoint_call_s`, :attr:`Roofline.checkpoint_op_s`) are measured
-        apart and kept; the kernel scale ``a`` and the per-op overhead ``o`` solve
+        apart and kept, and so is :attr:`step_s` when measured; the kernel scale ``a`` and the per-op overhead ``o`` solve
         ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided by
         its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
         that is not positive) only the scale is fitted and the per-op overhead kept."""
@@ -288,7 +298,7 @@ class TimeModel:
             skt = sum(k * t for k, _, t in terms)
             snt = sum(n * t for _, n, t in terms)
             det = skk * snn - skn * skn
-            if det > 1e-12 * skk * snn:
+            if det > 1e-6 * skk * snn:  # else the observations' kernels and ops are in one ratio: no split
                 scale = (skt * snn - skn * snt) / det
                 overhead = (skk * snt - skn * skt) / det
                 if scale > 0 and overhead > 0:
