@@ -16,8 +16,8 @@ bandwidth, host link). On CPU they are measured on this machine by :func:`calibr
 elementwise op, a tiny op: about 0.1 s, no model step), the loop's overheads and checkpointing's are measured by the
 planner (a trivial module in Lightning's loop; a chain of tiny blocks plain and checkpointed,
 :mod:`~lightning_memkit.plan.checkpoint_cost`), and the per-op overhead and the kernels' scale are fitted
-(:meth:`TimeModel.fit`) to one timed real step at a small micro-batch (calibration, not a trial) and to every real
-trial as it ends.
+(:meth:`TimeModel.fit`) to real steps at a small micro-batch with accumulation 1 and 4 (calibration, not trials:
+their difference also measures the once-per-step part, :attr:`TimeModel.step_s`) and to every real trial as it ends.
 """
 
 from __future__ import annotations
