@@ -50,9 +50,10 @@ class _Chain(nn.Module):
 
 
 @functools.lru_cache(maxsize=None)
-def _counts(depth: int) -> tuple[float, float]:
-    """For one checkpointed block of ``depth`` layers, as the plan's fake step counts them: ``(ops the recompute adds,
-    ops inside the checkpointed call)``. The same for every run of this torch (about a second each: kept)."""
+def _counts(depth: int) -> tuple[float, float, float]:
+    """For one block of ``depth`` layers, as the plan's fake step counts them: ``(ops of its plain forward and
+    backward, ops the recompute adds when it is checkpointed, ops inside the checkpointed call)``. The same for every
+    run of this torch (about half a second each, the first time: kept)."""
     from lightning_memkit.estimate.core import estimate_memory, observing_ops
     from lightning_memkit.modes.mode import Mode
     from lightning_memkit.plan.time_model import OpCosts
@@ -70,7 +71,7 @@ def _counts(depth: int) -> tuple[float, float]:
     if calls != 1:  # the block is one checkpointed call, or the counting is not what this module assumes
         raise RuntimeError(f"a checkpointed block counted as {calls} calls")
     recompute = (checkpointed.micro.count - plain.micro.count) / checkpointed.micro_batches
-    return recompute, inside
+    return plain.micro.count / plain.micro_batches, recompute, inside
 
 
 def _seconds(chain: _Chain, sample: torch.Tensor, repeats: int) -> float:
@@ -80,22 +81,23 @@ def _seconds(chain: _Chain, sample: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def measure_checkpoint_overheads(op_overhead_s: float, rounds: int = 5, repeats: int = 10) -> tuple[float, float]:
-    """Seconds this CPU spends per checkpointed call and per op inside one, beyond what the time model already
-    charges for the ops (``op_overhead_s`` for each op the fake step counts, the recompute's included):
-    ``(per call, per op inside)``, both >= 0.
+def measure_checkpoint_overheads(rounds: int = 5, repeats: int = 10) -> tuple[float, float]:
+    """Seconds this CPU spends per checkpointed call and per op inside one beyond running the recomputed ops again:
+    ``(per call, per op inside)``, both >= 0. The time model charges the recompute's ops as it charges every op (the
+    fake step counts them) and these on top.
 
-    A chain of :data:`_BLOCKS` tiny blocks (``Linear(8, 8)`` + ``tanh``, 1 and 4 of them per block) runs forward and
+    A chain of :data:`_BLOCKS` tiny blocks (``Linear(8, 8)`` + ``tanh``, 1 and 8 of them per block) runs forward and
     backward plain and with every block checkpointed, in ``rounds`` rounds that alternate the order; each variant's
-    fastest round counts (the machine's noise only ever adds time). Takes about half a second; nothing it made
-    outlives the call."""
+    fastest round counts (the machine's noise only ever adds time). The recompute's ops are taken out at the plain
+    chain's own time per op. About 0.7 s (the first call in a process about a second more: the fake step counts the
+    blocks' ops once); nothing it made outlives the call."""
     from lightning_memkit.estimate.batches import preserved_rng
     from lightning_memkit.modes.checkpointing import apply_checkpointing
 
-    extra_per_call: list[tuple[float, float]] = []  # (ops inside a call, seconds per call beyond the counted ops)
+    extra_per_call: list[tuple[float, float]] = []  # (ops inside a call, seconds per call beyond its recompute)
     with preserved_rng():
         for depth in _DEPTHS:
-            recompute, inside = _counts(depth)
+            plain_ops, recompute, inside = _counts(depth)
             chain = _Chain(depth)
             sample = torch.randn(2, 8)
             best = {False: float("inf"), True: float("inf")}
@@ -108,7 +110,8 @@ def measure_checkpoint_overheads(op_overhead_s: float, rounds: int = 5, repeats:
                     finally:
                         if handle is not None:
                             handle.remove()
-            extra = (best[True] - best[False]) / _BLOCKS - recompute * op_overhead_s  # the recompute as the model charges it
+            per_op = best[False] / (_BLOCKS * plain_ops)  # the plain chain's seconds per counted op
+            extra = (best[True] - best[False]) / _BLOCKS - recompute * per_op
             extra_per_call.append((inside, max(extra, 0.0)))
             del chain, sample
     (ops_small, small), (ops_large, large) = extra_per_call
@@ -123,7 +126,4 @@ def describe(overheads: Any) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look: python -m lightning_memkit.plan.checkpoint_cost
-    from lightning_memkit.plan.time_model import calibrate_cpu
-
-    overhead = calibrate_cpu().op_overhead_s
-    print(f"{describe(measure_checkpoint_overheads(overhead))} (op overhead {overhead * 1e6:.1f} us)")
+    print(describe(measure_checkpoint_overheads()))

@@ -11,7 +11,10 @@
    optimizer state and the RNG states are untouched), :data:`WARMUP_STEPS` optimizer steps of warm-up then
    :data:`TIMED_STEPS` timed ones (``perf_counter`` on CPU, CUDA events on GPU; the median), the peak measured (the
    accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
-   cleanly; ``max_memory_allocated`` on CUDA). On CPU the first trial also calibrates the time model's scale.
+   cleanly; ``max_memory_allocated`` on CUDA). On CPU the time model is first calibrated (Lightning's loop,
+   checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
+   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`), every trial refits it, a trial's timing runs for
+   :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds (a close call longer).
 4. The best is the fastest trial that fit: never a configuration that did not run.
 """
 
@@ -463,6 +466,17 @@ def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str,
     return timed_seconds
 
 
+def _split_calibration(one: float, many: float, per_batch: float, per_step: float) -> tuple[float, float | None]:
+    """Seconds of one step at accumulation 1 and at :data:`CALIBRATION_ACCUMULATION` -> ``(one micro-batch, the
+    once-per-step part)``: their difference is the added micro-batches, the rest of the first step the part paid once
+    (at least Lightning's measured ``per_step``). ``None`` for the second when the timings cannot be told apart (a
+    micro-batch no dearer than the loop's own ``per_batch``: the machine's noise)."""
+    per_micro = (many - one) / (CALIBRATION_ACCUMULATION - 1)
+    if per_micro <= per_batch:
+        return max(per_micro, 0.0), None
+    return per_micro, max(one - per_micro, per_step)
+
+
 def _calibration_steps(module: Any, candidate: Candidate, batch: Any, device_type: str, seconds: float,
                        rounds: int = 2) -> dict[int, float]:
     """``{accumulation: median seconds per optimizer step}`` of ``candidate``'s micro-batch at accumulation 1 and
@@ -701,7 +715,7 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             if any(r.costs is not None and r.costs.regions for r in rows):
                 # what torch's checkpoint runs in Python per checkpointed call and per op inside one, measured here:
                 # on a CPU it outweighs the recomputed FLOPs of a small micro-batch
-                per_call, per_inside = measure_checkpoint_overheads(model.roofline.op_overhead_s)
+                per_call, per_inside = measure_checkpoint_overheads()
             base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
@@ -715,15 +729,18 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             if small is not None and small.candidate.micro_batch < effective:
                 timings = _calibration_steps(module, small.candidate, batch, device_type, timed_seconds)
                 one, many = timings[1], timings[CALIBRATION_ACCUMULATION]
-                per_micro = max(many - one, 0.0) / (CALIBRATION_ACCUMULATION - 1)
-                base_model = dataclasses.replace(base_model, step_s=max(one - per_micro, per_step))
+                per_micro, once = _split_calibration(one, many, per_batch, per_step)
+                base_model = dataclasses.replace(base_model, step_s=once)
                 calibrations += [(small.costs, 1, one), (small.costs, CALIBRATION_ACCUMULATION, many)]
                 observations += calibrations
                 model = base_model.fit(observations)
                 notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
                              f"1 and {CALIBRATION_ACCUMULATION} calibrate it (not trials): "
-                             f"{per_micro * 1e3:.2f} ms per micro-batch, {base_model.step_s * 1e3:.2f} ms once per step "
-                             "(the optimizer, the loop); each trial refits it")
+                             + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
+                                "(the optimizer, the loop)" if once is not None else
+                                "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
+                                "from its ops)")
+                             + "; each trial refits it")
         _repredict(rows, model)
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
@@ -756,7 +773,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
                          f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
                          f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
-                         f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step"
+                         + (f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step" if model.step_s is None else
+                            f"{model.step_s * 1e3:.2f} ms once per step with the optimizer (calibrated)")
                          + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
                             f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
                             if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s else ""))
@@ -824,11 +842,12 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     # a close call between the two fastest is timed on, those two alone, until they part or the rounds run out: the
     # median of four timings still moves by several percent on a noisy CPU, more than such a difference
     close_rounds = 0
+    pair = sorted(ran, key=lambda row: statistics.median(medians[id(row)]))[:2]  # the two fastest, chosen once
     while close_rounds < CLOSE_CALL_ROUNDS:
-        first, second = sorted(ran, key=lambda row: statistics.median(medians[id(row)]))[:2]
+        first, second = sorted(pair, key=lambda row: statistics.median(medians[id(row)]))
         if statistics.median(medians[id(second)]) > statistics.median(medians[id(first)]) * (1 + CLOSE_CALL):
             break
-        time_again([first, second], rounds + close_rounds)
+        time_again(pair, rounds + close_rounds)
         close_rounds += 1
     for row in ran:
         each = medians[id(row)]

@@ -233,7 +233,8 @@ class TimeModel:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
         scale: measured / roofline time of the ops' kernels (1.0 before calibration, see :meth:`fit`).
         step_s: the once-per-step part measured, seconds (the optimizer step, ``zero_grad``, Lightning's optimizer
-            loop: the same for every candidate of one module), or ``None``: from the optimizer's ops. On a CPU the
+            loop: the same for every candidate of one module at the precision it was measured in; a ``16-mixed``
+            candidate's GradScaler work per step is not in it), or ``None``: from the optimizer's ops. On a CPU the
             optimizer's many tiny ops cost a fraction of the model's per op, which one fitted per-op overhead
             cannot say.
     """
