@@ -481,8 +481,10 @@ def test_checkpointings_cost_is_measured_with_the_plans_own_counting_and_leaves_
     assert plain > 2 * inside  # the forward's 6 ops, their backward's and the loss's
     checkpoint_cost.measure_checkpoint_overheads(rounds=1, repeats=1)  # torch's lazily made globals
     before = live_tensor_bytes()
+    in_cycles_before = live_tensor_bytes(collect=False)  # right after a collection: nothing waits in a cycle
     per_call, per_op = checkpoint_cost.measure_checkpoint_overheads(rounds=2, repeats=3)
     assert per_call >= 0 and per_op >= 0 and per_call + per_op > 0  # torch's checkpoint is never free on a CPU
+    assert live_tensor_bytes(collect=False) == in_cycles_before, describe(live_tensors(collect=False))  # no cycle
     assert live_tensor_bytes() == before, describe(live_tensors())
     assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
 
