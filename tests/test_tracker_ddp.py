@@ -116,8 +116,12 @@ def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     for tag in ("memory/train/peak_tensor_MiB", "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB",
                 "memory/train/rank0/host_rss_MiB", "memory/train/rank1/host_peak_rss_MiB"):
         assert [s for s, _ in scalars[tag]] == [0, 1, 2], tag
-    # rank 1 holds exactly 4 MiB more at the same peak moment; the logged value is the max
-    assert [b - a for a, b in zip(rank0, rank1)] == [4 * EXTRA_ELEMENTS] * 3
+    # rank 1 holds 4 MiB more at the same peak moment; the logged value is the max. "Exactly" holds up to a
+    # scalar or two: the process scope counts every live tensor, and a background thread (gloo's workers,
+    # TensorBoard's writer on rank 0) can let go of a few bytes at a moment that depends on scheduling. One
+    # loaded CI run saw 4194300 at step 1 (a 4-byte scalar on one rank); 4 MiB missing or doubled still fails.
+    differences = [b - a for a, b in zip(rank0, rank1)]
+    assert all(abs(d - 4 * EXTRA_ELEMENTS) <= 32 for d in differences), differences
     assert maximum == [max(a, b) for a, b in zip(rank0, rank1)] == rank1
     assert [r["peak_tensor_bytes"] for r in history] == maximum
     host0 = bytes_of("memory/train/rank0/host_rss_MiB")
