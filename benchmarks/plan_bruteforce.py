@@ -9,8 +9,10 @@ an eighth's). For each case:
   checkpointing, precision unchanged) trained for real, ``WARMUP`` optimizer steps then ``TIMED`` timed ones
   (median samples/s), in ``ROUNDS`` rounds of rotated order (the median of the rounds; configurations that are the
   same program pooled), its peak counted by the budget's accountant; the fastest that fit is the reference;
-- the planner (``plan_fit``, at most 3 real trials): its choice's samples/s (as brute force measured it) within 5%
-  of the best? its trials, and whether its choice's real peak stayed under the budget;
+- the planner (``plan_fit``, at most 3 real trials): its choice's samples/s within 5% of the best? its trials, and
+  whether its choice's real peak stayed under the budget. When the choice is not the brute-force best (nor the same
+  program), the two are timed side by side in ``HEAD_TO_HEAD`` more rounds and the median of the per-round ratios is
+  the verdict (brute force's medians come from rounds minutes apart, and this machine drifts by tens of percent);
 - Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
   configurations that fit in brute force;
 - a Composer-style "halve the micro-batch until it fits, accumulate" and a BatchSizeFinder-style "largest power-of-two
@@ -21,7 +23,7 @@ The trials run through the planner's own trial runner (a real Trainer on a copy,
 so brute force, the planner and the baselines are measured the same way. Prints one markdown table.
 
 Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (environment: PLAN_BRUTE_ROUNDS, default 5;
-PLAN_BRUTE_TIMED, default 10. One model's brute force is 15 configurations x ROUNDS x (1 + TIMED) optimizer steps:
+PLAN_BRUTE_TIMED, default 10; PLAN_BRUTE_HEAD_TO_HEAD, default 9. One model's brute force is 15 configurations x ROUNDS x (1 + TIMED) optimizer steps:
 minutes on an idle CPU; stderr has every configuration's rounds and every plan row's prediction beside its
 measurement. docs/plan.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7, 16 minutes)
 """
@@ -43,6 +45,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 WARMUP, TIMED = 1, int(os.environ.get("PLAN_BRUTE_TIMED", "10"))
 #: rounds of the brute force (every configuration once per round, the order rotated; the median of the rounds)
 ROUNDS = int(os.environ.get("PLAN_BRUTE_ROUNDS", "5"))
+#: rounds of the side-by-side check of the planner's choice against the brute-force best (when they differ)
+HEAD_TO_HEAD_ROUNDS = int(os.environ.get("PLAN_BRUTE_HEAD_TO_HEAD", "9"))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -137,7 +141,7 @@ def _budgets(module, batch: int) -> list[tuple[str, int]]:
     return [("mild", (peak[batch] + peak[batch // 2]) // 2), ("tight", (peak[batch // 4] + peak[batch // 8]) // 2)]
 
 
-def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float]:
+def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     """Every configuration of the planner's space trained for real with no budget: ``{candidate: (peak bytes, median
     samples/s)}``. A budget's trial fails exactly when this peak (the same accountant's) is above it, so each budget's
     fitting set is read from these runs instead of training every configuration again per budget.
@@ -181,7 +185,29 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float]:
         print(f"#   {candidate.describe()}: peak {peak:,} B, {samples:.1f} samples/s (rounds: "
               f"{', '.join(f'{s:.0f}' for s in speeds[candidate])}; spread {spread:.0%})"
               + (f"; the same program as {', '.join(twins)}: rounds pooled" if twins else ""), file=sys.stderr, flush=True)
-    return runs, time.perf_counter() - started
+    return runs, time.perf_counter() - started, dict(module=module, sample=sample, same=same)
+
+
+def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list[float]]:
+    """The planner's choice against the brute-force best, side by side: ``rounds`` rounds, each timing both (the order
+    alternating), and the median of the per-round ratios ``chosen / best`` (samples/s), with the ratios.
+
+    Brute force's medians come from rounds minutes apart, and this machine's speed drifts by tens of percent within a
+    minute: two configurations a few percent apart can swap places between two brute-force runs. A ratio taken within
+    one round (two trials seconds apart) cancels most of the drift, so it is what "within 5% of the best" is read from
+    whenever the planner chose something other than the brute-force best."""
+    from lightning_memkit.plan.planner import _trial
+
+    ratios = []
+    for round_ in range(rounds):
+        speeds = {}
+        for candidate in ((chosen, best) if round_ % 2 == 0 else (best, chosen)):
+            fits, _, samples, note = _trial(context["module"], candidate, context["sample"], 1 << 50, "cpu", WARMUP, TIMED)
+            if not fits:
+                raise RuntimeError(f"{candidate.describe()} did not run without a budget: {note}")
+            speeds[candidate] = samples
+        ratios.append(speeds[chosen] / speeds[best])
+    return statistics.median(ratios), ratios
 
 
 def _same_programs(module, space, sample, peaks) -> dict:
@@ -199,7 +225,7 @@ def _same_programs(module, space, sample, peaks) -> dict:
     return {c: [d for d in space if keys[d] == keys[c]] for c in space}
 
 
-def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict) -> dict:
+def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, context: dict) -> dict:
     from lightning_memkit.plan.planner import plan_fit
 
     brute = {c: (peak <= budget, peak, samples) for c, (peak, samples) in runs.items()}
@@ -248,7 +274,13 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict) 
         return brute[candidate][2] if candidate is not None and candidate in brute and brute[candidate][0] else None
 
     best_speed = fitting[best][2] if best is not None else None
-    return dict(model=name, label=label, budget=budget, space=len(brute), fitting=len(fitting), best=best, best_speed=best_speed,
+    # the planner's choice against the brute-force best, side by side, unless they are the same program
+    head_to_head, ratios = None, []
+    if chosen is not None and best is not None and chosen in brute and brute[chosen][0] and chosen not in context["same"][best]:
+        head_to_head, ratios = _head_to_head(context, chosen, best, HEAD_TO_HEAD_ROUNDS)
+        print(f"#     head to head: {chosen.describe()} / {best.describe()} = {head_to_head:.1%} "
+              f"(rounds: {', '.join(f'{r:.0%}' for r in ratios)})", file=sys.stderr, flush=True)
+    return dict(head_to_head=head_to_head, model=name, label=label, budget=budget, space=len(brute), fitting=len(fitting), best=best, best_speed=best_speed,
                 chosen=chosen, chosen_speed=speed(chosen), plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
                 plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
                 brute_peak=chosen_brute[1] if chosen_brute else None, trials=plan.trials, rho=rho, pairs=len(pairs),
@@ -272,10 +304,15 @@ def main() -> None:
     def row(r) -> str:
         peak = r["plan_peak"] if r["plan_peak"] is not None else r["brute_peak"]
         under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
-        within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+        if r["head_to_head"] is not None:  # measured side by side: the reference for the verdict
+            share = f"{100 * r['head_to_head']:.0f}% side by side ({pct(r['chosen_speed'], r['best_speed'])} by the medians)"
+            within = "yes" if r["head_to_head"] >= 0.95 else "no"
+        else:
+            share = pct(r["chosen_speed"], r["best_speed"])
+            within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
         best = f"{describe(r['best'])} ({r['best_speed']:.1f})" if r["best"] is not None else "none fit"
         return (f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
-                f"{describe(r['chosen'])} | {pct(r['chosen_speed'], r['best_speed'])} | {within} | {r['trials']} | {under} | "
+                f"{describe(r['chosen'])} | {share} | {within} | {r['trials']} | {under} | "
                 f"{r['rho']:.2f} (n={r['pairs']}) | "
                 f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
                 f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |")
@@ -292,10 +329,10 @@ def main() -> None:
     for name, (make, batch) in MODELS.items():
         if only and not any(word.lower() in name.lower() for word in only):
             continue
-        runs, seconds = _brute_force(make, batch, ROUNDS)
+        runs, seconds, context = _brute_force(make, batch, ROUNDS)
         print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
         for label, budget in _budgets(make(), batch):
-            result = _run_case(name, make, batch, label, budget, runs)
+            result = _run_case(name, make, batch, label, budget, runs, context)
             print(row(result), flush=True)
             print(f"# {name} {label}: planned in {result['plan_s']:.0f} s", file=sys.stderr, flush=True)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")

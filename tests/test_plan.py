@@ -180,7 +180,7 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
     # counts), and a close call between the two fastest up to CLOSE_CALL_ROUNDS times more
     ran = [r for r in plan.rows if r.ran]
     if len(ran) > 1:
-        timings = [int(re.search(r"median of (\d+) interleaved timings", r.note).group(1)) for r in ran]
+        timings = [int(re.search(r"(\d+) interleaved timings", r.note).group(1)) for r in ran]
         assert all(4 <= n <= 4 + planner.CLOSE_CALL_ROUNDS for n in timings), [r.note for r in ran]
         assert sum(n > 4 for n in timings) in (0, 2), timings  # the close call times the two fastest alike
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
@@ -515,20 +515,23 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     ran = rows((0.010, 0.020, 0.030))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 0
     assert sorted(calls) == sorted([8, 4, 2] * planner.RETIMING_ROUNDS)
-    # a close call (10 vs 10.5 ms) that parts after two more rounds (micro 4's third timing on is 13 ms: its median
-    # is 10.5 ms after 4 timings and 5, 11.75 ms after 6)
+    # a close call (10 vs 10.5 ms) that parts after one more round: micro 4's third round on is 13 ms, and the median
+    # of its per-round ratios to micro 8 goes from 1.05 (1.05, 1.05, 1.3) to 1.175 (1.05, 1.05, 1.3, 1.3)
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0105, 0.0105, 0.013], 2: [0.030]}))
     ran = rows((0.010, 0.0105, 0.030))
     close = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
-    assert close == 2 and calls.count(2) == planner.RETIMING_ROUNDS and calls.count(8) == calls.count(4) == 3 + 2
-    assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010) and "median of 6 interleaved timings" in ran[0].note
-    # a close call that never parts: CLOSE_CALL_ROUNDS more rounds, then the medians decide
+    assert close == 1 and calls.count(2) == planner.RETIMING_ROUNDS and calls.count(8) == calls.count(4) == 3 + 1
+    assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010) and "median of 5 interleaved timings" in ran[0].note
+    # the second of the pair is priced from the first by that ratio (its own median, 10.5 ms, would hide the rounds)
+    assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * 1.175)) and "x 1.175" in ran[1].note
+    # a close call that never parts: CLOSE_CALL_ROUNDS more rounds, then the ratio decides
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.030]}))
     ran = rows((0.010, 0.0101, 0.030))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
     assert calls.count(8) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+    assert ran[0].measured_samples_per_s > ran[1].measured_samples_per_s
     # three within 10%: the two fastest after the rounds are the pair timed on, the third is not
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.0102]}))
@@ -536,6 +539,31 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert calls.count(2) == planner.RETIMING_ROUNDS
     assert calls.count(8) == calls.count(4) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+
+
+def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):
+    """A machine whose speed halves every other round: micro 8 (9.5 ms) is faster than micro 4 (11 ms) in every
+    round, but micro 8's trial ran in a slow phase (30 ms). Their medians would say micro 4 (14.25 ms against 11 ms
+    over 30, 9.5, 19, 9.5 and 11, 11, 22, 11); the rounds, compared pair by pair, say micro 8, and the plan ranks it
+    first, priced from micro 4 by their per-round ratio."""
+    phase = [1.0, 2.0] * 10  # the machine's factor, round by round
+    counts = {8: 0, 4: 0, 2: 0}
+
+    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+        counts[candidate.micro_batch] += 1
+        own = {8: 0.0095, 4: 0.011, 2: 0.030}[candidate.micro_batch]
+        return [own * phase[counts[candidate.micro_batch] - 1]]
+
+    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    ran = []
+    for micro, trial in ((8, 0.030), (4, 0.011), (2, 0.030)):  # the trials' own timings: micro 8's in a slow phase
+        row = planner.PlanRow(Candidate(micro, 8 // micro), 1, trial, 8 / trial, True)
+        row.measured_samples_per_s, row.note = 8 / trial, "ran"
+        ran.append(row)
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 0  # 0.864: they part
+    assert max(ran, key=lambda row: row.measured_samples_per_s) is ran[0]
+    assert ran[0].measured_samples_per_s == pytest.approx(8 / (0.011 * 0.0095 / 0.011))
+    assert ran[1].measured_samples_per_s == pytest.approx(8 / 0.011) and "median of 4 interleaved timings" in ran[1].note
 
 
 def test_a_measured_once_per_step_part_replaces_the_optimizers_ops():

@@ -64,7 +64,8 @@ MAX_TRIALS = 3
 #: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
 #: micro-batch; the rest: the once-per-step part)
 CALIBRATION_ACCUMULATION = 4
-#: CPU: after the rounds, two fastest trials whose median steps are closer than this share are a close call...
+#: CPU: after the rounds, the two fastest trials are a close call when their steps, round by round (the median of
+#: the per-round ratios), are closer than this share...
 CLOSE_CALL = 0.10
 #: ...and those two are timed in up to this many more rounds (each TIMED_SECONDS / 2), until they part
 CLOSE_CALL_ROUNDS = 4
@@ -827,9 +828,10 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
     time for ``seconds / 2``: a row's step is the median of its first timing and these, so the machine's phases of
     speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. When the two fastest
-    are then within :data:`CLOSE_CALL`, those two are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until
-    they part. The configurations fit already (the trial measured their peak): no budget here. Returns the close
-    call's rounds."""
+    are within :data:`CLOSE_CALL` of each other round by round (the median of their per-round ratios), those two are
+    timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until they part; the second of them is then priced from the
+    first by that ratio. The configurations fit already (the trial measured their peak): no budget here. Returns the
+    close call's rounds."""
     medians = {id(row): [_observation(row)[2]] for row in ran}
 
     def time_again(rows: list[PlanRow], round_: int) -> None:
@@ -840,20 +842,32 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     for round_ in range(rounds):
         time_again(ran, round_)
     # a close call between the two fastest is timed on, those two alone, until they part or the rounds run out: the
-    # median of four timings still moves by several percent on a noisy CPU, more than such a difference
+    # median of four timings still moves by several percent on a noisy CPU, more than such a difference. The pair is
+    # compared round by round (their timings in one round are seconds apart; the medians' are minutes apart on a
+    # machine that drifts by tens of percent): the median of the per-round ratios decides, not the two medians
     close_rounds = 0
     pair = sorted(ran, key=lambda row: statistics.median(medians[id(row)]))[:2]  # the two fastest, chosen once
-    while close_rounds < CLOSE_CALL_ROUNDS:
-        first, second = sorted(pair, key=lambda row: statistics.median(medians[id(row)]))
-        if statistics.median(medians[id(second)]) > statistics.median(medians[id(first)]) * (1 + CLOSE_CALL):
-            break
-        time_again(pair, rounds + close_rounds)
-        close_rounds += 1
+    ratio = None
+    if rounds > 0:
+        def paired_ratio() -> float:  # the second's step over the first's in each round (the trials' own: not paired)
+            first, second = (medians[id(row)][1:] for row in pair)
+            return statistics.median(b / a for a, b in zip(first, second))
+
+        ratio = paired_ratio()
+        while close_rounds < CLOSE_CALL_ROUNDS and 1 / (1 + CLOSE_CALL) <= ratio <= 1 + CLOSE_CALL:
+            time_again(pair, rounds + close_rounds)
+            close_rounds += 1
+            ratio = paired_ratio()
     for row in ran:
         each = medians[id(row)]
         step = statistics.median(each)
+        how = f"median of {len(each)} interleaved timings"
+        if ratio is not None and row is pair[1]:
+            # priced from the first of the pair by their per-round ratio, so that the two compare as the rounds did
+            step = statistics.median(medians[id(pair[0])]) * ratio
+            how = (f"{len(each)} interleaved timings, priced from {pair[0].candidate.describe()}'s median x {ratio:.3f}, "
+                   f"the median of their {len(each) - 1} per-round ratios")
         row.measured_samples_per_s = row.candidate.effective_batch / step
-        row.note = (f"ran: step {step * 1e3:.1f} ms (median of {len(each)} interleaved timings: "
-                    f"{', '.join(f'{t * 1e3:.1f}' for t in each)} ms)")
+        row.note = f"ran: step {step * 1e3:.1f} ms ({how}: {', '.join(f'{t * 1e3:.1f}' for t in each)} ms)"
         say(f"memkit plan: timed in {len(each)} rounds: {row.candidate.describe()} -> {step * 1e3:.1f} ms")
     return close_rounds
