@@ -42,7 +42,7 @@ from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
            "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ROUNDS",
-           "CALIBRATION_ACCUMULATION"]
+           "CALIBRATION_ACCUMULATION", "CALIBRATION_ROUNDS"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -64,6 +64,9 @@ MAX_TRIALS = 3
 #: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
 #: micro-batch; the rest: the once-per-step part)
 CALIBRATION_ACCUMULATION = 4
+#: CPU: ...in this many rounds of alternating order (each timing TIMED_SECONDS / 2): the once-per-step part is a
+#: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
+CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, the two fastest trials are a close call when their steps, round by round (the median of
 #: the per-round ratios), are closer than this share...
 CLOSE_CALL = 0.10
@@ -467,28 +470,31 @@ def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str,
     return timed_seconds
 
 
-def _split_calibration(one: float, many: float, per_batch: float, per_step: float) -> tuple[float, float | None]:
-    """Seconds of one step at accumulation 1 and at :data:`CALIBRATION_ACCUMULATION` -> ``(one micro-batch, the
-    once-per-step part)``: their difference is the added micro-batches, the rest of the first step the part paid once
-    (at least Lightning's measured ``per_step``). ``None`` for the second when the timings cannot be told apart (a
-    micro-batch no dearer than the loop's own ``per_batch``: the machine's noise)."""
-    per_micro = (many - one) / (CALIBRATION_ACCUMULATION - 1)
+def _split_calibration(ones: list[float], manys: list[float], per_batch: float, per_step: float) -> tuple[float, float | None]:
+    """Seconds of one step at accumulation 1 and at :data:`CALIBRATION_ACCUMULATION`, round by round -> ``(one
+    micro-batch, the once-per-step part)``: in each round their difference is the added micro-batches, the rest of the
+    first step the part paid once (at least Lightning's measured ``per_step``); the median over the rounds counts, so
+    that a round in a slow phase of the machine moves neither. ``None`` for the second when the timings cannot be told
+    apart (a micro-batch no dearer than the loop's own ``per_batch``: the machine's noise)."""
+    added = CALIBRATION_ACCUMULATION - 1
+    per_micro = statistics.median((many - one) / added for one, many in zip(ones, manys))
     if per_micro <= per_batch:
         return max(per_micro, 0.0), None
-    return per_micro, max(one - per_micro, per_step)
+    once = statistics.median(one - (many - one) / added for one, many in zip(ones, manys))
+    return per_micro, max(once, per_step)
 
 
 def _calibration_steps(module: Any, candidate: Candidate, batch: Any, device_type: str, seconds: float,
-                       rounds: int = 2) -> dict[int, float]:
-    """``{accumulation: median seconds per optimizer step}`` of ``candidate``'s micro-batch at accumulation 1 and
-    :data:`CALIBRATION_ACCUMULATION`, timed in ``rounds`` rounds of alternating order (each ``seconds / 2 / rounds``):
-    the machine's phases fall on both alike."""
+                       rounds: int = CALIBRATION_ROUNDS) -> dict[int, list[float]]:
+    """``{accumulation: [median seconds per optimizer step, one per round]}`` of ``candidate``'s micro-batch at
+    accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, timed in ``rounds`` rounds of alternating order (each timing
+    ``seconds / 2``): the two timings of a round are a second apart, so the machine's phases fall on both alike."""
     each: dict[int, list[float]] = {1: [], CALIBRATION_ACCUMULATION: []}
     for round_ in range(rounds):
         for accumulation in (sorted(each) if round_ % 2 == 0 else sorted(each, reverse=True)):
             probe = Candidate(candidate.micro_batch, accumulation, candidate.precision)
-            each[accumulation] += _timed_step(module, probe, batch, device_type, 1, 2, seconds / 2 / rounds)
-    return {accumulation: statistics.median(seconds_) for accumulation, seconds_ in each.items()}
+            each[accumulation].append(statistics.median(_timed_step(module, probe, batch, device_type, 1, 2, seconds / 2)))
+    return each
 
 
 def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float]:
@@ -729,8 +735,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
                 timings = _calibration_steps(module, small.candidate, batch, device_type, timed_seconds)
-                one, many = timings[1], timings[CALIBRATION_ACCUMULATION]
-                per_micro, once = _split_calibration(one, many, per_batch, per_step)
+                one, many = (statistics.median(timings[a]) for a in (1, CALIBRATION_ACCUMULATION))
+                per_micro, once = _split_calibration(timings[1], timings[CALIBRATION_ACCUMULATION], per_batch, per_step)
                 base_model = dataclasses.replace(base_model, step_s=once)
                 calibrations += [(small.costs, 1, one), (small.costs, CALIBRATION_ACCUMULATION, many)]
                 observations += calibrations
