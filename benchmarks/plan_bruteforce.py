@@ -12,7 +12,8 @@ an eighth's). For each case:
 - the planner (``plan_fit``, at most 3 real trials): its choice's samples/s within 5% of the best? its trials, and
   whether its choice's real peak stayed under the budget. When the choice is not the brute-force best (nor the same
   program), the two are timed side by side in ``HEAD_TO_HEAD`` more rounds and the median of the per-round ratios is
-  the verdict (brute force's medians come from rounds minutes apart, and this machine drifts by tens of percent);
+  the verdict (brute force's medians come from rounds minutes apart, and this machine drifts by tens of percent).
+  A choice that brute force ranks best is not checked again: the check can only clear a miss, not make one;
 - Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
   configurations that fit in brute force;
 - a Composer-style "halve the micro-batch until it fits, accumulate" and a BatchSizeFinder-style "largest power-of-two
@@ -276,7 +277,8 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
     best_speed = fitting[best][2] if best is not None else None
     # the planner's choice against the brute-force best, side by side, unless they are the same program
     head_to_head, ratios = None, []
-    if chosen is not None and best is not None and chosen in brute and brute[chosen][0] and chosen not in context["same"][best]:
+    if (HEAD_TO_HEAD_ROUNDS > 0 and chosen is not None and best is not None and chosen in brute and brute[chosen][0]
+            and chosen not in context["same"][best]):
         head_to_head, ratios = _head_to_head(context, chosen, best, HEAD_TO_HEAD_ROUNDS)
         print(f"#     head to head: {chosen.describe()} / {best.describe()} = {head_to_head:.1%} "
               f"(rounds: {', '.join(f'{r:.0%}' for r in ratios)})", file=sys.stderr, flush=True)
