@@ -12,6 +12,7 @@ import io
 import json
 import math
 import re
+import statistics
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -523,6 +524,8 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     close = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert close == 1 and calls.count(2) == planner.RETIMING_ROUNDS and calls.count(8) == calls.count(4) == 3 + 1
     assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010) and "median of 5 interleaved timings" in ran[0].note
+    # the anchor's step is the median of all its timings, close-call rounds included, like the steps priced from it
+    assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * 1.175))
     # the second of the pair is priced from the first by that ratio (its own median, 10.5 ms, would hide the rounds)
     assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * 1.175)) and "x 1.175" in ran[1].note
     # a close call that never parts: CLOSE_CALL_ROUNDS more rounds, then the ratio decides
@@ -532,6 +535,14 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
     assert calls.count(8) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
     assert "x 1.010" in ran[1].note and ran[1].measured_samples_per_s == pytest.approx(8 / 0.0101)
+    # the machine speeds up during the close call (10 -> 8 ms, 10.5 -> 8.4 ms): the anchor's step is the median of
+    # all its timings (9 ms), and micro 4 is priced from it (9 x 1.05), not from its median before the close rounds
+    calls.clear()
+    monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010, 0.010, 0.010, 0.008], 4: [0.0105, 0.0105, 0.0105, 0.0084],
+                                                         2: [0.030]}))
+    ran = rows((0.010, 0.0105, 0.030))
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
+    assert [r.measured_samples_per_s for r in ran[:2]] == pytest.approx([8 / 0.009, 8 / (0.009 * 1.05)])
     # three within 10%: the two fastest after the rounds are the pair timed on, the third is not
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.0102]}))
@@ -542,28 +553,31 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
 
 
 def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):
-    """A machine whose speed halves every other round: micro 8 (9.5 ms) is faster than micro 4 (11 ms) in every
-    round, but micro 8's trial ran in a slow phase (30 ms). Their medians would say micro 4 (14.25 ms against 11 ms
-    over 30, 9.5, 19, 9.5 and 11, 11, 22, 11); the rounds, compared pair by pair, say micro 8, and the plan ranks it
-    first, priced from micro 4 by their per-round ratio."""
+    """A machine whose speed halves every other round: micro 8 (9.5 ms) is the fastest in every round, micro 2
+    (10.5 ms) and micro 4 (11 ms) follow, but micro 8's trial ran in a slow phase (30 ms). By their medians (14.25 ms
+    over 30, 9.5, 19, 9.5; 10.5 and 11 ms) micro 8 would be the slowest and the pair timed on would be micro 2 and
+    micro 4; compared round by round with the anchor (micro 2, the lowest median), micro 8 is first, parts from micro
+    2 at once (1.105), and every row is priced by its per-round ratio."""
     phase = [1.0, 2.0] * 10  # the machine's factor, round by round
     counts = {8: 0, 4: 0, 2: 0}
 
     def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
         counts[candidate.micro_batch] += 1
-        own = {8: 0.0095, 4: 0.011, 2: 0.030}[candidate.micro_batch]
+        own = {8: 0.0095, 4: 0.011, 2: 0.0105}[candidate.micro_batch]
         return [own * phase[counts[candidate.micro_batch] - 1]]
 
     monkeypatch.setattr(planner, "_timed_step", timed_step)
     ran = []
-    for micro, trial in ((8, 0.030), (4, 0.011), (2, 0.030)):  # the trials' own timings: micro 8's in a slow phase
+    for micro, trial in ((8, 0.030), (4, 0.011), (2, 0.0105)):  # the trials' own timings: micro 8's in a slow phase
         row = planner.PlanRow(Candidate(micro, 8 // micro), 1, trial, 8 / trial, True)
         row.measured_samples_per_s, row.note = 8 / trial, "ran"
         ran.append(row)
-    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 0  # 0.864: they part
+    assert statistics.median([0.030, 0.0095, 0.019, 0.0095]) > statistics.median([0.011, 0.011, 0.022, 0.011])
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 0
+    assert counts == {8: planner.RETIMING_ROUNDS, 4: planner.RETIMING_ROUNDS, 2: planner.RETIMING_ROUNDS}
     assert max(ran, key=lambda row: row.measured_samples_per_s) is ran[0]
-    assert ran[0].measured_samples_per_s == pytest.approx(8 / (0.011 * 0.0095 / 0.011))
-    assert ran[1].measured_samples_per_s == pytest.approx(8 / 0.011) and "median of 4 interleaved timings" in ran[1].note
+    assert [row.measured_samples_per_s for row in ran] == pytest.approx([8 / 0.0095, 8 / 0.011, 8 / 0.0105])
+    assert "x 1.048" in ran[1].note and "x 1.105" in ran[2].note and "median of 4 interleaved timings" not in ran[0].note
 
 
 def test_a_measured_once_per_step_part_replaces_the_optimizers_ops():

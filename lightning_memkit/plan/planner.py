@@ -56,8 +56,8 @@ TIMED_STEPS = 4
 TIMED_SECONDS = 1.0
 #: the most optimizer steps a trial times
 MAX_TIMED_STEPS = 200
-#: CPU: when several trials ran, each is timed this many times more (TIMED_SECONDS / 2 each), in rounds of
-#: alternating order, and the median of its timings counts
+#: CPU: when several trials ran, each is timed this many times more (each timing half the plan's ``timed_seconds``,
+#: :data:`TIMED_SECONDS` by default), in rounds of alternating order, and they are compared round by round
 RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
@@ -71,7 +71,8 @@ CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, the two fastest trials are a close call when their steps, round by round (the median of
 #: the per-round ratios), are closer than this share...
 CLOSE_CALL = 0.10
-#: ...and those two are timed in up to this many more rounds (each TIMED_SECONDS / 2), until they part
+#: ...and those two are timed in up to this many more rounds (each timing half the plan's ``timed_seconds``), until
+#: they part
 CLOSE_CALL_ROUNDS = 4
 
 
@@ -834,50 +835,52 @@ def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: st
 def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
                         seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> int:
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
-    time for ``seconds / 2``: a row's step is the median of its first timing and these, so the machine's phases of
-    speed (tens of percent, seconds long on a shared CPU) fall on every configuration alike. When the two fastest
-    are within :data:`CLOSE_CALL` of each other round by round (the median of their per-round ratios), those two are
-    timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until they part; the second of them is then priced from the
-    first by that ratio. The configurations fit already (the trial measured their peak): no budget here.
-    ``rounds=0``: each row keeps its trial's timing and no close call is timed. Returns the close call's rounds."""
-    medians = {id(row): [_observation(row)[2]] for row in ran}
+    time for ``seconds / 2``, and compare them round by round: the timings of one round are seconds apart, while a
+    machine's phases of speed (tens of percent, seconds long on a shared CPU) put timings minutes apart on different
+    footings. The row with the lowest median is the anchor; every row's step is the anchor's median times the median
+    of its per-round ratios to the anchor. When the two fastest so ranked are within :data:`CLOSE_CALL` of each other
+    (the median of their own per-round ratios), those two are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds,
+    until they part, and the second is priced from the first by that ratio. The configurations fit already (the trial
+    measured their peak): no budget here. ``rounds=0``: each row keeps its trial's own timing, nothing compared.
+    Returns the close call's rounds."""
+    timings = {id(row): [_observation(row)[2]] for row in ran}  # the trial's own first: in no round with the others
 
     def time_again(rows: list[PlanRow], round_: int) -> None:
         for row in (rows[::-1] if round_ % 2 == 0 else rows):
             again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
-            medians[id(row)].append(again)
+            timings[id(row)].append(again)
+
+    def ratio(row: PlanRow, to: PlanRow) -> float:  # the median over the rounds both were timed in
+        return statistics.median(b / a for a, b in zip(timings[id(to)][1:], timings[id(row)][1:]))
 
     for round_ in range(rounds):
         time_again(ran, round_)
-    # a close call between the two fastest is timed on, those two alone, until they part or the rounds run out: the
-    # median of four timings still moves by several percent on a noisy CPU, more than such a difference. The pair is
-    # compared round by round (their timings in one round are seconds apart; the medians' are minutes apart on a
-    # machine that drifts by tens of percent): the median of the per-round ratios decides, not the two medians
     close_rounds = 0
-    # the two fastest, chosen once by their medians (a row whose own trial fell in a slow phase can miss the pair:
-    # choosing it round by round too is the next step, measured against brute force before it lands)
-    pair = sorted(ran, key=lambda row: statistics.median(medians[id(row)]))[:2]
-    ratio = None
-    if rounds > 0:
-        def paired_ratio() -> float:  # the second's step over the first's in each round (the trials' own: not paired)
-            first, second = (medians[id(row)][1:] for row in pair)
-            return statistics.median(b / a for a, b in zip(first, second))
-
-        ratio = paired_ratio()
-        while close_rounds < CLOSE_CALL_ROUNDS and 1 / (1 + CLOSE_CALL) <= ratio <= 1 + CLOSE_CALL:
-            time_again(pair, rounds + close_rounds)
+    steps = {id(row): statistics.median(timings[id(row)]) for row in ran}
+    how = {id(row): "median of {} interleaved timings" for row in ran}
+    if rounds > 0 and len(ran) > 1:
+        anchor = min(ran, key=lambda row: steps[id(row)])
+        to_anchor = {id(row): ratio(row, anchor) for row in ran}
+        first, second = sorted(ran, key=lambda row: to_anchor[id(row)])[:2]  # the two fastest, round by round
+        # a close call between them is timed on, those two alone, until they part or the rounds run out: the median
+        # of four timings still moves by several percent on a noisy CPU, more than such a difference
+        while close_rounds < CLOSE_CALL_ROUNDS and 1 / (1 + CLOSE_CALL) <= ratio(second, first) <= 1 + CLOSE_CALL:
+            time_again([first, second], rounds + close_rounds)
             close_rounds += 1
-            ratio = paired_ratio()
+        anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was in the pair
+        steps[id(anchor)] = anchor_step
+        for row in ran:
+            if row is not anchor:
+                steps[id(row)] = anchor_step * to_anchor[id(row)]
+                how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
+                                f"median x {to_anchor[id(row)]:.3f}, the median of their {rounds} per-round ratios")
+        between = ratio(second, first)
+        steps[id(second)] = steps[id(first)] * between
+        how[id(second)] = (f"{len(timings[id(second)])} interleaved timings, priced from {first.candidate.describe()}'s "
+                           f"step x {between:.3f}, the median of their {len(timings[id(second)]) - 1} per-round ratios")
     for row in ran:
-        each = medians[id(row)]
-        step = statistics.median(each)
-        how = f"median of {len(each)} interleaved timings"
-        if ratio is not None and row is pair[1]:
-            # priced from the first of the pair by their per-round ratio, so that the two compare as the rounds did
-            step = statistics.median(medians[id(pair[0])]) * ratio
-            how = (f"{len(each)} interleaved timings, priced from {pair[0].candidate.describe()}'s median x {ratio:.3f}, "
-                   f"the median of their {len(each) - 1} per-round ratios")
-        row.measured_samples_per_s = row.candidate.effective_batch / step
-        row.note = f"ran: step {step * 1e3:.1f} ms ({how}: {', '.join(f'{t * 1e3:.1f}' for t in each)} ms)"
-        say(f"memkit plan: timed in {len(each)} rounds: {row.candidate.describe()} -> {step * 1e3:.1f} ms")
+        row.measured_samples_per_s = row.candidate.effective_batch / steps[id(row)]
+        row.note = (f"ran: step {steps[id(row)] * 1e3:.1f} ms ({how[id(row)].format(len(timings[id(row)]))}: "
+                    f"{', '.join(f'{t * 1e3:.1f}' for t in timings[id(row)])} ms)")
+        say(f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> {steps[id(row)] * 1e3:.1f} ms")
     return close_rounds
