@@ -24,9 +24,11 @@ The trials run through the planner's own trial runner (a real Trainer on a copy,
 so brute force, the planner and the baselines are measured the same way. Prints one markdown table.
 
 Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (environment: PLAN_BRUTE_ROUNDS, default 5;
-PLAN_BRUTE_TIMED, default 10; PLAN_BRUTE_HEAD_TO_HEAD, default 9. One model's brute force is 15 configurations x ROUNDS x (1 + TIMED) optimizer steps:
-minutes on an idle CPU; stderr has every configuration's rounds and every plan row's prediction beside its
-measurement. docs/plan.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7, 16 minutes)
+PLAN_BRUTE_TIMED, default 10; PLAN_BRUTE_HEAD_TO_HEAD, default 9. One model's brute force is 15 configurations x
+ROUNDS x (1 + TIMED) optimizer steps: minutes on an idle CPU; stderr has every configuration's rounds and every plan
+row's prediction beside its measurement. docs/plan.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7, 16 minutes.
+PLAN_BRUTE_REFERENCE=run1.err,run2.err,...: no brute force runs; the reference is the pooled brute force of those
+earlier runs' stderr logs, so a change to the time model is checked against a steadier reference in minutes)
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ WARMUP, TIMED = 1, int(os.environ.get("PLAN_BRUTE_TIMED", "10"))
 ROUNDS = int(os.environ.get("PLAN_BRUTE_ROUNDS", "5"))
 #: rounds of the side-by-side check of the planner's choice against the brute-force best (when they differ)
 HEAD_TO_HEAD_ROUNDS = int(os.environ.get("PLAN_BRUTE_HEAD_TO_HEAD", "9"))
+#: stderr logs of earlier whole runs (comma-separated): their pooled brute force is the reference, none is run
+REFERENCE = [path for path in os.environ.get("PLAN_BRUTE_REFERENCE", "").split(",") if path]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -189,6 +193,36 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     return runs, time.perf_counter() - started, dict(module=module, sample=sample, same=same)
 
 
+def _pooled_reference(make, batch: int, paths: list[str]) -> tuple[dict, float, dict]:
+    """Brute force read back instead of run: per configuration, the median of the samples/s that the stderr logs of
+    earlier whole runs of this script (``paths``) printed, and the real peak they printed (the same in every run: the
+    accountant counts exactly). A plan takes half a minute where brute force takes minutes, so a change to the time
+    model can be checked against a reference pooled from several runs (steadier than any one of them) in minutes; the
+    reference is this machine's on the day of those runs."""
+    from pathlib import Path
+
+    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
+    from lightning_memkit.plan.space import DEFAULT_PLAN_MODES, candidate_space
+    from plan_bruteforce_pooled import read_brute
+
+    module = make()
+    sample, _ = sample_batch_and_length(module, None)
+    space = candidate_space(batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module)))
+    name = next(n for n, (m, _) in MODELS.items() if m is make)
+    logs = [read_brute(Path(path)).get(name) for path in paths]
+    runs, peaks = {}, {}
+    for candidate in space:
+        measured = [log[candidate.describe()] for log in logs if log and candidate.describe() in log]
+        if len(measured) < len(paths):
+            raise SystemExit(f"PLAN_BRUTE_REFERENCE: {candidate.describe()} of {name} is not in every log: give whole runs")
+        peaks[candidate] = measured[0][0]
+        runs[candidate] = (peaks[candidate], statistics.median(samples for _, samples in measured))
+        print(f"#   {candidate.describe()}: peak {peaks[candidate]:,} B, {runs[candidate][1]:.1f} samples/s (pooled: median "
+              f"of {len(measured)} runs' {', '.join(f'{s:.0f}' for _, s in measured)})", file=sys.stderr, flush=True)
+    return runs, 0.0, dict(module=module, sample=sample, same=_same_programs(module, space, sample, peaks))
+
+
 def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list[float]]:
     """The planner's choice against the brute-force best, side by side: ``rounds`` rounds, each timing both (the order
     alternating), and the median of the per-round ratios ``chosen / best`` (samples/s), with the ratios.
@@ -320,9 +354,13 @@ def main() -> None:
                 f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |")
 
     started = time.perf_counter()
-    print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
-          f"steps per configuration and round (median), {ROUNDS} rounds in rotated order (median of the rounds); samples/s as brute "
-          "force measured them; % of the brute-force best")
+    if REFERENCE:
+        print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force not run: the median of {len(REFERENCE)} "
+              f"earlier runs' ({', '.join(REFERENCE)}); samples/s as they measured them; % of that pooled best")
+    else:
+        print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
+              f"steps per configuration and round (median), {ROUNDS} rounds in rotated order (median of the rounds); samples/s as brute "
+              "force measured them; % of the brute-force best")
     print()
     print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
           "real peak <= budget | Spearman | halve until it fits | largest batch, then accumulate |")
@@ -331,7 +369,10 @@ def main() -> None:
     for name, (make, batch) in MODELS.items():
         if only and not any(word.lower() in name.lower() for word in only):
             continue
-        runs, seconds, context = _brute_force(make, batch, ROUNDS)
+        if REFERENCE:
+            runs, seconds, context = _pooled_reference(make, batch, REFERENCE)
+        else:
+            runs, seconds, context = _brute_force(make, batch, ROUNDS)
         print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
         for label, budget in _budgets(make(), batch):
             result = _run_case(name, make, batch, label, budget, runs, context)

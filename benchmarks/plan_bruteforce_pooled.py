@@ -25,10 +25,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_bruteforce import spearman  # noqa: E402  (the same rank correlation as the benchmark's table)
 
-_BRUTE = re.compile(r"#   (micro .*?): peak [\d,]+ B, ([\d.]+) samples/s")
+_BRUTE = re.compile(r"#   (micro .*?): peak ([\d,]+) B, ([\d.]+) samples/s")
 _MODEL_DONE = re.compile(r"# (.*): brute force \d+ configurations in")
 _PREDICTED = re.compile(r"#     (micro .*?): predicted ([\d.]+) samples/s \(fits\)")
 _PLANNED = re.compile(r"# (.*) (\w+): planned in")
+
+
+def read_brute(path: Path) -> dict[str, dict[str, tuple[int, float]]]:
+    """``{model: {configuration: (real peak bytes, brute-force samples/s)}}`` of one log."""
+    brute: dict[str, dict[str, tuple[int, float]]] = {}
+    current: dict[str, tuple[int, float]] = {}
+    for line in path.read_text().splitlines():
+        if match := _BRUTE.match(line):
+            current[match.group(1)] = (int(match.group(2).replace(",", "")), float(match.group(3)))
+        elif match := _MODEL_DONE.match(line):
+            brute[match.group(1)], current = current, {}
+    return brute
 
 
 def read_run(path: Path) -> dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]]:
@@ -39,7 +51,7 @@ def read_run(path: Path) -> dict[tuple[str, str], tuple[dict[str, float], dict[s
     predicted: dict[str, float] = {}
     for line in path.read_text().splitlines():
         if match := _BRUTE.match(line):
-            current[match.group(1)] = float(match.group(2))
+            current[match.group(1)] = float(match.group(3))
         elif match := _MODEL_DONE.match(line):
             brute[match.group(1)], current = current, {}
         elif match := _PREDICTED.match(line):

@@ -536,13 +536,16 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     assert calls.count(8) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
     assert "x 1.010" in ran[1].note and ran[1].measured_samples_per_s == pytest.approx(8 / 0.0101)
     # the machine speeds up during the close call (10 -> 8 ms, 10.5 -> 8.4 ms): the anchor's step is the median of
-    # all its timings (9 ms), and micro 4 is priced from it (9 x 1.05), not from its median before the close rounds
+    # all its timings, the close call's included, and micro 4 is priced from it (x 1.05), not from its median before
+    # the close rounds (10 ms)
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010, 0.010, 0.010, 0.008], 4: [0.0105, 0.0105, 0.0105, 0.0084],
                                                          2: [0.030]}))
     ran = rows((0.010, 0.0105, 0.030))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
-    assert [r.measured_samples_per_s for r in ran[:2]] == pytest.approx([8 / 0.009, 8 / (0.009 * 1.05)])
+    anchor = statistics.median([0.010] * (1 + planner.RETIMING_ROUNDS) + [0.008] * planner.CLOSE_CALL_ROUNDS)
+    assert anchor < 0.010
+    assert [r.measured_samples_per_s for r in ran[:2]] == pytest.approx([8 / anchor, 8 / (anchor * 1.05)])
     # three within 10%: the two fastest after the rounds are the pair timed on, the third is not
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.0102]}))
@@ -550,6 +553,33 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert calls.count(2) == planner.RETIMING_ROUNDS
     assert calls.count(8) == calls.count(4) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+
+
+def test_rounds_that_disagree_are_a_close_call_even_when_their_median_parts(monkeypatch):
+    """Three rounds 11%, 27% and 0% apart (the median 1.11, past CLOSE_CALL): on a machine whose half-second timings
+    move by 15% that is not an order, so the pair is timed on; a fourth round at 30% settles it. Rounds that agree
+    (1.11 three times) are not a close call, and ratios within CLOSE_CALL always are."""
+    assert planner._close_call([1.11, 1.27, 1.0]) and not planner._close_call([1.11, 1.11, 1.11])
+    assert not planner._close_call([1.11, 1.27, 1.0, 1.3]) and planner._close_call([1.05, 1.05, 1.05])
+    assert planner._close_call([1 / 1.11, 1 / 1.27, 1.0]) and not planner._close_call([1.2])
+    calls = []
+    plan = {8: [0.010], 4: [0.0111, 0.0127, 0.0100, 0.013], 2: [0.030]}
+
+    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+        calls.append(candidate.micro_batch)
+        queue = plan[candidate.micro_batch]
+        return [queue.pop(0) if len(queue) > 1 else queue[0]]
+
+    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    ran = []
+    for micro, seconds in ((8, 0.010), (4, 0.0111), (2, 0.030)):
+        row = planner.PlanRow(Candidate(micro, 8 // micro), 1, seconds, 8 / seconds, True)
+        row.measured_samples_per_s, row.note = 8 / seconds, "ran"
+        ran.append(row)
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == 1
+    assert calls.count(8) == calls.count(4) == planner.RETIMING_ROUNDS + 1 and calls.count(2) == planner.RETIMING_ROUNDS
+    # priced from micro 8 by the median of the four per-round ratios (1.11, 1.27, 1.0, 1.3)
+    assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * statistics.median([1.11, 1.27, 1.0, 1.3])))
 
 
 def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import gc
 import logging
+import math
 import statistics
 import time
 import traceback
@@ -41,7 +42,7 @@ from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
-           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ROUNDS",
+           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ERRORS", "CLOSE_CALL_ROUNDS",
            "CALIBRATION_ACCUMULATION", "CALIBRATION_ROUNDS"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
@@ -69,11 +70,15 @@ CALIBRATION_ACCUMULATION = 4
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, the two fastest trials are a close call when their steps, round by round (the median of
-#: the per-round ratios), are closer than this share...
+#: the per-round ratios), are closer than this share, or when their rounds do not settle which is faster (the mean
+#: of the per-round log ratios within :data:`CLOSE_CALL_ERRORS` standard errors of 0: a 0.5 s timing moves by about
+#: 15% from one round to the next on a 2-core VM, so three rounds 10% apart can be noise)...
 CLOSE_CALL = 0.10
+#: ...that many standard errors...
+CLOSE_CALL_ERRORS = 2.0
 #: ...and those two are timed in up to this many more rounds (each timing half the plan's ``timed_seconds``), until
 #: they part
-CLOSE_CALL_ROUNDS = 4
+CLOSE_CALL_ROUNDS = 6
 
 
 class PlanError(ValueError):
@@ -608,7 +613,7 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
             :data:`MAX_TIMED_STEPS`), and when several trials ran each is timed :data:`RETIMING_ROUNDS` times more
             for half as long, in rounds of alternating order, compared round by round (a CPU's speed drifts by tens
-            of percent within seconds), and the two fastest, when within :data:`CLOSE_CALL`, up to
+            of percent within seconds), and the two fastest, when a close call, up to
             :data:`CLOSE_CALL_ROUNDS` times more; the time model's calibration takes :data:`CALIBRATION_ROUNDS` times
             this. 0 times ``timed_steps`` steps once.
 
@@ -777,8 +782,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             _repredict(rows, model)
             notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
                          "counts): a CPU's speed drifts by tens of percent while a plan runs"
-                         + (f"; the two fastest were within {CLOSE_CALL:.0%} and were timed in {close_rounds} more "
-                            "rounds" if close_rounds else ""))
+                         + (f"; the two fastest were a close call (within {CLOSE_CALL:.0%}, or rounds that did not settle "
+                            f"their order) and were timed in {close_rounds} more rounds" if close_rounds else ""))
         if device_type == "cpu" and observations:
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
                          f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
@@ -832,15 +837,28 @@ def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: st
     say(f"memkit plan: trial: {row.candidate.describe()} -> {note}" + (f", peak {format_bytes(peak)}" if peak is not None and fits else ""))
 
 
+def _close_call(ratios: list[float]) -> bool:
+    """Whether two trials' per-round step ratios (the second's over the first's) leave their order open: the median
+    within :data:`CLOSE_CALL` of 1, or the mean of the log ratios within :data:`CLOSE_CALL_ERRORS` standard errors of
+    0 (the rounds disagree: on a noisy machine three rounds 10% apart can be chance)."""
+    if 1 / (1 + CLOSE_CALL) <= statistics.median(ratios) <= 1 + CLOSE_CALL:
+        return True
+    if len(ratios) < 2:
+        return False
+    logs = [math.log(r) for r in ratios]
+    return abs(statistics.fmean(logs)) < CLOSE_CALL_ERRORS * statistics.stdev(logs) / math.sqrt(len(logs))
+
+
 def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
                         seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> int:
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
     time for ``seconds / 2``, and compare them round by round: the timings of one round are seconds apart, while a
     machine's phases of speed (tens of percent, seconds long on a shared CPU) put timings minutes apart on different
     footings. The row with the lowest median is the anchor; every row's step is the anchor's median times the median
-    of its per-round ratios to the anchor. When the two fastest so ranked are within :data:`CLOSE_CALL` of each other
-    (the median of their own per-round ratios), those two are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds,
-    until they part, and the second is priced from the first by that ratio. The configurations fit already (the trial
+    of its per-round ratios to the anchor. When the two fastest so ranked are a close call (:func:`_close_call`: within
+    :data:`CLOSE_CALL` of each other by the median of their own per-round ratios, or rounds that disagree), those two
+    are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until they part, and the second is priced from the first
+    by that ratio. The configurations fit already (the trial
     measured their peak): no budget here. ``rounds=0``: each row keeps its trial's own timing, nothing compared.
     Returns the close call's rounds."""
     timings = {id(row): [_observation(row)[2]] for row in ran}  # the trial's own first: in no round with the others
@@ -850,8 +868,11 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
             again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
             timings[id(row)].append(again)
 
-    def ratio(row: PlanRow, to: PlanRow) -> float:  # the median over the rounds both were timed in
-        return statistics.median(b / a for a, b in zip(timings[id(to)][1:], timings[id(row)][1:]))
+    def ratios(row: PlanRow, to: PlanRow) -> list[float]:  # row's step over to's, in each round both were timed in
+        return [b / a for a, b in zip(timings[id(to)][1:], timings[id(row)][1:])]
+
+    def ratio(row: PlanRow, to: PlanRow) -> float:
+        return statistics.median(ratios(row, to))
 
     for round_ in range(rounds):
         time_again(ran, round_)
@@ -864,7 +885,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         first, second = sorted(ran, key=lambda row: to_anchor[id(row)])[:2]  # the two fastest, round by round
         # a close call between them is timed on, those two alone, until they part or the rounds run out: the median
         # of four timings still moves by several percent on a noisy CPU, more than such a difference
-        while close_rounds < CLOSE_CALL_ROUNDS and 1 / (1 + CLOSE_CALL) <= ratio(second, first) <= 1 + CLOSE_CALL:
+        while close_rounds < CLOSE_CALL_ROUNDS and _close_call(ratios(second, first)):
             time_again([first, second], rounds + close_rounds)
             close_rounds += 1
         anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was in the pair
