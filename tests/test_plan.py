@@ -582,6 +582,45 @@ def test_rounds_that_disagree_are_a_close_call_even_when_their_median_parts(monk
     assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * statistics.median([1.11, 1.27, 1.0, 1.3])))
 
 
+def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
+    """On CPU, once micro 8 ran twice as slow as the model said, micro 8 checkpointed (not run) is predicted twice as
+    slow too, and micro 8 itself at its measurement; micro 4 (nothing measured there) keeps the model's prediction,
+    and without measured errors (CUDA) every row keeps the model's."""
+    class Model:  # seconds per step by the row's costs (here: a name)
+        def step_seconds(self, costs, accumulation, offload_bytes=0):
+            return {"plain 8": 0.010, "checkpointed 8": 0.012, "plain 4": 0.015}[costs]
+
+    def rows():
+        made = [planner.PlanRow(Candidate(8, 1), 1, None, None, True, costs="plain 8"),
+                planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 1, None, None, True, costs="checkpointed 8"),
+                planner.PlanRow(Candidate(4, 2), 1, None, None, True, costs="plain 4")]
+        made[0].measured_samples_per_s = 8 / 0.020
+        return made
+
+    corrected = rows()
+    planner._repredict(corrected, Model(), measured_errors=True)
+    assert [r.predicted_step_s for r in corrected] == pytest.approx([0.020, 0.024, 0.015])
+    assert [r.predicted_samples_per_s for r in corrected] == pytest.approx([400, 8 / 0.024, 8 / 0.015])
+    plain = rows()
+    planner._repredict(plain, Model())
+    assert [r.predicted_step_s for r in plain] == pytest.approx([0.010, 0.012, 0.015])
+
+
+def test_no_trial_for_a_checkpointed_micro_batch_that_already_fit_plain():
+    """Once micro 8 ran and fit without checkpointing, micro 8 checkpointed (the same step plus the recompute) gets
+    no trial; micro 4 checkpointed does (nothing at micro 4 ran), and so does micro 8 checkpointed when micro 8
+    plain did not fit (its trial ran out of memory)."""
+    plain8 = planner.PlanRow(Candidate(8, 1), 100, None, None, True)  # predicted peaks: checkpointing saves memory
+    ckpt8 = planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 60, None, None, True)
+    ckpt4 = planner.PlanRow(Candidate(4, 2, checkpoint="auto"), 40, None, None, True)
+    assert planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None  # nothing ran yet
+    plain8.measured_samples_per_s, plain8.note = 800.0, "ran: median step 10 ms"
+    assert "micro 8 x 1, 32-true fit" in planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4])
+    assert planner._needless_trial(ckpt4, [plain8, ckpt8, ckpt4]) is None
+    plain8.measured_samples_per_s, plain8.note = None, "over the budget"
+    assert planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None
+
+
 def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):
     """A machine whose speed halves every other round: micro 8 (9.5 ms) is the fastest in every round, micro 2
     (10.5 ms) and micro 4 (11 ms) follow, but micro 8's trial ran in a slow phase (30 ms). By their medians (14.25 ms

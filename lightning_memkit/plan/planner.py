@@ -93,7 +93,11 @@ class PlanRow:
         candidate: the configuration.
         predicted_peak_bytes: the estimate's peak (bytes; on CUDA what the device needs: allocator and context
             included); ``None`` when the estimate failed (see ``note``).
-        predicted_step_s: predicted seconds per optimizer step (all its micro-batches).
+        predicted_step_s: predicted seconds per optimizer step (all its micro-batches). On CPU, once a trial ran at
+            the row's micro-batch (same precision and offload: the same shapes, only checkpointing differs), the time
+            model's prediction scaled by its error there (the median of measured / predicted over those trials): a
+            CPU's small kernels are not linear in the batch, and what the model misses at one micro-batch it misses
+            alike in each checkpointing of it. A row that ran is then predicted at its own measurement.
         predicted_samples_per_s: effective batch / predicted step time (samples per second).
         fits: whether the prediction fits the budget (with :data:`CUDA_MARGIN` on CUDA).
         measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
@@ -762,9 +766,9 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             if not queue:
                 break
             row = queue[0]
-            twin = next((r for r in rows if r.note.startswith("ran") and _signature(r) == _signature(row)), None)
-            if twin is not None:  # the same program as a configuration that ran (e.g. a budget that chose every block)
-                row.note = f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
+            skipped = _needless_trial(row, rows)
+            if skipped is not None:
+                row.note = skipped
                 continue
             trials_run += 1
             _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say, timed_seconds)
@@ -773,13 +777,13 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 # candidates not run yet are ranked again
                 observations.append(_observation(row))
                 model = base_model.fit(observations)
-                _repredict(rows, model)
+                _repredict(rows, model, measured_errors=True)
         ran = [r for r in rows if r.ran]
         if device_type == "cpu" and timed_seconds > 0 and len(ran) > 1:
             close_rounds = _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
             observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
             model = base_model.fit(observations)
-            _repredict(rows, model)
+            _repredict(rows, model, measured_errors=True)
             notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
                          "counts): a CPU's speed drifts by tens of percent while a plan runs"
                          + (f"; the two fastest were a close call (within {CLOSE_CALL:.0%}, or rounds that did not settle "
@@ -820,11 +824,42 @@ def _observation(row: PlanRow) -> tuple[OpCosts, int, float]:
     return row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s
 
 
-def _repredict(rows: list[PlanRow], model: TimeModel) -> None:
+def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = False) -> None:
+    """Every estimated row's predicted step from ``model``; with ``measured_errors`` (CPU), scaled by the model's
+    error on the trials that ran at the row's micro-batch (see :attr:`PlanRow.predicted_step_s`)."""
+    errors: dict[tuple, list[float]] = {}
     for row in rows:
         if row.costs is not None:
             row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes)
+            if measured_errors and row.ran:
+                measured = row.candidate.effective_batch / row.measured_samples_per_s
+                errors.setdefault(_same_shapes(row), []).append(measured / row.predicted_step_s)
+    for row in rows:
+        if row.costs is not None:
+            if _same_shapes(row) in errors:
+                row.predicted_step_s *= statistics.median(errors[_same_shapes(row)])
             row.predicted_samples_per_s = row.candidate.effective_batch / row.predicted_step_s
+
+
+def _needless_trial(row: PlanRow, rows: list[PlanRow]) -> str | None:
+    """Why ``row`` needs no trial, given the trials that ran (its note), or ``None``: the same program as one that
+    ran (a budget that chose every block: same peak and ops), or a checkpointed configuration whose micro-batch
+    already fit without checkpointing (it runs the same step plus the recompute: it cannot be faster)."""
+    twin = next((r for r in rows if r.note.startswith("ran") and _signature(r) == _signature(row)), None)
+    if twin is not None:
+        return f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
+    if row.candidate.checkpoint is not None:
+        plain = next((r for r in rows if r.ran and r.candidate.checkpoint is None and _same_shapes(r) == _same_shapes(row)), None)
+        if plain is not None:
+            return (f"not run: {plain.candidate.describe()} fit, and checkpointing it runs the same step plus the "
+                    "recompute")
+    return None
+
+
+def _same_shapes(row: PlanRow) -> tuple:
+    """What rows whose steps run the same kernels on the same shapes share (checkpointing apart)."""
+    c = row.candidate
+    return c.micro_batch, c.accumulation, c.precision, c.offload
 
 
 def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any,
