@@ -218,7 +218,8 @@ def _pooled_reference(make, batch: int, paths: list[str]) -> tuple[dict, float, 
             raise SystemExit(f"PLAN_BRUTE_REFERENCE: {candidate.describe()} of {name} is not in every log: give whole runs")
         peaks[candidate] = measured[0][0]
         runs[candidate] = (peaks[candidate], statistics.median(samples for _, samples in measured))
-        print(f"#   {candidate.describe()}: peak {peaks[candidate]:,} B, {runs[candidate][1]:.1f} samples/s (pooled: median "
+        # "#   reference" (not "#   micro"): a log of this mode must not read back as a brute-force run's
+        print(f"#   reference {candidate.describe()}: peak {peaks[candidate]:,} B, {runs[candidate][1]:.1f} samples/s (pooled: median "
               f"of {len(measured)} runs' {', '.join(f'{s:.0f}' for _, s in measured)})", file=sys.stderr, flush=True)
     return runs, 0.0, dict(module=module, sample=sample, same=_same_programs(module, space, sample, peaks))
 
@@ -373,7 +374,8 @@ def main() -> None:
             runs, seconds, context = _pooled_reference(make, batch, REFERENCE)
         else:
             runs, seconds, context = _brute_force(make, batch, ROUNDS)
-        print(f"# {name}: brute force {len(runs)} configurations in {seconds:.0f} s", file=sys.stderr, flush=True)
+        print(f"# {name}: " + (f"reference pooled from {len(REFERENCE)} runs" if REFERENCE else
+                                f"brute force {len(runs)} configurations in {seconds:.0f} s"), file=sys.stderr, flush=True)
         for label, budget in _budgets(make(), batch):
             result = _run_case(name, make, batch, label, budget, runs, context)
             print(row(result), flush=True)

@@ -59,7 +59,8 @@ def read_run(path: Path) -> dict[tuple[str, str], tuple[dict[str, float], dict[s
         elif match := _PLANNED.match(line):
             model = match.group(1)
             if model not in brute:
-                raise SystemExit(f"{path}: a plan of {model!r} before its brute force: not a log of plan_bruteforce.py")
+                raise SystemExit(f"{path}: a plan of {model!r} before its brute force: not a log of a brute-force run "
+                                 "of plan_bruteforce.py (a PLAN_BRUTE_REFERENCE run's log is not one)")
             cases[(model, match.group(2))] = (brute[model], predicted)
             predicted = {}
     return cases

@@ -524,8 +524,6 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     close = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert close == 1 and calls.count(2) == planner.RETIMING_ROUNDS and calls.count(8) == calls.count(4) == 3 + 1
     assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010) and "median of 5 interleaved timings" in ran[0].note
-    # the anchor's step is the median of all its timings, close-call rounds included, like the steps priced from it
-    assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * 1.175))
     # the second of the pair is priced from the first by that ratio (its own median, 10.5 ms, would hide the rounds)
     assert ran[1].measured_samples_per_s == pytest.approx(8 / (0.010 * 1.175)) and "x 1.175" in ran[1].note
     # a close call that never parts: CLOSE_CALL_ROUNDS more rounds, then the ratio decides
@@ -604,6 +602,13 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
     plain = rows()
     planner._repredict(plain, Model())
     assert [r.predicted_step_s for r in plain] == pytest.approx([0.010, 0.012, 0.015])
+    # two rows of one micro-batch ran (10 ms predicted 8 ms, 9 ms predicted 9 ms): each is predicted at its own
+    # measurement, not at the group's median error (which would put them the other way round: 9.0 and 10.1 ms)
+    both = rows()
+    both[1].measured_samples_per_s = 8 / 0.0135
+    planner._repredict(both, Model(), measured_errors=True)
+    assert [r.predicted_step_s for r in both[:2]] == pytest.approx([0.020, 0.0135])
+    assert both[2].predicted_step_s == pytest.approx(0.015)
 
 
 def test_no_trial_for_a_checkpointed_micro_batch_that_already_fit_plain():
@@ -619,6 +624,12 @@ def test_no_trial_for_a_checkpointed_micro_batch_that_already_fit_plain():
     assert planner._needless_trial(ckpt4, [plain8, ckpt8, ckpt4]) is None
     plain8.measured_samples_per_s, plain8.note = None, "over the budget"
     assert planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None
+    # the same program as a row that ran (a budget that chose every block: same peak, same ops): not run twice
+    from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
+
+    budget8 = planner.PlanRow(Candidate(8, 1, checkpoint=CheckpointBudget(0.5)), 60, None, None, True)
+    ckpt8.measured_samples_per_s, ckpt8.note = 700.0, "ran: median step 11 ms"
+    assert "the same step as micro 8 x 1, 32-true, checkpoint auto" in planner._needless_trial(budget8, [plain8, ckpt8, budget8])
 
 
 def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):

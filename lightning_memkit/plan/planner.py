@@ -784,8 +784,9 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
             model = base_model.fit(observations)
             _repredict(rows, model, measured_errors=True)
-            notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order (the median "
-                         "counts): a CPU's speed drifts by tens of percent while a plan runs"
+            notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order and priced "
+                         "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
+                         "percent while a plan runs"
                          + (f"; the two fastest were a close call (within {CLOSE_CALL:.0%}, or rounds that did not settle "
                             f"their order) and were timed in {close_rounds} more rounds" if close_rounds else ""))
         if device_type == "cpu" and observations:
@@ -836,7 +837,9 @@ def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = Fa
                 errors.setdefault(_same_shapes(row), []).append(measured / row.predicted_step_s)
     for row in rows:
         if row.costs is not None:
-            if _same_shapes(row) in errors:
+            if measured_errors and row.ran:  # its own measurement (a median over its group could reorder two that ran)
+                row.predicted_step_s = row.candidate.effective_batch / row.measured_samples_per_s
+            elif _same_shapes(row) in errors:
                 row.predicted_step_s *= statistics.median(errors[_same_shapes(row)])
             row.predicted_samples_per_s = row.candidate.effective_batch / row.predicted_step_s
 
@@ -913,7 +916,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         time_again(ran, round_)
     close_rounds = 0
     steps = {id(row): statistics.median(timings[id(row)]) for row in ran}
-    how = {id(row): "median of {} interleaved timings" for row in ran}
+    how: dict[int, str] = {}  # how a row was priced: none for a row at the median of its own timings
     if rounds > 0 and len(ran) > 1:
         anchor = min(ran, key=lambda row: steps[id(row)])
         to_anchor = {id(row): ratio(row, anchor) for row in ran}
@@ -936,7 +939,8 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
                            f"step x {between:.3f}, the median of their {len(timings[id(second)]) - 1} per-round ratios")
     for row in ran:
         row.measured_samples_per_s = row.candidate.effective_batch / steps[id(row)]
-        row.note = (f"ran: step {steps[id(row)] * 1e3:.1f} ms ({how[id(row)].format(len(timings[id(row)]))}: "
+        priced = how.get(id(row), f"median of {len(timings[id(row)])} interleaved timings")
+        row.note = (f"ran: step {steps[id(row)] * 1e3:.1f} ms ({priced}: "
                     f"{', '.join(f'{t * 1e3:.1f}' for t in timings[id(row)])} ms)")
         say(f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> {steps[id(row)] * 1e3:.1f} ms")
     return close_rounds
