@@ -261,6 +261,36 @@ def _same_programs(module, space, sample, peaks) -> dict:
     return {c: [d for d in space if keys[d] == keys[c]] for c in space}
 
 
+def baselines(plain: list, fits, batch: int) -> tuple:
+    """The two one-knob answers, replayed on trials already run: ``(composer, its trials, finder, its trials)``.
+
+    ``plain``: the configurations without checkpointing (one per micro-batch); ``fits(candidate)``: whether its trial
+    fit. Composer-style: halve the micro-batch from the effective batch until a trial fits, accumulate (no
+    checkpointing). BatchSizeFinder-style (power mode): double from 2 while it fits; then the largest divisor of the
+    batch <= the largest that fit, accumulated to the effective batch."""
+    composer, composer_trials = None, 0
+    size = batch
+    while size >= 1:
+        candidate = next((c for c in plain if c.micro_batch == size), None)
+        if candidate is not None:
+            composer_trials += 1
+            if fits(candidate):
+                composer = candidate
+                break
+        size //= 2
+    finder_trials, largest, size = 0, None, 2
+    while size <= batch:
+        candidate = next((c for c in plain if c.micro_batch == size), None)
+        finder_trials += 1
+        if candidate is None or not fits(candidate):
+            break
+        largest, size = size, size * 2
+    finder = None
+    if largest is not None:
+        finder = max((c for c in plain if c.micro_batch <= largest and fits(c)), key=lambda c: c.micro_batch, default=None)
+    return composer, composer_trials, finder, finder_trials
+
+
 def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, context: dict) -> dict:
     from lightning_memkit.plan.planner import plan_fit
 
@@ -282,29 +312,8 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
         print(f"#     note: {note}", file=sys.stderr, flush=True)
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
 
-    # Composer-style: halve the micro-batch from the effective batch until a trial fits (no checkpointing)
     plain = [c for c in brute if c.checkpoint is None]
-    composer, composer_trials = None, 0
-    size = batch
-    while size >= 1:
-        candidate = next((c for c in plain if c.micro_batch == size), None)
-        if candidate is not None:
-            composer_trials += 1
-            if brute[candidate][0]:
-                composer = candidate
-                break
-        size //= 2
-    # BatchSizeFinder-style (power mode): double from 2 while it fits; then the largest divisor of the batch <= it
-    finder_trials, largest, size = 0, None, 2
-    while size <= batch:
-        candidate = next((c for c in plain if c.micro_batch == size), None)
-        finder_trials += 1
-        if candidate is None or not brute[candidate][0]:
-            break
-        largest, size = size, size * 2
-    finder = None
-    if largest is not None:
-        finder = max((c for c in plain if c.micro_batch <= largest and brute[c][0]), key=lambda c: c.micro_batch, default=None)
+    composer, composer_trials, finder, finder_trials = baselines(plain, lambda c: brute[c][0], batch)
 
     def speed(candidate) -> float | None:
         return brute[candidate][2] if candidate is not None and candidate in brute and brute[candidate][0] else None

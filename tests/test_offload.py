@@ -152,8 +152,46 @@ def test_offload_trains_the_same_losses_with_a_lower_cuda_peak(tmp_path):
     finally:
         torch.backends.cuda.enable_flash_sdp(kernels[0])
         torch.backends.cuda.enable_mem_efficient_sdp(kernels[1])
-    assert runs[True].losses == runs[False].losses
+    # the first step's forward is the same computation bit for bit (offload copies what autograd saves, exactly);
+    # after the first backward the weights agree to float rounding only: CUDA's embedding backward adds its rows with
+    # atomics, in an order that changes run to run with or without offload (an H200 run: 2.6420715 vs 2.6420717)
+    assert runs[True].losses[0] == runs[False].losses[0]
+    assert runs[True].losses == pytest.approx(runs[False].losses, rel=1e-5)
     assert max(runs[True].peaks[1:]) < 0.8 * max(runs[False].peaks[1:]), (runs[True].peaks, runs[False].peaks)
+
+
+def test_without_offload_is_the_step_apply_offload_wrapped():
+    """What a measuring forward calls: the module's own step, whether or not offload wrapped it."""
+    from lightning_memkit.modes.offload import apply_offload, without_offload
+
+    module = DemoTransformer(vocab_size=50, d_model=16, nhead=2, layers=1, dim_feedforward=32, seq_len=8, batch_size=2)
+    own = module.training_step
+    assert without_offload(own) == own
+    handle = apply_offload(module, "cuda")  # wrapping only checks the device's kind; nothing runs here
+    try:
+        assert module.training_step != own and without_offload(module.training_step) == own
+    finally:
+        handle.remove()
+    assert module.training_step == own
+
+
+@pytest.mark.cuda
+def test_a_checkpoint_budget_with_offload_chooses_blocks_by_what_they_save_on_the_device(tmp_path):
+    """ActivationCheckpointing's budget measures its blocks with the step as the device holds it: under
+    ActivationOffload no block would seem to hold any activation ("budget ... cannot be met", an H200 plan's trial)."""
+    from lightning_memkit import ActivationCheckpointing
+    from lightning_memkit.modes.checkpointing import CheckpointBudget
+
+    torch.manual_seed(0)
+    module = DemoTransformer(vocab_size=500, d_model=128, nhead=4, layers=4, dim_feedforward=512, seq_len=128,
+                             dropout=0.0, batch_size=8)
+    checkpointing = ActivationCheckpointing(policy=CheckpointBudget(fraction=0.5), verbose=False)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, default_root_dir=str(tmp_path),
+                         callbacks=[checkpointing, ActivationOffload(verbose=False)])
+    trainer.fit(module)
+    assert checkpointing.plan.count >= 1 and checkpointing.plan.measured_activation_bytes is not None
 
 
 def _fit_twice(tmp_path, runs) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["OFFLOAD_ON_CPU", "OffloadHandle", "apply_offload", "check_offload_device", "offloading"]
+__all__ = ["OFFLOAD_ON_CPU", "OffloadHandle", "apply_offload", "check_offload_device", "offloading", "without_offload"]
 
 #: why offload is refused anywhere but on a CUDA device
 OFFLOAD_ON_CPU = "offload moves saved activations from a GPU to host memory; on CPU there is nothing to offload"
@@ -111,6 +111,15 @@ def apply_offload(module: nn.Module, device: Any = "cuda", *, pin_memory: bool =
     step._memkit_offload = True  # type: ignore[attr-defined]
     module.__dict__[attribute] = step
     return OffloadHandle(module, attribute, current)
+
+
+def without_offload(step: Any) -> Any:
+    """``step`` as it was before :func:`apply_offload` wrapped it (``step`` itself when it is not wrapped).
+
+    A measuring forward calls this to see what a step keeps on the device: under offload every saved activation is
+    in host memory, so no module would seem to hold any (ActivationCheckpointing's budget chooses its blocks by what
+    they save; offload then moves what is left)."""
+    return step.__wrapped__ if getattr(step, "_memkit_offload", False) else step
 
 
 def _is_lightning_module(module: nn.Module) -> bool:
