@@ -312,7 +312,7 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
         print(f"#     note: {note}", file=sys.stderr, flush=True)
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
 
-    plain = [c for c in brute if c.checkpoint is None]
+    plain = [c for c in brute if c.checkpoint is None and not c.offload]
     composer, composer_trials, finder, finder_trials = baselines(plain, lambda c: brute[c][0], batch)
 
     def speed(candidate) -> float | None:

@@ -22,6 +22,8 @@ that size would leave it. For each model and budget:
 - "halve the micro-batch until it fits" and "largest power-of-two batch, then accumulate", replayed on the same
   trials (a smaller micro-batch than one that fit is taken to fit: memory grows with the micro-batch).
 
+``--predict h200`` needs no GPU: it prints each case's plan table for that GPU, predictions only (the roofline
+and the estimate run on fake tensors), what ``plan_gpu_table.py`` reads for rows a lease's plan did not print.
 ``--rows FILE`` runs no plan: it times the configurations a JSON file lists (``[{"model": word, "budget": bytes,
 "rows": [Candidate.describe() text, ...]}]``) the same way, under the same cap: the rows a lease ran out of time for.
 
@@ -169,7 +171,10 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
     for row in plan.rows:
         if row.predicted_peak_bytes is None or row.predicted_peak_bytes > (1 + OVER) * budget:
             continue
-        fits, peak, samples, note = _trial(module, row.candidate, sample, budget, device, WARMUP, TIMED)
+        try:
+            fits, peak, samples, note = _trial(module, row.candidate, sample, budget, device, WARMUP, TIMED)
+        except Exception as error:  # noqa: BLE001 - a row that fails (not out of memory) is reported, the rest still run
+            fits, peak, samples, note = False, None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
         runs[row.candidate] = dict(fits=fits, peak=peak, samples=samples, note=note,
                                    predicted_samples=row.predicted_samples_per_s, predicted_peak=row.predicted_peak_bytes,
                                    predicted_fits=row.fits, trial=row.note)
@@ -246,7 +251,10 @@ def time_rows(path: str, models: dict, device: str) -> None:
         module = build(batch)
         sample, _ = sample_batch_and_length(module, None)
         for text in case["rows"]:
-            fits, peak, samples, note = _trial(module, parse_candidate(text), sample, case["budget"], device, WARMUP, TIMED)
+            try:
+                fits, peak, samples, note = _trial(module, parse_candidate(text), sample, case["budget"], device, WARMUP, TIMED)
+            except Exception as error:  # noqa: BLE001 - reported, the next row still runs
+                fits, peak, samples, note = False, None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
             print(f"# {name} {format_bytes(case['budget'])}: {text}: brute force {note}, peak "
                   f"{format_bytes(peak) if peak else '-'}, {samples or 0:.1f} samples/s", file=sys.stderr, flush=True)
 
@@ -279,6 +287,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--small", action="store_true", help="tiny models, budgets from their estimates: a check of the script")
     parser.add_argument("--json", default=None, help="write every case's result and trial rows here")
     parser.add_argument("--rows", default=None, help="no plan: time the configurations this JSON file lists (see above)")
+    parser.add_argument("--predict", default=None, metavar="GPU",
+                        help="no GPU needed: print each case's plan table for this GPU (predictions only, no trial)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     import logging
@@ -287,6 +297,17 @@ def main(argv: list[str]) -> None:
     from lightning_memkit.estimate import estimate_memory
     from lightning_memkit.units import parse_bytes
 
+    if args.predict:  # the roofline and the estimate need no GPU: the table the plan ranks before its trials
+        from lightning_memkit.plan import plan_fit
+
+        for model_name, (build, batch) in MODELS.items():
+            if args.models and not any(word.lower() in model_name.lower() for word in args.models):
+                continue
+            for text in args.budgets.split(","):
+                plan = plan_fit(build(batch), device="cuda", gpu=args.predict, device_memory=text,
+                                modes=args.modes or "micro_batch,checkpoint,offload", verbose=False)
+                print(f"## {model_name} {text}\n{plan.table()}", flush=True)
+        return
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if not cuda and not args.small:

@@ -490,10 +490,10 @@ def test_checkpointings_cost_is_measured_with_the_plans_own_counting_and_leaves_
     assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
 
 
-def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part(monkeypatch):
-    """The rounds' rule with the timings given: three trials timed RETIMING_ROUNDS more times each; two within
-    CLOSE_CALL are then timed alone, in more rounds, until they part (or CLOSE_CALL_ROUNDS run out); a clear
-    winner gets no more rounds."""
+def test_a_close_call_with_the_fastest_trial_is_timed_on_until_it_parts(monkeypatch):
+    """The rounds' rule with the timings given: three trials timed RETIMING_ROUNDS more times each; the fastest and
+    the trials within CLOSE_CALL of it are then timed on, in more rounds, until they part (or CLOSE_CALL_ROUNDS run
+    out); a clear winner gets no more rounds."""
     def rows(first_seconds):
         made = []
         for micro, seconds in zip((8, 4, 2), first_seconds):
@@ -544,13 +544,48 @@ def test_a_close_call_between_the_two_fastest_trials_is_timed_on_until_they_part
     anchor = statistics.median([0.010] * (1 + planner.RETIMING_ROUNDS) + [0.008] * planner.CLOSE_CALL_ROUNDS)
     assert anchor < 0.010
     assert [r.measured_samples_per_s for r in ran[:2]] == pytest.approx([8 / anchor, 8 / (anchor * 1.05)])
-    # three within 10%: the two fastest after the rounds are the pair timed on, the third is not
+    # three within 10%: all three are timed on (the fastest with every row a close call to it), not a pair
     calls.clear()
     monkeypatch.setattr(planner, "_timed_step", timings({8: [0.010], 4: [0.0101], 2: [0.0102]}))
     ran = rows((0.010, 0.0101, 0.0102))
     planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
-    assert calls.count(2) == planner.RETIMING_ROUNDS
-    assert calls.count(8) == calls.count(4) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+    assert calls.count(8) == calls.count(4) == calls.count(2) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
+
+
+def test_a_close_call_of_three_times_all_three_and_prices_them_against_the_anchor(monkeypatch):
+    """A plan's real timings (ms; LM "tight", a pooled-reference run): the anchor `4 x 4, checkpoint auto` (lowest
+    median), `2 x 8` and `4 x 4, checkpoint budget=0.5` within 4% of it by their medians of per-round ratios, three
+    noisy rounds. Side by side `auto` was the fastest and `budget=0.5` 20% slower, but a close call of the two
+    fastest (`2 x 8`, `budget=0.5`) timed those two alone and priced `budget=0.5` through `2 x 8` to the anchor: a
+    chain of two noisy ratios chose it. All three are timed on now (here at their true 38, 40 and 47 ms) and each is
+    priced by its ratio over all the rounds to the anchor."""
+    auto = Candidate(4, 4, checkpoint="auto")
+    from lightning_memkit.modes.checkpointing import CheckpointBudget
+
+    half = Candidate(4, 4, checkpoint=CheckpointBudget(0.5))
+    small = Candidate(2, 8)
+    rounds = {auto: [49.8, 31.8, 42.8], small: [47.0, 54.1, 41.1], half: [38.6, 44.1, 42.1]}
+    truth = {auto: 38.0, small: 40.0, half: 47.0}
+    counts = {c: 0 for c in truth}
+
+    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+        counts[candidate] += 1
+        n = counts[candidate]
+        return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
+
+    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    ran = []
+    for candidate, trial in ((half, 53.9), (small, 57.6), (auto, 34.1)):
+        row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
+        row.measured_samples_per_s, row.note = 16e3 / trial, "ran"
+        ran.append(row)
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
+    assert set(counts.values()) == {planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS}
+    best = max(ran, key=lambda row: row.measured_samples_per_s)
+    assert best.candidate == auto
+    steps = {row.candidate: 16 / row.measured_samples_per_s for row in ran}
+    assert steps[auto] == pytest.approx(0.038) and steps[small] == pytest.approx(0.040) and steps[half] == pytest.approx(0.047)
+    assert "priced from micro 4 x 4, 32-true, checkpoint auto's median" in ran[0].note
 
 
 def test_rounds_that_disagree_are_a_close_call_even_when_their_median_parts(monkeypatch):
@@ -657,7 +692,8 @@ def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(mon
     assert counts == {8: planner.RETIMING_ROUNDS, 4: planner.RETIMING_ROUNDS, 2: planner.RETIMING_ROUNDS}
     assert max(ran, key=lambda row: row.measured_samples_per_s) is ran[0]
     assert [row.measured_samples_per_s for row in ran] == pytest.approx([8 / 0.0095, 8 / 0.011, 8 / 0.0105])
-    assert "x 1.048" in ran[1].note and "x 1.105" in ran[2].note and "median of 4 interleaved timings" not in ran[0].note
+    # no close call: each is priced against the anchor (micro 2) by its ratios, the anchor at its own median
+    assert "x 1.048" in ran[1].note and "x 0.905" in ran[0].note and "median of 4 interleaved timings" in ran[2].note
 
 
 def test_a_measured_once_per_step_part_replaces_the_optimizers_ops():

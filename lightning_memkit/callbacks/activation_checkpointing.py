@@ -27,7 +27,6 @@ from lightning_memkit.modes.checkpointing import (
     parse_budget,
     plan_checkpointing,
 )
-from lightning_memkit.modes.offload import without_offload
 from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper, user_name
 from lightning_memkit.units import MiB, format_bytes
 
@@ -228,9 +227,7 @@ class ActivationCheckpointing(Callback):
                 with trainer.precision_plugin.train_step_context():
                     if self.sample_fn is not None:
                         return self.sample_fn(pl_module, batch)
-                    # the step as the device would hold it: under ActivationOffload every saved activation is in
-                    # host memory and a budget would find no block that holds any
-                    return without_offload(pl_module.training_step)(batch, 0)
+                    return pl_module.training_step(batch, 0)
             finally:
                 for name, previous in muted.items():
                     if previous is None:

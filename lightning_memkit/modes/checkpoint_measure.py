@@ -24,6 +24,7 @@ from torch import nn
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
 from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
+from lightning_memkit.modes.offload import offload_suspended
 
 __all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
 
@@ -181,6 +182,8 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
             stack.enter_context(force_eager())
             stack.enter_context(_side_effect_free(module))
             stack.enter_context(torch.enable_grad())
+            # what the modules save, not where offload would put it: under offload's hooks this one would see none
+            stack.enter_context(offload_suspended())
             if counter is not None:
                 stack.enter_context(counter)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))

@@ -23,13 +23,15 @@ What it costs and saves (bytes):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import types
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
-__all__ = ["OFFLOAD_ON_CPU", "OffloadHandle", "apply_offload", "check_offload_device", "offloading", "without_offload"]
+__all__ = ["OFFLOAD_ON_CPU", "OffloadHandle", "apply_offload", "check_offload_device", "offload_suspended", "offloading"]
 
 #: why offload is refused anywhere but on a CUDA device
 OFFLOAD_ON_CPU = "offload moves saved activations from a GPU to host memory; on CPU there is nothing to offload"
@@ -56,8 +58,32 @@ def offloading(pin_memory: bool = True) -> Iterator[None]:
             loss = model(x).sum()        # saved activations now live on the host
         loss.backward()                  # each comes back to the GPU when its op's backward runs
     """
+    if _SUSPENDED.get():
+        yield
+        return
     with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory and torch.cuda.is_available()):
         yield
+
+
+#: set inside :func:`offload_suspended`
+_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_offload_suspended", default=False)
+
+
+@contextlib.contextmanager
+def offload_suspended() -> Iterator[None]:
+    """Inside the block :func:`offloading` offloads nothing, and so neither does a step :func:`apply_offload`
+    wrapped, however it is called (a Lightning ``training_step``, a ``sample_fn`` that calls it, a plain module's
+    ``forward``, another wrapper around it).
+
+    A measuring forward (:func:`~lightning_memkit.modes.checkpoint_measure.measure_forward`: what checkpointing's
+    budget chooses its blocks by) runs in it: under offload every saved activation is already in host memory, so no
+    module would seem to hold any, and a budget could not be met. Checkpointing chooses by what the modules save;
+    offload then moves what checkpointing leaves."""
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
 
 
 class OffloadHandle:
@@ -102,24 +128,27 @@ def apply_offload(module: nn.Module, device: Any = "cuda", *, pin_memory: bool =
     if getattr(current, "_memkit_offload", False):
         raise ValueError(f"{type(module).__name__}.{attribute} already offloads its saved tensors; apply offload once")
     original = getattr(module, attribute)
+    function = getattr(original, "__func__", None)
+    if function is not None and getattr(original, "__self__", None) is module:
+        # a method of this module, wrapped as a method of it: a deep copy of the module (a plan's trials, an
+        # estimate's fake copy) binds the copy's wrapper to the copy, where a closure would run the original's step
+        def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with offloading(pin_memory):
+                return function(self, *args, **kwargs)
 
-    @functools.wraps(original)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        with offloading(pin_memory):
-            return original(*args, **kwargs)
+        functools.update_wrapper(method, function)
+        method._memkit_offload = True  # type: ignore[attr-defined]
+        step: Any = types.MethodType(method, module)
+    else:  # an instance attribute that is not one of its methods (a callable the user set): wrapped as it is
 
-    step._memkit_offload = True  # type: ignore[attr-defined]
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with offloading(pin_memory):
+                return original(*args, **kwargs)
+
+        step._memkit_offload = True  # type: ignore[attr-defined]
     module.__dict__[attribute] = step
     return OffloadHandle(module, attribute, current)
-
-
-def without_offload(step: Any) -> Any:
-    """``step`` as it was before :func:`apply_offload` wrapped it (``step`` itself when it is not wrapped).
-
-    A measuring forward calls this to see what a step keeps on the device: under offload every saved activation is
-    in host memory, so no module would seem to hold any (ActivationCheckpointing's budget chooses its blocks by what
-    they save; offload then moves what is left)."""
-    return step.__wrapped__ if getattr(step, "_memkit_offload", False) else step
 
 
 def _is_lightning_module(module: nn.Module) -> bool:

@@ -69,7 +69,7 @@ CALIBRATION_ACCUMULATION = 4
 #: calibration takes this many times ``timed_seconds``): the once-per-step part is a
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
-#: CPU: after the rounds, the two fastest trials are a close call when their steps, round by round (the median of
+#: CPU: after the rounds, a trial is a close call to the fastest when their steps, round by round (the median of
 #: the per-round ratios), are closer than this share, or when their rounds do not settle which is faster (the mean
 #: of the per-round log ratios within :data:`CLOSE_CALL_ERRORS` standard errors of 0: a 0.5 s timing moves by about
 #: 15% from one round to the next on a 2-core VM, so three rounds 10% apart can be noise)...
@@ -617,7 +617,7 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
             :data:`MAX_TIMED_STEPS`), and when several trials ran each is timed :data:`RETIMING_ROUNDS` times more
             for half as long, in rounds of alternating order, compared round by round (a CPU's speed drifts by tens
-            of percent within seconds), and the two fastest, when a close call, up to
+            of percent within seconds), and the fastest with every trial a close call to it up to
             :data:`CLOSE_CALL_ROUNDS` times more; the time model's calibration takes :data:`CALIBRATION_ROUNDS` times
             this. 0 times ``timed_steps`` steps once.
 
@@ -787,8 +787,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order and priced "
                          "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
                          "percent while a plan runs"
-                         + (f"; the two fastest were a close call (within {CLOSE_CALL:.0%}, or rounds that did not settle "
-                            f"their order) and were timed in {close_rounds} more rounds" if close_rounds else ""))
+                         + (f"; the fastest and the trials a close call to it (within {CLOSE_CALL:.0%}, or rounds that did "
+                            f"not settle their order) were timed in {close_rounds} more rounds" if close_rounds else ""))
         if device_type == "cpu" and observations:
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
                          f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
@@ -893,12 +893,12 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     time for ``seconds / 2``, and compare them round by round: the timings of one round are seconds apart, while a
     machine's phases of speed (tens of percent, seconds long on a shared CPU) put timings minutes apart on different
     footings. The row with the lowest median is the anchor; every row's step is the anchor's median times the median
-    of its per-round ratios to the anchor. When the two fastest so ranked are a close call (:func:`_close_call`: within
-    :data:`CLOSE_CALL` of each other by the median of their own per-round ratios, or rounds that disagree), those two
-    are timed in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until they part, and the second is priced from the first
-    by that ratio. The configurations fit already (the trial
-    measured their peak): no budget here. ``rounds=0``: each row keeps its trial's own timing, nothing compared.
-    Returns the close call's rounds."""
+    of its per-round ratios to the anchor. The fastest so ranked and every row a close call to it (:func:`_close_call`:
+    within :data:`CLOSE_CALL` by the median of their own per-round ratios, or rounds that disagree) are timed together
+    in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until none is a close call any more; each of them is then priced
+    by its ratio over all those rounds to the anchor when the anchor is among them, else to the fastest. The
+    configurations fit already (the trial measured their peak): no budget here. ``rounds=0``: each row keeps its
+    trial's own timing, nothing compared. Returns the close call's rounds."""
     timings = {id(row): [_observation(row)[2]] for row in ran}  # the trial's own first: in no round with the others
 
     def time_again(rows: list[PlanRow], round_: int) -> None:
@@ -920,23 +920,35 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     if rounds > 0 and len(ran) > 1:
         anchor = min(ran, key=lambda row: steps[id(row)])
         to_anchor = {id(row): ratio(row, anchor) for row in ran}
-        first, second = sorted(ran, key=lambda row: to_anchor[id(row)])[:2]  # the two fastest, round by round
-        # a close call between them is timed on, those two alone, until they part or the rounds run out: the median
-        # of four timings still moves by several percent on a noisy CPU, more than such a difference
-        while close_rounds < CLOSE_CALL_ROUNDS and _close_call(ratios(second, first)):
-            time_again([first, second], rounds + close_rounds)
+        ranked = sorted(ran, key=lambda row: to_anchor[id(row)])  # fastest first, round by round
+        first = ranked[0]
+        # every row whose order against the fastest the rounds leave open is timed on with it, until none is a close
+        # call or the rounds run out: the median of four timings still moves by several percent on a noisy CPU, more
+        # than such a difference. All of them, not the two fastest: three rows within 4% of each other once had
+        # their pair timed on without the third, the fastest side by side, and a plan chose a row at 80% of it
+        contenders = [first] + [row for row in ranked[1:] if _close_call(ratios(row, first))]
+        while (close_rounds < CLOSE_CALL_ROUNDS and len(contenders) > 1
+               and any(_close_call(ratios(row, first)) for row in contenders[1:])):
+            time_again(contenders, rounds + close_rounds)
             close_rounds += 1
-        anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was in the pair
+        anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was timed in them
         steps[id(anchor)] = anchor_step
         for row in ran:
             if row is not anchor:
                 steps[id(row)] = anchor_step * to_anchor[id(row)]
                 how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
                                 f"median x {to_anchor[id(row)]:.3f}, the median of their {rounds} per-round ratios")
-        between = ratio(second, first)
-        steps[id(second)] = steps[id(first)] * between
-        how[id(second)] = (f"{len(timings[id(second)])} interleaved timings, priced from {first.candidate.describe()}'s "
-                           f"step x {between:.3f}, the median of their {len(timings[id(second)]) - 1} per-round ratios")
+        # the close call's rows by their ratios over all its rounds: to the anchor when it was one of them (no chain
+        # of two noisy ratios), else to the fastest
+        base = anchor if anchor in contenders else first
+        for row in contenders if close_rounds else []:
+            if row is base:
+                continue
+            between = ratio(row, base)
+            steps[id(row)] = steps[id(base)] * between
+            how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {base.candidate.describe()}'s "
+                            f"{'median' if base is anchor else 'step'} x {between:.3f}, the median of their "
+                            f"{len(ratios(row, base))} per-round ratios")
     for row in ran:
         row.measured_samples_per_s = row.candidate.effective_batch / steps[id(row)]
         priced = how.get(id(row), f"median of {len(timings[id(row)])} interleaved timings")
