@@ -180,6 +180,34 @@ def test_a_deep_copy_of_an_offloading_module_offloads_its_own_step():
     assert "training_step" not in module.__dict__ and not getattr(module.training_step, "_memkit_offload", False)
 
 
+def test_a_pickled_offloading_module_still_offloads_its_own_step():
+    """A module wrapped by hand and then pickled (a spawned process, torch.save) keeps offloading, bound to the
+    loaded module: not its class's plain step, silently."""
+    import pickle
+
+    module = _small_transformer()
+    apply_offload(module, "cuda")
+    loaded = pickle.loads(pickle.dumps(module))
+    assert loaded.training_step._memkit_offload and loaded.training_step.__self__ is loaded
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    # what Lightning reads from a training_step: overridden, and its signature through __wrapped__
+    assert is_overridden("training_step", loaded) and is_param_in_hook_signature(loaded.training_step, "batch_idx")
+
+
+def test_an_estimate_of_an_offloading_module_counts_what_its_step_saves():
+    """estimate_memory's fake step of a module whose training_step apply_offload wrapped: the same peak and the same
+    breakdown as the module's own (offload is what mode="offload" models; torch's save_on_cpu inside the fake step
+    took every saved tensor from the counting: 0 B of activations, all of it "temporaries")."""
+    plain = estimate_memory(_small_transformer(), device="cpu")
+    module = _small_transformer()
+    apply_offload(module, "cuda")
+    offloading = estimate_memory(module, device="cpu")
+    assert plain.by_category["activations"] > 0
+    assert (offloading.peak_bytes, offloading.by_category) == (plain.peak_bytes, plain.by_category)
+
+
 def _fit_with_budget(module, **checkpointing) -> ActivationCheckpointing:
     callback = ActivationCheckpointing(policy=CheckpointBudget(fraction=0.5), verbose=False, **checkpointing)
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

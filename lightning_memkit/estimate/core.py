@@ -42,6 +42,7 @@ from lightning_memkit.estimate.fake import (
     is_fake,
     keeps_real_values,
 )
+from lightning_memkit.modes.offload import offload_suspended
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -876,7 +877,10 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     raise EstimateError(f"mode {mode.name!r}: {error}") from None
             acc.attributor.assign_module(module_copy)
             acc.attributor.assign(batch, "inputs")
-            with step_context(), acc, acc.attributor.watch_saved_tensors(), (kernels.active() if kernels else contextlib.nullcontext()), \
+            # offload is what mode.offload models (its own hooks, the host bytes); a step apply_offload already wrapped
+            # must not run torch's save_on_cpu on the fake step too: it would take every saved tensor from the counting
+            with step_context(), acc, offload_suspended(), acc.attributor.watch_saved_tensors(), \
+                    (kernels.active() if kernels else contextlib.nullcontext()), \
                     (offload.hooks() if offload is not None else contextlib.nullcontext()):
                 prepare = _PREPARE_COPY.get()
                 if prepare is not None:

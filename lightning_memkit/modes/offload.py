@@ -130,15 +130,9 @@ def apply_offload(module: nn.Module, device: Any = "cuda", *, pin_memory: bool =
     original = getattr(module, attribute)
     function = getattr(original, "__func__", None)
     if function is not None and getattr(original, "__self__", None) is module:
-        # a method of this module, wrapped as a method of it: a deep copy of the module (a plan's trials, an
-        # estimate's fake copy) binds the copy's wrapper to the copy, where a closure would run the original's step
-        def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            with offloading(pin_memory):
-                return function(self, *args, **kwargs)
-
-        functools.update_wrapper(method, function)
-        method._memkit_offload = True  # type: ignore[attr-defined]
-        step: Any = types.MethodType(method, module)
+        # the module's own method: an object bound to the module, which a deep copy (a plan's trials, an estimate's
+        # copy) binds to the copy and a pickle keeps; a closure over the bound step would run the original's
+        step: Any = _OffloadingStep(module, function, pin_memory)
     else:  # an instance attribute that is not one of its methods (a callable the user set): wrapped as it is
 
         @functools.wraps(original)
@@ -149,6 +143,26 @@ def apply_offload(module: nn.Module, device: Any = "cuda", *, pin_memory: bool =
         step._memkit_offload = True  # type: ignore[attr-defined]
     module.__dict__[attribute] = step
     return OffloadHandle(module, attribute, current)
+
+
+class _OffloadingStep:
+    """``function`` (a method of ``module``'s class) called on ``module`` inside :func:`offloading`.
+
+    ``__self__`` / ``__func__`` as a bound method has them; ``__wrapped__`` is the plain bound method, which
+    Lightning's signature and override checks follow."""
+
+    _memkit_offload = True
+
+    def __init__(self, module: nn.Module, function: Any, pin_memory: bool) -> None:
+        functools.update_wrapper(self, function)
+        self.__self__ = module
+        self.__func__ = function
+        self.__wrapped__ = types.MethodType(function, module)
+        self.pin_memory = pin_memory
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with offloading(self.pin_memory):
+            return self.__func__(self.__self__, *args, **kwargs)
 
 
 def _is_lightning_module(module: nn.Module) -> bool:

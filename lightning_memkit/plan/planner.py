@@ -76,8 +76,8 @@ CALIBRATION_ROUNDS = 4
 CLOSE_CALL = 0.10
 #: ...that many standard errors...
 CLOSE_CALL_ERRORS = 2.0
-#: ...and those two are timed in up to this many more rounds (each timing half the plan's ``timed_seconds``), until
-#: they part
+#: ...and the fastest with every trial a close call to it are timed in up to this many more rounds (each timing half
+#: the plan's ``timed_seconds``), until none is a close call any more
 CLOSE_CALL_ROUNDS = 6
 
 
@@ -940,7 +940,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
                                 f"median x {to_anchor[id(row)]:.3f}, the median of their {rounds} per-round ratios")
         # the close call's rows by their ratios over all its rounds: to the anchor when it was one of them (no chain
         # of two noisy ratios), else to the fastest
-        base = anchor if anchor in contenders else first
+        base = anchor if any(row is anchor for row in contenders) else first
         for row in contenders if close_rounds else []:
             if row is base:
                 continue
