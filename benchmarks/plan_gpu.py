@@ -147,6 +147,18 @@ def _cap(budget: int, cuda: bool) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget - CUDA_CONTEXT_BYTES) / total))
 
 
+def plain_fits(ran: dict[int, bool]):
+    """``fits(candidate)`` for the one-knob baselines, from the plain micro-batches that ran (``{micro-batch: fit}``):
+    one that did not run fits when a larger one fit (memory grows with the micro-batch), else it counts as out of
+    memory (larger than every one that fit: the halving's first trial, predicted far over the budget)."""
+    def fits(candidate) -> bool:
+        if candidate.micro_batch in ran:
+            return ran[candidate.micro_batch]
+        return any(ok and micro > candidate.micro_batch for micro, ok in ran.items())
+
+    return fits
+
+
 def run_case(name: str, build, batch: int, budget: int, device: str, modes: str) -> dict:
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
@@ -191,10 +203,7 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
     space = candidate_space(batch, modes=modes, device_type=device, can_checkpoint=True)
     plain = sorted((c for c in space if c.checkpoint is None and not c.offload), key=lambda c: -c.micro_batch)
 
-    def fits(candidate) -> bool:  # a smaller plain micro-batch than one that fit fits too
-        if candidate in runs:
-            return runs[candidate]["fits"]
-        return any(r["fits"] for c, r in runs.items() if c in plain and c.micro_batch > candidate.micro_batch)
+    fits = plain_fits({c.micro_batch: r["fits"] for c, r in runs.items() if c in plain})
 
     def speed(candidate):
         return runs[candidate]["samples"] if candidate in runs and runs[candidate]["fits"] else None

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from plan_bruteforce import baselines, spearman  # noqa: E402
-from plan_gpu import parse_candidate  # noqa: E402
+from plan_gpu import parse_candidate, plain_fits  # noqa: E402
 
 GiB = 1 << 30
 _SIZE = r"([\d.]+ [KMG]?i?B|-)"
@@ -102,13 +102,7 @@ def summarize(name: str, budget: int, case: dict) -> dict:
     plain = sorted({c for c in candidates.values() if c.checkpoint is None and not c.offload}
                    | {parse_candidate(f"micro {m} x {c.effective_batch // m}, 32-true") for c in candidates.values()
                       for m in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c.effective_batch % m == 0}, key=lambda c: -c.micro_batch)
-    ran_plain = {c.micro_batch: rows[t][0] for t, c in candidates.items() if c in plain}
-
-    def fits(candidate) -> bool:  # a smaller micro-batch than one that fit fits too; one not run above all that fit did not
-        if candidate.micro_batch in ran_plain:
-            return ran_plain[candidate.micro_batch]
-        return any(ok and m > candidate.micro_batch for m, ok in ran_plain.items())
-
+    fits = plain_fits({c.micro_batch: rows[t][0] for t, c in candidates.items() if c in plain})
     batch = next(iter(candidates.values())).effective_batch
     composer, composer_trials, finder, finder_trials = baselines(plain, fits, batch)
 

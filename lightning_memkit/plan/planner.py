@@ -816,8 +816,7 @@ def _signature(row: PlanRow) -> tuple:
     """What makes two rows the same program: batch split, precision, offload, predicted peak and the step's ops."""
     costs = row.costs
     ops = (costs.micro.count, costs.micro.flops_fp32, costs.micro.flops_low, costs.micro.bytes) if costs is not None else None
-    c = row.candidate
-    return (c.micro_batch, c.accumulation, c.precision, c.offload, row.predicted_peak_bytes, ops)
+    return _same_shapes(row) + (row.predicted_peak_bytes, ops)
 
 
 def _observation(row: PlanRow) -> tuple[OpCosts, int, float]:
@@ -927,8 +926,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         # than such a difference. All of them, not the two fastest: three rows within 4% of each other once had
         # their pair timed on without the third, the fastest side by side, and a plan chose a row at 80% of it
         contenders = [first] + [row for row in ranked[1:] if _close_call(ratios(row, first))]
-        while (close_rounds < CLOSE_CALL_ROUNDS and len(contenders) > 1
-               and any(_close_call(ratios(row, first)) for row in contenders[1:])):
+        while close_rounds < CLOSE_CALL_ROUNDS and any(_close_call(ratios(row, first)) for row in contenders[1:]):
             time_again(contenders, rounds + close_rounds)
             close_rounds += 1
         anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was timed in them
@@ -941,7 +939,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         # the close call's rows by their ratios over all its rounds: to the anchor when it was one of them (no chain
         # of two noisy ratios), else to the fastest
         base = anchor if any(row is anchor for row in contenders) else first
-        for row in contenders if close_rounds else []:
+        for row in (contenders if close_rounds else []):
             if row is base:
                 continue
             between = ratio(row, base)
