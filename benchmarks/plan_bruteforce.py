@@ -15,7 +15,9 @@ an eighth's). For each case:
   the verdict (brute force's medians come from rounds minutes apart, and this machine drifts by tens of percent).
   A choice that brute force ranks best is not checked again: the check can only clear a miss, not make one;
 - Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
-  configurations that fit in brute force;
+  configurations that fit in brute force and that the plan estimated: "plan" is its final ranking (on CPU the rows
+  that ran at their measurement, the rest scaled by the model's error at their micro-batch), "model alone" the time
+  model's before any trial (on CPU after its calibration steps);
 - a Composer-style "halve the micro-batch until it fits, accumulate" and a BatchSizeFinder-style "largest power-of-two
   batch that fits (doubling from 2), then accumulate to the effective batch": their answers replayed on the
   brute-force trials (the same runs: a trial's fit or OOM does not change), with the trials each would have run.
@@ -305,12 +307,17 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
     pairs = [(predicted[c], fitting[c][2]) for c in fitting if predicted.get(c) is not None]
     for row in plan.rows:  # the time model against brute force, row by row (stderr: the diagnosis, not the table)
         measured = brute.get(row.candidate)
-        print(f"#     {row.candidate.describe()}: predicted {row.predicted_samples_per_s or 0:.1f} samples/s"
+        model_alone = f" (model alone {row.candidate.effective_batch / row.model_step_s:.1f})" if row.model_step_s else ""
+        print(f"#     {row.candidate.describe()}: predicted {row.predicted_samples_per_s or 0:.1f} samples/s{model_alone}"
               f"{' (fits)' if row.fits else ''}, brute force {measured[2]:.1f}{' (fits)' if measured[0] else ''}; "
               f"trial: {row.note}", file=sys.stderr, flush=True)
     for note in plan.notes:
         print(f"#     note: {note}", file=sys.stderr, flush=True)
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
+    # the time model alone (CPU: after its calibration, before any trial) over the same rows
+    alone = {row.candidate: row.candidate.effective_batch / row.model_step_s for row in plan.rows if row.model_step_s}
+    model_pairs = [(alone[c], fitting[c][2]) for c in fitting if alone.get(c) is not None and predicted.get(c) is not None]
+    rho_model = spearman([p for p, _ in model_pairs], [m for _, m in model_pairs]) if len(model_pairs) >= 3 else float("nan")
 
     plain = [c for c in brute if c.checkpoint is None and not c.offload]
     composer, composer_trials, finder, finder_trials = baselines(plain, lambda c: brute[c][0], batch)
@@ -329,7 +336,7 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
     return dict(head_to_head=head_to_head, model=name, label=label, budget=budget, space=len(brute), fitting=len(fitting), best=best, best_speed=best_speed,
                 chosen=chosen, chosen_speed=speed(chosen), plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
                 plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
-                brute_peak=chosen_brute[1] if chosen_brute else None, trials=plan.trials, rho=rho, pairs=len(pairs),
+                brute_peak=chosen_brute[1] if chosen_brute else None, trials=plan.trials, rho=rho, rho_model=rho_model, pairs=len(pairs),
                 composer=composer, composer_speed=speed(composer), composer_trials=composer_trials,
                 finder=finder, finder_speed=speed(finder), finder_trials=finder_trials, plan_s=plan.seconds)
 
@@ -359,7 +366,7 @@ def main() -> None:
         best = f"{describe(r['best'])} ({r['best_speed']:.1f})" if r["best"] is not None else "none fit"
         return (f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
                 f"{describe(r['chosen'])} | {share} | {within} | {r['trials']} | {under} | "
-                f"{r['rho']:.2f} (n={r['pairs']}) | "
+                f"{r['rho']:.2f} (n={r['pairs']}) | {r['rho_model']:.2f} | "
                 f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
                 f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |")
 
@@ -373,8 +380,9 @@ def main() -> None:
               "force measured them; % of the brute-force best")
     print()
     print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
-          "real peak <= budget | Spearman | halve until it fits | largest batch, then accumulate |")
-    print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---|", flush=True)
+          "real peak <= budget | Spearman (plan) | Spearman (model alone) | halve until it fits | "
+          "largest batch, then accumulate |")
+    print("|---|---|---:|---|---|---:|---|---:|---|---:|---:|---|---|", flush=True)
     only = sys.argv[1:]
     for name, (make, batch) in MODELS.items():
         if only and not any(word.lower() in name.lower() for word in only):

@@ -144,13 +144,21 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
 
 # ------------------------------------------------------------------------------------------ plan_fit
 @pytest.mark.timeout(600)
-def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
+def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkeypatch):
     module = _tiny_transformer(batch_size=8)
     baseline = estimate_memory(module, device="cpu").peak_bytes
     smallest = estimate_memory(module, 2, device="cpu").peak_bytes
     budget = (baseline + smallest) // 2
     before_state = _state(module)
     rng = torch.get_rng_state()
+    calibrated = []  # the calibration's probes (the real calibration runs; this only records what it timed)
+    real_calibration = planner._calibration_steps
+
+    def recording(module, probes, *args, **kwargs):
+        calibrated.extend(probes)
+        return real_calibration(module, probes, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_calibration_steps", recording)
 
     plan = plan_fit(module, device_memory=budget, device="cpu", **FAST)
     assert not plan.fits_as_is
@@ -178,15 +186,28 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
     assert f"batch_size: {plan.best.micro_batch}" in plan.yaml()
     assert plan.best.describe() in plan.table()
     # CPU: with more than one trial, each was timed three times more in rounds of alternating order (the median
-    # counts), and a close call between the two fastest up to CLOSE_CALL_ROUNDS times more
+    # counts), and the fastest with every trial a close call to it up to CLOSE_CALL_ROUNDS times more
     ran = [r for r in plan.rows if r.ran]
     if len(ran) > 1:
         timings = [int(re.search(r"(\d+) interleaved timings", r.note).group(1)) for r in ran]
         assert all(4 <= n <= 4 + planner.CLOSE_CALL_ROUNDS for n in timings), [r.note for r in ran]
-        assert sum(n > 4 for n in timings) in (0, 2), timings  # the close call times the two fastest alike
+        assert sum(n > 4 for n in timings) != 1, timings  # a close call times the fastest and at least one other alike
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
     assert any("calibrate it (not trials)" in note and "once per step" in note for note in plan.notes)
+    # the calibration: the smallest plain micro-batch estimated at accumulation 1 and CALIBRATION_ACCUMULATION, and
+    # the largest micro-batch predicted to fit, as its row runs it, at accumulation 1 (two micro-batches: the
+    # kernels' scale and the per-op overhead are told apart)
+    plain = [r for r in plan.rows if r.costs is not None and r.candidate.checkpoint is None]
+    small = min(r.candidate.micro_batch for r in plain)
+    largest = max(r.candidate.micro_batch for r in plan.rows if r.fits)
+    assert calibrated[:2] == [Candidate(small, 1), Candidate(small, planner.CALIBRATION_ACCUMULATION)]
+    assert largest > small and len(calibrated) == 3
+    assert calibrated[2].micro_batch == largest and calibrated[2].accumulation == 1
+    assert any(r.fits and dataclasses.replace(r.candidate, accumulation=1) == calibrated[2] for r in plan.rows)
+    # what the model alone said before the trials is kept beside the final ranking
+    assert all(r.model_step_s is not None and r.model_step_s > 0 for r in plan.rows if r.costs is not None)
+    assert any(r.model_step_s != r.predicted_step_s for r in plan.rows if r.ran)
 
 
 def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkeypatch):
@@ -739,3 +760,33 @@ def test_the_calibration_parts_a_micro_batch_from_the_once_per_step_part():
     assert planner._split_calibration([0.010], [0.008], 7e-4, 3e-4) == (0.0, None)
     ones, manys = [0.010, 0.020, 0.010, 0.010], [0.025] * 4
     assert planner._split_calibration(ones, manys, 7e-4, 3e-4) == (pytest.approx(0.005), pytest.approx(0.005))
+
+
+def test_the_close_call_goes_on_while_its_new_fastest_has_a_close_call(monkeypatch):
+    """The first rounds put A ahead of B and C by a few percent (a fast phase of the machine on A), so all three are
+    a close call and are timed on. On they are 40, 30 and 31 ms: B and C leave A behind, but they are 3% apart, and
+    the close call is about the fastest, now B: it goes on while B and C are a close call, not only while either is
+    one to A (which ended it after four rounds with B and C settled by nothing but their medians against A)."""
+    a, b, c = Candidate(8, 2), Candidate(4, 4), Candidate(2, 8)
+    rounds = {a: [30.0, 30.0, 30.0], b: [31.0, 32.0, 31.0], c: [32.0, 31.0, 31.5]}
+    truth = {a: 40.0, b: 30.0, c: 31.0}
+    counts = {candidate: 0 for candidate in truth}
+
+    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+        counts[candidate] += 1
+        n = counts[candidate]
+        return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
+
+    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    ran = []
+    for candidate, trial in ((a, 30.0), (b, 31.0), (c, 32.0)):
+        row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
+        row.measured_samples_per_s, row.note = 16e3 / trial, "ran"
+        ran.append(row)
+    assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
+    assert set(counts.values()) == {planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS}
+    steps = {row.candidate: 16 / row.measured_samples_per_s for row in ran}
+    assert steps[b] < steps[c] < steps[a]
+    # each priced from the anchor A (the lowest median of its trial and first rounds) by the median of its ratios
+    # over all nine rounds: B's are 31/30, 32/30, 31/30 then 30/40 six times
+    assert steps[b] == pytest.approx(statistics.median([30.0, 30.0, 30.0, 30.0] + [40.0] * 6) / 1e3 * 0.75)

@@ -77,7 +77,7 @@ CLOSE_CALL = 0.10
 #: ...that many standard errors...
 CLOSE_CALL_ERRORS = 2.0
 #: ...and the fastest with every trial a close call to it are timed in up to this many more rounds (each timing half
-#: the plan's ``timed_seconds``), until none is a close call any more
+#: the plan's ``timed_seconds``), until the fastest of them (it can change as they are timed) is a close call to none of the others
 CLOSE_CALL_ROUNDS = 6
 
 
@@ -106,6 +106,9 @@ class PlanRow:
         costs: the fake step's ops (:class:`~lightning_memkit.plan.time_model.OpCosts`: FLOPs, bytes, counts) the
             predicted time comes from; ``None`` when the estimate failed.
         offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
+        model_step_s: the time model's own prediction (seconds per optimizer step) before any trial ran: on CPU after
+            its calibration, with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
+            ``predicted_step_s``. ``None`` when the estimate failed.
     """
 
     candidate: Candidate
@@ -118,6 +121,7 @@ class PlanRow:
     note: str = ""
     costs: OpCosts | None = field(default=None, repr=False, compare=False)
     offload_bytes: int = field(default=0, repr=False, compare=False)
+    model_step_s: float | None = field(default=None, compare=False)
 
     @property
     def ran(self) -> bool:
@@ -322,7 +326,7 @@ def _estimate_row(module: Any, candidate: Candidate, batch: Any, device_type: st
     offload_bytes = int(getattr(estimate, "offload_bytes", 0) or getattr(estimate, "host_bytes", 0) or 0) if candidate.offload else 0
     step_s = model.step_seconds(costs, candidate.accumulation, offload_bytes)
     return PlanRow(candidate, peak, step_s, candidate.effective_batch / step_s, peak <= usable, costs=costs,
-                   offload_bytes=offload_bytes)
+                   offload_bytes=offload_bytes, model_step_s=step_s)
 
 
 def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow], batch: Any, device_type: str, gpu: Any,
@@ -495,16 +499,16 @@ def _split_calibration(ones: list[float], manys: list[float], per_batch: float, 
     return per_micro, max(once, per_step)
 
 
-def _calibration_steps(module: Any, candidate: Candidate, batch: Any, device_type: str, seconds: float,
-                       rounds: int = CALIBRATION_ROUNDS) -> dict[int, list[float]]:
-    """``{accumulation: [median seconds per optimizer step, one per round]}`` of ``candidate``'s micro-batch at
-    accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, timed in ``rounds`` rounds of alternating order (each timing
-    ``seconds / 2``): the two timings of a round run back to back, so the machine's phases fall on both alike."""
-    each: dict[int, list[float]] = {1: [], CALIBRATION_ACCUMULATION: []}
+def _calibration_steps(module: Any, probes: list[Candidate], batch: Any, device_type: str, seconds: float,
+                       rounds: int = CALIBRATION_ROUNDS) -> list[list[float]]:
+    """For each of ``probes`` (in order), the median seconds per optimizer step of each round: ``rounds`` rounds of
+    alternating order (each timing ``seconds / 2``), the timings of a round back to back, so that the machine's phases
+    fall on all of them alike."""
+    each: list[list[float]] = [[] for _ in probes]
     for round_ in range(rounds):
-        for accumulation in (sorted(each) if round_ % 2 == 0 else sorted(each, reverse=True)):
-            probe = Candidate(candidate.micro_batch, accumulation, candidate.precision)
-            each[accumulation].append(statistics.median(_timed_step(module, probe, batch, device_type, 1, 2, seconds / 2)))
+        order = list(range(len(probes)))
+        for index in (order if round_ % 2 == 0 else order[::-1]):
+            each[index].append(statistics.median(_timed_step(module, probes[index], batch, device_type, 1, 2, seconds / 2)))
     return each
 
 
@@ -739,28 +743,47 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
             # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
-            # accumulation 1 and CALIBRATION_ACCUMULATION: a calibration of the time model, not a trial (no budget, no
-            # candidate chosen by it), said in the notes. Their difference is a micro-batch's time, the rest the
-            # once-per-step part (the optimizer, zero_grad, the loop), the same for every candidate: measured, it
-            # keeps the optimizer's many cheap ops out of the per-op overhead fitted to the model's
-            small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None
+            # accumulation 1 and CALIBRATION_ACCUMULATION, and at the largest micro-batch predicted to fit (as that
+            # row runs it: its checkpointing too, so that it stays within the budget), with accumulation 1: a
+            # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes.
+            # The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer,
+            # zero_grad, the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops
+            # out of the per-op overhead fitted to the model's. The third parts the kernels' time from the per-op
+            # overhead (at one micro-batch they are in one ratio): a CPU's small micro-batches pay per op (autograd,
+            # the modules' Python, kernels too small for the cores) several times what a tiny op alone costs, and
+            # a model fitted at one micro-batch ranked a CNN's larger ones at Spearman 0.1 (issue 25)
+            small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
-                timings = _calibration_steps(module, small.candidate, batch, device_type, timed_seconds)
-                one, many = (statistics.median(timings[a]) for a in (1, CALIBRATION_ACCUMULATION))
-                per_micro, once = _split_calibration(timings[1], timings[CALIBRATION_ACCUMULATION], per_batch, per_step)
+                larger = min((r for r in rows if r.costs is not None and r.fits and not r.candidate.offload
+                              and r.candidate.precision == user_precision
+                              and r.candidate.micro_batch > small.candidate.micro_batch),
+                             key=lambda r: (-r.candidate.micro_batch, r.costs.micro.count), default=None)
+                probes = [Candidate(small.candidate.micro_batch, accumulation, user_precision)
+                          for accumulation in (1, CALIBRATION_ACCUMULATION)]
+                if larger is not None:
+                    probes.append(dataclasses.replace(larger.candidate, accumulation=1))
+                timings = _calibration_steps(module, probes, batch, device_type, timed_seconds)
+                one, many = statistics.median(timings[0]), statistics.median(timings[1])
+                per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
                 base_model = dataclasses.replace(base_model, step_s=once)
                 calibrations += [(small.costs, 1, one), (small.costs, CALIBRATION_ACCUMULATION, many)]
+                if larger is not None:
+                    calibrations.append((larger.costs, 1, statistics.median(timings[2])))
                 observations += calibrations
                 model = base_model.fit(observations)
                 notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
-                             f"1 and {CALIBRATION_ACCUMULATION} calibrate it (not trials): "
+                             f"1 and {CALIBRATION_ACCUMULATION}"
+                             + (f", and {probes[2].describe()}" if larger is not None else "")
+                             + " calibrate it (not trials): "
                              + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
                                 "(the optimizer, the loop)" if once is not None else
                                 "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
                                 "from its ops)")
                              + "; each trial refits it")
         _repredict(rows, model)
+        for row in rows:  # what the model alone says, kept beside the ranking the trials will refine
+            row.model_step_s = row.predicted_step_s
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
             if not queue:
@@ -894,7 +917,8 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
     footings. The row with the lowest median is the anchor; every row's step is the anchor's median times the median
     of its per-round ratios to the anchor. The fastest so ranked and every row a close call to it (:func:`_close_call`:
     within :data:`CLOSE_CALL` by the median of their own per-round ratios, or rounds that disagree) are timed together
-    in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until none is a close call any more; each of them is then priced
+    in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until the fastest of them (which can change as they are timed)
+    is a close call to none of the others; each of them is then priced
     by its ratio over all those rounds to the anchor when the anchor is among them, else to the fastest. The
     configurations fit already (the trial measured their peak): no budget here. ``rounds=0``: each row keeps its
     trial's own timing, nothing compared. Returns the close call's rounds."""
@@ -926,7 +950,15 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         # than such a difference. All of them, not the two fastest: three rows within 4% of each other once had
         # their pair timed on without the third, the fastest side by side, and a plan chose a row at 80% of it
         contenders = [first] + [row for row in ranked[1:] if _close_call(ratios(row, first))]
-        while close_rounds < CLOSE_CALL_ROUNDS and any(_close_call(ratios(row, first)) for row in contenders[1:]):
+        # the close call's rows are priced by their ratios over all its rounds: to the anchor when it is one of them
+        # (no chain of two noisy ratios), else to the fastest
+        base = anchor if any(row is anchor for row in contenders) else first
+
+        def unsettled() -> bool:  # the fastest of the contenders now (it can change as they are timed) has a close call
+            lead = min(contenders, key=lambda row: 1.0 if row is base else ratio(row, base))
+            return any(_close_call(ratios(row, lead)) for row in contenders if row is not lead)
+
+        while close_rounds < CLOSE_CALL_ROUNDS and len(contenders) > 1 and unsettled():
             time_again(contenders, rounds + close_rounds)
             close_rounds += 1
         anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was timed in them
@@ -936,9 +968,6 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
                 steps[id(row)] = anchor_step * to_anchor[id(row)]
                 how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
                                 f"median x {to_anchor[id(row)]:.3f}, the median of their {rounds} per-round ratios")
-        # the close call's rows by their ratios over all its rounds: to the anchor when it was one of them (no chain
-        # of two noisy ratios), else to the fastest
-        base = anchor if any(row is anchor for row in contenders) else first
         for row in (contenders if close_rounds else []):
             if row is base:
                 continue
