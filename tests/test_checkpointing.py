@@ -191,6 +191,36 @@ def test_budget_in_bytes_and_an_unreachable_budget():
         apply_checkpointing(model, "budget=0.5")
 
 
+class OffloadingBlockNet(BlockNet):
+    """A model whose own forward keeps copies of its saved tensors (the user's saved_tensors_hooks, as torch's
+    save_on_cpu does on a GPU; on a CPU save_on_cpu keeps the tensor itself, and a forward without backward then
+    leaves a reference cycle through autograd's C++ graph that no collection frees)."""
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
+            return super().forward(x)
+
+
+def test_a_budget_on_a_forward_with_its_own_saved_tensor_hooks_says_why_it_cannot_measure():
+    """The model's own saved_tensors_hooks are entered inside the forward, so they, not memkit's measuring hooks,
+    take every saved tensor: the measuring forward would see no activation and report the budget as unreachable
+    ("none of the blocks holds activation memory"). It says what hides them and what to do instead; nothing is
+    left wrapped, and a policy that needs no measuring still applies."""
+    torch.manual_seed(0)
+    model = OffloadingBlockNet(blocks=4, width=32)
+    x = torch.randn(64, 8)
+    with pytest.raises(ValueError, match=r"its own saved_tensors_hooks.*save_on_cpu.*\"auto\""):
+        apply_checkpointing(model, "budget=0.5", sample=(x,))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    # the same blocks without the hooks: measured as usual (the detection does not fire on memkit's own hooks)
+    plain = BlockNet(blocks=4, width=32)
+    plain.load_state_dict(model.state_dict())
+    assert measure_activation_bytes(plain, (x,)) > 0
+    handle = apply_checkpointing(model, "auto")
+    assert any("forward" in m.__dict__ for m in model.modules())
+    handle.remove()
+
+
 def test_policy_that_matches_nothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"matched no module.*BatchNorm1d"):
         apply_checkpointing(BlockNet(), {nn.Conv2d})

@@ -115,6 +115,34 @@ def _output_bytes(accountant: TensorAccountant, leaves: list[Any], saved: set[in
     return total
 
 
+def _saved_by_other_hooks(leaves: list[Any], limit: int = 10_000) -> bool:
+    """Whether the graph behind ``leaves`` holds a saved tensor that memkit's pack hook did not pack: reading a node's
+    saved tensor (``grad_fn._saved_<name>``, autograd's documented accessor) unpacks it, which raises for one of ours
+    and returns the tensor for one that other hooks packed. Stops at the first such tensor (one unpack, freed at
+    once), after ``limit`` nodes at most."""
+    stack = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except MeasureError:  # ours: dropped
+                continue
+            except Exception:  # noqa: BLE001 - a saved value autograd cannot give back here: not evidence either way
+                continue
+            if isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list))
+                                                    and any(isinstance(v, torch.Tensor) for v in value)):
+                return True
+        stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+    return False
+
+
 def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]] | None = None,
                     count_flops: bool = False) -> ForwardMeasure:
     """Run one measuring forward of ``sample`` and return what it saved (see the module docstring).
@@ -189,8 +217,17 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
             with accountant:
                 output = run()
-            result.output_bytes = _output_bytes(accountant, tree_flatten(output)[0], set(result.saved))
-            del output
+            leaves = tree_flatten(output)[0]
+            result.output_bytes = _output_bytes(accountant, leaves, set(result.saved))
+            hidden = not result.saved and _saved_by_other_hooks(leaves)
+            del output, leaves  # before raising: the error's frames must not keep the graph alive
+            if hidden:
+                raise MeasureError(
+                    f"the forward of {type(module).__name__} saved tensors for backward through its own "
+                    "saved_tensors_hooks (torch.autograd.graph.save_on_cpu, or another pair of hooks entered in the "
+                    "model or the step), which take them before memkit's measuring hooks can see them; a budget needs "
+                    "what the forward saves: measure without those hooks (a sample or sample_fn that runs the forward "
+                    "without them), or give a policy that needs no measuring (\"auto\", a set of module classes)")
     except MeasureError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
