@@ -55,6 +55,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--both", action="store_true", help="also time each the way a plan's rounds do")
     args = parser.parse_args()
+    if args.rounds < 2:
+        raise SystemExit(f"--rounds {args.rounds}: give at least 2 (a verdict needs a spread)")
     warnings.simplefilter("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     import plan_bruteforce as brute
@@ -72,21 +74,27 @@ def main() -> int:
     module = make()
     sample, _ = sample_batch_and_length(module, None)
     _trial(module, first, sample, 1 << 50, "cpu", 1, 5)  # discarded: the process's first steps run slower
+    def trial_step(candidate) -> float:
+        fits, _, samples, note = _trial(module, candidate, sample, 1 << 50, "cpu", 1, 30)
+        if not fits or samples is None:
+            raise SystemExit(f"{candidate.describe()} did not run: {note}")
+        return candidate.effective_batch / samples
+
     trial_ratios, plan_ratios = [], []
     for round_ in range(args.rounds):
         steps = {}
-        for index in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-            candidate = (first, second)[index]
-            steps[index, "trial"] = candidate.effective_batch / _trial(module, candidate, sample, 1 << 50, "cpu", 1, 30)[2]
-            if args.both:
-                steps[index, "plan"] = statistics.median(_timed_step(module, candidate, sample, "cpu", 1, 4, 0.5))
+        order = (0, 1) if round_ % 2 == 0 else (1, 0)
+        for index in order:  # the two timings of each kind back to back, the order alternating from round to round
+            steps[index, "trial"] = trial_step((first, second)[index])
+        for index in (order[::-1] if args.both else ()):
+            steps[index, "plan"] = statistics.median(_timed_step(module, (first, second)[index], sample, "cpu", 1, 4, 0.5))
         trial_ratios.append(steps[1, "trial"] / steps[0, "trial"])  # samples/s of the first over the second's
         if args.both:
             plan_ratios.append(steps[1, "plan"] / steps[0, "plan"])
 
     def verdict(label: str, ratios: list[float]) -> str:
         logs = [math.log(r) for r in ratios]
-        mean, error = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+        mean, error = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
         return (f"{label}: median {statistics.median(ratios):.3f}, geometric mean {math.exp(mean):.3f} (95% interval "
                 f"{math.exp(mean - 2 * error):.3f} to {math.exp(mean + 2 * error):.3f}); rounds: "
                 + ", ".join(f"{r:.2f}" for r in ratios))

@@ -221,6 +221,36 @@ def test_a_budget_on_a_forward_with_its_own_saved_tensor_hooks_says_why_it_canno
     handle.remove()
 
 
+class _Scaled(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x) * 2.0  # mul saves the Python number as a 0-dim tensor, which no hook sees
+
+
+class _AddOne(nn.Module):
+    def forward(self, x):
+        return x + 1.0  # saves nothing; x carries a graph whose nodes saved their tensors before this forward
+
+
+def test_forwards_that_save_nothing_of_their_own_are_no_hidden_saves():
+    """No false alarm: a forward whose saves are all inputs and parameters (nothing it allocated: the measurement's
+    saved set is empty) or a saved Python number, and a forward of an input that carries a graph made before it."""
+    from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
+
+    layer, x = nn.Linear(8, 16), torch.randn(4, 8)
+    assert measure_activation_bytes(_Scaled(layer), (x,)) == 4 * 16 * FLOAT32  # the output only
+    carried = nn.Linear(8, 8)(x)
+    assert measure_activation_bytes(_AddOne(), (carried,)) == 4 * 8 * FLOAT32
+    # the private torch API the check stands on: autograd numbers the nodes a thread makes in order
+    start = next_node_sequence_number()
+    assert start is not None and node_sequence_number(carried.grad_fn) < start
+    made = carried * 3
+    assert node_sequence_number(made.grad_fn) >= start
+
+
 def test_policy_that_matches_nothing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"matched no module.*BatchNorm1d"):
         apply_checkpointing(BlockNet(), {nn.Conv2d})

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
 from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
+from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
 from lightning_memkit.modes.offload import offload_suspended
 
 __all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
@@ -115,11 +116,17 @@ def _output_bytes(accountant: TensorAccountant, leaves: list[Any], saved: set[in
     return total
 
 
-def _saved_by_other_hooks(leaves: list[Any], limit: int = 10_000) -> bool:
+def _saved_by_other_hooks(leaves: list[Any], since: int | None, limit: int = 10_000) -> bool:
     """Whether the graph behind ``leaves`` holds a saved tensor that memkit's pack hook did not pack: reading a node's
     saved tensor (``grad_fn._saved_<name>``, autograd's documented accessor) unpacks it, which raises for one of ours
-    and returns the tensor for one that other hooks packed. Stops at the first such tensor (one unpack, freed at
-    once), after ``limit`` nodes at most."""
+    and returns the tensor for one that other hooks packed. Asked only of a forward whose pack hook never ran (any
+    call of it means memkit's hooks were the innermost for at least that save); a 0-dim tensor does not count (a
+    Python number an op saved as a tensor, which no hook sees). Only the nodes the forward made are read (order
+    number ``since`` or later: not the graph an input carried in, saved before any hook of the forward); where torch
+    does not number its nodes, nothing is read. Stops at the first such tensor (one unpack, freed at once), after
+    ``limit`` nodes at most."""
+    if since is None:
+        return False
     stack = [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
     seen: set[int] = set()
     while stack and len(seen) < limit:
@@ -127,6 +134,9 @@ def _saved_by_other_hooks(leaves: list[Any], limit: int = 10_000) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        number = node_sequence_number(node)
+        if number is None or number < since:  # an input's graph (or a node torch does not number): not this forward's
+            continue
         for name in dir(node):
             if not name.startswith("_saved_"):
                 continue
@@ -136,8 +146,8 @@ def _saved_by_other_hooks(leaves: list[Any], limit: int = 10_000) -> bool:
                 continue
             except Exception:  # noqa: BLE001 - a saved value autograd cannot give back here: not evidence either way
                 continue
-            if isinstance(value, torch.Tensor) or (isinstance(value, (tuple, list))
-                                                    and any(isinstance(v, torch.Tensor) for v in value)):
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
                 return True
         stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
     return False
@@ -168,7 +178,10 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
 
         counter = FlopCounterMode(display=False)
 
+    packed = [0]  # the pack hook's calls, whatever it packed (the forward's own storages or not)
+
     def pack(tensor: torch.Tensor) -> _Dropped:
+        packed[0] += 1
         found = _key(accountant, tensor)
         if found is not None:
             key, nbytes = found
@@ -212,14 +225,21 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
             stack.enter_context(torch.enable_grad())
             # what the modules save, not where offload would put it: under offload's hooks this one would see none
             stack.enter_context(offload_suspended())
-            if counter is not None:
-                stack.enter_context(counter)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
-            with accountant:
-                output = run()
+            first_node = next_node_sequence_number()  # the nodes this forward makes are numbered from here
+            with contextlib.ExitStack() as measuring:
+                if counter is not None:
+                    measuring.enter_context(counter)
+                measuring.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
+                with accountant:
+                    output = run()
+            for handle in handles:  # the regions' hooks and the FLOP counter are off before any unpack below
+                handle.remove()
             leaves = tree_flatten(output)[0]
             result.output_bytes = _output_bytes(accountant, leaves, set(result.saved))
-            hidden = not result.saved and _saved_by_other_hooks(leaves)
+            # a forward whose own saved_tensors_hooks took every save: the pack hook never ran. Partial hiding (their
+            # hooks around some blocks only) is not detected: the walk cannot tell their saves from the inputs'
+            # graph or a saved Python number without more of autograd's internals
+            hidden = packed[0] == 0 and _saved_by_other_hooks(leaves, first_node)
             del output, leaves  # before raising: the error's frames must not keep the graph alive
             if hidden:
                 raise MeasureError(

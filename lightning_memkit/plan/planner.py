@@ -13,7 +13,7 @@
    accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
    cleanly; ``max_memory_allocated`` on CUDA). On CPU the time model is first calibrated (Lightning's loop,
    checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
-   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`), every trial refits it, a trial's timing runs for
+   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at the largest predicted to fit), every trial refits it, a trial's timing runs for
    :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds (a close call longer).
 4. The best is the fastest trial that fit: never a configuration that did not run.
 """
@@ -63,10 +63,11 @@ RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
 #: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
-#: micro-batch; the rest: the once-per-step part)
+#: micro-batch; the rest: the once-per-step part), and the largest predicted to fit with accumulation 1
 CALIBRATION_ACCUMULATION = 4
-#: CPU: ...in this many rounds of alternating order (each timing half the plan's ``timed_seconds``, so the
-#: calibration takes this many times ``timed_seconds``): the once-per-step part is a
+#: CPU: ...in this many rounds of alternating order (each of its three timings half the plan's ``timed_seconds``, so
+#: the calibration takes about 1.5 times this many ``timed_seconds``, and longer where one step of the largest
+#: micro-batch takes longer than that): the once-per-step part is a
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, a trial is a close call to the fastest when their steps, round by round (the median of
@@ -107,7 +108,8 @@ class PlanRow:
             predicted time comes from; ``None`` when the estimate failed.
         offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
         model_step_s: the time model's own prediction (seconds per optimizer step) before any trial ran: on CPU after
-            its calibration, with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
+            its calibration when one ran (not when the baseline fit as is, or no smaller micro-batch was estimated),
+            with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
             ``predicted_step_s``. ``None`` when the estimate failed.
     """
 
@@ -743,19 +745,21 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
             # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
-            # accumulation 1 and CALIBRATION_ACCUMULATION, and at the largest micro-batch predicted to fit (as that
-            # row runs it: its checkpointing too, so that it stays within the budget), with accumulation 1: a
+            # accumulation 1 and CALIBRATION_ACCUMULATION, and at the largest micro-batch predicted to fit whose trial
+            # has not failed (as that row runs it, its checkpointing too: predicted within the budget), with
+            # accumulation 1: a
             # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes.
             # The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer,
             # zero_grad, the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops
             # out of the per-op overhead fitted to the model's. The third parts the kernels' time from the per-op
             # overhead (at one micro-batch they are in one ratio): a CPU's small micro-batches pay per op (autograd,
-            # the modules' Python, kernels too small for the cores) several times what a tiny op alone costs, and
-            # a model fitted at one micro-batch ranked a CNN's larger ones at Spearman 0.1 (issue 25)
+            # the modules' Python, kernels too small for the cores) several times what a tiny op alone costs: fitted
+            # at one micro-batch, the model alone ranked a CNN's larger micro-batches at Spearman 0.09 against the
+            # pooled brute force (issue 25; 1.00 with the third timing)
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
-                larger = min((r for r in rows if r.costs is not None and r.fits and not r.candidate.offload
+                larger = min((r for r in rows if r.costs is not None and r.fits and not r.note and not r.candidate.offload
                               and r.candidate.precision == user_precision
                               and r.candidate.micro_batch > small.candidate.micro_batch),
                              key=lambda r: (-r.candidate.micro_batch, r.costs.micro.count), default=None)
