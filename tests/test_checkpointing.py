@@ -206,11 +206,18 @@ def test_a_budget_on_a_forward_with_its_own_saved_tensor_hooks_says_why_it_canno
     take every saved tensor: the measuring forward would see no activation and report the budget as unreachable
     ("none of the blocks holds activation memory"). It says what hides them and what to do instead; nothing is
     left wrapped, and a policy that needs no measuring still applies."""
+    from live_tensors import describe, live_tensor_bytes, live_tensors
+
     torch.manual_seed(0)
     model = OffloadingBlockNet(blocks=4, width=32)
     x = torch.randn(64, 8)
-    with pytest.raises(ValueError, match=r"its own saved_tensors_hooks.*save_on_cpu.*\"auto\""):
+    before = live_tensor_bytes()
+    with pytest.raises(ValueError, match=r"its own saved_tensors_hooks.*save_on_cpu.*\"auto\"") as refused:
         apply_checkpointing(model, "budget=0.5", sample=(x,))
+    # the error (and the frames it holds) keeps nothing of the measuring forward alive, in a cycle or not
+    assert live_tensor_bytes(collect=False) == before, describe(live_tensors(collect=False))
+    del refused
+    assert live_tensor_bytes() == before, describe(live_tensors())
     assert not any("forward" in m.__dict__ for m in model.modules())
     # the same blocks without the hooks: measured as usual (the detection does not fire on memkit's own hooks)
     plain = BlockNet(blocks=4, width=32)

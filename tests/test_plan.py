@@ -573,6 +573,26 @@ def test_a_close_call_with_the_fastest_trial_is_timed_on_until_it_parts(monkeypa
     assert calls.count(8) == calls.count(4) == calls.count(2) == planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS
 
 
+def _scripted_trials(monkeypatch, rounds, truth, trials):
+    """Trials that ran (``trials``: ``(candidate, its trial's ms)``, effective batch 16) and a ``_timed_step`` that
+    gives each candidate its scripted ``rounds`` (ms), then its ``truth`` for every timing after: ``(ran rows,
+    timings per candidate)``."""
+    counts = {candidate: 0 for candidate in truth}
+
+    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
+        counts[candidate] += 1
+        n = counts[candidate]
+        return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
+
+    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    ran = []
+    for candidate, trial in trials:
+        row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
+        row.measured_samples_per_s, row.note = 16e3 / trial, "ran"
+        ran.append(row)
+    return ran, counts
+
+
 def test_a_close_call_of_three_times_all_three_and_prices_them_against_the_anchor(monkeypatch):
     """A plan's real timings (ms; LM "tight", a pooled-reference run): the anchor `4 x 4, checkpoint auto` (lowest
     median), `2 x 8` and `4 x 4, checkpoint budget=0.5` within 4% of it by their medians of per-round ratios, three
@@ -585,21 +605,8 @@ def test_a_close_call_of_three_times_all_three_and_prices_them_against_the_ancho
 
     half = Candidate(4, 4, checkpoint=CheckpointBudget(0.5))
     small = Candidate(2, 8)
-    rounds = {auto: [49.8, 31.8, 42.8], small: [47.0, 54.1, 41.1], half: [38.6, 44.1, 42.1]}
-    truth = {auto: 38.0, small: 40.0, half: 47.0}
-    counts = {c: 0 for c in truth}
-
-    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
-        counts[candidate] += 1
-        n = counts[candidate]
-        return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
-
-    monkeypatch.setattr(planner, "_timed_step", timed_step)
-    ran = []
-    for candidate, trial in ((half, 53.9), (small, 57.6), (auto, 34.1)):
-        row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
-        row.measured_samples_per_s, row.note = 16e3 / trial, "ran"
-        ran.append(row)
+    ran, counts = _scripted_trials(monkeypatch, {auto: [49.8, 31.8, 42.8], small: [47.0, 54.1, 41.1], half: [38.6, 44.1, 42.1]},
+                                   {auto: 38.0, small: 40.0, half: 47.0}, ((half, 53.9), (small, 57.6), (auto, 34.1)))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
     assert set(counts.values()) == {planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS}
     best = max(ran, key=lambda row: row.measured_samples_per_s)
@@ -768,21 +775,8 @@ def test_the_close_call_goes_on_while_its_new_fastest_has_a_close_call(monkeypat
     the close call is about the fastest, now B: it goes on while B and C are a close call, not only while either is
     one to A (which ended it after four rounds with B and C settled by nothing but their medians against A)."""
     a, b, c = Candidate(8, 2), Candidate(4, 4), Candidate(2, 8)
-    rounds = {a: [30.0, 30.0, 30.0], b: [31.0, 32.0, 31.0], c: [32.0, 31.0, 31.5]}
-    truth = {a: 40.0, b: 30.0, c: 31.0}
-    counts = {candidate: 0 for candidate in truth}
-
-    def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
-        counts[candidate] += 1
-        n = counts[candidate]
-        return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
-
-    monkeypatch.setattr(planner, "_timed_step", timed_step)
-    ran = []
-    for candidate, trial in ((a, 30.0), (b, 31.0), (c, 32.0)):
-        row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
-        row.measured_samples_per_s, row.note = 16e3 / trial, "ran"
-        ran.append(row)
+    ran, counts = _scripted_trials(monkeypatch, {a: [30.0, 30.0, 30.0], b: [31.0, 32.0, 31.0], c: [32.0, 31.0, 31.5]},
+                                   {a: 40.0, b: 30.0, c: 31.0}, ((a, 30.0), (b, 31.0), (c, 32.0)))
     assert planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None) == planner.CLOSE_CALL_ROUNDS
     assert set(counts.values()) == {planner.RETIMING_ROUNDS + planner.CLOSE_CALL_ROUNDS}
     steps = {row.candidate: 16 / row.measured_samples_per_s for row in ran}

@@ -142,9 +142,7 @@ def _saved_by_other_hooks(leaves: list[Any], since: int | None, limit: int = 10_
                 continue
             try:
                 value = getattr(node, name)
-            except MeasureError:  # ours: dropped
-                continue
-            except Exception:  # noqa: BLE001 - a saved value autograd cannot give back here: not evidence either way
+            except Exception:  # noqa: BLE001 - ours (MeasureError: dropped), or a value autograd cannot give back here
                 continue
             values = value if isinstance(value, (tuple, list)) else (value,)
             if any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):

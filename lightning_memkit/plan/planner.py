@@ -13,8 +13,9 @@
    accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
    cleanly; ``max_memory_allocated`` on CUDA). On CPU the time model is first calibrated (Lightning's loop,
    checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
-   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at the largest predicted to fit), every trial refits it, a trial's timing runs for
-   :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds (a close call longer).
+   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at the largest predicted to fit), every trial refits it,
+   a trial's timing runs for :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds
+   (a close call longer).
 4. The best is the fastest trial that fit: never a configuration that did not run.
 """
 
@@ -78,7 +79,8 @@ CLOSE_CALL = 0.10
 #: ...that many standard errors...
 CLOSE_CALL_ERRORS = 2.0
 #: ...and the fastest with every trial a close call to it are timed in up to this many more rounds (each timing half
-#: the plan's ``timed_seconds``), until the fastest of them (it can change as they are timed) is a close call to none of the others
+#: the plan's ``timed_seconds``), until the fastest of them (it can change as they are timed) is a close call to
+#: none of the others
 CLOSE_CALL_ROUNDS = 6
 
 
@@ -747,8 +749,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
             # accumulation 1 and CALIBRATION_ACCUMULATION, and at the largest micro-batch predicted to fit whose trial
             # has not failed (as that row runs it, its checkpointing too: predicted within the budget), with
-            # accumulation 1: a
-            # calibration of the time model, not a trial (no budget, no candidate chosen by it), said in the notes.
+            # accumulation 1: a calibration of the time model, not a trial (no budget, no candidate chosen by it),
+            # said in the notes.
             # The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer,
             # zero_grad, the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops
             # out of the per-op overhead fitted to the model's. The third parts the kernels' time from the per-op
@@ -959,7 +961,7 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         base = anchor if any(row is anchor for row in contenders) else first
 
         def unsettled() -> bool:  # the fastest of the contenders now (it can change as they are timed) has a close call
-            lead = min(contenders, key=lambda row: 1.0 if row is base else ratio(row, base))
+            lead = min(contenders, key=lambda row: ratio(row, base))  # the base's ratio to itself is 1
             return any(_close_call(ratios(row, lead)) for row in contenders if row is not lead)
 
         while close_rounds < CLOSE_CALL_ROUNDS and len(contenders) > 1 and unsettled():
