@@ -142,6 +142,34 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
     assert roofline_for("h100") is ROOFLINES["h100"] and roofline_for("sm80") is ROOFLINES["a100"]
 
 
+def test_each_micro_batch_measured_gets_its_own_correction():
+    """A CPU's kernels jump with the batch: steps measured at micro-batches 1, 2 and 4 that no single scale and per-op
+    overhead explain are met exactly at those sizes, the other parts of the step (loop, once-per-step) untouched;
+    between two sizes the correction is interpolated on log scales, beyond them the nearest's is kept."""
+    costs = {}
+    for size in (1, 2, 4):
+        costs[size] = OpCosts()
+        with accumulating(2), observing_ops(costs[size]):
+            estimate_memory(LinearStack((32, 64, 48, 16), batch_size=size), size, device="cpu")
+    roof = dataclasses.replace(ROOFLINES["h100"], batch_overhead_s=7e-4, step_overhead_s=3e-4, op_overhead_s=2e-5)
+    truth = TimeModel(roof, scale=3.0, step_s=4e-3)  # the once-per-step part measured, as a plan's calibration does
+    jumps = {1: 1.0, 2: 1.8, 4: 1.2}  # the micro-batch ops' real time over the model's, per size
+    observed = []
+    for size, factor in jumps.items():
+        for accumulation in (1, 4):
+            micro = truth._micro_seconds(costs[size], accumulation)
+            observed.append((costs[size], accumulation, truth.step_seconds(costs[size], accumulation) + (factor - 1) * micro, size))
+    fitted = TimeModel(roof, step_s=4e-3).fit(observed)
+    for costs_, accumulation, seconds, size in observed:
+        assert fitted.step_seconds(costs_, accumulation, micro_batch=size) == pytest.approx(seconds, rel=1e-9)
+    assert fitted.step_seconds(costs[2], 4) != pytest.approx(observed[3][2])  # not told the size: no correction
+    ratios = {size: fitted.micro_factor(size) for size in (1, 2, 4)}
+    assert fitted.micro_factor(3) == pytest.approx((ratios[2] ** (1 - math.log2(1.5))) * (ratios[4] ** math.log2(1.5)))
+    assert fitted.micro_factor(16) == ratios[4] and TimeModel(roof).micro_factor(2) == 1.0
+    # a fit without sizes keeps none: the trials' refits in a plan always pass them
+    assert TimeModel(roof, step_s=4e-3).fit([o[:3] for o in observed]).micro_factors == {}
+
+
 # ------------------------------------------------------------------------------------------ plan_fit
 @pytest.mark.timeout(600)
 def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkeypatch):
@@ -196,15 +224,17 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
     assert any("calibrate it (not trials)" in note and "once per step" in note for note in plan.notes)
     # the calibration: the smallest plain micro-batch estimated at accumulation 1 and CALIBRATION_ACCUMULATION, and
-    # the largest micro-batch predicted to fit, as its row runs it, at accumulation 1 (two micro-batches: the
-    # kernels' scale and the per-op overhead are told apart)
+    # each larger micro-batch predicted to fit, as its row of fewest ops runs it, at accumulation 1 (the kernels'
+    # scale and the per-op overhead told apart, and each size's own correction measured)
     plain = [r for r in plan.rows if r.costs is not None and r.candidate.checkpoint is None]
     small = min(r.candidate.micro_batch for r in plain)
-    largest = max(r.candidate.micro_batch for r in plan.rows if r.fits)
+    sizes = sorted({r.candidate.micro_batch for r in plan.rows if r.fits and r.candidate.micro_batch > small})
     assert calibrated[:2] == [Candidate(small, 1), Candidate(small, planner.CALIBRATION_ACCUMULATION)]
-    assert largest > small and len(calibrated) == 3
-    assert calibrated[2].micro_batch == largest and calibrated[2].accumulation == 1
-    assert any(r.fits and dataclasses.replace(r.candidate, accumulation=1) == calibrated[2] for r in plan.rows)
+    assert sizes and [c.micro_batch for c in calibrated[2:]] == sizes
+    for probe in calibrated[2:]:
+        fitting = [r for r in plan.rows if r.fits and r.candidate.micro_batch == probe.micro_batch]
+        fewest = min(fitting, key=lambda r: r.costs.micro.count)
+        assert probe == dataclasses.replace(fewest.candidate, accumulation=1)
     # what the model alone said before the trials is kept beside the final ranking
     assert all(r.model_step_s is not None and r.model_step_s > 0 for r in plan.rows if r.costs is not None)
     assert any(r.model_step_s != r.predicted_step_s for r in plan.rows if r.ran)
@@ -648,7 +678,7 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
     slow too, and micro 8 itself at its measurement; micro 4 (nothing measured there) keeps the model's prediction,
     and without measured errors (CUDA) every row keeps the model's."""
     class Model:  # seconds per step by the row's costs (here: a name)
-        def step_seconds(self, costs, accumulation, offload_bytes=0):
+        def step_seconds(self, costs, accumulation, offload_bytes=0, micro_batch=None):
             return {"plain 8": 0.010, "checkpointed 8": 0.012, "plain 4": 0.015}[costs]
 
     def rows():

@@ -13,7 +13,7 @@
    accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
    cleanly; ``max_memory_allocated`` on CUDA). On CPU the time model is first calibrated (Lightning's loop,
    checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
-   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at the largest predicted to fit), every trial refits it,
+   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at each larger one predicted to fit), every trial refits it,
    a trial's timing runs for :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds
    (a close call longer).
 4. The best is the fastest trial that fit: never a configuration that did not run.
@@ -66,9 +66,9 @@ MAX_TRIALS = 3
 #: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
 #: micro-batch; the rest: the once-per-step part), and the largest predicted to fit with accumulation 1
 CALIBRATION_ACCUMULATION = 4
-#: CPU: ...in this many rounds of alternating order (each of its three timings half the plan's ``timed_seconds``, so
-#: the calibration takes about 1.5 times this many ``timed_seconds``, and longer where one step of the largest
-#: micro-batch takes longer than that): the once-per-step part is a
+#: CPU: ...in this many rounds of alternating order (each of its timings, two at the smallest micro-batch and one at
+#: each larger size predicted to fit, half the plan's ``timed_seconds``, so the calibration of a batch of 16 takes
+#: about 3.5 times this many ``timed_seconds``, and longer where one step takes longer than that): the once-per-step part is a
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, a trial is a close call to the fastest when their steps, round by round (the median of
@@ -747,41 +747,41 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
             # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
-            # accumulation 1 and CALIBRATION_ACCUMULATION, and at the largest micro-batch predicted to fit whose trial
-            # has not failed (as that row runs it, its checkpointing too: predicted within the budget), with
+            # accumulation 1 and CALIBRATION_ACCUMULATION, and at each larger micro-batch predicted to fit
+            # (_calibration_rows: as one of its rows runs it, checkpointing too, so within the budget), with
             # accumulation 1: a calibration of the time model, not a trial (no budget, no candidate chosen by it),
             # said in the notes.
             # The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer,
             # zero_grad, the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops
-            # out of the per-op overhead fitted to the model's. The third parts the kernels' time from the per-op
-            # overhead (at one micro-batch they are in one ratio): a CPU's small micro-batches pay per op (autograd,
-            # the modules' Python, kernels too small for the cores) several times what a tiny op alone costs: fitted
-            # at one micro-batch, the model alone ranked a CNN's larger micro-batches at Spearman 0.09 against the
-            # pooled brute force (issue 25; 1.00 with the third timing)
+            # out of the per-op overhead fitted to the model's. The larger ones part the kernels' time from the
+            # per-op overhead (at one micro-batch they are in one ratio): a CPU's small micro-batches pay per op
+            # (autograd, the modules' Python, kernels too small for the cores) several times what a tiny op alone
+            # costs: fitted at one micro-batch, the model alone ranked a CNN's larger micro-batches at Spearman 0.09
+            # against the pooled brute force (issue 25; 1.00 with a second size). And each size gets its own
+            # correction (TimeModel.micro_factors): a CPU's kernels do not scale smoothly with the batch (a
+            # DemoResNet step costs 2x at micro-batch 2 what it costs at 1, 2.3x at 4), which left the model alone
+            # at Spearman 0.64 on that CNN's tight budget with the smallest and largest sizes only
             small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
                          and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
             if small is not None and small.candidate.micro_batch < effective:
-                larger = min((r for r in rows if r.costs is not None and r.fits and not r.note and not r.candidate.offload
-                              and r.candidate.precision == user_precision
-                              and r.candidate.micro_batch > small.candidate.micro_batch),
-                             key=lambda r: (-r.candidate.micro_batch, r.costs.micro.count), default=None)
+                larger = _calibration_rows(rows, small, user_precision)
                 probes = [Candidate(small.candidate.micro_batch, accumulation, user_precision)
                           for accumulation in (1, CALIBRATION_ACCUMULATION)]
-                if larger is not None:
-                    probes.append(dataclasses.replace(larger.candidate, accumulation=1))
+                probes += [dataclasses.replace(r.candidate, accumulation=1) for r in larger]
                 timings = _calibration_steps(module, probes, batch, device_type, timed_seconds)
                 one, many = statistics.median(timings[0]), statistics.median(timings[1])
                 per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
                 base_model = dataclasses.replace(base_model, step_s=once)
-                calibrations += [(small.costs, 1, one), (small.costs, CALIBRATION_ACCUMULATION, many)]
-                if larger is not None:
-                    calibrations.append((larger.costs, 1, statistics.median(timings[2])))
+                calibrations += [(small.costs, 1, one, small.candidate.micro_batch),
+                                 (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch)]
+                calibrations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch)
+                                 for r, t in zip(larger, timings[2:])]
                 observations += calibrations
                 model = base_model.fit(observations)
                 notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
                              f"1 and {CALIBRATION_ACCUMULATION}"
-                             + (f", and {probes[2].describe()}" if larger is not None else "")
-                             + " calibrate it (not trials): "
+                             + "".join(f", {p.describe()}" for p in probes[2:])
+                             + " calibrate it (not trials), each micro-batch size at its own measured correction: "
                              + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
                                 "(the optimizer, the loop)" if once is not None else
                                 "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
@@ -824,6 +824,9 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
                          + (f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step" if model.step_s is None else
                             f"{model.step_s * 1e3:.2f} ms once per step with the optimizer (calibrated)")
+                         + ("; each micro-batch size's correction of its ops (measured / modelled): "
+                            + ", ".join(f"{size}: {factor:.2f}" for size, factor in sorted(model.micro_factors.items()))
+                            if model.micro_factors else "")
                          + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
                             f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
                             if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s else ""))
@@ -848,9 +851,25 @@ def _signature(row: PlanRow) -> tuple:
     return _same_shapes(row) + (row.predicted_peak_bytes, ops)
 
 
-def _observation(row: PlanRow) -> tuple[OpCosts, int, float]:
-    """A trial that ran, as the time model's fit takes it: ``(costs, accumulation, measured seconds per step)``."""
-    return row.costs, row.candidate.accumulation, row.candidate.effective_batch / row.measured_samples_per_s
+def _observation(row: PlanRow) -> tuple[OpCosts, int, float, int]:
+    """A trial that ran, as the time model's fit takes it: ``(costs, accumulation, measured seconds per step,
+    micro-batch)``."""
+    c = row.candidate
+    return row.costs, c.accumulation, c.effective_batch / row.measured_samples_per_s, c.micro_batch
+
+
+def _calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> list[PlanRow]:
+    """The rows the CPU calibration times beside ``small`` (the smallest plain micro-batch): at each larger
+    micro-batch predicted to fit (in the user's precision, no offload, no failed trial), the one of fewest ops (plain
+    where plain fits, else the least checkpointing), as that row runs it: within the budget."""
+    chosen: dict[int, PlanRow] = {}
+    for r in rows:
+        size = r.candidate.micro_batch
+        if (r.costs is not None and r.fits and not r.note and not r.candidate.offload and r.candidate.precision == precision
+                and size > small.candidate.micro_batch
+                and (size not in chosen or r.costs.micro.count < chosen[size].costs.micro.count)):
+            chosen[size] = r
+    return [chosen[size] for size in sorted(chosen)]
 
 
 def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = False) -> None:
@@ -859,7 +878,8 @@ def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = Fa
     errors: dict[tuple, list[float]] = {}
     for row in rows:
         if row.costs is not None:
-            row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes)
+            row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes,
+                                                      row.candidate.micro_batch)
             if measured_errors and row.ran:
                 measured = row.candidate.effective_batch / row.measured_samples_per_s
                 errors.setdefault(_same_shapes(row), []).append(measured / row.predicted_step_s)

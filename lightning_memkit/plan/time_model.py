@@ -22,6 +22,7 @@ their difference also measures the once-per-step part, :attr:`TimeModel.step_s`)
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -224,10 +225,10 @@ class OpCosts:
 class TimeModel:
     """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds).
 
-    ``step = accumulation * (scale * roofline(micro-batch ops) + op_overhead * ops + batch_overhead
+    ``step = accumulation * (factor * (scale * roofline(micro-batch ops) + op_overhead * ops) + batch_overhead
     + checkpoint_call * checkpointed calls + checkpoint_op * ops inside them [+ offload copies])
     + scale * roofline(optimizer ops) + op_overhead * optimizer ops + step_overhead``; with :attr:`step_s` measured,
-    its last three terms are ``step_s``.
+    its last three terms are ``step_s``; ``factor`` is :meth:`micro_factor` (1 unless fitted).
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
@@ -237,11 +238,37 @@ class TimeModel:
             candidate's GradScaler work per step is not in it), or ``None``: from the optimizer's ops. On a CPU the
             optimizer's many tiny ops cost a fraction of the model's per op, which one fitted per-op overhead
             cannot say.
+        micro_factors: measured / predicted time of a micro-batch's ops (scaled kernels plus per-op overhead) at each
+            micro-batch size observed (samples -> factor; empty before a :meth:`fit` to observations that give
+            the size): what one scale and one per-op overhead miss at that size (see :meth:`_fit_micro_factors`).
+            Used where :meth:`step_seconds` is told the micro-batch.
     """
 
     roofline: Roofline
     scale: float = 1.0
     step_s: float | None = None
+    micro_factors: dict[int, float] = field(default_factory=dict)
+
+    def micro_factor(self, micro_batch: int | None) -> float:
+        """The measured correction of a micro-batch's ops at ``micro_batch`` samples (1.0 where none was measured):
+        :attr:`micro_factors` at a measured size, interpolated on log scales between two, the nearest's beyond them."""
+        if micro_batch is None or not self.micro_factors:
+            return 1.0
+        sizes = sorted(self.micro_factors)
+        if micro_batch <= sizes[0] or micro_batch >= sizes[-1]:
+            return self.micro_factors[sizes[0] if micro_batch <= sizes[0] else sizes[-1]]
+        above = next(size for size in sizes if size >= micro_batch)
+        below = max(size for size in sizes if size <= micro_batch)
+        if above == below:
+            return self.micro_factors[above]
+        weight = math.log(micro_batch / below) / math.log(above / below)
+        return math.exp((1 - weight) * math.log(self.micro_factors[below]) + weight * math.log(self.micro_factors[above]))
+
+    def _micro_seconds(self, costs: OpCosts, accumulation: int) -> float:
+        """Seconds of the step's micro-batch ops (kernels x scale + their per-op overhead; no measured overheads)."""
+        roof = self.roofline
+        per_micro = self.scale * costs.micro.kernel_seconds(roof) + roof.op_overhead_s * costs.micro.count
+        return accumulation * per_micro / costs.micro_batches
 
     def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds, overhead seconds) of one step."""
@@ -257,12 +284,16 @@ class TimeModel:
         once = roof.step_overhead_s if self.step_s is None else self.step_s
         return accumulation * (roof.batch_overhead_s + checkpointing) + once
 
-    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
+    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0, micro_batch: int | None = None) -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
-        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped)."""
+        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped).
+        ``micro_batch`` (samples): with :attr:`micro_factors` fitted, the micro-batch ops are scaled by
+        :meth:`micro_factor` there."""
         kernels, overhead = self._parts(costs, accumulation)
         copies = accumulation * 2 * offload_bytes / self.roofline.host_link if offload_bytes else 0.0
-        return self.scale * kernels + overhead + copies
+        factor = self.micro_factor(micro_batch)
+        correction = (factor - 1) * self._micro_seconds(costs, accumulation) if factor != 1.0 else 0.0
+        return self.scale * kernels + overhead + copies + correction
 
     def _terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds of the step's kernels at scale 1, the step's op count)."""
@@ -274,8 +305,10 @@ class TimeModel:
             ops += costs.optimizer.count
         return kernels, ops
 
-    def fit(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
-        """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``.
+    def fit(self, observations: list[tuple]) -> "TimeModel":
+        """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``, or
+        ``(costs, accumulation, measured seconds, micro-batch samples)``: those also fit :attr:`micro_factors`
+        (:meth:`_fit_micro_factors`, after the fit below).
 
         The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
         step) and checkpointing's (:attr:`Roofline.checkpoint_call_s`, :attr:`Roofline.checkpoint_op_s`) are measured
@@ -283,6 +316,27 @@ class TimeModel:
         ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided by
         its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
         that is not positive) only the scale is fitted and the per-op overhead kept."""
+        fitted = self._fit_scale_and_overhead([observation[:3] for observation in observations])
+        return fitted._fit_micro_factors([o for o in observations if len(o) > 3 and o[3] is not None])
+
+    def _fit_micro_factors(self, observations: list[tuple]) -> "TimeModel":
+        """A copy whose :attr:`micro_factors` make it meet ``(costs, accumulation, seconds, micro-batch)``
+        observations at their micro-batches (the geometric mean of the factors of those at one size; none kept
+        from before). One scale and one per-op overhead cannot follow a CPU's kernels across micro-batch sizes:
+        their efficiency jumps with the batch (a DemoResNet's step costs about twice as much at micro-batch 2 as at
+        1, but 2.3 times at 4), so each micro-batch measured is priced at its own correction of the micro-batch ops
+        (its checkpointed rows' recompute runs the same kernels on the same shapes)."""
+        logs: dict[int, list[float]] = {}
+        for costs, accumulation, seconds, micro_batch in observations:
+            micro = self._micro_seconds(costs, accumulation)
+            rest = self.step_seconds(costs, accumulation) - micro
+            if seconds > 0 and micro > 0 and seconds > rest:
+                logs.setdefault(micro_batch, []).append(math.log((seconds - rest) / micro))
+        factors = {size: math.exp(sum(values) / len(values)) for size, values in logs.items()}
+        return replace(self, micro_factors=factors)
+
+    def _fit_scale_and_overhead(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
+        """:meth:`fit`'s kernel scale and per-op overhead (:attr:`micro_factors` kept)."""
         roof = self.roofline
         terms = []
         for costs, accumulation, seconds in observations:
