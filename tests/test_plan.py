@@ -25,7 +25,7 @@ from lightning_memkit.plan import Candidate, PlanError, plan_fit
 from lightning_memkit.plan import planner
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
-from lightning_memkit.plan.time_model import ROOFLINES, OpCosts, TimeModel, roofline_for
+from lightning_memkit.plan.time_model import MIN_MICRO_FACTOR, ROOFLINES, OpCosts, TimeModel, roofline_for
 from lightning_memkit.zoo import DemoTransformer
 
 from conftest import LinearStack
@@ -145,29 +145,50 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
 def test_each_micro_batch_measured_gets_its_own_correction():
     """A CPU's kernels jump with the batch: steps measured at micro-batches 1, 2 and 4 that no single scale and per-op
     overhead explain are met exactly at those sizes, the other parts of the step (loop, once-per-step) untouched;
-    between two sizes the correction is interpolated on log scales, beyond them the nearest's is kept."""
+    between two sizes the correction is interpolated on log scales, beyond them the nearest's is kept; a precision's
+    corrections are its own; a step measured below the model's overheads alone is priced at the floor."""
     costs = {}
     for size in (1, 2, 4):
         costs[size] = OpCosts()
         with accumulating(2), observing_ops(costs[size]):
             estimate_memory(LinearStack((32, 64, 48, 16), batch_size=size), size, device="cpu")
     roof = dataclasses.replace(ROOFLINES["h100"], batch_overhead_s=7e-4, step_overhead_s=3e-4, op_overhead_s=2e-5)
-    truth = TimeModel(roof, scale=3.0, step_s=4e-3)  # the once-per-step part measured, as a plan's calibration does
     jumps = {1: 1.0, 2: 1.8, 4: 1.2}  # the micro-batch ops' real time over the model's, per size
-    observed = []
-    for size, factor in jumps.items():
-        for accumulation in (1, 4):
-            micro = truth._micro_seconds(costs[size], accumulation)
-            observed.append((costs[size], accumulation, truth.step_seconds(costs[size], accumulation) + (factor - 1) * micro, size))
-    fitted = TimeModel(roof, step_s=4e-3).fit(observed)
-    for costs_, accumulation, seconds, size in observed:
-        assert fitted.step_seconds(costs_, accumulation, micro_batch=size) == pytest.approx(seconds, rel=1e-9)
-    assert fitted.step_seconds(costs[2], 4) != pytest.approx(observed[3][2])  # not told the size: no correction
-    ratios = {size: fitted.micro_factor(size) for size in (1, 2, 4)}
-    assert fitted.micro_factor(3) == pytest.approx((ratios[2] ** (1 - math.log2(1.5))) * (ratios[4] ** math.log2(1.5)))
-    assert fitted.micro_factor(16) == ratios[4] and TimeModel(roof).micro_factor(2) == 1.0
+    # the once-per-step part measured (as a plan's calibration does): two accumulations per size met at once; or from
+    # the optimizer's ops (priced at the fitted scale, not the truth's): one observation per size met
+    for step_s, accumulations in ((4e-3, (1, 4)), (None, (1,))):
+        truth = TimeModel(roof, scale=3.0, step_s=step_s)
+        observed = []
+        for size, factor in jumps.items():
+            for accumulation in accumulations:
+                micro = truth._micro_seconds(costs[size], accumulation)
+                seconds = truth.step_seconds(costs[size], accumulation) + (factor - 1) * micro
+                observed.append((costs[size], accumulation, seconds, size, "32-true"))
+        fitted = TimeModel(roof, step_s=step_s).fit(observed)
+        for costs_, accumulation, seconds, size, precision in observed:
+            assert fitted.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(seconds, rel=1e-9)
+        costs_, accumulation, seconds = next(o for o in observed if o[3] == 2)[:3]  # 1.8 x the model there
+        assert fitted.step_seconds(costs_, accumulation) != pytest.approx(seconds)  # not told the size: no correction
+    ratios = {size: fitted.micro_factor(size, "32-true") for size in (1, 2, 4)}
+    assert fitted.micro_factor(3, "32-true") == pytest.approx((ratios[2] ** (1 - math.log2(1.5))) * (ratios[4] ** math.log2(1.5)))
+    assert fitted.micro_factor(16, "32-true") == ratios[4] and TimeModel(roof).micro_factor(2, "32-true") == 1.0
     # a fit without sizes keeps none: the trials' refits in a plan always pass them
     assert TimeModel(roof, step_s=4e-3).fit([o[:3] for o in observed]).micro_factors == {}
+    # another precision's step at micro-batch 2, three times the model's: its own correction, the first's untouched
+    base = TimeModel(roof, step_s=4e-3)
+    bf16 = (costs[2], 1, base.step_seconds(costs[2], 1) + 2 * base._micro_seconds(costs[2], 1), 2, "bf16-mixed")
+    fp32 = (costs[2], 1, base.step_seconds(costs[2], 1), 2, "32-true")
+    both = base.fit([fp32, bf16])
+    for costs_, accumulation, seconds, size, precision in (fp32, bf16):
+        assert both.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(seconds, rel=1e-9)
+    assert both.micro_factor(2, "bf16-mixed") > 1.5 * both.micro_factor(2, "32-true")
+    assert both.micro_factor(2, "16-mixed") == 1.0  # nothing measured in it
+    # a step faster than the model's overheads alone (the machine's noise): the floor, not the neighbours' factor
+    quick = (costs[4], 1, 0.5 * (base.step_seconds(costs[4], 1) - base._micro_seconds(costs[4], 1)), 4, "32-true")
+    slow = (costs[1], 1, 2 * base.step_seconds(costs[1], 1), 1, "32-true")
+    floored = base.fit([slow, quick])
+    assert floored.micro_factor(4, "32-true") == pytest.approx(MIN_MICRO_FACTOR)
+    assert floored.step_seconds(*slow[:2], micro_batch=1, precision="32-true") == pytest.approx(slow[2], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------ plan_fit
@@ -222,7 +243,7 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
         assert sum(n > 4 for n in timings) != 1, timings  # a close call times the fastest and at least one other alike
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
-    assert any("calibrate it (not trials)" in note and "once per step" in note for note in plan.notes)
+    assert any(re.search(r"calibrate it \(not trials; [\d.]+ s\)", note) and "once per step" in note for note in plan.notes)
     # the calibration: the smallest plain micro-batch estimated at accumulation 1 and CALIBRATION_ACCUMULATION, and
     # each larger micro-batch predicted to fit, as its row of fewest ops runs it, at accumulation 1 (the kernels'
     # scale and the per-op overhead told apart, and each size's own correction measured)
@@ -230,7 +251,10 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
     small = min(r.candidate.micro_batch for r in plain)
     sizes = sorted({r.candidate.micro_batch for r in plan.rows if r.fits and r.candidate.micro_batch > small})
     assert calibrated[:2] == [Candidate(small, 1), Candidate(small, planner.CALIBRATION_ACCUMULATION)]
-    assert sizes and [c.micro_batch for c in calibrated[2:]] == sizes
+    assert sizes and [c.micro_batch for c in calibrated[2:]] == sizes[-planner.CALIBRATION_SIZES:]
+    # ...and each size it timed has its own correction, said in the notes
+    fitted = next(note for note in plan.notes if "correction of its ops (measured / modelled)" in note)
+    assert all(f"{c.micro_batch}: " in fitted.split("correction of its ops")[1] for c in calibrated)
     for probe in calibrated[2:]:
         fitting = [r for r in plan.rows if r.fits and r.candidate.micro_batch == probe.micro_batch]
         fewest = min(fitting, key=lambda r: r.costs.micro.count)
@@ -678,7 +702,10 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
     slow too, and micro 8 itself at its measurement; micro 4 (nothing measured there) keeps the model's prediction,
     and without measured errors (CUDA) every row keeps the model's."""
     class Model:  # seconds per step by the row's costs (here: a name)
-        def step_seconds(self, costs, accumulation, offload_bytes=0, micro_batch=None):
+        asked = []
+
+        def step_seconds(self, costs, accumulation, offload_bytes=0, micro_batch=None, precision=""):
+            self.asked.append((costs, micro_batch, precision))  # each row is priced at its own size and precision
             return {"plain 8": 0.010, "checkpointed 8": 0.012, "plain 4": 0.015}[costs]
 
     def rows():
@@ -692,6 +719,7 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
     planner._repredict(corrected, Model(), measured_errors=True)
     assert [r.predicted_step_s for r in corrected] == pytest.approx([0.020, 0.024, 0.015])
     assert [r.predicted_samples_per_s for r in corrected] == pytest.approx([400, 8 / 0.024, 8 / 0.015])
+    assert Model.asked == [("plain 8", 8, "32-true"), ("checkpointed 8", 8, "32-true"), ("plain 4", 4, "32-true")]
     plain = rows()
     planner._repredict(plain, Model())
     assert [r.predicted_step_s for r in plain] == pytest.approx([0.010, 0.012, 0.015])

@@ -44,7 +44,7 @@ from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
            "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ERRORS", "CLOSE_CALL_ROUNDS",
-           "CALIBRATION_ACCUMULATION", "CALIBRATION_ROUNDS"]
+           "CALIBRATION_ACCUMULATION", "CALIBRATION_ROUNDS", "CALIBRATION_SIZES"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -64,11 +64,15 @@ RETIMING_ROUNDS = 3
 #: the most real trials a plan runs
 MAX_TRIALS = 3
 #: CPU: the calibration times the smallest micro-batch with accumulation 1 and this (their difference: one
-#: micro-batch; the rest: the once-per-step part), and the largest predicted to fit with accumulation 1
+#: micro-batch; the rest: the once-per-step part), and larger sizes predicted to fit (:data:`CALIBRATION_SIZES`)
+#: with accumulation 1
 CALIBRATION_ACCUMULATION = 4
+#: CPU: the most larger micro-batch sizes the calibration times (the largest that fit; the sizes between are
+#: interpolated): each adds a timing per round, and one step of a large micro-batch can outlast its half-second
+CALIBRATION_SIZES = 4
 #: CPU: ...in this many rounds of alternating order (each of its timings, two at the smallest micro-batch and one at
-#: each larger size predicted to fit, half the plan's ``timed_seconds``, so the calibration of a batch of 16 takes
-#: about 3.5 times this many ``timed_seconds``, and longer where one step takes longer than that): the once-per-step part is a
+#: each larger size predicted to fit, half the plan's ``timed_seconds``: a batch of 16 whose sizes 1 to 8 fit takes
+#: 2.5 times this many ``timed_seconds``, longer where one step takes longer than that): the once-per-step part is a
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
 #: CPU: after the rounds, a trial is a close call to the fastest when their steps, round by round (the median of
@@ -627,7 +631,8 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
             for half as long, in rounds of alternating order, compared round by round (a CPU's speed drifts by tens
             of percent within seconds), and the fastest with every trial a close call to it up to
             :data:`CLOSE_CALL_ROUNDS` times more; the time model's calibration takes :data:`CALIBRATION_ROUNDS` times
-            this. 0 times ``timed_steps`` steps once.
+            half this per size it times (two timings at the smallest micro-batch, one at each of up to
+            :data:`CALIBRATION_SIZES` larger ones). 0 times ``timed_steps`` steps once.
 
     Returns:
         a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here
@@ -768,25 +773,27 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 probes = [Candidate(small.candidate.micro_batch, accumulation, user_precision)
                           for accumulation in (1, CALIBRATION_ACCUMULATION)]
                 probes += [dataclasses.replace(r.candidate, accumulation=1) for r in larger]
+                calibrating = time.perf_counter()
                 timings = _calibration_steps(module, probes, batch, device_type, timed_seconds)
+                calibrating = time.perf_counter() - calibrating
                 one, many = statistics.median(timings[0]), statistics.median(timings[1])
                 per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
                 base_model = dataclasses.replace(base_model, step_s=once)
-                calibrations += [(small.costs, 1, one, small.candidate.micro_batch),
-                                 (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch)]
-                calibrations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch)
+                calibrations += [(small.costs, 1, one, small.candidate.micro_batch, user_precision),
+                                 (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch, user_precision)]
+                calibrations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch, user_precision)
                                  for r, t in zip(larger, timings[2:])]
                 observations += calibrations
                 model = base_model.fit(observations)
                 notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
                              f"1 and {CALIBRATION_ACCUMULATION}"
                              + "".join(f", {p.describe()}" for p in probes[2:])
-                             + " calibrate it (not trials), each micro-batch size at its own measured correction: "
+                             + f" calibrate it (not trials; {calibrating:.1f} s): "
                              + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
                                 "(the optimizer, the loop)" if once is not None else
                                 "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
                                 "from its ops)")
-                             + "; each trial refits it")
+                             + "; each size timed gets its own correction of its ops; each trial refits it")
         _repredict(rows, model)
         for row in rows:  # what the model alone says, kept beside the ranking the trials will refine
             row.model_step_s = row.predicted_step_s
@@ -825,7 +832,8 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          + (f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step" if model.step_s is None else
                             f"{model.step_s * 1e3:.2f} ms once per step with the optimizer (calibrated)")
                          + ("; each micro-batch size's correction of its ops (measured / modelled): "
-                            + ", ".join(f"{size}: {factor:.2f}" for size, factor in sorted(model.micro_factors.items()))
+                            + ", ".join(f"{size}{'' if precision == user_precision else f' ({precision})'}: {factor:.2f}"
+                                        for (precision, size), factor in sorted(model.micro_factors.items()))
                             if model.micro_factors else "")
                          + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
                             f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
@@ -851,17 +859,18 @@ def _signature(row: PlanRow) -> tuple:
     return _same_shapes(row) + (row.predicted_peak_bytes, ops)
 
 
-def _observation(row: PlanRow) -> tuple[OpCosts, int, float, int]:
+def _observation(row: PlanRow) -> tuple[OpCosts, int, float, int, str]:
     """A trial that ran, as the time model's fit takes it: ``(costs, accumulation, measured seconds per step,
-    micro-batch)``."""
+    micro-batch, precision)``."""
     c = row.candidate
-    return row.costs, c.accumulation, c.effective_batch / row.measured_samples_per_s, c.micro_batch
+    return row.costs, c.accumulation, c.effective_batch / row.measured_samples_per_s, c.micro_batch, c.precision
 
 
 def _calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> list[PlanRow]:
     """The rows the CPU calibration times beside ``small`` (the smallest plain micro-batch): at each larger
     micro-batch predicted to fit (in the user's precision, no offload, no failed trial), the one of fewest ops (plain
-    where plain fits, else the least checkpointing), as that row runs it: within the budget."""
+    where plain fits, else the least checkpointing), as that row runs it: within the budget; the largest
+    :data:`CALIBRATION_SIZES` sizes."""
     chosen: dict[int, PlanRow] = {}
     for r in rows:
         size = r.candidate.micro_batch
@@ -869,7 +878,7 @@ def _calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> li
                 and size > small.candidate.micro_batch
                 and (size not in chosen or r.costs.micro.count < chosen[size].costs.micro.count)):
             chosen[size] = r
-    return [chosen[size] for size in sorted(chosen)]
+    return [chosen[size] for size in sorted(chosen)[-CALIBRATION_SIZES:]]
 
 
 def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = False) -> None:
@@ -879,7 +888,7 @@ def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = Fa
     for row in rows:
         if row.costs is not None:
             row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes,
-                                                      row.candidate.micro_batch)
+                                                      row.candidate.micro_batch, row.candidate.precision)
             if measured_errors and row.ran:
                 measured = row.candidate.effective_batch / row.measured_samples_per_s
                 errors.setdefault(_same_shapes(row), []).append(measured / row.predicted_step_s)

@@ -8,16 +8,19 @@ the per-micro-batch part (forward, backward and the recompute of checkpointed re
 backward) and the once-per-step part (the optimizer).
 
 One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch and
-dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (micro-batch ops +
-batch_overhead + checkpointing's overhead) + optimizer ops + step_overhead`` (the overheads: the training loop's own
-cost, which no op shows, and what torch's checkpoint runs in Python per checkpointed call and per op inside one).
+dispatch cost that makes small micro-batches slow); a step takes ``accumulation * (factor * micro-batch ops +
+batch_overhead + checkpointing's overhead) + optimizer ops + step_overhead`` (``factor``: a measured correction per
+micro-batch size, 1 on a GPU; the overheads: the training loop's own cost, which no op shows, and what torch's
+checkpoint runs in Python per checkpointed call and per op inside one).
 The device figures come from one table, :data:`ROOFLINES` (CUDA: the vendor's dense peak FLOP/s per dtype, HBM
 bandwidth, host link). On CPU they are measured on this machine by :func:`calibrate_cpu` (a matmul, a large
 elementwise op, a tiny op: about 0.1 s, no model step), the loop's overheads and checkpointing's are measured by the
 planner (a trivial module in Lightning's loop; a chain of tiny blocks plain and checkpointed,
 :mod:`~lightning_memkit.plan.checkpoint_cost`), and the per-op overhead and the kernels' scale are fitted
 (:meth:`TimeModel.fit`) to real steps at a small micro-batch with accumulation 1 and 4 (calibration, not trials:
-their difference also measures the once-per-step part, :attr:`TimeModel.step_s`) and to every real trial as it ends.
+their difference also measures the once-per-step part, :attr:`TimeModel.step_s`), at each larger micro-batch size
+that fits (the kernels' scale parted from the per-op overhead, and each size's own correction,
+:attr:`TimeModel.micro_factors`) and to every real trial as it ends.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
-__all__ = ["Roofline", "ROOFLINES", "roofline_for", "calibrate_cpu", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
+__all__ = ["Roofline", "ROOFLINES", "roofline_for", "calibrate_cpu", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY",
+           "MIN_MICRO_FACTOR"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -94,6 +98,9 @@ ROOFLINES: dict[str, Roofline] = {
 _BY_MAJOR = {7: "v100", 8: "a100", 9: "h100", 10: "b200"}
 #: the share of a roofline's peak that real kernels reach (matmuls, elementwise)
 KERNEL_EFFICIENCY = {"flops": 0.7, "bandwidth": 0.8}
+#: the smallest per-size correction :meth:`TimeModel.fit` keeps (a step measured faster than the model's overheads
+#: alone: the machine's noise, priced as nearly all overhead)
+MIN_MICRO_FACTOR = 0.05
 
 
 def roofline_for(gpu: Any = None) -> Roofline:
@@ -239,30 +246,32 @@ class TimeModel:
             optimizer's many tiny ops cost a fraction of the model's per op, which one fitted per-op overhead
             cannot say.
         micro_factors: measured / predicted time of a micro-batch's ops (scaled kernels plus per-op overhead) at each
-            micro-batch size observed (samples -> factor; empty before a :meth:`fit` to observations that give
-            the size): what one scale and one per-op overhead miss at that size (see :meth:`_fit_micro_factors`).
-            Used where :meth:`step_seconds` is told the micro-batch.
+            micro-batch size observed, per precision (``(precision, samples)`` -> factor; empty before a :meth:`fit`
+            to observations that give them): what one scale and one per-op overhead miss at that size (see
+            :meth:`_fit_micro_factors`). Used where :meth:`step_seconds` is told the micro-batch and precision.
     """
 
     roofline: Roofline
     scale: float = 1.0
     step_s: float | None = None
-    micro_factors: dict[int, float] = field(default_factory=dict)
+    micro_factors: dict[tuple[str, int], float] = field(default_factory=dict)
 
-    def micro_factor(self, micro_batch: int | None) -> float:
-        """The measured correction of a micro-batch's ops at ``micro_batch`` samples (1.0 where none was measured):
-        :attr:`micro_factors` at a measured size, interpolated on log scales between two, the nearest's beyond them."""
-        if micro_batch is None or not self.micro_factors:
+    def micro_factor(self, micro_batch: int | None, precision: str = "") -> float:
+        """The measured correction of a micro-batch's ops at ``micro_batch`` samples in ``precision`` (1.0 where
+        none was measured in that precision): :attr:`micro_factors` at a measured size, interpolated on log scales
+        between two, the nearest's beyond them."""
+        factors = {size: f for (p, size), f in self.micro_factors.items() if p == precision}
+        if micro_batch is None or not factors:
             return 1.0
-        sizes = sorted(self.micro_factors)
+        sizes = sorted(factors)
         if micro_batch <= sizes[0] or micro_batch >= sizes[-1]:
-            return self.micro_factors[sizes[0] if micro_batch <= sizes[0] else sizes[-1]]
+            return factors[sizes[0] if micro_batch <= sizes[0] else sizes[-1]]
         above = next(size for size in sizes if size >= micro_batch)
         below = max(size for size in sizes if size <= micro_batch)
         if above == below:
-            return self.micro_factors[above]
+            return factors[above]
         weight = math.log(micro_batch / below) / math.log(above / below)
-        return math.exp((1 - weight) * math.log(self.micro_factors[below]) + weight * math.log(self.micro_factors[above]))
+        return math.exp((1 - weight) * math.log(factors[below]) + weight * math.log(factors[above]))
 
     def _micro_seconds(self, costs: OpCosts, accumulation: int) -> float:
         """Seconds of the step's micro-batch ops (kernels x scale + their per-op overhead; no measured overheads)."""
@@ -284,14 +293,15 @@ class TimeModel:
         once = roof.step_overhead_s if self.step_s is None else self.step_s
         return accumulation * (roof.batch_overhead_s + checkpointing) + once
 
-    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0, micro_batch: int | None = None) -> float:
+    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0, micro_batch: int | None = None,
+                     precision: str = "") -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
         activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped).
-        ``micro_batch`` (samples): with :attr:`micro_factors` fitted, the micro-batch ops are scaled by
-        :meth:`micro_factor` there."""
+        ``micro_batch`` (samples) and ``precision`` (the Trainer's, e.g. ``"32-true"``): with :attr:`micro_factors`
+        fitted, the micro-batch ops are scaled by :meth:`micro_factor` there."""
         kernels, overhead = self._parts(costs, accumulation)
         copies = accumulation * 2 * offload_bytes / self.roofline.host_link if offload_bytes else 0.0
-        factor = self.micro_factor(micro_batch)
+        factor = self.micro_factor(micro_batch, precision)
         correction = (factor - 1) * self._micro_seconds(costs, accumulation) if factor != 1.0 else 0.0
         return self.scale * kernels + overhead + copies + correction
 
@@ -307,8 +317,9 @@ class TimeModel:
 
     def fit(self, observations: list[tuple]) -> "TimeModel":
         """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``, or
-        ``(costs, accumulation, measured seconds, micro-batch samples)``: those also fit :attr:`micro_factors`
-        (:meth:`_fit_micro_factors`, after the fit below).
+        ``(costs, accumulation, measured seconds, micro-batch samples, precision)``: those also fit
+        :attr:`micro_factors` (:meth:`_fit_micro_factors`, after the fit below). Offload's copies are not parted
+        from an observation (CPU plans, the only ones fitted, have no offload).
 
         The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
         step) and checkpointing's (:attr:`Roofline.checkpoint_call_s`, :attr:`Roofline.checkpoint_op_s`) are measured
@@ -317,21 +328,23 @@ class TimeModel:
         its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
         that is not positive) only the scale is fitted and the per-op overhead kept."""
         fitted = self._fit_scale_and_overhead([observation[:3] for observation in observations])
-        return fitted._fit_micro_factors([o for o in observations if len(o) > 3 and o[3] is not None])
+        return fitted._fit_micro_factors([o for o in observations if len(o) > 4 and o[3] is not None])
 
     def _fit_micro_factors(self, observations: list[tuple]) -> "TimeModel":
-        """A copy whose :attr:`micro_factors` make it meet ``(costs, accumulation, seconds, micro-batch)``
-        observations at their micro-batches (the geometric mean of the factors of those at one size; none kept
-        from before). One scale and one per-op overhead cannot follow a CPU's kernels across micro-batch sizes:
+        """A copy whose :attr:`micro_factors` make it meet ``(costs, accumulation, seconds, micro-batch, precision)``
+        observations at their micro-batches (the geometric mean of the factors of those at one size and precision;
+        none kept from before; at least :data:`MIN_MICRO_FACTOR`: a step measured below the model's overheads alone
+        is priced at the floor, not at its neighbours' factor). One scale and one per-op overhead cannot follow a CPU's kernels across micro-batch sizes:
         their efficiency jumps with the batch (a DemoResNet's step costs about twice as much at micro-batch 2 as at
         1, but 2.3 times at 4), so each micro-batch measured is priced at its own correction of the micro-batch ops
         (its checkpointed rows' recompute runs the same kernels on the same shapes)."""
-        logs: dict[int, list[float]] = {}
-        for costs, accumulation, seconds, micro_batch in observations:
+        logs: dict[tuple[str, int], list[float]] = {}
+        for costs, accumulation, seconds, micro_batch, precision in observations:
             micro = self._micro_seconds(costs, accumulation)
             rest = self.step_seconds(costs, accumulation) - micro
-            if seconds > 0 and micro > 0 and seconds > rest:
-                logs.setdefault(micro_batch, []).append(math.log((seconds - rest) / micro))
+            if seconds > 0 and micro > 0:
+                factor = max((seconds - rest) / micro, MIN_MICRO_FACTOR)
+                logs.setdefault((precision, micro_batch), []).append(math.log(factor))
         factors = {size: math.exp(sum(values) / len(values)) for size, values in logs.items()}
         return replace(self, micro_factors=factors)
 
