@@ -264,20 +264,23 @@ class TimeModel:
         if micro_batch is None or not factors:
             return 1.0
         sizes = sorted(factors)
-        if micro_batch <= sizes[0] or micro_batch >= sizes[-1]:
-            return factors[sizes[0] if micro_batch <= sizes[0] else sizes[-1]]
-        above = next(size for size in sizes if size >= micro_batch)
-        below = max(size for size in sizes if size <= micro_batch)
-        if above == below:
-            return factors[above]
-        weight = math.log(micro_batch / below) / math.log(above / below)
+        clamped = min(max(micro_batch, sizes[0]), sizes[-1])
+        if clamped in factors:
+            return factors[clamped]
+        below = max(size for size in sizes if size < clamped)
+        above = min(size for size in sizes if size > clamped)
+        weight = math.log(clamped / below) / math.log(above / below)
         return math.exp((1 - weight) * math.log(factors[below]) + weight * math.log(factors[above]))
 
     def _micro_seconds(self, costs: OpCosts, accumulation: int) -> float:
         """Seconds of the step's micro-batch ops (kernels x scale + their per-op overhead; no measured overheads)."""
-        roof = self.roofline
-        per_micro = self.scale * costs.micro.kernel_seconds(roof) + roof.op_overhead_s * costs.micro.count
-        return accumulation * per_micro / costs.micro_batches
+        kernels, ops = self._micro_terms(costs, accumulation)
+        return self.scale * kernels + self.roofline.op_overhead_s * ops
+
+    def _micro_terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
+        """(roofline seconds of the step's micro-batch kernels at scale 1, their op count)."""
+        return (accumulation * costs.micro.kernel_seconds(self.roofline) / costs.micro_batches,
+                accumulation * costs.micro.count / costs.micro_batches)
 
     def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds, overhead seconds) of one step."""
@@ -307,11 +310,9 @@ class TimeModel:
 
     def _terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds of the step's kernels at scale 1, the step's op count)."""
-        roof = self.roofline
-        kernels = accumulation * costs.micro.kernel_seconds(roof) / costs.micro_batches
-        ops = accumulation * costs.micro.count / costs.micro_batches
+        kernels, ops = self._micro_terms(costs, accumulation)
         if self.step_s is None:  # the optimizer from its ops; else it is in step_s
-            kernels += costs.optimizer.kernel_seconds(roof)
+            kernels += costs.optimizer.kernel_seconds(self.roofline)
             ops += costs.optimizer.count
         return kernels, ops
 
@@ -334,10 +335,11 @@ class TimeModel:
         """A copy whose :attr:`micro_factors` make it meet ``(costs, accumulation, seconds, micro-batch, precision)``
         observations at their micro-batches (the geometric mean of the factors of those at one size and precision;
         none kept from before; at least :data:`MIN_MICRO_FACTOR`: a step measured below the model's overheads alone
-        is priced at the floor, not at its neighbours' factor). One scale and one per-op overhead cannot follow a CPU's kernels across micro-batch sizes:
-        their efficiency jumps with the batch (a DemoResNet's step costs about twice as much at micro-batch 2 as at
-        1, but 2.3 times at 4), so each micro-batch measured is priced at its own correction of the micro-batch ops
-        (its checkpointed rows' recompute runs the same kernels on the same shapes)."""
+        is priced at the floor, not at its neighbours' factor). One scale and one per-op overhead cannot follow a
+        CPU's kernels across micro-batch sizes: their efficiency jumps with the batch (a DemoResNet's step costs about
+        twice as much at micro-batch 2 as at 1, but 2.3 times at 4), so each micro-batch measured is priced at its
+        own correction of the micro-batch ops (its checkpointed rows' recompute runs the same kernels on the same
+        shapes)."""
         logs: dict[tuple[str, int], list[float]] = {}
         for costs, accumulation, seconds, micro_batch, precision in observations:
             micro = self._micro_seconds(costs, accumulation)
