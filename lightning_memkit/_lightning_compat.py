@@ -84,6 +84,23 @@ def reload_train_dataloader(trainer: Any) -> None:
     trainer.fit_loop.setup_data()
 
 
+def train_loader(trainer: Any) -> Any:
+    """The fit's (first) train dataloader as the fit loop holds it (``fit_loop._combined_loader.flattened[0]``), or
+    ``None`` before it is set up."""
+    try:
+        return trainer.fit_loop._combined_loader.flattened[0]
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def use_train_loader(trainer: Any, loader: Any) -> None:
+    """Make the fit loop's next run iterate ``loader`` in place of its (first) train dataloader, through
+    ``CombinedLoader.flattened`` (public) on ``fit_loop._combined_loader`` (private). Call after
+    :func:`reload_train_dataloader`; the next reload puts the module's own loader back."""
+    combined = trainer.fit_loop._combined_loader
+    combined.flattened = [loader, *combined.flattened[1:]]
+
+
 def train_dataset_length(trainer: Any) -> int | None:
     """The length of the fit's (first) train dataset, or ``None`` for iterable datasets or when unknown."""
     try:
@@ -336,6 +353,17 @@ def drop_train_data_fetcher(trainer: Any) -> None:
     if fetcher is not None:
         fetcher.teardown()
         fit_loop._data_fetcher = None
+
+
+def prefetched_batches(trainer: Any) -> list[Any]:
+    """The batches the fit loop's data fetcher already fetched for the steps after the one running now, as it
+    keeps them (``(batch, batch_idx, dataloader_idx)``): ``fit_loop._data_fetcher.batches`` of Lightning's
+    ``_PrefetchDataFetcher``, which fetches one batch ahead when the train loader has no length (an iterable
+    dataset) and none when it has one. Falls back to ``[]`` (a fetcher without ``batches``, no fit running).
+    Pinned by tests/test_lightning_compat.py."""
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    batches = getattr(fetcher, "batches", None)
+    return list(batches) if isinstance(batches, list) else []
 
 
 _METRIC_DICTS = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")

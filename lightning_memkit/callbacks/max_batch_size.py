@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
+from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
 from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
                                                check_searchable, search_in_fit)
@@ -119,6 +120,7 @@ class MaxBatchSize(Callback):
         #: kept in checkpoints so a resumed fit trains with it again
         self.trained_with: dict[str, int] | None = None
         self._exit_after_search = False
+        self._guard: BatchGuard | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -151,6 +153,7 @@ class MaxBatchSize(Callback):
         except BatchSizeSearchError as error:
             raise MisconfigurationException(str(error)) from None
         self.optimal_batch_size = self.result.batch_size
+        self._guard = _guard_of(self.result)
         self._peak_counts = ("tensors" if self.config.budget is not None or trainer.strategy.root_device.type != "cuda"
                              else "reserved")
         self.trained_with = {"batch_size": int(_lightning_getattr(pl_module, self.config.batch_arg_name)),
@@ -158,6 +161,13 @@ class MaxBatchSize(Callback):
         if self._exit_after_search:
             raise compat.tuner_exit_exception()()
         return self.result.batch_size
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._guard is not None:
+            message = self._guard.check(batch, trainer.global_step)
+            if message is not None:  # every rank checks its own batch: a larger one on any rank is reported
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -197,6 +207,15 @@ class MaxBatchSize(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimal_batch_size = state_dict.get("optimal_batch_size")
         self.trained_with = state_dict.get("trained_with")
+
+
+def _guard_of(result: SearchResult) -> BatchGuard | None:
+    """A guard for the batch the search's fitting trial ran (``None`` when no trial recorded one)."""
+    proved = result.proved_trial()
+    if proved is None or proved.batch_bytes is None:
+        return None
+    return BatchGuard(ProvedBatch(proved.batch_bytes, proved.batch_shapes,
+                                  f"MaxBatchSize's trial at batch size {proved.batch_size}"))
 
 
 def _checkpoint_policy(trainer: Trainer) -> Any:

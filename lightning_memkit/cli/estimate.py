@@ -44,6 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="estimate at this batch size, per rank with --strategy (default: the module's)")
     parser.add_argument("--margin", type=float, default=0.05, help="fraction of device memory kept free (default: 0.05)")
+    parser.add_argument("--size-of", default=None, metavar="ATTRIBUTE",
+                        help="the train dataset's attribute holding each sample's size (e.g. lengths): the worst batch is "
+                             "then found from it without loading every sample (default: every sample is sized, or a fixed "
+                             "subset of a dataset too large or slow to size whole)")
     parser.add_argument("--strategy", default=None, metavar="NAMES",
                         help="comma-separated multi-GPU strategies, e.g. ddp,fsdp,deepspeed_stage_3: one rank's memory on "
                              "--world-size ranks per strategy and mode, and the fewest GPUs that fit")
@@ -274,13 +278,16 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     from lightning_memkit.summary_table import format_table
     from lightning_memkit.units import format_bytes
 
-    rows, results, estimates = [], [], {}
-    with reusing_fake_copies():  # one fake copy of the module and one sample batch serve every mode and size
+    rows, results, estimates, shapes = [], [], {}, []
+    batch = _named_worst_batch(args, module, datamodule)
+    with reusing_fake_copies():  # one fake copy of the module and one worst batch serve every mode and size
         for mode in modes:
             try:
-                estimate = estimate_memory(module, args.batch_size, mode=mode, device=args.device, datamodule=datamodule, gpu=gpu)
+                estimate = estimate_memory(module, args.batch_size, batch=batch, mode=mode, device=args.device,
+                                           datamodule=datamodule, gpu=gpu)
                 prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, device=args.device,
-                                                    datamodule=datamodule, gpu=gpu)
+                                                    batch=batch, datamodule=datamodule, gpu=gpu)
+                shapes.append((mode.name, estimate, prediction))
                 allocated, reserved, needs = _figures(estimate)
                 rows.append((mode.name, estimate.batch_size, format_bytes(allocated), format_bytes(reserved), format_bytes(needs),
                              prediction.batch_size, format_bytes(prediction.predicted_bytes)))
@@ -295,6 +302,8 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     print(f"memkit estimate: {args.module} on {_target_words(args, gpu)}, {format_bytes(memory)} device memory, "
           f"{args.margin:.0%} kept free (fake tensors)")
     print(format_table(("mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"), rows))
+    for line in _batch_lines(shapes):
+        print(line)
     for line in _kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
     status = 0 if all("error" not in r for r in results) else 1  # any requested mode that failed fails the command
@@ -310,6 +319,26 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
                       file, indent=2, default=str)
     return status
+
+
+def _named_worst_batch(args: argparse.Namespace, module: Any, datamodule: Any) -> Any:
+    """With ``--size-of``, the worst batch found from the sizes named (else ``None``: the estimate finds it)."""
+    if args.size_of is None:
+        return None
+    from lightning_memkit.estimate.worst_batch import worst_batch_and_length
+
+    return worst_batch_and_length(module, datamodule, size_of=args.size_of)[0]
+
+
+def _batch_lines(shapes: list[tuple[str, Any, Any]]) -> list[str]:
+    """Which batch each answer used: the shapes estimated and at the max batch, and what they hold for."""
+    if not shapes:
+        return []
+    lines = [f"batch: {shapes[0][1].batch_note}"]
+    for mode, estimate, prediction in shapes:
+        lines.append(f"  {mode}: estimated on {estimate.batch_shapes}; max batch {prediction.batch_size} on "
+                     f"{prediction.batch_shapes}")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ --check

@@ -31,12 +31,14 @@ from lightning_memkit.estimate.allocator import (
     AllocatorView,
     CudaAllocatorModel,
 )
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch, sample_batch_and_length
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
+from lightning_memkit.estimate.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
 from lightning_memkit.estimate.fake import (
     NOT_ANSWERED,
     REAL_VALUES_NUMEL,
     FakeSession,
+    FakeStepMode,
     FakeStepOps,
     fake_parameter,
     is_fake,
@@ -81,6 +83,10 @@ class MemoryEstimate:
             (torch's ``save_on_cpu`` copies each save: a tensor saved twice counts twice, parameters too), before
             the caching host allocator rounds each block up. ``0`` without offload. Not part of ``peak_bytes``,
             which counts the device.
+        batch_shapes: the shapes of the batch the step ran on, e.g. ``input_ids (817, 256), labels (817,)``.
+        batch_note: which batch that is and what the answer holds for: the data's worst batch (every sample sized,
+            see :func:`~lightning_memkit.estimate.worst_batch.find_worst_batch`), a subset's, the batch given, or
+            the batch seen where the data cannot be enumerated (an iterable dataset).
     """
 
     peak_bytes: int
@@ -95,6 +101,8 @@ class MemoryEstimate:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     host_bytes: int = 0
+    batch_shapes: str = ""
+    batch_note: str = ""
 
     @property
     def required_bytes(self) -> int:
@@ -128,45 +136,17 @@ class MemoryEstimate:
                 ("device needs", format_bytes(self.cuda.device_bytes)),
             ]
         title = f"memkit estimate: batch {self.batch_size}, mode {self.mode}, device {self.device} ({self.source}, peak in {self.peak_phase} of step {self.peak_step})"
-        return title + "\n" + format_table(("", "bytes"), rows)
+        batch_line = f"\nbatch: {self.batch_shapes} ({self.batch_note})" if self.batch_shapes else ""
+        return title + batch_line + "\n" + format_table(("", "bytes"), rows)
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
-_BINCOUNT = torch.ops.aten.bincount.default
 
 #: What ``.item()`` of a fake floating-point tensor answers inside the optimizer's step (elsewhere it is 1.0,
 #: see :class:`~lightning_memkit.estimate.fake.ScalarPlaceholders`). An optimizer reads its scalars there (step
 #: counts, NAdam's running product of momentum factors) and divides by ``x`` and ``1 - x``: 1.0 makes NAdam's
 #: ``1 - mu_product`` zero, 0.5 keeps both non-zero. Memory does not depend on the value.
 OPTIMIZER_FLOAT_PLACEHOLDER = 0.5
-
-
-def _fake_bincount(args: Any, kwargs: Any) -> torch.Tensor | None:
-    """``torch.bincount(input, weights, minlength)`` on a fake input with ``minlength > 0``: a fake of
-    ``minlength`` counts (the real length when every value is below ``minlength``, as for class ids counted
-    into ``num_classes`` bins: torchmetrics' confusion matrices and accuracies), instead of FakeTensorMode's
-    data-dependent-shape error. ``None`` when ``minlength`` is 0 (the length is the data's maximum + 1)."""
-    bound = {"weights": None, "minlength": 0, **dict(zip(("input", "weights", "minlength"), args)), **(kwargs or {})}
-    source, weights, minlength = bound["input"], bound["weights"], int(bound["minlength"] or 0)
-    if minlength <= 0 or not is_fake(source):
-        return None
-    if weights is None:
-        dtype = torch.int64
-    else:  # a real bincount sums float32/float64 weights in their dtype, any other dtype in float64
-        dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
-    return torch.empty(minlength, dtype=dtype, device=source.device)
-
-
-class _BincountOnFakes(TorchDispatchMode):
-    """:func:`_fake_bincount` for code that runs on fakes outside the step's accountant (a checkpoint budget's
-    measuring forward)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        if func is _BINCOUNT:
-            result = _fake_bincount(args, kwargs)
-            if result is not None:
-                return result
-        return func(*args, **(kwargs or {}))
 
 
 class _StepAccountant(TensorAccountant):
@@ -208,15 +188,8 @@ class _StepAccountant(TensorAccountant):
             if func is _ITEM and self.optimizer_phase and type(answer) is float:
                 return OPTIMIZER_FLOAT_PLACEHOLDER
             return answer
-        result = ops.run_real(func, args, kwargs)  # masks, token ids and positions keep their real values
-        if result is not NOT_ANSWERED:
-            pass
-        elif func is _BINCOUNT:
-            result = _fake_bincount(args, kwargs)
-            if result is None:
-                result = func(*args, **(kwargs or {}))
-        else:
-            result = ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        # masks, token ids and positions keep their real values; a data-dependent shape is sized (DataDependentOps)
+        result = ops.run(func, args, kwargs)
         if self.host_copy:
             return result
         try:
@@ -509,8 +482,9 @@ def _resolve_mode(mode: Any):
     return parse_mode(mode)
 
 
-def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any) -> tuple[Any, int | None]:
-    """Check the arguments; returns the batch (sampled if not given) and the loader's length in batches."""
+def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any) -> tuple[Any, int | None, str]:
+    """Check the arguments; returns the batch (the data's worst batch if not given, see estimate/worst_batch.py),
+    the loader's length in batches, and a note saying which batch it is and what the answer holds for."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}")
     if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
@@ -518,21 +492,28 @@ def _prepare(module: nn.Module, batch: Any, batch_size: int | None, datamodule: 
                             "the first forward: run one forward with an example batch first, then estimate")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
-    batches = None
-    if batch is None:
-        cache = _CACHE.get()
-        key = (id(module), id(datamodule))
-        if cache is not None and key in cache.batches:
-            return cache.batches[key]
-        try:
-            batch, batches = sample_batch_and_length(module, datamodule)
-        except NoBatchError as error:
-            if batch_size is None and "failed" not in str(error):
-                raise NoBatchError(f"{error}; or give batch_size= together with one of them") from None
-            raise
-        if cache is not None:
-            cache.batches[key] = (batch, batches)
-    return batch, batches
+    if isinstance(batch, WorstBatch):  # found by find_worst_batch (e.g. with size_of=): it says what it holds for
+        return batch.batch, None, batch.note
+    if batch is not None:
+        return batch, None, GIVEN_BATCH_NOTE
+    cache = _CACHE.get()
+    key = (id(module), id(datamodule))
+    if cache is not None and key in cache.batches:
+        return cache.batches[key]
+    try:
+        worst, batches = worst_batch_and_length(module, datamodule)
+    except NoBatchError as error:
+        if batch_size is None and "failed" not in str(error):
+            raise NoBatchError(f"{error}; or give batch_size= together with one of them") from None
+        raise
+    prepared = (worst.batch, batches, worst.note)
+    if cache is not None:
+        cache.batches[key] = prepared
+    return prepared
+
+
+#: the note on an estimate of a batch the caller gave
+GIVEN_BATCH_NOTE = "the batch given: the answer holds for batches no larger than it"
 
 
 def _optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable[[nn.Module], torch.optim.Optimizer]:
@@ -785,11 +766,24 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
     text = f"{type(cause).__name__}: {cause}"
     where_in_user_code = _user_line(cause)
     hint = ""
-    if "data-dependent" in text.lower() or "DynamicOutputShape" in type(cause).__name__:
-        hint = (" An op has a data-dependent output shape (nonzero, boolean masking); use measure_training_step() on a "
-                "small batch, or express it without the data-dependent shape.")
+    if fake and _is_data_dependent(cause):
+        hint = DATA_DEPENDENT_HINT
     at = f" (at {where_in_user_code})" if where_in_user_code else ""
-    return EstimateError(f"{hook} failed {where}: {text}{at}.{hint}")
+    error = EstimateError(f"{hook} failed {where}: {text}{at}.{hint}")
+    error.data_dependent = bool(hint)  # the CLI swaps the hint's Python advice for its own option
+    return error
+
+
+#: what an EstimateError adds when an op's output shape or a value depended on data the fakes do not have
+DATA_DEPENDENT_HINT = (" An op's output shape or a value read from a tensor depends on data the fake tensors do not hold"
+                       " and memkit has no bound for it (see docs/will_it_fit.md, data-dependent ops); use "
+                       "measure_training_step() on a small batch, or express it without the data-dependent shape.")
+
+
+def _is_data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` is FakeTensorMode refusing a data-dependent op (an output shape or a value from data)."""
+    return "data-dependent" in str(error).lower() or type(error).__name__ in ("DynamicOutputShapeException",
+                                                                               "DataDependentOutputException")
 
 
 def _run(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, fake: bool, steps: int, trainer: Any = None, gpu: Any = None) -> MemoryEstimate:
@@ -821,7 +815,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
         from lightning_memkit.modes.offload import OFFLOAD_ON_CPU
 
         raise EstimateError(f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs on CPU fakes)")
-    batch, batches = _prepare(module, batch, batch_size, datamodule)
+    batch, batches, batch_note = _prepare(module, batch, batch_size, datamodule)
     manual = _is_lightning_module(module) and not module.automatic_optimization
     if manual and loss_fn is not None:
         raise EstimateError(f"{type(module).__name__} uses manual optimization: its training_step runs the backward and the "
@@ -845,7 +839,6 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                     batch = rebatch(batch, batch_size, lambda t, n: _rebatched(session, t, n))
                 batch = tree_map(lambda leaf: _cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf)
                                  else leaf, batch)
-                context = session.active
                 step_context = session.fake_mode_only  # the accountant does the rest (FakeStepOps)
                 if target.type != "cuda" and any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
                     notes.append("nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
@@ -859,7 +852,7 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 if batch_size is not None:
                     batch = rebatch(batch, batch_size)
                 batch = _move(batch, where)
-                context = step_context = contextlib.nullcontext
+                step_context = contextlib.nullcontext
             _attach_trainer(module_copy, trainer if trainer is not None else attached, batches, mode, datamodule, target.type)
             module_copy.train()
             autocast = _step_context(module_copy, mode, _device_type_of(module_copy, batch), target.type)
@@ -867,7 +860,11 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 from lightning_memkit.modes.checkpointing import apply_checkpointing
 
                 def sample() -> Any:  # a budget policy measures the step's forward on the same (fake) batch
-                    with context(), (_BincountOnFakes() if fake else contextlib.nullcontext()), autocast():
+                    if not fake:
+                        with autocast():
+                            return loss_fn(module_copy, batch)
+                    # the step's own answers (real values, sized data-dependent ops), outside the accountant
+                    with session.fake_mode_only(), FakeStepMode(acc.fake_ops), autocast():
                         return loss_fn(module_copy, batch)
 
                 try:
@@ -902,6 +899,9 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
                 _dismantle(locals().get("module_copy"))
     if acc.errors:
         notes.append("accountant errors: " + "; ".join(acc.errors[:3]))
+    data_dependent = acc.fake_ops.data_dependent.note() if acc.fake_ops is not None else None
+    if data_dependent:
+        notes.append(data_dependent)
     view = None
     if kernels is not None:
         view = kernels.view(acc.events or ())
@@ -922,6 +922,8 @@ def _run_once(module, batch, batch_size, mode, device, optimizer, loss_fn, datam
         elapsed_s=time.perf_counter() - started,
         notes=notes,
         host_bytes=offload.peak_bytes if offload is not None else 0,
+        batch_shapes=batch_shapes(batch),
+        batch_note=batch_note,
     )
 
 
@@ -957,9 +959,14 @@ def estimate_memory(
     Args:
         module: a LightningModule (optimizer from ``configure_optimizers``) or a plain ``nn.Module``
             (give ``optimizer=`` and, unless ``module(batch).sum()`` is the loss, ``loss_fn=``).
-        batch_size: the batch size to estimate. The batch is one from ``train_dataloader()`` of
-            ``datamodule`` or the module, re-shaped to this size; ``None`` keeps its size.
-        batch: an example batch instead of the dataloader's (re-shaped if ``batch_size`` is given).
+        batch_size: the batch size to estimate. The batch is the worst one the ``train_dataloader()`` of
+            ``datamodule`` or the module can produce, re-shaped to this size (its rows repeated or cut, largest
+            first); ``None`` keeps the loader's size.
+        batch: an example batch instead of the data's worst batch (re-shaped if ``batch_size`` is given), or a
+            :class:`~lightning_memkit.estimate.worst_batch.WorstBatch` from ``find_worst_batch`` (e.g. found with
+            ``size_of=`` on a large dataset). Without it the batch is the worst the train dataloader can produce: its
+            dataset's largest samples, collated by its own ``collate_fn`` (see ``find_worst_batch``), so the answer
+            holds for every batch of the run; :attr:`MemoryEstimate.batch_note` says which batch it was.
         mode: a mode string or :class:`~lightning_memkit.modes.mode.Mode` (``"bf16"``, ``"checkpoint"``...).
         device: the target device. For ``"cuda"`` the caching-allocator view is added
             (:attr:`MemoryEstimate.cuda`); the step itself always runs on CPU fakes, so a CPU-only

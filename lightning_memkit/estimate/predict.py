@@ -102,6 +102,9 @@ class BatchSizePrediction:
         estimates: ``(batch_size, required_bytes)`` of every estimate made, in order.
         mode: the mode's name.
         limited_by_max: ``True`` when ``max_val`` capped the answer (it would fit larger).
+        batch_shapes: the shapes of the batch estimated at ``batch_size``, e.g. ``input_ids (817, 256)``.
+        batch_note: which batch that is and what the answer holds for (the data's worst batch, the batch given,
+            or the batch seen; see :attr:`MemoryEstimate.batch_note`).
     """
 
     batch_size: int
@@ -112,6 +115,8 @@ class BatchSizePrediction:
     estimates: list[tuple[int, int]] = field(default_factory=list)
     mode: str = "baseline"
     limited_by_max: bool = False
+    batch_shapes: str = ""
+    batch_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -121,7 +126,8 @@ class BatchSizePrediction:
         # the growth's intercept is a local fit (it can be negative), so only the slope near the answer is shown
         return (f"max batch {self.batch_size} ({self.mode}): needs {format_bytes(self.predicted_bytes)} of "
                 f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} kept free; "
-                f"+{format_bytes(self.growth.per_sample_bytes)} per sample near it{' (capped by max_val)' if self.limited_by_max else ''}")
+                f"+{format_bytes(self.growth.per_sample_bytes)} per sample near it{' (capped by max_val)' if self.limited_by_max else ''}"
+                + (f"\nbatch: {self.batch_shapes} ({self.batch_note})" if self.batch_shapes else ""))
 
 
 def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
@@ -156,6 +162,7 @@ def predict_max_batch_size(
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
     strategy: Any = None,
     world_size: int = 1,
+    datamodule: Any = None,
     **estimate_kwargs: Any,
 ) -> BatchSizePrediction:
     """Predict the largest batch size whose training step fits in ``device_memory`` (fake tensors only).
@@ -180,6 +187,12 @@ def predict_max_batch_size(
             :func:`~lightning_memkit.estimate.distributed.estimate_distributed_memory`, whose own arguments
             such as ``wrap=`` go in ``estimate_kwargs``): each size is one rank's estimate, one fake step per
             rank role, and ``device_memory`` is one device's memory.
+        datamodule: a LightningDataModule whose train dataloader gives the batch (default: the module's own).
+
+    Without ``batch=``, every size is estimated on the data's worst batch (the largest samples the train dataloader's
+    dataset holds, collated by its own ``collate_fn``: see :func:`~lightning_memkit.estimate.worst_batch.find_worst_batch`),
+    so the answer holds for the largest batch the data can produce; :attr:`BatchSizePrediction.batch_shapes` and
+    ``batch_note`` say which batch it was.
 
     Raises:
         ValueError: when even batch size 1 does not fit (the message gives the fixed bytes) or the
@@ -203,13 +216,15 @@ def predict_max_batch_size(
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
     module = compiled_original(module) or module  # a torch.compile'd module: its eager program (see estimate_memory)
+    if datamodule is not None:
+        estimate_kwargs["datamodule"] = datamodule
     with reusing_fake_copies():  # one fake copy and one sample batch serve every size
         return _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs)
 
 
 def _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs) -> BatchSizePrediction:
     given = batch
-    batch, _batches = _prepare(module, batch, None, estimate_kwargs.get("datamodule"))
+    batch, _batches, _note = _prepare(module, batch, None, estimate_kwargs.get("datamodule"))
     base = batch_size_of(batch)
     if base is None:
         raise EstimateError("the batch has no batch dimension; pass an example batch (batch=...) with one")
@@ -266,5 +281,9 @@ def _predict(module, capacity, target, mode, margin, device, batch, max_val, tol
     if len({size for size, _ in near}) < 2:
         near = sorted(points, key=lambda point: abs(point[0] - lo))[:2]
     growth = AffineGrowth.fit(near)
-    return BatchSizePrediction(lo, cache[lo].required_bytes if lo in cache else required(lo), capacity, margin, growth,
-                               list(points), mode_name, limited_by_max=lo >= max_val)
+    if lo not in cache:
+        required(lo)
+    answer = cache[lo]
+    return BatchSizePrediction(lo, answer.required_bytes, capacity, margin, growth, list(points), mode_name,
+                               limited_by_max=lo >= max_val, batch_shapes=answer.batch_shapes,
+                               batch_note=answer.batch_note)

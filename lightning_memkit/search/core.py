@@ -31,6 +31,8 @@ class Trial:
             CUDA; the maximum over ranks), ``None`` when unknown.
         seconds: wall time of the trial.
         error: the out-of-memory message of a failed trial.
+        batch_bytes: the bytes of the largest batch the trial trained on (``None`` when unknown).
+        batch_shapes: that batch's tensor shapes, e.g. ``input_ids (14, 256), labels (14,)``.
     """
 
     batch_size: int
@@ -38,6 +40,8 @@ class Trial:
     peak_bytes: int | None = None
     seconds: float = 0.0
     error: str | None = None
+    batch_bytes: int | None = None
+    batch_shapes: str = ""
 
 
 @dataclass
@@ -55,6 +59,8 @@ class SearchResult:
         estimate_seconds: time spent estimating before the first trial.
         seconds: total wall time, estimate included.
         estimate_unavailable: why there was no prediction (the estimate's error, ``use_estimate=False``), ``None`` with one.
+        batch_note: which batches the trials trained on: the data's worst batch at each size, or the loader's own
+            batches where the data cannot be enumerated (then the answer holds for the batches drawn).
     """
 
     batch_size: int
@@ -66,6 +72,7 @@ class SearchResult:
     estimate_seconds: float = 0.0
     seconds: float = 0.0
     estimate_unavailable: str | None = None
+    batch_note: str = ""
 
     @property
     def trial_count(self) -> int:
@@ -83,7 +90,16 @@ class SearchResult:
         outcomes = ["fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory" for t in self.trials]
         rows = [(i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, (t, outcome) in enumerate(zip(self.trials, outcomes))]
         head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
-        return head + "\n" + format_table(("trial", "batch", "outcome", "peak", "time"), rows)
+        table = format_table(("trial", "batch", "outcome", "peak", "time"), rows)
+        proved = self.proved_trial()
+        tail = "".join(f"\n{line}" for line in (
+            self.batch_note, f"batch {self.batch_size}: {proved.batch_shapes}" if proved and proved.batch_shapes else "") if line)
+        return head + "\n" + table + tail
+
+    def proved_trial(self) -> Trial | None:
+        """The last trial that fitted at the size found (its batch is the largest this search proved), or ``None``."""
+        fitted = [t for t in self.trials if t.fits and t.batch_size == self.batch_size]
+        return fitted[-1] if fitted else None
 
 
 class BatchSizeSearch:

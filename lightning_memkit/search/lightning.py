@@ -25,6 +25,7 @@ from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.search.core import SearchError, SearchResult, Trial
 from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
+from lightning_memkit.search.worst_trials import BatchRecorder, worst_loader, worst_of_fit
 from lightning_memkit.units import format_bytes
 
 __all__ = ["SearchConfig", "search_in_fit", "BatchSizeSearchError", "cuda_capacity_bytes"]
@@ -440,6 +441,9 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         trainer.limit_val_batches = 0
         module.train()
         compat.reload_train_dataloader(trainer)
+        worst = worst_of_fit(trainer)  # every trial trains on the data's worst batch at its size
+        if worst is not None:
+            _say(trainer, f"memkit: trials train on {worst.note} ({worst.seconds:.2f}s to find)", config.verbose)
         max_val = config.max_val
         dataset_length = compat.train_dataset_length(trainer)
         if dataset_length is not None and dataset_length < max_val:
@@ -460,7 +464,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         if config.use_estimate and capacity is not None:
             _say(trainer, "memkit: estimating the step on fake tensors ...", config.verbose)
             estimate_started = time.perf_counter()
-            growth, predicted, unavailable = _predict(trainer, module, capacity, device, config)  # the module is wrapped already
+            growth, predicted, unavailable = _predict(trainer, module, capacity, device, config, worst)  # the module is wrapped already
             estimate_seconds = time.perf_counter() - estimate_started
             growth, predicted = outcomes.prediction(growth, predicted)  # every rank must search the same sizes
             if predicted is not None:
@@ -476,7 +480,7 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
             # no deadline where a step communicates: a rank stopped after its step would leave the others waiting
             trainer.callbacks = [search.deadline] if search.deadline is not None and not communicates else []
             try:
-                return _trial(trainer, module, size, config, budget, device, outcomes, communicates)
+                return _trial(trainer, module, size, config, budget, device, outcomes, communicates, worst)
             finally:
                 trainer.callbacks = []
 
@@ -485,6 +489,8 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                                init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
                                margin=config.margin, max_trials=config.max_trials, max_seconds=max_seconds)
         result = search.run()
+        result.batch_note = (f"each trial trained on {worst.note} at its size" if worst is not None and worst.holds_for_the_run
+                             else "the trials trained on the loader's own batches: the answer holds for the batches they drew")
         result.estimate_unavailable = unavailable if predicted is None else None
         if dataset_length is not None and result.batch_size >= dataset_length:
             result.reason = "dataset"
@@ -538,12 +544,15 @@ def _clean_up(trainer: Any, module: Any, config: SearchConfig, outcomes: _Outcom
     _release_memory(device)
 
 
-def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, config: SearchConfig):
+def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, config: SearchConfig, worst: Any):
     from lightning_memkit.estimate.predict import predict_max_batch_size
 
     try:
-        with preserved_rng():
-            batch = next(iter(trainer.train_dataloader))
+        if worst is not None:
+            batch = worst
+        else:
+            with preserved_rng():
+                batch = next(iter(trainer.train_dataloader))
         target = "cuda" if device.type == "cuda" else "cpu"
         # on CUDA the context already lives outside `capacity` (free + reserved), so add its allowance back
         memory = capacity + (CUDA_CONTEXT_BYTES if target == "cuda" else 0)
@@ -559,7 +568,7 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
 
 
 def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: MemoryBudget | None, device: torch.device,
-           outcomes: _Outcomes, communicates: bool = False) -> Trial:
+           outcomes: _Outcomes, communicates: bool = False, worst: Any = None) -> Trial:
     _lightning_setattr(module, config.batch_arg_name, size)
     error_text: str | None = None
     steps = 0
@@ -567,8 +576,13 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
         _release_memory(device)  # the last trial's cached blocks go back: each trial starts like a fresh fit
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
+    recorder = BatchRecorder()
+    trainer.callbacks = [*trainer.callbacks, recorder]
     with _rank_local(trainer):
         compat.reload_train_dataloader(trainer)
+        loader = worst_loader(worst, size, compat.train_loader(trainer), config.steps_per_trial + 1) if worst else None
+        if loader is not None:
+            compat.use_train_loader(trainer, loader)
         compat.reset_fit_progress(trainer)
         compat.clear_logged_results(trainer)
         trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
@@ -623,7 +637,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, budget: M
     fits, peak, _ = outcomes.agree(fits, peak if fits else None, seconds=time.perf_counter() - started)
     seconds = outcomes.slowest_seconds  # the same on every rank, so the time limit stops every rank's search alike
     if fits:
-        return Trial(size, True, peak, seconds, None)
+        return Trial(size, True, peak, seconds, None, recorder.nbytes, recorder.shapes)
     if not outcomes.enabled:
         slow = (error_text or "").startswith("too slow")  # its steps ran within memory: their peak is known
         return Trial(size, False, budget.accountant.peak_bytes if slow and budget is not None else None, seconds, error_text or "out of memory")
