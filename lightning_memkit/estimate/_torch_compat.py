@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 __all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group", "fully_shard",
-           "safe_softmax", "flash_attention", "efficient_attention", "argument", "FAKE_EXTRAS"]
+           "safe_softmax", "flash_attention", "efficient_attention", "argument", "arguments", "FAKE_EXTRAS"]
 
 #: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
 #: ``torch._subclasses.fake_tensor.FakeTensor``): a constant's value, the real tensor of a
@@ -104,3 +104,25 @@ def argument(op: Any, name: str, args: tuple, kwargs: dict) -> Any:
             raise RuntimeError(f"{op} in this torch ({torch.__version__}) has no argument {name!r} (it has {names})")
         index = _ARGUMENT_INDEX[(op, name)] = names.index(name)
     return args[index] if index < len(args) else kwargs[name]
+
+
+_ARGUMENT_DEFAULTS: dict[Any, tuple[tuple[str, Any], ...]] = {}
+_NO_DEFAULT = object()
+
+
+def arguments(op: Any, args: tuple, kwargs: dict | None) -> dict[str, Any]:
+    """Every argument of a call to the aten overload ``op`` by its schema name (``op._schema.arguments``), those the
+    call left out at their schema defaults; one left out without a default is absent from the dict."""
+    names = _ARGUMENT_DEFAULTS.get(op)
+    if names is None:
+        names = _ARGUMENT_DEFAULTS[op] = tuple((a.name, a.default_value if a.has_default_value() else _NO_DEFAULT)
+                                               for a in op._schema.arguments)
+    bound = {}
+    for index, (name, default) in enumerate(names):
+        if index < len(args):
+            bound[name] = args[index]
+        elif kwargs and name in kwargs:
+            bound[name] = kwargs[name]
+        elif default is not _NO_DEFAULT:
+            bound[name] = default
+    return bound

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+from collections import Counter
 from typing import Any, Iterator
 
 import torch
@@ -21,7 +23,8 @@ from lightning_memkit.accounting.accountant import _tensors_in  # the op-argumen
 from lightning_memkit.estimate import _torch_compat
 
 __all__ = ["FakeSession", "is_fake", "fake_parameter", "ScalarPlaceholders", "LossBuffers", "FakeStepOps", "REAL_VALUES_NUMEL",
-           "keeps_real_values", "KnownValues", "known_value"]
+           "keeps_real_values", "KnownValues", "known_value", "ValueSets", "VALUE_SET_LIMIT", "DataDependentOps",
+           "FakeStepMode"]
 
 #: The most elements a tensor of integers or booleans may have to keep its real values in a fake step (2**21:
 #: 16 MiB of int64). See :func:`keeps_real_values`.
@@ -82,7 +85,7 @@ class ScalarPlaceholders(TorchDispatchMode):
     A fake tensor has no values, so ``.item()`` would raise; optimizers read their step counter
     with it, and user code sometimes branches on a loss value. Memory does not depend on the
     value in either case, so 1 is as good as any. Data-dependent *shapes* (``nonzero``,
-    boolean masks) cannot be answered this way and raise a clear error from the estimate.
+    boolean masks) are not answered here: :class:`DataDependentOps` sizes them in a fake step.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
@@ -344,6 +347,548 @@ class KnownValues:
         return _UNKNOWN
 
 
+#: The most values memkit keeps track of for one integer or boolean fake (see :class:`ValueSets`): the argmax over
+#: up to 4096 classes keeps its set; a larger one (a vocabulary's) is left unknown, and an op whose output size
+#: depends on its values is then sized by its element count alone.
+VALUE_SET_LIMIT = 4096
+
+_VALUES_ATTRIBUTE = "_memkit_value_set"
+
+
+class _ValueSet:
+    """The values the elements of one integer or boolean fake may take: the element at a position holds
+    ``values[d(position)]``, where ``d`` maps positions to the members of ``domain``; fakes with the same ``domain``
+    (and ``shape``) share ``d``, so a fake made element by element from another stays tied to it:
+    ``(u != 0) & (u != 1)`` of ``u`` in ``{0, 1}`` is all False, as on real data. ``pick`` says which member
+    ``.item()`` answers (``"max"`` after a max reduction, ``"min"`` after a min, else ``None``)."""
+
+    __slots__ = ("domain", "shape", "values", "pick")
+
+    def __init__(self, domain: object, shape: tuple, values: torch.Tensor, pick: str | None = None) -> None:
+        self.domain, self.shape, self.values, self.pick = domain, shape, values, pick
+
+
+def _unique_values(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The distinct values of the real ``tensor`` (sorted, 1-D), or ``None`` beyond :data:`VALUE_SET_LIMIT` of them."""
+    members = torch.unique(tensor.detach().reshape(-1))
+    return members if members.numel() <= VALUE_SET_LIMIT else None
+
+
+class ValueSets:
+    """What values the elements of an integer or boolean fake may take, known without data.
+
+    A fake step meets data-dependent code on fakes made from fakes: ``logits.argmax(-1)`` is a fake whose values are
+    class ids, and torchmetrics asks ``len(torch.unique(preds)) <= num_classes`` of it, then ``any`` of comparisons on
+    the unique values. The sets answer those as every real step answers them:
+
+    * ``argmax``/``argmin``, and the indices of ``max``/``min`` over a dim, ``sort``, ``topk``, ``kthvalue``, ``mode``,
+      ``median``, ``cummax``/``cummin``: ``0 .. size - 1`` (their values: the input's set, where known);
+    * a boolean fake: ``{False, True}``; a fake :class:`KnownValues` knows: its one value; a real integer tensor: its
+      values;
+    * a pointwise op (``==``, ``&``, ``+``, ``where``, casts) of fakes with sets (and Python or real numbers, real
+      integer tensors): the op on the sets, on real tensors of at most :data:`VALUE_SET_LIMIT` values; operands made
+      element by element from the same fake stay tied (see :class:`_ValueSet`);
+    * ``any``/``all``/``amax``/``amin``/``max()``/``min()``: what the members decide (``any`` of a set without a
+      true member is False);
+    * a view: the input's set; an in-place op on a fake forgets its set.
+
+    :meth:`members` gives the set (what :class:`DataDependentOps` sizes outputs by) and :meth:`item` the answer of
+    ``.item()``. The set is kept as an attribute of the fake tensor object.
+    """
+
+    _INDEX_OPS = {"aten::argmax": None, "aten::argmin": None, "aten::sort": 1, "aten::topk": 1, "aten::kthvalue": 1,
+                  "aten::mode": 1, "aten::median": 1, "aten::nanmedian": 1, "aten::cummax": 1, "aten::cummin": 1,
+                  "aten::max": 1, "aten::min": 1}  # the output that holds indices (None: the only one)
+    _REDUCTIONS = {"aten::any": "any", "aten::all": "all", "aten::amax": "max", "aten::amin": "min", "aten::max": "max",
+                   "aten::min": "min"}
+    _COPIES = ("aten::_to_copy", "aten::clone", "aten::to", "aten::contiguous", "aten::lift_fresh_copy",
+               "aten::_to_dtype")
+
+    def __init__(self) -> None:
+        self._kind: dict[Any, str | None] = {}
+        self.count = 0  # sets attached so far: until one is, only seeds need a look
+
+    def _kind_of(self, func: Any) -> str | None:
+        kind = self._kind.get(func, _UNKNOWN)
+        if kind is _UNKNOWN:
+            schema = getattr(func, "_schema", None)
+            name = schema.name if schema is not None else ""
+            overload = getattr(func, "_overloadname", "")
+            if schema is not None and schema.is_mutable:
+                kind = "mutates"  # an in-place op (or an out= form): what was known of what it writes is forgotten
+            elif name in ("aten::max", "aten::min"):  # over a dim: values and indices; whole: a reduction; else binary
+                kind = {"dim": "indices", "default": "reduction"}.get(overload, None)
+                if kind is None and torch.Tag.pointwise in getattr(func, "tags", ()):
+                    kind = "pointwise"
+            elif name in self._INDEX_OPS and not (name in ("aten::median", "aten::nanmedian")
+                                                  and overload == "default"):
+                kind = "indices"
+            elif name in self._REDUCTIONS:
+                kind = "reduction"
+            elif name in self._COPIES:
+                kind = "copy"
+            elif getattr(func, "is_view", False):
+                kind = "view"
+            elif torch.Tag.pointwise in getattr(func, "tags", ()):
+                kind = "pointwise"
+            else:
+                kind = None
+            self._kind[func] = kind
+        return kind
+
+    # ------------------------------------------------------------------------------------------------ reading
+    def members(self, tensor: Any) -> torch.Tensor | None:
+        """The values the elements of ``tensor`` may take (a real sorted 1-D tensor of its dtype), ``None`` when
+        unknown: floating-point tensors, fakes nothing is known of, sets over :data:`VALUE_SET_LIMIT`."""
+        if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or tensor.is_complex():
+            return None
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            if not is_fake(tensor):
+                if (tensor.device.type != "cpu" or tensor.layout is not torch.strided
+                        or tensor.numel() > REAL_VALUES_NUMEL):
+                    return None
+                return _unique_values(tensor)
+            found = getattr(tensor, _VALUES_ATTRIBUTE, None)
+            if found is not None:
+                return torch.unique(found.values)
+            known = known_value(tensor)
+            if known is not None:
+                return torch.tensor([known], dtype=tensor.dtype)
+            if tensor.dtype is torch.bool:
+                return torch.tensor([False, True])
+        return None
+
+    def item(self, tensor: Any) -> Any:
+        """What ``.item()`` of the fake ``tensor`` answers by its set: its one member; after a max (min) reduction its
+        largest (smallest) member; else the usual placeholder when it is a member, or the largest member. ``None``
+        when no set is known (the caller answers its placeholder)."""
+        found = getattr(tensor, _VALUES_ATTRIBUTE, None)
+        if found is None:
+            return None
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            members = torch.unique(found.values)
+            if members.numel() == 0:
+                return None
+            if members.numel() == 1 or found.pick == "min":
+                return members[0].item()
+            if found.pick == "max":
+                return members[-1].item()
+            placeholder = _placeholder(tensor)
+            return placeholder if bool((members == placeholder).any()) else members[-1].item()
+
+    # ------------------------------------------------------------------------------------------------ writing
+    def attach(self, tensor: Any, values: torch.Tensor | None, domain: object | None = None,
+               pick: str | None = None) -> None:
+        """Give the fake ``tensor`` the set ``values`` (a real 1-D tensor, cast to its dtype) of ``domain`` (a new
+        one when ``None``: untied to any other fake); ``values=None`` forgets what was known."""
+        if not is_fake(tensor):
+            return
+        if (values is None or is_fake(values) or tensor.is_floating_point() or tensor.is_complex()
+                or values.numel() > VALUE_SET_LIMIT):
+            if hasattr(tensor, _VALUES_ATTRIBUTE):
+                delattr(tensor, _VALUES_ATTRIBUTE)
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            values = values.reshape(-1).to(tensor.dtype)
+        setattr(tensor, _VALUES_ATTRIBUTE, _ValueSet(domain if domain is not None else object(), tuple(tensor.shape),
+                                                     values, pick))
+        self.count += 1
+
+    def attach_range(self, tensor: Any, size: int) -> None:
+        """Give the fake ``tensor`` the set ``0 .. size - 1`` (indices into a dim of ``size``), if small enough."""
+        if 0 < size <= VALUE_SET_LIMIT and is_fake(tensor):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                values = torch.arange(size)
+            self.attach(tensor, values)
+
+    def after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Record what set ``out`` (the result of ``func(*args, **kwargs)`` in a fake step) has."""
+        kind = self._kind_of(func)
+        if kind is None:
+            return
+        if kind == "mutates":
+            if self.count:
+                for value in args:
+                    if is_fake(value) and hasattr(value, _VALUES_ATTRIBUTE):
+                        delattr(value, _VALUES_ATTRIBUTE)
+            return
+        try:
+            if kind == "indices":
+                self._indices(func, args, kwargs, out)
+            elif kind == "reduction":
+                if self.count and args and is_fake(args[0]) and hasattr(args[0], _VALUES_ATTRIBUTE):
+                    self._reduction(func, args, out)
+            elif type(out) is not self._fake_type() or out.is_floating_point() or out.is_complex():
+                return
+            elif kind == "pointwise":
+                if self.count or any(is_fake(value) and value.dtype is torch.bool for value in args
+                                     if isinstance(value, torch.Tensor)):
+                    self._pointwise(func, args, kwargs or {}, out)
+            elif args and is_fake(args[0]) and (self.count or args[0].dtype is torch.bool):
+                self._follow(kind, args[0], out)
+        except Exception:  # noqa: BLE001 - an argument form not foreseen: nothing is known of the output
+            self.attach(out if isinstance(out, torch.Tensor) else None, None)
+
+    @staticmethod
+    def _fake_type() -> type:
+        return _fake_tensor_module().FakeTensor
+
+    def _indices(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        bound = _torch_compat.arguments(func, args, kwargs)
+        source = bound.get("self")
+        if not isinstance(source, torch.Tensor):
+            return
+        dim = bound.get("dim")
+        size = source.numel() if dim is None else (source.shape[dim] if source.dim() else 1)
+        position = self._INDEX_OPS[func._schema.name]
+        if position is None:
+            self.attach_range(out, size)
+            return
+        if isinstance(out, (tuple, list)) and len(out) > position:
+            self.attach_range(out[position], size)
+            if self.count and hasattr(source, _VALUES_ATTRIBUTE):  # sorted, top or extreme values: the input's
+                self.attach(out[0], self.members(source))
+
+    def _reduction(self, func: Any, args: Any, out: Any) -> None:
+        way = self._REDUCTIONS[func._schema.name]
+        target = out[0] if isinstance(out, (tuple, list)) else out
+        members = self.members(args[0])
+        if members is None or not is_fake(target):
+            return
+        if way in ("max", "min"):
+            self.attach(target, members, pick=way)
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            truthy = members.bool()
+            some, every = bool(truthy.any()), bool(truthy.all())
+        # what any (all) may answer: a group holds at least one element when the input holds one
+        if way == "any":
+            answers = [False] if not some else ([True] if every and args[0].numel() else [False, True])
+        else:
+            answers = [True] if every else ([False] if not some and args[0].numel() else [False, True])
+        with _disable_current_modes():
+            self.attach(target, torch.tensor(answers))
+
+    def _follow(self, kind: str, source: torch.Tensor, out: torch.Tensor) -> None:
+        """A copy (or cast) keeps its source's positions: the same domain; a view that moves no element (``detach``,
+        ``alias``, a view to the same shape and strides) too; another view: the source's set, untied."""
+        found = getattr(source, _VALUES_ATTRIBUTE, None)
+        if found is None:
+            if source.dtype is not torch.bool:
+                return
+            found = self._implicit(source)
+        same_places = tuple(out.shape) == tuple(source.shape) and (
+            kind == "copy" or (out.stride() == source.stride() and out.storage_offset() == source.storage_offset()))
+        if same_places:
+            self.attach(out, found.values, found.domain, found.pick)
+        else:
+            self.attach(out, self.members(source), pick=found.pick)
+
+    def _implicit(self, tensor: torch.Tensor) -> _ValueSet:
+        """A boolean fake's set, ``{False, True}``, given a domain of its own so what is made from it stays tied."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            self.attach(tensor, torch.tensor([False, True]))
+        return getattr(tensor, _VALUES_ATTRIBUTE)
+
+    def _pointwise(self, func: Any, args: Any, kwargs: dict, out: torch.Tensor) -> None:
+        """The op on the sets: each operand's values along an axis of its own (operands of one domain, shaped as the
+        output, share one), so the result holds every value the real op can give."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+            self.attach(out, None)
+            return
+        shape = tuple(out.shape)
+        axes: list[int] = []  # per axis: how many values run along it
+        domains: dict[object, int] = {}
+        # per argument: (its axis, its values along it), or (None, the argument itself: a number, a real 0-dim tensor)
+        places: list[tuple[int | None, Any]] = []
+        for value in args:
+            if not isinstance(value, torch.Tensor) or (not is_fake(value) and value.dim() == 0):
+                places.append((None, value))
+                continue
+            found = getattr(value, _VALUES_ATTRIBUTE, None) if is_fake(value) else None
+            if found is None and is_fake(value) and value.dtype is torch.bool and tuple(value.shape) == shape:
+                found = self._implicit(value)
+            if found is not None and found.shape == tuple(value.shape) == shape:
+                if found.domain not in domains:
+                    domains[found.domain] = len(axes)
+                    axes.append(found.values.numel())
+                places.append((domains[found.domain], found.values))
+                continue
+            members = self.members(value)
+            if members is None:
+                self.attach(out, None)
+                return
+            places.append((len(axes), members))
+            axes.append(members.numel())
+        combinations = 1
+        for length in axes:
+            combinations *= max(length, 1)
+        if not axes or combinations > VALUE_SET_LIMIT * 16:
+            self.attach(out, None)
+            return
+        with _disable_current_modes():
+            real_args = []
+            for axis, value in places:
+                if axis is None:
+                    real_args.append(value)
+                else:
+                    shaped = [1] * len(axes)
+                    shaped[axis] = -1
+                    real_args.append(value.reshape(shaped))
+            result = func(*real_args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            self.attach(out, None)
+        elif len(axes) == 1 and len(domains) == 1:  # one domain alone: the result stays tied to it
+            self.attach(out, result, next(iter(domains)))
+        else:
+            with _disable_current_modes():
+                self.attach(out, _unique_values(result))
+
+
+def _largest(members: torch.Tensor) -> int:
+    """The largest of the real ``members``, read below every dispatch mode (the fake mode would make it a fake)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return int(members.max())
+
+
+def _op_name(func: Any) -> str:
+    """``aten._unique2`` for ``aten._unique2.default``: the op as a note names it."""
+    return str(getattr(func, "overloadpacket", func))
+
+
+class DataDependentOps:
+    """Results for the ops whose output shape depends on their input's values (torch tags them
+    ``dynamic_output_shape``: ``unique`` and its kin, ``nonzero``, indexing by a boolean mask, ``masked_select``,
+    ``bincount``, ``repeat_interleave``), which FakeTensorMode refuses without symbolic shapes.
+
+    Every size is the real one where the values that decide it are real (:func:`keeps_real_values`: a mask or labels
+    from the loader; an op on real tensors alone runs for real, see :meth:`FakeStepOps.run_real`) or known
+    (:class:`ValueSets`: a mask of one known value). Otherwise it is the largest output the op can have, so the
+    memory counted is an upper bound of the real step's:
+
+    * ``unique`` (``_unique2``, ``_unique``): as many values as the input has elements, or as its set has members
+      if fewer (the argmax over 4 classes has at most 4 distinct values, as torchmetrics checks); the inverse and the
+      counts shaped accordingly (each only when asked for); ``unique_consecutive``: the element count;
+      ``unique_dim``: the size of that dim (inverse and counts always, as the CPU kernel gives them);
+    * ``nonzero``: ``(numel, ndim)`` indices; indexing by a boolean mask and ``masked_select``: every element selected;
+    * ``bincount``: the largest member plus one, at least ``minlength``; with no set but a ``minlength``, ``minlength``
+      bins: the values are *assumed* below it (class ids counted into ``num_classes`` bins by torchmetrics' confusion
+      matrices), which is not a bound;
+    * ``repeat_interleave`` of repeats: the element count times the largest repeat.
+
+    An op with no bound (a ``bincount`` of unknown values without ``minlength``) is left to FakeTensorMode, whose
+    error the estimate reports. ``sized`` counts the answers per op, for the estimate's note (:meth:`note`).
+    """
+
+    _HANDLERS = {"aten._unique2.default": "_unique", "aten._unique.default": "_unique",
+                 "aten.unique_dim.default": "_unique", "aten.unique_consecutive.default": "_unique",
+                 "aten.nonzero.default": "_nonzero", "aten.index.Tensor": "_index",
+                 "aten.masked_select.default": "_masked_select", "aten.bincount.default": "_bincount",
+                 "aten.repeat_interleave.Tensor": "_repeat_interleave"}
+
+    def __init__(self, values: ValueSets | None = None) -> None:
+        self.values = values if values is not None else ValueSets()
+        self._handler: dict[Any, Any] = {}
+        self._tagged: dict[Any, bool] = {}
+        #: per way an output was sized ("bound", "assumed", "exact", "real"): op name -> answers
+        self.sized: dict[str, Counter] = {way: Counter() for way in ("bound", "assumed", "exact", "real")}
+
+    def is_data_dependent(self, func: Any) -> bool:
+        """Whether torch tags ``func`` as having a data-dependent output shape."""
+        tagged = self._tagged.get(func)
+        if tagged is None:
+            tagged = self._tagged[func] = torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
+        return tagged
+
+    def ran_real(self, func: Any) -> None:
+        """Record that ``func`` ran on real tensors (:meth:`FakeStepOps.run_real`), if it is data-dependent."""
+        if self.is_data_dependent(func):
+            self.sized["real"][_op_name(func)] += 1
+
+    def answer(self, func: Any, args: Any, kwargs: Any = None) -> Any:
+        """The result of the data-dependent ``func(*args, **kwargs)`` on fakes, else :data:`NOT_ANSWERED`."""
+        handler = self._handler.get(func, _UNKNOWN)
+        if handler is _UNKNOWN:
+            name = self._HANDLERS.get(str(func))
+            handler = self._handler[func] = getattr(self, name) if name is not None else None
+        if handler is None:
+            return NOT_ANSWERED
+        return handler(func, _torch_compat.arguments(func, args, kwargs))
+
+    def note(self) -> str | None:
+        """One line for the estimate's notes: which ops were sized how, ``None`` when none ran."""
+        def listing(counts: Counter) -> str:
+            return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
+
+        parts = []
+        if self.sized["bound"]:
+            parts.append(f"{listing(self.sized['bound'])} on fakes sized at their largest output (an upper bound)")
+        if self.sized["assumed"]:
+            parts.append(f"{listing(self.sized['assumed'])} on fakes sized at their minlength "
+                         "(values assumed below it)")
+        if self.sized["exact"]:
+            parts.append(f"{listing(self.sized['exact'])} on fakes sized exactly (by a real mask or known values)")
+        if self.sized["real"]:
+            parts.append(f"{listing(self.sized['real'])} ran on real values")
+        return "data-dependent ops: " + "; ".join(parts) if parts else None
+
+    def _sized(self, func: Any, way: str) -> None:
+        self.sized[way][_op_name(func)] += 1
+
+    @staticmethod
+    def _empty(shape: Any, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+        """A new tensor (a fake, made through the fake mode below) of ``shape`` on ``like``'s device."""
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+    def _unique(self, func: Any, a: dict) -> Any:
+        source = a["self"]
+        name = str(func)
+        dim = a.get("dim")
+        if dim is not None and source.dim() == 0:
+            return NOT_ANSWERED
+        members = self.values.members(source)  # a real tensor here is one too large to keep real: its elements bound it
+        single = members is not None and members.numel() == 1
+        if dim is None:
+            count = source.numel()
+            if single or (members is not None and "consecutive" not in name):  # consecutive runs may repeat a value
+                count = min(count, members.numel())
+            exact = count == 0 or single
+            values = self._empty((count,), source.dtype, source)
+            inverse = self._empty(tuple(source.shape) if a.get("return_inverse") else (0,), torch.int64, source)
+            counts = self._empty((count,) if a.get("return_counts") else (0,), torch.int64, source)
+        else:
+            dim = dim % source.dim()
+            size = source.shape[dim]
+            count = min(size, 1) if single else size
+            exact = count == 0 or single
+            shape = list(source.shape)
+            shape[dim] = count
+            values = self._empty(tuple(shape), source.dtype, source)
+            inverse = self._empty((size,), torch.int64, source)  # the CPU kernel gives both, asked for or not
+            counts = self._empty((count,), torch.int64, source)
+        self.values.attach(values, members)
+        self.values.attach_range(inverse, count)
+        self._sized(func, "exact" if exact else "bound")
+        return (values, inverse) if name == "aten._unique.default" else (values, inverse, counts)
+
+    def _nonzero(self, func: Any, a: dict) -> Any:
+        source = a["self"]
+        members = self.values.members(source)
+        count, way = source.numel(), "bound"
+        if members is not None:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                zero = members == 0
+                if bool(zero.all()):
+                    count, way = 0, "exact"
+                elif not bool(zero.any()):
+                    way = "exact"
+        if count == 0:
+            way = "exact"
+        self._sized(func, way)
+        return self._empty((count, source.dim()), torch.int64, source)
+
+    def _selected(self, mask: torch.Tensor, shape: tuple) -> tuple[int, str]:
+        """How many elements the boolean ``mask`` broadcast to ``shape`` selects: counted on a real mask, the count
+        of ``shape`` (or 0) for a fake whose set is all true (all false), else the count of ``shape``, a bound."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        total = math.prod(shape)
+        if not is_fake(mask):
+            with _disable_current_modes():
+                return int(mask.expand(shape).count_nonzero()), "exact"
+        members = self.values.members(mask)
+        if members is not None:
+            with _disable_current_modes():
+                if not bool(members.bool().any()):
+                    return 0, "exact"
+                if bool(members.bool().all()):
+                    return total, "exact"
+        return total, ("exact" if total == 0 else "bound")
+
+    def _index(self, func: Any, a: dict) -> Any:
+        source, indices = a["self"], list(a["indices"])
+        masks = [index for index in indices
+                 if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)]
+        if not masks or any(mask.dim() == 0 for mask in masks):  # x[True] adds a dim: left to the fake mode
+            return NOT_ANSWERED
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        way = "exact"
+        replaced: list[Any] = []
+        for index in indices:
+            if not (isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)):
+                replaced.append(index)
+            elif not is_fake(index):  # a real mask: its real positions (as the kernel expands it, see IndexingUtils.h)
+                with _disable_current_modes():
+                    replaced.extend(index.nonzero().unbind(1))
+            else:  # a fake mask: as many positions as it selects at most, one index tensor per dim it covers
+                count, how = self._selected(index, tuple(index.shape))
+                way = "bound" if how == "bound" else way
+                replaced.extend(self._empty((count,), torch.int64, index) for _ in range(max(index.dim(), 1)))
+        out = func(source, replaced)
+        self.values.attach(out, self.values.members(source) if is_fake(source) and hasattr(source, _VALUES_ATTRIBUTE)
+                           else None)
+        self._sized(func, way)
+        return out
+
+    def _masked_select(self, func: Any, a: dict) -> Any:
+        source, mask = a["self"], a["mask"]
+        count, way = self._selected(mask, tuple(torch.broadcast_shapes(source.shape, mask.shape)))
+        out = self._empty((count,), source.dtype, source if is_fake(source) else mask)
+        if is_fake(source) and hasattr(source, _VALUES_ATTRIBUTE):
+            self.values.attach(out, self.values.members(source))
+        self._sized(func, way)
+        return out
+
+    def _bincount(self, func: Any, a: dict) -> Any:
+        source, weights, minlength = a["self"], a.get("weights"), int(a.get("minlength") or 0)
+        members = self.values.members(source)
+        if members is not None:
+            length = max(minlength, _largest(members) + 1) if source.numel() and members.numel() else minlength
+            way = "exact" if not is_fake(source) or members.numel() == 1 else "bound"
+        elif minlength > 0:
+            length, way = minlength, "assumed"
+        else:
+            return NOT_ANSWERED
+        if weights is None:
+            dtype = torch.int64
+        else:  # a real bincount sums float32/float64 weights in their dtype, any other dtype in float64
+            dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
+        self._sized(func, way)
+        return self._empty((length,), dtype, source if is_fake(source) else weights)
+
+    def _repeat_interleave(self, func: Any, a: dict) -> Any:
+        repeats = a["repeats"]
+        if a.get("output_size") is not None or not is_fake(repeats):
+            return NOT_ANSWERED
+        members = self.values.members(repeats)
+        if members is None:
+            return NOT_ANSWERED
+        length = repeats.numel() * max(_largest(members), 0) if members.numel() else 0
+        self._sized(func, "exact" if members.numel() == 1 else "bound")
+        out = self._empty((length,), repeats.dtype, repeats)
+        self.values.attach_range(out, repeats.numel())
+        return out
+
+
 class FakeStepOps:
     """:class:`ScalarPlaceholders` and :class:`LossBuffers` as two plain calls, for a dispatch mode that
     already sees every op of a fake step (the estimate's accountant), so the step has one Python mode
@@ -358,15 +903,16 @@ class FakeStepOps:
     look at every tensor of their lists (its cache key); their argument checks are what is given up.
     And it answers view ops on a fake, ``detach`` included (see :func:`fake_view`): half of a fake
     step's ops (autograd's saved-tensor handles and gradient accumulation detach; ``t``, ``view``,
-    ``transpose`` around every matmul).
-    Use inside :meth:`FakeSession.fake_mode_only`::
+    ``transpose`` around every matmul). :meth:`run` runs the rest: on real values where its inputs keep them,
+    sized by :class:`DataDependentOps` where the output shape depends on values, else by the kernels below.
+    Use inside :meth:`FakeSession.fake_mode_only` (or as :class:`FakeStepMode`)::
 
         ops = FakeStepOps()
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             answer = ops.answer(func, args, kwargs)
             if answer is not NOT_ANSWERED:
                 return answer
-            return ops.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+            return ops.run(func, args, kwargs)
     """
 
     def __init__(self) -> None:
@@ -378,6 +924,8 @@ class FakeStepOps:
         self._returns_nothing_in_place: dict[Any, bool] = {}  # per op: an in-place _foreach_ op without outputs
         self.loss_ops = losses_keeping_their_buffer()
         self.known = KnownValues()
+        self.values = ValueSets()
+        self.data_dependent = DataDependentOps(self.values)
 
     def answer(self, func: Any, args: Any, kwargs: Any = None) -> Any:
         """The result of ``func(*args, **kwargs)`` when it needs no kernel (a fake tensor's device, a fake
@@ -388,6 +936,8 @@ class FakeStepOps:
             if not isinstance(args[0], self._fake_type):
                 return NOT_ANSWERED
             known = known_value(args[0])
+            if known is None:
+                known = self.values.item(args[0])  # a class id from its set: validation code then passes as on data
             return _placeholder(args[0]) if known is None else known
         is_view = self._is_view.get(func)
         if is_view is None:
@@ -396,6 +946,8 @@ class FakeStepOps:
             out = fake_view(func, args, kwargs, self._fake_type)
             if self.known.count and out is not NOT_ANSWERED:
                 self.known.after(func, args, kwargs, out)
+            if self.values.count and out is not NOT_ANSWERED:
+                self.values.after(func, args, kwargs, out)
             return out
         in_place = self._returns_nothing_in_place.get(func)
         if in_place is None:
@@ -421,6 +973,7 @@ class FakeStepOps:
         statistics in the dtype the real kernel gives them, see :func:`norm_statistics_dtypes`; a small integer
         or boolean tensor made from nothing, e.g. ``torch.arange(length)``, real as in :meth:`run_real`)."""
         self.known.after(func, args, kwargs, out)
+        self.values.after(func, args, kwargs, out)
         if func in self.loss_ops:
             return _with_loss_buffer(args, kwargs, out)
         if isinstance(out, tuple) and _norm_kind(func) is not None:
@@ -446,7 +999,38 @@ class FakeStepOps:
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+        if not factory:
+            self.data_dependent.ran_real(func)
+        return out
+
+    def run(self, func: Any, args: Any, kwargs: Any = None) -> Any:
+        """``func(*args, **kwargs)`` in a fake step, for an op :meth:`answer` left: for real on real values
+        (:meth:`run_real`), sized by :class:`DataDependentOps` when its output shape depends on values, else by the
+        kernels below (the fake mode), its result :meth:`adjust`-ed."""
+        out = self.run_real(func, args, kwargs)
+        if out is NOT_ANSWERED:
+            out = self.data_dependent.answer(func, args, kwargs)
+        if out is NOT_ANSWERED:
+            out = self.adjust(func, args, kwargs, func(*args, **(kwargs or {})))
+        return out
+
+
+class FakeStepMode(TorchDispatchMode):
+    """:class:`FakeStepOps` as a dispatch mode of its own, for a fake step's code that runs outside the estimate's
+    accountant (a checkpoint budget's measuring forward): the same answers (real values, placeholder scalars, sized
+    data-dependent ops, kept loss buffers) as the step itself gets. Enter it inside
+    :meth:`FakeSession.fake_mode_only`."""
+
+    def __init__(self, ops: FakeStepOps | None = None) -> None:
+        super().__init__()
+        self.ops = ops if ops is not None else FakeStepOps()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        answer = self.ops.answer(func, args, kwargs)
+        if answer is not NOT_ANSWERED:
+            return answer
+        return self.ops.run(func, args, kwargs)
 
 
 #: aten norm ops whose saved statistics (mean, rstd / invstd) may be float32 on a reduced-precision input
