@@ -95,10 +95,16 @@ def train_loader(trainer: Any) -> Any:
 
 def use_train_loader(trainer: Any, loader: Any) -> None:
     """Make the fit loop's next run iterate ``loader`` in place of its (first) train dataloader, through
-    ``CombinedLoader.flattened`` (public) on ``fit_loop._combined_loader`` (private). Call after
-    :func:`reload_train_dataloader`; the next reload puts the module's own loader back."""
-    combined = trainer.fit_loop._combined_loader
+    ``CombinedLoader.flattened`` (public) on ``fit_loop._combined_loader`` (private), and the data fetcher's iterator
+    (``fit_loop._data_fetcher``, private) made anew over it. Call after :func:`reload_train_dataloader`; the next
+    reload puts the module's own loader back."""
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
     combined.flattened = [loader, *combined.flattened[1:]]
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if fetcher is not None:  # setup_data made its iterator over the old loader already: make it anew
+        fetcher.setup(combined)
+        iter(fetcher)
 
 
 def train_dataset_length(trainer: Any) -> int | None:

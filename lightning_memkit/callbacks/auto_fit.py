@@ -6,6 +6,7 @@ each knob (ActivationCheckpointing, ActivationOffload) and by the batch-size set
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
+from lightning_memkit.search.batch_guard import BatchGuard
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["AutoFit"]
@@ -105,6 +107,7 @@ class AutoFit(Callback):
         self.plan: Any = None
         self.applied: dict[str, Any] | None = None
         self._added: list[Callback] = []
+        self._guard: BatchGuard | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -153,6 +156,8 @@ class AutoFit(Callback):
         plan = self.plan
         if self.verbose and trainer.is_global_zero:
             print(plan.table(), flush=True)
+        if plan.proved_micro_batch is not None and (plan.fits_as_is or self._choose_quietly(trainer, plan)):
+            self._guard = BatchGuard(plan.proved_micro_batch)  # a larger training batch than the trial's is reported
         if plan.fits_as_is:
             self.applied = {"micro_batch": size, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
                             "checkpoint": None, "offload": False, "precision": str(trainer.precision)}
@@ -190,6 +195,18 @@ class AutoFit(Callback):
 
             return dataclasses.replace(best, precision=precision)
         return max(ran, key=lambda row: row.measured_samples_per_s).candidate
+
+    @staticmethod
+    def _choose_quietly(trainer: Trainer, plan: Any) -> bool:
+        """Whether the fit will train the plan's best as its trial ran it (same precision)."""
+        return plan.best is not None and plan.best.precision == str(trainer.precision)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._guard is not None:
+            message = self._guard.check(batch, trainer.global_step)
+            if message is not None:  # every rank checks its own batch
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _apply(self, trainer: Trainer, pl_module: LightningModule, applied: dict[str, Any]) -> None:
         _setattr(pl_module, "batch_size", applied["micro_batch"])

@@ -241,8 +241,10 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
     best_order: list[int] = []
     best_batch, best_bytes = None, -1
     tried: set[tuple[int, ...]] = set()
-    for key in keys:
-        order = sorted(candidates, key=lambda index: (-key(index), index))
+    orders = [sorted(candidates, key=lambda index: (-key(index), index)) for key in keys]
+    if len(orders) > 2:  # two or more dimensions vary: the largest of each together, with and without the total's
+        orders += [_round_robin(orders[1:]), _round_robin(orders)]
+    for order in orders:
         top = tuple(order[:batch_size])
         if top in tried:
             continue
@@ -253,6 +255,16 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
             best_order, best_batch, best_bytes = order, batch, nbytes
     return WorstBatch(best_batch, min(batch_size, total), source, sized, total, time.perf_counter() - started,
                       best_bytes, _order=best_order, _make=make)
+
+
+def _round_robin(orders: list[list[int]]) -> list[int]:
+    """The largest by each ranking in turn: one batch then holds the tallest and the widest image at once, which a
+    collate that pads to both makes larger than any ranking alone."""
+    merged: dict[int, None] = {}
+    for rank in range(len(orders[0])):
+        for order in orders:
+            merged.setdefault(order[rank], None)
+    return list(merged)
 
 
 def _named_sizes(dataset: Any, size_of: Any, total: int) -> Sequence[float]:

@@ -36,7 +36,9 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_memkit.estimate.batches import rebatch
 from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
+from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.plan.checkpoint_cost import measure_checkpoint_overheads
 from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, roofline_for
 from lightning_memkit.summary_table import format_table
@@ -149,8 +151,11 @@ class Plan:
         effective_batch: the user's samples per optimizer step (every candidate keeps it).
         trials: how many real trials ran (at most :data:`MAX_TRIALS`).
         device: ``"cpu"`` or ``"cuda"``.
-        notes: what the reader should know (no GPU here, calibration, failed trials).
+        notes: what the reader should know (which batch it used, no GPU here, calibration, failed trials).
         seconds: wall time of the plan, seconds.
+        batch_shapes: the shapes of the data's worst batch every estimate and trial was cut from.
+        proved_micro_batch: the micro-batch the best candidate's trial ran (its bytes and shapes), which AutoFit's
+            guard holds training batches to; ``None`` without a best.
     """
 
     rows: list[PlanRow]
@@ -162,6 +167,8 @@ class Plan:
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    batch_shapes: str = ""
+    proved_micro_batch: ProvedBatch | None = None
 
     @property
     def best_row(self) -> PlanRow | None:
@@ -452,6 +459,13 @@ def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps:
         del trainer, data
 
 
+def _proved(batch: Any, best: Candidate | None) -> ProvedBatch | None:
+    """The micro-batch ``best``'s trial ran: ``batch`` cut to its micro-batch size."""
+    if best is None:
+        return None
+    return ProvedBatch.of(rebatch(batch, best.micro_batch), f"the plan's trial of {best.describe()}")
+
+
 def _copy_of(module: Any) -> Any:
     attached = getattr(module, "_trainer", None)
     copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
@@ -678,12 +692,15 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     device_type = _device_type(device, gpu)
     budget = _budget_bytes(device_memory, device_type, gpu)
 
-    from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, sample_batch_and_length
+    from lightning_memkit.estimate.batches import NoBatchError, batch_size_of
+    from lightning_memkit.estimate.worst_batch import worst_batch_and_length
 
     try:
-        batch, _ = sample_batch_and_length(module, datamodule)
+        # every estimate and trial runs on the data's worst batch, so what the plan proves holds for the run
+        worst, _ = worst_batch_and_length(module, datamodule)
     except NoBatchError as error:
         raise PlanError(str(error)) from None
+    batch = worst.batch
     effective = batch_size if batch_size is not None else batch_size_of(batch)
     if effective is None or isinstance(effective, bool) or not isinstance(effective, int) or effective < 1:
         raise PlanError(f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)")
@@ -841,15 +858,30 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
         rows = _ranked(rows)
         if best is None and can_run:
-            notes.append("no candidate fit in a real trial: give more memory, or allow more modes (bf16, checkpoint)")
+            notes.append(_no_best_note(rows))
+    notes.insert(0, f"batch: {worst.describe()}; micro-batches are its largest samples")
     plan = Plan(rows, best.candidate if best is not None else None, fits_as_is, budget, effective, trials_run, device_type,
-                notes, time.perf_counter() - started)
+                notes, time.perf_counter() - started, batch_shapes=worst.shapes(),
+                proved_micro_batch=_proved(batch, best.candidate if best is not None else None))
     if fits_as_is:
         say(f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change")
     elif best is not None:
         say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
             f"{trials_run} trials)")
     return plan
+
+
+def _no_best_note(rows: list[PlanRow]) -> str:
+    """Why no candidate was chosen: every estimate failed (and why; then no trial ran), or none fit in a real trial."""
+    failed = [row for row in rows if row.predicted_peak_bytes is None]
+    if failed and len(failed) == len(rows):  # nothing was predicted, so nothing was tried: memory is not the answer
+        reason = failed[0].note.removeprefix("not estimated: ")
+        if not reason.endswith(".") and ". " in reason:  # a note cut short: up to its last whole sentence
+            reason = reason[:reason.rindex(". ") + 1]
+        reason = reason if reason.endswith(".") else reason + "."
+        return (f"the estimate failed for every candidate, so no trial ran (more memory would not help): {reason} "
+                "memkit estimate shows the whole error")
+    return "no candidate fit in a real trial: give more memory, or allow more modes (bf16, checkpoint)"
 
 
 def _signature(row: PlanRow) -> tuple:
