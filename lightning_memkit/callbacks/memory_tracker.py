@@ -10,12 +10,14 @@ import collections
 import gc
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any, Literal, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
@@ -82,8 +84,8 @@ class MemoryTracker(Callback):
 
     ``tensor_MiB`` / ``peak_tensor_MiB`` count every live tensor storage of the process on the
     measured device, whoever made it (a callback, the steps between measured ones, set-up), as
-    CUDA's ``allocated`` does; ``peak_tensor_MiB`` appears on the steps the accountant measured
-    (``tensor_peak_every_n_steps``).
+    CUDA's ``allocated`` does; ``peak_tensor_MiB`` appears on the steps the accountant measured (the
+    sampled steps: ``tensor_peak_every_n_steps``, and each step whose batch is the largest yet).
 
     Where the readings go: into Lightning's own ``log_metrics`` call for the same step (the one
     that writes your ``self.log`` metrics and ``epoch``), so a CSV row holds both; validation
@@ -107,7 +109,13 @@ class MemoryTracker(Callback):
             it) and, with ``every_n_steps=1``, on the first two steps Lightning logs, then on at
             most one step in this many (default 10), only on steps whose readings
             the loggers will get: with ``every_n_steps=1``, steps Lightning writes
-            (``log_every_n_steps``); else every n-th measured step. 1 = every such step. The
+            (``log_every_n_steps``); else every n-th measured step. 1 = every such step.
+            Besides these, a measured step whose batch is larger, in bytes of its tensors, than
+            every batch of the measured steps before it in this fit gets the peak too, logged by
+            Lightning or not, so the run peak is the longest padded batch's step (batches that
+            change shape); with gradient accumulation a larger later micro-batch switches the
+            accountant on for the rest of its optimizer step. A step whose peak is higher for
+            another reason than its batch's bytes can still be missed. The
             summary says on how many training steps the peak was read.
             ``tensor_MiB`` (live bytes at step end) is read every measured step at a cost of
             tens of microseconds. Validation runs always get their peak. See docs/memory_tracker.md.
@@ -230,6 +238,12 @@ class MemoryTracker(Callback):
         self._last_peak_step: int | None = None
         self._peak_steps_taken = 0
         self._logged_peak_steps = 0  # peaked steps whose readings the loggers got (every_n_steps=1)
+        # the largest batch (bytes of its tensors) of the measured steps so far in this fit: a larger one gets the peak
+        self._largest_batch_bytes: int | None = None
+        # whether the open training window reads the accountant's peak, and whether it was switched on at a
+        # later micro-batch of the window (then this callback, not the meter, activates it at each micro-batch)
+        self._window_peaked = False
+        self._peaked_from_micro_batch = False
         # a reading waiting for Lightning's own log_metrics call at its step: (step, metrics, loggers still to get it)
         self._pending: tuple[int, dict[str, float], list, str] | None = None
         self._wrapped_loggers: list[tuple[Any, Any]] = []
@@ -258,6 +272,8 @@ class MemoryTracker(Callback):
         self._last_peak_step = None
         self._peak_steps_taken = 0
         self._logged_peak_steps = 0
+        self._largest_batch_bytes = None  # "larger than every batch before" is per fit
+        self._window_peaked = self._peaked_from_micro_batch = False
         self._pending = None
         self._wrap_loggers(trainer)
         device = trainer.strategy.root_device
@@ -308,12 +324,42 @@ class MemoryTracker(Callback):
                 return
             peak = self._peak_this_step(trainer, step)
             if peak:
+                # the every-n schedule counts only its own steps: a step peaked for its batch does not move it
                 self._last_peak_step = step
                 self._peak_steps_taken += 1
                 every = trainer.log_every_n_steps if trainer.loggers else 0
                 self._logged_peak_steps += bool(every) and (step + 1) % every == 0
-            meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
-        meter.resume(_gradients(pl_module))
+            # a batch larger than any before is where the run peak most likely is: its step pays the accountant
+            # too, logged by Lightning or not (the run summary reads every measured step)
+            larger = self._largest_batch_yet(meter, batch)
+            self._window_peaked = peak or larger
+            self._peaked_from_micro_batch = False
+            meter.open(step, "train", trainer.global_rank, tensor_peak=self._window_peaked)
+        elif self._largest_batch_yet(meter, batch) and not self._window_peaked:
+            # gradient accumulation: a later micro-batch of an optimizer step that read no peak is the largest
+            # batch yet. The accountant is switched on from here to the window's close, after a sweep (a window
+            # opened without the peak did not sweep; this micro-batch's tensors were made since): the step's
+            # peak is then exact from this micro-batch on, the earlier micro-batches' part of it not counted
+            # op by op.
+            self._window_peaked = self._peaked_from_micro_batch = True
+            meter.tensor_probe.sweep()
+        if self._peaked_from_micro_batch:
+            # the meter opened this window without the peak, so its resume() would only adopt the gradients
+            meter.tensor_probe.start(_gradients(pl_module))
+        else:
+            meter.resume(_gradients(pl_module))
+
+    def _largest_batch_yet(self, meter: MemoryMeter, batch: Any) -> bool:
+        """Whether ``batch`` (a measured step's batch or micro-batch) is larger, in bytes of its tensors, than every
+        one measured before in this fit; it becomes the one to beat. Only where the accountant measures: CUDA's peak
+        is read every step anyway."""
+        if meter.tensor_probe is None:
+            return False
+        size = _batch_bytes(batch)
+        if self._largest_batch_bytes is not None and size <= self._largest_batch_bytes:
+            return False
+        self._largest_batch_bytes = size
+        return True
 
     def _peak_this_step(self, trainer: Trainer, step: int) -> bool:
         """Whether the accountant runs during this step (see ``tensor_peak_every_n_steps``)."""
@@ -341,6 +387,7 @@ class MemoryTracker(Callback):
             return
         meter.pause()
         if optimizer_steps_after_batch(trainer):
+            self._window_peaked = self._peaked_from_micro_batch = False
             self._log(trainer, meter.close(), pl_module)
 
     # ------------------------------------------------------------------ validation runs
@@ -700,6 +747,22 @@ class MemoryTracker(Callback):
 
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors in ``batch`` (each leaf's ``nbytes``: elements times element size), walked with torch's
+    pytree (lists, tuples, dicts, namedtuples, registered classes) and into any other mapping it leaves whole
+    (Hugging Face's ``BatchEncoding`` is a ``UserDict``). A tensor without ``nbytes`` (a nested tensor) counts 0."""
+    total = 0
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor):
+            try:
+                total += int(leaf.nbytes)
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+        elif isinstance(leaf, Mapping):
+            total += _batch_bytes(dict(leaf))  # a plain dict: pytree walks it
+    return total
 
 
 def _gradients(pl_module: LightningModule) -> list[torch.Tensor]:
