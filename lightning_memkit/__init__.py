@@ -16,6 +16,7 @@ from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.doctor import CreationRecorder, DoctorReport, DoctorSession, LeakWatcher
 from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.estimate import DistributedEstimate, estimate_distributed_memory, model_state_bytes
+from lightning_memkit.estimate.worst_batch import WorstBatch, find_worst_batch
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory
@@ -63,6 +64,8 @@ __all__ = [
     "estimate_memory",
     "measure_training_step",
     "predict_max_batch_size",
+    "find_worst_batch",
+    "WorstBatch",
     "estimate_distributed_memory",
     "model_state_bytes",
     "DistributedEstimate",

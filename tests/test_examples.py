@@ -417,3 +417,26 @@ def test_estimate_and_search(runner, tmp_path):
     assert all(outcome == "out of memory" for size, outcome in trials if size > batch)
     assert f"trained 2 steps with batch size {batch}" in output
     assert os.listdir(tmp_path) == []  # no logger, no checkpoint, the search's trials leave nothing
+
+
+def test_worst_batch(runner, tmp_path):
+    output = run_example(runner, "worst_batch.py", ["--steps", "12"], tmp_path)
+    found = dict(re.findall(r"^(padded text|bucketed text|images of varying size): (.*)$", output, flags=re.M))
+    assert set(found) == {"padded text", "bucketed text", "images of varying size"}, output[-3000:]
+    # the padded batch is the longest sample's length: the data's lengths are seeded, so this is computable here
+    from lightning_memkit.zoo_variable import PaddedTextDataModule, VaryingImageDataModule
+
+    longest = max(PaddedTextDataModule().train_set.lengths)
+    side = max(VaryingImageDataModule().train_set.sides)
+    assert found["padded text"].startswith(f"input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): "
+                                           f"the worst batch of all 512 samples ({16 * longest * 16 + 16 * 8} bytes")
+    assert "custom batch sampler BucketBatchSampler" in found["bucketed text"]
+    assert found["images of varying size"].startswith(f"batch[0] (8, 3, {side}, {side})")
+    estimate = re.search(r"^estimate: peak (\d+) bytes on input_ids \(16, (\d+)\)", output, flags=re.M)
+    assert estimate and int(estimate.group(2)) == longest, output[-3000:]
+    predicted = re.search(r"^max batch (\d+) \(baseline\).*\nbatch: input_ids \((\d+), (\d+)\)", output, flags=re.M)
+    assert predicted and predicted.group(1) == predicted.group(2) and int(predicted.group(3)) == longest
+    assert "each trial trained on the worst batch of all 512 samples at its size" in output
+    trained = re.search(r"^trained 12 steps with batch size (\d+)$", output, flags=re.M)
+    assert trained and re.search(rf"^batch {trained.group(1)}: input_ids \({trained.group(1)}, {longest}\)", output,
+                                 flags=re.M), output[-3000:]
