@@ -11,7 +11,7 @@ import tempfile
 
 import lightning.pytorch as pl
 
-from lightning_memkit import MaxBatchSize, estimate_memory, find_worst_batch, predict_max_batch_size
+from lightning_memkit import MaxBatchSize, WorstBatch, estimate_memory, find_worst_batch, predict_max_batch_size
 from lightning_memkit.zoo_variable import PaddedTextClassifier, PaddedTextDataModule, VaryingImageDataModule
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     for name, data in (("padded text", PaddedTextDataModule(batch_size=16)),
                        ("bucketed text", PaddedTextDataModule(batch_size=16, bucketed=True)),
                        ("images of varying size", VaryingImageDataModule(batch_size=8))):
-        worst = find_worst_batch(data.train_dataloader())
+        worst: WorstBatch = find_worst_batch(data.train_dataloader())
         print(f"{name}: {worst.describe()} ({worst.nbytes} bytes, found in {worst.seconds:.2f}s)")
 
     # 2. the estimate and the prediction use it, and say so

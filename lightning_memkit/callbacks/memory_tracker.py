@@ -10,14 +10,12 @@ import collections
 import gc
 import os
 import weakref
-from collections.abc import Mapping
 from typing import Any, Literal, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step, optimizer_steps_after_batch
@@ -26,6 +24,7 @@ from lightning_memkit.callbacks._files import logging_loggers, run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.leaks import LeakReport, LeakWatcher
+from lightning_memkit.estimate.worst_batch import batch_nbytes
 from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory, write_oom_report
 from lightning_memkit.probes.base import MemoryProbe
@@ -355,7 +354,7 @@ class MemoryTracker(Callback):
         is read every step anyway."""
         if meter.tensor_probe is None:
             return False
-        size = _batch_bytes(batch)
+        size = batch_nbytes(batch)
         if self._largest_batch_bytes is not None and size <= self._largest_batch_bytes:
             return False
         self._largest_batch_bytes = size
@@ -747,22 +746,6 @@ class MemoryTracker(Callback):
 
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
-
-
-def _batch_bytes(batch: Any) -> int:
-    """Bytes of the tensors in ``batch`` (each leaf's ``nbytes``: elements times element size), walked with torch's
-    pytree (lists, tuples, dicts, namedtuples, registered classes) and into any other mapping it leaves whole
-    (Hugging Face's ``BatchEncoding`` is a ``UserDict``). A tensor without ``nbytes`` (a nested tensor) counts 0."""
-    total = 0
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor):
-            try:
-                total += int(leaf.nbytes)
-            except (RuntimeError, NotImplementedError, TypeError):
-                pass
-        elif isinstance(leaf, Mapping):
-            total += _batch_bytes(dict(leaf))  # a plain dict: pytree walks it
-    return total
 
 
 def _gradients(pl_module: LightningModule) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from lightning_memkit.estimate.batches import NoBatchError, _train_loader, batch_size_of, preserved_rng
 from lightning_memkit.units import format_bytes
 
-__all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes", "batch_nbytes", "MAX_SIZED_SAMPLES",
+__all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes", "batch_nbytes",
+           "batch_tensors", "MAX_SIZED_SAMPLES",
            "SCAN_SECONDS", "SAMPLED_COUNT"]
 
 #: The most samples sized one by one; a larger dataset is sized on a fixed random subset of this many.
@@ -118,20 +120,36 @@ def _leaf_size(leaf: Any) -> int:
     return 0
 
 
+def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``batch`` with their place in it (``input_ids``, ``batch[0]``), walked with torch's pytree
+    (lists, tuples, dicts, namedtuples, registered classes) and into any other mapping it leaves whole (Hugging
+    Face's ``BatchEncoding`` is a ``UserDict``)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for path, leaf in tree_flatten_with_path(batch)[0]:
+        name = keystr(path).replace("['", ".").replace("']", "").lstrip(".")
+        name = ("batch" + name) if name.startswith("[") else name
+        if isinstance(leaf, torch.Tensor):
+            found.append((name or "batch", leaf))
+        elif isinstance(leaf, Mapping):
+            found += [(f"{name}.{inner}" if name else inner, tensor) for inner, tensor in batch_tensors(dict(leaf))]
+    return found
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.nbytes)
+    except (RuntimeError, NotImplementedError, TypeError):  # a nested tensor has none: it counts 0
+        return 0
+
+
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of every tensor in ``batch`` (``numel * element_size``, a view counted as its own elements)."""
-    return sum(leaf.numel() * leaf.element_size() for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor))
+    """Bytes of every tensor in ``batch`` (``numel * element_size``; see :func:`batch_tensors` for the walk)."""
+    return sum(_nbytes(tensor) for _, tensor in batch_tensors(batch))
 
 
 def batch_shapes(batch: Any) -> str:
     """The tensors of ``batch`` named by their place in it and their shape: ``input_ids (16, 256), labels (16,)``."""
-    parts = []
-    for path, leaf in tree_flatten_with_path(batch)[0]:
-        if isinstance(leaf, torch.Tensor):
-            name = keystr(path).replace("['", ".").replace("']", "").lstrip(".")
-            name = ("batch" + name) if name.startswith("[") or not name else name
-            parts.append(f"{name} {tuple(leaf.shape)}")
-    return ", ".join(parts) or "no tensors"
+    return ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in batch_tensors(batch)) or "no tensors"
 
 
 def _seeded() -> None:
@@ -148,6 +166,7 @@ def _seeded() -> None:
 def _signature(sample: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """A sample's total size and the shape of each of its tensor (or array) leaves."""
     leaves = tree_flatten(sample)[0]
+    leaves = [inner for leaf in leaves for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])]
     shapes = tuple(tuple(leaf.shape) for leaf in leaves if hasattr(leaf, "shape"))
     return sum(_leaf_size(leaf) for leaf in leaves), shapes
 
