@@ -222,3 +222,31 @@ def test_a_training_batch_larger_than_the_proved_one_is_reported_once_with_its_s
     assert len(reports) == 1, reports
     assert reports[0].startswith("memkit: the batch of step 0 (input_ids (8, ")
     assert f"than the largest batch MaxBatchSize's trial at batch size 8 proved (input_ids (8, {longest})" in reports[0]
+
+
+class _StreamedText(PaddedText):
+    """The classifier fed by an iterable dataset: nothing to enumerate."""
+
+    def train_dataloader(self):
+        return DataLoader(_Stream(), batch_size=4, collate_fn=pad_collate)
+
+
+def test_an_estimate_on_an_iterable_dataset_says_it_holds_for_the_batch_seen():
+    estimate = estimate_memory(_StreamedText(), device="cpu")
+    assert estimate.batch_note.startswith("the batch seen (_Stream cannot be enumerated): the answer holds for this "
+                                          "batch only")
+    first = next(iter(_StreamedText().train_dataloader()))
+    assert estimate.batch_shapes.startswith(f"input_ids {tuple(first['input_ids'].shape)}")
+
+
+def test_images_of_varying_size_are_predicted_at_the_largest_side():
+    from lightning_memkit.zoo_variable import VaryingImageClassifier
+
+    module = VaryingImageClassifier(train_size=64, channels=8, blocks=2)
+    side = max(module.datamodule().train_set.sides)
+    prediction = predict_max_batch_size(module, 64 * 2**20, device="cpu", margin=0.0)
+    assert prediction.batch_shapes == f"batch[0] ({prediction.batch_size}, 3, {side}, {side}), " \
+                                      f"batch[1] ({prediction.batch_size},)"
+    worst = find_worst_batch(module.train_dataloader())
+    assert estimate_memory(module, batch=worst.at(prediction.batch_size), device="cpu").peak_bytes <= 64 * 2**20
+    assert estimate_memory(module, batch=worst.at(prediction.batch_size + 1), device="cpu").peak_bytes > 64 * 2**20
