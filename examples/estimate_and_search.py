@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 
 from lightning_memkit import (
     DistributedEstimate,
+    MemkitError,
     MemoryEstimate,
     estimate_distributed_memory,
     estimate_memory,
@@ -61,7 +62,10 @@ def main() -> None:
     # 3. the largest batch that trains under the budget, then a fit with it
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
-    result = find_max_batch_size(trainer, model, budget=budget, max_val=4096, verbose=False)
+    try:
+        result = find_max_batch_size(trainer, model, budget=budget, max_val=4096, verbose=False)
+    except MemkitError as error:  # any memkit error (here SearchError, BatchSizeSearchError) says what to do
+        raise SystemExit(f"search: {error}") from error
     for trial in result.trials:
         peak = f"peak {trial.peak_bytes} B" if trial.fits else "stopped at the budget"
         print(f"trial: batch {trial.batch_size}: {'fits' if trial.fits else 'out of memory'}, {peak}")

@@ -14,6 +14,7 @@ from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_bat
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.doctor import CreationRecorder, DoctorReport, DoctorSession, LeakWatcher
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.estimate import DistributedEstimate, estimate_distributed_memory, model_state_bytes
 from lightning_memkit.estimate.worst_batch import WorstBatch, find_worst_batch
@@ -74,4 +75,5 @@ __all__ = [
     "find_max_batch_size",
     "MemoryBudget",
     "BudgetExceededError",
+    "MemkitError",
 ]

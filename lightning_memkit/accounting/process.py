@@ -40,6 +40,7 @@ import torch
 
 from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting.accountant import TensorAccountant, storages_of
+from lightning_memkit.errors import MemkitError
 
 __all__ = ["PROCESS_LABEL", "ProcessTensors", "keep_out_of_readings", "saved_tensor_data"]
 
@@ -317,7 +318,7 @@ class ProcessTensors:
         self._adopt(found, leaves=self._leaves)
 
 
-class _AccountantError(Exception):
+class _AccountantError(MemkitError):
     """An exception the accountant raised while adopting a storage (not a tensor that could not be read)."""
 
 

@@ -7,10 +7,12 @@ import os
 import sys
 from typing import Any
 
+from lightning_memkit.errors import MemkitError
+
 __all__ = ["load_object", "CliError", "build_trainer"]
 
 
-class CliError(Exception):
+class CliError(MemkitError):
     """A user error in a command's arguments; printed without a traceback, exit status 2."""
 
 

@@ -13,10 +13,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_memkit.errors import MemkitError
+
 __all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError", "sample_batch_and_length"]
 
 
-class NoBatchError(ValueError):
+class NoBatchError(MemkitError, ValueError):
     """No batch can be found for the estimate; the message says what to pass."""
 
 

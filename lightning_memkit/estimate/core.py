@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
 from lightning_memkit.accounting.categories import CATEGORIES, CategoryAttributor
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -51,7 +52,7 @@ __all__ = ["MemoryEstimate", "EstimateError", "estimate_memory", "measure_traini
 
 
 
-class EstimateError(RuntimeError):
+class EstimateError(MemkitError, RuntimeError):
     """The step could not be estimated; the message says why and what to do."""
 
 
@@ -310,7 +311,7 @@ def _step_context(module_copy: nn.Module, mode: Any, device_type: str, target_de
     return lambda: torch.autocast(device_type=device_type, dtype=dtype)
 
 
-class _HookFailed(Exception):
+class _HookFailed(MemkitError):
     """A user hook (or a phase of the step) raised: carries which one, and the original error."""
 
     def __init__(self, hook: str, error: BaseException) -> None:

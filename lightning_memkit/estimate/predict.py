@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.core import (
     EstimateError,
@@ -27,7 +28,7 @@ from lightning_memkit.units import format_bytes
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
 
 
-class DoesNotFitError(ValueError):
+class DoesNotFitError(MemkitError, ValueError):
     """Even batch size 1 needs more than the memory given (a ``ValueError``).
 
     Attributes:

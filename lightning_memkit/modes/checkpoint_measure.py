@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
 from lightning_memkit.modes.offload import offload_suspended
@@ -30,7 +31,7 @@ from lightning_memkit.modes.offload import offload_suspended
 __all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
 
 
-class MeasureError(RuntimeError):
+class MeasureError(MemkitError, RuntimeError):
     """The measuring forward failed (the sample's forward raised, or it tried to run a backward)."""
 
 

@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import rebatch
 from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
 from lightning_memkit.search.batch_guard import ProvedBatch
@@ -90,7 +91,7 @@ CLOSE_CALL_ERRORS = 2.0
 CLOSE_CALL_ROUNDS = 6
 
 
-class PlanError(ValueError):
+class PlanError(MemkitError, ValueError):
     """The plan cannot be made as asked; the message says what to change."""
 
 

@@ -10,10 +10,12 @@ import warnings
 from abc import ABC, abstractmethod
 from typing import Iterable
 
+from lightning_memkit.errors import MemkitError
+
 __all__ = ["MemoryProbe", "ProbeSet", "ProbeUnavailable"]
 
 
-class ProbeUnavailable(RuntimeError):
+class ProbeUnavailable(MemkitError, RuntimeError):
     """Raised by a probe's constructor when its source cannot be read here (no NVML, say)."""
 
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, read_records
 
 __all__ = [
@@ -39,7 +40,7 @@ _EVENTS_GLOB = "events.out.tfevents.*"
 MAX_FILES = 200_000
 
 
-class ReportInputError(Exception):
+class ReportInputError(MemkitError):
     """The log dir holds nothing the report can show; the message says what is missing and what to do."""
 
 

@@ -13,12 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.units import format_bytes
 
 __all__ = ["BudgetExceededError", "MemoryBudget"]
 
 
-class BudgetExceededError(torch.OutOfMemoryError):
+class BudgetExceededError(MemkitError, torch.OutOfMemoryError):
     """Live tensor bytes crossed a :class:`MemoryBudget`: an out-of-memory error, on any device.
 
     Attributes:

@@ -10,13 +10,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from lightning_memkit.estimate.predict import AffineGrowth
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
 __all__ = ["Trial", "SearchResult", "BatchSizeSearch", "SearchError"]
 
 
-class SearchError(RuntimeError):
+class SearchError(MemkitError, RuntimeError):
     """The search found no batch size that runs; the message says what to do."""
 
 

@@ -20,6 +20,7 @@ import torch
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.estimate.batches import batch_size_of, preserved_rng
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
@@ -31,7 +32,7 @@ from lightning_memkit.units import format_bytes
 __all__ = ["SearchConfig", "search_in_fit", "BatchSizeSearchError", "cuda_capacity_bytes"]
 
 
-class BatchSizeSearchError(ValueError):
+class BatchSizeSearchError(MemkitError, ValueError):
     """The search cannot run on this setup; the message says what to change."""
 
 

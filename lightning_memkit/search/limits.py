@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from lightning_memkit.errors import MemkitError
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
 from lightning_memkit.units import format_bytes
 
@@ -43,7 +44,7 @@ CPU_GROWTH = 4
 TIME_SAFETY = 0.5
 
 
-class TrialTooSlow(RuntimeError):
+class TrialTooSlow(MemkitError, RuntimeError):
     """A trial ran past its time limit (:attr:`TrialLimits.trial_seconds`): it is stopped after its step and counts as too slow."""
 
 

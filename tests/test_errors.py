@@ -1,0 +1,93 @@
+"""One exception root: every exception class lightning_memkit defines is a ``MemkitError``, and keeps its builtin base.
+
+The classes are found by importing every module of the package (``pkgutil``) and reading what each defines
+(``inspect``), so a new error class cannot be forgotten. Warnings (``CheckpointWarning``) are not errors and
+stay outside the root.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+import lightning_memkit
+from lightning_memkit import MemkitError
+
+#: Every exception class in the package and the builtin base it had before MemkitError, which it keeps so that
+#: users' ``except ValueError`` / ``except RuntimeError`` clauses still catch it. A new error class goes here too.
+BUILTIN_BASES: dict[str, type[BaseException]] = {
+    "lightning_memkit.accounting.process._AccountantError": Exception,
+    "lightning_memkit.cli.common.CliError": Exception,
+    "lightning_memkit.estimate.batches.NoBatchError": ValueError,
+    "lightning_memkit.estimate.core.EstimateError": RuntimeError,
+    "lightning_memkit.estimate.core._HookFailed": Exception,
+    "lightning_memkit.estimate.predict.DoesNotFitError": ValueError,
+    "lightning_memkit.modes.checkpoint_measure.MeasureError": RuntimeError,
+    "lightning_memkit.plan.planner.PlanError": ValueError,
+    "lightning_memkit.probes.base.ProbeUnavailable": RuntimeError,
+    "lightning_memkit.report.sources.ReportInputError": Exception,
+    "lightning_memkit.search.budget.BudgetExceededError": torch.OutOfMemoryError,
+    "lightning_memkit.search.core.SearchError": RuntimeError,
+    "lightning_memkit.search.lightning.BatchSizeSearchError": ValueError,
+    "lightning_memkit.search.limits.TrialTooSlow": RuntimeError,
+}
+
+
+def _package_exceptions() -> dict[str, type[BaseException]]:
+    """``module.Class`` -> class, for every exception class (warnings aside) a module of the package defines."""
+    found: dict[str, type[BaseException]] = {}
+    for info in pkgutil.walk_packages(lightning_memkit.__path__, prefix="lightning_memkit."):
+        if info.name.rsplit(".", 1)[-1] == "__main__":  # runs the command line when imported
+            continue
+        module = importlib.import_module(info.name)
+        pending = [obj for obj in vars(module).values() if inspect.isclass(obj)]
+        while pending:  # classes nested in classes too
+            cls = pending.pop()
+            if cls.__module__ != module.__name__:
+                continue  # imported here, defined elsewhere
+            pending.extend(obj for obj in vars(cls).values() if inspect.isclass(obj) and obj is not cls)
+            if issubclass(cls, BaseException) and not issubclass(cls, Warning) and cls is not MemkitError:
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def test_the_walk_finds_every_known_error_class():
+    found = _package_exceptions()
+    assert set(BUILTIN_BASES) <= set(found), f"gone or renamed: {sorted(set(BUILTIN_BASES) - set(found))}"
+    new = sorted(set(found) - set(BUILTIN_BASES))
+    assert not new, (f"new exception classes {new}: subclass MemkitError (from lightning_memkit.errors) and the "
+                     f"builtin they extend, and add them to BUILTIN_BASES in tests/test_errors.py")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_BASES))
+def test_every_error_is_a_memkit_error_and_keeps_its_builtin_base(name):
+    cls = _package_exceptions()[name]
+    assert issubclass(cls, MemkitError), f"{name} does not subclass lightning_memkit.MemkitError"
+    assert issubclass(cls, BUILTIN_BASES[name]), f"{name} lost its builtin base {BUILTIN_BASES[name].__name__}"
+
+
+def test_memkit_error_is_public_and_an_exception():
+    assert "MemkitError" in lightning_memkit.__all__
+    assert issubclass(MemkitError, Exception) and MemkitError.__module__ == "lightning_memkit.errors"
+
+
+def test_except_clauses_written_for_the_builtin_bases_still_catch():
+    from lightning_memkit import BudgetExceededError, PlanError, is_out_of_memory
+    from lightning_memkit.estimate.core import EstimateError
+
+    with pytest.raises(ValueError, match="give a budget"):
+        raise PlanError("give a budget")
+    with pytest.raises(MemkitError):
+        raise PlanError("give a budget")
+    with pytest.raises(RuntimeError):
+        raise EstimateError("the step failed")
+    error = BudgetExceededError(requested_bytes=2048, budget_bytes=1024)
+    # still an out-of-memory error for memkit, torch and Lightning, and a memkit error besides
+    assert isinstance(error, torch.OutOfMemoryError) and isinstance(error, MemkitError) and is_out_of_memory(error)
+    from lightning.pytorch.utilities.memory import is_oom_error  # Lightning's own check
+
+    assert is_oom_error(error)
