@@ -156,3 +156,14 @@ def test_the_recorder_names_the_users_line_under_torchs_own_python_frames():
     assert recorder.creation_of(x).frame == (__file__, first + 9, name)
     assert recorder.creation_of(hidden).frame == (__file__, first + 10, name)
     assert recorder.creation_of(dropped).frame == (__file__, first + 11, name)
+
+
+def test_arguments_binds_an_aten_call_by_schema_name_with_its_defaults():
+    unique = torch.ops.aten._unique2.default  # (self, sorted=True, return_inverse=False, return_counts=False)
+    x = torch.tensor([1, 1, 2])
+    assert estimate_compat.arguments(unique, (x,), {"return_counts": True}) == {
+        "self": x, "sorted": True, "return_inverse": False, "return_counts": True}
+    bincount = torch.ops.aten.bincount.default  # (self, weights=None, minlength=0)
+    assert estimate_compat.arguments(bincount, (x, None, 5), None) == {"self": x, "weights": None, "minlength": 5}
+    index = torch.ops.aten.index.Tensor  # (self, indices): no default, left out when the call leaves it out
+    assert estimate_compat.arguments(index, (x,), {}) == {"self": x}

@@ -296,6 +296,7 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             except (NoBatchError, EstimateError, ValueError) as error:
                 if isinstance(error, DoesNotFitError):  # the fix, in this command's syntax
                     error = error.describe(_other_modes_hint(mode.name))
+                error = _in_cli_terms(error, args)
                 rows.append((mode.name, "-", "-", "-", "-", "-", "-"))
                 results.append({"mode": mode.name, "error": str(error)})
                 print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
@@ -319,6 +320,21 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
                       file, indent=2, default=str)
     return status
+
+
+def _in_cli_terms(error: Any, args: argparse.Namespace) -> Any:
+    """``error`` as this command says it: a data-dependent estimate failure's advice names memkit trace, which
+    measures real steps (the Python advice names measure_training_step()); any other error as it is."""
+    from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
+
+    text = str(error)
+    if not getattr(error, "data_dependent", False) or DATA_DEPENDENT_ADVICE not in text:
+        return error
+    given = (("init-args", args.init_args), ("datamodule", args.datamodule), ("datamodule-args", args.datamodule_args))
+    same = "".join(f" --{name} '{value}'" for name, value in given if value and value != "{}")
+    advice = (f"measure real steps instead: memkit trace {args.module}{same} --batch-size N (a small N; "
+              "--accelerator gpu on a GPU), or express it without the data-dependent shape.")
+    return text.replace(DATA_DEPENDENT_ADVICE, advice)
 
 
 def _named_worst_batch(args: argparse.Namespace, module: Any, datamodule: Any) -> Any:
@@ -510,6 +526,7 @@ def _run_distributed(args, module, datamodule, modes, strategies, memory, gpu, w
                             minimum = size
                             break
                 except (NoBatchError, EstimateError, ValueError) as error:
+                    error = _in_cli_terms(error, args)
                     rows.append((strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-"))
                     results.append({"strategy": strategy, "mode": mode.name, "error": str(error)})
                     print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)

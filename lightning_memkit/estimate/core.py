@@ -770,14 +770,17 @@ def _failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErr
         hint = DATA_DEPENDENT_HINT
     at = f" (at {where_in_user_code})" if where_in_user_code else ""
     error = EstimateError(f"{hook} failed {where}: {text}{at}.{hint}")
-    error.data_dependent = bool(hint)  # the CLI swaps the hint's Python advice for its own option
+    error.data_dependent = bool(hint)  # the CLI swaps DATA_DEPENDENT_ADVICE (Python) for its own command
     return error
 
 
+#: the part of :data:`DATA_DEPENDENT_HINT` that says what to do, in Python's terms (the CLI says it in its own)
+DATA_DEPENDENT_ADVICE = "use measure_training_step() on a small batch, or express it without the data-dependent shape."
+
 #: what an EstimateError adds when an op's output shape or a value depended on data the fakes do not have
 DATA_DEPENDENT_HINT = (" An op's output shape or a value read from a tensor depends on data the fake tensors do not hold"
-                       " and memkit has no bound for it (see docs/will_it_fit.md, data-dependent ops); use "
-                       "measure_training_step() on a small batch, or express it without the data-dependent shape.")
+                       " and memkit has no bound for it (see docs/will_it_fit.md, data-dependent ops); "
+                       + DATA_DEPENDENT_ADVICE)
 
 
 def _is_data_dependent(error: BaseException) -> bool:

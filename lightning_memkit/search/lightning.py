@@ -563,8 +563,12 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
                                             batch=batch, max_val=config.max_val, tolerance=config.margin)
         return prediction.growth, prediction.batch_size, None
     except Exception as error:  # the estimate only speeds the search up; trials decide
+        from lightning_memkit.estimate.core import EstimateError
+
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else 'no message'}"
-        warnings.warn(f"memkit: the estimate was unavailable ({why}); searching by trials only", RuntimeWarning, stacklevel=2)
+        # one warning per search, saying the step itself could not be estimated (not that memory is short)
+        what = "failed" if isinstance(error, EstimateError) else "was unavailable"
+        warnings.warn(f"memkit: the estimate {what} ({why}); searching by trials only", RuntimeWarning, stacklevel=2)
         return None, None, why
 
 
