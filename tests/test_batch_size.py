@@ -380,7 +380,8 @@ def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, 
         ran = [t.batch_size for t in result.trials[:index] if t.fits]
         assert trial.batch_size <= 4 * max(ran), (trial.batch_size, ran)
     assert result.batch_size == 256 and result.reason == "max_val"
-    assert f"memkit: batch size 256 fits ({result.trial_count} trials" in out
+    shapes = result.proved_trial().batch_shapes
+    assert shapes.startswith("batch[0] (256, ") and f"memkit: batch size 256 fits on {shapes} ({result.trial_count} trials" in out
 
 
 SLOW_STEP_S = 3.3  # a step above the cliff: more than half a trial's limit (6 s), so one step is all that runs

@@ -529,7 +529,9 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
                      "bounds it: give max_seconds= or budget=)",
              "max_val": f"; no larger batch tried: max_val={config.max_val}",
              "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
-    ran = "fits" if any(t.fits and t.batch_size == found for t in result.trials) else "ran its steps too slowly for a larger one"
+    proved = result.proved_trial()
+    ran = (f"fits on {proved.batch_shapes or 'its batches'}" if proved is not None
+           else "ran its steps too slowly for a larger one")
     _say(trainer, f"memkit: batch size {found} {ran} ({result.trial_count} trials, {result.seconds:.2f}s){limit}; using {size}{tail}",
          config.verbose)
     return result
