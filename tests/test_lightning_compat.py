@@ -147,3 +147,37 @@ def test_manual_optimizers_and_schedulers_read_every_configure_optimizers_shape(
     assert optimizers == [first, second] and [c.scheduler for c in configs] == [scheduler]
     optimizers, configs = manual_optimizers_and_schedulers({"optimizer": first, "lr_scheduler": {"scheduler": scheduler}})
     assert optimizers == [first] and [c.scheduler for c in configs] == [scheduler]
+
+
+def test_prefetched_batches_is_the_batch_the_next_step_receives(tmp_path):
+    """Pins ``fit_loop._data_fetcher.batches``: with an iterable train loader (no length) Lightning's fetcher
+    fetches one batch ahead, and that batch is the next step's batch (the same tensors, on CPU); with a sized
+    loader it fetches none; without a fit running the wrapper falls back to ``[]``."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_memkit._lightning_compat import prefetched_batches
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(torch.randn(8, 32).split(2))
+
+    class Iterable(LinearStack):
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=None, collate_fn=lambda x: (x,))
+
+    class Check(pl.Callback):
+        def __init__(self):
+            self.ahead, self.received = [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.received.append(batch[0])
+            self.ahead.append([each[0][0] for each in prefetched_batches(trainer)])
+
+    check = Check()
+    make_trainer(tmp_path, max_steps=3, callbacks=[check]).fit(Iterable())
+    assert [len(ahead) for ahead in check.ahead] == [1, 1, 1]
+    assert all(ahead[0] is received for ahead, received in zip(check.ahead, check.received[1:]))
+    sized = Check()
+    make_trainer(tmp_path, max_steps=2, callbacks=[sized]).fit(LinearStack())
+    assert sized.ahead == [[], []]
+    assert prefetched_batches(types.SimpleNamespace()) == []

@@ -14,13 +14,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import forget_model_logging, logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import (forget_model_logging, logging_step, optimizer_steps_after_batch,
+                                                prefetched_batches)
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.holders import user_roots
-from lightning_memkit.doctor.leaks import rising_floor
+from lightning_memkit.doctor.leaks import LeakReport, rising_floor
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
 from lightning_memkit.units import format_bytes
 
@@ -45,24 +46,30 @@ class MemoryDoctor(Callback):
     module path, forward/backward, shape, dtype and the line of your code), from one step's
     ``on_train_batch_start`` to the next's, so whatever runs between steps (your hooks, other callbacks,
     validation) is seen too. The live tensor bytes at each step's start (less the tensors that fed the
-    run before it began: a dataset, pre-built batches) make a series whose floor (the least bytes from
-    that step on) must rise ``window`` times and still be rising to be a leak, judged when an epoch ends
-    and when training ends, after the epoch-end hooks: a list cleared at each epoch's end is no leak, a
-    list that validation fills every few steps is. A leak is reported once (a warning, and
-    :attr:`report`) with the bytes per step, the tensors kept from earlier steps grouped by creator,
-    and who holds them as code you can paste (``model.outputs[17]``, ``trainer.callbacks[1].saved[3]``,
+    run before it began: a dataset, pre-built batches; less the step's batch and the batch Lightning fetched
+    ahead, whose sizes change from step to step when batches are padded per batch) make a series whose
+    floor (the least bytes from that step on) must rise ``window`` times and still be rising to be a leak,
+    judged when an epoch ends and when training ends, after the epoch-end hooks: a list cleared at each
+    epoch's end is no leak, a list that validation fills every few steps is. A leak is reported once (a warning, and
+    :attr:`report`) with the bytes per step, the tensors kept from earlier steps grouped by creator, the
+    line of your code that stored them (``self.kept.append(logits)``, ``self.cache[k] = v``), and who
+    holds them as code you can paste (``model.outputs[17]``, ``trainer.callbacks[1].saved[3]``,
     ``model.encoder[1]._forward_hooks``): the place to delete them. Step ``analyse_step`` is also
     analysed op by op: its peak, what the peak is made of, and the bytes *held too long* there (live
     although last read before the peak). Gradient accumulation: one step per optimizer step.
 
     The doctor is a diagnosis tool: recording costs a Python call per aten op (and a frame walk per
-    new tensor), so use it for a few dozen steps, as ``memkit doctor`` does, not for whole runs.
+    new tensor), and naming the keeping lines a Python call per Python call (``sys.settrace`` on your own
+    store statements; left off when a debugger or coverage already traces, and on a model kept compiled),
+    so use it for a few dozen steps, as ``memkit doctor`` does, not for whole runs.
 
     Args:
         window: rises of the floor of the live bytes at step start that make a leak (>= 2).
         warmup_steps: first steps not compared (gradients and optimizer state appear in them).
         analyse_step: the training step whose liveness is analysed (``None``: no analysis).
-        verbose: print the verdict at the end of fit.
+        verbose: print the verdict at the end of fit (or at a failure, when a leak was found). A leak is
+            also warned about once when found; the warning carries the verdict only without ``verbose``,
+            so that each verdict is shown once.
         progress: print one line on stderr every ``window`` steps (the step, the live tensor bytes, the
             verdict so far), global rank zero only; ``memkit doctor`` turns it on.
         holders_time_limit_s: the most seconds, per report, spent searching who holds a leak (0: no
@@ -144,8 +151,10 @@ class MemoryDoctor(Callback):
         try:
             if self._step is None:
                 self._step = logging_step(trainer)
-                found = session.step_start(self._step, batch, module=pl_module, optimizers=trainer.optimizers,
-                                           epoch=trainer.current_epoch)
+                # the batch in flight and the one Lightning fetched ahead are left out of the bytes measured:
+                # padded per batch, their sizes change from step to step and would move the floor
+                found = session.step_start(self._step, batch, prefetched=prefetched_batches(trainer), module=pl_module,
+                                           optimizers=trainer.optimizers, epoch=trainer.current_epoch)
                 if found is not None:
                     self._warn(found)
                 self._show_progress(trainer, session)
@@ -166,9 +175,17 @@ class MemoryDoctor(Callback):
         self._step = None
 
     def _warn(self, found: Any) -> None:
-        if not self._warned:
-            self._warned = True
+        """Warn once that a leak was found. The verdict itself is shown once: printed at fit end with
+        ``verbose`` (the warning then only says what was found), else in the warning."""
+        if self._warned:
+            return
+        self._warned = True
+        if not self.verbose:
             rank_zero_warn("memkit doctor: " + found.format())
+            return
+        what = "memory leak" if isinstance(found, LeakReport) else "autograd graphs kept across steps"
+        rank_zero_warn(f"memkit doctor: {what} found; the verdict (bytes per step, the lines that made and keep the "
+                       f"tensors, who holds them) is printed when fit ends")
 
     def _show_progress(self, trainer: Trainer, session: DoctorSession) -> None:
         """One line per window of steps on stderr (``progress=True``), global rank zero only."""
@@ -232,6 +249,8 @@ class MemoryDoctor(Callback):
             # nothing is lost: the verdict up to the failure (a leak that ended in an out-of-memory error, say)
             try:
                 self._write_report(trainer)
+                if self.verbose and self._warned and trainer.is_global_zero:
+                    print(self.report.format())  # the warning said the verdict would follow
             except Exception:  # never mask the user's exception
                 pass
         forget_model_logging(self)  # kept to read its records, it must not keep the model

@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 
-    doctor = MemoryDoctor(window=args.window, analyse_step=args.analyse_step, verbose=False, progress=not args.no_progress)
+    # the doctor prints the verdict itself when fit ends (verbose): its warning then only says a leak was found,
+    # so the verdict is printed once (a quiet doctor warns the whole verdict, and printing it here doubled it)
+    doctor = MemoryDoctor(window=args.window, analyse_step=args.analyse_step, verbose=True,
+                          progress=not args.no_progress)
     with tempfile.TemporaryDirectory(prefix="memkit_doctor_") as root:
         options = dict(accelerator=args.accelerator, devices=1, max_steps=args.steps, limit_val_batches=0,
                        num_sanity_val_steps=0, logger=False, callbacks=[doctor], default_root_dir=root,
@@ -79,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     if report is None or report.steps == 0:
         print("memkit doctor: training stopped before its first step (an empty dataloader?)", file=sys.stderr)
         return 1
-    print(report.format())
     if report.steps < args.steps:
         print(f"(the data gave {report.steps} steps of the {args.steps} asked for)")
     if args.json:

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from lightning_memkit.doctor import _torch_compat
+from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.recorder import CreationRecorder, format_frame
 
 __all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes", "saved_in_nodes"]
@@ -33,6 +34,8 @@ class GraphHolder:
         count: how many such tensors (same root node type, shape, dtype and maker); ``nodes`` is theirs together.
         holder: where a program reaches one of them, as code you can paste (``"model.total"``), or ``""``
             (see :func:`~lightning_memkit.doctor.holders.find_holders`).
+        kept_where: the user's line that stored it where it is held (``self.kept.append(loss)``), or ``""``
+            (see :class:`~lightning_memkit.doctor.keepers.KeepTracer`).
     """
 
     grad_fn: str
@@ -44,6 +47,7 @@ class GraphHolder:
     where: str = ""
     count: int = 1
     holder: str = ""
+    kept_where: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -104,6 +108,8 @@ class GraphLeakReport:
             made = f", made by {holder.made_by}" if holder.made_by else ""
             lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {holder.dtype.replace('torch.', '')} "
                          f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
+            if holder.kept_where:
+                lines.append(f"    kept at {holder.kept_where}")
             if holder.holder:
                 lines.append(f"    held by {holder.holder}  <- delete here (keep .detach() or .item() of it)")
         return "\n".join(lines)
@@ -179,6 +185,8 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 nbytes = 0
             holder = GraphHolder(type(tensor.grad_fn).__name__, len(seen) - before, list(tensor.shape), str(tensor.dtype),
                                  nbytes, creation.describe() if creation else "", format_frame(creation.frame) if creation else "")
+            if creation is not None:  # the line that stored it (self.losses.append(loss)), when the tracer saw it
+                holder.kept_where = format_frame(keeping_frame([creation]))
             key = (holder.grad_fn, tuple(holder.shape), holder.dtype, holder.made_by)
             if key in found:
                 found[key].count += 1

@@ -30,9 +30,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_memkit.doctor import _torch_compat
+from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.recorder import _LIBRARY_ROOTS
 
-__all__ = ["HolderPath", "HolderSearch", "find_holders", "user_roots", "attach_holders", "HOOK_DICTS"]
+__all__ = ["HolderPath", "HolderSearch", "find_holders", "user_roots", "attach_holders", "path_names", "HOOK_DICTS"]
 
 #: ``nn.Module`` attributes that hold hooks, keyed by handle id
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -63,6 +64,9 @@ class HolderPath:
             module (how many, which function, where it is defined), a torchmetrics list state (bytes
             per update), Lightning's own objects.
         lightning: ``True`` when the path goes through the Trainer's own objects (Lightning keeps it).
+        graph_owner: when the path goes through an autograd graph (``model.losses[11].grad_fn._saved_self``),
+            the storage key (``id`` of the untyped storage) of the tensor the graph hangs from
+            (``model.losses[11]``): what user code kept; else ``None``.
     """
 
     root: str
@@ -72,6 +76,7 @@ class HolderPath:
     holder: str = ""
     note: str = ""
     lightning: bool = False
+    graph_owner: int | None = None
 
 
 @dataclass
@@ -404,11 +409,17 @@ def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0,
         edges.reverse()
         objects.reverse()
         search.levels = max(search.levels, len(edges))
+        graph_owner = None
+        for index, edge in enumerate(edges):
+            if edge == ("graph", ".grad_fn"):  # objects[index] is the tensor whose graph keeps the target
+                owner = storage_of(objects[index]) if isinstance(objects[index], torch.Tensor) else None
+                graph_owner = id(owner) if owner is not None else None
+                break
         edges, objects = _attributes(edges, objects)
         _, name, kind = roots[origin[tid]]
         if kind == "global" and isinstance(objects[0], dict) and edges and edges[0][0] == "item" and _identifier(edges[0][1]):
             edges[0] = ("attr", edges[0][1])  # a module's global: module.name
-        path = HolderPath(root=name, kind=kind, edges=edges)
+        path = HolderPath(root=name, kind=kind, edges=edges, graph_owner=graph_owner)
         _annotate(path, objects)
         paths[key] = path
     search.paths = paths
@@ -498,8 +509,22 @@ def attach_holders(report: Any, recorder: Any, roots: dict, time_limit_s: float 
             if path is not None:
                 group.holder = path.text
                 group.holder_note = path.note
+                # of the lines that stored the group's tensors, the one storing into what the path goes through;
+                # a tensor an autograd graph saved was kept by the line that kept the tensor the graph hangs from
+                keys = [path.graph_owner] if path.graph_owner is not None else [k for _, _, k in members[key]]
+                creations = [recorder.record_of_storage(k) for k in keys]
+                kept = keeping_frame([c for c in creations if c is not None], path_names(path))
+                group.kept_at = kept or group.kept_at
                 break
     return search
+
+
+def path_names(path: HolderPath) -> set[str]:
+    """The names on a holder's path (``{"model", "kept"}`` for ``model.kept[27]``): attributes, string keys
+    and the root's name, to match against what a keeping line stores into."""
+    names = {part for part in path.root.replace("[", ".").split(".") if part.isidentifier()}
+    names.update(key for kind, key in path.edges if kind in ("attr", "item") and isinstance(key, str))
+    return names
 
 
 def group_key_of(group: Any) -> tuple:

@@ -12,6 +12,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.recorder import STATE_ROLES, Creation, CreationRecorder, format_frame
 from lightning_memkit.units import format_bytes
 
@@ -39,6 +40,9 @@ class CreatorGroup:
             :func:`~lightning_memkit.doctor.holders.find_holders`).
         holder_note: what the holder is, when it says more than its path (hooks piled up on a
             module, a torchmetrics list state, Lightning's own objects), and the fix.
+        kept_at: ``[filename, line, function]`` of the user's statement that stored them where they are held
+            (``self.kept.append(logits)``), beside :attr:`frame` that made them, or ``None`` when none was
+            seen (see :func:`~lightning_memkit.doctor.keepers.keeping_frame`).
     """
 
     op: str
@@ -56,11 +60,17 @@ class CreatorGroup:
     last_use_module: str = ""
     holder: str = ""
     holder_note: str = ""
+    kept_at: list | None = None
 
     @property
     def where(self) -> str:
         """``file.py:12 in fn: source`` of the user's line, or ``""``."""
         return format_frame(self.frame)
+
+    @property
+    def kept_where(self) -> str:
+        """``file.py:30 in fn: source`` of the user's line that keeps them, or ``""``."""
+        return format_frame(self.kept_at)
 
     def describe(self) -> str:
         """One line saying who made these tensors."""
@@ -70,17 +80,20 @@ class CreatorGroup:
                 f"{where}")
 
     def holder_lines(self) -> list[str]:
-        """The lines naming who holds these tensors and where to delete them (none when unknown)."""
+        """The lines naming the code that keeps these tensors, who holds them and where to delete them (none
+        when unknown)."""
+        lines = [f"kept at {self.kept_where}"] if self.kept_at else []
         if not self.holder:
-            return []
-        lines = [f"held by {self.holder}  <- delete here"]
+            return lines
+        lines.append(f"held by {self.holder}  <- delete here")
         if self.holder_note:
             lines.append(self.holder_note)
         return lines
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {"where": self.where}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {"where": self.where,
+                                                                                     "kept_where": self.kept_where}
 
 
 def _category(creation: Creation) -> str:
@@ -102,6 +115,7 @@ def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False,
     groups: dict[tuple, CreatorGroup] = {}
     step_sets: dict[tuple, set] = collections.defaultdict(set)
     first_step_bytes: dict[tuple, dict] = collections.defaultdict(lambda: collections.defaultdict(int))
+    members: dict[tuple, list] = collections.defaultdict(list)
     for c in creations:
         key = group_key(c)
         if with_last_use:
@@ -114,10 +128,12 @@ def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False,
                                                last_use_module=c.last_use_module if with_last_use else "")
         group.count += 1
         group.total_bytes += c.nbytes
+        members[key].append(c)
         if c.step is not None:
             step_sets[key].add(c.step)
             first_step_bytes[key][c.step] += c.nbytes
     for key, group in groups.items():
+        group.kept_at = keeping_frame(members[key])  # the holder search refines it with the holder's path
         group.steps = sorted(step_sets[key])
         group.bytes_per_step = group.total_bytes // max(1, len(group.steps))
         if per_step_over_span and len(group.steps) >= 2:

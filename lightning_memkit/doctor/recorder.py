@@ -172,6 +172,9 @@ class Creation:
         last_use_op, last_use_module, last_use_phase, last_use_frame: that op, like the fields above.
         before_run: alive before the recording began (a dataset's tensors, a pre-built batch; see
             :meth:`CreationRecorder.know_existing`): never memory a step added.
+        kept_at: ``((filename, line, function), ...)`` the user's statements that stored it in a list, a dict
+            or an attribute (``self.kept.append(x)``), in the order first seen, at most 4
+            (:class:`~lightning_memkit.doctor.keepers.KeepTracer`; empty when none was seen).
     """
 
     nbytes: int
@@ -192,6 +195,7 @@ class Creation:
     last_use_phase: str = ""
     last_use_frame: tuple | None = None
     before_run: bool = False
+    kept_at: tuple = ()
 
     def describe(self) -> str:
         """One line: op, module, shape, dtype and the user's line."""
@@ -596,6 +600,41 @@ class CreationRecorder(TorchDispatchMode):
         """The record of ``tensor``'s storage, or ``None`` when the recorder never saw it made."""
         storage = storage_of(tensor)
         return None if storage is None else self._live.get(id(storage))
+
+    def record_of_storage(self, key: int) -> Creation | None:
+        """The record of the live storage ``key`` (``id`` of an untyped storage), or ``None`` when unknown."""
+        return self._live.get(key)
+
+    def made_since(self, clock: int) -> list[Creation]:
+        """The records of the live storages made by an op after op clock ``clock`` (see :attr:`clock`), newest
+        first. Walks back from the newest record, so it costs what was made since, not what is alive."""
+        found: list[Creation] = []
+        try:
+            for creation in reversed(self._live.values()):
+                if creation.created_at == -1:
+                    continue  # adopted (a batch, state): recorded whenever it was first seen, in no clock order
+                if creation.created_at <= clock:
+                    break
+                found.append(creation)
+        except RuntimeError:  # a storage freed while walking (its weakref callback changed the dict): what was found
+            pass
+        return found
+
+    def watched_bytes_of(self, storages: Iterable[Any]) -> int:
+        """Bytes of the distinct untyped ``storages`` that :attr:`live_bytes` counts, less training state and
+        less what was alive before the run (:meth:`know_existing`): their part of what the leak rule watches
+        (see :meth:`~lightning_memkit.doctor.DoctorSession.watched_bytes`). A storage the recorder does not know
+        counts 0 bytes."""
+        seen: set[int] = set()
+        total = 0
+        for storage in storages:
+            key = id(storage)
+            creation = self._live.get(key)
+            if key in seen or creation is None or creation.before_run or creation.role in STATE_ROLES:
+                continue
+            seen.add(key)
+            total += creation.nbytes
+        return total
 
     # ------------------------------------------------------------------ liveness
     def begin_liveness(self) -> None:

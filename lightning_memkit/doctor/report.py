@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import collections
 import json
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
+from lightning_memkit.accounting.accountant import _tensors_in, storage_of
 from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_kept_graph_nodes, saved_in_nodes
 from lightning_memkit.doctor.holders import HolderSearch, attach_holders, find_holders, user_roots
+from lightning_memkit.doctor.keepers import KeepTracer
 from lightning_memkit.doctor.leaks import CreatorGroup, LeakReport, LeakWatcher
 from lightning_memkit.doctor.liveness import LivenessReport, analyse_liveness
 from lightning_memkit.doctor.recorder import CreationRecorder
@@ -32,8 +35,9 @@ class DoctorReport:
         steps: how many training steps were watched.
         live_bytes_at_start: ``[[step, bytes], ...]`` live tensor bytes at each watched step's start
             (the last ``max_points``): what the leak rule watches, every storage the doctor knows
-            (batches, whatever was made in a watched step) less training state and less the tensors that
-            fed the run before it began (:meth:`DoctorSession.watched_bytes`).
+            (whatever was made in a watched step, a batch kept from an earlier step) less training state,
+            less the tensors that fed the run before it began and less the step's batch and the batches
+            fetched ahead of it (:meth:`DoctorSession.watched_bytes`).
         steady_bytes: the live bytes at the last watched step's start.
         leak: the steady growth found, once, or ``None``.
         graph_leak: autograd graph nodes kept across steps, growing (``total += loss``), or ``None``.
@@ -78,7 +82,8 @@ class DoctorReport:
     def from_dict(cls, data: dict[str, Any]) -> "DoctorReport":
         """Inverse of :meth:`to_dict`."""
         def groups(items):
-            return [CreatorGroup(**{k: v for k, v in g.items() if k != "where"}) for g in items or []]
+            derived = ("where", "kept_where")  # texts to_dict adds, read back from the frames
+            return [CreatorGroup(**{k: v for k, v in g.items() if k not in derived}) for g in items or []]
 
         leak = data.get("leak")
         if leak:
@@ -155,17 +160,22 @@ class DoctorSession:
         graph_check: also count the autograd nodes reachable at each step's start from the tensors the
             recorder saw made, to find graphs kept across steps (``total += loss``).
         max_points: live-bytes points kept for the report.
+        keeping_lines: name the line of the user's code that stored each kept tensor (``self.kept.append(x)``)
+            beside the line that made it: a ``sys.settrace`` tracer of the user's store statements while
+            recording (:class:`~lightning_memkit.doctor.keepers.KeepTracer`), off on a compiled model kept compiled.
     """
 
     def __init__(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), *, window: int = 5,
                  warmup_steps: int = 2, analyse_step: int | None = 1, graph_check: bool = True,
-                 max_points: int = 1000, roots: Callable[[], dict] | None = None, holders_time_limit_s: float = 1.0) -> None:
+                 max_points: int = 1000, roots: Callable[[], dict] | None = None, holders_time_limit_s: float = 1.0,
+                 keeping_lines: bool = True) -> None:
         self.module = module
         self.roots = roots
         self.holders_time_limit_s = holders_time_limit_s
         self.holder_search: HolderSearch | None = None
         self.optimizers = list(optimizers)
         self.recorder = CreationRecorder()
+        self.keep_tracer = KeepTracer(self.recorder) if keeping_lines else None
         if module is not None:
             self.recorder.name_modules(module)
         self.window = window
@@ -182,37 +192,66 @@ class DoctorSession:
         self._last_step: int | None = None
         self.compiled_note = ""  # set by whoever finds the model compiled (MemoryDoctor): said once in the report
         self._epoch_end_bytes: int | None = None
+        # storage key -> weak reference to each storage of the batch in flight and of the batches fetched ahead
+        # (those given to the last step_start): left out of the watched bytes while they live
+        self._in_flight: dict[int, weakref.ref] = {}
 
     def watched_bytes(self) -> int:
-        """The live bytes the leak rule watches: every storage the recorder knows, less training state
+        """The live bytes the leak rule watches, in bytes: every storage the recorder knows, less training state
         (parameters, buffers, gradients, optimizer state: never a leak, and freed or made at times of
-        Lightning's choosing) and less what was alive before the run (:meth:`know_existing`)."""
+        Lightning's choosing), less what was alive before the run (:meth:`know_existing`), and less the batch
+        in flight and the batches fetched ahead of it (given to the last :meth:`step_start`), while they live:
+        with batches that change size (text padded per batch) they would move the floor by more than a leak
+        adds per step. A batch some code keeps past its step is counted again once a later step starts."""
         recorder = self.recorder
         if recorder.live_bytes_now() != recorder.live_bytes:  # a compiled model kept compiled: the allocator's live bytes
-            return recorder.live_bytes_now()
-        return recorder.live_bytes - recorder.state_bytes - recorder.before_run_bytes
+            return recorder.live_bytes_now() - self.in_flight_bytes()
+        return recorder.live_bytes - recorder.state_bytes - recorder.before_run_bytes - self.in_flight_bytes()
+
+    def in_flight_bytes(self) -> int:
+        """Bytes of the batch in flight and the batches fetched ahead (as given to the last :meth:`step_start`)
+        still alive, as the recorder counts them (storages it knows; training state and what was alive before
+        the run are left out of the watched bytes already)."""
+        storages = [storage for storage in (ref() for ref in self._in_flight.values()) if storage is not None]
+        return self.recorder.watched_bytes_of(storages)
+
+    def _note_in_flight(self, *batches: Any) -> None:
+        """Keep weak references to the storages of ``batches`` (tensors in nested lists, tuples and dicts),
+        replacing the last ones."""
+        self._in_flight = {}
+        for tensor in _tensors_in(list(batches)):
+            storage = storage_of(tensor)
+            if storage is not None and id(storage) not in self._in_flight:
+                try:
+                    self._in_flight[id(storage)] = weakref.ref(storage)
+                except TypeError:  # a storage that takes no weak reference: counted as any other
+                    continue
 
     def know_existing(self, *roots: Any) -> int:
         """Note the tensors reachable from ``roots`` (the dataloader, the datamodule) as alive before the
         run: a pre-built batch is never memory a step added. Returns how many storages were noted."""
         return self.recorder.know_existing(roots)
 
-    def step_start(self, step: int, batch: Any = None, *, module: torch.nn.Module | None = None,
-                   optimizers: Iterable[Any] | None = None, epoch: int | None = None) -> LeakReport | GraphLeakReport | None:
+    def step_start(self, step: int, batch: Any = None, *, prefetched: Iterable[Any] = (),
+                   module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None,
+                   epoch: int | None = None) -> LeakReport | GraphLeakReport | None:
         """A step begins: measure the live bytes, judge the growth (a :class:`LeakReport`, or a
         :class:`GraphLeakReport` for graphs kept across steps, the first time the floor keeps rising), then
         record the step (its liveness too when it is ``analyse_step``).
 
-        ``batch``: the step's input (its tensors are recorded as the input of this step); ``module`` /
-        ``optimizers``: the training state when it is not the session's own (``None``: the session's);
-        ``epoch``: the step's epoch, when there are epochs: growth is then judged when an epoch ends and at
-        :meth:`close` (memory freed at each epoch's end is not a leak), else at every step.
+        ``batch``: the step's input (its tensors are recorded as the input of this step); ``prefetched``: the
+        batches already fetched for the next steps (a loader that fetches ahead; Lightning's fetcher keeps
+        one for a train loader without a length); neither is in the bytes measured (:meth:`watched_bytes`).
+        ``module`` / ``optimizers``: the training state when it is not the session's own (``None``: the
+        session's); ``epoch``: the step's epoch, when there are epochs: growth is then judged when an epoch
+        ends and at :meth:`close` (memory freed at each epoch's end is not a leak), else at every step.
         """
         module = module if module is not None else self.module
         optimizers = self.optimizers if optimizers is None else list(optimizers)
         recorder = self.recorder
         recorder.assign_roles(module, optimizers)  # state made in the last step (grads, Adam's moments)
         recorder.catch_up()  # a compiled model kept compiled: what the last step made, found by a walk
+        self._note_in_flight(batch, *prefetched)
         live = self.watched_bytes()
         self.points.append([int(step), int(live)])
         self.steps += 1
@@ -227,6 +266,9 @@ class DoctorSession:
                 self._graph_report(grown)
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
+        if self.keep_tracer is not None and recorder.compiled != "keep" and not self.keep_tracer.start() \
+                and self.keep_tracer.note and self.keep_tracer.note not in recorder.errors:
+            recorder.errors.append(self.keep_tracer.note)  # another tracer (a debugger, coverage) is left alone
         if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing
                 and recorder.compiled != "keep"):  # no op is seen inside compiled code: no liveness to analyse
             self._analysing = True
@@ -312,6 +354,8 @@ class DoctorSession:
             self._analysing = False
             self.recorder.end_liveness()
         self.recorder.stop()
+        if self.keep_tracer is not None:
+            self.keep_tracer.stop()
 
     def report(self) -> DoctorReport:
         """The verdict so far."""
