@@ -250,3 +250,24 @@ def test_images_of_varying_size_are_predicted_at_the_largest_side():
     worst = find_worst_batch(module.train_dataloader())
     assert estimate_memory(module, batch=worst.at(prediction.batch_size), device="cpu").peak_bytes <= 64 * 2**20
     assert estimate_memory(module, batch=worst.at(prediction.batch_size + 1), device="cpu").peak_bytes > 64 * 2**20
+
+
+def test_autofit_plans_a_padded_text_classifier_with_argmax_metrics_on_its_worst_batch(tmp_path, capsys):
+    from lightning_memkit import AutoFit
+
+    # torchmetrics on argmax predictions in every training step: torch.unique on fakes, which failed every estimate
+    module = PaddedTextClassifier(train_size=96, d_model=32, dim_feedforward=64, batch_size=16)
+    longest = max(module.datamodule().train_set.lengths)
+    full = estimate_memory(module, device="cpu").peak_bytes
+    auto = AutoFit(device_memory=int(full * 0.6), modes="micro_batch", trials=1, verbose=True)
+    trainer = pl.Trainer(max_steps=3, callbacks=[auto], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module)
+    plan = auto.plan
+    assert plan.best is not None and plan.best.micro_batch < 16 and plan.best.micro_batch * plan.best.accumulation == 16
+    assert plan.notes[0] == (f"batch: input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): the "
+                             "worst batch of all 96 samples; micro-batches are its largest samples")
+    proved = plan.proved_micro_batch
+    assert proved.shapes.startswith(f"input_ids ({plan.best.micro_batch}, {longest})")
+    assert f"note: {plan.notes[0]}" in capsys.readouterr().out
+    assert module.batch_size == plan.best.micro_batch and trainer.global_step == 3
