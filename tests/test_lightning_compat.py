@@ -181,3 +181,36 @@ def test_prefetched_batches_is_the_batch_the_next_step_receives(tmp_path):
     make_trainer(tmp_path, max_steps=2, callbacks=[sized]).fit(LinearStack())
     assert sized.ahead == [[], []]
     assert prefetched_batches(types.SimpleNamespace()) == []
+
+
+def test_train_loader_and_use_train_loader_swap_the_loader_the_next_fit_loop_run_iterates(tmp_path):
+    """Pins ``fit_loop._combined_loader.flattened`` (read and replaced) and ``fit_loop._data_fetcher`` (its iterator
+    made anew): in ``on_fit_start`` (where MaxBatchSize's trials run), after ``reload_train_dataloader``, the fit
+    loop's run trains on the loader given; the next reload puts the module's own back."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_memkit._lightning_compat import reload_train_dataloader, train_loader, use_train_loader
+
+    class Swap(pl.Callback):
+        def __init__(self):
+            self.first, self.own, self.marked, self.back = [], None, None, None
+
+        def on_fit_start(self, trainer, pl_module):
+            reload_train_dataloader(trainer)
+            self.own = train_loader(trainer)
+            features = self.own.dataset[0][0].shape[0]
+            self.marked = DataLoader(TensorDataset(torch.full((4, features), 7.0)), batch_size=2)
+            use_train_loader(trainer, self.marked)
+            assert train_loader(trainer) is self.marked
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.first.append(float(batch[0][0, 0]))
+
+        def on_train_end(self, trainer, pl_module):
+            reload_train_dataloader(trainer)
+            self.back = train_loader(trainer)
+
+    swap = Swap()
+    make_trainer(tmp_path, max_steps=2, callbacks=[swap]).fit(LinearStack())
+    assert isinstance(swap.own, DataLoader) and swap.first == [7.0, 7.0]  # trained on the loader given
+    assert swap.back is not swap.marked and isinstance(swap.back, DataLoader)
