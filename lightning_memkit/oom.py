@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lightning_memkit.errors import MemkitError
+
 __all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report"]
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
@@ -26,9 +28,16 @@ _OOM_MESSAGES = (
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` means an allocation failed for lack of memory, on any device."""
+    """Whether ``error`` means an allocation failed for lack of memory, on any device.
+
+    memkit's own errors (:class:`~lightning_memkit.MemkitError`) count only when they are one
+    (:class:`~lightning_memkit.BudgetExceededError`) or were raised from one: a ``SearchError`` saying that batch size 1
+    "ran out of memory" is the search's verdict, not an allocation that failed.
+    """
     if isinstance(error, torch.OutOfMemoryError):
         return True
+    if isinstance(error, MemkitError):
+        return error.__cause__ is not None and is_out_of_memory(error.__cause__)
     if isinstance(error, (RuntimeError, MemoryError)):
         text = str(error)
         return isinstance(error, MemoryError) or any(message in text for message in _OOM_MESSAGES)

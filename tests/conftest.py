@@ -180,3 +180,95 @@ def rerun_in_own_process(request, tmp_path, timeout_s: int = 600) -> bool:
                             capture_output=True, text=True, timeout=timeout_s)
     assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
     return True
+
+
+# ---- tests leave the repository tree as they found it ------------------------------------------------------------
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: path parts that are set-up, not test output: virtual environments, bytecode, build metadata, pytest's cache
+NOT_TEST_OUTPUT = (".venv*", "__pycache__", "*.egg-info", ".pytest_cache")
+_TREE_AT_START = pytest.StashKey["set[str] | None"]()
+_ROOT_WRITERS = pytest.StashKey["dict[str, str]"]()
+_TREE_REPORT = pytest.StashKey[str]()
+
+
+def _is_test_output(path: str) -> bool:
+    import fnmatch
+
+    return not any(fnmatch.fnmatch(part, pattern) for part in path.split("/") for pattern in NOT_TEST_OUTPUT)
+
+
+def untracked_and_ignored_files() -> set[str] | None:
+    """Every file of the checkout git does not track, ignored ones included (paths from the repository root),
+    set-up (:data:`NOT_TEST_OUTPUT`) aside; ``None`` without git or outside a git checkout (a tarball)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not os.path.exists(os.path.join(REPO_ROOT, ".git")):
+        return None
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all", "--ignored"],
+                                cwd=REPO_ROOT, capture_output=True, timeout=120, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = iter(status.decode("utf-8", "surrogateescape").split("\0"))
+    found = set()
+    for entry in entries:
+        code, path = entry[:2], entry[3:]
+        if "R" in code or "C" in code:  # a rename or copy: the next entry is its source
+            next(entries, None)
+        elif code in ("??", "!!") and _is_test_output(path):
+            found.add(path)
+    return found
+
+
+def pytest_sessionstart(session):
+    """Note the untracked and ignored files before anything runs (collection included)."""
+    session.config.stash[_TREE_AT_START] = untracked_and_ignored_files()
+    session.config.stash[_ROOT_WRITERS] = {}
+
+
+@pytest.fixture(autouse=True)
+def _note_who_writes_into_the_repository_root(request):
+    """A new entry in the repository's root after a test: remember the test, for the session's report below."""
+    before = set(os.listdir(REPO_ROOT))
+    yield
+    writers = request.config.stash.get(_ROOT_WRITERS, None)
+    if writers is not None:
+        for name in set(os.listdir(REPO_ROOT)) - before:
+            writers.setdefault(name, request.node.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when files appeared in the repository tree: a test must write under ``tmp_path``.
+
+    Only new paths count (untracked or ignored files that were not there at the start), never changes to tracked
+    files: others may be editing the checkout while the tests run. The files are listed in the terminal summary.
+    """
+    before = session.config.stash.get(_TREE_AT_START, None)
+    after = untracked_and_ignored_files() if before is not None else None
+    if after is None or not after - before:
+        return
+    writers = session.config.stash.get(_ROOT_WRITERS, {})
+    lines = []
+    for path in sorted(after - before):
+        writer = writers.get(path.split("/")[0])
+        lines.append(f"  {path}" + (f"  (appeared during {writer})" if writer else ""))
+    message = ("the tests wrote these files into the repository tree, so the session fails; write under tmp_path "
+               "instead (e.g. monkeypatch.chdir(tmp_path), or a Trainer's default_root_dir=tmp_path):\n"
+               + "\n".join(lines))
+    session.config.stash[_TREE_REPORT] = message
+    if session.config.pluginmanager.get_plugin("terminalreporter") is None:
+        import sys
+
+        print(message, file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The files the tests wrote into the repository tree (found at session finish, above), before the last line."""
+    message = terminalreporter.config.stash.get(_TREE_REPORT, None)
+    if message:
+        terminalreporter.write_sep("=", "files written into the repository tree", red=True, bold=True)
+        terminalreporter.write_line(message)

@@ -91,3 +91,19 @@ def test_except_clauses_written_for_the_builtin_bases_still_catch():
     from lightning.pytorch.utilities.memory import is_oom_error  # Lightning's own check
 
     assert is_oom_error(error)
+
+
+def test_a_memkit_error_is_an_out_of_memory_error_only_when_it_is_one_or_was_raised_from_one():
+    from lightning_memkit import is_out_of_memory
+    from lightning_memkit.modes.checkpoint_measure import MeasureError
+    from lightning_memkit.search.core import SearchError
+
+    # the search's verdict names memory in words; no allocation failed (MemoryTracker wrote an OOM report for it)
+    assert not is_out_of_memory(SearchError("no batch size ran: the smallest tried, 1, ran out of memory"))
+    try:
+        try:
+            torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: the CPU allocator refuses it
+        except RuntimeError as error:
+            raise MeasureError(f"the measuring forward failed: {error}") from error
+    except MeasureError as wrapped:
+        assert is_out_of_memory(wrapped) and is_out_of_memory(wrapped.__cause__)

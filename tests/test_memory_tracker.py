@@ -8,6 +8,7 @@ import json
 import os
 import re
 
+import lightning.pytorch as pl
 import numpy
 import pytest
 import torch
@@ -436,6 +437,22 @@ def test_out_of_memory_leaves_a_report_flushes_loggers_and_reraises(tmp_path):
     with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
         rows = [r for r in csv.DictReader(file) if r.get("memory/train/tensor_MiB")]
     assert [int(r["step"]) for r in rows] == [0, 1]
+
+
+def test_a_failed_batch_size_search_is_not_an_out_of_memory_error_and_leaves_no_report(tmp_path, monkeypatch):
+    """The search's verdict "batch size 1 ran out of memory" (a SearchError) read as an out-of-memory error: the tracker
+    wrote memkit_oom_rank0.json into log_dir(trainer), without a logger the working directory (a test left one in the
+    repository's root). A memkit error is an out-of-memory error only when it is one or was raised from one."""
+    from lightning_memkit import MaxBatchSize, MemkitError
+
+    monkeypatch.chdir(tmp_path)  # where the report went: the Trainer's default_root_dir is the working directory
+    tracker = MemoryTracker(verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[tracker, MaxBatchSize(budget=30_000, max_val=8, use_estimate=False, verbose=False)])
+    with pytest.raises(MemkitError, match="out of memory"):
+        trainer.fit(LinearStack())
+    assert tracker.oom_report_path is None and os.listdir(tmp_path) == []
 
 
 def test_misuse_is_refused_with_a_clear_message():
