@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.errors import MemkitError
 
-__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError", "sample_batch_and_length"]
+__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError", "sample_batch_and_length",
+           "train_loader_and_length"]
 
 
 class NoBatchError(MemkitError, ValueError):
@@ -107,6 +108,35 @@ def sample_batch(module: Any, datamodule: Any = None) -> Any:
     return sample_batch_and_length(module, datamodule)[0]
 
 
+def _is_loader(candidate: Any) -> bool:
+    """Whether ``candidate`` is a loader in a collection of loaders (not a batch in a list of ready batches)."""
+    return hasattr(candidate, "__iter__") and not isinstance(candidate, (torch.Tensor, tuple, list, dict, str))
+
+
+def train_loader_and_length(module: Any, datamodule: Any = None) -> tuple[Any, int | None]:
+    """The train dataloader of ``datamodule`` or ``module`` (the first of several) and its length in batches
+    (``None`` when it has none); see :func:`_train_loader` for which hooks run.
+
+    Raises:
+        NoBatchError: when neither has a ``train_dataloader()`` (the message says what to pass), or a hook fails.
+    """
+    loader = _train_loader(module, datamodule)
+    if loader is None:
+        raise NoBatchError(
+            f"{type(module).__name__} has no train_dataloader() and no datamodule was given: pass an example "
+            "batch (batch=...), or a datamodule (datamodule=...), or implement train_dataloader() on the module"
+        )
+    if isinstance(loader, (list, tuple)) and loader and _is_loader(loader[0]):
+        loader = loader[0]
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()))
+    try:
+        batches = int(len(loader))
+    except Exception:  # noqa: BLE001 - an iterable dataset has no length
+        batches = None
+    return loader, batches
+
+
 def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, int | None]:
     """One batch from the train dataloader of ``datamodule`` or ``module``, RNG state untouched.
 
@@ -121,20 +151,7 @@ def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, i
             the loader's first batch) fails: the message names the hook.
     """
     with preserved_rng():
-        loader = _train_loader(module, datamodule)
-        if loader is None:
-            raise NoBatchError(
-                f"{type(module).__name__} has no train_dataloader() and no datamodule was given: pass an example "
-                "batch (batch=...), or a datamodule (datamodule=...), or implement train_dataloader() on the module"
-            )
-        if isinstance(loader, (list, tuple)) and loader and not isinstance(loader[0], torch.Tensor):
-            loader = loader[0]
-        if isinstance(loader, dict):
-            loader = next(iter(loader.values()))
-        try:
-            batches = int(len(loader))
-        except Exception:  # noqa: BLE001 - an iterable dataset has no length
-            batches = None
+        loader, batches = train_loader_and_length(module, datamodule)
         try:
             return next(iter(loader)), batches
         except StopIteration:

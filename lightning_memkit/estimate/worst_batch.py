@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_flatten_with_path, keystr
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from lightning_memkit.estimate.batches import NoBatchError, _train_loader, batch_size_of, preserved_rng
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
 from lightning_memkit.units import format_bytes
 
 __all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes", "batch_nbytes",
@@ -379,19 +379,7 @@ def worst_batch_and_length(module: Any, datamodule: Any = None, *, size_of: Any 
         NoBatchError: as :func:`~lightning_memkit.estimate.batches.sample_batch_and_length`.
     """
     with preserved_rng():
-        loader = _train_loader(module, datamodule)
-    if loader is None:
-        raise NoBatchError(
-            f"{type(module).__name__} has no train_dataloader() and no datamodule was given: pass an example "
-            "batch (batch=...), or a datamodule (datamodule=...), or implement train_dataloader() on the module")
-    if isinstance(loader, (list, tuple)) and loader and isinstance(loader[0], DataLoader):
-        loader = loader[0]
-    if isinstance(loader, dict):
-        loader = next(iter(loader.values()))
-    try:
-        batches = int(len(loader))
-    except Exception:  # noqa: BLE001 - an iterable dataset has no length
-        batches = None
+        loader, batches = train_loader_and_length(module, datamodule)
     try:
         return find_worst_batch(loader, size_of=size_of), batches
     except NoBatchError:
