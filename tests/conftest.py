@@ -187,6 +187,9 @@ def rerun_in_own_process(request, tmp_path, timeout_s: int = 600) -> bool:
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: path parts that are set-up, not test output: virtual environments, bytecode, build metadata, pytest's cache
 NOT_TEST_OUTPUT = (".venv*", "__pycache__", "*.egg-info", ".pytest_cache")
+#: new untracked (not ignored) files of these kinds are someone's edit, not test output: others may be adding
+#: modules and pages to the checkout while the tests run (a test writes its scripts under tmp_path)
+EDITED_SOURCES = (".py", ".md")
 _TREE_AT_START = pytest.StashKey["set[str] | None"]()
 _ROOT_WRITERS = pytest.StashKey["dict[str, str]"]()
 _TREE_REPORT = pytest.StashKey[str]()
@@ -200,7 +203,8 @@ def _is_test_output(path: str) -> bool:
 
 def untracked_and_ignored_files() -> set[str] | None:
     """Every file of the checkout git does not track, ignored ones included (paths from the repository root),
-    set-up (:data:`NOT_TEST_OUTPUT`) aside; ``None`` without git or outside a git checkout (a tarball)."""
+    set-up (:data:`NOT_TEST_OUTPUT`) and new sources (:data:`EDITED_SOURCES`) aside; ``None`` without git or outside a
+    git checkout (a tarball)."""
     import shutil
     import subprocess
 
@@ -217,7 +221,7 @@ def untracked_and_ignored_files() -> set[str] | None:
         code, path = entry[:2], entry[3:]
         if "R" in code or "C" in code:  # a rename or copy: the next entry is its source
             next(entries, None)
-        elif code in ("??", "!!") and _is_test_output(path):
+        elif (code == "!!" or (code == "??" and not path.endswith(EDITED_SOURCES))) and _is_test_output(path):
             found.add(path)
     return found
 
