@@ -8,17 +8,26 @@ TORCH_SPEC ?= torch==2.13.0
 # more packages installed next to torch (quoted one by one), e.g. the torchvision built for that torch
 EXTRA_SPEC ?=
 
-.PHONY: setup demo test test-extended test-gpu test-newest
+.PHONY: setup setup-demo demo test test-extended test-gpu test-newest
 
+# What `make demo` needs: torch and memkit with its runtime dependencies, nothing more.
 $(BIN)/memkit: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on "$(TORCH_SPEC)" $(foreach spec,$(EXTRA_SPEC),"$(spec)")
-	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	$(BIN)/pip install --progress-bar on -e .
 	touch $(BIN)/memkit
 
-setup: $(BIN)/memkit
+# What the tests need besides: the dev extra (pytest, mkdocs, transformers, ...), in the same venv. Its own stamp, so
+# `make test` after `make demo` still installs it.
+$(VENV)/.memkit-dev: $(BIN)/memkit
+	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	touch $@
 
-demo: setup
+setup-demo: $(BIN)/memkit
+
+setup: $(VENV)/.memkit-dev
+
+demo: setup-demo
 	$(BIN)/memkit demo
 
 # The suite on both ends of the supported torch range: the CPU wheel above, then the newest torch pip gives

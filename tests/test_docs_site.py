@@ -8,6 +8,7 @@ import ast
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -124,3 +125,27 @@ def test_make_demo_shows_pips_progress(tmp_path):
     assert done.returncode == 0, done.stderr
     installs = [line for line in done.stdout.splitlines() if "pip install" in line]
     assert len(installs) == 2 and not any("--quiet" in line or " -q" in line for line in installs), installs
+
+
+def _make_dry_run(target: str, venv) -> list[str]:
+    """The ``pip install`` lines ``make -n target`` would run, with its venv at ``venv``."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    done = subprocess.run(["make", "-n", target, f"VENV={venv}", "NEWEST=0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [line.split("pip install ", 1)[1].strip() for line in done.stdout.splitlines() if "pip install" in line]
+
+
+def test_make_demo_installs_what_the_demo_needs_and_make_test_the_dev_extra_too(tmp_path):
+    """``make demo`` installs torch and memkit (no pytest, mkdocs or transformers); ``make test`` the dev extra besides,
+    also after a ``make demo`` (its own stamp)."""
+    venv = tmp_path / "venv"
+    demo = _make_dry_run("demo", venv)
+    assert demo == ['--progress-bar on "torch==2.13.0"', "--progress-bar on -e ."], demo
+    test = _make_dry_run("test", venv)
+    assert test == demo + ["--progress-bar on -e '.[dev]'"], test
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "memkit").touch()  # what `make demo` leaves (newer than pyproject.toml)
+    assert _make_dry_run("demo", venv) == []
+    assert _make_dry_run("test", venv) == ["--progress-bar on -e '.[dev]'"]
