@@ -25,9 +25,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import LinearStack
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MemoryDoctor, MemoryTracker
 from lightning_memkit.records import RECORDS_FILENAME, read_records
-from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, MAX_TICK_LABEL, RANK_CATEGORY, check_dashboard,
-                                                 dashboard_layout, layout_from_tags, layout_tags, readable_layout,
-                                                 tensorboard_ticks, tensorboard_y_range, tick_label)
+from lightning_memkit.tensorboard.axis import tensorboard_ticks, tensorboard_y_range, tick_label
+from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, RANK_CATEGORY, dashboard_layout,
+                                                 layout_from_tags, layout_tags)
+from lightning_memkit.tensorboard.readable import readable_layout
+from lightning_memkit.tensorboard.rules import MAX_TICK_LABEL, check_dashboard
 from lightning_memkit.units import MiB
 
 D = 16

@@ -105,7 +105,8 @@ def _layout_events(log_dir):
     fit end's rewrite without the charts the run left empty, single-step or clipped, with the lines TensorBoard
     could not label drawn above a base: it must be exactly what ``update_dashboards`` gives these logs."""
     from lightning_memkit.tensorboard.dashboard import read_layout, read_run_scalars
-    from lightning_memkit.tensorboard.layout import layout_from_tags, readable_layout
+    from lightning_memkit.tensorboard.layout import layout_from_tags
+    from lightning_memkit.tensorboard.readable import readable_layout
 
     layouts = read_layouts(log_dir)
     if len(layouts) == 2:

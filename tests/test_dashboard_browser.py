@@ -10,7 +10,7 @@ dashboard's rules at TensorBoard's default settings:
 - the run's primary charts (step peak, live memory, the process's memory) are among them (:data:`PRIMARY`);
 - every chart lists at least one matching tag and at most 3 per run ("Matches (N)") and draws a line;
 - the y axis's tick labels, as TensorBoard writes them, all differ, and are exactly the ones
-  ``lightning_memkit.tensorboard.layout`` predicts from the served values (``tensorboard_y_range``,
+  ``lightning_memkit.tensorboard.axis`` predicts from the served values (``tensorboard_y_range``,
   ``tensorboard_ticks``, ``tick_label``): the model ``check_chart`` uses is the browser's.
 
 Skipped, saying so, where Chromium is not installed (Debian/Ubuntu: ``apt-get install -y chromium``).
@@ -252,7 +252,10 @@ PRIMARY["cpu5"] = PRIMARY["sparse"] = PRIMARY["ddp"] = PRIMARY["cpu"]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["cpu", "cpu5", "sparse", "ddp", "compare", "h100_gl", "h100_gc"])
 def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_factory):
-    from lightning_memkit.tensorboard.layout import (FRAME_TITLE, MAX_SERIES_PER_CHART, _drawn, check_chart, tensorboard_ticks, tick_label)
+    from lightning_memkit.tensorboard.axis import tensorboard_ticks, tick_label
+    from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART
+    from lightning_memkit.tensorboard.readable import FRAME_TITLE
+    from lightning_memkit.tensorboard.rules import check_chart, drawn_lines
     from lightning_memkit.tensorboard.server import TensorBoardServer
 
     with TensorBoardServer(make_logs(kind, tmp_path_factory), startup_timeout_s=90) as server:
@@ -275,7 +278,7 @@ def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_f
         assert card["lines"] >= 1 and not card["text"], (kind, title, card)
         # the axis as drawn: distinct labels, exactly the ones the rules' model of TensorBoard predicts
         assert len(set(card["y"])) == len(card["y"]), (kind, title, card["y"])
-        _, (low, high) = _drawn(values[title], 0.6)
+        _, (low, high) = drawn_lines(values[title], 0.6)
         assert card["y"] == [tick_label(t) for t in tensorboard_ticks(low, high)], (kind, title, card["y"], (low, high))
         assert check_chart(title, values[title]) == []
 

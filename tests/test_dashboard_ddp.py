@@ -11,7 +11,8 @@ import pytest
 from conftest import read_scalars, run_script
 from test_dashboard import read_layouts
 
-from lightning_memkit.tensorboard.layout import FRAME_TITLE, is_frame_tag
+from lightning_memkit.tensorboard.readable import FRAME_TITLE
+from lightning_memkit.tensorboard.tags import is_frame_tag
 
 SCRIPT = textwrap.dedent(
     """
@@ -67,7 +68,7 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     # and highest values, never left out
     assert matched == expected
     # the dashboard rules, on what this DDP run logged
-    from lightning_memkit.tensorboard.layout import check_dashboard
+    from lightning_memkit.tensorboard.rules import check_dashboard
 
     assert check_dashboard({c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in layout.items()}, {"tb": scalars}) == []
     for title, regexes in layout["memkit: memory per step"].items():  # no validation chart: this fit does not validate

@@ -1,6 +1,6 @@
 """Every dashboard chart is readable at a glance: the rules of ``check_dashboard`` on real logs.
 
-The rules (lightning_memkit/tensorboard/layout.py): every chart has data; at most 3 lines per run;
+The rules (lightning_memkit/tensorboard/rules.py): every chart has data; at most 3 lines per run;
 not only single-step lines; no line 100x bigger than another non-zero one in the same chart; every
 line inside the y range TensorBoard draws with its default settings (smoothing 0.6, outliers ignored).
 
@@ -28,9 +28,11 @@ from lightning_memkit.modes.compare import compare_modes, read_compare
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import (DASHBOARD_TAG_PART, FRAME_TITLE, MAX_SERIES_PER_CHART, check_chart, check_dashboard, dashboard_layout,
-                                                 layout_from_tags, layout_tags, readable_layout, tensorboard_ticks, tensorboard_y_range,
-                                                 is_frame_tag, tick_label)
+from lightning_memkit.tensorboard.axis import tensorboard_y_range
+from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, dashboard_layout, layout_from_tags, layout_tags
+from lightning_memkit.tensorboard.readable import FRAME_TITLE, readable_layout
+from lightning_memkit.tensorboard.rules import check_chart, check_dashboard
+from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART, is_frame_tag
 from lightning_memkit.units import format_bytes
 
 H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import glob
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from lightning_memkit import MemoryTracker
 from lightning_memkit.probes import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
-from lightning_memkit.tensorboard.layout import is_frame_tag
+from lightning_memkit.tensorboard.tags import is_frame_tag
 from lightning_memkit.tensorboard.tags import step_tag
 from lightning_memkit.units import MiB
 

@@ -22,7 +22,10 @@ from lightning_memkit.records import read_records
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.tensorboard.dashboard import FIGURE_TAG, SUMMARY_TEXT_TAG
 from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
-from lightning_memkit.tensorboard.layout import DASHBOARD_TAG_PART, FRAME_TITLE, check_dashboard, dashboard_layout, prune_layout, readable_layout
+from lightning_memkit.tensorboard.layout import dashboard_layout, prune_layout
+from lightning_memkit.tensorboard.readable import FRAME_TITLE, readable_layout
+from lightning_memkit.tensorboard.rules import check_dashboard
+from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART
 from lightning_memkit.tensorboard.server import TensorBoardServer
 from lightning_memkit.units import MiB
 

@@ -6,16 +6,22 @@ first TensorBoardLogger's ``SummaryWriter`` on global rank zero; without one it 
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
+import warnings
 import weakref
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
-from lightning_memkit.tensorboard.layout import COMPARE_CATEGORY, DASHBOARD_TAG_PART, dashboard_layout, layout_from_tags, prune_layout, readable_layout
-from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
+from lightning_memkit.summary_table import format_summary, format_table
+from lightning_memkit.tensorboard.layout import COMPARE_CATEGORY, dashboard_layout, layout_from_tags, prune_layout
+from lightning_memkit.tensorboard.readable import readable_layout
+from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART, DEFAULT_PREFIX, step_metrics
+from lightning_memkit.units import format_bytes
 
-__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG", "FIGURE_TAG",
-           "DEVICE_TEXT_TAG", "device_table", "read_layout", "write_layout", "update_dashboards",
+__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG",
+           "FIGURE_TAG", "DEVICE_TEXT_TAG", "device_table", "read_layout", "write_layout", "update_dashboards",
            "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE", "read_run_scalars"]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
@@ -94,6 +100,7 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
                                    trace=tracer is not None, prefix=getattr(tracer, "prefix", DEFAULT_PREFIX))
     if tracker is not None:  # the per-step charts need MemoryTracker's scalars
         accountant = tracker.tensor_accounting
+        world_size = getattr(trainer, "world_size", 1)
         options.update(
             prefix=tracker.prefix,
             cuda=cuda,
@@ -101,7 +108,7 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
             host=tracker.host,
             validation=tracker.log_validation and _validates(trainer),
             # the world size: with more than three ranks the per-rank charts split into groups of ranks
-            ranks=getattr(trainer, "world_size", 1) if tracker.per_rank and getattr(trainer, "world_size", 1) > 1 else False,
+            ranks=world_size if tracker.per_rank and world_size > 1 else False,
         )
     for callback in callbacks:
         asked = getattr(callback, DASHBOARD_OPTIONS_ATTRIBUTE, None)
@@ -148,8 +155,6 @@ def register_dashboard(trainer: Any, **layout_options: Any) -> bool:
 def _steps_per_tag(history: Sequence[StepReading], prefix: str, world_size: int) -> dict[str, int]:
     """``{tag: number of steps logged}`` of what MemoryTracker logged from ``history``; per-rank
     tags (``.../rank<r>/...``) count as their run-level tag (the history holds the reduced readings)."""
-    from lightning_memkit.tensorboard.tags import step_metrics
-
     steps: dict[str, set[int]] = {}
     for reading in history:
         for tag in step_metrics(reading, prefix):
@@ -164,7 +169,7 @@ def _steps_per_tag(history: Sequence[StepReading], prefix: str, world_size: int)
 def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading], prefix: str) -> bool:
     """At fit end: rewrite the run's layout without the charts it left empty or single-step
     (no NVML reading, a validation run that never came or came once), and readable for the values
-    it logged (:func:`~lightning_memkit.tensorboard.layout.readable_layout`: a chart TensorBoard
+    it logged (:func:`~lightning_memkit.tensorboard.readable.readable_layout`: a chart TensorBoard
     would clip is left out, a chart whose axis labels would repeat draws its lines above a named
     base; those lines are written here, at the steps of the logged ones). The values are read back
     from the run's event files, as TensorBoard reads them. Returns whether it rewrote the layout."""
@@ -186,9 +191,8 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
                 if read_layout(sibling) != pruned:
                     write_layout(sibling, pruned, _new_lines(sibling, derived.get(sibling, {}), prefix))
         except Exception as error:  # never break training for a dashboard
-            import warnings
-
-            warnings.warn(f"memkit: the dashboard of {run_dir} keeps its fit-start layout ({type(error).__name__}: {error})", stacklevel=2)
+            warnings.warn(f"memkit: the dashboard of {run_dir} keeps its fit-start layout "
+                          f"({type(error).__name__}: {error})", stacklevel=2)
     for tag, points in lines.items():
         for step, value in points:
             experiment.add_scalar(tag, value, global_step=step)
@@ -204,15 +208,14 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
 def _compare_siblings(run_dir: str) -> list[str]:
     """The other runs of the ``memkit compare`` root that ``run_dir`` (a mode's run) is in: the run
     directories beside it whose layout is the modes-compared one."""
-    import glob
-    import os
-
     root = os.path.dirname(os.path.abspath(run_dir))
     dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "events.out.tfevents.*"))})
-    return [d for d in dirs if os.path.abspath(d) != os.path.abspath(run_dir) and COMPARE_CATEGORY in (read_layout(d) or {})]
+    return [d for d in dirs
+            if os.path.abspath(d) != os.path.abspath(run_dir) and COMPARE_CATEGORY in (read_layout(d) or {})]
 
 
-def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX, rebased: bool = False) -> dict[str, list[tuple[int, float]]]:
+def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX,
+                     rebased: bool = False) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` of the scalars in ``run_dir``'s event files (read with
     TensorBoard's own reader, every point), without the dashboard's rebased lines
     (``<prefix>/dashboard/...``, which are made from the others), or only those with ``rebased=True``."""
@@ -225,7 +228,8 @@ def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX, rebased: bool =
             for tag in accumulator.Tags()["scalars"] if tag.startswith(own) == rebased}
 
 
-def _new_lines(run_dir: str, lines: dict[str, list[tuple[int, float]]], prefix: str) -> dict[str, list[tuple[int, float]]]:
+def _new_lines(run_dir: str, lines: dict[str, list[tuple[int, float]]],
+               prefix: str) -> dict[str, list[tuple[int, float]]]:
     """The rebased lines ``run_dir`` does not hold yet (a line's tag names its base: the same tag is the same line)."""
     if not lines:
         return {}
@@ -252,10 +256,10 @@ def log_memory_summary(trainer: Any, summary: RunSummary, history: Sequence[Step
     experiment = tensorboard_experiment(trainer)
     if experiment is None:
         return False
-    from lightning_memkit.summary_table import format_summary
-    from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure
+    from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure  # matplotlib: heavy
 
-    experiment.add_text(f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)), global_step=step)
+    experiment.add_text(f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)),
+                        global_step=step)
     device = device_table(history)
     if device:
         experiment.add_text(f"{prefix}/{DEVICE_TEXT_TAG}", markdown_code(device), global_step=step)
@@ -276,24 +280,27 @@ def device_table(history: Sequence[StepReading]) -> str | None:
     memory minus the allocator's reserved bytes at the same step: the CUDA context, cuBLAS/cuDNN
     workspaces, NCCL buffers (memory ``torch.cuda`` does not count).
     """
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
 
     readings = [r for r in history if r.device_total_bytes]
     if not readings:
         return None
     total = max(r.device_total_bytes for r in readings)
-    fullest = max((r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes, default=None)
+    fullest = max((r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes,
+                  default=None)
     rows = [["capacity (NVML total)", format_bytes(total)]]
     if fullest is not None:
-        rows.append(["most used, all processes", f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})"])
+        rows.append(["most used, all processes",
+                     f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})"])
         rows.append(["headroom at that step", f"{format_bytes(total - fullest.device_used_bytes)} "
                                               f"({(total - fullest.device_used_bytes) / total:.1%} of capacity)"])
-    process = max((r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes, default=None)
+    process = max((r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes,
+                  default=None)
     if process is not None:
-        rows.append(["most used, this process", f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})"])
+        rows.append(["most used, this process",
+                     f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})"])
         if process.reserved_bytes is not None:
-            rows.append(["  of which outside the allocator", format_bytes(process.process_device_bytes - process.reserved_bytes)])
+            rows.append(["  of which outside the allocator",
+                         format_bytes(process.process_device_bytes - process.reserved_bytes)])
     return "memkit device memory (NVML)\n" + format_table(["measure", "value"], rows)
 
 
@@ -316,18 +323,16 @@ def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
     return {c.title: {ch.title: ["Multiline", list(ch.multiline.tag)] for ch in c.chart} for c in layout.category}
 
 
-def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]], lines: dict[str, list[tuple[int, float]]] | None = None) -> str:
+def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]],
+                 lines: dict[str, list[tuple[int, float]]] | None = None) -> str:
     """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the
     layout and the lines it draws that the run does not have yet (``lines``: ``{tag: [(step,
-    value), ...]}``, the rebased lines of :func:`~lightning_memkit.tensorboard.layout.readable_layout`).
+    value), ...]}``, the rebased lines of :func:`~lightning_memkit.tensorboard.readable.readable_layout`).
 
     TensorBoard then shows this layout for the run instead of the one written at fit start: the
     Custom Scalars tab reads a run's last layout event, and the new file sorts after the run's
     own (its name starts with a later timestamp). Returns the new file's path.
     """
-    import glob
-    import os
-
     from torch.utils.tensorboard import SummaryWriter
 
     before = set(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
@@ -349,15 +354,14 @@ def update_dashboards(logdir: str, prefix: str = DEFAULT_PREFIX) -> dict[str, di
     For logs written by an older memkit: each run directory whose event files hold
     ``<prefix>/train/...`` scalars gets :func:`~lightning_memkit.tensorboard.layout.layout_from_tags`
     of its own tags (a run beside a ``compare.json`` is a mode of ``memkit compare``), made readable
-    for its values by :func:`~lightning_memkit.tensorboard.layout.readable_layout` (with the rebased
-    lines it draws), written by :func:`write_layout` unless it shows that layout already. Nothing else in the run is touched.
+    for its values by :func:`~lightning_memkit.tensorboard.readable.readable_layout` (with the rebased
+    lines it draws), written by :func:`write_layout` unless it shows that layout already. Nothing else in the run is
+    touched.
     Returns ``{run_dir: layout}`` of the runs it updated.
     """
-    import glob
-    import os
-
     updated = {}
-    run_dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)})
+    events = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)
+    run_dirs = sorted({os.path.dirname(p) for p in events})
     groups: dict[str, dict[str, dict]] = {}  # the runs drawn together: a compare root's modes, else each run alone
     for run_dir in run_dirs:
         scalars = read_run_scalars(run_dir, prefix)

@@ -51,18 +51,23 @@ SERIES_STYLE: dict[str, tuple[str, str, str]] = {
 #: Each panel draws at most three lines of one scale (a capacity or a process's whole device memory
 #: is never on the allocator's panel, where it flattened the allocator's lines to zero).
 PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("CUDA step peak, top to bottom: reserved, allocated", ("peak_reserved_bytes", "peak_allocated_bytes"), ("peak_allocated_bytes",)),
+    ("CUDA step peak, top to bottom: reserved, allocated", ("peak_reserved_bytes", "peak_allocated_bytes"),
+     ("peak_allocated_bytes",)),
     ("CUDA at step end, top to bottom: reserved, allocated", ("reserved_bytes", "allocated_bytes"), ()),
-    ("device (NVML), top to bottom: all processes, this process, allocator reserved", ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
-    ("tensors (exact), top to bottom: step peak, live at step end", ("peak_tensor_bytes", "tensor_bytes"), ("peak_tensor_bytes",)),
-    ("host RSS, top to bottom: step peak, step end", ("host_peak_rss_bytes", "host_rss_bytes"), ("host_peak_rss_bytes",)),
+    ("device (NVML), top to bottom: all processes, this process, allocator reserved",
+     ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
+    ("tensors (exact), top to bottom: step peak, live at step end", ("peak_tensor_bytes", "tensor_bytes"),
+     ("peak_tensor_bytes",)),
+    ("host RSS, top to bottom: step peak, step end", ("host_peak_rss_bytes", "host_rss_bytes"),
+     ("host_peak_rss_bytes",)),
 )
 SERIES_STYLE.update({
     "device_used_bytes": ("NVML: all processes", "#17becf", "-"),
 })
 
 
-def new_figure(title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4, sharex: bool = True) -> tuple[Figure, list]:
+def new_figure(title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4,
+               sharex: bool = True) -> tuple[Figure, list]:
     """A figure with ``nrows`` stacked axes, a bold title and a light grid; returns (figure, axes)."""
     figure = Figure(figsize=(width, row_height * nrows + 0.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -94,7 +99,8 @@ def figure_png(figure: Figure, dpi: int = 100) -> bytes:
 
 
 def figure_rgb(figure: Figure):
-    """The figure as an ``(height, width, 3)`` uint8 array, as ``SummaryWriter.add_image(dataformats="HWC")`` takes it."""
+    """The figure as an ``(height, width, 3)`` uint8 array, as ``SummaryWriter.add_image(dataformats="HWC")``
+    takes it."""
     import numpy as np
 
     canvas = figure.canvas if isinstance(figure.canvas, FigureCanvasAgg) else FigureCanvasAgg(figure)
@@ -154,11 +160,13 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
         low, high = ax.get_ylim()
         top = max((v for f in fields for v in _series(history, f)[1]), default=high)
         ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)  # beside the plot, never on a line
+        # beside the plot, never on a line
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     axes[-1].set_xlabel("training step")
     # under the whole figure (constrained layout gives it its own row), not beside the first panel's title,
     # which a long panel title overlapped
-    figure.supxlabel(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9)
+    figure.supxlabel(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}",
+                     fontsize=9)
     return figure
 
 
@@ -173,7 +181,8 @@ def compare_figures(compare) -> dict[str, Figure]:
 
     ``peak_figure``: each mode's per-step peak (MiB) as a bar with its ratio to the baseline, the
     lowest marked (its ratio in the marker's label, so the red dot covers no text). ``steps_figure``:
-    every mode's per-step peak against the training step, the highest marked. Values are the records' own (``ModeResult.peak_allocated_bytes``, ``step_peaks``).
+    every mode's per-step peak against the training step, the highest marked. Values are the records' own
+    (``ModeResult.peak_allocated_bytes``, ``step_peaks``).
     """
     ok = [r for r in compare.results if r.status == "ok" and r.peak_allocated_bytes is not None]
     source = ok[0].peak_source if ok else "no successful mode"
@@ -189,7 +198,8 @@ def compare_figures(compare) -> dict[str, Figure]:
                 bar_ax.annotate(f"{result.peak_ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=8)
         ratio = "" if ok[lowest].peak_ratio is None else f"\n{ok[lowest].peak_ratio:.2f}x"
-        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes, f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}{ratio}")
+        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes,
+                  f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}{ratio}")
     bar_ax.set_ylabel(f"peak per step (MiB, {source})")
     steps_figure, (line_ax,) = new_figure("memkit compare: memory per step per mode", width=8.0, row_height=3.6)
     highest = None

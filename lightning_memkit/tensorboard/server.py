@@ -44,7 +44,8 @@ class TensorBoardServer:
         extra_args: more command-line arguments for ``tensorboard``.
     """
 
-    def __init__(self, logdir: str, port: int | None = None, startup_timeout_s: float = 60.0, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, logdir: str, port: int | None = None, startup_timeout_s: float = 60.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.logdir = os.path.abspath(logdir)
         self.port = port or free_port()
         self.startup_timeout_s = startup_timeout_s
@@ -84,7 +85,8 @@ class TensorBoardServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"tensorboard did not list a run of {self.logdir} within {self.startup_timeout_s:.0f} s:\n{self.log}")
+        raise RuntimeError(f"tensorboard did not list a run of {self.logdir} within {self.startup_timeout_s:.0f} s:\n"
+                           f"{self.log}")
 
     def stop(self) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after 10 s)."""

@@ -6,14 +6,33 @@ Byte fields are logged in MiB (bytes / 2**20, exact in float64) with the unit in
 
 from __future__ import annotations
 
+import re
+
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
 from lightning_memkit.units import MiB
 
-__all__ = ["DEFAULT_PREFIX", "STAGE_TAGS", "metric_name", "step_tag", "step_metrics", "summary_metrics"]
+__all__ = ["DEFAULT_PREFIX", "STAGE_TAGS", "metric_name", "step_tag", "step_metrics", "summary_metrics",
+           "DASHBOARD_TAG_PART", "FRAME_TAG_PART", "is_frame_tag", "is_rebased_tag"]
 
 DEFAULT_PREFIX = "memory"
 #: StepReading.stage -> the path part in the tag.
 STAGE_TAGS = {"train": "train", "validate": "val"}
+#: the path part of the dashboard's redrawn lines: ``<prefix>/dashboard/train/host_rss_MiB_above_1490_MiB`` is
+#: ``memory/train/host_rss_MiB`` minus 1,490 MiB, the base its chart's title names (written at fit end, see
+#: :func:`~lightning_memkit.tensorboard.readable.readable_layout`).
+DASHBOARD_TAG_PART = "dashboard"
+#: the path part of a frame line's tag: ``<prefix>/dashboard/frame/train/peak_tensor/low_4.43_MiB``.
+FRAME_TAG_PART = DASHBOARD_TAG_PART + "/frame"
+
+
+def is_frame_tag(tag: str) -> bool:
+    """Whether ``tag`` is a frame line of the dashboard (a flat line that holds a chart's range), not a reading."""
+    return f"/{FRAME_TAG_PART}/" in tag
+
+
+def is_rebased_tag(tag: str) -> bool:
+    """Whether ``tag`` is a line the dashboard redrew above a base (``..._KiB_above_4628.4_KiB``)."""
+    return re.search(r"_above_[0-9.]+_(B|KiB|MiB|GiB)$", tag) is not None
 
 
 def metric_name(field: str) -> str:
