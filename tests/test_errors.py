@@ -32,7 +32,7 @@ BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.report.sources.ReportInputError": Exception,
     "lightning_memkit.search.budget.BudgetExceededError": torch.OutOfMemoryError,
     "lightning_memkit.search.core.SearchError": RuntimeError,
-    "lightning_memkit.search.lightning.BatchSizeSearchError": ValueError,
+    "lightning_memkit.search.searchable.BatchSizeSearchError": ValueError,
     "lightning_memkit.search.limits.TrialTooSlow": RuntimeError,
 }
 

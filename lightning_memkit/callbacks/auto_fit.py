@@ -282,12 +282,12 @@ def _describe(applied: dict[str, Any]) -> str:
 
 
 def _getattr(module: Any, name: str) -> Any:
-    from lightning_memkit.search.lightning import _lightning_getattr
+    from lightning_memkit.search.searchable import _lightning_getattr
 
     return _lightning_getattr(module, name)
 
 
 def _setattr(module: Any, name: str, value: Any) -> None:
-    from lightning_memkit.search.lightning import _lightning_setattr
+    from lightning_memkit.search.searchable import _lightning_setattr
 
     _lightning_setattr(module, name, value)

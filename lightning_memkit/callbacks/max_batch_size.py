@@ -14,8 +14,9 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
 from lightning_memkit.search.core import SearchError, SearchResult
-from lightning_memkit.search.lightning import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
-                                               check_searchable, search_in_fit)
+from lightning_memkit.search.lightning import search_in_fit
+from lightning_memkit.search.searchable import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
+                                                check_searchable)
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MaxBatchSize", "find_max_batch_size"]

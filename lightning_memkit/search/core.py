@@ -60,6 +60,7 @@ class SearchResult:
         estimate_seconds: time spent estimating before the first trial.
         seconds: total wall time, estimate included.
         estimate_unavailable: why there was no prediction (the estimate's error, ``use_estimate=False``), ``None`` with one.
+        dataset_length: the train dataset's length in samples (``None`` for an iterable dataset or when unknown).
         batch_note: which batches the trials trained on: the data's worst batch at each size, or the loader's own
             batches where the data cannot be enumerated (then the answer holds for the batches drawn).
     """
@@ -73,6 +74,7 @@ class SearchResult:
     estimate_seconds: float = 0.0
     seconds: float = 0.0
     estimate_unavailable: str | None = None
+    dataset_length: int | None = None
     batch_note: str = ""
 
     @property
