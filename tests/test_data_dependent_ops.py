@@ -1,8 +1,8 @@
 """Ops whose output shape depends on values (unique, nonzero, boolean masks, masked_select, bincount) in a fake step:
 sized exactly where real values decide them, else at their largest output (an upper bound) by the values the fake
-step knows (estimate/fake.py: ValueSets, DataDependentOps), so the estimate never fails for want of a bound, is at
-least the real step's peak, and validation code (torchmetrics') passes as it does on data. Each estimate is compared
-with a real step on the same batch, to the byte: the bound's extra bytes are computed by hand.
+step knows (estimate/fake_value_sets.py, estimate/data_dependent_ops.py), so the estimate never fails for want of a
+bound, is at least the real step's peak, and validation code (torchmetrics') passes as it does on data. Each estimate is
+compared with a real step on the same batch, to the byte: the bound's extra bytes are computed by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.estimate import EstimateError
 from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE, _StepAccountant
-from lightning_memkit.estimate.fake import FakeSession, FakeStepOps
+from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.fake_step import FakeStepOps
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

@@ -15,7 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
 from lightning_memkit.estimate.core import _StepAccountant
-from lightning_memkit.estimate.fake import FakeSession, FakeStepOps, known_value
+from lightning_memkit.estimate.fake_known_values import known_value
+from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.fake_step import FakeStepOps
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

@@ -21,7 +21,7 @@ from lightning_memkit.estimate.cuda_kernels import (
     conv_workspace_bytes,
     cublas_workspace_bytes,
 )
-from lightning_memkit.estimate.fake import FakeSession
+from lightning_memkit.estimate.fake_session import FakeSession
 from lightning_memkit.units import MiB
 
 

@@ -167,3 +167,41 @@ def test_arguments_binds_an_aten_call_by_schema_name_with_its_defaults():
     assert estimate_compat.arguments(bincount, (x, None, 5), None) == {"self": x, "weights": None, "minlength": 5}
     index = torch.ops.aten.index.Tensor  # (self, indices): no default, left out when the call leaves it out
     assert estimate_compat.arguments(index, (x,), {}) == {"self": x}
+
+
+def test_no_dispatch_modes_runs_below_the_fake_mode():
+    with FakeTensorMode():
+        fake = torch.empty(2)
+        with estimate_compat.no_dispatch_modes():
+            real = torch.ones(2)
+    assert isinstance(fake, FakeTensor) and not isinstance(real, FakeTensor)
+    assert real.sum().item() == 2.0  # a real tensor: its values can be read
+
+
+def test_the_dispatcher_tells_a_view_with_kernels_from_a_composite():
+    assert estimate_compat.is_op_overload(torch.ops.aten.view.default)
+    assert not estimate_compat.is_op_overload(torch.ops.aten.view)  # the packet, not an overload
+    assert not estimate_compat.has_composite_implicit_kernel(torch.ops.aten.view.default)
+    assert estimate_compat.has_composite_implicit_kernel(torch.ops.aten.reshape.default)
+
+
+def test_the_nn_builtins_are_what_torch_nn_functional_calls():
+    assert estimate_compat.nn_builtin("linear") is torch._C._nn.linear
+    assert estimate_compat.nn_builtin("scaled_dot_product_attention") is F.scaled_dot_product_attention
+    assert estimate_compat.nn_builtin("softplus") is torch._C._nn.softplus
+    assert estimate_compat.nn_builtin("no_such_builtin") is None
+
+
+def test_in_backward_is_true_only_while_autograd_runs_a_backward():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(estimate_compat.in_backward()))
+    assert not estimate_compat.in_backward()
+    (x * 2).sum().backward()
+    assert seen == [True]
+
+
+def test_compiled_original_unwraps_torch_compile():
+    module = torch.nn.Linear(2, 2)
+    assert estimate_compat.compiled_original(torch.compile(module)) is module  # compiling is lazy: nothing runs
+    assert estimate_compat.compiled_original(module) is None

@@ -7,12 +7,15 @@ test says which.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group", "fully_shard",
-           "safe_softmax", "flash_attention", "efficient_attention", "argument", "arguments", "FAKE_EXTRAS"]
+__all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group",
+           "fully_shard", "safe_softmax", "flash_attention", "efficient_attention", "argument", "arguments",
+           "FAKE_EXTRAS", "no_dispatch_modes", "is_op_overload", "has_composite_implicit_kernel", "nn_builtin",
+           "in_backward", "compiled_original"]
 
 #: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
 #: ``torch._subclasses.fake_tensor.FakeTensor``): a constant's value, the real tensor of a
@@ -43,6 +46,48 @@ def wrap_fake(fake_type: type, mode: Any, meta: torch.Tensor, device: torch.devi
     return fake_type(mode, meta, device)
 
 
+def no_dispatch_modes() -> ContextManager[None]:
+    """``torch.utils._python_dispatch._disable_current_modes()``: the block runs below every dispatch mode (no fake
+    mode, no accountant), so what it makes is real (or meta) and values can be read from real tensors."""
+    return _disable_current_modes()
+
+
+def is_op_overload(func: Any) -> bool:
+    """Whether ``func`` is an aten-style overload (``torch._ops.OpOverload``: ``aten.view.default``...)."""
+    return isinstance(func, torch._ops.OpOverload)
+
+
+def has_composite_implicit_kernel(func: Any) -> bool:
+    """Whether the overload ``func`` is a ``CompositeImplicitAutograd`` op (a composite that decomposes, not an op
+    with its own kernels), read from the dispatcher (``torch._C._dispatch_has_kernel_for_dispatch_key``)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def nn_builtin(name: str) -> Any:
+    """``torch._C._nn.<name>`` (the C++ functions ``torch.nn.functional`` calls: ``linear``,
+    ``scaled_dot_product_attention``, ``softplus``), or ``None`` when this torch has no such builtin."""
+    return getattr(torch._C._nn, name, None)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward now: torch's private ``torch._C._current_graph_task_id()``
+    is -1 outside one (a torch without it answers False)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() >= 0
+
+
+def compiled_original(module: Any) -> Any:
+    """The module a ``torch.compile``'d ``module`` wraps (``torch._dynamo.eval_frame.OptimizedModule._orig_mod``),
+    or ``None`` when ``module`` is not one (or this torch has no dynamo, so compiles nothing)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule  # deferred: importing dynamo takes about a second
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return None
+    if isinstance(module, OptimizedModule):
+        return getattr(module, "_orig_mod", None)
+    return None
+
+
 def register_fake_process_group() -> None:
     """Register torch's ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``:
     collectives that move no data), which FSDP2's estimate runs ``fully_shard`` over."""
@@ -51,11 +96,13 @@ def register_fake_process_group() -> None:
     except ImportError as error:
         raise RuntimeError(f"this torch ({torch.__version__}) has no fake process group "
                            "(torch.testing._internal.distributed.fake_pg): FSDP2's estimate needs it; "
-                           "estimate strategy='ddp' instead, or use a torch in lightning_memkit's declared range") from error
+                           "estimate strategy='ddp' instead, or use a torch in lightning_memkit's declared range"
+                           ) from error
 
 
 def fully_shard() -> Any:
-    """FSDP2's ``fully_shard`` (``torch.distributed.fsdp.fully_shard``), which FSDP2's estimate runs on the meta copy."""
+    """FSDP2's ``fully_shard`` (``torch.distributed.fsdp.fully_shard``), which FSDP2's estimate runs on the meta
+    copy."""
     try:
         from torch.distributed.fsdp import fully_shard as found
     except ImportError as error:
@@ -77,17 +124,20 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scale: float | None) -> torch.Tensor:
     """The output of ``aten._scaled_dot_product_flash_attention`` (no debug mask), its arguments passed by
     their schema names."""
-    outputs = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
-                                                                 return_debug_mask=False, scale=scale)
+    outputs = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p=dropout_p,
+                                                                 is_causal=is_causal, return_debug_mask=False,
+                                                                 scale=scale)
     return outputs[0]
 
 
 def efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
-                        compute_log_sumexp: bool, dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+                        compute_log_sumexp: bool, dropout_p: float, is_causal: bool,
+                        scale: float | None) -> torch.Tensor:
     """The output of ``aten._scaled_dot_product_efficient_attention``, its arguments passed by their schema names."""
     outputs = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_bias=attn_bias,
-                                                                     compute_log_sumexp=compute_log_sumexp, dropout_p=dropout_p,
-                                                                     is_causal=is_causal, scale=scale)
+                                                                     compute_log_sumexp=compute_log_sumexp,
+                                                                     dropout_p=dropout_p, is_causal=is_causal,
+                                                                     scale=scale)
     return outputs[0]
 
 

@@ -34,16 +34,9 @@ from lightning_memkit.estimate.allocator import (
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
 from lightning_memkit.estimate.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.estimate.cuda_kernels import cuda_target
-from lightning_memkit.estimate.fake import (
-    NOT_ANSWERED,
-    REAL_VALUES_NUMEL,
-    FakeSession,
-    FakeStepMode,
-    FakeStepOps,
-    fake_parameter,
-    is_fake,
-    keeps_real_values,
-)
+from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.fake_step import FakeStepMode, FakeStepOps
+from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, REAL_VALUES_NUMEL, fake_parameter, is_fake, keeps_real_values
 from lightning_memkit.modes.offload import offload_suspended
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
@@ -143,7 +136,7 @@ class MemoryEstimate:
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
 #: What ``.item()`` of a fake floating-point tensor answers inside the optimizer's step (elsewhere it is 1.0,
-#: see :class:`~lightning_memkit.estimate.fake.ScalarPlaceholders`). An optimizer reads its scalars there (step
+#: see :class:`~lightning_memkit.estimate.fake_outputs.ScalarPlaceholders`). An optimizer reads its scalars there (step
 #: counts, NAdam's running product of momentum factors) and divides by ``x`` and ``1 - x``: 1.0 makes NAdam's
 #: ``1 - mu_product`` zero, 0.5 keeps both non-zero. Memory does not depend on the value.
 OPTIMIZER_FLOAT_PLACEHOLDER = 0.5
@@ -153,7 +146,7 @@ class _StepAccountant(TensorAccountant):
     """The accountant plus what the estimate needs: the live records at each new peak, the phase
     of the peak, and (for the CUDA model) the allocation/free events in order.
 
-    On a fake step it also does :class:`~lightning_memkit.estimate.fake.FakeStepOps`' work (placeholder
+    On a fake step it also does :class:`~lightning_memkit.estimate.fake_step.FakeStepOps`' work (placeholder
     scalars, kept loss buffers, fake tensors' devices) in the same dispatch call: one Python mode layer
     per op instead of three, with the same results (the step runs inside ``FakeSession.fake_mode_only``).
     """

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake import NOT_ANSWERED, _fake_tensor_module, fake_device_query
+from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
 from lightning_memkit.units import KiB, MiB
 
 __all__ = [
@@ -615,7 +615,7 @@ class _CudaWorkspaces(TorchDispatchMode):
         self._flash_backward = aten._scaled_dot_product_flash_attention_backward.default
         self._efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
         self._device = torch.ops.prim.device.default
-        self._fake_type = _fake_tensor_module().FakeTensor
+        self._fake_type = fake_tensor_type()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         if func is self._device:  # most of a fake step's ops: answered here, not by every mode below

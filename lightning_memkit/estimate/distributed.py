@@ -151,7 +151,7 @@ def optimizer_state_bytes_per_parameter(optimizer: Callable[[list[nn.Parameter]]
         optimizer: an optimizer class or ``params -> optimizer``.
         dtype: the parameters' dtype.
     """
-    from lightning_memkit.estimate.fake import FakeSession
+    from lightning_memkit.estimate.fake_session import FakeSession
 
     session = FakeSession()
     totals = []
@@ -361,13 +361,11 @@ def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwar
     fake tensors costs a fake tensor per chunk (23 s for a 1B model on 64 ranks, against 5 s on 2); on meta it
     is cheap. The parameters' values are not needed, only their shapes; tied parameters stay tied.
     """
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from lightning_memkit.estimate import _torch_compat
 
     fully_shard = _torch_compat.fully_shard()
 
-    with _disable_current_modes():  # no fake mode, no accountant: meta tensors only
+    with _torch_compat.no_dispatch_modes():  # no fake mode, no accountant: meta tensors only
         metas: dict[int, nn.Parameter] = {}
         for submodule in module.modules():
             for name, parameter in list(submodule._parameters.items()):
