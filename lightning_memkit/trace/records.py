@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memkit.accounting.categories import CATEGORIES, CategoryBreakdown
+from lightning_memkit.trace.render import format_category_table, format_trace_table, trace_figure, trace_metrics
 
 __all__ = [
     "TRACE_FORMAT",
@@ -64,7 +65,8 @@ def write_new_file(directory: str | os.PathLike, filename: str, text: str, max_v
         except FileExistsError:
             continue
         return path
-    raise FileExistsError(f"{filename} and its versions -v1 ... -v{max_versions} all exist in {directory}; remove old ones")
+    raise FileExistsError(f"{filename} and its versions -v1 ... -v{max_versions} all exist in {directory}; "
+                          f"remove old ones")
 
 
 @dataclass
@@ -200,7 +202,8 @@ class LayerTraceResult:
         """
         fmt = data.get("format")
         if not isinstance(fmt, str) or not fmt.startswith("lightning-memkit/trace/"):
-            raise ValueError(f"not a memkit layer trace (format={fmt!r}); expected {TRACE_FORMAT!r}, as written by LayerTrace or LayerTraceResult.to_json")
+            raise ValueError(f"not a memkit layer trace (format={fmt!r}); expected {TRACE_FORMAT!r}, as written by "
+                             f"LayerTrace or LayerTraceResult.to_json")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["events"] = [TraceEvent.from_dict(e) for e in data.get("events", [])]
@@ -237,34 +240,26 @@ class LayerTraceResult:
                 handle.write(text)
         return text
 
-    # ------------------------------------------------------------------ display (see trace/render.py)
+    # ------------------------------------------------------------------ display (trace/render.py draws)
     def format_table(self, max_depth: int | None = None, markers: bool = True) -> str:
         """The indented module tree (name, phase, delta MiB, live MiB, saved MiB, shape; MiB = 2**20 bytes).
 
         ``max_depth``: leave out modules deeper than this (root 0); ``markers=False``: leave out the
         step markers (``[backward-end]``, ``[optimizer-step]``...).
         """
-        from lightning_memkit.trace.render import format_trace_table
-
         return format_trace_table(self, max_depth=max_depth, markers=markers)
 
     def format_categories(self) -> str:
         """The category breakdown at the peak and at step end, as a table."""
-        from lightning_memkit.trace.render import format_category_table
-
         return format_category_table(self)
 
     def figure(self, title: str | None = None):
         """A matplotlib figure of live memory (MiB) against event index, the peak marked, under ``title``
         (default: the model's class and the step)."""
-        from lightning_memkit.trace.render import trace_figure
-
         return trace_figure(self, title=title)
 
     def metrics(self, prefix: str = "memory") -> dict[str, float]:
         """Per-category scalars in MiB, under ``{prefix}/trace/...`` (see docs/layer_trace.md)."""
-        from lightning_memkit.trace.render import trace_metrics
-
         return trace_metrics(self, prefix=prefix)
 
 

@@ -12,7 +12,7 @@ from lightning_memkit.summary_table import format_table
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import MiB, format_bytes
 
-if TYPE_CHECKING:  # for annotations only: records calls into this module (its display methods), never the reverse
+if TYPE_CHECKING:  # annotations only, never run: records.py imports this module for its display methods
     from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 
 __all__ = ["format_trace_table", "format_category_table", "trace_figure", "trace_metrics", "PHASE_COLORS"]
@@ -91,7 +91,8 @@ def format_category_table(result: LayerTraceResult) -> str:
         rows.append((category, _mib(peak), _mib(end), str(peak), str(end)))
     rows.append(("total", _mib(result.at_peak.total_bytes), _mib(result.at_end.total_bytes),
                  str(result.at_peak.total_bytes), str(result.at_end.total_bytes)))
-    for field, label in (("reserved_minus_allocated_bytes", "CUDA reserved - allocated"), ("nvml_unseen_bytes", "NVML, unseen by allocator")):
+    for field, label in (("reserved_minus_allocated_bytes", "CUDA reserved - allocated"),
+                         ("nvml_unseen_bytes", "NVML, unseen by allocator")):
         peak, end = getattr(result.at_peak, field), getattr(result.at_end, field)
         if peak is not None or end is not None:
             rows.append((label, _mib(peak) if peak is not None else "-", _mib(end) if end is not None else "-",
@@ -117,7 +118,7 @@ def trace_figure(result: LayerTraceResult, title: str | None = None):
     before ``result.peak_event_index``: the peak happened between that event and the one before
     it (inside an op), which the dashed running-peak line also shows.
     """
-    from lightning_memkit.tensorboard.figures import PEAK_COLOR, mark_peak, new_figure
+    from lightning_memkit.tensorboard.figures import PEAK_COLOR, mark_peak, new_figure  # matplotlib: heavy
 
     figure, (ax,) = new_figure(title or f"memkit layer trace: {result.model}, step {result.step} ({result.device})")
     xs = [e.index for e in result.events]
@@ -134,14 +135,16 @@ def trace_figure(result: LayerTraceResult, title: str | None = None):
         groups.setdefault(group, ([], []))
         groups[group][0].append(event.index)
         groups[group][1].append(event.live_bytes / MiB)
-    labels = {"forward": "forward (pre-forward / forward events)", "recompute": "recomputation in backward (checkpointing)",
+    labels = {"forward": "forward (pre-forward / forward events)",
+              "recompute": "recomputation in backward (checkpointing)",
               "backward": "backward (pre-backward / backward events)", "optimizer": "after backward: optimizer step"}
     for group in ("forward", "recompute", "backward", "optimizer"):
         if group in groups:
             ax.plot(*groups[group], "o", markersize=4, color=PHASE_COLORS[group], label=labels[group], zorder=3)
     ax.step(xs, [e.peak_bytes / MiB for e in result.events], where="post", color=PEAK_COLOR, linestyle="--",
             linewidth=1, alpha=0.6, label="running peak (between events too)")
-    ax.axhline(result.start_bytes / MiB, color="#7f7f7f", linestyle=":", linewidth=1, label=f"step start ({format_bytes(result.start_bytes)})")
+    ax.axhline(result.start_bytes / MiB, color="#7f7f7f", linestyle=":", linewidth=1,
+               label=f"step start ({format_bytes(result.start_bytes)})")
     ax.set_xlabel("event index (module hooks in execution order)")
     ax.set_ylabel("live tensor memory (MiB)")
     low, high = ax.get_ylim()
