@@ -10,11 +10,12 @@ import sys
 from typing import Any
 
 from lightning_memkit.cli.common import add_init_arguments
+from lightning_memkit.cli.estimate_check import check_estimates, check_refusal
+from lightning_memkit.cli.estimate_output import KERNELS_PREFIX, in_cli_terms, kernels_and_notes, target_words
+from lightning_memkit.cli.estimate_ranks import run_distributed, world_sizes_tried
 
 __all__ = ["add_parser", "run", "KERNELS_PREFIX", "world_sizes_tried"]
 
-#: the estimate's note that lists the CUDA kernels assumed (estimate/cuda_kernels.py writes it)
-KERNELS_PREFIX = "CUDA kernels assumed: "
 #: the largest world size ``--strategy`` tries for its "min GPUs" answer unless ``--max-world-size`` says otherwise
 DEFAULT_MAX_WORLD_SIZE = 1024
 
@@ -155,38 +156,6 @@ def _wrap_classes(module: Any, text: str | None) -> set[type] | None:
     return classes
 
 
-def world_sizes_tried(limit: int) -> list[int]:
-    """The world sizes the "min GPUs" answer tries: 1, 2, 4, ... up to ``limit`` (``limit`` itself included)."""
-    sizes, size = [], 1
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    sizes.append(limit)
-    return sizes
-
-
-def _check_refusal(args: argparse.Namespace, gpu: Any) -> None:
-    """``--check`` needs a CUDA target, one GPU here, and the estimate made for that GPU."""
-    import torch
-
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
-    if args.strategy is not None:
-        raise CliError("--check trains on this machine's one GPU; it does not run --strategy (drop one of them)")
-    if args.meta_init:
-        raise CliError("--check trains real steps, and a module built with --meta-init has no weights; drop one of them")
-    if args.device != "cuda":
-        raise CliError("--check measures a real step on a GPU against a CUDA estimate; use --device cuda (the default)")
-    if not torch.cuda.is_available():
-        raise CliError("--check trains two real steps on a GPU, and torch sees none here (torch.cuda.is_available() is "
-                       "False); drop --check, or run it on a machine with a GPU and a CUDA build of torch")
-    here = GpuTarget.parse(None)
-    if gpu is not None and gpu.capability != here.capability:
-        raise CliError(f"--check measures on this machine's {here.name} (sm{here.sm}); --gpu {args.gpu} would estimate "
-                       f"another GPU's kernels: drop --gpu or give --gpu sm{here.sm}")
-
-
 def run(args: argparse.Namespace) -> int:
     from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
     from lightning_memkit.estimate.predict import device_capacity_bytes
@@ -197,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         gpu = _gpu(args)
         strategies = _strategies(args)
         if args.check:
-            _check_refusal(args, gpu)
+            check_refusal(args, gpu)
         if args.device_memory is not None:
             memory = _memory(args.device_memory)
         else:
@@ -236,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"memkit estimate: {error}", file=sys.stderr)
         return 2
     if strategies:
-        return _run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wrap)
+        return run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wrap)
     return _run_single(args, module, datamodule, modes, memory, gpu)
 
 
@@ -246,30 +215,6 @@ def _figures(estimate: Any) -> tuple[int, int | None, int]:
     if estimate.cuda is None:
         return estimate.peak_bytes, None, estimate.required_bytes
     return estimate.cuda.peak_allocated_bytes, estimate.cuda.peak_reserved_bytes, estimate.required_bytes
-
-
-def _kernels_and_notes(notes_by_mode: list[tuple[str, list[str]]]) -> list[str]:
-    """The lines under a table: the CUDA kernels each mode assumed (modes that assumed the same share a
-    line), then every other note once."""
-    kernels: dict[str, list[str]] = {}
-    others: dict[str, None] = {}
-    for mode, notes in notes_by_mode:
-        for note in notes:
-            if note.startswith(KERNELS_PREFIX):
-                kernels.setdefault(note[len(KERNELS_PREFIX):], []).append(mode)
-            else:
-                others[note] = None
-    lines = [f"kernels assumed ({', '.join(dict.fromkeys(names))}): {text}" for text, names in kernels.items()]
-    return lines + [f"note: {note}" for note in others]
-
-
-def _target_words(args: argparse.Namespace, gpu: Any) -> str:
-    if args.device != "cuda":
-        return args.device
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
-    target = gpu if gpu is not None else GpuTarget.parse(None)
-    return f"cuda ({target.name}, sm{target.sm})"
 
 
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
@@ -296,20 +241,20 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             except (NoBatchError, EstimateError, ValueError) as error:
                 if isinstance(error, DoesNotFitError):  # the fix, in this command's syntax
                     error = error.describe(_other_modes_hint(mode.name))
-                error = _in_cli_terms(error, args)
+                error = in_cli_terms(error, args)
                 rows.append((mode.name, "-", "-", "-", "-", "-", "-"))
                 results.append({"mode": mode.name, "error": str(error)})
                 print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
-    print(f"memkit estimate: {args.module} on {_target_words(args, gpu)}, {format_bytes(memory)} device memory, "
+    print(f"memkit estimate: {args.module} on {target_words(args, gpu)}, {format_bytes(memory)} device memory, "
           f"{args.margin:.0%} kept free (fake tensors)")
     print(format_table(("mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"), rows))
     for line in _batch_lines(shapes):
         print(line)
-    for line in _kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
+    for line in kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
     status = 0 if all("error" not in r for r in results) else 1  # any requested mode that failed fails the command
     if args.check and estimates:
-        checks = _check(args, module, estimates)
+        checks = check_estimates(args, module, estimates)
         for result in results:
             if result["mode"] in checks:
                 result["check"] = checks[result["mode"]]
@@ -320,21 +265,6 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
                       file, indent=2, default=str)
     return status
-
-
-def _in_cli_terms(error: Any, args: argparse.Namespace) -> Any:
-    """``error`` as this command says it: a data-dependent estimate failure's advice names memkit trace, which
-    measures real steps (the Python advice names measure_training_step()); any other error as it is."""
-    from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
-
-    text = str(error)
-    if not getattr(error, "data_dependent", False) or DATA_DEPENDENT_ADVICE not in text:
-        return error
-    given = (("init-args", args.init_args), ("datamodule", args.datamodule), ("datamodule-args", args.datamodule_args))
-    same = "".join(f" --{name} '{value}'" for name, value in given if value and value != "{}")
-    advice = (f"measure real steps instead: memkit trace {args.module}{same} --batch-size N (a small N; "
-              "--accelerator gpu on a GPU), or express it without the data-dependent shape.")
-    return text.replace(DATA_DEPENDENT_ADVICE, advice)
 
 
 def _named_worst_batch(args: argparse.Namespace, module: Any, datamodule: Any) -> Any:
@@ -358,218 +288,3 @@ def _batch_lines(shapes: list[tuple[str, Any, Any]]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ --check
-def _error_percent(estimated: int, measured: int) -> str:
-    return f"{(estimated - measured) / measured:+.1%}" if measured else "-"
-
-
-def _check(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any, Any]]) -> dict[str, dict]:
-    """Two real training steps per estimated mode on this GPU, printed beside the estimate; returns per-mode results."""
-    import gc
-
-    import torch
-
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
-
-    rows, checks = [], {}
-    for name, (mode, estimate) in estimates.items():
-        try:
-            measured = _measure_cuda_steps(module, args, mode, estimate.batch_size)
-        except Exception as error:  # noqa: BLE001 - one mode's failure is reported in its row, the others still run
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            checks[name] = {"error": f"{type(error).__name__}: {first_line}"}
-            rows.append((name, estimate.batch_size, format_bytes(estimate.cuda.peak_allocated_bytes), "-", "-",
-                         format_bytes(estimate.cuda.peak_reserved_bytes), "-", "-"))
-            print(f"memkit estimate --check: mode {name}: {checks[name]['error']}", file=sys.stderr)
-            continue
-        allocated, reserved = estimate.cuda.peak_allocated_bytes, estimate.cuda.peak_reserved_bytes
-        checks[name] = {"estimated_peak_allocated_bytes": allocated, "estimated_peak_reserved_bytes": reserved, **measured}
-        rows.append((name, estimate.batch_size,
-                     format_bytes(allocated), format_bytes(measured["peak_allocated_bytes"]),
-                     _error_percent(allocated, measured["peak_allocated_bytes"]),
-                     format_bytes(reserved), format_bytes(measured["peak_reserved_bytes"]),
-                     _error_percent(reserved, measured["peak_reserved_bytes"])))
-    gc.collect()  # what a failed fit's error held is gone now: give its cached blocks back too
-    torch.cuda.empty_cache()
-    print(f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of the module, "
-          "peaks from on_train_start)")
-    print(format_table(("mode", "batch", "allocated est", "allocated real", "error", "reserved est", "reserved real", "error"), rows))
-    return checks
-
-
-def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_size: int | None) -> dict[str, int]:
-    """Train two real steps of a copy of ``module`` on this GPU in ``mode`` (Lightning's Trainer, as the recorded
-    GPU truth was taken) and return ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()`` over them,
-    counted from ``on_train_start`` (model and optimizer on the device, no optimizer state yet), in bytes.
-
-    The module itself is not touched; everything the fit made is freed and the allocator's cache emptied.
-    Raises ``ValueError`` when the loader's batch is not ``batch_size`` (the size cannot be set).
-    """
-    import copy
-    import gc
-    import logging
-    import tempfile
-
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
-
-    from lightning_memkit.cli.common import build_instance, json_object, load_object
-    from lightning_memkit.estimate.batches import batch_size_of
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
-
-    class PeakReader(pl.Callback):
-        def __init__(self) -> None:
-            self.batch_sizes: list[int | None] = []
-            self.peaks: tuple[int, int] | None = None
-
-        def on_train_start(self, trainer, pl_module) -> None:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.batch_sizes.append(batch_size_of(batch))
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            torch.cuda.synchronize()
-            self.peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-
-    real = copy.deepcopy(module)
-    datamodule = None
-    if args.datamodule:
-        datamodule = build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
-                                    batch_size=args.batch_size, what="datamodule")
-    elif args.batch_size is not None:
-        if not lightning_hasattr(real, "batch_size"):
-            raise ValueError(f"{type(module).__name__} has no batch_size attribute or hparam to train --batch-size "
-                             f"{args.batch_size} with; drop --batch-size or give the size in --init-args")
-        lightning_setattr(real, "batch_size", args.batch_size)
-    # auto checkpointing needs no measuring forward (the estimate makes none); a budget measures, as in training
-    kwargs = mode.trainer_kwargs("cuda", verbose=False, **({} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False})) \
-        if mode.checkpoint is not None else mode.trainer_kwargs("cuda")
-    reader = PeakReader()
-    gc.collect()
-    torch.cuda.empty_cache()
-    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")]
-    levels = [logger.level for logger in quiet]  # the Trainer's banner lines would split the printed tables
-    for logger in quiet:
-        logger.setLevel(logging.WARNING)
-    try:
-        with tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
-            trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=2, precision=kwargs["precision"], logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
-                                 callbacks=[*kwargs["callbacks"], reader])
-            trainer.fit(real, datamodule=datamodule)
-            del trainer
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
-        del real, datamodule
-        gc.collect()
-        torch.cuda.empty_cache()
-    if reader.peaks is None or not reader.batch_sizes:
-        raise ValueError("the fit ended before two training steps (is the train dataset empty?)")
-    if batch_size is not None and reader.batch_sizes[0] != batch_size:
-        raise ValueError(f"the real fit's batch has {reader.batch_sizes[0]} samples, the estimate's {batch_size}: the loader "
-                         "does not take its size from a batch_size attribute; give the size in --init-args / --datamodule-args")
-    return {"peak_allocated_bytes": reader.peaks[0], "peak_reserved_bytes": reader.peaks[1], "steps": len(reader.batch_sizes)}
-
-
-# ------------------------------------------------------------------------------------------ N GPUs
-def _rank_figures(estimate: Any) -> tuple[int, int | None, int]:
-    """(allocated, reserved, device needs) per rank, bytes. On CUDA: the one-process allocator view shifted by the
-    rank's tensor difference (its shards and buffers against the one-process step); the per-rank allocator
-    itself is not replayed. On CPU: the rank's tensor peak."""
-    single = estimate.single
-    if single.cuda is None:
-        return estimate.peak_bytes, None, estimate.peak_bytes
-    shift = estimate.peak_bytes - single.peak_bytes
-    allocated = single.cuda.peak_allocated_bytes + shift
-    reserved = max(allocated, single.cuda.peak_reserved_bytes + shift)
-    return allocated, reserved, reserved + single.cuda.context_bytes + single.cuda.workspace_bytes
-
-
-def _fully_sharded(strategy: str) -> bool:
-    from lightning_memkit.estimate.distributed import sharding_of
-
-    sharding = sharding_of(strategy, 1)
-    return sharding.parameters and sharding.gradients and sharding.optimizer_state
-
-
-def _run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wrap) -> int:
-    from lightning_memkit.estimate import EstimateError, NoBatchError
-    from lightning_memkit.estimate.core import reusing_fake_copies
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
-
-    usable = (1 - args.margin) * memory
-    sizes = world_sizes_tried(args.max_world_size)
-    rows, results, notes_by_mode = [], [], []
-    with reusing_fake_copies():  # one fake step per mode serves every strategy and world size
-        for strategy in strategies:
-            for mode in modes:
-                def per_rank(world_size: int):
-                    estimate = estimate_distributed_memory(module, args.batch_size, strategy=strategy, world_size=world_size,
-                                                           wrap=wrap, mode=mode, device=args.device, datamodule=datamodule,
-                                                           gpu=gpu)
-                    return estimate, _rank_figures(estimate)
-
-                try:
-                    estimate, (allocated, reserved, needs) = per_rank(args.world_size)
-                    needs_by_size = {}
-                    minimum = None
-                    for size in sizes:
-                        needs_by_size[size] = per_rank(size)[1][2]
-                        if needs_by_size[size] <= usable:
-                            minimum = size
-                            break
-                except (NoBatchError, EstimateError, ValueError) as error:
-                    error = _in_cli_terms(error, args)
-                    rows.append((strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-"))
-                    results.append({"strategy": strategy, "mode": mode.name, "error": str(error)})
-                    print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
-                    continue
-                rows.append((strategy, mode.name, args.world_size, estimate.single.batch_size, format_bytes(allocated),
-                             format_bytes(reserved), format_bytes(needs), "yes" if needs <= usable else "no",
-                             minimum if minimum is not None else f"none <= {args.max_world_size}"))
-                results.append({"strategy": strategy, "mode": mode.name, "world_size": args.world_size,
-                                "batch_size_per_rank": estimate.single.batch_size,
-                                "per_rank": {"allocated_bytes": allocated, "reserved_bytes": reserved, "device_bytes": needs},
-                                "fits": needs <= usable, "min_world_size": minimum,
-                                "device_bytes_by_world_size": needs_by_size, "estimate": estimate.to_dict()})
-                notes_by_mode.append((mode.name, estimate.notes))
-    batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
-    print(f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, {_target_words(args, gpu)}, "
-          f"{format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)")
-    print(format_table(("strategy", "mode", "ranks", "batch/rank", "allocated/rank", "reserved/rank", "device needs/rank",
-                        "fits", "min GPUs"), rows, left_columns=2))
-    done = [r for r in results if "error" not in r]
-    if done:
-        tried = ", ".join(str(s) for s in sizes)
-        print(f"min GPUs: the fewest of {tried} GPUs on which one rank's device needs fit {format_bytes(usable)} "
-              f"({1 - args.margin:.0%} of {format_bytes(memory)}) at {batch_words}:")
-        for result in done:
-            size = result["min_world_size"]
-            if size is not None:
-                print(f"  {result['strategy']} {result['mode']}: {size}")
-            else:
-                needs = result["device_bytes_by_world_size"][sizes[-1]]
-                print(f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still needs "
-                      f"{format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: activations, "
-                      f"{'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}workspaces, the CUDA "
-                      "context); try --modes checkpoint or --modes bf16, a smaller --batch-size, more memory per GPU"
-                      f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}")
-    lines = _kernels_and_notes(notes_by_mode)
-    if args.device == "cuda" and done:
-        lines.append("note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
-                     "and buffers (the per-rank allocator is not replayed)")
-    for line in lines:
-        print(line)
-    if args.json_path:
-        with open(args.json_path, "w") as file:
-            json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory,
-                       "world_size": args.world_size, "world_sizes_tried": sizes, "results": results},
-                      file, indent=2, default=str)
-    return 0 if len(done) == len(results) else 1  # any requested strategy and mode that failed fails the command
