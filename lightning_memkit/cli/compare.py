@@ -18,31 +18,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `memkit compare` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
         "compare", help="train a LightningModule in several memory modes and compare memory, speed and accuracy",
-        description="Train a fresh copy of a LightningModule in each memory mode (same seed, same data, MemoryTracker on) "
-                    "and print peak memory, step time, throughput, final loss and validation metric side by side. "
-                    "Writes compare.csv, compare.json, figures, and one TensorBoard run per mode under --logdir.")
-    parser.add_argument("model", metavar="FILE.py:ModuleClass", help="the LightningModule class (built with --init-args)")
+        description="Train a fresh copy of a LightningModule in each memory mode (same seed, same data, "
+                    "MemoryTracker on) and print peak memory, step time, throughput, final loss and validation metric "
+                    "side by side. Writes compare.csv, compare.json, figures, and one TensorBoard run per mode "
+                    "under --logdir.")
+    parser.add_argument("model", metavar="FILE.py:ModuleClass",
+                        help="the LightningModule class (built with --init-args)")
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
-                             "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, joined with +")
+                             "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, "
+                             "joined with +")
     parser.add_argument("--steps", type=int, default=20,
                         help="training steps per mode (default: 20); the step time is the median after --warmup-steps")
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="first steps left out of the step timing, at most half of --steps (default: 3)")
     add_init_arguments(parser)
-    parser.add_argument("--batch-size", type=int, help="set batch_size on the datamodule (or the module when there is none)")
-    parser.add_argument("--logdir", default="memkit_compare", help="TensorBoard root and output directory (default: memkit_compare)")
+    parser.add_argument("--batch-size", type=int,
+                        help="set batch_size on the datamodule (or the module when there is none)")
+    parser.add_argument("--logdir", default="memkit_compare",
+                        help="TensorBoard root and output directory (default: memkit_compare)")
     parser.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
-    parser.add_argument("--val-batches", type=int, default=2, help="validation batches run at the end of each mode (default: 2)")
+    parser.add_argument("--val-batches", type=int, default=2,
+                        help="validation batches run at the end of each mode (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for every mode (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG and TensorBoard figures")
-    parser.add_argument("--no-progress", action="store_true", help="no line per mode as it ends (peak, step time, seconds)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no line per mode as it ends (peak, step time, seconds)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `memkit compare` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
-    from lightning_memkit.modes.compare import CheckpointWarning, compare_modes
+    """Run `memkit compare` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with
+    one line saying what to write)."""
+    from lightning_memkit.modes.compare import CheckpointWarning, ModeStatus, compare_modes
     from lightning_memkit.modes.mode import parse_modes
 
     try:
@@ -74,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
             return build_instance(datamodule_class, datamodule_args, args.batch_size, "datamodule")
 
         model_factory()  # fail here, with a clear message, rather than once per mode
-        os.makedirs(args.logdir, exist_ok=True)  # an unwritable --logdir: one message (cli.main), not a traceback per mode
+        # an unwritable --logdir: one message (cli.main), not a traceback per mode
+        os.makedirs(args.logdir, exist_ok=True)
         if datamodule_class is not None:
             datamodule_factory()
     except CliError as error:
@@ -83,17 +92,18 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)  # printed below as one line, not with a source line
         result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
-                               accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed, val_batches=args.val_batches,
+                               accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed,
+                               val_batches=args.val_batches,
                                figures=not args.no_figures, verbose=True, warmup_steps=args.warmup_steps,
                                progress=not args.no_progress)
     for mode_result in result.results:
         if mode_result.checkpoint_warning():
             print(f"memkit compare: warning: {mode_result.checkpoint_warning()}", file=sys.stderr)
-    failed = [r for r in result.results if r.status != "ok"]
+    failed = [r for r in result.results if r.status != ModeStatus.OK]
     for mode_result in failed:
         print(f"memkit compare: mode {mode_result.mode} failed: {mode_result.error}", file=sys.stderr)
     if failed:
-        print(f"memkit compare: mode(s) failed: {', '.join(r.mode for r in failed)} (also in the error column of compare.csv)",
-              file=sys.stderr)
+        print(f"memkit compare: mode(s) failed: {', '.join(r.mode for r in failed)} (also in the error column of "
+              f"compare.csv)", file=sys.stderr)
         return 1
     return 0

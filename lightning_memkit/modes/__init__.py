@@ -17,7 +17,8 @@ from lightning_memkit.modes.checkpointing import (
     parse_budget,
     plan_checkpointing,
 )
-from lightning_memkit.modes.compare import CompareResult, ModeResult, compare_modes, read_compare
+from lightning_memkit.modes.compare import compare_modes
+from lightning_memkit.modes.compare_result import CompareResult, ModeResult, read_compare
 from lightning_memkit.modes.mode import Mode, parse_mode, parse_modes, resolve_precision
 
 __all__ = [

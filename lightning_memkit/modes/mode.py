@@ -15,7 +15,7 @@ from typing import Any, ContextManager
 import torch
 
 from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
-from lightning_memkit.modes.devices import device_type as _device_type  # its old name here: compare.py imports it from this module
+from lightning_memkit.modes.devices import device_type as _device_type
 
 __all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "OFFLOAD_WORD",
            "MODE_WORDS"]

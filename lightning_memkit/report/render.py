@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lightning_memkit.modes.compare import read_compare
+from lightning_memkit.modes.compare_result import ModeStatus, read_compare
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
 from lightning_memkit.report.sources import CompareFile, DoctorFile, OomFile, ReportSources, RunRecords, TraceFile
 from lightning_memkit.summary_table import format_summary, format_table
@@ -225,7 +225,7 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
     builder.add(f'<p class="meta">{len(result.results)} mode(s) on {html.escape(result.device)}, {result.max_steps} steps each, '
                 f"baseline {html.escape(str(result.baseline))}; each mode is a run below</p>")
     builder.add(_pre(result.format_table()))
-    failed = [r for r in result.results if r.status != "ok"]
+    failed = [r for r in result.results if r.status != ModeStatus.OK]
     if failed:
         builder.add('<ul class="problems">' + "".join(f"<li>{html.escape(r.mode)}: {html.escape(r.error or 'failed')}</li>" for r in failed) + "</ul>")
     try:

@@ -177,7 +177,7 @@ def _sampled(train: Sequence[StepReading], steps: list[int]) -> bool:
 
 
 def compare_figures(compare) -> dict[str, Figure]:
-    """The mode comparison's figures from a :class:`~lightning_memkit.modes.compare.CompareResult`.
+    """The mode comparison's figures from a :class:`~lightning_memkit.modes.compare_result.CompareResult`.
 
     ``peak_figure``: each mode's per-step peak (MiB) as a bar with its ratio to the baseline, the
     lowest marked (its ratio in the marker's label, so the red dot covers no text). ``steps_figure``:
