@@ -17,10 +17,18 @@ from typing import Any
 
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.records import RECORDS_FILENAME, RunSummary, StepReading, read_records
+from lightning_memkit.report.logged_readings import (
+    CSV_METRICS,
+    csv_readings,
+    rebuilt_summary,
+    same_readings,
+    scalar_readings,
+)
 
 __all__ = [
     "TRACE_FORMAT", "COMPARE_FORMAT", "MEMORY_FORMAT", "TRACE_PATTERN", "COMPARE_JSON", "COMPARE_CSV",
-    "OOM_PATTERN", "DOCTOR_JSON", "DoctorFile", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources", "ReportInputError", "find_sources",
+    "OOM_PATTERN", "DOCTOR_JSON", "DoctorFile", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources",
+    "ReportInputError", "find_sources",
 ]
 
 MEMORY_FORMAT = "lightning-memkit/memory"
@@ -166,73 +174,141 @@ def _read_json(path: str) -> Any:
         return json.load(file)
 
 
-class _LoggedReadings:
-    """Step readings put back together from memkit's logged values (``<prefix>/<stage>/<field>_MiB`` tags or
-    CSV columns, MiB = bytes / 2**20), for a run whose memkit_memory.json is missing."""
-
-    def __init__(self, prefix: str) -> None:
-        from lightning_memkit.tensorboard.tags import STAGE_TAGS, metric_name
-
-        self.prefix = prefix
-        self.stage_of = {path: stage for stage, path in STAGE_TAGS.items()}
-        self.field_of = {metric_name(f): f for f in StepReading.value_fields()}
-        self.readings: dict[tuple[str, int], StepReading] = {}
-
-    def field(self, name: str) -> tuple[str, str] | None:
-        """The (stage, reading field) a logged name holds, or None: per-rank, summary and foreign names are
-        not step readings."""
-        parts = (name or "").split("/")
-        if len(parts) != 3 or parts[0] != self.prefix or parts[1] not in self.stage_of or parts[2] not in self.field_of:
-            return None
-        return self.stage_of[parts[1]], self.field_of[parts[2]]
-
-    def set(self, stage: str, name: str, step: int, value: float) -> None:
-        reading = self.readings.setdefault((stage, step), StepReading(step=step, stage=stage, rank=-1))
-        setattr(reading, name, int(round(value * 2**20 if name.endswith("_bytes") else value)))
-
-    def run(self, logdir: str, directory: str, device: str, exact: bool, rebuilt_from: str) -> RunRecords | None:
-        if not self.readings:
-            return None
-        history = sorted(self.readings.values(), key=lambda r: (r.step, r.stage != "train"))
-        summary = RunSummary(device=device)
-        for reading in history:
-            summary.update(reading)
-        return RunRecords(_relative(logdir, directory), directory, summary, history, exact=exact, rebuilt_from=rebuilt_from)
+def _rebuilt_run(logdir: str, directory: str, history: list[StepReading], device: str, exact: bool,
+                 origin: str) -> RunRecords | None:
+    if not history:
+        return None
+    return RunRecords(_relative(logdir, directory), directory, rebuilt_summary(history, device), history, exact=exact,
+                      rebuilt_from=origin)
 
 
-def _scalar_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
-    """Readings rebuilt from the memkit scalars in a run's event files (no memkit_memory.json there)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+@dataclass
+class _Walk:
+    """What the walk over the log dir saw besides memkit's own files: where readings can be rebuilt from."""
 
-    logged = _LoggedReadings(prefix)
-    accumulator = EventAccumulator(directory, size_guidance={"scalars": 0})
-    accumulator.Reload()
-    for tag in accumulator.Tags().get("scalars", []):
-        field = logged.field(tag)
-        if field is not None:
-            for event in accumulator.Scalars(tag):
-                logged.set(*field, event.step, event.value)
-    return logged.run(logdir, directory, "? (from TensorBoard scalars)", exact=False, rebuilt_from="TensorBoard scalars")
+    event_dirs: list[str] = field(default_factory=list)  # directories with TensorBoard event files
+    csv_dirs: list[str] = field(default_factory=list)  # directories with a CSVLogger's metrics.csv
+    record_dirs: set[str] = field(default_factory=set)  # directories with memkit_memory.json (nothing to rebuild)
+    examples: list[str] = field(default_factory=list)  # the first few files seen, for the message when none is ours
 
 
-#: the file Lightning's CSVLogger writes its rows to
-CSV_METRICS = "metrics.csv"
+def _trace_file(run: str, path: str, name: str) -> TraceFile:
+    data = _read_json(path)
+    if _format_of(data) != TRACE_FORMAT:
+        raise ValueError(f"no \"format\": \"{TRACE_FORMAT}/1\" key")
+    match = TRACE_PATTERN.match(name)
+    step = int(match.group(1)) if match.group(1).isdigit() else None
+    return TraceFile(run, path, step, int(match.group(2) or 0), data)
 
 
-def _csv_run(logdir: str, directory: str, prefix: str = "memory") -> RunRecords | None:
-    """Readings rebuilt from the memkit columns of a CSVLogger's ``metrics.csv`` (no memkit_memory.json
-    there). The values are bytes / 2**20 written as float64, so ``round(value * 2**20)`` is exact."""
-    logged = _LoggedReadings(prefix)
-    with open(os.path.join(directory, CSV_METRICS), newline="", encoding="utf-8") as file:
-        for row in csv.DictReader(file):
-            step = row.get("step")
-            if step in (None, ""):
-                continue
-            for column, text in row.items():
-                field = logged.field(column)
-                if field is not None and text not in (None, ""):
-                    logged.set(*field, int(float(step)), float(text))
-    return logged.run(logdir, directory, "? (from metrics.csv)", exact=True, rebuilt_from=CSV_METRICS)
+def _oom_file(run: str, path: str, name: str) -> OomFile:
+    data = _read_json(path)
+    if not isinstance(data, dict) or not {"error_type", "summary"} <= set(data):
+        raise ValueError("not a memkit out-of-memory report (no error_type and summary keys)")
+    return OomFile(run, path, int(OOM_PATTERN.match(name).group(1)), data)
+
+
+def _doctor_file(run: str, path: str) -> DoctorFile:
+    data = _read_json(path)
+    if not isinstance(data, dict) or not {"steps", "leak"} <= set(data):
+        raise ValueError("not a memkit doctor report (no steps and leak keys)")
+    return DoctorFile(run, path, data)
+
+
+def _read_file(sources: ReportSources, walk: _Walk, directory: str, name: str, files: list[str]) -> None:
+    """Read the file ``name`` of ``directory`` into ``sources`` if it is memkit's; note where readings can be rebuilt
+    from. Raises what reading a damaged file raises (the caller says it in ``problems``)."""
+    path = os.path.join(directory, name)
+    run = _relative(sources.logdir, directory)
+    if name == RECORDS_FILENAME:
+        summary, history = read_records(path)
+        sources.runs.append(RunRecords(run, path, summary, history))
+        walk.record_dirs.add(directory)
+    elif TRACE_PATTERN.match(name):
+        sources.traces.append(_trace_file(run, path, name))
+    elif OOM_PATTERN.match(name):
+        sources.ooms.append(_oom_file(run, path, name))
+    elif name == DOCTOR_JSON:
+        sources.doctors.append(_doctor_file(run, path))
+    elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
+        sources.compares.append(_read_compare(run, directory, files))
+    elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in walk.event_dirs:
+        walk.event_dirs.append(directory)
+    elif name == CSV_METRICS:
+        walk.csv_dirs.append(directory)
+
+
+def _walk(sources: ReportSources) -> _Walk:
+    """Every file under the log dir, in name order, up to :data:`MAX_FILES`."""
+    walk = _Walk()
+    for directory, subdirs, files in os.walk(sources.logdir):
+        subdirs.sort()
+        for name in sorted(files):
+            sources.files_seen += 1
+            if sources.files_seen > MAX_FILES:
+                sources.problems.append(f"stopped after {MAX_FILES} files; point memkit report at a smaller directory")
+                return walk
+            path = os.path.join(directory, name)
+            if len(walk.examples) < 5:
+                walk.examples.append(os.path.relpath(path, sources.logdir))
+            try:
+                _read_file(sources, walk, directory, name, files)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                sources.problems.append(f"{os.path.relpath(path, sources.logdir)}: cannot read it ({error})")
+    return walk
+
+
+def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
+    """The runs without ``memkit_memory.json``, rebuilt from their event files or their CSVLogger's rows."""
+    logdir = sources.logdir
+    for directory in walk.event_dirs:
+        if directory in walk.record_dirs:
+            continue
+        try:
+            run = _rebuilt_run(logdir, directory, scalar_readings(directory), "? (from TensorBoard scalars)",
+                               exact=False, origin="TensorBoard scalars")
+        except Exception as error:  # a damaged event file must not stop the report
+            sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
+            continue
+        if run is not None:
+            sources.runs.append(run)
+    for directory in walk.csv_dirs:  # a CSVLogger's run without memkit_memory.json
+        if directory in walk.record_dirs:
+            continue
+        try:
+            run = _rebuilt_run(logdir, directory, csv_readings(directory), "? (from metrics.csv)", exact=True,
+                               origin=CSV_METRICS)
+        except (OSError, ValueError, csv.Error) as error:
+            where = os.path.relpath(os.path.join(directory, CSV_METRICS), logdir)
+            sources.problems.append(f"{where}: cannot read it ({error})")
+            continue
+        if run is None:
+            continue
+        # The same fit logged to TensorBoard too (loggers=[TensorBoardLogger, CSVLogger]: two directories): one run,
+        # from its records or, exact, from the CSV rather than from float32 event scalars.
+        same = next((other for other in sources.runs if same_readings(run.history, other.history, other.exact)), None)
+        if same is None:
+            sources.runs.append(run)
+        elif not same.exact:
+            sources.runs[sources.runs.index(same)] = run
+
+
+def _nothing_to_report(sources: ReportSources, examples: list[str]) -> ReportInputError:
+    what = "none of them readable as memkit's (see below)" if sources.problems else "none of them memkit's"
+    found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(examples)}, {what}"
+             if sources.files_seen else "it is empty")
+    problems = "".join(f"\n  - {p}" for p in sources.problems)
+    return ReportInputError(
+        f"nothing to report in {sources.logdir}: {found}.{problems}\n"
+        "memkit report looks for:\n"
+        f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end), or TensorBoard event files or a "
+        f"{CSV_METRICS} with memory/ scalars\n"
+        "  - memkit_trace_step<N>.json (LayerTrace)\n"
+        f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
+        "  - memkit_oom_rank<r>.json (MemoryTracker, when a run runs out of memory)\n"
+        f"  - {DOCTOR_JSON} (MemoryDoctor, memkit doctor)\n"
+        "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
+    )
 
 
 def find_sources(logdir: str) -> ReportSources:
@@ -245,118 +321,16 @@ def find_sources(logdir: str) -> ReportSources:
     if not os.path.isdir(logdir):
         raise ReportInputError(f"{logdir!r} is not a directory; give the log dir of a run trained with memkit "
                                "(e.g. the --logdir of `memkit demo`, or lightning_logs)")
-    logdir = os.path.abspath(logdir)
-    sources = ReportSources(logdir)
-    event_dirs: list[str] = []
-    csv_dirs: list[str] = []
-    record_dirs: set[str] = set()
-    seen_examples: list[str] = []
-    for directory, subdirs, files in os.walk(logdir):
-        subdirs.sort()
-        for name in sorted(files):
-            sources.files_seen += 1
-            if sources.files_seen > MAX_FILES:
-                sources.problems.append(f"stopped after {MAX_FILES} files; point memkit report at a smaller directory")
-                break
-            path = os.path.join(directory, name)
-            run = _relative(logdir, directory)
-            if len(seen_examples) < 5:
-                seen_examples.append(os.path.relpath(path, logdir))
-            try:
-                if name == RECORDS_FILENAME:
-                    summary, history = read_records(path)
-                    sources.runs.append(RunRecords(run, path, summary, history))
-                    record_dirs.add(directory)
-                elif TRACE_PATTERN.match(name):
-                    data = _read_json(path)
-                    if _format_of(data) != TRACE_FORMAT:
-                        raise ValueError(f"no \"format\": \"{TRACE_FORMAT}/1\" key")
-                    match = TRACE_PATTERN.match(name)
-                    step = int(match.group(1)) if match.group(1).isdigit() else None
-                    sources.traces.append(TraceFile(run, path, step, int(match.group(2) or 0), data))
-                elif OOM_PATTERN.match(name):
-                    data = _read_json(path)
-                    if not isinstance(data, dict) or not {"error_type", "summary"} <= set(data):
-                        raise ValueError("not a memkit out-of-memory report (no error_type and summary keys)")
-                    sources.ooms.append(OomFile(run, path, int(OOM_PATTERN.match(name).group(1)), data))
-                elif name == DOCTOR_JSON:
-                    data = _read_json(path)
-                    if not isinstance(data, dict) or not {"steps", "leak"} <= set(data):
-                        raise ValueError("not a memkit doctor report (no steps and leak keys)")
-                    sources.doctors.append(DoctorFile(run, path, data))
-                elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
-                    sources.compares.append(_read_compare(run, directory, files))
-                elif fnmatch.fnmatch(name, _EVENTS_GLOB) and directory not in event_dirs:
-                    event_dirs.append(directory)
-                elif name == CSV_METRICS:
-                    csv_dirs.append(directory)
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                sources.problems.append(f"{os.path.relpath(path, logdir)}: cannot read it ({error})")
-        if sources.files_seen > MAX_FILES:
-            break
-    for directory in event_dirs:
-        if directory in record_dirs:
-            continue
-        try:
-            run = _scalar_run(logdir, directory)
-        except Exception as error:  # a damaged event file must not stop the report
-            sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
-            continue
-        if run is not None:
-            sources.runs.append(run)
-    for directory in csv_dirs:  # a CSVLogger's run without memkit_memory.json
-        if directory in record_dirs:
-            continue
-        try:
-            run = _csv_run(logdir, directory)
-        except (OSError, ValueError, csv.Error) as error:
-            sources.problems.append(f"{os.path.relpath(os.path.join(directory, CSV_METRICS), logdir)}: cannot read it ({error})")
-            continue
-        if run is None:
-            continue
-        # The same fit logged to TensorBoard too (loggers=[TensorBoardLogger, CSVLogger]: two directories): one run,
-        # from its records or, exact, from the CSV rather than from float32 event scalars.
-        same = next((other for other in sources.runs if _same_readings(run, other)), None)
-        if same is None:
-            sources.runs.append(run)
-        elif not same.exact:
-            sources.runs[sources.runs.index(same)] = run
+    sources = ReportSources(os.path.abspath(logdir))
+    walk = _walk(sources)
+    _add_rebuilt_runs(sources, walk)
     sources.runs.sort(key=_run_order(sources))
     sources.traces.sort(key=lambda t: (t.name, t.step if t.step is not None else -1, t.rank))
     sources.ooms.sort(key=lambda o: (o.name, o.rank))
-    _say_what_is_missing(sources, seen_examples)
+    _say_what_is_missing(sources)
     if sources.empty:
-        what = "none of them readable as memkit's (see below)" if sources.problems else "none of them memkit's"
-        found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(seen_examples)}, {what}"
-                 if sources.files_seen else "it is empty")
-        problems = "".join(f"\n  - {p}" for p in sources.problems)
-        raise ReportInputError(
-            f"nothing to report in {logdir}: {found}.{problems}\n"
-            "memkit report looks for:\n"
-            f"  - {RECORDS_FILENAME} (MemoryTracker writes it at fit end), or TensorBoard event files or a {CSV_METRICS} "
-            "with memory/ scalars\n"
-            "  - memkit_trace_step<N>.json (LayerTrace)\n"
-            f"  - {COMPARE_JSON} / {COMPARE_CSV} (memkit compare)\n"
-            "  - memkit_oom_rank<r>.json (MemoryTracker, when a run runs out of memory)\n"
-            f"  - {DOCTOR_JSON} (MemoryDoctor, memkit doctor)\n"
-            "Train with MemoryTracker and a logger (e.g. `memkit demo --logdir DIR`), then run `memkit report DIR`."
-        )
+        raise _nothing_to_report(sources, walk.examples)
     return sources
-
-
-def _same_readings(csv_run: RunRecords, other: RunRecords) -> bool:
-    """Whether every reading rebuilt from a CSV is one of ``other``'s (the same fit seen by two loggers):
-    the same step and stage, each value equal (to float32 MiB's rounding when ``other`` came from event files)."""
-    theirs = {(r.step, r.stage): r for r in other.history}
-    for reading in csv_run.history:
-        match = theirs.get((reading.step, reading.stage))
-        if match is None:
-            return False
-        for name, value in reading.values().items():
-            known = getattr(match, name)
-            if known is None or abs(known - value) > (0 if other.exact else 1e-6 * max(abs(value), 2**20)):
-                return False
-    return True
 
 
 def _run_order(sources: ReportSources):
@@ -390,26 +364,27 @@ def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
     return CompareFile(run, directory, data, header, rows)
 
 
-def _say_what_is_missing(sources: ReportSources, seen_examples: list[str]) -> None:
+def _say_what_is_missing(sources: ReportSources) -> None:
     if not sources.runs:
-        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME}, no TensorBoard event file and no {CSV_METRICS} with memory/ "
-                               "scalars; add MemoryTracker() to the Trainer's callbacks")
-    else:
-        for origin, detail in (("TensorBoard scalars", ", rounded to float32 MiB"), (CSV_METRICS, " (float64 MiB: exact bytes)")):
-            runs = [r for r in sources.runs if r.rebuilt_from == origin]
-            # a run with validation readings only was trainer.validate() (or test): MemoryTracker writes the
-            # records at fit end, which such a run has not
-            evaluated = ", ".join(r.name for r in runs if r.history and all(x.stage != "train" for x in r.history))
-            rebuilt = ", ".join(r.name for r in runs if not (r.history and all(x.stage != "train" for x in r.history)))
-            if evaluated:
-                sources.missing.append(f"no {RECORDS_FILENAME} for {evaluated}: a validate-only run (no training step; "
-                                       f"MemoryTracker writes that file at fit end): its readings come from {origin}{detail}")
-            if rebuilt:
-                sources.missing.append(f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its readings "
-                                       f"come from {origin}{detail}")
+        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME}, no TensorBoard event file and no "
+                               f"{CSV_METRICS} with memory/ scalars; add MemoryTracker() to the Trainer's callbacks")
+    for origin, detail in (("TensorBoard scalars", ", rounded to float32 MiB"),
+                           (CSV_METRICS, " (float64 MiB: exact bytes)")):
+        runs = [r for r in sources.runs if r.rebuilt_from == origin]
+        # a run with validation readings only was trainer.validate() (or test): MemoryTracker writes the
+        # records at fit end, which such a run has not
+        evaluated = ", ".join(r.name for r in runs if r.history and all(x.stage != "train" for x in r.history))
+        rebuilt = ", ".join(r.name for r in runs if not (r.history and all(x.stage != "train" for x in r.history)))
+        if evaluated:
+            sources.missing.append(f"no {RECORDS_FILENAME} for {evaluated}: a validate-only run (no training step; "
+                                   f"MemoryTracker writes that file at fit end): its readings come from "
+                                   f"{origin}{detail}")
+        if rebuilt:
+            sources.missing.append(f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its "
+                                   f"readings come from {origin}{detail}")
     if not sources.traces:
         sources.missing.append("no layer trace (memkit_trace_step<N>.json): add LayerTrace() to the callbacks, "
                                "or run `memkit trace FILE.py:Module`")
     if not sources.compares:
-        sources.missing.append(f"no mode comparison ({COMPARE_JSON} / {COMPARE_CSV}): run `memkit compare FILE.py:Module "
-                               "--modes baseline,amp,checkpoint`")
+        sources.missing.append(f"no mode comparison ({COMPARE_JSON} / {COMPARE_CSV}): run `memkit compare "
+                               "FILE.py:Module --modes baseline,amp,checkpoint`")
