@@ -60,19 +60,20 @@ LEVERS = {
 # --------------------------------------------------------------------------------------------- child
 def _switch_off(lever: str) -> None:
     """Put back the behaviour before ``lever`` (this tree only)."""
-    import lightning_memkit.estimate.core as core
+    import lightning_memkit.estimate.fake_copies as fake_copies
     import lightning_memkit.estimate.fake_session as fake_session
     import lightning_memkit.estimate.fake_step as fake_step
+    import lightning_memkit.estimate.runner as runner
 
     if lever == "one-dispatch-layer":  # the three modes again: fake world + ScalarPlaceholders + LossBuffers, plain accountant
         fake_session.FakeSession.fake_mode_only = fake_session.FakeSession.active
-        core.FakeStepOps = lambda: None
+        runner.FakeStepOps = lambda: None
     elif lever == "foreach-in-place":  # every in-place foreach op goes down to FakeTensorMode again
         fake_step._is_in_place_foreach = lambda func: False
     elif lever == "fake-parameter":  # nn.Parameter(fake): a detach() through FakeTensorMode per parameter
         from torch import nn
 
-        core.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(tensor, requires_grad=requires_grad)
+        fake_copies.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(tensor, requires_grad=requires_grad)
     elif lever == "fake-view":  # every view op goes down to FakeTensorMode again
         fake_step.is_plain_view = lambda func: False
     else:

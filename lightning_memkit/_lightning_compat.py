@@ -140,6 +140,17 @@ def manual_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], list[A
     return optimizers, _configure_schedulers_manual_opt(schedulers)
 
 
+def automatic_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and the scheduler configs of an automatically optimized module, from what its
+    ``configure_optimizers`` returned: Lightning's private ``_configure_optimizers`` then
+    ``_configure_schedulers_automatic_opt`` (``lightning.pytorch.core.optimizer``), as ``Trainer.fit`` sets them up
+    (what ``self.trainer.optimizers`` and ``self.lr_schedulers()`` answer during fit)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
+
+    optimizers, schedulers, monitor = _configure_optimizers(configured)
+    return optimizers, _configure_schedulers_automatic_opt(schedulers, monitor)
+
+
 def lightning_optimizers(optimizers: list[Any], strategy: Any) -> list[Any]:
     """Lightning's ``LightningOptimizer`` wrappers of ``optimizers`` for ``strategy`` (its private
     ``_to_lightning_optimizer``), what ``self.optimizers()`` returns in a manually optimized module."""

@@ -22,9 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.estimate import EstimateError
-from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE, _StepAccountant
 from lightning_memkit.estimate.fake_session import FakeSession
 from lightning_memkit.estimate.fake_step import FakeStepOps
+from lightning_memkit.estimate.step_accountant import StepAccountant
+from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
 
 torchmetrics = pytest.importorskip("torchmetrics")
 
@@ -37,7 +38,7 @@ def _in_fake_step(body):
     returns its result and the ops' note."""
     session = FakeSession()
     ops = FakeStepOps()
-    with session.fake_mode_only(), _StepAccountant(record_events=False, fake_ops=ops):
+    with session.fake_mode_only(), StepAccountant(record_events=False, fake_ops=ops):
         result = body()
     return result, ops.data_dependent.note()
 

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
-from lightning_memkit.estimate.core import _StepAccountant
 from lightning_memkit.estimate.fake_known_values import known_value
 from lightning_memkit.estimate.fake_session import FakeSession
 from lightning_memkit.estimate.fake_step import FakeStepOps
+from lightning_memkit.estimate.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")
 
@@ -25,7 +25,7 @@ torchmetrics = pytest.importorskip("torchmetrics")
 def _in_fake_step(body):
     """Run ``body(session)`` inside a fake step's dispatch stack (the fake mode, the estimate's accountant)."""
     session = FakeSession()
-    accountant = _StepAccountant(record_events=False, fake_ops=FakeStepOps())
+    accountant = StepAccountant(record_events=False, fake_ops=FakeStepOps())
     with session.fake_mode_only(), accountant:
         return body(session)
 

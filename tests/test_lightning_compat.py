@@ -149,6 +149,18 @@ def test_manual_optimizers_and_schedulers_read_every_configure_optimizers_shape(
     assert optimizers == [first] and [c.scheduler for c in configs] == [scheduler]
 
 
+def test_automatic_optimizers_and_schedulers_read_what_fit_sets_up():
+    from lightning_memkit._lightning_compat import automatic_optimizers_and_schedulers
+
+    model = LinearStack()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
+    assert automatic_optimizers_and_schedulers(first) == ([first], [])
+    optimizers, configs = automatic_optimizers_and_schedulers({"optimizer": first, "lr_scheduler": scheduler})
+    assert optimizers == [first] and [c.scheduler for c in configs] == [scheduler]
+    assert configs[0].interval == "epoch"  # the automatic defaults, as Trainer.fit fills them in
+
+
 def test_prefetched_batches_is_the_batch_the_next_step_receives(tmp_path):
     """Pins ``fit_loop._data_fetcher.batches``: with an iterable train loader (no length) Lightning's fetcher
     fetches one batch ahead, and that batch is the next step's batch (the same tensors, on CPU); with a sized

@@ -1,16 +1,12 @@
 """Will it fit? A training step's memory predicted on fake tensors, the CUDA caching-allocator model,
 and the largest batch size predicted from a few estimates."""
 
+from lightning_memkit.accounting.categories import CATEGORIES
 from lightning_memkit.estimate.allocator import AllocatorView, CudaAllocatorModel
 from lightning_memkit.estimate.batches import NoBatchError
-from lightning_memkit.estimate.core import (
-    CATEGORIES,
-    EstimateError,
-    MemoryEstimate,
-    estimate_memory,
-    measure_training_step,
-    reusing_fake_copies,
-)
+from lightning_memkit.estimate.core import estimate_memory, measure_training_step
+from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.settings import reusing_fake_copies
 
 __all__ = [
     "AllocatorView",
@@ -43,5 +39,5 @@ from lightning_memkit.estimate.distributed import (  # noqa: E402
     sharding_of,
 )
 
-__all__ += ["STRATEGIES", "DistributedEstimate", "ModelStates", "Sharding", "estimate_distributed_memory", "model_state_bytes",
-            "optimizer_state_bytes_per_parameter", "sharding_of"]
+__all__ += ["STRATEGIES", "DistributedEstimate", "ModelStates", "Sharding", "estimate_distributed_memory",
+            "model_state_bytes", "optimizer_state_bytes_per_parameter", "sharding_of"]

@@ -331,11 +331,11 @@ def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
     with ``shard`` before the steps (and before the optimizer is made, as Lightning's ``configure_model`` runs
     before ``configure_optimizers``), and starts the peak after the sharding (set-up is not the step).
 
-    Through estimate/core.py's ``_PREPARE_COPY`` hook (a context variable: concurrent estimates don't see
-    it), with the reuse of fake copies turned off for the block (a sharded copy must not serve an
-    unsharded estimate).
+    Through :func:`~lightning_memkit.estimate.settings.preparing_copies` (a context variable: concurrent
+    estimates don't see it), which turns the reuse of fake copies off for the block (a sharded copy must not
+    serve an unsharded estimate).
     """
-    from lightning_memkit.estimate import core
+    from lightning_memkit.estimate.settings import preparing_copies
 
     def prepare(module_copy: nn.Module, acc: Any) -> None:
         with acc.labelled("setup"):
@@ -343,13 +343,8 @@ def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
         acc.attributor.assign_module(module_copy)  # the shards are the parameters now
         acc.reset_peak()
 
-    cache_token = core._CACHE.set(None)
-    prepare_token = core._PREPARE_COPY.set(prepare)
-    try:
+    with preparing_copies(prepare):
         yield
-    finally:
-        core._PREPARE_COPY.reset(prepare_token)
-        core._CACHE.reset(cache_token)
 
 
 def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwargs: dict[str, Any]) -> None:

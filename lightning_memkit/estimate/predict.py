@@ -15,14 +15,10 @@ from torch import nn
 
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import batch_size_of
-from lightning_memkit.estimate.core import (
-    EstimateError,
-    MemoryEstimate,
-    _prepare,
-    compiled_original,
-    estimate_memory,
-    reusing_fake_copies,
-)
+from lightning_memkit.estimate.core import compiled_original, estimate_memory
+from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.runner import prepare_batch
+from lightning_memkit.estimate.settings import EstimateSettings, reusing_fake_copies
 from lightning_memkit.units import format_bytes
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
@@ -225,7 +221,8 @@ def predict_max_batch_size(
 
 def _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs) -> BatchSizePrediction:
     given = batch
-    batch, _batches, _note = _prepare(module, batch, None, estimate_kwargs.get("datamodule"))
+    reuse = EstimateSettings.current().reuse  # the block's, so the estimates below take the same batch
+    batch, _batches, _note = prepare_batch(module, batch, None, estimate_kwargs.get("datamodule"), reuse)
     base = batch_size_of(batch)
     if base is None:
         raise EstimateError("the batch has no batch dimension; pass an example batch (batch=...) with one")
