@@ -8,6 +8,14 @@ so dropout masks match. Two things are added on top of torch:
   their running statistics a second time during the recomputation; torch does not prevent that.
   While a region is recomputed their ``momentum`` is 0 (the update is then exact identity) and
   ``num_batches_tracked`` is put back, so running statistics match an unchecked run bit for bit.
+* A region must not change state outside itself: its recompute would change it again. The one such state
+  that models pass to their blocks is a key/value cache (Hugging Face's ``use_cache=True``, GPT-2's default):
+  each forward appends to it, so a recompute would attend to the keys twice over (``2 * T`` of them, against
+  the ``T``-wide mask the first forward made). While a checkpointed module runs with gradients, its
+  ``use_cache`` argument is ``False`` and its ``cache``, ``past_key_value(s)`` and ``layer_past`` arguments are
+  ``None`` (positional or keyword, read from its ``forward``'s signature), as in transformers' own gradient
+  checkpointing (``GradientCheckpointingLayer``; a module whose ``_can_checkpoint_with_cache`` is true, one
+  that only reads its cache, keeps the cache). Without gradients (validation, generation) it runs as given.
 * Wrapping sets an instance ``forward`` on the chosen modules (the module tree, parameter names and
   ``state_dict`` keys do not change); :meth:`CheckpointHandle.remove` restores the module exactly.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -30,8 +39,8 @@ from lightning_memkit.modes.checkpoint_plan import CheckpointPlan
 if TYPE_CHECKING:
     from lightning_memkit.modes.checkpoint_policy import Region
 
-__all__ = ["CheckpointHandle", "checkpointed_call", "checkpoint_region", "frozen_running_stats", "is_checkpointed",
-           "unwrap_modules", "wrap_regions"]
+__all__ = ["CheckpointHandle", "checkpointed_call", "checkpoint_region", "frozen_running_stats",
+           "is_checkpointed", "unwrap_modules", "wrap_regions"]
 
 _STATE_ATTR = "_memkit_checkpoint_state"
 
@@ -48,7 +57,8 @@ def checkpoint_region() -> int:
 
 
 def _has_running_stats(module: nn.Module) -> bool:
-    return bool(getattr(module, "track_running_stats", False)) and getattr(module, "running_mean", None) is not None and hasattr(module, "momentum")
+    return (bool(getattr(module, "track_running_stats", False)) and getattr(module, "running_mean", None) is not None
+            and hasattr(module, "momentum"))
 
 
 @contextlib.contextmanager
@@ -75,7 +85,8 @@ def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
                     module.num_batches_tracked.copy_(counter)
 
 
-def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any, **kwargs: Any) -> Any:
+def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any,
+                      **kwargs: Any) -> Any:
     """``function(*args, **kwargs)`` under torch's non-reentrant checkpoint, running stats frozen on recompute.
 
     With gradients disabled (validation, ``no_grad``) the function just runs.
@@ -115,6 +126,14 @@ class _WrapState:
     previous_forward: Any
     stat_modules: tuple[nn.Module, ...]
     ranges: tuple[tuple[int, int], ...] = ()  # for nn.Sequential segments: [start, end) child index ranges
+    #: the forward's cache arguments, set while it is checkpointed: (name, positional index or None, value)
+    cache_arguments: tuple[tuple[str, int | None, Any], ...] = ()
+
+
+#: a key/value cache's arguments and their values in a checkpointed forward (transformers' own gradient
+#: checkpointing sets the same: a recompute would append to the cache again)
+_CACHE_OFF: tuple[tuple[str, Any], ...] = (("use_cache", False), ("cache", None), ("past_key_value", None),
+                                           ("past_key_values", None), ("layer_past", None))
 
 
 def _inner_forward(module: nn.Module, state: _WrapState) -> Callable[..., Any]:
@@ -123,8 +142,51 @@ def _inner_forward(module: nn.Module, state: _WrapState) -> Callable[..., Any]:
     return functools.partial(type(module).forward, module)
 
 
+def _cache_arguments(module: nn.Module, forward: Callable[..., Any]) -> tuple[tuple[str, int | None, Any], ...]:
+    """The cache arguments of ``forward`` (``module``'s) that a checkpointed call sets: ``(name, index among the
+    positional parameters or None, value)``, for the names of :data:`_CACHE_OFF` among its parameters (each of them
+    when it takes ``**kwargs``). A module whose ``_can_checkpoint_with_cache`` is true (it only reads its cache,
+    transformers' flag) keeps its cache; ``use_cache`` is still ``False``. Empty when the signature is unreadable."""
+    keep_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
+    wanted = {name: value for name, value in _CACHE_OFF if not (keep_cache and value is None)}
+    try:
+        parameters = inspect.signature(forward).parameters.values()  # follows functools.wraps' __wrapped__
+    except (TypeError, ValueError):
+        return ()
+    found: dict[str, tuple[str, int | None, Any]] = {}
+    index = 0
+    var_keyword = False
+    for parameter in parameters:
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            if parameter.name in wanted:
+                found[parameter.name] = (parameter.name, index, wanted[parameter.name])
+            index += 1
+        elif parameter.kind is parameter.KEYWORD_ONLY and parameter.name in wanted:
+            found[parameter.name] = (parameter.name, None, wanted[parameter.name])
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            var_keyword = True
+    if var_keyword:
+        for name, value in wanted.items():
+            found.setdefault(name, (name, None, value))
+    return tuple(found.values())
+
+
+def _caching_off(arguments: tuple[tuple[str, int | None, Any], ...], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every cache argument of ``arguments`` given its checkpointed value."""
+    positional = list(args)
+    for name, index, value in arguments:
+        if name in kwargs:
+            kwargs[name] = value
+        elif index is not None and index < len(positional):
+            positional[index] = value
+    return tuple(positional), kwargs
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _WrapState = self.__dict__[_STATE_ATTR]
+    if state.cache_arguments and torch.is_grad_enabled():
+        args, kwargs = _caching_off(state.cache_arguments, args, kwargs)
     return checkpointed_call(_inner_forward(self, state), state.stat_modules, *args, **kwargs)
 
 
@@ -154,10 +216,14 @@ def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:  # no
 
 def _install(module: nn.Module, forward: Callable[..., Any], ranges: tuple[tuple[int, int], ...] = ()) -> None:
     if _STATE_ATTR in module.__dict__:
-        raise ValueError(f"{type(module).__name__} is already checkpointed by memkit; call handle.remove() before applying another policy")
+        raise ValueError(f"{type(module).__name__} is already checkpointed by memkit; "
+                         "call handle.remove() before applying another policy")
     had = "forward" in module.__dict__
     stats = tuple(m for m in module.modules() if _has_running_stats(m))
-    module.__dict__[_STATE_ATTR] = _WrapState(had, module.__dict__.get("forward"), stats, ranges)
+    state = _WrapState(had, module.__dict__.get("forward"), stats, ranges)
+    if forward is _checkpointed_forward:
+        state.cache_arguments = _cache_arguments(module, _inner_forward(module, state))
+    module.__dict__[_STATE_ATTR] = state
     # A bound method (not a closure): copy.deepcopy rebinds it to the copy.
     module.__dict__["forward"] = forward.__get__(module, type(module))
 
