@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._pytree import tree_flatten
 from torch import nn
 
 from lightning_memkit.accounting.accountant import TensorAccountant
@@ -28,7 +29,8 @@ from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
 from lightning_memkit.modes.offload import offload_suspended
 
-__all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward", "profile_blocks"]
+__all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward",
+           "profile_blocks"]
 
 
 class MeasureError(MemkitError, RuntimeError):
@@ -152,6 +154,67 @@ def _saved_by_other_hooks(leaves: list[Any], since: int | None, limit: int = 10_
     return False
 
 
+class _Measuring:
+    """One measuring forward's state: what its pack hook saw, which regions were running, their FLOPs and time."""
+
+    def __init__(self, regions: dict[str, list[nn.Module]], count_flops: bool) -> None:
+        self.regions = regions
+        self.result = ForwardMeasure(region_saved={n: {} for n in regions}, region_inputs={n: set() for n in regions},
+                                     flops={n: 0 for n in regions}, seconds={n: 0.0 for n in regions})
+        self.accountant = TensorAccountant()
+        self.active: list[str] = []
+        self.starts: dict[str, tuple[int, float]] = {}
+        self.counter = None
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode  # deferred: a heavy import only a plan needs
+
+            self.counter = FlopCounterMode(display=False)
+        self.packed = 0  # the pack hook's calls, whatever it packed (the forward's own storages or not)
+        self.handles: list[Any] = []
+
+    def pack(self, tensor: torch.Tensor) -> _Dropped:
+        self.packed += 1
+        found = _key(self.accountant, tensor)
+        if found is not None:
+            key, nbytes = found
+            self.result.saved[key] = nbytes
+            if self.active:
+                for name in self.active:
+                    self.result.region_saved[name][key] = nbytes
+            else:
+                self.result.outside.add(key)
+        return _DROPPED
+
+    def _total_flops(self) -> int:
+        return self.counter.get_total_flops() if self.counter is not None else 0
+
+    def _pre(self, name: str, args: Any, kwargs: Any) -> None:
+        for leaf in tree_flatten((args, kwargs))[0]:
+            found = _key(self.accountant, leaf)
+            if found is not None:
+                self.result.region_inputs[name].add(found[0])
+        self.active.append(name)
+        self.starts[name] = (self._total_flops(), time.perf_counter())
+
+    def _post(self, name: str) -> None:
+        if name in self.active:
+            self.active.remove(name)
+            flops0, t0 = self.starts.pop(name)
+            self.result.flops[name] += self._total_flops() - flops0
+            self.result.seconds[name] += time.perf_counter() - t0
+
+    def add_region_hooks(self) -> None:
+        for name, chain in self.regions.items():
+            self.handles.append(chain[0].register_forward_pre_hook(
+                lambda _m, args, kwargs=None, name=name: self._pre(name, args, kwargs), with_kwargs=True))
+            self.handles.append(chain[-1].register_forward_hook(lambda _m, _args, *_rest, name=name: self._post(name)))
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]] | None = None,
                     count_flops: bool = False) -> ForwardMeasure:
     """Run one measuring forward of ``sample`` and return what it saved (see the module docstring).
@@ -163,57 +226,8 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
     Raises:
         MeasureError: when the forward raises (the cause attached).
     """
-    from torch.utils._pytree import tree_flatten
-
-    regions = regions or {}
-    result = ForwardMeasure(region_saved={n: {} for n in regions}, region_inputs={n: set() for n in regions},
-                            flops={n: 0 for n in regions}, seconds={n: 0.0 for n in regions})
-    accountant = TensorAccountant()
-    active: list[str] = []
-    starts: dict[str, tuple[int, float]] = {}
-    counter = None
-    if count_flops:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        counter = FlopCounterMode(display=False)
-
-    packed = [0]  # the pack hook's calls, whatever it packed (the forward's own storages or not)
-
-    def pack(tensor: torch.Tensor) -> _Dropped:
-        packed[0] += 1
-        found = _key(accountant, tensor)
-        if found is not None:
-            key, nbytes = found
-            result.saved[key] = nbytes
-            if active:
-                for name in active:
-                    result.region_saved[name][key] = nbytes
-            else:
-                result.outside.add(key)
-        return _DROPPED
-
-    def total_flops() -> int:
-        return counter.get_total_flops() if counter is not None else 0
-
-    handles = []
-    for name, chain in regions.items():
-        def pre(_module: nn.Module, args: Any, kwargs: Any = None, name: str = name) -> None:
-            for leaf in tree_flatten((args, kwargs))[0]:
-                found = _key(accountant, leaf)
-                if found is not None:
-                    result.region_inputs[name].add(found[0])
-            active.append(name)
-            starts[name] = (total_flops(), time.perf_counter())
-
-        def post(_module: nn.Module, args: Any, *rest: Any, name: str = name) -> None:
-            if name in active:
-                active.remove(name)
-                flops0, t0 = starts.pop(name)
-                result.flops[name] += total_flops() - flops0
-                result.seconds[name] += time.perf_counter() - t0
-
-        handles.append(chain[0].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(chain[-1].register_forward_hook(post))
+    measuring = _Measuring(regions or {}, count_flops)
+    measuring.add_region_hooks()
     run = _runner(module, sample)
     try:
         with contextlib.ExitStack() as stack:
@@ -225,37 +239,44 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
             # what the modules save, not where offload would put it: under offload's hooks this one would see none
             stack.enter_context(offload_suspended())
             first_node = next_node_sequence_number()  # the nodes this forward makes are numbered from here
-            with contextlib.ExitStack() as measuring:
-                if counter is not None:
-                    measuring.enter_context(counter)
-                measuring.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
-                with accountant:
-                    output = run()
-            for handle in handles:  # the regions' hooks and the FLOP counter are off before any unpack below
-                handle.remove()
+            output = _run_measured(measuring, run)
+            measuring.remove_hooks()  # the regions' hooks and the FLOP counter are off before any unpack below
             leaves = tree_flatten(output)[0]
-            result.output_bytes = _output_bytes(accountant, leaves, set(result.saved))
+            measuring.result.output_bytes = _output_bytes(measuring.accountant, leaves, set(measuring.result.saved))
             # a forward whose own saved_tensors_hooks took every save: the pack hook never ran. Partial hiding (their
             # hooks around some blocks only) is not detected: the walk cannot tell their saves from the inputs'
             # graph or a saved Python number without more of autograd's internals
-            hidden = packed[0] == 0 and _saved_by_other_hooks(leaves, first_node)
+            hidden = measuring.packed == 0 and _saved_by_other_hooks(leaves, first_node)
             del output, leaves  # before raising: the error's frames must not keep the graph alive
             if hidden:
-                raise MeasureError(
-                    f"the forward of {type(module).__name__} saved tensors for backward through its own "
-                    "saved_tensors_hooks (torch.autograd.graph.save_on_cpu, or another pair of hooks entered in the "
-                    "model or the step), which take them before memkit's measuring hooks can see them; a budget needs "
-                    "what the forward saves: measure without those hooks (a sample or sample_fn that runs the forward "
-                    "without them), or give a policy that needs no measuring (\"auto\", a set of module classes)")
+                raise MeasureError(_hidden_saves_message(module))
     except MeasureError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
-        raise MeasureError(f"the measuring forward of {type(module).__name__} failed: {type(error).__name__}: {error}") from error
+        raise MeasureError(f"the measuring forward of {type(module).__name__} failed: {type(error).__name__}: "
+                           f"{error}") from error
     finally:
-        for handle in handles:
-            handle.remove()
-    result.peak_bytes = accountant.peak_bytes
-    return result
+        measuring.remove_hooks()
+    measuring.result.peak_bytes = measuring.accountant.peak_bytes
+    return measuring.result
+
+
+def _run_measured(measuring: _Measuring, run: Any) -> Any:
+    """``run()`` under the FLOP counter (if any), the pack hook and the accountant; returns its output."""
+    with contextlib.ExitStack() as stack:
+        if measuring.counter is not None:
+            stack.enter_context(measuring.counter)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(measuring.pack, _unpack))
+        with measuring.accountant:
+            return run()
+
+
+def _hidden_saves_message(module: nn.Module) -> str:
+    return (f"the forward of {type(module).__name__} saved tensors for backward through its own "
+            "saved_tensors_hooks (torch.autograd.graph.save_on_cpu, or another pair of hooks entered in the "
+            "model or the step), which take them before memkit's measuring hooks can see them; a budget needs "
+            "what the forward saves: measure without those hooks (a sample or sample_fn that runs the forward "
+            "without them), or give a policy that needs no measuring (\"auto\", a set of module classes)")
 
 
 def measure_activation_bytes(module: nn.Module, sample: Any) -> int:
@@ -293,7 +314,8 @@ def block_profiles(measure: ForwardMeasure) -> dict[str, BlockProfile]:
     result = {}
     for name, saved in measure.region_saved.items():
         total = sum(saved.values())
-        freed = sum(n for key, n in saved.items() if key not in measure.region_inputs[name] and key not in measure.outside)
+        freed = sum(n for key, n in saved.items()
+                    if key not in measure.region_inputs[name] and key not in measure.outside)
         result[name] = BlockProfile(total, freed, int(measure.flops[name]), measure.seconds[name])
     return result
 
