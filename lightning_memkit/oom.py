@@ -9,13 +9,16 @@ import json
 import os
 import time
 import traceback
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from lightning_memkit.errors import MemkitError
+from lightning_memkit.probes.cuda import dump_memory_snapshot
+from lightning_memkit.records import RunSummary, StepReading
 
-__all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report"]
+__all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report", "OomMoment", "write_run_oom_report"]
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
@@ -88,7 +91,8 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
             objects = gc.get_objects()
             for obj in objects:
                 try:
-                    if not isinstance(obj, torch.Tensor) or obj.device.type == "meta" or obj.layout is not torch.strided:
+                    if (not isinstance(obj, torch.Tensor) or obj.device.type == "meta"
+                            or obj.layout is not torch.strided):
                         continue
                     _note_storage(storages, obj, creation_of, format_frame)
                 except Exception:  # noqa: BLE001 - one odd tensor (fake, sparse, proxy, a subclass left by an earlier
@@ -122,3 +126,40 @@ def write_oom_report(path: str, payload: dict[str, Any], error: BaseException, l
     with open(path, "w") as file:
         json.dump(report, file, indent=2, default=str)
     return path
+
+
+@dataclass(frozen=True)
+class OomMoment:
+    """Where in a training run an out-of-memory error happened: the OOM report's first keys."""
+
+    step: int  #: the step on the loggers' axis (Lightning's own ``self.log`` step)
+    global_step: int
+    epoch: int
+    rank: int  #: the process's global rank
+
+
+def write_run_oom_report(directory: str, moment: OomMoment, summary: RunSummary, history: Sequence[StepReading],
+                         reading: StepReading | None, error: BaseException, snapshot: bool = False) -> str:
+    """Write a run's report of an out-of-memory error, ``<directory>/memkit_oom_rank<r>.json`` (what ``memkit
+    report`` reads): the moment, the run summary, the last ten readings and the failing step's reading up to the
+    failure. ``snapshot``: CUDA memory history is recorded, so its snapshot is dumped beside the report as
+    ``memkit_oom_rank<r>.pickle`` (named in the report). Returns the report's path.
+
+    Raises:
+        OSError: the report cannot be written.
+    """
+    stem = os.path.join(directory, f"memkit_oom_rank{moment.rank}")
+    snapshot_path = stem + ".pickle" if snapshot and dump_memory_snapshot(stem + ".pickle") else None
+    payload = {
+        "step": moment.step,
+        "global_step": moment.global_step,
+        "epoch": moment.epoch,
+        "rank": moment.rank,
+        "device": summary.device,
+        "capacity_bytes": summary.capacity_bytes,
+        "failing_step_reading": reading.to_dict() if reading else None,
+        "last_readings": [r.to_dict() for r in list(history)[-10:]],
+        "summary": summary.to_dict(),
+        "cuda_snapshot": snapshot_path,
+    }
+    return write_oom_report(stem + ".json", payload, error)

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "RECORDS_FILENAME", "StepReading", "RunSummary", "write_records", "read_records"]
+__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "RECORDS_FILENAME", "StepReading", "RunSummary", "write_records",
+           "read_records", "records_filename", "RecordsWriter"]
 
 #: the file MemoryTracker writes in the log dir at fit end, and `memkit report` reads.
 RECORDS_FILENAME = "memkit_memory.json"
@@ -29,8 +30,10 @@ MEMORY_FIELDS: dict[str, str] = {
     "process_device_bytes": "NVML: device memory used by this process (CUDA context and libraries included)",
     "host_rss_bytes": "host: resident set size of this process at step end",
     "host_peak_rss_bytes": "host: peak resident set size during this step (Linux VmHWM, reset every step)",
-    "tensor_bytes": "accountant: bytes of every live tensor storage of the process at step end (exact; as CUDA's allocated)",
-    "peak_tensor_bytes": "accountant: highest of those bytes during this step (exact; on the steps the accountant measured)",
+    "tensor_bytes": "accountant: bytes of every live tensor storage of the process at step end "
+                    "(exact; as CUDA's allocated)",
+    "peak_tensor_bytes": "accountant: highest of those bytes during this step "
+                         "(exact; on the steps the accountant measured)",
 }
 
 #: Count-valued fields of :class:`StepReading`.
@@ -209,8 +212,40 @@ def write_records(path: str, summary: RunSummary, history: list[StepReading]) ->
     """Write a run's summary and readings as JSON (``{"summary": ..., "history": [...]}``)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:
-        json.dump({"format": "lightning-memkit/memory/1", "summary": summary.to_dict(), "history": [r.to_dict() for r in history]}, file)
+        json.dump({"format": "lightning-memkit/memory/1", "summary": summary.to_dict(),
+                   "history": [r.to_dict() for r in history]}, file)
     return path
+
+
+def records_filename(prefix: str | None = None) -> str:
+    """:data:`RECORDS_FILENAME`, or for a tracker with its own logging ``prefix`` ``memkit_memory_<prefix>.json``:
+    a second tracker writes beside the default one instead of over it."""
+    if prefix is None:
+        return RECORDS_FILENAME
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in prefix)
+    return RECORDS_FILENAME.replace(".json", f"_{safe}.json")
+
+
+class RecordsWriter:
+    """Writes a run's records file (:func:`write_records`), never over a file it did not write itself: a name taken
+    by another file gets ``-v1``, ``-v2``... (as Lightning's ModelCheckpoint does); its own file it rewrites."""
+
+    def __init__(self) -> None:
+        self._written: set[str] = set()
+
+    def write(self, path: str | os.PathLike, filename: str, summary: RunSummary, history: list[StepReading]) -> str:
+        """Write to ``path`` (a file, or an existing directory: ``filename`` in it); returns the path written."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, filename)
+        stem, extension = os.path.splitext(path)
+        candidate, version = path, 0
+        while os.path.exists(candidate) and candidate not in self._written:
+            version += 1
+            candidate = f"{stem}-v{version}{extension}"
+        written = write_records(candidate, summary, history)
+        self._written.add(written)
+        return written
 
 
 def read_records(path: str) -> tuple[RunSummary, list[StepReading]]:

@@ -7,7 +7,15 @@ from typing import Sequence
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.units import format_bytes
 
-__all__ = ["format_table", "format_summary"]
+__all__ = ["format_table", "format_summary", "where_readings_went", "fit_ended", "EARLIER_FIT_NOTE"]
+
+# fits a MemoryTracker saw end in this process, and whether the note on an earlier fit's tensors was printed (once)
+_PROCESS = {"fits_ended": 0, "earlier_fit_said": False}
+#: the note printed (once per process, with the summary) when an earlier fit ran in the same process (a notebook)
+EARLIER_FIT_NOTE = ("memkit MemoryTracker: an earlier fit ran in this process. The readings count every live tensor "
+                    "of the process (on CUDA, everything allocated on the device), so tensors an earlier fit left "
+                    "alive (a model, trainer or outputs still referenced, e.g. in a notebook) are in them; delete "
+                    "those references (and run gc.collect()) before fit to read this run's memory alone.")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left_columns: int = 1) -> str:
@@ -16,7 +24,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left_
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        padded = (c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(padded).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
@@ -58,3 +67,31 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
     if summary.validation_runs_measured:
         rows.append(("validation runs measured", str(summary.validation_runs_measured)))
     return "memkit memory summary\n" + format_table(("measure", "value"), rows, left_columns=2)
+
+
+def where_readings_went(loggers: Sequence[str], every_n_steps: int, log_every_n_steps: int,
+                        records_path: str | None) -> str:
+    """One line under the printed summary: where a user finds the per-step readings of a run logged by ``loggers``
+    (their class names), measured every ``every_n_steps``, whose records file is ``records_path``."""
+    if not loggers:
+        where = "no logger, so nothing was logged"
+    elif every_n_steps == 1 and not log_every_n_steps:
+        where = f"{', '.join(loggers)}: the summary only (log_every_n_steps=0: Lightning logs no step)"
+    elif every_n_steps == 1:
+        where = f"{', '.join(loggers)} at the steps Lightning logs (log_every_n_steps={log_every_n_steps})"
+    else:
+        where = ", ".join(loggers)
+    file = records_path or "no file (MemoryTracker(records_file=...) or .save_records(path) writes one)"
+    return f"memkit readings: {where}; every measured step on this tracker's .history; records: {file}"
+
+
+def fit_ended(summary: RunSummary, history: Sequence[StepReading], where: str | None) -> None:
+    """A tracked fit ended (global rank zero): print its summary table and ``where`` its readings went (``None``:
+    print nothing), and, the first time a later fit of this process prints, :data:`EARLIER_FIT_NOTE`."""
+    if where is not None:
+        print(format_summary(summary, list(history)))
+        print(where)
+        if _PROCESS["fits_ended"] and not _PROCESS["earlier_fit_said"]:
+            _PROCESS["earlier_fit_said"] = True
+            print(EARLIER_FIT_NOTE)
+    _PROCESS["fits_ended"] += 1

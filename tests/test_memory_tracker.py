@@ -635,9 +635,9 @@ def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has
 def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readings_count_it(tmp_path, capsys, monkeypatch):
     """A notebook: the second fit's readings count every live tensor of the process, the first model's (still referenced)
     included. The summary says so once per process, not at the first fit, not again at the third."""
-    from lightning_memkit.callbacks import memory_tracker
+    from lightning_memkit import summary_table
 
-    monkeypatch.setattr(memory_tracker, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})
+    monkeypatch.setattr(summary_table, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})
     kept, outputs, trackers = [], [], []
     import gc
     for _ in range(3):
@@ -647,7 +647,7 @@ def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readi
         make_trainer(tmp_path, max_steps=2, callbacks=[trackers[-1]]).fit(kept[-1])
         outputs.append(capsys.readouterr().out)
     assert all("memkit memory summary" in out for out in outputs)
-    assert [out.count(memory_tracker.EARLIER_FIT_NOTE) for out in outputs] == [0, 1, 0]
+    assert [out.count(summary_table.EARLIER_FIT_NOTE) for out in outputs] == [0, 1, 0]
     # and it is true: the second fit's live tensors at step 0 hold the first model's parameters too
     first_model = sum(p.numel() * p.element_size() for p in kept[0].parameters())
     assert trackers[1].history[0].tensor_bytes - trackers[0].history[0].tensor_bytes >= first_model > 0

@@ -6,11 +6,12 @@ and MemoryDoctor (``memkit_doctor.json``): no file lands in the working director
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning_memkit._lightning_compat import log_dir
 
-__all__ = ["logging_loggers", "run_files_dir"]
+__all__ = ["logging_loggers", "run_files_dir", "file_target"]
 
 
 def logging_loggers(trainer: Any) -> list[Any]:
@@ -27,3 +28,12 @@ def run_files_dir(trainer: Any) -> str | None:
     if not logging_loggers(trainer):
         return None
     return log_dir(trainer)
+
+
+def file_target(trainer: Any, asked: str | os.PathLike | None, filename: str) -> str | os.PathLike | None:
+    """Where a callback's file goes: the path ``asked`` for, else ``filename`` in :func:`run_files_dir`, else
+    ``None`` (no logger, or fast_dev_run's stand-in: nothing written into the working directory unless asked)."""
+    if asked is not None:
+        return asked
+    directory = run_files_dir(trainer)
+    return None if directory is None else os.path.join(directory, filename)
