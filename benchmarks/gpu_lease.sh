@@ -13,6 +13,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   sha256sum benchmarks/plan_gpu.py lightning_memkit/plan/planner.py  # which code made these figures
+  python3 benchmarks/provenance.py  # the commit (MEMKIT_COMMIT/MEMKIT_DIRTY where the copy has no git), torch, CUDA, device
   python3 -c "import sys, torch, lightning, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
 } >"$OUT/gpu.txt" 2>&1
 timeout -k 10 240 python3 benchmarks/plan_gpu.py bert --budgets 16GiB,8GiB --json "$OUT/bert.json" >"$OUT/bert.md" 2>"$OUT/bert.err"

@@ -7,7 +7,8 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  sha256sum benchmarks/plan_gpu.py lightning_memkit/plan/planner.py; } >"$OUT/gpu.txt" 2>&1
+  sha256sum benchmarks/plan_gpu.py lightning_memkit/plan/planner.py
+  python3 benchmarks/provenance.py; } >"$OUT/gpu.txt" 2>&1
 timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider -m cuda -rs -v -n 3 --timeout 60 \
   tests/test_offload.py tests/test_plan.py >"$OUT/test_gpu.txt" 2>&1
 echo "exit $? after ${SECONDS} s" >>"$OUT/test_gpu.txt"

@@ -17,8 +17,10 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # provenance.py (after tests/: its gpu_truth is the one)
 
 from gpu_truth import MODES, make_model, truth_rows  # noqa: E402
+from provenance import provenance_line  # noqa: E402
 
 from lightning_memkit.estimate import estimate_memory  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
@@ -29,6 +31,14 @@ GiB = 2 ** 30
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     word = argv[0] if argv else ""
+    # the estimate's code and versions (this run), and the recorded truth's (tests/data/gpu_truth/truth.json's meta)
+    import json
+
+    from gpu_truth import TRUTH_DIR
+
+    print(provenance_line())
+    with open(os.path.join(TRUTH_DIR, "truth.json")) as handle:
+        print(f"# truth's provenance: {json.dumps(json.load(handle)['meta'], sort_keys=True)}")
     rows = []
     for row in truth_rows():
         if word not in row["model"]:

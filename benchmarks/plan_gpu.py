@@ -4,6 +4,10 @@
     python benchmarks/plan_gpu.py bert --budgets 16GiB
     python benchmarks/plan_gpu.py --json out.json      # the rows and every trial, for the docs
 
+Every output names where it came from (benchmarks/provenance.py): its first line on stdout and on stderr is
+``# provenance: {...}`` (the commit and whether the tree had changes, torch, CUDA, the device), and ``--json``
+writes ``{"provenance": {...}, "results": [...]}``.
+
 A smaller GPU is simulated on a large one: the budget is the device's memory, so the caching allocator is capped
 at the budget less the CUDA context's allowance (``torch.cuda.set_per_process_memory_fraction``), as a card of
 that size would leave it. For each model and budget:
@@ -50,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from plan_bruteforce import baselines, spearman  # noqa: E402
+from provenance import provenance_line, write_json  # noqa: E402
 
 WARMUP = int(os.environ.get("PLAN_GPU_WARMUP", "1"))
 TIMED = int(os.environ.get("PLAN_GPU_TIMED", "3"))
@@ -300,6 +305,9 @@ def main(argv: list[str]) -> None:
                         help="no GPU needed: print each case's plan table for this GPU (predictions only, no trial)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    line = provenance_line()  # what made these figures, on both streams (the table and the log)
+    print(line, flush=True)
+    print(line, file=sys.stderr, flush=True)
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -355,8 +363,7 @@ def main(argv: list[str]) -> None:
             results.append(result)
             print(_row(result), flush=True)
             if args.json:
-                with open(args.json, "w") as handle:
-                    json.dump(results, handle, indent=1, default=str)
+                write_json(args.json, results)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from plan_bruteforce import baselines, spearman  # noqa: E402
 from plan_gpu import parse_candidate, plain_fits  # noqa: E402
+from provenance import provenance_line  # noqa: E402
 
 GiB = 1 << 30
 _SIZE = r"([\d.]+ [KMG]?i?B|-)"
@@ -126,7 +127,14 @@ def main(folder: str) -> None:
             return "-"
         return (text.describe() if hasattr(text, "describe") else text).replace(", 32-true", "")
 
-    print((Path(folder) / "gpu.txt").read_text().strip().splitlines()[-1])
+    gpu = (Path(folder) / "gpu.txt").read_text().strip().splitlines()
+    recorded = [line for line in gpu if line.startswith("{") and '"commit"' in line]
+    # where the logs came from (a lease's gpu.txt names it, from benchmarks/provenance.py), and this table
+    print(f"# logs' provenance: {recorded[-1]}" if recorded else
+          "# logs' provenance: not recorded (these logs predate benchmarks/provenance.py; gpu.txt has the sources' "
+          "sha256 and the versions)")
+    print(provenance_line().replace("# provenance:", "# table's provenance:"))
+    print(next((line for line in reversed(gpu) if " torch " in line), gpu[-1]))
     print()
     print("| model | budget | fit / run | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
           "real peak <= budget | Spearman | measured / predicted samples/s (min, median, max) | "

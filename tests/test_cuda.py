@@ -8,7 +8,10 @@ is false (tests/conftest.py). The claims:
 - checkpoint and bf16 modes cut a transformer's CUDA peak by at least 45% and 25%;
 - compare's step time (CUDA events) is within 10% of a synchronised measurement of the same steps,
   and StepTimer never waits for the device while the steps run;
-- no CUDA memory is left allocated after a fit with every memkit callback.
+- no CUDA memory is left allocated after a fit with every memkit callback;
+- the planner's CUDA trials (issue 36): the model under plan counted once, the allocator capped at the budget during
+  a trial (and restored), the device index kept, fp16 trials run until the optimizer really stepped, offload's
+  host memory checked and released, a compiled model's trials each compiled and no CUDA-graph pool left.
 """
 
 from __future__ import annotations
@@ -336,3 +339,236 @@ def test_one_fsdp2_rank_on_the_device_against_the_world_size_1_estimate(tmp_path
     assert estimated[0] == real[0], output[-3000:]
     error = (estimated[1] - real[1]) / real[1]
     assert -0.03 <= error <= 0.10, f"estimated {estimated[1]} B, real {real[1]} B ({error:+.1%})"
+
+
+# ------------------------------------------------------------------------------- the planner's trials (issue 36)
+MiB, GiB = 1 << 20, 1 << 30
+
+
+class _Wide(pl.LightningModule):
+    """``layers`` Linear(width, width) on batches of ``rows`` random rows, Adam: a trial's memory is mostly the model's
+    (width 4096: 64 MiB of fp32 weights per layer, four times that with their gradients and Adam's state), so a
+    model counted twice shows. From inside the real (not fake) steps of its trials, which train copies of it, it
+    records on the class the device it ran on and whether allocating ``probe_bytes`` failed; ``explode`` raises."""
+
+    devices: list = []
+    probes: list = []
+    probe_bytes = 0
+    explode = False
+
+    def __init__(self, width: int = 2048, layers: int = 4, rows: int = 8, loss_scale: float = 1.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        self.batch_size = rows
+        self.loss_scale = loss_scale
+        self.data = torch.randn(4 * rows, width, generator=torch.Generator().manual_seed(0))
+
+    def training_step(self, batch, batch_idx):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        (x,) = batch
+        if not isinstance(x, FakeTensor):  # the estimate's fake steps are not the trial's
+            type(self).devices.append(x.device)
+            if type(self).probe_bytes:
+                try:
+                    probe = torch.empty(type(self).probe_bytes, dtype=torch.uint8, device=x.device)
+                    type(self).probes.append(True)
+                    del probe
+                except torch.OutOfMemoryError:
+                    type(self).probes.append(False)
+            if type(self).explode:
+                raise ValueError("planted in the trial's step")
+        return self.net(x).float().pow(2).mean() * self.loss_scale
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(self.data), batch_size=self.batch_size, drop_last=True)
+
+
+@pytest.fixture
+def wide_records():
+    _Wide.devices, _Wide.probes, _Wide.probe_bytes, _Wide.explode = [], [], 0, False
+    yield _Wide
+    _Wide.devices, _Wide.probes, _Wide.probe_bytes, _Wide.explode = [], [], 0, False
+
+
+def _trial(module, candidate, budget, warmup=1, timed=2, **row_fields):
+    """One of the planner's CUDA trials of ``candidate`` on ``module``'s first batch: ``(fits, note, row)``."""
+    from lightning_memkit.plan.planner import PlanRow, _trial as trial
+
+    batch = next(iter(module.train_dataloader()))
+    row = PlanRow(candidate, None, None, None, True, **row_fields)
+    fits, _, _, note = trial(module, candidate, batch, budget, "cuda", warmup, timed, row=row)
+    return fits, note, row
+
+
+def test_a_plans_trial_counts_the_model_on_the_device_once(wide_records):
+    """Issue 36, item 1: AutoFit plans at fit start, its module already on the device. Its trial's reserved peak is
+    the one-model figure (the original waits in host memory while the copy trains), the same Parameter objects are
+    back on the device after, and a budget of that figure plus the CUDA context, once, fits."""
+    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.plan import Candidate
+
+    module = _Wide(width=4096)  # 256 MiB of weights
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    candidate = Candidate(8, 1)
+    _trial(module, candidate, 64 * GiB)  # warm-up: cuBLAS workspaces, the context
+    fits, note, on_host = _trial(module, candidate, 64 * GiB)
+    assert fits, note
+    module.cuda()  # where AutoFit finds it: the strategy moved it before on_fit_start
+    parameters = list(module.parameters())
+    fits, note, on_device = _trial(module, candidate, 64 * GiB)
+    assert fits, note
+    assert abs(on_device.measured_reserved_bytes - on_host.measured_reserved_bytes) < weights // 4, (on_host.note, note)
+    assert all(a is b for a, b in zip(module.parameters(), parameters)) and all(p.is_cuda for p in parameters)
+    budget = on_host.measured_reserved_bytes + CUDA_CONTEXT_BYTES + 64 * MiB
+    fits, note, row = _trial(module, candidate, budget)
+    assert fits, note
+    assert row.measured_reserved_bytes + CUDA_CONTEXT_BYTES <= budget
+    module.cpu()
+
+
+def test_a_trial_runs_under_an_allocator_capped_at_the_budget(wide_records):
+    """Issue 36, item 2: while a trial trains, the caching allocator of an 80+ GiB card cannot reserve more than the
+    budget less the CUDA context (a step's attempt to allocate that much fails in the trial, and succeeds after it);
+    the cap before is restored after, also when the trial raises; a trial over the cap runs out of memory and
+    reports how far it got; the peaks are on the row and in its note."""
+    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.plan import Candidate
+    from lightning_memkit.units import format_bytes
+
+    module = _Wide()  # 64 MiB of weights: about 300 MiB in a trial
+    budget = 2 * GiB
+    cap = budget - CUDA_CONTEXT_BYTES
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
+    wide_records.probe_bytes = cap
+    fits, note, row = _trial(module, Candidate(8, 1), budget)
+    assert fits, note
+    assert wide_records.probes and not any(wide_records.probes)  # every step's probe ran out of memory: capped
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
+    probe = torch.empty(cap, dtype=torch.uint8, device="cuda")  # uncapped again
+    del probe
+    assert row.measured_allocated_bytes <= row.measured_reserved_bytes <= cap
+    assert note.startswith("ran: ") and (f"peaks {format_bytes(row.measured_allocated_bytes)} allocated, "
+                                         f"{format_bytes(row.measured_reserved_bytes)} reserved") in note
+    assert f"allocator capped at {format_bytes(cap)}" in note
+    # over the cap: out of memory, as a card of 640 MiB would
+    wide_records.probe_bytes = 0
+    fits, note, row = _trial(module, Candidate(8, 1), CUDA_CONTEXT_BYTES + 128 * MiB)
+    assert not fits and note.startswith("out of memory"), note
+    assert row.measured_reserved_bytes <= 128 * MiB and torch.cuda.get_per_process_memory_fraction(0) == 1.0
+    # a trial that raises: the cap and the module on the device are restored
+    module.cuda()
+    wide_records.explode = True
+    with pytest.raises(ValueError, match="planted"):
+        _trial(module, Candidate(8, 1), budget)
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
+    assert all(p.is_cuda for p in module.parameters())
+    module.cpu()
+
+
+def test_a_plan_refuses_a_device_index_the_machine_lacks(wide_records):
+    """Issue 36, item 4 (one GPU): an index is read, not dropped."""
+    from lightning_memkit.plan import PlanError, plan_fit
+
+    with pytest.raises(PlanError, match=rf"device='cuda:{torch.cuda.device_count()}': this machine has"):
+        plan_fit(_Wide(), device=f"cuda:{torch.cuda.device_count()}", device_memory="2GiB", verbose=False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_plan_runs_its_trials_on_the_device_it_names(wide_records):
+    """Issue 36, item 4: plan_fit(device="cuda:1") trains its trials on cuda:1 (not cuda:0), its budget and peaks are
+    cuda:1's, and the current device is cuda:0 again after."""
+    from lightning_memkit.plan import plan_fit
+
+    torch.cuda.set_device(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    plan = plan_fit(_Wide(), device="cuda:1", device_memory="2GiB", trials=1, verbose=False, warmup_steps=1,
+                    timed_steps=2)
+    assert plan.fits_as_is, plan.table()
+    assert set(wide_records.devices) == {torch.device("cuda", 1)}
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.max_memory_allocated(0) < 16 * MiB  # nothing of the trial was on cuda:0
+    assert plan.rows[0].measured_reserved_bytes > 64 * MiB
+
+
+def test_an_fp16_trial_runs_until_its_optimizer_state_exists(wide_records):
+    """Issue 36, item 5: a loss large enough that the GradScaler skips its first steps (more of them than the trial's
+    warm-up and timed steps): the trial runs on until its timed steps were real ones, so Adam's two states per
+    weight were allocated (the peak holds weights, gradients and both states) and the skipped steps are not timed."""
+    from lightning_memkit.plan import Candidate
+
+    module = _Wide(width=1024, loss_scale=2.0 ** 20)
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    fits, note, row = _trial(module, Candidate(8, 1, "16-mixed"), 64 * GiB, warmup=1, timed=4)
+    assert fits, note
+    assert "optimizer steps skipped by the GradScaler" in note and "ms of 4;" in note
+    assert row.measured_allocated_bytes >= 4 * weights
+
+
+def test_offload_trials_check_the_host_and_leave_no_pinned_memory_cached():
+    """Issue 36, item 6: an offload trial whose predicted pinned bytes the host cannot spare is refused before it
+    runs; one that runs pins host memory, which the caching host allocator gives back after the trial."""
+    from lightning_memkit.estimate import estimate_memory
+    from lightning_memkit.plan import Candidate
+    from lightning_memkit.plan.planner import _release
+
+    module = zoo.DemoTransformer(**SMALL)
+    candidate = Candidate(8, 1, offload=True)
+    fits, note, row = _trial(module, candidate, 64 * GiB, offload_bytes=1 << 50)
+    assert not fits and note.startswith("not run: offload pins about"), note
+    assert row.measured_reserved_bytes is None  # nothing ran
+    host = estimate_memory(module, 8, mode="offload", device="cuda").host_bytes
+    assert host > 0
+    _release(True)
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch's pinned allocator's figures, where it has them
+    if stats is not None:
+        torch.cuda.reset_peak_host_memory_stats()
+    fits, note, row = _trial(module, candidate, 64 * GiB, offload_bytes=host)
+    assert fits, note
+    if stats is not None:
+        assert stats()["allocated_bytes.peak"] > 0  # the trial pinned host memory...
+        assert stats()["allocated_bytes.current"] == 0  # ...and none of it is kept cached
+
+
+class _CompiledWide(_Wide):
+    """_Wide with its layers compiled (inductor, ``mode``, static shapes)."""
+
+    def __init__(self, mode: str | None = None, **sizes) -> None:
+        super().__init__(**sizes)
+        self.net = torch.compile(self.net, mode=mode, dynamic=False)
+
+
+def test_the_trials_of_a_compiled_model_each_compile_and_leave_no_cuda_graph_pool(wide_records, monkeypatch):
+    """Issue 36, item 7: with ``mode="reduce-overhead"`` (CUDA graphs), static shapes and a recompile limit of 1,
+    each trial (two micro-batches) compiles its own graph (the last trial's code does not stand in the way), and
+    after each the device holds what it held before (the CUDA-graph pools went with dynamo's reset)."""
+    from lightning_memkit.compiled._torch_compat import dynamo_counters
+    from lightning_memkit.plan import Candidate
+    from lightning_memkit.plan.planner import _release
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    module = _CompiledWide(mode="reduce-overhead", width=4096, layers=3, rows=1024)  # 16 MiB per activation
+    warm = nn.Linear(8, 8).cuda()  # cuBLAS's workspaces (main and autograd threads), before the reading
+    warm(torch.ones(8, 8, device="cuda")).sum().backward()
+    del warm
+    _release(True)
+    before = torch.cuda.memory_reserved()
+
+    def graphs() -> int:
+        return dynamo_counters().get("stats", {}).get("unique_graphs", 0)
+
+    try:
+        for micro in (1024, 512):
+            compiled = graphs()
+            fits, note, row = _trial(module, Candidate(micro, 1024 // micro), 64 * GiB, warmup=2, timed=3)
+            assert fits and "compiled: dynamo's caches reset before and after the trial" in note, note
+            assert graphs() > compiled, micro
+            assert torch.cuda.memory_reserved() - before < 32 * MiB, (micro, torch.cuda.memory_reserved(), before)
+    finally:
+        torch._dynamo.reset()

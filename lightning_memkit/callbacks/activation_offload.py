@@ -25,10 +25,13 @@ class ActivationOffload(Callback):
         trainer = Trainer(accelerator="gpu", callbacks=[ActivationOffload()])
         trainer.fit(model)      # the module's training_step is wrapped during fit, restored after
 
-    The device then holds no saved activation between forward and backward: each is copied
-    (asynchronously, from pinned memory) back to the GPU when the backward op that needs it runs. It costs
-    host memory (one pinned copy of every saved tensor of a step, bytes ``numel * element_size``, see
-    ``MemoryEstimate.host_bytes``) and host-link time. Losses and gradients are the same as without it.
+    The device then holds no saved activation between forward and backward: each is copied from pinned
+    memory back to the GPU when the backward op that needs it runs. The copies (both ways) run on the step's
+    CUDA stream between its kernels, not overlapping them; in torch before pytorch/pytorch#175421 the forward's
+    copy also blocks the host. It costs host memory (one pinned copy of every saved tensor of a step, bytes
+    ``numel * element_size``, see ``MemoryEstimate.host_bytes``) and host-link time on every step. It computes
+    nothing: losses and gradients match a run without it to float rounding (on a GPU a kernel that sums in a
+    run-dependent order, such as an embedding's backward, parts any two runs after the first backward).
 
     Args:
         verbose: say on global rank 0 that the step offloads.

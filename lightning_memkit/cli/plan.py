@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_memkit.cli.common import add_init_arguments
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "print_best", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.add_argument("--gpu", default=None, metavar="GPU",
                         help="plan for this GPU: h100, a100, l4, sm90, ... (its kernels, roofline and memory); implies --device cuda")
-    parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
-                        help="where the plan is for (default: cuda when a GPU is here or --gpu is given, else cpu)")
+    parser.add_argument("--device", default=None, type=_device_word,
+                        help="where the plan is for: cpu, cuda or cuda:N, a GPU by index (default: cuda when a GPU is "
+                             "here or --gpu is given, else cpu)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="the effective batch to keep, samples per optimizer step (default: the train dataloader's batch)")
     parser.add_argument("--modes", default=None,
@@ -47,6 +48,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _device_word(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: give cpu, cuda or cuda:N (a GPU by index)")
+
+
 def _plan_json(plan: Any) -> dict:
     rows = [{"configuration": row.candidate.describe(), "micro_batch": row.candidate.micro_batch,
              "accumulation": row.candidate.accumulation, "precision": row.candidate.precision,
@@ -54,7 +61,8 @@ def _plan_json(plan: Any) -> dict:
              "predicted_peak_bytes": row.predicted_peak_bytes, "predicted_step_s": row.predicted_step_s,
              "predicted_samples_per_s": row.predicted_samples_per_s, "fits": row.fits,
              "measured_peak_bytes": row.measured_peak_bytes, "measured_samples_per_s": row.measured_samples_per_s,
-             "note": row.note} for row in plan.rows]
+             "measured_allocated_bytes": row.measured_allocated_bytes,
+             "measured_reserved_bytes": row.measured_reserved_bytes, "note": row.note} for row in plan.rows]
     arguments = {k: v for k, v in plan.trainer_arguments().items() if k != "callbacks"}
     return {"best": plan.best.describe() if plan.best is not None else None, "fits_as_is": plan.fits_as_is,
             "budget_bytes": plan.budget_bytes, "effective_batch": plan.effective_batch, "trials": plan.trials,
@@ -108,15 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if plan.fits_as_is:
         print(f"\nThe module fits in {_size(plan.budget_bytes)} as is (batch {plan.effective_batch}): nothing to change.")
     elif plan.best is not None:
-        arguments = plan.trainer_arguments()
-        shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items() if k != "callbacks")
-        callbacks = ""
-        if "callbacks" in arguments:
-            callbacks = f", callbacks=[ActivationCheckpointing(policy={plan.best.checkpoint_text!r})]"
-        print(f"\nBest: {plan.best.describe()}. Set the dataloader's batch size to {plan.best.micro_batch} and train with:")
-        print(f"  Trainer({shown}{callbacks})")
-        print("LightningCLI config:")
-        print(plan.yaml(), end="")
+        print_best(plan)
     elif plan.rows and all(row.predicted_peak_bytes is None for row in plan.rows):
         from lightning_memkit.plan.planner import _no_best_note
 
@@ -125,6 +125,24 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as handle:
             json.dump(_plan_json(plan), handle, indent=2, default=str)
     return 0 if plan.best is not None else 1
+
+
+def print_best(plan: Any) -> None:
+    """Print how to train ``plan.best``: the dataloader's batch size, the ``Trainer(...)`` arguments with every
+    callback its trial ran with (checkpointing, offload), and the LightningCLI YAML snippet."""
+    best = plan.best
+    arguments = plan.trainer_arguments()
+    shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items() if k != "callbacks")
+    callbacks = []
+    if best.checkpoint is not None:
+        callbacks.append(f"ActivationCheckpointing(policy={best.checkpoint_text!r})")
+    if best.offload:
+        callbacks.append("ActivationOffload()")
+    listed = f", callbacks=[{', '.join(callbacks)}]" if callbacks else ""
+    print(f"\nBest: {best.describe()}. Set the dataloader's batch size to {best.micro_batch} and train with:")
+    print(f"  Trainer({shown}{listed})")
+    print("LightningCLI config:")
+    print(plan.yaml(), end="")
 
 
 def _size(nbytes: int) -> str:

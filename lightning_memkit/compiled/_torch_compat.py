@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 
 __all__ = ["MARK_PREFIX", "OPTIMIZED_MODULE", "allocator_events", "mark", "track_cpu_allocation_sizes", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
-           "is_compiling", "profiler_active"]
+           "is_compiling", "profiler_active", "reset_compiled"]
 
 
 def _optimized_module_type() -> type | None:
@@ -58,6 +58,17 @@ def force_eager() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+def reset_compiled() -> None:
+    """Clear every compiled code cache and CUDA-graph tree, as in a fresh process (``torch.compiler.reset``, which
+    is ``torch._dynamo.reset``): the planner's trials each compile at their own micro-batch, as the real fit will,
+    instead of recompiling the last trial's code for a new shape (dynamic shapes, then the recompile limit), and the
+    CUDA-graph pools of ``mode="reduce-overhead"`` (which ``empty_cache`` does not free) go with the trees."""
+    reset = getattr(getattr(torch, "compiler", None), "reset", None)
+    if reset is None:  # pragma: no cover - an older torch
+        from torch._dynamo import reset
+    reset()
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:

@@ -2,7 +2,9 @@
 and come back to the GPU, one at a time, in the backward.
 
 torch's own :class:`torch.autograd.graph.save_on_cpu` does the work (``pin_memory=True``: each saved tensor is
-copied into a fresh pinned host buffer with an asynchronous copy; backward copies it back). This module only
+copied into a fresh pinned host buffer; backward copies it back). Both copies run on the step's CUDA stream, between
+its kernels (they do not overlap the compute), and before pytorch/pytorch#175421 the forward's copy (``copy_``
+without ``non_blocking``) also made the host wait for it. This module only
 decides where it applies: around a LightningModule's ``training_step`` (or a plain module's ``forward``), so
 what the loss computation saves is offloaded and validation (no grad) is untouched. Plain PyTorch; the
 Lightning callback is :class:`~lightning_memkit.callbacks.activation_offload.ActivationOffload`.
@@ -50,7 +52,8 @@ def check_offload_device(device: Any) -> None:
 @contextlib.contextmanager
 def offloading(pin_memory: bool = True) -> Iterator[None]:
     """Inside the block, every tensor autograd saves goes to host memory (torch's ``save_on_cpu``; pinned when
-    ``pin_memory`` and CUDA is available, so the copies are asynchronous).
+    ``pin_memory`` and CUDA is available: the copies back need not block the host; they still run on the
+    step's stream, between its kernels).
 
     Usage (plain PyTorch)::
 

@@ -11,7 +11,8 @@
    optimizer state and the RNG states are untouched), :data:`WARMUP_STEPS` optimizer steps of warm-up then
    :data:`TIMED_STEPS` timed ones (``perf_counter`` on CPU, CUDA events on GPU; the median), the peak measured (the
    accountant under a :class:`~lightning_memkit.search.budget.MemoryBudget` on CPU, so an over-budget trial fails
-   cleanly; ``max_memory_allocated`` on CUDA). On CPU the time model is first calibrated (Lightning's loop,
+   cleanly; on CUDA the device's own peaks, the allocator capped at the budget and the module under plan off the
+   device: :mod:`~lightning_memkit.plan.cuda_trial`). On CPU the time model is first calibrated (Lightning's loop,
    checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
    accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at each larger one predicted to fit), every trial refits it,
    a trial's timing runs for :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds
@@ -116,6 +117,10 @@ class PlanRow:
         costs: the fake step's ops (:class:`~lightning_memkit.plan.time_model.OpCosts`: FLOPs, bytes, counts) the
             predicted time comes from; ``None`` when the estimate failed.
         offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
+        measured_allocated_bytes, measured_reserved_bytes: CUDA: the trial's peaks by the device's own counters
+            (``max_memory_allocated``, ``max_memory_reserved``; the budget holds the reserved bytes and the CUDA
+            context), also when it ran out of memory or over the budget (how far it got), bytes; ``None`` on CPU
+            and when no trial ran.
         model_step_s: the time model's own prediction (seconds per optimizer step) before any trial ran: on CPU after
             its calibration when one ran (not when the baseline fit as is, or no smaller micro-batch was estimated),
             with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
@@ -132,6 +137,8 @@ class PlanRow:
     note: str = ""
     costs: OpCosts | None = field(default=None, repr=False, compare=False)
     offload_bytes: int = field(default=0, repr=False, compare=False)
+    measured_allocated_bytes: int | None = field(default=None, compare=False)
+    measured_reserved_bytes: int | None = field(default=None, compare=False)
     model_step_s: float | None = field(default=None, compare=False)
 
     @property
@@ -178,8 +185,9 @@ class Plan:
 
     def trainer_arguments(self) -> dict[str, Any]:
         """``lightning.pytorch.Trainer`` arguments for :attr:`best`: ``accumulate_grad_batches``, ``precision`` and,
-        when it checkpoints, ``callbacks`` (an :class:`~lightning_memkit.ActivationCheckpointing`). The micro-batch is
-        the dataloader's batch size (:attr:`Candidate.micro_batch`). Empty when there is no best.
+        when it checkpoints or offloads, ``callbacks`` (an :class:`~lightning_memkit.ActivationCheckpointing`, an
+        :class:`~lightning_memkit.ActivationOffload`: what the best's trial ran with). The micro-batch is the
+        dataloader's batch size (:attr:`Candidate.micro_batch`). Empty when there is no best.
         """
         if self.best is None:
             return {}
@@ -190,7 +198,8 @@ class Plan:
         return arguments
 
     def yaml(self) -> str:
-        """A LightningCLI config snippet for :attr:`best` (``trainer:`` and the micro-batch as ``batch_size``)."""
+        """A LightningCLI config snippet for :attr:`best` (``trainer:``, with its checkpointing and offload callbacks,
+        and the micro-batch as ``batch_size``)."""
         if self.best is None:
             return "# memkit plan: no configuration fit in a real trial\n"
         best = self.best
@@ -198,13 +207,16 @@ class Plan:
                  "trainer:",
                  f"  accumulate_grad_batches: {best.accumulation}",
                  f"  precision: {best.precision}"]
+        if best.checkpoint is not None or best.offload:
+            lines.append("  callbacks:")
         if best.checkpoint is not None:
-            lines += ["  callbacks:",
-                      "    - class_path: lightning_memkit.ActivationCheckpointing",
+            lines += ["    - class_path: lightning_memkit.ActivationCheckpointing",
                       "      init_args:",
                       f"        policy: {_policy_yaml(best.checkpoint)}"]
             if not _is_budget(best.checkpoint):
                 lines.append("        measure: false")
+        if best.offload:
+            lines.append("    - class_path: lightning_memkit.ActivationOffload")
         lines += ["model:  # or data: wherever your dataloader takes its batch size",
                   f"  batch_size: {best.micro_batch}"]
         return "\n".join(lines) + "\n"
@@ -275,9 +287,14 @@ def _budget_bytes(device_memory: Any, device_type: str, gpu: Any) -> int:
         if gpu is not None or not torch.cuda.is_available():
             roof = roofline_for(gpu)
             return roof.memory_bytes
-        from lightning_memkit.search.lightning import cuda_capacity_bytes
+        from lightning_memkit.plan.cuda_trial import device_budget_bytes
 
-        return cuda_capacity_bytes(torch.device("cuda", torch.cuda.current_device()))
+        device = _cuda_device()
+        _release(True)
+        free, total = torch.cuda.mem_get_info(device)
+        read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = float(read(device)) if read is not None else None
+        return device_budget_bytes(free, torch.cuda.memory_reserved(device), total, fraction)
     from lightning_memkit.search.lightning import host_search_budget_bytes
 
     return host_search_budget_bytes()
@@ -292,6 +309,32 @@ def _device_type(device: Any, gpu: Any) -> str:
     if gpu is not None and kind != "cuda":
         raise PlanError(f"gpu={gpu!r} names a CUDA device; drop it or give device='cuda'")
     return kind
+
+
+def _cuda_device() -> torch.device:
+    """The CUDA device a plan's budget, trials and peaks are on: the current one, which :func:`plan_fit` sets to the
+    plan's own for the plan (:func:`_plan_device`)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _plan_device(device: Any) -> Any:
+    """``torch.cuda.device(index)`` for a CUDA plan on this machine, so that its budget, trials and peaks are on the
+    device ``device`` names (``"cuda:1"``, ``torch.device("cuda", 1)``; the current one when it names no index) and
+    the current device is set back after the plan (a trial's Trainer sets it); a null context for a CPU plan or
+    where no GPU is (a CUDA plan is then a prediction)."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    try:
+        target = torch.device("cuda" if device is None or device == "gpu" else device)
+    except (RuntimeError, TypeError, ValueError):  # _device_type says what is wrong with it
+        return contextlib.nullcontext()
+    if target.type != "cuda":
+        return contextlib.nullcontext()
+    index = torch.cuda.current_device() if target.index is None else target.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise PlanError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"0 to {torch.cuda.device_count() - 1}")
+    return torch.cuda.device(index)
 
 
 def _user_precision(module: Any) -> str:
@@ -434,20 +477,28 @@ def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, secon
 
 
 def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps: int, accumulation: int,
-         clock: Any, guard: Any) -> None:
+         clock: Any, guard: Any) -> list[bool]:
     """``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch`` with a real Trainer in the candidate's
-    precision and checkpointing (under ``guard``, a MemoryBudget, when given)."""
+    precision and checkpointing (under ``guard``, a MemoryBudget, when given), on the plan's CUDA device
+    (:func:`_cuda_device`) or the CPU. In ``16-mixed`` the fit goes on until ``steps`` optimizer steps were real, at
+    most :data:`~lightning_memkit.plan.real_steps.MAX_SKIPPED_STEPS` more (the GradScaler skips a step whose gradients
+    overflow: it allocates no optimizer state); returns whether each optimizer step was skipped (empty in the other
+    precisions)."""
     from lightning.pytorch import Trainer
 
     from lightning_memkit.meter import training_state_tensors
+    from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps
 
     cuda = device_type == "cuda"
     kwargs = _trainer_kwargs(candidate, "gpu" if cuda else "cpu")
-    trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulation,
-                      precision=kwargs["precision"], callbacks=([clock] if clock is not None else []) + kwargs["callbacks"],
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
-    data = _Batches(batch, steps * accumulation)
+    gate = RealSteps(steps) if kwargs["precision"] == "16-mixed" else None
+    most = steps + (MAX_SKIPPED_STEPS if gate is not None else 0)
+    callbacks = ([clock] if clock is not None else []) + kwargs["callbacks"] + ([gate] if gate is not None else [])
+    trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=[_cuda_device().index] if cuda else 1,
+                      max_steps=most, accumulate_grad_batches=accumulation, precision=kwargs["precision"],
+                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
+    data = _Batches(batch, most * accumulation)
     try:
         if guard is not None:
             guard.adopt(training_state_tensors(module, (), batch), "state")
@@ -458,6 +509,7 @@ def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps:
     finally:
         module._trainer = None  # the trainer (and its optimizers' state) goes with this call
         del trainer, data
+    return gate.skipped if gate is not None else []
 
 
 def _proved(batch: Any, best: Candidate | None) -> ProvedBatch | None:
@@ -475,9 +527,14 @@ def _copy_of(module: Any) -> Any:
 
 
 def _release(cuda: bool) -> None:
+    """Free what the last run left: the device's cached blocks and, on CUDA, the caching host allocator's pinned
+    ones (an offload trial's: kept for the rest of the process otherwise)."""
+    from lightning_memkit.plan._torch_compat import empty_host_cache
+
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+        empty_host_cache()
 
 
 def _timing_fit(copied: Any, candidate: Candidate, micro: Any, device_type: str, warmup: int, timed: int,
@@ -560,8 +617,8 @@ def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> 
     return per_batch, max(medians[0] - per_batch, 0.0)
 
 
-def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str,
-           warmup: int, timed: int, seconds: float = 0.0) -> tuple[bool, int | None, float | None, str]:
+def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str, warmup: int, timed: int,
+           seconds: float = 0.0, row: PlanRow | None = None) -> tuple[bool, int | None, float | None, str]:
     """One real trial on a deep copy of ``module``: ``(fits, peak bytes, median samples/s, note)``.
 
     On CPU the memory and the time are measured in two fits of the same copy: first two optimizer steps under a
@@ -569,32 +626,55 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     stops an over-budget step cleanly; the second step is the steady state; an accumulation of 2 has the peak of any
     larger one), then, when it fit, ``warmup`` steps and at least ``timed`` timed ones without the accountant (its
     per-op bookkeeping would be in the time), until they add up to ``seconds``. On CUDA one fit does both
-    (``max_memory_allocated`` costs nothing)."""
+    (``max_memory_allocated`` costs nothing), on the plan's device (:func:`_cuda_device`) and as a card of the
+    budget's size would run it (:mod:`~lightning_memkit.plan.cuda_trial`): the module under plan waits in host memory
+    while its copy trains (one model on the device, as in the real fit, not two), the caching allocator is capped at
+    the budget less the CUDA context (the trial runs out of memory where such a card would), and it fits when its
+    peak reserved bytes plus the context are within the budget. Its peaks (allocated and reserved, also when it
+    failed: how far it got) go on ``row`` and in the note. An offload trial whose predicted pinned host bytes
+    (``row.offload_bytes``) the host cannot spare is refused before it runs. A ``16-mixed`` trial runs until
+    ``warmup + timed`` optimizer steps were real (:class:`~lightning_memkit.plan.real_steps.RealSteps`: the steps the
+    GradScaler skipped allocate no optimizer state and are not timed). A compiled module's caches are reset before and
+    after the trial (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed)."""
+    from lightning_memkit.compiled import compiled_parts
+    from lightning_memkit.compiled._torch_compat import reset_compiled
     from lightning_memkit.estimate.batches import preserved_rng, rebatch
     from lightning_memkit.oom import is_out_of_memory
+    from lightning_memkit.plan import cuda_trial
+    from lightning_memkit.plan.real_steps import real_step_seconds
     from lightning_memkit.search.budget import MemoryBudget
 
     cuda = device_type == "cuda"
+    host_bytes = row.offload_bytes if row is not None and candidate.offload else 0
+    if cuda and host_bytes:
+        import psutil
+
+        refusal = cuda_trial.host_refusal(host_bytes, psutil.virtual_memory().available)
+        if refusal is not None:
+            return False, None, None, refusal
+    device = _cuda_device() if cuda else None
+    compiled = bool(compiled_parts(module))
+    if compiled:
+        reset_compiled()
     error_text = None
     peak = None
-    with preserved_rng(), _quiet_lightning():
+    said: list[str] = []  # what the note adds: a CUDA trial's peaks, skipped fp16 steps, a compiled module's reset
+    # on CUDA the module under plan is in host memory until the copy is gone (off_device)
+    with preserved_rng(), _quiet_lightning(), \
+            (cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext()):
         copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
         clock = _clock(candidate.accumulation, cuda) if cuda else None  # on CPU _timing_fit times the steps
         timed_seconds: list[float] = []
+        skipped: list[bool] = []
         try:
             if cuda:
                 _release(cuda)
-                torch.cuda.reset_peak_memory_stats()
-                _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None)
-                peak = int(torch.cuda.max_memory_allocated())
-                # the budget is the device's memory: the CUDA context lives in it beside what the allocator reserves
-                from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
-
-                reserved = int(torch.cuda.max_memory_reserved())
-                if reserved + CUDA_CONTEXT_BYTES > budget:
-                    error_text = (f"over the budget: {format_bytes(reserved)} reserved + {format_bytes(CUDA_CONTEXT_BYTES)} "
-                                  f"CUDA context > {format_bytes(budget)}")
+                torch.cuda.reset_peak_memory_stats(device)
+                with cuda_trial.capped_allocator(device, budget) as cap:
+                    said.append(f"allocator capped at {format_bytes(cap)}")
+                    skipped = _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation,
+                                   clock, None)
             else:
                 guard = MemoryBudget(budget)
                 _fit(copied, candidate, micro, device_type, 2, min(candidate.accumulation, 2), None, guard)
@@ -607,17 +687,37 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
             error_text = "out of memory: " + str(error).splitlines()[0][:200]
             traceback.clear_frames(error.__traceback__)
             del error
-        if error_text is None and cuda:
-            timed_seconds = clock.step_seconds()[warmup:]
+        if cuda:
+            # the device's own peaks, also after running out of memory (how far it got); the budget holds the
+            # reserved bytes and the context, once: the original model is off the device, the context not in them
+            peak = int(torch.cuda.max_memory_allocated(device))
+            reserved = int(torch.cuda.max_memory_reserved(device))
+            if row is not None:
+                row.measured_allocated_bytes, row.measured_reserved_bytes = peak, reserved
+            said.insert(0, f"peaks {format_bytes(peak)} allocated, {format_bytes(reserved)} reserved")
+            if error_text is None:
+                error_text = cuda_trial.over_budget(reserved, budget)
+            if any(skipped):
+                said.append(f"{sum(skipped)} of {len(skipped)} optimizer steps skipped by the GradScaler (inf "
+                            "gradients): run beyond those asked, not timed")
+            if error_text is None:
+                timed_seconds = real_step_seconds(clock.step_seconds(), skipped, warmup)
+                if skipped and all(skipped):
+                    error_text = (f"the GradScaler skipped all {len(skipped)} optimizer steps (inf or NaN gradients "
+                                  "at every scale): the optimizer never stepped")
         del copied, micro, clock
-    _release(cuda)
+        if compiled:
+            reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
+            said.append("compiled: dynamo's caches reset before and after the trial")
+        _release(cuda)
+    tail = "".join(f"; {text}" for text in said)
     if error_text is not None:
-        return False, None, None, error_text
+        return False, None, None, error_text + tail
     if not timed_seconds:
-        return False, peak, None, "no timed step ran"
+        return False, peak, None, "no timed step ran" + tail
     median = statistics.median(timed_seconds)
     return (True, peak, candidate.effective_batch / median,
-            f"ran: median step {median * 1e3:.1f} ms of {len(timed_seconds)}")
+            f"ran: median step {median * 1e3:.1f} ms of {len(timed_seconds)}" + tail)
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -633,7 +733,9 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         device_memory: the budget, bytes or a size (``"4GiB"``); default: the GPU's memory (``gpu=`` or this
             machine's, less what other processes hold), on CPU half the host memory available now.
         gpu: the GPU to plan for (``"h100"``, ``"sm80"``...): its kernels, roofline and memory; implies CUDA.
-        device: ``"cpu"`` or ``"cuda"`` (default: CUDA when available or ``gpu`` is given, else CPU).
+        device: ``"cpu"``, ``"cuda"`` or a CUDA device by index (``"cuda:1"``, ``torch.device("cuda", 1)``: the
+            budget, the trials and their peaks are that device's; default: CUDA when available or ``gpu`` is given,
+            the current device, else CPU).
         modes: what may change: ``"micro_batch,checkpoint"`` (the default: memory-only changes), plus ``bf16`` /
             ``fp16`` / ``amp`` (a precision change) and ``offload`` (CUDA only); see :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
         datamodule: a LightningDataModule to take the sample batch from.
@@ -659,7 +761,9 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
     """
     from lightning_memkit.estimate.batches import preserved_rng
 
-    with preserved_rng():  # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were
+    # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were; a CUDA plan
+    # runs on the device it names (the current device is set back after)
+    with preserved_rng(), _plan_device(device):
         return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
                          verbose, warmup_steps, timed_steps, timed_seconds)
 
@@ -958,7 +1062,8 @@ def _same_shapes(row: PlanRow) -> tuple:
 def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any,
              seconds: float = 0.0) -> None:
     say(f"memkit plan: trial: {row.candidate.describe()} ...")
-    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds)
+    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds,
+                                       row=row)
     row.measured_peak_bytes = peak if fits else None
     row.measured_samples_per_s = samples if fits else None
     row.note = note
