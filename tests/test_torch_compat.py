@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_memkit.accounting import _torch_compat as accounting_compat
 from lightning_memkit.accounting.process import saved_tensor_data
-from lightning_memkit.doctor.recorder import user_frame
+from lightning_memkit.doctor.frames import user_frame
 from lightning_memkit.estimate import _torch_compat as estimate_compat
 
 
