@@ -83,7 +83,9 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
     import warnings
 
     try:
-        from lightning_memkit.doctor.recorder import creation_of, format_frame
+        # the doctor imports Lightning and torchmetrics (to know their files): only when a report is written
+        from lightning_memkit.doctor.frames import format_frame
+        from lightning_memkit.doctor.recorder import creation_of
 
         storages: dict[tuple[str, int], dict[str, Any]] = {}
         with warnings.catch_warnings():  # isinstance on a deprecated module alias warns

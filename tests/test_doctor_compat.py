@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from lightning_memkit.doctor import CreationRecorder
 from lightning_memkit.doctor._torch_compat import caller_frame, enter_mode_at_bottom, exit_mode_anywhere, mode_is_active, saved_values
-from lightning_memkit.doctor.recorder import user_frame
+from lightning_memkit.doctor.frames import user_frame
 from lightning_memkit.oom import largest_live_tensors, write_oom_report
 
 

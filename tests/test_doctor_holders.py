@@ -25,7 +25,6 @@ from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.doctor import LeakWatcher
 from lightning_memkit.doctor.holders import find_holders, user_roots
 from lightning_memkit.doctor.leaks import rising_floor
-from lightning_memkit.doctor.recorder import LIGHTNING_OWN
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
 ACTIVATION = B * D * FLOAT32  # one (4, 32) float32 output: 512 B

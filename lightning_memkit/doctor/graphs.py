@@ -16,7 +16,8 @@ import torch
 
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.keepers import keeping_frame
-from lightning_memkit.doctor.recorder import CreationRecorder, format_frame
+from lightning_memkit.doctor.frames import format_frame
+from lightning_memkit.doctor.recorder import CreationRecorder
 
 __all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes", "saved_in_nodes"]
 
@@ -95,18 +96,20 @@ class GraphLeakReport:
         """The report as text: the growth in graph nodes per step and at most ``limit`` holders."""
         constants = f" and {self.saved_constants} saved numbers" if self.saved_constants else ""
         if self.saved_tensors:
-            unseen = (f", of which {self.unseen_saved_tensors} ({self.unseen_saved_bytes} B) were not made in a watched step, "
-                      f"e.g. Python numbers an op turned into tensors" if self.unseen_saved_tensors else "")
-            kept = (f"backward never ran on them (or ran with retain_graph=True): their nodes keep {self.saved_tensors} saved "
-                    f"tensors ({self.saved_bytes} B{unseen}){constants}")
+            unseen = (f", of which {self.unseen_saved_tensors} ({self.unseen_saved_bytes} B) were not made in a "
+                      f"watched step, e.g. Python numbers an op turned into tensors"
+                      if self.unseen_saved_tensors else "")
+            kept = (f"backward never ran on them (or ran with retain_graph=True): their nodes keep "
+                    f"{self.saved_tensors} saved tensors ({self.saved_bytes} B{unseen}){constants}")
         else:
             kept = f"backward freed their saved tensors; the nodes{constants} stay in host memory"
-        lines = [f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's start, "
-                 f"steps {self.first_step}..{self.last_step} ({kept})"]
+        lines = [f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's "
+                 f"start, steps {self.first_step}..{self.last_step} ({kept})"]
         for holder in self.holders[:limit]:
             holder = holder if isinstance(holder, GraphHolder) else GraphHolder(**holder)
             made = f", made by {holder.made_by}" if holder.made_by else ""
-            lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {holder.dtype.replace('torch.', '')} "
+            dtype = holder.dtype.replace('torch.', '')
+            lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {dtype} "
                          f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
             if holder.kept_where:
                 lines.append(f"    kept at {holder.kept_where}")
@@ -151,7 +154,8 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
     ``(nodes, holders)``; ``holders`` (only with ``holders=True``) lists the tensors holding graphs,
     grouped by maker, largest graph first. The walk stops at ``max_nodes``. ``nodes_out``: a list that gets
     the nodes counted (for :func:`saved_in_nodes`; drop it after, it keeps the graphs alive).
-    ``samples_out``: a dict that gets, for each holder (by ``id``), one of its tensors (for the holder search; drop it after).
+    ``samples_out``: a dict that gets, for each holder (by ``id``), one of its tensors (for the holder search; drop it
+    after).
     """
     if recorder is not None:
         roots = recorder.tensors_with_graph()
@@ -183,8 +187,9 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 nbytes = int(tensor.untyped_storage().nbytes())
             except (RuntimeError, NotImplementedError):
                 nbytes = 0
-            holder = GraphHolder(type(tensor.grad_fn).__name__, len(seen) - before, list(tensor.shape), str(tensor.dtype),
-                                 nbytes, creation.describe() if creation else "", format_frame(creation.frame) if creation else "")
+            holder = GraphHolder(type(tensor.grad_fn).__name__, len(seen) - before, list(tensor.shape),
+                                 str(tensor.dtype), nbytes, creation.describe() if creation else "",
+                                 format_frame(creation.frame) if creation else "")
             if creation is not None:  # the line that stored it (self.losses.append(loss)), when the tracer saw it
                 holder.kept_where = format_frame(keeping_frame([creation]))
             key = (holder.grad_fn, tuple(holder.shape), holder.dtype, holder.made_by)

@@ -1,11 +1,10 @@
-"""Who keeps a leaked tensor alive: the path of references from an object the user knows to it.
+"""Who keeps a leaked tensor alive: a walk down the references from the objects a user knows to the tensor.
 
 Owns :func:`find_holders` (a breadth-first walk *down* the garbage collector's referents, from known
 roots to the leaked tensors' storages, bounded in time), :func:`user_roots` (the LightningModule as
 ``model``, each callback as ``trainer.callbacks[i]``, the Trainer, the datamodule, the globals of the
-user's modules), :func:`attach_holders` (the doctor's use: one search per leak report, for all its
-groups) and :class:`HolderPath` (the path printed as code you can paste: ``model.outputs[17]``,
-``trainer.callbacks[2].saved[3]``, ``model.encoder[1]._forward_hooks``).
+user's modules) and :func:`attach_holders` (the doctor's use: one search per leak report, for all its
+groups); the path found is a :class:`~lightning_memkit.doctor.holder_paths.HolderPath`.
 
 Cost: the walk visits what the roots reach, never entering modules, classes, code, frames, functions'
 globals or memkit's own objects; it stops as soon as each leaked group has a holder. What the roots
@@ -18,9 +17,8 @@ global hooks) costs a few milliseconds, not a pass over the whole heap per level
 from __future__ import annotations
 
 import collections
+import enum
 import gc
-import keyword
-import os
 import sys
 import time
 import types
@@ -29,54 +27,37 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lightning_memkit._user_code import is_user_file
+from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.doctor import _torch_compat
+from lightning_memkit.doctor.holder_paths import (
+    HOOK_DICTS,
+    ROOT_KINDS,
+    HolderPath,
+    annotate,
+    edge_between,
+    is_identifier,
+    merge_attributes,
+    path_names,
+)
 from lightning_memkit.doctor.keepers import keeping_frame
-from lightning_memkit.doctor.recorder import _LIBRARY_ROOTS
 
-__all__ = ["HolderPath", "HolderSearch", "find_holders", "user_roots", "attach_holders", "path_names", "HOOK_DICTS"]
+__all__ = ["HolderPath", "HolderSearch", "SearchStop", "find_holders", "user_roots", "attach_holders", "path_names",
+           "HOOK_DICTS"]
 
-#: ``nn.Module`` attributes that hold hooks, keyed by handle id
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-              "_full_backward_hooks", "_full_backward_pre_hooks" , "_state_dict_hooks", "_state_dict_pre_hooks",
-              "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-#: ``nn.Module`` attributes whose keys are attribute names (``model._modules["encoder"]`` is ``model.encoder``)
-_NAMED_DICTS = ("_modules", "_parameters", "_buffers")
-#: root kinds, best first: when two roots reach a tensor in as many steps, the first kind names it
-ROOT_KINDS = ("model", "callback", "datamodule", "trainer", "global")
 _DEAD_ENDS = (types.FrameType, types.ModuleType, type, types.CodeType, types.BuiltinFunctionType)
 
 
-@dataclass
-class HolderPath:
-    """The references from a root the user knows to a kept tensor.
+class SearchStop(str, enum.Enum):
+    """Why a :func:`find_holders` walk stopped (a string, as it is printed and written)."""
 
-    Attributes:
-        root: the root's name as code (``"model"``, ``"trainer.callbacks[2]"``, ``"train"`` for a module's globals).
-        kind: one of :data:`ROOT_KINDS`.
-        edges: ``[(kind, key), ...]`` each reference from the root down: ``("attr", name)``,
-            ``("item", key)``, ``("index", i)``, ``("dict", None)`` (an object's ``__dict__``),
-            ``("cell", None)`` (a closure cell's contents), ``("ref", type name)`` (a reference torch or
-            Python keeps that has no name).
-        text: the path as code (``"model.outputs[17]"``).
-        holder: the part of the path to delete at: the path up to the container that grows (a list, a
-            dict, a module's hooks, a metric's list state); ``text`` when none is found.
-        note: what the holder is and the fix, when it says more than the path: hooks piled up on a
-            module (how many, which function, where it is defined), a torchmetrics list state (bytes
-            per update), Lightning's own objects.
-        lightning: ``True`` when the path goes through the Trainer's own objects (Lightning keeps it).
-        graph_owner: when the path goes through an autograd graph (``model.losses[11].grad_fn._saved_self``),
-            the storage key (``id`` of the untyped storage) of the tensor the graph hangs from
-            (``model.losses[11]``): what user code kept; else ``None``.
-    """
+    ALL_FOUND = "all found"  #: every tensor asked for was reached (or ``enough`` said so)
+    NO_MORE = "no more referents"  #: nothing the roots reach is left to visit
+    OBJECT_LIMIT = "object limit"  #: ``max_objects`` objects were visited
+    TIME_LIMIT = "time limit"  #: ``time_limit_s`` passed
 
-    root: str
-    kind: str
-    edges: list = field(default_factory=list)
-    text: str = ""
-    holder: str = ""
-    note: str = ""
-    lightning: bool = False
-    graph_owner: int | None = None
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -84,12 +65,12 @@ class HolderSearch:
     """What one :func:`find_holders` call found and what it cost.
 
     Attributes:
-        paths: ``{id(tensor): HolderPath}`` for each tensor a root reaches.
-        levels: referrer levels climbed (each is one pass over the collector's objects).
+        paths: ``{storage key: HolderPath}`` for each tensor a root reaches.
+        levels: references the walk followed to the farthest tensor found (0 when none was found).
         objects: objects visited.
         seconds: wall time spent (``time.perf_counter``).
-        stopped: why it stopped: ``"all found"``, ``"no more referrers"`` (nothing left that could
-            lead to a root), ``"time limit"``, ``"depth limit"``.
+        stopped: why the walk stopped (:class:`SearchStop`): ``"all found"``, ``"no more referents"``
+            (nothing the roots reach is left), ``"object limit"``, ``"time limit"``.
     """
 
     paths: dict = field(default_factory=dict)
@@ -99,7 +80,8 @@ class HolderSearch:
     stopped: str = ""
 
 
-def user_roots(trainer: Any = None, module: Any = None, extra: dict | None = None, globals_of_user_modules: bool = True) -> dict:
+def user_roots(trainer: Any = None, module: Any = None, extra: dict | None = None,
+               globals_of_user_modules: bool = True) -> dict:
     """The objects a user knows, as ``{id(obj): (obj, name, kind)}``: ``module`` as ``model``, each of
     ``trainer.callbacks`` as ``trainer.callbacks[i]``, the datamodule as ``trainer.datamodule``, the
     trainer, and (``globals_of_user_modules``) the globals of every imported module that is the user's
@@ -134,8 +116,7 @@ def user_roots(trainer: Any = None, module: Any = None, extra: dict | None = Non
 
 
 def _library_file(path: str) -> bool:
-    return path.startswith("<") or path.startswith(_LIBRARY_ROOTS) or os.path.abspath(path).startswith(_LIBRARY_ROOTS) \
-        or os.sep + "site-packages" + os.sep in path
+    return not is_user_file(path)
 
 
 def _own_object(obj: Any) -> bool:
@@ -144,314 +125,12 @@ def _own_object(obj: Any) -> bool:
     return module.startswith("lightning_memkit")
 
 
-def _edge(parent: Any, child: Any) -> tuple[str, Any]:
-    """How ``parent`` refers to ``child``."""
-    if isinstance(parent, dict):
-        for key, value in parent.items():
-            if value is child:
-                return "item", key if isinstance(key, (str, int, float, bool, type(None))) else _Shown(repr(key))
-        return "key", None
-    if isinstance(parent, (list, tuple, collections.deque)):
-        for index, value in enumerate(parent):
-            if value is child:
-                return "index", index
-        return "ref", type(parent).__name__
-    if isinstance(parent, types.CellType):
-        return "cell", None
-    if isinstance(parent, types.MethodType):
-        return ("attr", "__self__") if parent.__self__ is child else ("attr", "__func__")
-    if isinstance(parent, types.FunctionType):
-        for name in ("__closure__", "__defaults__", "__kwdefaults__", "__dict__"):
-            if getattr(parent, name, None) is child:
-                return "attr", name
-        return "ref", "function"
-    try:
-        namespace = object.__getattribute__(parent, "__dict__")
-    except (AttributeError, TypeError):
-        namespace = None
-    if isinstance(namespace, dict):
-        if namespace is child:
-            return "dict", None
-        for key, value in namespace.items():
-            if value is child:
-                return "attr", key
-    for klass in type(parent).__mro__:
-        for name in getattr(klass, "__slots__", ()) or ():
-            try:
-                if getattr(parent, name) is child:
-                    return "attr", name
-            except AttributeError:
-                continue
-    if isinstance(parent, (set, frozenset)):
-        return "member", None
-    return "ref", type(parent).__name__
-
-
-class _Shown(str):
-    """A dict key that is no plain value, kept as its text (a path must not keep the key alive)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def _identifier(key: Any) -> bool:
-    return type(key) is str and key.isidentifier() and not keyword.iskeyword(key)
-
-
-def _render(root: str, edges: list) -> str:
-    """The path as code: ``model.encoder[1]._forward_hooks``, ``trainer.callbacks[2].saved[3]``."""
-    text = root
-    previous = ("", None)
-    for kind, key in edges:
-        if kind == "item" and previous[0] == "attr" and previous[1] in _NAMED_DICTS and isinstance(key, str):
-            text = text[: -len(f".{previous[1]}")]
-            text += f"[{key}]" if key.isdigit() else f".{key}" if _identifier(key) else f"[{key!r}]"
-        elif kind == "item":
-            text += f"[{key!r}]"
-        elif kind == "index":
-            text += f"[{key}]"
-        elif kind == "attr":
-            text += f".{key}" if _identifier(key) else f".__dict__[{key!r}]"
-        elif kind == "cell":
-            text += ".cell_contents"
-        elif kind == "graph":
-            text += key
-        elif kind == "dict":
-            text += ".__dict__"
-        else:
-            text += f"<{kind}{' ' + str(key) if key is not None else ''}>"
-        previous = (kind, key)
-    return text
-
-
-def _describe_hooks(hooks: dict, path: str) -> str:
-    functions = [getattr(hook, "__func__", hook) for hook in hooks.values()]
-    makers: dict[str, int] = {}
-    for function in functions:
-        code = getattr(function, "__code__", None)
-        where = f" (defined at {os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
-        name = getattr(function, "__qualname__", type(function).__name__) + where
-        makers[name] = makers.get(name, 0) + 1
-    made = ", ".join(f"{count} x {name}" for name, count in makers.items())
-    return (f"{len(hooks)} hooks on {path}: {made}; each keeps what it closes over. Register the hook once "
-            f"(not in every step), or keep its handle and call handle.remove()")
-
-
-def _metric_state_note(metric: Any, metric_path: str, attr: str, state: list) -> str:
-    seen, total = set(), 0
-    for item in state:
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            if id(storage) not in seen:
-                seen.add(id(storage))
-                total += int(storage.nbytes())
-    updates = len(state)
-    per_update = total // updates if updates else 0
-    return (f"torchmetrics {type(metric).__name__} {metric_path}: list state '{attr}' has {updates} entries, "
-            f"{total} B ({per_update} B per update); call {metric_path}.reset() when the epoch ends (Lightning does it "
-            f"when you self.log the metric object itself), or create it with compute_on_cpu=True to keep the state in host memory")
-
-
-def _annotate(path: HolderPath, objects: list) -> None:
-    """Find the holder inside the path (the container that grows) and its note."""
-    edges = path.edges
-    text = _render(path.root, edges)
-    path.text = text
-    path.holder = text
-    path.lightning = path.kind == "trainer" and any(kind == "attr" and isinstance(key, str) and
-                                                    (key.startswith("_") or key.endswith("_loop") or key in ("strategy",))
-                                                    for kind, key in edges[:2])
-    try:
-        import torchmetrics
-        metric_type = torchmetrics.Metric
-    except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
-        metric_type = None
-    for index, (kind, key) in enumerate(edges):
-        parent = objects[index]
-        # hooks: the module's hook dict is the holder
-        if kind == "attr" and key in HOOK_DICTS and isinstance(parent, torch.nn.Module):
-            holder = _render(path.root, edges[: index + 1])
-            path.holder = path.text = holder
-            path.note = _describe_hooks(objects[index + 1], holder)
-            return
-        if metric_type is not None and isinstance(parent, metric_type) and kind in ("attr", "item"):
-            defaults = getattr(parent, "_defaults", {})
-            if isinstance(defaults.get(key), list):
-                holder = _render(path.root, edges[: index + 1])
-                metric_path = _render(path.root, edges[:index])
-                path.holder = path.text = holder
-                path.note = _metric_state_note(parent, metric_path, key, objects[index + 1])
-                return
-    # a tensor kept with its autograd graph: the graph keeps what its nodes saved
-    for index, (kind, key) in enumerate(edges):
-        if kind == "graph" and key == ".grad_fn":
-            keeper = _render(path.root, edges[:index])
-            path.holder = keeper
-            path.note = (f"{keeper} keeps its autograd graph, and the graph keeps the tensors its nodes saved (backward never "
-                         f"ran on it, or ran with retain_graph=True): keep .detach() (or .item()) of it, not the tensor with its graph")
-            break
-    # a plain container: the largest list, dict, set or deque on the way is where it grows
-    best = None
-    for index, (kind, _) in enumerate(edges):
-        parent = objects[index]
-        if kind in ("index", "item", "member") and not (index and edges[index - 1][0] == "attr" and edges[index - 1][1] in _NAMED_DICTS) \
-                and hasattr(parent, "__len__") and not isinstance(parent, torch.Tensor):
-            size = len(parent)
-            if best is None or size > best[1]:
-                best = (index, size, type(parent).__name__)
-    if best is not None and not path.note:
-        index, size, type_name = best
-        holder = _render(path.root, edges[:index])
-        path.holder = holder
-        path.note = (f"{holder} is a {type_name} of {size} entries that keeps them: delete them there "
-                     f"(clear it when done, bound it, or keep .item() / .detach().cpu() values)")
-    elif best is not None:
-        index, size, type_name = best
-        path.note += f"; {_render(path.root, edges[:index])} is a {type_name} of {size} entries"
-    if path.lightning:
-        path.note = ("Lightning's own objects keep it (not your code)" + (f"; {path.note}" if path.note else ""))
-
-
-def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0, max_objects: int = 500_000,
-                 graphs: bool = True, enough: Callable[[set], bool] | None = None) -> HolderSearch:
-    """Search the shortest reference paths from ``roots`` (``{id(obj): (obj, name, kind)}``, see
-    :func:`user_roots`) to ``tensors``: any tensor on the same storage counts (a ``.detach()`` or a
-    view kept instead of the tensor made). ``tensors``: tensors, or storage keys (``id`` of an
-    ``untyped_storage()``).
-
-    Breadth-first *down* ``gc.get_referents`` from all roots at once (best kind first, so of two
-    paths as short the better root names it); the walk never enters modules, classes, code, frames,
-    functions' globals or memkit's own objects, and with ``graphs`` it also follows a tensor's
-    autograd graph to the tensors its nodes saved (a loss kept with its graph). It stops when every
-    storage is reached, when nothing is left, after ``max_objects`` objects or after
-    ``time_limit_s`` seconds (checked every 512 objects), or when ``enough(found storage keys)`` says
-    so. Its cost is the size of what the roots reach, not of the process. Returns a
-    :class:`HolderSearch` whose ``paths`` are keyed by storage key.
-    """
-    from lightning_memkit.accounting.accountant import storage_of
-
-    started = time.perf_counter()
-    deadline = started + max(0.0, time_limit_s)
-    search = HolderSearch()
-    targets: set[int] = set()
-    for item in tensors:
-        if isinstance(item, torch.Tensor):
-            storage = storage_of(item)
-            if storage is not None:
-                targets.add(id(storage))
-        elif isinstance(item, int):
-            targets.add(item)
-    if not targets:
-        search.stopped = "all found"
-        return search
-    ordered = sorted(roots.items(), key=lambda item: ROOT_KINDS.index(item[1][2]) if item[1][2] in ROOT_KINDS else len(ROOT_KINDS))
-    keep: dict[int, Any] = {}  # visited objects, alive until the end: ids stay unique
-    parent: dict[int, tuple] = {}  # id -> (id of the referrer, edge or None: worked out when a path is printed)
-    origin: dict[int, int] = {}  # id -> id of its root
-    found: dict[int, int] = {}  # storage key -> id of the tensor object reached on it
-    queue: collections.deque = collections.deque()
-    for rid, (obj, _, _) in ordered:
-        if rid not in keep:
-            keep[rid] = obj
-            origin[rid] = rid
-            queue.append(obj)
-    stopped = "no more referents"
-    visited = 0
-    while queue:
-        if visited >= max_objects:
-            stopped = "object limit"
-            break
-        visited += 1
-        if visited % 512 == 0 and time.perf_counter() > deadline:
-            stopped = "time limit"
-            break
-        obj = queue.popleft()
-        oid = id(obj)
-        if isinstance(obj, torch.Tensor):
-            storage = storage_of(obj)
-            key = id(storage) if storage is not None else None
-            if key in targets and key not in found:
-                found[key] = oid
-                if len(found) == len(targets) or (enough is not None and enough(set(found))):
-                    stopped = "all found"
-                    break
-            children = [(None, child) for child in gc.get_referents(obj)]  # its __dict__, a parameter's attributes
-            node = obj.grad_fn if graphs else None
-            if node is not None:
-                children.append((("graph", ".grad_fn"), _GraphNode(node)))
-        elif isinstance(obj, _GraphNode):
-            children = obj.children()
-        else:
-            if isinstance(obj, _DEAD_ENDS) or (_own_object(obj) and oid not in roots) or _is_module_namespace(obj) and oid not in roots:
-                continue
-            children = [(None, child) for child in gc.get_referents(obj)]
-        root = origin[oid]
-        for edge, child in children:
-            cid = id(child)
-            if cid in keep:
-                continue
-            if edge is None and not isinstance(child, torch.Tensor) and not gc.is_tracked(child):
-                continue  # an int, a str: holds nothing
-            keep[cid] = child
-            parent[cid] = (oid, edge)
-            origin[cid] = root
-            queue.append(child)
-    search.levels = 0
-    paths = {}
-    for key, tid in found.items():
-        edges, objects = [], [keep[tid]]
-        node = tid
-        while node in parent:
-            up, edge = parent[node]
-            edges.append(edge if edge is not None else _edge(keep[up], keep[node]))
-            objects.append(keep[up])
-            node = up
-        edges.reverse()
-        objects.reverse()
-        search.levels = max(search.levels, len(edges))
-        graph_owner = None
-        for index, edge in enumerate(edges):
-            if edge == ("graph", ".grad_fn"):  # objects[index] is the tensor whose graph keeps the target
-                owner = storage_of(objects[index]) if isinstance(objects[index], torch.Tensor) else None
-                graph_owner = id(owner) if owner is not None else None
-                break
-        edges, objects = _attributes(edges, objects)
-        _, name, kind = roots[origin[tid]]
-        if kind == "global" and isinstance(objects[0], dict) and edges and edges[0][0] == "item" and _identifier(edges[0][1]):
-            edges[0] = ("attr", edges[0][1])  # a module's global: module.name
-        path = HolderPath(root=name, kind=kind, edges=edges, graph_owner=graph_owner)
-        _annotate(path, objects)
-        paths[key] = path
-    search.paths = paths
-    search.objects = len(keep)
-    search.seconds = time.perf_counter() - started
-    search.stopped = stopped
-    keep.clear()
-    return search
-
-
 def _is_module_namespace(obj: Any) -> bool:
     if not isinstance(obj, dict):
         return False
     name = obj.get("__name__")
     loaded = sys.modules.get(name) if isinstance(name, str) else None
     return loaded is not None and getattr(loaded, "__dict__", None) is obj
-
-
-def _attributes(edges: list, objects: list) -> tuple[list, list]:
-    """An object's ``__dict__`` then one of its items is one attribute: ``("attr", name)`` on the object."""
-    out_edges, out_objects, index = [], [], 0
-    while index < len(edges):
-        if edges[index][0] == "dict" and index + 1 < len(edges) and edges[index + 1][0] == "item":
-            out_edges.append(("attr", edges[index + 1][1]))
-            out_objects.append(objects[index])
-            index += 2
-            continue
-        out_edges.append(edges[index])
-        out_objects.append(objects[index])
-        index += 1
-    out_objects.append(objects[-1])
-    return out_edges, out_objects
 
 
 class _GraphNode:
@@ -471,11 +150,157 @@ class _GraphNode:
             if isinstance(value, torch.Tensor):
                 found.append((("graph", f".{name}"), value))
             elif isinstance(value, (tuple, list)):
-                found.extend((("graph", f".{name}[{i}]"), v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+                found.extend((("graph", f".{name}[{i}]"), v) for i, v in enumerate(value)
+                             if isinstance(v, torch.Tensor))
         for index, (following, _) in enumerate(getattr(node, "next_functions", ()) or ()):
             if following is not None:
                 found.append((("graph", f".next_functions[{index}][0]"), _GraphNode(following)))
         return found
+
+
+@dataclass
+class _Walk:
+    """The breadth-first walk's state: every object visited (kept alive until the end, so ids stay unique), how
+    each was reached and from which root, and the tensors found."""
+
+    keep: dict[int, Any] = field(default_factory=dict)
+    parent: dict[int, tuple] = field(default_factory=dict)  # id -> (id of the referrer, edge or None: worked out later)
+    origin: dict[int, int] = field(default_factory=dict)  # id -> id of its root
+    found: dict[int, int] = field(default_factory=dict)  # storage key -> id of the tensor object reached on it
+
+
+def _targets(tensors: Iterable[Any]) -> set[int]:
+    """Storage keys of ``tensors`` (tensors, or storage keys already)."""
+    targets: set[int] = set()
+    for item in tensors:
+        if isinstance(item, torch.Tensor):
+            storage = storage_of(item)
+            if storage is not None:
+                targets.add(id(storage))
+        elif isinstance(item, int):
+            targets.add(item)
+    return targets
+
+
+def _children(obj: Any, roots: dict, graphs: bool) -> list | None:
+    """``[(edge or None, child)]`` the walk goes on to from ``obj``, or None at a dead end."""
+    if isinstance(obj, torch.Tensor):
+        children = [(None, child) for child in gc.get_referents(obj)]  # its __dict__, a parameter's attributes
+        node = obj.grad_fn if graphs else None
+        if node is not None:
+            children.append((("graph", ".grad_fn"), _GraphNode(node)))
+        return children
+    if isinstance(obj, _GraphNode):
+        return obj.children()
+    oid = id(obj)
+    if isinstance(obj, _DEAD_ENDS) or (_own_object(obj) and oid not in roots) \
+            or _is_module_namespace(obj) and oid not in roots:
+        return None
+    return [(None, child) for child in gc.get_referents(obj)]
+
+
+def _walk(targets: set[int], roots: dict, deadline: float, max_objects: int, graphs: bool,
+          enough: Callable[[set], bool] | None) -> tuple[_Walk, SearchStop]:
+    """Breadth-first down the referents from every root at once (the best kind first), until every target is
+    reached, nothing is left, ``max_objects`` objects or the deadline (checked every 512 objects)."""
+    walk = _Walk()
+    ordered = sorted(roots.items(),
+                     key=lambda item: ROOT_KINDS.index(item[1][2]) if item[1][2] in ROOT_KINDS else len(ROOT_KINDS))
+    queue: collections.deque = collections.deque()
+    for rid, (obj, _, _) in ordered:
+        if rid not in walk.keep:
+            walk.keep[rid] = obj
+            walk.origin[rid] = rid
+            queue.append(obj)
+    visited = 0
+    while queue:
+        if visited >= max_objects:
+            return walk, SearchStop.OBJECT_LIMIT
+        visited += 1
+        if visited % 512 == 0 and time.perf_counter() > deadline:
+            return walk, SearchStop.TIME_LIMIT
+        obj = queue.popleft()
+        oid = id(obj)
+        if isinstance(obj, torch.Tensor):
+            storage = storage_of(obj)
+            key = id(storage) if storage is not None else None
+            if key in targets and key not in walk.found:
+                walk.found[key] = oid
+                if len(walk.found) == len(targets) or (enough is not None and enough(set(walk.found))):
+                    return walk, SearchStop.ALL_FOUND
+        children = _children(obj, roots, graphs)
+        for edge, child in children or ():
+            cid = id(child)
+            if cid in walk.keep:
+                continue
+            if edge is None and not isinstance(child, torch.Tensor) and not gc.is_tracked(child):
+                continue  # an int, a str: holds nothing
+            walk.keep[cid] = child
+            walk.parent[cid] = (oid, edge)
+            walk.origin[cid] = walk.origin[oid]
+            queue.append(child)
+    return walk, SearchStop.NO_MORE
+
+
+def _path_to(walk: _Walk, tid: int, roots: dict) -> tuple[HolderPath, int]:
+    """The path from its root to the tensor object ``tid`` the walk reached, as code, with its holder; and how many
+    references the walk followed on it."""
+    edges, objects = [], [walk.keep[tid]]
+    node = tid
+    while node in walk.parent:
+        up, edge = walk.parent[node]
+        edges.append(edge if edge is not None else edge_between(walk.keep[up], walk.keep[node]))
+        objects.append(walk.keep[up])
+        node = up
+    edges.reverse()
+    objects.reverse()
+    followed = len(edges)
+    graph_owner = None
+    for index, edge in enumerate(edges):
+        if edge == ("graph", ".grad_fn"):  # objects[index] is the tensor whose graph keeps the target
+            owner = storage_of(objects[index]) if isinstance(objects[index], torch.Tensor) else None
+            graph_owner = id(owner) if owner is not None else None
+            break
+    edges, objects = merge_attributes(edges, objects)
+    _, name, kind = roots[walk.origin[tid]]
+    if kind == "global" and isinstance(objects[0], dict) and edges and edges[0][0] == "item" \
+            and is_identifier(edges[0][1]):
+        edges[0] = ("attr", edges[0][1])  # a module's global: module.name
+    path = HolderPath(root=name, kind=kind, edges=edges, graph_owner=graph_owner)
+    annotate(path, objects)
+    return path, followed
+
+
+def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0, max_objects: int = 500_000,
+                 graphs: bool = True, enough: Callable[[set], bool] | None = None) -> HolderSearch:
+    """Search the shortest reference paths from ``roots`` (``{id(obj): (obj, name, kind)}``, see
+    :func:`user_roots`) to ``tensors``: any tensor on the same storage counts (a ``.detach()`` or a
+    view kept instead of the tensor made). ``tensors``: tensors, or storage keys (``id`` of an
+    ``untyped_storage()``).
+
+    Breadth-first *down* ``gc.get_referents`` from all roots at once (best kind first, so of two
+    paths as short the better root names it); the walk never enters modules, classes, code, frames,
+    functions' globals or memkit's own objects, and with ``graphs`` it also follows a tensor's
+    autograd graph to the tensors its nodes saved (a loss kept with its graph). It stops when every
+    storage is reached, when nothing is left, after ``max_objects`` objects or after
+    ``time_limit_s`` seconds (checked every 512 objects), or when ``enough(found storage keys)`` says
+    so. Its cost is the size of what the roots reach, not of the process. Returns a
+    :class:`HolderSearch` whose ``paths`` are keyed by storage key.
+    """
+    started = time.perf_counter()
+    search = HolderSearch()
+    targets = _targets(tensors)
+    if not targets:
+        search.stopped = SearchStop.ALL_FOUND
+        return search
+    walk, search.stopped = _walk(targets, roots, started + max(0.0, time_limit_s), max_objects, graphs, enough)
+    for key, tid in walk.found.items():
+        search.paths[key], followed = _path_to(walk, tid, roots)
+        search.levels = max(search.levels, followed)
+    search.objects = len(walk.keep)
+    search.seconds = time.perf_counter() - started
+    walk.keep.clear()
+    return search
 
 
 def attach_holders(report: Any, recorder: Any, roots: dict, time_limit_s: float = 1.0, per_group: int = 3,
@@ -517,14 +342,6 @@ def attach_holders(report: Any, recorder: Any, roots: dict, time_limit_s: float 
                 group.kept_at = kept or group.kept_at
                 break
     return search
-
-
-def path_names(path: HolderPath) -> set[str]:
-    """The names on a holder's path (``{"model", "kept"}`` for ``model.kept[27]``): attributes, string keys
-    and the root's name, to match against what a keeping line stores into."""
-    names = {part for part in path.root.replace("[", ".").split(".") if part.isidentifier()}
-    names.update(key for kind, key in path.edges if kind in ("attr", "item") and isinstance(key, str))
-    return names
 
 
 def group_key_of(group: Any) -> tuple:

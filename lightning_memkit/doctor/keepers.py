@@ -46,14 +46,15 @@ from __future__ import annotations
 import ast
 import collections
 import linecache
-import os
 import sys
 import weakref
 from typing import Any, Iterable
 
 import torch
 
-from lightning_memkit.doctor.recorder import STATE_ROLES, Creation, CreationRecorder, _is_library
+from lightning_memkit._user_code import is_user_code
+from lightning_memkit.doctor.creation import STATE_ROLES, Creation
+from lightning_memkit.doctor.recorder import CreationRecorder
 
 __all__ = ["KeepTracer", "MAX_KEPT_AT", "STORE_METHODS", "keeping_frame", "target_names"]
 
@@ -200,10 +201,6 @@ def _file_statements(filename: str) -> dict[int, _Statement] | None:
     return _FILES[key]
 
 
-def _user_file(filename: str) -> bool:
-    return os.sep + "site-packages" + os.sep not in filename and os.sep + "dist-packages" + os.sep not in filename
-
-
 def _code_statements(code: Any) -> dict[int, _Statement] | None:
     """The store statements a user's code object may run (``None``: library code, or none in it); cached."""
     try:
@@ -212,7 +209,7 @@ def _code_statements(code: Any) -> dict[int, _Statement] | None:
         pass
     found = None
     try:  # called from the trace function: an exception here would turn tracing off and reach the user's code
-        if not _is_library(code) and _user_file(code.co_filename):
+        if is_user_code(code):
             statements = _file_statements(code.co_filename)
             if statements is not None and any(line in statements for _, _, line in code.co_lines()):
                 found = statements

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from lightning_memkit.doctor.keepers import keeping_frame
-from lightning_memkit.doctor.recorder import STATE_ROLES, Creation, CreationRecorder, format_frame
+from lightning_memkit.doctor.creation import STATE_ROLES, Creation
+from lightning_memkit.doctor.frames import format_frame
+from lightning_memkit.doctor.recorder import CreationRecorder
 from lightning_memkit.units import format_bytes
 
 __all__ = ["CreatorGroup", "LeakReport", "LeakWatcher", "group_by_creator", "rising_floor"]
@@ -105,7 +107,8 @@ def group_key(c: Creation) -> tuple:
     return (c.op, c.module, c.phase, tuple(c.shape), c.dtype, _category(c), tuple(c.frame) if c.frame else None)
 
 
-def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False, per_step_over_span: bool = False) -> list[CreatorGroup]:
+def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False,
+                     per_step_over_span: bool = False) -> list[CreatorGroup]:
     """Group storage records by creator, largest total first.
 
     ``bytes_per_step`` is ``total_bytes`` over the distinct steps they were made in; with
@@ -271,7 +274,8 @@ class LeakWatcher:
     def __init__(self, window: int = 5, warmup_steps: int = 2, min_bytes_per_step: int = 1,
                  recorder: CreationRecorder | None = None, max_points: int = 100_000) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 2:
-            raise ValueError(f"LeakWatcher(window={window!r}): give an integer >= 2 (rises of the memory's floor that make a leak)")
+            raise ValueError(f"LeakWatcher(window={window!r}): give an integer >= 2 (rises of the memory's floor that "
+                             f"make a leak)")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"LeakWatcher(warmup_steps={warmup_steps!r}): give an integer >= 0")
         self.window = window
@@ -317,13 +321,15 @@ class LeakWatcher:
         new_epoch = epoch is not None and self._epoch is not None and epoch != self._epoch
         # without epochs every step is judged; a judgement reads every point, so past 256 points only
         # one step in len/64 is (the cost stays O(n log n) over a run, and a leak is seen a little later)
-        judge = new_epoch or (epoch is None and len(self._history) % max(1, len(self._history) // 64 if len(self._history) > 256 else 1) == 0)
+        points = len(self._history)
+        judge = new_epoch or (epoch is None and points % max(1, points // 64 if points > 256 else 1) == 0)
         self._epoch = epoch
         if self.report is not None or not judge:
             return None
         return self._judge(step)
 
-    def finish(self, live_bytes: int | None = None, step: int | None = None, freed_at_end: int | None = None) -> LeakReport | None:
+    def finish(self, live_bytes: int | None = None, step: int | None = None,
+               freed_at_end: int | None = None) -> LeakReport | None:
         """The run ended: judge every point. The growth must still be there (at least half of it), else
         the memory freed at the end was only held for the epoch: ``freed_at_end`` (the bytes freed from
         the end of the last epoch's steps to now, after its end hooks) under half the growth, or, with a
@@ -347,7 +353,8 @@ class LeakWatcher:
         if final and self.recorder is None:
             if freed_at_end is not None and freed_at_end >= grown - grown // 2:
                 return None  # freed when the epoch ended: it was held for the epoch
-            if freed_at_end is None and final_bytes is not None and final_bytes - min(b for _, b in points[start:]) < grown // 2:
+            if (freed_at_end is None and final_bytes is not None
+                    and final_bytes - min(b for _, b in points[start:]) < grown // 2):
                 return None
         report = LeakReport(bytes_per_step=per_step, first_step=first, last_step=last,
                             live_bytes_at_start=[list(p) for p in points[start:]], rises=rises)

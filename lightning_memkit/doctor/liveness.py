@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memkit.doctor.leaks import CreatorGroup, group_by_creator
-from lightning_memkit.doctor.recorder import Creation
+from lightning_memkit.doctor.creation import Creation
 from lightning_memkit.units import format_bytes
 
 __all__ = ["LivenessReport", "analyse_liveness", "PEAK_PARTS", "TINY_BYTES"]
@@ -57,9 +57,10 @@ class LivenessReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"step": self.step, "peak_bytes": self.peak_bytes, "peak_op": self.peak_op, "peak_module": self.peak_module,
-                "peak_phase": self.peak_phase, "peak_parts": dict(self.peak_parts),
-                "held_too_long_bytes": self.held_too_long_bytes, "held_too_long": [g.to_dict() for g in self.held_too_long]}
+        return {"step": self.step, "peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
+                "peak_module": self.peak_module, "peak_phase": self.peak_phase, "peak_parts": dict(self.peak_parts),
+                "held_too_long_bytes": self.held_too_long_bytes,
+                "held_too_long": [g.to_dict() for g in self.held_too_long]}
 
     def format(self, limit: int = 8) -> str:
         """The report as text, at most ``limit`` groups of what is held too long (MiB = 2**20 bytes)."""
@@ -69,7 +70,8 @@ class LivenessReport:
         for part, value in self.peak_parts.items():
             if value:
                 lines.append(f"    {part:<18} {format_bytes(value):>12}  {PEAK_PARTS[part]}")
-        lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} ({self.held_too_long_bytes} bytes)")
+        lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} "
+                     f"({self.held_too_long_bytes} bytes)")
         tiny = [g for g in self.held_too_long if g.total_bytes < TINY_BYTES]
         for group in [g for g in self.held_too_long if g.total_bytes >= TINY_BYTES][:limit]:
             last = (f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")

@@ -11,7 +11,7 @@ How it works, and why:
 * The module path comes from torch's *global* forward hooks (``register_module_forward_pre_hook``),
   installed only while recording; names from :meth:`CreationRecorder.name_modules`.
 * The user's line is the innermost Python frame outside torch, Lightning, memkit and the standard
-  library, found by walking ``f_back`` with a per-code-object cache (a few microseconds per op).
+  library (:func:`~lightning_memkit.doctor.frames.user_frame`; a few microseconds per op).
 * Uses: every op's tensor inputs, forward and backward (a saved tensor is read by the backward op
   that needs it, so saved-for-backward uses count); recorded only between :meth:`begin_liveness`
   and :meth:`end_liveness`, because that is the costly part.
@@ -19,196 +19,32 @@ How it works, and why:
 
 from __future__ import annotations
 
-import os
-import sysconfig
+import gc
 import threading
+import types
+import warnings
 import weakref
-from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 import torch
+from torch.nn.modules import module as module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_memkit.accounting.accountant import _tensors_in, returns_alias, storage_keys, storage_of
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance, force_eager
 from lightning_memkit.doctor import _torch_compat
+from lightning_memkit.doctor.creation import STATE_ROLES, Creation
+from lightning_memkit.doctor.frames import user_frame
 from lightning_memkit.trace._torch_compat import in_backward
 
-__all__ = ["Creation", "CreationRecorder", "STATE_ROLES", "active_recorders", "creation_of", "format_frame"]
-
-#: Roles a storage keeps for its whole life: training state, never a leak nor waste.
-STATE_ROLES = ("parameters", "buffers", "gradients", "optimizer_state")
+__all__ = ["CreationRecorder", "active_recorders", "creation_of"]
 
 #: at most this many distinct error messages are kept; later ones are only counted.
 _MAX_ERRORS = 20
 
 _ACTIVE: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()
 _ALL: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()  # every recorder alive: they know live storages
-
-
-def _package_roots(names: tuple[str, ...]) -> set[str]:
-    """The directories of the importable packages ``names`` (real and as-given paths, each ending in a separator)."""
-    roots = set()
-    for name in names:
-        try:
-            module = __import__(name)
-        except ImportError:
-            continue
-        path = getattr(module, "__file__", None)
-        if path:
-            roots.add(os.path.dirname(os.path.realpath(path)) + os.sep)
-            roots.add(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return roots
-
-
-def _library_roots() -> tuple[str, ...]:
-    roots = _package_roots(("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning",
-                            "torchmetrics", "lightning_memkit", "typing_extensions"))
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(os.path.realpath(path) + os.sep)
-            roots.add(os.path.abspath(path) + os.sep)
-    return tuple(sorted(roots))
-
-
-_LIBRARY_ROOTS = _library_roots()
-_IS_LIBRARY: dict[Any, bool] = {}
-
-
-def _is_library(code: Any) -> bool:
-    found = _IS_LIBRARY.get(code)
-    if found is None:
-        filename = code.co_filename
-        found = filename.startswith("<") or filename.startswith(_LIBRARY_ROOTS) or \
-            os.path.abspath(filename).startswith(_LIBRARY_ROOTS)
-        _IS_LIBRARY[code] = found
-    return found
-
-
-def _lightning_roots() -> tuple[str, ...]:
-    return tuple(sorted(_package_roots(("lightning", "pytorch_lightning", "lightning_fabric"))))
-
-
-_LIGHTNING_ROOTS = _lightning_roots()
-#: Trainer methods a user's script calls: an op whose innermost user frame is such a call was made by Lightning itself
-_TRAINER_ENTRIES = frozenset({"fit", "validate", "test", "predict"})
-#: the ``function`` of a frame :func:`user_frame` gives for a tensor Lightning made itself
-LIGHTNING_OWN = "(Lightning's own)"
-
-
-_IS_LIGHTNING: dict[Any, bool] = {}
-
-
-def _is_lightning(code: Any) -> bool:
-    found = _IS_LIGHTNING.get(code)
-    if found is None:
-        found = _IS_LIGHTNING[code] = code.co_filename.startswith(_LIGHTNING_ROOTS)
-    return found
-
-
-def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
-    """``(filename, line, function)`` of the innermost frame above the caller that is the user's
-    code (not torch, Lightning, memkit or the standard library), or ``None``.
-
-    When that frame is only the call of ``trainer.fit`` (``validate``, ...) that ran Lightning, the op was
-    made by Lightning itself (a prefetched batch, a logged value): the innermost Lightning frame is given
-    instead, its function marked ``"<name> (Lightning's own)"``."""
-    frame = _torch_compat.caller_frame(depth + 1)
-    lightning = callee = None
-    while frame is not None:
-        code = frame.f_code
-        if not _is_library(code):
-            if lightning is not None and callee is not None and callee.f_code.co_name in _TRAINER_ENTRIES \
-                    and _is_lightning(callee.f_code):
-                own = lightning.f_code
-                return own.co_filename, lightning.f_lineno, f"{own.co_name} {LIGHTNING_OWN}"
-            return code.co_filename, frame.f_lineno, code.co_name
-        if lightning is None and _is_lightning(code):
-            lightning = frame
-        callee = frame
-        frame = frame.f_back
-    return None
-
-
-def format_frame(frame: tuple[str, int, str] | list | None, source: bool = True) -> str:
-    """``file.py:12 in fn: <source line>`` for a frame from :func:`user_frame` (``""`` for ``None``)."""
-    if not frame:
-        return ""
-    filename, line, function = frame
-    text = f"{os.path.basename(filename)}:{line} in {function}"
-    if source:
-        import linecache
-
-        code = linecache.getline(filename, line).strip()
-        if code:
-            text += f": {code}"
-    return text
-
-
-@dataclass(eq=False)
-class Creation:
-    """Where and when one storage was made, and (when liveness is recorded) its last use.
-
-    Attributes:
-        nbytes: the storage's size in bytes.
-        device: e.g. ``"cpu"``, ``"cuda:0"``.
-        shape: the shape of the first tensor seen on the storage (its creating op's output).
-        dtype: e.g. ``"torch.float32"``.
-        op: the aten op that allocated it (``"aten.addmm"``), or how it was first seen for storages
-            made outside the recording (``"existing"``).
-        module: the path of the innermost module whose forward was running (``"net.0"``; the root
-            module is its class name; ``""`` outside every module forward).
-        phase: ``"forward"`` (inside a module's forward), ``"backward"`` (in autograd's backward) or
-            ``"other"`` (the loss, the optimizer, hooks).
-        frame: ``(filename, line, function)`` of the user's code that ran the op, or ``None``.
-        step: the training step it was made in (or, for a batch, the step it is the input of).
-        role: a lifetime role: ``"parameters"``, ``"buffers"``, ``"gradients"``,
-            ``"optimizer_state"``, ``"inputs"``, or ``None``.
-        created_at: the recorder's op clock when it was made (``-1``: before the recording).
-        freed_at: the op clock when torch freed it (``None`` while it lives).
-        last_use_at: op clock of the last op that read it while liveness was recorded
-            (its creation when never read).
-        last_use_op, last_use_module, last_use_phase, last_use_frame: that op, like the fields above.
-        before_run: alive before the recording began (a dataset's tensors, a pre-built batch; see
-            :meth:`CreationRecorder.know_existing`): never memory a step added.
-        kept_at: ``((filename, line, function), ...)`` the user's statements that stored it in a list, a dict
-            or an attribute (``self.kept.append(x)``), in the order first seen, at most 4
-            (:class:`~lightning_memkit.doctor.keepers.KeepTracer`; empty when none was seen).
-    """
-
-    nbytes: int
-    device: str
-    shape: tuple
-    dtype: str
-    op: str
-    module: str
-    phase: str
-    frame: tuple | None
-    step: int | None
-    role: str | None = None
-    created_at: int = -1
-    freed_at: int | None = None
-    last_use_at: int = -1
-    last_use_op: str = ""
-    last_use_module: str = ""
-    last_use_phase: str = ""
-    last_use_frame: tuple | None = None
-    before_run: bool = False
-    kept_at: tuple = ()
-
-    def describe(self) -> str:
-        """One line: op, module, shape, dtype and the user's line."""
-        where = f" in {self.module}" if self.module else ""
-        line = format_frame(self.frame)
-        return (f"{self.op}{where} ({self.phase}) {list(self.shape)} {self.dtype.replace('torch.', '')}"
-                + (f" at {line}" if line else ""))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        data = asdict(self)
-        data["shape"] = list(self.shape)
-        return data
 
 
 _OP_NAMES: dict[Any, str] = {}
@@ -287,8 +123,6 @@ class CreationRecorder(TorchDispatchMode):
 
     @compiled.setter
     def compiled(self, value: str | None) -> None:
-        from lightning_memkit.compiled import COMPILED_CHOICES
-
         if value is not None and value not in COMPILED_CHOICES:
             raise ValueError(f"CreationRecorder.compiled={value!r}: choose one of {COMPILED_CHOICES} or None")
         self.stop()
@@ -299,16 +133,14 @@ class CreationRecorder(TorchDispatchMode):
         a walk of the collector's objects, each new storage recorded as made in the step before. Nothing otherwise."""
         if self._compiled != "keep":
             return
-        import gc
-        import warnings
-
         with warnings.catch_warnings():  # isinstance on some module attributes warns (torch.distributed.reduce_op)
             warnings.simplefilter("ignore")
             objects = gc.get_objects()
             tensors = []
             for obj in objects:
                 try:
-                    if isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor" and obj.device.type != "meta":
+                    if (isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor"
+                            and obj.device.type != "meta"):
                         tensors.append(obj)
                 except Exception:  # noqa: BLE001 - dead weakref proxies and the like raise on isinstance
                     continue
@@ -354,24 +186,18 @@ class CreationRecorder(TorchDispatchMode):
         self.assign_roles(module, optimizers, batch)
         if self._compiled == "keep":
             if self._balance is None or not self._balance.active:
-                from lightning_memkit.compiled import AllocatorBalance
-
                 self.catch_up()
                 self._balance = AllocatorBalance("cpu")
                 if not self._balance.start(self.live_bytes):
                     self.error_count += 1
-                    self.errors.append("another profiler records: the allocator's live bytes are not read (compiled model); "
-                                       "only the tensors found between steps are compared")
+                    self.errors.append("another profiler records: the allocator's live bytes are not read (compiled "
+                                       "model); only the tensors found between steps are compared")
             return
         if self._compiled == "eager" and self._eager is None:
-            from lightning_memkit.compiled import force_eager
-
             self._eager = force_eager()
             self._eager.__enter__()
         if not self.is_active:
             _torch_compat.enter_mode_at_bottom(self)
-            from torch.nn.modules import module as module_hooks
-
             self._hooks = [module_hooks.register_module_forward_pre_hook(self._pre_forward),
                            module_hooks.register_module_forward_hook(self._post_forward, always_call=True)]
             _ACTIVE.add(self)
@@ -392,7 +218,8 @@ class CreationRecorder(TorchDispatchMode):
         _torch_compat.exit_mode_anywhere(self)
         _ACTIVE.discard(self)
 
-    def assign_roles(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), batch: Any = None) -> None:
+    def assign_roles(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (),
+                     batch: Any = None) -> None:
         """Give storages their lifetime role by identity (adopting those not seen yet): the module's
         parameters, buffers and gradients, the optimizers' state, and the batch (``"inputs"`` of the
         current step). A role, once given, stays."""
@@ -411,7 +238,8 @@ class CreationRecorder(TorchDispatchMode):
 
     def adopt(self, tensors: Iterable[Any], role: str | None = None) -> int:
         """Know existing tensors (op ``"existing"``); returns the bytes newly adopted. ``role``: the lifetime
-        role to give those without one (see :attr:`Creation.role`: ``"parameters"``, ``"gradients"``, ...), or ``None``."""
+        role to give those without one (see :attr:`Creation.role`: ``"parameters"``, ``"gradients"``, ...), or
+        ``None``."""
         before = self.live_bytes
         self._assign(list(tensors), role)
         return self.live_bytes - before
@@ -423,9 +251,6 @@ class CreationRecorder(TorchDispatchMode):
         added. Follows ``gc.get_referents`` from the roots, at most ``max_objects`` objects, never into
         modules, classes, functions, ``nn.Module`` objects or ``stop_at`` (the trainer, say). Returns how
         many storages were noted."""
-        import gc
-        import types
-
         stop = (type, types.ModuleType, types.FunctionType, types.FrameType, types.CodeType, torch.nn.Module)
         seen: set[int] = {id(obj) for obj in stop_at}
         stack = [root for root in roots if root is not None]

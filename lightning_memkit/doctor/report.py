@@ -87,8 +87,9 @@ class DoctorReport:
 
         leak = data.get("leak")
         if leak:
-            leak = LeakReport(leak["bytes_per_step"], leak["first_step"], leak["last_step"], leak["live_bytes_at_start"],
-                              groups(leak.get("survivors")), groups(leak.get("growing")), leak.get("rises", 0))
+            leak = LeakReport(leak["bytes_per_step"], leak["first_step"], leak["last_step"],
+                              leak["live_bytes_at_start"], groups(leak.get("survivors")), groups(leak.get("growing")),
+                              leak.get("rises", 0))
         liveness = data.get("liveness")
         if liveness:
             liveness = LivenessReport(**{k: v for k, v in liveness.items() if k != "held_too_long"},
@@ -97,7 +98,8 @@ class DoctorReport:
         if graph_leak:
             graph_leak = GraphLeakReport(**{k: v for k, v in graph_leak.items() if k != "holders"},
                                          holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
-        return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None, live_bytes_at_start=data.get("live_bytes_at_start", []),
+        return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None,
+                   live_bytes_at_start=data.get("live_bytes_at_start", []),
                    steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
                    errors=data.get("errors", []), steps_needed=data.get("steps_needed", 0),
                    compiled=data.get("compiled", ""))
@@ -108,10 +110,12 @@ class DoctorReport:
         if self.compiled:
             lines.append(self.compiled)
         if self.leak is None:
-            steady = f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)" if self.steady_bytes is not None else "-"
+            steady = ("-" if self.steady_bytes is None
+                      else f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)")
             if self.graph_leak is None and self.steps < self.steps_needed:
                 lines.append(f"too few steps to judge a leak: {self.steps} watched, {self.steps_needed} needed "
-                             f"(warm-up, then rises of the memory's floor); live tensor memory at the last step's start: {steady}")
+                             f"(warm-up, then rises of the memory's floor); live tensor memory at the last step's "
+                             f"start: {steady}")
             else:
                 lines.append(("no leak: " if self.graph_leak is None else "")
                              + f"live tensor memory at step start is steady at {steady}")
@@ -204,7 +208,8 @@ class DoctorSession:
         with batches that change size (text padded per batch) they would move the floor by more than a leak
         adds per step. A batch some code keeps past its step is counted again once a later step starts."""
         recorder = self.recorder
-        if recorder.live_bytes_now() != recorder.live_bytes:  # a compiled model kept compiled: the allocator's live bytes
+        # a compiled model kept compiled: the allocator's live bytes
+        if recorder.live_bytes_now() != recorder.live_bytes:
             return recorder.live_bytes_now() - self.in_flight_bytes()
         return recorder.live_bytes - recorder.state_bytes - recorder.before_run_bytes - self.in_flight_bytes()
 
@@ -269,8 +274,9 @@ class DoctorSession:
         if self.keep_tracer is not None and recorder.compiled != "keep" and not self.keep_tracer.start() \
                 and self.keep_tracer.note and self.keep_tracer.note not in recorder.errors:
             recorder.errors.append(self.keep_tracer.note)  # another tracer (a debugger, coverage) is left alone
-        if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None and not self._analysing
-                and recorder.compiled != "keep"):  # no op is seen inside compiled code: no liveness to analyse
+        # no op is seen inside compiled code kept compiled: no liveness to analyse
+        if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None
+                and not self._analysing and recorder.compiled != "keep"):
             self._analysing = True
             recorder.begin_liveness()
         return found
@@ -334,7 +340,8 @@ class DoctorSession:
                 found = found or self.graph_leak
         return found
 
-    def step_end(self, step: int, *, module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None) -> None:
+    def step_end(self, step: int, *, module: torch.nn.Module | None = None,
+                 optimizers: Iterable[Any] | None = None) -> None:
         """A step's optimizer step is done: finish its liveness analysis if it was being analysed.
         Recording goes on until the next :meth:`step_start` or :meth:`close`. ``module`` /
         ``optimizers``: as in :meth:`step_start`."""
@@ -360,7 +367,8 @@ class DoctorSession:
     def report(self) -> DoctorReport:
         """The verdict so far."""
         points = list(self.points)
-        return DoctorReport(steps=self.steps, live_bytes_at_start=points, steady_bytes=points[-1][1] if points else None,
-                            leak=self.watcher.report, graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
+        return DoctorReport(steps=self.steps, live_bytes_at_start=points,
+                            steady_bytes=points[-1][1] if points else None, leak=self.watcher.report,
+                            graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
                             steps_needed=self.watcher.steps_needed,
                             compiled=self.compiled_note)
