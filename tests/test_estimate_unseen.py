@@ -19,7 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.estimate.cuda_kernels import GpuTarget, _additive_mask, _label_smoothing_term, _math_attention, attention_backend
+from lightning_memkit.estimate.cuda_attention import additive_mask, attention_backend, math_attention
+from lightning_memkit.estimate.cuda_autocast import label_smoothing_term
+from lightning_memkit.estimate.gpu_target import GpuTarget
 
 
 # ============================================================================================ models
@@ -187,7 +189,7 @@ def _math_step(attention, dtype, gqa, masked):
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 16, 8, dtype=dtype, generator=generator).requires_grad_()
     key, value = (torch.randn(2, 2 if gqa else 4, 16, 8, dtype=dtype, generator=generator).requires_grad_() for _ in range(2))
-    mask = _additive_mask(torch.rand(16, 16, generator=generator) > 0.2, dtype) if masked else None
+    mask = additive_mask(torch.rand(16, 16, generator=generator) > 0.2, dtype) if masked else None
     sizes: list[int] = []
     accountant = TensorAccountant()
     accountant.add_storage_listener(lambda record: sizes.append(record.nbytes), None)
@@ -204,7 +206,7 @@ def test_math_fallback_allocates_what_torchs_composite_allocates(dtype, gqa, mas
     # fp32 accumulation for bf16, grouped heads repeated, C++ locals alive until it returns, both outputs cast back
     torch_sizes, torch_peak = _math_step(lambda q, k, v, m, g: torch.ops.aten._scaled_dot_product_attention_math(
         q, k, v, m, 0.0, False, None, enable_gqa=g)[0], dtype, gqa, masked)
-    sizes, peak = _math_step(lambda q, k, v, m, g: _math_attention(q, k, v, m, 0.0, False, None, g), dtype, gqa, masked)
+    sizes, peak = _math_step(lambda q, k, v, m, g: math_attention(q, k, v, m, 0.0, False, None, g), dtype, gqa, masked)
     assert peak == torch_peak
     if masked:  # under a dispatch mode torch adds the mask out of place; on plain CUDA tensors in place
         torch_sizes.remove(2 * 4 * 16 * 16 * 4)
@@ -233,7 +235,7 @@ def test_label_smoothing_term_allocates_what_torchs_cross_entropy_allocates(weig
     def memkit(logits, target, weight, reduction):
         log_probs = torch.log_softmax(logits, 1, dtype=logits.dtype)
         nll = F.nll_loss(log_probs.float(), target, weight, ignore_index=-100, reduction=reduction)
-        return _label_smoothing_term(log_probs, nll, target, weight, 1, reduction, -100, 0.1)
+        return label_smoothing_term(log_probs, nll, target, weight, 1, reduction, -100, 0.1)
 
     def torchs(logits, target, weight, reduction):
         return F.cross_entropy(logits, target, weight, ignore_index=-100, reduction=reduction, label_smoothing=0.1)
@@ -393,9 +395,10 @@ def _cuda_autocast_fp32_cases():
 def test_the_cuda_target_runs_torchs_cuda_autocast_fp32_lists():
     # torch's own CUDA autocast test lists (ops CUDA runs in fp32 whatever the autocast dtype): on the CUDA target's
     # fake step each comes out fp32, where CPU autocast (what the fake step runs on) leaves several in fp16
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels, _CudaFunctions
+    from lightning_memkit.estimate.cuda_functions import CudaFunctions
+    from lightning_memkit.estimate.cuda_kernels import CudaKernels
 
-    functions = _CudaFunctions(CudaKernels("h100", "16-mixed"))
+    functions = CudaFunctions(CudaKernels("h100", "16-mixed"))
     wrong = []
     for owner, entry in _cuda_autocast_fp32_cases():
         name, args, kwargs = entry[0], entry[1], (entry[2] if len(entry) > 2 else {})
@@ -416,14 +419,15 @@ def test_the_cuda_autocast_patches_leave_other_threads_alone():
     # (a user's thread, a loader's) must get CPU autocast's dtypes, not the CUDA policy the fake step follows
     import threading
 
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels, _CudaFunctions
+    from lightning_memkit.estimate.cuda_functions import CudaFunctions
+    from lightning_memkit.estimate.cuda_kernels import CudaKernels
 
     def sum_dtype():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return torch.randn(4, 4).to(torch.bfloat16).sum(0).dtype
 
     cpu_policy = sum_dtype()
-    functions = _CudaFunctions(CudaKernels("h100", "bf16-mixed"))
+    functions = CudaFunctions(CudaKernels("h100", "bf16-mixed"))
     seen = {}
     with functions, functions.patched():
         seen["step thread"] = sum_dtype()

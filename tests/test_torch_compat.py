@@ -190,6 +190,7 @@ def test_the_nn_builtins_are_what_torch_nn_functional_calls():
     assert estimate_compat.nn_builtin("scaled_dot_product_attention") is F.scaled_dot_product_attention
     assert estimate_compat.nn_builtin("softplus") is torch._C._nn.softplus
     assert estimate_compat.nn_builtin("no_such_builtin") is None
+    assert estimate_compat.nn_builtins() is torch._C._nn
 
 
 def test_in_backward_is_true_only_while_autograd_runs_a_backward():

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group",
            "fully_shard", "safe_softmax", "flash_attention", "efficient_attention", "argument", "arguments",
-           "FAKE_EXTRAS", "no_dispatch_modes", "is_op_overload", "has_composite_implicit_kernel", "nn_builtin",
-           "in_backward", "compiled_original"]
+           "FAKE_EXTRAS", "no_dispatch_modes", "is_op_overload", "has_composite_implicit_kernel", "nn_builtins",
+           "nn_builtin", "in_backward", "compiled_original"]
 
 #: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
 #: ``torch._subclasses.fake_tensor.FakeTensor``): a constant's value, the real tensor of a
@@ -63,9 +63,14 @@ def has_composite_implicit_kernel(func: Any) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
+def nn_builtins() -> Any:
+    """``torch._C._nn``: the module of C++ functions ``torch.nn.functional`` calls (``linear``,
+    ``scaled_dot_product_attention``, ``softplus``), which the CUDA target patches as it patches ``F``'s."""
+    return torch._C._nn
+
+
 def nn_builtin(name: str) -> Any:
-    """``torch._C._nn.<name>`` (the C++ functions ``torch.nn.functional`` calls: ``linear``,
-    ``scaled_dot_product_attention``, ``softplus``), or ``None`` when this torch has no such builtin."""
+    """``torch._C._nn.<name>``, or ``None`` when this torch has no such builtin."""
     return getattr(torch._C._nn, name, None)
 
 
