@@ -208,7 +208,7 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
 def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
     import torch
 
-    from lightning_memkit.estimate.distributed import STRATEGIES
+    from lightning_memkit.estimate.sharding import STRATEGIES
 
     base = ["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "1GiB"]
     cases = [

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memkit.estimate.distributed import (
+from lightning_memkit.estimate.distributed import estimate_distributed_memory
+from lightning_memkit.estimate.sharding import (
     STRATEGIES,
-    estimate_distributed_memory,
     model_state_bytes,
     optimizer_state_bytes_per_parameter,
     sharding_of,

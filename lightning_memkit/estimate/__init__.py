@@ -28,12 +28,11 @@ from lightning_memkit.estimate.predict import (  # noqa: E402
 )
 
 __all__ += ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "device_capacity_bytes", "predict_max_batch_size"]
-from lightning_memkit.estimate.distributed import (  # noqa: E402
+from lightning_memkit.estimate.distributed import DistributedEstimate, estimate_distributed_memory  # noqa: E402
+from lightning_memkit.estimate.sharding import (  # noqa: E402
     STRATEGIES,
-    DistributedEstimate,
     ModelStates,
     Sharding,
-    estimate_distributed_memory,
     model_state_bytes,
     optimizer_state_bytes_per_parameter,
     sharding_of,
