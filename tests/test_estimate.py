@@ -406,6 +406,25 @@ def test_a_module_already_on_cuda_estimates_without_touching_the_device():
     assert measured.peak_bytes > 0
 
 
+def test_a_checkpointed_step_that_fails_leaves_the_reused_fake_copy_unwrapped():
+    """The checkpointing wrappers come off the block's fake copy even when the step fails after wrapping it (here in
+    the optimizer's construction), so the next estimate of the same copy is the plain step's."""
+    from lightning_memkit.estimate.core import reusing_fake_copies
+
+    module, data = _gpt()
+    fresh = estimate_memory(module, 4, datamodule=data, device="cuda").to_dict()
+
+    def no_optimizer(params):
+        raise RuntimeError("no optimizer")
+
+    with reusing_fake_copies():
+        with pytest.raises(EstimateError, match="no optimizer"):
+            estimate_memory(module, 4, datamodule=data, mode="checkpoint", device="cuda", optimizer=no_optimizer)
+        after = estimate_memory(module, 4, datamodule=data, device="cuda").to_dict()
+    for field in ("peak_bytes", "by_category", "peak_phase"):
+        assert after[field] == fresh[field], field
+
+
 def test_the_fake_copy_is_reused_across_modes_and_sizes_and_gives_the_same_figures():
     from lightning_memkit.estimate.core import reusing_fake_copies
 

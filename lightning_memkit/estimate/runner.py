@@ -107,12 +107,14 @@ class _Resolved:
 
 @dataclass
 class _StepCopy:
-    """The copy the step runs on, its batch, and the context the step runs in (the fake world, or nothing)."""
+    """The copy the step runs on, its batch, the context the step runs in (the fake world, or nothing), and the
+    precision's autocast around each forward."""
 
     module: nn.Module
     batch: Any
     context: Callable[[], ContextManager[Any]]
     session: FakeSession | None = None
+    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
 
 
 def run(request: StepRequest, settings: EstimateSettings | None = None) -> MemoryEstimate:
@@ -224,7 +226,8 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
         try:
             session, module_copy = _copy_of(request, settings.reuse)
             step_copy = _ready_for_step(request, resolved, session, module_copy, notes)
-            handle = _run_step(request, resolved, settings, step_copy, acc, offload, kernels)
+            handle = _apply_checkpointing(step_copy, resolved, acc)
+            _run_steps(request, resolved, settings, step_copy, acc, offload, kernels)
         except (EstimateError, NoBatchError):
             raise
         except Exception as error:
@@ -275,6 +278,8 @@ def _ready_for_step(request: StepRequest, resolved: _Resolved, session: FakeSess
     attach_trainer(step_copy.module, trainer, resolved.batches, resolved.mode, request.datamodule,
                    resolved.target.type)
     step_copy.module.train()
+    step_copy.autocast = step_autocast(resolved.mode, _device_type_of(step_copy.module, step_copy.batch),
+                                       resolved.target.type)
     return step_copy
 
 
@@ -283,18 +288,15 @@ def _runs_onednn_lstm(module: nn.Module) -> bool:
             and torch.backends.mkldnn.enabled)
 
 
-def _run_step(request: StepRequest, resolved: _Resolved, settings: EstimateSettings, step_copy: _StepCopy,
-              acc: StepAccountant, offload: OffloadModel | None, kernels: CudaKernels | None) -> Any:
-    """The steps on ``step_copy`` under the accountant (with checkpointing, offload and the CUDA kernels the mode
-    and target ask for); returns the checkpointing handle to remove afterwards, or ``None``."""
-    fake = request.fake
+def _run_steps(request: StepRequest, resolved: _Resolved, settings: EstimateSettings, step_copy: _StepCopy,
+               acc: StepAccountant, offload: OffloadModel | None, kernels: CudaKernels | None) -> None:
+    """The steps on ``step_copy`` under the accountant, with the offload and the CUDA kernels the mode and target
+    ask for."""
     module_copy, batch = step_copy.module, step_copy.batch
-    autocast = step_autocast(resolved.mode, _device_type_of(module_copy, batch), resolved.target.type)
-    handle = _apply_checkpointing(step_copy, resolved, acc, autocast)
     acc.attributor.assign_module(module_copy)
     acc.attributor.assign(batch, "inputs")
-    loop = StepLoop(module_copy, batch, autocast, acc, request.steps, micro_batches=settings.micro_batches,
-                    foreach=fake and resolved.target.type == "cuda")
+    loop = StepLoop(module_copy, batch, step_copy.autocast, acc, request.steps, micro_batches=settings.micro_batches,
+                    foreach=request.fake and resolved.target.type == "cuda")
     # offload is what mode.offload models (its own hooks, the host bytes); a step apply_offload already wrapped
     # must not run torch's save_on_cpu on the fake step too: it would take every saved tensor from the counting
     with step_copy.context(), acc, offload_suspended(), acc.attributor.watch_saved_tensors(), \
@@ -307,16 +309,15 @@ def _run_step(request: StepRequest, resolved: _Resolved, settings: EstimateSetti
         else:
             run_automatic_steps(loop, resolved.make_optimizer, resolved.loss_fn, resolved.optimizer_hook,
                                 lightning_hooks=resolved.loss_fn is default_loss and is_lightning_module(module_copy))
-    return handle
 
 
-def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAccountant,
-                         autocast: Callable[[], ContextManager[Any]]) -> Any:
-    """Wrap the copy's blocks as the mode's checkpointing policy chooses; returns the handle (``None`` without)."""
+def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAccountant) -> Any:
+    """Wrap the copy's blocks as the mode's checkpointing policy chooses; returns the handle to remove when the
+    estimate ends (``None`` without checkpointing)."""
     mode = resolved.mode
     if mode is None or mode.checkpoint is None:
         return None
-    module_copy, batch, session = step_copy.module, step_copy.batch, step_copy.session
+    module_copy, batch, session, autocast = step_copy.module, step_copy.batch, step_copy.session, step_copy.autocast
 
     def sample() -> Any:  # a budget policy measures the step's forward on the same (fake) batch
         if session is None:
