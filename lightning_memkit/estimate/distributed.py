@@ -75,6 +75,16 @@ class DistributedEstimate:
         return self.single.mode
 
     @property
+    def batch_shapes(self) -> str:
+        """The shapes of the per-rank batch the step ran on (the one-process estimate's)."""
+        return self.single.batch_shapes
+
+    @property
+    def batch_note(self) -> str:
+        """Which batch that is and what the answer holds for (the one-process estimate's)."""
+        return self.single.batch_note
+
+    @property
     def required_bytes(self) -> int:
         """Bytes one rank's device must have: ``peak_bytes`` plus what the one-process estimate's allocator view
         adds on top of its tensors (CUDA: rounding, reserved segments, context; elsewhere nothing). FSDP2's
