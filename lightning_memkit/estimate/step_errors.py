@@ -5,15 +5,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import site
-import sysconfig
 import traceback
 from typing import Iterator
 
-import torch
 from torch import nn
 
+from lightning_memkit._user_code import is_user_file
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import NoBatchError
 from lightning_memkit.estimate.result import EstimateError
@@ -41,29 +38,13 @@ def hook(name: str) -> Iterator[None]:
         raise HookFailed(name, error) from error
 
 
-def _library_directories() -> tuple[str, ...]:
-    """Directories whose files are not the user's: memkit, torch, Lightning, the standard library, installed
-    packages."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_memkit/ (importing it: a cycle)
-    places = [package, os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"]]
-    places += list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    try:
-        import lightning  # optional here: a plain nn.Module is estimated without Lightning
-
-        places.append(os.path.dirname(lightning.__file__))
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(os.path.realpath(place) + os.sep for place in places if place)
-
-
 def _user_line(error: BaseException) -> str:
     """``file:line`` of the innermost frame of ``error``'s traceback in the user's own code (not memkit, torch,
-    Lightning, the standard library or an installed package), or ``""``."""
-    libraries = _library_directories()
+    Lightning, the standard library or an installed package: :func:`~lightning_memkit._user_code.is_user_file`),
+    or ``""``."""
     found = ""
     for frame in traceback.extract_tb(error.__traceback__):
-        path = os.path.realpath(frame.filename)
-        if not frame.filename.startswith("<") and not path.startswith(libraries):
+        if is_user_file(frame.filename):
             found = f"{frame.filename}:{frame.lineno}"
     return found
 
