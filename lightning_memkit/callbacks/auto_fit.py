@@ -27,6 +27,7 @@ GPU_ACCEPTED = "a GPU name or generation ('h100', 'a100', 'sm90'), or None"
 MODES_ACCEPTED = ("a comma-separated str or a list of: baseline, micro_batch, checkpoint, bf16, fp16, amp, offload "
                   "(e.g. 'micro_batch,checkpoint'), or None")
 TRIALS_ACCEPTED = "an integer from 1 to 3 (real trials at most)"
+MAX_SECONDS_ACCEPTED = "a positive number of seconds, or None"
 
 
 class AutoFit(Callback):
@@ -58,6 +59,9 @@ class AutoFit(Callback):
             ``bf16``/``fp16``/``amp`` (a precision change) and ``offload`` (CUDA only).
         trials: the most real trials the plan runs (1 to 3); each trains a few steps on a copy of the module.
         verbose: print the plan's table and what was applied, on global rank 0.
+        max_seconds: the plan's time budget, seconds; default: the estimate plus 20 steps of the user's batch (at
+            least 30 s more). The plan says it at the start and each phase's cost as it ends; the estimate and one
+            trial always run, the calibration, the other trials and the timing rounds only where they fit.
 
     Attributes:
         plan: the :class:`~lightning_memkit.plan.planner.Plan` (``None`` before fit, and on a resumed fit).
@@ -68,7 +72,8 @@ class AutoFit(Callback):
     """
 
     def __init__(self, device_memory: int | str | None = None, gpu: str | None = None,
-                 modes: str | Sequence[str] | None = None, trials: int = 3, verbose: bool = True) -> None:
+                 modes: str | Sequence[str] | None = None, trials: int = 3, verbose: bool = True,
+                 max_seconds: float | None = None) -> None:
         owner = "AutoFit"
         if isinstance(device_memory, bool) or not (device_memory is None or isinstance(device_memory, (int, str))):
             raise checks.refuse(owner, "device_memory", device_memory, DEVICE_MEMORY_ACCEPTED)
@@ -99,6 +104,8 @@ class AutoFit(Callback):
         if trials > 3:
             raise checks.refuse(owner, "trials", trials, TRIALS_ACCEPTED)
         checks.boolean(owner, "verbose", verbose)
+        checks.number(owner, "max_seconds", max_seconds, MAX_SECONDS_ACCEPTED, low=0, optional=True)
+        self.max_seconds = max_seconds
         self.device_memory = budget
         self.gpu = gpu
         self.modes = modes
@@ -150,7 +157,7 @@ class AutoFit(Callback):
                 self.plan = plan_fit(pl_module, batch_size=effective, device_memory=self.device_memory, gpu=self.gpu,
                                      device=trainer.strategy.root_device, modes=self.modes, datamodule=trainer.datamodule,
                                      trials=self.trials, world_size=trainer.world_size,
-                                     verbose=self.verbose and trainer.is_global_zero)
+                                     verbose=self.verbose and trainer.is_global_zero, max_seconds=self.max_seconds)
         except PlanError as error:
             raise MisconfigurationException(f"AutoFit: {error}") from None
         plan = self.plan

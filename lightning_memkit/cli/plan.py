@@ -42,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp), offload "
                              "(default: micro_batch,checkpoint: memory-only changes)")
     parser.add_argument("--trials", type=int, default=3, help="the most real trials, 1 to 3 (default: 3)")
+    parser.add_argument("--max-seconds", type=float, default=None, metavar="SECONDS",
+                        help="the plan's time budget, seconds (default: the estimate plus 20 baseline steps, at least "
+                             "30 s more); the estimate and one trial always run, the other phases where they fit")
     parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
     parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the plan to this JSON file")
@@ -66,7 +69,10 @@ def _plan_json(plan: Any) -> dict:
     arguments = {k: v for k, v in plan.trainer_arguments().items() if k != "callbacks"}
     return {"best": plan.best.describe() if plan.best is not None else None, "fits_as_is": plan.fits_as_is,
             "budget_bytes": plan.budget_bytes, "effective_batch": plan.effective_batch, "trials": plan.trials,
-            "device": plan.device, "trainer_arguments": arguments, "yaml": plan.yaml(), "rows": rows, "notes": plan.notes}
+            "device": plan.device, "trainer_arguments": arguments, "yaml": plan.yaml(), "rows": rows,
+            "notes": plan.notes, "seconds": plan.seconds, "max_seconds": plan.max_seconds,
+            "phases": [{"name": p.name, "seconds": p.seconds, "skipped": p.skipped, "detail": p.detail}
+                       for p in plan.phases]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
         if not 1 <= args.trials <= 3:
             raise CliError(f"--trials {args.trials}: give 1 to 3")
+        if args.max_seconds is not None and not args.max_seconds > 0:
+            raise CliError(f"--max-seconds {args.max_seconds:g}: give a positive number of seconds (the plan's time "
+                           "budget)")
         gpu = None
         if args.gpu is not None:
             from lightning_memkit.estimate.cuda_kernels import GpuTarget
@@ -108,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
                            "--datamodule FILE.py:DataModuleClass")
         plan = plan_fit(module, batch_size=args.batch_size, device_memory=memory, gpu=gpu, device=args.device,
-                        modes=args.modes, datamodule=datamodule, trials=args.trials, verbose=True)
+                        modes=args.modes, datamodule=datamodule, trials=args.trials, verbose=True,
+                        max_seconds=args.max_seconds)
     except (CliError, PlanError) as error:
         print(f"memkit plan: {error}", file=sys.stderr)
         return 2

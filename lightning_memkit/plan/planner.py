@@ -14,10 +14,15 @@
    cleanly; on CUDA the device's own peaks, the allocator capped at the budget and the module under plan off the
    device: :mod:`~lightning_memkit.plan.cuda_trial`). On CPU the time model is first calibrated (Lightning's loop,
    checkpointing's cost and the once-per-step part measured apart; real steps at the smallest micro-batch with
-   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at each larger one predicted to fit), every trial refits it,
-   a trial's timing runs for :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds
-   (a close call longer).
-4. The best is the fastest trial that fit: never a configuration that did not run.
+   accumulation 1 and :data:`CALIBRATION_ACCUMULATION`, and at each larger one predicted to fit) where that can
+   change the choice (:func:`_calibration_needless`), every trial refits it, a trial's timing runs for
+   :data:`TIMED_SECONDS`, and when several ran they are timed again in interleaved rounds.
+4. The best is the fastest trial that fit: never a configuration that did not run. A trial whose difference from the
+   fastest is within the machine's measured noise (:func:`_ties`) is a tie, settled by the lower peak.
+
+The plan keeps to a wall-time budget (:mod:`lightning_memkit.plan.time_budget`: ``max_seconds``, by default the
+estimate plus 20 baseline steps), stated at the start: the estimate and one trial always run, every other phase only
+where its predicted cost fits what is left, and each phase's cost is said as it ends.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ from lightning_memkit.estimate.batches import rebatch
 from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
 from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.plan.checkpoint_cost import measure_checkpoint_overheads
+from lightning_memkit.plan.time_budget import MIN_TIMED_STEPS, Phase, TimeBudget, budget_text, describe_seconds
 from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, roofline_for
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
 __all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
-           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MAX_TRIALS", "CLOSE_CALL", "CLOSE_CALL_ERRORS", "CLOSE_CALL_ROUNDS",
-           "CALIBRATION_ACCUMULATION", "CALIBRATION_ROUNDS", "CALIBRATION_SIZES"]
+           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MIN_ROUNDS", "MAX_TRIALS", "TIE_ERRORS", "CALIBRATION_ACCUMULATION",
+           "CALIBRATION_ROUNDS", "CALIBRATION_SIZES", "PLAUSIBLE_SCALES", "PLAUSIBLE_OP_OVERHEADS",
+           "PLAUSIBLE_SIZE_EXPONENTS"]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -79,17 +86,27 @@ CALIBRATION_SIZES = 4
 #: 2.5 times this many ``timed_seconds``, longer where one step takes longer than that): the once-per-step part is a
 #: difference of two timings, and two rounds left it several milliseconds off when one fell in a slow phase
 CALIBRATION_ROUNDS = 4
-#: CPU: after the rounds, a trial is a close call to the fastest when their steps, round by round (the median of
-#: the per-round ratios), are closer than this share, or when their rounds do not settle which is faster (the mean
-#: of the per-round log ratios within :data:`CLOSE_CALL_ERRORS` standard errors of 0: a 0.5 s timing moves by about
-#: 15% from one round to the next on a 2-core VM, so three rounds 10% apart can be noise)...
-CLOSE_CALL = 0.10
-#: ...that many standard errors...
-CLOSE_CALL_ERRORS = 2.0
-#: ...and the fastest with every trial a close call to it are timed in up to this many more rounds (each timing half
-#: the plan's ``timed_seconds``), until the fastest of them (it can change as they are timed) is a close call to
-#: none of the others
-CLOSE_CALL_ROUNDS = 6
+#: CPU: the fewest rounds the interleaved timing or the calibration runs when the time budget cannot pay for all of
+#: them (one round says nothing of the machine's noise); fewer, and the phase is left out
+MIN_ROUNDS = 2
+#: a trial is a tie with the fastest when their difference (the mean of the per-round log ratios after interleaved
+#: rounds, else the log ratio of the trials' medians) is within this many standard errors of the machine's measured
+#: noise (the spread of the per-round ratios, pooled over the trials; without rounds the spread of the trials' own
+#: timed steps): a tie is settled by the lower measured peak, with no more rounds (a 0.5 s timing moves by about 15%
+#: from one round to the next on a 2-core VM: more rounds cannot settle a few percent in a plan's time)
+TIE_ERRORS = 2.0
+#: CPU: the calibration is left out when every candidate that is the fastest under some time model of this grid
+#: gets a trial (the kernels' scale times each of these, the per-op overhead times each of
+#: :data:`PLAUSIBLE_OP_OVERHEADS`, and a micro-batch's ops corrected by each of :data:`PLAUSIBLE_SIZE_EXPONENTS`): a
+#: CPU's fitted scale and per-op cost have ranged over about these (a transformer's ops cost 10 to 50 us each in a
+#: training step, where one tiny ``add`` costs a few us)
+PLAUSIBLE_SCALES = (0.5, 1.0, 2.0, 4.0)
+#: ...the per-op overheads' factors...
+PLAUSIBLE_OP_OVERHEADS = (1.0, 4.0, 20.0)
+#: ...and the exponents ``e`` of a micro-batch's correction ``(largest / micro-batch) ** e`` (the largest candidate
+#: micro-batch's ops as modelled): a CPU's kernels run a small micro-batch less efficiently than a large one (the
+#: calibration measures this per size; a DemoResNet step at micro-batch 2 costs about what it costs at 4)
+PLAUSIBLE_SIZE_EXPONENTS = (0.0, 0.25, 0.5)
 
 
 class PlanError(MemkitError, ValueError):
@@ -125,6 +142,8 @@ class PlanRow:
             its calibration when one ran (not when the baseline fit as is, or no smaller micro-batch was estimated),
             with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
             ``predicted_step_s``. ``None`` when the estimate failed.
+        step_seconds: the timed steps of the row's trial (seconds each; CPU: the machine's noise is their spread),
+            empty when it did not run (or ran on CUDA).
     """
 
     candidate: Candidate
@@ -140,6 +159,7 @@ class PlanRow:
     measured_allocated_bytes: int | None = field(default=None, compare=False)
     measured_reserved_bytes: int | None = field(default=None, compare=False)
     model_step_s: float | None = field(default=None, compare=False)
+    step_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def ran(self) -> bool:
@@ -164,6 +184,10 @@ class Plan:
         batch_shapes: the shapes of the data's worst batch every estimate and trial was cut from.
         proved_micro_batch: the micro-batch the best candidate's trial ran (its bytes and shapes), which AutoFit's
             guard holds training batches to; ``None`` without a best.
+        max_seconds: the time budget, seconds in all (``max_seconds`` as given, or the default:
+            :mod:`~lightning_memkit.plan.time_budget`).
+        phases: what the plan did and what it left out, in order (:class:`~lightning_memkit.plan.time_budget.Phase`:
+            its name, seconds, and why it was left out).
     """
 
     rows: list[PlanRow]
@@ -177,6 +201,14 @@ class Plan:
     seconds: float = 0.0
     batch_shapes: str = ""
     proved_micro_batch: ProvedBatch | None = None
+    max_seconds: float | None = None
+    phases: list[Phase] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """The phases left out and why (``{"calibration": "...", "rounds": "..."}``; a trial left out is
+        ``"trial"``)."""
+        return {phase.name: phase.skipped for phase in self.phases if phase.skipped}
 
     @property
     def best_row(self) -> PlanRow | None:
@@ -224,7 +256,9 @@ class Plan:
     def table(self) -> str:
         """The ranked table: configuration, predicted peak, step time, samples/s, fits, measured figures."""
         head = (f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} on {self.device}; "
-                f"{self.trials} real trial{'s' if self.trials != 1 else ''}")
+                f"{self.trials} real trial{'s' if self.trials != 1 else ''}"
+                + (f"; planned in {self.seconds:.0f} s of a {budget_text(self.max_seconds)} s time budget"
+                   if self.max_seconds is not None else ""))
         rows = []
         for row in self.rows:
             rows.append((
@@ -546,7 +580,26 @@ def _timing_fit(copied: Any, candidate: Candidate, micro: Any, device_type: str,
     steps = warmup + (max(timed, MAX_TIMED_STEPS) if timing > 0 else timed)
     clock = _clock(candidate.accumulation, cuda, warmup, timed, timing)
     _fit(copied, candidate, micro, device_type, steps, candidate.accumulation, clock, None)
-    return clock.step_seconds()[warmup:]
+    timed_seconds = clock.step_seconds()[warmup:]
+    if _RECORDED_STEPS:
+        _RECORDED_STEPS[-1].append(timed_seconds)
+    return timed_seconds
+
+
+#: the timed steps of every timing run, while :func:`_recording_steps` records them (a trial's own steps, which the
+#: trial's ``(fits, peak, samples/s, note)`` leaves out: the tie rule reads the machine's noise from their spread)
+_RECORDED_STEPS: list[list[list[float]]] = []
+
+
+@contextlib.contextmanager
+def _recording_steps() -> Iterator[list[list[float]]]:
+    """The timed steps of each timing run inside the block (a list per run, in order)."""
+    runs: list[list[float]] = []
+    _RECORDED_STEPS.append(runs)
+    try:
+        yield runs
+    finally:
+        del _RECORDED_STEPS[next(i for i, each in enumerate(_RECORDED_STEPS) if each is runs)]
 
 
 def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int,
@@ -580,23 +633,31 @@ def _split_calibration(ones: list[float], manys: list[float], per_batch: float, 
 
 
 def _calibration_steps(module: Any, probes: list[Candidate], batch: Any, device_type: str, seconds: float,
-                       rounds: int = CALIBRATION_ROUNDS) -> list[list[float]]:
+                       rounds: int = CALIBRATION_ROUNDS, keep_going: Any = None) -> list[list[float]]:
     """For each of ``probes`` (in order), the median seconds per optimizer step of each round: ``rounds`` rounds of
     alternating order (each timing ``seconds / 2``), the timings of a round back to back, so that the machine's phases
-    fall on all of them alike."""
+    fall on all of them alike. ``keep_going(rounds done, their timings, seconds per round)``, when given, is asked
+    after each round but the last whether to run the next (the time budget's check)."""
     each: list[list[float]] = [[] for _ in probes]
+    started = time.perf_counter()
     for round_ in range(rounds):
         order = list(range(len(probes)))
         for index in (order if round_ % 2 == 0 else order[::-1]):
             each[index].append(statistics.median(_timed_step(module, probes[index], batch, device_type, 1, 2, seconds / 2)))
+        done = round_ + 1
+        if done < rounds and keep_going is not None:
+            if not keep_going(done, each, (time.perf_counter() - started) / done):
+                break
     return each
 
 
-def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float]:
-    """Lightning's own cost on this CPU, seconds: ``(per micro-batch, per optimizer step)``, from a module with one
-    ``Linear(1, 1)`` trained with accumulation 1 and ``accumulation`` (the medians' difference is the micro-batches'
-    cost, the rest the step's). The fake step sees the model's ops, not the loop around them (hooks, the closure,
-    the batch's transfer, ``zero_grad``), which is what makes many small micro-batches slow on a CPU."""
+def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float, float]:
+    """Lightning's own cost on this CPU, seconds: ``(per micro-batch, per optimizer step, per run)``, from a module
+    with one ``Linear(1, 1)`` trained with accumulation 1 and ``accumulation`` (the medians' difference is the
+    micro-batches' cost, the rest the step's; a run's wall time beyond its steps is what building, setting up and
+    tearing down a Trainer costs, which the time budget prices every real run at). The fake step sees the model's
+    ops, not the loop around them (hooks, the closure, the batch's transfer, ``zero_grad``), which is what makes many
+    small micro-batches slow on a CPU."""
     from lightning.pytorch import LightningModule
 
     class _Nothing(LightningModule):
@@ -610,11 +671,15 @@ def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
+    medians, runs = [], []
     with _quiet_lightning():
-        medians = [statistics.median(_timing_fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup, timed, 0.0))
-                   for each in (1, accumulation)]
+        for each in (1, accumulation):
+            started = time.perf_counter()
+            steps = _timing_fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup, timed, 0.0)
+            medians.append(statistics.median(steps))
+            runs.append(time.perf_counter() - started - sum(steps) - warmup * medians[-1])
     per_batch = max(medians[1] - medians[0], 0.0) / (accumulation - 1)
-    return per_batch, max(medians[0] - per_batch, 0.0)
+    return per_batch, max(medians[0] - per_batch, 0.0), max(min(runs), 0.0)
 
 
 def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str, warmup: int, timed: int,
@@ -724,7 +789,8 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
 def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int | str | None = None, gpu: Any = None,
              device: Any = None, modes: Any = None, datamodule: Any = None, trials: int = MAX_TRIALS, world_size: int = 1,
              strategy: Any = None, verbose: bool = True, warmup_steps: int = WARMUP_STEPS,
-             timed_steps: int = TIMED_STEPS, timed_seconds: float = TIMED_SECONDS) -> Plan:
+             timed_steps: int = TIMED_STEPS, timed_seconds: float = TIMED_SECONDS,
+             max_seconds: float | None = None) -> Plan:
     """The fastest way to train ``module`` at its effective batch within a memory budget, proved by real trials.
 
     Args:
@@ -746,10 +812,14 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
         timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
             :data:`MAX_TIMED_STEPS`), and when several trials ran each is timed :data:`RETIMING_ROUNDS` times more
             for half as long, in rounds of alternating order, compared round by round (a CPU's speed drifts by tens
-            of percent within seconds), and the fastest with every trial a close call to it up to
-            :data:`CLOSE_CALL_ROUNDS` times more; the time model's calibration takes :data:`CALIBRATION_ROUNDS` times
+            of percent within seconds); the time model's calibration takes :data:`CALIBRATION_ROUNDS` times
             half this per size it times (two timings at the smallest micro-batch, one at each of up to
             :data:`CALIBRATION_SIZES` larger ones). 0 times ``timed_steps`` steps once.
+        max_seconds: the wall-time budget of the plan, seconds; default: the estimate's time plus 20 steps of the
+            baseline (at least 30 s more; :mod:`~lightning_memkit.plan.time_budget`). Stated at the start; the
+            estimate and one trial always run, the calibration, the other trials (a trial may time fewer steps) and
+            the rounds only where their predicted cost fits what is left (``plan.phases`` says what ran and what was
+            left out, and why).
 
     Returns:
         a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here
@@ -757,7 +827,8 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
 
     Raises:
         PlanError: bad input (the message says what to do): not a LightningModule, a budget below the model's
-            parameters, a batch size that is not a positive integer, ``trials`` outside 1..3, several devices.
+            parameters, a batch size that is not a positive integer, ``trials`` outside 1..3, several devices,
+            ``max_seconds`` that is not a positive number.
     """
     from lightning_memkit.estimate.batches import preserved_rng
 
@@ -765,12 +836,12 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
     # runs on the device it names (the current device is set back after)
     with preserved_rng(), _plan_device(device):
         return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
-                         verbose, warmup_steps, timed_steps, timed_seconds)
+                         verbose, warmup_steps, timed_steps, timed_seconds, max_seconds)
 
 
 def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device: Any, modes: Any, datamodule: Any,
               trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any,
-              timed_seconds: Any) -> Plan:
+              timed_seconds: Any, max_seconds: Any = None) -> Plan:
     started = time.perf_counter()
     say = (lambda text: print(text, flush=True)) if verbose else (lambda text: None)
     try:
@@ -787,6 +858,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             raise PlanError(f"{name}={value!r}: give a {'non-negative' if name == 'warmup_steps' else 'positive'} integer")
     if isinstance(timed_seconds, bool) or not isinstance(timed_seconds, (int, float)) or not 0 <= timed_seconds < float("inf"):
         raise PlanError(f"timed_seconds={timed_seconds!r}: give seconds >= 0 (0: time timed_steps steps once)")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not max_seconds > 0):
+        raise PlanError(f"max_seconds={max_seconds!r}: give a positive number of seconds (the plan's time budget; "
+                        "inf: none), or None for the default (the estimate plus 20 baseline steps)")
     if world_size != 1 or strategy is not None:
         raise PlanError(f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
                         f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory")
@@ -840,20 +915,27 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     trials_run = 0
     best: PlanRow | None = None
     fits_as_is = False
+    clock = TimeBudget(max_seconds, started, say)
+    cpu = device_type == "cpu"
     with reusing_fake_copies():
         baseline = _estimate_row(module, space[0], batch, device_type, gpu, datamodule, budget, model)
         rows.append(baseline)
         say(f"memkit plan: baseline {baseline.candidate.describe()}: predicted peak "
             f"{format_bytes(baseline.predicted_peak_bytes) if baseline.predicted_peak_bytes is not None else '-'} "
             f"of {format_bytes(budget)}")
+        clock.state(baseline.predicted_step_s)
         if baseline.fits and can_run:
+            clock.estimated(1, 1)
             trials_run += 1
-            _run_row(module, baseline, batch, budget, device_type, warmup_steps, timed_steps, say)
+            _run_row(module, baseline, batch, budget, device_type, warmup_steps, timed_steps, say, clock=clock)
             if baseline.ran:
                 fits_as_is, best = True, baseline
                 baseline.note = "fits as is: nothing to change; " + baseline.note
         if not fits_as_is:
+            estimating = time.perf_counter()
             skipped = _estimate_families(module, space, rows, batch, device_type, gpu, datamodule, budget, model)
+            clock.estimated(len(rows), sum(row.fits for row in rows),
+                            time.perf_counter() - estimating if clock.estimate_s is not None else None)
             if skipped:
                 notes.append(f"{skipped} smaller micro-batches not estimated: below two that fit in the same mode they fit too "
                              "(memory grows with the micro-batch) and are slower (the same FLOPs in more, smaller steps)")
@@ -862,9 +944,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
                          "for real trials and a best configuration")
         base_model, observations, calibrations = model, [], []
-        if device_type == "cpu" and can_run:
+        if cpu and can_run:
+            measuring = time.perf_counter()
             # Lightning's own cost per micro-batch and per step, measured here: what no op of the fake step shows
-            per_batch, per_step = _loop_overheads()
+            per_batch, per_step, clock.fit_overhead_s = _loop_overheads()
             per_call, per_inside = 0.0, 0.0
             if any(r.costs is not None and r.costs.regions for r in rows):
                 # what torch's checkpoint runs in Python per checkpointed call and per op inside one, measured here:
@@ -873,81 +956,115 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
                                                                step_overhead_s=per_step, checkpoint_call_s=per_call,
                                                                checkpoint_op_s=per_inside))
-            # timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
-            # accumulation 1 and CALIBRATION_ACCUMULATION, and at each larger micro-batch predicted to fit
-            # (_calibration_rows: as one of its rows runs it, checkpointing too, so within the budget), with
-            # accumulation 1: a calibration of the time model, not a trial (no budget, no candidate chosen by it),
-            # said in the notes.
-            # The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer,
-            # zero_grad, the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops
-            # out of the per-op overhead fitted to the model's. The larger ones part the kernels' time from the
-            # per-op overhead (at one micro-batch they are in one ratio): a CPU's small micro-batches pay per op
-            # (autograd, the modules' Python, kernels too small for the cores) several times what a tiny op alone
-            # costs: fitted at one micro-batch, the model alone ranked a CNN's larger micro-batches at Spearman 0.09
-            # against the pooled brute force (issue 25; 1.00 with a second size). And each size gets its own
-            # correction (TimeModel.micro_factors): a CPU's kernels do not scale smoothly with the batch (a
-            # DemoResNet step costs 2x at micro-batch 2 what it costs at 1, 2.3x at 4), which left the model alone
-            # at Spearman 0.64 on that CNN's tight budget with the smallest and largest sizes only
-            small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
-                         and r.candidate.precision == user_precision), key=lambda r: r.candidate.micro_batch, default=None)
-            if small is not None and small.candidate.micro_batch < effective:
-                larger = _calibration_rows(rows, small, user_precision)
-                probes = [Candidate(small.candidate.micro_batch, accumulation, user_precision)
-                          for accumulation in (1, CALIBRATION_ACCUMULATION)]
-                probes += [dataclasses.replace(r.candidate, accumulation=1) for r in larger]
-                calibrating = time.perf_counter()
-                timings = _calibration_steps(module, probes, batch, device_type, timed_seconds)
-                calibrating = time.perf_counter() - calibrating
-                one, many = statistics.median(timings[0]), statistics.median(timings[1])
-                per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
-                base_model = dataclasses.replace(base_model, step_s=once)
-                calibrations += [(small.costs, 1, one, small.candidate.micro_batch, user_precision),
-                                 (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch, user_precision)]
-                calibrations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch, user_precision)
-                                 for r, t in zip(larger, timings[2:])]
+            clock.ran("overheads", time.perf_counter() - measuring,
+                      say="Lightning's loop" + (" and checkpointing's Python" if per_call or per_inside else "")
+                          + " measured apart")
+        _repredict(rows, model)
+        # the model the time budget prices every real run with (the measured / predicted ratio of the steps that ran
+        # scales it): before the calibration, as the baseline's step was predicted
+        reference = model
+
+        def expected_step(row: PlanRow) -> float:
+            if row.ran:
+                return row.candidate.effective_batch / row.measured_samples_per_s
+            return clock.expected(reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes,
+                                                         row.candidate.micro_batch, row.candidate.precision))
+
+        def trial_cost(row: PlanRow, timed: int = timed_steps, seconds: float = timed_seconds) -> float:
+            return clock.trial_cost(expected_step(row), row.candidate.accumulation, warmup_steps, timed, seconds,
+                                    MAX_TIMED_STEPS, cpu)
+
+        if baseline.costs is not None:
+            clock.baseline_step_s = reference.step_seconds(baseline.costs, 1)
+            clock.rebase()
+        if cpu and can_run:
+            calibration = _calibrate(module, rows, batch, model, trials, clock, user_precision, effective,
+                                     (per_batch, per_step), timed_seconds,
+                                     lambda: sum(trial_cost(row) for row in _contenders(rows)[:trials]))
+            if calibration is not None:
+                base_model, calibrations, note = calibration
                 observations += calibrations
                 model = base_model.fit(observations)
-                notes.append(f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
-                             f"1 and {CALIBRATION_ACCUMULATION}"
-                             + "".join(f", {p.describe()}" for p in probes[2:])
-                             + f" calibrate it (not trials; {calibrating:.1f} s): "
-                             + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
-                                "(the optimizer, the loop)" if once is not None else
-                                "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
-                                "from its ops)")
-                             + "; each size timed gets its own correction of its ops; each trial refits it")
+                notes.append(note)
+                clock.rebase()
         _repredict(rows, model)
         for row in rows:  # what the model alone says, kept beside the ranking the trials will refine
             row.model_step_s = row.predicted_step_s
+        # without a calibration the model's ranking is a guess: the trials first run the candidates that are the
+        # fastest under some plausible time model (the most plausible first), then follow the ranking
+        cover = [] if calibrations or not (cpu and can_run) else _plausible_winners(_contenders(rows), model)
+        if len(cover) > 1:
+            notes.append("the time model was not calibrated: the trials ran first the candidates that are the fastest "
+                         "under some plausible time model: " + "; ".join(r.candidate.describe() for r in cover))
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
             if not queue:
                 break
+            waiting_cover = [r for r in cover if any(r is q for q in queue)]
+            queue = waiting_cover + [r for r in queue if not any(r is c for c in waiting_cover)]
             row = queue[0]
             skipped = _needless_trial(row, rows)
             if skipped is not None:
                 row.note = skipped
                 continue
+            # the trials share what is left of the time budget (a trial times fewer steps to keep to its share);
+            # until one has fit, a trial runs whatever the budget says: the plan's choice must have run
+            waiting = min(trials - trials_run, sum(_needless_trial(r, rows) is None for r in queue))
+            timing = clock.fitting_steps(expected_step(row), row.candidate.accumulation, warmup_steps, timed_steps,
+                                         timed_seconds, MAX_TIMED_STEPS, cpu, clock.left() / max(waiting, 1))
+            shortest = min(timed_steps, MIN_TIMED_STEPS)
+            if timing is None and trial_cost(row, shortest, 0.0) <= clock.left():
+                timing = (shortest, 0.0)  # more than its share, its fewest steps: the trials after it may not run
+            if timing is None:
+                if any(r.ran for r in rows):
+                    cost = describe_seconds(trial_cost(row, shortest, 0.0))
+                    clock.skip("trial", f"{cost} with {shortest} timed steps, and {max(clock.left(), 0):.0f} s of "
+                                        "the time budget are left", detail=row.candidate.describe())
+                    break
+                timing = (shortest, 0.0)
+            timed, seconds = timing
+            if (timed, seconds) != (timed_steps, timed_seconds):
+                say(f"memkit plan: trial of {row.candidate.describe()}: {timed} timed steps, to keep to the time "
+                    f"budget ({describe_seconds(trial_cost(row, timed, seconds))}, {max(clock.left(), 0):.0f} s left)")
             trials_run += 1
-            _run_row(module, row, batch, budget, device_type, warmup_steps, timed_steps, say, timed_seconds)
-            if row.ran and device_type == "cpu" and row.costs is not None:
+            _run_row(module, row, batch, budget, device_type, warmup_steps, timed, say, seconds, clock)
+            if row.ran and row.costs is not None:
+                clock.observe(reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes),
+                              row.candidate.effective_batch / row.measured_samples_per_s)
+                clock.rebase()
+            if row.ran and cpu and row.costs is not None:
                 # CPU: every trial that ran refits the time model (scale of the kernels, per-op overhead), and the
                 # candidates not run yet are ranked again
                 observations.append(_observation(row))
                 model = base_model.fit(observations)
                 _repredict(rows, model, measured_errors=True)
         ran = [r for r in rows if r.ran]
-        if device_type == "cpu" and timed_seconds > 0 and len(ran) > 1:
-            close_rounds = _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds, say)
-            observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
-            model = base_model.fit(observations)
-            _repredict(rows, model, measured_errors=True)
-            notes.append(f"each trial was timed {1 + RETIMING_ROUNDS} times in rounds of alternating order and priced "
-                         "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
-                         "percent while a plan runs"
-                         + (f"; the fastest and the trials a close call to it (within {CLOSE_CALL:.0%}, or rounds that did "
-                            f"not settle their order) were timed in {close_rounds} more rounds" if close_rounds else ""))
-        if device_type == "cpu" and observations:
+        timings = None
+        if cpu and timed_seconds > 0 and len(ran) > 1:
+            per_round = sum(clock.timing_cost(expected_step(row), warmup_steps, timed_steps, timed_seconds / 2,
+                                              MAX_TIMED_STEPS) for row in ran)
+            rounds = max((n for n in range(MIN_ROUNDS, RETIMING_ROUNDS + 1) if n * per_round <= clock.left()),
+                         default=0)
+            if rounds:
+                timing_rounds = time.perf_counter()
+                timings = _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds,
+                                              say, rounds, keep_going=lambda seconds: seconds <= clock.left())
+                rounds = min(len(timings[id(row)]) - 1 for row in ran)
+                clock.ran("rounds", time.perf_counter() - timing_rounds, detail=f"{rounds} rounds",
+                          say=f"rounds: the {len(ran)} trials timed {rounds} more times each, in rounds of "
+                              "alternating order")
+                observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
+                model = base_model.fit(observations)
+                _repredict(rows, model, measured_errors=True)
+                notes.append(f"each trial was timed {1 + rounds} times in rounds of alternating order and priced "
+                             "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
+                             "percent while a plan runs")
+            else:
+                clock.skip("rounds", f"{MIN_ROUNDS} rounds of the {len(ran)} trials would take "
+                                     f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
+                                     "the time budget are left: the trials' own timings decide, a difference within "
+                                     "their steps' noise is a tie")
+        if cpu and observations:
             notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
                          f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
                          f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
@@ -960,19 +1077,29 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                          + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
                             f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
                             if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s else ""))
-        best = max(ran, key=lambda r: r.measured_samples_per_s) if ran else None
+        best, tie = _settle(ran, timings, say)
+        if tie is not None:
+            notes.append(tie)
         rows = _ranked(rows)
         if best is None and can_run:
             notes.append(_no_best_note(rows))
     notes.insert(0, f"batch: {worst.describe()}; micro-batches are its largest samples")
+    seconds = time.perf_counter() - started
+    notes.append(f"time budget {budget_text(clock.total)} s "
+                 f"({'max_seconds' if clock.given is not None else 'the default'}); "
+                 f"planned in {seconds:.1f} s: {clock.summary()}")
+    notes += [f"{phase.name}{f' of {phase.detail}' if phase.detail else ''} left out: {phase.skipped}"
+              for phase in clock.phases if phase.skipped]
     plan = Plan(rows, best.candidate if best is not None else None, fits_as_is, budget, effective, trials_run, device_type,
-                notes, time.perf_counter() - started, batch_shapes=worst.shapes(),
-                proved_micro_batch=_proved(batch, best.candidate if best is not None else None))
+                notes, seconds, batch_shapes=worst.shapes(),
+                proved_micro_batch=_proved(batch, best.candidate if best is not None else None),
+                max_seconds=clock.total, phases=list(clock.phases))
     if fits_as_is:
-        say(f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change")
+        say(f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change "
+            f"({seconds:.1f} s: {clock.summary()})")
     elif best is not None:
         say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
-            f"{trials_run} trials)")
+            f"{trials_run} trials) in {seconds:.1f} s of a {budget_text(clock.total)} s time budget: {clock.summary()}")
     return plan
 
 
@@ -1018,6 +1145,162 @@ def _calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> li
     return [chosen[size] for size in sorted(chosen)[-CALIBRATION_SIZES:]]
 
 
+def _contenders(rows: list[PlanRow]) -> list[PlanRow]:
+    """The rows predicted to fit that a trial could choose, ranked: estimated, not tried yet, one per program (a
+    budget that chose every block is the same step as ``auto``), and no checkpointing of a micro-batch predicted to
+    fit without it (the same step plus the recompute: never faster)."""
+    fitting = [r for r in _ranked(rows) if r.fits and r.costs is not None and not r.note]
+    plain = {_same_shapes(r) for r in fitting if r.candidate.checkpoint is None}
+    chosen: list[PlanRow] = []
+    seen: set[tuple] = set()
+    for row in fitting:
+        if (row.candidate.checkpoint is not None and _same_shapes(row) in plain) or _signature(row) in seen:
+            continue
+        seen.add(_signature(row))
+        chosen.append(row)
+    return chosen
+
+
+def _plausible_models(model: TimeModel, contenders: list[PlanRow]) -> Iterator[TimeModel]:
+    """``model`` varied over the plausible grid: its kernel scale times each of :data:`PLAUSIBLE_SCALES`, its per-op
+    overhead times each of :data:`PLAUSIBLE_OP_OVERHEADS`, each contender's micro-batch ops times ``(largest /
+    micro-batch) ** e`` for each ``e`` of :data:`PLAUSIBLE_SIZE_EXPONENTS` (``largest``: the largest contender's)."""
+    largest = max(r.candidate.micro_batch for r in contenders)
+    for scale in PLAUSIBLE_SCALES:
+        for factor in PLAUSIBLE_OP_OVERHEADS:
+            for exponent in PLAUSIBLE_SIZE_EXPONENTS:
+                yield dataclasses.replace(
+                    model, scale=model.scale * scale,
+                    roofline=dataclasses.replace(model.roofline, op_overhead_s=model.roofline.op_overhead_s * factor),
+                    micro_factors={(r.candidate.precision, r.candidate.micro_batch):
+                                   (largest / r.candidate.micro_batch) ** exponent for r in contenders})
+
+
+def _plausible_winners(contenders: list[PlanRow], model: TimeModel) -> list[PlanRow]:
+    """The contenders that are the fastest under some plausible time model (:func:`_plausible_models`), those that
+    win under more of them first (then in ``contenders``' order): the trials to run when the model is not
+    calibrated, so that the fastest under whichever of them is right gets a trial."""
+    if not contenders:
+        return []
+    wins = {id(row): 0 for row in contenders}
+    for variant in _plausible_models(model, contenders):
+        fastest = min(contenders, key=lambda r: variant.step_seconds(
+            r.costs, r.candidate.accumulation, r.offload_bytes, r.candidate.micro_batch, r.candidate.precision))
+        wins[id(fastest)] += 1
+    order = {id(row): index for index, row in enumerate(contenders)}
+    return sorted((row for row in contenders if wins[id(row)]), key=lambda r: (-wins[id(r)], order[id(r)]))
+
+
+def _calibration_needless(rows: list[PlanRow], trials: int, model: TimeModel) -> str | None:
+    """Why the CPU calibration cannot change the choice, or ``None`` when it can. The calibration only picks which
+    candidates run trials; the trials choose. It cannot change the choice when the candidates a trial could choose
+    (:func:`_contenders`) are no more than the trials (every one of them runs), nor when every candidate that is the
+    fastest under some plausible time model (:func:`_plausible_winners`) gets a trial: whichever model is right, its
+    fastest runs."""
+    contenders = _contenders(rows)
+    if len(contenders) <= trials:
+        return (f"{len(contenders)} candidate{'s' if len(contenders) != 1 else ''} predicted to fit could be chosen "
+                f"and up to {trials} trials run {'them all' if len(contenders) != 1 else 'it'}: the trials decide")
+    winners = _plausible_winners(contenders, model)
+    if len(winners) > trials:
+        return None
+    return (f"of the {len(contenders)} candidates that could be chosen, {len(winners)} "
+            f"{'is' if len(winners) == 1 else 'are'} the fastest under some plausible time model (kernels "
+            f"{min(PLAUSIBLE_SCALES):g} to {max(PLAUSIBLE_SCALES):g} x, per-op cost {min(PLAUSIBLE_OP_OVERHEADS):g} to "
+            f"{max(PLAUSIBLE_OP_OVERHEADS):g} x the measured, a micro-batch k times smaller up to k ** "
+            f"{max(PLAUSIBLE_SIZE_EXPONENTS):g} times slower per sample): "
+            + "; ".join(row.candidate.describe() for row in winners)
+            + f"; {'it gets a trial' if len(winners) == 1 else 'each gets a trial'}: the trials decide")
+
+
+def _calibrate(module: Any, rows: list[PlanRow], batch: Any, model: TimeModel, trials: int, clock: TimeBudget,
+               precision: str, effective: int, overheads: tuple[float, float], timed_seconds: float,
+               reserve: Any) -> tuple[TimeModel, list[tuple], str] | None:
+    """The CPU calibration of ``model`` where it can change the choice and its cost fits the time budget (left out
+    otherwise, and why is recorded in ``clock``): ``(the model with the once-per-step part measured, the
+    calibration's observations, its note)``, or ``None``.
+
+    Timed real steps at the smallest micro-batch estimated (where the per-op overhead weighs most), with
+    accumulation 1 and CALIBRATION_ACCUMULATION, and at each larger micro-batch predicted to fit (_calibration_rows:
+    as one of its rows runs it, checkpointing too, so within the budget), with accumulation 1: a calibration of the
+    time model, not a trial (no budget, no candidate chosen by it), said in the notes.
+    The first two's difference is a micro-batch's time, the rest the once-per-step part (the optimizer, zero_grad,
+    the loop), the same for every candidate: measured, it keeps the optimizer's many cheap ops out of the per-op
+    overhead fitted to the model's. The larger ones part the kernels' time from the per-op overhead (at one
+    micro-batch they are in one ratio): a CPU's small micro-batches pay per op (autograd, the modules' Python,
+    kernels too small for the cores) several times what a tiny op alone costs: fitted at one micro-batch, the model
+    alone ranked a CNN's larger micro-batches at Spearman 0.09 against the pooled brute force (issue 25; 1.00 with a
+    second size). And each size gets its own correction (TimeModel.micro_factors): a CPU's kernels do not scale
+    smoothly with the batch (a DemoResNet step costs 2x at micro-batch 2 what it costs at 1, 2.3x at 4), which left
+    the model alone at Spearman 0.64 on that CNN's tight budget with the smallest and largest sizes only.
+
+    It runs in up to :data:`CALIBRATION_ROUNDS` rounds where the time budget left, less ``reserve()`` seconds kept
+    for the trials (priced at the machine's speed as measured so far), pays for them: it is left out when
+    :data:`MIN_ROUNDS` rounds are predicted not to fit, and stops after a round when the next, priced as the rounds
+    so far took, does not fit."""
+    small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
+                 and r.candidate.precision == precision), key=lambda r: r.candidate.micro_batch, default=None)
+    if small is None or small.candidate.micro_batch >= effective:
+        clock.skip("calibration", "no micro-batch smaller than the batch was estimated")
+        return None
+    needless = _calibration_needless(rows, trials, model)
+    if needless is not None:
+        clock.skip("calibration", needless)
+        return None
+    larger = _calibration_rows(rows, small, precision)
+    probes = [Candidate(small.candidate.micro_batch, accumulation, precision)
+              for accumulation in (1, CALIBRATION_ACCUMULATION)]
+    probes += [dataclasses.replace(r.candidate, accumulation=1) for r in larger]
+    sources = [small, small] + larger
+    predicted = [model.step_seconds(r.costs, p.accumulation, 0, p.micro_batch, p.precision)
+                 for r, p in zip(sources, probes)]
+    per_round = sum(clock.timing_cost(clock.expected(step), 1, 2, timed_seconds / 2, MAX_TIMED_STEPS)
+                    for step in predicted)
+    rounds = max((n for n in range(MIN_ROUNDS, CALIBRATION_ROUNDS + 1) if n * per_round + reserve() <= clock.left()),
+                 default=0)
+    if not rounds:
+        clock.skip("calibration", f"{MIN_ROUNDS} rounds of its {len(probes)} timings would take "
+                                  f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
+                                  f"the time budget are left, {describe_seconds(reserve())} of them kept for the "
+                                  "trials (the time model ranks the candidates from its roofline and measured "
+                                  "overheads)")
+        return None
+
+    def keep_going(done: int, timings: list[list[float]], seconds: float) -> bool:
+        # the machine's speed as the rounds so far measured it prices the trials kept for; the next round as these
+        for index, (step, measured) in enumerate(zip(predicted, timings)):
+            clock.observe(step, statistics.median(measured), key=("calibration", index))
+        return seconds + reserve() <= clock.left()
+
+    per_batch, per_step = overheads
+    calibrating = time.perf_counter()
+    timings = _calibration_steps(module, probes, batch, "cpu", timed_seconds, rounds, keep_going=keep_going)
+    calibrating = time.perf_counter() - calibrating
+    rounds = len(timings[0])
+    for index, (step, measured) in enumerate(zip(predicted, timings)):
+        clock.observe(step, statistics.median(measured), key=("calibration", index))
+    clock.ran("calibration", calibrating, detail=f"{rounds} rounds",
+              say=f"calibration: {rounds} rounds of {len(probes)} timings (micro-batch "
+                  f"{', '.join(str(p.micro_batch) for p in [probes[0]] + probes[2:])})")
+    one, many = statistics.median(timings[0]), statistics.median(timings[1])
+    per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
+    calibrated = dataclasses.replace(model, step_s=once)
+    observations = [(small.costs, 1, one, small.candidate.micro_batch, precision),
+                    (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch, precision)]
+    observations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch, precision)
+                     for r, t in zip(larger, timings[2:])]
+    note = (f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
+            f"1 and {CALIBRATION_ACCUMULATION}"
+            + "".join(f", {p.describe()}" for p in probes[2:])
+            + f" calibrate it (not trials; {calibrating:.1f} s, {rounds} rounds): "
+            + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
+               "(the optimizer, the loop)" if once is not None else
+               "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
+               "from its ops)")
+            + "; each size timed gets its own correction of its ops; each trial refits it")
+    return calibrated, observations, note
+
+
 def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = False) -> None:
     """Every estimated row's predicted step from ``model``; with ``measured_errors`` (CPU), scaled by the model's
     error on the trials that ran at the row's micro-batch (see :attr:`PlanRow.predicted_step_s`)."""
@@ -1060,99 +1343,152 @@ def _same_shapes(row: PlanRow) -> tuple:
 
 
 def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any,
-             seconds: float = 0.0) -> None:
+             seconds: float = 0.0, clock: TimeBudget | None = None) -> float:
+    """Run ``row``'s trial and keep its outcome on the row (its timed steps in ``step_seconds``); recorded as a
+    ``"trial"`` phase of ``clock`` when given. Returns its wall time, seconds."""
     say(f"memkit plan: trial: {row.candidate.describe()} ...")
-    fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds,
-                                       row=row)
+    started = time.perf_counter()
+    with _recording_steps() as runs:
+        fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds,
+                                           row=row)
+    took = time.perf_counter() - started
     row.measured_peak_bytes = peak if fits else None
     row.measured_samples_per_s = samples if fits else None
+    row.step_seconds = list(runs[-1]) if fits and runs else []
     row.note = note
-    say(f"memkit plan: trial: {row.candidate.describe()} -> {note}" + (f", peak {format_bytes(peak)}" if peak is not None and fits else ""))
-
-
-def _close_call(ratios: list[float]) -> bool:
-    """Whether two trials' per-round step ratios (the second's over the first's) leave their order open: the median
-    within :data:`CLOSE_CALL` of 1, or the mean of the log ratios within :data:`CLOSE_CALL_ERRORS` standard errors of
-    0 (the rounds disagree: on a noisy machine three rounds 10% apart can be chance)."""
-    if 1 / (1 + CLOSE_CALL) <= statistics.median(ratios) <= 1 + CLOSE_CALL:
-        return True
-    if len(ratios) < 2:
-        return False
-    logs = [math.log(r) for r in ratios]
-    return abs(statistics.fmean(logs)) < CLOSE_CALL_ERRORS * statistics.stdev(logs) / math.sqrt(len(logs))
+    if clock is not None:
+        clock.phases.append(Phase("trial", took, detail=row.candidate.describe()))
+    say(f"memkit plan: trial: {row.candidate.describe()} -> {note}"
+        + (f", peak {format_bytes(peak)}" if peak is not None and fits else "") + f" ({took:.1f} s)")
+    return took
 
 
 def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
-                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS) -> int:
+                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS,
+                        keep_going: Any = None) -> dict[int, list[float]]:
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
     time for ``seconds / 2``, and compare them round by round: the timings of one round are seconds apart, while a
     machine's phases of speed (tens of percent, seconds long on a shared CPU) put timings minutes apart on different
     footings. The row with the lowest median is the anchor; every row's step is the anchor's median times the median
-    of its per-round ratios to the anchor. The fastest so ranked and every row a close call to it (:func:`_close_call`:
-    within :data:`CLOSE_CALL` by the median of their own per-round ratios, or rounds that disagree) are timed together
-    in up to :data:`CLOSE_CALL_ROUNDS` more rounds, until the fastest of them (which can change as they are timed)
-    is a close call to none of the others; each of them is then priced
-    by its ratio over all those rounds to the anchor when the anchor is among them, else to the fastest. The
-    configurations fit already (the trial measured their peak): no budget here. ``rounds=0``: each row keeps its
-    trial's own timing, nothing compared. Returns the close call's rounds."""
+    of its per-round ratios to the anchor. No more rounds follow: a difference the rounds leave within the machine's
+    noise is a tie (:func:`_settle`). The configurations fit already (the trial measured their peak): no budget here.
+    ``rounds=0``: each row keeps its trial's own timing, nothing compared. ``keep_going(seconds per round so far)``,
+    when given, is asked after each round from the :data:`MIN_ROUNDS`-th on whether to run the next (the time
+    budget's check). Returns each row's timings (``id(row)`` -> seconds per step: its trial's median, then one per
+    round)."""
     timings = {id(row): [_observation(row)[2]] for row in ran}  # the trial's own first: in no round with the others
-
-    def time_again(rows: list[PlanRow], round_: int) -> None:
-        for row in (rows[::-1] if round_ % 2 == 0 else rows):
+    started = time.perf_counter()
+    for round_ in range(rounds):
+        if MIN_ROUNDS <= round_ and keep_going is not None and not keep_going((time.perf_counter() - started) / round_):
+            rounds = round_
+            break
+        for row in (ran[::-1] if round_ % 2 == 0 else ran):
             again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
             timings[id(row)].append(again)
-
-    def ratios(row: PlanRow, to: PlanRow) -> list[float]:  # row's step over to's, in each round both were timed in
-        return [b / a for a, b in zip(timings[id(to)][1:], timings[id(row)][1:])]
-
-    def ratio(row: PlanRow, to: PlanRow) -> float:
-        return statistics.median(ratios(row, to))
-
-    for round_ in range(rounds):
-        time_again(ran, round_)
-    close_rounds = 0
     steps = {id(row): statistics.median(timings[id(row)]) for row in ran}
     how: dict[int, str] = {}  # how a row was priced: none for a row at the median of its own timings
     if rounds > 0 and len(ran) > 1:
         anchor = min(ran, key=lambda row: steps[id(row)])
-        to_anchor = {id(row): ratio(row, anchor) for row in ran}
-        ranked = sorted(ran, key=lambda row: to_anchor[id(row)])  # fastest first, round by round
-        first = ranked[0]
-        # every row whose order against the fastest the rounds leave open is timed on with it, until none is a close
-        # call or the rounds run out: the median of four timings still moves by several percent on a noisy CPU, more
-        # than such a difference. All of them, not the two fastest: three rows within 4% of each other once had
-        # their pair timed on without the third, the fastest side by side, and a plan chose a row at 80% of it
-        contenders = [first] + [row for row in ranked[1:] if _close_call(ratios(row, first))]
-        # the close call's rows are priced by their ratios over all its rounds: to the anchor when it is one of them
-        # (no chain of two noisy ratios), else to the fastest
-        base = anchor if any(row is anchor for row in contenders) else first
-
-        def unsettled() -> bool:  # the fastest of the contenders now (it can change as they are timed) has a close call
-            lead = min(contenders, key=lambda row: ratio(row, base))  # the base's ratio to itself is 1
-            return any(_close_call(ratios(row, lead)) for row in contenders if row is not lead)
-
-        while close_rounds < CLOSE_CALL_ROUNDS and len(contenders) > 1 and unsettled():
-            time_again(contenders, rounds + close_rounds)
-            close_rounds += 1
-        anchor_step = statistics.median(timings[id(anchor)])  # with its close-call rounds, if it was timed in them
-        steps[id(anchor)] = anchor_step
         for row in ran:
             if row is not anchor:
-                steps[id(row)] = anchor_step * to_anchor[id(row)]
+                ratio = statistics.median(_round_ratios(timings, row, anchor))
+                steps[id(row)] = steps[id(anchor)] * ratio
                 how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
-                                f"median x {to_anchor[id(row)]:.3f}, the median of their {rounds} per-round ratios")
-        for row in (contenders if close_rounds else []):
-            if row is base:
-                continue
-            between = ratio(row, base)
-            steps[id(row)] = steps[id(base)] * between
-            how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {base.candidate.describe()}'s "
-                            f"{'median' if base is anchor else 'step'} x {between:.3f}, the median of their "
-                            f"{len(ratios(row, base))} per-round ratios")
+                                f"median x {ratio:.3f}, the median of their {rounds} per-round ratios")
     for row in ran:
         row.measured_samples_per_s = row.candidate.effective_batch / steps[id(row)]
         priced = how.get(id(row), f"median of {len(timings[id(row)])} interleaved timings")
         row.note = (f"ran: step {steps[id(row)] * 1e3:.1f} ms ({priced}: "
                     f"{', '.join(f'{t * 1e3:.1f}' for t in timings[id(row)])} ms)")
-        say(f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> {steps[id(row)] * 1e3:.1f} ms")
-    return close_rounds
+        say(f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> "
+            f"{steps[id(row)] * 1e3:.1f} ms")
+    return timings
+
+
+def _round_ratios(timings: dict[int, list[float]], row: PlanRow, to: PlanRow) -> list[float]:
+    """``row``'s step over ``to``'s in each round both were timed in (the trials' own timings left out)."""
+    return [b / a for a, b in zip(timings[id(to)][1:], timings[id(row)][1:])]
+
+
+def _pooled_variance(groups: list[list[float]]) -> float | None:
+    """The variance of values about their own group's mean, pooled over the groups (``None`` with no group of two)."""
+    squares, freedom = 0.0, 0
+    for values in groups:
+        if len(values) >= 2:
+            mean = statistics.fmean(values)
+            squares += sum((value - mean) ** 2 for value in values)
+            freedom += len(values) - 1
+    return squares / freedom if freedom else None
+
+
+def _ties(ran: list[PlanRow], timings: dict[int, list[float]] | None = None) -> tuple[PlanRow | None, list[tuple]]:
+    """The fastest trial, and each other trial against it: ``(row, apart, noise)``, both log ratios of steps:
+    ``apart`` how much slower the row is, ``noise`` :data:`TIE_ERRORS` standard errors of that difference as the
+    machine's measured noise gives it (``None`` where it was not measured: CUDA trials keep no steps). The row is a
+    tie with the fastest when ``apart <= noise``.
+
+    After at least :data:`MIN_ROUNDS` interleaved rounds (``timings`` from :func:`_interleaved_rounds`) the noise is
+    the spread of the per-round log ratios to the fastest, pooled over the trials, over the square root of the rounds;
+    without them, the spread of the log steps within each trial's timing (:func:`_step_spread`) makes the standard
+    error of the two trials' medians (1.25 x that of a mean)."""
+    if not ran:
+        return None, []
+    fastest = max(ran, key=lambda row: row.measured_samples_per_s)
+    step = {id(row): row.candidate.effective_batch / row.measured_samples_per_s for row in ran}
+    others = [row for row in ran if row is not fastest]
+    rounds = min((len(timings[id(row)]) - 1 for row in ran), default=0) if timings else 0
+    compared = []
+    if rounds >= MIN_ROUNDS:
+        logs = {id(row): [math.log(r) for r in _round_ratios(timings, row, fastest)] for row in others}
+        variance = _pooled_variance(list(logs.values()))
+        for row in others:
+            noise = None if variance is None else TIE_ERRORS * math.sqrt(variance / len(logs[id(row)]))
+            compared.append((row, math.log(step[id(row)] / step[id(fastest)]), noise))
+        return fastest, compared
+    spread = _step_spread(ran)
+    for row in others:
+        counts = (len(row.step_seconds), len(fastest.step_seconds))
+        noise = None
+        if spread is not None and min(counts) > 0:
+            noise = TIE_ERRORS * math.sqrt(math.pi / 2) * spread * math.sqrt(1 / counts[0] + 1 / counts[1])
+        compared.append((row, math.log(step[id(row)] / step[id(fastest)]), noise))
+    return fastest, compared
+
+
+def _step_spread(ran: list[PlanRow]) -> float | None:
+    """The standard deviation of one timed step's log seconds, robustly (1.4826 x the median absolute deviation from
+    each trial's own median, pooled over the trials; a step the machine stalled in moves it no more than any other
+    step, as it moves no trial's median): ``None`` without a trial of two steps."""
+    deviations: list[float] = []
+    for row in ran:
+        logs = sorted(math.log(t) for t in row.step_seconds if t > 0)
+        if len(logs) >= 2:
+            centre = statistics.median(logs)
+            if len(logs) % 2:  # the median step itself says nothing of the spread
+                del logs[len(logs) // 2]
+            deviations += [abs(value - centre) for value in logs]
+    return 1.4826 * statistics.median(deviations) if deviations else None
+
+
+def _settle(ran: list[PlanRow], timings: dict[int, list[float]] | None, say: Any) -> tuple[PlanRow | None, str | None]:
+    """The best of the trials that ran: the fastest, unless trials within the machine's measured noise of it
+    (:func:`_ties`) have a lower measured peak: a tie is settled by the lower peak (the same speed as far as the
+    plan can tell, more memory left), with no more rounds. Returns ``(best, the tie's note or None)``."""
+    fastest, compared = _ties(ran, timings)
+    tied = [(row, apart, noise) for row, apart, noise in compared if noise is not None and apart <= noise]
+    if fastest is None or not tied:
+        return fastest, None
+    group = [fastest] + [row for row, _, _ in tied]
+    best = min(group, key=lambda row: (row.measured_peak_bytes if row.measured_peak_bytes is not None else math.inf,
+                                       -row.measured_samples_per_s))
+    parts = [f"{row.candidate.describe()} {math.exp(apart) - 1:.1%} slower (noise +-{math.exp(noise) - 1:.1%})"
+             for row, apart, noise in tied]
+    note = (f"a tie within the measured noise: {'; '.join(parts)} than the fastest, {fastest.candidate.describe()}; "
+            f"the lower peak settles it: {best.candidate.describe()} "
+            f"({format_bytes(best.measured_peak_bytes) if best.measured_peak_bytes is not None else '-'} measured)")
+    say(f"memkit plan: {note}")
+    for row in group:
+        row.note += ("; chosen: a tie with the fastest, and the lower peak" if row is best and row is not fastest else
+                     "; a tie within the noise, the lower peak chose another" if row is not best else
+                     "; a tie within the noise: the lowest peak of the tie")
+    return best, note
