@@ -82,7 +82,8 @@ def _train_loader(module: Any, datamodule: Any) -> Any:
     if datamodule is not None:
         candidates.append(datamodule)
     trainer = getattr(module, "_trainer", None)
-    if trainer is not None and getattr(trainer, "datamodule", None) is not None and trainer.datamodule is not datamodule:
+    if (trainer is not None and getattr(trainer, "datamodule", None) is not None
+            and trainer.datamodule is not datamodule):
         candidates.append(trainer.datamodule)
     candidates.append(module)
     for owner in candidates:
@@ -155,7 +156,8 @@ def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, i
         try:
             return next(iter(loader)), batches
         except StopIteration:
-            raise NoBatchError(f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)") from None
+            raise NoBatchError(f"the train dataloader of {type(module).__name__} is empty; pass an example batch "
+                               "(batch=...)") from None
         except Exception as error:
             raise NoBatchError(f"the first batch of the train dataloader failed while memkit took a sample batch: "
                                f"{type(error).__name__}: {error}") from error
@@ -169,7 +171,8 @@ def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch
     """
     old_size = batch_size_of(batch)
     if old_size is None:
-        raise NoBatchError("the batch has no tensor with a batch dimension; pass an example batch of the size to estimate (batch=...)")
+        raise NoBatchError("the batch has no tensor with a batch dimension; pass an example batch of the size to "
+                           "estimate (batch=...)")
     if new_size < 1:
         raise ValueError(f"batch_size must be a positive integer, not {new_size!r}")
 

@@ -23,11 +23,9 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, keystr
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
-from lightning_memkit.units import format_bytes
 
-__all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes", "batch_nbytes",
-           "batch_tensors", "MAX_SIZED_SAMPLES",
-           "SCAN_SECONDS", "SAMPLED_COUNT"]
+__all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes",
+           "batch_nbytes", "batch_tensors", "MAX_SIZED_SAMPLES", "SCAN_SECONDS", "SAMPLED_COUNT"]
 
 #: The most samples sized one by one; a larger dataset is sized on a fixed random subset of this many.
 MAX_SIZED_SAMPLES = 100_000
@@ -166,7 +164,8 @@ def _seeded() -> None:
 def _signature(sample: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """A sample's total size and the shape of each of its tensor (or array) leaves."""
     leaves = tree_flatten(sample)[0]
-    leaves = [inner for leaf in leaves for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])]
+    leaves = [inner for leaf in leaves
+              for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])]
     shapes = tuple(tuple(leaf.shape) for leaf in leaves if hasattr(leaf, "shape"))
     return sum(_leaf_size(leaf) for leaf in leaves), shapes
 
@@ -371,7 +370,8 @@ def _note(found: WorstBatch, why: str = "") -> str:
             "answer that holds for the run")
 
 
-def worst_batch_and_length(module: Any, datamodule: Any = None, *, size_of: Any = None) -> tuple[WorstBatch, int | None]:
+def worst_batch_and_length(module: Any, datamodule: Any = None, *,
+                           size_of: Any = None) -> tuple[WorstBatch, int | None]:
     """The worst batch of the train dataloader of ``datamodule`` or ``module`` (see :func:`find_worst_batch`), and
     the loader's length in batches (``None`` when it has none). RNG states are untouched.
 
