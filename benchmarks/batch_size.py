@@ -32,7 +32,12 @@ warnings.filterwarnings("ignore")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.tuner import Tuner  # noqa: E402
 
-for _name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero", "lightning.pytorch.tuner.batch_size_scaling"):
+for _name in (
+    "lightning.pytorch",
+    "lightning.fabric",
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.pytorch.tuner.batch_size_scaling",
+):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 from lightning_memkit.estimate import estimate_memory, measure_training_step  # noqa: E402
@@ -67,13 +72,28 @@ def estimate_section(repeats):
     rows = []
     for name, make in (("MLP", DemoMLP), ("CNN", DemoCNN), ("transformer", DemoTransformer)):
         for mode in ("baseline", "bf16"):
-            estimate, measured = estimate_memory(make(), mode=mode, device="cpu"), measure_training_step(make(), mode=mode)
-            rows.append((f"{name} {mode}", estimate.peak_bytes, measured.peak_bytes, f"{(estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes:+.4%}"))
+            estimate, measured = (
+                estimate_memory(make(), mode=mode, device="cpu"),
+                measure_training_step(make(), mode=mode),
+            )
+            rows.append(
+                (
+                    f"{name} {mode}",
+                    estimate.peak_bytes,
+                    measured.peak_bytes,
+                    f"{(estimate.peak_bytes - measured.peak_bytes) / measured.peak_bytes:+.4%}",
+                )
+            )
     print(format_table(("model / mode", "estimated peak B", "measured peak B", "error"), rows))
     print()
     speed = []
-    for label, make in (("DemoCNN() batch 32", lambda: DemoCNN()),
-                        ("DemoCNN(64 ch, 3 blocks, 64px) batch 128", lambda: DemoCNN(channels=64, blocks=3, image_size=64, batch_size=128))):
+    for label, make in (
+        ("DemoCNN() batch 32", lambda: DemoCNN()),
+        (
+            "DemoCNN(64 ch, 3 blocks, 64px) batch 128",
+            lambda: DemoCNN(channels=64, blocks=3, image_size=64, batch_size=128),
+        ),
+    ):
         fake, real, measured = [], [], []
         for _ in range(repeats):  # alternate the variants
             module = make()
@@ -86,7 +106,10 @@ def estimate_section(repeats):
             measured.append(CLOCK() - started)
         f, r, m = (statistics.median(v) for v in (fake, real, measured))
         speed.append((label, f"{f:.3f}s", f"{r:.3f}s", f"{r / f:.2f}x", f"{m:.3f}s", f"{m / f:.2f}x"))
-    print("estimate_memory (2 fake steps) vs one real step (no accountant) and vs measure_training_step (2 real steps, accountant); medians of", repeats)
+    print(
+        "estimate_memory (2 fake steps) vs one real step (no accountant) and vs measure_training_step (2 real steps, accountant); medians of",
+        repeats,
+    )
     print(format_table(("CNN", "estimate", "real step", "real/estimate", "measured", "measured/estimate"), speed))
     print()
 
@@ -97,15 +120,19 @@ def speed_section(repeats):
     from lightning_memkit.estimate import predict_max_batch_size
     from lightning_memkit.estimate.core import reusing_fake_copies
 
-    bert = DemoTransformer(vocab_size=30522, d_model=768, nhead=12, layers=12, dim_feedforward=3072, seq_len=512, batch_size=32)
+    bert = DemoTransformer(
+        vocab_size=30522, d_model=768, nhead=12, layers=12, dim_feedforward=3072, seq_len=512, batch_size=32
+    )
     estimate_memory(bert, 32, device="cuda")  # one-off costs (imports, kernel tables)
     single = []
     for _ in range(repeats):
         started = CLOCK()
         estimate_memory(bert, 32, device="cuda")
         single.append(CLOCK() - started)
-    print(f"estimate_memory(BERT-base shape, batch 32, device='cuda'): median {statistics.median(single):.2f}s of {repeats} "
-          f"({', '.join(f'{t:.2f}' for t in single)})")
+    print(
+        f"estimate_memory(BERT-base shape, batch 32, device='cuda'): median {statistics.median(single):.2f}s of {repeats} "
+        f"({', '.join(f'{t:.2f}' for t in single)})"
+    )
     modes = ("baseline", "amp", "checkpoint", "amp+checkpoint", "checkpoint:budget=0.5")
     module = DemoTransformer()
 
@@ -122,9 +149,15 @@ def speed_section(repeats):
         fresh.append(table(False))
         reused.append(table(True))
     f, r = statistics.median(fresh), statistics.median(reused)
-    print(format_table(("memkit estimate, DemoTransformer, 5 modes", "time", "vs fresh"),
-                       [("a fresh fake copy per estimate, no memo", f"{f:.2f}s", "1.00x"),
-                        ("reusing_fake_copies() (what memkit estimate does)", f"{r:.2f}s", f"{r / f:.2f}x")]))
+    print(
+        format_table(
+            ("memkit estimate, DemoTransformer, 5 modes", "time", "vs fresh"),
+            [
+                ("a fresh fake copy per estimate, no memo", f"{f:.2f}s", "1.00x"),
+                ("reusing_fake_copies() (what memkit estimate does)", f"{r:.2f}s", f"{r / f:.2f}x"),
+            ],
+        )
+    )
     print()
 
 
@@ -133,16 +166,34 @@ def make_run(batch_size=2):
     module = DemoMLP(in_features=FEATURES, hidden=256, depth=3)
     del module.batch_size
     data = SyntheticDataModule(batch_size=batch_size, train_size=MAX_VAL, val_size=16, input_shape=(FEATURES,))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir="/tmp/memkit_bench")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir="/tmp/memkit_bench",
+    )
     return module, data, trainer
 
 
 def runs(size, budget):
     module, data, trainer = make_run()
     try:
-        find_max_batch_size(trainer, module, data, budget=budget, init_val=size, max_val=size, max_trials=1,
-                            use_estimate=False, verbose=False, steps_per_trial=STEPS_PER_TRIAL)
+        find_max_batch_size(
+            trainer,
+            module,
+            data,
+            budget=budget,
+            init_val=size,
+            max_val=size,
+            max_trials=1,
+            use_estimate=False,
+            verbose=False,
+            steps_per_trial=STEPS_PER_TRIAL,
+        )
         return True
     except SearchError:
         return False
@@ -178,8 +229,15 @@ def lightning_search(mode, budget):
     guard.adopt(module.parameters())
     started = CLOCK()
     with guard:
-        found = Tuner(trainer).scale_batch_size(module, datamodule=data, mode=mode, steps_per_trial=STEPS_PER_TRIAL,
-                                                init_val=2, max_trials=25, max_val=MAX_VAL)
+        found = Tuner(trainer).scale_batch_size(
+            module,
+            datamodule=data,
+            mode=mode,
+            steps_per_trial=STEPS_PER_TRIAL,
+            init_val=2,
+            max_trials=25,
+            max_val=MAX_VAL,
+        )
     seconds = CLOCK() - started
     return found, len(tried), seconds, found in tried
 
@@ -187,14 +245,18 @@ def lightning_search(mode, budget):
 def memkit_search(budget):
     module, data, trainer = make_run()
     started = CLOCK()
-    result = find_max_batch_size(trainer, module, data, budget=budget, max_val=MAX_VAL, verbose=False, steps_per_trial=STEPS_PER_TRIAL)
+    result = find_max_batch_size(
+        trainer, module, data, budget=budget, max_val=MAX_VAL, verbose=False, steps_per_trial=STEPS_PER_TRIAL
+    )
     tried = any(t.fits and t.batch_size == result.batch_size for t in result.trials)
     return result.batch_size, result.trial_count, CLOCK() - started, tried
 
 
 def search_section(repeats, target):
     module, _, _ = make_run()
-    budget = measure_training_step(module, target, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+    budget = measure_training_step(
+        module, target, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))
+    ).peak_bytes
     truth = true_maximum(budget, target)
     print(f"budget {budget} bytes; true maximum batch (exact bisection on real trials): {truth}")
     results = {"memkit MaxBatchSize": [], "Lightning power": [], "Lightning binsearch": []}
@@ -207,23 +269,41 @@ def search_section(repeats, target):
     for name, values in results.items():
         found, trials, _, tried = values[-1]
         seconds = statistics.median(v[2] for v in values)
-        rows.append((name, found, trials, f"{seconds:.2f}s", f"{seconds / base:.2f}x", f"{(found - truth) / truth:+.1%}",
-                     "yes" if tried else ("no, smaller than one that ran" if found <= truth else "no, and too large")))
-    print(format_table(("finder", "batch", "real trials", "search time", "time vs memkit", "vs true max", "answer was a trial?"), rows))
+        rows.append(
+            (
+                name,
+                found,
+                trials,
+                f"{seconds:.2f}s",
+                f"{seconds / base:.2f}x",
+                f"{(found - truth) / truth:+.1%}",
+                "yes" if tried else ("no, smaller than one that ran" if found <= truth else "no, and too large"),
+            )
+        )
+    print(
+        format_table(
+            ("finder", "batch", "real trials", "search time", "time vs memkit", "vs true max", "answer was a trial?"),
+            rows,
+        )
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", type=int, default=700, help="the budget is the measured peak at this batch size")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time (default) or wall time")
+    parser.add_argument(
+        "--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time (default) or wall time"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--sections", default="estimate,speed,search", help="comma-separated: estimate, speed, search")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, {args.clock} clock\n")
+    print(
+        f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, {args.clock} clock\n"
+    )
     sections = set(args.sections.split(","))
     if "estimate" in sections:
         estimate_section(args.repeats)

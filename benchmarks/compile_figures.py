@@ -74,14 +74,20 @@ def main() -> None:
         model = build(name, False, args.backend)
         estimate = estimate_memory(model, device="cpu").peak_bytes
         print(f"{name} ({args.backend}), step 3 peak, bytes:")
-        print(f"  eager {eager:,}  compiled {compiled:,} ({compiled / eager - 1:+.1%} against eager)  "
-              f"estimate (eager program) {estimate:,} ({estimate / compiled - 1:+.1%} against compiled)")
-        print(f"  checkpointed ('auto'): eager {eager_ck:,} ({eager_ck / eager - 1:+.1%})  compiled {compiled_ck:,} "
-              f"({compiled_ck / compiled - 1:+.1%})")
+        print(
+            f"  eager {eager:,}  compiled {compiled:,} ({compiled / eager - 1:+.1%} against eager)  "
+            f"estimate (eager program) {estimate:,} ({estimate / compiled - 1:+.1%} against compiled)"
+        )
+        print(
+            f"  checkpointed ('auto'): eager {eager_ck:,} ({eager_ck / eager - 1:+.1%})  compiled {compiled_ck:,} "
+            f"({compiled_ck / compiled - 1:+.1%})"
+        )
         worst = max(abs(a - b) for a, b in zip(compiled_ck_losses, eager_ck_losses))
         worst_plain = max(abs(a - b) for a, b in zip(compiled_losses, eager_losses))
-        print(f"  losses: compiled+checkpointed vs eager+checkpointed max |diff| {worst:.2e}; "
-              f"compiled vs eager {worst_plain:.2e}")
+        print(
+            f"  losses: compiled+checkpointed vs eager+checkpointed max |diff| {worst:.2e}; "
+            f"compiled vs eager {worst_plain:.2e}"
+        )
 
 
 if __name__ == "__main__":

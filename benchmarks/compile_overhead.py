@@ -67,15 +67,33 @@ def build(args: argparse.Namespace, compiled: bool, backend: CountingBackend | N
     torch.manual_seed(0)
     samples = args.batch_size * (args.steps + 2)
     if args.model == "gpt2":
-        return CompiledGPT2(compile=compiled, backend=backend, layers=args.layers, width=args.width, seq_len=args.seq_len,
-                            batch_size=args.batch_size, samples=samples)
+        return CompiledGPT2(
+            compile=compiled,
+            backend=backend,
+            layers=args.layers,
+            width=args.width,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            samples=samples,
+        )
     return CompiledCNN(compile=compiled, backend=backend, batch_size=args.batch_size, samples=samples)
 
 
 def fit(model, callbacks, steps: int, root: str) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, default_root_dir=root,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
     trainer.fit(model)
 
 
@@ -90,9 +108,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant, side by side (order rotated)")
-    parser.add_argument("--variants", nargs="+", default=["compiled", "tracker", "tracker-exact", "traced", "doctor", "eager", "eager+tracker"],
-                        choices=["compiled", "tracker", "tracker-exact", "traced", "doctor", "eager", "eager+tracker"],
-                        help="which variants to run (ratios need 'compiled', and 'eager' for eager+tracker)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["compiled", "tracker", "tracker-exact", "traced", "doctor", "eager", "eager+tracker"],
+        choices=["compiled", "tracker", "tracker-exact", "traced", "doctor", "eager", "eager+tracker"],
+        help="which variants to run (ratios need 'compiled', and 'eager' for eager+tracker)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -105,8 +127,10 @@ def main() -> None:
     model = build(args, True, backend)
     start = time.perf_counter()
     fit(model, [], args.warmup + 2, root)  # compiles
-    print(f"{args.model} ({args.backend}): compiled in a warm-up fit of {args.warmup + 2} steps, "
-          f"{time.perf_counter() - start:.1f} s wall; {backend.compiled} graphs")
+    print(
+        f"{args.model} ({args.backend}): compiled in a warm-up fit of {args.warmup + 2} steps, "
+        f"{time.perf_counter() - start:.1f} s wall; {backend.compiled} graphs"
+    )
 
     variants = {
         "compiled": (True, lambda: []),
@@ -131,10 +155,10 @@ def main() -> None:
             clock = StepClock(backend if compiled else None)
             callbacks = make()
             fit(model if compiled else eager, callbacks + [clock], args.steps, root)
-            measured = clock.times[args.warmup:]
+            measured = clock.times[args.warmup :]
             times[name] += measured
             per_round[name].append(statistics.median(measured))
-            calls[name] += clock.calls[args.warmup:]
+            calls[name] += clock.calls[args.warmup :]
             if callbacks and isinstance(callbacks[0], MemoryTracker):
                 found = [r.peak_tensor_bytes for r in callbacks[0].history if r.peak_tensor_bytes is not None]
                 peaks[name] = max(found) if found else None
@@ -145,10 +169,14 @@ def main() -> None:
     def base_of(name: str) -> str:
         return "compiled" if variants[name][0] else "eager"
 
-    print(f"{args.rounds} rounds x {args.steps - args.warmup} measured steps per variant; load average (1, 5, 15 min) "
-          f"before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after {load_after[0]:.2f} "
-          f"{load_after[1]:.2f} {load_after[2]:.2f} ({os.cpu_count()} CPUs)")
-    print(f"{'variant':<15}{'ms/step (CPU)':>14}{'ratio':>8}  {'ratio per round':<22}{'graph calls/step (min)':>24}{'tracker peak bytes':>20}")
+    print(
+        f"{args.rounds} rounds x {args.steps - args.warmup} measured steps per variant; load average (1, 5, 15 min) "
+        f"before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after {load_after[0]:.2f} "
+        f"{load_after[1]:.2f} {load_after[2]:.2f} ({os.cpu_count()} CPUs)"
+    )
+    print(
+        f"{'variant':<15}{'ms/step (CPU)':>14}{'ratio':>8}  {'ratio per round':<22}{'graph calls/step (min)':>24}{'tracker peak bytes':>20}"
+    )
     for name in names:
         base = base_of(name)
         if base not in times:
@@ -156,8 +184,10 @@ def main() -> None:
         ratio = statistics.median(times[name]) / statistics.median(times[base])
         rounds = " ".join(f"{a / b:.2f}" for a, b in zip(per_round[name], per_round[base]))
         peak = peaks[name]
-        print(f"{name:<15}{statistics.median(times[name]) * 1e3:>14.2f}{ratio:>8.2f}  {rounds:<22}"
-              f"{(min(calls[name]) if variants[name][0] else 0):>24}{'' if peak is None else peak:>20}")
+        print(
+            f"{name:<15}{statistics.median(times[name]) * 1e3:>14.2f}{ratio:>8.2f}  {rounds:<22}"
+            f"{(min(calls[name]) if variants[name][0] else 0):>24}{'' if peak is None else peak:>20}"
+        )
     print('ratios: to "compiled" for the compiled variants, to "eager" for eager+tracker')
 
 

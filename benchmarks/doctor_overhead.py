@@ -32,8 +32,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--fit", action="store_true", help="run benchmarks/doctor_run_cost.py instead: a whole fit with a "
-                        "leak, holder search included, against the code this branch started from")
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="run benchmarks/doctor_run_cost.py instead: a whole fit with a "
+        "leak, holder search included, against the code this branch started from",
+    )
     args, rest = parser.parse_known_args()
     if args.fit:
         import os
@@ -84,8 +88,13 @@ def main() -> None:
         step()
         recorder.stop()
 
-    variants = {"plain": step, "LeakWatcher.observe": observe, "recording": recording,
-                "recording+liveness": liveness, "kept-graph check": graphs}
+    variants = {
+        "plain": step,
+        "LeakWatcher.observe": observe,
+        "recording": recording,
+        "recording+liveness": liveness,
+        "kept-graph check": graphs,
+    }
     for run in variants.values():  # warm-up: Adam's state, caches
         run()
         run()

@@ -47,7 +47,9 @@ def worker(shape: str) -> None:
     class Leaky(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10))
+            self.net = nn.Sequential(
+                *[m for _ in range(4) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10)
+            )
             self.kept = []
             self.x, self.y = torch.randn(64 * 64, 256), torch.randn(64 * 64, 10)
 
@@ -65,14 +67,25 @@ def worker(shape: str) -> None:
 
     handle = None
     if shape == "no-root":
+
         def keep(module, args, output):  # held by torch's global hooks dict and this closure's list only
             if isinstance(module, nn.Sequential):
                 hooked.append(output.detach())
+
         handle = torch.nn.modules.module.register_module_forward_hook(keep)
     doctor = MemoryDoctor(verbose=False)
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(max_steps=24, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=root, callbacks=[doctor], accelerator="cpu", devices=1)
+        trainer = pl.Trainer(
+            max_steps=24,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=[doctor],
+            accelerator="cpu",
+            devices=1,
+        )
         module = Leaky()
         start = time.process_time()
         trainer.fit(module)
@@ -81,15 +94,27 @@ def worker(shape: str) -> None:
         handle.remove()
     search = getattr(doctor, "holder_search", None)
     leak = doctor.report.leak
-    print(json.dumps({"cpu_s": seconds, "leak": leak.bytes_per_step if leak else None,
-                      "holder": (leak.growing[0].holder if leak and leak.growing and hasattr(leak.growing[0], "holder") else None),
-                      "search_s": search.seconds if search else None, "stopped": search.stopped if search else None,
-                      "objects": search.objects if search else None}))
+    print(
+        json.dumps(
+            {
+                "cpu_s": seconds,
+                "leak": leak.bytes_per_step if leak else None,
+                "holder": (
+                    leak.growing[0].holder if leak and leak.growing and hasattr(leak.growing[0], "holder") else None
+                ),
+                "search_s": search.seconds if search else None,
+                "stopped": search.stopped if search else None,
+                "objects": search.objects if search else None,
+            }
+        )
+    )
 
 
 def export(ref: str) -> str:
     directory = tempfile.mkdtemp(prefix="memkit_before_")
-    archive = subprocess.run(["git", "-C", ROOT, "archive", ref, "lightning_memkit"], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", ref, "lightning_memkit"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
     return directory
 
@@ -97,16 +122,24 @@ def export(ref: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ref", default=None, help="git revision of the code before (default: where this branch left main; "
-                        "once main has merged it, give the commit before, e.g. --ref c35829c)")
+    parser.add_argument(
+        "--ref",
+        default=None,
+        help="git revision of the code before (default: where this branch left main; "
+        "once main has merged it, give the commit before, e.g. --ref c35829c)",
+    )
     parser.add_argument("--before", default=None, help="a directory holding the package before (instead of --ref)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    ref = args.ref or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], check=True, capture_output=True,
-                                     text=True).stdout.strip()
+    ref = (
+        args.ref
+        or subprocess.run(
+            ["git", "-C", ROOT, "merge-base", "HEAD", "main"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     before = args.before or export(ref)
     print(f"before: {args.before or ref}, after: {ROOT} (working tree)")
     codes = {"before": before, "after": ROOT}
@@ -116,8 +149,14 @@ def main() -> None:
         for shape in ("root", "no-root"):
             for code, path in codes.items():
                 env = dict(os.environ, PYTHONPATH=path)
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", shape], env=env, cwd=tempfile.gettempdir(),
-                                     capture_output=True, text=True, timeout=600)
+                out = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--worker", shape],
+                    env=env,
+                    cwd=tempfile.gettempdir(),
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
                 if out.returncode:
                     raise SystemExit(out.stderr[-3000:])
                 data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -129,7 +168,11 @@ def main() -> None:
         for code in codes:
             median = statistics.median(results[(shape, code)])
             data = extra[(shape, code)]
-            search = "-" if data["search_s"] is None else f"{data['search_s'] * 1e3:.0f} ms ({data['stopped']}): {data['holder'] or 'no holder'}"
+            search = (
+                "-"
+                if data["search_s"] is None
+                else f"{data['search_s'] * 1e3:.0f} ms ({data['stopped']}): {data['holder'] or 'no holder'}"
+            )
             print(f"{shape:<14}{code:<8}{median:>10.3f}{median / base:>8.3f}  {search}")
 
 

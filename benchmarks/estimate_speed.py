@@ -48,12 +48,12 @@ CASES = {
 #: levers that ``--levers`` switches off one at a time (in the child, by restoring the old behaviour)
 LEVERS = {
     "one-dispatch-layer": "the accountant does the fake step's placeholder scalars, kept loss buffers and "
-                          "fake devices itself (one Python mode layer instead of three)",
+    "fake devices itself (one Python mode layer instead of three)",
     "foreach-in-place": "an optimizer's in-place _foreach_*_ ops on fakes are answered without FakeTensorMode "
-                        "(they return and allocate nothing)",
+    "(they return and allocate nothing)",
     "fake-parameter": "the fake copy flags its new fakes as parameters instead of nn.Parameter's detach() of each",
     "fake-view": "view ops of a fake (detach for autograd's saved tensors and gradient accumulation; t, view, "
-                 "transpose) are answered by the accountant's dispatch instead of FakeTensorMode",
+    "transpose) are answered by the accountant's dispatch instead of FakeTensorMode",
 }
 
 
@@ -65,7 +65,9 @@ def _switch_off(lever: str) -> None:
     import lightning_memkit.estimate.fake_step as fake_step
     import lightning_memkit.estimate.runner as runner
 
-    if lever == "one-dispatch-layer":  # the three modes again: fake world + ScalarPlaceholders + LossBuffers, plain accountant
+    if (
+        lever == "one-dispatch-layer"
+    ):  # the three modes again: fake world + ScalarPlaceholders + LossBuffers, plain accountant
         fake_session.FakeSession.fake_mode_only = fake_session.FakeSession.active
         runner.FakeStepOps = lambda: None
     elif lever == "foreach-in-place":  # every in-place foreach op goes down to FakeTensorMode again
@@ -73,7 +75,9 @@ def _switch_off(lever: str) -> None:
     elif lever == "fake-parameter":  # nn.Parameter(fake): a detach() through FakeTensorMode per parameter
         from torch import nn
 
-        fake_copies.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(tensor, requires_grad=requires_grad)
+        fake_copies.fake_parameter = lambda tensor, requires_grad=True: nn.Parameter(
+            tensor, requires_grad=requires_grad
+        )
     elif lever == "fake-view":  # every view op goes down to FakeTensorMode again
         fake_step.is_plain_view = lambda func: False
     else:
@@ -99,16 +103,23 @@ def child(source: str, case: str, without: str | None) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
         estimate = estimate_memory(module, mode=MODES[precision], device="cuda", gpu="h100")
         timings.append((time.perf_counter() - wall, time.process_time() - cpu))
-        figures = {"peak_bytes": estimate.peak_bytes, "by_category": estimate.by_category,
-                   "peak_allocated_bytes": estimate.cuda.peak_allocated_bytes,
-                   "peak_reserved_bytes": estimate.cuda.peak_reserved_bytes,
-                   "segments": estimate.cuda.segments, "peak_phase": estimate.peak_phase, "peak_step": estimate.peak_step}
+        figures = {
+            "peak_bytes": estimate.peak_bytes,
+            "by_category": estimate.by_category,
+            "peak_allocated_bytes": estimate.cuda.peak_allocated_bytes,
+            "peak_reserved_bytes": estimate.cuda.peak_reserved_bytes,
+            "segments": estimate.cuda.segments,
+            "peak_phase": estimate.peak_phase,
+            "peak_step": estimate.peak_step,
+        }
     print(json.dumps({"cold": timings[0], "warm": timings[1], "figures": figures}))
 
 
 # -------------------------------------------------------------------------------------------- parent
 def _extract(revision: str, into: str) -> str:
-    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "lightning_memkit"], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", revision, "lightning_memkit"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
     return into
 
@@ -155,13 +166,18 @@ def main() -> None:
                 for label, source, without in order:
                     result = _measure(source, case, without, args.timeout)
                     results.setdefault((case, label), []).append(result)
-                    print(f"round {round_ + 1} {case} {label}: cold {result['cold'][0]:.2f} s wall, {result['cold'][1]:.2f} s CPU; "
-                          f"warm {result['warm'][0]:.2f} s wall, {result['warm'][1]:.2f} s CPU", flush=True)
+                    print(
+                        f"round {round_ + 1} {case} {label}: cold {result['cold'][0]:.2f} s wall, {result['cold'][1]:.2f} s CPU; "
+                        f"warm {result['warm'][0]:.2f} s wall, {result['warm'][1]:.2f} s CPU",
+                        flush=True,
+                    )
     rows = []
     for case in cases:
         before = results[(case, "before")]
         reference = before[0]["figures"]
-        medians_before = {(key, i): statistics.median(r[key][i] for r in before) for key in ("cold", "warm") for i in (0, 1)}
+        medians_before = {
+            (key, i): statistics.median(r[key][i] for r in before) for key in ("cold", "warm") for i in (0, 1)
+        }
         for label, _, _ in variants:
             runs = results[(case, label)]
             cells = [case, label]
@@ -175,10 +191,28 @@ def main() -> None:
             cells.append("yes" if same else "NO")
             rows.append(cells)
     print()
-    print(f"estimate_memory(..., device='cuda', gpu='h100'), {args.repeats} rounds, median (best) seconds, "
-          f"ratio of medians to 'before' ({args.before})")
-    print(format_table(("case", "variant", "cold wall s", "ratio", "cold CPU s", "ratio", "warm wall s", "ratio",
-                        "warm CPU s", "ratio", "same figures"), rows))
+    print(
+        f"estimate_memory(..., device='cuda', gpu='h100'), {args.repeats} rounds, median (best) seconds, "
+        f"ratio of medians to 'before' ({args.before})"
+    )
+    print(
+        format_table(
+            (
+                "case",
+                "variant",
+                "cold wall s",
+                "ratio",
+                "cold CPU s",
+                "ratio",
+                "warm wall s",
+                "ratio",
+                "warm CPU s",
+                "ratio",
+                "same figures",
+            ),
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from provenance import provenance_line  # noqa: E402
 from lightning_memkit.estimate import estimate_memory  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def main(argv: list[str]) -> None:
@@ -48,15 +48,41 @@ def main(argv: list[str]) -> None:
         estimate = estimate_memory(module, mode=MODES[row["precision"]], device="cuda", gpu="h100")
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         allocated, reserved = estimate.cuda.peak_allocated_bytes, estimate.cuda.peak_reserved_bytes
-        rows.append((row["model"], row["batch_size"], row["precision"],
-                     f"{row['peak_allocated_bytes'] / GiB:.3f}", f"{row['peak_reserved_bytes'] / GiB:.3f}",
-                     f"{allocated / GiB:.3f}", f"{reserved / GiB:.3f}",
-                     f"{allocated / row['peak_allocated_bytes'] - 1:+.1%}", f"{reserved / row['peak_reserved_bytes'] - 1:+.1%}",
-                     f"{seconds:.2f}", f"{cpu_seconds:.2f}"))
+        rows.append(
+            (
+                row["model"],
+                row["batch_size"],
+                row["precision"],
+                f"{row['peak_allocated_bytes'] / GiB:.3f}",
+                f"{row['peak_reserved_bytes'] / GiB:.3f}",
+                f"{allocated / GiB:.3f}",
+                f"{reserved / GiB:.3f}",
+                f"{allocated / row['peak_allocated_bytes'] - 1:+.1%}",
+                f"{reserved / row['peak_reserved_bytes'] - 1:+.1%}",
+                f"{seconds:.2f}",
+                f"{cpu_seconds:.2f}",
+            )
+        )
         print(" | ".join(map(str, rows[-1])), flush=True)
     print()
-    print(format_table(("model", "batch", "precision", "H100 alloc GiB", "H100 reserved GiB", "estimate alloc GiB",
-                        "estimate reserved GiB", "alloc error", "reserved error", "estimate wall s", "estimate CPU s"), rows))
+    print(
+        format_table(
+            (
+                "model",
+                "batch",
+                "precision",
+                "H100 alloc GiB",
+                "H100 reserved GiB",
+                "estimate alloc GiB",
+                "estimate reserved GiB",
+                "alloc error",
+                "reserved error",
+                "estimate wall s",
+                "estimate CPU s",
+            ),
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,12 +34,14 @@ MODES = ("baseline", "checkpoint", "bf16", "bf16+checkpoint")
 
 MODELS = {
     # A transformer encoder at a batch where activations dominate the step's memory.
-    "transformer": lambda: DemoTransformer(vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512,
-                                           seq_len=128, batch_size=16),
+    "transformer": lambda: DemoTransformer(
+        vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512, seq_len=128, batch_size=16
+    ),
     # The same encoder without dropout (as many current recipes train): on CPU, drawing dropout masks
     # (bernoulli) is a large share of the forward, and checkpointing draws them again.
-    "transformer-nodropout": lambda: DemoTransformer(vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512,
-                                                     seq_len=128, batch_size=16, dropout=0.0),
+    "transformer-nodropout": lambda: DemoTransformer(
+        vocab_size=1000, d_model=128, nhead=4, layers=8, dim_feedforward=512, seq_len=128, batch_size=16, dropout=0.0
+    ),
     # A ResNet-style CNN (BatchNorm, residual blocks in stages).
     "cnn": lambda: DemoResNet(channels=16, stages=(2, 2, 2), image_size=64, batch_size=32),
 }
@@ -48,8 +50,10 @@ MODELS = {
 #: more modes for one model. The CNN's repeated blocks are its 3 stages (a ModuleList of Sequentials), so
 #: "checkpoint" (auto) checkpoints whole stages; naming the block class checkpoints each residual block.
 EXTRA_MODES = {
-    "cnn": [Mode(checkpoint={_BasicBlock}, name="checkpoint:{BasicBlock}"),
-            Mode(precision="bf16-mixed", checkpoint={_BasicBlock}, name="bf16+checkpoint:{BasicBlock}")],
+    "cnn": [
+        Mode(checkpoint={_BasicBlock}, name="checkpoint:{BasicBlock}"),
+        Mode(precision="bf16-mixed", checkpoint={_BasicBlock}, name="bf16+checkpoint:{BasicBlock}"),
+    ],
 }
 
 
@@ -80,25 +84,33 @@ class Variant:
         self.optimizer.step()
 
 
-def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed: int = 0, clock=time.perf_counter) -> list[dict]:
+def run_model(
+    name: str, factory, modes, rounds: int, steps_per_round: int, seed: int = 0, clock=time.perf_counter
+) -> list[dict]:
     torch.manual_seed(seed)
     batch = next(iter(factory().train_dataloader()))
     variants = [Variant(factory, m, seed) for m in modes]
     for v in variants:  # memory: exact, two steps each, the second one counts
-        meter = MemoryMeter("cpu", tensor_accounting=True, tensor_scope="step", nvml=False, host=False)  # each variant alone, not the others held beside it
+        meter = MemoryMeter(
+            "cpu", tensor_accounting=True, tensor_scope="step", nvml=False, host=False
+        )  # each variant alone, not the others held beside it
         for step in range(2):
             with meter.measure(step, existing=training_state_tensors(v.model, [v.optimizer], batch)):
                 v.step(batch)
             v.peaks.append(meter.last.peak_tensor_bytes)
         meter.shutdown()
-        v.start_bytes = sum(t.untyped_storage().nbytes() for t in {id(t.untyped_storage()): t for t in
-                            training_state_tensors(v.model, [v.optimizer], batch)}.values())
+        v.start_bytes = sum(
+            t.untyped_storage().nbytes()
+            for t in {
+                id(t.untyped_storage()): t for t in training_state_tensors(v.model, [v.optimizer], batch)
+            }.values()
+        )
         if v.handle is not None:
             v.regions = v.handle.plan.count
     for v in variants:  # warm-up, untimed
         v.step(batch)
     for r in range(rounds):  # time: round robin, rotated order
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             for _ in range(steps_per_round):
                 t0 = clock()
@@ -107,12 +119,19 @@ def run_model(name: str, factory, modes, rounds: int, steps_per_round: int, seed
     base = variants[0]
     rows = []
     for v in variants:
-        rows.append({
-            "model": name, "mode": v.mode.name, "peak_bytes": v.peaks[-1], "peak_ratio": v.peaks[-1] / base.peaks[-1],
-            "median_step_s": statistics.median(v.times), "time_ratio": statistics.median(v.times) / statistics.median(base.times),
-            "regions": v.handle.plan.count if v.handle else 0, "batch": tuple(batch[0].shape),
-            "activation_share": (v.peaks[-1] - v.start_bytes) / v.peaks[-1],
-        })
+        rows.append(
+            {
+                "model": name,
+                "mode": v.mode.name,
+                "peak_bytes": v.peaks[-1],
+                "peak_ratio": v.peaks[-1] / base.peaks[-1],
+                "median_step_s": statistics.median(v.times),
+                "time_ratio": statistics.median(v.times) / statistics.median(base.times),
+                "regions": v.handle.plan.count if v.handle else 0,
+                "batch": tuple(batch[0].shape),
+                "activation_share": (v.peaks[-1] - v.start_bytes) / v.peaks[-1],
+            }
+        )
     return rows
 
 
@@ -135,12 +154,19 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=1)
-    parser.add_argument("--glibc-default", action="store_true",
-                        help="keep glibc's default of returning freed memory to the OS (see _keep_freed_memory)")
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="keep glibc's default of returning freed memory to the OS (see _keep_freed_memory)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time), which other "
-                             "jobs on a shared machine disturb less; use it with --threads 1")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time), which other "
+        "jobs on a shared machine disturb less; use it with --threads 1",
+    )
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args(argv)
     if not args.glibc_default:
@@ -150,16 +176,45 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     rows = []
     for name in args.models.split(","):
-        rows += run_model(name, MODELS[name], modes + EXTRA_MODES.get(name, []), args.rounds, args.steps_per_round,
-                          clock=time.process_time if args.clock == "cpu" else time.perf_counter)
-    headers = ("model", "mode", "batch", "regions", "per-step peak", "peak vs baseline", "saving", "median step", "time vs baseline", "step memory beyond state")
+        rows += run_model(
+            name,
+            MODELS[name],
+            modes + EXTRA_MODES.get(name, []),
+            args.rounds,
+            args.steps_per_round,
+            clock=time.process_time if args.clock == "cpu" else time.perf_counter,
+        )
+    headers = (
+        "model",
+        "mode",
+        "batch",
+        "regions",
+        "per-step peak",
+        "peak vs baseline",
+        "saving",
+        "median step",
+        "time vs baseline",
+        "step memory beyond state",
+    )
     table = [
-        (r["model"], r["mode"], "x".join(map(str, r["batch"])), r["regions"], f"{r['peak_bytes'] / MiB:.1f} MiB", f"{r['peak_ratio']:.2f}x",
-         f"{1 - r['peak_ratio']:.0%}", f"{r['median_step_s'] * 1000:.0f} ms", f"{r['time_ratio']:.2f}x", f"{r['activation_share']:.0%}")
+        (
+            r["model"],
+            r["mode"],
+            "x".join(map(str, r["batch"])),
+            r["regions"],
+            f"{r['peak_bytes'] / MiB:.1f} MiB",
+            f"{r['peak_ratio']:.2f}x",
+            f"{1 - r['peak_ratio']:.0%}",
+            f"{r['median_step_s'] * 1000:.0f} ms",
+            f"{r['time_ratio']:.2f}x",
+            f"{r['activation_share']:.0%}",
+        )
         for r in rows
     ]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {args.clock} clock; "
-          f"{args.rounds} rounds x {args.steps_per_round} timed steps per mode")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {args.clock} clock; "
+        f"{args.rounds} rounds x {args.steps_per_round} timed steps per mode"
+    )
     if args.markdown:
         print("| " + " | ".join(headers) + " |")
         print("|" + "---|" * len(headers))

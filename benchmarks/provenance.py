@@ -62,9 +62,15 @@ def provenance(device: Any = None) -> dict[str, Any]:
     name = "cpu"
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
-    return {"commit": commit, "dirty": dirty, "source_sha256": source_sha256(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "device": name,
-            "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "source_sha256": source_sha256(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": name,
+        "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def provenance_line(device: Any = None) -> str:

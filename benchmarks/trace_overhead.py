@@ -34,7 +34,12 @@ def make_model(channels: int, blocks: int, image: int) -> nn.Module:
     in_channels = 3
     for index in range(blocks):
         out_channels = channels * 2**index
-        layers += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        layers += [
+            nn.Conv2d(in_channels, out_channels, 3, padding=1),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        ]
         in_channels = out_channels
     side = image // 2**blocks
     layers += [nn.Flatten(), nn.Linear(in_channels * side * side, 10)]
@@ -48,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: less sensitive to other processes)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: less sensitive to other processes)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -69,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # the callback's per-batch cost on a step it does not trace, with a real (unfitted) Trainer
     callback = LayerTrace(at_steps=(10**9,))
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
     def plain() -> None:
         step()
@@ -104,17 +117,23 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - start)
 
     medians = {name: statistics.median(values) for name, values in times.items()}
-    print(f"trace overhead: CNN {args.blocks} blocks x {args.channels} ch, {args.image}x{args.image}, batch {args.batch_size}, "
-          f"Adam, CPU, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds")
+    print(
+        f"trace overhead: CNN {args.blocks} blocks x {args.channels} ch, {args.image}x{args.image}, batch {args.batch_size}, "
+        f"Adam, CPU, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds"
+    )
     print("ratio of medians, median of per-round ratios (each round runs the variants back to back),")
     print("and ratio of minimums (the least disturbed run of each)")
-    print(f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'med/med':>8} {'per-round':>9} {'min/min':>8}  target")
+    print(
+        f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'med/med':>8} {'per-round':>9} {'min/min':>8}  target"
+    )
     targets = {"plain": "", "traced": "<= 1.50", "accountant": "(reference)", "between": "<= 1.01"}
     for name in variants:
         values = times[name]
         paired = statistics.median(v / p for v, p in zip(values, times["plain"]))
-        print(f"{name:<10} {medians[name] * 1e3:10.2f} {min(values) * 1e3:8.2f} {max(values) * 1e3:8.2f} "
-              f"{medians[name] / medians['plain']:8.3f} {paired:9.3f} {min(values) / min(times['plain']):8.3f}  {targets[name]}")
+        print(
+            f"{name:<10} {medians[name] * 1e3:10.2f} {min(values) * 1e3:8.2f} {max(values) * 1e3:8.2f} "
+            f"{medians[name] / medians['plain']:8.3f} {paired:9.3f} {min(values) / min(times['plain']):8.3f}  {targets[name]}"
+        )
     # the callback's own cost on a non-traced step, timed alone (the step itself is unchanged code)
     calls = 20000
     start = time.perf_counter()
@@ -122,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         callback.on_train_batch_start(trainer, model, (x, y), 0)
         callback.on_train_batch_end(trainer, model, None, (x, y), 0)
     hook_seconds = (time.perf_counter() - start) / calls
-    print(f"LayerTrace hooks on a non-traced step: {hook_seconds * 1e6:.2f} us = {hook_seconds / medians['plain']:.2e} of a plain step "
-          f"-> between/plain = {1 + hook_seconds / medians['plain']:.5f}")
+    print(
+        f"LayerTrace hooks on a non-traced step: {hook_seconds * 1e6:.2f} us = {hook_seconds / medians['plain']:.2e} of a plain step "
+        f"-> between/plain = {1 + hook_seconds / medians['plain']:.5f}"
+    )
     with LayerTracer(model, optimizer, step=1) as tracer:
         step()
     result = tracer.result

@@ -120,8 +120,14 @@ class _StepClock(pl.Callback):
         self.starts.append(self.clock())
 
 
-_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-               "on_before_optimizer_step", "on_before_zero_grad")
+_STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+)
 
 
 class _HookTimer:
@@ -145,6 +151,7 @@ class _HookTimer:
                 if name == "on_train_batch_end":
                     self.per_step.append(self._current)
                     self._current = 0.0
+
         return timed
 
 
@@ -199,9 +206,17 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
     step_clock = _StepClock(clock)
     callbacks = [_EveryOtherStep(c) for c in _callbacks(variant)]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=2 * steps + warmup, logger=TensorBoardLogger(root, name=f"paired-{model_name}-{variant}"),
-        callbacks=[step_clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2 * steps + warmup,
+        logger=TensorBoardLogger(root, name=f"paired-{model_name}-{variant}"),
+        callbacks=[step_clock, *callbacks],
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     if isinstance(model, BenchMLP):
         model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
@@ -212,7 +227,9 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
     return statistics.median(even) / statistics.median(odd)
 
 
-def run_once(model_name: str, variant: str, root: str, warmup: int = 5, clock=time.process_time) -> tuple[list[float], list[float]]:
+def run_once(
+    model_name: str, variant: str, root: str, warmup: int = 5, clock=time.process_time
+) -> tuple[list[float], list[float]]:
     """Train one fresh model; return the per-step times and the per-step time inside the
     variant's callback hooks (seconds, by ``clock``), after ``warmup`` steps."""
     kwargs, steps = MODELS[model_name]
@@ -222,13 +239,23 @@ def run_once(model_name: str, variant: str, root: str, warmup: int = 5, clock=ti
     callbacks = _callbacks(variant)
     timers = [_HookTimer(c, clock) for c in callbacks]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps + warmup, logger=TensorBoardLogger(root, name=f"{model_name}-{variant}"),
-        callbacks=[step_clock, *callbacks], log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps + warmup,
+        logger=TensorBoardLogger(root, name=f"{model_name}-{variant}"),
+        callbacks=[step_clock, *callbacks],
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer.fit(model)
-    step_times = [b - a for a, b in zip(step_clock.starts[warmup:], step_clock.starts[warmup + 1:])]
-    hook_times = [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
+    step_times = [b - a for a, b in zip(step_clock.starts[warmup:], step_clock.starts[warmup + 1 :])]
+    hook_times = (
+        [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
+    )
     return step_times, hook_times
 
 
@@ -238,9 +265,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 repeats, fewer steps: a smoke run")
     parser.add_argument("--models", default="", help="comma-separated subset of: " + ", ".join(MODELS))
     parser.add_argument("--no-paired", action="store_true", help="skip the paired (alternating-step) runs")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                        help="cpu (default): process CPU time, all threads (the logger's writer thread included), "
-                             "robust to other processes competing for the cores; wall: time.perf_counter")
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="cpu (default): process CPU time, all threads (the logger's writer thread included), "
+        "robust to other processes competing for the cores; wall: time.perf_counter",
+    )
     args = parser.parse_args()
     repeats = 2 if args.quick else args.repeats
     if args.quick:
@@ -258,15 +289,17 @@ def main() -> None:
     variants = ["none", "memkit", "memkit-default", "memkit+peak", "devicestats"]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     root = tempfile.mkdtemp(prefix="memkit-bench-")
-    print(f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} cpus; {repeats} interleaved repeats; clock: {args.clock} "
-          f"({'process CPU time' if args.clock == 'cpu' else 'wall time'}); load average {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} cpus; {repeats} interleaved repeats; clock: {args.clock} "
+        f"({'process CPU time' if args.clock == 'cpu' else 'wall time'}); load average {os.getloadavg()[0]:.1f}\n"
+    )
     try:
         results = {m: {v: [] for v in variants} for m in MODELS}
         in_hooks = {m: {v: [] for v in variants} for m in MODELS}
         for repeat in range(repeats):
             for model_name in MODELS:
-                order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+                order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
                 for variant in order:
                     step_times, hook_times = run_once(model_name, variant, root, clock=clock)
                     results[model_name][variant] += step_times
@@ -278,7 +311,9 @@ def main() -> None:
                 median = statistics.median(by_variant[variant])
                 hooks = statistics.median(in_hooks[model_name][variant])
                 rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
-        print(f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}")
+        print(
+            f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}"
+        )
         for model_name, variant, n, ms, ratio, hooks in rows:
             print(f"{model_name:<6} {variant:<15} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
         print()
@@ -286,14 +321,16 @@ def main() -> None:
             r = {v: ratio for m, v, _, _, ratio, _ in rows if m == model_name}
             h = {v: hooks for m, v, _, _, _, hooks in rows if m == model_name}
             base_ms = next(ms for m, v, _, ms, _, _ in rows if m == model_name and v == "none")
-            print(f"{model_name} (none: {base_ms:.2f} ms/step): memkit/none = {r['memkit']:.3f}, "
-                  f"in-hook {h['memkit']:.3f} ms = {h['memkit'] / base_ms:.1%} of a step; "
-                  f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
-                  f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
-                  f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
-                  f"default: memkit-default/none = {r['memkit-default']:.3f} "
-                  f"({'cheaper' if r['memkit-default'] <= r['devicestats'] else 'NOT cheaper'} than devicestats); "
-                  f"peak every step: memkit+peak/none = {r['memkit+peak']:.3f}")
+            print(
+                f"{model_name} (none: {base_ms:.2f} ms/step): memkit/none = {r['memkit']:.3f}, "
+                f"in-hook {h['memkit']:.3f} ms = {h['memkit'] / base_ms:.1%} of a step; "
+                f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
+                f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
+                f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
+                f"default: memkit-default/none = {r['memkit-default']:.3f} "
+                f"({'cheaper' if r['memkit-default'] <= r['devicestats'] else 'NOT cheaper'} than devicestats); "
+                f"peak every step: memkit+peak/none = {r['memkit+peak']:.3f}"
+            )
         # Paired: one run alternates steps with and without the callback; the ratio
         # even/odd, divided by the same ratio of a run with no callback (the control),
         # is the callback's cost per logged step with the load shared by both sides.
@@ -302,7 +339,7 @@ def main() -> None:
         paired = {m: {v: [] for v in variants} for m in MODELS}
         for repeat in range(repeats):
             for model_name in MODELS:
-                order = variants[repeat % len(variants):] + variants[: repeat % len(variants)]
+                order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
                 for variant in order:
                     paired[model_name][variant].append(run_paired(model_name, variant, root, clock=clock))
         print("\npaired (one run alternates steps with and without the callback; median of runs):")

@@ -44,10 +44,21 @@ def screenshot(url: str, out: str, width: int, height: int, budget_ms: int, time
         raise SystemExit("Chromium not found: run `apt-get install -y chromium chromium-driver` or pass --install")
     with tempfile.TemporaryDirectory(prefix="memkit-chromium-") as profile:
         command = [
-            chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--hide-scrollbars", f"--user-data-dir={profile}", f"--screenshot={os.path.abspath(out)}",
-            f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}", url,
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--screenshot={os.path.abspath(out)}",
+            f"--window-size={width},{height}",
+            f"--virtual-time-budget={budget_ms}",
+            url,
         ]
         subprocess.run(command, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not os.path.exists(out):
@@ -60,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="cnn", choices=("mlp", "cnn", "transformer"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logdir", default=None, help="serve this log dir instead of running memkit demo")
-    parser.add_argument("--update-layout", action="store_true",
-                        help="serve a copy of --logdir with today's dashboard layout, built from its tags")
+    parser.add_argument(
+        "--update-layout",
+        action="store_true",
+        help="serve a copy of --logdir with today's dashboard layout, built from its tags",
+    )
     parser.add_argument("--width", type=int, default=1600)
     parser.add_argument("--height", type=int, default=1200)
     parser.add_argument("--budget-ms", type=int, default=20000, help="Chromium --virtual-time-budget")
@@ -75,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         if logdir is None:
             logdir = os.path.join(tmp, "logs")
             memkit = os.path.join(os.path.dirname(sys.executable), "memkit")
-            subprocess.run([memkit, "demo", "--model", args.model, "--steps", str(args.steps), "--logdir", logdir],
-                           check=True, timeout=600)
+            subprocess.run(
+                [memkit, "demo", "--model", args.model, "--steps", str(args.steps), "--logdir", logdir],
+                check=True,
+                timeout=600,
+            )
             # only the TensorBoard run (the demo also writes a CSVLogger run next to it)
         elif args.update_layout:
             from lightning_memkit.tensorboard.dashboard import update_dashboards
@@ -90,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             layout = server.get_json("/data/plugin/custom_scalars/layout")
             if not layout.get("category"):
                 raise SystemExit(f"no memkit layout in {logdir}: was MemoryTracker with a TensorBoardLogger used?")
-            screenshot(server.url + "/#custom_scalars", args.out, args.width, args.height, args.budget_ms, timeout_s=180)
+            screenshot(
+                server.url + "/#custom_scalars", args.out, args.width, args.height, args.budget_ms, timeout_s=180
+            )
     print(f"wrote {args.out}")
     return 0
 

@@ -69,8 +69,10 @@ def budget() -> None:
         try:
             layer(torch.randn(BATCH * 4, WIDTH_IN))  # a 128 KiB input alone crosses 64 KiB
         except BudgetExceededError as error:
-            print(f"budget: {error.requested_bytes} B requested over {error.budget_bytes} B; "
-                  f"is_out_of_memory: {is_out_of_memory(error)}; exceeded {watchdog.exceeded} time(s)")
+            print(
+                f"budget: {error.requested_bytes} B requested over {error.budget_bytes} B; "
+                f"is_out_of_memory: {is_out_of_memory(error)}; exceeded {watchdog.exceeded} time(s)"
+            )
     del small
 
 
@@ -93,8 +95,10 @@ def readings() -> None:
         print(f"reading: step {reading.step}: peak {reading.peak_tensor_bytes} B, live at end {reading.tensor_bytes} B")
     meter.shutdown()
     assert RunSummary.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
-    print(f"summary: peak {summary.peak_bytes} B at step {summary.peak_step} ({summary.peak_source}), "
-          f"{summary.train_steps_measured} steps")
+    print(
+        f"summary: peak {summary.peak_bytes} B at step {summary.peak_step} ({summary.peak_source}), "
+        f"{summary.train_steps_measured} steps"
+    )
 
 
 def layer_tracer() -> None:
@@ -112,11 +116,15 @@ def layer_tracer() -> None:
         result: LayerTraceResult = tracer.stop()
     forwards: list[TraceEvent] = result.module_events(phase="forward")
     for event in forwards:
-        print(f"trace: {event.module or '(root)':6} {event.module_class:10} forward: saved {event.saved_bytes} B, "
-              f"live {event.live_bytes} B")
+        print(
+            f"trace: {event.module or '(root)':6} {event.module_class:10} forward: saved {event.saved_bytes} B, "
+            f"live {event.live_bytes} B"
+        )
     again = LayerTraceResult.from_dict(json.loads(result.to_json()))
-    print(f"trace: {len(result.events)} events, peak {result.peak_bytes} B, "
-          f"optimizer state at end {result.at_end['optimizer_state']} B; from JSON: {again.peak_bytes} B")
+    print(
+        f"trace: {len(result.events)} events, peak {result.peak_bytes} B, "
+        f"optimizer state at end {result.at_end['optimizer_state']} B; from JSON: {again.peak_bytes} B"
+    )
 
 
 def leaks() -> None:
@@ -148,7 +156,9 @@ def leaks() -> None:
     session.close()
     verdict: DoctorReport = session.report()
     again = DoctorReport.from_dict(json.loads(json.dumps(verdict.to_dict())))
-    print(f"doctor: healthy {verdict.healthy}, {verdict.leak.bytes_per_step} B per step; from JSON: {again.leak.bytes_per_step} B")
+    print(
+        f"doctor: healthy {verdict.healthy}, {verdict.leak.bytes_per_step} B per step; from JSON: {again.leak.bytes_per_step} B"
+    )
 
 
 def modes() -> None:
@@ -161,9 +171,11 @@ def modes() -> None:
         with mode.autocast("cpu"):
             loss = model(x).float().pow(2).mean()
         loss.backward()
-    print(f"mode {mode.name}: autocast {mode.autocast_dtype('cpu')}; checkpointed {plan.count} of 6 blocks, activations "
-          f"{format_bytes(plan.baseline_activation_bytes)} -> {format_bytes(plan.measured_activation_bytes)} "
-          f"(budget {format_bytes(plan.budget_bytes)}, {plan.budget_bytes} B)")
+    print(
+        f"mode {mode.name}: autocast {mode.autocast_dtype('cpu')}; checkpointed {plan.count} of 6 blocks, activations "
+        f"{format_bytes(plan.baseline_activation_bytes)} -> {format_bytes(plan.measured_activation_bytes)} "
+        f"(budget {format_bytes(plan.budget_bytes)}, {plan.budget_bytes} B)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,21 @@ steps = parser.parse_args().steps
 
 model = DemoTransformer(d_model=64, layers=6, dim_feedforward=256, seq_len=64, batch_size=16)
 checkpointing = ActivationCheckpointing({nn.TransformerEncoderLayer}, budget=0.5)
-trainer = Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=0, callbacks=[checkpointing])
+trainer = Trainer(
+    max_steps=steps,
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    callbacks=[checkpointing],
+)
 trainer.fit(model)
 
 plan = checkpointing.plan  # names and numbers: safe to keep after the fit
 print(f"policy: {plan.policy}; checkpointed {plan.count} block(s): {', '.join(plan.names)}")
-print(f"activation memory: {format_bytes(plan.baseline_activation_bytes)} -> {format_bytes(plan.measured_activation_bytes)} "
-      f"(budget {format_bytes(plan.budget_bytes)}); the measuring forwards peaked at {format_bytes(plan.measuring_peak_bytes)}")
+print(
+    f"activation memory: {format_bytes(plan.baseline_activation_bytes)} -> {format_bytes(plan.measured_activation_bytes)} "
+    f"(budget {format_bytes(plan.budget_bytes)}); the measuring forwards peaked at {format_bytes(plan.measuring_peak_bytes)}"
+)

@@ -36,15 +36,20 @@ def plain_pytorch() -> None:
             loss.backward()
             timer.stop()
     spread = time_spread(timer.times_s()[1:])  # the first step left out as warm-up
-    print(f"step {spread.median_s * 1000:.1f} ms median, IQR {spread.q1_s * 1000:.1f}-{spread.q3_s * 1000:.1f} ms ({timer.source})")
+    print(
+        f"step {spread.median_s * 1000:.1f} ms median, IQR {spread.q1_s * 1000:.1f}-{spread.q3_s * 1000:.1f} ms ({timer.source})"
+    )
     print("restored:", not any("forward" in m.__dict__ for m in model.modules()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per mode (default: 12)")
-    parser.add_argument("--modes", default="baseline,amp,checkpoint,amp+checkpoint",
-                        help="comma-separated modes (default: baseline,amp,checkpoint,amp+checkpoint)")
+    parser.add_argument(
+        "--modes",
+        default="baseline,amp,checkpoint,amp+checkpoint",
+        help="comma-separated modes (default: baseline,amp,checkpoint,amp+checkpoint)",
+    )
     arguments = parser.parse_args()
     plain_pytorch()
     result = compare_modes(
@@ -56,7 +61,9 @@ def main() -> None:
     )
     best = min((r for r in result.results if r.status == "ok"), key=lambda r: r.peak_allocated_bytes)
     noise = " (within noise)" if best.step_time_within_noise else ""
-    print(f"\nlowest peak: {best.mode} ({best.peak_ratio:.2f}x of baseline, {best.step_time_ratio:.2f}x step time{noise})")
+    print(
+        f"\nlowest peak: {best.mode} ({best.peak_ratio:.2f}x of baseline, {best.step_time_ratio:.2f}x step time{noise})"
+    )
     for r in result.results:
         if r.checkpoint_helped is False:  # checkpointing did not lower the peak against the same precision
             print(r.checkpoint_warning())

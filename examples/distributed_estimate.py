@@ -27,14 +27,20 @@ class GPTLike(nn.Module):
     def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
-                                    for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.embedding(tokens)
         for block in self.blocks:
-            hidden = block(hidden, is_causal=True, src_mask=nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device))
+            hidden = block(
+                hidden,
+                is_causal=True,
+                src_mask=nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device),
+            )
         return self.head(hidden)
 
 
@@ -56,19 +62,35 @@ def main() -> None:
     sizes = [1, 2, 8, 64]
     print(f"GPTLike: {parameters / 1e9:.2f}B parameters, AdamW, fp32, batch {BATCH} x {SEQ} tokens per rank")
     print("\nModel states per rank (GB), the ZeRO paper's mixed-precision Adam layout (16 bytes per parameter):")
-    rows = [[s] + [f"{model_state_bytes(parameters, s, n, precision='16-mixed', optimizer=torch.optim.AdamW).total_bytes / 1e9:.2f}" for n in sizes]
-            for s in ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]]
+    rows = [
+        [s]
+        + [
+            f"{model_state_bytes(parameters, s, n, precision='16-mixed', optimizer=torch.optim.AdamW).total_bytes / 1e9:.2f}"
+            for n in sizes
+        ]
+        for s in ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
+    ]
     print(format_table(["strategy"] + [f"N={n}" for n in sizes], rows))
-    print("\nPeak per rank (GiB): model-state shards + strategy buffers + activations of one fake step"
-          " (model_parallel: FSDP2's own fake step, sharded by fully_shard):")
+    print(
+        "\nPeak per rank (GiB): model-state shards + strategy buffers + activations of one fake step"
+        " (model_parallel: FSDP2's own fake step, sharded by fully_shard):"
+    )
     rows, shown = [], None
     adamw = lambda params: torch.optim.AdamW(params)  # noqa: E731
     with reusing_fake_copies():  # the fake copy of the model is made once
         for strategy in strategies:
             row = [strategy]
             for n in sizes:
-                estimate = estimate_distributed_memory(model, strategy=strategy, world_size=n, batch=batch, loss_fn=loss_fn,
-                                                       optimizer=adamw, device="cpu", wrap={nn.TransformerEncoderLayer})
+                estimate = estimate_distributed_memory(
+                    model,
+                    strategy=strategy,
+                    world_size=n,
+                    batch=batch,
+                    loss_fn=loss_fn,
+                    optimizer=adamw,
+                    device="cpu",
+                    wrap={nn.TransformerEncoderLayer},
+                )
                 row.append(f"{estimate.peak_bytes / 2**30:.2f}")
                 if (strategy, n) == ("model_parallel", 8):
                     shown = estimate
@@ -79,8 +101,16 @@ def main() -> None:
     for strategy in ("fsdp", "model_parallel"):
         for n in (2, 64):  # fresh estimates (no reuse): one fake step whatever the world size
             started = time.perf_counter()
-            estimate_distributed_memory(model, strategy=strategy, world_size=n, batch=batch, loss_fn=loss_fn, optimizer=adamw,
-                                        device="cpu", wrap={nn.TransformerEncoderLayer})
+            estimate_distributed_memory(
+                model,
+                strategy=strategy,
+                world_size=n,
+                batch=batch,
+                loss_fn=loss_fn,
+                optimizer=adamw,
+                device="cpu",
+                wrap={nn.TransformerEncoderLayer},
+            )
             print(f"time of one fresh estimate, {strategy}, N={n}: {time.perf_counter() - started:.2f} s")
 
 

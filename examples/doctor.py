@@ -57,16 +57,25 @@ class LeakyRegressor(pl.LightningModule):
 def lightning_doctor() -> None:
     with tempfile.TemporaryDirectory() as root:
         doctor = MemoryDoctor()  # prints the verdict at the end of fit
-        trainer = pl.Trainer(max_steps=12, callbacks=[doctor], default_root_dir=root, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = pl.Trainer(
+            max_steps=12,
+            callbacks=[doctor],
+            default_root_dir=root,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(LeakyRegressor())
     leak = doctor.report.leak
-    print(f"\n-> {leak.bytes_per_step} bytes kept per step; made by {leak.growing[0].op} in {leak.growing[0].module} "
-          f"at {leak.growing[0].where}\n")
+    print(
+        f"\n-> {leak.bytes_per_step} bytes kept per step; made by {leak.growing[0].op} in {leak.growing[0].module} "
+        f"at {leak.growing[0].where}\n"
+    )
 
 
 def plain_pytorch_doctor() -> None:
-    expand = nn.Linear(32, 4096).requires_grad_(False)   # frozen, wide
+    expand = nn.Linear(32, 4096).requires_grad_(False)  # frozen, wide
     body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(body.parameters(), lr=0.01)
     model = nn.ModuleDict({"expand": expand, "body": body})
@@ -75,7 +84,9 @@ def plain_pytorch_doctor() -> None:
         x = torch.randn(16, 32)
         session.step_start(step, x)
         wide = expand(x)  # 16 x 4096 floats = 256 KiB
-        gate = torch.sigmoid(wide.mean(dim=1, keepdim=True))  # the last use of `wide`, which stays bound until reassigned
+        gate = torch.sigmoid(
+            wide.mean(dim=1, keepdim=True)
+        )  # the last use of `wide`, which stays bound until reassigned
         loss = (body(x) * gate).pow(2).mean()
         loss.backward()
         optimizer.step()

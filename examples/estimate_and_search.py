@@ -38,7 +38,12 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=parse_bytes, default="3MiB", help="the search's CPU budget of live tensor bytes (default: 3MiB)")
+    parser.add_argument(
+        "--budget",
+        type=parse_bytes,
+        default="3MiB",
+        help="the search's CPU budget of live tensor bytes (default: 3MiB)",
+    )
     budget = parser.parse_args().budget
     pl.seed_everything(0, verbose=False)
     model = DemoMLP(batch_size=32)
@@ -48,20 +53,32 @@ def main() -> None:
     # 1. fake against real, on a CPU target
     estimate: MemoryEstimate = estimate_memory(model, device="cpu")
     measured: MemoryEstimate = measure_training_step(model, device="cpu")
-    print(f"estimate: peak {estimate.peak_bytes} B ({estimate.source}, {estimate.peak_phase} of step {estimate.peak_step}); "
-          f"measured: peak {measured.peak_bytes} B ({measured.source}); "
-          f"optimizer state {estimate.by_category['optimizer_state']} B")
+    print(
+        f"estimate: peak {estimate.peak_bytes} B ({estimate.source}, {estimate.peak_phase} of step {estimate.peak_step}); "
+        f"measured: peak {measured.peak_bytes} B ({measured.source}); "
+        f"optimizer state {estimate.by_category['optimizer_state']} B"
+    )
 
     # 2. one rank of four
     for strategy in ("ddp", "deepspeed_stage_3"):
-        rank: DistributedEstimate = estimate_distributed_memory(model, batch_size=32, strategy=strategy, world_size=4,
-                                                                device="cpu")
-        print(f"{rank.strategy} on {rank.world_size} ranks: parameters {rank.by_category['parameters']} B, "
-              f"optimizer state {rank.by_category['optimizer_state']} B, peak {rank.peak_bytes} B per rank")
+        rank: DistributedEstimate = estimate_distributed_memory(
+            model, batch_size=32, strategy=strategy, world_size=4, device="cpu"
+        )
+        print(
+            f"{rank.strategy} on {rank.world_size} ranks: parameters {rank.by_category['parameters']} B, "
+            f"optimizer state {rank.by_category['optimizer_state']} B, peak {rank.peak_bytes} B per rank"
+        )
 
     # 3. the largest batch that trains under the budget, then a fit with it
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
     try:
         result = find_max_batch_size(trainer, model, budget=budget, max_val=4096, verbose=False)
     except MemkitError as error:  # any memkit error (here SearchError, BatchSizeSearchError) says what to do
@@ -69,7 +86,9 @@ def main() -> None:
     for trial in result.trials:
         peak = f"peak {trial.peak_bytes} B" if trial.fits else "stopped at the budget"
         print(f"trial: batch {trial.batch_size}: {'fits' if trial.fits else 'out of memory'}, {peak}")
-    print(f"search: batch size {result.batch_size} under {budget} B ({result.reason}); module's batch_size {model.batch_size}")
+    print(
+        f"search: batch size {result.batch_size} under {budget} B ({result.reason}); module's batch_size {model.batch_size}"
+    )
     trainer.fit(model)
     print(f"trained {trainer.global_step} steps with batch size {model.batch_size}")
 

@@ -23,7 +23,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=parse_bytes, default="96MiB", help="the CPU memory budget of step 3 (default: 96MiB)")
+    parser.add_argument(
+        "--budget", type=parse_bytes, default="96MiB", help="the CPU memory budget of step 3 (default: 96MiB)"
+    )
     budget = parser.parse_args().budget
     pl.seed_everything(0, verbose=False)
     model = DemoCNN()
@@ -41,8 +43,15 @@ def main() -> None:
     data = SyntheticDataModule(batch_size=8, train_size=2048, val_size=64, input_shape=(3, 32, 32))
     del model.batch_size  # the datamodule holds the batch size here
     finder = MaxBatchSize(budget=budget, max_val=2048)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[finder], logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(model, data)
     print()
     print(finder.result.table())

@@ -31,10 +31,20 @@ def lightning_trace(out: str, batch_size: int) -> None:
 
     pl.seed_everything(0, verbose=False)
     model = DemoCNN(batch_size=batch_size)
-    trace = LayerTrace()  # step 1: after warm-up, so Adam's state is there; prints the categories (verbose=False: nothing)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[trace],
-                         logger=TensorBoardLogger(out, name="layer_trace"), enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=False)
+    trace = (
+        LayerTrace()
+    )  # step 1: after warm-up, so Adam's state is there; prints the categories (verbose=False: nothing)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[trace],
+        logger=TensorBoardLogger(out, name="layer_trace"),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(model)
     result = trace.results[-1]  # the callback printed the categories; here the module-by-module table
     print(f"Ψ = {result.parameter_count} parameters")
@@ -60,9 +70,14 @@ def plain_pytorch_trace(out: str, batch_size: int) -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True),
-        Checkpointed(nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(inplace=True),
+        Checkpointed(
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        ),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
     )
     optimizer = torch.optim.Adam(model.parameters())
     x, y = torch.randn(batch_size, 3, 32, 32), torch.randint(0, 10, (batch_size,))
@@ -79,7 +94,9 @@ def plain_pytorch_trace(out: str, batch_size: int) -> None:
     print(result.format_table())
     print(result.format_categories())
     result.to_csv(os.path.join(out, "plain_pytorch_trace.csv"))
-    result.figure(title="plain PyTorch step, checkpointed middle block").savefig(os.path.join(out, "layer_trace_checkpointed.png"))
+    result.figure(title="plain PyTorch step, checkpointed middle block").savefig(
+        os.path.join(out, "layer_trace_checkpointed.png")
+    )
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """MemoryTracker on a small LightningModule: per-step memory in TensorBoard and CSV, on CPU or GPU.
 
-    python examples/memory_tracker.py            # then: tensorboard --logdir memkit_example_logs
-    python examples/memory_tracker.py --steps 4 --logdir /tmp/logs   # fewer steps, logs elsewhere
+python examples/memory_tracker.py            # then: tensorboard --logdir memkit_example_logs
+python examples/memory_tracker.py --steps 4 --logdir /tmp/logs   # fewer steps, logs elsewhere
 """
 
 from __future__ import annotations
@@ -22,10 +22,16 @@ def main(logdir: str = "memkit_example_logs", steps: int = 20) -> MemoryTracker:
     # (tensor_peak_every_n_steps=1 for every step, at ~1.1x step time).
     tracker = MemoryTracker(every_n_steps=1)
     trainer = pl.Trainer(
-        max_steps=steps, callbacks=[tracker], log_every_n_steps=1,
+        max_steps=steps,
+        callbacks=[tracker],
+        log_every_n_steps=1,
         logger=[TensorBoardLogger(logdir, name="mlp"), CSVLogger(logdir, name="mlp-csv")],
-        val_check_interval=10, check_val_every_n_epoch=None, limit_val_batches=2,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        val_check_interval=10,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(DemoMLP(batch_size=64))
     last = tracker.history[-1]

@@ -1,6 +1,6 @@
 """MemoryMeter around a plain PyTorch training loop (no Lightning): exact per-step tensor bytes.
 
-    python examples/plain_pytorch_meter.py
+python examples/plain_pytorch_meter.py
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ def main(steps: int = 3) -> list:
             optimizer.step()
         reading = meter.last
         readings.append(reading)
-        print(f"step {step}: peak {format_bytes(reading.peak_tensor_bytes)} ({reading.peak_tensor_bytes} B), "
-              f"live at end {format_bytes(reading.tensor_bytes)} ({reading.tensor_bytes} B), host RSS {format_bytes(reading.host_rss_bytes)}")
+        print(
+            f"step {step}: peak {format_bytes(reading.peak_tensor_bytes)} ({reading.peak_tensor_bytes} B), "
+            f"live at end {format_bytes(reading.tensor_bytes)} ({reading.tensor_bytes} B), host RSS {format_bytes(reading.host_rss_bytes)}"
+        )
     meter.shutdown()
     return readings
 

@@ -25,13 +25,18 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fraction", type=float, default=0.7,
-                        help="the budget as a fraction of the baseline's estimated peak (default: 0.7)")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.7,
+        help="the budget as a fraction of the baseline's estimated peak (default: 0.7)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="steps of the fit with the plan (default: 4)")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
-    model = DemoTransformer(vocab_size=256, d_model=64, nhead=4, layers=2, dim_feedforward=256, seq_len=32, dropout=0.0,
-                            batch_size=16)
+    model = DemoTransformer(
+        vocab_size=256, d_model=64, nhead=4, layers=2, dim_feedforward=256, seq_len=32, dropout=0.0, batch_size=16
+    )
 
     # 1. What the batch as is needs (fake tensors, exact on CPU), and a budget below it.
     baseline = estimate_memory(model, device="cpu").peak_bytes
@@ -41,7 +46,9 @@ def main() -> None:
     # 2. The plan: every candidate estimated, the top ones trained for real (at most 3 trials, on a copy of the model).
     try:
         plan: Plan = plan_fit(model, device_memory=budget, device="cpu")
-    except PlanError as error:  # input it cannot plan for (a budget below the parameters...): the message says what to give
+    except (
+        PlanError
+    ) as error:  # input it cannot plan for (a budget below the parameters...): the message says what to give
         raise SystemExit(f"cannot plan: {error}")
     print(plan.table())
     ran: list[PlanRow] = [row for row in plan.rows if row.ran]
@@ -51,8 +58,14 @@ def main() -> None:
 
     # 3. Train with it: the micro-batch is the dataloader's batch size, the rest are Trainer arguments.
     model.batch_size = best.micro_batch
-    trainer = pl.Trainer(max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, **plan.trainer_arguments())
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **plan.trainer_arguments(),
+    )
     trainer.fit(model)
     print(f"trained {trainer.global_step} steps of {best.effective_batch} samples with {best.describe()}")
 

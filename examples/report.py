@@ -24,16 +24,27 @@ def main(output_dir: str) -> None:
     logs = os.path.join(output_dir, "logs")
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=8, logger=TensorBoardLogger(logs, name="mlp"), callbacks=[MemoryTracker(verbose=False)],
-        limit_val_batches=1, val_check_interval=4, check_val_every_n_epoch=None,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        accelerator="cpu",
+        max_steps=8,
+        logger=TensorBoardLogger(logs, name="mlp"),
+        callbacks=[MemoryTracker(verbose=False)],
+        limit_val_batches=1,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
     )
     trainer.fit(DemoMLP(batch_size=32))
 
-    sources, written = write_report(logs, os.path.join(output_dir, "report.html"), png_dir=os.path.join(output_dir, "figures"))
+    sources, written = write_report(
+        logs, os.path.join(output_dir, "report.html"), png_dir=os.path.join(output_dir, "figures")
+    )
     for run in sources.runs:
-        print(f"run {run.name}: peak {run.summary.peak_bytes} bytes at step {run.summary.peak_step} "
-              f"({run.summary.peak_source}), {len(run.history)} readings")
+        print(
+            f"run {run.name}: peak {run.summary.peak_bytes} bytes at step {run.summary.peak_step} "
+            f"({run.summary.peak_source}), {len(run.history)} readings"
+        )
     for line in sources.missing:
         print("not found:", line)
     for path in written:

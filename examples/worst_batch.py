@@ -22,9 +22,11 @@ def main() -> None:
     args = parser.parse_args()
 
     # 1. the worst batch of three kinds of data, with what it holds for
-    for name, data in (("padded text", PaddedTextDataModule(batch_size=16)),
-                       ("bucketed text", PaddedTextDataModule(batch_size=16, bucketed=True)),
-                       ("images of varying size", VaryingImageDataModule(batch_size=8))):
+    for name, data in (
+        ("padded text", PaddedTextDataModule(batch_size=16)),
+        ("bucketed text", PaddedTextDataModule(batch_size=16, bucketed=True)),
+        ("images of varying size", VaryingImageDataModule(batch_size=8)),
+    ):
         worst: WorstBatch = find_worst_batch(data.train_dataloader())
         print(f"{name}: {worst.describe()} ({worst.nbytes} bytes, found in {worst.seconds:.2f}s)")
 
@@ -37,8 +39,15 @@ def main() -> None:
     # 3. MaxBatchSize's trials train on the worst batch of each size; the run then trains within the budget
     search = MaxBatchSize(budget=args.budget, verbose=False)
     with tempfile.TemporaryDirectory() as root:
-        pl.Trainer(max_steps=args.steps, callbacks=[search], logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=root).fit(model)
+        pl.Trainer(
+            max_steps=args.steps,
+            callbacks=[search],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(model)
     print(search.result.table())
     print(f"trained {args.steps} steps with batch size {model.batch_size}")
 

@@ -11,8 +11,14 @@ import math
 import os
 from typing import Any
 
-__all__ = ["log_dir", "logging_step", "optimizer_steps_after_batch", "fsdp_activation_checkpointing_configured", "StandInTrainer",
-           "attach_stand_in_trainer"]
+__all__ = [
+    "log_dir",
+    "logging_step",
+    "optimizer_steps_after_batch",
+    "fsdp_activation_checkpointing_configured",
+    "StandInTrainer",
+    "attach_stand_in_trainer",
+]
 
 
 def logging_step(trainer: Any) -> int:
@@ -257,9 +263,20 @@ class StandInTrainer:
     runs without a Trainer.
     """
 
-    def __init__(self, *, max_steps: int = -1, max_epochs: int | None = None, num_training_batches: int | float = 1,
-                 accumulate_grad_batches: int = 1, num_devices: int = 1, num_nodes: int = 1, precision: str = "32-true",
-                 datamodule: Any = None, lightning_module: Any = None, log_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_steps: int = -1,
+        max_epochs: int | None = None,
+        num_training_batches: int | float = 1,
+        accumulate_grad_batches: int = 1,
+        num_devices: int = 1,
+        num_nodes: int = 1,
+        precision: str = "32-true",
+        datamodule: Any = None,
+        lightning_module: Any = None,
+        log_dir: str | None = None,
+    ) -> None:
         if max_epochs is None:
             max_epochs = DEFAULT_MAX_EPOCHS if max_steps == -1 else -1
         self.max_steps = max_steps
@@ -311,10 +328,12 @@ class StandInTrainer:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(f"self.trainer.{name}: memkit estimates the step without a Trainer, and its stand-in trainer "
-                             f"answers only what configure_optimizers and training_step usually read (estimated_stepping_batches, "
-                             f"max_steps, max_epochs, num_devices, world_size, precision, global_step, current_epoch, ...); "
-                             f"pass loss_fn= / optimizer= to estimate_memory to avoid reading trainer.{name}")
+        raise AttributeError(
+            f"self.trainer.{name}: memkit estimates the step without a Trainer, and its stand-in trainer "
+            f"answers only what configure_optimizers and training_step usually read (estimated_stepping_batches, "
+            f"max_steps, max_epochs, num_devices, world_size, precision, global_step, current_epoch, ...); "
+            f"pass loss_fn= / optimizer= to estimate_memory to avoid reading trainer.{name}"
+        )
 
     @classmethod
     def like(cls, trainer: Any, **defaults: Any) -> "StandInTrainer":
@@ -322,11 +341,16 @@ class StandInTrainer:
         setting it cannot read keeps its default. ``defaults`` (e.g. ``num_training_batches``) fill the rest."""
         settings = dict(defaults)
         if trainer is not None:
-            for name, read in (("max_steps", lambda t: t.max_steps), ("max_epochs", lambda t: t.max_epochs),
-                               ("accumulate_grad_batches", lambda t: t.accumulate_grad_batches),
-                               ("num_devices", lambda t: t.num_devices), ("num_nodes", lambda t: t.num_nodes),
-                               ("precision", lambda t: str(t.precision)), ("datamodule", lambda t: t.datamodule),
-                               ("log_dir", lambda t: t.log_dir)):
+            for name, read in (
+                ("max_steps", lambda t: t.max_steps),
+                ("max_epochs", lambda t: t.max_epochs),
+                ("accumulate_grad_batches", lambda t: t.accumulate_grad_batches),
+                ("num_devices", lambda t: t.num_devices),
+                ("num_nodes", lambda t: t.num_nodes),
+                ("precision", lambda t: str(t.precision)),
+                ("datamodule", lambda t: t.datamodule),
+                ("log_dir", lambda t: t.log_dir),
+            ):
                 try:
                     value = read(trainer)
                 except Exception:  # noqa: BLE001 - a property that needs a running fit keeps the default
@@ -390,7 +414,11 @@ def logged_metrics_state(trainer: Any) -> dict[str, dict]:
     """Shallow copies of ``trainer.callback_metrics``, ``logged_metrics`` and ``progress_bar_metrics``
     (the logger connector's private dicts), for :func:`restore_logged_metrics`."""
     connector = getattr(trainer, "_logger_connector", None)
-    return {name: dict(getattr(connector, name)) for name in _METRIC_DICTS if isinstance(getattr(connector, name, None), dict)}
+    return {
+        name: dict(getattr(connector, name))
+        for name in _METRIC_DICTS
+        if isinstance(getattr(connector, name, None), dict)
+    }
 
 
 def restore_logged_metrics(trainer: Any, saved: dict[str, dict]) -> None:

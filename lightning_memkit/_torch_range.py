@@ -26,8 +26,10 @@ def check_torch_version(version: str) -> None:
     if found is None:
         return
     if (int(found.group(1)), int(found.group(2))) < MINIMUM_TORCH:
-        raise ImportError(f"lightning-memkit supports {SUPPORTED_RANGE}; this is torch {version}: "
-                          f"pip install '{SUPPORTED_RANGE}' (the build for your CUDA)")
+        raise ImportError(
+            f"lightning-memkit supports {SUPPORTED_RANGE}; this is torch {version}: "
+            f"pip install '{SUPPORTED_RANGE}' (the build for your CUDA)"
+        )
 
 
 check_torch_version(torch.__version__)  # on import, before any module reads torch's internals

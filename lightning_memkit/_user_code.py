@@ -9,12 +9,29 @@ import os
 import sysconfig
 from typing import Any
 
-__all__ = ["LIBRARY_PACKAGES", "LIBRARY_ROOTS", "LIGHTNING_ROOTS", "is_library_file", "is_installed_file",
-           "is_user_file", "is_library_code", "is_user_code", "is_lightning_code"]
+__all__ = [
+    "LIBRARY_PACKAGES",
+    "LIBRARY_ROOTS",
+    "LIGHTNING_ROOTS",
+    "is_library_file",
+    "is_installed_file",
+    "is_user_file",
+    "is_library_code",
+    "is_user_code",
+    "is_lightning_code",
+]
 
 #: the packages whose code is never the user's, wherever they are installed
-LIBRARY_PACKAGES = ("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning",
-                    "torchmetrics", "lightning_memkit", "typing_extensions")
+LIBRARY_PACKAGES = (
+    "torch",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "pytorch_lightning",
+    "torchmetrics",
+    "lightning_memkit",
+    "typing_extensions",
+)
 
 
 def _package_roots(names: tuple[str, ...]) -> set[str]:
@@ -51,8 +68,11 @@ LIGHTNING_ROOTS = tuple(sorted(_package_roots(("lightning", "pytorch_lightning",
 
 def is_library_file(filename: str) -> bool:
     """Whether ``filename`` is generated code (``<string>``) or under :data:`LIBRARY_ROOTS`."""
-    return filename.startswith("<") or filename.startswith(LIBRARY_ROOTS) or \
-        os.path.abspath(filename).startswith(LIBRARY_ROOTS)
+    return (
+        filename.startswith("<")
+        or filename.startswith(LIBRARY_ROOTS)
+        or os.path.abspath(filename).startswith(LIBRARY_ROOTS)
+    )
 
 
 def is_installed_file(filename: str) -> bool:

@@ -44,13 +44,18 @@ def release_group(group: object | None) -> None:
 
 def _encode(reading: StepReading) -> torch.Tensor:
     return torch.tensor(
-        [_MISSING if getattr(reading, name) is None else int(getattr(reading, name)) for name in StepReading.value_fields()],
+        [
+            _MISSING if getattr(reading, name) is None else int(getattr(reading, name))
+            for name in StepReading.value_fields()
+        ],
         dtype=torch.int64,
     )
 
 
 def _decode(vector: torch.Tensor, step: int, stage: str, rank: int) -> StepReading:
-    values = {name: (None if int(v) == _MISSING else int(v)) for name, v in zip(StepReading.value_fields(), vector.tolist())}
+    values = {
+        name: (None if int(v) == _MISSING else int(v)) for name, v in zip(StepReading.value_fields(), vector.tolist())
+    }
     return StepReading(step=step, stage=stage, rank=rank, **values)
 
 

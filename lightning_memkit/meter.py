@@ -21,8 +21,9 @@ from lightning_memkit.records import StepReading
 __all__ = ["MemoryMeter", "training_state_tensors"]
 
 
-def training_state_tensors(module: torch.nn.Module | None, optimizers: Iterable[Any] = (),
-                           batch: Any = None) -> Iterator[torch.Tensor]:
+def training_state_tensors(
+    module: torch.nn.Module | None, optimizers: Iterable[Any] = (), batch: Any = None
+) -> Iterator[torch.Tensor]:
     """Every tensor a training step starts with: parameters, their gradients, buffers,
     optimizer state and the batch (nested lists, tuples and dicts are walked).
 
@@ -78,19 +79,33 @@ class MemoryMeter:
         print(meter.last.peak_tensor_bytes)
     """
 
-    def __init__(self, device: torch.device | str = "cpu", *, tensor_accounting: bool | str = "auto",
-                 tensor_scope: str = "process", nvml: bool = True, host: bool = True,
-                 extra_probes: Iterable[MemoryProbe] = ()) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        tensor_accounting: bool | str = "auto",
+        tensor_scope: str = "process",
+        nvml: bool = True,
+        host: bool = True,
+        extra_probes: Iterable[MemoryProbe] = (),
+    ) -> None:
         self.device = torch.device(device)
         if tensor_accounting == "auto":
             tensor_accounting = self.device.type != "cuda"
         elif not isinstance(tensor_accounting, bool):
             raise ValueError(f"tensor_accounting must be True, False or 'auto', not {tensor_accounting!r}")
         if tensor_scope not in TENSOR_SCOPES:
-            raise ValueError(f"tensor_scope must be 'process' (every live tensor of the process) or 'step', "
-                             f"not {tensor_scope!r}")
-        self.probes: ProbeSet = build_probes(self.device, tensor_accounting=tensor_accounting,
-                                             tensor_scope=tensor_scope, nvml=nvml, host=host, extra=extra_probes)
+            raise ValueError(
+                f"tensor_scope must be 'process' (every live tensor of the process) or 'step', not {tensor_scope!r}"
+            )
+        self.probes: ProbeSet = build_probes(
+            self.device,
+            tensor_accounting=tensor_accounting,
+            tensor_scope=tensor_scope,
+            nvml=nvml,
+            host=host,
+            extra=extra_probes,
+        )
         self.last: StepReading | None = None
         self._open: tuple[int, str, int] | None = None
         self._tensor_peak = True
@@ -227,8 +242,10 @@ class MemoryMeter:
             return "CUDA allocator counters (the compiled program's)"
         if self.compiled == "keep":
             return f"peak_tensor from the allocator's events, steps kept compiled; {NOT_SEEN_COMPILED}"
-        return ("peak_tensor by the accountant: the peak-measured steps run EAGERLY (compiled='eager'), so their "
-                "peak is the eager program's")
+        return (
+            "peak_tensor by the accountant: the peak-measured steps run EAGERLY (compiled='eager'), so their "
+            "peak is the eager program's"
+        )
 
     def live_bytes_like(self, reading: StepReading) -> int | None:
         """The live bytes now, measured as ``reading`` was: CUDA's allocated bytes, or the accountant's (after a
@@ -242,8 +259,9 @@ class MemoryMeter:
         return probe.accountant.current_bytes
 
     @contextlib.contextmanager
-    def measure(self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0, *,
-                tensor_peak: bool = True) -> Iterator["MemoryMeter"]:
+    def measure(
+        self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0, *, tensor_peak: bool = True
+    ) -> Iterator["MemoryMeter"]:
         """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`.
 
         ``step``, ``stage``, ``rank`` and ``tensor_peak`` are :meth:`open`'s; ``existing`` is

@@ -22,9 +22,9 @@ __all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report", "OomM
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
-    "out of memory",                                  # CUDA, MPS, XPU
-    "DefaultCPUAllocator: can't allocate memory",    # CPU
-    "DefaultCPUAllocator: not enough memory",        # CPU on Windows
+    "out of memory",  # CUDA, MPS, XPU
+    "DefaultCPUAllocator: can't allocate memory",  # CPU
+    "DefaultCPUAllocator: not enough memory",  # CPU on Windows
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
 )
@@ -57,8 +57,12 @@ def _note_storage(storages: dict, obj: torch.Tensor, creation_of: Any, format_fr
     if entry is None:
         creation = creation_of(obj)
         storages[key] = {
-            "nbytes": int(storage.nbytes()), "device": str(storage.device), "shape": list(obj.shape),
-            "dtype": str(obj.dtype), "count": 1, "grad_fn": type(obj.grad_fn).__name__ if obj.grad_fn else "",
+            "nbytes": int(storage.nbytes()),
+            "device": str(storage.device),
+            "shape": list(obj.shape),
+            "dtype": str(obj.dtype),
+            "count": 1,
+            "grad_fn": type(obj.grad_fn).__name__ if obj.grad_fn else "",
             "parameter": isinstance(obj, torch.nn.Parameter),
             "made_by": creation.describe() if creation else "",
             "where": format_frame(creation.frame) if creation else "",
@@ -93,12 +97,15 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
             objects = gc.get_objects()
             for obj in objects:
                 try:
-                    if (not isinstance(obj, torch.Tensor) or obj.device.type == "meta"
-                            or obj.layout is not torch.strided):
+                    if (
+                        not isinstance(obj, torch.Tensor)
+                        or obj.device.type == "meta"
+                        or obj.layout is not torch.strided
+                    ):
                         continue
                     _note_storage(storages, obj, creation_of, format_frame)
                 except Exception:  # noqa: BLE001 - one odd tensor (fake, sparse, proxy, a subclass left by an earlier
-                    continue       # estimate) is skipped; the report lists the others
+                    continue  # estimate) is skipped; the report lists the others
         del objects
         return sorted(storages.values(), key=lambda e: -e["nbytes"])[:limit]
     except Exception as error:  # noqa: BLE001 - a report must still be written
@@ -140,8 +147,15 @@ class OomMoment:
     rank: int  #: the process's global rank
 
 
-def write_run_oom_report(directory: str, moment: OomMoment, summary: RunSummary, history: Sequence[StepReading],
-                         reading: StepReading | None, error: BaseException, snapshot: bool = False) -> str:
+def write_run_oom_report(
+    directory: str,
+    moment: OomMoment,
+    summary: RunSummary,
+    history: Sequence[StepReading],
+    reading: StepReading | None,
+    error: BaseException,
+    snapshot: bool = False,
+) -> str:
     """Write a run's report of an out-of-memory error, ``<directory>/memkit_oom_rank<r>.json`` (what ``memkit
     report`` reads): the moment, the run summary, the last ten readings and the failing step's reading up to the
     failure. ``snapshot``: CUDA memory history is recorded, so its snapshot is dumped beside the report as

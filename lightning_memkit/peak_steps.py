@@ -63,8 +63,12 @@ class PeakSchedule:
                 return False
             # the first two logged steps always get it, so the step-peak line has two points even in a
             # short or sparsely logged run (12 steps, log_every_n_steps=5: steps 4 and 9)
-            return (self.logged_peak_steps < ALWAYS_PEAKED_STEPS or self.last_peak_step is None
-                    or step - self.last_peak_step >= n or step < self.last_peak_step)
+            return (
+                self.logged_peak_steps < ALWAYS_PEAKED_STEPS
+                or self.last_peak_step is None
+                or step - self.last_peak_step >= n
+                or step < self.last_peak_step
+            )
         return step % (self.every_n_steps * n) == 0
 
     def peak_step(self, step: int, loggers: bool, log_every_n_steps: int) -> bool:

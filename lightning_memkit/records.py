@@ -11,8 +11,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MEMORY_FIELDS", "COUNT_FIELDS", "RECORDS_FILENAME", "StepReading", "RunSummary", "write_records",
-           "read_records", "records_filename", "RecordsWriter"]
+__all__ = [
+    "MEMORY_FIELDS",
+    "COUNT_FIELDS",
+    "RECORDS_FILENAME",
+    "StepReading",
+    "RunSummary",
+    "write_records",
+    "read_records",
+    "records_filename",
+    "RecordsWriter",
+]
 
 #: the file MemoryTracker writes in the log dir at fit end, and `memkit report` reads.
 RECORDS_FILENAME = "memkit_memory.json"
@@ -31,9 +40,9 @@ MEMORY_FIELDS: dict[str, str] = {
     "host_rss_bytes": "host: resident set size of this process at step end",
     "host_peak_rss_bytes": "host: peak resident set size during this step (Linux VmHWM, reset every step)",
     "tensor_bytes": "accountant: bytes of every live tensor storage of the process at step end "
-                    "(exact; as CUDA's allocated)",
+    "(exact; as CUDA's allocated)",
     "peak_tensor_bytes": "accountant: highest of those bytes during this step "
-                         "(exact; on the steps the accountant measured)",
+    "(exact; on the steps the accountant measured)",
 }
 
 #: Count-valued fields of :class:`StepReading`.
@@ -111,9 +120,13 @@ class StepReading:
 
 # the measured fields' meanings are defined once, in MEMORY_FIELDS and COUNT_FIELDS; help() shows them too
 if StepReading.__doc__:  # None under python -OO
-    StepReading.__doc__ = (StepReading.__doc__.rstrip() + "\n" + "".join(
-        f"        {name} (bytes): {meaning}.\n" for name, meaning in MEMORY_FIELDS.items()) + "".join(
-        f"        {name} (a count): {meaning}.\n" for name, meaning in COUNT_FIELDS.items()) + "    ")
+    StepReading.__doc__ = (
+        StepReading.__doc__.rstrip()
+        + "\n"
+        + "".join(f"        {name} (bytes): {meaning}.\n" for name, meaning in MEMORY_FIELDS.items())
+        + "".join(f"        {name} (a count): {meaning}.\n" for name, meaning in COUNT_FIELDS.items())
+        + "    "
+    )
 _STEP_READING_FIELDS = tuple(f.name for f in dataclasses.fields(StepReading))
 #: where a step's peak comes from, best first (see StepReading.peak_bytes)
 _PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
@@ -212,8 +225,14 @@ def write_records(path: str, summary: RunSummary, history: list[StepReading]) ->
     """Write a run's summary and readings as JSON (``{"summary": ..., "history": [...]}``)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:
-        json.dump({"format": "lightning-memkit/memory/1", "summary": summary.to_dict(),
-                   "history": [r.to_dict() for r in history]}, file)
+        json.dump(
+            {
+                "format": "lightning-memkit/memory/1",
+                "summary": summary.to_dict(),
+                "history": [r.to_dict() for r in history],
+            },
+            file,
+        )
     return path
 
 

@@ -12,10 +12,12 @@ __all__ = ["format_table", "format_summary", "where_readings_went", "fit_ended",
 # fits a MemoryTracker saw end in this process, and whether the note on an earlier fit's tensors was printed (once)
 _PROCESS = {"fits_ended": 0, "earlier_fit_said": False}
 #: the note printed (once per process, with the summary) when an earlier fit ran in the same process (a notebook)
-EARLIER_FIT_NOTE = ("memkit MemoryTracker: an earlier fit ran in this process. The readings count every live tensor "
-                    "of the process (on CUDA, everything allocated on the device), so tensors an earlier fit left "
-                    "alive (a model, trainer or outputs still referenced, e.g. in a notebook) are in them; delete "
-                    "those references (and run gc.collect()) before fit to read this run's memory alone.")
+EARLIER_FIT_NOTE = (
+    "memkit MemoryTracker: an earlier fit ran in this process. The readings count every live tensor "
+    "of the process (on CUDA, everything allocated on the device), so tensors an earlier fit left "
+    "alive (a model, trainer or outputs still referenced, e.g. in a notebook) are in them; delete "
+    "those references (and run gc.collect()) before fit to read this run's memory alone."
+)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left_columns: int = 1) -> str:
@@ -52,8 +54,13 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
         rows.append(("host RSS (last step)", format_bytes(last.host_rss_bytes)))
     leak = summary.extra.get("leak")
     if leak:
-        rows.append(("memory growth", f"{format_bytes(leak['bytes_per_measured_step'])} per measured step from step "
-                                      f"{leak['first_step']} (a leak unless freed at epoch end)"))
+        rows.append(
+            (
+                "memory growth",
+                f"{format_bytes(leak['bytes_per_measured_step'])} per measured step from step "
+                f"{leak['first_step']} (a leak unless freed at epoch end)",
+            )
+        )
     search = summary.extra.get("batch_search")
     if isinstance(search, str):  # MaxBatchSize's peak measures something else than the run peak: said once, here
         rows.append(("batch-size search", search))
@@ -62,15 +69,21 @@ def format_summary(summary: RunSummary, history: Sequence[StepReading] = ()) -> 
         rows.append(("compiled model", f"{', '.join(compiled['parts'])}: {compiled['measured']}"))
     rows.append(("training steps measured", str(summary.train_steps_measured)))
     if summary.peak_source and summary.train_steps_with_peak < summary.train_steps_measured:
-        rows.append(("steps with the peak", f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "
-                                             f"training steps ({summary.peak_source} is sampled)"))
+        rows.append(
+            (
+                "steps with the peak",
+                f"{summary.train_steps_with_peak} of {summary.train_steps_measured} "
+                f"training steps ({summary.peak_source} is sampled)",
+            )
+        )
     if summary.validation_runs_measured:
         rows.append(("validation runs measured", str(summary.validation_runs_measured)))
     return "memkit memory summary\n" + format_table(("measure", "value"), rows, left_columns=2)
 
 
-def where_readings_went(loggers: Sequence[str], every_n_steps: int, log_every_n_steps: int,
-                        records_path: str | None) -> str:
+def where_readings_went(
+    loggers: Sequence[str], every_n_steps: int, log_every_n_steps: int, records_path: str | None
+) -> str:
     """One line under the printed summary: where a user finds the per-step readings of a run logged by ``loggers``
     (their class names), measured every ``every_n_steps``, whose records file is ``records_path``."""
     if not loggers:

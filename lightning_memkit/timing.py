@@ -29,7 +29,9 @@ def _device_type(device: Any) -> str:
     if device is None:
         return "cpu"
     if isinstance(device, bool):
-        raise ValueError(f"StepTimer({device!r}): give a device (torch.device, 'cuda:0', 'cpu', an int for a CUDA device), not a bool")
+        raise ValueError(
+            f"StepTimer({device!r}): give a device (torch.device, 'cuda:0', 'cpu', an int for a CUDA device), not a bool"
+        )
     if isinstance(device, int):
         return "cuda"  # as torch.device(0) is cuda:0
     if isinstance(device, str):
@@ -68,7 +70,9 @@ class StepTimer:
             :data:`TIME_SOURCES` says what each measures.
     """
 
-    def __init__(self, device: Any = None, *, clock: Callable[[], float] = time.perf_counter, max_pending: int = 64) -> None:
+    def __init__(
+        self, device: Any = None, *, clock: Callable[[], float] = time.perf_counter, max_pending: int = 64
+    ) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"StepTimer(max_pending={max_pending!r}): give a positive integer, e.g. 64")
         self.device = device
@@ -79,7 +83,9 @@ class StepTimer:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(f"StepTimer(device={device!r}): CUDA is not available here; pass the device the work runs on")
+                raise ValueError(
+                    f"StepTimer(device={device!r}): CUDA is not available here; pass the device the work runs on"
+                )
             self.source = "cuda_events"
         else:
             self.source = getattr(clock, "__name__", "clock")

@@ -28,7 +28,14 @@ class SyntheticClassification(Dataset):
         seed: the generator seed, so every run sees the same data.
     """
 
-    def __init__(self, size: int = 512, input_shape: tuple[int, ...] = (64,), num_classes: int = 10, vocab_size: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        size: int = 512,
+        input_shape: tuple[int, ...] = (64,),
+        num_classes: int = 10,
+        vocab_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         if vocab_size:
             self.inputs = torch.randint(0, vocab_size, (size, *input_shape), generator=generator)
@@ -51,14 +58,25 @@ class SyntheticDataModule(pl.LightningDataModule):
     ``batch_size`` is a public attribute, so Lightning's and memkit's batch-size searches can set it.
     """
 
-    def __init__(self, batch_size: int = 32, train_size: int = 512, val_size: int = 128, input_shape: tuple[int, ...] = (64,), num_classes: int = 10, vocab_size: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        train_size: int = 512,
+        val_size: int = 128,
+        input_shape: tuple[int, ...] = (64,),
+        num_classes: int = 10,
+        vocab_size: int | None = None,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.train_set = SyntheticClassification(train_size, input_shape, num_classes, vocab_size, seed)
         self.val_set = SyntheticClassification(val_size, input_shape, num_classes, vocab_size, seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
@@ -101,13 +119,27 @@ class _Classifier(pl.LightningModule):
 
 def _image_data(model: "_Classifier") -> SyntheticDataModule:
     size = model.hparams.image_size
-    return SyntheticDataModule(model.batch_size, train_size=256, val_size=64, input_shape=(3, size, size), num_classes=model.hparams.num_classes)
+    return SyntheticDataModule(
+        model.batch_size,
+        train_size=256,
+        val_size=64,
+        input_shape=(3, size, size),
+        num_classes=model.hparams.num_classes,
+    )
 
 
 class DemoMLP(_Classifier):
     """A stack of Linear+ReLU layers: ``in_features -> hidden x depth -> num_classes``."""
 
-    def __init__(self, in_features: int = 64, hidden: int = 256, depth: int = 3, num_classes: int = 10, lr: float = 1e-3, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        in_features: int = 64,
+        hidden: int = 256,
+        depth: int = 3,
+        num_classes: int = 10,
+        lr: float = 1e-3,
+        batch_size: int = 32,
+    ) -> None:
         super().__init__(num_classes, lr)
         self.save_hyperparameters()
         layers: list[nn.Module] = []
@@ -123,20 +155,36 @@ class DemoMLP(_Classifier):
         return self.net(inputs)
 
     def _data(self) -> SyntheticDataModule:
-        return SyntheticDataModule(self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes)
+        return SyntheticDataModule(
+            self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes
+        )
 
 
 class DemoCNN(_Classifier):
     """A small VGG-like CNN: ``blocks`` x (conv3x3 -> BatchNorm -> ReLU -> maxpool2), then linear."""
 
-    def __init__(self, channels: int = 16, blocks: int = 2, image_size: int = 32, num_classes: int = 10, dropout: float = 0.1, lr: float = 1e-3, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        channels: int = 16,
+        blocks: int = 2,
+        image_size: int = 32,
+        num_classes: int = 10,
+        dropout: float = 0.1,
+        lr: float = 1e-3,
+        batch_size: int = 32,
+    ) -> None:
         super().__init__(num_classes, lr)
         self.save_hyperparameters()
         layers: list[nn.Module] = []
         in_channels = 3
         for index in range(blocks):
             out_channels = channels * 2**index
-            layers += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(), nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(in_channels, out_channels, 3, padding=1),
+                nn.BatchNorm2d(out_channels),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             in_channels = out_channels
         self.features = nn.Sequential(*layers)
         side = image_size // 2**blocks
@@ -150,17 +198,29 @@ class DemoCNN(_Classifier):
         return _image_data(self)
 
 
-
 class DemoTransformer(_Classifier):
     """A transformer encoder classifier over token ids: embedding, ``layers`` encoder blocks, mean-pool, linear."""
 
-    def __init__(self, vocab_size: int = 1000, d_model: int = 128, nhead: int = 4, layers: int = 4, dim_feedforward: int = 512, seq_len: int = 64, num_classes: int = 10, dropout: float = 0.1, lr: float = 1e-3, batch_size: int = 16) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        d_model: int = 128,
+        nhead: int = 4,
+        layers: int = 4,
+        dim_feedforward: int = 512,
+        seq_len: int = 64,
+        num_classes: int = 10,
+        dropout: float = 0.1,
+        lr: float = 1e-3,
+        batch_size: int = 16,
+    ) -> None:
         super().__init__(num_classes, lr)
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.position = nn.Parameter(torch.zeros(seq_len, d_model))
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, batch_first=True) for _ in range(layers)
+            nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout, batch_first=True)
+            for _ in range(layers)
         )
         self.head = nn.Linear(d_model, num_classes)
         self.batch_size = batch_size
@@ -173,8 +233,14 @@ class DemoTransformer(_Classifier):
 
     def _data(self) -> SyntheticDataModule:
         hp = self.hparams
-        return SyntheticDataModule(self.batch_size, train_size=256, val_size=64, input_shape=(hp.seq_len,), num_classes=hp.num_classes, vocab_size=hp.vocab_size)
-
+        return SyntheticDataModule(
+            self.batch_size,
+            train_size=256,
+            val_size=64,
+            input_shape=(hp.seq_len,),
+            num_classes=hp.num_classes,
+            vocab_size=hp.vocab_size,
+        )
 
 
 class _BasicBlock(nn.Module):
@@ -188,7 +254,9 @@ class _BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(out_channels)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         hidden = torch.relu(self.bn1(self.conv1(inputs)))
@@ -200,8 +268,16 @@ class DemoResNet(_Classifier):
     stride 2 from the second stage), global average pool, dropout, linear. ``stages=(2, 2, 2, 2)`` with
     ``channels=64`` is ResNet-18's layout."""
 
-    def __init__(self, channels: int = 16, stages: tuple[int, ...] = (2, 2, 2), image_size: int = 32, num_classes: int = 10,
-                 dropout: float = 0.1, lr: float = 1e-3, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        channels: int = 16,
+        stages: tuple[int, ...] = (2, 2, 2),
+        image_size: int = 32,
+        num_classes: int = 10,
+        dropout: float = 0.1,
+        lr: float = 1e-3,
+        batch_size: int = 32,
+    ) -> None:
         super().__init__(num_classes, lr)
         self.save_hyperparameters()
         self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
@@ -214,7 +290,9 @@ class DemoResNet(_Classifier):
             layers.append(nn.Sequential(*blocks))
             in_channels = out_channels
         self.layers = nn.ModuleList(layers)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(in_channels, num_classes))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(in_channels, num_classes)
+        )
         self.batch_size = batch_size
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -225,4 +303,3 @@ class DemoResNet(_Classifier):
 
     def _data(self) -> SyntheticDataModule:
         return _image_data(self)
-

@@ -14,8 +14,16 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["VariableLengthText", "pad_collate", "BucketBatchSampler", "PaddedTextDataModule", "PaddedTextClassifier",
-           "VaryingSizeImages", "VaryingImageDataModule", "VaryingImageClassifier"]
+__all__ = [
+    "VariableLengthText",
+    "pad_collate",
+    "BucketBatchSampler",
+    "PaddedTextDataModule",
+    "PaddedTextClassifier",
+    "VaryingSizeImages",
+    "VaryingImageDataModule",
+    "VaryingImageClassifier",
+]
 
 
 class VariableLengthText(Dataset):
@@ -25,8 +33,15 @@ class VariableLengthText(Dataset):
     token, so the task can be learnt.
     """
 
-    def __init__(self, size: int = 512, min_length: int = 16, max_length: int = 256, vocab_size: int = 1000,
-                 num_classes: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        size: int = 512,
+        min_length: int = 16,
+        max_length: int = 256,
+        vocab_size: int = 1000,
+        num_classes: int = 4,
+        seed: int = 0,
+    ) -> None:
         if not 1 <= min_length <= max_length:
             raise ValueError(f"need 1 <= min_length <= max_length, got {min_length} and {max_length}")
         generator = torch.Generator().manual_seed(seed)
@@ -53,8 +68,11 @@ def pad_collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.T
         length = len(sample["input_ids"])
         input_ids[row, :length] = sample["input_ids"]
         attention_mask[row, :length] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "labels": torch.stack([sample["label"] for sample in samples])}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": torch.stack([sample["label"] for sample in samples]),
+    }
 
 
 class BucketBatchSampler(Sampler[list[int]]):
@@ -74,7 +92,7 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def _batches(self) -> list[list[int]]:
         order = sorted(range(len(self.lengths)), key=lambda index: self.lengths[index])
-        return [order[start:start + self.batch_size] for start in range(0, len(order), self.batch_size)]
+        return [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._batches()
@@ -93,8 +111,17 @@ class PaddedTextDataModule(pl.LightningDataModule):
     ``batch_size`` is a public attribute, so batch-size searches can set it.
     """
 
-    def __init__(self, batch_size: int = 16, train_size: int = 512, min_length: int = 16, max_length: int = 256,
-                 vocab_size: int = 1000, num_classes: int = 4, bucketed: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 16,
+        train_size: int = 512,
+        min_length: int = 16,
+        max_length: int = 256,
+        vocab_size: int = 1000,
+        num_classes: int = 4,
+        bucketed: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.bucketed = bucketed
@@ -105,8 +132,13 @@ class PaddedTextDataModule(pl.LightningDataModule):
         if self.bucketed:
             sampler = BucketBatchSampler(self.train_set.lengths, self.batch_size, self.seed)
             return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=pad_collate)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=pad_collate,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=pad_collate,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
 
 class PaddedTextClassifier(pl.LightningModule):
@@ -117,9 +149,21 @@ class PaddedTextClassifier(pl.LightningModule):
     With the defaults it has 0.18M parameters; ``d_model=256, layers=6, dim_feedforward=1024`` has 5.0M.
     """
 
-    def __init__(self, vocab_size: int = 1000, d_model: int = 64, nhead: int = 4, layers: int = 2,
-                 dim_feedforward: int = 256, max_length: int = 256, num_classes: int = 4, lr: float = 1e-3,
-                 batch_size: int = 16, min_length: int = 16, train_size: int = 512, bucketed: bool = False) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        d_model: int = 64,
+        nhead: int = 4,
+        layers: int = 2,
+        dim_feedforward: int = 256,
+        max_length: int = 256,
+        num_classes: int = 4,
+        lr: float = 1e-3,
+        batch_size: int = 16,
+        min_length: int = 16,
+        train_size: int = 512,
+        bucketed: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.batch_size = batch_size
@@ -152,8 +196,9 @@ class PaddedTextClassifier(pl.LightningModule):
     def datamodule(self) -> PaddedTextDataModule:
         """The synthetic data this model trains on, at its current ``batch_size``."""
         hp = self.hparams
-        return PaddedTextDataModule(self.batch_size, hp.train_size, hp.min_length, hp.max_length, hp.vocab_size,
-                                    hp.num_classes, hp.bucketed)
+        return PaddedTextDataModule(
+            self.batch_size, hp.train_size, hp.min_length, hp.max_length, hp.vocab_size, hp.num_classes, hp.bucketed
+        )
 
     def train_dataloader(self) -> DataLoader:
         # a fresh loader each time, so a batch-size search that changes self.batch_size takes effect
@@ -163,8 +208,9 @@ class PaddedTextClassifier(pl.LightningModule):
 class VaryingSizeImages(Dataset):
     """Square RGB images whose side is drawn from ``sizes`` (seeded), each with a label; ``(image, label)``."""
 
-    def __init__(self, size: int = 256, sizes: Sequence[int] = (32, 48, 64, 96), num_classes: int = 10,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, size: int = 256, sizes: Sequence[int] = (32, 48, 64, 96), num_classes: int = 10, seed: int = 0
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.sides = [sizes[i] for i in torch.randint(0, len(sizes), (size,), generator=generator).tolist()]
         self.seeds = torch.randint(0, 2**31 - 1, (size,), generator=generator).tolist()
@@ -191,24 +237,43 @@ def _resize_collate(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tup
 class VaryingImageDataModule(pl.LightningDataModule):
     """Images of varying side, padded per batch to the batch's largest, shuffled with a seeded generator."""
 
-    def __init__(self, batch_size: int = 16, train_size: int = 256, sizes: Sequence[int] = (32, 48, 64, 96),
-                 num_classes: int = 10, seed: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 16,
+        train_size: int = 256,
+        sizes: Sequence[int] = (32, 48, 64, 96),
+        num_classes: int = 10,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
         self.train_set = VaryingSizeImages(train_size, sizes, num_classes, seed)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=_resize_collate,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=_resize_collate,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
 
 class VaryingImageClassifier(pl.LightningModule):
     """A small fully convolutional classifier (conv-BN-ReLU blocks, global average pool, linear) that takes any
     image size; Adam; cross-entropy."""
 
-    def __init__(self, channels: int = 16, blocks: int = 3, num_classes: int = 10, lr: float = 1e-3,
-                 batch_size: int = 16, sizes: Sequence[int] = (32, 48, 64, 96), train_size: int = 256) -> None:
+    def __init__(
+        self,
+        channels: int = 16,
+        blocks: int = 3,
+        num_classes: int = 10,
+        lr: float = 1e-3,
+        batch_size: int = 16,
+        sizes: Sequence[int] = (32, 48, 64, 96),
+        train_size: int = 256,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.batch_size = batch_size
@@ -216,8 +281,12 @@ class VaryingImageClassifier(pl.LightningModule):
         in_channels = 3
         for index in range(blocks):
             out_channels = channels * 2**index
-            layers += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(in_channels, out_channels, 3, padding=1),
+                nn.BatchNorm2d(out_channels),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
             in_channels = out_channels
         self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_channels, num_classes))

@@ -14,8 +14,17 @@ from torch.utils.data import DataLoader, TensorDataset
 def tiny_gpt2(layers: int = 2, width: int = 32, vocab: int = 128, positions: int = 32) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=vocab, n_positions=positions,
-                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM", use_cache=False)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=2,
+        vocab_size=vocab,
+        n_positions=positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+        use_cache=False,
+    )
     config.attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
@@ -23,8 +32,18 @@ def tiny_gpt2(layers: int = 2, width: int = 32, vocab: int = 128, positions: int
 class CompiledGPT2(pl.LightningModule):
     """GPT-2 (Hugging Face, small config), its inner model compiled; batch: token ids ``(B, T)``."""
 
-    def __init__(self, compile: bool = True, backend: str = "aot_eager", layers: int = 2, width: int = 32,
-                 seq_len: int = 16, batch_size: int = 4, samples: int = 48, leak: bool = False, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        compile: bool = True,
+        backend: str = "aot_eager",
+        layers: int = 2,
+        width: int = 32,
+        seq_len: int = 16,
+        batch_size: int = 4,
+        samples: int = 48,
+        leak: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         model = tiny_gpt2(layers, width, positions=seq_len)
         if dropout == 0.0:
@@ -44,7 +63,9 @@ class CompiledGPT2(pl.LightningModule):
         output = self.model(input_ids=tokens, labels=tokens)
         loss = output.loss
         if self.leak:
-            self.kept.append((loss, output.logits))  # the planted leak: each step's loss and logits kept with their graph
+            self.kept.append(
+                (loss, output.logits)
+            )  # the planted leak: each step's loss and logits kept with their graph
         self.losses.append(loss.item())
         return loss
 
@@ -58,7 +79,14 @@ class CompiledGPT2(pl.LightningModule):
 class CompiledCNN(pl.LightningModule):
     """A small BatchNorm CNN in a plain ``nn.Sequential``, compiled; batch: images ``(B, 3, 16, 16)``, labels."""
 
-    def __init__(self, compile: bool = True, backend: str = "aot_eager", batch_size: int = 8, samples: int = 64, leak: bool = False) -> None:
+    def __init__(
+        self,
+        compile: bool = True,
+        backend: str = "aot_eager",
+        batch_size: int = 8,
+        samples: int = 64,
+        leak: bool = False,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         channels = 3

@@ -23,8 +23,15 @@ class LinearStack(pl.LightningModule):
     ``training_step`` unless ``log_loss`` is set, so every live tensor is one a test can name.
     """
 
-    def __init__(self, dims=(32, 64, 48, 16), batch_size: int = 8, optimizer: str = "sgd", samples: int = 64,
-                 log_loss: bool = False, val_batches: int = 0) -> None:
+    def __init__(
+        self,
+        dims=(32, 64, 48, 16),
+        batch_size: int = 8,
+        optimizer: str = "sgd",
+        samples: int = 64,
+        log_loss: bool = False,
+        val_batches: int = 0,
+    ) -> None:
         super().__init__()
         self.dims = tuple(dims)
         self.batch_size = batch_size
@@ -82,9 +89,17 @@ class LinearStack(pl.LightningModule):
 def make_trainer(tmp_path, **overrides) -> pl.Trainer:
     """A small, quiet CPU Trainer writing under ``tmp_path``."""
     options = dict(
-        accelerator="cpu", devices=1, max_steps=4, logger=False, default_root_dir=str(tmp_path),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
     )
     options.update(overrides)
     return pl.Trainer(**options)
@@ -111,8 +126,12 @@ def pytest_collection_modifyitems(config, items):
     2 cores, beyond what the 10-minute suite can hold) are skipped unless ``MEMKIT_EXTENDED=1``
     (``make test-extended``)."""
     extended = os.environ.get("MEMKIT_EXTENDED") == "1"
-    skip_extended = pytest.mark.skip(reason="a 4-process check beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)")
-    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one")
+    skip_extended = pytest.mark.skip(
+        reason="a 4-process check beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)"
+    )
+    skip_cuda = pytest.mark.skip(
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one"
+    )
     for item in items:
         if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
@@ -140,8 +159,15 @@ def run_process(args: list[str], cwd: str, timeout: float = 180) -> tuple[int, s
 
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("MASTER_PORT", None)
-    process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -174,11 +200,28 @@ def rerun_in_own_process(request, tmp_path, timeout_s: int = 600) -> bool:
     nodeid = request.node.nodeid
     if os.environ.get("MEMKIT_OWN_PROCESS") == nodeid:
         return False
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", nodeid,
-                             "--basetemp", str(tmp_path / "own-process")],
-                            cwd=str(request.config.rootpath), env={**os.environ, "MEMKIT_OWN_PROCESS": nodeid},
-                            capture_output=True, text=True, timeout=timeout_s)
-    assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), result.stdout[-4000:] + result.stderr[-2000:]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            nodeid,
+            "--basetemp",
+            str(tmp_path / "own-process"),
+        ],
+        cwd=str(request.config.rootpath),
+        env={**os.environ, "MEMKIT_OWN_PROCESS": nodeid},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), (
+        result.stdout[-4000:] + result.stderr[-2000:]
+    )
     return True
 
 
@@ -211,8 +254,13 @@ def untracked_and_ignored_files() -> set[str] | None:
     if shutil.which("git") is None or not os.path.exists(os.path.join(REPO_ROOT, ".git")):
         return None
     try:
-        status = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all", "--ignored"],
-                                cwd=REPO_ROOT, capture_output=True, timeout=120, check=True).stdout
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "-z", "--untracked-files=all", "--ignored"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            timeout=120,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     entries = iter(status.decode("utf-8", "surrogateescape").split("\0"))
@@ -258,9 +306,10 @@ def pytest_sessionfinish(session, exitstatus):
     for path in sorted(after - before):
         writer = writers.get(path.split("/")[0])
         lines.append(f"  {path}" + (f"  (appeared during {writer})" if writer else ""))
-    message = ("the tests wrote these files into the repository tree, so the session fails; write under tmp_path "
-               "instead (e.g. monkeypatch.chdir(tmp_path), or a Trainer's default_root_dir=tmp_path):\n"
-               + "\n".join(lines))
+    message = (
+        "the tests wrote these files into the repository tree, so the session fails; write under tmp_path "
+        "instead (e.g. monkeypatch.chdir(tmp_path), or a Trainer's default_root_dir=tmp_path):\n" + "\n".join(lines)
+    )
     session.config.stash[_TREE_REPORT] = message
     if session.config.pluginmanager.get_plugin("terminalreporter") is None:
         import sys

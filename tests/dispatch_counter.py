@@ -50,8 +50,12 @@ class StorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         out = func(*args, **(kwargs or {}))
         inputs = set()
-        if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(data): made outside the dispatcher, new all the same
-            inputs = {storage.data_ptr() for storage in map(_storage, tree_flatten((args, kwargs))[0]) if storage is not None}
+        if (
+            func is not torch.ops.aten.lift_fresh.default
+        ):  # torch.tensor(data): made outside the dispatcher, new all the same
+            inputs = {
+                storage.data_ptr() for storage in map(_storage, tree_flatten((args, kwargs))[0]) if storage is not None
+            }
         for tensor in tree_flatten(out)[0]:
             storage = _storage(tensor)
             if storage is None or storage.data_ptr() in self.known or storage.data_ptr() in inputs:

@@ -26,7 +26,7 @@ def truth_rows() -> list[dict[str, Any]]:
 
 def trace_names() -> list[str]:
     """The recorded traces, as ``<model>_b<batch>_<precision>``."""
-    return sorted(name[len("trace_"):-len(".json.gz")] for name in os.listdir(TRUTH_DIR) if name.startswith("trace_"))
+    return sorted(name[len("trace_") : -len(".json.gz")] for name in os.listdir(TRUTH_DIR) if name.startswith("trace_"))
 
 
 def load_trace(name: str) -> dict[str, Any]:
@@ -37,7 +37,11 @@ def load_trace(name: str) -> dict[str, Any]:
 
 def truth_row(trace: dict[str, Any]) -> dict[str, Any]:
     """The truth.json row recorded in the same run as ``trace``."""
-    return next(r for r in truth_rows() if (r["model"], r["batch_size"], r["precision"]) == (trace["model"], trace["batch_size"], trace["precision"]))
+    return next(
+        r
+        for r in truth_rows()
+        if (r["model"], r["batch_size"], r["precision"]) == (trace["model"], trace["batch_size"], trace["precision"])
+    )
 
 
 def models_module():

@@ -104,10 +104,16 @@ def training_step_peak(module: Any, steps: int = 2, autocast_dtype: torch.dtype 
         optimizer = copied.configure_optimizers()
         start = live_storages()
         # what the step starts from: the copy's parameters and buffers and the batch (not the copy's data set)
-        state = [*copied.parameters(), *copied.buffers(), *(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))]
+        state = [
+            *copied.parameters(),
+            *copied.buffers(),
+            *(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)),
+        ]
         held = sum(dict(key for key in map(_key, state) if key is not None and key[0] not in before).values())
         counter = PeakCounter(start)
-        autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        autocast = (
+            torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        )
         with counter:
             for step in range(steps):
                 with autocast:

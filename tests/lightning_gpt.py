@@ -32,8 +32,16 @@ class Block(nn.Module):
 
 
 class TinyGPT(pl.LightningModule):
-    def __init__(self, vocab: int = 64, d_model: int = 32, heads: int = 2, layers: int = 2, seq_len: int = 16,
-                 lr: float = 3e-3, warmup: int = 4) -> None:
+    def __init__(
+        self,
+        vocab: int = 64,
+        d_model: int = 32,
+        heads: int = 2,
+        layers: int = 2,
+        seq_len: int = 16,
+        lr: float = 3e-3,
+        warmup: int = 4,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, d_model)
@@ -83,7 +91,9 @@ class CharDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self.set_up += 1
         generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, self.hparams.vocab, (self.hparams.samples, self.hparams.seq_len + 1), generator=generator)
+        tokens = torch.randint(
+            0, self.hparams.vocab, (self.hparams.samples, self.hparams.seq_len + 1), generator=generator
+        )
         self.train_set = TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
     def train_dataloader(self) -> DataLoader:

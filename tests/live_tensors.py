@@ -73,5 +73,6 @@ def tensors_with_grad_fn() -> list[torch.Tensor]:
 def describe(tensors: Iterable[torch.Tensor], limit: int = 10) -> str:
     """A short list for an assertion message: shape, dtype, grad_fn, largest first."""
     rows = sorted(tensors, key=lambda t: -t.numel() * t.element_size())
-    return "; ".join(f"{tuple(t.shape)} {t.dtype} {type(t.grad_fn).__name__ if t.grad_fn else ''}"
-                     for t in rows[:limit])
+    return "; ".join(
+        f"{tuple(t.shape)} {t.dtype} {type(t.grad_fn).__name__ if t.grad_fn else ''}" for t in rows[:limit]
+    )

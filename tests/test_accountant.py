@@ -18,7 +18,7 @@ F32 = 4
 def test_new_tensor_counts_its_storage_bytes_exactly():
     acc = TensorAccountant()
     with acc:
-        a = torch.empty(100)                  # 400 B
+        a = torch.empty(100)  # 400 B
         b = torch.empty(3, 5, dtype=torch.float64)  # 120 B
         c = torch.empty(7, dtype=torch.uint8)  # 7 B
     assert acc.current_bytes == 400 + 120 + 7
@@ -32,9 +32,9 @@ def test_tensors_built_from_python_data_are_counted():
     its schema): a loss weight or a step counter made that way inside a step is memory the step holds."""
     acc = TensorAccountant()
     with acc:
-        weights = torch.tensor([1.0, 2.0, 3.0, 4.0])             # 4 float32
-        step = torch.tensor(7, dtype=torch.int64)                  # 1 int64
-        mask = torch.tensor([[True, False]] * 5)                    # 10 bool
+        weights = torch.tensor([1.0, 2.0, 3.0, 4.0])  # 4 float32
+        step = torch.tensor(7, dtype=torch.int64)  # 1 int64
+        mask = torch.tensor([[True, False]] * 5)  # 10 bool
         assert acc.current_bytes == 16 + 8 + 10
         assert all(acc.is_tracked(t) for t in (weights, step, mask))
         del weights, mask
@@ -45,8 +45,17 @@ def test_tensors_built_from_python_data_are_counted():
 def test_views_inplace_and_detach_are_not_double_counted():
     acc = TensorAccountant()
     with acc:
-        a = torch.zeros(10, 10)               # 400 B: the only allocation
-        views = [a.view(100), a.t(), a[2:5], a.reshape(100), a.expand(1, 10, 10), a.view(torch.int32), a.detach(), a.unsqueeze(0)]
+        a = torch.zeros(10, 10)  # 400 B: the only allocation
+        views = [
+            a.view(100),
+            a.t(),
+            a[2:5],
+            a.reshape(100),
+            a.expand(1, 10, 10),
+            a.view(torch.int32),
+            a.detach(),
+            a.unsqueeze(0),
+        ]
         a.add_(1.0)
         a.mul_(2.0)
         a[0].fill_(3.0)
@@ -57,7 +66,7 @@ def test_views_inplace_and_detach_are_not_double_counted():
     # every alias maps to the same record
     assert {id(acc.record_of(v)) for v in views} == {id(acc.record_of(a))}
     with acc:
-        copy = a.t().contiguous()             # a real copy: a new storage
+        copy = a.t().contiguous()  # a real copy: a new storage
     assert acc.current_bytes == 800
     del views, copy
     assert acc.current_bytes == 400
@@ -226,8 +235,15 @@ def test_the_ops_own_errors_still_reach_the_caller():
 def test_returns_alias_reads_the_op_schema():
     # pins the private OpOverload._schema that the accountant's fast path relies on
     aten = torch.ops.aten
-    for op in (aten.view.default, aten.t.default, aten.add_.Tensor, aten.add.out, aten.resize_.default,
-               aten.detach.default, aten.set_.source_Storage):
+    for op in (
+        aten.view.default,
+        aten.t.default,
+        aten.add_.Tensor,
+        aten.add.out,
+        aten.resize_.default,
+        aten.detach.default,
+        aten.set_.source_Storage,
+    ):
         assert returns_alias(op), op
     for op in (aten.add.Tensor, aten.mm.default, aten.clone.default, aten._to_copy.default, aten.ones_like.default):
         assert not returns_alias(op), op
@@ -248,12 +264,14 @@ def test_storage_listeners_see_every_allocation_and_free_in_order():
 
     events = []
     accountant = TensorAccountant()
-    accountant.add_storage_listener(lambda r: events.append(("track", r.nbytes)), lambda r: events.append(("release", r.nbytes)))
+    accountant.add_storage_listener(
+        lambda r: events.append(("track", r.nbytes)), lambda r: events.append(("release", r.nbytes))
+    )
     with accountant:
-        a = torch.ones(10)          # 40 bytes
-        b = a * 2                   # 40 bytes
+        a = torch.ones(10)  # 40 bytes
+        b = a * 2  # 40 bytes
         del a
-        c = b.view(2, 5)            # a view: no event
+        c = b.view(2, 5)  # a view: no event
         d = torch.zeros(3, dtype=torch.int64)  # 24 bytes
     del b, c, d
     assert events == [("track", 40), ("track", 40), ("release", 40), ("track", 24), ("release", 40), ("release", 24)]
@@ -289,18 +307,18 @@ def test_storage_resized_outside_the_dispatcher_is_counted_when_it_happens():
     acc = TensorAccountant()
     assert watching_storage_resizes()
     with acc:
-        buffer = torch.empty(1000)              # 4000 B
-        other = torch.empty(250)                # 1000 B
+        buffer = torch.empty(1000)  # 4000 B
+        other = torch.empty(250)  # 1000 B
     assert acc.current_bytes == 5000
-    buffer.untyped_storage().resize_(0)         # freed in place, outside the mode
+    buffer.untyped_storage().resize_(0)  # freed in place, outside the mode
     assert acc.current_bytes == 1000
     acc.reset_peak()
     assert acc.peak_bytes == 1000
-    buffer.untyped_storage().resize_(4000)      # grown back, outside the mode: the peak sees it now
+    buffer.untyped_storage().resize_(4000)  # grown back, outside the mode: the peak sees it now
     assert acc.current_bytes == 5000 and acc.peak_bytes == 5000
     buffer.untyped_storage().resize_(0)
     with acc:
-        small = torch.empty(500)                # 2000 B: a peak of 3000 B, not 7000 B
+        small = torch.empty(500)  # 2000 B: a peak of 3000 B, not 7000 B
     assert acc.current_bytes == 3000 and acc.peak_bytes == 5000
     acc.reset_peak()
     with acc:
@@ -331,10 +349,12 @@ def test_storage_resize_wrap_is_what_fsdp2_calls_and_never_changes_the_result():
     _fsdp_param.alloc_storage(tensor)
     assert acc.current_bytes == 256 and acc.peak_bytes == 256
     storage = tensor.untyped_storage()
-    assert storage.resize_(128) is storage and storage.nbytes() == 128  # torch's own result (the storage), passed through
+    assert (
+        storage.resize_(128) is storage and storage.nbytes() == 128
+    )  # torch's own result (the storage), passed through
     assert acc.current_bytes == 128
     untracked = torch.empty(10)
-    untracked.untyped_storage().resize_(0)      # not counted, not an error
+    untracked.untyped_storage().resize_(0)  # not counted, not an error
     assert acc.current_bytes == 128 and acc.errors == []
     del tensor, storage
     assert acc.current_bytes == 0

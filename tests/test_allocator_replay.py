@@ -19,7 +19,9 @@ def _seeded(trace: dict) -> tuple[CudaAllocatorModel, int]:
     for index, size in enumerate(sizes):
         model.allocate(("parameter", index), size)
     # what was reserved at the start is recorded: the peak minus the segments the trace made (it frees none)
-    reserved_at_start = row["peak_reserved_bytes"] - sum(e["size"] for e in trace["events"] if e["action"] == "segment_alloc")
+    reserved_at_start = row["peak_reserved_bytes"] - sum(
+        e["size"] for e in trace["events"] if e["action"] == "segment_alloc"
+    )
     assert not any(e["action"] == "segment_free" for e in trace["events"])
     extra = reserved_at_start - model.reserved_bytes
     assert 0 <= extra <= 2 * MiB, "the parameters' segments should account for the start, up to one small segment"
@@ -37,7 +39,9 @@ def test_replaying_a_recorded_trace_gives_its_segments_and_reserved_peak(name):
     trace = load_trace(name)
     row = truth_row(trace)
     model, start = _seeded(trace)
-    assert model.allocated_bytes == start  # 512-byte rounding, whole blocks: the parameters' own bytes as the device counted them
+    assert (
+        model.allocated_bytes == start
+    )  # 512-byte rounding, whole blocks: the parameters' own bytes as the device counted them
     model.peak_allocated_bytes = model.allocated_bytes
     segments_before = len(model.segment_sizes)
     live: set[int] = set()
@@ -66,15 +70,15 @@ def test_replaying_a_recorded_trace_gives_its_segments_and_reserved_peak(name):
 
 def test_expandable_segments_grow_one_segment_per_pool_by_pages():
     model = CudaAllocatorModel(AllocatorConfig.parse("expandable_segments:True"))
-    model.allocate("a", 30 * MiB)        # large pool: one segment mapped in 20 MiB pages -> 40 MiB
-    model.allocate("b", 5 * MiB)         # fits in the mapped tail (10 MiB free): no growth
+    model.allocate("a", 30 * MiB)  # large pool: one segment mapped in 20 MiB pages -> 40 MiB
+    model.allocate("b", 5 * MiB)  # fits in the mapped tail (10 MiB free): no growth
     assert model.reserved_bytes == 40 * MiB and model.allocated_bytes == 35 * MiB  # split at 512 bytes, not 1 MiB
-    model.allocate("c", 7 * MiB)         # 5 MiB free at the end: grows by one page, merging the free tail
+    model.allocate("c", 7 * MiB)  # 5 MiB free at the end: grows by one page, merging the free tail
     assert model.reserved_bytes == 60 * MiB and len(model.segment_sizes) == 1
-    model.allocate("d", 1000)            # small pool: its own segment, 2 MiB pages
+    model.allocate("d", 1000)  # small pool: its own segment, 2 MiB pages
     assert model.reserved_bytes == 62 * MiB and len(model.segment_sizes) == 2
     model.free("a")
-    model.allocate("e", 25 * MiB)        # reuses the freed 30 MiB at the front
+    model.allocate("e", 25 * MiB)  # reuses the freed 30 MiB at the front
     assert model.reserved_bytes == 62 * MiB
 
 
@@ -82,14 +86,16 @@ def test_max_split_size_keeps_large_blocks_whole():
     model = CudaAllocatorModel(AllocatorConfig.parse("max_split_size_mb:64"))
     model.allocate("big", 100 * MiB)
     model.free("big")
-    model.allocate("small", 30 * MiB)    # below the limit: the cached 100 MiB block is not used
+    model.allocate("small", 30 * MiB)  # below the limit: the cached 100 MiB block is not used
     assert model.reserved_bytes == 130 * MiB
-    model.allocate("large", 85 * MiB)    # above the limit, within 20 MiB of the block: takes it, unsplit
+    model.allocate("large", 85 * MiB)  # above the limit, within 20 MiB of the block: takes it, unsplit
     assert model.reserved_bytes == 130 * MiB and model.allocated_bytes == 130 * MiB
-    model.allocate("other", 70 * MiB)    # 20 MiB or more smaller than any cached oversize block: a new segment
+    model.allocate("other", 70 * MiB)  # 20 MiB or more smaller than any cached oversize block: a new segment
     assert model.reserved_bytes == 200 * MiB
     plain = CudaAllocatorModel()
-    plain.allocate("big", 100 * MiB); plain.free("big"); plain.allocate("small", 30 * MiB)
+    plain.allocate("big", 100 * MiB)
+    plain.free("big")
+    plain.allocate("small", 30 * MiB)
     assert plain.reserved_bytes == 100 * MiB  # without the limit the cached block is split
 
 

@@ -16,7 +16,9 @@ def _map() -> str:
     """The code block of docs/architecture.md that draws ``lightning_memkit/``."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```\n(lightning_memkit/\n.*?)```", text, flags=re.S)
-    assert len(blocks) == 1, "docs/architecture.md draws the package's tree in one code block starting `lightning_memkit/`"
+    assert len(blocks) == 1, (
+        "docs/architecture.md draws the package's tree in one code block starting `lightning_memkit/`"
+    )
     return blocks[0]
 
 

@@ -25,8 +25,16 @@ FEATURES = 256
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     options.update(kwargs)
     return pl.Trainer(**options)
 
@@ -40,14 +48,25 @@ def _setup(batch_size=8):
 
 def _budget_for(size):
     module, _ = _setup()
-    return measure_training_step(module, size, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+    return measure_training_step(
+        module, size, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))
+    ).peak_bytes
 
 
 def _fits(tmp_path, size, budget):
     module, data = _setup()
     try:
-        find_max_batch_size(_trainer(tmp_path), module, data, budget=budget, init_val=size, max_val=size, max_trials=1,
-                            use_estimate=False, verbose=False)
+        find_max_batch_size(
+            _trainer(tmp_path),
+            module,
+            data,
+            budget=budget,
+            init_val=size,
+            max_val=size,
+            max_trials=1,
+            use_estimate=False,
+            verbose=False,
+        )
         return True
     except SearchError:
         return False
@@ -58,14 +77,20 @@ def _oracle(fixed, slope, capacity):
     def trial(size):
         peak = fixed + slope * size
         return Trial(size, peak <= capacity, int(peak) if peak <= capacity else None)
+
     return trial
 
 
 def test_search_core_jumps_near_the_answer_and_returns_only_sizes_that_ran():
     fixed, slope, capacity = 50e6, 1e5, 50e6 + 1e5 * 1234.5
     growth = AffineGrowth(fixed * 1.1, slope * 1.02)  # a slightly wrong estimate
-    search = BatchSizeSearch(_oracle(fixed, slope, capacity), capacity_bytes=int(capacity), growth=growth,
-                             predicted=growth.largest_fitting(capacity), max_val=100_000)
+    search = BatchSizeSearch(
+        _oracle(fixed, slope, capacity),
+        capacity_bytes=int(capacity),
+        growth=growth,
+        predicted=growth.largest_fitting(capacity),
+        max_val=100_000,
+    )
     result = search.run()
     assert 0.95 * 1234 <= result.batch_size <= 1234 and result.reason == "converged"
     assert result.trial_count <= 4
@@ -88,8 +113,8 @@ def test_budget_fails_like_out_of_memory():
     budget = MemoryBudget(1000)
     with pytest.raises(BudgetExceededError) as caught:
         with budget:
-            small = torch.zeros(100)   # 400 bytes: fine
-            torch.zeros(200)           # 800 more: over
+            small = torch.zeros(100)  # 400 bytes: fine
+            torch.zeros(200)  # 800 more: over
     assert is_out_of_memory(caught.value) and isinstance(caught.value, torch.OutOfMemoryError)
     assert caught.value.requested_bytes == 1200 and caught.value.budget_bytes == 1000 and budget.exceeded == 1
     assert budget.live_bytes == 400
@@ -187,13 +212,22 @@ def test_search_started_mid_training_runs_real_steps_and_restores_state_bit_for_
     assert _equal(finder.before, finder.after)
     found = finder.result.batch_size
     assert all(t.peak_bytes for t in finder.result.trials if t.fits)  # each trial ran its steps (else SearchError)
-    assert finder.sizes == [(0, 32), (1, 32), (2, 32), (3, 32), (4, found), (5, found)]  # training went on at the new size
+    assert finder.sizes == [
+        (0, 32),
+        (1, 32),
+        (2, 32),
+        (3, 32),
+        (4, found),
+        (5, found),
+    ]  # training went on at the new size
 
 
 def test_keep_effective_batch_size_raises_accumulation(tmp_path):
     module, data = _setup(batch_size=128)
     trainer = _trainer(tmp_path, accumulate_grad_batches=2)
-    result = find_max_batch_size(trainer, module, data, budget=_budget_for(40), keep_effective_batch_size=True, verbose=False)
+    result = find_max_batch_size(
+        trainer, module, data, budget=_budget_for(40), keep_effective_batch_size=True, verbose=False
+    )
     assert data.batch_size * trainer.accumulate_grad_batches == 256
     assert data.batch_size <= result.batch_size and 256 % data.batch_size == 0
 
@@ -207,7 +241,9 @@ def test_bad_input_gets_clear_errors(tmp_path):
     with pytest.raises(MisconfigurationException, match="add self.batch_size"):
         find_max_batch_size(_trainer(tmp_path), fixed, None, budget=10**8)
     with pytest.raises(MisconfigurationException, match="passed straight to trainer.fit"):
-        _trainer(tmp_path, callbacks=[MaxBatchSize(budget=10**8)]).fit(DemoMLP(), train_dataloaders=data.train_dataloader())
+        _trainer(tmp_path, callbacks=[MaxBatchSize(budget=10**8)]).fit(
+            DemoMLP(), train_dataloaders=data.train_dataloader()
+        )
     with pytest.raises(MisconfigurationException, match="smaller than the model's parameters"):
         find_max_batch_size(_trainer(tmp_path), module, data, budget=1000)
     with pytest.raises(MisconfigurationException, match="budget='lots'"):
@@ -246,7 +282,9 @@ def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
     script = tmp_path / "ddp_search.py"
     script.write_text(DDP_SCRIPT)
     small, large = _budget_for(60), _budget_for(200)
-    run_script([str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240)  # kills both ranks on timeout
+    run_script(
+        [str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240
+    )  # kills both ranks on timeout
     answers = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
     assert answers[0] == answers[1], answers
     assert answers[0][2] == answers[0][3], answers  # the search's own gloo group is destroyed after it
@@ -267,7 +305,9 @@ def test_trials_run_in_the_checkpointing_mode_the_trainer_will_train_in(tmp_path
         return module, SyntheticDataModule(batch_size=8, train_size=1024, val_size=16, input_shape=(FEATURES,))
 
     module, data = setup()
-    budget = measure_training_step(module, 300, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))).peak_bytes
+    budget = measure_training_step(
+        module, 300, batch=(torch.randn(2, FEATURES), torch.zeros(2, dtype=torch.int64))
+    ).peak_bytes
     plain = find_max_batch_size(_trainer(tmp_path), module, data, budget=budget, max_val=1024, verbose=False)
     module, data = setup()
     trainer = _trainer(tmp_path, callbacks=[ActivationCheckpointing("auto", verbose=False)])
@@ -284,7 +324,10 @@ def test_a_search_stopped_by_the_dataset_says_so(tmp_path, capsys):
     data = SyntheticDataModule(batch_size=8, train_size=48, val_size=16, input_shape=(FEATURES,))
     result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=1024)
     assert result.batch_size == 48 and result.reason == "dataset" and data.batch_size == 48
-    assert "no larger batch: the train dataset has 48 samples (the dataset, not memory, bounds it); using 48" in capsys.readouterr().out
+    assert (
+        "no larger batch: the train dataset has 48 samples (the dataset, not memory, bounds it); using 48"
+        in capsys.readouterr().out
+    )
 
 
 # ------------------------------------------------------------------------------ as a Lightning user writes it
@@ -339,7 +382,9 @@ def test_the_search_core_stops_before_a_trial_that_would_run_past_max_seconds():
 
 
 START = re.compile(r"^memkit: trial (\d+): batch (\d+) starts(?: \([^)]*\))?, at most ([\d.]+)s", re.M)
-END = re.compile(r"^memkit: trial (\d+): batch (\d+) -> (fits|out of memory|too slow), peak ([^(]+) \(([\d.]+)s\)$", re.M)
+END = re.compile(
+    r"^memkit: trial (\d+): batch (\d+) -> (fits|out of memory|too slow), peak ([^(]+) \(([\d.]+)s\)$", re.M
+)
 
 
 def trial_lines(out):
@@ -369,10 +414,17 @@ def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, 
     assert "each trial runs at most 20s and all trials 60s" in announced, announced
     assert "the first trial is at most batch 4" in announced
     host = parse_bytes(re.search(r"host memory stays under ([\d.]+ [KMG]iB)", announced).group(1).replace(" ", ""))
-    assert probe.peak_is_per_step and peak_rss <= host * 1.005, (peak_rss, host)  # the announced figure is rounded to 3 digits
+    assert probe.peak_is_per_step and peak_rss <= host * 1.005, (
+        peak_rss,
+        host,
+    )  # the announced figure is rounded to 3 digits
     starts, ends = trial_lines(out)
     assert len(starts) == len(ends) == result.trial_count >= 3
-    assert [(n, b) for n, b, _ in starts] == [(n, b) for n, b, _, _ in ends] == [(i + 1, t.batch_size) for i, t in enumerate(result.trials)]
+    assert (
+        [(n, b) for n, b, _ in starts]
+        == [(n, b) for n, b, _, _ in ends]
+        == [(i + 1, t.batch_size) for i, t in enumerate(result.trials)]
+    )
     assert starts[0][1] <= 4 and "(small: it times a step)" in out
     assert all(limit == 20 for _, _, limit in starts)
     assert all(t.seconds <= 20 for t in result.trials)
@@ -381,7 +433,10 @@ def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, 
         assert trial.batch_size <= 4 * max(ran), (trial.batch_size, ran)
     assert result.batch_size == 256 and result.reason == "max_val"
     shapes = result.proved_trial().batch_shapes
-    assert shapes.startswith("batch[0] (256, ") and f"memkit: batch size 256 fits on {shapes} ({result.trial_count} trials" in out
+    assert (
+        shapes.startswith("batch[0] (256, ")
+        and f"memkit: batch size 256 fits on {shapes} ({result.trial_count} trials" in out
+    )
 
 
 SLOW_STEP_S = 3.3  # a step above the cliff: more than half a trial's limit (6 s), so one step is all that runs
@@ -403,7 +458,9 @@ class _SlowAbove(DemoMLP):
 
 
 @pytest.mark.parametrize("fast_up_to", [8, 0], ids=["cliff-above-8", "slow-from-the-first"])
-def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_search(fast_up_to, tmp_path, capsys, monkeypatch):
+def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_search(
+    fast_up_to, tmp_path, capsys, monkeypatch
+):
     """A trial may run 6 s; a step above the cliff takes 3.3 s: after its first step the next would end past 6 s, so the
     trial stops there (too slow) and the search ends with the largest size that ran in time, or, when even the first
     (small) trial was too slow, with that size (its step ran without running out of memory): training goes on."""
@@ -448,7 +505,10 @@ class _ToggledGAN(pl.LightningModule):
         g_opt, d_opt = self.optimizers()
         fake = self.generator(torch.randn(real.shape[0], 8))
         self.toggle_optimizer(d_opt)
-        d_loss = torch.nn.functional.softplus(self.discriminator(fake.detach())).mean() + torch.nn.functional.softplus(-self.discriminator(real)).mean()
+        d_loss = (
+            torch.nn.functional.softplus(self.discriminator(fake.detach())).mean()
+            + torch.nn.functional.softplus(-self.discriminator(real)).mean()
+        )
         d_opt.zero_grad()
         self.manual_backward(d_loss)
         d_opt.step()
@@ -461,7 +521,9 @@ class _ToggledGAN(pl.LightningModule):
         self.untoggle_optimizer(g_opt)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.generator.parameters(), lr=1e-3), torch.optim.Adam(self.discriminator.parameters(), lr=1e-3)
+        return torch.optim.Adam(self.generator.parameters(), lr=1e-3), torch.optim.Adam(
+            self.discriminator.parameters(), lr=1e-3
+        )
 
     def train_dataloader(self):
         data = torch.utils.data.TensorDataset(torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)))
@@ -485,7 +547,9 @@ def test_a_trial_out_of_memory_between_toggle_and_untoggle_leaves_every_paramete
 def test_a_search_without_a_prediction_says_why_not_predicted_none(tmp_path, capsys):
     """No "predicted None": the search's line and its table say the estimate was unavailable, and why."""
     module, data = _setup()
-    result = find_max_batch_size(_trainer(tmp_path), module, data, budget=_budget_for(150), max_val=64, use_estimate=False)
+    result = find_max_batch_size(
+        _trainer(tmp_path), module, data, budget=_budget_for(150), max_val=64, use_estimate=False
+    )
     out = capsys.readouterr().out
     assert "memkit: the estimate was unavailable (use_estimate=False): the search goes by trials alone" in out
     assert result.predicted is None and result.estimate_unavailable == "use_estimate=False"

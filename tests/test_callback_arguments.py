@@ -24,8 +24,18 @@ from lightning_memkit.callbacks.activation_offload import ActivationOffload
 from lightning_memkit.callbacks.auto_fit import AutoFit
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "arguments.md")
-CALLBACKS = {c.__name__: c for c in (MemoryTracker, LayerTrace, MaxBatchSize, ActivationCheckpointing, MemoryDoctor,
-                                     AutoFit, ActivationOffload)}
+CALLBACKS = {
+    c.__name__: c
+    for c in (
+        MemoryTracker,
+        LayerTrace,
+        MaxBatchSize,
+        ActivationCheckpointing,
+        MemoryDoctor,
+        AutoFit,
+        ActivationOffload,
+    )
+}
 
 
 def _table() -> list[tuple[str, str, str, str, str]]:
@@ -47,12 +57,18 @@ def _cases():
     for owner, name, accepted, wrong_type, wrong_value in ROWS:
         for kind, example in (("type", wrong_type), ("value", wrong_value)):
             if example != "—":
-                yield pytest.param(owner, name, accepted, ast.literal_eval(example.strip("`")), id=f"{owner}-{name}-{kind}")
+                yield pytest.param(
+                    owner, name, accepted, ast.literal_eval(example.strip("`")), id=f"{owner}-{name}-{kind}"
+                )
 
 
 def test_every_public_callback_is_in_the_table_with_every_argument():
-    public = {name for name in lightning_memkit.__all__
-              if isinstance(getattr(lightning_memkit, name), type) and issubclass(getattr(lightning_memkit, name), __import__("lightning").pytorch.Callback)}
+    public = {
+        name
+        for name in lightning_memkit.__all__
+        if isinstance(getattr(lightning_memkit, name), type)
+        and issubclass(getattr(lightning_memkit, name), __import__("lightning").pytorch.Callback)
+    }
     assert public == set(CALLBACKS)
     for owner, callback in CALLBACKS.items():
         arguments = [n for n in inspect.signature(callback.__init__).parameters if n != "self"]
@@ -142,14 +158,22 @@ def _cli(tmp_path, callbacks: str, argv=(), run=False):
     return LightningCLI(args=args, run=run, save_config_callback=None)
 
 
-@pytest.mark.parametrize(("callbacks", "argv", "expected"), [
-    ("- class_path: lightning_memkit.LayerTrace\n  init_args:\n    at_steps: [1.5]", (), "at_steps"),
-    ("- class_path: lightning_memkit.MemoryTracker\n  init_args:\n    per_rank: maybe", (), "per_rank"),
-    ("- class_path: lightning_memkit.MaxBatchSize\n  init_args:\n    max_trials: 2.5", (), "max_trials"),
-    ("- class_path: lightning_memkit.LayerTrace\n  init_args:\n    max_results: 0", (), "max_results"),
-    ("- class_path: lightning_memkit.ActivationCheckpointing\n  init_args:\n    policy: [torch.nn.NoSuchLayer]", (), "NoSuchLayer"),
-    ("- class_path: lightning_memkit.MemoryTracker", ("--trainer.callbacks.every_n_steps=1.5",), "every_n_steps"),
-], ids=["yaml-float-steps", "yaml-bool", "yaml-float-count", "yaml-value", "yaml-class-path", "argv-float"])
+@pytest.mark.parametrize(
+    ("callbacks", "argv", "expected"),
+    [
+        ("- class_path: lightning_memkit.LayerTrace\n  init_args:\n    at_steps: [1.5]", (), "at_steps"),
+        ("- class_path: lightning_memkit.MemoryTracker\n  init_args:\n    per_rank: maybe", (), "per_rank"),
+        ("- class_path: lightning_memkit.MaxBatchSize\n  init_args:\n    max_trials: 2.5", (), "max_trials"),
+        ("- class_path: lightning_memkit.LayerTrace\n  init_args:\n    max_results: 0", (), "max_results"),
+        (
+            "- class_path: lightning_memkit.ActivationCheckpointing\n  init_args:\n    policy: [torch.nn.NoSuchLayer]",
+            (),
+            "NoSuchLayer",
+        ),
+        ("- class_path: lightning_memkit.MemoryTracker", ("--trainer.callbacks.every_n_steps=1.5",), "every_n_steps"),
+    ],
+    ids=["yaml-float-steps", "yaml-bool", "yaml-float-count", "yaml-value", "yaml-class-path", "argv-float"],
+)
 def test_lightning_cli_refuses_them_from_yaml_and_the_command_line(tmp_path, capsys, callbacks, argv, expected):
     # a wrong type stops jsonargparse's parsing (SystemExit, its message on stderr); a wrong value stops the
     # callback's constructor, which jsonargparse reports as a ValueError holding memkit's message
@@ -181,7 +205,9 @@ def test_a_yaml_config_with_a_class_path_policy_trains_with_those_blocks_checkpo
 
     class Watch(pl.Callback):
         def on_train_batch_end(self, trainer, module, *args):
-            Seen.wrapped.append([is_checkpointed(m) for m in module.modules() if isinstance(m, torch.nn.TransformerEncoderLayer)])
+            Seen.wrapped.append(
+                [is_checkpointed(m) for m in module.modules() if isinstance(m, torch.nn.TransformerEncoderLayer)]
+            )
 
     cli.trainer.callbacks.append(Watch())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -190,8 +190,11 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     failed = [t for t in trials if not t[1]]
     # both ranks name rank 1; rank 1 adds its own measurement
     assert failed and all(t[3] == "out of memory on rank 1" for t in failed), trials
-    assert all(t[3].startswith("out of memory on rank 1: peak ") and "over the budget of 900.00 KiB" in t[3]
-               for t in ranks[1]["trials"] if not t[1]), ranks[1]["trials"]
+    assert all(
+        t[3].startswith("out of memory on rank 1: peak ") and "over the budget of 900.00 KiB" in t[3]
+        for t in ranks[1]["trials"]
+        if not t[1]
+    ), ranks[1]["trials"]
     found = ranks[0]["found"]
     assert any(t[1] and t[0] == found for t in trials) and all(t[0] > found for t in failed)
     assert all(t[2] <= budget for t in trials if t[1])
@@ -218,11 +221,17 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
         assert [s for s, _ in scalars[f"memory/train/rank1/{tag}"]] == [0, 1, 2], tag
         assert bytes_of(f"memory/train/{tag}") == [max(a, b) for a, b in zip(rank0, rank1)], tag
     # rank 1's extra tensor (4 KiB per sample of the batch found) is live at its step's peak
-    assert all(b > a for a, b in zip(bytes_of("memory/train/rank0/peak_tensor_MiB"), bytes_of("memory/train/rank1/peak_tensor_MiB")))
+    assert all(
+        b > a
+        for a, b in zip(bytes_of("memory/train/rank0/peak_tensor_MiB"), bytes_of("memory/train/rank1/peak_tensor_MiB"))
+    )
 
     # ---- LayerTrace: one file per rank, the user's names and classes, the same modules in the same order
     log_dir = tmp_path / "tb" / "version_0"
-    trace0, trace1 = read_trace(log_dir / "memkit_trace_step1.json"), read_trace(log_dir / "memkit_trace_step1_rank1.json")
+    trace0, trace1 = (
+        read_trace(log_dir / "memkit_trace_step1.json"),
+        read_trace(log_dir / "memkit_trace_step1_rank1.json"),
+    )
     assert (trace0.rank, trace1.rank) == (0, 1) and trace0.errors == trace1.errors == []
     assert trace0.model == trace1.model == "Net"
     assert [(e.module, e.phase) for e in trace0.events] == [(e.module, e.phase) for e in trace1.events]
@@ -309,7 +318,9 @@ def test_activation_checkpointing_steps_aside_for_a_model_that_checkpoints_itsel
 
     model = SelfCheckpointed()
     callback = ActivationCheckpointing({nn.Linear}, verbose=False)
-    with pytest.warns(UserWarning, match=r"already checkpoints 3 module\(s\) with torch's checkpoint_wrapper \(net.0, net.2, net.4\)"):
+    with pytest.warns(
+        UserWarning, match=r"already checkpoints 3 module\(s\) with torch's checkpoint_wrapper \(net.0, net.2, net.4\)"
+    ):
         make_trainer(tmp_path, max_steps=2, callbacks=[callback]).fit(model)
     assert callback.plan is None and not any(is_checkpointed(m) for m in model.modules())
     assert sum(is_checkpoint_wrapper(m) for m in model.modules()) == 3  # the model's own, as it set them up

@@ -26,8 +26,13 @@ from conftest import LinearStack
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MemoryDoctor, MemoryTracker
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.axis import tensorboard_ticks, tensorboard_y_range, tick_label
-from lightning_memkit.tensorboard.layout import (MAX_SERIES_PER_CHART, RANK_CATEGORY, dashboard_layout,
-                                                 layout_from_tags, layout_tags)
+from lightning_memkit.tensorboard.layout import (
+    MAX_SERIES_PER_CHART,
+    RANK_CATEGORY,
+    dashboard_layout,
+    layout_from_tags,
+    layout_tags,
+)
 from lightning_memkit.tensorboard.readable import readable_layout
 from lightning_memkit.tensorboard.rules import MAX_TICK_LABEL, check_dashboard
 from lightning_memkit.units import MiB
@@ -38,7 +43,9 @@ D = 16
 class Blocks(pl.LightningModule):
     """Four residual Linear+ReLU blocks and a head, MSE on (x, y) batches of 4."""
 
-    def __init__(self, checkpoint_itself: bool = False, fail_at_step: int | None = None, skip_batch: int | None = None) -> None:
+    def __init__(
+        self, checkpoint_itself: bool = False, fail_at_step: int | None = None, skip_batch: int | None = None
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.ReLU()) for _ in range(4))
         self.head = nn.Linear(D, 1)
@@ -52,7 +59,9 @@ class Blocks(pl.LightningModule):
     def forward(self, x):
         for block in self.blocks:
             # a user's own activation checkpointing, inside forward
-            x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint_itself else block(x)) + x
+            x = (
+                torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint_itself else block(x)
+            ) + x
         return self.head(x)
 
     def training_step(self, batch, batch_idx):
@@ -73,42 +82,74 @@ class Blocks(pl.LightningModule):
 
 
 def _trainer(root, **overrides) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=1, max_steps=4, default_root_dir=str(root), enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
     options.update(overrides)
     return pl.Trainer(**options)
 
 
 def _memkit_files(root) -> list[str]:
-    return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(str(root), "**", "memkit_*"), recursive=True))
+    return sorted(
+        os.path.relpath(p, root) for p in glob.glob(os.path.join(str(root), "**", "memkit_*"), recursive=True)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- files
 @pytest.mark.parametrize("overrides", [dict(logger=False), dict(fast_dev_run=4)], ids=["logger=False", "fast_dev_run"])
-def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(overrides, tmp_path, monkeypatch, capsys):
+def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(
+    overrides, tmp_path, monkeypatch, capsys
+):
     """``fast_dev_run`` swaps the loggers for a DummyLogger whose log dir is ``default_root_dir`` (the working
     directory by default): memkit_memory.json and memkit_doctor.json landed there. Now no memkit callback
     writes a file without a logger; every result stays on the callback."""
     monkeypatch.chdir(tmp_path)
-    tracker, trace, doctor = MemoryTracker(verbose=True), LayerTrace(at_steps=(1,), verbose=False), MemoryDoctor(verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, callbacks=[tracker, trace, doctor], **overrides)
+    tracker, trace, doctor = (
+        MemoryTracker(verbose=True),
+        LayerTrace(at_steps=(1,), verbose=False),
+        MemoryDoctor(verbose=False),
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[tracker, trace, doctor],
+        **overrides,
+    )
     trainer.fit(LinearStack())
     assert [r.step for r in tracker.history if r.stage == "train"] == [0, 1, 2, 3]
     assert trace.results and trace.results[-1].step == 1 and doctor.report is not None
     assert tracker.records_path is None and doctor.report_path is None and trace.paths == []
     assert _memkit_files(tmp_path) == []
     # and the printed summary says where the readings are
-    assert "memkit readings: no logger, so nothing was logged; every measured step on this tracker's .history; records: no file" \
+    assert (
+        "memkit readings: no logger, so nothing was logged; every measured step on this tracker's .history; records: no file"
         in capsys.readouterr().out
+    )
 
 
 def test_rows_memkit_writes_itself_carry_the_epoch_as_lightnings_rows_do(tmp_path):
     """A module that logs nothing gets memkit's own CSV rows; their epoch read "0.0", "1.0" where
     Lightning's rows read "0", "1" (a user filtering on row["epoch"] == "1" missed them)."""
     logger = CSVLogger(str(tmp_path), name="csv")
-    _trainer(tmp_path, logger=logger, max_steps=-1, max_epochs=2, limit_train_batches=2,
-             callbacks=[MemoryTracker(verbose=False)]).fit(LinearStack())
+    _trainer(
+        tmp_path,
+        logger=logger,
+        max_steps=-1,
+        max_epochs=2,
+        limit_train_batches=2,
+        callbacks=[MemoryTracker(verbose=False)],
+    ).fit(LinearStack())
     with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
         rows = [row for row in csv.DictReader(file) if row.get("memory/train/tensor_MiB")]
     assert [(row["step"], row["epoch"]) for row in rows] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
@@ -125,7 +166,9 @@ def test_a_step_that_raises_leaves_the_exact_readings_and_the_doctors_verdict(tm
         _trainer(tmp_path, logger=logger, max_steps=8, callbacks=[tracker, doctor]).fit(Blocks(fail_at_step=3))
     summary, history = read_records(os.path.join(logger.log_dir, RECORDS_FILENAME))
     assert [r.step for r in history] == [0, 1, 2] and history == list(tracker.history)  # exact bytes, as kept
-    assert summary.extra["ended_by"] == "RuntimeError: boom at step 3" and summary.peak_bytes == tracker.summary.peak_bytes
+    assert (
+        summary.extra["ended_by"] == "RuntimeError: boom at step 3" and summary.peak_bytes == tracker.summary.peak_bytes
+    )
     assert os.path.exists(os.path.join(logger.log_dir, "memkit_doctor.json")) and doctor.report_path is not None
     with open(os.path.join(logger.log_dir, "metrics.csv")) as file:  # the loggers were flushed
         rows = [row for row in csv.DictReader(file) if row.get("memory/train/tensor_MiB")]
@@ -142,7 +185,9 @@ def test_max_batch_size_under_fast_dev_run_says_it_did_not_search(tmp_path):
 
     search = MaxBatchSize(budget="64MiB", max_val=64)
     model = LinearStack(batch_size=8)
-    with pytest.warns(UserWarning, match=r"no batch-size search under fast_dev_run .* uses the batch size as set \(8\)"):
+    with pytest.warns(
+        UserWarning, match=r"no batch-size search under fast_dev_run .* uses the batch size as set \(8\)"
+    ):
         _trainer(tmp_path, fast_dev_run=2, callbacks=[search]).fit(model)
     assert search.result is None and model.batch_size == 8
 
@@ -207,31 +252,45 @@ def test_per_rank_charts_draw_at_most_three_lines_for_any_number_of_ranks(world_
     steps = {tag: len(points) for tag, points in scalars.items()}
     layout = layout_from_tags(steps)
     rank_categories = [c for c in layout if c.startswith(RANK_CATEGORY)]
-    assert rank_categories == ([RANK_CATEGORY] if world_size <= MAX_SERIES_PER_CHART else
-                               [f"{RANK_CATEGORY}: live tensors at step end, exact", f"{RANK_CATEGORY}: host RSS at step end"])
+    assert rank_categories == (
+        [RANK_CATEGORY]
+        if world_size <= MAX_SERIES_PER_CHART
+        else [f"{RANK_CATEGORY}: live tensors at step end, exact", f"{RANK_CATEGORY}: host RSS at step end"]
+    )
     # the layout from the world size at fit start is the one read back off the tags
-    assert {c: layout[c] for c in rank_categories} == {c: charts for c, charts in dashboard_layout(ranks=world_size).items()
-                                                       if c.startswith(RANK_CATEGORY)}
-    charts = {title: regexes for category in rank_categories for title, regexes in layout_tags({category: layout[category]}).items()}
+    assert {c: layout[c] for c in rank_categories} == {
+        c: charts for c, charts in dashboard_layout(ranks=world_size).items() if c.startswith(RANK_CATEGORY)
+    }
+    charts = {
+        title: regexes
+        for category in rank_categories
+        for title, regexes in layout_tags({category: layout[category]}).items()
+    }
     for field in ("tensor_MiB", "host_rss_MiB"):
         for rank in range(world_size):
             tag = f"memory/train/rank{rank}/{field}"
             assert sum(any(re.match(r, tag) for r in regexes) for regexes in charts.values()) == 1, tag
-    assert all(1 <= len([t for t in scalars if any(re.match(r, t) for r in regexes)]) <= MAX_SERIES_PER_CHART
-               for regexes in charts.values())
+    assert all(
+        1 <= len([t for t in scalars if any(re.match(r, t) for r in regexes)]) <= MAX_SERIES_PER_CHART
+        for regexes in charts.values()
+    )
     readable, lines = readable_layout(layout, {"run": scalars})
     assert check_dashboard(readable, {"run": {**scalars, **lines.get("run", {})}}) == []
 
 
-@pytest.mark.parametrize("low, high, title_unit", [(1200.0, 2400.0, "(GiB)"), (1494.0, 1507.0, "(MiB above 1,490 MiB)")])
+@pytest.mark.parametrize(
+    "low, high, title_unit", [(1200.0, 2400.0, "(GiB)"), (1494.0, 1507.0, "(MiB above 1,490 MiB)")]
+)
 def test_charts_of_1000_mib_or_more_have_no_exponent_labels(low, high, title_unit):
     """TensorBoard labels 1,400 MiB "1.4e+3". A chart whose values reach 1,000 MiB is drawn in GiB
     (lines ``memory/dashboard/train/<field>_GiB`` = MiB / 1024 at the same steps); values that move by a
     few MiB there, which in GiB would repeat "1.46", are drawn in MiB above a base. The logged tags stay."""
     steps = 20
-    scalars = {"memory/train/host_rss_MiB": [(s, low + (high - low) * s / (steps - 1)) for s in range(steps)],
-               "memory/train/host_peak_rss_MiB": [(s, low + 1 + (high - low) * s / (steps - 1)) for s in range(steps)],
-               "memory/train/tensor_MiB": [(s, 10.0 + s) for s in range(steps)]}
+    scalars = {
+        "memory/train/host_rss_MiB": [(s, low + (high - low) * s / (steps - 1)) for s in range(steps)],
+        "memory/train/host_peak_rss_MiB": [(s, low + 1 + (high - low) * s / (steps - 1)) for s in range(steps)],
+        "memory/train/tensor_MiB": [(s, 10.0 + s) for s in range(steps)],
+    }
     layout = layout_from_tags({tag: steps for tag in scalars})
     assert any("exponent notation" in p for p in check_dashboard(layout, {"run": scalars}))  # as logged: "1.2e+3" ...
     readable, lines = readable_layout(layout, {"run": scalars})
@@ -244,7 +303,8 @@ def test_charts_of_1000_mib_or_more_have_no_exponent_labels(low, high, title_uni
     if title_unit == "(GiB)":
         assert matched == ["memory/dashboard/train/host_peak_rss_GiB", "memory/dashboard/train/host_rss_GiB"]
         assert [v for _, v in drawn["memory/dashboard/train/host_rss_GiB"]] == pytest.approx(
-            [v / 1024 for _, v in scalars["memory/train/host_rss_MiB"]], abs=1e-6)
+            [v / 1024 for _, v in scalars["memory/train/host_rss_MiB"]], abs=1e-6
+        )
     values = [v for tag in matched for _, v in drawn[tag]]
     labels = [tick_label(t) for t in tensorboard_ticks(*tensorboard_y_range(values))]
     assert all("e" not in label and float(label) < MAX_TICK_LABEL for label in labels), labels
@@ -261,19 +321,33 @@ def test_memkit_report_rebuilds_a_csv_only_run_exactly_and_one_run_per_fit(tmp_p
     from lightning.pytorch.loggers import TensorBoardLogger
 
     trackers = []
-    for version, loggers in enumerate(([CSVLogger(str(tmp_path), name="csv")],
-                                       [TensorBoardLogger(str(tmp_path), name="both"), CSVLogger(str(tmp_path), name="both_csv")])):
+    for version, loggers in enumerate(
+        (
+            [CSVLogger(str(tmp_path), name="csv")],
+            [TensorBoardLogger(str(tmp_path), name="both"), CSVLogger(str(tmp_path), name="both_csv")],
+        )
+    ):
         trackers.append(MemoryTracker(verbose=False))
-        _trainer(tmp_path, logger=loggers, max_steps=3 + version, callbacks=[trackers[-1]]).fit(LinearStack(log_loss=True))
+        _trainer(tmp_path, logger=loggers, max_steps=3 + version, callbacks=[trackers[-1]]).fit(
+            LinearStack(log_loss=True)
+        )
     for path in glob.glob(str(tmp_path / "**" / RECORDS_FILENAME), recursive=True):
         os.remove(path)  # as after a run that was killed
     runs = find_sources(str(tmp_path)).runs
-    assert [(r.name, r.exact, r.rebuilt_from) for r in runs] == [("both_csv/version_0", True, "metrics.csv"),
-                                                                  ("csv/version_0", True, "metrics.csv")]
+    assert [(r.name, r.exact, r.rebuilt_from) for r in runs] == [
+        ("both_csv/version_0", True, "metrics.csv"),
+        ("csv/version_0", True, "metrics.csv"),
+    ]
     readings = lambda history: [(r.step, r.stage, r.values()) for r in history]  # noqa: E731
-    assert [readings(r.history) for r in runs] == [readings(trackers[1].history), readings(trackers[0].history)]  # to the byte
+    assert [readings(r.history) for r in runs] == [
+        readings(trackers[1].history),
+        readings(trackers[0].history),
+    ]  # to the byte
     assert main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
-    assert "2 run(s)" in capsys.readouterr().out and "rebuilt from metrics.csv: float64 MiB, exact bytes" in (tmp_path / "r.html").read_text()
+    assert (
+        "2 run(s)" in capsys.readouterr().out
+        and "rebuilt from metrics.csv: float64 MiB, exact bytes" in (tmp_path / "r.html").read_text()
+    )
 
 
 @pytest.mark.parametrize("path", ["missing_dir", "a_file.txt"])

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.accounting.categories import CATEGORIES, CategoryAttributor, CategoryBreakdown, category_breakdown, cuda_memory_extras
+from lightning_memkit.accounting.categories import (
+    CATEGORIES,
+    CategoryAttributor,
+    CategoryBreakdown,
+    category_breakdown,
+    cuda_memory_extras,
+)
 from lightning_memkit.trace import trace_step
 
 F32 = 4
@@ -114,4 +120,8 @@ def test_breakdown_record_round_trip_and_errors():
 
 
 def test_cuda_extras_are_none_off_cuda():
-    assert cuda_memory_extras("cpu") == {"reserved_minus_allocated_bytes": None, "nvml_unseen_bytes": None, "allocator_allocated_bytes": None}
+    assert cuda_memory_extras("cpu") == {
+        "reserved_minus_allocated_bytes": None,
+        "nvml_unseen_bytes": None,
+        "allocator_allocated_bytes": None,
+    }

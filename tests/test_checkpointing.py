@@ -23,7 +23,9 @@ FLOAT32 = 4
 
 
 def block(width: int = 16) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width), nn.Dropout(0.3), nn.ReLU(), nn.Linear(4 * width, width))
+    return nn.Sequential(
+        nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width), nn.Dropout(0.3), nn.ReLU(), nn.Linear(4 * width, width)
+    )
 
 
 class BlockNet(nn.Module):
@@ -55,7 +57,10 @@ def _assert_same_training_effect(base: nn.Module, other: nn.Module) -> None:
         assert torch.equal(a, b), f"buffer {name} differs: running statistics updated twice?"
 
 
-@pytest.mark.parametrize("policy, count", [("auto", 3), ({nn.Sequential}, 4), (lambda name, m: name.startswith("blocks.") and name.count(".") == 1, 4)])
+@pytest.mark.parametrize(
+    "policy, count",
+    [("auto", 3), ({nn.Sequential}, 4), (lambda name, m: name.startswith("blocks.") and name.count(".") == 1, 4)],
+)
 def test_gradients_and_running_stats_identical_with_dropout_and_batchnorm(policy, count):
     torch.manual_seed(0)
     base = BlockNet()
@@ -285,8 +290,17 @@ def test_auto_cuts_a_plain_sequential_chain_when_no_block_repeats():
     """An MLP's Linear/ReLU stack has no run of same-class children; 'auto' still segments the chain
     (about sqrt(n) segments, the last one plain) and the gradients stay identical."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
     x = torch.randn(5, 8)
     model(x).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -372,7 +386,12 @@ def test_budget_forms_that_say_their_unit():
 class MLP(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.up, self.act, self.drop, self.down = nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width)
+        self.up, self.act, self.drop, self.down = (
+            nn.Linear(width, 4 * width),
+            nn.GELU(),
+            nn.Dropout(0.1),
+            nn.Linear(4 * width, width),
+        )
 
     def forward(self, x):
         return self.down(self.drop(self.act(self.up(x))))
@@ -419,7 +438,9 @@ def test_a_class_policy_with_a_budget_chooses_only_among_its_matches():
     _assert_same_training_effect(base, model)
     handle.remove()
     # the MLPs alone cannot reach what whole blocks can: refused with the figure to ask for, not widened
-    with pytest.raises(ValueError, match=r"cannot be met: checkpointing all 4 candidates \(the modules \{MLP\} matches\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot be met: checkpointing all 4 candidates \(the modules \{MLP\} matches\)"
+    ):
         apply_checkpointing(model, CheckpointBudget(fraction=0.2, within={MLP}), sample=(x,))
     assert apply_checkpointing(model, CheckpointBudget(fraction=0.2), sample=(x,)).plan.count > 0  # blocks can
     with pytest.raises(ValueError, match="matched no module.*MLP"):

@@ -31,7 +31,13 @@ class DropoutBatchNormNet(pl.LightningModule):
         super().__init__()
         self.stem = nn.Linear(8, width)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width), nn.BatchNorm1d(2 * width), nn.Dropout(0.2), nn.ReLU(), nn.Linear(2 * width, width))
+            nn.Sequential(
+                nn.Linear(width, 2 * width),
+                nn.BatchNorm1d(2 * width),
+                nn.Dropout(0.2),
+                nn.ReLU(),
+                nn.Linear(2 * width, width),
+            )
             for _ in range(blocks)
         )
         self.head = nn.Linear(width, 1)
@@ -113,7 +119,10 @@ def test_under_fsdp_it_defers_to_the_strategy_with_a_warning():
     from lightning.pytorch.strategies import FSDPStrategy
 
     model = DropoutBatchNormNet()
-    for strategy, says in ((FSDPStrategy(), "Pass FSDPStrategy"), (FSDPStrategy(activation_checkpointing_policy={nn.Sequential}), "strategy's")):
+    for strategy, says in (
+        (FSDPStrategy(), "Pass FSDPStrategy"),
+        (FSDPStrategy(activation_checkpointing_policy={nn.Sequential}), "strategy's"),
+    ):
         callback = ActivationCheckpointing("auto")
         with pytest.warns(UserWarning, match=says):
             callback.setup(SimpleNamespace(strategy=strategy), model, "fit")
@@ -150,8 +159,15 @@ def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
     script = tmp_path / "ddp_ckpt.py"
     script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
     env = dict(os.environ, PL_DISABLE_FORK="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=150)
     except subprocess.TimeoutExpired:
@@ -179,14 +195,24 @@ def test_measuring_forwards_stay_out_of_the_first_step_reading_whatever_the_orde
     from live_tensors import live_tensor_bytes
 
     peaks = []
-    for order in ("warm_up", "tracker_first", "checkpoint_first"):  # the first fit makes torch's and Lightning's lazy globals
+    for order in (
+        "warm_up",
+        "tracker_first",
+        "checkpoint_first",
+    ):  # the first fit makes torch's and Lightning's lazy globals
         gc.collect()
         before = live_tensor_bytes()  # the tracker's reading is the whole process's: compare what the fit adds
         tracker = MemoryTracker(verbose=False)
         checkpointing = ActivationCheckpointing(budget=0.5, verbose=False)
         callbacks = [tracker, checkpointing] if order == "tracker_first" else [checkpointing, tracker]
         _fit(DropoutBatchNormNet(blocks=6), tmp_path / order, callbacks)
-        peaks.append([r.peak_tensor_bytes - before for r in tracker.history if r.stage == "train" and r.peak_tensor_bytes is not None])
+        peaks.append(
+            [
+                r.peak_tensor_bytes - before
+                for r in tracker.history
+                if r.stage == "train" and r.peak_tensor_bytes is not None
+            ]
+        )
     assert peaks[1] and peaks[1] == peaks[2]
 
 
@@ -195,8 +221,16 @@ def _small_transformer(batch_size: int = 16):
     from lightning_memkit.zoo import DemoTransformer
 
     torch.manual_seed(0)
-    return DemoTransformer(vocab_size=100, d_model=32, nhead=4, layers=4, dim_feedforward=64, seq_len=32, dropout=0.1,
-                           batch_size=batch_size)
+    return DemoTransformer(
+        vocab_size=100,
+        d_model=32,
+        nhead=4,
+        layers=4,
+        dim_feedforward=64,
+        seq_len=32,
+        dropout=0.1,
+        batch_size=batch_size,
+    )
 
 
 class _Step0Probe(pl.Callback):
@@ -304,7 +338,9 @@ def test_budget_units_are_unambiguous_and_a_class_policy_limits_the_budget(tmp_p
         def __init__(self, width=32):
             super().__init__()
             self.mix = nn.Linear(width, width)
-            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width))
+            self.mlp = nn.Sequential(
+                nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * width, width)
+            )
 
         def forward(self, x):
             h = x + torch.tanh(self.mix(x))

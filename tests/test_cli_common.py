@@ -44,12 +44,24 @@ def test_json_object_explains_what_to_write():
 
 
 def test_estimate_builds_the_module_with_init_args(capsys):
-    status = main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"depth": 1, "hidden": 32}',
-                   "--device", "cpu", "--device-memory", "1GiB"])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit.zoo:DemoMLP",
+            "--init-args",
+            '{"depth": 1, "hidden": 32}',
+            "--device",
+            "cpu",
+            "--device-memory",
+            "1GiB",
+        ]
+    )
     assert status == 0
     out = capsys.readouterr().out
     assert "baseline" in out and "max batch" in out
-    assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"dept": 1}', "--device-memory", "1GiB"]) == 2
+    assert (
+        main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"dept": 1}', "--device-memory", "1GiB"]) == 2
+    )
     assert "unexpected keyword argument 'dept'" in capsys.readouterr().err
 
 
@@ -59,9 +71,11 @@ def test_user_file_errors_and_wrong_classes_get_a_message_not_a_traceback(tmp_pa
     missing = tmp_path / "needs_missing.py"
     missing.write_text("import memkit_no_such_package_xyz\n")
     plain = tmp_path / "plain.py"
-    plain.write_text("import torch\nimport lightning.pytorch as pl\n\nclass Plain(torch.nn.Module):\n    pass\n\n"
-                     "class NoData(pl.LightningModule):\n    def configure_optimizers(self):\n"
-                     "        return torch.optim.SGD(self.parameters(), 0.1)\n")
+    plain.write_text(
+        "import torch\nimport lightning.pytorch as pl\n\nclass Plain(torch.nn.Module):\n    pass\n\n"
+        "class NoData(pl.LightningModule):\n    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), 0.1)\n"
+    )
     assert main(["trace", f"{broken}:X"]) == 2
     assert "broken.py, line 1" in capsys.readouterr().err
     assert main(["compare", f"{missing}:X"]) == 2
@@ -71,7 +85,10 @@ def test_user_file_errors_and_wrong_classes_get_a_message_not_a_traceback(tmp_pa
     assert main(["estimate", f"{plain}:Plain", "--device-memory", "1GiB"]) == 2
     assert "not a LightningModule class" in capsys.readouterr().err
     assert main(["estimate", f"{plain}:NoData", "--device-memory", "1GiB"]) == 2
-    assert "NoData defines no train_dataloader(); give the datamodule that feeds it with --datamodule" in capsys.readouterr().err
+    assert (
+        "NoData defines no train_dataloader(); give the datamodule that feeds it with --datamodule"
+        in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
@@ -86,19 +103,61 @@ def test_settings_lightning_rejects_and_bad_sizes_get_a_message_not_a_traceback(
     assert "--batch-size 0: give a positive integer" in capsys.readouterr().err
     assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--val-batches", "-1", "--logdir", str(tmp_path)]) == 2
     assert "--val-batches -1" in capsys.readouterr().err
-    assert main(["compare", "lightning_memkit.zoo:DemoMLP", "--accelerator", "tpuu", "--steps", "1", "--modes", "baseline",
-                 "--no-figures", "--logdir", str(tmp_path)]) == 1
+    assert (
+        main(
+            [
+                "compare",
+                "lightning_memkit.zoo:DemoMLP",
+                "--accelerator",
+                "tpuu",
+                "--steps",
+                "1",
+                "--modes",
+                "baseline",
+                "--no-figures",
+                "--logdir",
+                str(tmp_path),
+            ]
+        )
+        == 1
+    )
     assert "mode baseline failed: ValueError: You selected an invalid accelerator name" in capsys.readouterr().err
 
 
 def test_an_output_path_that_cannot_be_written_is_a_message_not_a_traceback(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    status = main(["estimate", "lightning_memkit.zoo:DemoMLP", "--init-args", '{"depth": 1, "hidden": 32}', "--device", "cpu",
-                   "--device-memory", "1GiB", "--json", str(blocker / "out.json")])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit.zoo:DemoMLP",
+            "--init-args",
+            '{"depth": 1, "hidden": 32}',
+            "--device",
+            "cpu",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            str(blocker / "out.json"),
+        ]
+    )
     assert status == 1
-    assert f"{blocker / 'out.json'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err
-    status = main(["compare", "lightning_memkit.zoo:DemoMLP", "--steps", "1", "--modes", "baseline", "--logdir", str(blocker / "cmp")])
+    assert (
+        f"{blocker / 'out.json'}: Not a directory; give a path in a directory you can write to"
+        in capsys.readouterr().err
+    )
+    status = main(
+        [
+            "compare",
+            "lightning_memkit.zoo:DemoMLP",
+            "--steps",
+            "1",
+            "--modes",
+            "baseline",
+            "--logdir",
+            str(blocker / "cmp"),
+        ]
+    )
     assert status == 1
     assert f"{blocker / 'cmp'}: Not a directory; give a path in a directory you can write to" in capsys.readouterr().err
 
@@ -127,8 +186,21 @@ def test_a_file_inside_a_package_is_imported_from_the_package_root(tmp_path, mon
 def test_estimate_prints_a_row_for_a_checkpoint_budget_mode(capsys):
     # DemoMLP's three blocks cannot meet half the baseline's activations: the mode gets its row (dashes), the
     # reason on stderr, and the command fails as for any mode that failed
-    assert main(["estimate", "lightning_memkit.zoo:DemoMLP", "--device", "cpu", "--device-memory", "1GiB",
-                 "--modes", "baseline,checkpoint:budget=0.5"]) == 1
+    assert (
+        main(
+            [
+                "estimate",
+                "lightning_memkit.zoo:DemoMLP",
+                "--device",
+                "cpu",
+                "--device-memory",
+                "1GiB",
+                "--modes",
+                "baseline,checkpoint:budget=0.5",
+            ]
+        )
+        == 1
+    )
     captured = capsys.readouterr()
     rows = [line.split()[0] for line in captured.out.splitlines() if line.strip()]
     assert "baseline" in rows and "checkpoint:budget=0.5" in rows

@@ -20,8 +20,13 @@ HANG_S = 280
 
 
 def _memkit(*args: str, cwd, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_memkit.cli", *args], cwd=str(cwd), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_memkit.cli", *args],
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
@@ -31,7 +36,11 @@ def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
     assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
     # the demo trains where a user's Trainer would (accelerator "auto"): the peak is the CUDA allocator's
     # on a GPU machine, the exact tensor accountant's on CPU
-    peak_field, peak_tag = ("peak_allocated_bytes", "peak_allocated_MiB") if torch.cuda.is_available() else ("peak_tensor_bytes", "peak_tensor_MiB")
+    peak_field, peak_tag = (
+        ("peak_allocated_bytes", "peak_allocated_MiB")
+        if torch.cuda.is_available()
+        else ("peak_tensor_bytes", "peak_tensor_MiB")
+    )
     assert "memkit memory summary" in out and "run peak" in out and f"({peak_field})" in out
     assert "steps measured" in out
     # what the run peak counts (the whole process), next to the layer trace's step: the numbers of the summary above
@@ -40,7 +49,9 @@ def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
     assert f"What the peaks count: the run peak ({peak} at step {step}) is the whole process, " in out
     # DemoMLP's 512 training samples of 64 float32 and an int64 label each
     assert f"The training dataset's tensors alone are {format_bytes(512 * 64 * 4 + 512 * 8)}." in out
-    assert re.search(r"^The layer trace's peak \([\d.]+ \w+ at step 1\) counts the traced step's tensors", out, flags=re.M)
+    assert re.search(
+        r"^The layer trace's peak \([\d.]+ \w+ at step 1\) counts the traced step's tensors", out, flags=re.M
+    )
     scalars = read_scalars(str(tmp_path / "logs" / "demo-mlp"))
     assert [s for s, _ in scalars[f"memory/train/{peak_tag}"]] == [0, 1, 2, 3]
     assert [s for s, _ in scalars[f"memory/val/{peak_tag}"]] == [1, 3]

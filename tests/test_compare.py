@@ -32,8 +32,14 @@ def tiny_transformer():
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
-    return compare_modes(tiny_transformer, modes="baseline,bf16,checkpoint,bf16+checkpoint", max_steps=3, accelerator="cpu",
-                         root_dir=str(root), verbose=False)
+    return compare_modes(
+        tiny_transformer,
+        modes="baseline,bf16,checkpoint,bf16+checkpoint",
+        max_steps=3,
+        accelerator="cpu",
+        root_dir=str(root),
+        verbose=False,
+    )
 
 
 def test_every_mode_runs_and_peaks_are_the_trackers_exact_bytes(compared):
@@ -87,12 +93,19 @@ def test_step_times_median_and_spread_over_the_steps_after_warm_up(compared):
         timed = r.step_times_s[1:]
         q1, _, q3 = statistics.quantiles(timed, n=4, method="inclusive")
         assert r.median_step_time_s == statistics.median(timed)
-        assert (r.step_time_q1_s, r.step_time_q3_s, r.step_time_min_s, r.step_time_max_s) == (q1, q3, min(timed), max(timed))
+        assert (r.step_time_q1_s, r.step_time_q3_s, r.step_time_min_s, r.step_time_max_s) == (
+            q1,
+            q3,
+            min(timed),
+            max(timed),
+        )
         assert r.throughput_samples_per_s == 8 / r.median_step_time_s
         if r is base:
             assert r.step_time_within_noise is None
         else:  # the rule, independently: the two interquartile ranges overlap
-            assert r.step_time_within_noise == (r.step_time_q1_s <= base.step_time_q3_s and base.step_time_q1_s <= r.step_time_q3_s)
+            assert r.step_time_within_noise == (
+                r.step_time_q1_s <= base.step_time_q3_s and base.step_time_q1_s <= r.step_time_q3_s
+            )
     table = compared.format_table()
     assert "step ms: median of 2 timed steps after 1 warm-up step(s)" in table and "time.perf_counter" in table
     assert "only 2 timed step(s)" in table  # too few to trust: the table says so
@@ -108,8 +121,15 @@ def test_modes_do_not_see_each_other_and_compare_leaves_nothing_behind(tmp_path)
     before = live_tensor_bytes()
     # the same mode twice: the second must not count the first's model, gradients and optimizer state
     # (a Trainer <-> module cycle keeps them until the cycle collector runs)
-    result = compare_modes(tiny_transformer, modes=["baseline", Mode(name="again")], max_steps=2, accelerator="cpu",
-                           root_dir=str(tmp_path), verbose=False, write=False)
+    result = compare_modes(
+        tiny_transformer,
+        modes=["baseline", Mode(name="again")],
+        max_steps=2,
+        accelerator="cpu",
+        root_dir=str(tmp_path),
+        verbose=False,
+        write=False,
+    )
     first, again = result["baseline"], result["again"]
     assert first.peak_source == again.peak_source == "peak_tensor_bytes"
     assert again.peak_allocated_bytes == first.peak_allocated_bytes and again.peak_ratio == 1.0
@@ -120,10 +140,22 @@ def test_modes_do_not_see_each_other_and_compare_leaves_nothing_behind(tmp_path)
 def test_the_warm_up_is_validated_and_all_steps_are_timed_without_it(tmp_path):
     with pytest.raises(ValueError, match="warmup_steps"):
         compare_modes(tiny_transformer, max_steps=2, warmup_steps=-1)
-    result = compare_modes(tiny_transformer, modes="baseline", max_steps=2, accelerator="cpu", root_dir=str(tmp_path),
-                           verbose=False, write=False, warmup_steps=0)
+    result = compare_modes(
+        tiny_transformer,
+        modes="baseline",
+        max_steps=2,
+        accelerator="cpu",
+        root_dir=str(tmp_path),
+        verbose=False,
+        write=False,
+        warmup_steps=0,
+    )
     base = result["baseline"]
-    assert base.warmup_steps == 0 and base.timed_steps == 2 and base.median_step_time_s == statistics.median(base.step_times_s)
+    assert (
+        base.warmup_steps == 0
+        and base.timed_steps == 2
+        and base.median_step_time_s == statistics.median(base.step_times_s)
+    )
 
 
 def test_files_csv_json_figures_and_tensorboard(compared):
@@ -163,8 +195,15 @@ STATE_BOUND = dict(vocab_size=50, d_model=128, nhead=2, layers=3, dim_feedforwar
 
 def test_a_checkpoint_mode_that_does_not_lower_the_peak_is_marked_and_warned_about(tmp_path):
     with pytest.warns(CheckpointWarning) as caught:
-        result = compare_modes(lambda: zoo.DemoTransformer(**STATE_BOUND), modes="baseline,checkpoint", max_steps=2,
-                               accelerator="cpu", root_dir=str(tmp_path), verbose=False, figures=False)
+        result = compare_modes(
+            lambda: zoo.DemoTransformer(**STATE_BOUND),
+            modes="baseline,checkpoint",
+            max_steps=2,
+            accelerator="cpu",
+            root_dir=str(tmp_path),
+            verbose=False,
+            figures=False,
+        )
     base, checkpoint = result["baseline"], result["checkpoint"]
     assert checkpoint.status == "ok" and checkpoint.checkpoint_names == ["blocks.0", "blocks.1"]
     assert checkpoint.peak_allocated_bytes >= base.peak_allocated_bytes
@@ -199,8 +238,15 @@ def test_the_lowest_bars_ratio_is_in_its_marker_label_not_under_the_dot(compared
 
 def test_a_mode_that_cannot_run_is_reported_and_the_others_still_run(tmp_path):
     # one Linear layer: no repeated block, no chain to cut, so checkpoint:auto cannot run
-    result = compare_modes(lambda: LinearStack(dims=(32, 16)), modes=["baseline", "checkpoint"], max_steps=2, accelerator="cpu",
-                           root_dir=str(tmp_path), verbose=False, figures=False)
+    result = compare_modes(
+        lambda: LinearStack(dims=(32, 16)),
+        modes=["baseline", "checkpoint"],
+        max_steps=2,
+        accelerator="cpu",
+        root_dir=str(tmp_path),
+        verbose=False,
+        figures=False,
+    )
     assert result["baseline"].status == "ok"
     assert result["checkpoint"].status == "failed" and "found no repeated blocks" in result["checkpoint"].error
     assert result["baseline"].peak_ratio == 1.0 and result["checkpoint"].peak_ratio is None
@@ -212,18 +258,39 @@ def test_a_mode_that_cannot_run_is_reported_and_the_others_still_run(tmp_path):
 
 def test_cli_compare(tmp_path, capsys):
     spec = f"{zoo.__file__}:DemoTransformer"
-    args = ["compare", spec, "--modes", "baseline,checkpoint", "--steps", "2", "--accelerator", "cpu", "--no-figures",
-            "--logdir", str(tmp_path), "--init-args", json.dumps(TINY)]
+    args = [
+        "compare",
+        spec,
+        "--modes",
+        "baseline,checkpoint",
+        "--steps",
+        "2",
+        "--accelerator",
+        "cpu",
+        "--no-figures",
+        "--logdir",
+        str(tmp_path),
+        "--init-args",
+        json.dumps(TINY),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "memkit compare (cpu, 2 steps, ratios vs baseline)" in out and "checkpoint" in out
     written = read_compare(str(tmp_path))
     assert written["checkpoint"].checkpoint_regions == 2
     # one line per mode as it ends, before the table: its peak as compare.json has it, its median step time, its steps
-    progress = re.findall(r"^memkit compare: mode (\d)/2 (\S+): peak ([^,]+), ([\d.]+) ms/step, (\d+) steps \(([\d.]+)s\)$", out, flags=re.M)
+    progress = re.findall(
+        r"^memkit compare: mode (\d)/2 (\S+): peak ([^,]+), ([\d.]+) ms/step, (\d+) steps \(([\d.]+)s\)$",
+        out,
+        flags=re.M,
+    )
     assert [(n, mode, peak, steps) for n, mode, peak, _, steps, _ in progress] == [
-        (str(i + 1), mode, format_bytes(written[mode].peak_allocated_bytes), "2") for i, mode in enumerate(("baseline", "checkpoint"))]
-    assert [float(ms) for _, _, _, ms, _, _ in progress] == [round(written[m].median_step_time_s * 1000, 1) for m in ("baseline", "checkpoint")]
+        (str(i + 1), mode, format_bytes(written[mode].peak_allocated_bytes), "2")
+        for i, mode in enumerate(("baseline", "checkpoint"))
+    ]
+    assert [float(ms) for _, _, _, ms, _, _ in progress] == [
+        round(written[m].median_step_time_s * 1000, 1) for m in ("baseline", "checkpoint")
+    ]
     assert out.index("memkit compare: mode 2/2") < out.index("memkit compare (cpu, 2 steps")
     assert main(args[:4] + ["--modes", "baseline", "--steps", "1", "--no-progress"] + args[8:]) == 0
     assert "memkit compare: mode" not in capsys.readouterr().out
@@ -268,7 +335,9 @@ def test_cli_compare_names_the_flag_for_a_wrong_datamodule(tmp_path, capsys):
     assert "DemoTransformer: that is a LightningModule, not a LightningDataModule" in err and err.count("\n") == 1, err
     assert main(base + ["--datamodule", f"{tmp_path / 'gpt_nobs.py'}:NoLoaders"]) == 2
     err = capsys.readouterr().err
-    assert "NoLoaders: it has no train_dataloader(); give a LightningDataModule class" in err and err.count("\n") == 1, err
+    assert (
+        "NoLoaders: it has no train_dataloader(); give a LightningDataModule class" in err and err.count("\n") == 1
+    ), err
     assert main(base + ["--warmup-steps", "-1"]) == 2
     assert "--warmup-steps -1: give 0 or more" in capsys.readouterr().err
     assert not (tmp_path / "logs" / "compare.json").exists()  # nothing trained
@@ -276,8 +345,21 @@ def test_cli_compare_names_the_flag_for_a_wrong_datamodule(tmp_path, capsys):
 
 def test_cli_compare_warns_in_one_line_when_checkpointing_does_not_lower_the_peak(tmp_path, capsys):
     spec = f"{zoo.__file__}:DemoTransformer"
-    args = ["compare", spec, "--modes", "baseline,checkpoint", "--steps", "2", "--accelerator", "cpu", "--no-figures",
-            "--logdir", str(tmp_path), "--init-args", json.dumps(STATE_BOUND)]
+    args = [
+        "compare",
+        spec,
+        "--modes",
+        "baseline,checkpoint",
+        "--steps",
+        "2",
+        "--accelerator",
+        "cpu",
+        "--no-figures",
+        "--logdir",
+        str(tmp_path),
+        "--init-args",
+        json.dumps(STATE_BOUND),
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     checkpoint = read_compare(str(tmp_path))["checkpoint"]

@@ -84,7 +84,9 @@ class _ProfiledSteps(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._profile.__exit__(None, None, None)
         # the allocator's events as kineto recorded them (profile.events() folds most into their ops)
-        memory = sorted((e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]")
+        memory = sorted(
+            (e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
         running = highest = 0
         for _, nbytes in memory:
             running += nbytes
@@ -99,11 +101,30 @@ def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_
     # that earlier tests left to torch's and the libraries' caches (on GPT-2, 62 KB seen by the tracker's reading and
     # not by this test's gc walk), so the comparison runs in a fresh process of its own.
     if os.environ.get("MEMKIT_COMPILE_ISOLATED") != "1":
-        test_id = f"{__file__}::test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak[{make.__name__}]"
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test_id,
-                                 "--basetemp", str(tmp_path / "isolated")],
-                                env={**os.environ, "MEMKIT_COMPILE_ISOLATED": "1"}, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), result.stdout[-3000:] + result.stderr[-2000:]
+        test_id = (
+            f"{__file__}::test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak[{make.__name__}]"
+        )
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-x",
+                test_id,
+                "--basetemp",
+                str(tmp_path / "isolated"),
+            ],
+            env={**os.environ, "MEMKIT_COMPILE_ISOLATED": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), (
+            result.stdout[-3000:] + result.stderr[-2000:]
+        )
         return
     from lightning_memkit import MemoryTracker
 
@@ -116,7 +137,9 @@ def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_
     _fit(model, tmp_path / "tracked", [tracker, counts], steps=4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert len(counts.per_step) == 4 and min(counts.per_step) >= 1, counts.per_step  # compiled graphs ran at every step
-    assert tracker.summary.extra["compiled"]["parts"] == [next(n for n, m in model.named_children() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule))]
+    assert tracker.summary.extra["compiled"]["parts"] == [
+        next(n for n, m in model.named_children() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule))
+    ]
     peaks = [r.peak_tensor_bytes for r in tracker.history]
     assert None not in peaks
 
@@ -222,12 +245,16 @@ def test_layer_trace_of_a_compiled_model_runs_compiled_with_rows_only_where_real
     result = trace.results[0]
     region = next(n for n, m in model.named_children() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule))
     modules = {e.module for e in result.module_events()}
-    assert modules == {region}  # the compiled region only: nothing inside compiled code (training_step calls no forward of the root)
+    assert modules == {
+        region
+    }  # the compiled region only: nothing inside compiled code (training_step calls no forward of the root)
     forward = result.module_events("forward", region)[0]
     pre = result.module_events("pre-forward", region)[0]
     outputs = forward.live_bytes - pre.live_bytes - forward.saved_bytes
     assert forward.saved_bytes > 0 and outputs > 0  # the compiled graph's saved activations, and its outputs
-    assert result.peak_bytes >= max(e.live_bytes for e in result.events) and result.notes and "compiled" in result.notes[0]
+    assert (
+        result.peak_bytes >= max(e.live_bytes for e in result.events) and result.notes and "compiled" in result.notes[0]
+    )
     assert "note: compiled model" in result.format_table()
 
 
@@ -265,7 +292,12 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
         model = CompiledGPT2(backend=backend, layers=3)
         counts = GraphCallsPerStep(backend)
         tracker = MemoryTracker(tensor_peak_every_n_steps=1, verbose=False)
-        callbacks = [tracker, LayerTrace(at_steps=(2,), verbose=False, figure=False), MemoryDoctor(verbose=False), counts]
+        callbacks = [
+            tracker,
+            LayerTrace(at_steps=(2,), verbose=False, figure=False),
+            MemoryDoctor(verbose=False),
+            counts,
+        ]
         if checkpointed:
             callbacks.insert(0, ActivationCheckpointing("auto", verbose=False))
         _fit(model, tmp_path / str(checkpointed), callbacks, steps=4)

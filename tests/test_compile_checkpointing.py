@@ -44,8 +44,19 @@ class PaddedGPT2(pl.LightningModule):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=256, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            n_positions=128,
+            vocab_size=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            loss_type="ForCausalLM",
+        )
         assert config.use_cache  # the trigger: the default
         self.model = GPT2LMHeadModel(config)
         if backend is not None:

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.cuda
 # A transformer whose step is activation-bound and GPU-bound: 8 post-norm encoder blocks, d 512, ff 2048,
 # 32 sequences of 512 tokens (about 5 GiB of fp32 activations against about 0.3 GiB of weights,
 # gradients and Adam state; tens of ms of fp32 matmuls per step on an H100).
-ACTIVATION_BOUND = dict(vocab_size=1000, d_model=512, nhead=8, layers=8, dim_feedforward=2048, seq_len=512, batch_size=32)
+ACTIVATION_BOUND = dict(
+    vocab_size=1000, d_model=512, nhead=8, layers=8, dim_feedforward=2048, seq_len=512, batch_size=32
+)
 # A small one for the fits that only need to run.
 SMALL = dict(vocab_size=100, d_model=64, nhead=4, layers=3, dim_feedforward=128, seq_len=32, batch_size=8)
 
@@ -47,9 +49,18 @@ SYNC_WARNING = "synchronizing CUDA operation"  # torch's text under set_sync_deb
 
 def _trainer(tmp_path, callbacks=(), **overrides) -> pl.Trainer:
     options = dict(
-        accelerator="gpu", devices=1, max_steps=6, logger=False, default_root_dir=str(tmp_path), callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        limit_val_batches=0, log_every_n_steps=1,
+        accelerator="gpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
     )
     options.update(overrides)
     return pl.Trainer(**options)
@@ -104,8 +115,16 @@ def _count_sync_warnings(tmp_path, callbacks) -> int:
 def compared(tmp_path_factory):
     """baseline, bf16 and checkpoint on the activation-bound transformer, 20 steps each."""
     root = tmp_path_factory.mktemp("compare_cuda")
-    return compare_modes(lambda: zoo.DemoTransformer(**ACTIVATION_BOUND), modes="baseline,bf16,checkpoint", max_steps=20,
-                         accelerator="gpu", root_dir=str(root), val_batches=0, verbose=False, figures=False)
+    return compare_modes(
+        lambda: zoo.DemoTransformer(**ACTIVATION_BOUND),
+        modes="baseline,bf16,checkpoint",
+        max_steps=20,
+        accelerator="gpu",
+        root_dir=str(root),
+        val_batches=0,
+        verbose=False,
+        figures=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -164,7 +183,7 @@ def test_compare_step_time_is_within_10_percent_of_a_synchronized_measurement(co
     pl.seed_everything(0, verbose=False)
     truth = SynchronizedStepTime()
     _trainer(tmp_path, [MemoryTracker(verbose=False), truth], max_steps=20).fit(zoo.DemoTransformer(**ACTIVATION_BOUND))
-    synchronized = statistics.median(truth.times_s[measured.warmup_steps:])
+    synchronized = statistics.median(truth.times_s[measured.warmup_steps :])
     assert abs(measured.median_step_time_s / synchronized - 1) <= 0.10, (measured.median_step_time_s, synchronized)
 
 
@@ -264,8 +283,19 @@ def test_memkit_estimate_check_prints_the_estimate_against_two_real_steps_and_le
     fit_two_steps("32-true")  # warm-up: cuBLAS workspaces (main and autograd threads), context
     before = torch.cuda.memory_allocated()
     out_json = tmp_path / "check.json"
-    status = main(["estimate", "lightning_memkit.zoo:DemoTransformer", "--init-args", json.dumps(SMALL),
-                   "--modes", "baseline,bf16", "--check", "--json", str(out_json)])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit.zoo:DemoTransformer",
+            "--init-args",
+            json.dumps(SMALL),
+            "--modes",
+            "baseline,bf16",
+            "--check",
+            "--json",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     # the check's copies, trainers and cached blocks are gone
@@ -275,7 +305,9 @@ def test_memkit_estimate_check_prints_the_estimate_against_two_real_steps_and_le
     results = {r["mode"]: r for r in json.loads(out_json.read_text())["results"]}
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("mode") and "allocated real" in line)
-    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip()) for line in lines[start + 2:start + 4]}
+    rows = {
+        re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip()) for line in lines[start + 2 : start + 4]
+    }
     for mode, precision in (("baseline", "32-true"), ("bf16", "bf16-mixed")):
         check, cuda = results[mode]["check"], results[mode]["estimate"]["cuda"]
         assert check["steps"] == 2
@@ -284,10 +316,13 @@ def test_memkit_estimate_check_prints_the_estimate_against_two_real_steps_and_le
         assert (check["peak_allocated_bytes"], check["peak_reserved_bytes"]) == fit_two_steps(precision)
         real_allocated, real_reserved = check["peak_allocated_bytes"], check["peak_reserved_bytes"]
         assert rows[mode][2:] == [
-            format_bytes(cuda["peak_allocated_bytes"]), format_bytes(real_allocated),
+            format_bytes(cuda["peak_allocated_bytes"]),
+            format_bytes(real_allocated),
             f"{(cuda['peak_allocated_bytes'] - real_allocated) / real_allocated:+.1%}",
-            format_bytes(cuda["peak_reserved_bytes"]), format_bytes(real_reserved),
-            f"{(cuda['peak_reserved_bytes'] - real_reserved) / real_reserved:+.1%}"]
+            format_bytes(cuda["peak_reserved_bytes"]),
+            format_bytes(real_reserved),
+            f"{(cuda['peak_reserved_bytes'] - real_reserved) / real_reserved:+.1%}",
+        ]
 
 
 def test_one_fsdp2_rank_on_the_device_against_the_world_size_1_estimate(tmp_path):
@@ -453,8 +488,14 @@ def test_a_trial_runs_under_an_allocator_capped_at_the_budget(wide_records):
     probe = torch.empty(cap, dtype=torch.uint8, device="cuda")  # uncapped again
     del probe
     assert row.measured_allocated_bytes <= row.measured_reserved_bytes <= cap
-    assert note.startswith("ran: ") and (f"peaks {format_bytes(row.measured_allocated_bytes)} allocated, "
-                                         f"{format_bytes(row.measured_reserved_bytes)} reserved") in note
+    assert (
+        note.startswith("ran: ")
+        and (
+            f"peaks {format_bytes(row.measured_allocated_bytes)} allocated, "
+            f"{format_bytes(row.measured_reserved_bytes)} reserved"
+        )
+        in note
+    )
     assert f"allocator capped at {format_bytes(cap)}" in note
     # over the cap: out of memory, as a card of 640 MiB would
     wide_records.probe_bytes = 0
@@ -487,8 +528,9 @@ def test_a_plan_runs_its_trials_on_the_device_it_names(wide_records):
 
     torch.cuda.set_device(0)
     torch.cuda.reset_peak_memory_stats(0)
-    plan = plan_fit(_Wide(), device="cuda:1", device_memory="2GiB", trials=1, verbose=False, warmup_steps=1,
-                    timed_steps=2)
+    plan = plan_fit(
+        _Wide(), device="cuda:1", device_memory="2GiB", trials=1, verbose=False, warmup_steps=1, timed_steps=2
+    )
     assert plan.fits_as_is, plan.table()
     assert set(wide_records.devices) == {torch.device("cuda", 1)}
     assert torch.cuda.current_device() == 0
@@ -502,7 +544,7 @@ def test_an_fp16_trial_runs_until_its_optimizer_state_exists(wide_records):
     weight were allocated (the peak holds weights, gradients and both states) and the skipped steps are not timed."""
     from lightning_memkit.plan import Candidate
 
-    module = _Wide(width=1024, loss_scale=2.0 ** 20)
+    module = _Wide(width=1024, loss_scale=2.0**20)
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     fits, note, row = _trial(module, Candidate(8, 1, "16-mixed"), 64 * GiB, warmup=1, timed=4)
     assert fits, note

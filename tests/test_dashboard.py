@@ -39,18 +39,37 @@ def test_every_chart_matches_tags_memory_tracker_logs():
     matched = _matches(layout, train | val | ranks)
     assert all(matched.values()), [t for t, m in matched.items() if not m]
     assert all(len(m) <= 3 for m in matched.values()), matched  # 2 ranks: at most 2 lines on a per-rank chart
-    assert matched["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == {"memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"}
-    assert matched["CUDA at step end, top to bottom: reserved, allocated (MiB)"] == {"memory/train/allocated_MiB", "memory/train/reserved_MiB"}
-    assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {"memory/train/alloc_retries", "memory/train/ooms"}
+    assert matched["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == {
+        "memory/train/peak_allocated_MiB",
+        "memory/train/peak_reserved_MiB",
+    }
+    assert matched["CUDA at step end, top to bottom: reserved, allocated (MiB)"] == {
+        "memory/train/allocated_MiB",
+        "memory/train/reserved_MiB",
+    }
+    assert matched["CUDA allocator: retries after flushing the cache, OOMs (count)"] == {
+        "memory/train/alloc_retries",
+        "memory/train/ooms",
+    }
     assert matched["device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)"] == {
-        "memory/train/device_used_MiB", "memory/train/process_device_MiB", "memory/train/reserved_MiB"}
+        "memory/train/device_used_MiB",
+        "memory/train/process_device_MiB",
+        "memory/train/reserved_MiB",
+    }
     assert matched["tensors (exact): step peak (MiB)"] == {"memory/train/peak_tensor_MiB"}
     assert matched["tensors (exact): live at step end (MiB)"] == {"memory/train/tensor_MiB"}
-    assert matched["host RSS, top to bottom: step peak, step end (MiB)"] == {"memory/train/host_rss_MiB", "memory/train/host_peak_rss_MiB"}
+    assert matched["host RSS, top to bottom: step peak, step end (MiB)"] == {
+        "memory/train/host_rss_MiB",
+        "memory/train/host_peak_rss_MiB",
+    }
     assert matched["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == {
-        "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"}
+        "memory/val/peak_allocated_MiB",
+        "memory/val/peak_reserved_MiB",
+    }
     assert matched["per rank: CUDA step peak allocated (MiB; one line per rank)"] == {
-        "memory/train/rank0/peak_allocated_MiB", "memory/train/rank1/peak_allocated_MiB"}
+        "memory/train/rank0/peak_allocated_MiB",
+        "memory/train/rank1/peak_allocated_MiB",
+    }
     # every train-stage field is on some chart but the capacity (a number in the device table, never a
     # line that flattens the others) and active (allocated plus rounding); per-rank tags stay off run-level charts
     on_charts = set().union(*matched.values())
@@ -112,7 +131,10 @@ def _layout_events(log_dir):
     if len(layouts) == 2:
         scalars = read_run_scalars(log_dir)
         steps = {tag: len({s for s, _ in points}) for tag, points in scalars.items()}
-        assert layouts[1] != layouts[0] and read_layout(log_dir) == readable_layout(layout_from_tags(steps), {"run": scalars})[0]
+        assert (
+            layouts[1] != layouts[0]
+            and read_layout(log_dir) == readable_layout(layout_from_tags(steps), {"run": scalars})[0]
+        )
         return 1
     return len(layouts)
 
@@ -160,13 +182,25 @@ def test_no_tensorboard_logger_is_skipped_silently(tmp_path, recwarn):
 
 
 def _peak_markers(figure):
-    return [(list(line.get_xdata()), list(line.get_ydata()), ax) for ax in figure.axes for line in ax.get_lines()
-            if line.get_color() == PEAK_COLOR]
+    return [
+        (list(line.get_xdata()), list(line.get_ydata()), ax)
+        for ax in figure.axes
+        for line in ax.get_lines()
+        if line.get_color() == PEAK_COLOR
+    ]
 
 
 def test_figure_marks_the_records_peak_with_title_units_legend():
-    history = [StepReading(step=s, peak_tensor_bytes=(s + 1) * MiB, tensor_bytes=MiB // 2, host_rss_bytes=300 * MiB,
-                           host_peak_rss_bytes=310 * MiB) for s in range(5)]
+    history = [
+        StepReading(
+            step=s,
+            peak_tensor_bytes=(s + 1) * MiB,
+            tensor_bytes=MiB // 2,
+            host_rss_bytes=300 * MiB,
+            host_peak_rss_bytes=310 * MiB,
+        )
+        for s in range(5)
+    ]
     history.append(StepReading(step=4, stage="validate", peak_tensor_bytes=9 * MiB))
     summary = RunSummary(device="cpu")
     for reading in history:
@@ -176,17 +210,31 @@ def test_figure_marks_the_records_peak_with_title_units_legend():
     assert len(markers) == 1
     xs, ys, ax = markers[0]
     assert (xs, ys) == ([summary.peak_step], [summary.peak_bytes / MiB]) == ([4], [9.0])
-    assert "validate" in "".join(t.get_text() for t in ax.texts) and "9.00 MiB" in "".join(t.get_text() for t in ax.texts)
+    assert "validate" in "".join(t.get_text() for t in ax.texts) and "9.00 MiB" in "".join(
+        t.get_text() for t in ax.texts
+    )
     assert figure._suptitle.get_text() == "memkit: memory per step (cpu)"
     assert [a.get_ylabel() for a in figure.axes] == ["MiB", "MiB"]
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
-    assert labels == ["tensors: peak (per step, exact)", "tensors: peak (validation run)", "tensors: live at step end (exact)"]
+    assert labels == [
+        "tensors: peak (per step, exact)",
+        "tensors: peak (validation run)",
+        "tensors: live at step end (exact)",
+    ]
     assert figure.axes[1].get_legend() is not None and figure.axes[-1].get_xlabel() == "training step"
 
 
 def test_figure_marks_a_cuda_peak_on_the_allocator_panel():
-    history = [StepReading(step=s, allocated_bytes=MiB, peak_allocated_bytes=(3 - abs(s - 2)) * MiB,
-                           reserved_bytes=4 * MiB, peak_reserved_bytes=4 * MiB) for s in range(5)]
+    history = [
+        StepReading(
+            step=s,
+            allocated_bytes=MiB,
+            peak_allocated_bytes=(3 - abs(s - 2)) * MiB,
+            reserved_bytes=4 * MiB,
+            peak_reserved_bytes=4 * MiB,
+        )
+        for s in range(5)
+    ]
     summary = RunSummary(device="cuda:0")
     for reading in history:
         summary.update(reading)
@@ -216,8 +264,9 @@ def test_layer_trace_alone_writes_no_charts_but_its_figure_and_tables(tmp_path):
 
 def test_memory_tracker_with_layer_trace_one_layout_with_both(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
-    trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
-                           callbacks=[LayerTrace(at_steps=(1,)), MemoryTracker(verbose=False)])
+    trainer = make_trainer(
+        tmp_path, max_steps=3, logger=logger, callbacks=[LayerTrace(at_steps=(1,)), MemoryTracker(verbose=False)]
+    )
     trainer.fit(LinearStack())
     layout = read_layouts(logger.log_dir)[-1]  # what TensorBoard shows: the last one
     assert list(layout) == ["memkit: memory per step"]
@@ -233,11 +282,15 @@ class _AsksForCompare(Callback):
 
 def test_a_callback_can_ask_for_the_compare_charts(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="baseline", version="")
-    trainer = make_trainer(tmp_path, max_steps=2, logger=logger, callbacks=[MemoryTracker(verbose=False), _AsksForCompare()])
+    trainer = make_trainer(
+        tmp_path, max_steps=2, logger=logger, callbacks=[MemoryTracker(verbose=False), _AsksForCompare()]
+    )
     trainer.fit(LinearStack())
     layout = read_layouts(logger.log_dir)[0]  # the one written at fit start
-    assert layout == {"memkit: modes compared": {
-        "modes overlaid: tensor step peak, exact (MiB)": ["^memory/train/peak_tensor_MiB$"],
-        "modes overlaid: live tensors at step end, exact (MiB)": ["^memory/train/tensor_MiB$"],
-        "modes overlaid: host RSS at step end (MiB)": ["^memory/train/host_rss_MiB$"],
-    }}
+    assert layout == {
+        "memkit: modes compared": {
+            "modes overlaid: tensor step peak, exact (MiB)": ["^memory/train/peak_tensor_MiB$"],
+            "modes overlaid: live tensors at step end, exact (MiB)": ["^memory/train/tensor_MiB$"],
+            "modes overlaid: host RSS at step end (MiB)": ["^memory/train/host_rss_MiB$"],
+        }
+    }

@@ -36,8 +36,11 @@ from conftest import LinearStack, make_trainer, run_script
 CHROMIUM = next((path for path in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if path), None)
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (Debian/Ubuntu: apt-get install -y chromium): "
-                                                "the dashboard's browser check needs it"),
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="headless Chromium is not installed (Debian/Ubuntu: apt-get install -y chromium): "
+        "the dashboard's browser check needs it",
+    ),
 ]
 H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
 
@@ -58,10 +61,27 @@ class Chromium:
             os.dup2(replies, 4)
 
         self.process = subprocess.Popen(
-            [executable, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--disable-extensions", "--remote-debugging-pipe",
-             f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"],
-            close_fds=False, preexec_fn=as_fds_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                executable,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-extensions",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={self.profile}",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            close_fds=False,
+            preexec_fn=as_fds_3_and_4,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         os.close(commands_in)
         os.close(replies_out)
         self._buffer = b""
@@ -71,7 +91,12 @@ class Chromium:
 
     def send(self, method: str, params: dict | None = None, session: str | None = None, timeout_s: float = 30) -> dict:
         self._id += 1
-        message = {"id": self._id, "method": method, "params": params or {}, **({"sessionId": session} if session else {})}
+        message = {
+            "id": self._id,
+            "method": method,
+            "params": params or {},
+            **({"sessionId": session} if session else {}),
+        }
         os.write(self._commands, json.dumps(message).encode() + b"\0")
         deadline = time.monotonic() + timeout_s
         while True:
@@ -183,17 +208,31 @@ def make_logs(kind: str, tmp_path_factory) -> str:
 
     root = tmp_path_factory.mktemp(f"browser_{kind}")
     if kind == "cpu":
-        trainer = make_trainer(root, max_steps=31, logger=TensorBoardLogger(str(root), name="cpu", version=0), limit_val_batches=1,
-                               val_check_interval=10, check_val_every_n_epoch=None,
-                               callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)])
+        trainer = make_trainer(
+            root,
+            max_steps=31,
+            logger=TensorBoardLogger(str(root), name="cpu", version=0),
+            limit_val_batches=1,
+            val_check_interval=10,
+            check_val_every_n_epoch=None,
+            callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)],
+        )
         trainer.fit(LinearStack(val_batches=1, optimizer="adam"))
         return str(root)
-    if kind in ("cpu5", "sparse"):  # a short run, and a sparsely logged one: a small GPT with a datamodule, as a user writes it
+    if kind in (
+        "cpu5",
+        "sparse",
+    ):  # a short run, and a sparsely logged one: a small GPT with a datamodule, as a user writes it
         from lightning_gpt import CharDataModule, TinyGPT
 
         steps, every = (5, 1) if kind == "cpu5" else (12, 5)
-        trainer = make_trainer(root, max_steps=steps, log_every_n_steps=every, logger=TensorBoardLogger(str(root), name=kind, version=0),
-                               callbacks=[MemoryTracker(verbose=False)])
+        trainer = make_trainer(
+            root,
+            max_steps=steps,
+            log_every_n_steps=every,
+            logger=TensorBoardLogger(str(root), name=kind, version=0),
+            callbacks=[MemoryTracker(verbose=False)],
+        )
         trainer.fit(TinyGPT(), datamodule=CharDataModule())
         return str(root)
     if kind == "ddp":
@@ -202,8 +241,16 @@ def make_logs(kind: str, tmp_path_factory) -> str:
         run_script([str(script), str(root / "logs")], cwd=str(root), timeout=240)
         return str(root / "logs")
     if kind == "compare":
-        compare_modes(lambda: zoo.DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8),
-                      modes="baseline,checkpoint", max_steps=10, accelerator="cpu", root_dir=str(root), verbose=False)
+        compare_modes(
+            lambda: zoo.DemoTransformer(
+                vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8
+            ),
+            modes="baseline,checkpoint",
+            max_steps=10,
+            accelerator="cpu",
+            root_dir=str(root),
+            verbose=False,
+        )
         return str(root)
     name = kind.split("_", 1)[1]  # the shared H100 logs, as a user sees them after `memkit report --update-dashboards`
     shutil.copytree(os.path.join(H100, name), root / name)
@@ -239,12 +286,26 @@ def served_chart_values(server, layout: dict) -> dict[str, dict[tuple[str, str],
 #: the primary charts every kind of run shows, with data: the step peak, the live memory of the device it trained on
 #: (tensors on CPU, allocated on CUDA) and the process's memory (host RSS on CPU, the device seen by NVML on CUDA)
 PRIMARY = {
-    "cpu": ("tensors (exact): step peak (", "tensors (exact): live at step end (", "host RSS, top to bottom: step peak, step end ("),
-    "compare": ("modes overlaid: tensor step peak, exact (", "modes overlaid: live tensors at step end, exact (", "modes overlaid: host RSS at step end ("),
-    "h100_gl": ("CUDA step peak, top to bottom: reserved, allocated (", "CUDA at step end, top to bottom: reserved, allocated (",
-                "device (NVML), top to bottom: all processes, this process, allocator reserved ("),
-    "h100_gc": ("modes overlaid: CUDA step peak allocated (", "modes overlaid: CUDA allocated at step end (",
-                "modes overlaid: this process on the device, NVML ("),
+    "cpu": (
+        "tensors (exact): step peak (",
+        "tensors (exact): live at step end (",
+        "host RSS, top to bottom: step peak, step end (",
+    ),
+    "compare": (
+        "modes overlaid: tensor step peak, exact (",
+        "modes overlaid: live tensors at step end, exact (",
+        "modes overlaid: host RSS at step end (",
+    ),
+    "h100_gl": (
+        "CUDA step peak, top to bottom: reserved, allocated (",
+        "CUDA at step end, top to bottom: reserved, allocated (",
+        "device (NVML), top to bottom: all processes, this process, allocator reserved (",
+    ),
+    "h100_gc": (
+        "modes overlaid: CUDA step peak allocated (",
+        "modes overlaid: CUDA allocated at step end (",
+        "modes overlaid: this process on the device, NVML (",
+    ),
 }
 PRIMARY["cpu5"] = PRIMARY["sparse"] = PRIMARY["ddp"] = PRIMARY["cpu"]
 
@@ -266,14 +327,20 @@ def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_f
         cards = rendered_cards(browser, server.url, expected=len(titles))
 
     by_title = {card["title"]: card for card in cards}
-    assert sorted(card["title"] for card in cards) == sorted(titles), [c["title"] for c in cards]  # each chart once, no other
-    for start in PRIMARY[kind]:  # never dropped, whatever the run's length and logging interval: drawn below with its lines
+    assert sorted(card["title"] for card in cards) == sorted(titles), [
+        c["title"] for c in cards
+    ]  # each chart once, no other
+    for start in PRIMARY[
+        kind
+    ]:  # never dropped, whatever the run's length and logging interval: drawn below with its lines
         assert [t for t in titles if t.startswith(start)], (kind, start, titles)
     for title in titles:
         card = by_title[title]
         runs = [entry.rsplit("(", 1)[1].rstrip(")") for entry in card["matches"]]
         assert card["matches"], (kind, title, "no tag matched")
-        per_run_limit = (MAX_SERIES_PER_CHART if not title.startswith("per rank:") else 8) + 2 * title.endswith(FRAME_TITLE)
+        per_run_limit = (MAX_SERIES_PER_CHART if not title.startswith("per rank:") else 8) + 2 * title.endswith(
+            FRAME_TITLE
+        )
         assert max(runs.count(run) for run in runs) <= per_run_limit, (kind, title, card["matches"])
         assert card["lines"] >= 1 and not card["text"], (kind, title, card)
         # the axis as drawn: distinct labels, exactly the ones the rules' model of TensorBoard predicts

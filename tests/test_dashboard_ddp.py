@@ -57,12 +57,24 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     per_rank = layout["memkit: per rank (DDP)"]
     # a chart whose values TensorBoard's three-digit axis could not label draws them above a base its title names
     # (tests/test_dashboard_rules.py checks those lines): here, as logged
-    logged = lambda t: re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))  # noqa: E731
-    matched = {re.sub(r"\((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", "(MiB", title.removesuffix(FRAME_TITLE)):
-               {logged(t) for t in tags for r in regexes if re.match(r, t) and not is_frame_tag(t)} for title, regexes in per_rank.items()}
+    logged = lambda t: re.sub(
+        r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")
+    )  # noqa: E731
+    matched = {
+        re.sub(r"\((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", "(MiB", title.removesuffix(FRAME_TITLE)): {
+            logged(t) for t in tags for r in regexes if re.match(r, t) and not is_frame_tag(t)
+        }
+        for title, regexes in per_rank.items()
+    }
     expected = {  # no reserved chart on CPU: every chart has lines, one per rank
-        "per rank: live tensors at step end, exact (MiB; one line per rank)": {"memory/train/rank0/tensor_MiB", "memory/train/rank1/tensor_MiB"},
-        "per rank: host RSS at step end (MiB; one line per rank)": {"memory/train/rank0/host_rss_MiB", "memory/train/rank1/host_rss_MiB"},
+        "per rank: live tensors at step end, exact (MiB; one line per rank)": {
+            "memory/train/rank0/tensor_MiB",
+            "memory/train/rank1/tensor_MiB",
+        },
+        "per rank: host RSS at step end (MiB; one line per rank)": {
+            "memory/train/rank0/host_rss_MiB",
+            "memory/train/rank1/host_rss_MiB",
+        },
     }
     # 3 steps: a chart whose short lines TensorBoard would clip at both ends is drawn between flat lines at its lowest
     # and highest values, never left out
@@ -70,6 +82,11 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     # the dashboard rules, on what this DDP run logged
     from lightning_memkit.tensorboard.rules import check_dashboard
 
-    assert check_dashboard({c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in layout.items()}, {"tb": scalars}) == []
+    assert (
+        check_dashboard(
+            {c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in layout.items()}, {"tb": scalars}
+        )
+        == []
+    )
     for title, regexes in layout["memkit: memory per step"].items():  # no validation chart: this fit does not validate
         assert {t for t in tags for r in regexes if re.match(r, t)}, title

@@ -41,7 +41,9 @@ H100_COMPARE = os.path.join(H100, "gc")
 
 
 def run_dirs(root):
-    return sorted({os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", "events.out.tfevents.*"), recursive=True)})
+    return sorted(
+        {os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", "events.out.tfevents.*"), recursive=True)}
+    )
 
 
 def scalars_by_run(root):
@@ -62,7 +64,10 @@ def todays_layout(scalars, compare=False):
 
 def todays_compare_layout(runs):
     """What ``update_dashboards`` gives every mode's run of a compare root: one layout for all (one base per chart)."""
-    own = {run: {t: v for t, v in scalars.items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")} for run, scalars in runs.items()}
+    own = {
+        run: {t: v for t, v in scalars.items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
+        for run, scalars in runs.items()
+    }
     modes = {run: scalars for run, scalars in own.items() if any(t.startswith("memory/train/") for t in scalars)}
     layout, lines = readable_layout(layout_from_tags(steps_per_tag(next(iter(modes.values()))), compare=True), modes)
     return layout, {run: {**scalars, **lines.get(run, {})} for run, scalars in own.items()}
@@ -80,11 +85,13 @@ def check_rebased_lines(layout, scalars):
             above = re.search(r"\((B|KiB|MiB|GiB) above ([0-9,.]+) (B|KiB|MiB|GiB)", title)
             if above:
                 unit, base = above.group(1, 2)
-                source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB")
+                source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(
+                    f"_{unit}_above_{base.replace(',', '')}_{unit}", "_MiB"
+                )
             else:  # drawn in a larger unit, no base: "(GiB)"
                 unit, base = re.search(r"\((GiB)\b", title).group(1), "0"
                 source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}", "_MiB")
-            factor = {"B": 2 ** 20, "KiB": 1024, "MiB": 1, "GiB": 1 / 1024}[unit]
+            factor = {"B": 2**20, "KiB": 1024, "MiB": 1, "GiB": 1 / 1024}[unit]
             assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
             for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
                 assert rebased == pytest.approx(value * factor - float(base.replace(",", "")), abs=1e-5), (tag, title)
@@ -110,14 +117,22 @@ def check_frame_lines(layout, scalars):
         [high] = [t for t in frames if "/high_" in t]
         for tag, expected in ((low, min(values)), (high, max(values))):
             assert [s for s, _ in scalars[tag]] == steps, tag
-            assert all(v == pytest.approx(expected, rel=1e-6, abs=1e-5) for _, v in scalars[tag]), (tag, expected)  # float32 events
-            assert float(re.search(r"/(low|high)_([0-9.]+)_(B|KiB|MiB|GiB)$", tag).group(2)) == pytest.approx(expected, rel=1e-6, abs=1e-5)
+            assert all(v == pytest.approx(expected, rel=1e-6, abs=1e-5) for _, v in scalars[tag]), (
+                tag,
+                expected,
+            )  # float32 events
+            assert float(re.search(r"/(low|high)_([0-9.]+)_(B|KiB|MiB|GiB)$", tag).group(2)) == pytest.approx(
+                expected, rel=1e-6, abs=1e-5
+            )
         framed += 1
     return framed
 
 
 def matched(layout, tags):
-    return {title: sorted(t for t in tags for r in regexes if re.match(r, t)) for title, regexes in layout_tags(layout).items()}
+    return {
+        title: sorted(t for t in tags for r in regexes if re.match(r, t))
+        for title, regexes in layout_tags(layout).items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------- H100 logs
@@ -125,7 +140,10 @@ def test_the_h100_runs_old_layout_breaks_the_rules():
     """What the H100 screenshots showed, found by the checker: the checker can fail."""
     demo = check_dashboard(read_layout(run_dirs(H100_DEMO)[0]), scalars_by_run(H100_DEMO))
     assert any("device_total_MiB" in p and "is 474x" in p and "flat" in p for p in demo), demo
-    assert any(p.startswith("\"layer trace: categories at the traced step's peak (MiB)\": every line is a single step") for p in demo)
+    assert any(
+        p.startswith('"layer trace: categories at the traced step\'s peak (MiB)": every line is a single step')
+        for p in demo
+    )
     assert any("'CUDA allocator: allocated vs reserved vs step peak (MiB)': 4 lines" in p for p in demo)
     compare_runs = scalars_by_run(H100_COMPARE)
     compare = check_dashboard(read_layout(os.path.join(H100_COMPARE, "baseline")), compare_runs)
@@ -147,7 +165,10 @@ FLAT_HOST_RSS = {
 @pytest.mark.parametrize("case", sorted(FLAT_HOST_RSS))
 def test_a_nearly_flat_host_rss_line_is_drawn_by_the_rules(case):
     values = FLAT_HOST_RSS[case]
-    logged = {"memory/train/host_rss_MiB": list(enumerate(values)), "memory/train/host_peak_rss_MiB": list(enumerate(values))}
+    logged = {
+        "memory/train/host_rss_MiB": list(enumerate(values)),
+        "memory/train/host_peak_rss_MiB": list(enumerate(values)),
+    }
     layout, scalars = todays_layout(logged)
     assert check_dashboard(layout, {"run": scalars}) == []
     [title] = [t for t in layout_tags(layout) if t.startswith("host RSS")]
@@ -178,34 +199,61 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
         f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks {host_ticks}: "
         "three significant digits cannot tell them apart",
         f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels ticks {host_ticks} in "
-        "exponent notation (values of 1,000 or more): draw them in a larger unit"]
+        "exponent notation (values of 1,000 or more): draw them in a larger unit",
+    ]
     layout, scalars = todays_layout(logged)
     assert check_dashboard(layout, {"demo": scalars}) == []
     assert check_rebased_lines(layout, scalars) == 5
     lines = matched(layout, scalars)
     assert lines["host RSS, top to bottom: step peak, step end (MiB above 1,490 MiB)"] == [
-        "memory/dashboard/train/host_peak_rss_MiB_above_1490_MiB", "memory/dashboard/train/host_rss_MiB_above_1490_MiB"]
+        "memory/dashboard/train/host_peak_rss_MiB_above_1490_MiB",
+        "memory/dashboard/train/host_rss_MiB_above_1490_MiB",
+    ]
     # NVML's chart in GiB (1.37 GiB, not "1.4e+3"); the logged _MiB tags are unchanged
     assert lines["device (NVML), top to bottom: all processes, this process, allocator reserved (GiB)"] == [
-        "memory/dashboard/train/device_used_GiB", "memory/dashboard/train/process_device_GiB", "memory/dashboard/train/reserved_GiB"]
-    assert max(v for _, v in scalars["memory/dashboard/train/device_used_GiB"]) < 1.4 < max(v for _, v in scalars["memory/train/device_used_MiB"]) / 1000
-    assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == ["memory/train/peak_allocated_MiB", "memory/train/peak_reserved_MiB"]
+        "memory/dashboard/train/device_used_GiB",
+        "memory/dashboard/train/process_device_GiB",
+        "memory/dashboard/train/reserved_GiB",
+    ]
+    assert (
+        max(v for _, v in scalars["memory/dashboard/train/device_used_GiB"])
+        < 1.4
+        < max(v for _, v in scalars["memory/train/device_used_MiB"]) / 1000
+    )
+    assert lines["CUDA step peak, top to bottom: reserved, allocated (MiB)"] == [
+        "memory/train/peak_allocated_MiB",
+        "memory/train/peak_reserved_MiB",
+    ]
     assert lines["validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)"] == [
-        "memory/val/peak_allocated_MiB", "memory/val/peak_reserved_MiB"]
-    drawn = {re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for ts in lines.values() for t in ts}
+        "memory/val/peak_allocated_MiB",
+        "memory/val/peak_reserved_MiB",
+    ]
+    drawn = {
+        re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))
+        for ts in lines.values()
+        for t in ts
+    }
     # the capacity and the layer trace's one-step values are on no chart ...
     assert not any(t == "memory/train/device_total_MiB" or t.startswith("memory/trace/") for t in drawn)
     # ... every other per-step training quantity is (active is allocated plus rounding: in the readings table)
-    assert {t for t in scalars if t.startswith("memory/train/")} - drawn == {"memory/train/device_total_MiB", "memory/train/active_MiB"}
+    assert {t for t in scalars if t.startswith("memory/train/")} - drawn == {
+        "memory/train/device_total_MiB",
+        "memory/train/active_MiB",
+    }
     # the capacity and the headroom are numbers, from NVML's own readings
     summary, history = read_records(os.path.join(run, RECORDS_FILENAME))
     total = max(r.device_total_bytes for r in history)
     used = max(r.device_used_bytes for r in history)
     table = device_table(history)
     assert f"capacity (NVML total)  {format_bytes(total)}".replace("  ", " ") in re.sub(" +", " ", table)
-    assert f"headroom at that step {format_bytes(total - used)} ({(total - used) / total:.1%} of capacity)" in re.sub(" +", " ", table)
+    assert f"headroom at that step {format_bytes(total - used)} ({(total - used) / total:.1%} of capacity)" in re.sub(
+        " +", " ", table
+    )
     process = max(history, key=lambda r: r.process_device_bytes)
-    assert f"of which outside the allocator {format_bytes(process.process_device_bytes - process.reserved_bytes)}" in re.sub(" +", " ", table)
+    assert (
+        f"of which outside the allocator {format_bytes(process.process_device_bytes - process.reserved_bytes)}"
+        in re.sub(" +", " ", table)
+    )
 
 
 def test_h100_compare_with_todays_layout_keeps_the_rules():
@@ -231,13 +279,18 @@ def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
         shutil.copytree(os.path.join(H100, name), root)
         updated = update_dashboards(root)
         runs = scalars_by_run(root)
-        assert {os.path.relpath(d, root) for d in updated} == {n for n, s in runs.items() if any(t.startswith("memory/train/") for t in s)}
+        assert {os.path.relpath(d, root) for d in updated} == {
+            n for n, s in runs.items() if any(t.startswith("memory/train/") for t in s)
+        }
         expected = next(iter(updated.values()))
         assert all(layout == expected for layout in updated.values())
         assert expected == (todays_compare_layout(runs) if compare else todays_layout(next(iter(runs.values()))))[0]
         with TensorBoardServer(root, startup_timeout_s=90) as server:
             served = server.get_json("/data/plugin/custom_scalars/layout")
-            charts = {c["title"]: {ch["title"]: ["Multiline", ch["multiline"]["tag"]] for ch in c["chart"]} for c in served["category"]}
+            charts = {
+                c["title"]: {ch["title"]: ["Multiline", ch["multiline"]["tag"]] for ch in c["chart"]}
+                for c in served["category"]
+            }
             assert charts == expected  # the new layout replaced the one written at fit start
             served_runs = {}
             for title, regexes in layout_tags(charts).items():
@@ -255,8 +308,15 @@ def cpu_fit(tmp_path_factory):
     """A real CPU fit: MemoryTracker + LayerTrace, validation after steps 2, 5 and 8."""
     root = tmp_path_factory.mktemp("rules_fit")
     logger = TensorBoardLogger(str(root), name="run", version=0)
-    trainer = make_trainer(root, max_steps=9, logger=logger, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
-                           callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)])
+    trainer = make_trainer(
+        root,
+        max_steps=9,
+        logger=logger,
+        limit_val_batches=1,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        callbacks=[MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False)],
+    )
     trainer.fit(LinearStack(val_batches=1, optimizer="adam"))
     return logger.log_dir
 
@@ -272,18 +332,32 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     check_rebased_lines(layout, scalars)
     # each chart draws these logged lines, or the same lines above a base its title names
     check_frame_lines(layout, scalars)
-    sources = {re.sub(r" \((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", " (MiB", title.removesuffix(FRAME_TITLE)):
-               [re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")) for t in tags if not is_frame_tag(t)]
-               for title, tags in matched(layout, scalars).items()}
+    sources = {
+        re.sub(r" \((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", " (MiB", title.removesuffix(FRAME_TITLE)): [
+            re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))
+            for t in tags
+            if not is_frame_tag(t)
+        ]
+        for title, tags in matched(layout, scalars).items()
+    }
     expected = {
         "tensors (exact): step peak (MiB)": ["memory/train/peak_tensor_MiB"],
         "tensors (exact): live at step end (MiB)": ["memory/train/tensor_MiB"],
-        "host RSS, top to bottom: step peak, step end (MiB)": ["memory/train/host_peak_rss_MiB", "memory/train/host_rss_MiB"],
-        "validation runs, exact tensors, top to bottom: peak, live at end (MiB)": ["memory/val/peak_tensor_MiB", "memory/val/tensor_MiB"],
+        "host RSS, top to bottom: step peak, step end (MiB)": [
+            "memory/train/host_peak_rss_MiB",
+            "memory/train/host_rss_MiB",
+        ],
+        "validation runs, exact tensors, top to bottom: peak, live at end (MiB)": [
+            "memory/val/peak_tensor_MiB",
+            "memory/val/tensor_MiB",
+        ],
     }
     # the accountant's peak is read on the first two steps (and one in ten after): two points, both under 1 MiB, which
     # TensorBoard draws in its empty chart's [0, 1] (test_a_sampled_peak_of_a_few_points_... has one it would clip)
-    assert len(scalars["memory/train/peak_tensor_MiB"]) == 2 and max(v for _, v in scalars["memory/train/peak_tensor_MiB"]) < 1
+    assert (
+        len(scalars["memory/train/peak_tensor_MiB"]) == 2
+        and max(v for _, v in scalars["memory/train/peak_tensor_MiB"]) < 1
+    )
     assert sources == expected
     assert sorted({s for s, _ in scalars["memory/val/peak_tensor_MiB"]}) == [2, 5, 8]
     # the layer trace is one step: its scalars are logged but on no chart; its figure and tables are in Images and Text
@@ -291,14 +365,23 @@ def test_cpu_fit_with_tracker_and_trace_keeps_the_rules(cpu_fit):
     accumulator = EventAccumulator(cpu_fit, size_guidance={"images": 0, "tensors": 0})
     accumulator.Reload()
     assert "memory/trace/figure" in accumulator.Tags()["images"]
-    assert {"memory/trace/categories/text_summary", "memory/trace/table/text_summary"} <= set(accumulator.Tags()["tensors"])
+    assert {"memory/trace/categories/text_summary", "memory/trace/table/text_summary"} <= set(
+        accumulator.Tags()["tensors"]
+    )
 
 
 def test_fit_end_drops_a_chart_the_run_left_single_step(tmp_path):
     """Validation is configured but runs once (after step 2 of 4): the validation chart would be a dot."""
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
-    trainer = make_trainer(tmp_path, max_steps=4, logger=logger, limit_val_batches=1, val_check_interval=3, check_val_every_n_epoch=None,
-                           callbacks=[MemoryTracker(verbose=False)])
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=4,
+        logger=logger,
+        limit_val_batches=1,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        callbacks=[MemoryTracker(verbose=False)],
+    )
     trainer.fit(LinearStack(val_batches=1))
     scalars = read_scalars(logger.log_dir)
     assert [s for s, _ in scalars["memory/val/peak_tensor_MiB"]] == [2]
@@ -340,18 +423,26 @@ def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, request):
     peaks = [v for _, v in scalars["memory/train/peak_tensor_MiB"]]
     assert peaks == sorted(peaks) and len(set(peaks)) == 4
     assert len(scalars["memory/train/tensor_MiB"]) == 31
-    first, last = {c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in read_layouts(logger.log_dir)[0].items()}, read_layout(logger.log_dir)
+    first, last = (
+        {c: {t: ["Multiline", r] for t, r in charts.items()} for c, charts in read_layouts(logger.log_dir)[0].items()},
+        read_layout(logger.log_dir),
+    )
     title = "tensors (exact): step peak (MiB)"
     assert title in layout_tags(first)
     problems = check_dashboard(first, {"run": scalars})
-    assert any(p.startswith(f"{title!r}: ") and "points of memory/train/peak_tensor_MiB of run 'run' lie outside the y range" in p
-               for p in problems), problems
+    assert any(
+        p.startswith(f"{title!r}: ")
+        and "points of memory/train/peak_tensor_MiB of run 'run' lie outside the y range" in p
+        for p in problems
+    ), problems
     assert title not in layout_tags(last) and check_dashboard(last, {"run": scalars}) == []
     framed = [t for t in layout_tags(last) if t.startswith("tensors (exact): step peak (") and t.endswith(FRAME_TITLE)]
     assert len(framed) == 1, layout_tags(last)  # the chart stays, framed
     assert check_frame_lines(last, scalars) >= 1
     assert last == todays_layout(scalars)[0]
-    assert any(t.startswith("tensors (exact): live at step end") for t in layout_tags(last))  # read every step: its chart stays
+    assert any(
+        t.startswith("tensors (exact): live at step end") for t in layout_tags(last)
+    )  # read every step: its chart stays
 
 
 @pytest.mark.slow
@@ -359,8 +450,16 @@ def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, request):
 def test_cpu_compare_run_keeps_the_rules(tmp_path):
     from lightning_memkit import zoo
 
-    compare_modes(lambda: zoo.DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8),
-                  modes="baseline,checkpoint", max_steps=10, accelerator="cpu", root_dir=str(tmp_path), verbose=False)
+    compare_modes(
+        lambda: zoo.DemoTransformer(
+            vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8
+        ),
+        modes="baseline,checkpoint",
+        max_steps=10,
+        accelerator="cpu",
+        root_dir=str(tmp_path),
+        verbose=False,
+    )
     runs = scalars_by_run(str(tmp_path))
     layouts = {name: read_layout(os.path.join(str(tmp_path), name)) for name in ("baseline", "checkpoint")}
     layout = layouts["baseline"]
@@ -371,10 +470,17 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
         frames = [t for t in lines if is_frame_tag(t)]
         assert len(frames) == (2 if title.endswith(FRAME_TITLE) else 0), (title, frames)
         if frames:  # one frame for every mode: at the lowest and highest value of the chart's lines over all modes
-            values = [v for run in ("baseline", "checkpoint") for t in matched(layout, runs[run])[title] if not is_frame_tag(t)
-                      for _, v in runs[run][t]]
+            values = [
+                v
+                for run in ("baseline", "checkpoint")
+                for t in matched(layout, runs[run])[title]
+                if not is_frame_tag(t)
+                for _, v in runs[run][t]
+            ]
             assert sorted(float(re.search(r"_([0-9.]+)_(B|KiB|MiB|GiB)$", t).group(1)) for t in frames) == [
-                pytest.approx(min(values), rel=1e-6, abs=1e-5), pytest.approx(max(values), rel=1e-6, abs=1e-5)]
+                pytest.approx(min(values), rel=1e-6, abs=1e-5),
+                pytest.approx(max(values), rel=1e-6, abs=1e-5),
+            ]
             assert all(set(matched(layout, runs[run])[title]) >= set(frames) for run in ("baseline", "checkpoint"))
     assert layout == todays_compare_layout(runs)[0]
     for scalars in runs.values():  # the lines fit end wrote above a base: each the logged one minus that base
@@ -396,7 +502,9 @@ def figure_problems(figure, runs_are_lines=False):
             heights = [patch.get_height() for patch in ax.patches]
             assert heights and max(heights) <= 100 * min(heights), heights
             continue
-        problems += check_chart(ax.get_title(loc="left") or ax.get_title() or figure._suptitle.get_text(), series, tensorboard_y_range=False)
+        problems += check_chart(
+            ax.get_title(loc="left") or ax.get_title() or figure._suptitle.get_text(), series, tensorboard_y_range=False
+        )
         assert len(series) <= (len(series) if runs_are_lines else MAX_SERIES_PER_CHART)
     return problems
 
@@ -406,8 +514,11 @@ def test_memory_per_step_figures_keep_the_rules(cpu_fit):
     figure = memory_per_step_figure(summary, history)
     assert figure_problems(figure) == []
     assert [ax.get_title(loc="left") for ax in figure.axes] == [
-        "CUDA step peak, top to bottom: reserved, allocated (MiB)", "CUDA at step end, top to bottom: reserved, allocated (MiB)",
-        "device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)", "host RSS, top to bottom: step peak, step end (MiB)"]
+        "CUDA step peak, top to bottom: reserved, allocated (MiB)",
+        "CUDA at step end, top to bottom: reserved, allocated (MiB)",
+        "device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)",
+        "host RSS, top to bottom: step peak, step end (MiB)",
+    ]
     cpu_summary, cpu_history = read_records(os.path.join(cpu_fit, RECORDS_FILENAME))
     assert figure_problems(memory_per_step_figure(cpu_summary, cpu_history)) == []
     compare = read_compare(H100_COMPARE)
@@ -438,7 +549,9 @@ def test_memkit_report_update_dashboards_gives_old_logs_todays_layout(tmp_path, 
     assert "updated the dashboard of demo-transformer/version_0: 7 chart(s)" in capsys.readouterr().out
     layout = read_layout(run)
     assert layout != old and layout == todays_layout(read_scalars(run))[0]
-    assert check_rebased_lines(layout, read_scalars(run)) == 5  # host RSS's two lines above 1,490 MiB, NVML's three in GiB
+    assert (
+        check_rebased_lines(layout, read_scalars(run)) == 5
+    )  # host RSS's two lines above 1,490 MiB, NVML's three in GiB
     logged = {t: v for t, v in read_scalars(run).items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
     assert logged == read_scalars(os.path.join(H100_DEMO, "demo-transformer", "version_0"))  # nothing else changed
     files = sorted(os.listdir(run))

@@ -43,8 +43,14 @@ def test_the_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="the dev extra installs mkdocs: pip install -e '.[dev]'")
     pytest.importorskip("material", reason="the dev extra installs mkdocs-material: pip install -e '.[dev]'")
     site = tmp_path / "site"
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for page in PAGES:  # every page was built, and the runnable examples the pages link are served beside them
         name = "" if page == "index.md" else page[:-3] + "/"
@@ -130,8 +136,11 @@ def test_no_page_docstring_or_message_cites_source_documents():
         for node in ast.walk(tree):  # docstrings and every string a message is made of
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and SOURCE_CITATIONS.search(node.value):
                 found.append((path, node.value[:80]))
-        comments = [line for line in open(path, encoding="utf-8")
-                    if "#" in line and SOURCE_CITATIONS.search(line.split("#", 1)[1])]
+        comments = [
+            line
+            for line in open(path, encoding="utf-8")
+            if "#" in line and SOURCE_CITATIONS.search(line.split("#", 1)[1])
+        ]
         found += [(path, line) for line in comments]
     assert found == []
 
@@ -145,8 +154,9 @@ def test_make_demo_shows_pips_progress(tmp_path):
     """``make demo``'s set-up takes about a minute: pip's own progress shows, not ``--quiet``."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    done = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     installs = [line for line in done.stdout.splitlines() if "pip install" in line]
     assert len(installs) == 2 and not any("--quiet" in line or " -q" in line for line in installs), installs
@@ -156,8 +166,9 @@ def _make_dry_run(target: str, venv) -> list[str]:
     """The ``pip install`` lines ``make -n target`` would run, with its venv at ``venv``."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    done = subprocess.run(["make", "-n", target, f"VENV={venv}", "NEWEST=0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}", "NEWEST=0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return [line.split("pip install ", 1)[1].strip() for line in done.stdout.splitlines() if "pip install" in line]
 

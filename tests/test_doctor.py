@@ -150,8 +150,16 @@ def test_outputs_appended_to_a_list(tmp_path):
     report = doctor_fit(OutputsList(), tmp_path).report
     assert report.leak.bytes_per_step == ACTIVATION
     top = growing(report)[0]
-    assert (top.op, top.module, top.phase, top.shape, top.dtype) == ("aten.addmm", "body.2", "forward", [B, D], "torch.float32")
-    assert top.bytes_per_step == ACTIVATION and top.where.endswith("in forward: return self.body(x)")  # the innermost user line
+    assert (top.op, top.module, top.phase, top.shape, top.dtype) == (
+        "aten.addmm",
+        "body.2",
+        "forward",
+        [B, D],
+        "torch.float32",
+    )
+    assert top.bytes_per_step == ACTIVATION and top.where.endswith(
+        "in forward: return self.body(x)"
+    )  # the innermost user line
     assert top.holder == "model.outputs[11]"  # the newest of the 12 kept, as code to paste
     assert "model.outputs is a list of 12 entries" in top.holder_note and "held by model.outputs[11]" in report.format()
     assert report.graph_leak is not None  # each kept output holds its (emptied) graph too
@@ -228,9 +236,12 @@ def test_retain_graph_with_a_growing_list(tmp_path):
     assert sum(g.bytes_per_step for g in growing(report) if g.category == "inputs") == BATCH
     # the list keeps each loss, and each loss's retained graph keeps what it saved
     assert {g.holder for g in growing(report)} == {
-        "model.losses[11]", "model.losses[11].grad_fn._saved_self", "model.losses[11].grad_fn._saved_target",
+        "model.losses[11]",
+        "model.losses[11].grad_fn._saved_self",
+        "model.losses[11].grad_fn._saved_target",
         "model.losses[11].grad_fn.next_functions[0][0]._saved_mat1",
-        "model.losses[11].grad_fn.next_functions[0][0].next_functions[1][0].next_functions[0][0]._saved_mat1"}
+        "model.losses[11].grad_fn.next_functions[0][0].next_functions[1][0].next_functions[0][0]._saved_mat1",
+    }
 
 
 def test_callback_that_keeps_each_batch(tmp_path):
@@ -344,7 +355,9 @@ def test_held_too_long_names_the_intermediate_its_bytes_and_last_reader(tmp_path
     assert "held too long at the peak" in report.format() and "last used by aten.mean" in report.format()
     # the scalars Lightning keeps (its copy of the loss, 4 B each) are summed on one line, not listed one by one
     tiny = [g for g in liveness.held_too_long if g.total_bytes < 64]
-    assert tiny and f"{sum(g.total_bytes for g in tiny)} B in {sum(g.count for g in tiny)} tiny tensors" in report.format()
+    assert (
+        tiny and f"{sum(g.total_bytes for g in tiny)} B in {sum(g.count for g in tiny)} tiny tensors" in report.format()
+    )
 
 
 def test_released_intermediate_is_not_held_too_long(tmp_path):

@@ -11,7 +11,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from lightning_memkit.doctor import CreationRecorder
-from lightning_memkit.doctor._torch_compat import caller_frame, enter_mode_at_bottom, exit_mode_anywhere, mode_is_active, saved_values
+from lightning_memkit.doctor._torch_compat import (
+    caller_frame,
+    enter_mode_at_bottom,
+    exit_mode_anywhere,
+    mode_is_active,
+    saved_values,
+)
 from lightning_memkit.doctor.frames import user_frame
 from lightning_memkit.oom import largest_live_tensors, write_oom_report
 
@@ -28,16 +34,16 @@ class Counting(TorchDispatchMode):
 
 def test_a_mode_entered_at_the_bottom_survives_other_modes_entered_and_exited_around_it():
     other, ours = Counting(), Counting()
-    other.__enter__()                       # another callback's mode, entered first
-    enter_mode_at_bottom(ours)              # ours goes below it
+    other.__enter__()  # another callback's mode, entered first
+    enter_mode_at_bottom(ours)  # ours goes below it
     assert _get_current_dispatch_mode_stack() == [ours, other]
     torch.ones(2) + 1
-    assert ours.ops == other.ops == 2       # both see every op
-    other.__exit__(None, None, None)        # its plain exit pops its own mode, not ours
+    assert ours.ops == other.ops == 2  # both see every op
+    other.__exit__(None, None, None)  # its plain exit pops its own mode, not ours
     assert _get_current_dispatch_mode_stack() == [ours]
     later = Counting()
     later.__enter__()
-    assert exit_mode_anywhere(ours)         # ours leaves from under a later mode
+    assert exit_mode_anywhere(ours)  # ours leaves from under a later mode
     assert _get_current_dispatch_mode_stack() == [later]
     later.__exit__(None, None, None)
     assert _get_current_dispatch_mode_stack() == [] and not mode_is_active(ours)
@@ -56,7 +62,8 @@ def test_recorder_names_module_paths_phases_and_lines_and_leaves_no_hook():
     recorder.name_modules(model)
     recorder.start(0, module=model)
     x = torch.randn(3, 4, requires_grad=True)
-    out = model(x); loss = out.sum()  # noqa: E702 - one line, two ops
+    out = model(x)
+    loss = out.sum()  # noqa: E702 - one line, two ops
     loss.backward()
     recorder.stop()
     made = {(c.op, c.module, c.phase) for c in recorder.live_creations()}
@@ -64,7 +71,10 @@ def test_recorder_names_module_paths_phases_and_lines_and_leaves_no_hook():
     assert ("aten.sum", "", "other") in made
     assert any(c.phase == "backward" for c in recorder.live_creations())  # x.grad
     out_record = recorder.creation_of(out)
-    assert out_record.nbytes == 3 * 2 * 4 and out_record.frame[2] == "test_recorder_names_module_paths_phases_and_lines_and_leaves_no_hook"
+    assert (
+        out_record.nbytes == 3 * 2 * 4
+        and out_record.frame[2] == "test_recorder_names_module_paths_phases_and_lines_and_leaves_no_hook"
+    )
     assert "out = model(x)" in out_record.describe()
     assert not mode_is_active(recorder)
     assert not torch.nn.modules.module._global_forward_pre_hooks and not torch.nn.modules.module._global_forward_hooks

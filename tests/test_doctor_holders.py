@@ -142,7 +142,9 @@ def test_hooks_piling_up_are_named_as_the_modules_hooks_with_their_function(tmp_
     top = top_group(report)
     assert (top.op, top.shape, top.bytes_per_step) == ("aten.ones", [B, D], ACTIVATION)
     assert top.holder == "model.body[2]._forward_hooks"
-    assert "12 hooks on model.body[2]._forward_hooks: 12 x HooksPileUp.training_step.<locals>.<lambda>" in top.holder_note
+    assert (
+        "12 hooks on model.body[2]._forward_hooks: 12 x HooksPileUp.training_step.<locals>.<lambda>" in top.holder_note
+    )
     assert "test_doctor_holders.py:" in top.holder_note and "handle.remove()" in top.holder_note
     assert tracker.leak_report is not None and tracker.leak_report.bytes_per_step == ACTIVATION
 
@@ -185,7 +187,9 @@ def test_a_metric_list_state_is_named_as_the_metric_with_bytes_per_update(module
         assert holders["model.train_auroc.preds"].bytes_per_step == 16
         assert holders["model.train_auroc.target"].bytes_per_step == 32
     note = holders["model.train_auroc.preds"].holder_note
-    assert "torchmetrics BinaryAUROC model.train_auroc: list state 'preds' has 12 entries, 192 B (16 B per update)" in note
+    assert (
+        "torchmetrics BinaryAUROC model.train_auroc: list state 'preds' has 12 entries, 192 B (16 B per update)" in note
+    )
     assert "model.train_auroc.reset()" in note and "compute_on_cpu=True" in note
     assert tracker.leak_report is not None and tracker.leak_report.bytes_per_step == 48
 
@@ -212,7 +216,7 @@ class PrebuiltBatches(Net):
 
     def __init__(self) -> None:
         super().__init__(batches=16)
-        self.batches = [(self.x[i * B:(i + 1) * B].clone(), self.y[i * B:(i + 1) * B].clone()) for i in range(16)]
+        self.batches = [(self.x[i * B : (i + 1) * B].clone(), self.y[i * B : (i + 1) * B].clone()) for i in range(16)]
 
     def train_dataloader(self):
         return DataLoader(self.batches, batch_size=None)
@@ -392,8 +396,11 @@ def test_memkit_doctor_prints_one_progress_line_per_window_unless_told_not_to(tm
     captured = capsys.readouterr()
     progress = [line for line in captured.err.splitlines() if line.startswith("memkit doctor: step ")]
     # the first step, then one line per --window (5) steps watched: steps 0, 4 and 9
-    assert [line.split(",")[0] for line in progress] == ["memkit doctor: step 0/10", "memkit doctor: step 4/10",
-                                                         "memkit doctor: step 9/10"], captured.err
+    assert [line.split(",")[0] for line in progress] == [
+        "memkit doctor: step 0/10",
+        "memkit doctor: step 4/10",
+        "memkit doctor: step 9/10",
+    ], captured.err
     assert "held by model.history[9]" in captured.out
     assert main(["doctor", f"{path}:Leaky", "--steps", "10", "--batch-size", "4", "--no-progress"]) == 3
     assert "memkit doctor: step " not in capsys.readouterr().err

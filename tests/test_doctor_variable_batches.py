@@ -125,8 +125,7 @@ def check_leak(leak, path, source) -> None:
 
 
 @pytest.mark.parametrize("iterable", [False, True], ids=["sized-loader", "loader-fetching-ahead"])
-def test_the_callback_gives_the_exact_bytes_per_step_and_the_append_lines_once(iterable, leaky_file, tmp_path,
-                                                                               capsys):
+def test_the_callback_gives_the_exact_bytes_per_step_and_the_append_lines_once(iterable, leaky_file, tmp_path, capsys):
     cls = load_object(f"{leaky_file}:LeakyPaddedText")
     doctor, seen = MemoryDoctor(verbose=True), SeeBatches()
     with warnings.catch_warnings(record=True) as warned:
@@ -157,8 +156,18 @@ def test_the_cli_gives_the_exact_bytes_per_step_and_the_append_lines_once(leaky_
     out_json = tmp_path / "verdict.json"
     with warnings.catch_warnings(record=True) as warned:  # what a terminal shows on stderr
         warnings.simplefilter("always")
-        status = main(["doctor", f"{leaky_file}:LeakyPaddedText", "--steps", str(STEPS), "--init-args",
-                       '{"iterable": true}', "--json", str(out_json)])
+        status = main(
+            [
+                "doctor",
+                f"{leaky_file}:LeakyPaddedText",
+                "--steps",
+                str(STEPS),
+                "--init-args",
+                '{"iterable": true}',
+                "--json",
+                str(out_json),
+            ]
+        )
     printed = capsys.readouterr()
     assert status == 3  # a leak
     assert sys.gettrace() is None
@@ -187,8 +196,7 @@ def keeping_step(model: nn.Module, keeper: Keeper, x: torch.Tensor, step: int) -
     keeper.last = out * 2
     total = out.sum(dim=1)
     keeper.cache[step] = total
-    keeper.outputs.append(
-        out.relu())
+    keeper.outputs.append(out.relu())
     return out.sum()
 
 
@@ -241,8 +249,10 @@ def test_a_tensor_stored_twice_is_given_the_line_that_stores_into_its_holder():
     session.close()
     creation = session.recorder.creation_of(out)
     first, second = (line for _, line, _ in creation.kept_at)
-    assert (first, second) == (source_line(store_twice, "keeper.last = out"),
-                               source_line(store_twice, "keeper.outputs.append(out)"))
+    assert (first, second) == (
+        source_line(store_twice, "keeper.last = out"),
+        source_line(store_twice, "keeper.outputs.append(out)"),
+    )
     assert keeping_frame([creation], {"model", "last"})[1] == first
     assert keeping_frame([creation], {"model", "outputs"})[1] == second
     assert keeping_frame([creation])[1] in (first, second)  # no holder: the most frequent, then the newest

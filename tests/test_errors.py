@@ -59,8 +59,10 @@ def test_the_walk_finds_every_known_error_class():
     found = _package_exceptions()
     assert set(BUILTIN_BASES) <= set(found), f"gone or renamed: {sorted(set(BUILTIN_BASES) - set(found))}"
     new = sorted(set(found) - set(BUILTIN_BASES))
-    assert not new, (f"new exception classes {new}: subclass MemkitError (from lightning_memkit.errors) and the "
-                     f"builtin they extend, and add them to BUILTIN_BASES in tests/test_errors.py")
+    assert not new, (
+        f"new exception classes {new}: subclass MemkitError (from lightning_memkit.errors) and the "
+        f"builtin they extend, and add them to BUILTIN_BASES in tests/test_errors.py"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_BASES))

@@ -72,8 +72,16 @@ class _ForkServer:
         env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MPLBACKEND="Agg")
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.pop("MASTER_PORT", None)
-        self.process = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         first = self._next(start_timeout)
@@ -146,10 +154,15 @@ def mib(text: str) -> float:
 def test_plain_pytorch_meter(runner, tmp_path):
     # The meter reads every live tensor of the process, so the libraries' own module-level tensors are in it
     # (torchmetrics holds a 4-byte one): counted with gc in a process that imported what the example imports.
-    (tmp_path / "base.py").write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-                                      "import lightning_memkit\nfrom live_tensors import live_tensor_bytes\n"
-                                      "print('base', live_tensor_bytes())\n", encoding="utf-8")
-    base = int(re.search(r"^base (\d+)$", runner.run(str(tmp_path / "base.py"), [], str(tmp_path), 60), flags=re.M).group(1))
+    (tmp_path / "base.py").write_text(
+        f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import lightning_memkit\nfrom live_tensors import live_tensor_bytes\n"
+        "print('base', live_tensor_bytes())\n",
+        encoding="utf-8",
+    )
+    base = int(
+        re.search(r"^base (\d+)$", runner.run(str(tmp_path / "base.py"), [], str(tmp_path), 60), flags=re.M).group(1)
+    )
     output = run_example(runner, "plain_pytorch_meter.py", [], tmp_path)
     steps = re.findall(r"step (\d): peak .* \((\d+) B\), live at end .* \((\d+) B\), host RSS", output)
     assert [int(s) for s, _, _ in steps] == [0, 1, 2], output[-3000:]
@@ -171,8 +184,11 @@ def test_memory_tracker(runner, tmp_path):
     assert run_peak, output[-3000:]
     scalars = read_scalars(str(tmp_path / "logs" / "mlp"))
     assert len(scalars["memory/train/tensor_MiB"]) == 4
-    logged = [(value, step) for tag in ("memory/train/peak_tensor_MiB", "memory/val/peak_tensor_MiB")
-              for step, value in scalars.get(tag, [])]
+    logged = [
+        (value, step)
+        for tag in ("memory/train/peak_tensor_MiB", "memory/val/peak_tensor_MiB")
+        for step, value in scalars.get(tag, [])
+    ]
     # the printed run peak is the largest peak in TensorBoard (float32 MiB there), at its step
     top_mib, top_step = max(logged)
     assert int(run_peak.group(1)) == pytest.approx(top_mib * MiB, rel=1e-6)
@@ -189,9 +205,16 @@ def test_report(runner, tmp_path):
         records = json.load(handle)
     summary = records["summary"]
     assert (int(printed.group(1)), int(printed.group(2)), printed.group(3)) == (
-        summary["peak_bytes"], summary["peak_step"], summary["peak_source"])
+        summary["peak_bytes"],
+        summary["peak_step"],
+        summary["peak_source"],
+    )
     assert summary["peak_bytes"] == max(reading["peak_tensor_bytes"] or 0 for reading in records["history"])
-    assert int(printed.group(4)) == len(records["history"]) == summary["train_steps_measured"] + summary["validation_runs_measured"]
+    assert (
+        int(printed.group(4))
+        == len(records["history"])
+        == summary["train_steps_measured"] + summary["validation_runs_measured"]
+    )
     written = [os.path.join(tmp_path, path) for path in re.findall(r"^wrote (.+)$", output, flags=re.M)]
     assert str(tmp_path / "out" / "report.html") in written and any(path.endswith(".png") for path in written)
     assert all(os.path.getsize(path) > 0 for path in written)
@@ -201,8 +224,11 @@ def test_report(runner, tmp_path):
 def test_checkpoint_budget(runner, tmp_path):
     output = run_example(runner, "checkpoint_budget.py", ["--steps", "1"], tmp_path)
     plan = re.search(r"checkpointed (\d+) block\(s\): (.+)", output)
-    memory = re.search(r"activation memory: ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget ([\d.]+ \w+)\); "
-                       r"the measuring forwards peaked at ([\d.]+ \w+)", output)
+    memory = re.search(
+        r"activation memory: ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget ([\d.]+ \w+)\); "
+        r"the measuring forwards peaked at ([\d.]+ \w+)",
+        output,
+    )
     assert plan and memory, output[-3000:]
     names = plan.group(2).split(", ")
     assert len(names) == int(plan.group(1)) >= 1 and all(re.fullmatch(r"blocks\.\d+", name) for name in names)
@@ -216,7 +242,9 @@ def test_quickstart(runner, tmp_path):
     from lightning_memkit.zoo import DemoCNN
 
     output = run_example(runner, "quickstart.py", ["--max-batch-size", "8"], tmp_path)
-    found = re.search(r"memkit: batch size (\d+) (?:fits|ran its steps too slowly for a larger one) .*; using (\d+)", output)
+    found = re.search(
+        r"memkit: batch size (\d+) (?:fits|ran its steps too slowly for a larger one) .*; using (\d+)", output
+    )
     chosen = re.search(r"batch size chosen: (\d+)", output)
     measured = re.search(r"training steps measured\s+(\d+)", output)
     assert found and chosen and measured, output[-3000:]
@@ -232,8 +260,12 @@ def test_find_batch_size(runner, tmp_path):
     output = run_example(runner, "find_batch_size.py", ["--budget", "24MiB"], tmp_path)
     trained = re.search(r"trained with batch size (\d+) \(budget ([\d.]+ \w+)\)", output)
     assert trained and mib(trained.group(2)) == 24, output[-3000:]
-    trials = [(int(batch), outcome, peak) for batch, outcome, peak in
-              re.findall(r"^\d+\s+(\d+)\s+(fits|out of memory)\s+(\S+(?: \w+)?)\s+[\d.]+s$", output, flags=re.M)]
+    trials = [
+        (int(batch), outcome, peak)
+        for batch, outcome, peak in re.findall(
+            r"^\d+\s+(\d+)\s+(fits|out of memory)\s+(\S+(?: \w+)?)\s+[\d.]+s$", output, flags=re.M
+        )
+    ]
     fits = [(batch, peak) for batch, outcome, peak in trials if outcome == "fits"]
     assert fits, output[-3000:]
     batch, peak = max(fits)
@@ -265,8 +297,11 @@ def test_plan_fit(runner, tmp_path):
 def test_auto_fit(runner, tmp_path):
     output = run_example(runner, "auto_fit.py", ["--steps", "2"], tmp_path, timeout=400)
     head = re.search(r"^batch (\d+) needs ([\d.]+ \w+); budget ([\d.]+ \w+)$", output, flags=re.M)
-    applied = re.search(r"^AutoFit applied: micro-batch (\d+) x accumulate_grad_batches (\d+), checkpointing (\S+), offload (\w+)$",
-                        output, flags=re.M)
+    applied = re.search(
+        r"^AutoFit applied: micro-batch (\d+) x accumulate_grad_batches (\d+), checkpointing (\S+), offload (\w+)$",
+        output,
+        flags=re.M,
+    )
     trained = re.search(r"^trained (\d+) steps of (\d+) samples", output, flags=re.M)
     assert head and applied and trained, output[-3000:]
     batch = int(head.group(1))
@@ -290,7 +325,10 @@ def test_layer_trace(runner, tmp_path):
     # float32 step per parameter tensor (8); inputs x (8, 3, 32, 32) float32 and y (8,) int64
     parameters = ((16 * 3 * 9 + 16) + 2 * (16 * 16 * 9 + 16) + (16 * 10 + 10)) * FLOAT32
     assert {name: int(end) for name, _, end in plain} == {
-        "parameters": parameters, "optimizer_state": 2 * parameters + 8 * FLOAT32, "inputs": 8 * 3 * 32 * 32 * FLOAT32 + 8 * INT64}
+        "parameters": parameters,
+        "optimizer_state": 2 * parameters + 8 * FLOAT32,
+        "inputs": 8 * 3 * 32 * 32 * FLOAT32 + 8 * INT64,
+    }
     for written in ("layer_trace_cnn.png", "layer_trace_checkpointed.png", "plain_pytorch_trace.csv"):
         assert (tmp_path / "out" / written).stat().st_size > 0
     assert list((tmp_path / "out" / "layer_trace").glob("version_0/memkit_trace_step1.json"))
@@ -322,29 +360,51 @@ def test_distributed_estimate(runner, tmp_path):
     assert f"GPTLike: {parameters / 1e9:.2f}B parameters" in output, output[-3000:]
     tables = re.findall(r"^strategy\s+N=1\s+N=2\s+N=8\s+N=64\n-[- ]+\n((?:\w+(?:\s+[\d.]+){4}\n)+)", output, flags=re.M)
     assert len(tables) == 2, output[-3000:]
-    states, peaks = ({row.split()[0]: [float(v) for v in row.split()[1:]] for row in table.splitlines()} for table in tables)
+    states, peaks = (
+        {row.split()[0]: [float(v) for v in row.split()[1:]] for row in table.splitlines()} for table in tables
+    )
     # model states per rank: the ZeRO paper's 16 bytes per parameter (fp16 weights and gradients, fp32 Adam
     # copy, momentum and variance), stage 1 shards the 12 optimizer bytes, stage 2 the gradients too, stage 3 all
-    zero = {"ddp": lambda n: 16, "deepspeed_stage_1": lambda n: 4 + 12 / n, "deepspeed_stage_2": lambda n: 2 + 14 / n,
-            "deepspeed_stage_3": lambda n: 16 / n}
+    zero = {
+        "ddp": lambda n: 16,
+        "deepspeed_stage_1": lambda n: 4 + 12 / n,
+        "deepspeed_stage_2": lambda n: 2 + 14 / n,
+        "deepspeed_stage_3": lambda n: 16 / n,
+    }
     assert states.keys() == zero.keys()
     for strategy, per_parameter in zero.items():
         expected = [per_parameter(n) * parameters / 1e9 for n in (1, 2, 8, 64)]
         assert states[strategy] == pytest.approx(expected, abs=0.0051), strategy  # printed to 0.01 GB
     # peaks per rank: a sharded strategy needs less on more ranks, and less than DDP's replica on 2 or more
-    assert peaks.keys() == {"ddp", "deepspeed_stage_1", "deepspeed_stage_2", "fsdp_shard_grad_op", "fsdp", "model_parallel"}
+    assert peaks.keys() == {
+        "ddp",
+        "deepspeed_stage_1",
+        "deepspeed_stage_2",
+        "fsdp_shard_grad_op",
+        "fsdp",
+        "model_parallel",
+    }
     for strategy, row in peaks.items():
         if strategy != "ddp":
-            assert row == sorted(row, reverse=True) and all(row[i] < peaks["ddp"][i] for i in (1, 2, 3)), (strategy, row)
+            assert row == sorted(row, reverse=True) and all(row[i] < peaks["ddp"][i] for i in (1, 2, 3)), (
+                strategy,
+                row,
+            )
     # the FSDP2 estimate shown by category is the table's N=8 cell; its fp32 parameters are an eighth of the
     # model's (shards padded to a multiple of 8 rows), Adam's two moments twice that
-    shown = re.search(r"^parameters\s+([\d.]+ \w+)\n^optimizer_state\s+([\d.]+ \w+)\n(?:.*\n)*?^peak per rank \(tensors\)\s+([\d.]+) GiB",
-                      output, flags=re.M)
+    shown = re.search(
+        r"^parameters\s+([\d.]+ \w+)\n^optimizer_state\s+([\d.]+ \w+)\n(?:.*\n)*?^peak per rank \(tensors\)\s+([\d.]+) GiB",
+        output,
+        flags=re.M,
+    )
     assert shown, output[-3000:]
     assert float(shown.group(3)) == peaks["model_parallel"][2]
     assert mib(shown.group(1)) == pytest.approx(parameters * FLOAT32 / 8 / MiB, rel=1e-3)
     assert mib(shown.group(2)) == pytest.approx(2 * mib(shown.group(1)), abs=0.01)
-    assert len(re.findall(r"^time of one fresh estimate, (fsdp|model_parallel), N=(2|64): [\d.]+ s$", output, flags=re.M)) == 4
+    assert (
+        len(re.findall(r"^time of one fresh estimate, (fsdp|model_parallel), N=(2|64): [\d.]+ s$", output, flags=re.M))
+        == 4
+    )
 
 
 def test_building_blocks(runner, tmp_path):
@@ -362,27 +422,42 @@ def test_building_blocks(runner, tmp_path):
     assert (adopted, live) == (linear, 2 * linear + 32 * 128 * FLOAT32 + FLOAT32) and peak > live
     # 2. the 8 KiB tensor, then the 128 x 256 input that crossed the 64 KiB budget
     assert numbers(r"^budget: (\d+) B requested over (\d+) B; is_out_of_memory: True; exceeded (\d+) time") == [
-        8 * 1024 + 128 * 256 * FLOAT32, 64 * 1024, 1]
+        8 * 1024 + 128 * 256 * FLOAT32,
+        64 * 1024,
+        1,
+    ]
     # 3. SGD keeps no state: live at each step's end are the parameters, their gradients and the batch
     mlp = (256 * 512 + 512 + 512 * 10 + 10) * FLOAT32
-    readings = [tuple(map(int, row)) for row in re.findall(r"^reading: step (\d): peak (\d+) B, live at end (\d+) B$", output, flags=re.M)]
+    readings = [
+        tuple(map(int, row))
+        for row in re.findall(r"^reading: step (\d): peak (\d+) B, live at end (\d+) B$", output, flags=re.M)
+    ]
     assert [step for step, _, _ in readings] == [0, 1, 2], output[-3000:]
     assert all(end == 2 * mlp + 32 * 256 * FLOAT32 + 32 * INT64 < peak for _, peak, end in readings)
     summary = re.search(r"^summary: peak (\d+) B at step (\d) \(peak_tensor_bytes\), 3 steps$", output, flags=re.M)
     top = max(peak for _, peak, _ in readings)
-    assert summary and (int(summary.group(1)), int(summary.group(2))) == (top, next(s for s, p, _ in readings if p == top))
+    assert summary and (int(summary.group(1)), int(summary.group(2))) == (
+        top,
+        next(s for s, p, _ in readings if p == top),
+    )
     # 4. ReLU saves its output (32 x 512) for backward, the second Linear saves that same storage (counted once);
     # Adam's two moments per parameter and one float32 step per parameter tensor
     assert re.search(rf"^trace: 1\s+ReLU\s+forward: saved {32 * 512 * FLOAT32} B", output, flags=re.M), output[-3000:]
     assert re.search(rf"^trace: 2\s+Linear\s+forward: saved 0 B", output, flags=re.M), output[-3000:]
-    events, trace_peak, state, again = numbers(r"^trace: (\d+) events, peak (\d+) B, optimizer state at end (\d+) B; from JSON: (\d+) B$")
+    events, trace_peak, state, again = numbers(
+        r"^trace: (\d+) events, peak (\d+) B, optimizer state at end (\d+) B; from JSON: (\d+) B$"
+    )
     assert state == 2 * mlp + 4 * FLOAT32 and again == trace_peak and events >= 8
     # 5. each step keeps one 32 x 128 output: the watcher's and the doctor's growth per step, exactly
     assert numbers(r"^leak: (\d+) B per step, made by aten\.addmm") == [32 * 128 * FLOAT32]
     assert numbers(r"^doctor: healthy False, (\d+) B per step; from JSON: (\d+) B$") == [32 * 128 * FLOAT32] * 2
     # 6. the budget is half the measured baseline activations, and the chosen blocks meet it
-    plan = re.search(r"^mode bf16\+checkpoint:budget=0\.5: autocast torch\.bfloat16; checkpointed (\d) of 6 blocks, "
-                     r"activations ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget [\d.]+ \w+, (\d+) B\)$", output, flags=re.M)
+    plan = re.search(
+        r"^mode bf16\+checkpoint:budget=0\.5: autocast torch\.bfloat16; checkpointed (\d) of 6 blocks, "
+        r"activations ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget [\d.]+ \w+, (\d+) B\)$",
+        output,
+        flags=re.M,
+    )
     assert plan and 1 <= int(plan.group(1)) <= 6, output[-3000:]
     assert int(plan.group(4)) == pytest.approx(mib(plan.group(2)) * MiB / 2, abs=0.01 * MiB)
     assert mib(plan.group(3)) * MiB <= int(plan.group(4))
@@ -395,22 +470,39 @@ def test_estimate_and_search(runner, tmp_path):
     parameters = sum(p.numel() * p.element_size() for p in DemoMLP().parameters())
     assert f"DemoMLP: {parameters} B of parameters" in output, output[-3000:]
     # on a CPU target the fake step's peak is the real step's, byte for byte; Adam: two moments and a step per tensor
-    estimate = re.search(r"^estimate: peak (\d+) B \(fake, .*\); measured: peak (\d+) B \(measured\); optimizer state (\d+) B$",
-                         output, flags=re.M)
+    estimate = re.search(
+        r"^estimate: peak (\d+) B \(fake, .*\); measured: peak (\d+) B \(measured\); optimizer state (\d+) B$",
+        output,
+        flags=re.M,
+    )
     tensors = len(list(DemoMLP().parameters()))
     assert estimate and estimate.group(1) == estimate.group(2), output[-3000:]
     assert int(estimate.group(3)) == 2 * parameters + tensors * FLOAT32
     # one rank of four: DDP holds everything, ZeRO-3 a quarter of the parameters and of Adam's state
-    ranks = {name: tuple(map(int, rest)) for name, *rest in re.findall(
-        r"^(\w+) on 4 ranks: parameters (\d+) B, optimizer state (\d+) B, peak (\d+) B per rank$", output, flags=re.M)}
+    ranks = {
+        name: tuple(map(int, rest))
+        for name, *rest in re.findall(
+            r"^(\w+) on 4 ranks: parameters (\d+) B, optimizer state (\d+) B, peak (\d+) B per rank$",
+            output,
+            flags=re.M,
+        )
+    }
     assert ranks.keys() == {"ddp", "deepspeed_stage_3"}, output[-3000:]
     assert ranks["ddp"][:2] == (parameters, 2 * parameters + tensors * FLOAT32)
     assert ranks["deepspeed_stage_3"][:2] == (parameters // 4, (2 * parameters + tensors * FLOAT32) // 4)
     assert ranks["deepspeed_stage_3"][2] < ranks["ddp"][2]
     # the search: the size found is the largest trial that fitted, under the budget; the fit trained with it
-    trials = [(int(size), outcome) for size, outcome in re.findall(r"^trial: batch (\d+): (fits|out of memory)", output, flags=re.M)]
-    fitted = [(int(size), int(peak)) for size, peak in re.findall(r"^trial: batch (\d+): fits, peak (\d+) B$", output, flags=re.M)]
-    found = re.search(r"^search: batch size (\d+) under (\d+) B \((\w+)\); module's batch_size (\d+)$", output, flags=re.M)
+    trials = [
+        (int(size), outcome)
+        for size, outcome in re.findall(r"^trial: batch (\d+): (fits|out of memory)", output, flags=re.M)
+    ]
+    fitted = [
+        (int(size), int(peak))
+        for size, peak in re.findall(r"^trial: batch (\d+): fits, peak (\d+) B$", output, flags=re.M)
+    ]
+    found = re.search(
+        r"^search: batch size (\d+) under (\d+) B \((\w+)\); module's batch_size (\d+)$", output, flags=re.M
+    )
     assert found and fitted and int(found.group(2)) == 3 * MiB, output[-3000:]
     batch = int(found.group(1))
     assert (batch, int(found.group(4))) == (max(fitted)[0], batch) and max(fitted)[1] <= 3 * MiB
@@ -428,8 +520,10 @@ def test_worst_batch(runner, tmp_path):
 
     longest = max(PaddedTextDataModule().train_set.lengths)
     side = max(VaryingImageDataModule().train_set.sides)
-    assert found["padded text"].startswith(f"input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): "
-                                           f"the worst batch of all 512 samples ({16 * longest * 16 + 16 * 8} bytes")
+    assert found["padded text"].startswith(
+        f"input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): "
+        f"the worst batch of all 512 samples ({16 * longest * 16 + 16 * 8} bytes"
+    )
     assert "custom batch sampler BucketBatchSampler" in found["bucketed text"]
     assert found["images of varying size"].startswith(f"batch[0] (8, 3, {side}, {side})")
     estimate = re.search(r"^estimate: peak (\d+) bytes on input_ids \(16, (\d+)\)", output, flags=re.M)
@@ -438,5 +532,6 @@ def test_worst_batch(runner, tmp_path):
     assert predicted and predicted.group(1) == predicted.group(2) and int(predicted.group(3)) == longest
     assert "each trial trained on the worst batch of all 512 samples at its size" in output
     trained = re.search(r"^trained 12 steps with batch size (\d+)$", output, flags=re.M)
-    assert trained and re.search(rf"^batch {trained.group(1)}: input_ids \({trained.group(1)}, {longest}\)", output,
-                                 flags=re.M), output[-3000:]
+    assert trained and re.search(
+        rf"^batch {trained.group(1)}: input_ids \({trained.group(1)}, {longest}\)", output, flags=re.M
+    ), output[-3000:]

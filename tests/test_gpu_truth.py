@@ -26,7 +26,9 @@ def _row_id(row):
 
 # cuDNN picks its algorithms (and workspaces) per dtype: on the H100 the fp16 run of ResNetish at batch 128
 # reserved 11% less than the bf16 run with the same tensors; the model gives both the bf16 figure.
-_KNOWN_HIGH = {("ResNetish", 128, "16-mixed"): "reserved +17%: cuDNN chose smaller fp16 workspaces than the bf16 ones modelled"}
+_KNOWN_HIGH = {
+    ("ResNetish", 128, "16-mixed"): "reserved +17%: cuDNN chose smaller fp16 workspaces than the bf16 ones modelled"
+}
 
 
 @pytest.mark.parametrize("row", truth_rows(), ids=_row_id)
@@ -90,42 +92,54 @@ def test_the_table_documents_every_choice():
 
 
 def test_attention_backend_follows_dtype_mask_head_dim_and_gpu_generation():
-    q32, q16, qbf = (torch.empty(2, 4, 16, 64, dtype=d, device="meta") for d in (torch.float32, torch.float16, torch.bfloat16))
+    q32, q16, qbf = (
+        torch.empty(2, 4, 16, 64, dtype=d, device="meta") for d in (torch.float32, torch.float16, torch.bfloat16)
+    )
     h100, v100, t4 = GpuTarget.parse("h100"), GpuTarget.parse("v100"), GpuTarget.parse("sm75")
     assert attention_backend(q32, q32, q32, None, 0.1, h100) == "efficient"
     assert attention_backend(qbf, qbf, qbf, None, 0.1, h100) == "flash"
-    assert attention_backend(q16, q16, q16, torch.empty(16, 16, device="meta"), 0.1, h100) == "efficient"  # a mask: no flash
-    assert attention_backend(q16, q16, q16, None, 0.1, t4) == "efficient"   # flash needs sm80+
+    assert (
+        attention_backend(q16, q16, q16, torch.empty(16, 16, device="meta"), 0.1, h100) == "efficient"
+    )  # a mask: no flash
+    assert attention_backend(q16, q16, q16, None, 0.1, t4) == "efficient"  # flash needs sm80+
     assert attention_backend(qbf, qbf, qbf, None, 0.1, GpuTarget.parse("a100")) == "flash"  # sm80 is enough
-    assert attention_backend(qbf, qbf, qbf, None, 0.1, v100) == "math"      # bf16 needs sm80+
+    assert attention_backend(qbf, qbf, qbf, None, 0.1, v100) == "math"  # bf16 needs sm80+
     odd = torch.empty(2, 4, 16, 30, dtype=torch.bfloat16, device="meta")
-    assert attention_backend(odd, odd, odd, None, 0.0, h100) == "flash"     # torch pads the head dim to 8 for flash
-    assert GpuTarget.parse("sm90") == GpuTarget.parse("9.0") == GpuTarget("sm90", (9, 0)) and GpuTarget.parse("A100").capability == (8, 0)
+    assert attention_backend(odd, odd, odd, None, 0.0, h100) == "flash"  # torch pads the head dim to 8 for flash
+    assert GpuTarget.parse("sm90") == GpuTarget.parse("9.0") == GpuTarget("sm90", (9, 0)) and GpuTarget.parse(
+        "A100"
+    ).capability == (8, 0)
     with pytest.raises(ValueError, match="unknown GPU 'k80x'.*compute capability"):
         GpuTarget.parse("k80x")
 
 
 def test_efficient_attention_allocates_what_the_fp32_trace_shows():
-    sizes, kernels, _ = _fake_allocations(lambda s: (lambda q=_qkv(s, torch.float32): F.scaled_dot_product_attention(*q, dropout_p=0.1)))
+    sizes, kernels, _ = _fake_allocations(
+        lambda s: lambda q=_qkv(s, torch.float32): F.scaled_dot_product_attention(*q, dropout_p=0.1)
+    )
     assert "attention:efficient" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_32-true", 8 * 12 * 512 * 4)
-    assert sorted(set(traced)) == [196608, 12582912]                       # output and logsumexp, no L x L tensor
+    assert sorted(set(traced)) == [196608, 12582912]  # output and logsumexp, no L x L tensor
     assert sorted(set(s for s in sizes if s >= 512)) == sorted(set(traced))  # the fake's host philox scalars aside
 
 
 def test_flash_attention_allocates_what_the_bf16_trace_shows():
-    sizes, kernels, _ = _fake_allocations(lambda s: (lambda q=_qkv(s, torch.bfloat16): F.scaled_dot_product_attention(*q, dropout_p=0.1)))
+    sizes, kernels, _ = _fake_allocations(
+        lambda s: lambda q=_qkv(s, torch.bfloat16): F.scaled_dot_product_attention(*q, dropout_p=0.1)
+    )
     assert "attention:flash" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_bf16-mixed", 8 * 12 * 512 * 4)
     big = lambda values: sorted(set(v for v in values if v >= 512))  # noqa: E731
     assert big(traced) == big(sizes) == [196608, 6291456]
     per_call = traced.count(196608)
-    assert sum(v < 512 for v in traced) == 3 * per_call and sum(0 < v < 512 for v in sizes) == 2  # seed + offset (+ a transient)
+    assert (
+        sum(v < 512 for v in traced) == 3 * per_call and sum(0 < v < 512 for v in sizes) == 2
+    )  # seed + offset (+ a transient)
 
 
 def test_fused_dropout_keeps_a_bool_mask_as_the_trace_shows():
-    sizes, kernels, _ = _fake_allocations(lambda s: (lambda x=torch.empty(8, 512, 768): F.dropout(x, 0.1, True)))
-    assert sorted(sizes) == [3145728, 12582912]                            # output, and a 1-byte-per-element mask
+    sizes, kernels, _ = _fake_allocations(lambda s: lambda x=torch.empty(8, 512, 768): F.dropout(x, 0.1, True))
+    assert sorted(sizes) == [3145728, 12582912]  # output, and a 1-byte-per-element mask
     traced = [size for sizes_ in _trace_sizes("BertLike_b8_32-true", "dropout@functional").values() for size in sizes_]
     assert traced.count(3145728) == 2 * 12 * 2  # the two (8, 512, 768) dropouts of 12 layers, 2 steps: bool masks
 
@@ -135,6 +149,7 @@ def test_linear_on_a_strided_input_adds_its_bias_in_place():
         x = torch.empty(8, 512, 768).transpose(0, 1)
         weight, bias = torch.empty(2304, 768, requires_grad=True), torch.empty(2304, requires_grad=True)
         return lambda: F.linear(x, weight, bias)
+
     sizes, _, _ = _fake_allocations(run)
     assert [s for s in sizes if s != 32 * MiB] == [12582912, 37748736]  # the copied input and one output (cuBLAS aside)
     traced = next(v for k, v in _trace_sizes("BertLike_b8_32-true", "_in_projection_packed").items() if 33554432 in v)
@@ -146,10 +161,15 @@ def test_cross_entropy_under_autocast_as_cuda_runs_it():
         logits = torch.empty(4096, 30522, dtype=torch.bfloat16, requires_grad=True)
         target = torch.empty(4096, dtype=torch.long)
         return lambda: F.cross_entropy(logits, target)
+
     sizes, kernels, loss = _fake_allocations(run, autocast=torch.bfloat16)
     assert "cross_entropy:autocast" in kernels.used and loss.dtype == torch.float32
-    assert sorted(s for s in sizes if s > 512) == [250036224, 500072448]   # bf16 log-probs, their fp32 copy
-    traced = [size for sizes_ in _trace_sizes("BertLike_b8_bf16-mixed", "cross_entropy@functional").values() for size in sizes_]
+    assert sorted(s for s in sizes if s > 512) == [250036224, 500072448]  # bf16 log-probs, their fp32 copy
+    traced = [
+        size
+        for sizes_ in _trace_sizes("BertLike_b8_bf16-mixed", "cross_entropy@functional").values()
+        for size in sizes_
+    ]
     assert sorted(set(s for s in traced if s > 512)) == [250036224, 500072448]
 
 
@@ -162,22 +182,29 @@ def test_layer_norm_under_autocast_runs_in_fp32_as_cuda_runs_it():
         x = torch.empty(shape, dtype=torch.bfloat16, requires_grad=True)
         weight, bias = torch.empty(shape[-1], requires_grad=True), torch.empty(shape[-1], requires_grad=True)
         return lambda: F.layer_norm(x, shape[-1:], weight, bias)
+
     sizes, kernels, out = _fake_allocations(run, autocast=torch.bfloat16)
     elements = shape[0] * shape[1] * shape[2]
     assert out.dtype == torch.float32
-    assert sorted(sizes) == sorted([4 * elements, 4 * elements, 4 * shape[0] * shape[1], 4 * shape[0] * shape[1]])  # input copy, output, mean, rstd
+    assert sorted(sizes) == sorted(
+        [4 * elements, 4 * elements, 4 * shape[0] * shape[1], 4 * shape[0] * shape[1]]
+    )  # input copy, output, mean, rstd
 
 
 def test_cublas_workspaces_one_per_thread_kept_as_the_traces_show():
-    assert cublas_workspace_bytes(GpuTarget.parse("h100")) == 32 * MiB and cublas_workspace_bytes(GpuTarget.parse("a100")) == 8 * MiB + 128 * 1024
+    assert (
+        cublas_workspace_bytes(GpuTarget.parse("h100")) == 32 * MiB
+        and cublas_workspace_bytes(GpuTarget.parse("a100")) == 8 * MiB + 128 * 1024
+    )
 
     def run(session):
         layer = nn.Linear(64, 64)
         layer.weight, layer.bias = (nn.Parameter(session.tensor(p.detach())) for p in (layer.weight, layer.bias))
         x = torch.empty(4, 64)
         return lambda: layer(x).sum().backward()
+
     sizes, _, _ = _fake_allocations(run)
-    assert sizes.count(32 * MiB) == 2 and sizes.count(1 * MiB) == 1         # forward's and backward's cuBLAS, one cuBLASLt
+    assert sizes.count(32 * MiB) == 2 and sizes.count(1 * MiB) == 1  # forward's and backward's cuBLAS, one cuBLASLt
     for name in ("BertLike_b8_32-true", "ResNetish_b32_bf16-mixed"):
         events, live = load_trace(name)["events"], {}
         for event in events:
@@ -191,10 +218,12 @@ def test_cublas_workspaces_one_per_thread_kept_as_the_traces_show():
 
 def test_conv_workspace_model_matches_the_h100_trace_for_most_convolutions():
     traced = [size for sizes_ in _trace_sizes("ResNetish_b32_32-true", "_conv_forward").values() for size in sizes_]
-    shapes = [((32, 128, 28, 28), (128, 128, 3, 3), (32, 128, 28, 28)),
-              ((32, 256, 14, 14), (256, 256, 3, 3), (32, 256, 14, 14)),
-              ((32, 512, 7, 7), (512, 512, 3, 3), (32, 512, 7, 7)),
-              ((32, 3, 224, 224), (64, 3, 7, 7), (32, 64, 112, 112))]
+    shapes = [
+        ((32, 128, 28, 28), (128, 128, 3, 3), (32, 128, 28, 28)),
+        ((32, 256, 14, 14), (256, 256, 3, 3), (32, 256, 14, 14)),
+        ((32, 512, 7, 7), (512, 512, 3, 3), (32, 512, 7, 7)),
+        ((32, 3, 224, 224), (64, 3, 7, 7), (32, 64, 112, 112)),
+    ]
     for input, weight, output in shapes:
         meta = [torch.empty(shape, device="meta") for shape in (input, weight, output)]
         assert conv_workspace_bytes(*meta) in traced
@@ -204,8 +233,11 @@ def test_conv_workspace_model_matches_the_h100_trace_for_most_convolutions():
         conv.weight = nn.Parameter(session.tensor(conv.weight.detach()))
         x = torch.empty(32, 128, 28, 28)
         return lambda: conv(x)
+
     sizes, kernels, _ = _fake_allocations(run)
-    assert sizes == [12845056, 26279952] and "conv:cudnn-workspace" in kernels.used  # output, then its transient workspace
+    assert (
+        sizes == [12845056, 26279952] and "conv:cudnn-workspace" in kernels.used
+    )  # output, then its transient workspace
 
 
 def test_batch_norm_saves_c_floats_per_statistic_as_the_trace_shows():
@@ -217,14 +249,17 @@ def test_batch_norm_saves_c_floats_per_statistic_as_the_trace_shows():
             setattr(norm, name, session.tensor(tensor))
         x = torch.empty(32, 64, 112, 112, requires_grad=True)
         return lambda: norm(x)
+
     sizes, _, _ = _fake_allocations(run)
-    traced = [size for sizes_ in _trace_sizes("ResNetish_b32_32-true", "batch_norm@functional").values() for size in sizes_]
+    traced = [
+        size for sizes_ in _trace_sizes("ResNetish_b32_32-true", "batch_norm@functional").values() for size in sizes_
+    ]
     assert 102760448 in sizes and sizes.count(256) == 2
     assert traced.count(256) == 5 * 2 * 2  # the five 64-channel BatchNorms, 2 statistics, 2 steps
 
 
 def test_16_mixed_keeps_the_grad_scaler_state():
-    sizes, kernels, _ = _fake_allocations(lambda s: (lambda: None), precision="16-mixed")
+    sizes, kernels, _ = _fake_allocations(lambda s: lambda: None, precision="16-mixed")
     assert sizes == [4, 4] and "16-mixed:grad-scaler" in kernels.used
 
 
@@ -242,7 +277,9 @@ def test_the_gpu_generation_changes_the_attention_kernel_and_the_estimate():
     optimizer = lambda params: torch.optim.AdamW(params)  # noqa: E731
     h100 = estimate_memory(module, batch=batch, mode="bf16", optimizer=optimizer, device="cuda", gpu="h100")
     v100 = estimate_memory(module, batch=batch, mode="bf16", optimizer=optimizer, device="cuda", gpu="v100")
-    assert any("attention: flash" in note for note in h100.notes) and any("attention: math" in note for note in v100.notes)
+    assert any("attention: flash" in note for note in h100.notes) and any(
+        "attention: math" in note for note in v100.notes
+    )
     assert v100.cuda.peak_allocated_bytes > h100.cuda.peak_allocated_bytes  # L x L weights on the V100
 
 
@@ -251,24 +288,33 @@ def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
 
     module, batch = _TinyTransformer(), torch.randn(2, 64, 64)
     originals = (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy)
-    estimate_memory(module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda")  # warm-up
+    estimate_memory(
+        module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda"
+    )  # warm-up
     before = live_tensor_bytes()
-    estimate = estimate_memory(module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda")
+    estimate = estimate_memory(
+        module, batch=batch, mode="bf16", optimizer=lambda p: torch.optim.AdamW(p), device="cuda"
+    )
     assert estimate.cuda.peak_allocated_bytes > 64 * MiB  # the two cuBLAS workspaces are in the simulated peak
     assert live_tensor_bytes() == before
     assert (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy) == originals
 
 
-@pytest.mark.parametrize("dtype, trace, buffer", [(torch.float32, "BertLike_b8_32-true", 12595200),
-                                                  (torch.bfloat16, "BertLike_b8_bf16-mixed", 12779776)])
+@pytest.mark.parametrize(
+    "dtype, trace, buffer",
+    [(torch.float32, "BertLike_b8_32-true", 12595200), (torch.bfloat16, "BertLike_b8_bf16-mixed", 12779776)],
+)
 def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer):
     def run(session):
         q, k, v = _qkv(session, dtype)
         return lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1).sum().backward()
+
     sizes, _, _ = _fake_allocations(run)
     backward = [e["size"] for e in load_trace(trace)["events"] if e["action"] == "alloc" and not e["frames"]]
     assert backward.count(buffer) == 24  # one per layer (12) and step (2), freed at once
-    assert any(abs(size - buffer) <= 512 for size in sizes)  # the modelled transient: the same 512-byte blocks, or one more
+    assert any(
+        abs(size - buffer) <= 512 for size in sizes
+    )  # the modelled transient: the same 512-byte blocks, or one more
 
 
 def test_the_estimate_replays_with_the_allocator_settings_of_pytorch_cuda_alloc_conf(monkeypatch):

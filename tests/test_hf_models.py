@@ -26,20 +26,46 @@ VOCAB, SEQ, BATCH, LAYERS = 128, 64, 4, 4
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=LAYERS,
+            n_head=4,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(config)
     if kind in ("llama", "lora"):
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+        )
         model = transformers.LlamaForCausalLM(config)
         if kind == "lora":
             peft = pytest.importorskip("peft")
             model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
         return model
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                     intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForMaskedLM(config)
 
 
@@ -144,7 +170,9 @@ def test_transformers_drops_an_all_ones_mask_for_sdpa_by_reading_its_values():
 def test_the_fake_step_keeps_the_loaders_mask_real_and_floats_fake():
     from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, keeps_real_values
 
-    assert keeps_real_values(torch.ones(4, SEQ, dtype=torch.long)) and keeps_real_values(torch.ones(3, dtype=torch.bool))
+    assert keeps_real_values(torch.ones(4, SEQ, dtype=torch.long)) and keeps_real_values(
+        torch.ones(3, dtype=torch.bool)
+    )
     assert not keeps_real_values(torch.ones(4, SEQ))  # activations' dtypes stay fake
     assert not keeps_real_values(torch.ones(REAL_VALUES_NUMEL + 1, dtype=torch.int8))
 
@@ -152,7 +180,10 @@ def test_the_fake_step_keeps_the_loaders_mask_real_and_floats_fake():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_cuda_target_bf16_decoder_runs_flash_attention_with_and_without_the_all_ones_mask():
     # with the mask built on fakes, SDPA got an attn_mask and the CUDA estimate assumed memory-efficient attention
-    estimates = {mask: estimate_memory(HFModule("llama", mask=mask), BATCH, device="cuda", gpu="h100", mode="bf16") for mask in (True, False)}
+    estimates = {
+        mask: estimate_memory(HFModule("llama", mask=mask), BATCH, device="cuda", gpu="h100", mode="bf16")
+        for mask in (True, False)
+    }
     for estimate in estimates.values():
         (kernels,) = [note for note in estimate.notes if note.startswith("CUDA kernels assumed")]
         assert "attention: flash" in kernels

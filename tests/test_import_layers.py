@@ -27,13 +27,19 @@ ALLOWED_TO_IMPORT_CALLBACKS = (f"{PACKAGE}.callbacks", f"{PACKAGE}.cli")
 #: paths never run it). ``(importer, imported)``: every other edge to the callbacks fails the test, and
 #: an entry that no longer exists fails it too, so the list only shrinks.
 TRAINER_BUILDING_EDGES: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.modes.compare", f"{PACKAGE}.callbacks.memory_tracker"):
-        "compare_modes trains one Trainer per mode, each measured by a MemoryTracker",
-    (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_checkpointing"):
-        "Mode.trainer_kwargs returns the Trainer arguments of a mode: its precision flag and, for a "
-        "checkpoint mode, the ActivationCheckpointing callback",
-    (f"{PACKAGE}.modes.mode", f"{PACKAGE}.callbacks.activation_offload"):
-        "Mode.trainer_kwargs of an offload mode adds the ActivationOffload callback",
+    (
+        f"{PACKAGE}.modes.compare",
+        f"{PACKAGE}.callbacks.memory_tracker",
+    ): "compare_modes trains one Trainer per mode, each measured by a MemoryTracker",
+    (
+        f"{PACKAGE}.modes.mode",
+        f"{PACKAGE}.callbacks.activation_checkpointing",
+    ): "Mode.trainer_kwargs returns the Trainer arguments of a mode: its precision flag and, for a "
+    "checkpoint mode, the ActivationCheckpointing callback",
+    (
+        f"{PACKAGE}.modes.mode",
+        f"{PACKAGE}.callbacks.activation_offload",
+    ): "Mode.trainer_kwargs of an offload mode adds the ActivationOffload callback",
 }
 
 
@@ -62,7 +68,8 @@ def _resolve(importer: str, is_package: bool, level: int, module: str | None) ->
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -150,11 +157,16 @@ def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def _without_pending(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {name: {t: line for t, line in targets.items() if (name, t) not in TRAINER_BUILDING_EDGES} for name, targets in graph.items()}
+    return {
+        name: {t: line for t, line in targets.items() if (name, t) not in TRAINER_BUILDING_EDGES}
+        for name, targets in graph.items()
+    }
 
 
 def _may_import_callbacks(name: str) -> bool:
-    return name == PACKAGE or any(name == allowed or name.startswith(allowed + ".") for allowed in ALLOWED_TO_IMPORT_CALLBACKS)
+    return name == PACKAGE or any(
+        name == allowed or name.startswith(allowed + ".") for allowed in ALLOWED_TO_IMPORT_CALLBACKS
+    )
 
 
 def _is_callbacks(name: str) -> bool:
@@ -197,8 +209,10 @@ def test_the_walker_sees_every_kind_of_import(tmp_path: Path) -> None:
     }
     for relative, text in files.items():
         (package / relative).write_text(text)
-    modules = {".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in package.rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in package.rglob("*.py")
+    }
     graph = {name: set(imports_of(name, path, modules)) for name, path in modules.items()}
     assert graph == {
         PACKAGE: set(),
@@ -238,9 +252,13 @@ def test_no_import_cycle_among_the_package_modules() -> None:
 
 def test_no_lower_layer_imports_the_callbacks() -> None:
     graph = import_graph()
-    direct = [f"{name} imports {target} (line {line})"
-              for name, targets in sorted(graph.items()) if not _may_import_callbacks(name)
-              for target, line in sorted(targets.items()) if _is_callbacks(target) and (name, target) not in TRAINER_BUILDING_EDGES]
+    direct = [
+        f"{name} imports {target} (line {line})"
+        for name, targets in sorted(graph.items())
+        if not _may_import_callbacks(name)
+        for target, line in sorted(targets.items())
+        if _is_callbacks(target) and (name, target) not in TRAINER_BUILDING_EDGES
+    ]
     assert not direct, "lower layers import the Lightning callbacks:\n  " + "\n  ".join(direct)
     # nor through another module (e.g. the root package, which exports the callbacks)
     pruned = _without_pending(graph)

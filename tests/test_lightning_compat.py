@@ -37,8 +37,15 @@ class _Recorder(pl.Callback):
 def test_logging_step_is_the_step_lightning_logs_self_log_at(tmp_path):
     recorder = _Recorder()
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = make_trainer(tmp_path, max_steps=6, logger=logger, callbacks=[recorder], val_check_interval=2,
-                           limit_val_batches=1, check_val_every_n_epoch=None)
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=6,
+        logger=logger,
+        callbacks=[recorder],
+        val_check_interval=2,
+        limit_val_batches=1,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(LinearStack(log_loss=True))
     scalars = read_scalars(logger.log_dir)
     assert recorder.train_steps == [s for s, _ in scalars["train_loss"]] == list(range(6))
@@ -77,26 +84,52 @@ def test_the_stand_in_trainer_answers_what_a_real_trainer_answers(tmp_path):
 
     class Read(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
-            self.real = (trainer.estimated_stepping_batches, trainer.max_steps, trainer.max_epochs, trainer.num_devices,
-                         trainer.world_size, str(trainer.precision), trainer.global_step, trainer.current_epoch)
+            self.real = (
+                trainer.estimated_stepping_batches,
+                trainer.max_steps,
+                trainer.max_epochs,
+                trainer.num_devices,
+                trainer.world_size,
+                str(trainer.precision),
+                trainer.global_step,
+                trainer.current_epoch,
+            )
             # the estimate gives the stand-in the train loader's length, as memkit does with the batch it samples
             self.stand_in = StandInTrainer.like(trainer, num_training_batches=len(pl_module.train_dataloader()))
 
-    for options in (dict(max_steps=-1, max_epochs=3), dict(max_steps=5), dict(max_steps=-1, max_epochs=2, accumulate_grad_batches=3),
-                    dict(max_steps=-1, max_epochs=-1, limit_train_batches=2), dict(max_steps=-1, max_epochs=1, accumulate_grad_batches=2)):
+    for options in (
+        dict(max_steps=-1, max_epochs=3),
+        dict(max_steps=5),
+        dict(max_steps=-1, max_epochs=2, accumulate_grad_batches=3),
+        dict(max_steps=-1, max_epochs=-1, limit_train_batches=2),
+        dict(max_steps=-1, max_epochs=1, accumulate_grad_batches=2),
+    ):
         reader = Read()
         trainer = make_trainer(tmp_path, callbacks=[reader], **options)
         if options.get("max_epochs") == -1:  # an endless fit: read the settings, do not run it
             trainer.fit_loop.epoch_loop.max_steps = 1
         trainer.fit(LinearStack(samples=56))  # 7 batches per epoch
         stand_in = reader.stand_in
-        assert (stand_in.estimated_stepping_batches, stand_in.max_steps, stand_in.max_epochs, stand_in.num_devices,
-                stand_in.world_size, stand_in.precision, stand_in.global_step, stand_in.current_epoch) == reader.real, options
+        assert (
+            stand_in.estimated_stepping_batches,
+            stand_in.max_steps,
+            stand_in.max_epochs,
+            stand_in.num_devices,
+            stand_in.world_size,
+            stand_in.precision,
+            stand_in.global_step,
+            stand_in.current_epoch,
+        ) == reader.real, options
 
 
 def test_the_trial_clean_up_wrappers_find_what_they_clear(tmp_path):
     """The private fit-loop attributes the batch-size search clears after a trial exist where the wrappers look."""
-    from lightning_memkit._lightning_compat import clear_logged_results, drop_train_data_fetcher, logged_metrics_state, restore_logged_metrics
+    from lightning_memkit._lightning_compat import (
+        clear_logged_results,
+        drop_train_data_fetcher,
+        logged_metrics_state,
+        restore_logged_metrics,
+    )
 
     class Check(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -145,7 +178,9 @@ def test_manual_optimizers_and_schedulers_read_every_configure_optimizers_shape(
     assert manual_optimizers_and_schedulers(first) == ([first], [])
     optimizers, configs = manual_optimizers_and_schedulers(([first, second], [scheduler]))
     assert optimizers == [first, second] and [c.scheduler for c in configs] == [scheduler]
-    optimizers, configs = manual_optimizers_and_schedulers({"optimizer": first, "lr_scheduler": {"scheduler": scheduler}})
+    optimizers, configs = manual_optimizers_and_schedulers(
+        {"optimizer": first, "lr_scheduler": {"scheduler": scheduler}}
+    )
     assert optimizers == [first] and [c.scheduler for c in configs] == [scheduler]
 
 

@@ -43,7 +43,9 @@ class _ProcessBytes(Callback):
         self.at_batch_start.append(storage_bytes(live_tensors("cpu") + grads))  # each storage once
 
 
-def _rest_of_process(counter: _ProcessBytes, model: LinearStack, batch_size: int, steps_with_grads=lambda step: step > 0) -> list[int]:
+def _rest_of_process(
+    counter: _ProcessBytes, model: LinearStack, batch_size: int, steps_with_grads=lambda step: step > 0
+) -> list[int]:
     """What ``tensor_MiB`` counts besides the step's own tensors, now that it covers the whole
     process: at each batch start, everything alive minus the parameters P, the batch X and the
     gradients G of the last step. For these runs that is the model's dataset tensor
@@ -52,6 +54,8 @@ def _rest_of_process(counter: _ProcessBytes, model: LinearStack, batch_size: int
     P = model.parameter_bytes()
     X = batch_size * model.dims[0] * FLOAT32
     return [total - P - X - (P if steps_with_grads(step) else 0) for step, total in enumerate(counter.at_batch_start)]
+
+
 #: the fields a CPU run logs: host RSS and the accountant (no CUDA, no NVML)
 CPU_FIELDS = [f for f, meaning in MEMORY_FIELDS.items() if meaning.startswith(("host:", "accountant:"))]
 
@@ -94,7 +98,7 @@ def _backward_moments(model: LinearStack, accumulating: bool = False) -> list[in
     # ReLU k's backward (threshold_backward) allocates the gradient w.r.t. h_k while the one
     # w.r.t. r_k and the saved r_0..r_k are live; later layers' gradients exist by then.
     for k in range(layers - 1):
-        new_grads = 0 if accumulating else sum(grads[k + 1:])
+        new_grads = 0 if accumulating else sum(grads[k + 1 :])
         moments.append(new_grads + sum(r[: k + 1]) + 2 * r[k] + 3 * SCALAR)
     return moments
 
@@ -156,8 +160,13 @@ def test_cpu_per_step_peak_counts_adam_state(tmp_path):
     # the rest of the process (dataset and others); Adam's state S is in the gc count from step 1
     rest = [r - S for r in _rest_of_process(counter, model, batch_size)[1:]]
     assert len(set(rest)) == 1 and rest[0] >= model.data.nbytes, rest
-    expected = rest[0] + P + S + X + max(G + max(_forward_moments(model)), max(_backward_moments(model)),
-                                         G + max(_adam_step_moments(model)))
+    expected = (
+        rest[0]
+        + P
+        + S
+        + X
+        + max(G + max(_forward_moments(model)), max(_backward_moments(model)), G + max(_adam_step_moments(model)))
+    )
     assert [r.peak_tensor_bytes for r in tracker.history][1:] == [expected, expected]
     # at this batch size Adam's temporaries, not the activations, make the peak
     assert max(_adam_step_moments(model)) > max(_forward_moments(model))
@@ -167,8 +176,15 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     model = LinearStack(batch_size=8, log_loss=True, val_batches=2)
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = make_trainer(tmp_path, max_steps=6, logger=logger, callbacks=[tracker],
-                           val_check_interval=3, limit_val_batches=2, check_val_every_n_epoch=None)
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=6,
+        logger=logger,
+        callbacks=[tracker],
+        val_check_interval=3,
+        limit_val_batches=2,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(model)
     scalars = read_scalars(logger.log_dir)
 
@@ -176,7 +192,9 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
         assert [s for s, _ in scalars[step_tag(field, "train")]] == list(range(6)), field
         # validation ran after the 3rd and 6th training step: on the training-step axis,
         # at the very steps Lightning wrote its own val_loss
-        assert [s for s, _ in scalars[step_tag(field, "validate")]] == [s for s, _ in scalars["val_loss"]] == [2, 5], field
+        assert [s for s, _ in scalars[step_tag(field, "validate")]] == [s for s, _ in scalars["val_loss"]] == [2, 5], (
+            field
+        )
     assert [s for s, _ in scalars["train_loss"]] == list(range(6))
     for tag in ("run_peak_MiB", "run_peak_step", "capacity_MiB", "run_peak_fraction"):
         assert [s for s, _ in scalars[f"memory/summary/{tag}"]] == [6], tag
@@ -193,12 +211,16 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     assert round(run_peak * MiB) == tracker.summary.peak_bytes == max(r.peak_tensor_bytes for r in tracker.history)
     # nothing but memkit's documented tags under memory/
     documented = {step_tag(f, stage) for f in CPU_FIELDS for stage in ("train", "validate")}
-    documented |= {f"memory/summary/{t}" for t in ("run_peak_MiB", "run_peak_step", "capacity_MiB", "run_peak_fraction")}
+    documented |= {
+        f"memory/summary/{t}" for t in ("run_peak_MiB", "run_peak_step", "capacity_MiB", "run_peak_fraction")
+    }
     # ... and the dashboard's rebased copies of them (docs/dashboard.md: lines drawn above a base the
     # chart's title names, written at fit end where TensorBoard's tick labels would repeat)
     rebased = {t for t in scalars if t.startswith("memory/dashboard/")}
     for tag in rebased - {t for t in rebased if is_frame_tag(t)}:  # frame lines: tests/test_dashboard_rules.py
-        source = re.fullmatch(r"memory/dashboard/(.+?)_(B|KiB|MiB|GiB)(_above_[0-9.]+_\2)?", tag)  # GiB alone: values of 1,000 MiB and more
+        source = re.fullmatch(
+            r"memory/dashboard/(.+?)_(B|KiB|MiB|GiB)(_above_[0-9.]+_\2)?", tag
+        )  # GiB alone: values of 1,000 MiB and more
         assert source and f"memory/{source.group(1)}_MiB" in documented, tag
     assert {t for t in scalars if t.startswith("memory/")} - rebased == documented
     # the offline record
@@ -213,7 +235,9 @@ def test_every_n_steps_is_respected(tmp_path):
     scalars = read_scalars(logger.log_dir)
     for field in CPU_FIELDS:
         # the accountant's per-op peak runs on the first two measured steps, then every 10th (tensor_peak_every_n_steps)
-        assert [s for s, _ in scalars[step_tag(field)]] == ([0, 3] if field == "peak_tensor_bytes" else [0, 3, 6]), field
+        assert [s for s, _ in scalars[step_tag(field)]] == ([0, 3] if field == "peak_tensor_bytes" else [0, 3, 6]), (
+            field
+        )
     assert [r.step for r in tracker.history] == [0, 3, 6]
     assert [r.peak_tensor_bytes is not None for r in tracker.history] == [True, True, False]
     # memkit's own rows (every_n_steps > 1), each with the epoch
@@ -232,7 +256,9 @@ def test_gradient_accumulation_gives_one_reading_per_optimizer_step(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     counter = _ProcessBytes()
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
-    trainer = make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[counter, tracker])
+    trainer = make_trainer(
+        tmp_path, max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[counter, tracker]
+    )
     trainer.fit(model)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6  # six micro-batches
     scalars = read_scalars(logger.log_dir)
@@ -256,8 +282,15 @@ def test_validation_inside_an_accumulation_window_does_not_split_the_step(tmp_pa
     still give exactly one training reading; the validation run there is measured too (the
     training window is set aside meanwhile), at the step Lightning logs it at."""
     tracker = MemoryTracker(verbose=False)
-    make_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[tracker], val_check_interval=3,
-                 limit_val_batches=1, check_val_every_n_epoch=None).fit(LinearStack(val_batches=1))
+    make_trainer(
+        tmp_path,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        callbacks=[tracker],
+        val_check_interval=3,
+        limit_val_batches=1,
+        check_val_every_n_epoch=None,
+    ).fit(LinearStack(val_batches=1))
     train = [r.step for r in tracker.history if r.stage == "train"]
     validate = [r.step for r in tracker.history if r.stage == "validate"]
     assert train == [0, 1, 2]
@@ -289,8 +322,16 @@ def test_csv_memory_is_in_lightnings_rows_with_the_epoch(tmp_path):
     log_every_n_steps decides which steps are written."""
     logger = CSVLogger(str(tmp_path), name="csv")
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
-    make_trainer(tmp_path, max_steps=8, logger=logger, callbacks=[tracker], log_every_n_steps=2, val_check_interval=4,
-                 limit_val_batches=1, check_val_every_n_epoch=None).fit(LinearStack(log_loss=True, val_batches=1))
+    make_trainer(
+        tmp_path,
+        max_steps=8,
+        logger=logger,
+        callbacks=[tracker],
+        log_every_n_steps=2,
+        val_check_interval=4,
+        limit_val_batches=1,
+        check_val_every_n_epoch=None,
+    ).fit(LinearStack(log_loss=True, val_batches=1))
     with open(os.path.join(logger.log_dir, "metrics.csv")) as file:
         rows = list(csv.DictReader(file))
     train_rows = [r for r in rows if r["train_loss"]]
@@ -306,7 +347,9 @@ def test_csv_memory_is_in_lightnings_rows_with_the_epoch(tmp_path):
     assert [int(r["step"]) for r in val_rows] == [3, 7]
     assert all(r[step_tag("tensor_bytes", "validate")] and r["epoch"] == "0" for r in val_rows)
     by_step = {r.step: r for r in tracker.history if r.stage == "train"}
-    assert [float(r["memory/train/peak_tensor_MiB"]) * MiB for r in train_rows] == [by_step[s].peak_tensor_bytes for s in (1, 3, 5, 7)]
+    assert [float(r["memory/train/peak_tensor_MiB"]) * MiB for r in train_rows] == [
+        by_step[s].peak_tensor_bytes for s in (1, 3, 5, 7)
+    ]
     assert tracker.summary.train_steps_measured == 8 and tracker.summary.validation_runs_measured == 2
 
 
@@ -386,15 +429,18 @@ def test_resume_continues_the_step_axis(tmp_path):
     first_logger = TensorBoardLogger(str(tmp_path), name="tb", version="first")
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
     first = MemoryTracker(verbose=False)
-    make_trainer(tmp_path, max_steps=4, logger=first_logger, callbacks=[first, checkpoint],
-                 enable_checkpointing=True).fit(LinearStack(log_loss=True))
+    make_trainer(
+        tmp_path, max_steps=4, logger=first_logger, callbacks=[first, checkpoint], enable_checkpointing=True
+    ).fit(LinearStack(log_loss=True))
     path = os.path.join(str(tmp_path / "ckpt"), "epoch=0-step=3.ckpt")
     assert os.path.exists(path), os.listdir(str(tmp_path / "ckpt"))
     assert [r["step"] for r in _tracker_state(path)["history"]] == [0, 1, 2]
 
     second_logger = TensorBoardLogger(str(tmp_path), name="tb", version="second")
     second = MemoryTracker(verbose=False)
-    make_trainer(tmp_path, max_steps=6, logger=second_logger, callbacks=[second]).fit(LinearStack(log_loss=True), ckpt_path=path)
+    make_trainer(tmp_path, max_steps=6, logger=second_logger, callbacks=[second]).fit(
+        LinearStack(log_loss=True), ckpt_path=path
+    )
     assert [r.step for r in second.history] == [0, 1, 2, 3, 4, 5]
     assert second.summary.steps_measured == 6
     scalars = read_scalars(second_logger.log_dir)
@@ -446,9 +492,16 @@ def test_a_failed_batch_size_search_is_not_an_out_of_memory_error_and_leaves_no_
 
     monkeypatch.chdir(tmp_path)  # where the report went: the Trainer's default_root_dir is the working directory
     tracker = MemoryTracker(verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[tracker, MaxBatchSize(budget=30_000, max_val=8, use_estimate=False, verbose=False)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracker, MaxBatchSize(budget=30_000, max_val=8, use_estimate=False, verbose=False)],
+    )
     with pytest.raises(MemkitError, match="out of memory"):
         trainer.fit(LinearStack())
     assert tracker.oom_report_path is None and os.listdir(tmp_path) == []
@@ -471,7 +524,9 @@ def test_the_first_two_logged_steps_get_the_peak(tmp_path, steps, every, expecte
     logged), then one logged step in tensor_peak_every_n_steps (10)."""
     tracker = MemoryTracker(verbose=False)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    make_trainer(tmp_path, max_steps=steps, callbacks=[tracker], logger=logger, log_every_n_steps=every).fit(LinearStack())
+    make_trainer(tmp_path, max_steps=steps, callbacks=[tracker], logger=logger, log_every_n_steps=every).fit(
+        LinearStack()
+    )
     scalars = read_scalars(logger.log_dir)
     assert [s for s, _ in scalars["memory/train/peak_tensor_MiB"]] == expected
     assert [s for s, _ in scalars["memory/train/tensor_MiB"]] == [s for s in range(steps) if (s + 1) % every == 0]
@@ -565,8 +620,15 @@ def test_default_sampling_reads_the_peak_of_the_first_two_training_steps(tmp_pat
     model = LinearStack((32, 64, 48, 16), batch_size=8, val_batches=1)
     tracker = MemoryTracker(verbose=False)  # the default tensor_peak_every_n_steps=10
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    make_trainer(tmp_path, max_steps=6, callbacks=[tracker], logger=logger, log_every_n_steps=50,
-                 limit_val_batches=1, val_check_interval=3).fit(model)
+    make_trainer(
+        tmp_path,
+        max_steps=6,
+        callbacks=[tracker],
+        logger=logger,
+        log_every_n_steps=50,
+        limit_val_batches=1,
+        val_check_interval=3,
+    ).fit(model)
 
     train = [r for r in tracker.history if r.stage == "train"]
     assert [r.step for r in train] == list(range(6))
@@ -612,7 +674,9 @@ def test_steady_growth_is_reported_once_with_its_exact_bytes_per_step(tmp_path, 
     # step's own reading is not yet a floor), and the end of the epoch freed none of it
     assert len(leak_warnings) == 1 and "(65536 bytes) per measured step, steps 3..10" in str(leak_warnings[0].message)
     assert tracker.summary.extra["leak"]["bytes_per_measured_step"] == 65536
-    assert "memory growth" in __import__("lightning_memkit.summary_table", fromlist=["x"]).format_summary(tracker.summary)
+    assert "memory growth" in __import__("lightning_memkit.summary_table", fromlist=["x"]).format_summary(
+        tracker.summary
+    )
 
 
 def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has_not_reached(tmp_path):
@@ -621,10 +685,13 @@ def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has
     assert steady.leak_report is None and "leak" not in steady.summary.extra
 
     import gc
+
     garbage = MemoryTracker(verbose=False)
     gc.disable()  # the cycles then stay until the tracker's own confirming collection
     try:
-        make_trainer(tmp_path, max_steps=12, callbacks=[garbage]).fit(_CyclicGarbagePerStep(batch_size=8, samples=8 * 12))
+        make_trainer(tmp_path, max_steps=12, callbacks=[garbage]).fit(
+            _CyclicGarbagePerStep(batch_size=8, samples=8 * 12)
+        )
     finally:
         gc.enable()
     train = [r.tensor_bytes for r in garbage.history if r.stage == "train"]
@@ -632,7 +699,9 @@ def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has
     assert garbage.leak_report is None
 
 
-def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readings_count_it(tmp_path, capsys, monkeypatch):
+def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readings_count_it(
+    tmp_path, capsys, monkeypatch
+):
     """A notebook: the second fit's readings count every live tensor of the process, the first model's (still referenced)
     included. The summary says so once per process, not at the first fit, not again at the third."""
     from lightning_memkit import summary_table
@@ -640,6 +709,7 @@ def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readi
     monkeypatch.setattr(summary_table, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})
     kept, outputs, trackers = [], [], []
     import gc
+
     for _ in range(3):
         gc.collect()  # an earlier test's cyclic garbage, freed mid-loop, would move the step-0 readings compared below
         kept.append(LinearStack())  # the notebook keeps each model

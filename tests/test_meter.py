@@ -251,7 +251,11 @@ def test_process_reading_equals_an_independent_gc_count(tmp_path):
         "print('second', meter.last.tensor_bytes, live_tensor_bytes())\n"
     )
     output = run_script([str(script)], cwd=str(tmp_path), timeout=300)
-    lines = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in output.splitlines() if line.startswith(("first", "second"))}
+    lines = {
+        line.split()[0]: [int(v) for v in line.split()[1:]]
+        for line in output.splitlines()
+        if line.startswith(("first", "second"))
+    }
     assert lines["first"][0] == lines["first"][1] > 0
     assert lines["second"][0] == lines["second"][1] == lines["first"][0] + 12345
 

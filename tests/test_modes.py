@@ -33,17 +33,20 @@ def test_parse_mode_words(text, precision, checkpoint):
     assert parse_mode(mode) is mode
 
 
-@pytest.mark.parametrize("text, message", [
-    ("ampp", "unknown mode word 'ampp'"),
-    ("amp+bf16", "two precisions"),
-    ("checkpoint+checkpoint:auto", "checkpointing twice"),
-    ("checkpoint:everything", "unknown checkpoint policy"),
-    ("checkpoint:budget=lots", "bad budget"),
-    ("checkpoint:budget=2", r"bad budget '2'.*fraction.*512MiB"),  # 2 bytes or 200%? refused when parsed
-    ("checkpoint:budget=1.5", r"bad budget '1.5'.*fraction.*512MiB"),
-    ("amp+checkpoint:budget=1e9", r"bad budget '1e9'"),
-    ("", "not a mode"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("ampp", "unknown mode word 'ampp'"),
+        ("amp+bf16", "two precisions"),
+        ("checkpoint+checkpoint:auto", "checkpointing twice"),
+        ("checkpoint:everything", "unknown checkpoint policy"),
+        ("checkpoint:budget=lots", "bad budget"),
+        ("checkpoint:budget=2", r"bad budget '2'.*fraction.*512MiB"),  # 2 bytes or 200%? refused when parsed
+        ("checkpoint:budget=1.5", r"bad budget '1.5'.*fraction.*512MiB"),
+        ("amp+checkpoint:budget=1e9", r"bad budget '1e9'"),
+        ("", "not a mode"),
+    ],
+)
 def test_bad_modes_list_the_valid_words(text, message):
     with pytest.raises(ValueError, match=message) as error:
         parse_mode(text)
@@ -52,7 +55,12 @@ def test_bad_modes_list_the_valid_words(text, message):
 
 
 def test_parse_modes_and_duplicates():
-    assert [m.name for m in parse_modes("baseline,amp,checkpoint,amp+checkpoint")] == ["baseline", "amp", "checkpoint", "amp+checkpoint"]
+    assert [m.name for m in parse_modes("baseline,amp,checkpoint,amp+checkpoint")] == [
+        "baseline",
+        "amp",
+        "checkpoint",
+        "amp+checkpoint",
+    ]
     with pytest.raises(ValueError, match="named twice"):
         parse_modes("amp,amp")
     with pytest.raises(ValueError, match="no modes"):
@@ -96,4 +104,8 @@ def test_mode_is_a_frozen_hashable_value_with_a_default_name():
         mode.precision = None  # type: ignore[misc]
     with pytest.raises(ValueError, match="precision"):
         Mode(precision="fp8")
-    assert parse_mode("amp+checkpoint").to_dict() == {"name": "amp+checkpoint", "precision": "amp", "checkpoint": "auto"}
+    assert parse_mode("amp+checkpoint").to_dict() == {
+        "name": "amp+checkpoint",
+        "precision": "amp",
+        "checkpoint": "auto",
+    }

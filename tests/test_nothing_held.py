@@ -21,10 +21,21 @@ from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with
 def test_every_memkit_callback_kept_after_the_fit_holds_no_tensor(tmp_path):
     def fit() -> list:
         model = DemoTransformer(d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=4)
-        callbacks = [MemoryTracker(verbose=False), LayerTrace(at_steps=(1,), verbose=False), ActivationCheckpointing("auto", verbose=False),
-                     MaxBatchSize(max_val=16, budget="64MiB", verbose=False), MemoryDoctor(verbose=False)]
-        trainer = make_trainer(tmp_path, max_steps=3, callbacks=callbacks, logger=TensorBoardLogger(str(tmp_path)),
-                               limit_val_batches=1, val_check_interval=2)
+        callbacks = [
+            MemoryTracker(verbose=False),
+            LayerTrace(at_steps=(1,), verbose=False),
+            ActivationCheckpointing("auto", verbose=False),
+            MaxBatchSize(max_val=16, budget="64MiB", verbose=False),
+            MemoryDoctor(verbose=False),
+        ]
+        trainer = make_trainer(
+            tmp_path,
+            max_steps=3,
+            callbacks=callbacks,
+            logger=TensorBoardLogger(str(tmp_path)),
+            limit_val_batches=1,
+            val_check_interval=2,
+        )
         trainer.fit(model)
         return callbacks
 

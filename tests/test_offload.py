@@ -62,9 +62,15 @@ def _reference(model: nn.Module, batch: torch.Tensor, offload: bool) -> tuple[in
 
     with accountant:
         for step in range(2):
-            hooks = (torch.autograd.graph.saved_tensors_hooks(HostCopy, lambda packed: torch.from_numpy(packed.array).clone())
-                     if offload else torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor) if step == 0
-                     else contextlib.nullcontext())
+            hooks = (
+                torch.autograd.graph.saved_tensors_hooks(
+                    HostCopy, lambda packed: torch.from_numpy(packed.array).clone()
+                )
+                if offload
+                else torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor)
+                if step == 0
+                else contextlib.nullcontext()
+            )
             with hooks:
                 loss = model(batch).float().sum()
             optimizer.zero_grad(set_to_none=True)
@@ -78,7 +84,12 @@ def test_offload_is_a_mode_word():
     mode = parse_mode("bf16+checkpoint+offload")
     assert (mode.precision, mode.checkpoint, mode.offload) == ("bf16-mixed", "auto", True)
     assert Mode(offload=True).name == "offload" and not Mode(offload=True).is_baseline
-    assert parse_mode("offload").to_dict() == {"name": "offload", "precision": None, "checkpoint": None, "offload": True}
+    assert parse_mode("offload").to_dict() == {
+        "name": "offload",
+        "precision": None,
+        "checkpoint": None,
+        "offload": True,
+    }
     assert "offload" not in parse_mode("bf16").to_dict()
     callbacks = parse_mode("offload").trainer_kwargs("gpu")["callbacks"]
     assert [type(c) for c in callbacks] == [ActivationOffload]
@@ -118,8 +129,16 @@ def test_offload_is_refused_on_cpu_with_the_reason(tmp_path):
     assert OFFLOAD_ON_CPU in str(caught.value) and "'cpu'" in str(caught.value)
     assert "forward" not in model.__dict__  # nothing was wrapped
     module = DemoMLP(hidden=16, depth=1, batch_size=4)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[ActivationOffload()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[ActivationOffload()],
+    )
     with pytest.raises(MisconfigurationException, match="ActivationOffload: offload moves saved activations"):
         trainer.fit(module)
     assert "training_step" not in module.__dict__
@@ -164,8 +183,9 @@ def test_offload_trains_the_same_losses_with_a_lower_cuda_peak(tmp_path):
 
 def _small_transformer(batch_size: int = 4) -> DemoTransformer:
     torch.manual_seed(0)
-    return DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, dropout=0.0,
-                           batch_size=batch_size)
+    return DemoTransformer(
+        vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, dropout=0.0, batch_size=batch_size
+    )
 
 
 def test_a_deep_copy_of_an_offloading_module_offloads_its_own_step():
@@ -210,13 +230,24 @@ def test_an_estimate_of_an_offloading_module_counts_what_its_step_saves():
 
 def _fit_with_budget(module, **checkpointing) -> ActivationCheckpointing:
     callback = ActivationCheckpointing(policy=CheckpointBudget(fraction=0.5), verbose=False, **checkpointing)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[callback],
+    )
     trainer.fit(module)
     return callback
 
 
-@pytest.mark.parametrize("sample_fn", [None, lambda module, batch: module.training_step(batch, 0)], ids=["step", "sample_fn"])
+@pytest.mark.parametrize(
+    "sample_fn", [None, lambda module, batch: module.training_step(batch, 0)], ids=["step", "sample_fn"]
+)
 def test_a_checkpoint_budget_chooses_the_same_blocks_when_the_step_offloads(sample_fn):
     """ActivationCheckpointing's budget measures what its blocks save with offload suspended: through an offloading
     step (torch's save_on_cpu takes every saved tensor first) no block would seem to hold any and the budget "cannot
@@ -241,8 +272,17 @@ def test_a_measuring_checkpointing_callback_keeps_its_blocks_when_the_step_offlo
     module = _small_transformer()
     handle = apply_offload(module, "cuda")
     callback = ActivationCheckpointing(policy="auto", measure=True, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[callback],
+    )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -280,13 +320,23 @@ def test_a_checkpoint_budget_with_offload_chooses_blocks_by_what_they_save_on_th
     chosen = {}
     for offload in (False, True):
         torch.manual_seed(0)
-        module = DemoTransformer(vocab_size=500, d_model=128, nhead=4, layers=4, dim_feedforward=512, seq_len=128,
-                                 dropout=0.0, batch_size=8)
+        module = DemoTransformer(
+            vocab_size=500, d_model=128, nhead=4, layers=4, dim_feedforward=512, seq_len=128, dropout=0.0, batch_size=8
+        )
         checkpointing = ActivationCheckpointing(policy=CheckpointBudget(fraction=0.5), verbose=False)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             limit_val_batches=0, default_root_dir=str(tmp_path),
-                             callbacks=[checkpointing, *([ActivationOffload(verbose=False)] if offload else [])])
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+            callbacks=[checkpointing, *([ActivationOffload(verbose=False)] if offload else [])],
+        )
         trainer.fit(module)
         chosen[offload] = checkpointing.plan.names
     assert chosen[True] == chosen[False] and len(chosen[True]) >= 1

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from lightning_memkit.probes import (
-    CudaAllocatorProbe, HostProbe, MemoryProbe, NvmlProbe, ProbeSet, ProbeUnavailable, TensorProbe, build_probes,
+    CudaAllocatorProbe,
+    HostProbe,
+    MemoryProbe,
+    NvmlProbe,
+    ProbeSet,
+    ProbeUnavailable,
+    TensorProbe,
+    build_probes,
 )
 from lightning_memkit.probes import cuda as cuda_probe
 from lightning_memkit.probes import host as host_probe
@@ -109,8 +116,10 @@ def test_tensor_probe_process_scope_counts_what_it_was_not_given():
     y = weight * 2
     del y
     probe.stop()
-    assert probe.read() == {"tensor_bytes": before["tensor_bytes"] + 200,
-                            "peak_tensor_bytes": before["tensor_bytes"] + 200 + 400}
+    assert probe.read() == {
+        "tensor_bytes": before["tensor_bytes"] + 200,
+        "peak_tensor_bytes": before["tensor_bytes"] + 200 + 400,
+    }
     with pytest.raises(ValueError, match="'process'.*'step'"):
         TensorProbe(scope="everything")
     probe.close()
@@ -183,6 +192,7 @@ def test_host_probe_reads_its_own_process_after_fork():
             os._exit(0)
     os.close(write_end)
     import select
+
     ready, _, _ = select.select([read_end], [], [], 60)
     if not ready:
         os.kill(pid, 9)

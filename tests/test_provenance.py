@@ -27,8 +27,11 @@ def test_a_result_written_with_the_helper_names_its_provenance(tmp_path):
     assert made["torch"] == torch.__version__ and made["cuda"] == torch.version.cuda
     assert made["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     assert len(made["source_sha256"]) == 64
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCHMARKS, capture_output=True, text=True) \
-        if shutil.which("git") else None
+    head = (
+        subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCHMARKS, capture_output=True, text=True)
+        if shutil.which("git")
+        else None
+    )
     if head is not None and head.returncode == 0:
         assert made["commit"] == head.stdout.strip() and isinstance(made["dirty"], bool)
     line = provenance.provenance_line()

@@ -65,7 +65,9 @@ def _memkit_classes(annotation: object, module: object) -> list[type]:
     if isinstance(annotation, str):
         found = (getattr(module, word.split(".")[-1], None) for word in re.findall(r"[A-Za-z_][\w.]*", annotation))
         return [obj for obj in found if inspect.isclass(obj) and obj.__module__.startswith("lightning_memkit")]
-    classes = [annotation] if inspect.isclass(annotation) and annotation.__module__.startswith("lightning_memkit") else []
+    classes = (
+        [annotation] if inspect.isclass(annotation) and annotation.__module__.startswith("lightning_memkit") else []
+    )
     for argument in typing.get_args(annotation):
         classes += _memkit_classes(argument, module)
     return classes
@@ -76,7 +78,11 @@ def _annotations(cls: type) -> dict[str, object]:
     for klass in reversed(cls.__mro__):
         if klass.__module__.startswith("lightning_memkit"):
             found.update(vars(klass).get("__annotations__", {}))
-    return {name: annotation for name, annotation in found.items() if not name.startswith("_") and "ClassVar" not in str(annotation)}
+    return {
+        name: annotation
+        for name, annotation in found.items()
+        if not name.startswith("_") and "ClassVar" not in str(annotation)
+    }
 
 
 def _public_classes() -> dict[type, str]:
@@ -125,9 +131,26 @@ def _field_documented(cls: type, name: str) -> bool:
 def test_records_the_public_names_return_are_reached():
     # the walk below is only as good as what it finds: the records the brief names are among them
     names = {cls.__name__ for cls in _public_classes()}
-    assert {"StepReading", "RunSummary", "MemoryEstimate", "DistributedEstimate", "TraceEvent", "LayerTraceResult",
-            "DoctorReport", "LeakReport", "LivenessReport", "SearchResult", "Trial", "BatchSizePrediction",
-            "CompareResult", "ModeResult", "CheckpointHandle", "CategoryBreakdown", "Creation", "ModelStates"} <= names
+    assert {
+        "StepReading",
+        "RunSummary",
+        "MemoryEstimate",
+        "DistributedEstimate",
+        "TraceEvent",
+        "LayerTraceResult",
+        "DoctorReport",
+        "LeakReport",
+        "LivenessReport",
+        "SearchResult",
+        "Trial",
+        "BatchSizePrediction",
+        "CompareResult",
+        "ModeResult",
+        "CheckpointHandle",
+        "CategoryBreakdown",
+        "Creation",
+        "ModelStates",
+    } <= names
 
 
 def test_every_public_method_property_and_field_is_documented():
@@ -163,7 +186,9 @@ def test_every_public_method_property_and_field_is_documented():
 def test_the_docs_index_links_every_page():
     pages = _pages()
     linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", pages["index.md"]))
-    assert set(pages) - {"index.md"} <= linked, f"docs/index.md does not link {sorted(set(pages) - {'index.md'} - linked)}"
+    assert set(pages) - {"index.md"} <= linked, (
+        f"docs/index.md does not link {sorted(set(pages) - {'index.md'} - linked)}"
+    )
     assert not linked - set(pages), f"docs/index.md links pages that do not exist: {sorted(linked - set(pages))}"
 
 
@@ -205,7 +230,9 @@ def test_the_api_page_lists_the_public_names_and_the_records_they_return():
             if (name, page) in UNNAMED_RECORDS:  # still a gap: remove the entry once the page names it
                 assert not _mentions(pages[page], name), f"docs/{page} names {name} now: drop it from UNNAMED_RECORDS"
             else:
-                assert _mentions(pages[page], name), f"docs/{API_PAGE} says docs/{page} explains {name}; it does not name it"
+                assert _mentions(pages[page], name), (
+                    f"docs/{API_PAGE} says docs/{page} explains {name}; it does not name it"
+                )
 
 
 # ---- (c) an example that a test runs ------------------------------------------------------------------
@@ -222,7 +249,9 @@ def _examples_run_by_tests() -> set[str]:
 
 def _identifiers(source: str) -> set[str]:
     """The names a Python source uses as code (not in strings or comments)."""
-    return {token.string for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.NAME}
+    return {
+        token.string for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.NAME
+    }
 
 
 def test_every_example_is_run_by_a_test():
@@ -247,7 +276,9 @@ def _cli_flags() -> dict[str, set[str]]:
     from lightning_memkit.cli import build_parser
 
     parser = build_parser()
-    verbs = next(action for action in parser._actions if hasattr(action, "choices") and isinstance(action.choices, dict)).choices
+    verbs = next(
+        action for action in parser._actions if hasattr(action, "choices") and isinstance(action.choices, dict)
+    ).choices
     assert set(verbs) == set(VERBS)
     flags = {}
     for verb, sub in verbs.items():
@@ -268,7 +299,7 @@ def _documented_flags() -> dict[str, dict[str, list[str]]]:
             for i, match in enumerate(matches):
                 # to the end of the line or of the inline code span, and never into the next command
                 end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-                segment = line[match.end():end]
+                segment = line[match.end() : end]
                 for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", segment):
                     found[match.group(1)].setdefault(flag, []).append(where)
     return found
@@ -299,7 +330,9 @@ def test_imports_and_dotted_names_in_the_docs_exist():
     missing = []
     for where, text in _doc_texts().items():
         for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
-            for module_name, names in re.findall(r"^\s*from (lightning_memkit[\w.]*) import ([^#\n]+)", block, flags=re.M):
+            for module_name, names in re.findall(
+                r"^\s*from (lightning_memkit[\w.]*) import ([^#\n]+)", block, flags=re.M
+            ):
                 module = importlib.import_module(module_name)
                 for name in (part.strip(" ()").split(" as ")[0] for part in names.split(",")):
                     if name and not hasattr(module, name):
@@ -335,7 +368,7 @@ def _calls(code: str, names: set[str]) -> list[tuple[str, str]]:
             i += 1
         if depth:
             continue  # unbalanced: an elided call such as ``estimate_memory(...``
-        arguments = code[match.end():i - 1]
+        arguments = code[match.end() : i - 1]
         while re.search(r"\([^()]*\)", arguments):  # a nested call's keywords are not this call's
             arguments = re.sub(r"\([^()]*\)", "", arguments)
         calls.append((match.group(1), arguments))

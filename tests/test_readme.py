@@ -31,11 +31,15 @@ def test_the_readme_example_runs_as_written_and_every_feature_shows(tmp_path):
     output = run_script([str(script)], cwd=str(tmp_path), timeout=200)
 
     # MaxBatchSize: the size it chose, which it ran.
-    chosen = re.search(r"memkit: batch size (\d+) (?:fits|ran its steps too slowly for a larger one) .*; using (\d+)", output)
+    chosen = re.search(
+        r"memkit: batch size (\d+) (?:fits|ran its steps too slowly for a larger one) .*; using (\d+)", output
+    )
     assert chosen and 1 <= int(chosen.group(2)) <= 64, output[-3000:]
     # ActivationCheckpointing: its plan, with what it wrapped and the activation memory it measured.
-    plan = re.search(r"memkit checkpointing \(auto\): (\d+) region\(s\): blocks\.0.*?activation memory ([\d.]+) MiB -> ([\d.]+) MiB",
-                     output)
+    plan = re.search(
+        r"memkit checkpointing \(auto\): (\d+) region\(s\): blocks\.0.*?activation memory ([\d.]+) MiB -> ([\d.]+) MiB",
+        output,
+    )
     assert plan and int(plan.group(1)) >= 1 and float(plan.group(3)) < float(plan.group(2)), output[-3000:]
     # LayerTrace: its category table at step 1, printed (verbose by default).
     assert re.search(r"memkit LayerTrace: step 1 on \w+: peak [\d.]+ MiB", output), output[-3000:]

@@ -32,9 +32,15 @@ def run_dir(tmp_path_factory):
     """A real 4-step fit with MemoryTracker (validation after step 2) and a TensorBoardLogger."""
     root = tmp_path_factory.mktemp("report_run")
     model = LinearStack(val_batches=1)
-    trainer = make_trainer(root, max_steps=4, logger=TensorBoardLogger(str(root), name="run", version=0),
-                           callbacks=[MemoryTracker(verbose=False)], limit_val_batches=1, val_check_interval=2,
-                           check_val_every_n_epoch=None)
+    trainer = make_trainer(
+        root,
+        max_steps=4,
+        logger=TensorBoardLogger(str(root), name="run", version=0),
+        callbacks=[MemoryTracker(verbose=False)],
+        limit_val_batches=1,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(model)
     return str(root)
 
@@ -141,8 +147,12 @@ def test_report_with_a_layer_trace(tmp_path):
 
     model = LinearStack(optimizer="adam")
     logger = TensorBoardLogger(str(tmp_path / "logs"), name="run", version=0)
-    trainer = make_trainer(tmp_path, max_steps=3, logger=logger,
-                           callbacks=[MemoryTracker(verbose=False), layer_trace.LayerTrace(at_steps=(1,))])
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=3,
+        logger=logger,
+        callbacks=[MemoryTracker(verbose=False), layer_trace.LayerTrace(at_steps=(1,))],
+    )
     trainer.fit(model)
     out, png_dir = tmp_path / "report.html", tmp_path / "png"
     assert main(["report", str(tmp_path / "logs"), "-o", str(out), "--png", str(png_dir)]) == 0
@@ -158,9 +168,17 @@ def test_report_with_a_layer_trace(tmp_path):
 
 def test_report_of_a_compare_run(tmp_path, capsys):
     from lightning_memkit.modes import compare
+
     root = tmp_path / "cmp"
-    result = compare.compare_modes(lambda: LinearStack(val_batches=1), modes="baseline,amp", max_steps=2,
-                                   accelerator="cpu", root_dir=str(root), val_batches=1, verbose=False)
+    result = compare.compare_modes(
+        lambda: LinearStack(val_batches=1),
+        modes="baseline,amp",
+        max_steps=2,
+        accelerator="cpu",
+        root_dir=str(root),
+        val_batches=1,
+        verbose=False,
+    )
     out, png_dir = tmp_path / "report.html", tmp_path / "png"
     assert main(["report", str(root), "-o", str(out), "--png", str(png_dir)]) == 0
     assert "2 run(s), 0 layer trace(s), 1 mode comparison(s), 0 out-of-memory report(s)" in capsys.readouterr().out
@@ -175,8 +193,14 @@ def test_report_of_a_compare_run(tmp_path, capsys):
         summary, history = read_records(os.path.join(root, mode, RECORDS_FILENAME))
         assert html.escape(format_summary(summary, history)) in page
     pngs = sorted(os.listdir(png_dir))
-    assert pngs == sorted(["amp_memory_per_step.png", "baseline_memory_per_step.png",
-                           "compare_peak_figure.png", "compare_steps_figure.png"])
+    assert pngs == sorted(
+        [
+            "amp_memory_per_step.png",
+            "baseline_memory_per_step.png",
+            "compare_peak_figure.png",
+            "compare_steps_figure.png",
+        ]
+    )
     assert len(_embedded_pngs(page)) == 4
     # compare.csv alone (e.g. copied off a cluster without the JSON) still gives the table
     (root / "compare.json").unlink()
@@ -194,7 +218,9 @@ class _RunsOutAtStep2(LinearStack):
 
 def test_report_of_a_run_that_ran_out_of_memory(tmp_path, capsys):
     logger = TensorBoardLogger(str(tmp_path / "logs"), name="run", version=0)
-    trainer = make_trainer(tmp_path, max_steps=5, logger=logger, callbacks=[MemoryTracker(verbose=False)], log_every_n_steps=1)
+    trainer = make_trainer(
+        tmp_path, max_steps=5, logger=logger, callbacks=[MemoryTracker(verbose=False)], log_every_n_steps=1
+    )
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         trainer.fit(_RunsOutAtStep2())
     out = tmp_path / "report.html"
@@ -205,7 +231,9 @@ def test_report_of_a_run_that_ran_out_of_memory(tmp_path, capsys):
         oom = json.load(file)
     assert "Out of memory: <code>run/version_0</code>, step 2, rank 0" in page
     assert "RuntimeError: " + html.escape(oom["error"][:100]) in page
-    readings = [StepReading.from_dict(r) for r in oom["last_readings"]] + [StepReading.from_dict(oom["failing_step_reading"])]
+    readings = [StepReading.from_dict(r) for r in oom["last_readings"]] + [
+        StepReading.from_dict(oom["failing_step_reading"])
+    ]
     assert [r.step for r in readings] == [0, 1, 2]
     assert html.escape(readings_table(readings)) in page
     # the fit raised: MemoryTracker wrote its exact readings up to the failure, and the report says the fit did not finish

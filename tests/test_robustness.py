@@ -98,8 +98,10 @@ class TwoValLoaders(Base):
         self.log(f"val_loss_{dataloader_idx}", F.mse_loss(self(x), y), add_dataloader_idx=False)
 
     def val_dataloader(self):
-        return [DataLoader(TensorDataset(self.x[:8], self.y[:8]), batch_size=4),
-                DataLoader(TensorDataset(self.x[8:12], self.y[8:12]), batch_size=2)]
+        return [
+            DataLoader(TensorDataset(self.x[:8], self.y[:8]), batch_size=4),
+            DataLoader(TensorDataset(self.x[8:12], self.y[8:12]), batch_size=2),
+        ]
 
 
 class _Records(Dataset):
@@ -277,8 +279,10 @@ class GAN(pl.LightningModule):
         g_opt.step()
 
     def configure_optimizers(self):
-        return (torch.optim.Adam(self.generator.parameters(), lr=1e-3),
-                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3))
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3),
+        )
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(self.real), batch_size=self.batch_size)
@@ -323,8 +327,11 @@ def assert_same_training(factory, tmp_path, callbacks, **overrides):
 
 
 # ============================================================================================ MemoryTracker
-@pytest.mark.parametrize("factory", [DictBatch, Tied, FrozenWithBuffers, lambda: Recurrent("gru"), GAN, Streaming],
-                         ids=["dict-batch", "tied", "frozen-buffers", "gru", "manual-gan", "iterable"])
+@pytest.mark.parametrize(
+    "factory",
+    [DictBatch, Tied, FrozenWithBuffers, lambda: Recurrent("gru"), GAN, Streaming],
+    ids=["dict-batch", "tied", "frozen-buffers", "gru", "manual-gan", "iterable"],
+)
 def test_tracker_reads_every_step_of_unusual_modules(factory, tmp_path):
     module = factory()
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # the accountant's peak on every step
@@ -340,8 +347,9 @@ def test_tracker_reads_every_step_of_unusual_modules(factory, tmp_path):
 
 def test_tracker_accumulation_scheduler_and_clipping_one_reading_per_optimizer_step(tmp_path):
     tracker = MemoryTracker(verbose=False)
-    module = assert_same_training(Scheduled, tmp_path, [tracker], max_steps=2, accumulate_grad_batches=3,
-                                  gradient_clip_val=0.5)
+    module = assert_same_training(
+        Scheduled, tmp_path, [tracker], max_steps=2, accumulate_grad_batches=3, gradient_clip_val=0.5
+    )
     assert train_steps(tracker) == [0, 1]
     # the scheduler stepped once per optimizer step, memkit or not
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
@@ -353,8 +361,16 @@ def test_tracker_accumulation_scheduler_and_clipping_one_reading_per_optimizer_s
 def test_tracker_every_n_steps_without_validation_logs_only_those_steps(tmp_path):
     tracker = MemoryTracker(every_n_steps=2, log_validation=False, verbose=False, tensor_peak_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="run", version="")
-    fit(WithValidation(), tmp_path, [tracker], max_steps=5, logger=logger, limit_val_batches=2, val_check_interval=2,
-        check_val_every_n_epoch=None)
+    fit(
+        WithValidation(),
+        tmp_path,
+        [tracker],
+        max_steps=5,
+        logger=logger,
+        limit_val_batches=2,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )
     assert train_steps(tracker) == [0, 2, 4]
     assert train_steps(tracker, "validate") == []
     scalars = read_scalars(logger.log_dir)
@@ -366,8 +382,9 @@ def test_tracker_every_n_steps_without_validation_logs_only_those_steps(tmp_path
 
 def test_tracker_one_validation_reading_per_run_with_two_val_loaders(tmp_path):
     tracker = MemoryTracker(verbose=False)
-    trainer = fit(TwoValLoaders(), tmp_path, [tracker], max_steps=4, limit_train_batches=2, max_epochs=2,
-                  limit_val_batches=2)
+    trainer = fit(
+        TwoValLoaders(), tmp_path, [tracker], max_steps=4, limit_train_batches=2, max_epochs=2, limit_val_batches=2
+    )
     assert train_steps(tracker) == [0, 1, 2, 3]  # across the epoch boundary
     # one reading per validation run (both loaders in one window), at the training step it followed
     # (where Lightning writes the user's own val metrics)
@@ -393,7 +410,12 @@ def test_standalone_validate_and_test_with_every_callback_attached(tmp_path):
 
     module = Testable()
     tracker = MemoryTracker(verbose=False)
-    callbacks = [tracker, LayerTrace(), ActivationCheckpointing("auto", verbose=False), MaxBatchSize(budget="4MiB", verbose=False)]
+    callbacks = [
+        tracker,
+        LayerTrace(),
+        ActivationCheckpointing("auto", verbose=False),
+        MaxBatchSize(budget="4MiB", verbose=False),
+    ]
     before = weights(module)
     trainer = make_trainer(tmp_path, callbacks=callbacks, limit_val_batches=2, limit_test_batches=2)
     validated = trainer.validate(module, verbose=False)
@@ -484,12 +506,16 @@ def test_layer_trace_frozen_submodule_has_no_gradients_and_buffers_are_counted(t
     assert result.at_end["buffers"] == buffer_bytes
 
 
-@pytest.mark.parametrize("factory, overrides", [
-    (DictBatch, {}),
-    (lambda: Recurrent("lstm"), {}),
-    (GAN, {"max_steps": 4}),
-    (Scheduled, {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}),
-], ids=["dict-batch", "lstm", "manual-gan", "accumulate-clip"])
+@pytest.mark.parametrize(
+    "factory, overrides",
+    [
+        (DictBatch, {}),
+        (lambda: Recurrent("lstm"), {}),
+        (GAN, {"max_steps": 4}),
+        (Scheduled, {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}),
+    ],
+    ids=["dict-batch", "lstm", "manual-gan", "accumulate-clip"],
+)
 def test_layer_trace_on_unusual_steps_traces_the_whole_step(factory, overrides, tmp_path):
     module = factory()
     trace = LayerTrace(at_steps=(1,), figure=False, dirpath=tmp_path)  # no logger here: the file goes where asked
@@ -506,7 +532,8 @@ def test_layer_trace_on_unusual_steps_traces_the_whole_step(factory, overrides, 
     assert backward_modules, "no backward events"
     if isinstance(module, GAN):  # both optimizers' state exists at step 1
         assert result.at_end["optimizer_state"] == 2 * parameter_bytes + sum(
-            4 for opt in module.trainer.optimizers for group in opt.param_groups for _ in group["params"])
+            4 for opt in module.trainer.optimizers for group in opt.param_groups for _ in group["params"]
+        )
     if overrides.get("accumulate_grad_batches") == 3:  # the window covers the three micro-batches
         assert len(result.module_events("forward", "head")) == 3
 
@@ -518,18 +545,31 @@ def test_layer_trace_across_the_epoch_boundary(tmp_path):
 
 
 # ============================================================================================ ActivationCheckpointing
-@pytest.mark.parametrize("factory, policy, overrides", [
-    (Base, "auto", {}),
-    (DictBatch, "auto", {}),
-    (Tied, {nn.Linear}, {}),
-    (FrozenWithBuffers, "auto", {}),
-    (lambda: Recurrent("lstm"), {nn.LSTM}, {}),
-    (Scheduled, "auto", {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}),
-    (GAN, "auto", {"max_steps": 4}),
-    (TupleBlocks, "auto", {}),
-    (DictStages, "auto", {}),
-], ids=["kwargs-blocks", "dict-batch", "tied-linear-set", "frozen-batchnorm", "lstm-set", "accumulate-clip", "manual-gan",
-        "tuple-mask-dropout", "moduledict"])
+@pytest.mark.parametrize(
+    "factory, policy, overrides",
+    [
+        (Base, "auto", {}),
+        (DictBatch, "auto", {}),
+        (Tied, {nn.Linear}, {}),
+        (FrozenWithBuffers, "auto", {}),
+        (lambda: Recurrent("lstm"), {nn.LSTM}, {}),
+        (Scheduled, "auto", {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}),
+        (GAN, "auto", {"max_steps": 4}),
+        (TupleBlocks, "auto", {}),
+        (DictStages, "auto", {}),
+    ],
+    ids=[
+        "kwargs-blocks",
+        "dict-batch",
+        "tied-linear-set",
+        "frozen-batchnorm",
+        "lstm-set",
+        "accumulate-clip",
+        "manual-gan",
+        "tuple-mask-dropout",
+        "moduledict",
+    ],
+)
 def test_activation_checkpointing_leaves_training_unchanged(factory, policy, overrides, tmp_path):
     callback = ActivationCheckpointing(policy, verbose=False)
     options = dict(max_steps=3)
@@ -558,12 +598,16 @@ def test_activation_checkpointing_with_tracker_keeps_step_readings(tmp_path):
 
 
 # ============================================================================================ MaxBatchSize
-@pytest.mark.parametrize("factory, overrides", [
-    (DictBatch, {}),
-    (Scheduled, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
-    (GAN, {}),
-    (Streaming, {}),
-], ids=["dict-batch", "scheduler-accumulate", "manual-gan", "iterable"])
+@pytest.mark.parametrize(
+    "factory, overrides",
+    [
+        (DictBatch, {}),
+        (Scheduled, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+        (GAN, {}),
+        (Streaming, {}),
+    ],
+    ids=["dict-batch", "scheduler-accumulate", "manual-gan", "iterable"],
+)
 def test_max_batch_size_with_budget_on_unusual_modules(factory, overrides, tmp_path):
     module = factory()
     before = weights(module)
@@ -599,13 +643,27 @@ def test_max_batch_size_then_training_keeps_the_scheduler_and_steps(tmp_path):
 
 
 # ============================================================================================ estimate
-LSTM_WORKSPACE = ("torch's meta kernel for aten.mkldnn_rnn_layer returns an empty oneDNN workspace, so the fake "
-                  "step misses it (75672 vs 190360 bytes measured); the estimate says so in its notes")
+LSTM_WORKSPACE = (
+    "torch's meta kernel for aten.mkldnn_rnn_layer returns an empty oneDNN workspace, so the fake "
+    "step misses it (75672 vs 190360 bytes measured); the estimate says so in its notes"
+)
 
 
-@pytest.mark.parametrize("factory", [DictBatch, Tied, FrozenWithBuffers, pytest.param(lambda: Recurrent("lstm"), marks=pytest.mark.xfail(
-    torch.backends.mkldnn.is_available(), reason=LSTM_WORKSPACE, strict=True)), lambda: Recurrent("gru"), Scheduled],
-                         ids=["dict-batch", "tied", "frozen-buffers", "lstm", "gru", "scheduler"])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        DictBatch,
+        Tied,
+        FrozenWithBuffers,
+        pytest.param(
+            lambda: Recurrent("lstm"),
+            marks=pytest.mark.xfail(torch.backends.mkldnn.is_available(), reason=LSTM_WORKSPACE, strict=True),
+        ),
+        lambda: Recurrent("gru"),
+        Scheduled,
+    ],
+    ids=["dict-batch", "tied", "frozen-buffers", "lstm", "gru", "scheduler"],
+)
 def test_estimate_matches_a_measured_step_on_unusual_modules(factory):
     module = factory()
     before = weights(module)
@@ -620,18 +678,30 @@ def test_estimate_matches_a_measured_step_on_unusual_modules(factory):
         assert torch.equal(value, before[name]), name
 
 
-@pytest.mark.parametrize("loss", [F.mse_loss, F.smooth_l1_loss, F.l1_loss, F.soft_margin_loss,
-                                  lambda out, y: F.binary_cross_entropy(torch.sigmoid(out), y.clamp(0, 1)),
-                                  lambda out, y: F.cross_entropy(out, y.argmax(1))],
-                         ids=["mse", "smooth_l1", "l1", "soft_margin", "bce", "cross_entropy"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        F.mse_loss,
+        F.smooth_l1_loss,
+        F.l1_loss,
+        F.soft_margin_loss,
+        lambda out, y: F.binary_cross_entropy(torch.sigmoid(out), y.clamp(0, 1)),
+        lambda out, y: F.cross_entropy(out, y.argmax(1)),
+    ],
+    ids=["mse", "smooth_l1", "l1", "soft_margin", "bce", "cross_entropy"],
+)
 def test_estimate_counts_what_real_loss_kernels_hold(loss):
     """Some real loss kernels return the 0-dim loss as a view of the unreduced (64, 500) buffer,
     which lives until the loss is freed: the fake step must hold it too."""
     model = nn.Linear(D, 500)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(64, D, generator=generator), torch.rand(64, 500, generator=generator))
-    options = dict(batch=batch, device="cpu", optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                   loss_fn=lambda module, b: loss(module(b[0]), b[1]))
+    options = dict(
+        batch=batch,
+        device="cpu",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=lambda module, b: loss(module(b[0]), b[1]),
+    )
     assert estimate_memory(model, **options).peak_bytes == measure_training_step(model, **options).peak_bytes
 
 
@@ -645,7 +715,12 @@ def test_estimate_of_an_lstm_on_cpu_says_it_misses_the_onednn_workspace():
 def test_cli_estimate_prints_the_estimates_notes(tmp_path, capsys):
     path = tmp_path / "rnn.py"
     path.write_text("from test_robustness import Recurrent\n")
-    assert main(["estimate", f"{path}:Recurrent", "--device", "cpu", "--device-memory", "1GiB", "--modes", "baseline,bf16"]) == 0
+    assert (
+        main(
+            ["estimate", f"{path}:Recurrent", "--device", "cpu", "--device-memory", "1GiB", "--modes", "baseline,bf16"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     if torch.backends.mkldnn.is_available():
         assert out.count("note: nn.LSTM on CPU runs oneDNN") == 1  # once, not once per mode
@@ -659,8 +734,16 @@ def test_estimate_manual_optimization_says_what_to_do():
 
 # ============================================================================================ compare_modes
 def test_compare_two_modes_on_a_dict_batch_module_same_losses(tmp_path):
-    result = compare_modes(DictBatch, None, ["baseline", "checkpoint"], max_steps=3, accelerator="cpu",
-                           root_dir=str(tmp_path / "cmp"), figures=False, verbose=False)
+    result = compare_modes(
+        DictBatch,
+        None,
+        ["baseline", "checkpoint"],
+        max_steps=3,
+        accelerator="cpu",
+        root_dir=str(tmp_path / "cmp"),
+        figures=False,
+        verbose=False,
+    )
     base, ckpt = result["baseline"], result["checkpoint"]
     assert base.status == ckpt.status == "ok", (base.error, ckpt.error)
     assert base.batch_size == ckpt.batch_size == 4
@@ -671,8 +754,16 @@ def test_compare_two_modes_on_a_dict_batch_module_same_losses(tmp_path):
 
 
 def test_compare_two_modes_on_manual_optimization(tmp_path):
-    result = compare_modes(GAN, None, ["baseline", "checkpoint"], max_steps=4, accelerator="cpu",
-                           root_dir=str(tmp_path / "cmp"), figures=False, verbose=False)
+    result = compare_modes(
+        GAN,
+        None,
+        ["baseline", "checkpoint"],
+        max_steps=4,
+        accelerator="cpu",
+        root_dir=str(tmp_path / "cmp"),
+        figures=False,
+        verbose=False,
+    )
     for mode in ("baseline", "checkpoint"):
         assert result[mode].status == "ok", result[mode].error
         assert result[mode].peak_allocated_bytes > 0
@@ -680,7 +771,7 @@ def test_compare_two_modes_on_manual_optimization(tmp_path):
 
 
 # ============================================================================================ CLI
-USER_FILE = '''
+USER_FILE = """
 import torch
 import lightning.pytorch as pl
 from torch import nn
@@ -736,19 +827,19 @@ class UserModel(pl.LightningModule):
 
     def val_dataloader(self):
         return DataLoader(Records(8), batch_size=self.batch_size)
-'''
+"""
 
-HELPER_FILE = '''
+HELPER_FILE = """
 import torch
 
 
 def make_records(n):
     g = torch.Generator().manual_seed(0)
     return [{"x": torch.randn(16, generator=g), "y": torch.randn(1, generator=g), "id": f"r{i}"} for i in range(n)]
-'''
+"""
 
 
-LAZY_FILE = '''
+LAZY_FILE = """
 import torch
 import lightning.pytorch as pl
 from torch import nn
@@ -776,15 +867,15 @@ class Lazy(pl.LightningModule):
 
 class NotAModule:
     pass
-'''
+"""
 
-LAZY_HELPER = '''
+LAZY_HELPER = """
 import torch
 
 
 def dataset(n):
     return torch.utils.data.TensorDataset(torch.randn(n, 16), torch.randn(n, 1))
-'''
+"""
 
 
 @pytest.fixture
@@ -800,20 +891,55 @@ def test_cli_trace_estimate_compare_on_a_user_file(user_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "blocks.0" in out and "head" in out and "parameters" in out
 
-    assert main(["estimate", f"{user_file}:UserModel", "--device", "cpu", "--device-memory", "64MiB",
-                 "--batch-size", "8", "--modes", "baseline,checkpoint"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                f"{user_file}:UserModel",
+                "--device",
+                "cpu",
+                "--device-memory",
+                "64MiB",
+                "--batch-size",
+                "8",
+                "--modes",
+                "baseline,checkpoint",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "baseline" in out and "checkpoint" in out and "max batch" in out
 
     logdir = tmp_path / "cmp"
-    assert main(["compare", f"{user_file}:UserModel", "--modes", "baseline,checkpoint", "--steps", "2",
-                 "--accelerator", "cpu", "--logdir", str(logdir), "--no-figures", "--val-batches", "1"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                f"{user_file}:UserModel",
+                "--modes",
+                "baseline,checkpoint",
+                "--steps",
+                "2",
+                "--accelerator",
+                "cpu",
+                "--logdir",
+                str(logdir),
+                "--no-figures",
+                "--val-batches",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "baseline" in out and "checkpoint" in out
     assert os.path.isfile(logdir / "compare.json")
 
 
-@pytest.mark.parametrize("verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])])
+@pytest.mark.parametrize(
+    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+)
 def test_cli_wrong_class_name_is_a_clear_error(verb, extra, user_file, capsys):
     status = main([verb, f"{user_file}:UserModle", *extra])
     captured = capsys.readouterr()
@@ -823,7 +949,9 @@ def test_cli_wrong_class_name_is_a_clear_error(verb, extra, user_file, capsys):
     assert "Traceback" not in text
 
 
-@pytest.mark.parametrize("verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])])
+@pytest.mark.parametrize(
+    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+)
 def test_cli_missing_file_is_a_clear_error(verb, extra, tmp_path, capsys):
     status = main([verb, f"{tmp_path / 'nope.py'}:UserModel", *extra])
     captured = capsys.readouterr()
@@ -841,7 +969,9 @@ def test_cli_user_file_importing_a_sibling_lazily(tmp_path, capsys):
     assert "max batch" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])])
+@pytest.mark.parametrize(
+    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+)
 def test_cli_not_a_lightning_module_is_refused_before_training(verb, extra, tmp_path, capsys):
     path = tmp_path / "lazy_model.py"
     path.write_text(textwrap.dedent(LAZY_FILE))
@@ -858,10 +988,15 @@ def test_cli_not_a_lightning_module_is_refused_before_training(verb, extra, tmp_
 def test_lazy_modules_train_measured_traced_and_checkpointed_unchanged(tmp_path):
     """A lazy module's parameters have no storage before the first forward: memkit must not break training."""
     tracker, trace = MemoryTracker(verbose=False), LayerTrace(at_steps=(0, 1), figure=False)
-    module = assert_same_training(Lazy, tmp_path, [tracker, trace, ActivationCheckpointing("auto", verbose=False)], max_steps=2)
+    module = assert_same_training(
+        Lazy, tmp_path, [tracker, trace, ActivationCheckpointing("auto", verbose=False)], max_steps=2
+    )
     assert train_steps(tracker) == [0, 1]
     parameter_bytes = sum(p.numel() * FLOAT32 for p in module.parameters())
-    assert [r.at_end["parameters"] for r in trace.results] == [parameter_bytes, parameter_bytes]  # materialized in step 0
+    assert [r.at_end["parameters"] for r in trace.results] == [
+        parameter_bytes,
+        parameter_bytes,
+    ]  # materialized in step 0
 
 
 def test_lazy_modules_get_a_clear_error_where_a_step_must_run_first(tmp_path):

@@ -20,7 +20,10 @@ def test_the_doctor_under_fast_dev_run_says_too_few_steps_not_no_leak(tmp_path):
     make_trainer(tmp_path, fast_dev_run=True, callbacks=[doctor]).fit(LinearStack())
     text = doctor.report.format()
     assert doctor.report.steps == 1 and doctor.report.steps_needed > 1
-    assert f"too few steps to judge a leak: 1 watched, {doctor.report.steps_needed} needed" in text and "no leak" not in text, text
+    assert (
+        f"too few steps to judge a leak: 1 watched, {doctor.report.steps_needed} needed" in text
+        and "no leak" not in text
+    ), text
 
 
 def test_a_validate_only_run_is_named_so_by_the_report(tmp_path):
@@ -28,7 +31,8 @@ def test_a_validate_only_run_is_named_so_by_the_report(tmp_path):
 
     logger = CSVLogger(str(tmp_path), name="csv")
     make_trainer(tmp_path, logger=logger, limit_val_batches=1, callbacks=[MemoryTracker(verbose=False)]).validate(
-        LinearStack(val_batches=1), verbose=False)
+        LinearStack(val_batches=1), verbose=False
+    )
     sources = find_sources(str(tmp_path))
     said = " | ".join(sources.missing)
     assert "a validate-only run" in said and "did not reach fit end" not in said, said
@@ -51,8 +55,10 @@ def test_a_validation_after_fit_rewrites_the_records_written_at_fit_end(tmp_path
 def test_the_figure_draws_sampled_peaks_as_markers_and_keeps_its_subtitle_off_the_titles():
     from lightning_memkit.tensorboard.figures import memory_per_step_figure
 
-    history = [StepReading(step=s, tensor_bytes=2**20 * (10 + s), peak_tensor_bytes=2**20 * 20 if s in (1, 6) else None)
-               for s in range(8)]
+    history = [
+        StepReading(step=s, tensor_bytes=2**20 * (10 + s), peak_tensor_bytes=2**20 * 20 if s in (1, 6) else None)
+        for s in range(8)
+    ]
     summary = RunSummary()
     for reading in history:
         summary.update(reading)
@@ -82,11 +88,19 @@ def test_the_doctor_sums_tiny_held_too_long_groups_on_one_line():
     from lightning_memkit.doctor.liveness import LivenessReport
 
     def group(nbytes, count, op):
-        return CreatorGroup(op, "net.0", "forward", [1], "torch.float32", "made in a step", None, count=count, total_bytes=nbytes)
+        return CreatorGroup(
+            op, "net.0", "forward", [1], "torch.float32", "made in a step", None, count=count, total_bytes=nbytes
+        )
 
-    report = LivenessReport(step=1, peak_bytes=10_000, peak_op="aten.mm", peak_module="net.0", peak_phase="forward",
-                            held_too_long_bytes=4096 + 12, held_too_long=[group(4096, 1, "aten.relu"), group(4, 1, "aten.add"),
-                                                                          group(8, 2, "aten.mul")])
+    report = LivenessReport(
+        step=1,
+        peak_bytes=10_000,
+        peak_op="aten.mm",
+        peak_module="net.0",
+        peak_phase="forward",
+        held_too_long_bytes=4096 + 12,
+        held_too_long=[group(4096, 1, "aten.relu"), group(4, 1, "aten.add"), group(8, 2, "aten.mul")],
+    )
     text = report.format()
     assert "aten.relu" in text and "aten.add" not in text and "aten.mul" not in text, text
     assert "12 B in 3 tiny tensors" in text, text

@@ -54,7 +54,9 @@ class OutOfMemoryAfterUnscale(torch.optim.SGD):
 
     def step(self, closure=None):
         if self.batch > FITS_UP_TO:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (raised inside the optimizer step)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 MiB (raised inside the optimizer step)"
+            )
         return super().step(closure)
 
 
@@ -77,11 +79,24 @@ class ScaledMLP(DemoMLP):
 def _fit_with_scaler(tmp_path, accelerator, plugins, precision=None):
     data = SyntheticDataModule(batch_size=4, train_size=256, val_size=8, input_shape=(FEATURES,))
     model = ScaledMLP()
-    search = MaxBatchSize(budget="1GiB" if accelerator == "cpu" else None, init_val=4, max_val=16, use_estimate=False,
-                          verbose=False)
-    trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=3, plugins=plugins, precision=precision,
-                         callbacks=[search], logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    search = MaxBatchSize(
+        budget="1GiB" if accelerator == "cpu" else None, init_val=4, max_val=16, use_estimate=False, verbose=False
+    )
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=3,
+        plugins=plugins,
+        precision=precision,
+        callbacks=[search],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(model, datamodule=data)
     return trainer, model, data, search
 
@@ -161,10 +176,23 @@ def test_an_nvml_error_switches_the_probe_off_with_one_warning_and_the_fit_train
     tracker = MemoryTracker(verbose=False, extra_probes=[RaisingNvmlProbe()])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[tracker], logger=False,
-                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
-        trainer.fit(ScaledMLP(), datamodule=SyntheticDataModule(batch_size=4, train_size=64, val_size=8, input_shape=(FEATURES,)))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            callbacks=[tracker],
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(
+            ScaledMLP(),
+            datamodule=SyntheticDataModule(batch_size=4, train_size=64, val_size=8, input_shape=(FEATURES,)),
+        )
     said = [str(w.message) for w in caught if "nvml-fake" in str(w.message)]
     assert len(said) == 1 and "switched off" in said[0] and "NVMLError" in said[0], said
     assert trainer.global_step == 3 and [r.step for r in tracker.history] == [0, 1, 2]
@@ -181,7 +209,11 @@ def test_nvml_finds_this_cuda_device_by_its_uuid():
         uuid = str(torch.cuda.get_device_properties(0).uuid)
         found = pynvml.nvmlDeviceGetUUID(probe._handle)
         found = found.decode() if isinstance(found, bytes) else found
-        assert found.split("-", 1)[1] == uuid.split("-", 1)[1] if uuid.startswith(("GPU-", "MIG-")) else found.endswith(uuid)
+        assert (
+            found.split("-", 1)[1] == uuid.split("-", 1)[1]
+            if uuid.startswith(("GPU-", "MIG-"))
+            else found.endswith(uuid)
+        )
         assert probe.read()["device_total_bytes"] > 0
     finally:
         probe.close()

@@ -25,9 +25,19 @@ SIZE = 16
 
 
 def _trainer(tmp_path, callbacks=(), max_steps=3):
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      default_root_dir=str(tmp_path), callbacks=list(callbacks))
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+        callbacks=list(callbacks),
+    )
 
 
 def _model_and_data(batch_size):
@@ -87,8 +97,9 @@ def test_find_max_batch_size_leaves_no_tensor_in_a_cycle(tmp_path):
     trainer = _trainer(tmp_path)
 
     def run():
-        return find_max_batch_size(trainer, module, data, budget="512MiB", init_val=4, max_val=SIZE, use_estimate=True,
-                                   verbose=False)
+        return find_max_batch_size(
+            trainer, module, data, budget="512MiB", init_val=4, max_val=SIZE, use_estimate=True, verbose=False
+        )
 
     run()  # warm-up: imports, caches
     data.batch_size = 4
@@ -115,9 +126,23 @@ def test_the_estimate_and_a_measured_step_leave_no_tensor_in_a_cycle():
 
 def test_compare_leaves_no_tensor_in_a_cycle(tmp_path):
     def run():
-        return compare_modes(lambda: _model_and_data(SIZE)[0], lambda: _model_and_data(SIZE)[1], modes="baseline,checkpoint",
-                             max_steps=2, accelerator="cpu", root_dir=str(tmp_path), write=False, figures=False, verbose=False,
-                             warmup_steps=1, val_batches=1).results[0].peak_allocated_bytes
+        return (
+            compare_modes(
+                lambda: _model_and_data(SIZE)[0],
+                lambda: _model_and_data(SIZE)[1],
+                modes="baseline,checkpoint",
+                max_steps=2,
+                accelerator="cpu",
+                root_dir=str(tmp_path),
+                write=False,
+                figures=False,
+                verbose=False,
+                warmup_steps=1,
+                val_batches=1,
+            )
+            .results[0]
+            .peak_allocated_bytes
+        )
 
     run()  # warm-up
     grown, collected, extra = _uncollected_growth(run)
@@ -132,13 +157,29 @@ def test_memkits_callbacks_leave_no_tensor_only_a_cycle_keeps(tmp_path):
 
     def fit(root):
         torch.manual_seed(0)
-        module = DemoTransformer(vocab_size=50, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16, dropout=0.0)
+        module = DemoTransformer(
+            vocab_size=50, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16, dropout=0.0
+        )
         data = SyntheticDataModule(batch_size=4, train_size=32, val_size=8, input_shape=(16,), vocab_size=50)
-        callbacks = [MemoryTracker(verbose=False), LayerTrace(verbose=False), ActivationCheckpointing(verbose=False),
-                     MemoryDoctor(verbose=False)]
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=1,
-                             num_sanity_val_steps=0, default_root_dir=str(root), callbacks=callbacks)
+        callbacks = [
+            MemoryTracker(verbose=False),
+            LayerTrace(verbose=False),
+            ActivationCheckpointing(verbose=False),
+            MemoryDoctor(verbose=False),
+        ]
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            default_root_dir=str(root),
+            callbacks=callbacks,
+        )
         trainer.fit(module, datamodule=data)
         return module, data, trainer
 

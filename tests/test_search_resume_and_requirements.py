@@ -33,9 +33,19 @@ def _data(batch_size=4):
 
 
 def _trainer(tmp_path, callbacks, max_steps, **kwargs):
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                      default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks,
+        **kwargs,
+    )
 
 
 def _search(**kwargs):
@@ -118,8 +128,11 @@ class SetOnceDataModule(pl.LightningDataModule):
 def test_a_failing_clean_up_never_hides_the_searchs_own_error(tmp_path):
     with pytest.warns(RuntimeWarning, match="putting the trainer's state back failed too"):
         with pytest.raises(ValueError, match="the step's own error"):
-            _trainer(tmp_path, [MaxBatchSize(budget="256MiB", init_val=8, max_val=16, use_estimate=False, verbose=False)],
-                     max_steps=2).fit(FailingStepMLP(), datamodule=SetOnceDataModule())
+            _trainer(
+                tmp_path,
+                [MaxBatchSize(budget="256MiB", init_val=8, max_val=16, use_estimate=False, verbose=False)],
+                max_steps=2,
+            ).fit(FailingStepMLP(), datamodule=SetOnceDataModule())
 
 
 def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_path, capsys):
@@ -130,8 +143,10 @@ def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_p
     _trainer(tmp_path, [search, tracker], max_steps=2).fit(CountingMLP(), datamodule=_data())
     chosen = [t for t in search.result.trials if t.fits and t.batch_size == search.result.batch_size][-1]
     printed = capsys.readouterr().out
-    line = (f"batch 16: trial peak {format_bytes(chosen.peak_bytes)} of the {format_bytes(2**28)} budget; counts one step's "
-            "tensors (model state, batch, step); the run peak, every live tensor of the process")
+    line = (
+        f"batch 16: trial peak {format_bytes(chosen.peak_bytes)} of the {format_bytes(2**28)} budget; counts one step's "
+        "tensors (model state, batch, step); the run peak, every live tensor of the process"
+    )
     assert printed.count("batch-size search") == 1 and line in printed, printed
     assert tracker.summary.extra["batch_search"].startswith("batch 16: ")
 
@@ -143,7 +158,9 @@ def test_layer_trace_on_a_resumed_run_says_a_step_before_the_checkpoint_belongs_
     _trainer(tmp_path, [checkpoint], max_steps=3).fit(CountingMLP(), datamodule=_data())
     trace = LayerTrace(at_steps=(1,), verbose=False)
     with pytest.warns(UserWarning, match="LayerTrace") as caught:
-        _trainer(tmp_path, [trace], max_steps=5).fit(CountingMLP(), datamodule=_data(), ckpt_path=checkpoint.last_model_path)
+        _trainer(tmp_path, [trace], max_steps=5).fit(
+            CountingMLP(), datamodule=_data(), ckpt_path=checkpoint.last_model_path
+        )
     said = " ".join(str(w.message) for w in caught if "LayerTrace" in str(w.message))
     assert "step 1 of at_steps came before this run's first step 3" in said, said
     assert "give a step this resumed run reaches, from 3 to 4, e.g. LayerTrace(at_steps=(3,))" in said, said

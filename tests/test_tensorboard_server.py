@@ -39,8 +39,16 @@ def run_logs(tmp_path_factory):
     model = LinearStack(val_batches=1, log_loss=True)
     logger = TensorBoardLogger(str(root), name="run", version=0)
     tracker = MemoryTracker(verbose=False)
-    trainer = make_trainer(root, max_steps=6, logger=logger, callbacks=[tracker], limit_val_batches=1,
-                           val_check_interval=3, check_val_every_n_epoch=None, log_every_n_steps=1)
+    trainer = make_trainer(
+        root,
+        max_steps=6,
+        logger=logger,
+        callbacks=[tracker],
+        limit_val_batches=1,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=1,
+    )
     trainer.fit(model)
     summary, history = read_records(tracker.records_path)
     return str(root), "run/version_0", summary, history
@@ -76,7 +84,9 @@ def test_scalars_through_http_equal_the_records(server, run_logs):
     assert [value for _, _, value in points] == [float(np.float32(r.tensor_bytes / MiB)) for r in train]
     peaks = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/train/peak_tensor_MiB"})
     measured = [r for r in train if r.peak_tensor_bytes is not None]  # every step, or sampled: as the records say
-    assert [(step, value) for _, step, value in peaks] == [(r.step, float(np.float32(r.peak_tensor_bytes / MiB))) for r in measured]
+    assert [(step, value) for _, step, value in peaks] == [
+        (r.step, float(np.float32(r.peak_tensor_bytes / MiB))) for r in measured
+    ]
     run_peak = server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": "memory/summary/run_peak_MiB"})
     assert [value for _, _, value in run_peak] == [float(np.float32(summary.peak_bytes / MiB))]
 
@@ -86,11 +96,21 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
     layout = server.get_json("/data/plugin/custom_scalars/layout")
     # the layout written at fit start, less the charts fit end found single-step (the accountant's
     # peak may be sampled: in 6 steps it may be read once) or clipped, readable for the values logged
-    logged = {tag: [(step, value) for _, step, value in server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": tag})]
-              for tag in server.get_json("/data/plugin/scalars/tags")[run] if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
+    logged = {
+        tag: [
+            (step, value)
+            for _, step, value in server.get_json("/data/plugin/scalars/scalars", {"run": run, "tag": tag})
+        ]
+        for tag in server.get_json("/data/plugin/scalars/tags")[run]
+        if not tag.startswith(f"memory/{DASHBOARD_TAG_PART}/")
+    }
     steps = {tag: len({step for step, _ in points}) for tag, points in logged.items()}
-    expected = readable_layout(prune_layout(dashboard_layout(cuda=False, tensors=True, host=True, validation=True), steps), {run: logged})[0]
-    [host_title] = [t for t in expected["memkit: memory per step"] if t.startswith("host RSS, top to bottom: step peak, step end (")]
+    expected = readable_layout(
+        prune_layout(dashboard_layout(cuda=False, tensors=True, host=True, validation=True), steps), {run: logged}
+    )[0]
+    [host_title] = [
+        t for t in expected["memkit: memory per step"] if t.startswith("host RSS, top to bottom: step peak, step end (")
+    ]
     assert [c["title"] for c in layout["category"]] == list(expected)
     charts = {chart["title"]: chart["multiline"]["tag"] for c in layout["category"] for chart in c["chart"]}
     assert charts == {title: spec[1] for category in expected.values() for title, spec in category.items()}
@@ -105,21 +125,29 @@ def test_custom_scalars_layout_has_no_empty_chart(server, run_logs):
             assert matched and matched == {t for t in tags if re.match(regex, t)}, (title, regex)
     host_chart = charts[host_title][0]
     served = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": host_chart})
-    host_title = host_title.removesuffix(FRAME_TITLE)  # a short run's lines between flat lines at their lowest and highest
+    host_title = host_title.removesuffix(
+        FRAME_TITLE
+    )  # a short run's lines between flat lines at their lowest and highest
     if host_title.endswith("(MiB)"):
         assert set(served["tag_to_events"]) == {f"memory/train/{n}_MiB" for n in ("host_rss", "host_peak_rss")}
     elif host_title.endswith("(GiB)"):  # values of 1,000 MiB or more: drawn in GiB, the lines fit end wrote
-        assert set(served["tag_to_events"]) == {f"memory/{DASHBOARD_TAG_PART}/train/{n}_GiB" for n in ("host_rss", "host_peak_rss")}
+        assert set(served["tag_to_events"]) == {
+            f"memory/{DASHBOARD_TAG_PART}/train/{n}_GiB" for n in ("host_rss", "host_peak_rss")
+        }
     else:  # drawn above a base: the lines fit end wrote
         unit, base = re.search(r"\((B|KiB|MiB|GiB) above ([0-9,.]+) ", host_title).groups()
-        assert set(served["tag_to_events"]) == {f"memory/{DASHBOARD_TAG_PART}/train/{n}_{unit}_above_{base.replace(',', '')}_{unit}"
-                                                for n in ("host_rss", "host_peak_rss")}
+        assert set(served["tag_to_events"]) == {
+            f"memory/{DASHBOARD_TAG_PART}/train/{n}_{unit}_above_{base.replace(',', '')}_{unit}"
+            for n in ("host_rss", "host_peak_rss")
+        }
     # and the rules every chart keeps, on the data the server hands the Custom Scalars tab
     served_runs = {run: {}}
     for regexes in charts.values():
         for regex in regexes:
             answer = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": regex})
-            served_runs[run].update({tag: [(step, value) for _, step, value in events] for tag, events in answer["tag_to_events"].items()})
+            served_runs[run].update(
+                {tag: [(step, value) for _, step, value in events] for tag, events in answer["tag_to_events"].items()}
+            )
     assert check_dashboard(layout_as_written, served_runs) == []
 
 

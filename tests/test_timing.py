@@ -83,8 +83,8 @@ def test_time_spread_is_statistics_own_median_and_inclusive_quartiles():
 
 def test_within_noise_is_an_overlap_of_the_interquartile_ranges():
     base = TimeSpread(10, 1.0, 0.9, 1.1, 0.8, 1.5)
-    assert within_noise(TimeSpread(10, 1.15, 1.05, 1.3, 1.0, 1.4), base) is True   # 1.05 <= 1.1: overlap
-    assert within_noise(TimeSpread(10, 1.3, 1.2, 1.4, 1.1, 1.5), base) is False    # starts above the baseline's q3
-    assert within_noise(TimeSpread(10, 0.7, 0.6, 0.85, 0.5, 0.9), base) is False   # ends below the baseline's q1
-    assert within_noise(TimeSpread(10, 1.0, 0.95, 1.05, 0.9, 1.1), base) is True   # inside
+    assert within_noise(TimeSpread(10, 1.15, 1.05, 1.3, 1.0, 1.4), base) is True  # 1.05 <= 1.1: overlap
+    assert within_noise(TimeSpread(10, 1.3, 1.2, 1.4, 1.1, 1.5), base) is False  # starts above the baseline's q3
+    assert within_noise(TimeSpread(10, 0.7, 0.6, 0.85, 0.5, 0.9), base) is False  # ends below the baseline's q1
+    assert within_noise(TimeSpread(10, 1.0, 0.95, 1.05, 0.9, 1.1), base) is True  # inside
     assert within_noise(None, base) is None and within_noise(base, None) is None

@@ -64,13 +64,17 @@ def test_the_attention_kernels_take_their_arguments_by_schema_name(kernel):
         positional = torch.ops.aten._scaled_dot_product_flash_attention(query, key, key, 0.1, False, False)[0]
     else:
         out = estimate_compat.efficient_attention(query, key, key, None, True, 0.1, False, 0.5)
-        positional = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, key, None, True, 0.1, False, scale=0.5)[0]
+        positional = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, key, None, True, 0.1, False, scale=0.5
+        )[0]
     assert (out.shape, out.dtype) == (positional.shape, positional.dtype) == ((2, 4, 16, 32), torch.float16)
 
 
 def test_argument_reads_an_aten_argument_by_its_schema_name():
-    for op in (torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
-               torch.ops.aten._scaled_dot_product_efficient_attention_backward.default):
+    for op in (
+        torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+    ):
         args = tuple(range(len(op._schema.arguments)))
         assert estimate_compat.argument(op, "query", args, {}) == 1  # grad_out, query, key, value, ...
         assert estimate_compat.argument(op, "scale", args[:-1], {"scale": "s"}) == "s"
@@ -133,7 +137,10 @@ def test_user_frame_is_found_by_what_frames_are_not_how_many(depth):
     """Any number of library frames (here: code whose file is inside torch's package) between the user's
     line and the caller of user_frame: the user's line is found."""
     namespace: dict = {}
-    exec(compile(_LIBRARY_FRAMES, os.path.join(os.path.dirname(torch.__file__), "_memkit_test_frames.py"), "exec"), namespace)
+    exec(
+        compile(_LIBRARY_FRAMES, os.path.join(os.path.dirname(torch.__file__), "_memkit_test_frames.py"), "exec"),
+        namespace,
+    )
     line = sys._getframe().f_lineno + 1
     found = namespace["through"](depth, user_frame)
     assert found == (__file__, line, "test_user_frame_is_found_by_what_frames_are_not_how_many")
@@ -148,8 +155,8 @@ def test_the_recorder_names_the_users_line_under_torchs_own_python_frames():
     recorder = CreationRecorder()
     recorder.start(0, module=layer)
     first = test_the_recorder_names_the_users_line_under_torchs_own_python_frames.__code__.co_firstlineno
-    x = torch.randn(2, 4)                           # first + 9
-    hidden = layer(x)                               # first + 10
+    x = torch.randn(2, 4)  # first + 9
+    hidden = layer(x)  # first + 10
     dropped = F.dropout(hidden, 0.5, training=True)  # first + 11
     recorder.stop()
     name = "test_the_recorder_names_the_users_line_under_torchs_own_python_frames"
@@ -162,7 +169,11 @@ def test_arguments_binds_an_aten_call_by_schema_name_with_its_defaults():
     unique = torch.ops.aten._unique2.default  # (self, sorted=True, return_inverse=False, return_counts=False)
     x = torch.tensor([1, 1, 2])
     assert estimate_compat.arguments(unique, (x,), {"return_counts": True}) == {
-        "self": x, "sorted": True, "return_inverse": False, "return_counts": True}
+        "self": x,
+        "sorted": True,
+        "return_inverse": False,
+        "return_counts": True,
+    }
     bincount = torch.ops.aten.bincount.default  # (self, weights=None, minlength=0)
     assert estimate_compat.arguments(bincount, (x, None, 5), None) == {"self": x, "weights": None, "minlength": 5}
     index = torch.ops.aten.index.Tensor  # (self, indices): no default, left out when the call leaves it out

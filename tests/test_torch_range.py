@@ -29,8 +29,10 @@ def test_import_below_the_range_fails_with_one_line_naming_the_range():
     result = _import_with_torch_version(BELOW)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last == (f"ImportError: lightning-memkit supports {SUPPORTED_RANGE}; this is torch {BELOW}: "
-                    f"pip install '{SUPPORTED_RANGE}' (the build for your CUDA)")
+    assert last == (
+        f"ImportError: lightning-memkit supports {SUPPORTED_RANGE}; this is torch {BELOW}: "
+        f"pip install '{SUPPORTED_RANGE}' (the build for your CUDA)"
+    )
 
 
 def test_import_at_the_lowest_supported_release_succeeds():
@@ -38,9 +40,19 @@ def test_import_at_the_lowest_supported_release_succeeds():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("version, supported", [
-    (LOWEST, True), (f"{LOWEST}a0+git1234", True), (f"{MINIMUM_TORCH[0]}.{MINIMUM_TORCH[1] + 3}.1+cu130", True),
-    (f"{MINIMUM_TORCH[0] + 1}.0.0", True), (BELOW, False), ("2.4.1", False), ("1.13.1+cpu", False), ("a source build", True)])
+@pytest.mark.parametrize(
+    "version, supported",
+    [
+        (LOWEST, True),
+        (f"{LOWEST}a0+git1234", True),
+        (f"{MINIMUM_TORCH[0]}.{MINIMUM_TORCH[1] + 3}.1+cu130", True),
+        (f"{MINIMUM_TORCH[0] + 1}.0.0", True),
+        (BELOW, False),
+        ("2.4.1", False),
+        ("1.13.1+cpu", False),
+        ("a source build", True),
+    ],
+)
 def test_check_torch_version_compares_major_and_minor(version, supported):
     if supported:
         check_torch_version(version)

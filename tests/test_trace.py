@@ -24,9 +24,16 @@ B, C1, C2, H = 4, 8, 16, 16  # batch, channels, image side
 def make_cnn() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, C1, 3, padding=1), nn.BatchNorm2d(C1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(C1, C2, 3, padding=1), nn.BatchNorm2d(C2), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Flatten(), nn.Linear(C2 * (H // 4) ** 2, 10),
+        nn.Conv2d(3, C1, 3, padding=1),
+        nn.BatchNorm2d(C1),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(C1, C2, 3, padding=1),
+        nn.BatchNorm2d(C2),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(C2 * (H // 4) ** 2, 10),
     )
 
 
@@ -113,7 +120,9 @@ def test_event_order_forward_then_backward_then_optimizer():
 
 def test_in_place_relu_traced_and_gradients_unchanged():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)
+    )
     x = torch.randn(5, 8)
     model(x).pow(2).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -124,7 +133,12 @@ def test_in_place_relu_traced_and_gradients_unchanged():
     for parameter, grad in zip(model.parameters(), expected):
         torch.testing.assert_close(parameter.grad, grad, rtol=0, atol=0)
     for name in ("1", "3"):
-        assert [e.phase for e in tracer.result.module_events(module=name)] == ["pre-forward", "forward", "pre-backward", "backward"]
+        assert [e.phase for e in tracer.result.module_events(module=name)] == [
+            "pre-forward",
+            "forward",
+            "pre-backward",
+            "backward",
+        ]
 
 
 def test_full_backward_hooks_break_in_place_relu_which_is_why_the_tracer_uses_gradient_hooks():
@@ -220,8 +234,14 @@ def test_checkpointed_block_saves_only_its_boundary_and_recomputes_in_backward()
     result = results[True]
     recomputed = [e for e in result.events if e.recompute]
     assert {e.phase for e in recomputed} == {"pre-forward", "forward"}
-    assert {e.module for e in recomputed} == {"block.inner", "block.inner.body", "block.inner.body.0", "block.inner.body.1",
-                                              "block.inner.body.2", "block.inner.body.3"}
+    assert {e.module for e in recomputed} == {
+        "block.inner",
+        "block.inner.body",
+        "block.inner.body.0",
+        "block.inner.body.1",
+        "block.inner.body.2",
+        "block.inner.body.3",
+    }
     first_backward = min(e.index for e in result.events if e.phase == "pre-backward")
     assert all(e.index > first_backward for e in recomputed)
     # recomputation allocates the block's activations again, during backward
@@ -429,7 +449,9 @@ def test_table_figure_and_metrics(tmp_path):
     ax = figure.axes[0]
     assert "MiB" in ax.get_ylabel() and "event index" in ax.get_xlabel()
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert any(label.startswith("forward") for label in labels) and any(label.startswith("backward") for label in labels)
+    assert any(label.startswith("forward") for label in labels) and any(
+        label.startswith("backward") for label in labels
+    )
     assert "layer trace" in figure._suptitle.get_text()
     figure.savefig(tmp_path / "trace.png")
     assert (tmp_path / "trace.png").stat().st_size > 1000
@@ -446,5 +468,9 @@ def test_table_says_a_small_saved_size_is_small_not_zero():
         model(x).sum().backward()
     relu = next(e for e in tracer.result.events if e.module == "1" and e.phase == "forward")
     assert relu.saved_bytes == 4 * 16 * 4  # ReLU keeps its fp32 output: 256 bytes
-    line = next(line for line in tracer.result.format_table().splitlines() if line.strip().startswith("1 (ReLU)") and " forward" in line)
+    line = next(
+        line
+        for line in tracer.result.format_table().splitlines()
+        if line.strip().startswith("1 (ReLU)") and " forward" in line
+    )
     assert "<0.001" in line.split("forward", 1)[1] and "0.000" not in line

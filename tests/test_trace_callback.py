@@ -39,7 +39,9 @@ def test_trainer_run_writes_table_figure_scalars_and_json(tmp_path):
     model = LinearStack(dims=(32, 64, 48, 16), batch_size=8, optimizer="adam")
     callback = LayerTrace()
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = make_trainer(tmp_path, max_steps=3, logger=[logger, CSVLogger(str(tmp_path), name="csv")], callbacks=[callback])
+    trainer = make_trainer(
+        tmp_path, max_steps=3, logger=[logger, CSVLogger(str(tmp_path), name="csv")], callbacks=[callback]
+    )
     trainer.fit(model)
 
     (result,) = callback.results
@@ -93,7 +95,11 @@ def test_every_n_steps_and_at_steps_and_memory_tracker_together(tmp_path):
     # MemoryTracker's accountant and the tracer's nest without disturbing each other: both exact
     step2 = next(r for r in tracker.history if r.step == 2)
     assert step2.peak_tensor_bytes >= callback.results[1].peak_bytes - callback.results[1].at_peak["inputs"]
-    assert sorted(os.path.basename(p) for p in callback.paths) == ["memkit_trace_step0.json", "memkit_trace_step2.json", "memkit_trace_step4.json"]
+    assert sorted(os.path.basename(p) for p in callback.paths) == [
+        "memkit_trace_step0.json",
+        "memkit_trace_step2.json",
+        "memkit_trace_step4.json",
+    ]
 
 
 def test_gradient_accumulation_traces_every_micro_batch_of_the_step(tmp_path):
@@ -141,7 +147,8 @@ def test_unmatched_modules_filter_fails_with_a_clear_error(tmp_path):
 
 def test_cli_trace_prints_the_table(tmp_path):
     source = tmp_path / "my_model.py"
-    source.write_text(textwrap.dedent('''
+    source.write_text(
+        textwrap.dedent("""
         import lightning.pytorch as pl, torch
         from torch import nn
         from torch.utils.data import DataLoader, TensorDataset
@@ -160,11 +167,25 @@ def test_cli_trace_prints_the_table(tmp_path):
                 return torch.optim.Adam(self.parameters())
             def train_dataloader(self):
                 return DataLoader(TensorDataset(torch.randn(32, 3, 16, 16)), batch_size=self.batch_size)
-    '''))
+    """)
+    )
     out_json = tmp_path / "trace.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "lightning_memkit.cli", "trace", f"{source}:Small", "--batch-size", "6", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "lightning_memkit.cli",
+            "trace",
+            f"{source}:Small",
+            "--batch-size",
+            "6",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     out = completed.stdout
@@ -173,7 +194,6 @@ def test_cli_trace_prints_the_table(tmp_path):
     assert "(6, 8, 16, 16) float32" in conv_line and f"+{6 * 8 * 16 * 16 * 4 / MiB:.3f}" in conv_line
     assert "optimizer_state" in out and "Ψ = " in out
     assert read_trace(out_json).module_events("forward", "net.0")[0].delta_bytes == 6 * 8 * 16 * 16 * 4
-
 
 
 def test_cli_trace_bad_input_says_what_to_do(tmp_path, capsys):
@@ -190,6 +210,7 @@ def test_cli_trace_bad_input_says_what_to_do(tmp_path, capsys):
 
 
 # ---- pins of the private torch internals (lightning_memkit/trace/_torch_compat.py) ----------
+
 
 def test_in_backward_is_true_only_inside_backward():
     seen = []
@@ -241,7 +262,9 @@ def test_a_kept_layer_trace_holds_no_tensor_of_the_model_after_the_fit(tmp_path)
     14.33 MiB (parameters, gradients, Adam's state) alive. Counted with gc over the whole process."""
     from lightning_memkit.zoo import DemoTransformer
 
-    make_trainer(tmp_path / "warm", max_steps=1).fit(DemoTransformer(layers=1))  # torch's and Lightning's one-time state
+    make_trainer(tmp_path / "warm", max_steps=1).fit(
+        DemoTransformer(layers=1)
+    )  # torch's and Lightning's one-time state
     empty = live_tensor_bytes()
     model = DemoTransformer()
     callback = LayerTrace()
@@ -267,12 +290,15 @@ def _memkit_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "memkit LayerTrace" in str(w.message)]
 
 
-@pytest.mark.parametrize(("options", "batches", "max_steps", "never", "last"), [
-    ({"at_steps": (1,)}, 1, -1, "step 1 of at_steps never reached", 0),  # the README's trap: one batch per epoch
-    ({"at_steps": (100,)}, 8, 2, "step 100 of at_steps never reached", 1),
-    ({"at_steps": (0, 1, 5, 7)}, 8, 3, "steps 5, 7 of at_steps never reached", 2),
-    ({"every_n_steps": 100}, 8, 3, "every_n_steps=100 traced no step", 2),
-])
+@pytest.mark.parametrize(
+    ("options", "batches", "max_steps", "never", "last"),
+    [
+        ({"at_steps": (1,)}, 1, -1, "step 1 of at_steps never reached", 0),  # the README's trap: one batch per epoch
+        ({"at_steps": (100,)}, 8, 2, "step 100 of at_steps never reached", 1),
+        ({"at_steps": (0, 1, 5, 7)}, 8, 3, "steps 5, 7 of at_steps never reached", 2),
+        ({"every_n_steps": 100}, 8, 3, "every_n_steps=100 traced no step", 2),
+    ],
+)
 def test_a_step_never_reached_is_named_in_one_warning_at_fit_end(tmp_path, options, batches, max_steps, never, last):
     model = LinearStack(batch_size=8, samples=8 * batches)
     callback = LayerTrace(verbose=False, **options)
@@ -345,7 +371,9 @@ def test_verbose_without_tensorboard_says_how_to_see_the_table_and_false_prints_
     (printed,) = [line for line in lightning_info if line.startswith("memkit LayerTrace")]
     assert "no file without a logger; LayerTrace(dirpath=...) writes them" in printed
     lightning_info.clear()
-    make_trainer(tmp_path / "quiet", max_steps=1, callbacks=[LayerTrace(at_steps=(0,), verbose=False)]).fit(LinearStack(batch_size=8))
+    make_trainer(tmp_path / "quiet", max_steps=1, callbacks=[LayerTrace(at_steps=(0,), verbose=False)]).fit(
+        LinearStack(batch_size=8)
+    )
     assert not [line for line in lightning_info if "memkit" in line]
 
 
@@ -379,7 +407,9 @@ def test_files_go_to_the_logger_or_dirpath_never_unasked_into_the_working_direct
     assert list(working.iterdir()) == []  # nothing in the working directory
     # memkit report finds both runs' traces
     assert sorted(os.path.basename(t.path) for t in find_sources(str(root)).traces) == [
-        "memkit_trace_step1-v1.json", "memkit_trace_step1.json"]
+        "memkit_trace_step1-v1.json",
+        "memkit_trace_step1.json",
+    ]
     with pytest.raises(MisconfigurationException, match="dirpath"):
         LayerTrace(dirpath=3)
 
@@ -389,10 +419,16 @@ def test_write_new_file_takes_the_first_free_version(tmp_path):
 
     paths = [write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", str(i)) for i in range(3)]
     assert [os.path.basename(p) for p in paths] == [
-        "memkit_trace_step3_rank1.json", "memkit_trace_step3_rank1-v1.json", "memkit_trace_step3_rank1-v2.json"]
+        "memkit_trace_step3_rank1.json",
+        "memkit_trace_step3_rank1-v1.json",
+        "memkit_trace_step3_rank1-v2.json",
+    ]
     assert [open(p).read() for p in paths] == ["0", "1", "2"]
     os.remove(paths[1])  # a gap is reused: the name is free again
-    assert os.path.basename(write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", "3")) == "memkit_trace_step3_rank1-v1.json"
+    assert (
+        os.path.basename(write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", "3"))
+        == "memkit_trace_step3_rank1-v1.json"
+    )
 
 
 # ---- memkit trace: hints that name the flag that fixes the case ---------------------------------
@@ -438,9 +474,14 @@ def test_cli_trace_batch_size_on_a_module_fed_by_a_datamodule_points_at_datamodu
     assert main(["trace", f"{source}:TinyGPT"]) == 2
     assert "--datamodule FILE.py:DataModuleClass" in capsys.readouterr().err
     # the fix the message names works, and the batch size reaches the datamodule
-    assert main(["trace", f"{source}:TinyGPT", "--datamodule", f"{source}:TokensDM", "--batch-size", "8", "--step", "0"]) == 0
+    assert (
+        main(["trace", f"{source}:TinyGPT", "--datamodule", f"{source}:TokensDM", "--batch-size", "8", "--step", "0"])
+        == 0
+    )
     out = capsys.readouterr().out
-    embed = next(line for line in out.splitlines() if line.strip().startswith("embed (Embedding)") and " forward " in line)
+    embed = next(
+        line for line in out.splitlines() if line.strip().startswith("embed (Embedding)") and " forward " in line
+    )
     assert "(8, 16, 32) float32" in embed
 
 
@@ -448,7 +489,9 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
     from lightning_memkit.cli import main
 
     source = tmp_path / "stops.py"
-    source.write_text(textwrap.dedent('''
+    source.write_text(
+        textwrap.dedent(
+            """
         import sys
         sys.path.insert(0, %r)
         from conftest import LinearStack
@@ -457,7 +500,10 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
             def on_train_batch_end(self, outputs, batch, batch_idx):
                 if self.trainer.global_step >= 2:
                     self.trainer.should_stop = True
-    ''' % os.path.dirname(os.path.abspath(__file__))))
+    """
+            % os.path.dirname(os.path.abspath(__file__))
+        )
+    )
     assert main(["trace", f"{source}:StopsEarly", "--step", "5"]) == 1
     error = capsys.readouterr().err
     assert "step 5 was never reached: training stopped after step 1; pass --step 1 or less" in error
@@ -496,7 +542,13 @@ class _MetricAccumulating(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torchmetrics = pytest.importorskip("torchmetrics")
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 8),
+        )
         self.train_loss = torchmetrics.MeanMetric()
         self.losses = torchmetrics.CatMetric()
         self.data = torch.randn(1024, 64, generator=torch.Generator().manual_seed(0))
@@ -530,7 +582,9 @@ def test_beside_memory_tracker_under_accumulation_with_torchmetrics_both_micro_b
     tracker = MemoryTracker(verbose=False)  # pauses its accountant after each micro-batch, under the tracer's
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[tracker, trace]).fit(_MetricAccumulating())
+        make_trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[tracker, trace]).fit(
+            _MetricAccumulating()
+        )
     assert [str(w.message) for w in caught if "memkit" in str(w.message)] == []
     (result,) = trace.results
     (reference,) = alone.results

@@ -113,8 +113,13 @@ def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     maximum = bytes_of("memory/train/peak_tensor_MiB")
     rank0 = bytes_of("memory/train/rank0/peak_tensor_MiB")
     rank1 = bytes_of("memory/train/rank1/peak_tensor_MiB")
-    for tag in ("memory/train/peak_tensor_MiB", "memory/train/rank0/peak_tensor_MiB", "memory/train/rank1/peak_tensor_MiB",
-                "memory/train/rank0/host_rss_MiB", "memory/train/rank1/host_peak_rss_MiB"):
+    for tag in (
+        "memory/train/peak_tensor_MiB",
+        "memory/train/rank0/peak_tensor_MiB",
+        "memory/train/rank1/peak_tensor_MiB",
+        "memory/train/rank0/host_rss_MiB",
+        "memory/train/rank1/host_peak_rss_MiB",
+    ):
         assert [s for s, _ in scalars[tag]] == [0, 1, 2], tag
     # rank 1 holds 4 MiB more at the same peak moment; the logged value is the max. "Exactly" holds up to a
     # scalar or two: the process scope counts every live tensor, and a background thread (gloo's workers,

@@ -27,8 +27,16 @@ def test_validation_runs_inside_an_accumulation_window_are_each_measured(tmp_pat
     logger = CSVLogger(str(tmp_path), name="csv")
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)
     model = LinearStack(batch_size=4, samples=8, log_loss=True, val_batches=1)
-    trainer = make_trainer(tmp_path, max_steps=2, accumulate_grad_batches=4, limit_train_batches=8, val_check_interval=0.5,
-                           limit_val_batches=1, logger=logger, callbacks=[tracker])
+    trainer = make_trainer(
+        tmp_path,
+        max_steps=2,
+        accumulate_grad_batches=4,
+        limit_train_batches=8,
+        val_check_interval=0.5,
+        limit_val_batches=1,
+        logger=logger,
+        callbacks=[tracker],
+    )
     trainer.fit(model)
     rows = _csv_rows(logger)
     val_rows = [r for r in rows if r.get("val_loss")]
@@ -80,8 +88,9 @@ def test_a_window_set_aside_keeps_its_peak_and_leaves_out_the_other_windows_memo
 def test_every_n_epochs_and_validate_after_fit_are_measured(tmp_path):
     tracker = MemoryTracker(verbose=False)
     model = LinearStack(batch_size=8, samples=32, val_batches=1)
-    trainer = make_trainer(tmp_path, max_epochs=4, max_steps=-1, check_val_every_n_epoch=2, limit_val_batches=1,
-                           callbacks=[tracker])
+    trainer = make_trainer(
+        tmp_path, max_epochs=4, max_steps=-1, check_val_every_n_epoch=2, limit_val_batches=1, callbacks=[tracker]
+    )
     trainer.fit(model)
     validate = [r.step for r in tracker.history if r.stage == "validate"]
     assert validate == [7, 15]  # 4 steps an epoch, after epochs 2 and 4, at the step Lightning logs val_loss at

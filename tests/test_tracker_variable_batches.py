@@ -161,8 +161,9 @@ def test_run_peak_is_the_step_of_the_largest_batch(tmp_path):
     # the accountant ran on exactly the scheduled steps and those of a new largest batch, each reading exact
     peaked = SCHEDULED_STEPS | _records(sizes)
     assert dict(scalars["memory/train/peak_tensor_MiB"]) == {step: numpy.float32(truth[step] / MiB) for step in peaked}
-    assert {r.step: r.peak_tensor_bytes for r in tracker.history if r.peak_tensor_bytes is not None} == \
-        {step: truth[step] for step in peaked}
+    assert {r.step: r.peak_tensor_bytes for r in tracker.history if r.peak_tensor_bytes is not None} == {
+        step: truth[step] for step in peaked
+    }
     assert tracker.summary.train_steps_with_peak == len(peaked)
 
 
@@ -186,8 +187,10 @@ def test_a_larger_later_micro_batch_switches_the_peak_on_for_the_rest_of_its_ste
             counted_from[step] = index
     switched_later = {step for step, index in counted_from.items() if index % 2}
     assert switched_later - {0, 1}, records  # the case this is about happens in this run
-    expected = {step: max(peak for index, (s, _, peak) in enumerate(micro) if s == step and index >= start)
-                for step, start in counted_from.items()}
+    expected = {
+        step: max(peak for index, (s, _, peak) in enumerate(micro) if s == step and index >= start)
+        for step, start in counted_from.items()
+    }
     assert {r.step: r.peak_tensor_bytes for r in tracker.history if r.peak_tensor_bytes is not None} == expected
     scalars = read_scalars(logger.log_dir)
     assert {step for step, _ in scalars["memory/train/peak_tensor_MiB"]} == set(expected)

@@ -32,8 +32,15 @@ class ReadsTheTrainer(pl.LightningModule):
         (x,) = batch
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]  # the common logging line
         scheduler = self.lr_schedulers()
-        self.seen.append((lr, type(scheduler).__name__, self.trainer.global_step, self.trainer.current_epoch,
-                          os.path.basename(self.trainer.log_dir)))
+        self.seen.append(
+            (
+                lr,
+                type(scheduler).__name__,
+                self.trainer.global_step,
+                self.trainer.current_epoch,
+                os.path.basename(self.trainer.log_dir),
+            )
+        )
         if self.fail:
             raise ValueError("a bug in the user's step")
         return self.net(x).pow(2).mean()
@@ -48,7 +55,10 @@ def test_a_step_reading_the_trainers_optimizers_schedulers_and_counters_estimate
     seen = []  # the estimate steps a copy of the module: what its steps saw is recorded here
     monkeypatch.setattr(ReadsTheTrainer, "training_step", _recording(ReadsTheTrainer.training_step, seen))
     estimate = estimate_memory(module, 4, device="cpu")
-    assert seen == [(3e-4, "StepLR", 0, 0, "version_0"), (3e-4, "StepLR", 1, 0, "version_0")]  # two steps, as fit counts them
+    assert seen == [
+        (3e-4, "StepLR", 0, 0, "version_0"),
+        (3e-4, "StepLR", 1, 0, "version_0"),
+    ]  # two steps, as fit counts them
     assert estimate.peak_bytes == measure_training_step(module, 4, device="cpu").peak_bytes
 
 
@@ -64,8 +74,14 @@ def _recording(step, seen):
 def test_a_step_that_raises_names_the_users_file_and_line_and_the_hook():
     with pytest.raises(EstimateError) as raised:
         estimate_memory(ReadsTheTrainer(fail=True), 4, device="cpu")
-    line = next(i for i, text in enumerate(inspect.getsource(ReadsTheTrainer).splitlines()) if "a bug in the user's step" in text)
+    line = next(
+        i
+        for i, text in enumerate(inspect.getsource(ReadsTheTrainer).splitlines())
+        if "a bug in the user's step" in text
+    )
     first = inspect.getsourcelines(ReadsTheTrainer)[1]
     message = str(raised.value)
-    assert message == (f"ReadsTheTrainer.training_step failed on fake tensors: ValueError: a bug in the user's step "
-                       f"(at {__file__}:{first + line}).")
+    assert message == (
+        f"ReadsTheTrainer.training_step failed on fake tensors: ValueError: a bug in the user's step "
+        f"(at {__file__}:{first + line})."
+    )

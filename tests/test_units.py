@@ -5,10 +5,19 @@ import pytest
 from lightning_memkit import format_bytes, parse_bytes
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("16GiB", 16 * 2**30), ("512 MiB", 512 * 2**20), ("80GB", 80 * 10**9), ("1.5KiB", 1536),
-    ("8e9", 8 * 10**9), ("123", 123), (4096, 4096), ("2tib", 2 * 2**40),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GiB", 16 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("80GB", 80 * 10**9),
+        ("1.5KiB", 1536),
+        ("8e9", 8 * 10**9),
+        ("123", 123),
+        (4096, 4096),
+        ("2tib", 2 * 2**40),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 

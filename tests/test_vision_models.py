@@ -19,8 +19,11 @@ try:
     import timm
     import torchvision
 except Exception as error:  # noqa: BLE001 - an ImportError, or torchvision's operator registration failing
-    pytest.skip(f"torchvision/timm do not import here ({type(error).__name__}: {error}); run under the torch 2.14 "
-                "environment (see the torch-versions issue)", allow_module_level=True)
+    pytest.skip(
+        f"torchvision/timm do not import here ({type(error).__name__}: {error}); run under the torch 2.14 "
+        "environment (see the torch-versions issue)",
+        allow_module_level=True,
+    )
 
 BATCH = 2
 
@@ -37,7 +40,9 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.model = _model(kind)
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+        )
 
     def train_dataloader(self):
         return DataLoader(self.data, batch_size=BATCH)
@@ -73,4 +78,6 @@ CASES = [(kind, mode) for kind in ("mobilenet_v3_small", "vit") for mode in ("ba
 @pytest.mark.parametrize("kind, mode", CASES, ids=[f"{k}-{m}" for k, m in CASES])
 def test_estimate_equals_the_real_step(kind, mode):
     module = Classifier(kind)
-    assert abs(estimate_memory(module, BATCH, mode=mode, device="cpu").peak_bytes - counted_real_peak(module, mode)) <= 64
+    assert (
+        abs(estimate_memory(module, BATCH, mode=mode, device="cpu").peak_bytes - counted_real_peak(module, mode)) <= 64
+    )

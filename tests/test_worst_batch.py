@@ -13,8 +13,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_memkit import MaxBatchSize, estimate_memory, measure_training_step, predict_max_batch_size
 from lightning_memkit.estimate.worst_batch import BatchSource, batch_nbytes, find_worst_batch
-from lightning_memkit.zoo_variable import (PaddedTextClassifier, PaddedTextDataModule, VaryingImageDataModule,
-                                           VariableLengthText, pad_collate)
+from lightning_memkit.zoo_variable import (
+    PaddedTextClassifier,
+    PaddedTextDataModule,
+    VaryingImageDataModule,
+    VariableLengthText,
+    pad_collate,
+)
 from tests.independent_count import PeakCounter, _key
 
 
@@ -68,8 +73,9 @@ class _TallAndWide(torch.utils.data.Dataset):
 def _pad_images(images):
     height = max(image.shape[1] for image in images)
     width = max(image.shape[2] for image in images)
-    return torch.stack([nn.functional.pad(image, (0, width - image.shape[2], 0, height - image.shape[1]))
-                        for image in images])
+    return torch.stack(
+        [nn.functional.pad(image, (0, width - image.shape[2], 0, height - image.shape[1])) for image in images]
+    )
 
 
 def test_images_padded_to_the_tallest_and_the_widest_make_the_worst_batch_from_both():
@@ -105,8 +111,12 @@ class _Stream(IterableDataset):
     def __iter__(self):
         generator = torch.Generator().manual_seed(0)
         for _ in range(20):
-            yield {"input_ids": torch.randint(1, 100, (int(torch.randint(4, 30, (), generator=generator)),),
-                                              generator=generator), "label": torch.tensor(0)}
+            yield {
+                "input_ids": torch.randint(
+                    1, 100, (int(torch.randint(4, 30, (), generator=generator)),), generator=generator
+                ),
+                "label": torch.tensor(0),
+            }
 
 
 def test_an_iterable_dataset_answers_for_the_batch_seen_and_says_so():
@@ -158,11 +168,19 @@ class _StepPeaks(pl.Callback):
         self.counter: PeakCounter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        state = [*pl_module.parameters(), *pl_module.buffers(),
-                 *(p.grad for p in pl_module.parameters() if p.grad is not None),
-                 *(t for optimizer in trainer.optimizers for s in optimizer.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor)),
-                 *(t for t in torch.utils._pytree.tree_flatten(batch)[0] if isinstance(t, torch.Tensor))]
+        state = [
+            *pl_module.parameters(),
+            *pl_module.buffers(),
+            *(p.grad for p in pl_module.parameters() if p.grad is not None),
+            *(
+                t
+                for optimizer in trainer.optimizers
+                for s in optimizer.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            ),
+            *(t for t in torch.utils._pytree.tree_flatten(batch)[0] if isinstance(t, torch.Tensor)),
+        ]
         held = dict(key for key in map(_key, state) if key is not None)
         self.held = sum(held.values())
         self.shape = tuple(batch["input_ids"].shape)
@@ -177,8 +195,15 @@ class _StepPeaks(pl.Callback):
 def test_max_batch_size_trains_100_shuffled_steps_within_its_budget(tmp_path):
     module = PaddedText(train_size=512, d_model=32, dim_feedforward=64)
     search, peaks = MaxBatchSize(budget="24MiB", verbose=False), _StepPeaks()
-    trainer = pl.Trainer(max_steps=100, callbacks=[search, peaks], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=100,
+        callbacks=[search, peaks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # the guard would warn of a batch larger than the trial's
         trainer.fit(module)
@@ -186,7 +211,9 @@ def test_max_batch_size_trains_100_shuffled_steps_within_its_budget(tmp_path):
     assert max(peak for peak, _ in peaks.peaks) <= 24 * 2**20
     assert "each trial trained on the worst batch of all 512 samples at its size" in search.result.table()
     proved = search.result.proved_trial()
-    assert proved.batch_shapes.startswith(f"input_ids ({search.result.batch_size}, {max(module.datamodule().train_set.lengths)})")
+    assert proved.batch_shapes.startswith(
+        f"input_ids ({search.result.batch_size}, {max(module.datamodule().train_set.lengths)})"
+    )
 
 
 class _LongerAfterTheSearch(PaddedText):
@@ -213,8 +240,15 @@ def test_a_training_batch_larger_than_the_proved_one_is_reported_once_with_its_s
     module = _LongerAfterTheSearch(train_size=64, d_model=32, dim_feedforward=64)
     longest = max(module.datamodule().train_set.lengths)
     search = MaxBatchSize(budget="16MiB", verbose=False, max_val=8)
-    trainer = pl.Trainer(max_steps=4, callbacks=[search, _Grow()], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=4,
+        callbacks=[search, _Grow()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
@@ -233,8 +267,9 @@ class _StreamedText(PaddedText):
 
 def test_an_estimate_on_an_iterable_dataset_says_it_holds_for_the_batch_seen():
     estimate = estimate_memory(_StreamedText(), device="cpu")
-    assert estimate.batch_note.startswith("the batch seen (_Stream cannot be enumerated): the answer holds for this "
-                                          "batch only")
+    assert estimate.batch_note.startswith(
+        "the batch seen (_Stream cannot be enumerated): the answer holds for this batch only"
+    )
     first = next(iter(_StreamedText().train_dataloader()))
     assert estimate.batch_shapes.startswith(f"input_ids {tuple(first['input_ids'].shape)}")
 
@@ -245,8 +280,10 @@ def test_images_of_varying_size_are_predicted_at_the_largest_side():
     module = VaryingImageClassifier(train_size=64, channels=8, blocks=2)
     side = max(module.datamodule().train_set.sides)
     prediction = predict_max_batch_size(module, 64 * 2**20, device="cpu", margin=0.0)
-    assert prediction.batch_shapes == f"batch[0] ({prediction.batch_size}, 3, {side}, {side}), " \
-                                      f"batch[1] ({prediction.batch_size},)"
+    assert (
+        prediction.batch_shapes == f"batch[0] ({prediction.batch_size}, 3, {side}, {side}), "
+        f"batch[1] ({prediction.batch_size},)"
+    )
     worst = find_worst_batch(module.train_dataloader())
     assert estimate_memory(module, batch=worst.at(prediction.batch_size), device="cpu").peak_bytes <= 64 * 2**20
     assert estimate_memory(module, batch=worst.at(prediction.batch_size + 1), device="cpu").peak_bytes > 64 * 2**20
@@ -260,13 +297,22 @@ def test_autofit_plans_a_padded_text_classifier_with_argmax_metrics_on_its_worst
     longest = max(module.datamodule().train_set.lengths)
     full = estimate_memory(module, device="cpu").peak_bytes
     auto = AutoFit(device_memory=int(full * 0.6), modes="micro_batch", trials=1, verbose=True)
-    trainer = pl.Trainer(max_steps=3, callbacks=[auto], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=3,
+        callbacks=[auto],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module)
     plan = auto.plan
     assert plan.best is not None and plan.best.micro_batch < 16 and plan.best.micro_batch * plan.best.accumulation == 16
-    assert plan.notes[0] == (f"batch: input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): the "
-                             "worst batch of all 96 samples; micro-batches are its largest samples")
+    assert plan.notes[0] == (
+        f"batch: input_ids (16, {longest}), attention_mask (16, {longest}), labels (16,): the "
+        "worst batch of all 96 samples; micro-batches are its largest samples"
+    )
     proved = plan.proved_micro_batch
     assert proved.shapes.startswith(f"input_ids ({plan.best.micro_batch}, {longest})")
     assert f"note: {plan.notes[0]}" in capsys.readouterr().out

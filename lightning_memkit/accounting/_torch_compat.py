@@ -13,8 +13,15 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch as _dispatch
 
-__all__ = ["dispatch_mode_stack", "exit_mode_in_place", "is_traceable_wrapper_subclass_type", "saved_tensor_attributes",
-           "saved_value", "SAVED_FREED", "version_of"]
+__all__ = [
+    "dispatch_mode_stack",
+    "exit_mode_in_place",
+    "is_traceable_wrapper_subclass_type",
+    "saved_tensor_attributes",
+    "saved_value",
+    "SAVED_FREED",
+    "version_of",
+]
 
 
 def dispatch_mode_stack() -> list[Any]:
@@ -77,9 +84,12 @@ def saved_value(saved: Any) -> Any:
     A value that cannot be read for another reason is skipped as freed.
     """
     if not hasattr(type(saved), "data"):
-        _warn_once("saved-data", f"this torch ({torch.__version__}) has no SavedTensor.data: memkit's whole-process reading "
-                                 "cannot see tensors saved for backward, and counts without them; use a torch in "
-                                 "lightning_memkit's declared range")
+        _warn_once(
+            "saved-data",
+            f"this torch ({torch.__version__}) has no SavedTensor.data: memkit's whole-process reading "
+            "cannot see tensors saved for backward, and counts without them; use a torch in "
+            "lightning_memkit's declared range",
+        )
         return SAVED_FREED
     try:
         return saved.data

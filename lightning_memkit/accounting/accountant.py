@@ -153,7 +153,9 @@ class TensorAccountant(TorchDispatchMode):
         self.errors: list[str] = []
         self.error_count = 0
         self._peak_listeners: list[Callable[[int], None]] = []
-        self._storage_listeners: list[tuple[Callable[[StorageRecord], None] | None, Callable[[StorageRecord], None] | None]] = []
+        self._storage_listeners: list[
+            tuple[Callable[[StorageRecord], None] | None, Callable[[StorageRecord], None] | None]
+        ] = []
         watch_storage_resizes(self)  # resizes outside the dispatcher, for as long as this accountant lives
 
     # ------------------------------------------------------------------ labels
@@ -186,8 +188,11 @@ class TensorAccountant(TorchDispatchMode):
         """Call ``listener(peak_bytes)`` each time a new peak is reached (keep it cheap)."""
         self._peak_listeners.append(listener)
 
-    def add_storage_listener(self, on_track: Callable[[StorageRecord], None] | None = None,
-                             on_release: Callable[[StorageRecord], None] | None = None) -> None:
+    def add_storage_listener(
+        self,
+        on_track: Callable[[StorageRecord], None] | None = None,
+        on_release: Callable[[StorageRecord], None] | None = None,
+    ) -> None:
         """Call ``on_track(record)`` when a storage starts being counted (allocated or adopted) and
         ``on_release(record)`` when torch frees it, in the order they happen (an allocator model
         replays them). Both run on the hot path and, for frees, possibly inside garbage collection:
@@ -304,9 +309,7 @@ class TensorAccountant(TorchDispatchMode):
             with self._lock:
                 record.nbytes = nbytes
                 self.current_bytes += delta
-                self.current_bytes_by_label[record.label] = (
-                    self.current_bytes_by_label.get(record.label, 0) + delta
-                )
+                self.current_bytes_by_label[record.label] = self.current_bytes_by_label.get(record.label, 0) + delta
             self._update_peak()
 
     def _update_peak(self) -> None:
@@ -352,7 +355,9 @@ class TensorAccountant(TorchDispatchMode):
                 if storage is not None:
                     if id(storage) not in self._records:
                         self._track(storage, self._label, adopted=False)
-                elif is_wrapper_tensor(output):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
+                elif is_wrapper_tensor(
+                    output
+                ):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
                     for inner in storages_of(output):
                         if id(inner) not in self._records:
                             self._track(inner, self._label, adopted=False)

@@ -191,7 +191,9 @@ class CategoryAttributor:
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if is_wrapper_tensor(tensor):  # a DTensor (FSDP2's parameters, gradients, state): its local tensor's storage
+            if is_wrapper_tensor(
+                tensor
+            ):  # a DTensor (FSDP2's parameters, gradients, state): its local tensor's storage
                 adopted += self.accountant.adopt([tensor], label=category)
                 for record in self.accountant.records_of(tensor):
                     if id(record) not in self._roles:
@@ -229,7 +231,9 @@ class CategoryAttributor:
         for optimizer in optimizers:
             for state in getattr(optimizer, "state", {}).values():
                 if isinstance(state, dict):
-                    adopted += self.assign([v for v in state.values() if isinstance(v, torch.Tensor)], "optimizer_state")
+                    adopted += self.assign(
+                        [v for v in state.values() if isinstance(v, torch.Tensor)], "optimizer_state"
+                    )
         return adopted
 
     # ------------------------------------------------------------------ saved for backward
@@ -321,7 +325,9 @@ class CategoryAttributor:
         return self.breakdown_of(self.accountant.live_records())
 
 
-def category_breakdown(module: torch.nn.Module, optimizers: Iterable[Any] = (), inputs: Any = None) -> CategoryBreakdown:
+def category_breakdown(
+    module: torch.nn.Module, optimizers: Iterable[Any] = (), inputs: Any = None
+) -> CategoryBreakdown:
     """The persistent training state of ``module`` right now, by category, in bytes.
 
     No step is run: parameters, buffers, gradients, optimizer state and (optionally) ``inputs``
@@ -346,7 +352,11 @@ def cuda_memory_extras(device: torch.device | str, *, peak: bool = False, nvml: 
     allocated: an upper bound of the cache at the allocated peak). Every value is ``None`` on a
     device that is not CUDA or where the source cannot be read.
     """
-    empty: dict[str, int | None] = {"reserved_minus_allocated_bytes": None, "nvml_unseen_bytes": None, "allocator_allocated_bytes": None}
+    empty: dict[str, int | None] = {
+        "reserved_minus_allocated_bytes": None,
+        "nvml_unseen_bytes": None,
+        "allocator_allocated_bytes": None,
+    }
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return empty

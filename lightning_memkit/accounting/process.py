@@ -225,13 +225,21 @@ class ProcessTensors:
                     if tensor.grad_fn is not None:
                         key = id(tensor)
                         entry = walked.get(key)
-                        if (entry is None or entry[0]() is not tensor or entry[1] is None
-                                or entry[1] != _torch_compat.version_of(tensor)) and roots.get(key) is not tensor:
+                        if (
+                            entry is None
+                            or entry[0]() is not tensor
+                            or entry[1] is None
+                            or entry[1] != _torch_compat.version_of(tensor)
+                        ) and roots.get(key) is not tensor:
                             roots[key] = tensor
                     elif tensor.requires_grad:
                         # kept: a plain tensor (its storage may be replaced: ``param.data = ...``), or one
                         # holding memory here; not a subclass holding none here (dynamo's FakeTensors, on meta)
-                        if leaves is not None and (on_device or type(tensor) in _PLAIN_TYPES) and leaves.get(id(tensor)) is not tensor:
+                        if (
+                            leaves is not None
+                            and (on_device or type(tensor) in _PLAIN_TYPES)
+                            and leaves.get(id(tensor)) is not tensor
+                        ):
                             leaves[id(tensor)] = tensor
                         grad = tensor.grad  # a leaf's gradient has no Python object until read
                         if grad is not None:

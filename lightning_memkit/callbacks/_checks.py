@@ -16,8 +16,19 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._class_paths import resolve_class_path
 
-__all__ = ["refuse", "boolean", "integer", "number", "text", "path", "choice", "steps", "resolve_class_path",
-           "module_filters", "A_BOOL"]
+__all__ = [
+    "refuse",
+    "boolean",
+    "integer",
+    "number",
+    "text",
+    "path",
+    "choice",
+    "steps",
+    "resolve_class_path",
+    "module_filters",
+    "A_BOOL",
+]
 
 #: the accepted form of every boolean argument
 A_BOOL = "True or False (a bool)"
@@ -48,14 +59,26 @@ def integer(owner: str, name: str, value: Any, minimum: int, accepted: str, *, o
     return value
 
 
-def number(owner: str, name: str, value: Any, accepted: str, *, low: float, high: float | None = None,
-           low_open: bool = True, high_open: bool = True, optional: bool = False) -> float | None:
+def number(
+    owner: str,
+    name: str,
+    value: Any,
+    accepted: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_open: bool = True,
+    high_open: bool = True,
+    optional: bool = False,
+) -> float | None:
     """``value`` if it is a real number (int or float, not a bool) within the given bounds."""
     if optional and value is None:
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
-        ok = (value > low if low_open else value >= low) and (high is None or (value < high if high_open else value <= high))
+        ok = (value > low if low_open else value >= low) and (
+            high is None or (value < high if high_open else value <= high)
+        )
     if not ok:
         raise refuse(owner, name, value, accepted)
     return value

@@ -33,8 +33,10 @@ from lightning_memkit.units import MiB, format_bytes
 __all__ = ["ActivationCheckpointing"]
 
 #: the accepted forms of ActivationCheckpointing's ``policy`` and ``budget`` (also in docs/arguments.md)
-POLICY_ACCEPTED = ("'auto', 'budget=0.5', a set of nn.Module subclasses or their class paths "
-                   "(['torch.nn.TransformerEncoderLayer']), a CheckpointBudget, or a callable (name, module) -> bool")
+POLICY_ACCEPTED = (
+    "'auto', 'budget=0.5', a set of nn.Module subclasses or their class paths "
+    "(['torch.nn.TransformerEncoderLayer']), a CheckpointBudget, or a callable (name, module) -> bool"
+)
 BUDGET_ACCEPTED = "a fraction in (0, 1] (0.5), a size with a unit ('512MiB'), a CheckpointBudget, or None"
 
 
@@ -90,15 +92,27 @@ class ActivationCheckpointing(Callback):
             numbers only, so a callback kept after the fit holds no tensor of the model's.
     """
 
-    def __init__(self, policy: str | Sequence[str | type[nn.Module]] | type[nn.Module] | CheckpointBudget | Callable[[str, nn.Module], bool] = "auto",
-                 *, budget: float | str | CheckpointBudget | None = None, measure: bool = True,
-                 sample_fn: Callable[[LightningModule, Any], Any] | None = None, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        policy: str
+        | Sequence[str | type[nn.Module]]
+        | type[nn.Module]
+        | CheckpointBudget
+        | Callable[[str, nn.Module], bool] = "auto",
+        *,
+        budget: float | str | CheckpointBudget | None = None,
+        measure: bool = True,
+        sample_fn: Callable[[LightningModule, Any], Any] | None = None,
+        verbose: bool = True,
+    ) -> None:
         owner = "ActivationCheckpointing"
         checks.boolean(owner, "measure", measure)
         checks.boolean(owner, "verbose", verbose)
         if sample_fn is not None and not callable(sample_fn):
             raise checks.refuse(owner, "sample_fn", sample_fn, "a callable (pl_module, batch) -> output, or None")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float, str, CheckpointBudget))):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float, str, CheckpointBudget))
+        ):
             raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
         try:
             policy = normalize_policy(policy)
@@ -106,11 +120,15 @@ class ActivationCheckpointing(Callback):
             raise MisconfigurationException(f"{owner}(policy={policy!r}): {error}; give {POLICY_ACCEPTED}") from None
         if budget is not None:
             if isinstance(policy, CheckpointBudget):
-                raise MisconfigurationException(f"{owner}: the policy is already a budget ({describe_policy(policy)}); give budget= once")
+                raise MisconfigurationException(
+                    f"{owner}: the policy is already a budget ({describe_policy(policy)}); give budget= once"
+                )
             try:
                 policy = parse_budget(budget, within=None if policy == "auto" else policy)
             except ValueError as error:
-                raise MisconfigurationException(f"{owner}(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}") from None
+                raise MisconfigurationException(
+                    f"{owner}(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}"
+                ) from None
         self.policy = policy
         self.measure = measure
         self.sample_fn = sample_fn
@@ -131,15 +149,20 @@ class ActivationCheckpointing(Callback):
         if configured is not None:
             rank_zero_warn(
                 "ActivationCheckpointing: the FSDPStrategy wraps its own modules, so this callback does nothing. "
-                + ("The strategy's activation_checkpointing_policy is used." if configured else
-                   "Pass FSDPStrategy(activation_checkpointing_policy={YourBlock}) to checkpoint under FSDP.")
+                + (
+                    "The strategy's activation_checkpointing_policy is used."
+                    if configured
+                    else "Pass FSDPStrategy(activation_checkpointing_policy={YourBlock}) to checkpoint under FSDP."
+                )
             )
             return
         _run_before_step_windows(trainer, self)
         needs_sample = isinstance(self.policy, CheckpointBudget)
         if needs_sample and not pl_module.automatic_optimization and self.sample_fn is None:
-            raise MisconfigurationException("ActivationCheckpointing(budget=...) with manual optimization: pass "
-                                            "sample_fn=lambda module, batch: module(batch[0]) so the measuring forward does not step")
+            raise MisconfigurationException(
+                "ActivationCheckpointing(budget=...) with manual optimization: pass "
+                "sample_fn=lambda module, batch: module(batch[0]) so the measuring forward does not step"
+            )
         within = self.policy.within if needs_sample else self.policy
         if within is not None:
             try:
@@ -185,7 +208,9 @@ class ActivationCheckpointing(Callback):
                 "is their inputs anyway. Nothing is wrapped, so backward recomputes nothing; drop this callback, or "
                 "give a policy naming other modules."
             )
-            self.plan.note = (self.plan.note + ". " if self.plan.note else "") + "unwrapped: it saved nothing when measured"
+            self.plan.note = (
+                self.plan.note + ". " if self.plan.note else ""
+            ) + "unwrapped: it saved nothing when measured"
         if self.verbose:
             rank_zero_info(self.plan.summary())
         metrics = {"memory/checkpoint/regions": float(self.plan.count)}

@@ -31,12 +31,20 @@ __all__ = ["LayerTrace"]
 
 #: the trace's scalars (after ``<prefix>/``) that loggers other than TensorBoard get: a few columns in a
 #: metrics.csv, not one per category and moment (TensorBoard and the JSON file have every category)
-COMPACT_METRICS = ("trace/peak_MiB", "trace/end_MiB", "trace/peak/parameters_MiB", "trace/peak/gradients_MiB",
-                   "trace/peak/optimizer_state_MiB", "trace/peak/activations_MiB")
+COMPACT_METRICS = (
+    "trace/peak_MiB",
+    "trace/end_MiB",
+    "trace/peak/parameters_MiB",
+    "trace/peak/gradients_MiB",
+    "trace/peak/optimizer_state_MiB",
+    "trace/peak/activations_MiB",
+)
 
 #: the accepted form of LayerTrace's ``modules`` (also in docs/arguments.md)
-MODULES_ACCEPTED = ("an fnmatch pattern of module names ('encoder.layers.*'), an nn.Module subclass, a class path "
-                    "('torch.nn.Linear'), a list of them, or None")
+MODULES_ACCEPTED = (
+    "an fnmatch pattern of module names ('encoder.layers.*'), an nn.Module subclass, a class path "
+    "('torch.nn.Linear'), a list of them, or None"
+)
 
 
 class LayerTrace(Callback):
@@ -138,19 +146,35 @@ class LayerTrace(Callback):
         compiled: Literal["keep", "eager"] = "keep",
     ) -> None:
         owner = "LayerTrace"
-        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
-                                      "'keep' (trace the compiled step as it runs) or 'eager' (run the traced step eagerly, module by module)")
-        self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1, "a positive integer, or None to trace only at_steps", optional=True)
+        self.compiled = checks.choice(
+            owner,
+            "compiled",
+            compiled,
+            COMPILED_CHOICES,
+            "'keep' (trace the compiled step as it runs) or 'eager' (run the traced step eagerly, module by module)",
+        )
+        self.every_n_steps = checks.integer(
+            owner,
+            "every_n_steps",
+            every_n_steps,
+            1,
+            "a positive integer, or None to trace only at_steps",
+            optional=True,
+        )
         if at_steps is None:
             at_steps = (1,) if every_n_steps is None else ()
-        self.at_steps = checks.steps(owner, "at_steps", at_steps, "a step (an int >= 0, or a str holding one) or a list of them, e.g. [1, 100]")
+        self.at_steps = checks.steps(
+            owner, "at_steps", at_steps, "a step (an int >= 0, or a str holding one) or a list of them, e.g. [1, 100]"
+        )
         self.max_depth = checks.integer(owner, "max_depth", max_depth, 0, "None or an integer >= 0", optional=True)
         self.modules = checks.module_filters(owner, "modules", modules, MODULES_ACCEPTED)
         self.prefix = checks.text(owner, "prefix", prefix, "a non-empty str, e.g. 'memory'")
         self.figure = checks.boolean(owner, "figure", figure)
         self.verbose = checks.boolean(owner, "verbose", verbose)
         self.max_results = checks.integer(owner, "max_results", max_results, 1, "an integer >= 1 (results kept)")
-        self.dirpath = checks.path(owner, "dirpath", dirpath, "a directory path (str), or None for the logger's log dir")
+        self.dirpath = checks.path(
+            owner, "dirpath", dirpath, "a directory path (str), or None for the logger's log dir"
+        )
         self.results: list[LayerTraceResult] = []
         self.paths: list[str] = []
         self._tracer: LayerTracer | None = None
@@ -166,7 +190,9 @@ class LayerTrace(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_memkit.tensorboard.dashboard import register_dashboard  # memkit's TensorBoard dashboard, once per run
+        from lightning_memkit.tensorboard.dashboard import (
+            register_dashboard,
+        )  # memkit's TensorBoard dashboard, once per run
 
         register_dashboard(trainer)
         if trainer.global_step == 0:  # a new run (the same callback given to a second Trainer) traces its steps again
@@ -192,15 +218,24 @@ class LayerTrace(Callback):
             return
         self._traced_steps.add(step)
         try:
-            tracer = LayerTracer(pl_module, trainer.optimizers, max_depth=self.max_depth, modules=self.modules,
-                                 step=step, rank=trainer.global_rank, compiled=self.compiled)
+            tracer = LayerTracer(
+                pl_module,
+                trainer.optimizers,
+                max_depth=self.max_depth,
+                modules=self.modules,
+                step=step,
+                rank=trainer.global_rank,
+                compiled=self.compiled,
+            )
             tracer.start(inputs=batch)
         except (TypeError, ValueError) as error:
             raise MisconfigurationException(f"LayerTrace: {error}") from error
         self._tracer = tracer
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._tracer is None or not optimizer_steps_after_batch(trainer):
             return
         tracer, self._tracer = self._tracer, None
@@ -239,8 +274,9 @@ class LayerTrace(Callback):
             fix = "check that the Trainer trains (max_steps, limit_train_batches, the train dataloader's length)"
             after, before, inside = missing, [], []
         else:
-            ran = (f"the run's last training step was {last} (steps count optimizer steps from 0"
-                   + (f"; this run resumed at step {first})" if first else ")"))
+            ran = f"the run's last training step was {last} (steps count optimizer steps from 0" + (
+                f"; this run resumed at step {first})" if first else ")"
+            )
             fix = f"give steps the run reaches, e.g. LayerTrace(at_steps=({last},)), or train longer (max_steps / max_epochs / more batches per epoch)"
             after = [s for s in missing if s > last]
             before = [s for s in missing if first is not None and s < first]
@@ -256,8 +292,10 @@ class LayerTrace(Callback):
             problems.append(f"every_n_steps={self.every_n_steps} traced no step")
         if before and not after and not inside and not never_by_every:
             # a resumed fit: training longer cannot reach a step before the checkpoint
-            fix = (f"give a step this resumed run reaches, from {first} to {last}, e.g. LayerTrace(at_steps=({first},)); the steps "
-                   "before the checkpoint belong to the run that wrote it (its trace files, if it traced them)")
+            fix = (
+                f"give a step this resumed run reaches, from {first} to {last}, e.g. LayerTrace(at_steps=({first},)); the steps "
+                "before the checkpoint belong to the run that wrote it (its trace files, if it traced them)"
+            )
         elif before:
             fix += f"; steps before {first} belong to the run that wrote the checkpoint"
         return f"memkit LayerTrace: {'; '.join(problems)}: {ran}. Nothing was traced for {'them' if len(missing) > 1 else 'it'}; to trace, {fix}."
@@ -265,17 +303,21 @@ class LayerTrace(Callback):
     # ------------------------------------------------------------------ sinks
     def _publish(self, trainer: Trainer, result: LayerTraceResult) -> None:
         if result.errors:
-            rank_zero_warn(f"memkit LayerTrace: step {result.step} traced with problems: {'; '.join(result.errors[:3])}")
+            rank_zero_warn(
+                f"memkit LayerTrace: step {result.step} traced with problems: {'; '.join(result.errors[:3])}"
+            )
         if not result.module_events("forward"):
             # e.g. a training_step that returns None before calling the model (a skipped batch): the table would
             # show the step markers alone, which reads like a step that used no memory
-            rank_zero_warn(f"memkit LayerTrace: step {result.step} ran no module's forward (training_step returned before "
-                           "calling the model, e.g. a skipped batch that returns None; or the model runs without module "
-                           "hooks, e.g. TorchScript): its trace holds the step markers only; trace another step "
-                           "(at_steps=..., or `memkit trace --step N`)")
+            rank_zero_warn(
+                f"memkit LayerTrace: step {result.step} ran no module's forward (training_step returned before "
+                "calling the model, e.g. a skipped batch that returns None; or the model runs without module "
+                "hooks, e.g. TorchScript): its trace holds the step markers only; trace another step "
+                "(at_steps=..., or `memkit trace --step N`)"
+            )
         step = result.step if result.step is not None else 0
         metrics = result.metrics(self.prefix)
-        compact = {name: value for name, value in metrics.items() if name[len(self.prefix) + 1:] in COMPACT_METRICS}
+        compact = {name: value for name, value in metrics.items() if name[len(self.prefix) + 1 :] in COMPACT_METRICS}
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):  # every category (memkit's dashboard charts them)
                 logger.log_metrics(metrics, step=step)
@@ -289,34 +331,47 @@ class LayerTrace(Callback):
                 path = write_new_file(directory, trace_filename(result.step, result.rank), result.to_json())
                 self.paths.append(path)
             except OSError as error:
-                rank_zero_warn(f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}")
+                rank_zero_warn(
+                    f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}"
+                )
         if self.verbose:
             rank_zero_info(self._summary(trainer, result, path))
 
     def _summary(self, trainer: Trainer, result: LayerTraceResult, path: str | None) -> str:
         """What ``verbose`` prints after a traced step: the category table and where everything went."""
-        lines = [f"memkit LayerTrace: step {result.step} on {result.device}: peak {format_bytes(result.peak_bytes)}, "
-                 f"end {format_bytes(result.end_bytes)}; bytes by category:", result.format_categories()]
+        lines = [
+            f"memkit LayerTrace: step {result.step} on {result.device}: peak {format_bytes(result.peak_bytes)}, "
+            f"end {format_bytes(result.end_bytes)}; bytes by category:",
+            result.format_categories(),
+        ]
         lines.extend(f"note: {note}" for note in result.notes)
         board = next((logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
         if board is not None:
-            lines.append(f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "
-                         f"text {self.prefix}/trace/table and image {self.prefix}/trace/figure")
+            lines.append(
+                f"module table and figure: TensorBoard (tensorboard --logdir {board.log_dir}), "
+                f"text {self.prefix}/trace/table and image {self.prefix}/trace/figure"
+            )
         else:
-            lines.append("module table (no TensorBoardLogger to log it to): this LayerTrace's .results[-1].format_table()"
-                         + (f", or `memkit report {os.path.dirname(path)}`" if path is not None else ""))
+            lines.append(
+                "module table (no TensorBoardLogger to log it to): this LayerTrace's .results[-1].format_table()"
+                + (f", or `memkit report {os.path.dirname(path)}`" if path is not None else "")
+            )
         if path is not None:
             lines.append(f"raw events: {path}")
         else:
-            lines.append("raw events: no file without a logger; LayerTrace(dirpath=...) writes them, "
-                         "or .results[-1].to_json(path)")
+            lines.append(
+                "raw events: no file without a logger; LayerTrace(dirpath=...) writes them, "
+                "or .results[-1].to_json(path)"
+            )
         return "\n".join(lines)
 
     def _to_tensorboard(self, logger: TensorBoardLogger, result: LayerTraceResult, step: int) -> None:
         experiment = logger.experiment
         # TensorBoard's text tab renders Markdown: indent by 4 spaces to keep the columns
         experiment.add_text(f"{self.prefix}/trace/table", markdown_code(result.format_table()), global_step=step)
-        experiment.add_text(f"{self.prefix}/trace/categories", markdown_code(result.format_categories()), global_step=step)
+        experiment.add_text(
+            f"{self.prefix}/trace/categories", markdown_code(result.format_categories()), global_step=step
+        )
         if self.figure:
             try:
                 experiment.add_figure(f"{self.prefix}/trace/figure", result.figure(), global_step=step, close=True)
@@ -324,4 +379,3 @@ class LayerTrace(Callback):
                 rank_zero_warn(f"memkit LayerTrace: no figure ({error}); install matplotlib or pass figure=False")
                 self.figure = False
         experiment.flush()
-

@@ -15,8 +15,13 @@ from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
 from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import search_in_fit
-from lightning_memkit.search.searchable import (BatchSizeSearchError, SearchConfig, _lightning_getattr, _lightning_setattr,
-                                                check_searchable)
+from lightning_memkit.search.searchable import (
+    BatchSizeSearchError,
+    SearchConfig,
+    _lightning_getattr,
+    _lightning_setattr,
+    check_searchable,
+)
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MaxBatchSize", "find_max_batch_size"]
@@ -87,10 +92,21 @@ class MaxBatchSize(Callback):
     waiting may hold on until the strategy's ``timeout``.
     """
 
-    def __init__(self, margin: float = 0.05, init_val: int | None = None, max_val: int = 8192, steps_per_trial: int = 3,
-                 max_trials: int = 25, budget: int | str | None = None, batch_arg_name: str = "batch_size",
-                 keep_effective_batch_size: bool = False, use_estimate: bool = True, verbose: bool = True,
-                 max_seconds: float | None = None, search_on_resume: bool = False) -> None:
+    def __init__(
+        self,
+        margin: float = 0.05,
+        init_val: int | None = None,
+        max_val: int = 8192,
+        steps_per_trial: int = 3,
+        max_trials: int = 25,
+        budget: int | str | None = None,
+        batch_arg_name: str = "batch_size",
+        keep_effective_batch_size: bool = False,
+        use_estimate: bool = True,
+        verbose: bool = True,
+        max_seconds: float | None = None,
+        search_on_resume: bool = False,
+    ) -> None:
         owner = "MaxBatchSize"
         checks.number(owner, "margin", margin, "a fraction in (0, 1), e.g. 0.05", low=0, high=1)
         checks.integer(owner, "init_val", init_val, 1, "a positive integer (samples per batch), or None", optional=True)
@@ -98,23 +114,47 @@ class MaxBatchSize(Callback):
         checks.integer(owner, "steps_per_trial", steps_per_trial, 1, "a positive integer (training steps per trial)")
         checks.integer(owner, "max_trials", max_trials, 1, "a positive integer (trials at most)")
         checks.number(owner, "max_seconds", max_seconds, "a positive number of seconds, or None", low=0, optional=True)
-        checks.text(owner, "batch_arg_name", batch_arg_name, "the name (a non-empty str) of the attribute that holds the batch size")
-        for name, value in (("keep_effective_batch_size", keep_effective_batch_size), ("use_estimate", use_estimate),
-                            ("verbose", verbose), ("search_on_resume", search_on_resume)):
+        checks.text(
+            owner,
+            "batch_arg_name",
+            batch_arg_name,
+            "the name (a non-empty str) of the attribute that holds the batch size",
+        )
+        for name, value in (
+            ("keep_effective_batch_size", keep_effective_batch_size),
+            ("use_estimate", use_estimate),
+            ("verbose", verbose),
+            ("search_on_resume", search_on_resume),
+        ):
             checks.boolean(owner, name, value)
         if init_val is not None and init_val > max_val:
-            raise MisconfigurationException(f"MaxBatchSize(init_val={init_val}, max_val={max_val}): init_val must not exceed max_val")
+            raise MisconfigurationException(
+                f"MaxBatchSize(init_val={init_val}, max_val={max_val}): init_val must not exceed max_val"
+            )
         if isinstance(budget, bool) or not (budget is None or isinstance(budget, (int, str))):
             raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
         try:
             budget_bytes = None if budget is None else parse_bytes(budget)
         except ValueError as error:
-            raise MisconfigurationException(f"MaxBatchSize(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}") from None
+            raise MisconfigurationException(
+                f"MaxBatchSize(budget={budget!r}): {error}; give {BUDGET_ACCEPTED}"
+            ) from None
         if budget_bytes is not None and budget_bytes <= 0:
             raise checks.refuse(owner, "budget", budget, BUDGET_ACCEPTED)
         self.search_on_resume = search_on_resume
-        self.config = SearchConfig(margin, init_val, max_val, steps_per_trial, max_trials, budget_bytes, batch_arg_name,
-                                   keep_effective_batch_size, use_estimate, verbose, max_seconds)
+        self.config = SearchConfig(
+            margin,
+            init_val,
+            max_val,
+            steps_per_trial,
+            max_trials,
+            budget_bytes,
+            batch_arg_name,
+            keep_effective_batch_size,
+            use_estimate,
+            verbose,
+            max_seconds,
+        )
         self.result: SearchResult | None = None
         self.optimal_batch_size: int | None = None
         #: what the fit trained with after the search: ``{"batch_size": samples, "accumulate_grad_batches": n}``,
@@ -145,8 +185,10 @@ class MaxBatchSize(Callback):
         if trainer.fast_dev_run:
             size = int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
             # as Lightning's BatchSizeFinder: no search in a smoke test, and it says so (it was silent: result None)
-            rank_zero_warn(f"MaxBatchSize: no batch-size search under fast_dev_run (a smoke test of a few batches); training "
-                           f"uses the batch size as set{f' ({size})' if size else ''}. Run without fast_dev_run to search.")
+            rank_zero_warn(
+                f"MaxBatchSize: no batch-size search under fast_dev_run (a smoke test of a few batches); training "
+                f"uses the batch size as set{f' ({size})' if size else ''}. Run without fast_dev_run to search."
+            )
             return size
         self.config.checkpoint_policy = _checkpoint_policy(trainer)
         try:
@@ -155,10 +197,13 @@ class MaxBatchSize(Callback):
             raise MisconfigurationException(str(error)) from None
         self.optimal_batch_size = self.result.batch_size
         self._guard = _guard_of(self.result)
-        self._peak_counts = ("tensors" if self.config.budget is not None or trainer.strategy.root_device.type != "cuda"
-                             else "reserved")
-        self.trained_with = {"batch_size": int(_lightning_getattr(pl_module, self.config.batch_arg_name)),
-                             "accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
+        self._peak_counts = (
+            "tensors" if self.config.budget is not None or trainer.strategy.root_device.type != "cuda" else "reserved"
+        )
+        self.trained_with = {
+            "batch_size": int(_lightning_getattr(pl_module, self.config.batch_arg_name)),
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+        }
         if self._exit_after_search:
             raise compat.tuner_exit_exception()()
         return self.result.batch_size
@@ -181,11 +226,17 @@ class MaxBatchSize(Callback):
         result = self.result
         if result is None:
             return None
-        peaks = [t.peak_bytes for t in result.trials if t.fits and t.batch_size == result.batch_size and t.peak_bytes is not None]
+        peaks = [
+            t.peak_bytes
+            for t in result.trials
+            if t.fits and t.batch_size == result.batch_size and t.peak_bytes is not None
+        ]
         of = f" of the {format_bytes(result.capacity_bytes)} budget" if result.capacity_bytes else ""
         peak = f"trial peak {format_bytes(peaks[-1])}{of}" if peaks else f"trials within{of or ' memory'}"
         if getattr(self, "_peak_counts", "tensors") == "tensors":
-            counts = "counts one step's tensors (model state, batch, step); the run peak, every live tensor of the process"
+            counts = (
+                "counts one step's tensors (model state, batch, step); the run peak, every live tensor of the process"
+            )
         else:
             counts = "is the allocator's reserved bytes in one trial; the run peak, allocated bytes over the run"
         return f"batch {result.batch_size}: {peak}; {counts}"
@@ -194,10 +245,15 @@ class MaxBatchSize(Callback):
         """A resumed fit: the checkpointed run's batch size (and accumulation), no trial."""
         size = self.trained_with["batch_size"]
         _lightning_setattr(pl_module, self.config.batch_arg_name, size)
-        trainer.accumulate_grad_batches = self.trained_with.get("accumulate_grad_batches", trainer.accumulate_grad_batches)
+        trainer.accumulate_grad_batches = self.trained_with.get(
+            "accumulate_grad_batches", trainer.accumulate_grad_batches
+        )
         if self.config.verbose and trainer.is_global_zero:
-            print(f"memkit: resumed from {trainer.ckpt_path}: batch size {size} from the checkpoint (the search found "
-                  f"{self.optimal_batch_size}); no search (MaxBatchSize(search_on_resume=True) searches again)", flush=True)
+            print(
+                f"memkit: resumed from {trainer.ckpt_path}: batch size {size} from the checkpoint (the search found "
+                f"{self.optimal_batch_size}); no search (MaxBatchSize(search_on_resume=True) searches again)",
+                flush=True,
+            )
         return size
 
     @override
@@ -215,8 +271,9 @@ def _guard_of(result: SearchResult) -> BatchGuard | None:
     proved = result.proved_trial()
     if proved is None or proved.batch_bytes is None:
         return None
-    return BatchGuard(ProvedBatch(proved.batch_bytes, proved.batch_shapes,
-                                  f"MaxBatchSize's trial at batch size {proved.batch_size}"))
+    return BatchGuard(
+        ProvedBatch(proved.batch_bytes, proved.batch_shapes, f"MaxBatchSize's trial at batch size {proved.batch_size}")
+    )
 
 
 def _checkpoint_policy(trainer: Trainer) -> Any:
@@ -232,14 +289,20 @@ def _checkpoint_policy(trainer: Trainer) -> Any:
     for callback in trainer.callbacks:
         if isinstance(callback, ActivationCheckpointing):
             if isinstance(callback.policy, CheckpointBudget):
-                warnings.warn("memkit: the batch-size search runs without the budget checkpointing policy "
-                              "(it needs a measured batch), so its answer is on the safe side", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "memkit: the batch-size search runs without the budget checkpointing policy "
+                    "(it needs a measured batch), so its answer is on the safe side",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 return None
             return callback.policy
     return None
 
 
-def find_max_batch_size(trainer: Trainer, module: LightningModule, datamodule: Any = None, **options: Any) -> SearchResult:
+def find_max_batch_size(
+    trainer: Trainer, module: LightningModule, datamodule: Any = None, **options: Any
+) -> SearchResult:
     """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
     that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).
 
@@ -257,5 +320,7 @@ def find_max_batch_size(trainer: Trainer, module: LightningModule, datamodule: A
     finally:
         trainer.callbacks = [c for c in trainer.callbacks if c is not finder]
     if finder.result is None:
-        raise SearchError("the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)")
+        raise SearchError(
+            "the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)"
+        )
     return finder.result

@@ -14,8 +14,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import (forget_model_logging, logging_step, optimizer_steps_after_batch,
-                                                prefetched_batches)
+from lightning_memkit._lightning_compat import (
+    forget_model_logging,
+    logging_step,
+    optimizer_steps_after_batch,
+    prefetched_batches,
+)
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
@@ -91,19 +95,39 @@ class MemoryDoctor(Callback):
             it found, its ``seconds`` and why it stopped), or ``None``.
     """
 
-    def __init__(self, window: int = 5, warmup_steps: int = 2, analyse_step: int | None = 1, verbose: bool = True,
-                 progress: bool = False, holders_time_limit_s: float = 1.0,
-                 compiled: Literal["keep", "eager"] = "keep") -> None:
+    def __init__(
+        self,
+        window: int = 5,
+        warmup_steps: int = 2,
+        analyse_step: int | None = 1,
+        verbose: bool = True,
+        progress: bool = False,
+        holders_time_limit_s: float = 1.0,
+        compiled: Literal["keep", "eager"] = "keep",
+    ) -> None:
         owner = "MemoryDoctor"
         checks.integer(owner, "window", window, 2, "an integer >= 2, e.g. 5 rises of the memory's floor")
         checks.integer(owner, "warmup_steps", warmup_steps, 0, "an integer >= 0 (steps before watching)")
         checks.integer(owner, "analyse_step", analyse_step, 0, "a step (an integer >= 0), or None", optional=True)
         checks.boolean(owner, "verbose", verbose)
         self.progress = checks.boolean(owner, "progress", progress)
-        self.holders_time_limit_s = float(checks.number(owner, "holders_time_limit_s", holders_time_limit_s,
-                                                        "seconds >= 0, e.g. 1.0 (0: no holder search)", low=0, low_open=False))
-        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
-                                      "'keep' (training stays compiled) or 'eager' (the recorded steps run eagerly, for the op-by-op record)")
+        self.holders_time_limit_s = float(
+            checks.number(
+                owner,
+                "holders_time_limit_s",
+                holders_time_limit_s,
+                "seconds >= 0, e.g. 1.0 (0: no holder search)",
+                low=0,
+                low_open=False,
+            )
+        )
+        self.compiled = checks.choice(
+            owner,
+            "compiled",
+            compiled,
+            COMPILED_CHOICES,
+            "'keep' (training stays compiled) or 'eager' (the recorded steps run eagerly, for the op-by-op record)",
+        )
         self.window = window
         self.warmup_steps = warmup_steps
         self.analyse_step = analyse_step
@@ -127,19 +151,31 @@ class MemoryDoctor(Callback):
         def roots() -> dict:
             return user_roots(reference(), pl_module)
 
-        self._session = DoctorSession(pl_module, trainer.optimizers, window=self.window, warmup_steps=self.warmup_steps,
-                                      analyse_step=self.analyse_step, roots=roots, holders_time_limit_s=self.holders_time_limit_s)
+        self._session = DoctorSession(
+            pl_module,
+            trainer.optimizers,
+            window=self.window,
+            warmup_steps=self.warmup_steps,
+            analyse_step=self.analyse_step,
+            roots=roots,
+            holders_time_limit_s=self.holders_time_limit_s,
+        )
         self._warned = False
         self._first_step = None
         try:  # what feeds the run exists before it: a pre-built batch is never memory a step added
-            self._session.recorder.know_existing([trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module])
+            self._session.recorder.know_existing(
+                [trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module]
+            )
         except Exception as error:  # noqa: BLE001 - a loader that cannot be walked: its batches may look new
             self._session.recorder.errors.append(f"noting the data's tensors: {type(error).__name__}: {error}")
         parts = compiled_parts(pl_module)
         if parts:
             self._session.recorder.compiled = self.compiled
-            how = (f"live bytes from the CPU allocator's events, training kept compiled; {NOT_SEEN_COMPILED}"
-                   if self.compiled == "keep" else "the recorded steps run EAGERLY (compiled='eager')")
+            how = (
+                f"live bytes from the CPU allocator's events, training kept compiled; {NOT_SEEN_COMPILED}"
+                if self.compiled == "keep"
+                else "the recorded steps run EAGERLY (compiled='eager')"
+            )
             self._session.compiled_note = f"compiled model ({', '.join(parts)}): {how}"
             rank_zero_info(f"memkit doctor: {self._session.compiled_note}")
 
@@ -153,8 +189,14 @@ class MemoryDoctor(Callback):
                 self._step = logging_step(trainer)
                 # the batch in flight and the one Lightning fetched ahead are left out of the bytes measured:
                 # padded per batch, their sizes change from step to step and would move the floor
-                found = session.step_start(self._step, batch, prefetched=prefetched_batches(trainer), module=pl_module,
-                                           optimizers=trainer.optimizers, epoch=trainer.current_epoch)
+                found = session.step_start(
+                    self._step,
+                    batch,
+                    prefetched=prefetched_batches(trainer),
+                    module=pl_module,
+                    optimizers=trainer.optimizers,
+                    epoch=trainer.current_epoch,
+                )
                 if found is not None:
                     self._warn(found)
                 self._show_progress(trainer, session)
@@ -164,7 +206,9 @@ class MemoryDoctor(Callback):
             self._give_up(error)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         session = self._session
         if session is None or self._step is None or not optimizer_steps_after_batch(trainer):
             return
@@ -184,8 +228,10 @@ class MemoryDoctor(Callback):
             rank_zero_warn("memkit doctor: " + found.format())
             return
         what = "memory leak" if isinstance(found, LeakReport) else "autograd graphs kept across steps"
-        rank_zero_warn(f"memkit doctor: {what} found; the verdict (bytes per step, the lines that made and keep the "
-                       f"tensors, who holds them) is printed when fit ends")
+        rank_zero_warn(
+            f"memkit doctor: {what} found; the verdict (bytes per step, the lines that made and keep the "
+            f"tensors, who holds them) is printed when fit ends"
+        )
 
     def _show_progress(self, trainer: Trainer, session: DoctorSession) -> None:
         """One line per window of steps on stderr (``progress=True``), global rank zero only."""
@@ -205,10 +251,17 @@ class MemoryDoctor(Callback):
             verdict = "too few steps to judge yet"
         else:
             rising = rising_floor(watcher.points, watcher.window, watcher.min_bytes_per_step)
-            verdict = (f"floor rising by {rising[0]} B per step so far; judged when the epoch or training ends"
-                       if rising else "floor steady")
-        print(f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors {format_bytes(session.watched_bytes())}"
-              f" ({verdict})", file=sys.stderr, flush=True)
+            verdict = (
+                f"floor rising by {rising[0]} B per step so far; judged when the epoch or training ends"
+                if rising
+                else "floor steady"
+            )
+        print(
+            f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors {format_bytes(session.watched_bytes())}"
+            f" ({verdict})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -279,5 +332,7 @@ class MemoryDoctor(Callback):
         self._step = None
 
     def _give_up(self, error: BaseException) -> None:
-        rank_zero_warn(f"memkit doctor: stepping aside after an error ({type(error).__name__}: {error}); training goes on")
+        rank_zero_warn(
+            f"memkit doctor: stepping aside after an error ({type(error).__name__}: {error}); training goes on"
+        )
         self._close()

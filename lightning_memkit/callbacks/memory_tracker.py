@@ -160,39 +160,61 @@ class MemoryTracker(Callback):
         compiled: Literal["keep", "eager"] = "keep",
     ) -> None:
         owner = "MemoryTracker"
-        self.every_n_steps = checks.integer(owner, "every_n_steps", every_n_steps, 1,
-                                            "a positive integer, e.g. 1 to log every step")
+        self.every_n_steps = checks.integer(
+            owner, "every_n_steps", every_n_steps, 1, "a positive integer, e.g. 1 to log every step"
+        )
         self.log_validation = checks.boolean(owner, "log_validation", log_validation)
-        self.tensor_accounting = checks.choice(owner, "tensor_accounting", tensor_accounting, (True, False, "auto"),
-                                               "True, False or 'auto'")
+        self.tensor_accounting = checks.choice(
+            owner, "tensor_accounting", tensor_accounting, (True, False, "auto"), "True, False or 'auto'"
+        )
         self.nvml = checks.boolean(owner, "nvml", nvml)
         self.host = checks.boolean(owner, "host", host)
         self.per_rank = checks.boolean(owner, "per_rank", per_rank)
-        self.cuda_memory_history = checks.integer(owner, "cuda_memory_history", cuda_memory_history, 0,
-                                                  "0 (off) or a number of entries, e.g. 100000")
+        self.cuda_memory_history = checks.integer(
+            owner, "cuda_memory_history", cuda_memory_history, 0, "0 (off) or a number of entries, e.g. 100000"
+        )
         self.cuda_memory_stacks = checks.choice(
-            owner, "cuda_memory_stacks", cuda_memory_stacks, ("python", "all"),
-            "'python' (Python frames only: a fast snapshot) or 'all' (C++ frames too)")
-        self.oom_dir = checks.path(owner, "oom_dir", oom_dir,
-                                   "a directory path (str), or None for the logger's log dir")
+            owner,
+            "cuda_memory_stacks",
+            cuda_memory_stacks,
+            ("python", "all"),
+            "'python' (Python frames only: a fast snapshot) or 'all' (C++ frames too)",
+        )
+        self.oom_dir = checks.path(
+            owner, "oom_dir", oom_dir, "a directory path (str), or None for the logger's log dir"
+        )
         self.max_history = checks.integer(owner, "max_history", max_history, 1, "a positive integer (readings kept)")
         self.prefix = checks.text(owner, "prefix", prefix, "a non-empty str, e.g. 'memory'")
         self.verbose = checks.boolean(owner, "verbose", verbose)
-        if (isinstance(extra_probes, (str, bytes)) or not hasattr(extra_probes, "__iter__")
-                or not all(isinstance(p, MemoryProbe) for p in extra_probes)):
+        if (
+            isinstance(extra_probes, (str, bytes))
+            or not hasattr(extra_probes, "__iter__")
+            or not all(isinstance(p, MemoryProbe) for p in extra_probes)
+        ):
             raise checks.refuse(owner, "extra_probes", extra_probes, "a list of MemoryProbe instances")
-        self.compiled = checks.choice(owner, "compiled", compiled, COMPILED_CHOICES,
-                                      "'keep' (measure the compiled steps as they run) or 'eager' (run the "
-                                      "peak-measured steps eagerly for the accountant's breakdown)")
+        self.compiled = checks.choice(
+            owner,
+            "compiled",
+            compiled,
+            COMPILED_CHOICES,
+            "'keep' (measure the compiled steps as they run) or 'eager' (run the "
+            "peak-measured steps eagerly for the accountant's breakdown)",
+        )
         self.extra_probes = list(extra_probes)
         self.tensor_peak_every_n_steps = checks.integer(
-            owner, "tensor_peak_every_n_steps", tensor_peak_every_n_steps, 1,
-            "a positive integer, e.g. 1 for the exact peak of every logged step")
-        self.records_file = checks.path(owner, "records_file", records_file,
-                                        "a path (str), or None for the logger's log dir")
+            owner,
+            "tensor_peak_every_n_steps",
+            tensor_peak_every_n_steps,
+            1,
+            "a positive integer, e.g. 1 for the exact peak of every logged step",
+        )
+        self.records_file = checks.path(
+            owner, "records_file", records_file, "a path (str), or None for the logger's log dir"
+        )
         self.detect_leaks = checks.boolean(owner, "detect_leaks", detect_leaks)
-        leak_window = checks.integer(owner, "leak_window", leak_window, 2,
-                                     "an integer >= 2 (rises of the memory's floor that make a leak)")
+        leak_window = checks.integer(
+            owner, "leak_window", leak_window, 2, "an integer >= 2 (rises of the memory's floor that make a leak)"
+        )
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -224,8 +246,13 @@ class MemoryTracker(Callback):
         self._merge.pending = None
         self._merge.wrap(trainer.loggers)
         device = trainer.strategy.root_device
-        self._meter = MemoryMeter(device, tensor_accounting=self.tensor_accounting, nvml=self.nvml, host=self.host,
-                                  extra_probes=self.extra_probes)
+        self._meter = MemoryMeter(
+            device,
+            tensor_accounting=self.tensor_accounting,
+            nvml=self.nvml,
+            host=self.host,
+            extra_probes=self.extra_probes,
+        )
         # the first steps' peaks, and "larger than every batch before", are per fit
         peaks = PeakSchedule(self.every_n_steps, self.tensor_peak_every_n_steps)
         self._windows = StepWindows(self._meter, peaks, self.every_n_steps, self.log_validation)
@@ -238,8 +265,9 @@ class MemoryTracker(Callback):
         if self.cuda_memory_history and device.type == "cuda":
             self._history_recording = start_memory_history(self.cuda_memory_history, stacks=self.cuda_memory_stacks)
             if not self._history_recording:
-                rank_zero_warn("memkit: this torch cannot record CUDA memory history; OOM reports will have no "
-                               "snapshot.")
+                rank_zero_warn(
+                    "memkit: this torch cannot record CUDA memory history; OOM reports will have no snapshot."
+                )
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -272,8 +300,9 @@ class MemoryTracker(Callback):
         self._windows.train_batch_start(trainer, pl_module, batch)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         reading = self._windows.train_batch_end(trainer) if self._windows is not None else None
         if reading is not None:
             self._log(trainer, reading, pl_module)
@@ -284,14 +313,22 @@ class MemoryTracker(Callback):
             self._windows.validation_start(trainer)
 
     @override
-    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
-                                  dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self._windows is not None:
             self._windows.validation_batch_start(pl_module)
 
     @override
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self._windows is not None:
             self._windows.validation_batch_end()
 
@@ -333,8 +370,9 @@ class MemoryTracker(Callback):
         (``log_every_n_steps``), where it wrote nothing itself because nothing else was logged."""
         pending = self._merge.take()
         every = trainer.log_every_n_steps
-        if pending is None or (pending.stage == "train" and self.every_n_steps == 1
-                               and (not every or (pending.step + 1) % every)):
+        if pending is None or (
+            pending.stage == "train" and self.every_n_steps == 1 and (not every or (pending.step + 1) % every)
+        ):
             return  # Lightning does not log this step: the reading stays in history only
         row = dict(pending.metrics, epoch=trainer.current_epoch)  # an int, as in the rows Lightning writes itself
         for logger in pending.loggers:
@@ -388,8 +426,12 @@ class MemoryTracker(Callback):
 
     def _report_leak(self, found: LeakReport) -> None:
         self.leak_report = found
-        self.summary.extra["leak"] = {"bytes_per_measured_step": found.bytes_per_step, "first_step": found.first_step,
-                                      "last_step": found.last_step, "every_n_steps": self.every_n_steps}
+        self.summary.extra["leak"] = {
+            "bytes_per_measured_step": found.bytes_per_step,
+            "first_step": found.first_step,
+            "last_step": found.last_step,
+            "every_n_steps": self.every_n_steps,
+        }
         rank_zero_warn(leak_warning(found, self.every_n_steps))
 
     @override
@@ -463,16 +505,23 @@ class MemoryTracker(Callback):
             if target is not None:
                 self.records_path = self.save_records(target)
         except Exception as error:  # never mask the user's exception
-            rank_zero_warn(f"memkit MemoryTracker: the readings could not be written after the failure "
-                           f"({type(error).__name__}: {error}); they are on this tracker's .history")
+            rank_zero_warn(
+                f"memkit MemoryTracker: the readings could not be written after the failure "
+                f"({type(error).__name__}: {error}); they are on this tracker's .history"
+            )
 
     def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
         directory = self.oom_dir or log_dir(trainer)
-        moment = OomMoment(step=logging_step(trainer), global_step=trainer.global_step, epoch=trainer.current_epoch,
-                           rank=trainer.global_rank)
+        moment = OomMoment(
+            step=logging_step(trainer),
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            rank=trainer.global_rank,
+        )
         try:
-            self.oom_report_path = write_run_oom_report(directory, moment, self.summary, self.history, reading,
-                                                        exception, snapshot=self._history_recording)
+            self.oom_report_path = write_run_oom_report(
+                directory, moment, self.summary, self.history, reading, exception, snapshot=self._history_recording
+            )
             rank_zero_warn(f"memkit: out of memory at step {moment.step}; report written to {self.oom_report_path}")
         except OSError as error:
             rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")

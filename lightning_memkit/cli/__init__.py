@@ -25,7 +25,9 @@ VERBS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``memkit`` argument parser."""
-    parser = argparse.ArgumentParser(prog="memkit", description="Training memory for PyTorch Lightning: measure, explain, fix.")
+    parser = argparse.ArgumentParser(
+        prog="memkit", description="Training memory for PyTorch Lightning: measure, explain, fix."
+    )
     subparsers = parser.add_subparsers(dest="verb", metavar="COMMAND")
     for verb, module_name in VERBS.items():
         module = importlib.import_module(f"lightning_memkit.cli.{module_name}")
@@ -51,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(error, "filename", None) is None:
             raise
         # a path the user gave (-o, --json, --csv, --figure, --logdir, --png) that cannot be written or read
-        print(f"memkit {args.verb}: {error.filename}: {error.strerror}; give a path in a directory you can write to",
-              file=sys.stderr)
+        print(
+            f"memkit {args.verb}: {error.filename}: {error.strerror}; give a path in a directory you can write to",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -23,7 +23,9 @@ def load_object(spec: str) -> Any:
         CliError: with what to write instead, when the spec, file or name is wrong.
     """
     if ":" not in spec:
-        raise CliError(f"{spec!r}: write FILE.py:ClassName or package.module:ClassName, e.g. examples/models.py:MyModule")
+        raise CliError(
+            f"{spec!r}: write FILE.py:ClassName or package.module:ClassName, e.g. examples/models.py:MyModule"
+        )
     location, name = spec.rsplit(":", 1)
     if location.endswith(".py") or os.sep in location:
         if not os.path.isfile(location):
@@ -56,18 +58,25 @@ def load_object(spec: str) -> Any:
         except SyntaxError as error:
             raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
         except ImportError as error:
-            raise CliError(f"importing {location} failed: {error}; install the missing package in this environment "
-                           "or fix the import") from None
+            raise CliError(
+                f"importing {location} failed: {error}; install the missing package in this environment "
+                "or fix the import"
+            ) from None
     else:
         try:
             module = importlib.import_module(location)
         except SyntaxError as error:
             raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
         except ImportError as error:
-            raise CliError(f"cannot import {location!r} ({error}); give FILE.py:ClassName or an importable module") from error
+            raise CliError(
+                f"cannot import {location!r} ({error}); give FILE.py:ClassName or an importable module"
+            ) from error
     if not hasattr(module, name):
-        classes = sorted(n for n, v in vars(module).items()
-                         if not n.startswith("_") and isinstance(v, type) and v.__module__ == module.__name__)
+        classes = sorted(
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and isinstance(v, type) and v.__module__ == module.__name__
+        )
         if classes:
             raise CliError(f"{location!r} has no {name!r}; the classes it defines are: {', '.join(classes)}")
         available = sorted(n for n in dir(module) if not n.startswith("_"))
@@ -78,13 +87,25 @@ def load_object(spec: str) -> Any:
 def add_init_arguments(parser: Any, datamodule: bool = True) -> None:
     """The options every verb that builds a user's classes shares: --init-args and, optionally,
     --datamodule and --datamodule-args."""
-    parser.add_argument("--init-args", default="{}", metavar="JSON",
-                        help="JSON keyword arguments for the module class, e.g. '{\"hidden\": 512}' (default: none)")
+    parser.add_argument(
+        "--init-args",
+        default="{}",
+        metavar="JSON",
+        help="JSON keyword arguments for the module class, e.g. '{\"hidden\": 512}' (default: none)",
+    )
     if datamodule:
-        parser.add_argument("--datamodule", metavar="FILE.py:DataModuleClass", default=None,
-                            help="a LightningDataModule class to take the data from (default: the module's own dataloaders)")
-        parser.add_argument("--datamodule-args", default="{}", metavar="JSON",
-                            help="JSON keyword arguments for the datamodule class (default: none)")
+        parser.add_argument(
+            "--datamodule",
+            metavar="FILE.py:DataModuleClass",
+            default=None,
+            help="a LightningDataModule class to take the data from (default: the module's own dataloaders)",
+        )
+        parser.add_argument(
+            "--datamodule-args",
+            default="{}",
+            metavar="JSON",
+            help="JSON keyword arguments for the datamodule class (default: none)",
+        )
 
 
 def json_object(text: str, flag: str) -> dict:
@@ -120,11 +141,15 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
         import lightning.pytorch as pl
 
         if issubclass(cls, pl.LightningModule):
-            raise CliError(f"--datamodule {cls.__name__}: that is a LightningModule, not a LightningDataModule; give the module "
-                           "as the first argument (FILE.py:ModuleClass) and a LightningDataModule class to --datamodule, "
-                           "or leave --datamodule out to use the module's own dataloaders")
+            raise CliError(
+                f"--datamodule {cls.__name__}: that is a LightningModule, not a LightningDataModule; give the module "
+                "as the first argument (FILE.py:ModuleClass) and a LightningDataModule class to --datamodule, "
+                "or leave --datamodule out to use the module's own dataloaders"
+            )
         if not callable(getattr(cls, "train_dataloader", None)):
-            raise CliError(f"--datamodule {cls.__name__}: it has no train_dataloader(); give a LightningDataModule class")
+            raise CliError(
+                f"--datamodule {cls.__name__}: it has no train_dataloader(); give a LightningDataModule class"
+            )
     try:
         accepts = "batch_size" in inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -135,15 +160,21 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
     try:
         instance = cls(**arguments)
     except TypeError as error:
-        raise CliError(f"cannot build the {what} {cls.__name__}(**{arguments}) ({error}); "
-                       "give its arguments defaults or pass them with --init-args / --datamodule-args") from error
+        raise CliError(
+            f"cannot build the {what} {cls.__name__}(**{arguments}) ({error}); "
+            "give its arguments defaults or pass them with --init-args / --datamodule-args"
+        ) from error
     if batch_size is not None and not accepts:
         if not hasattr(instance, "batch_size"):
             if what == "datamodule":
-                raise CliError(f"the datamodule {cls.__name__} has no batch_size argument or attribute; drop --batch-size "
-                               "and pass its own size argument in --datamodule-args, e.g. '{\"bs\": 8}'")
-            raise CliError(f"the {what} {cls.__name__} has no batch_size argument or attribute; drop --batch-size, "
-                           "or pass the size in --init-args")
+                raise CliError(
+                    f"the datamodule {cls.__name__} has no batch_size argument or attribute; drop --batch-size "
+                    "and pass its own size argument in --datamodule-args, e.g. '{\"bs\": 8}'"
+                )
+            raise CliError(
+                f"the {what} {cls.__name__} has no batch_size argument or attribute; drop --batch-size, "
+                "or pass the size in --init-args"
+            )
         instance.batch_size = batch_size
     return instance
 
@@ -161,6 +192,10 @@ def build_trainer(**options: Any) -> Any:
     try:
         return pl.Trainer(**options)
     except (MisconfigurationException, ValueError) as error:
-        given = ", ".join(f"--{key} {options[key]}" for key in ("accelerator", "precision") if options.get(key) is not None)
-        hint = "--accelerator cpu" + (" or --precision 32-true / bf16-mixed" if options.get("precision") is not None else " (or auto)")
+        given = ", ".join(
+            f"--{key} {options[key]}" for key in ("accelerator", "precision") if options.get(key) is not None
+        )
+        hint = "--accelerator cpu" + (
+            " or --precision 32-true / bf16-mixed" if options.get("precision") is not None else " (or auto)"
+        )
         raise CliError(f"Lightning cannot train with {given}: {error} Try {hint}.") from None

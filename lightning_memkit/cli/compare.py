@@ -17,33 +17,51 @@ DEFAULT_MODES = "baseline,amp,checkpoint,amp+checkpoint"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `memkit compare` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
-        "compare", help="train a LightningModule in several memory modes and compare memory, speed and accuracy",
+        "compare",
+        help="train a LightningModule in several memory modes and compare memory, speed and accuracy",
         description="Train a fresh copy of a LightningModule in each memory mode (same seed, same data, "
-                    "MemoryTracker on) and print peak memory, step time, throughput, final loss and validation metric "
-                    "side by side. Writes compare.csv, compare.json, figures, and one TensorBoard run per mode "
-                    "under --logdir.")
-    parser.add_argument("model", metavar="FILE.py:ModuleClass",
-                        help="the LightningModule class (built with --init-args)")
-    parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
-                             "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, "
-                             "joined with +")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="training steps per mode (default: 20); the step time is the median after --warmup-steps")
-    parser.add_argument("--warmup-steps", type=int, default=3,
-                        help="first steps left out of the step timing, at most half of --steps (default: 3)")
+        "MemoryTracker on) and print peak memory, step time, throughput, final loss and validation metric "
+        "side by side. Writes compare.csv, compare.json, figures, and one TensorBoard run per mode "
+        "under --logdir.",
+    )
+    parser.add_argument(
+        "model", metavar="FILE.py:ModuleClass", help="the LightningModule class (built with --init-args)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=DEFAULT_MODES,
+        help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
+        "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, "
+        "joined with +",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="training steps per mode (default: 20); the step time is the median after --warmup-steps",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=3,
+        help="first steps left out of the step timing, at most half of --steps (default: 3)",
+    )
     add_init_arguments(parser)
-    parser.add_argument("--batch-size", type=int,
-                        help="set batch_size on the datamodule (or the module when there is none)")
-    parser.add_argument("--logdir", default="memkit_compare",
-                        help="TensorBoard root and output directory (default: memkit_compare)")
+    parser.add_argument(
+        "--batch-size", type=int, help="set batch_size on the datamodule (or the module when there is none)"
+    )
+    parser.add_argument(
+        "--logdir", default="memkit_compare", help="TensorBoard root and output directory (default: memkit_compare)"
+    )
     parser.add_argument("--accelerator", default="auto", help="Lightning accelerator: auto, cpu, gpu (default: auto)")
-    parser.add_argument("--val-batches", type=int, default=2,
-                        help="validation batches run at the end of each mode (default: 2)")
+    parser.add_argument(
+        "--val-batches", type=int, default=2, help="validation batches run at the end of each mode (default: 2)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for every mode (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG and TensorBoard figures")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no line per mode as it ends (peak, step time, seconds)")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no line per mode as it ends (peak, step time, seconds)"
+    )
     parser.set_defaults(run=run)
 
 
@@ -91,11 +109,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)  # printed below as one line, not with a source line
-        result = compare_modes(model_factory, datamodule_factory if datamodule_class else None, modes, args.steps,
-                               accelerator=args.accelerator, root_dir=args.logdir, seed=args.seed,
-                               val_batches=args.val_batches,
-                               figures=not args.no_figures, verbose=True, warmup_steps=args.warmup_steps,
-                               progress=not args.no_progress)
+        result = compare_modes(
+            model_factory,
+            datamodule_factory if datamodule_class else None,
+            modes,
+            args.steps,
+            accelerator=args.accelerator,
+            root_dir=args.logdir,
+            seed=args.seed,
+            val_batches=args.val_batches,
+            figures=not args.no_figures,
+            verbose=True,
+            warmup_steps=args.warmup_steps,
+            progress=not args.no_progress,
+        )
     for mode_result in result.results:
         if mode_result.checkpoint_warning():
             print(f"memkit compare: warning: {mode_result.checkpoint_warning()}", file=sys.stderr)
@@ -103,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     for mode_result in failed:
         print(f"memkit compare: mode {mode_result.mode} failed: {mode_result.error}", file=sys.stderr)
     if failed:
-        print(f"memkit compare: mode(s) failed: {', '.join(r.mode for r in failed)} (also in the error column of "
-              f"compare.csv)", file=sys.stderr)
+        print(
+            f"memkit compare: mode(s) failed: {', '.join(r.mode for r in failed)} (also in the error column of "
+            f"compare.csv)",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -13,9 +13,12 @@ MODELS = ("mlp", "cnn", "transformer")
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `memkit demo` and its flags on the ``memkit`` parser's ``subparsers``."""
-    parser = subparsers.add_parser("demo", help="train a small built-in model with MemoryTracker and write TensorBoard logs",
-                                   description="Train a small built-in LightningModule on synthetic data with MemoryTracker, "
-                                               "write TensorBoard logs and print the memory summary.")
+    parser = subparsers.add_parser(
+        "demo",
+        help="train a small built-in model with MemoryTracker and write TensorBoard logs",
+        description="Train a small built-in LightningModule on synthetic data with MemoryTracker, "
+        "write TensorBoard logs and print the memory summary.",
+    )
     parser.add_argument("--model", choices=MODELS, default="cnn", help="which built-in model (default: cnn)")
     parser.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
@@ -53,21 +56,35 @@ def run(args: argparse.Namespace) -> int:
     # Step 1 is the first step after Adam has created its state: the layer trace shows all of it.
     # verbose=False: the demo prints the category table itself, below, with where the module table went.
     layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,), verbose=False)
-    loggers = [TensorBoardLogger(args.logdir, name=f"demo-{args.model}"), CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
+    loggers = [
+        TensorBoardLogger(args.logdir, name=f"demo-{args.model}"),
+        CSVLogger(args.logdir, name=f"demo-{args.model}-csv"),
+    ]
     from lightning_memkit.cli.common import CliError, build_trainer
 
     try:
         trainer = build_trainer(
-            accelerator=args.accelerator, devices=1, max_steps=args.steps, val_check_interval=max(1, args.steps // 2),
-            check_val_every_n_epoch=None, limit_val_batches=2, callbacks=[tracker, layer_trace], logger=loggers, log_every_n_steps=1,
-            enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+            accelerator=args.accelerator,
+            devices=1,
+            max_steps=args.steps,
+            val_check_interval=max(1, args.steps // 2),
+            check_val_every_n_epoch=None,
+            limit_val_batches=2,
+            callbacks=[tracker, layer_trace],
+            logger=loggers,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
         )
     except CliError as error:
         print(f"memkit demo: {error}", file=sys.stderr)
         return 2
     trainer.fit(model)
     for result in layer_trace.results:
-        print(f"\nLayer trace of step {result.step} (memory by category; the module table is in TensorBoard's Text tab):")
+        print(
+            f"\nLayer trace of step {result.step} (memory by category; the module table is in TensorBoard's Text tab):"
+        )
         print(result.format_categories())
     explained = explain_peaks(tracker.summary, layer_trace.results[-1] if layer_trace.results else None, trainer)
     if explained:
@@ -87,7 +104,9 @@ def _dataset_bytes(trainer) -> int | None:
     if dataset is None:
         return None
     held = list(getattr(dataset, "tensors", None) or ()) + list(getattr(dataset, "__dict__", {}).values())
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)
+    }
     return sum(storages.values()) or None
 
 
@@ -108,14 +127,18 @@ def explain_peaks(summary, trace, trainer) -> str | None:
         return None
     cuda = (summary.peak_source or "").endswith(("allocated_bytes", "reserved_bytes"))
     where = "everything the process holds on the GPU" if cuda else "every live tensor of the process"
-    parts = [f"What the peaks count: the run peak ({format_bytes(summary.peak_bytes)} at step {summary.peak_step}) is the whole "
-             f"process, {where}: the model, its gradients and optimizer state, the step's activations, and whatever else is "
-             "alive (the dataset held in memory, tensors of an earlier fit still referenced)."]
+    parts = [
+        f"What the peaks count: the run peak ({format_bytes(summary.peak_bytes)} at step {summary.peak_step}) is the whole "
+        f"process, {where}: the model, its gradients and optimizer state, the step's activations, and whatever else is "
+        "alive (the dataset held in memory, tensors of an earlier fit still referenced)."
+    ]
     data = None if cuda else _dataset_bytes(trainer)
     if data:
         parts.append(f"The training dataset's tensors alone are {format_bytes(data)}.")
     if trace is not None:
-        parts.append(f"The layer trace's peak ({format_bytes(trace.peak_bytes)} at step {trace.step}) counts the traced step's "
-                     "tensors by category (parameters, gradients, optimizer state, activations, temporaries): the gap is "
-                     "memory the step did not make.")
+        parts.append(
+            f"The layer trace's peak ({format_bytes(trace.peak_bytes)} at step {trace.step}) counts the traced step's "
+            "tensors by category (parameters, gradients, optimizer state, activations, temporaries): the gap is "
+            "memory the step did not make."
+        )
     return "\n".join(parts)

@@ -22,50 +22,93 @@ DEFAULT_MAX_WORLD_SIZE = 1024
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "estimate", help="will it fit? predict a training step's memory and the largest batch, per mode (and per strategy)",
+        "estimate",
+        help="will it fit? predict a training step's memory and the largest batch, per mode (and per strategy)",
         description="Build the LightningModule (with --init-args), run its training step on fake tensors (no real memory, "
-                    "no GPU) and print, per mode, the predicted peak allocated and reserved memory at its batch size and "
-                    "the largest batch that fits. With --strategy: one rank's memory under each strategy and mode, and the "
-                    "fewest GPUs that fit. With --check (on a GPU): two real training steps, estimate against measured.")
+        "no GPU) and print, per mode, the predicted peak allocated and reserved memory at its batch size and "
+        "the largest batch that fits. With --strategy: one rank's memory under each strategy and mode, and the "
+        "fewest GPUs that fit. With --check (on a GPU): two real training steps, estimate against measured.",
+    )
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=True)
-    parser.add_argument("--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)")
+    parser.add_argument(
+        "--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)"
+    )
     # '-16GiB' would otherwise be taken for an unknown option ("expected one argument"): let every value that
     # starts with '-' and a digit reach the option, so that a negative size gets its own clear message
     if hasattr(parser, "_negative_number_matcher"):
         parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--modes", default="baseline",
-                        help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint (default: baseline)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="target device type: cuda (CUDA kernels + allocator model) or cpu (default: cuda)")
-    parser.add_argument("--gpu", default=None, metavar="GPU",
-                        help="the GPU to model with --device cuda: a name (h100, a100, v100, l4, ...) or a compute capability "
-                             "(sm90, 8.0); it picks the attention kernel and the cuBLAS workspace (default: this machine's "
-                             "GPU, else h100)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="estimate at this batch size, per rank with --strategy (default: the module's)")
-    parser.add_argument("--margin", type=float, default=0.05, help="fraction of device memory kept free (default: 0.05)")
-    parser.add_argument("--size-of", default=None, metavar="ATTRIBUTE",
-                        help="the train dataset's attribute holding each sample's size (e.g. lengths): the worst batch is "
-                             "then found from it without loading every sample (default: every sample is sized, or a fixed "
-                             "subset of a dataset too large or slow to size whole)")
-    parser.add_argument("--strategy", default=None, metavar="NAMES",
-                        help="comma-separated multi-GPU strategies, e.g. ddp,fsdp,deepspeed_stage_3: one rank's memory on "
-                             "--world-size ranks per strategy and mode, and the fewest GPUs that fit")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (GPUs) for --strategy (default: 8)")
-    parser.add_argument("--max-world-size", type=int, default=DEFAULT_MAX_WORLD_SIZE,
-                        help="the 'min GPUs' answer tries 1, 2, 4, ... up to this many GPUs "
-                             f"(default: {DEFAULT_MAX_WORLD_SIZE})")
-    parser.add_argument("--wrap", default=None, metavar="CLASSES",
-                        help="FSDP units for --strategy fsdp*/model_parallel: comma-separated class names of the module's "
-                             "layers (your auto_wrap_policy), e.g. TransformerEncoderLayer (default: the whole model is one unit)")
-    parser.add_argument("--meta-init", action="store_true",
-                        help="build the module on the meta device (no weights, no host memory, no init time): for models "
-                             "larger than this machine; the estimate is the same")
-    parser.add_argument("--check", action="store_true",
-                        help="on a GPU: also train two real steps per mode (a Trainer on a copy of the module) and print the "
-                             "estimate against torch.cuda.max_memory_allocated/reserved, with the error")
+    parser.add_argument(
+        "--modes",
+        default="baseline",
+        help="comma-separated modes, e.g. baseline,amp,checkpoint,amp+checkpoint (default: baseline)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="target device type: cuda (CUDA kernels + allocator model) or cpu (default: cuda)",
+    )
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="GPU",
+        help="the GPU to model with --device cuda: a name (h100, a100, v100, l4, ...) or a compute capability "
+        "(sm90, 8.0); it picks the attention kernel and the cuBLAS workspace (default: this machine's "
+        "GPU, else h100)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="estimate at this batch size, per rank with --strategy (default: the module's)",
+    )
+    parser.add_argument(
+        "--margin", type=float, default=0.05, help="fraction of device memory kept free (default: 0.05)"
+    )
+    parser.add_argument(
+        "--size-of",
+        default=None,
+        metavar="ATTRIBUTE",
+        help="the train dataset's attribute holding each sample's size (e.g. lengths): the worst batch is "
+        "then found from it without loading every sample (default: every sample is sized, or a fixed "
+        "subset of a dataset too large or slow to size whole)",
+    )
+    parser.add_argument(
+        "--strategy",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated multi-GPU strategies, e.g. ddp,fsdp,deepspeed_stage_3: one rank's memory on "
+        "--world-size ranks per strategy and mode, and the fewest GPUs that fit",
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="number of ranks (GPUs) for --strategy (default: 8)"
+    )
+    parser.add_argument(
+        "--max-world-size",
+        type=int,
+        default=DEFAULT_MAX_WORLD_SIZE,
+        help=f"the 'min GPUs' answer tries 1, 2, 4, ... up to this many GPUs (default: {DEFAULT_MAX_WORLD_SIZE})",
+    )
+    parser.add_argument(
+        "--wrap",
+        default=None,
+        metavar="CLASSES",
+        help="FSDP units for --strategy fsdp*/model_parallel: comma-separated class names of the module's "
+        "layers (your auto_wrap_policy), e.g. TransformerEncoderLayer (default: the whole model is one unit)",
+    )
+    parser.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build the module on the meta device (no weights, no host memory, no init time): for models "
+        "larger than this machine; the estimate is the same",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="on a GPU: also train two real steps per mode (a Trainer on a copy of the module) and print the "
+        "estimate against torch.cuda.max_memory_allocated/reserved, with the error",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     parser.set_defaults(run=run)
 
@@ -85,8 +128,10 @@ def _memory(text: str) -> int:
     if re.fullmatch(r"\s*[0-9.eE+]+\s*", text):
         # a device's memory is never a few bytes: a bare number is a unit left out, not a byte count
         number = text.strip()
-        raise CliError(f"--device-memory {number} has no unit; write --device-memory {number}GiB (or {number}GB, "
-                       f"decimal; a byte count as {number}B)")
+        raise CliError(
+            f"--device-memory {number} has no unit; write --device-memory {number}GiB (or {number}GB, "
+            f"decimal; a byte count as {number}B)"
+        )
     return memory
 
 
@@ -104,7 +149,9 @@ def _gpu(args: argparse.Namespace) -> Any:
     if args.gpu is None:
         return None
     if args.device != "cuda":
-        raise CliError(f"--gpu {args.gpu} picks CUDA kernels; it needs --device cuda (or drop --gpu for a CPU estimate)")
+        raise CliError(
+            f"--gpu {args.gpu} picks CUDA kernels; it needs --device cuda (or drop --gpu for a CPU estimate)"
+        )
     try:
         return GpuTarget.parse(args.gpu)
     except ValueError as error:
@@ -118,7 +165,9 @@ def _strategies(args: argparse.Namespace) -> list[str]:
     if args.strategy is None:
         for flag, value in (("--world-size", args.world_size), ("--wrap", args.wrap)):
             if value is not None:
-                raise CliError(f"{flag} is for multi-GPU estimates: give --strategy too, e.g. --strategy fsdp {flag} {value}")
+                raise CliError(
+                    f"{flag} is for multi-GPU estimates: give --strategy too, e.g. --strategy fsdp {flag} {value}"
+                )
         return []
     names = [name.strip() for name in args.strategy.split(",") if name.strip()]
     if not names:
@@ -128,7 +177,9 @@ def _strategies(args: argparse.Namespace) -> list[str]:
     if args.world_size < 1:
         raise CliError(f"--world-size {args.world_size}: the number of ranks is at least 1, e.g. --world-size 8")
     if args.max_world_size < 1:
-        raise CliError(f"--max-world-size {args.max_world_size}: give at least 1, e.g. --max-world-size {DEFAULT_MAX_WORLD_SIZE}")
+        raise CliError(
+            f"--max-world-size {args.max_world_size}: give at least 1, e.g. --max-world-size {DEFAULT_MAX_WORLD_SIZE}"
+        )
     canonical = []
     for name in names:
         try:
@@ -150,8 +201,10 @@ def _wrap_classes(module: Any, text: str | None) -> set[type] | None:
     classes = set()
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name not in by_name:
-            raise CliError(f"--wrap {name}: {type(module).__name__} has no layer of that class; its layer classes are: "
-                           f"{', '.join(sorted(by_name))}")
+            raise CliError(
+                f"--wrap {name}: {type(module).__name__} has no layer of that class; its layer classes are: "
+                f"{', '.join(sorted(by_name))}"
+            )
         classes.add(by_name[name])
     return classes
 
@@ -173,8 +226,10 @@ def run(args: argparse.Namespace) -> int:
             try:
                 memory = device_capacity_bytes(args.device)
             except ValueError:
-                raise CliError(f"cannot read the memory of a {args.device} device here; "
-                               "give --device-memory, e.g. --device-memory 16GiB") from None
+                raise CliError(
+                    f"cannot read the memory of a {args.device} device here; "
+                    "give --device-memory, e.g. --device-memory 16GiB"
+                ) from None
         if not 0 <= args.margin < 1:
             raise CliError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.05")
         if args.batch_size is not None and args.batch_size < 1:
@@ -190,16 +245,21 @@ def run(args: argparse.Namespace) -> int:
         import lightning.pytorch as pl
 
         if not isinstance(module, pl.LightningModule):
-            raise CliError(f"{args.module} is not a LightningModule class; memkit estimate needs one (for a plain nn.Module "
-                           "call lightning_memkit.estimate_memory(module, batch=..., optimizer=...) from Python)")
+            raise CliError(
+                f"{args.module} is not a LightningModule class; memkit estimate needs one (for a plain nn.Module "
+                "call lightning_memkit.estimate_memory(module, batch=..., optimizer=...) from Python)"
+            )
         datamodule = None
         if args.datamodule:
-            datamodule = build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
-                                        what="datamodule")
+            datamodule = build_instance(
+                load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"), what="datamodule"
+            )
         elif getattr(type(module), "train_dataloader", None) is pl.LightningModule.train_dataloader:
-            raise CliError(f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
-                           "--datamodule FILE.py:DataModuleClass (memkit estimate takes one batch from it and re-shapes it "
-                           "to --batch-size)")
+            raise CliError(
+                f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
+                "--datamodule FILE.py:DataModuleClass (memkit estimate takes one batch from it and re-shapes it "
+                "to --batch-size)"
+            )
         wrap = _wrap_classes(module, args.wrap)
     except (CliError, ValueError) as error:
         print(f"memkit estimate: {error}", file=sys.stderr)
@@ -218,7 +278,13 @@ def _figures(estimate: Any) -> tuple[int, int | None, int]:
 
 
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
-    from lightning_memkit.estimate import DoesNotFitError, EstimateError, NoBatchError, estimate_memory, predict_max_batch_size
+    from lightning_memkit.estimate import (
+        DoesNotFitError,
+        EstimateError,
+        NoBatchError,
+        estimate_memory,
+        predict_max_batch_size,
+    )
     from lightning_memkit.estimate.core import reusing_fake_copies
     from lightning_memkit.summary_table import format_table
     from lightning_memkit.units import format_bytes
@@ -228,14 +294,32 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     with reusing_fake_copies():  # one fake copy of the module and one worst batch serve every mode and size
         for mode in modes:
             try:
-                estimate = estimate_memory(module, args.batch_size, batch=batch, mode=mode, device=args.device,
-                                           datamodule=datamodule, gpu=gpu)
-                prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, device=args.device,
-                                                    batch=batch, datamodule=datamodule, gpu=gpu)
+                estimate = estimate_memory(
+                    module, args.batch_size, batch=batch, mode=mode, device=args.device, datamodule=datamodule, gpu=gpu
+                )
+                prediction = predict_max_batch_size(
+                    module,
+                    memory,
+                    mode=mode,
+                    margin=args.margin,
+                    device=args.device,
+                    batch=batch,
+                    datamodule=datamodule,
+                    gpu=gpu,
+                )
                 shapes.append((mode.name, estimate, prediction))
                 allocated, reserved, needs = _figures(estimate)
-                rows.append((mode.name, estimate.batch_size, format_bytes(allocated), format_bytes(reserved), format_bytes(needs),
-                             prediction.batch_size, format_bytes(prediction.predicted_bytes)))
+                rows.append(
+                    (
+                        mode.name,
+                        estimate.batch_size,
+                        format_bytes(allocated),
+                        format_bytes(reserved),
+                        format_bytes(needs),
+                        prediction.batch_size,
+                        format_bytes(prediction.predicted_bytes),
+                    )
+                )
                 results.append({"mode": mode.name, "estimate": estimate.to_dict(), "max_batch": prediction.to_dict()})
                 estimates[mode.name] = (mode, estimate)
             except (NoBatchError, EstimateError, ValueError) as error:
@@ -245,8 +329,10 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
                 rows.append((mode.name, "-", "-", "-", "-", "-", "-"))
                 results.append({"mode": mode.name, "error": str(error)})
                 print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
-    print(f"memkit estimate: {args.module} on {target_words(args, gpu)}, {format_bytes(memory)} device memory, "
-          f"{args.margin:.0%} kept free (fake tensors)")
+    print(
+        f"memkit estimate: {args.module} on {target_words(args, gpu)}, {format_bytes(memory)} device memory, "
+        f"{args.margin:.0%} kept free (fake tensors)"
+    )
     print(format_table(("mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"), rows))
     for line in _batch_lines(shapes):
         print(line)
@@ -262,8 +348,12 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             status = 1
     if args.json_path:
         with open(args.json_path, "w") as file:
-            json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
-                      file, indent=2, default=str)
+            json.dump(
+                {"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
+                file,
+                indent=2,
+                default=str,
+            )
     return status
 
 
@@ -282,8 +372,10 @@ def _batch_lines(shapes: list[tuple[str, Any, Any]]) -> list[str]:
         return []
     lines = [f"batch: {shapes[0][1].batch_note}"]
     for mode, estimate, prediction in shapes:
-        lines.append(f"  {mode}: estimated on {estimate.batch_shapes}; max batch {prediction.batch_size} on "
-                     f"{prediction.batch_shapes}")
+        lines.append(
+            f"  {mode}: estimated on {estimate.batch_shapes}; max batch {prediction.batch_size} on "
+            f"{prediction.batch_shapes}"
+        )
     return lines
 
 

@@ -20,16 +20,22 @@ def check_refusal(args: argparse.Namespace, gpu: Any) -> None:
     if args.strategy is not None:
         raise CliError("--check trains on this machine's one GPU; it does not run --strategy (drop one of them)")
     if args.meta_init:
-        raise CliError("--check trains real steps, and a module built with --meta-init has no weights; drop one of them")
+        raise CliError(
+            "--check trains real steps, and a module built with --meta-init has no weights; drop one of them"
+        )
     if args.device != "cuda":
         raise CliError("--check measures a real step on a GPU against a CUDA estimate; use --device cuda (the default)")
     if not torch.cuda.is_available():
-        raise CliError("--check trains two real steps on a GPU, and torch sees none here (torch.cuda.is_available() is "
-                       "False); drop --check, or run it on a machine with a GPU and a CUDA build of torch")
+        raise CliError(
+            "--check trains two real steps on a GPU, and torch sees none here (torch.cuda.is_available() is "
+            "False); drop --check, or run it on a machine with a GPU and a CUDA build of torch"
+        )
     here = GpuTarget.parse(None)
     if gpu is not None and gpu.capability != here.capability:
-        raise CliError(f"--check measures on this machine's {here.name} (sm{here.sm}); --gpu {args.gpu} would estimate "
-                       f"another GPU's kernels: drop --gpu or give --gpu sm{here.sm}")
+        raise CliError(
+            f"--check measures on this machine's {here.name} (sm{here.sm}); --gpu {args.gpu} would estimate "
+            f"another GPU's kernels: drop --gpu or give --gpu sm{here.sm}"
+        )
 
 
 def _error_percent(estimated: int, measured: int) -> str:
@@ -52,22 +58,50 @@ def check_estimates(args: argparse.Namespace, module: Any, estimates: dict[str, 
         except Exception as error:  # noqa: BLE001 - one mode's failure is reported in its row, the others still run
             first_line = (str(error).strip().splitlines() or [""])[0]
             checks[name] = {"error": f"{type(error).__name__}: {first_line}"}
-            rows.append((name, estimate.batch_size, format_bytes(estimate.cuda.peak_allocated_bytes), "-", "-",
-                         format_bytes(estimate.cuda.peak_reserved_bytes), "-", "-"))
+            rows.append(
+                (
+                    name,
+                    estimate.batch_size,
+                    format_bytes(estimate.cuda.peak_allocated_bytes),
+                    "-",
+                    "-",
+                    format_bytes(estimate.cuda.peak_reserved_bytes),
+                    "-",
+                    "-",
+                )
+            )
             print(f"memkit estimate --check: mode {name}: {checks[name]['error']}", file=sys.stderr)
             continue
         allocated, reserved = estimate.cuda.peak_allocated_bytes, estimate.cuda.peak_reserved_bytes
-        checks[name] = {"estimated_peak_allocated_bytes": allocated, "estimated_peak_reserved_bytes": reserved, **measured}
-        rows.append((name, estimate.batch_size,
-                     format_bytes(allocated), format_bytes(measured["peak_allocated_bytes"]),
-                     _error_percent(allocated, measured["peak_allocated_bytes"]),
-                     format_bytes(reserved), format_bytes(measured["peak_reserved_bytes"]),
-                     _error_percent(reserved, measured["peak_reserved_bytes"])))
+        checks[name] = {
+            "estimated_peak_allocated_bytes": allocated,
+            "estimated_peak_reserved_bytes": reserved,
+            **measured,
+        }
+        rows.append(
+            (
+                name,
+                estimate.batch_size,
+                format_bytes(allocated),
+                format_bytes(measured["peak_allocated_bytes"]),
+                _error_percent(allocated, measured["peak_allocated_bytes"]),
+                format_bytes(reserved),
+                format_bytes(measured["peak_reserved_bytes"]),
+                _error_percent(reserved, measured["peak_reserved_bytes"]),
+            )
+        )
     gc.collect()  # what a failed fit's error held is gone now: give its cached blocks back too
     torch.cuda.empty_cache()
-    print(f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of the module, "
-          "peaks from on_train_start)")
-    print(format_table(("mode", "batch", "allocated est", "allocated real", "error", "reserved est", "reserved real", "error"), rows))
+    print(
+        f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of the module, "
+        "peaks from on_train_start)"
+    )
+    print(
+        format_table(
+            ("mode", "batch", "allocated est", "allocated real", "error", "reserved est", "reserved real", "error"),
+            rows,
+        )
+    )
     return checks
 
 
@@ -111,29 +145,53 @@ def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_
     real = copy.deepcopy(module)
     datamodule = None
     if args.datamodule:
-        datamodule = build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
-                                    batch_size=args.batch_size, what="datamodule")
+        datamodule = build_instance(
+            load_object(args.datamodule),
+            json_object(args.datamodule_args, "--datamodule-args"),
+            batch_size=args.batch_size,
+            what="datamodule",
+        )
     elif args.batch_size is not None:
         if not lightning_hasattr(real, "batch_size"):
-            raise ValueError(f"{type(module).__name__} has no batch_size attribute or hparam to train --batch-size "
-                             f"{args.batch_size} with; drop --batch-size or give the size in --init-args")
+            raise ValueError(
+                f"{type(module).__name__} has no batch_size attribute or hparam to train --batch-size "
+                f"{args.batch_size} with; drop --batch-size or give the size in --init-args"
+            )
         lightning_setattr(real, "batch_size", args.batch_size)
     # auto checkpointing needs no measuring forward (the estimate makes none); a budget measures, as in training
-    kwargs = mode.trainer_kwargs("cuda", verbose=False, **({} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False})) \
-        if mode.checkpoint is not None else mode.trainer_kwargs("cuda")
+    kwargs = (
+        mode.trainer_kwargs(
+            "cuda", verbose=False, **({} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False})
+        )
+        if mode.checkpoint is not None
+        else mode.trainer_kwargs("cuda")
+    )
     reader = PeakReader()
     gc.collect()
     torch.cuda.empty_cache()
-    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")]
+    quiet = [
+        logging.getLogger(name)
+        for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+    ]
     levels = [logger.level for logger in quiet]  # the Trainer's banner lines would split the printed tables
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     try:
         with tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
-            trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=2, precision=kwargs["precision"], logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
-                                 callbacks=[*kwargs["callbacks"], reader])
+            trainer = pl.Trainer(
+                accelerator="cuda",
+                devices=1,
+                max_steps=2,
+                precision=kwargs["precision"],
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                default_root_dir=root,
+                callbacks=[*kwargs["callbacks"], reader],
+            )
             trainer.fit(real, datamodule=datamodule)
             del trainer
     finally:
@@ -145,6 +203,12 @@ def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_
     if reader.peaks is None or not reader.batch_sizes:
         raise ValueError("the fit ended before two training steps (is the train dataset empty?)")
     if batch_size is not None and reader.batch_sizes[0] != batch_size:
-        raise ValueError(f"the real fit's batch has {reader.batch_sizes[0]} samples, the estimate's {batch_size}: the loader "
-                         "does not take its size from a batch_size attribute; give the size in --init-args / --datamodule-args")
-    return {"peak_allocated_bytes": reader.peaks[0], "peak_reserved_bytes": reader.peaks[1], "steps": len(reader.batch_sizes)}
+        raise ValueError(
+            f"the real fit's batch has {reader.batch_sizes[0]} samples, the estimate's {batch_size}: the loader "
+            "does not take its size from a batch_size attribute; give the size in --init-args / --datamodule-args"
+        )
+    return {
+        "peak_allocated_bytes": reader.peaks[0],
+        "peak_reserved_bytes": reader.peaks[1],
+        "steps": len(reader.batch_sizes),
+    }

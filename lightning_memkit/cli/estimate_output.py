@@ -19,7 +19,7 @@ def kernels_and_notes(notes_by_mode: list[tuple[str, list[str]]]) -> list[str]:
     for mode, notes in notes_by_mode:
         for note in notes:
             if note.startswith(KERNELS_PREFIX):
-                kernels.setdefault(note[len(KERNELS_PREFIX):], []).append(mode)
+                kernels.setdefault(note[len(KERNELS_PREFIX) :], []).append(mode)
             else:
                 others[note] = None
     lines = [f"kernels assumed ({', '.join(dict.fromkeys(names))}): {text}" for text, names in kernels.items()]
@@ -45,6 +45,8 @@ def in_cli_terms(error: Any, args: argparse.Namespace) -> Any:
         return error
     given = (("init-args", args.init_args), ("datamodule", args.datamodule), ("datamodule-args", args.datamodule_args))
     same = "".join(f" --{name} '{value}'" for name, value in given if value and value != "{}")
-    advice = (f"measure real steps instead: memkit trace {args.module}{same} --batch-size N (a small N; "
-              "--accelerator gpu on a GPU), or express it without the data-dependent shape.")
+    advice = (
+        f"measure real steps instead: memkit trace {args.module}{same} --batch-size N (a small N; "
+        "--accelerator gpu on a GPU), or express it without the data-dependent shape."
+    )
     return text.replace(DATA_DEPENDENT_ADVICE, advice)

@@ -55,10 +55,19 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
     with reusing_fake_copies():  # one fake step per mode serves every strategy and world size
         for strategy in strategies:
             for mode in modes:
+
                 def per_rank(world_size: int):
-                    estimate = estimate_distributed_memory(module, args.batch_size, strategy=strategy, world_size=world_size,
-                                                           wrap=wrap, mode=mode, device=args.device, datamodule=datamodule,
-                                                           gpu=gpu)
+                    estimate = estimate_distributed_memory(
+                        module,
+                        args.batch_size,
+                        strategy=strategy,
+                        world_size=world_size,
+                        wrap=wrap,
+                        mode=mode,
+                        device=args.device,
+                        datamodule=datamodule,
+                        gpu=gpu,
+                    )
                     return estimate, _rank_figures(estimate)
 
                 try:
@@ -76,45 +85,96 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
                     results.append({"strategy": strategy, "mode": mode.name, "error": str(error)})
                     print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
                     continue
-                rows.append((strategy, mode.name, args.world_size, estimate.single.batch_size, format_bytes(allocated),
-                             format_bytes(reserved), format_bytes(needs), "yes" if needs <= usable else "no",
-                             minimum if minimum is not None else f"none <= {args.max_world_size}"))
-                results.append({"strategy": strategy, "mode": mode.name, "world_size": args.world_size,
-                                "batch_size_per_rank": estimate.single.batch_size,
-                                "per_rank": {"allocated_bytes": allocated, "reserved_bytes": reserved, "device_bytes": needs},
-                                "fits": needs <= usable, "min_world_size": minimum,
-                                "device_bytes_by_world_size": needs_by_size, "estimate": estimate.to_dict()})
+                rows.append(
+                    (
+                        strategy,
+                        mode.name,
+                        args.world_size,
+                        estimate.single.batch_size,
+                        format_bytes(allocated),
+                        format_bytes(reserved),
+                        format_bytes(needs),
+                        "yes" if needs <= usable else "no",
+                        minimum if minimum is not None else f"none <= {args.max_world_size}",
+                    )
+                )
+                results.append(
+                    {
+                        "strategy": strategy,
+                        "mode": mode.name,
+                        "world_size": args.world_size,
+                        "batch_size_per_rank": estimate.single.batch_size,
+                        "per_rank": {"allocated_bytes": allocated, "reserved_bytes": reserved, "device_bytes": needs},
+                        "fits": needs <= usable,
+                        "min_world_size": minimum,
+                        "device_bytes_by_world_size": needs_by_size,
+                        "estimate": estimate.to_dict(),
+                    }
+                )
                 notes_by_mode.append((mode.name, estimate.notes))
     batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
-    print(f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, {target_words(args, gpu)}, "
-          f"{format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)")
-    print(format_table(("strategy", "mode", "ranks", "batch/rank", "allocated/rank", "reserved/rank", "device needs/rank",
-                        "fits", "min GPUs"), rows, left_columns=2))
+    print(
+        f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, {target_words(args, gpu)}, "
+        f"{format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)"
+    )
+    print(
+        format_table(
+            (
+                "strategy",
+                "mode",
+                "ranks",
+                "batch/rank",
+                "allocated/rank",
+                "reserved/rank",
+                "device needs/rank",
+                "fits",
+                "min GPUs",
+            ),
+            rows,
+            left_columns=2,
+        )
+    )
     done = [r for r in results if "error" not in r]
     if done:
         tried = ", ".join(str(s) for s in sizes)
-        print(f"min GPUs: the fewest of {tried} GPUs on which one rank's device needs fit {format_bytes(usable)} "
-              f"({1 - args.margin:.0%} of {format_bytes(memory)}) at {batch_words}:")
+        print(
+            f"min GPUs: the fewest of {tried} GPUs on which one rank's device needs fit {format_bytes(usable)} "
+            f"({1 - args.margin:.0%} of {format_bytes(memory)}) at {batch_words}:"
+        )
         for result in done:
             size = result["min_world_size"]
             if size is not None:
                 print(f"  {result['strategy']} {result['mode']}: {size}")
             else:
                 needs = result["device_bytes_by_world_size"][sizes[-1]]
-                print(f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still needs "
-                      f"{format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: activations, "
-                      f"{'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}workspaces, the CUDA "
-                      "context); try --modes checkpoint or --modes bf16, a smaller --batch-size, more memory per GPU"
-                      f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}")
+                print(
+                    f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still needs "
+                    f"{format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: activations, "
+                    f"{'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}workspaces, the CUDA "
+                    "context); try --modes checkpoint or --modes bf16, a smaller --batch-size, more memory per GPU"
+                    f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
+                )
     lines = kernels_and_notes(notes_by_mode)
     if args.device == "cuda" and done:
-        lines.append("note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
-                     "and buffers (the per-rank allocator is not replayed)")
+        lines.append(
+            "note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
+            "and buffers (the per-rank allocator is not replayed)"
+        )
     for line in lines:
         print(line)
     if args.json_path:
         with open(args.json_path, "w") as file:
-            json.dump({"module": args.module, "device": args.device, "device_memory_bytes": memory,
-                       "world_size": args.world_size, "world_sizes_tried": sizes, "results": results},
-                      file, indent=2, default=str)
+            json.dump(
+                {
+                    "module": args.module,
+                    "device": args.device,
+                    "device_memory_bytes": memory,
+                    "world_size": args.world_size,
+                    "world_sizes_tried": sizes,
+                    "results": results,
+                },
+                file,
+                indent=2,
+                default=str,
+            )
     return 0 if len(done) == len(results) else 1  # any requested strategy and mode that failed fails the command

@@ -12,7 +12,14 @@ import sys
 import tempfile
 import warnings
 
-from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, build_trainer, json_object, load_object
+from lightning_memkit.cli.common import (
+    CliError,
+    add_init_arguments,
+    build_instance,
+    build_trainer,
+    json_object,
+    load_object,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -20,17 +27,36 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `memkit trace` and its flags on the ``memkit`` parser's ``subparsers``."""
     parser = subparsers.add_parser(
-        "trace", help="print the per-module memory table of one training step of a LightningModule",
+        "trace",
+        help="print the per-module memory table of one training step of a LightningModule",
         description="Train a LightningModule for a few steps with LayerTrace and print the memory of each module "
-                    "at pre-forward, forward, pre-backward and backward, and the bytes per category "
-                    "(parameters, gradients, optimizer state, activations, ...). MiB = 2**20 bytes.")
-    parser.add_argument("module", metavar="FILE.py:ModuleClass", help="the LightningModule class (it must define train_dataloader, or give --datamodule)")
-    parser.add_argument("--batch-size", type=int, default=None, help="batch size, passed as batch_size= or set as the batch_size attribute")
+        "at pre-forward, forward, pre-backward and backward, and the bytes per category "
+        "(parameters, gradients, optimizer state, activations, ...). MiB = 2**20 bytes.",
+    )
+    parser.add_argument(
+        "module",
+        metavar="FILE.py:ModuleClass",
+        help="the LightningModule class (it must define train_dataloader, or give --datamodule)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="batch size, passed as batch_size= or set as the batch_size attribute",
+    )
     add_init_arguments(parser)
-    parser.add_argument("--step", type=int, default=1, help="which training step to trace (default: 1, after Adam's state exists)")
-    parser.add_argument("--max-depth", type=int, default=None, help="trace modules at most this deep (root = 0; default: all)")
-    parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default: cpu, exact bytes)")
-    parser.add_argument("--precision", default=None, help="Lightning precision, e.g. bf16-mixed (default: the Trainer's)")
+    parser.add_argument(
+        "--step", type=int, default=1, help="which training step to trace (default: 1, after Adam's state exists)"
+    )
+    parser.add_argument(
+        "--max-depth", type=int, default=None, help="trace modules at most this deep (root = 0; default: all)"
+    )
+    parser.add_argument(
+        "--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default: cpu, exact bytes)"
+    )
+    parser.add_argument(
+        "--precision", default=None, help="Lightning precision, e.g. bf16-mixed (default: the Trainer's)"
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the raw trace as JSON")
     parser.add_argument("--csv", metavar="PATH", default=None, help="also write the raw events as CSV")
     parser.add_argument("--figure", metavar="PATH.png", default=None, help="also save the live-memory figure")
@@ -50,29 +76,53 @@ def run(args: argparse.Namespace) -> int:
 
         cls = load_object(args.module)
         if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
-            raise CliError(f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)")
+            raise CliError(
+                f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)"
+            )
         if not args.datamodule and not _overrides(cls, "train_dataloader"):
             # checked before building: with --batch-size, building would blame the module's missing batch_size instead
-            raise CliError(f"{cls.__name__} defines no train_dataloader(), so its batches"
-                           + (" (and their size)" if args.batch_size is not None else "")
-                           + " come from a datamodule: pass --datamodule FILE.py:DataModuleClass"
-                           + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
-                           + ", or add a train_dataloader() to the module")
-        model = build_instance(cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module")
-        datamodule = (build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
-                                     args.batch_size, "datamodule") if args.datamodule else None)
+            raise CliError(
+                f"{cls.__name__} defines no train_dataloader(), so its batches"
+                + (" (and their size)" if args.batch_size is not None else "")
+                + " come from a datamodule: pass --datamodule FILE.py:DataModuleClass"
+                + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
+                + ", or add a train_dataloader() to the module"
+            )
+        model = build_instance(
+            cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
+        )
+        datamodule = (
+            build_instance(
+                load_object(args.datamodule),
+                json_object(args.datamodule_args, "--datamodule-args"),
+                args.batch_size,
+                "datamodule",
+            )
+            if args.datamodule
+            else None
+        )
     except CliError as error:
         print(f"memkit trace: {error}", file=sys.stderr)
         return 2
 
     from lightning_memkit.callbacks.layer_trace import LayerTrace
 
-    callback = LayerTrace(at_steps=(args.step,), max_depth=args.max_depth, verbose=False)  # this command prints the result itself
+    callback = LayerTrace(
+        at_steps=(args.step,), max_depth=args.max_depth, verbose=False
+    )  # this command prints the result itself
     with tempfile.TemporaryDirectory(prefix="memkit_trace_") as root:
         options = dict(
-            accelerator=args.accelerator, devices=1, max_steps=args.step + 1, limit_val_batches=0, num_sanity_val_steps=0,
-            logger=False, callbacks=[callback], default_root_dir=root, enable_checkpointing=False,
-            enable_model_summary=False, enable_progress_bar=False,
+            accelerator=args.accelerator,
+            devices=1,
+            max_steps=args.step + 1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            callbacks=[callback],
+            default_root_dir=root,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
         )
         if args.precision:
             options["precision"] = args.precision
@@ -89,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
         if last is None:
             print("memkit trace: no training step ran (is the train dataloader empty?)", file=sys.stderr)
         else:
-            print(f"memkit trace: step {args.step} was never reached: training stopped after step {last}; pass --step {last} or less",
-                  file=sys.stderr)
+            print(
+                f"memkit trace: step {args.step} was never reached: training stopped after step {last}; pass --step {last} or less",
+                file=sys.stderr,
+            )
         return 1
     result = callback.results[-1]
     print(result.format_table())

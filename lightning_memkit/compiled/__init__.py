@@ -27,15 +27,28 @@ from lightning_memkit.compiled._torch_compat import (
     track_cpu_allocation_sizes,
 )
 
-__all__ = ["AllocatorBalance", "AllocatorPeak", "COMPILED_CHOICES", "compiled_parts", "compiled_regions", "is_compiled_wrapper", "dynamo_counters", "force_eager", "is_compiling", "NOT_SEEN_COMPILED"]
+__all__ = [
+    "AllocatorBalance",
+    "AllocatorPeak",
+    "COMPILED_CHOICES",
+    "compiled_parts",
+    "compiled_regions",
+    "is_compiled_wrapper",
+    "dynamo_counters",
+    "force_eager",
+    "is_compiling",
+    "NOT_SEEN_COMPILED",
+]
 
 #: What memkit does with a compiled model: ``"keep"`` (default) measures what the allocator sees and leaves it
 #: compiled; ``"eager"`` runs the measured steps eagerly for the per-op / per-module breakdown (the eager program's).
 COMPILED_CHOICES = ("keep", "eager")
 
 #: What memkit cannot see in a compiled model when it keeps it compiled (said once in each output).
-NOT_SEEN_COMPILED = ("inside compiled code memkit sees the allocator only: no per-op or per-module attribution "
-                     "(the eager breakdown: compiled=\"eager\", which runs those steps eagerly)")
+NOT_SEEN_COMPILED = (
+    "inside compiled code memkit sees the allocator only: no per-op or per-module attribution "
+    '(the eager breakdown: compiled="eager", which runs those steps eagerly)'
+)
 
 _STEP_METHODS = ("forward", "training_step", "validation_step")
 
@@ -45,7 +58,9 @@ def compiled_regions(module: nn.Module) -> list[tuple[str, nn.Module]]:
     wrappers and modules compiled in place (``m.compile()``), in ``named_modules`` order."""
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
-        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(child) is not None:
+        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(
+            child
+        ) is not None:
             if not any(name.startswith(n + ".") or not n for n, _ in found):
                 found.append((name, child))
     return found
@@ -116,8 +131,9 @@ class _AllocatorStream:
 
     def _start(self) -> None:
         track_cpu_allocation_sizes()  # frees of blocks allocated while nothing recorded are reported too
-        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                               record_shapes=False, with_stack=False)
+        self._profile = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=False, with_stack=False
+        )
         self._profile.__enter__()
 
 
@@ -171,9 +187,9 @@ class AllocatorPeak:
         running, highest = self._running, self._highest
         for event in events:
             if len(event) == 3:
-                key = event[2][len(MARK_PREFIX):]
+                key = event[2][len(MARK_PREFIX) :]
                 if key.startswith(self._mark_prefix):
-                    self.marks[key[len(self._mark_prefix):]] = (self._base + running, self._base + highest)
+                    self.marks[key[len(self._mark_prefix) :]] = (self._base + running, self._base + highest)
                 continue
             running += event[1]
             if running > highest:

@@ -11,8 +11,20 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["MARK_PREFIX", "OPTIMIZED_MODULE", "allocator_events", "mark", "track_cpu_allocation_sizes", "compiled_call_impl", "compiled_function", "dynamo_counters", "force_eager",
-           "is_compiling", "profiler_active", "reset_compiled"]
+__all__ = [
+    "MARK_PREFIX",
+    "OPTIMIZED_MODULE",
+    "allocator_events",
+    "mark",
+    "track_cpu_allocation_sizes",
+    "compiled_call_impl",
+    "compiled_function",
+    "dynamo_counters",
+    "force_eager",
+    "is_compiling",
+    "profiler_active",
+    "reset_compiled",
+]
 
 
 def _optimized_module_type() -> type | None:
@@ -90,7 +102,9 @@ def profiler_active() -> bool:
 MARK_PREFIX = "memkit::mark::"
 
 
-def allocator_events(profile: Any, device_type: str = "cpu", marks: bool = False) -> list[tuple[int, int] | tuple[int, int, str]]:
+def allocator_events(
+    profile: Any, device_type: str = "cpu", marks: bool = False
+) -> list[tuple[int, int] | tuple[int, int, str]]:
     """The allocator's events a finished ``torch.profiler.profile(profile_memory=True)`` recorded on
     ``device_type``: ``(time ns, signed bytes)`` in time order (an allocation positive, a free negative).
     ``marks=True``: memkit's marks (:func:`mark`) too, as ``(time ns, 0, name)``, in the same order.
@@ -137,7 +151,9 @@ def track_cpu_allocation_sizes() -> bool:
         import os
 
         lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-        candidates = sorted(glob.glob(os.path.join(lib_dir, "libc10.*"))) + sorted(glob.glob(os.path.join(lib_dir, "c10.dll")))
+        candidates = sorted(glob.glob(os.path.join(lib_dir, "libc10.*"))) + sorted(
+            glob.glob(os.path.join(lib_dir, "c10.dll"))
+        )
         for path in candidates:
             try:
                 flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")

@@ -68,8 +68,9 @@ class LeakConfirmer:
         self.watcher.reset()
         self._last_reading = self._epoch_end_bytes = None
 
-    def observe(self, reading: StepReading, epoch: int, live_bytes_now: LiveBytesNow,
-                distributed: bool) -> LeakReport | None:
+    def observe(
+        self, reading: StepReading, epoch: int, live_bytes_now: LiveBytesNow, distributed: bool
+    ) -> LeakReport | None:
         """Take a measured training step's reading; returns a leak once found and confirmed, else None.
 
         ``distributed``: the readings are the maximum over ranks, and this rank's bytes now are not comparable.
@@ -118,7 +119,9 @@ class LeakConfirmer:
 def leak_warning(found: LeakReport, every_n_steps: int) -> str:
     """What MemoryTracker warns of a confirmed leak."""
     every = "" if every_n_steps == 1 else f" (a measured step is every {every_n_steps} steps)"
-    return (f"memkit MemoryTracker: memory leak? the floor of live tensor memory at the end of the measured steps "
-            f"grows by {format_bytes(found.bytes_per_step)} ({found.bytes_per_step} bytes) per measured step, steps "
-            f"{found.first_step}..{found.last_step}{every}, and was not freed at the epoch's end: a leak that ends in "
-            "an out-of-memory error. MemoryDoctor() or `memkit doctor` names the code that keeps it, and who holds it.")
+    return (
+        f"memkit MemoryTracker: memory leak? the floor of live tensor memory at the end of the measured steps "
+        f"grows by {format_bytes(found.bytes_per_step)} ({found.bytes_per_step} bytes) per measured step, steps "
+        f"{found.first_step}..{found.last_step}{every}, and was not freed at the epoch's end: a leak that ends in "
+        "an out-of-memory error. MemoryDoctor() or `memkit doctor` names the code that keeps it, and who holds it."
+    )

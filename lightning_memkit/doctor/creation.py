@@ -71,8 +71,9 @@ class Creation:
         """One line: op, module, shape, dtype and the user's line."""
         where = f" in {self.module}" if self.module else ""
         line = format_frame(self.frame)
-        return (f"{self.op}{where} ({self.phase}) {list(self.shape)} {self.dtype.replace('torch.', '')}"
-                + (f" at {line}" if line else ""))
+        return f"{self.op}{where} ({self.phase}) {list(self.shape)} {self.dtype.replace('torch.', '')}" + (
+            f" at {line}" if line else ""
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -31,8 +31,12 @@ def user_frame(depth: int = 1) -> tuple[str, int, str] | None:
     while frame is not None:
         code = frame.f_code
         if not is_library_code(code):
-            if lightning is not None and callee is not None and callee.f_code.co_name in _TRAINER_ENTRIES \
-                    and is_lightning_code(callee.f_code):
+            if (
+                lightning is not None
+                and callee is not None
+                and callee.f_code.co_name in _TRAINER_ENTRIES
+                and is_lightning_code(callee.f_code)
+            ):
                 own = lightning.f_code
                 return own.co_filename, lightning.f_lineno, f"{own.co_name} {LIGHTNING_OWN}"
             return code.co_filename, frame.f_lineno, code.co_name

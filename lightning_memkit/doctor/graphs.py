@@ -85,32 +85,47 @@ class GraphLeakReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"nodes_per_step": self.nodes_per_step, "first_step": self.first_step, "last_step": self.last_step,
-                "nodes_at_start": [list(p) for p in self.nodes_at_start],
-                "holders": [h.to_dict() if isinstance(h, GraphHolder) else h for h in self.holders],
-                "saved_tensors": self.saved_tensors, "saved_bytes": self.saved_bytes,
-                "unseen_saved_tensors": self.unseen_saved_tensors, "unseen_saved_bytes": self.unseen_saved_bytes,
-                "saved_constants": self.saved_constants}
+        return {
+            "nodes_per_step": self.nodes_per_step,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "nodes_at_start": [list(p) for p in self.nodes_at_start],
+            "holders": [h.to_dict() if isinstance(h, GraphHolder) else h for h in self.holders],
+            "saved_tensors": self.saved_tensors,
+            "saved_bytes": self.saved_bytes,
+            "unseen_saved_tensors": self.unseen_saved_tensors,
+            "unseen_saved_bytes": self.unseen_saved_bytes,
+            "saved_constants": self.saved_constants,
+        }
 
     def format(self, limit: int = 5) -> str:
         """The report as text: the growth in graph nodes per step and at most ``limit`` holders."""
         constants = f" and {self.saved_constants} saved numbers" if self.saved_constants else ""
         if self.saved_tensors:
-            unseen = (f", of which {self.unseen_saved_tensors} ({self.unseen_saved_bytes} B) were not made in a "
-                      f"watched step, e.g. Python numbers an op turned into tensors"
-                      if self.unseen_saved_tensors else "")
-            kept = (f"backward never ran on them (or ran with retain_graph=True): their nodes keep "
-                    f"{self.saved_tensors} saved tensors ({self.saved_bytes} B{unseen}){constants}")
+            unseen = (
+                f", of which {self.unseen_saved_tensors} ({self.unseen_saved_bytes} B) were not made in a "
+                f"watched step, e.g. Python numbers an op turned into tensors"
+                if self.unseen_saved_tensors
+                else ""
+            )
+            kept = (
+                f"backward never ran on them (or ran with retain_graph=True): their nodes keep "
+                f"{self.saved_tensors} saved tensors ({self.saved_bytes} B{unseen}){constants}"
+            )
         else:
             kept = f"backward freed their saved tensors; the nodes{constants} stay in host memory"
-        lines = [f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's "
-                 f"start, steps {self.first_step}..{self.last_step} ({kept})"]
+        lines = [
+            f"autograd graph kept across steps: {self.nodes_per_step} more graph nodes alive at each step's "
+            f"start, steps {self.first_step}..{self.last_step} ({kept})"
+        ]
         for holder in self.holders[:limit]:
             holder = holder if isinstance(holder, GraphHolder) else GraphHolder(**holder)
             made = f", made by {holder.made_by}" if holder.made_by else ""
-            dtype = holder.dtype.replace('torch.', '')
-            lines.append(f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {dtype} "
-                         f"tensor(s) whose grad_fn is {holder.grad_fn}{made}")
+            dtype = holder.dtype.replace("torch.", "")
+            lines.append(
+                f"  {holder.nodes} nodes held by {holder.count} {holder.shape} {dtype} "
+                f"tensor(s) whose grad_fn is {holder.grad_fn}{made}"
+            )
             if holder.kept_where:
                 lines.append(f"    kept at {holder.kept_where}")
             if holder.holder:
@@ -138,14 +153,22 @@ def saved_in_nodes(nodes: Iterable[Any], recorder: CreationRecorder | None = Non
                         storages[id(storage)] = (int(storage.nbytes()), seen)
                 elif item is not None:
                     constants += 1
-    return {"tensors": len(storages), "bytes": sum(n for n, _ in storages.values()),
-            "unseen_tensors": sum(1 for _, seen in storages.values() if not seen),
-            "unseen_bytes": sum(n for n, seen in storages.values() if not seen), "constants": constants}
+    return {
+        "tensors": len(storages),
+        "bytes": sum(n for n, _ in storages.values()),
+        "unseen_tensors": sum(1 for _, seen in storages.values() if not seen),
+        "unseen_bytes": sum(n for n, seen in storages.values() if not seen),
+        "constants": constants,
+    }
 
 
-def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: int = 1_000_000,
-                           holders: bool = False, nodes_out: list | None = None,
-                           samples_out: dict | None = None) -> tuple[int, list[GraphHolder]]:
+def count_kept_graph_nodes(
+    recorder: CreationRecorder | None = None,
+    max_nodes: int = 1_000_000,
+    holders: bool = False,
+    nodes_out: list | None = None,
+    samples_out: dict | None = None,
+) -> tuple[int, list[GraphHolder]]:
     """Count the distinct autograd nodes reachable from live tensors that have a ``grad_fn``.
 
     Call it between steps, when no graph should be alive. With a ``recorder``, the roots are the tensors
@@ -187,9 +210,15 @@ def count_kept_graph_nodes(recorder: CreationRecorder | None = None, max_nodes: 
                 nbytes = int(tensor.untyped_storage().nbytes())
             except (RuntimeError, NotImplementedError):
                 nbytes = 0
-            holder = GraphHolder(type(tensor.grad_fn).__name__, len(seen) - before, list(tensor.shape),
-                                 str(tensor.dtype), nbytes, creation.describe() if creation else "",
-                                 format_frame(creation.frame) if creation else "")
+            holder = GraphHolder(
+                type(tensor.grad_fn).__name__,
+                len(seen) - before,
+                list(tensor.shape),
+                str(tensor.dtype),
+                nbytes,
+                creation.describe() if creation else "",
+                format_frame(creation.frame) if creation else "",
+            )
             if creation is not None:  # the line that stored it (self.losses.append(loss)), when the tracer saw it
                 holder.kept_where = format_frame(keeping_frame([creation]))
             key = (holder.grad_fn, tuple(holder.shape), holder.dtype, holder.made_by)

@@ -19,13 +19,30 @@ try:
 except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
     _METRIC = None
 
-__all__ = ["HolderPath", "HOOK_DICTS", "ROOT_KINDS", "edge_between", "is_identifier", "merge_attributes", "annotate",
-           "path_names"]
+__all__ = [
+    "HolderPath",
+    "HOOK_DICTS",
+    "ROOT_KINDS",
+    "edge_between",
+    "is_identifier",
+    "merge_attributes",
+    "annotate",
+    "path_names",
+]
 
 #: ``nn.Module`` attributes that hold hooks, keyed by handle id
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-              "_full_backward_hooks", "_full_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-              "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_full_backward_hooks",
+    "_full_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 #: ``nn.Module`` attributes whose keys are attribute names (``model._modules["encoder"]`` is ``model.encoder``)
 _NAMED_DICTS = ("_modules", "_parameters", "_buffers")
 #: root kinds, best first: when two roots reach a tensor in as many steps, the first kind names it
@@ -154,8 +171,10 @@ def _describe_hooks(hooks: dict, path: str) -> str:
         name = getattr(function, "__qualname__", type(function).__name__) + where
         makers[name] = makers.get(name, 0) + 1
     made = ", ".join(f"{count} x {name}" for name, count in makers.items())
-    return (f"{len(hooks)} hooks on {path}: {made}; each keeps what it closes over. Register the hook once "
-            f"(not in every step), or keep its handle and call handle.remove()")
+    return (
+        f"{len(hooks)} hooks on {path}: {made}; each keeps what it closes over. Register the hook once "
+        f"(not in every step), or keep its handle and call handle.remove()"
+    )
 
 
 def _metric_state_note(metric: Any, metric_path: str, attr: str, state: list) -> str:
@@ -168,10 +187,12 @@ def _metric_state_note(metric: Any, metric_path: str, attr: str, state: list) ->
                 total += int(storage.nbytes())
     updates = len(state)
     per_update = total // updates if updates else 0
-    return (f"torchmetrics {type(metric).__name__} {metric_path}: list state '{attr}' has {updates} entries, "
-            f"{total} B ({per_update} B per update); call {metric_path}.reset() when the epoch ends (Lightning does "
-            f"it when you self.log the metric object itself), or create it with compute_on_cpu=True to keep the state "
-            f"in host memory")
+    return (
+        f"torchmetrics {type(metric).__name__} {metric_path}: list state '{attr}' has {updates} entries, "
+        f"{total} B ({per_update} B per update); call {metric_path}.reset() when the epoch ends (Lightning does "
+        f"it when you self.log the metric object itself), or create it with compute_on_cpu=True to keep the state "
+        f"in host memory"
+    )
 
 
 def _hooks_or_metric_state(path: HolderPath, objects: list) -> bool:
@@ -199,9 +220,11 @@ def _kept_graph(path: HolderPath) -> None:
         if kind == "graph" and key == ".grad_fn":
             keeper = _render(path.root, path.edges[:index])
             path.holder = keeper
-            path.note = (f"{keeper} keeps its autograd graph, and the graph keeps the tensors its nodes saved "
-                         f"(backward never ran on it, or ran with retain_graph=True): keep .detach() (or .item()) of "
-                         f"it, not the tensor with its graph")
+            path.note = (
+                f"{keeper} keeps its autograd graph, and the graph keeps the tensors its nodes saved "
+                f"(backward never ran on it, or ran with retain_graph=True): keep .detach() (or .item()) of "
+                f"it, not the tensor with its graph"
+            )
             return
 
 
@@ -212,8 +235,12 @@ def _largest_container(path: HolderPath, objects: list) -> None:
     for index, (kind, _) in enumerate(edges):
         parent = objects[index]
         named = index and edges[index - 1][0] == "attr" and edges[index - 1][1] in _NAMED_DICTS
-        if kind in ("index", "item", "member") and not named and hasattr(parent, "__len__") \
-                and not isinstance(parent, torch.Tensor):
+        if (
+            kind in ("index", "item", "member")
+            and not named
+            and hasattr(parent, "__len__")
+            and not isinstance(parent, torch.Tensor)
+        ):
             size = len(parent)
             if best is None or size > best[1]:
                 best = (index, size, type(parent).__name__)
@@ -223,8 +250,10 @@ def _largest_container(path: HolderPath, objects: list) -> None:
     holder = _render(path.root, edges[:index])
     if not path.note:
         path.holder = holder
-        path.note = (f"{holder} is a {type_name} of {size} entries that keeps them: delete them there "
-                     f"(clear it when done, bound it, or keep .item() / .detach().cpu() values)")
+        path.note = (
+            f"{holder} is a {type_name} of {size} entries that keeps them: delete them there "
+            f"(clear it when done, bound it, or keep .item() / .detach().cpu() values)"
+        )
     else:
         path.note += f"; {holder} is a {type_name} of {size} entries"
 
@@ -236,13 +265,14 @@ def annotate(path: HolderPath, objects: list) -> None:
     path.text = path.holder = _render(path.root, edges)
     path.lightning = path.kind == "trainer" and any(
         kind == "attr" and isinstance(key, str) and (key.startswith("_") or key.endswith("_loop") or key == "strategy")
-        for kind, key in edges[:2])
+        for kind, key in edges[:2]
+    )
     if _hooks_or_metric_state(path, objects):
         return
     _kept_graph(path)
     _largest_container(path, objects)
     if path.lightning:
-        path.note = ("Lightning's own objects keep it (not your code)" + (f"; {path.note}" if path.note else ""))
+        path.note = "Lightning's own objects keep it (not your code)" + (f"; {path.note}" if path.note else "")
 
 
 def merge_attributes(edges: list, objects: list) -> tuple[list, list]:

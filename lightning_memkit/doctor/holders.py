@@ -42,8 +42,16 @@ from lightning_memkit.doctor.holder_paths import (
 )
 from lightning_memkit.doctor.keepers import keeping_frame
 
-__all__ = ["HolderPath", "HolderSearch", "SearchStop", "find_holders", "user_roots", "attach_holders", "path_names",
-           "HOOK_DICTS"]
+__all__ = [
+    "HolderPath",
+    "HolderSearch",
+    "SearchStop",
+    "find_holders",
+    "user_roots",
+    "attach_holders",
+    "path_names",
+    "HOOK_DICTS",
+]
 
 _DEAD_ENDS = (types.FrameType, types.ModuleType, type, types.CodeType, types.BuiltinFunctionType)
 
@@ -80,8 +88,9 @@ class HolderSearch:
     stopped: str = ""
 
 
-def user_roots(trainer: Any = None, module: Any = None, extra: dict | None = None,
-               globals_of_user_modules: bool = True) -> dict:
+def user_roots(
+    trainer: Any = None, module: Any = None, extra: dict | None = None, globals_of_user_modules: bool = True
+) -> dict:
     """The objects a user knows, as ``{id(obj): (obj, name, kind)}``: ``module`` as ``model``, each of
     ``trainer.callbacks`` as ``trainer.callbacks[i]``, the datamodule as ``trainer.datamodule``, the
     trainer, and (``globals_of_user_modules``) the globals of every imported module that is the user's
@@ -150,8 +159,9 @@ class _GraphNode:
             if isinstance(value, torch.Tensor):
                 found.append((("graph", f".{name}"), value))
             elif isinstance(value, (tuple, list)):
-                found.extend((("graph", f".{name}[{i}]"), v) for i, v in enumerate(value)
-                             if isinstance(v, torch.Tensor))
+                found.extend(
+                    (("graph", f".{name}[{i}]"), v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)
+                )
         for index, (following, _) in enumerate(getattr(node, "next_functions", ()) or ()):
             if following is not None:
                 found.append((("graph", f".next_functions[{index}][0]"), _GraphNode(following)))
@@ -193,19 +203,30 @@ def _children(obj: Any, roots: dict, graphs: bool) -> list | None:
     if isinstance(obj, _GraphNode):
         return obj.children()
     oid = id(obj)
-    if isinstance(obj, _DEAD_ENDS) or (_own_object(obj) and oid not in roots) \
-            or _is_module_namespace(obj) and oid not in roots:
+    if (
+        isinstance(obj, _DEAD_ENDS)
+        or (_own_object(obj) and oid not in roots)
+        or _is_module_namespace(obj)
+        and oid not in roots
+    ):
         return None
     return [(None, child) for child in gc.get_referents(obj)]
 
 
-def _walk(targets: set[int], roots: dict, deadline: float, max_objects: int, graphs: bool,
-          enough: Callable[[set], bool] | None) -> tuple[_Walk, SearchStop]:
+def _walk(
+    targets: set[int],
+    roots: dict,
+    deadline: float,
+    max_objects: int,
+    graphs: bool,
+    enough: Callable[[set], bool] | None,
+) -> tuple[_Walk, SearchStop]:
     """Breadth-first down the referents from every root at once (the best kind first), until every target is
     reached, nothing is left, ``max_objects`` objects or the deadline (checked every 512 objects)."""
     walk = _Walk()
-    ordered = sorted(roots.items(),
-                     key=lambda item: ROOT_KINDS.index(item[1][2]) if item[1][2] in ROOT_KINDS else len(ROOT_KINDS))
+    ordered = sorted(
+        roots.items(), key=lambda item: ROOT_KINDS.index(item[1][2]) if item[1][2] in ROOT_KINDS else len(ROOT_KINDS)
+    )
     queue: collections.deque = collections.deque()
     for rid, (obj, _, _) in ordered:
         if rid not in walk.keep:
@@ -263,16 +284,27 @@ def _path_to(walk: _Walk, tid: int, roots: dict) -> tuple[HolderPath, int]:
             break
     edges, objects = merge_attributes(edges, objects)
     _, name, kind = roots[walk.origin[tid]]
-    if kind == "global" and isinstance(objects[0], dict) and edges and edges[0][0] == "item" \
-            and is_identifier(edges[0][1]):
+    if (
+        kind == "global"
+        and isinstance(objects[0], dict)
+        and edges
+        and edges[0][0] == "item"
+        and is_identifier(edges[0][1])
+    ):
         edges[0] = ("attr", edges[0][1])  # a module's global: module.name
     path = HolderPath(root=name, kind=kind, edges=edges, graph_owner=graph_owner)
     annotate(path, objects)
     return path, followed
 
 
-def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0, max_objects: int = 500_000,
-                 graphs: bool = True, enough: Callable[[set], bool] | None = None) -> HolderSearch:
+def find_holders(
+    tensors: Iterable[Any],
+    roots: dict,
+    time_limit_s: float = 1.0,
+    max_objects: int = 500_000,
+    graphs: bool = True,
+    enough: Callable[[set], bool] | None = None,
+) -> HolderSearch:
     """Search the shortest reference paths from ``roots`` (``{id(obj): (obj, name, kind)}``, see
     :func:`user_roots`) to ``tensors``: any tensor on the same storage counts (a ``.detach()`` or a
     view kept instead of the tensor made). ``tensors``: tensors, or storage keys (``id`` of an
@@ -303,8 +335,9 @@ def find_holders(tensors: Iterable[Any], roots: dict, time_limit_s: float = 1.0,
     return search
 
 
-def attach_holders(report: Any, recorder: Any, roots: dict, time_limit_s: float = 1.0, per_group: int = 3,
-                   limit: int = 8) -> HolderSearch:
+def attach_holders(
+    report: Any, recorder: Any, roots: dict, time_limit_s: float = 1.0, per_group: int = 3, limit: int = 8
+) -> HolderSearch:
     """Name the holder of each group a :class:`~lightning_memkit.doctor.LeakReport` lists (its ``growing``
     groups, else its first ``survivors``): one :func:`find_holders` search for them all, for up to
     ``per_group`` of each group's most recent storages, stopped once each group has one. Sets
@@ -346,5 +379,12 @@ def attach_holders(report: Any, recorder: Any, roots: dict, time_limit_s: float 
 
 def group_key_of(group: Any) -> tuple:
     """The grouping key of a :class:`~lightning_memkit.doctor.CreatorGroup` (as :func:`group_key` of its records)."""
-    return (group.op, group.module, group.phase, tuple(group.shape), group.dtype, group.category,
-            tuple(group.frame) if group.frame else None)
+    return (
+        group.op,
+        group.module,
+        group.phase,
+        tuple(group.shape),
+        group.dtype,
+        group.category,
+        tuple(group.frame) if group.frame else None,
+    )

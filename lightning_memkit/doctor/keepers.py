@@ -59,8 +59,21 @@ from lightning_memkit.doctor.recorder import CreationRecorder
 __all__ = ["KeepTracer", "MAX_KEPT_AT", "STORE_METHODS", "keeping_frame", "target_names"]
 
 #: methods whose call stores their arguments in the object they are called on
-STORE_METHODS = frozenset({"append", "appendleft", "extend", "extendleft", "insert", "add", "update", "setdefault",
-                           "__setitem__", "put", "put_nowait"})
+STORE_METHODS = frozenset(
+    {
+        "append",
+        "appendleft",
+        "extend",
+        "extendleft",
+        "insert",
+        "add",
+        "update",
+        "setdefault",
+        "__setitem__",
+        "put",
+        "put_nowait",
+    }
+)
 #: the most keeping lines remembered per storage
 MAX_KEPT_AT = 4
 #: the most items of a list, tuple or dict a value is looked into (one level)
@@ -384,8 +397,10 @@ class KeepTracer:
             self._on = True
             return True
         if current is not None:
-            self.note = (f"the line that keeps a tensor is not named: another trace function is set "
-                         f"({getattr(current, '__qualname__', type(current).__name__)}: a debugger or coverage)")
+            self.note = (
+                f"the line that keeps a tensor is not named: another trace function is set "
+                f"({getattr(current, '__qualname__', type(current).__name__)}: a debugger or coverage)"
+            )
             return False
         self._on = True
         sys.settrace(self._global)

@@ -78,8 +78,9 @@ class CreatorGroup:
         """One line saying who made these tensors."""
         module = f" in {self.module}" if self.module else ""
         where = f", at {self.where}" if self.frame else ""
-        return (f"{self.op}{module} ({self.phase}, {self.category}) {self.shape} {self.dtype.replace('torch.', '')}"
-                f"{where}")
+        return (
+            f"{self.op}{module} ({self.phase}, {self.category}) {self.shape} {self.dtype.replace('torch.', '')}{where}"
+        )
 
     def holder_lines(self) -> list[str]:
         """The lines naming the code that keeps these tensors, who holds them and where to delete them (none
@@ -94,8 +95,10 @@ class CreatorGroup:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {"where": self.where,
-                                                                                     "kept_where": self.kept_where}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
+            "where": self.where,
+            "kept_where": self.kept_where,
+        }
 
 
 def _category(creation: Creation) -> str:
@@ -107,8 +110,9 @@ def group_key(c: Creation) -> tuple:
     return (c.op, c.module, c.phase, tuple(c.shape), c.dtype, _category(c), tuple(c.frame) if c.frame else None)
 
 
-def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False,
-                     per_step_over_span: bool = False) -> list[CreatorGroup]:
+def group_by_creator(
+    creations: Iterable[Creation], with_last_use: bool = False, per_step_over_span: bool = False
+) -> list[CreatorGroup]:
     """Group storage records by creator, largest total first.
 
     ``bytes_per_step`` is ``total_bytes`` over the distinct steps they were made in; with
@@ -125,10 +129,17 @@ def group_by_creator(creations: Iterable[Creation], with_last_use: bool = False,
             key += (c.last_use_op, c.last_use_module)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = CreatorGroup(c.op, c.module, c.phase, list(c.shape), c.dtype, _category(c),
-                                               list(c.frame) if c.frame else None,
-                                               last_use_op=c.last_use_op if with_last_use else "",
-                                               last_use_module=c.last_use_module if with_last_use else "")
+            group = groups[key] = CreatorGroup(
+                c.op,
+                c.module,
+                c.phase,
+                list(c.shape),
+                c.dtype,
+                _category(c),
+                list(c.frame) if c.frame else None,
+                last_use_op=c.last_use_op if with_last_use else "",
+                last_use_module=c.last_use_module if with_last_use else "",
+            )
         group.count += 1
         group.total_bytes += c.nbytes
         members[key].append(c)
@@ -178,22 +189,34 @@ class LeakReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"bytes_per_step": self.bytes_per_step, "first_step": self.first_step, "last_step": self.last_step,
-                "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
-                "survivors": [g.to_dict() for g in self.survivors], "growing": [g.to_dict() for g in self.growing],
-                "rises": self.rises}
+        return {
+            "bytes_per_step": self.bytes_per_step,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
+            "survivors": [g.to_dict() for g in self.survivors],
+            "growing": [g.to_dict() for g in self.growing],
+            "rises": self.rises,
+        }
 
     def format(self, limit: int = 8) -> str:
         """The report as text, at most ``limit`` groups of who made what was kept (MiB = 2**20 bytes)."""
-        steadily = "" if self.rises <= 0 or self.rises >= self.last_step - self.first_step else \
-            f", rising at {self.rises} of those steps"
-        lines = [f"memory leak: the floor of live tensor memory grows by {format_bytes(self.bytes_per_step)} "
-                 f"({self.bytes_per_step} bytes) per step, steps {self.first_step}..{self.last_step}{steadily}"]
+        steadily = (
+            ""
+            if self.rises <= 0 or self.rises >= self.last_step - self.first_step
+            else f", rising at {self.rises} of those steps"
+        )
+        lines = [
+            f"memory leak: the floor of live tensor memory grows by {format_bytes(self.bytes_per_step)} "
+            f"({self.bytes_per_step} bytes) per step, steps {self.first_step}..{self.last_step}{steadily}"
+        ]
         if self.growing:
             lines.append("kept from earlier steps, by who made them (largest first):")
             for group in self.growing[:limit]:
-                lines.append(f"  {format_bytes(group.bytes_per_step)}/step ({group.bytes_per_step} B/step, "
-                             f"{group.count} tensors from {len(group.steps)} steps): {group.describe()}")
+                lines.append(
+                    f"  {format_bytes(group.bytes_per_step)}/step ({group.bytes_per_step} B/step, "
+                    f"{group.count} tensors from {len(group.steps)} steps): {group.describe()}"
+                )
                 lines.extend("    " + line for line in group.holder_lines())
         elif self.survivors:
             lines.append("tensors made in earlier steps still alive (largest first):")
@@ -201,8 +224,10 @@ class LeakReport:
                 lines.append(f"  {format_bytes(group.total_bytes)} ({group.count} tensors): {group.describe()}")
                 lines.extend("    " + line for line in group.holder_lines())
         else:
-            lines.append("who made them is unknown here: add lightning_memkit.MemoryDoctor() or run `memkit doctor` "
-                         "to see which code keeps them")
+            lines.append(
+                "who made them is unknown here: add lightning_memkit.MemoryDoctor() or run `memkit doctor` "
+                "to see which code keeps them"
+            )
         return "\n".join(lines)
 
 
@@ -271,11 +296,18 @@ class LeakWatcher:
         max_points: points kept (the oldest are dropped).
     """
 
-    def __init__(self, window: int = 5, warmup_steps: int = 2, min_bytes_per_step: int = 1,
-                 recorder: CreationRecorder | None = None, max_points: int = 100_000) -> None:
+    def __init__(
+        self,
+        window: int = 5,
+        warmup_steps: int = 2,
+        min_bytes_per_step: int = 1,
+        recorder: CreationRecorder | None = None,
+        max_points: int = 100_000,
+    ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 2:
-            raise ValueError(f"LeakWatcher(window={window!r}): give an integer >= 2 (rises of the memory's floor that "
-                             f"make a leak)")
+            raise ValueError(
+                f"LeakWatcher(window={window!r}): give an integer >= 2 (rises of the memory's floor that make a leak)"
+            )
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"LeakWatcher(warmup_steps={warmup_steps!r}): give an integer >= 0")
         self.window = window
@@ -328,8 +360,9 @@ class LeakWatcher:
             return None
         return self._judge(step)
 
-    def finish(self, live_bytes: int | None = None, step: int | None = None,
-               freed_at_end: int | None = None) -> LeakReport | None:
+    def finish(
+        self, live_bytes: int | None = None, step: int | None = None, freed_at_end: int | None = None
+    ) -> LeakReport | None:
         """The run ended: judge every point. The growth must still be there (at least half of it), else
         the memory freed at the end was only held for the epoch: ``freed_at_end`` (the bytes freed from
         the end of the last epoch's steps to now, after its end hooks) under half the growth, or, with a
@@ -338,11 +371,16 @@ class LeakWatcher:
         Returns the report when found now."""
         if self.report is not None:
             return None
-        return self._judge(step if step is not None else (self._history[-1][0] if self._history else 0), live_bytes,
-                           final=True, freed_at_end=freed_at_end)
+        return self._judge(
+            step if step is not None else (self._history[-1][0] if self._history else 0),
+            live_bytes,
+            final=True,
+            freed_at_end=freed_at_end,
+        )
 
-    def _judge(self, step: int, final_bytes: int | None = None, final: bool = False,
-               freed_at_end: int | None = None) -> LeakReport | None:
+    def _judge(
+        self, step: int, final_bytes: int | None = None, final: bool = False, freed_at_end: int | None = None
+    ) -> LeakReport | None:
         points = list(self._history)
         found = rising_floor(points, self.window, self.min_bytes_per_step)
         if found is None:
@@ -353,11 +391,19 @@ class LeakWatcher:
         if final and self.recorder is None:
             if freed_at_end is not None and freed_at_end >= grown - grown // 2:
                 return None  # freed when the epoch ended: it was held for the epoch
-            if (freed_at_end is None and final_bytes is not None
-                    and final_bytes - min(b for _, b in points[start:]) < grown // 2):
+            if (
+                freed_at_end is None
+                and final_bytes is not None
+                and final_bytes - min(b for _, b in points[start:]) < grown // 2
+            ):
                 return None
-        report = LeakReport(bytes_per_step=per_step, first_step=first, last_step=last,
-                            live_bytes_at_start=[list(p) for p in points[start:]], rises=rises)
+        report = LeakReport(
+            bytes_per_step=per_step,
+            first_step=first,
+            last_step=last,
+            live_bytes_at_start=[list(p) for p in points[start:]],
+            rises=rises,
+        )
         if self.recorder is not None:
             kept = self._attribute(report, step, final)
             undone = freed_at_end is not None and freed_at_end >= grown - grown // 2
@@ -371,17 +417,30 @@ class LeakWatcher:
 
     def _attribute(self, report: LeakReport, step: int, final: bool) -> int:
         """Group the survivors; returns the bytes the growing groups still keep from the rising steps."""
-        survivors = [c for c in self.recorder.live_creations()
-                     if c.step is not None and (c.step <= step if final else c.step < step)
-                     and c.role not in STATE_ROLES and not c.before_run]
+        survivors = [
+            c
+            for c in self.recorder.live_creations()
+            if c.step is not None
+            and (c.step <= step if final else c.step < step)
+            and c.role not in STATE_ROLES
+            and not c.before_run
+        ]
         report.survivors = group_by_creator(survivors, per_step_over_span=True)
         needed = max(2, min(report.rises, self.window) // 2)
         report.growing = [g for g in report.survivors if len(g.steps) >= needed]
         growing = {group_key(c) for c in survivors} & {_key_of(g) for g in report.growing}
-        return sum(c.nbytes for c in survivors
-                   if report.first_step <= c.step <= report.last_step and group_key(c) in growing)
+        return sum(
+            c.nbytes for c in survivors if report.first_step <= c.step <= report.last_step and group_key(c) in growing
+        )
 
 
 def _key_of(group: CreatorGroup) -> tuple:
-    return (group.op, group.module, group.phase, tuple(group.shape), group.dtype, group.category,
-            tuple(group.frame) if group.frame else None)
+    return (
+        group.op,
+        group.module,
+        group.phase,
+        tuple(group.shape),
+        group.dtype,
+        group.category,
+        tuple(group.frame) if group.frame else None,
+    )

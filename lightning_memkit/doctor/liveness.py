@@ -57,31 +57,48 @@ class LivenessReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"step": self.step, "peak_bytes": self.peak_bytes, "peak_op": self.peak_op,
-                "peak_module": self.peak_module, "peak_phase": self.peak_phase, "peak_parts": dict(self.peak_parts),
-                "held_too_long_bytes": self.held_too_long_bytes,
-                "held_too_long": [g.to_dict() for g in self.held_too_long]}
+        return {
+            "step": self.step,
+            "peak_bytes": self.peak_bytes,
+            "peak_op": self.peak_op,
+            "peak_module": self.peak_module,
+            "peak_phase": self.peak_phase,
+            "peak_parts": dict(self.peak_parts),
+            "held_too_long_bytes": self.held_too_long_bytes,
+            "held_too_long": [g.to_dict() for g in self.held_too_long],
+        }
 
     def format(self, limit: int = 8) -> str:
         """The report as text, at most ``limit`` groups of what is held too long (MiB = 2**20 bytes)."""
         where = f" in {self.peak_module}" if self.peak_module else ""
-        lines = [f"step {self.step} peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes), "
-                 f"after {self.peak_op}{where} ({self.peak_phase})", "  made of:"]
+        lines = [
+            f"step {self.step} peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes), "
+            f"after {self.peak_op}{where} ({self.peak_phase})",
+            "  made of:",
+        ]
         for part, value in self.peak_parts.items():
             if value:
                 lines.append(f"    {part:<18} {format_bytes(value):>12}  {PEAK_PARTS[part]}")
-        lines.append(f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} "
-                     f"({self.held_too_long_bytes} bytes)")
+        lines.append(
+            f"  held too long at the peak: {format_bytes(self.held_too_long_bytes)} ({self.held_too_long_bytes} bytes)"
+        )
         tiny = [g for g in self.held_too_long if g.total_bytes < TINY_BYTES]
         for group in [g for g in self.held_too_long if g.total_bytes >= TINY_BYTES][:limit]:
-            last = (f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
-                    if group.last_use_op else "nothing in this step (kept from an earlier one)")
-            lines.append(f"    {format_bytes(group.total_bytes)} ({group.total_bytes} B, {group.count} tensors): "
-                         f"{group.describe()}; last used by {last}")
+            last = (
+                f"{group.last_use_op}" + (f" in {group.last_use_module}" if group.last_use_module else "")
+                if group.last_use_op
+                else "nothing in this step (kept from an earlier one)"
+            )
+            lines.append(
+                f"    {format_bytes(group.total_bytes)} ({group.total_bytes} B, {group.count} tensors): "
+                f"{group.describe()}; last used by {last}"
+            )
         if tiny:
             together = sum(g.total_bytes for g in tiny)
-            lines.append(f"    {together} B in {sum(g.count for g in tiny)} tiny tensors (under {TINY_BYTES} B each, "
-                         f"{len(tiny)} makers: scalars such as losses; not worth freeing)")
+            lines.append(
+                f"    {together} B in {sum(g.count for g in tiny)} tiny tensors (under {TINY_BYTES} B each, "
+                f"{len(tiny)} makers: scalars such as losses; not worth freeing)"
+            )
         return "\n".join(lines)
 
 
@@ -104,8 +121,9 @@ def analyse_liveness(creations: list[Creation], start: int, end: int, step: int 
         live += changes[clock]
         if live > peak and clock <= end:
             peak, peak_at = live, clock
-    at_peak = [c for c in creations
-               if max(c.created_at, start) <= peak_at and (c.freed_at is None or c.freed_at >= peak_at)]
+    at_peak = [
+        c for c in creations if max(c.created_at, start) <= peak_at and (c.freed_at is None or c.freed_at >= peak_at)
+    ]
     parts = dict.fromkeys(PEAK_PARTS, 0)
     held: list[Creation] = []
     for c in at_peak:
@@ -119,9 +137,16 @@ def analyse_liveness(creations: list[Creation], start: int, end: int, step: int 
         else:
             parts["in_use"] += c.nbytes  # made or read by the peak's own op
     peak_op, peak_module, peak_phase = _op_at(creations, peak_at)
-    return LivenessReport(step=step, peak_bytes=peak, peak_op=peak_op, peak_module=peak_module, peak_phase=peak_phase,
-                          peak_parts=parts, held_too_long_bytes=parts["held_too_long"],
-                          held_too_long=group_by_creator(held, with_last_use=True))
+    return LivenessReport(
+        step=step,
+        peak_bytes=peak,
+        peak_op=peak_op,
+        peak_module=peak_module,
+        peak_phase=peak_phase,
+        peak_parts=parts,
+        held_too_long_bytes=parts["held_too_long"],
+        held_too_long=group_by_creator(held, with_last_use=True),
+    )
 
 
 def _op_at(creations: list[Creation], clock: int) -> tuple[str, str, str]:
@@ -129,4 +154,3 @@ def _op_at(creations: list[Creation], clock: int) -> tuple[str, str, str]:
         if c.created_at == clock:
             return c.op, c.module, c.phase
     return "", "", ""
-

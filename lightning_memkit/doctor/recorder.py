@@ -139,8 +139,11 @@ class CreationRecorder(TorchDispatchMode):
             tensors = []
             for obj in objects:
                 try:
-                    if (isinstance(obj, torch.Tensor) and type(obj).__name__ != "FakeTensor"
-                            and obj.device.type != "meta"):
+                    if (
+                        isinstance(obj, torch.Tensor)
+                        and type(obj).__name__ != "FakeTensor"
+                        and obj.device.type != "meta"
+                    ):
                         tensors.append(obj)
                 except Exception:  # noqa: BLE001 - dead weakref proxies and the like raise on isinstance
                     continue
@@ -178,8 +181,14 @@ class CreationRecorder(TorchDispatchMode):
         """Whether the recorder is on the dispatch-mode stack now."""
         return _torch_compat.mode_is_active(self)
 
-    def start(self, step: int | None = None, *, batch: Any = None, module: torch.nn.Module | None = None,
-              optimizers: Iterable[Any] = ()) -> None:
+    def start(
+        self,
+        step: int | None = None,
+        *,
+        batch: Any = None,
+        module: torch.nn.Module | None = None,
+        optimizers: Iterable[Any] = (),
+    ) -> None:
         """Begin (or continue) recording for ``step``: adopt the training state of ``module`` and
         ``optimizers`` and the ``batch`` (role ``"inputs"``, of this step), then enter the mode."""
         self.step = step
@@ -190,16 +199,20 @@ class CreationRecorder(TorchDispatchMode):
                 self._balance = AllocatorBalance("cpu")
                 if not self._balance.start(self.live_bytes):
                     self.error_count += 1
-                    self.errors.append("another profiler records: the allocator's live bytes are not read (compiled "
-                                       "model); only the tensors found between steps are compared")
+                    self.errors.append(
+                        "another profiler records: the allocator's live bytes are not read (compiled "
+                        "model); only the tensors found between steps are compared"
+                    )
             return
         if self._compiled == "eager" and self._eager is None:
             self._eager = force_eager()
             self._eager.__enter__()
         if not self.is_active:
             _torch_compat.enter_mode_at_bottom(self)
-            self._hooks = [module_hooks.register_module_forward_pre_hook(self._pre_forward),
-                           module_hooks.register_module_forward_hook(self._post_forward, always_call=True)]
+            self._hooks = [
+                module_hooks.register_module_forward_pre_hook(self._pre_forward),
+                module_hooks.register_module_forward_hook(self._post_forward, always_call=True),
+            ]
             _ACTIVE.add(self)
         self._module_stack.clear()
 
@@ -218,8 +231,9 @@ class CreationRecorder(TorchDispatchMode):
         _torch_compat.exit_mode_anywhere(self)
         _ACTIVE.discard(self)
 
-    def assign_roles(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (),
-                     batch: Any = None) -> None:
+    def assign_roles(
+        self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), batch: Any = None
+    ) -> None:
         """Give storages their lifetime role by identity (adopting those not seen yet): the module's
         parameters, buffers and gradients, the optimizers' state, and the batch (``"inputs"`` of the
         current step). A role, once given, stays."""
@@ -295,11 +309,22 @@ class CreationRecorder(TorchDispatchMode):
                     creation.step = step  # a prefetched batch belongs to the step it feeds
 
     # ------------------------------------------------------------------ tracking
-    def _track(self, storage: Any, tensor: torch.Tensor, op: str, module: str, phase: str, frame: Any,
-               adopted: bool = False) -> Creation:
+    def _track(
+        self, storage: Any, tensor: torch.Tensor, op: str, module: str, phase: str, frame: Any, adopted: bool = False
+    ) -> Creation:
         key = id(storage)
-        creation = Creation(int(storage.nbytes()), str(storage.device), tuple(tensor.shape), str(tensor.dtype), op,
-                            module, phase, frame, self.step, created_at=-1 if adopted else self._clock)
+        creation = Creation(
+            int(storage.nbytes()),
+            str(storage.device),
+            tuple(tensor.shape),
+            str(tensor.dtype),
+            op,
+            module,
+            phase,
+            frame,
+            self.step,
+            created_at=-1 if adopted else self._clock,
+        )
         creation.last_use_at = creation.created_at
         ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
         with self._lock:

@@ -65,12 +65,17 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`from_dict`)."""
-        return {"steps": self.steps, "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
-                "steady_bytes": self.steady_bytes, "leak": self.leak.to_dict() if self.leak else None,
-                "graph_leak": self.graph_leak.to_dict() if self.graph_leak else None,
-                "liveness": self.liveness.to_dict() if self.liveness else None, "errors": list(self.errors),
-                "steps_needed": self.steps_needed,
-                "compiled": self.compiled}
+        return {
+            "steps": self.steps,
+            "live_bytes_at_start": [list(p) for p in self.live_bytes_at_start],
+            "steady_bytes": self.steady_bytes,
+            "leak": self.leak.to_dict() if self.leak else None,
+            "graph_leak": self.graph_leak.to_dict() if self.graph_leak else None,
+            "liveness": self.liveness.to_dict() if self.liveness else None,
+            "errors": list(self.errors),
+            "steps_needed": self.steps_needed,
+            "compiled": self.compiled,
+        }
 
     def to_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` as JSON; returns the path."""
@@ -81,28 +86,45 @@ class DoctorReport:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DoctorReport":
         """Inverse of :meth:`to_dict`."""
+
         def groups(items):
             derived = ("where", "kept_where")  # texts to_dict adds, read back from the frames
             return [CreatorGroup(**{k: v for k, v in g.items() if k not in derived}) for g in items or []]
 
         leak = data.get("leak")
         if leak:
-            leak = LeakReport(leak["bytes_per_step"], leak["first_step"], leak["last_step"],
-                              leak["live_bytes_at_start"], groups(leak.get("survivors")), groups(leak.get("growing")),
-                              leak.get("rises", 0))
+            leak = LeakReport(
+                leak["bytes_per_step"],
+                leak["first_step"],
+                leak["last_step"],
+                leak["live_bytes_at_start"],
+                groups(leak.get("survivors")),
+                groups(leak.get("growing")),
+                leak.get("rises", 0),
+            )
         liveness = data.get("liveness")
         if liveness:
-            liveness = LivenessReport(**{k: v for k, v in liveness.items() if k != "held_too_long"},
-                                      held_too_long=groups(liveness.get("held_too_long")))
+            liveness = LivenessReport(
+                **{k: v for k, v in liveness.items() if k != "held_too_long"},
+                held_too_long=groups(liveness.get("held_too_long")),
+            )
         graph_leak = data.get("graph_leak")
         if graph_leak:
-            graph_leak = GraphLeakReport(**{k: v for k, v in graph_leak.items() if k != "holders"},
-                                         holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])])
-        return cls(steps=data.get("steps", 0), graph_leak=graph_leak or None,
-                   live_bytes_at_start=data.get("live_bytes_at_start", []),
-                   steady_bytes=data.get("steady_bytes"), leak=leak or None, liveness=liveness or None,
-                   errors=data.get("errors", []), steps_needed=data.get("steps_needed", 0),
-                   compiled=data.get("compiled", ""))
+            graph_leak = GraphLeakReport(
+                **{k: v for k, v in graph_leak.items() if k != "holders"},
+                holders=[GraphHolder(**h) for h in graph_leak.get("holders", [])],
+            )
+        return cls(
+            steps=data.get("steps", 0),
+            graph_leak=graph_leak or None,
+            live_bytes_at_start=data.get("live_bytes_at_start", []),
+            steady_bytes=data.get("steady_bytes"),
+            leak=leak or None,
+            liveness=liveness or None,
+            errors=data.get("errors", []),
+            steps_needed=data.get("steps_needed", 0),
+            compiled=data.get("compiled", ""),
+        )
 
     def format(self) -> str:
         """The verdict as text: steady state, leaks (bytes/step, who), held too long at the peak, the peak's parts."""
@@ -110,15 +132,20 @@ class DoctorReport:
         if self.compiled:
             lines.append(self.compiled)
         if self.leak is None:
-            steady = ("-" if self.steady_bytes is None
-                      else f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)")
+            steady = (
+                "-" if self.steady_bytes is None else f"{format_bytes(self.steady_bytes)} ({self.steady_bytes} bytes)"
+            )
             if self.graph_leak is None and self.steps < self.steps_needed:
-                lines.append(f"too few steps to judge a leak: {self.steps} watched, {self.steps_needed} needed "
-                             f"(warm-up, then rises of the memory's floor); live tensor memory at the last step's "
-                             f"start: {steady}")
+                lines.append(
+                    f"too few steps to judge a leak: {self.steps} watched, {self.steps_needed} needed "
+                    f"(warm-up, then rises of the memory's floor); live tensor memory at the last step's "
+                    f"start: {steady}"
+                )
             else:
-                lines.append(("no leak: " if self.graph_leak is None else "")
-                             + f"live tensor memory at step start is steady at {steady}")
+                lines.append(
+                    ("no leak: " if self.graph_leak is None else "")
+                    + f"live tensor memory at step start is steady at {steady}"
+                )
         else:
             lines.append(self.leak.format())
         if self.graph_leak is not None:
@@ -169,10 +196,20 @@ class DoctorSession:
             recording (:class:`~lightning_memkit.doctor.keepers.KeepTracer`), off on a compiled model kept compiled.
     """
 
-    def __init__(self, module: torch.nn.Module | None = None, optimizers: Iterable[Any] = (), *, window: int = 5,
-                 warmup_steps: int = 2, analyse_step: int | None = 1, graph_check: bool = True,
-                 max_points: int = 1000, roots: Callable[[], dict] | None = None, holders_time_limit_s: float = 1.0,
-                 keeping_lines: bool = True) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        optimizers: Iterable[Any] = (),
+        *,
+        window: int = 5,
+        warmup_steps: int = 2,
+        analyse_step: int | None = 1,
+        graph_check: bool = True,
+        max_points: int = 1000,
+        roots: Callable[[], dict] | None = None,
+        holders_time_limit_s: float = 1.0,
+        keeping_lines: bool = True,
+    ) -> None:
         self.module = module
         self.roots = roots
         self.holders_time_limit_s = holders_time_limit_s
@@ -237,9 +274,16 @@ class DoctorSession:
         run: a pre-built batch is never memory a step added. Returns how many storages were noted."""
         return self.recorder.know_existing(roots)
 
-    def step_start(self, step: int, batch: Any = None, *, prefetched: Iterable[Any] = (),
-                   module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None,
-                   epoch: int | None = None) -> LeakReport | GraphLeakReport | None:
+    def step_start(
+        self,
+        step: int,
+        batch: Any = None,
+        *,
+        prefetched: Iterable[Any] = (),
+        module: torch.nn.Module | None = None,
+        optimizers: Iterable[Any] | None = None,
+        epoch: int | None = None,
+    ) -> LeakReport | GraphLeakReport | None:
         """A step begins: measure the live bytes, judge the growth (a :class:`LeakReport`, or a
         :class:`GraphLeakReport` for graphs kept across steps, the first time the floor keeps rising), then
         record the step (its liveness too when it is ``analyse_step``).
@@ -271,12 +315,22 @@ class DoctorSession:
                 self._graph_report(grown)
                 found = found or self.graph_leak
         recorder.start(step, batch=batch, module=module, optimizers=optimizers)
-        if self.keep_tracer is not None and recorder.compiled != "keep" and not self.keep_tracer.start() \
-                and self.keep_tracer.note and self.keep_tracer.note not in recorder.errors:
+        if (
+            self.keep_tracer is not None
+            and recorder.compiled != "keep"
+            and not self.keep_tracer.start()
+            and self.keep_tracer.note
+            and self.keep_tracer.note not in recorder.errors
+        ):
             recorder.errors.append(self.keep_tracer.note)  # another tracer (a debugger, coverage) is left alone
         # no op is seen inside compiled code kept compiled: no liveness to analyse
-        if (self.analyse_step is not None and step >= self.analyse_step and self.liveness is None
-                and not self._analysing and recorder.compiled != "keep"):
+        if (
+            self.analyse_step is not None
+            and step >= self.analyse_step
+            and self.liveness is None
+            and not self._analysing
+            and recorder.compiled != "keep"
+        ):
             self._analysing = True
             recorder.begin_liveness()
         return found
@@ -301,9 +355,18 @@ class DoctorSession:
             except Exception as error:  # noqa: BLE001 - naming the holder must never fail the diagnosis
                 self.recorder.errors.append(f"graph holder search: {type(error).__name__}: {error}")
         samples.clear()
-        self.graph_leak = GraphLeakReport(grown.bytes_per_step, grown.first_step, grown.last_step,
-                                          grown.live_bytes_at_start, holders[:10], saved["tensors"], saved["bytes"],
-                                          saved["unseen_tensors"], saved["unseen_bytes"], saved["constants"])
+        self.graph_leak = GraphLeakReport(
+            grown.bytes_per_step,
+            grown.first_step,
+            grown.last_step,
+            grown.live_bytes_at_start,
+            holders[:10],
+            saved["tensors"],
+            saved["bytes"],
+            saved["unseen_tensors"],
+            saved["unseen_bytes"],
+            saved["constants"],
+        )
 
     def _find_holders(self, report: LeakReport) -> None:
         if self.holders_time_limit_s <= 0:
@@ -340,8 +403,9 @@ class DoctorSession:
                 found = found or self.graph_leak
         return found
 
-    def step_end(self, step: int, *, module: torch.nn.Module | None = None,
-                 optimizers: Iterable[Any] | None = None) -> None:
+    def step_end(
+        self, step: int, *, module: torch.nn.Module | None = None, optimizers: Iterable[Any] | None = None
+    ) -> None:
         """A step's optimizer step is done: finish its liveness analysis if it was being analysed.
         Recording goes on until the next :meth:`step_start` or :meth:`close`. ``module`` /
         ``optimizers``: as in :meth:`step_start`."""
@@ -367,8 +431,14 @@ class DoctorSession:
     def report(self) -> DoctorReport:
         """The verdict so far."""
         points = list(self.points)
-        return DoctorReport(steps=self.steps, live_bytes_at_start=points,
-                            steady_bytes=points[-1][1] if points else None, leak=self.watcher.report,
-                            graph_leak=self.graph_leak, liveness=self.liveness, errors=list(self.recorder.errors),
-                            steps_needed=self.watcher.steps_needed,
-                            compiled=self.compiled_note)
+        return DoctorReport(
+            steps=self.steps,
+            live_bytes_at_start=points,
+            steady_bytes=points[-1][1] if points else None,
+            leak=self.watcher.report,
+            graph_leak=self.graph_leak,
+            liveness=self.liveness,
+            errors=list(self.recorder.errors),
+            steps_needed=self.watcher.steps_needed,
+            compiled=self.compiled_note,
+        )

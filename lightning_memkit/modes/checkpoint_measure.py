@@ -29,8 +29,14 @@ from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
 from lightning_memkit.modes.offload import offload_suspended
 
-__all__ = ["BlockProfile", "ForwardMeasure", "MeasureError", "measure_activation_bytes", "measure_forward",
-           "profile_blocks"]
+__all__ = [
+    "BlockProfile",
+    "ForwardMeasure",
+    "MeasureError",
+    "measure_activation_bytes",
+    "measure_forward",
+    "profile_blocks",
+]
 
 
 class MeasureError(MemkitError, RuntimeError):
@@ -50,8 +56,10 @@ _DROPPED = _Dropped()
 
 
 def _unpack(_packed: Any) -> torch.Tensor:
-    raise MeasureError("memkit's measuring forward keeps no saved tensors, so it cannot run a backward; give a sample "
-                       "(or ActivationCheckpointing(sample_fn=...)) that runs the forward only")
+    raise MeasureError(
+        "memkit's measuring forward keeps no saved tensors, so it cannot run a backward; give a sample "
+        "(or ActivationCheckpointing(sample_fn=...)) that runs the forward only"
+    )
 
 
 @dataclass
@@ -159,8 +167,12 @@ class _Measuring:
 
     def __init__(self, regions: dict[str, list[nn.Module]], count_flops: bool) -> None:
         self.regions = regions
-        self.result = ForwardMeasure(region_saved={n: {} for n in regions}, region_inputs={n: set() for n in regions},
-                                     flops={n: 0 for n in regions}, seconds={n: 0.0 for n in regions})
+        self.result = ForwardMeasure(
+            region_saved={n: {} for n in regions},
+            region_inputs={n: set() for n in regions},
+            flops={n: 0 for n in regions},
+            seconds={n: 0.0 for n in regions},
+        )
         self.accountant = TensorAccountant()
         self.active: list[str] = []
         self.starts: dict[str, tuple[int, float]] = {}
@@ -205,8 +217,11 @@ class _Measuring:
 
     def add_region_hooks(self) -> None:
         for name, chain in self.regions.items():
-            self.handles.append(chain[0].register_forward_pre_hook(
-                lambda _m, args, kwargs=None, name=name: self._pre(name, args, kwargs), with_kwargs=True))
+            self.handles.append(
+                chain[0].register_forward_pre_hook(
+                    lambda _m, args, kwargs=None, name=name: self._pre(name, args, kwargs), with_kwargs=True
+                )
+            )
             self.handles.append(chain[-1].register_forward_hook(lambda _m, _args, *_rest, name=name: self._post(name)))
 
     def remove_hooks(self) -> None:
@@ -215,8 +230,9 @@ class _Measuring:
         self.handles = []
 
 
-def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]] | None = None,
-                    count_flops: bool = False) -> ForwardMeasure:
+def measure_forward(
+    module: nn.Module, sample: Any, regions: dict[str, list[nn.Module]] | None = None, count_flops: bool = False
+) -> ForwardMeasure:
     """Run one measuring forward of ``sample`` and return what it saved (see the module docstring).
 
     ``regions`` maps a name to the chained modules it runs (one module, or consecutive children of a
@@ -253,8 +269,9 @@ def measure_forward(module: nn.Module, sample: Any, regions: dict[str, list[nn.M
     except MeasureError:
         raise
     except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
-        raise MeasureError(f"the measuring forward of {type(module).__name__} failed: {type(error).__name__}: "
-                           f"{error}") from error
+        raise MeasureError(
+            f"the measuring forward of {type(module).__name__} failed: {type(error).__name__}: {error}"
+        ) from error
     finally:
         measuring.remove_hooks()
     measuring.result.peak_bytes = measuring.accountant.peak_bytes
@@ -272,11 +289,13 @@ def _run_measured(measuring: _Measuring, run: Any) -> Any:
 
 
 def _hidden_saves_message(module: nn.Module) -> str:
-    return (f"the forward of {type(module).__name__} saved tensors for backward through its own "
-            "saved_tensors_hooks (torch.autograd.graph.save_on_cpu, or another pair of hooks entered in the "
-            "model or the step), which take them before memkit's measuring hooks can see them; a budget needs "
-            "what the forward saves: measure without those hooks (a sample or sample_fn that runs the forward "
-            "without them), or give a policy that needs no measuring (\"auto\", a set of module classes)")
+    return (
+        f"the forward of {type(module).__name__} saved tensors for backward through its own "
+        "saved_tensors_hooks (torch.autograd.graph.save_on_cpu, or another pair of hooks entered in the "
+        "model or the step), which take them before memkit's measuring hooks can see them; a budget needs "
+        "what the forward saves: measure without those hooks (a sample or sample_fn that runs the forward "
+        'without them), or give a policy that needs no measuring ("auto", a set of module classes)'
+    )
 
 
 def measure_activation_bytes(module: nn.Module, sample: Any) -> int:
@@ -314,8 +333,9 @@ def block_profiles(measure: ForwardMeasure) -> dict[str, BlockProfile]:
     result = {}
     for name, saved in measure.region_saved.items():
         total = sum(saved.values())
-        freed = sum(n for key, n in saved.items()
-                    if key not in measure.region_inputs[name] and key not in measure.outside)
+        freed = sum(
+            n for key, n in saved.items() if key not in measure.region_inputs[name] and key not in measure.outside
+        )
         result[name] = BlockProfile(total, freed, int(measure.flops[name]), measure.seconds[name])
     return result
 

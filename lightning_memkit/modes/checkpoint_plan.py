@@ -97,8 +97,10 @@ class CheckpointPlan:
         if self.predicted_saving_bytes is not None:
             text += f"; predicted saving {format_bytes(self.predicted_saving_bytes)}"
         if self.measured_saving_bytes is not None:
-            text += (f"; activation memory {format_bytes(self.baseline_activation_bytes)} -> "
-                     f"{format_bytes(self.measured_activation_bytes)} (measured)")
+            text += (
+                f"; activation memory {format_bytes(self.baseline_activation_bytes)} -> "
+                f"{format_bytes(self.measured_activation_bytes)} (measured)"
+            )
         if self.budget_bytes is not None:
             text += f"; budget {format_bytes(self.budget_bytes)}"
         if self.note:

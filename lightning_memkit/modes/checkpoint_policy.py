@@ -24,8 +24,10 @@ __all__ = [
 ]
 
 #: how to write a budget; every budget error ends with it.
-BUDGET_UNITS_HINT = ("write a fraction in (0, 1] of the baseline activation memory, e.g. budget=0.5, "
-                     "or a size with a unit, e.g. budget='512MiB' (CheckpointBudget(bytes=...) takes an int of bytes)")
+BUDGET_UNITS_HINT = (
+    "write a fraction in (0, 1] of the baseline activation memory, e.g. budget=0.5, "
+    "or a size with a unit, e.g. budget='512MiB' (CheckpointBudget(bytes=...) takes an int of bytes)"
+)
 
 
 # ---------------------------------------------------------------------------------------------- policies
@@ -55,21 +57,31 @@ class CheckpointBudget:
         if (self.fraction is None) == (self.bytes is None):
             raise ValueError("CheckpointBudget: give exactly one of fraction=0.5 or bytes='512MiB'")
         if self.fraction is not None:
-            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 < float(self.fraction) <= 1:
-                raise ValueError(f"CheckpointBudget(fraction={self.fraction!r}): give a fraction in (0, 1], e.g. 0.5; "
-                                 "for a size use bytes='512MiB'")
+            if (
+                isinstance(self.fraction, bool)
+                or not isinstance(self.fraction, (int, float))
+                or not 0 < float(self.fraction) <= 1
+            ):
+                raise ValueError(
+                    f"CheckpointBudget(fraction={self.fraction!r}): give a fraction in (0, 1], e.g. 0.5; "
+                    "for a size use bytes='512MiB'"
+                )
             object.__setattr__(self, "fraction", float(self.fraction))
         if self.bytes is not None:
             if isinstance(self.bytes, float):
-                raise ValueError(f"CheckpointBudget(bytes={self.bytes!r}): give an int of bytes or a size with a unit, e.g. '512MiB'")
+                raise ValueError(
+                    f"CheckpointBudget(bytes={self.bytes!r}): give an int of bytes or a size with a unit, e.g. '512MiB'"
+                )
             object.__setattr__(self, "bytes", parse_bytes(self.bytes))
             if self.bytes <= 0:
                 raise ValueError(f"CheckpointBudget(bytes={self.bytes!r}): give a positive size, e.g. '512MiB'")
         if self.within is not None:
             within = normalize_policy(self.within)
             if within == "auto" or isinstance(within, CheckpointBudget):
-                raise ValueError("CheckpointBudget(within=...): give a set of module classes or a callable (name, module) -> bool; "
-                                 "without within= the budget already chooses among the repeated blocks")
+                raise ValueError(
+                    "CheckpointBudget(within=...): give a set of module classes or a callable (name, module) -> bool; "
+                    "without within= the budget already chooses among the repeated blocks"
+                )
             object.__setattr__(self, "within", within)
 
     def target_bytes(self, baseline_activation_bytes: int) -> int:
@@ -112,7 +124,9 @@ def parse_budget(value: Any, within: Any = None) -> CheckpointBudget:
     else:
         number = float(value)
     if not 0 < number <= 1:
-        raise ValueError(f"budget {value!r} is ambiguous: a bare number must be a fraction in (0, 1]; {BUDGET_UNITS_HINT}")
+        raise ValueError(
+            f"budget {value!r} is ambiguous: a bare number must be a fraction in (0, 1]; {BUDGET_UNITS_HINT}"
+        )
     return CheckpointBudget(fraction=number, within=within)
 
 
@@ -134,7 +148,7 @@ def normalize_policy(policy: Any) -> Any:
         if text.lower() == "auto":
             return "auto"
         if text.lower().startswith("budget="):
-            return parse_budget(text[len("budget="):])
+            return parse_budget(text[len("budget=") :])
         policy = {_policy_class(policy)}
     if isinstance(policy, type):
         policy = {policy}
@@ -143,13 +157,17 @@ def normalize_policy(policy: Any) -> Any:
         classes = frozenset(_policy_class(c) if isinstance(c, str) else c for c in policy)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if not classes or bad:
-            raise ValueError(f"checkpoint policy {policy!r}: a set of policy classes must hold nn.Module subclasses, "
-                             "e.g. {nn.TransformerEncoderLayer}")
+            raise ValueError(
+                f"checkpoint policy {policy!r}: a set of policy classes must hold nn.Module subclasses, "
+                "e.g. {nn.TransformerEncoderLayer}"
+            )
         return classes
     if callable(policy):
         return policy
-    raise ValueError(f"checkpoint policy {policy!r} is not understood; use 'auto', CheckpointBudget(fraction=0.5), "
-                     "a set of module classes, or a callable (name, module) -> bool")
+    raise ValueError(
+        f"checkpoint policy {policy!r} is not understood; use 'auto', CheckpointBudget(fraction=0.5), "
+        "a set of module classes, or a callable (name, module) -> bool"
+    )
 
 
 def _policy_class(text: str) -> type:
@@ -158,9 +176,11 @@ def _policy_class(text: str) -> type:
 
     found = resolve_class_path(text, strict=True)
     if found is None:
-        raise ValueError(f"unknown checkpoint policy {text!r}; use 'auto', 'budget=0.5', 'budget=512MiB', a class path "
-                         "such as 'torch.nn.TransformerEncoderLayer' (or a list of them), a set of module classes, or a "
-                         "callable (name, module) -> bool")
+        raise ValueError(
+            f"unknown checkpoint policy {text!r}; use 'auto', 'budget=0.5', 'budget=512MiB', a class path "
+            "such as 'torch.nn.TransformerEncoderLayer' (or a list of them), a set of module classes, or a "
+            "callable (name, module) -> bool"
+        )
     return found
 
 
@@ -242,8 +262,12 @@ def _plain_sequential_chains(module: nn.Module) -> list[_BlockRun]:
     segments, as torch's ``checkpoint_sequential`` does."""
     runs: list[_BlockRun] = []
     for name, container in module.named_modules():
-        if (type(container).forward is not nn.Sequential.forward or not isinstance(container, nn.Sequential)
-                or len(container) < 3 or sum(_has_parameters(child) for child in container) < 2):
+        if (
+            type(container).forward is not nn.Sequential.forward
+            or not isinstance(container, nn.Sequential)
+            or len(container) < 3
+            or sum(_has_parameters(child) for child in container) < 2
+        ):
             continue
         if any(name.startswith(run.container_name + ".") or not run.container_name for run in runs):
             continue
@@ -317,17 +341,28 @@ def regions_for(module: nn.Module, policy: Any) -> tuple[list[Region], str]:
             children = list(run.container.named_children())
             for start, end in _sqrt_ranges(run.indices):
                 names = [_join(run.container_name, children[i][0]) for i in range(start, end)]
-                regions.append(Region(f"{run.container_name or '<root>'}[{start}:{end}]", [children[i][1] for i in range(start, end)],
-                                      names, run.container, (start, end)))
+                regions.append(
+                    Region(
+                        f"{run.container_name or '<root>'}[{start}:{end}]",
+                        [children[i][1] for i in range(start, end)],
+                        names,
+                        run.container,
+                        (start, end),
+                    )
+                )
             classes = {type(children[i][1]).__name__ for i in run.indices}
             what = f"{classes.pop()} blocks" if len(classes) == 1 else "layers"
-            notes.append(f"{run.container_name or '<root>'}: {len(run.indices)} {what} "
-                         f"in {len(_sqrt_ranges(run.indices))} segments (~sqrt(n))")
+            notes.append(
+                f"{run.container_name or '<root>'}: {len(run.indices)} {what} "
+                f"in {len(_sqrt_ranges(run.indices))} segments (~sqrt(n))"
+            )
         else:
             for name in run.names:
                 regions.append(Region(name, [module.get_submodule(name)], [name]))
-            notes.append(f"{run.container_name}: {len(run.names)} blocks called from user code, one segment each "
-                         "(a ModuleList's or ModuleDict's calls cannot be grouped without rewriting forward)")
+            notes.append(
+                f"{run.container_name}: {len(run.names)} blocks called from user code, one segment each "
+                "(a ModuleList's or ModuleDict's calls cannot be grouped without rewriting forward)"
+            )
     if len(regions) > 1:
         # Like torch's checkpoint_sequential, the last segment runs plain: backward starts by recomputing
         # it, so checkpointing it would cost a forward and save no peak memory.
@@ -353,7 +388,15 @@ def budget_candidates(module: nn.Module, budget: CheckpointBudget) -> list[Regio
             children = list(child.named_children())
             for start, end in _sqrt_ranges(list(range(len(children)))):
                 names = [_join(name, children[i][0]) for i in range(start, end)]
-                regions.append(Region(f"{name}[{start}:{end}]", [children[i][1] for i in range(start, end)], names, child, (start, end)))
+                regions.append(
+                    Region(
+                        f"{name}[{start}:{end}]",
+                        [children[i][1] for i in range(start, end)],
+                        names,
+                        child,
+                        (start, end),
+                    )
+                )
         elif isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             for sub, grandchild in child.named_children():
                 regions.append(Region(_join(name, sub), [grandchild], [_join(name, sub)]))
@@ -367,11 +410,15 @@ def no_match_error(module: nn.Module, policy: Any) -> ValueError:
     classes = sorted({type(m).__name__ for _, m in _callable_modules(module)})
     hint = ", ".join(classes[:12]) + (", ..." if len(classes) > 12 else "")
     if policy == "auto":
-        return ValueError(f"checkpoint policy 'auto' found no repeated blocks in {type(module).__name__} (same-class children "
-                          f"with parameters of an nn.ModuleList, nn.ModuleDict or nn.Sequential) and no nn.Sequential chain of 3 or more "
-                          f"layers; pass the block classes instead, "
-                          f"e.g. policy={{nn.Conv2d}}. Module classes in this model: {hint}")
+        return ValueError(
+            f"checkpoint policy 'auto' found no repeated blocks in {type(module).__name__} (same-class children "
+            f"with parameters of an nn.ModuleList, nn.ModuleDict or nn.Sequential) and no nn.Sequential chain of 3 or more "
+            f"layers; pass the block classes instead, "
+            f"e.g. policy={{nn.Conv2d}}. Module classes in this model: {hint}"
+        )
     if isinstance(policy, CheckpointBudget):
         policy = policy.within
-    return ValueError(f"checkpoint policy {describe_policy(policy)} matched no module of {type(module).__name__}; "
-                      f"module classes in this model: {hint}")
+    return ValueError(
+        f"checkpoint policy {describe_policy(policy)} matched no module of {type(module).__name__}; "
+        f"module classes in this model: {hint}"
+    )

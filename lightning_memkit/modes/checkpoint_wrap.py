@@ -39,8 +39,15 @@ from lightning_memkit.modes.checkpoint_plan import CheckpointPlan
 if TYPE_CHECKING:
     from lightning_memkit.modes.checkpoint_policy import Region
 
-__all__ = ["CheckpointHandle", "checkpointed_call", "checkpoint_region", "frozen_running_stats",
-           "is_checkpointed", "unwrap_modules", "wrap_regions"]
+__all__ = [
+    "CheckpointHandle",
+    "checkpointed_call",
+    "checkpoint_region",
+    "frozen_running_stats",
+    "is_checkpointed",
+    "unwrap_modules",
+    "wrap_regions",
+]
 
 _STATE_ATTR = "_memkit_checkpoint_state"
 
@@ -57,8 +64,11 @@ def checkpoint_region() -> int:
 
 
 def _has_running_stats(module: nn.Module) -> bool:
-    return (bool(getattr(module, "track_running_stats", False)) and getattr(module, "running_mean", None) is not None
-            and hasattr(module, "momentum"))
+    return (
+        bool(getattr(module, "track_running_stats", False))
+        and getattr(module, "running_mean", None) is not None
+        and hasattr(module, "momentum")
+    )
 
 
 @contextlib.contextmanager
@@ -85,8 +95,9 @@ def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
                     module.num_batches_tracked.copy_(counter)
 
 
-def checkpointed_call(function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any,
-                      **kwargs: Any) -> Any:
+def checkpointed_call(
+    function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any, **kwargs: Any
+) -> Any:
     """``function(*args, **kwargs)`` under torch's non-reentrant checkpoint, running stats frozen on recompute.
 
     With gradients disabled (validation, ``no_grad``) the function just runs.
@@ -132,8 +143,13 @@ class _WrapState:
 
 #: a key/value cache's arguments and their values in a checkpointed forward (transformers' own gradient
 #: checkpointing sets the same: a recompute would append to the cache again)
-_CACHE_OFF: tuple[tuple[str, Any], ...] = (("use_cache", False), ("cache", None), ("past_key_value", None),
-                                           ("past_key_values", None), ("layer_past", None))
+_CACHE_OFF: tuple[tuple[str, Any], ...] = (
+    ("use_cache", False),
+    ("cache", None),
+    ("past_key_value", None),
+    ("past_key_values", None),
+    ("layer_past", None),
+)
 
 
 def _inner_forward(module: nn.Module, state: _WrapState) -> Callable[..., Any]:
@@ -171,8 +187,9 @@ def _cache_arguments(module: nn.Module, forward: Callable[..., Any]) -> tuple[tu
     return tuple(found.values())
 
 
-def _caching_off(arguments: tuple[tuple[str, int | None, Any], ...], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _caching_off(
+    arguments: tuple[tuple[str, int | None, Any], ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with every cache argument of ``arguments`` given its checkpointed value."""
     positional = list(args)
     for name, index, value in arguments:
@@ -216,8 +233,10 @@ def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:  # no
 
 def _install(module: nn.Module, forward: Callable[..., Any], ranges: tuple[tuple[int, int], ...] = ()) -> None:
     if _STATE_ATTR in module.__dict__:
-        raise ValueError(f"{type(module).__name__} is already checkpointed by memkit; "
-                         "call handle.remove() before applying another policy")
+        raise ValueError(
+            f"{type(module).__name__} is already checkpointed by memkit; "
+            "call handle.remove() before applying another policy"
+        )
     had = "forward" in module.__dict__
     stats = tuple(m for m in module.modules() if _has_running_stats(m))
     state = _WrapState(had, module.__dict__.get("forward"), stats, ranges)

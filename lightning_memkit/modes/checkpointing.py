@@ -73,15 +73,25 @@ def _segments(regions: list[Region], profiles: dict[str, BlockProfile] | None) -
     out = []
     for region in regions:
         p = (profiles or {}).get(region.name)
-        out.append(CheckpointSegment(region.name, tuple(region.module_names), p and p.saved_bytes, p and p.predicted_saving_bytes,
-                                     p and p.recompute_flops, p and p.forward_seconds))
+        out.append(
+            CheckpointSegment(
+                region.name,
+                tuple(region.module_names),
+                p and p.saved_bytes,
+                p and p.predicted_saving_bytes,
+                p and p.recompute_flops,
+                p and p.forward_seconds,
+            )
+        )
     return out
 
 
 def _plan_budget(module: nn.Module, budget: CheckpointBudget, sample: Any) -> tuple[CheckpointPlan, list[nn.Module]]:
     if sample is None:
-        raise ValueError("a budget policy measures activation memory on a sample: pass sample=(inputs,) "
-                         "or sample=lambda: model.training_step(batch, 0)")
+        raise ValueError(
+            "a budget policy measures activation memory on a sample: pass sample=(inputs,) "
+            "or sample=lambda: model.training_step(batch, 0)"
+        )
     candidates = budget_candidates(module, budget)
     if not candidates:
         raise no_match_error(module, budget)
@@ -98,10 +108,16 @@ def _plan_budget(module: nn.Module, budget: CheckpointBudget, sample: Any) -> tu
         plan.note = "the baseline already meets the budget; nothing checkpointed"
         return plan, []
     useful = [r for r in candidates if profiles[r.name].predicted_saving_bytes > 0]
-    among = f"the modules {describe_policy(budget.within)} matches" if budget.within is not None else f"the blocks of {type(module).__name__}"
+    among = (
+        f"the modules {describe_policy(budget.within)} matches"
+        if budget.within is not None
+        else f"the blocks of {type(module).__name__}"
+    )
     if not useful:
-        raise ValueError(f"budget {format_bytes(target)} cannot be met: none of {among} holds activation memory "
-                         "that checkpointing would free; use a larger budget or another set of module classes")
+        raise ValueError(
+            f"budget {format_bytes(target)} cannot be met: none of {among} holds activation memory "
+            "that checkpointing would free; use a larger budget or another set of module classes"
+        )
 
     def cost(region: Region) -> float:
         p = profiles[region.name]
@@ -135,9 +151,11 @@ def _plan_budget(module: nn.Module, budget: CheckpointBudget, sample: Any) -> tu
     if measured.activation_bytes > target:
         unwrap_modules(wrapped)
         got = measured.activation_bytes
-        raise ValueError(f"budget {format_bytes(target)} cannot be met: checkpointing all {len(order)} candidates ({among}) leaves "
-                         f"{format_bytes(got)} of activation memory (baseline {format_bytes(baseline)}); "
-                         f"choose a budget of at least {format_bytes(got)} (budget='{got}B') or {got / baseline:.2f} of the baseline")
+        raise ValueError(
+            f"budget {format_bytes(target)} cannot be met: checkpointing all {len(order)} candidates ({among}) leaves "
+            f"{format_bytes(got)} of activation memory (baseline {format_bytes(baseline)}); "
+            f"choose a budget of at least {format_bytes(got)} (budget='{got}B') or {got / baseline:.2f} of the baseline"
+        )
     plan.note = f"{count} of {len(order)} candidates ({among}), chosen by bytes freed per recompute FLOP"
     return plan, wrapped
 
@@ -190,8 +208,11 @@ def apply_checkpointing(module: nn.Module, policy: Any = "auto", sample: Any = N
             plan.baseline_activation_bytes = profiled.activation_bytes
             plan.measuring_peak_bytes = profiled.peak_bytes
         except MeasureError as error:
-            warnings.warn(f"memkit checkpointing: not measured ({error}); the regions are checkpointed all the same",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"memkit checkpointing: not measured ({error}); the regions are checkpointed all the same",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             sample = None
     plan.segments = _segments(regions, profiles)
     wrapped = wrap_regions(regions)
@@ -201,7 +222,11 @@ def apply_checkpointing(module: nn.Module, policy: Any = "auto", sample: Any = N
             plan.measured_activation_bytes = measured.activation_bytes
             plan.measuring_peak_bytes = max(plan.measuring_peak_bytes or 0, measured.peak_bytes)
         except MeasureError as error:
-            warnings.warn(f"memkit checkpointing: the checkpointed forward was not measured ({error})", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"memkit checkpointing: the checkpointed forward was not measured ({error})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return CheckpointHandle(plan, wrapped)
 
 

@@ -34,8 +34,16 @@ from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.timing import StepTimer, time_spread, within_noise
 from lightning_memkit.units import format_bytes
 
-__all__ = ["COMPARE_FORMAT", "ModeResult", "CompareResult", "ModeStatus", "CheckpointWarning", "compare_modes",
-           "read_compare", "progress_line"]
+__all__ = [
+    "COMPARE_FORMAT",
+    "ModeResult",
+    "CompareResult",
+    "ModeStatus",
+    "CheckpointWarning",
+    "compare_modes",
+    "read_compare",
+    "progress_line",
+]
 
 #: StepReading peak fields, best first: a mode's peak comes from the first one its readings have.
 PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")
@@ -143,8 +151,14 @@ def _pick_val_metric(metrics: dict[str, float], wanted: str | None) -> tuple[str
     return None, None
 
 
-def _fit(mode: Mode, mode_kwargs: dict[str, Any], model_factory: Callable[[], Any],
-         datamodule_factory: Callable[[], Any] | None, logger: Any, settings: _RunSettings) -> tuple[Any, Any, Any]:
+def _fit(
+    mode: Mode,
+    mode_kwargs: dict[str, Any],
+    model_factory: Callable[[], Any],
+    datamodule_factory: Callable[[], Any] | None,
+    logger: Any,
+    settings: _RunSettings,
+) -> tuple[Any, Any, Any]:
     """Train one mode; returns (trainer, its MemoryTracker, its step recorder)."""
     import lightning.pytorch as pl  # Lightning only when a comparison runs: lightning_memkit.modes is core
 
@@ -157,10 +171,19 @@ def _fit(mode: Mode, mode_kwargs: dict[str, Any], model_factory: Callable[[], An
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # CPU: the exact peak of every step
     recorder = _step_recorder()
     options = dict(
-        accelerator=settings.accelerator, devices=settings.devices, max_steps=settings.max_steps, logger=logger,
-        default_root_dir=settings.root_dir, val_check_interval=settings.max_steps, check_val_every_n_epoch=None,
-        limit_val_batches=settings.val_batches, num_sanity_val_steps=0, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        max_steps=settings.max_steps,
+        logger=logger,
+        default_root_dir=settings.root_dir,
+        val_check_interval=settings.max_steps,
+        check_val_every_n_epoch=None,
+        limit_val_batches=settings.val_batches,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
     )
     options.update(settings.trainer_kwargs)
     options["precision"] = mode_kwargs["precision"]
@@ -191,7 +214,7 @@ def _read_times(result: ModeResult, recorder: Any, warmup_steps: int) -> None:
     result.time_source = recorder.timer.source if recorder.timer is not None else None
     result.batch_size = recorder.batch_size
     result.warmup_steps = min(warmup_steps, len(times) // 2)
-    spread = time_spread(times[result.warmup_steps:])
+    spread = time_spread(times[result.warmup_steps :])
     if spread is not None:
         result.timed_steps = spread.count
         result.median_step_time_s = spread.median_s
@@ -213,8 +236,9 @@ def _read_validation(result: ModeResult, callback_metrics: dict[str, Any], wante
     result.val_metric_name, result.val_metric = _pick_val_metric(metrics, wanted)
 
 
-def _run_mode(mode: Mode, model_factory: Callable[[], Any], datamodule_factory: Callable[[], Any] | None,
-              settings: _RunSettings) -> ModeResult:
+def _run_mode(
+    mode: Mode, model_factory: Callable[[], Any], datamodule_factory: Callable[[], Any] | None, settings: _RunSettings
+) -> ModeResult:
     from lightning.pytorch.loggers import TensorBoardLogger  # Lightning only when a comparison runs
 
     result = ModeResult(mode=mode.name, checkpoint=mode.to_dict()["checkpoint"])
@@ -270,8 +294,14 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
     for mode, result in zip(modes, results):
         if mode.checkpoint is None or result.status != ModeStatus.OK or result.peak_allocated_bytes is None:
             continue
-        candidates = [(m, r) for m, r in zip(modes, results) if m.checkpoint is None and r.status == ModeStatus.OK
-                      and r.peak_allocated_bytes is not None and r.precision == result.precision]
+        candidates = [
+            (m, r)
+            for m, r in zip(modes, results)
+            if m.checkpoint is None
+            and r.status == ModeStatus.OK
+            and r.peak_allocated_bytes is not None
+            and r.precision == result.precision
+        ]
         if not candidates:
             continue
         # the same precision word first (amp+checkpoint vs amp), else the same Lightning precision (amp vs bf16 on
@@ -298,8 +328,13 @@ def progress_line(index: int, count: int, result: "ModeResult", seconds: float) 
     return f"{head}: peak {format_bytes(result.peak_allocated_bytes)}, {step}, {result.steps} steps ({seconds:.1f}s)"
 
 
-def _run_modes(modes: list[Mode], model_factory: Callable[[], Any], datamodule_factory: Callable[[], Any] | None,
-               settings: _RunSettings, progress: bool) -> list[ModeResult]:
+def _run_modes(
+    modes: list[Mode],
+    model_factory: Callable[[], Any],
+    datamodule_factory: Callable[[], Any] | None,
+    settings: _RunSettings,
+    progress: bool,
+) -> list[ModeResult]:
     """Each mode in turn, from a clean slate, one progress line as each ends (``progress``)."""
     results = []
     for index, mode in enumerate(modes, start=1):
@@ -377,9 +412,18 @@ def compare_modes(
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps!r}: give 0 or more steps to leave out of the timing, e.g. 3")
     parsed = parse_modes(modes if not isinstance(modes, Mode) else [modes])
-    settings = _RunSettings(max_steps=max_steps, accelerator=accelerator, devices=devices, root_dir=root_dir,
-                            seed=seed, val_batches=val_batches, val_metric=val_metric, verbose=verbose,
-                            warmup_steps=warmup_steps, trainer_kwargs=dict(trainer_kwargs or {}))
+    settings = _RunSettings(
+        max_steps=max_steps,
+        accelerator=accelerator,
+        devices=devices,
+        root_dir=root_dir,
+        seed=seed,
+        val_batches=val_batches,
+        val_metric=val_metric,
+        verbose=verbose,
+        warmup_steps=warmup_steps,
+        trainer_kwargs=dict(trainer_kwargs or {}),
+    )
     results = _run_modes(parsed, model_factory, datamodule_factory, settings, progress)
     try:
         device = device_type(accelerator)
@@ -389,8 +433,9 @@ def compare_modes(
     _ratios(results, baseline)
     for text in _judge_checkpoints(parsed, results):
         warnings.warn(f"memkit compare: {text}", CheckpointWarning, stacklevel=2)
-    compare = CompareResult(results, baseline.mode if baseline else None, device, max_steps, seed,
-                            os.path.abspath(root_dir))
+    compare = CompareResult(
+        results, baseline.mode if baseline else None, device, max_steps, seed, os.path.abspath(root_dir)
+    )
     if write:
         _write(compare, figures)
     if verbose:

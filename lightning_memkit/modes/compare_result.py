@@ -131,12 +131,39 @@ class ModeResult:
 
     #: the columns of compare.csv (per-step lists, region names and the val_metrics dict are JSON-only)
     CSV_COLUMNS = (
-        "mode", "status", "precision", "checkpoint", "steps", "batch_size", "peak_allocated_bytes", "peak_source",
-        "peak_reserved_bytes", "median_step_time_s", "throughput_samples_per_s", "final_train_loss", "val_metric_name",
-        "val_metric", "peak_ratio", "peak_reserved_ratio", "step_time_ratio", "throughput_ratio", "checkpoint_regions",
-        "checkpoint_predicted_saving_bytes", "log_dir", "error",
-        "step_time_q1_s", "step_time_q3_s", "step_time_min_s", "step_time_max_s", "warmup_steps", "timed_steps",
-        "time_source", "step_time_within_noise", "counterpart", "counterpart_peak_bytes", "counterpart_peak_ratio",
+        "mode",
+        "status",
+        "precision",
+        "checkpoint",
+        "steps",
+        "batch_size",
+        "peak_allocated_bytes",
+        "peak_source",
+        "peak_reserved_bytes",
+        "median_step_time_s",
+        "throughput_samples_per_s",
+        "final_train_loss",
+        "val_metric_name",
+        "val_metric",
+        "peak_ratio",
+        "peak_reserved_ratio",
+        "step_time_ratio",
+        "throughput_ratio",
+        "checkpoint_regions",
+        "checkpoint_predicted_saving_bytes",
+        "log_dir",
+        "error",
+        "step_time_q1_s",
+        "step_time_q3_s",
+        "step_time_min_s",
+        "step_time_max_s",
+        "warmup_steps",
+        "timed_steps",
+        "time_source",
+        "step_time_within_noise",
+        "counterpart",
+        "counterpart_peak_bytes",
+        "counterpart_peak_ratio",
         "checkpoint_helped",
     )
 
@@ -158,9 +185,14 @@ class ModeResult:
         """The timed steps' spread (seconds), or ``None`` when there were none (older files: the median only)."""
         if self.median_step_time_s is None or self.step_time_q1_s is None or self.step_time_q3_s is None:
             return None
-        return TimeSpread(self.timed_steps or 0, self.median_step_time_s, self.step_time_q1_s, self.step_time_q3_s,
-                          self.step_time_min_s if self.step_time_min_s is not None else self.step_time_q1_s,
-                          self.step_time_max_s if self.step_time_max_s is not None else self.step_time_q3_s)
+        return TimeSpread(
+            self.timed_steps or 0,
+            self.median_step_time_s,
+            self.step_time_q1_s,
+            self.step_time_q3_s,
+            self.step_time_min_s if self.step_time_min_s is not None else self.step_time_q1_s,
+            self.step_time_max_s if self.step_time_max_s is not None else self.step_time_q3_s,
+        )
 
     def checkpoint_warning(self) -> str | None:
         """The sentence saying this checkpoint mode did not lower the peak (``None`` when it did, or cannot be
@@ -169,16 +201,21 @@ class ModeResult:
             return None
         more = len(self.checkpoint_names) - 6
         names = ", ".join(self.checkpoint_names[:6]) + (f", ... ({more} more)" if more > 0 else "")
-        wrapped = (f"{self.checkpoint_regions} region(s): {names}" if self.checkpoint_regions is not None
-                   else "an unknown plan")
+        wrapped = (
+            f"{self.checkpoint_regions} region(s): {names}"
+            if self.checkpoint_regions is not None
+            else "an unknown plan"
+        )
         difference = (self.peak_allocated_bytes or 0) - (self.counterpart_peak_bytes or 0)
         relation = f"{format_bytes(difference)} higher than" if difference > 0 else "the same as"
-        return (f"checkpointing did not lower the peak: {self.mode} peaks at "
-                f"{format_bytes(self.peak_allocated_bytes)}, {relation} {self.counterpart} (same precision, no "
-                f"checkpointing: {format_bytes(self.counterpart_peak_bytes)}, {self.counterpart_peak_ratio:.2f}x); "
-                f"policy {self.checkpoint} wrapped {wrapped}. The wrapped blocks' saved activations are not what sets "
-                "this peak (it may be parameters, optimizer state, a block outside them, or the recompute itself); "
-                "try another policy or see the layer trace")
+        return (
+            f"checkpointing did not lower the peak: {self.mode} peaks at "
+            f"{format_bytes(self.peak_allocated_bytes)}, {relation} {self.counterpart} (same precision, no "
+            f"checkpointing: {format_bytes(self.counterpart_peak_bytes)}, {self.counterpart_peak_ratio:.2f}x); "
+            f"policy {self.checkpoint} wrapped {wrapped}. The wrapped blocks' saved activations are not what sets "
+            "this peak (it may be parameters, optimizer state, a block outside them, or the recompute itself); "
+            "try another policy or see the layer trace"
+        )
 
 
 @dataclass
@@ -233,15 +270,31 @@ class CompareResult:
         ratio marked ``~`` is within noise (the two modes' IQRs overlap). A checkpoint mode whose peak
         is not below its counterpart's is marked ``!`` in ``vs no-ckpt``.
         """
-        headers = ("mode", "peak", "vs base", "vs no-ckpt", "peak reserved", "step ms", "IQR ms", "vs base",
-                   "samples/s", "train loss", "validation")
-        lines = [f"memkit compare ({self.device}, {self.max_steps} steps, ratios vs {self.baseline})",
-                 format_table(headers, [_table_row(r) for r in self.results])]
+        headers = (
+            "mode",
+            "peak",
+            "vs base",
+            "vs no-ckpt",
+            "peak reserved",
+            "step ms",
+            "IQR ms",
+            "vs base",
+            "samples/s",
+            "train loss",
+            "validation",
+        )
+        lines = [
+            f"memkit compare ({self.device}, {self.max_steps} steps, ratios vs {self.baseline})",
+            format_table(headers, [_table_row(r) for r in self.results]),
+        ]
         lines += _timing_notes([r for r in self.results if r.status == ModeStatus.OK and r.timed_steps])
         if any(r.counterpart_peak_ratio is not None for r in self.results):
             lines.append("vs no-ckpt: peak / the peak of the same precision without checkpointing.")
-        lines += [f"! {r.checkpoint_warning()}." for r in self.results
-                  if r.status == ModeStatus.OK and r.checkpoint_helped is False]
+        lines += [
+            f"! {r.checkpoint_warning()}."
+            for r in self.results
+            if r.status == ModeStatus.OK and r.checkpoint_helped is False
+        ]
         return "\n".join(lines)
 
     def write(self, directory: str | None = None, figures: bool = True) -> dict[str, str]:
@@ -283,8 +336,14 @@ def _table_row(r: ModeResult) -> tuple[str, ...]:
     if r.counterpart_peak_ratio is not None:
         counterpart = _ratio(r.counterpart_peak_ratio) + (" !" if r.checkpoint_helped is False else "")
     return (
-        r.mode, format_bytes(r.peak_allocated_bytes), _ratio(r.peak_ratio), counterpart,
-        format_bytes(r.peak_reserved_bytes), _ms(r.median_step_time_s), iqr, time_ratio,
+        r.mode,
+        format_bytes(r.peak_allocated_bytes),
+        _ratio(r.peak_ratio),
+        counterpart,
+        format_bytes(r.peak_reserved_bytes),
+        _ms(r.median_step_time_s),
+        iqr,
+        time_ratio,
         "-" if r.throughput_samples_per_s is None else f"{r.throughput_samples_per_s:.1f}",
         "-" if r.final_train_loss is None else f"{r.final_train_loss:.4f}",
         "-" if r.val_metric is None else f"{r.val_metric_name}={r.val_metric:.4f}",
@@ -297,15 +356,21 @@ def _timing_notes(timed: list[ModeResult]) -> list[str]:
         return []
     first = timed[0]
     source = TIME_SOURCES.get(first.time_source or "", first.time_source or "unknown clock")
-    lines = [f"step ms: median of {first.timed_steps} timed steps after {first.warmup_steps} warm-up step(s), "
-             f"batch start to batch end, memkit's probes included; {source}. IQR ms: the middle half of those steps."]
+    lines = [
+        f"step ms: median of {first.timed_steps} timed steps after {first.warmup_steps} warm-up step(s), "
+        f"batch start to batch end, memkit's probes included; {source}. IQR ms: the middle half of those steps."
+    ]
     if any(r.step_time_within_noise for r in timed):
-        lines.append("~ within noise: this mode's IQR overlaps the baseline's, so the time difference is smaller "
-                     "than the step-to-step spread.")
+        lines.append(
+            "~ within noise: this mode's IQR overlaps the baseline's, so the time difference is smaller "
+            "than the step-to-step spread."
+        )
     fewest = min(r.timed_steps for r in timed)
     if fewest < MIN_TIMED_STEPS:
-        lines.append(f"only {fewest} timed step(s): the median and spread are unreliable; "
-                     f"run at least {MIN_TIMED_STEPS + (first.warmup_steps or 0)} steps (--steps).")
+        lines.append(
+            f"only {fewest} timed step(s): the median and spread are unreliable; "
+            f"run at least {MIN_TIMED_STEPS + (first.warmup_steps or 0)} steps (--steps)."
+        )
     return lines
 
 
@@ -321,9 +386,15 @@ def read_compare(path: str) -> CompareResult:
         data = json.load(file)
     if not isinstance(data, dict) or str(data.get("format", "")).split("/")[:2] != ["lightning-memkit", "compare"]:
         raise ValueError(f"{path} is not a memkit compare file (written by compare_modes / memkit compare)")
-    return CompareResult([ModeResult.from_dict(m) for m in data["modes"]], data.get("baseline"),
-                         data.get("device", "cpu"), data.get("max_steps", 0), data.get("seed", 0),
-                         data.get("root_dir", os.path.dirname(path)), data.get("files", {}))
+    return CompareResult(
+        [ModeResult.from_dict(m) for m in data["modes"]],
+        data.get("baseline"),
+        data.get("device", "cpu"),
+        data.get("max_steps", 0),
+        data.get("seed", 0),
+        data.get("root_dir", os.path.dirname(path)),
+        data.get("files", {}),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -350,13 +421,10 @@ def write_tensorboard_summary(compare: CompareResult) -> str:
     try:
         for key, figure in compare_figures(compare).items():
             writer.add_figure(f"memkit/compare/{key}", figure, global_step=compare.max_steps, close=False)
-        writer.add_text("memkit/compare/table", markdown_code(compare.format_table()),
-                        global_step=compare.max_steps)
+        writer.add_text("memkit/compare/table", markdown_code(compare.format_table()), global_step=compare.max_steps)
         for r in compare.results:
             if r.peak_allocated_bytes is not None:
                 writer.add_scalar(f"memkit/compare/peak_MiB/{r.mode}", r.peak_allocated_bytes / MiB, compare.max_steps)
     finally:
         writer.close()
     return log_dir
-
-

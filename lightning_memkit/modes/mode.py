@@ -17,8 +17,16 @@ import torch
 from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
 from lightning_memkit.modes.devices import device_type as _device_type
 
-__all__ = ["Mode", "parse_mode", "parse_modes", "resolve_precision", "PRECISION_WORDS", "CHECKPOINT_WORDS", "OFFLOAD_WORD",
-           "MODE_WORDS"]
+__all__ = [
+    "Mode",
+    "parse_mode",
+    "parse_modes",
+    "resolve_precision",
+    "PRECISION_WORDS",
+    "CHECKPOINT_WORDS",
+    "OFFLOAD_WORD",
+    "MODE_WORDS",
+]
 
 #: precision words -> the precision they ask for ("amp" is resolved per device by :func:`resolve_precision`).
 PRECISION_WORDS: dict[str, str | None] = {
@@ -51,7 +59,10 @@ def resolve_precision(precision: str | None, device: Any) -> str | None:
     if precision == "amp":
         return "16-mixed" if device_type in ("cuda", "mps") else "bf16-mixed"
     if precision == "16-mixed" and device_type == "cpu":
-        warnings.warn("memkit: fp16 mixed precision is not supported on CPU; using bf16-mixed instead (as Lightning does)", stacklevel=3)
+        warnings.warn(
+            "memkit: fp16 mixed precision is not supported on CPU; using bf16-mixed instead (as Lightning does)",
+            stacklevel=3,
+        )
         return "bf16-mixed"
     if precision not in (None, "bf16-mixed", "16-mixed"):
         raise ValueError(f"unknown precision {precision!r}; choose None, 'amp', 'bf16-mixed' or '16-mixed'")
@@ -103,7 +114,9 @@ class Mode:
         if self.precision is not None:
             parts.append({"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16"}[self.precision])
         if self.checkpoint is not None:
-            parts.append("checkpoint" if self.checkpoint == "auto" else f"checkpoint:{describe_policy(self.checkpoint)}")
+            parts.append(
+                "checkpoint" if self.checkpoint == "auto" else f"checkpoint:{describe_policy(self.checkpoint)}"
+            )
         if self.offload:
             parts.append(OFFLOAD_WORD)
         return "+".join(parts) or "baseline"
@@ -177,7 +190,7 @@ class Mode:
 def _parse_checkpoint_word(word: str, text: str) -> Any:
     if word == "checkpoint":
         return "auto"
-    argument = word[len("checkpoint:"):]
+    argument = word[len("checkpoint:") :]
     if argument == "auto":
         return "auto"
     if argument.startswith("budget="):
@@ -185,11 +198,13 @@ def _parse_checkpoint_word(word: str, text: str) -> Any:
             return normalize_policy(argument)  # the one parser of budget strings
         except ValueError:
             raise ValueError(
-                f"mode {text!r}: bad budget {argument[len('budget='):]!r}; write checkpoint:budget=0.5 (a fraction of the "
+                f"mode {text!r}: bad budget {argument[len('budget=') :]!r}; write checkpoint:budget=0.5 (a fraction of the "
                 "baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size with a unit); "
                 "a bare number above 1 is ambiguous"
             ) from None
-    raise ValueError(f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}")
+    raise ValueError(
+        f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}"
+    )
 
 
 def parse_mode(text: str | Mode) -> Mode:
@@ -226,7 +241,9 @@ def parse_mode(text: str | Mode) -> Mode:
                 raise ValueError(f"mode {text!r} names offload twice; give it once")
             offload = True
         else:
-            raise ValueError(f"unknown mode word {word!r} in {text!r}; valid words (join with '+'): {', '.join(MODE_WORDS)}")
+            raise ValueError(
+                f"unknown mode word {word!r} in {text!r}; valid words (join with '+'): {', '.join(MODE_WORDS)}"
+            )
     return Mode(precision=precision, checkpoint=checkpoint, name=cleaned, offload=offload)
 
 

@@ -33,7 +33,14 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["OFFLOAD_ON_CPU", "OffloadHandle", "apply_offload", "check_offload_device", "offload_suspended", "offloading"]
+__all__ = [
+    "OFFLOAD_ON_CPU",
+    "OffloadHandle",
+    "apply_offload",
+    "check_offload_device",
+    "offload_suspended",
+    "offloading",
+]
 
 #: why offload is refused anywhere but on a CUDA device
 OFFLOAD_ON_CPU = "offload moves saved activations from a GPU to host memory; on CPU there is nothing to offload"
@@ -46,7 +53,9 @@ def check_offload_device(device: Any) -> None:
 
     kind = device_type(device)
     if kind != "cuda":
-        raise ValueError(f"{OFFLOAD_ON_CPU} (the device here is {kind!r}); train on a CUDA GPU, or leave 'offload' out of the mode")
+        raise ValueError(
+            f"{OFFLOAD_ON_CPU} (the device here is {kind!r}); train on a CUDA GPU, or leave 'offload' out of the mode"
+        )
 
 
 @contextlib.contextmanager

@@ -17,12 +17,26 @@ from lightning_memkit.probes.nvml import NvmlProbe
 from lightning_memkit.probes.tensor import TensorProbe
 
 __all__ = [
-    "MemoryProbe", "ProbeSet", "ProbeUnavailable", "CudaAllocatorProbe", "HostProbe",
-    "NvmlProbe", "TensorProbe", "build_probes",
+    "MemoryProbe",
+    "ProbeSet",
+    "ProbeUnavailable",
+    "CudaAllocatorProbe",
+    "HostProbe",
+    "NvmlProbe",
+    "TensorProbe",
+    "build_probes",
 ]
 
 
-def build_probes(device: torch.device | str, *, tensor_accounting: bool, tensor_scope: str = "process", nvml: bool = True, host: bool = True, extra: Iterable[MemoryProbe] = ()) -> ProbeSet:
+def build_probes(
+    device: torch.device | str,
+    *,
+    tensor_accounting: bool,
+    tensor_scope: str = "process",
+    nvml: bool = True,
+    host: bool = True,
+    extra: Iterable[MemoryProbe] = (),
+) -> ProbeSet:
     """The probes for ``device``: CUDA allocator and NVML on CUDA, host RSS, optionally
     the tensor accountant (``tensor_scope``: see :class:`TensorProbe`), then the caller's
     ``extra`` probes (user-defined sources).
@@ -42,9 +56,13 @@ def build_probes(device: torch.device | str, *, tensor_accounting: bool, tensor_
         try:
             probes.append(factory())
         except ProbeUnavailable as error:
-            warnings.warn(f"memkit: a memory probe is unavailable ({error}); continuing without it.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"memkit: a memory probe is unavailable ({error}); continuing without it.", RuntimeWarning, stacklevel=2
+            )
     for probe in extra:
         if not isinstance(probe, MemoryProbe):
-            raise TypeError(f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; subclass lightning_memkit.probes.MemoryProbe")
+            raise TypeError(
+                f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; subclass lightning_memkit.probes.MemoryProbe"
+            )
         probes.append(probe)
     return ProbeSet(probes)

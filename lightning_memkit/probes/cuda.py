@@ -55,6 +55,7 @@ class CudaAllocatorProbe(MemoryProbe):
 
 # --- torch.cuda.memory's private history API, wrapped so tests pin its behaviour ---------
 
+
 def start_memory_history(max_entries: int, stacks: str = "python") -> bool:
     """Start recording allocator history (for an OOM snapshot), ``max_entries`` events at most, with
     ``stacks`` (``"python"``: Python frames only, which the snapshot writes in seconds; ``"all"``: C++

@@ -50,7 +50,9 @@ class HostProbe(MemoryProbe):
         self._pid = -1
         self._status_fd: int | None = None
         self._clear_fd: int | None = None
-        self.peak_is_per_step = sys.platform.startswith("linux") and self._open_proc() and self._reset() and self._read_status() is not None
+        self.peak_is_per_step = (
+            sys.platform.startswith("linux") and self._open_proc() and self._reset() and self._read_status() is not None
+        )
 
     def _open_proc(self) -> bool:
         self._close_proc()
@@ -91,8 +93,8 @@ class HostProbe(MemoryProbe):
             data = os.pread(self._status_fd, 8192, 0)
             rss_at = data.index(b"VmRSS:")
             hwm_at = data.index(b"VmHWM:")
-            rss = int(data[rss_at + 6: data.index(b"kB", rss_at)]) * 1024  # the kernel reports kB
-            hwm = int(data[hwm_at + 6: data.index(b"kB", hwm_at)]) * 1024
+            rss = int(data[rss_at + 6 : data.index(b"kB", rss_at)]) * 1024  # the kernel reports kB
+            hwm = int(data[hwm_at + 6 : data.index(b"kB", hwm_at)]) * 1024
             return rss, hwm
         except (OSError, ValueError, TypeError):
             return None

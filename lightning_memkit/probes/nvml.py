@@ -80,7 +80,9 @@ def pci_bus_id_of(properties: object) -> str | None:
     """NVML's PCI bus id (``"00000000:3B:00.0"``) of a CUDA device from torch's device properties
     (``pci_domain_id``, ``pci_bus_id``, ``pci_device_id``), or ``None`` where torch does not give them."""
     try:
-        domain, bus, device = (int(getattr(properties, name)) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        domain, bus, device = (
+            int(getattr(properties, name)) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")
+        )
     except (AttributeError, TypeError, ValueError):
         return None
     return f"{domain:08X}:{bus:02X}:{device:02X}.0"
@@ -96,10 +98,13 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
     bare = uuid.strip()
     for prefix in ("GPU-", "MIG-"):
         if bare.startswith(prefix):
-            bare = bare[len(prefix):]
+            bare = bare[len(prefix) :]
     attempts: list[tuple[str, str, object]] = []
     if bare:
-        attempts += [("UUID", f"GPU-{bare}", nvml.nvmlDeviceGetHandleByUUID), ("MIG UUID", f"MIG-{bare}", nvml.nvmlDeviceGetHandleByUUID)]
+        attempts += [
+            ("UUID", f"GPU-{bare}", nvml.nvmlDeviceGetHandleByUUID),
+            ("MIG UUID", f"MIG-{bare}", nvml.nvmlDeviceGetHandleByUUID),
+        ]
     if pci_bus_id:
         attempts.append(("PCI bus id", pci_bus_id, nvml.nvmlDeviceGetHandleByPciBusId))
     failures = []
@@ -108,5 +113,8 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
             return lookup(key)
         except Exception as error:  # pynvml.NVMLError and its subclasses (NVMLError_NotFound, ...)
             failures.append(f"{what} {key}: {type(error).__name__}: {error}")
-    raise ProbeUnavailable("NVML does not know this CUDA device (" + ("; ".join(failures) or "torch gives no UUID or PCI bus id")
-                           + "); NVML readings are off")
+    raise ProbeUnavailable(
+        "NVML does not know this CUDA device ("
+        + ("; ".join(failures) or "torch gives no UUID or PCI bus id")
+        + "); NVML readings are off"
+    )

@@ -47,9 +47,13 @@ class TensorProbe(MemoryProbe):
 
     name = "tensor"
 
-    def __init__(self, accountant: TensorAccountant | None = None, scope: str = "process", device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, accountant: TensorAccountant | None = None, scope: str = "process", device: torch.device | str = "cpu"
+    ) -> None:
         if scope not in TENSOR_SCOPES:
-            raise ValueError(f"TensorProbe(scope={scope!r}): choose 'process' (every live tensor of the process) or 'step'")
+            raise ValueError(
+                f"TensorProbe(scope={scope!r}): choose 'process' (every live tensor of the process) or 'step'"
+            )
         self.accountant = accountant or TensorAccountant()
         self.accountant_device = torch.device(device)
         self.scope = scope

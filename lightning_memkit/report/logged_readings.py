@@ -31,8 +31,7 @@ class _LoggedReadings:
         """The (stage, reading field) a logged name holds, or None: per-rank, summary and foreign names are
         not step readings."""
         parts = (name or "").split("/")
-        if (len(parts) != 3 or parts[0] != self.prefix or parts[1] not in self.stage_of
-                or parts[2] not in self.field_of):
+        if len(parts) != 3 or parts[0] != self.prefix or parts[1] not in self.stage_of or parts[2] not in self.field_of:
             return None
         return self.stage_of[parts[1]], self.field_of[parts[2]]
 

@@ -128,8 +128,9 @@ class _Builder:
         try:
             png = figure_png(make())
         except Exception as error:  # a broken figure must not lose the rest of the report
-            self.add(f'<p class="problems">figure "{html.escape(title)}" could not be drawn: '
-                     f'{html.escape(repr(error))}</p>')
+            self.add(
+                f'<p class="problems">figure "{html.escape(title)}" could not be drawn: {html.escape(repr(error))}</p>'
+            )
             return
         figure = ReportFigure(slug, title, png)
         self.figures.append(figure)
@@ -139,35 +140,50 @@ class _Builder:
 def _run_section(builder: _Builder, run: RunRecords) -> None:
 
     builder.add(f"<h2>Run <code>{html.escape(run.name)}</code></h2>")
-    source = ("" if not run.rebuilt_from
-              else f" (rebuilt from {run.rebuilt_from}: float64 MiB, exact bytes)" if run.exact
-              else f" (rebuilt from {run.rebuilt_from}: float32 MiB, not exact bytes)")
+    source = (
+        ""
+        if not run.rebuilt_from
+        else f" (rebuilt from {run.rebuilt_from}: float64 MiB, exact bytes)"
+        if run.exact
+        else f" (rebuilt from {run.rebuilt_from}: float32 MiB, not exact bytes)"
+    )
     builder.add(f'<p class="meta">from {html.escape(os.path.basename(run.path))}{html.escape(source)}</p>')
     ended_by = run.summary.extra.get("ended_by")
     if ended_by:  # MemoryTracker writes its records when the fit raises, too
-        builder.add(f'<p class="problems">the fit did not finish: {html.escape(str(ended_by))}; the readings end at '
-                    f'the failure</p>')
+        builder.add(
+            f'<p class="problems">the fit did not finish: {html.escape(str(ended_by))}; the readings end at '
+            f"the failure</p>"
+        )
     builder.add(_pre(format_summary(run.summary, run.history)))
     device = device_table(run.history)
     if device:  # capacity and headroom as numbers: a capacity line would flatten every other line
         builder.add(_pre(device))
     if run.history:
-        builder.figure(_slug(run.name, "memory_per_step"), f"memory per step: {run.name}",
-                       lambda: memory_per_step_figure(run.summary, run.history,
-                                                      title=f"memkit: memory per step ({run.name})"))
-        builder.add(f"<details><summary>all {len(run.history)} readings</summary>"
-                    f"{_pre(readings_table(run.history))}</details>")
+        builder.figure(
+            _slug(run.name, "memory_per_step"),
+            f"memory per step: {run.name}",
+            lambda: memory_per_step_figure(run.summary, run.history, title=f"memkit: memory per step ({run.name})"),
+        )
+        builder.add(
+            f"<details><summary>all {len(run.history)} readings</summary>{_pre(readings_table(run.history))}</details>"
+        )
 
 
 def _oom_section(builder: _Builder, oom: OomFile) -> None:
     data = oom.data
-    builder.add(f"<h2>Out of memory: <code>{html.escape(oom.name)}</code>, step {html.escape(str(data.get('step')))}, "
-                f"rank {oom.rank}</h2>")
-    builder.add(f'<p class="problems">{html.escape(str(data.get("error_type")))}: '
-                f'{html.escape(str(data.get("error", ""))[:600])}</p>')
-    builder.add(f'<p class="meta">device {html.escape(str(data.get("device")))}, '
-                f'at {html.escape(str(data.get("time", "?")))}, '
-                f"from {html.escape(os.path.basename(oom.path))}</p>")
+    builder.add(
+        f"<h2>Out of memory: <code>{html.escape(oom.name)}</code>, step {html.escape(str(data.get('step')))}, "
+        f"rank {oom.rank}</h2>"
+    )
+    builder.add(
+        f'<p class="problems">{html.escape(str(data.get("error_type")))}: '
+        f"{html.escape(str(data.get('error', ''))[:600])}</p>"
+    )
+    builder.add(
+        f'<p class="meta">device {html.escape(str(data.get("device")))}, '
+        f"at {html.escape(str(data.get('time', '?')))}, "
+        f"from {html.escape(os.path.basename(oom.path))}</p>"
+    )
     readings = [StepReading.from_dict(r) for r in data.get("last_readings") or []]
     if data.get("failing_step_reading"):
         readings.append(StepReading.from_dict(data["failing_step_reading"]))
@@ -177,14 +193,20 @@ def _oom_section(builder: _Builder, oom: OomFile) -> None:
     except (TypeError, ValueError) as error:
         builder.add(f'<p class="problems">its summary cannot be read ({html.escape(str(error))})</p>')
     if readings:
-        builder.add("<p>The last readings; the last row is the step that ran out (measured up to the failure):</p>"
-                    + _pre(readings_table(readings)))
+        builder.add(
+            "<p>The last readings; the last row is the step that ran out (measured up to the failure):</p>"
+            + _pre(readings_table(readings))
+        )
     if data.get("cuda_snapshot"):
-        builder.add(f"<p>A CUDA memory snapshot was saved to <code>{html.escape(str(data['cuda_snapshot']))}</code>: "
-                    "open it at https://pytorch.org/memory_viz (memkit report never opens pickles).</p>")
+        builder.add(
+            f"<p>A CUDA memory snapshot was saved to <code>{html.escape(str(data['cuda_snapshot']))}</code>: "
+            "open it at https://pytorch.org/memory_viz (memkit report never opens pickles).</p>"
+        )
     if data.get("cuda_memory_summary"):
-        builder.add("<details><summary>CUDA allocator summary at the failure</summary>"
-                    f"{_pre(str(data['cuda_memory_summary']))}</details>")
+        builder.add(
+            "<details><summary>CUDA allocator summary at the failure</summary>"
+            f"{_pre(str(data['cuda_memory_summary']))}</details>"
+        )
 
 
 def _doctor_section(builder: _Builder, doctor: DoctorFile) -> None:
@@ -200,13 +222,20 @@ def _trace_section(builder: _Builder, trace: TraceFile) -> None:
     try:
         result = LayerTraceResult.from_dict(trace.data)
     except (ValueError, KeyError, TypeError) as error:
-        builder.add(f'<p class="problems">{html.escape(os.path.basename(trace.path))}: cannot read it '
-                    f'({html.escape(str(error))})</p>')
+        builder.add(
+            f'<p class="problems">{html.escape(os.path.basename(trace.path))}: cannot read it '
+            f"({html.escape(str(error))})</p>"
+        )
         return
-    builder.add(f'<p class="meta">{html.escape(result.model)} on {html.escape(result.device)}, '
-                f"{len(result.events)} events, from {html.escape(os.path.basename(trace.path))}</p>")
-    builder.figure(_slug(trace.name, f"trace_step{trace.step}" + (f"_rank{trace.rank}" if trace.rank else "")),
-                   f"layer trace: {trace.name}, step {trace.step}", result.figure)
+    builder.add(
+        f'<p class="meta">{html.escape(result.model)} on {html.escape(result.device)}, '
+        f"{len(result.events)} events, from {html.escape(os.path.basename(trace.path))}</p>"
+    )
+    builder.figure(
+        _slug(trace.name, f"trace_step{trace.step}" + (f"_rank{trace.rank}" if trace.rank else "")),
+        f"layer trace: {trace.name}, step {trace.step}",
+        result.figure,
+    )
     builder.add("<h3>Memory by category</h3>" + _pre(result.format_categories()))
     builder.add("<h3>Module by module</h3>" + _pre(result.format_table()))
 
@@ -226,12 +255,15 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
             rows = [[row.get(h, "") for h in compare.csv_header] for row in compare.rows]
             builder.add(_html_table(compare.csv_header, rows))
         else:
-            builder.add("<p>compare.json cannot be rendered by this memkit, and there is no compare.csv next to "
-                        "it.</p>")
+            builder.add(
+                "<p>compare.json cannot be rendered by this memkit, and there is no compare.csv next to it.</p>"
+            )
         return
-    builder.add(f'<p class="meta">{len(result.results)} mode(s) on {html.escape(result.device)}, '
-                f"{result.max_steps} steps each, baseline {html.escape(str(result.baseline))}; each mode is a run "
-                "below</p>")
+    builder.add(
+        f'<p class="meta">{len(result.results)} mode(s) on {html.escape(result.device)}, '
+        f"{result.max_steps} steps each, baseline {html.escape(str(result.baseline))}; each mode is a run "
+        "below</p>"
+    )
     builder.add(_pre(result.format_table()))
     failed = [r for r in result.results if r.status != ModeStatus.OK]
     if failed:
@@ -255,8 +287,10 @@ def build_report(sources: ReportSources, title: str = "memkit memory report") ->
     builder = _Builder()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     builder.add(f"<h1>{html.escape(title)}</h1>")
-    builder.add(f'<p class="meta">log dir <code>{html.escape(sources.logdir)}</code> &middot; {now} &middot; '
-                f"lightning-memkit {html.escape(__version__)}</p>")
+    builder.add(
+        f'<p class="meta">log dir <code>{html.escape(sources.logdir)}</code> &middot; {now} &middot; '
+        f"lightning-memkit {html.escape(__version__)}</p>"
+    )
     found = []
     if sources.runs:
         found.append(f"{len(sources.runs)} run(s) with memory readings: " + ", ".join(r.name for r in sources.runs))
@@ -283,7 +317,10 @@ def build_report(sources: ReportSources, title: str = "memkit memory report") ->
         _run_section(builder, run)
     for trace in sources.traces:
         _trace_section(builder, trace)
-    page = ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
-            + "\n".join(builder.parts) + "</body></html>\n")
+    page = (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+        + "\n".join(builder.parts)
+        + "</body></html>\n"
+    )
     return Report(page, builder.figures)

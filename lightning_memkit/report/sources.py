@@ -26,9 +26,22 @@ from lightning_memkit.report.logged_readings import (
 )
 
 __all__ = [
-    "TRACE_FORMAT", "COMPARE_FORMAT", "MEMORY_FORMAT", "TRACE_PATTERN", "COMPARE_JSON", "COMPARE_CSV",
-    "OOM_PATTERN", "DOCTOR_JSON", "DoctorFile", "RunRecords", "TraceFile", "CompareFile", "OomFile", "ReportSources",
-    "ReportInputError", "find_sources",
+    "TRACE_FORMAT",
+    "COMPARE_FORMAT",
+    "MEMORY_FORMAT",
+    "TRACE_PATTERN",
+    "COMPARE_JSON",
+    "COMPARE_CSV",
+    "OOM_PATTERN",
+    "DOCTOR_JSON",
+    "DoctorFile",
+    "RunRecords",
+    "TraceFile",
+    "CompareFile",
+    "OomFile",
+    "ReportSources",
+    "ReportInputError",
+    "find_sources",
 ]
 
 MEMORY_FORMAT = "lightning-memkit/memory"
@@ -174,12 +187,19 @@ def _read_json(path: str) -> Any:
         return json.load(file)
 
 
-def _rebuilt_run(logdir: str, directory: str, history: list[StepReading], device: str, exact: bool,
-                 origin: str) -> RunRecords | None:
+def _rebuilt_run(
+    logdir: str, directory: str, history: list[StepReading], device: str, exact: bool, origin: str
+) -> RunRecords | None:
     if not history:
         return None
-    return RunRecords(_relative(logdir, directory), directory, rebuilt_summary(history, device), history, exact=exact,
-                      rebuilt_from=origin)
+    return RunRecords(
+        _relative(logdir, directory),
+        directory,
+        rebuilt_summary(history, device),
+        history,
+        exact=exact,
+        rebuilt_from=origin,
+    )
 
 
 @dataclass
@@ -195,7 +215,7 @@ class _Walk:
 def _trace_file(run: str, path: str, name: str) -> TraceFile:
     data = _read_json(path)
     if _format_of(data) != TRACE_FORMAT:
-        raise ValueError(f"no \"format\": \"{TRACE_FORMAT}/1\" key")
+        raise ValueError(f'no "format": "{TRACE_FORMAT}/1" key')
     match = TRACE_PATTERN.match(name)
     step = int(match.group(1)) if match.group(1).isdigit() else None
     return TraceFile(run, path, step, int(match.group(2) or 0), data)
@@ -265,8 +285,14 @@ def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
         if directory in walk.record_dirs:
             continue
         try:
-            run = _rebuilt_run(logdir, directory, scalar_readings(directory), "? (from TensorBoard scalars)",
-                               exact=False, origin="TensorBoard scalars")
+            run = _rebuilt_run(
+                logdir,
+                directory,
+                scalar_readings(directory),
+                "? (from TensorBoard scalars)",
+                exact=False,
+                origin="TensorBoard scalars",
+            )
         except Exception as error:  # a damaged event file must not stop the report
             sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
             continue
@@ -276,8 +302,9 @@ def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
         if directory in walk.record_dirs:
             continue
         try:
-            run = _rebuilt_run(logdir, directory, csv_readings(directory), "? (from metrics.csv)", exact=True,
-                               origin=CSV_METRICS)
+            run = _rebuilt_run(
+                logdir, directory, csv_readings(directory), "? (from metrics.csv)", exact=True, origin=CSV_METRICS
+            )
         except (OSError, ValueError, csv.Error) as error:
             where = os.path.relpath(os.path.join(directory, CSV_METRICS), logdir)
             sources.problems.append(f"{where}: cannot read it ({error})")
@@ -295,8 +322,11 @@ def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
 
 def _nothing_to_report(sources: ReportSources, examples: list[str]) -> ReportInputError:
     what = "none of them readable as memkit's (see below)" if sources.problems else "none of them memkit's"
-    found = (f"it holds {sources.files_seen} file(s), e.g. {', '.join(examples)}, {what}"
-             if sources.files_seen else "it is empty")
+    found = (
+        f"it holds {sources.files_seen} file(s), e.g. {', '.join(examples)}, {what}"
+        if sources.files_seen
+        else "it is empty"
+    )
     problems = "".join(f"\n  - {p}" for p in sources.problems)
     return ReportInputError(
         f"nothing to report in {sources.logdir}: {found}.{problems}\n"
@@ -319,8 +349,10 @@ def find_sources(logdir: str) -> ReportSources:
             (the message lists what the report looks for and how to produce it).
     """
     if not os.path.isdir(logdir):
-        raise ReportInputError(f"{logdir!r} is not a directory; give the log dir of a run trained with memkit "
-                               "(e.g. the --logdir of `memkit demo`, or lightning_logs)")
+        raise ReportInputError(
+            f"{logdir!r} is not a directory; give the log dir of a run trained with memkit "
+            "(e.g. the --logdir of `memkit demo`, or lightning_logs)"
+        )
     sources = ReportSources(os.path.abspath(logdir))
     walk = _walk(sources)
     _add_rebuilt_runs(sources, walk)
@@ -353,7 +385,7 @@ def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
     if COMPARE_JSON in files:
         data = _read_json(os.path.join(directory, COMPARE_JSON))
         if _format_of(data) != COMPARE_FORMAT:
-            raise ValueError(f"no \"format\": \"{COMPARE_FORMAT}/1\" key")
+            raise ValueError(f'no "format": "{COMPARE_FORMAT}/1" key')
     header: list[str] = []
     rows: list[dict[str, str]] = []
     if COMPARE_CSV in files:
@@ -366,25 +398,37 @@ def _read_compare(run: str, directory: str, files: list[str]) -> CompareFile:
 
 def _say_what_is_missing(sources: ReportSources) -> None:
     if not sources.runs:
-        sources.missing.append(f"no memory readings: no {RECORDS_FILENAME}, no TensorBoard event file and no "
-                               f"{CSV_METRICS} with memory/ scalars; add MemoryTracker() to the Trainer's callbacks")
-    for origin, detail in (("TensorBoard scalars", ", rounded to float32 MiB"),
-                           (CSV_METRICS, " (float64 MiB: exact bytes)")):
+        sources.missing.append(
+            f"no memory readings: no {RECORDS_FILENAME}, no TensorBoard event file and no "
+            f"{CSV_METRICS} with memory/ scalars; add MemoryTracker() to the Trainer's callbacks"
+        )
+    for origin, detail in (
+        ("TensorBoard scalars", ", rounded to float32 MiB"),
+        (CSV_METRICS, " (float64 MiB: exact bytes)"),
+    ):
         runs = [r for r in sources.runs if r.rebuilt_from == origin]
         # a run with validation readings only was trainer.validate() (or test): MemoryTracker writes the
         # records at fit end, which such a run has not
         evaluated = ", ".join(r.name for r in runs if r.history and all(x.stage != "train" for x in r.history))
         rebuilt = ", ".join(r.name for r in runs if not (r.history and all(x.stage != "train" for x in r.history)))
         if evaluated:
-            sources.missing.append(f"no {RECORDS_FILENAME} for {evaluated}: a validate-only run (no training step; "
-                                   f"MemoryTracker writes that file at fit end): its readings come from "
-                                   f"{origin}{detail}")
+            sources.missing.append(
+                f"no {RECORDS_FILENAME} for {evaluated}: a validate-only run (no training step; "
+                f"MemoryTracker writes that file at fit end): its readings come from "
+                f"{origin}{detail}"
+            )
         if rebuilt:
-            sources.missing.append(f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its "
-                                   f"readings come from {origin}{detail}")
+            sources.missing.append(
+                f"no {RECORDS_FILENAME} for {rebuilt} (the run did not reach fit end?): its "
+                f"readings come from {origin}{detail}"
+            )
     if not sources.traces:
-        sources.missing.append("no layer trace (memkit_trace_step<N>.json): add LayerTrace() to the callbacks, "
-                               "or run `memkit trace FILE.py:Module`")
+        sources.missing.append(
+            "no layer trace (memkit_trace_step<N>.json): add LayerTrace() to the callbacks, "
+            "or run `memkit trace FILE.py:Module`"
+        )
     if not sources.compares:
-        sources.missing.append(f"no mode comparison ({COMPARE_JSON} / {COMPARE_CSV}): run `memkit compare "
-                               "FILE.py:Module --modes baseline,amp,checkpoint`")
+        sources.missing.append(
+            f"no mode comparison ({COMPARE_JSON} / {COMPARE_CSV}): run `memkit compare "
+            "FILE.py:Module --modes baseline,amp,checkpoint`"
+        )

@@ -56,8 +56,10 @@ class BatchGuard:
         if nbytes <= self.proved.nbytes:
             return None
         self.reported = True
-        return (f"memkit: the batch of step {step} ({batch_shapes(batch)}, {format_bytes(nbytes)}) is larger than the "
-                f"largest batch {self.proved.proved_by} proved ({self.proved.shapes}, "
-                f"{format_bytes(self.proved.nbytes)}): this step's memory was not proved and may not fit; search again "
-                "on the worst batch of the data (give the search the data that makes it), or cap the batch's shape "
-                "(e.g. a maximum sequence length)")
+        return (
+            f"memkit: the batch of step {step} ({batch_shapes(batch)}, {format_bytes(nbytes)}) is larger than the "
+            f"largest batch {self.proved.proved_by} proved ({self.proved.shapes}, "
+            f"{format_bytes(self.proved.nbytes)}): this step's memory was not proved and may not fit; search again "
+            "on the worst batch of the data (give the search the data that makes it), or cap the batch's shape "
+            "(e.g. a maximum sequence length)"
+        )

@@ -83,7 +83,9 @@ class MemoryBudget:
 
     def __init__(self, budget_bytes: int, *, stop_at_crossing: bool = True) -> None:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-            raise ValueError(f"budget must be a positive number of bytes, not {budget_bytes!r}; e.g. budget=256 * 2**20")
+            raise ValueError(
+                f"budget must be a positive number of bytes, not {budget_bytes!r}; e.g. budget=256 * 2**20"
+            )
         self.budget_bytes = budget_bytes
         self.stop_at_crossing = stop_at_crossing
         self.accountant = TensorAccountant()

@@ -88,15 +88,32 @@ class SearchResult:
 
     def table(self) -> str:
         """The trials as a plain-text table."""
-        predicted = (f"predicted {self.predicted}" if self.predicted is not None else
-                     f"the estimate was unavailable ({self.estimate_unavailable})" if self.estimate_unavailable else "no prediction")
-        outcomes = ["fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory" for t in self.trials]
-        rows = [(i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s") for i, (t, outcome) in enumerate(zip(self.trials, outcomes))]
+        predicted = (
+            f"predicted {self.predicted}"
+            if self.predicted is not None
+            else f"the estimate was unavailable ({self.estimate_unavailable})"
+            if self.estimate_unavailable
+            else "no prediction"
+        )
+        outcomes = [
+            "fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory"
+            for t in self.trials
+        ]
+        rows = [
+            (i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
+            for i, (t, outcome) in enumerate(zip(self.trials, outcomes))
+        ]
         head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
         table = format_table(("trial", "batch", "outcome", "peak", "time"), rows)
         proved = self.proved_trial()
-        tail = "".join(f"\n{line}" for line in (
-            self.batch_note, f"batch {self.batch_size}: {proved.batch_shapes}" if proved and proved.batch_shapes else "") if line)
+        tail = "".join(
+            f"\n{line}"
+            for line in (
+                self.batch_note,
+                f"batch {self.batch_size}: {proved.batch_shapes}" if proved and proved.batch_shapes else "",
+            )
+            if line
+        )
         return head + "\n" + table + tail
 
     def proved_trial(self) -> Trial | None:
@@ -129,12 +146,25 @@ class BatchSizeSearch:
             largest size that ran, not a memory limit.
     """
 
-    def __init__(self, run_trial: Callable[[int], Trial], *, capacity_bytes: int | None = None, growth: AffineGrowth | None = None,
-                 predicted: int | None = None, init_val: int | None = None, max_val: int = 8192, margin: float = 0.05,
-                 max_trials: int = 25, on_trial: Callable[[Trial], None] | None = None, max_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        run_trial: Callable[[int], Trial],
+        *,
+        capacity_bytes: int | None = None,
+        growth: AffineGrowth | None = None,
+        predicted: int | None = None,
+        init_val: int | None = None,
+        max_val: int = 8192,
+        margin: float = 0.05,
+        max_trials: int = 25,
+        on_trial: Callable[[Trial], None] | None = None,
+        max_seconds: float | None = None,
+    ) -> None:
         if not 0 < margin < 1:
             raise ValueError(f"margin={margin!r}: give a fraction in (0, 1), e.g. 0.05")
-        for name, value in (("max_val", max_val), ("max_trials", max_trials)) + ((("init_val", init_val),) if init_val is not None else ()):
+        for name, value in (("max_val", max_val), ("max_trials", max_trials)) + (
+            (("init_val", init_val),) if init_val is not None else ()
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: give a positive integer")
         if init_val is not None and init_val > max_val:
@@ -265,4 +295,6 @@ class BatchSizeSearch:
                 f"no batch size ran: the smallest tried, {min(t.batch_size for t in self.trials)}, ran out of memory{detail}. "
                 "The model itself may not fit: try a memory-saving mode (bf16, checkpoint), a smaller model, or more memory"
             )
-        return SearchResult(lo, list(self.trials), self.predicted, self.capacity_bytes, hi, reason, 0.0, time.perf_counter() - started)
+        return SearchResult(
+            lo, list(self.trials), self.predicted, self.capacity_bytes, hi, reason, 0.0, time.perf_counter() - started
+        )

@@ -22,17 +22,31 @@ from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.search.core import SearchError, SearchResult, Trial
 from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
 from lightning_memkit.search.ranks import Outcomes, rank_local, step_communicates
-from lightning_memkit.search.searchable import (BatchSizeSearchError, SearchConfig, _lightning_setattr,
-                                                check_searchable)
-from lightning_memkit.search.trainer_state import (CPU_MAX_SECONDS, HOST_BUDGET_FRACTION, Snapshot, cuda_capacity_bytes,
-                                                   host_search_budget_bytes, local_shard, release_memory, reset_scaler,
-                                                   state_tensors, trainer_mode)
+from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig, _lightning_setattr, check_searchable
+from lightning_memkit.search.trainer_state import (
+    CPU_MAX_SECONDS,
+    HOST_BUDGET_FRACTION,
+    Snapshot,
+    cuda_capacity_bytes,
+    host_search_budget_bytes,
+    local_shard,
+    release_memory,
+    reset_scaler,
+    state_tensors,
+    trainer_mode,
+)
 from lightning_memkit.search.worst_trials import BatchRecorder, worst_loader, worst_of_fit
 from lightning_memkit.units import format_bytes
 
 # the search's settings and errors are imported from here by the callbacks and users' code
-__all__ = ["SearchConfig", "search_in_fit", "BatchSizeSearchError", "check_searchable", "cuda_capacity_bytes",
-           "host_search_budget_bytes"]
+__all__ = [
+    "SearchConfig",
+    "search_in_fit",
+    "BatchSizeSearchError",
+    "check_searchable",
+    "cuda_capacity_bytes",
+    "host_search_budget_bytes",
+]
 
 
 def _say(trainer: Any, text: str, verbose: bool) -> None:
@@ -74,9 +88,13 @@ def _set_up(trainer: Any, module: Any, config: SearchConfig) -> _Setup:
             max_seconds = CPU_MAX_SECONDS
         # Every trial is bounded before it runs, the first one included (search/limits.py).
         limits = TrialLimits.for_cpu(budget.budget_bytes, max_seconds)
-        _say(trainer, f"memkit: no budget= on CPU: tensors are counted against {format_bytes(budget.budget_bytes)} "
-                      f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now); {limits.announcement()}; "
-                      "give budget= (e.g. budget='2GiB') for a memory limit of your own", config.verbose)
+        _say(
+            trainer,
+            f"memkit: no budget= on CPU: tensors are counted against {format_bytes(budget.budget_bytes)} "
+            f"({HOST_BUDGET_FRACTION:.0%} of the host memory available now); {limits.announcement()}; "
+            "give budget= (e.g. budget='2GiB') for a memory limit of your own",
+            config.verbose,
+        )
     capacity: int | None = None
     if budget is not None:
         capacity = budget.budget_bytes
@@ -110,9 +128,12 @@ def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResu
         try:
             _clean_up(trainer, module, config, setup.outcomes, checkpointing, setup.snapshot, setup.device)
         except Exception as cleanup_error:  # noqa: BLE001 - reported, the search's own error goes on
-            warnings.warn(f"memkit: after the failed batch-size search, putting the trainer's state back failed too "
-                          f"({type(cleanup_error).__name__}: {cleanup_error}); the search's error follows",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"memkit: after the failed batch-size search, putting the trainer's state back failed too "
+                f"({type(cleanup_error).__name__}: {cleanup_error}); the search's error follows",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         raise
     _clean_up(trainer, module, config, setup.outcomes, checkpointing, setup.snapshot, setup.device)
     used = _use_found(trainer, module, config, result, original)
@@ -161,18 +182,30 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
         finally:
             trainer.callbacks = []
 
-    search = BoundedSearch(run_trial, limits=setup.limits, say=lambda text: _say(trainer, text, config.verbose),
-                           capacity_bytes=setup.capacity, growth=growth, predicted=predicted,
-                           init_val=min(config.init_val, max_val) if config.init_val else None, max_val=max_val,
-                           margin=config.margin, max_trials=config.max_trials, max_seconds=setup.max_seconds)
+    search = BoundedSearch(
+        run_trial,
+        limits=setup.limits,
+        say=lambda text: _say(trainer, text, config.verbose),
+        capacity_bytes=setup.capacity,
+        growth=growth,
+        predicted=predicted,
+        init_val=min(config.init_val, max_val) if config.init_val else None,
+        max_val=max_val,
+        margin=config.margin,
+        max_trials=config.max_trials,
+        max_seconds=setup.max_seconds,
+    )
     try:
         result = search.run()
     finally:
         # run_trial's closure holds `search`, which holds run_trial (and through it the snapshot): a reference
         # cycle that kept a copy of the weights alive until the next full collection. Clearing the cell breaks it.
         search = None
-    result.batch_note = (f"each trial trained on {worst.note} at its size" if worst is not None and worst.holds_for_the_run
-                         else "the trials trained on the loader's own batches: the answer holds for the batches they drew")
+    result.batch_note = (
+        f"each trial trained on {worst.note} at its size"
+        if worst is not None and worst.holds_for_the_run
+        else "the trials trained on the loader's own batches: the answer holds for the batches they drew"
+    )
     result.estimate_unavailable = unavailable if predicted is None else None
     if dataset_length is not None and result.batch_size >= dataset_length:
         result.reason = "dataset"
@@ -206,19 +239,31 @@ def _prediction(trainer: Any, module: Any, config: SearchConfig, setup: _Setup, 
         seconds = time.perf_counter() - started
         growth, predicted = setup.outcomes.prediction(growth, predicted)  # every rank must search the same sizes
         if predicted is not None:
-            _say(trainer, f"memkit: the estimate predicts a largest batch of {predicted} in "
-                          f"{format_bytes(setup.capacity)} ({seconds:.2f}s)", config.verbose)
+            _say(
+                trainer,
+                f"memkit: the estimate predicts a largest batch of {predicted} in "
+                f"{format_bytes(setup.capacity)} ({seconds:.2f}s)",
+                config.verbose,
+            )
             return growth, predicted, None, seconds
         unavailable = unavailable or "another rank's estimate failed"
-        _say(trainer, f"memkit: the estimate was unavailable ({unavailable}): the search goes by trials alone",
-             config.verbose)
+        _say(
+            trainer,
+            f"memkit: the estimate was unavailable ({unavailable}): the search goes by trials alone",
+            config.verbose,
+        )
         return None, None, unavailable, seconds
-    _say(trainer, f"memkit: the estimate was unavailable ({unavailable}): the search goes by trials alone", config.verbose)
+    _say(
+        trainer,
+        f"memkit: the estimate was unavailable ({unavailable}): the search goes by trials alone",
+        config.verbose,
+    )
     return None, None, unavailable, 0.0
 
 
-def _use_found(trainer: Any, module: Any, config: SearchConfig, result: SearchResult,
-               original: tuple[int, int]) -> tuple[int, int]:
+def _use_found(
+    trainer: Any, module: Any, config: SearchConfig, result: SearchResult, original: tuple[int, int]
+) -> tuple[int, int]:
     """Set the size found (and, keeping the effective batch, the accumulation) where the fit reads them; returns
     ``(batch size, accumulate_grad_batches)`` as set."""
     size, accumulate = result.batch_size, original[1]
@@ -234,26 +279,48 @@ def _use_found(trainer: Any, module: Any, config: SearchConfig, result: SearchRe
 
 def _say_found(trainer: Any, config: SearchConfig, setup: _Setup, result: SearchResult, used: tuple[int, int]) -> None:
     size, accumulate = used
-    tail = (f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})"
-            if config.keep_effective_batch_size else "")
+    tail = (
+        f" (accumulate_grad_batches={accumulate}, effective batch {size * accumulate})"
+        if config.keep_effective_batch_size
+        else ""
+    )
     limits, max_seconds = setup.limits, setup.max_seconds
-    bound = (f"{max_seconds or 0:g}s of trials" if limits is None or limits.trial_seconds is None else
-             f"{max_seconds or 0:g}s of trials or {limits.trial_seconds:g}s for one trial")
-    limit = {"dataset": f"; no larger batch: the train dataset has {result.dataset_length} samples (the dataset, not "
-                        "memory, bounds it)",
-             "time": f"; stopped before the next, larger trial would run past {bound} (time, not memory, "
-                     "bounds it: give max_seconds= or budget=)",
-             "max_val": f"; no larger batch tried: max_val={config.max_val}",
-             "max_trials": f"; stopped after max_trials={config.max_trials}"}.get(result.reason, "")
+    bound = (
+        f"{max_seconds or 0:g}s of trials"
+        if limits is None or limits.trial_seconds is None
+        else f"{max_seconds or 0:g}s of trials or {limits.trial_seconds:g}s for one trial"
+    )
+    limit = {
+        "dataset": f"; no larger batch: the train dataset has {result.dataset_length} samples (the dataset, not "
+        "memory, bounds it)",
+        "time": f"; stopped before the next, larger trial would run past {bound} (time, not memory, "
+        "bounds it: give max_seconds= or budget=)",
+        "max_val": f"; no larger batch tried: max_val={config.max_val}",
+        "max_trials": f"; stopped after max_trials={config.max_trials}",
+    }.get(result.reason, "")
     proved = result.proved_trial()
-    ran = (f"fits on {proved.batch_shapes or 'its batches'}" if proved is not None
-           else "ran its steps too slowly for a larger one")
-    _say(trainer, f"memkit: batch size {result.batch_size} {ran} ({result.trial_count} trials, {result.seconds:.2f}s)"
-                  f"{limit}; using {size}{tail}", config.verbose)
+    ran = (
+        f"fits on {proved.batch_shapes or 'its batches'}"
+        if proved is not None
+        else "ran its steps too slowly for a larger one"
+    )
+    _say(
+        trainer,
+        f"memkit: batch size {result.batch_size} {ran} ({result.trial_count} trials, {result.seconds:.2f}s)"
+        f"{limit}; using {size}{tail}",
+        config.verbose,
+    )
 
 
-def _clean_up(trainer: Any, module: Any, config: SearchConfig, outcomes: Outcomes, checkpointing: Any, snapshot: Snapshot,
-              device: torch.device) -> None:
+def _clean_up(
+    trainer: Any,
+    module: Any,
+    config: SearchConfig,
+    outcomes: Outcomes,
+    checkpointing: Any,
+    snapshot: Snapshot,
+    device: torch.device,
+) -> None:
     """After the search: its side group gone, the trials' checkpointing removed, every state put back."""
     outcomes.close()
     if checkpointing is not None:
@@ -276,8 +343,16 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
         memory = capacity + (CUDA_CONTEXT_BYTES if target == "cuda" else 0)
         # Trials confirm the answer, so the prediction need only be as fine as the search's margin. (Two
         # estimates are not enough: at small batches the peak is often in the optimizer step, flat in batch.)
-        prediction = predict_max_batch_size(module, memory, mode=trainer_mode(trainer), margin=0.0, device=target,
-                                            batch=batch, max_val=config.max_val, tolerance=config.margin)
+        prediction = predict_max_batch_size(
+            module,
+            memory,
+            mode=trainer_mode(trainer),
+            margin=0.0,
+            device=target,
+            batch=batch,
+            max_val=config.max_val,
+            tolerance=config.margin,
+        )
         return prediction.growth, prediction.batch_size, None
     except Exception as error:  # the estimate only speeds the search up; trials decide
         from lightning_memkit.estimate.core import EstimateError
@@ -303,14 +378,18 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
         release_memory(device)
     fits = error_text is None and steps >= config.steps_per_trial
     if error_text is None and not fits:
-        raise SearchError(f"a trial at batch size {size} ran {steps} of {config.steps_per_trial} steps: the train "
-                          "dataloader ends too early; give a larger dataset or a smaller steps_per_trial")
+        raise SearchError(
+            f"a trial at batch size {size} ran {steps} of {config.steps_per_trial} steps: the train "
+            "dataloader ends too early; give a larger dataset or a smaller steps_per_trial"
+        )
     if budget is not None:
         peak = budget.accountant.peak_bytes
         if fits and not budget.stop_at_crossing and budget.peak_exceeded:
             fits = False
-            error_text = (f"peak {format_bytes(peak)} over the budget of {format_bytes(budget.budget_bytes)} "
-                          f"({peak} > {budget.budget_bytes} bytes; judged after the step, which every rank finished)")
+            error_text = (
+                f"peak {format_bytes(peak)} over the budget of {format_bytes(budget.budget_bytes)} "
+                f"({peak} > {budget.budget_bytes} bytes; judged after the step, which every rank finished)"
+            )
     elif device.type == "cuda":
         peak = int(torch.cuda.max_memory_reserved(device))
     else:
@@ -321,15 +400,21 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
         return Trial(size, True, peak, seconds, None, recorder.nbytes, recorder.shapes)
     if not outcomes.enabled:
         slow = (error_text or "").startswith("too slow")  # its steps ran within memory: their peak is known
-        return Trial(size, False, budget.accountant.peak_bytes if slow and budget is not None else None, seconds,
-                     error_text or "out of memory")
+        return Trial(
+            size,
+            False,
+            budget.accountant.peak_bytes if slow and budget is not None else None,
+            seconds,
+            error_text or "out of memory",
+        )
     failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
     where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
     return Trial(size, False, None, seconds, f"{where}: {error_text}" if error_text else where)
 
 
-def _trial_steps(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup,
-                 worst: Any) -> tuple[int, str | None]:
+def _trial_steps(
+    trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup, worst: Any
+) -> tuple[int, str | None]:
     """Run the trial's steps through the fit loop; returns ``(steps run, why it stopped early)``, the reason
     ``None`` when nothing stopped it. Only out-of-memory and a trial past its time limit are caught."""
     error_text: str | None = None

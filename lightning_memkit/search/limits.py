@@ -31,8 +31,18 @@ from lightning_memkit.errors import MemkitError
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
 from lightning_memkit.units import format_bytes
 
-__all__ = ["CPU_TRIAL_SECONDS", "CPU_FIRST_TRIAL_SIZE", "CPU_GROWTH", "TIME_SAFETY", "TrialLimits", "TrialTooSlow",
-           "BoundedSearch", "host_rss_bytes", "deadline_callback", "is_too_slow"]
+__all__ = [
+    "CPU_TRIAL_SECONDS",
+    "CPU_FIRST_TRIAL_SIZE",
+    "CPU_GROWTH",
+    "TIME_SAFETY",
+    "TrialLimits",
+    "TrialTooSlow",
+    "BoundedSearch",
+    "host_rss_bytes",
+    "deadline_callback",
+    "is_too_slow",
+]
 
 #: seconds one trial may run on CPU without ``budget=`` (all trials together: ``max_seconds``, 60 s by default).
 CPU_TRIAL_SECONDS = 20.0
@@ -81,8 +91,12 @@ class TrialLimits:
     def for_cpu(cls, budget_bytes: int, max_seconds: float) -> "TrialLimits":
         """The limits of a CPU search without ``budget=``: ``budget_bytes`` counted tensors (the host memory announced is
         the resident memory now plus that), at most ``max_seconds`` of trials and :data:`CPU_TRIAL_SECONDS` each."""
-        return cls(trial_seconds=min(CPU_TRIAL_SECONDS, max_seconds), total_seconds=max_seconds,
-                   host_bytes=host_rss_bytes() + budget_bytes, first_size=CPU_FIRST_TRIAL_SIZE)
+        return cls(
+            trial_seconds=min(CPU_TRIAL_SECONDS, max_seconds),
+            total_seconds=max_seconds,
+            host_bytes=host_rss_bytes() + budget_bytes,
+            first_size=CPU_FIRST_TRIAL_SIZE,
+        )
 
     def announcement(self) -> str:
         """The bounds in words, printed before the first trial."""
@@ -90,11 +104,15 @@ class TrialLimits:
         if self.host_bytes is not None:
             parts.append(f"host memory stays under {format_bytes(self.host_bytes)} (resident now plus the budget)")
         if self.trial_seconds is not None:
-            parts.append(f"each trial runs at most {self.trial_seconds:g}s" +
-                         (f" and all trials {self.total_seconds:g}s" if self.total_seconds is not None else ""))
+            parts.append(
+                f"each trial runs at most {self.trial_seconds:g}s"
+                + (f" and all trials {self.total_seconds:g}s" if self.total_seconds is not None else "")
+            )
         if self.first_size is not None:
-            parts.append(f"the first trial is at most batch {self.first_size} (it times a step; later sizes are projected "
-                         f"from it to end within {self.safety:.0%} of their limit, at most {self.growth}x the largest that ran)")
+            parts.append(
+                f"the first trial is at most batch {self.first_size} (it times a step; later sizes are projected "
+                f"from it to end within {self.safety:.0%} of their limit, at most {self.growth}x the largest that ran)"
+            )
         return "; ".join(parts)
 
     def cap(self, trials: list[Trial]) -> int | None:
@@ -133,9 +151,14 @@ def deadline_callback(seconds: float) -> Any:
         def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             now = time.perf_counter()
             spent, step = now - self.started, now - self.step_started
-            if trainer.fit_loop.epoch_loop.global_step < trainer.fit_loop.epoch_loop.max_steps and spent + step > self.seconds:
-                raise TrialTooSlow(f"stopped after {spent:.1f}s: a step takes {step:.1f}s, the next would end past the "
-                                   f"trial's limit of {self.seconds:g}s")
+            if (
+                trainer.fit_loop.epoch_loop.global_step < trainer.fit_loop.epoch_loop.max_steps
+                and spent + step > self.seconds
+            ):
+                raise TrialTooSlow(
+                    f"stopped after {spent:.1f}s: a step takes {step:.1f}s, the next would end past the "
+                    f"trial's limit of {self.seconds:g}s"
+                )
 
     return _Deadline()
 
@@ -150,8 +173,14 @@ class BoundedSearch(BatchSizeSearch):
         **kwargs: :class:`~lightning_memkit.search.core.BatchSizeSearch`'s arguments.
     """
 
-    def __init__(self, run_trial: Callable[[int], Trial], *, limits: TrialLimits | None = None,
-                 say: Callable[[str], None] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_trial: Callable[[int], Trial],
+        *,
+        limits: TrialLimits | None = None,
+        say: Callable[[str], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.limits = limits
         self.say = say or (lambda text: None)
         #: the running trial's deadline callback (:func:`deadline_callback`), for the trial runner to install
@@ -175,7 +204,11 @@ class BoundedSearch(BatchSizeSearch):
         def run(size: int) -> Trial:
             self.say(self._start_line(size))
             limits = self.limits
-            self.deadline = deadline_callback(limits.trial_seconds) if limits is not None and limits.trial_seconds is not None else None
+            self.deadline = (
+                deadline_callback(limits.trial_seconds)
+                if limits is not None and limits.trial_seconds is not None
+                else None
+            )
             return run_trial(size)
 
         return run
@@ -191,16 +224,23 @@ class BoundedSearch(BatchSizeSearch):
             expected = f", expected peak {format_bytes(int(model.fixed_bytes + model.per_sample_bytes * size))}"
         capped = ""
         if limits is not None and limits.capped_by is not None:
-            capped = {"first trial": " (small: it times a step)",
-                      "time": f" (capped by time: projected to end within {limits.safety:.0%} of its limit)",
-                      "growth": f" (capped at {limits.growth}x the largest size that ran)"}[limits.capped_by]
-        return (f"memkit: trial {len(self.trials) + 1}: batch {size} starts{capped}" +
-                (f", {', '.join(bounds)}" if bounds else "") + expected)
+            capped = {
+                "first trial": " (small: it times a step)",
+                "time": f" (capped by time: projected to end within {limits.safety:.0%} of its limit)",
+                "growth": f" (capped at {limits.growth}x the largest size that ran)",
+            }[limits.capped_by]
+        return (
+            f"memkit: trial {len(self.trials) + 1}: batch {size} starts{capped}"
+            + (f", {', '.join(bounds)}" if bounds else "")
+            + expected
+        )
 
     def _end_line(self, trial: Trial) -> None:
         outcome = "fits" if trial.fits else "too slow" if is_too_slow(trial) else "out of memory"
-        self.say(f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {outcome}, peak "
-                 f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)")
+        self.say(
+            f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {outcome}, peak "
+            f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)"
+        )
         if self._ended is not None:
             self._ended(trial)
 
@@ -232,8 +272,16 @@ class BoundedSearch(BatchSizeSearch):
             # Nothing finished its steps in time, but the first too-slow trial ran steps without running out of memory:
             # time, not memory, bounds the batch, and that size is the answer (its steps ran).
             first = slow[0]
-            return SearchResult(first.batch_size, list(self.trials), self.predicted, self.capacity_bytes, None, "time", 0.0,
-                                time.perf_counter() - started)
+            return SearchResult(
+                first.batch_size,
+                list(self.trials),
+                self.predicted,
+                self.capacity_bytes,
+                None,
+                "time",
+                0.0,
+                time.perf_counter() - started,
+            )
         if any(is_too_slow(t) for t in self.trials) and result.reason in ("converged", "max_trials"):
             result.reason = "time"
         return result

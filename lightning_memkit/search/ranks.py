@@ -49,7 +49,9 @@ class Outcomes:
             self.failed_ranks = [] if fits else [0]
             self.slowest_seconds = seconds
             return fits, peak, extra
-        vector = torch.tensor([0 if fits else 1, -1 if peak is None else int(peak), int(extra), int(seconds * 1e6)], dtype=torch.int64)
+        vector = torch.tensor(
+            [0 if fits else 1, -1 if peak is None else int(peak), int(extra), int(seconds * 1e6)], dtype=torch.int64
+        )
         rows = self._gather(vector)
         self.failed_ranks = [rank for rank, failed in enumerate(rows[:, 0].tolist()) if failed]
         peak_max = int(rows[:, 1].max())
@@ -64,9 +66,14 @@ class Outcomes:
         only): none if any rank has none, else the smallest predicted size with the growth it came with."""
         if not self.enabled:
             return growth, predicted
-        vector = torch.tensor([-1.0 if predicted is None or growth is None else float(predicted),
-                               0.0 if growth is None else float(growth.fixed_bytes),
-                               0.0 if growth is None else float(growth.per_sample_bytes)], dtype=torch.float64)
+        vector = torch.tensor(
+            [
+                -1.0 if predicted is None or growth is None else float(predicted),
+                0.0 if growth is None else float(growth.fixed_bytes),
+                0.0 if growth is None else float(growth.per_sample_bytes),
+            ],
+            dtype=torch.float64,
+        )
         rows = self._gather(vector)
         if bool((rows[:, 0] < 0).any()):
             return None, None
@@ -119,7 +126,12 @@ def rank_local(trainer: Any) -> Iterator[None]:
     wrapped = getattr(strategy, "model", None)
     saved_sync = getattr(wrapped, "require_backward_grad_sync", None)
     saved_broadcast = getattr(wrapped, "broadcast_buffers", None)
-    stubs = {"barrier": _no_barrier, "reduce": _first_argument, "reduce_boolean_decision": _first_argument, "broadcast": _first_argument}
+    stubs = {
+        "barrier": _no_barrier,
+        "reduce": _first_argument,
+        "reduce_boolean_decision": _first_argument,
+        "broadcast": _first_argument,
+    }
     for name, stub in stubs.items():
         setattr(strategy, name, stub)
     if saved_sync is not None:

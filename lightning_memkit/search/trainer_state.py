@@ -13,7 +13,18 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 
-__all__ = ["Snapshot", "reset_scaler", "trainer_mode", "release_memory", "local_shard", "state_tensors", "cuda_capacity_bytes", "host_search_budget_bytes", "HOST_BUDGET_FRACTION", "CPU_MAX_SECONDS"]
+__all__ = [
+    "Snapshot",
+    "reset_scaler",
+    "trainer_mode",
+    "release_memory",
+    "local_shard",
+    "state_tensors",
+    "cuda_capacity_bytes",
+    "host_search_budget_bytes",
+    "HOST_BUDGET_FRACTION",
+    "CPU_MAX_SECONDS",
+]
 
 
 def _to_host(tree: Any) -> Any:

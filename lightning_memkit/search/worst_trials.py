@@ -45,8 +45,12 @@ def worst_loader(worst: WorstBatch, size: int, loader: Any, count: int) -> DataL
     indices = worst.indices(size)
     if indices is None or not isinstance(loader, DataLoader):
         return None
-    return DataLoader(loader.dataset, batch_sampler=_SameIndices(indices, count), collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory)
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=_SameIndices(indices, count),
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+    )
 
 
 class BatchRecorder(Callback):

@@ -23,7 +23,7 @@ def smoothed(values: Sequence[float], weight: float) -> list[float]:
     for v in values:
         count += 1
         last = last * weight + (1 - weight) * v
-        out.append(last / (1 - weight ** count) if weight != 1 else last)
+        out.append(last / (1 - weight**count) if weight != 1 else last)
     return out
 
 
@@ -37,7 +37,7 @@ def _quantile(ordered: Sequence[float], p: float) -> float:
 def _step_factor(step: float) -> tuple[int, int]:
     """(power of ten, factor 1, 2, 5 or 10) of d3's tick step nearest ``step``."""
     power = math.floor(math.log10(step))
-    error = step / 10 ** power
+    error = step / 10**power
     factor = 10 if error >= _E10 else 5 if error >= _E5 else 2 if error >= _E2 else 1
     return power, factor
 
@@ -48,7 +48,7 @@ def _tick_increment(start: float, stop: float, count: int) -> float:
     if not step > 0:  # an empty domain (start == stop after rounding): d3 answers NaN and its nice() stops
         return math.nan
     power, factor = _step_factor(step)
-    return factor * 10 ** power if power >= 0 else -(10 ** -power) / factor
+    return factor * 10**power if power >= 0 else -(10**-power) / factor
 
 
 def _nice(start: float, stop: float, count: int = 10) -> tuple[float, float]:
@@ -104,12 +104,12 @@ def tensorboard_ticks(low: float, high: float, count: int = 10) -> list[float]:
         return [low]
     power, factor = _step_factor((high - low) / count)
     if power < 0:
-        inc = 10 ** -power / factor
+        inc = 10**-power / factor
         first, last = _js_round(low * inc), _js_round(high * inc)
         first += first / inc < low
         last -= last / inc > high
         return [(first + i) / inc for i in range(last - first + 1)]
-    inc = 10 ** power * factor
+    inc = 10**power * factor
     first, last = _js_round(low / inc), _js_round(high / inc)
     first += first * inc < low
     last -= last * inc > high
@@ -121,7 +121,7 @@ def _significant(x: float, digits: int) -> tuple[str, int]:
     exact = abs(Decimal(x))
     exponent = exact.adjusted()
     scaled = int(exact.scaleb(digits - 1 - exponent).quantize(Decimal(1), rounding=ROUND_HALF_UP))
-    if scaled >= 10 ** digits:
+    if scaled >= 10**digits:
         exponent += 1
         scaled = int(exact.scaleb(digits - 1 - exponent).quantize(Decimal(1), rounding=ROUND_HALF_UP))
     return str(scaled), exponent
@@ -141,7 +141,7 @@ def tick_label(x: float, digits: int = 3) -> str:
     if exponential or exponent < -6 or exponent >= digits:
         mantissa = figures[0] + "." + figures[1:]
     elif exponent >= 0:
-        mantissa = figures[:exponent + 1] + "." + figures[exponent + 1:]
+        mantissa = figures[: exponent + 1] + "." + figures[exponent + 1 :]
     else:
         mantissa = "0." + "0" * (-exponent - 1) + figures
     if "." in mantissa:

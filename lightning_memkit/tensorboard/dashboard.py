@@ -20,9 +20,22 @@ from lightning_memkit.tensorboard.readable import readable_layout
 from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART, DEFAULT_PREFIX, step_metrics
 from lightning_memkit.units import format_bytes
 
-__all__ = ["tensorboard_experiment", "register_dashboard", "log_memory_summary", "markdown_code", "SUMMARY_TEXT_TAG",
-           "FIGURE_TAG", "DEVICE_TEXT_TAG", "device_table", "read_layout", "write_layout", "update_dashboards",
-           "DASHBOARD_OPTIONS_ATTRIBUTE", "LAYER_TRACE_ATTRIBUTE", "read_run_scalars"]
+__all__ = [
+    "tensorboard_experiment",
+    "register_dashboard",
+    "log_memory_summary",
+    "markdown_code",
+    "SUMMARY_TEXT_TAG",
+    "FIGURE_TAG",
+    "DEVICE_TEXT_TAG",
+    "device_table",
+    "read_layout",
+    "write_layout",
+    "update_dashboards",
+    "DASHBOARD_OPTIONS_ATTRIBUTE",
+    "LAYER_TRACE_ATTRIBUTE",
+    "read_run_scalars",
+]
 
 #: the TensorBoard text tag of the run summary table (``<prefix>/`` + this).
 SUMMARY_TEXT_TAG = "summary/table"
@@ -96,8 +109,15 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
         cuda = trainer.strategy.root_device.type == "cuda"
     except Exception:
         cuda = False
-    options: dict[str, Any] = dict(cuda=False, tensors=False, host=False, validation=False, ranks=False,
-                                   trace=tracer is not None, prefix=getattr(tracer, "prefix", DEFAULT_PREFIX))
+    options: dict[str, Any] = dict(
+        cuda=False,
+        tensors=False,
+        host=False,
+        validation=False,
+        ranks=False,
+        trace=tracer is not None,
+        prefix=getattr(tracer, "prefix", DEFAULT_PREFIX),
+    )
     if tracker is not None:  # the per-step charts need MemoryTracker's scalars
         accountant = tracker.tensor_accounting
         world_size = getattr(trainer, "world_size", 1)
@@ -159,7 +179,7 @@ def _steps_per_tag(history: Sequence[StepReading], prefix: str, world_size: int)
     for reading in history:
         for tag in step_metrics(reading, prefix):
             steps.setdefault(tag, set()).add(reading.step)
-            stage_part = tag[len(prefix) + 1:].split("/", 1)
+            stage_part = tag[len(prefix) + 1 :].split("/", 1)
             if stage_part[0] == "train":
                 for rank in range(max(world_size, 1)):
                     steps.setdefault(f"{prefix}/train/rank{rank}/{stage_part[1]}", set()).add(reading.step)
@@ -191,8 +211,10 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
                 if read_layout(sibling) != pruned:
                     write_layout(sibling, pruned, _new_lines(sibling, derived.get(sibling, {}), prefix))
         except Exception as error:  # never break training for a dashboard
-            warnings.warn(f"memkit: the dashboard of {run_dir} keeps its fit-start layout "
-                          f"({type(error).__name__}: {error})", stacklevel=2)
+            warnings.warn(
+                f"memkit: the dashboard of {run_dir} keeps its fit-start layout ({type(error).__name__}: {error})",
+                stacklevel=2,
+            )
     for tag, points in lines.items():
         for step, value in points:
             experiment.add_scalar(tag, value, global_step=step)
@@ -210,12 +232,14 @@ def _compare_siblings(run_dir: str) -> list[str]:
     directories beside it whose layout is the modes-compared one."""
     root = os.path.dirname(os.path.abspath(run_dir))
     dirs = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(root, "*", "events.out.tfevents.*"))})
-    return [d for d in dirs
-            if os.path.abspath(d) != os.path.abspath(run_dir) and COMPARE_CATEGORY in (read_layout(d) or {})]
+    return [
+        d for d in dirs if os.path.abspath(d) != os.path.abspath(run_dir) and COMPARE_CATEGORY in (read_layout(d) or {})
+    ]
 
 
-def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX,
-                     rebased: bool = False) -> dict[str, list[tuple[int, float]]]:
+def read_run_scalars(
+    run_dir: str, prefix: str = DEFAULT_PREFIX, rebased: bool = False
+) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` of the scalars in ``run_dir``'s event files (read with
     TensorBoard's own reader, every point), without the dashboard's rebased lines
     (``<prefix>/dashboard/...``, which are made from the others), or only those with ``rebased=True``."""
@@ -224,12 +248,16 @@ def read_run_scalars(run_dir: str, prefix: str = DEFAULT_PREFIX,
     accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
     accumulator.Reload()
     own = f"{prefix}/{DASHBOARD_TAG_PART}/"
-    return {tag: sorted((e.step, e.value) for e in accumulator.Scalars(tag))
-            for tag in accumulator.Tags()["scalars"] if tag.startswith(own) == rebased}
+    return {
+        tag: sorted((e.step, e.value) for e in accumulator.Scalars(tag))
+        for tag in accumulator.Tags()["scalars"]
+        if tag.startswith(own) == rebased
+    }
 
 
-def _new_lines(run_dir: str, lines: dict[str, list[tuple[int, float]]],
-               prefix: str) -> dict[str, list[tuple[int, float]]]:
+def _new_lines(
+    run_dir: str, lines: dict[str, list[tuple[int, float]]], prefix: str
+) -> dict[str, list[tuple[int, float]]]:
     """The rebased lines ``run_dir`` does not hold yet (a line's tag names its base: the same tag is the same line)."""
     if not lines:
         return {}
@@ -242,8 +270,9 @@ def markdown_code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def log_memory_summary(trainer: Any, summary: RunSummary, history: Sequence[StepReading], step: int,
-                       prefix: str = DEFAULT_PREFIX) -> bool:
+def log_memory_summary(
+    trainer: Any, summary: RunSummary, history: Sequence[StepReading], step: int, prefix: str = DEFAULT_PREFIX
+) -> bool:
     """Log the run summary table (text) and the memory-per-step figure (image) at ``step``.
 
     Both come from the same records: the table is :func:`~lightning_memkit.summary_table.format_summary`,
@@ -258,8 +287,9 @@ def log_memory_summary(trainer: Any, summary: RunSummary, history: Sequence[Step
         return False
     from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_figure  # matplotlib: heavy
 
-    experiment.add_text(f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)),
-                        global_step=step)
+    experiment.add_text(
+        f"{prefix}/{SUMMARY_TEXT_TAG}", markdown_code(format_summary(summary, history)), global_step=step
+    )
     device = device_table(history)
     if device:
         experiment.add_text(f"{prefix}/{DEVICE_TEXT_TAG}", markdown_code(device), global_step=step)
@@ -285,22 +315,41 @@ def device_table(history: Sequence[StepReading]) -> str | None:
     if not readings:
         return None
     total = max(r.device_total_bytes for r in readings)
-    fullest = max((r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes,
-                  default=None)
+    fullest = max(
+        (r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes, default=None
+    )
     rows = [["capacity (NVML total)", format_bytes(total)]]
     if fullest is not None:
-        rows.append(["most used, all processes",
-                     f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})"])
-        rows.append(["headroom at that step", f"{format_bytes(total - fullest.device_used_bytes)} "
-                                              f"({(total - fullest.device_used_bytes) / total:.1%} of capacity)"])
-    process = max((r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes,
-                  default=None)
+        rows.append(
+            [
+                "most used, all processes",
+                f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})",
+            ]
+        )
+        rows.append(
+            [
+                "headroom at that step",
+                f"{format_bytes(total - fullest.device_used_bytes)} "
+                f"({(total - fullest.device_used_bytes) / total:.1%} of capacity)",
+            ]
+        )
+    process = max(
+        (r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes, default=None
+    )
     if process is not None:
-        rows.append(["most used, this process",
-                     f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})"])
+        rows.append(
+            [
+                "most used, this process",
+                f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})",
+            ]
+        )
         if process.reserved_bytes is not None:
-            rows.append(["  of which outside the allocator",
-                         format_bytes(process.process_device_bytes - process.reserved_bytes)])
+            rows.append(
+                [
+                    "  of which outside the allocator",
+                    format_bytes(process.process_device_bytes - process.reserved_bytes),
+                ]
+            )
     return "memkit device memory (NVML)\n" + format_table(["measure", "value"], rows)
 
 
@@ -323,8 +372,9 @@ def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
     return {c.title: {ch.title: ["Multiline", list(ch.multiline.tag)] for ch in c.chart} for c in layout.category}
 
 
-def write_layout(run_dir: str, layout: dict[str, dict[str, list[Any]]],
-                 lines: dict[str, list[tuple[int, float]]] | None = None) -> str:
+def write_layout(
+    run_dir: str, layout: dict[str, dict[str, list[Any]]], lines: dict[str, list[tuple[int, float]]] | None = None
+) -> str:
     """Give the run in ``run_dir`` this layout: a new event file beside its own, holding only the
     layout and the lines it draws that the run does not have yet (``lines``: ``{tag: [(step,
     value), ...]}``, the rebased lines of :func:`~lightning_memkit.tensorboard.readable.readable_layout`).

@@ -51,23 +51,38 @@ SERIES_STYLE: dict[str, tuple[str, str, str]] = {
 #: Each panel draws at most three lines of one scale (a capacity or a process's whole device memory
 #: is never on the allocator's panel, where it flattened the allocator's lines to zero).
 PANELS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("CUDA step peak, top to bottom: reserved, allocated", ("peak_reserved_bytes", "peak_allocated_bytes"),
-     ("peak_allocated_bytes",)),
+    (
+        "CUDA step peak, top to bottom: reserved, allocated",
+        ("peak_reserved_bytes", "peak_allocated_bytes"),
+        ("peak_allocated_bytes",),
+    ),
     ("CUDA at step end, top to bottom: reserved, allocated", ("reserved_bytes", "allocated_bytes"), ()),
-    ("device (NVML), top to bottom: all processes, this process, allocator reserved",
-     ("device_used_bytes", "process_device_bytes", "reserved_bytes"), ()),
-    ("tensors (exact), top to bottom: step peak, live at step end", ("peak_tensor_bytes", "tensor_bytes"),
-     ("peak_tensor_bytes",)),
-    ("host RSS, top to bottom: step peak, step end", ("host_peak_rss_bytes", "host_rss_bytes"),
-     ("host_peak_rss_bytes",)),
+    (
+        "device (NVML), top to bottom: all processes, this process, allocator reserved",
+        ("device_used_bytes", "process_device_bytes", "reserved_bytes"),
+        (),
+    ),
+    (
+        "tensors (exact), top to bottom: step peak, live at step end",
+        ("peak_tensor_bytes", "tensor_bytes"),
+        ("peak_tensor_bytes",),
+    ),
+    (
+        "host RSS, top to bottom: step peak, step end",
+        ("host_peak_rss_bytes", "host_rss_bytes"),
+        ("host_peak_rss_bytes",),
+    ),
 )
-SERIES_STYLE.update({
-    "device_used_bytes": ("NVML: all processes", "#17becf", "-"),
-})
+SERIES_STYLE.update(
+    {
+        "device_used_bytes": ("NVML: all processes", "#17becf", "-"),
+    }
+)
 
 
-def new_figure(title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4,
-               sharex: bool = True) -> tuple[Figure, list]:
+def new_figure(
+    title: str, nrows: int = 1, width: float = 10.0, row_height: float = 3.4, sharex: bool = True
+) -> tuple[Figure, list]:
     """A figure with ``nrows`` stacked axes, a bold title and a light grid; returns (figure, axes)."""
     figure = Figure(figsize=(width, row_height * nrows + 0.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -83,9 +98,18 @@ def mark_peak(ax, x: float, nbytes: int, text: str | None = None) -> None:
     y = nbytes / MiB
     ax.plot([x], [y], marker="o", markersize=9, color=PEAK_COLOR, zorder=5, linestyle="none")
     label = text or f"peak {format_bytes(nbytes)}"
-    ax.annotate(label, xy=(x, y), xytext=(0, 12), textcoords="offset points", ha="center", va="bottom",
-                fontsize=9, fontweight="bold", color=PEAK_COLOR,
-                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=PEAK_COLOR, alpha=0.9))
+    ax.annotate(
+        label,
+        xy=(x, y),
+        xytext=(0, 12),
+        textcoords="offset points",
+        ha="center",
+        va="bottom",
+        fontsize=9,
+        fontweight="bold",
+        color=PEAK_COLOR,
+        bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=PEAK_COLOR, alpha=0.9),
+    )
     low, high = ax.get_ylim()
     if y * 1.15 > high:  # room for the label above the marker
         ax.set_ylim(low, y * 1.18)
@@ -127,11 +151,17 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
     val = [r for r in history if r.stage != "train"]
     has = lambda field: any(getattr(r, field) is not None for r in history)  # noqa: E731
     # a panel is drawn when its first (headline) field was read: the NVML panel needs NVML's own reading
-    panels = [(question, [f for f in fields if has(f)], [f for f in val_fields if has(f)])
-              for question, fields, val_fields in PANELS if has(fields[0])]
+    panels = [
+        (question, [f for f in fields if has(f)], [f for f in val_fields if has(f)])
+        for question, fields, val_fields in PANELS
+        if has(fields[0])
+    ]
     device = summary.device or "?"
-    figure, axes = new_figure(title or f"memkit: memory per step ({device})", nrows=max(1, len(panels)),
-                              row_height=3.4 if len(panels) <= 2 else 2.7)
+    figure, axes = new_figure(
+        title or f"memkit: memory per step ({device})",
+        nrows=max(1, len(panels)),
+        row_height=3.4 if len(panels) <= 2 else 2.7,
+    )
     if not panels:
         axes[0].text(0.5, 0.5, "no readings", ha="center", va="center", transform=axes[0].transAxes)
         return figure
@@ -144,19 +174,37 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
                 # draw values between the samples that were never measured, so markers only
                 ax.plot(steps, values, "o", color=color, label=label + " (sampled steps)", markersize=5)
             elif steps:
-                ax.plot(steps, values, style, color=color, label=label, linewidth=1.8,
-                        marker="." if len(steps) < 40 else None)
+                ax.plot(
+                    steps,
+                    values,
+                    style,
+                    color=color,
+                    label=label,
+                    linewidth=1.8,
+                    marker="." if len(steps) < 40 else None,
+                )
             if field in val_fields:
                 vsteps, vvalues = _series(val, field)
                 if vsteps:
-                    ax.plot(vsteps, vvalues, "x", color=color, markersize=8, markeredgewidth=2,
-                            label=label.split(" (")[0] + " (validation run)")
+                    ax.plot(
+                        vsteps,
+                        vvalues,
+                        "x",
+                        color=color,
+                        markersize=8,
+                        markeredgewidth=2,
+                        label=label.split(" (")[0] + " (validation run)",
+                    )
         ax.set_ylabel("MiB")
         ax.set_title(question + " (MiB)", fontsize=9, loc="left")
         if summary.peak_bytes is not None and summary.peak_source in fields:
             stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
-            mark_peak(ax, summary.peak_step, summary.peak_bytes,
-                      f"run peak {format_bytes(summary.peak_bytes)} at step {summary.peak_step}{stage}")
+            mark_peak(
+                ax,
+                summary.peak_step,
+                summary.peak_bytes,
+                f"run peak {format_bytes(summary.peak_bytes)} at step {summary.peak_step}{stage}",
+            )
         low, high = ax.get_ylim()
         top = max((v for f in fields for v in _series(history, f)[1]), default=high)
         ax.set_ylim(min(0.0, low), max(high, top * 1.15))  # headroom for the peak label
@@ -165,8 +213,9 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
     axes[-1].set_xlabel("training step")
     # under the whole figure (constrained layout gives it its own row), not beside the first panel's title,
     # which a long panel title overlapped
-    figure.supxlabel(f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}",
-                     fontsize=9)
+    figure.supxlabel(
+        f"{summary.steps_measured} readings; run peak from {summary.peak_source or 'no reading'}", fontsize=9
+    )
     return figure
 
 
@@ -186,8 +235,9 @@ def compare_figures(compare) -> dict[str, Figure]:
     """
     ok = [r for r in compare.results if r.status == "ok" and r.peak_allocated_bytes is not None]
     source = ok[0].peak_source if ok else "no successful mode"
-    peak_figure, (bar_ax,) = new_figure(f"memkit compare: peak memory per mode ({compare.device})",
-                                        width=2.4 + 1.4 * max(len(ok), 1), row_height=3.6)
+    peak_figure, (bar_ax,) = new_figure(
+        f"memkit compare: peak memory per mode ({compare.device})", width=2.4 + 1.4 * max(len(ok), 1), row_height=3.6
+    )
     if ok:
         positions = list(range(len(ok)))
         bars = bar_ax.bar(positions, [r.peak_allocated_bytes / MiB for r in ok], color="#4c72b0")
@@ -195,11 +245,20 @@ def compare_figures(compare) -> dict[str, Figure]:
         lowest = min(positions, key=lambda i: ok[i].peak_allocated_bytes)
         for position, (bar, result) in enumerate(zip(bars, ok)):
             if result.peak_ratio is not None and position != lowest:  # the lowest bar's ratio is in its marker's label
-                bar_ax.annotate(f"{result.peak_ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                                ha="center", va="bottom", fontsize=8)
+                bar_ax.annotate(
+                    f"{result.peak_ratio:.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
         ratio = "" if ok[lowest].peak_ratio is None else f"\n{ok[lowest].peak_ratio:.2f}x"
-        mark_peak(bar_ax, lowest, ok[lowest].peak_allocated_bytes,
-                  f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}{ratio}")
+        mark_peak(
+            bar_ax,
+            lowest,
+            ok[lowest].peak_allocated_bytes,
+            f"lowest: {format_bytes(ok[lowest].peak_allocated_bytes)}{ratio}",
+        )
     bar_ax.set_ylabel(f"peak per step (MiB, {source})")
     steps_figure, (line_ax,) = new_figure("memkit compare: memory per step per mode", width=8.0, row_height=3.6)
     highest = None

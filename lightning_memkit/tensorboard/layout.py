@@ -17,8 +17,18 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS, metric_name
 
-__all__ = ["TRACE_TAG_PART", "MAX_SERIES_PER_CHART", "dashboard_layout", "layout_from_tags", "prune_layout",
-           "layout_tags", "matching_tags", "COMPARE_CATEGORY", "RANK_CATEGORY", "rank_groups"]
+__all__ = [
+    "TRACE_TAG_PART",
+    "MAX_SERIES_PER_CHART",
+    "dashboard_layout",
+    "layout_from_tags",
+    "prune_layout",
+    "layout_tags",
+    "matching_tags",
+    "COMPARE_CATEGORY",
+    "RANK_CATEGORY",
+    "rank_groups",
+]
 
 #: the path part of LayerTrace's scalars: ``memory/trace/{peak,end}_MiB``, ``memory/trace/{peak,end}/<category>_MiB``.
 #: They are single-step values: the layout has no chart of them (the trace's figure and tables show them).
@@ -34,8 +44,11 @@ MAX_SERIES_PER_CHART = 3
 # its end, all processes >= this process >= its allocator), and its title names them top to bottom,
 # in the order of ``fields`` (tests/test_dashboard_rules.py checks the order on real logs).
 _CUDA_CHARTS = [
-    ("CUDA step peak, top to bottom: reserved, allocated (MiB)", "train",
-     ["peak_reserved_bytes", "peak_allocated_bytes"]),
+    (
+        "CUDA step peak, top to bottom: reserved, allocated (MiB)",
+        "train",
+        ["peak_reserved_bytes", "peak_allocated_bytes"],
+    ),
     ("CUDA at step end, top to bottom: reserved, allocated (MiB)", "train", ["reserved_bytes", "allocated_bytes"]),
     ("CUDA fragmentation: reserved but cut off from larger blocks (MiB)", "train", ["fragmentation_bytes"]),
     ("CUDA allocator: retries after flushing the cache, OOMs (count)", "train", ["alloc_retries", "ooms"]),
@@ -43,8 +56,11 @@ _CUDA_CHARTS = [
 # NVML's capacity is not a line here: at 80 GB it flattened every other line to zero. It is in the
 # summary table and the device table (Text tab); the chart compares quantities of one scale.
 _NVML_CHARTS = [
-    ("device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)", "train",
-     ["device_used_bytes", "process_device_bytes", "reserved_bytes"]),
+    (
+        "device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)",
+        "train",
+        ["device_used_bytes", "process_device_bytes", "reserved_bytes"],
+    ),
 ]
 # Two charts, not one: the accountant's peak may be read on fewer steps than the live bytes
 # (MemoryTracker samples it), and TensorBoard's outlier clipping then hides the few peak points.
@@ -56,14 +72,20 @@ _HOST_CHARTS = [
     ("host RSS, top to bottom: step peak, step end (MiB)", "train", ["host_peak_rss_bytes", "host_rss_bytes"]),
 ]
 _CUDA_VALIDATION_CHARTS = [
-    ("validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)", "val",
-     ["peak_reserved_bytes", "peak_allocated_bytes"]),
+    (
+        "validation runs, top to bottom: CUDA peak reserved, peak allocated (MiB)",
+        "val",
+        ["peak_reserved_bytes", "peak_allocated_bytes"],
+    ),
 ]
 # two lines, not one: a chart of a single line with two points (two validation runs) is empty in
 # TensorBoard by default (both points are "outliers" of the 5th-95th percentile range)
 _TENSOR_VALIDATION_CHARTS = [
-    ("validation runs, exact tensors, top to bottom: peak, live at end (MiB)", "val",
-     ["peak_tensor_bytes", "tensor_bytes"]),
+    (
+        "validation runs, exact tensors, top to bottom: peak, live at end (MiB)",
+        "val",
+        ["peak_tensor_bytes", "tensor_bytes"],
+    ),
 ]
 _COMPARE_CHARTS = {  # one line per mode's run; each chart one quantity
     "peak_allocated": ("modes overlaid: CUDA step peak allocated (MiB)", "train", ["peak_allocated_bytes"]),
@@ -121,7 +143,7 @@ def _rank_layout(prefix: str, cuda: bool, host: bool, world_size: int | None) ->
     escaped = re.escape(prefix)
     layout: dict[str, dict[str, list[Any]]] = {}
     for title, _, fields in charts:
-        quantity = title[len("per rank: "):title.index(" (MiB")]
+        quantity = title[len("per rank: ") : title.index(" (MiB")]
         names = [re.escape(metric_name(f)) for f in fields]
         alternatives = names[0] if len(names) == 1 else "(" + "|".join(names) + ")"
         category = layout.setdefault(f"{RANK_CATEGORY}: {quantity}", {})
@@ -129,7 +151,9 @@ def _rank_layout(prefix: str, cuda: bool, host: bool, world_size: int | None) ->
             label = f"rank {group[0]}" if len(group) == 1 else f"ranks {group[0]}-{group[-1]}"
             ranks = "(" + "|".join(str(r) for r in group) + ")"
             category[f"per rank: {quantity} (MiB; {label}, one line each)"] = [
-                "Multiline", [f"^{escaped}/{STAGE_TAGS['train']}/rank{ranks}/{alternatives}$"]]
+                "Multiline",
+                [f"^{escaped}/{STAGE_TAGS['train']}/rank{ranks}/{alternatives}$"],
+            ]
     return layout
 
 
@@ -205,8 +229,11 @@ def dashboard_layout(
 
 def _charts(prefix: str, specs: Iterable[tuple[str, str, list[str]]]) -> dict[str, list[Any]]:
     escaped = re.escape(prefix)
-    parts = {"train": f"{escaped}/{STAGE_TAGS['train']}/", "val": f"{escaped}/{STAGE_TAGS['validate']}/",
-             "rank": f"{escaped}/{STAGE_TAGS['train']}/rank[0-9]+/"}
+    parts = {
+        "train": f"{escaped}/{STAGE_TAGS['train']}/",
+        "val": f"{escaped}/{STAGE_TAGS['validate']}/",
+        "rank": f"{escaped}/{STAGE_TAGS['train']}/rank[0-9]+/",
+    }
     charts = {}
     for title, stage, fields in specs:
         names = [re.escape(metric_name(f)) for f in fields]
@@ -218,8 +245,11 @@ def _charts(prefix: str, specs: Iterable[tuple[str, str, list[str]]]) -> dict[st
 def layout_tags(layout: Mapping[str, Mapping[str, Sequence[Any]]]) -> dict[str, list[str]]:
     """``{chart title: [tag regex, ...]}`` of a layout: as :func:`dashboard_layout` returns it
     (``["Multiline", [regex, ...]]`` per chart) or with a plain list of regexes per chart."""
-    return {title: list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
-            for category in layout.values() for title, spec in category.items()}
+    return {
+        title: list(spec[1]) if len(spec) == 2 and spec[0] == "Multiline" else list(spec)
+        for category in layout.values()
+        for title, spec in category.items()
+    }
 
 
 def matching_tags(regexes: Sequence[str], tags: Iterable[str]) -> list[str]:
@@ -227,8 +257,9 @@ def matching_tags(regexes: Sequence[str], tags: Iterable[str]) -> list[str]:
     return sorted(t for t in tags if any(r.match(t) for r in compiled))  # TensorBoard's own match: from the start
 
 
-def prune_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]],
-                 steps_per_tag: Mapping[str, int]) -> dict[str, dict[str, list[Any]]]:
+def prune_layout(
+    layout: Mapping[str, Mapping[str, Sequence[Any]]], steps_per_tag: Mapping[str, int]
+) -> dict[str, dict[str, list[Any]]]:
     """``layout`` without the charts that would be empty or single-step for these tags.
 
     Args:
@@ -241,15 +272,19 @@ def prune_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]],
     """
     pruned: dict[str, dict[str, list[Any]]] = {}
     for category, charts in layout.items():
-        kept = {title: [spec[0], list(spec[1])] for title, spec in charts.items()
-                if any(steps_per_tag[t] >= 2 for t in matching_tags(spec[1], steps_per_tag))}
+        kept = {
+            title: [spec[0], list(spec[1])]
+            for title, spec in charts.items()
+            if any(steps_per_tag[t] >= 2 for t in matching_tags(spec[1], steps_per_tag))
+        }
         if kept:
             pruned[category] = kept
     return pruned
 
 
-def layout_from_tags(tags: Mapping[str, int] | Iterable[str], prefix: str = DEFAULT_PREFIX,
-                     compare: bool = False) -> dict[str, dict[str, list[Any]]]:
+def layout_from_tags(
+    tags: Mapping[str, int] | Iterable[str], prefix: str = DEFAULT_PREFIX, compare: bool = False
+) -> dict[str, dict[str, list[Any]]]:
     """The layout for a run that logged ``tags``: its groups read off the tags, then pruned.
 
     This is how logs written by an older memkit get today's dashboard
@@ -273,8 +308,10 @@ def layout_from_tags(tags: Mapping[str, int] | Iterable[str], prefix: str = DEFA
         tensors=has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
         host=has(train, "host_rss_bytes"),
         validation=any(t.startswith(val) for t in steps),
-        ranks=max((int(m.group(1)) + 1 for m in (re.match(re.escape(train) + r"rank([0-9]+)/", t) for t in steps) if m),
-                  default=0),
+        ranks=max(
+            (int(m.group(1)) + 1 for m in (re.match(re.escape(train) + r"rank([0-9]+)/", t) for t in steps) if m),
+            default=0,
+        ),
         compare=compare,
     )
     return prune_layout(dashboard_layout(**options), steps)

@@ -12,8 +12,13 @@ from typing import Any, Mapping, Sequence
 
 from lightning_memkit.tensorboard.axis import tensorboard_ticks
 from lightning_memkit.tensorboard.layout import layout_tags
-from lightning_memkit.tensorboard.rules import (MAX_TICK_LABEL, chart_series, clipping_problems, drawn_lines,
-                                                tick_problems)
+from lightning_memkit.tensorboard.rules import (
+    MAX_TICK_LABEL,
+    chart_series,
+    clipping_problems,
+    drawn_lines,
+    tick_problems,
+)
 from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART, DEFAULT_PREFIX, FRAME_TAG_PART
 
 __all__ = ["readable_layout", "FRAME_TITLE", "SHORT_LINE_POINTS"]
@@ -69,11 +74,11 @@ def _rebased(regex: str, prefix: str, unit: str, base: str | None, is_regex: boo
     with ``base=None``, in ``unit`` alone: ``..._MiB`` -> ``..._GiB``."""
     head = re.escape(prefix) + "/"
     start = "^" if regex.startswith("^") else ""
-    body = regex[len(start):]
+    body = regex[len(start) :]
     if body.startswith(head):
-        body = head + DASHBOARD_TAG_PART + "/" + body[len(head):]
+        body = head + DASHBOARD_TAG_PART + "/" + body[len(head) :]
     elif body.startswith(prefix + "/"):
-        body = prefix + "/" + DASHBOARD_TAG_PART + "/" + body[len(prefix) + 1:]
+        body = prefix + "/" + DASHBOARD_TAG_PART + "/" + body[len(prefix) + 1 :]
     if base is None:
         return start + body.replace("_MiB", f"_{unit}")
     return start + body.replace("_MiB", f"_{unit}_above_{re.escape(base) if is_regex else base}_{unit}")
@@ -87,8 +92,15 @@ def _base(values: Sequence[float], unit: str | None = None) -> Display:
     values' range, so the rebased values start near zero."""
     low, high = min(values), max(values)
     if unit is None:
-        unit = ("B" if high - low < 1 / 1024 else "KiB" if high - low < 1
-                else "MiB" if high - low < MAX_TICK_LABEL / 10 else "GiB")
+        unit = (
+            "B"
+            if high - low < 1 / 1024
+            else "KiB"
+            if high - low < 1
+            else "MiB"
+            if high - low < MAX_TICK_LABEL / 10
+            else "GiB"
+        )
     factor = dict(_UNITS)[unit]
     span = (high - low) * factor
     step = 10.0 ** math.floor(math.log10(span)) if span > 0 else 1.0
@@ -104,7 +116,7 @@ def _displays(values: Sequence[float], large: bool) -> list[Display]:
     an axis up to 1,000 KiB labels its top "1e+3": 0 to 0.9 MiB reads right)."""
     natural = _base(values)
     names = [unit for unit, _ in _UNITS]
-    larger = names[names.index(natural.unit) + 1:]
+    larger = names[names.index(natural.unit) + 1 :]
     return ([Display("GiB", 1 / 1024, 0.0, "", None)] if large else []) + [natural] + [_base(values, u) for u in larger]
 
 
@@ -135,7 +147,7 @@ def _frame_tag(prefix: str, tag: str, key: str, value: float, unit: str) -> str:
     """The tag of a frame line of the chart whose first line is ``tag``: it names its value, so a chart drawn again
     with another range (a compare root that got a mode) gets new lines, not values written twice at one step."""
     head = prefix + "/"
-    body = tag[len(head):] if tag.startswith(head) else tag
+    body = tag[len(head) :] if tag.startswith(head) else tag
     body = re.sub(r"/rank[0-9]+/", "/ranks/", body)
     body = re.sub(r"_(B|KiB|MiB|GiB)$", "", body)
     side = "low" if key == _FRAME_KEYS[0] else "high"
@@ -156,8 +168,9 @@ def _readable_display(title: str, series: Series, drawn: Series, smoothing: floa
     return None
 
 
-def _frame_regex(series: Series, drawn: Series, display: Display, prefix: str,
-                 lines: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
+def _frame_regex(
+    series: Series, drawn: Series, display: Display, prefix: str, lines: dict[str, dict[str, list[tuple[int, float]]]]
+) -> str:
     """Adds each run's frame lines to ``lines``, in ``display``; returns the regex that matches them."""
     frame_tags = set()
     for (run, key), points in drawn.items():
@@ -170,10 +183,12 @@ def _frame_regex(series: Series, drawn: Series, display: Display, prefix: str,
     return "^(" + "|".join(re.escape(t) for t in sorted(frame_tags)) + ")$"
 
 
-def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]],
-                    runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
-                    prefix: str = DEFAULT_PREFIX, smoothing: float = 0.6,
-                    ) -> tuple[dict[str, dict[str, list[Any]]], dict[str, dict[str, list[tuple[int, float]]]]]:
+def readable_layout(
+    layout: Mapping[str, Mapping[str, Sequence[Any]]],
+    runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    prefix: str = DEFAULT_PREFIX,
+    smoothing: float = 0.6,
+) -> tuple[dict[str, dict[str, list[Any]]], dict[str, dict[str, list[tuple[int, float]]]]]:
     """``layout`` made readable at TensorBoard's default settings, for the values the runs logged.
 
     Args:
@@ -217,8 +232,9 @@ def readable_layout(layout: Mapping[str, Mapping[str, Sequence[Any]]],
     for category, charts in layout.items():
         for title, regexes in layout_tags({category: charts}).items():
             series = chart_series(regexes, runs)
-            framed = bool(series) and bool(clipping_problems(title, series, smoothing)
-                                           or _short_raw_outside(series, smoothing))
+            framed = bool(series) and bool(
+                clipping_problems(title, series, smoothing) or _short_raw_outside(series, smoothing)
+            )
             drawn = {**series, **_frame_lines(series)} if framed else dict(series)
             display = _readable_display(title, series, drawn, smoothing)
             if display is not None:

@@ -11,8 +11,17 @@ from lightning_memkit.tensorboard.axis import smoothed, tensorboard_ticks, tenso
 from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, layout_tags, matching_tags
 from lightning_memkit.tensorboard.tags import is_frame_tag, is_rebased_tag
 
-__all__ = ["MAX_SCALE_RATIO", "MAX_TICK_LABEL", "MAX_CLIPPED_FRACTION", "check_dashboard", "check_chart",
-           "clipping_problems", "tick_problems", "chart_series", "drawn_lines"]
+__all__ = [
+    "MAX_SCALE_RATIO",
+    "MAX_TICK_LABEL",
+    "MAX_CLIPPED_FRACTION",
+    "check_dashboard",
+    "check_chart",
+    "clipping_problems",
+    "tick_problems",
+    "chart_series",
+    "drawn_lines",
+]
 
 #: the largest ratio between the biggest and the smallest non-zero series of one chart (by largest |value|).
 MAX_SCALE_RATIO = 100.0
@@ -28,11 +37,13 @@ MAX_CLIPPED_FRACTION = 0.1
 Series = Mapping[tuple[str, str], Sequence[tuple[float, float]]]
 
 
-def chart_series(regexes: Sequence[str], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
-                 ) -> dict[tuple[str, str], list[tuple[int, float]]]:
+def chart_series(
+    regexes: Sequence[str], runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
+) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """The lines a chart of these tag ``regexes`` draws: every matching tag with a value, in every run."""
-    return {(run, tag): list(tags[tag])
-            for run, tags in runs.items() for tag in matching_tags(regexes, tags) if tags[tag]}
+    return {
+        (run, tag): list(tags[tag]) for run, tags in runs.items() for tag in matching_tags(regexes, tags) if tags[tag]
+    }
 
 
 def drawn_lines(series: Series, smoothing: float) -> tuple[dict[Any, list[float]], tuple[float, float]]:
@@ -41,8 +52,11 @@ def drawn_lines(series: Series, smoothing: float) -> tuple[dict[Any, list[float]
     return lines, tensorboard_y_range([v for values in lines.values() for v in values])
 
 
-def check_dashboard(layout: Mapping[str, Mapping[str, Sequence[Any]]],
-                    runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], smoothing: float = 0.6) -> list[str]:
+def check_dashboard(
+    layout: Mapping[str, Mapping[str, Sequence[Any]]],
+    runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    smoothing: float = 0.6,
+) -> list[str]:
     """The rules every memkit chart keeps, checked on real logs; returns the broken ones, in words.
 
     Args:
@@ -71,14 +85,19 @@ def _scale_problems(title: str, series: Series) -> list[str]:
     It is about logged readings: a frame line marks the range, and a line redrawn above a base
     (``..._above_...``) starts near zero by design (its logged line, above no base, is what the rule compares).
     """
-    scales = {key: max(abs(v) for _, v in points) for key, points in series.items()
-              if not is_frame_tag(key[1]) and not is_rebased_tag(key[1])}
+    scales = {
+        key: max(abs(v) for _, v in points)
+        for key, points in series.items()
+        if not is_frame_tag(key[1]) and not is_rebased_tag(key[1])
+    }
     biggest = max(scales, key=scales.get) if scales else None
     problems = []
     for key, scale in scales.items():
         if 0 < scale and scales[biggest] > MAX_SCALE_RATIO * scale:
-            problems.append(f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
-                            f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat")
+            problems.append(
+                f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
+                f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat"
+            )
     return problems
 
 
@@ -127,9 +146,11 @@ def clipping_problems(title: str, series: Series, smoothing: float = 0.6) -> lis
     for key, values in lines.items():
         outside = sum(not low <= v <= high for v in values)
         if outside > MAX_CLIPPED_FRACTION * len(values):
-            problems.append(f"{title!r}: {outside} of the {len(values)} points of {key[1]} of run {key[0]!r} lie "
-                            f"outside the y range TensorBoard draws by default [{low:.6g}, {high:.6g}] "
-                            f"(outliers ignored)")
+            problems.append(
+                f"{title!r}: {outside} of the {len(values)} points of {key[1]} of run {key[0]!r} lie "
+                f"outside the y range TensorBoard draws by default [{low:.6g}, {high:.6g}] "
+                f"(outliers ignored)"
+            )
     return problems
 
 
@@ -142,10 +163,14 @@ def tick_problems(title: str, series: Series, smoothing: float = 0.6) -> list[st
     labels = [tick_label(t) for t in ticks]
     problems = []
     if len(set(labels)) != len(labels):
-        problems.append(f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: "
-                        f"three significant digits cannot tell them apart")
+        problems.append(
+            f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: "
+            f"three significant digits cannot tell them apart"
+        )
     large = [label for t, label in zip(ticks, labels) if abs(t) >= MAX_TICK_LABEL]
     if large:
-        problems.append(f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels ticks {large} in exponent "
-                        f"notation (values of {MAX_TICK_LABEL:,.0f} or more): draw them in a larger unit")
+        problems.append(
+            f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels ticks {large} in exponent "
+            f"notation (values of {MAX_TICK_LABEL:,.0f} or more): draw them in a larger unit"
+        )
     return problems

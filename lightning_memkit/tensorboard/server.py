@@ -44,8 +44,9 @@ class TensorBoardServer:
         extra_args: more command-line arguments for ``tensorboard``.
     """
 
-    def __init__(self, logdir: str, port: int | None = None, startup_timeout_s: float = 60.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, logdir: str, port: int | None = None, startup_timeout_s: float = 60.0, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.logdir = os.path.abspath(logdir)
         self.port = port or free_port()
         self.startup_timeout_s = startup_timeout_s
@@ -63,15 +64,28 @@ class TensorBoardServer:
         executable = os.path.join(os.path.dirname(sys.executable), "tensorboard")
         if not os.path.exists(executable):
             executable = shutil.which("tensorboard") or executable
-        return [executable, "--logdir", self.logdir, "--host", "127.0.0.1", "--port", str(self.port),
-                "--load_fast", "false", "--reload_interval", "1", *self.extra_args]
+        return [
+            executable,
+            "--logdir",
+            self.logdir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--load_fast",
+            "false",
+            "--reload_interval",
+            "1",
+            *self.extra_args,
+        ]
 
     def start(self) -> "TensorBoardServer":
         """Start the server and wait until it lists at least one run; raises RuntimeError on failure."""
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
         self._output = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(self.command(), stdout=self._output, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command(), stdout=self._output, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -85,8 +99,9 @@ class TensorBoardServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"tensorboard did not list a run of {self.logdir} within {self.startup_timeout_s:.0f} s:\n"
-                           f"{self.log}")
+        raise RuntimeError(
+            f"tensorboard did not list a run of {self.logdir} within {self.startup_timeout_s:.0f} s:\n{self.log}"
+        )
 
     def stop(self) -> None:
         """Stop the server (SIGTERM to its process group, SIGKILL after 10 s)."""

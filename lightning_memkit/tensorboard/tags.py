@@ -11,8 +11,18 @@ import re
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading
 from lightning_memkit.units import MiB
 
-__all__ = ["DEFAULT_PREFIX", "STAGE_TAGS", "metric_name", "step_tag", "step_metrics", "summary_metrics",
-           "DASHBOARD_TAG_PART", "FRAME_TAG_PART", "is_frame_tag", "is_rebased_tag"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "STAGE_TAGS",
+    "metric_name",
+    "step_tag",
+    "step_metrics",
+    "summary_metrics",
+    "DASHBOARD_TAG_PART",
+    "FRAME_TAG_PART",
+    "is_frame_tag",
+    "is_rebased_tag",
+]
 
 DEFAULT_PREFIX = "memory"
 #: StepReading.stage -> the path part in the tag.

@@ -9,8 +9,16 @@ from typing import Callable
 
 import torch
 
-__all__ = ["in_backward", "in_checkpoint_recomputation", "queue_backward_end_callback", "WRAPPER_ATTRIBUTES",
-           "user_name", "user_class", "wrapped_module", "is_checkpoint_wrapper"]
+__all__ = [
+    "in_backward",
+    "in_checkpoint_recomputation",
+    "queue_backward_end_callback",
+    "WRAPPER_ATTRIBUTES",
+    "user_name",
+    "user_class",
+    "wrapped_module",
+    "is_checkpoint_wrapper",
+]
 
 #: The attribute under which torch's module wrappers keep the user's module, so a qualified name gets
 #: one more segment per wrapper: FSDP1's ``FullyShardedDataParallel`` (``FSDP_WRAPPED_MODULE``, also what

@@ -33,8 +33,18 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class ModuleCall:
     """One call of a module: the open forward frame, then its backward bookkeeping."""
 
-    __slots__ = ("info", "call", "recompute", "order", "saved_bytes", "needs_input_grads", "pre_backward_seen",
-                 "backward_seen", "input_grads", "live_before")
+    __slots__ = (
+        "info",
+        "call",
+        "recompute",
+        "order",
+        "saved_bytes",
+        "needs_input_grads",
+        "pre_backward_seen",
+        "backward_seen",
+        "input_grads",
+        "live_before",
+    )
 
     def __init__(self, info: TracedModule, call: int, recompute: bool, order: int) -> None:
         self.info = info
@@ -61,8 +71,13 @@ class ModuleHooks:
     reports to ``on_error`` and never interrupts the step; hooks do nothing until :attr:`active` is set.
     """
 
-    def __init__(self, infos: dict[int, TracedModule], attributor: CategoryAttributor, timeline: StepTimeline,
-                 on_error: Callable[[str, BaseException], None]) -> None:
+    def __init__(
+        self,
+        infos: dict[int, TracedModule],
+        attributor: CategoryAttributor,
+        timeline: StepTimeline,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
         self.infos = infos
         self.attributor = attributor
         self.accountant = attributor.accountant
@@ -148,8 +163,11 @@ class ModuleHooks:
                 needs_grad = [t for t in tensors if t.requires_grad]
                 if needs_grad:
                     frame.needs_input_grads = True
-                    self._handles.append(register_multi_grad_hook(
-                        needs_grad, lambda grads, f=frame: self._backward(f, grads), mode="all"))
+                    self._handles.append(
+                        register_multi_grad_hook(
+                            needs_grad, lambda grads, f=frame: self._backward(f, grads), mode="all"
+                        )
+                    )
         except Exception as error:
             self.on_error(f"pre-forward hook of {type(module).__name__}", error)
 
@@ -180,8 +198,11 @@ class ModuleHooks:
             if not frame.recompute and torch.is_grad_enabled():
                 needs_grad = [t for t in outputs if t.requires_grad]
                 if needs_grad:
-                    self._handles.append(register_multi_grad_hook(
-                        needs_grad, lambda grad, f=frame: self._pre_backward(f, grad), mode="any"))
+                    self._handles.append(
+                        register_multi_grad_hook(
+                            needs_grad, lambda grad, f=frame: self._pre_backward(f, grad), mode="any"
+                        )
+                    )
         except Exception as error:
             self.on_error(f"forward hook of {type(module).__name__}", error)
 

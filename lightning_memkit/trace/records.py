@@ -65,8 +65,9 @@ def write_new_file(directory: str | os.PathLike, filename: str, text: str, max_v
         except FileExistsError:
             continue
         return path
-    raise FileExistsError(f"{filename} and its versions -v1 ... -v{max_versions} all exist in {directory}; "
-                          f"remove old ones")
+    raise FileExistsError(
+        f"{filename} and its versions -v1 ... -v{max_versions} all exist in {directory}; remove old ones"
+    )
 
 
 @dataclass
@@ -174,7 +175,8 @@ class LayerTraceResult:
     def module_events(self, phase: str | None = None, module: str | None = None) -> list[TraceEvent]:
         """Module events (no step markers), optionally of one ``phase`` and/or one ``module`` name."""
         return [
-            e for e in self.events
+            e
+            for e in self.events
             if not e.is_marker and (phase is None or e.phase == phase) and (module is None or e.module == module)
         ]
 
@@ -202,8 +204,10 @@ class LayerTraceResult:
         """
         fmt = data.get("format")
         if not isinstance(fmt, str) or not fmt.startswith("lightning-memkit/trace/"):
-            raise ValueError(f"not a memkit layer trace (format={fmt!r}); expected {TRACE_FORMAT!r}, as written by "
-                             f"LayerTrace or LayerTraceResult.to_json")
+            raise ValueError(
+                f"not a memkit layer trace (format={fmt!r}); expected {TRACE_FORMAT!r}, as written by "
+                f"LayerTrace or LayerTraceResult.to_json"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["events"] = [TraceEvent.from_dict(e) for e in data.get("events", [])]

@@ -69,15 +69,27 @@ def format_trace_table(result: LayerTraceResult, max_depth: int | None = None, m
             continue
         if max_depth is not None and not event.is_marker and event.depth > max_depth:
             continue
-        rows.append((
-            _name(event, result.model), _phase(event), _mib(event.delta_bytes, signed=True), _mib(event.live_bytes),
-            ("" if event.phase != "forward" or not event.saved_bytes
-             else "<0.001" if event.saved_bytes < MiB / 2000 else _mib(event.saved_bytes)),  # small, not zero
-            _shape_text(event) + ("  <- peak" if event.index == result.peak_event_index else ""),
-        ))
-    header = (f"layer trace of {result.model}, step {result.step}, rank {result.rank}, {result.device}: "
-              f"peak {format_bytes(result.peak_bytes)} (before event {result.peak_event_index}), "
-              f"start {format_bytes(result.start_bytes)}, end {format_bytes(result.end_bytes)}")
+        rows.append(
+            (
+                _name(event, result.model),
+                _phase(event),
+                _mib(event.delta_bytes, signed=True),
+                _mib(event.live_bytes),
+                (
+                    ""
+                    if event.phase != "forward" or not event.saved_bytes
+                    else "<0.001"
+                    if event.saved_bytes < MiB / 2000
+                    else _mib(event.saved_bytes)
+                ),  # small, not zero
+                _shape_text(event) + ("  <- peak" if event.index == result.peak_event_index else ""),
+            )
+        )
+    header = (
+        f"layer trace of {result.model}, step {result.step}, rank {result.rank}, {result.device}: "
+        f"peak {format_bytes(result.peak_bytes)} (before event {result.peak_event_index}), "
+        f"start {format_bytes(result.start_bytes)}, end {format_bytes(result.end_bytes)}"
+    )
     table = format_table(("module", "phase", "delta MiB", "live MiB", "saved MiB", "shape"), rows)
     notes = "".join(f"\nnote: {note}" for note in getattr(result, "notes", ()))
     return header + notes + "\n" + table
@@ -89,14 +101,30 @@ def format_category_table(result: LayerTraceResult) -> str:
     for category in CATEGORIES:
         peak, end = result.at_peak[category], result.at_end[category]
         rows.append((category, _mib(peak), _mib(end), str(peak), str(end)))
-    rows.append(("total", _mib(result.at_peak.total_bytes), _mib(result.at_end.total_bytes),
-                 str(result.at_peak.total_bytes), str(result.at_end.total_bytes)))
-    for field, label in (("reserved_minus_allocated_bytes", "CUDA reserved - allocated"),
-                         ("nvml_unseen_bytes", "NVML, unseen by allocator")):
+    rows.append(
+        (
+            "total",
+            _mib(result.at_peak.total_bytes),
+            _mib(result.at_end.total_bytes),
+            str(result.at_peak.total_bytes),
+            str(result.at_end.total_bytes),
+        )
+    )
+    for field, label in (
+        ("reserved_minus_allocated_bytes", "CUDA reserved - allocated"),
+        ("nvml_unseen_bytes", "NVML, unseen by allocator"),
+    ):
         peak, end = getattr(result.at_peak, field), getattr(result.at_end, field)
         if peak is not None or end is not None:
-            rows.append((label, _mib(peak) if peak is not None else "-", _mib(end) if end is not None else "-",
-                         str(peak) if peak is not None else "-", str(end) if end is not None else "-"))
+            rows.append(
+                (
+                    label,
+                    _mib(peak) if peak is not None else "-",
+                    _mib(end) if end is not None else "-",
+                    str(peak) if peak is not None else "-",
+                    str(end) if end is not None else "-",
+                )
+            )
     return format_table(("category", "peak MiB", "end MiB", "peak bytes", "end bytes"), rows)
 
 
@@ -135,24 +163,44 @@ def trace_figure(result: LayerTraceResult, title: str | None = None):
         groups.setdefault(group, ([], []))
         groups[group][0].append(event.index)
         groups[group][1].append(event.live_bytes / MiB)
-    labels = {"forward": "forward (pre-forward / forward events)",
-              "recompute": "recomputation in backward (checkpointing)",
-              "backward": "backward (pre-backward / backward events)", "optimizer": "after backward: optimizer step"}
+    labels = {
+        "forward": "forward (pre-forward / forward events)",
+        "recompute": "recomputation in backward (checkpointing)",
+        "backward": "backward (pre-backward / backward events)",
+        "optimizer": "after backward: optimizer step",
+    }
     for group in ("forward", "recompute", "backward", "optimizer"):
         if group in groups:
             ax.plot(*groups[group], "o", markersize=4, color=PHASE_COLORS[group], label=labels[group], zorder=3)
-    ax.step(xs, [e.peak_bytes / MiB for e in result.events], where="post", color=PEAK_COLOR, linestyle="--",
-            linewidth=1, alpha=0.6, label="running peak (between events too)")
-    ax.axhline(result.start_bytes / MiB, color="#7f7f7f", linestyle=":", linewidth=1,
-               label=f"step start ({format_bytes(result.start_bytes)})")
+    ax.step(
+        xs,
+        [e.peak_bytes / MiB for e in result.events],
+        where="post",
+        color=PEAK_COLOR,
+        linestyle="--",
+        linewidth=1,
+        alpha=0.6,
+        label="running peak (between events too)",
+    )
+    ax.axhline(
+        result.start_bytes / MiB,
+        color="#7f7f7f",
+        linestyle=":",
+        linewidth=1,
+        label=f"step start ({format_bytes(result.start_bytes)})",
+    )
     ax.set_xlabel("event index (module hooks in execution order)")
     ax.set_ylabel("live tensor memory (MiB)")
     low, high = ax.get_ylim()
     ax.set_ylim(0, max(high, result.peak_bytes / MiB * 1.05))
     if result.peak_event_index is not None:
         # the peak happened after the previous event and by this one: draw it in between
-        mark_peak(ax, max(0.0, result.peak_event_index - 0.5), result.peak_bytes,
-                  f"peak {format_bytes(result.peak_bytes)} before event {result.peak_event_index}")
+        mark_peak(
+            ax,
+            max(0.0, result.peak_event_index - 0.5),
+            result.peak_bytes,
+            f"peak {format_bytes(result.peak_bytes)} before event {result.peak_event_index}",
+        )
     ax.legend(loc="best", fontsize=8, framealpha=0.85)
     peak = result.at_peak
     top = sorted(((peak[c], c) for c in CATEGORIES if peak[c]), reverse=True)[:4]

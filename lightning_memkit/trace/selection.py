@@ -64,13 +64,15 @@ def _filters(modules: Any) -> tuple[list[str], list[type]]:
         elif isinstance(item, type) and issubclass(item, nn.Module):
             classes.append(item)
         else:
-            raise TypeError(f"modules=: give qualified-name patterns (e.g. 'features.*') or nn.Module classes, "
-                            f"not {item!r}")
+            raise TypeError(
+                f"modules=: give qualified-name patterns (e.g. 'features.*') or nn.Module classes, not {item!r}"
+            )
     return patterns, classes
 
 
-def select_modules(model: nn.Module, max_depth: int | None, modules: Any,
-                   hidden: Sequence[str] = ()) -> dict[int, TracedModule]:
+def select_modules(
+    model: nn.Module, max_depth: int | None, modules: Any, hidden: Sequence[str] = ()
+) -> dict[int, TracedModule]:
     """The modules of ``model`` to hook, by ``id``: at most ``max_depth`` deep, matching ``modules`` (``fnmatch``
     patterns of qualified names, ``""`` the root, or classes), outside the compiled code ``hidden`` names.
 
@@ -102,6 +104,8 @@ def select_modules(model: nn.Module, max_depth: int | None, modules: Any,
         infos[id(module)] = info
     if not infos and not hidden:
         names = list(dict.fromkeys(user_name(n) or "(root)" for n, _ in model.named_modules()))[:12]
-        raise ValueError(f"modules={modules!r} with max_depth={max_depth!r} selects no module of "
-                         f"{type(model).__name__}; its modules include: {', '.join(names)}")
+        raise ValueError(
+            f"modules={modules!r} with max_depth={max_depth!r} selects no module of "
+            f"{type(model).__name__}; its modules include: {', '.join(names)}"
+        )
     return infos

@@ -48,9 +48,16 @@ class StepTimeline:
         self._last_live = start_bytes
         self._region_forwards: list[_RegionForward] = []
 
-    def emit(self, phase: str, info: TracedModule | None, call: int = 0, recompute: bool = False,
-             tensors: Sequence[torch.Tensor | None] = (), saved_bytes: int = 0,
-             described: tuple[list[list[int]], list[str]] | None = None) -> None:
+    def emit(
+        self,
+        phase: str,
+        info: TracedModule | None,
+        call: int = 0,
+        recompute: bool = False,
+        tensors: Sequence[torch.Tensor | None] = (),
+        saved_bytes: int = 0,
+        described: tuple[list[list[int]], list[str]] | None = None,
+    ) -> None:
         """Append an event of ``phase`` for ``info`` (``None``: a step marker); ``tensors`` give its shapes, or
         ``described`` gives them already read."""
         if self.allocator is not None:
@@ -59,13 +66,23 @@ class StepTimeline:
         else:
             live, peak = self.accountant.current_bytes, self.accountant.peak_bytes
         shapes, dtypes = shapes_of(tensors) if described is None else described
-        self.events.append(TraceEvent(
-            index=len(self.events), phase=phase,
-            module=info.name if info else "", module_class=info.cls if info else "",
-            depth=info.depth if info else 0, call=call, recompute=recompute,
-            live_bytes=live, delta_bytes=live - self._last_live, peak_bytes=peak,
-            saved_bytes=saved_bytes, shapes=shapes, dtypes=dtypes,
-        ))
+        self.events.append(
+            TraceEvent(
+                index=len(self.events),
+                phase=phase,
+                module=info.name if info else "",
+                module_class=info.cls if info else "",
+                depth=info.depth if info else 0,
+                call=call,
+                recompute=recompute,
+                live_bytes=live,
+                delta_bytes=live - self._last_live,
+                peak_bytes=peak,
+                saved_bytes=saved_bytes,
+                shapes=shapes,
+                dtypes=dtypes,
+            )
+        )
         self._last_live = live
 
     def marker(self, phase: str) -> None:

@@ -67,11 +67,15 @@ class _TracingAccountant(TensorAccountant):
 
 def _check_arguments(model: Any, max_depth: Any, compiled: str) -> None:
     if compiled not in COMPILED_CHOICES:
-        raise ValueError(f"compiled={compiled!r}: choose 'keep' (trace the compiled step as it runs) or 'eager' "
-                         f"(run the traced step eagerly)")
+        raise ValueError(
+            f"compiled={compiled!r}: choose 'keep' (trace the compiled step as it runs) or 'eager' "
+            f"(run the traced step eagerly)"
+        )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"LayerTracer traces an nn.Module, not {type(model).__name__}; pass your model (the "
-                        f"LightningModule itself is fine)")
+        raise TypeError(
+            f"LayerTracer traces an nn.Module, not {type(model).__name__}; pass your model (the "
+            f"LightningModule itself is fine)"
+        )
     if max_depth is not None and (not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0):
         raise ValueError(f"max_depth={max_depth!r}: give None (every module) or an integer >= 0 (0 = the root only)")
 
@@ -226,22 +230,28 @@ class LayerTracer:
         """A compiled model traced as it runs: the allocator's events, or None (said in :attr:`errors`)."""
         allocator = AllocatorPeak(self._device if self._device.type == "cpu" else "cpu")
         if self._device.type != "cpu" or not allocator.start(self._start_bytes):
-            self.errors.append("compiled model: the allocator's events could not be read (another profiler records, "
-                               "or not a CPU model): bytes inside compiled code are not seen")
+            self.errors.append(
+                "compiled model: the allocator's events could not be read (another profiler records, "
+                "or not a CPU model): bytes inside compiled code are not seen"
+            )
             return None
         return allocator
 
     def _compiled_notes(self) -> list[str]:
         """What a trace of a compiled model can see, said once in the result."""
         if self.compiled == "keep":
-            return [f"compiled model ({', '.join(compiled_parts(self.model))}), traced as it runs: rows for modules "
-                    "outside compiled code and for each compiled region as a whole (its saved bytes: what its graph "
-                    "kept for backward); bytes from the allocator's events; no category split inside compiled code "
-                    "(the peak's rise is 'other'); LayerTrace(compiled='eager') traces the eager program module by "
-                    "module"]
+            return [
+                f"compiled model ({', '.join(compiled_parts(self.model))}), traced as it runs: rows for modules "
+                "outside compiled code and for each compiled region as a whole (its saved bytes: what its graph "
+                "kept for backward); bytes from the allocator's events; no category split inside compiled code "
+                "(the peak's rise is 'other'); LayerTrace(compiled='eager') traces the eager program module by "
+                "module"
+            ]
         if self.compiled == "eager":
-            return [f"compiled model ({', '.join(compiled_parts(self.model))}): this step ran EAGERLY "
-                    "(compiled='eager'); its bytes are the eager program's"]
+            return [
+                f"compiled model ({', '.join(compiled_parts(self.model))}): this step ran EAGERLY "
+                "(compiled='eager'); its bytes are the eager program's"
+            ]
         return []
 
     def stop(self) -> LayerTraceResult:
@@ -291,8 +301,11 @@ class LayerTracer:
             self.errors.append(message)
         if not self._warned:
             self._warned = True
-            warnings.warn(f"memkit LayerTracer: {message}; the step continues, this trace may be incomplete",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"memkit LayerTracer: {message}; the step continues, this trace may be incomplete",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ labels and peaks
     def _label_for(self, func, args, kwargs) -> str:
@@ -300,7 +313,9 @@ class LayerTracer:
             source = args[0]
             dtype = (kwargs or {}).get("dtype")
             if (
-                isinstance(source, torch.Tensor) and dtype is not None and dtype != source.dtype
+                isinstance(source, torch.Tensor)
+                and dtype is not None
+                and dtype != source.dtype
                 and self.accountant.storage_key(source) in self._parameter_keys
             ):
                 return AUTOCAST_COPY_LABEL
@@ -349,10 +364,20 @@ class LayerTracer:
         peak_index = next((e.index for e in self.events if e.peak_bytes >= peak), None)
         errors = list(self.errors) + [f"accountant: {e}" for e in self.accountant.errors]
         return LayerTraceResult(
-            step=self.step, rank=self.rank, device=str(self._device), model=user_class(self.model).__name__,
-            parameter_count=_parameter_count(self.model), events=list(self.events), start_bytes=self._start_bytes,
-            end_bytes=end, peak_bytes=peak, peak_event_index=peak_index,
-            at_peak=at_peak, at_end=at_end, errors=errors, notes=list(self.notes),
+            step=self.step,
+            rank=self.rank,
+            device=str(self._device),
+            model=user_class(self.model).__name__,
+            parameter_count=_parameter_count(self.model),
+            events=list(self.events),
+            start_bytes=self._start_bytes,
+            end_bytes=end,
+            peak_bytes=peak,
+            peak_event_index=peak_index,
+            at_peak=at_peak,
+            at_end=at_end,
+            errors=errors,
+            notes=list(self.notes),
         )
 
 
@@ -380,8 +405,9 @@ def trace_step(
     tensors passed to the first traced module that existed before the step are. ``optimizers``,
     ``max_depth``, ``modules``, ``step``, ``rank`` and ``compiled`` are :class:`LayerTracer`'s. Bytes are exact.
     """
-    tracer = LayerTracer(model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank,
-                         compiled=compiled)
+    tracer = LayerTracer(
+        model, optimizers, max_depth=max_depth, modules=modules, step=step, rank=rank, compiled=compiled
+    )
     tracer.start(inputs)
     try:
         yield tracer
