@@ -101,24 +101,45 @@ def _real_mask_select(logits, labels):
 # op -> (its step, the bytes its kept outputs have at their largest on fakes, the ops in the note and how sized)
 OPS = {
     "unique": (_unique, C * INT64, "aten._unique2 x2 on fakes sized at their largest output (an upper bound)"),
-    "unique-inverse-counts": (_unique_inverse_counts, (C + B + C) * INT64,
-                              "aten._unique2 x2 on fakes sized at their largest output (an upper bound)"),
-    "unique_consecutive": (_unique_consecutive, B * INT64,
-                           "aten.unique_consecutive x2 on fakes sized at their largest output (an upper bound)"),
+    "unique-inverse-counts": (
+        _unique_inverse_counts,
+        (C + B + C) * INT64,
+        "aten._unique2 x2 on fakes sized at their largest output (an upper bound)",
+    ),
+    "unique_consecutive": (
+        _unique_consecutive,
+        B * INT64,
+        "aten.unique_consecutive x2 on fakes sized at their largest output (an upper bound)",
+    ),
     # B / 4 rows of 4 at most; the CPU kernel gives the inverse and the counts, asked for or not
-    "unique-dim": (_unique_dim, (B // 4 * 4 + B // 4 + B // 4) * INT64,
-                   "aten.unique_dim x2 on fakes sized at their largest output (an upper bound)"),
+    "unique-dim": (
+        _unique_dim,
+        (B // 4 * 4 + B // 4 + B // 4) * INT64,
+        "aten.unique_dim x2 on fakes sized at their largest output (an upper bound)",
+    ),
     "nonzero": (_nonzero, B * C * 2 * INT64, "aten.nonzero x2 on fakes sized at their largest output (an upper bound)"),
-    "bool-mask-index": (_fake_mask_index, B * C * FLOAT32,
-                        "aten.index x2 on fakes sized at their largest output (an upper bound)"),
-    "masked_select": (_fake_mask_select, B * C * FLOAT32,
-                      "aten.masked_select x2 on fakes sized at their largest output (an upper bound)"),
+    "bool-mask-index": (
+        _fake_mask_index,
+        B * C * FLOAT32,
+        "aten.index x2 on fakes sized at their largest output (an upper bound)",
+    ),
+    "masked_select": (
+        _fake_mask_select,
+        B * C * FLOAT32,
+        "aten.masked_select x2 on fakes sized at their largest output (an upper bound)",
+    ),
     # argmax over C classes: at most C - 1, so C bins (here the real length too)
     "bincount": (_bincount, C * INT64, "aten.bincount x2 on fakes sized at their largest output (an upper bound)"),
-    "cross_entropy-ignore_index": (_real_mask_cross_entropy, None,
-                                   "aten.index x4 on fakes sized exactly (by a real mask or known values)"),
-    "masked_select-real-mask": (_real_mask_select, None,
-                                "aten.masked_select x2 on fakes sized exactly (by a real mask or known values)"),
+    "cross_entropy-ignore_index": (
+        _real_mask_cross_entropy,
+        None,
+        "aten.index x4 on fakes sized exactly (by a real mask or known values)",
+    ),
+    "masked_select-real-mask": (
+        _real_mask_select,
+        None,
+        "aten.masked_select x2 on fakes sized exactly (by a real mask or known values)",
+    ),
 }
 
 
@@ -192,16 +213,31 @@ def test_the_sizes_on_fakes_by_what_is_known_of_the_values():
 
     (shapes, largest, smallest), note = _in_fake_step(body)
     assert shapes == {
-        "unique": ((5,), (6,), (5,)), "unique of a boolean": (2,), "unique of a fill": (1,), "nonzero": (30, 2),
-        "nonzero of ones": (6, 1), "where": (30,), "fake mask": (30,), "real mask": (4, 5), "real mask select": (20,),
-        "bincount": (5,), "bincount minlength": (7,), "bincount of real values, fake weights": (3,),
-        "one_hot": (6, 5), "repeat_interleave": (6,)}
+        "unique": ((5,), (6,), (5,)),
+        "unique of a boolean": (2,),
+        "unique of a fill": (1,),
+        "nonzero": (30, 2),
+        "nonzero of ones": (6, 1),
+        "where": (30,),
+        "fake mask": (30,),
+        "real mask": (4, 5),
+        "real mask select": (20,),
+        "bincount": (5,),
+        "bincount minlength": (7,),
+        "bincount of real values, fake weights": (3,),
+        "one_hot": (6, 5),
+        "repeat_interleave": (6,),
+    }
     assert (largest, smallest) == (4, 0)
     assert note.startswith("data-dependent ops: ")
-    assert ("aten._unique2 x2, aten.bincount x2, aten.index x1, aten.nonzero x2 on fakes sized at their largest "
-            "output (an upper bound)") in note
-    assert ("aten._unique2 x1, aten.bincount x1, aten.index x2, aten.masked_select x1, aten.nonzero x1, "
-            "aten.repeat_interleave x1 on fakes sized exactly (by a real mask or known values)") in note
+    assert (
+        "aten._unique2 x2, aten.bincount x2, aten.index x1, aten.nonzero x2 on fakes sized at their largest "
+        "output (an upper bound)"
+    ) in note
+    assert (
+        "aten._unique2 x1, aten.bincount x1, aten.index x2, aten.masked_select x1, aten.nonzero x1, "
+        "aten.repeat_interleave x1 on fakes sized exactly (by a real mask or known values)"
+    ) in note
     assert note.endswith("; aten.index x1 ran on real values")  # labels[keep]: real labels, a real mask
 
 
@@ -257,7 +293,9 @@ def test_preds_nothing_is_known_of_would_fail_torchmetrics_check_argmax_preds_pa
     target = torch.randint(0, 4, (16,))
 
     def unknown():
-        torchmetrics.Accuracy(task="multiclass", num_classes=4)(torch.empty(16, dtype=torch.long), target)
+        # integers made from a fake float: nothing is known of their values (an integer factory would run for real,
+        # and its values would be whatever the memory held)
+        torchmetrics.Accuracy(task="multiclass", num_classes=4)(torch.empty(16).long(), target)
 
     def argmax():
         return torchmetrics.Accuracy(task="multiclass", num_classes=4)(torch.empty(16, 4).argmax(-1), target).shape
@@ -300,8 +338,9 @@ def _padded_text_classifier():
     from lightning_memkit.zoo_variable import PaddedTextClassifier
 
     torch.manual_seed(0)
-    module = PaddedTextClassifier(d_model=32, nhead=2, layers=2, dim_feedforward=64, max_length=64, min_length=8,
-                                  train_size=64, batch_size=8)
+    module = PaddedTextClassifier(
+        d_model=32, nhead=2, layers=2, dim_feedforward=64, max_length=64, min_length=8, train_size=64, batch_size=8
+    )
     return module, next(iter(module.train_dataloader()))
 
 
@@ -315,8 +354,10 @@ def test_accuracy_and_f1_on_argmax_predictions_estimate_the_real_step(mode):
     measured = measure_training_step(module, batch=batch, mode=mode)
     assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
     steps = 2 if mode is None or "budget" not in mode else 4  # a budget's two measuring forwards run the step's too
-    note = (f"data-dependent ops: aten._unique2 x{2 * steps}, aten.bincount x{steps} on fakes sized at their largest "
-            f"output (an upper bound); aten._unique2 x{2 * steps} ran on real values")
+    note = (
+        f"data-dependent ops: aten._unique2 x{2 * steps}, aten.bincount x{steps} on fakes sized at their largest "
+        f"output (an upper bound); aten._unique2 x{2 * steps} ran on real values"
+    )
     assert note in estimate.notes
 
 
@@ -376,8 +417,18 @@ def test_an_unbounded_op_fails_the_estimate_with_python_advice_and_the_cli_names
         estimate_memory(cls(), device="cpu")
     assert raised.value.data_dependent and DATA_DEPENDENT_ADVICE in str(raised.value)
     assert "aten.bincount.default" in str(raised.value) and "unbounded_module.py:17" in str(raised.value)
-    code, _, err = _memkit(["estimate", f"{path}:Unbounded", "--device", "cpu", "--device-memory", "64MiB",
-                            "--init-args", json.dumps({"batch_size": 4})])
+    code, _, err = _memkit(
+        [
+            "estimate",
+            f"{path}:Unbounded",
+            "--device",
+            "cpu",
+            "--device-memory",
+            "64MiB",
+            "--init-args",
+            json.dumps({"batch_size": 4}),
+        ]
+    )
     assert code == 1
     assert "DynamicOutputShapeException: aten.bincount.default" in err
     assert "measure_training_step()" not in err
@@ -387,12 +438,15 @@ def test_an_unbounded_op_fails_the_estimate_with_python_advice_and_the_cli_names
 @pytest.mark.timeout(300)
 def test_memkit_plan_says_the_estimate_failed_not_that_memory_is_short(unbounded):
     path, _ = unbounded
-    code, out, err = _memkit(["plan", f"{path}:Unbounded", "--device", "cpu", "--device-memory", "64MiB",
-                              "--trials", "1"])
+    code, out, err = _memkit(
+        ["plan", f"{path}:Unbounded", "--device", "cpu", "--device-memory", "64MiB", "--trials", "1"]
+    )
     assert code == 1
     assert "give more memory" not in out + err
-    said = ("the estimate failed for every candidate, so no trial ran (more memory would not help): "
-            "Unbounded.training_step failed on fake tensors: DynamicOutputShapeException: aten.bincount.default")
+    said = (
+        "the estimate failed for every candidate, so no trial ran (more memory would not help): "
+        "Unbounded.training_step failed on fake tensors: DynamicOutputShapeException: aten.bincount.default"
+    )
     assert f"note: {said}" in out and err.startswith(f"memkit plan: {said}")
 
 
@@ -402,15 +456,24 @@ def test_max_batch_size_warns_once_that_the_estimate_failed_and_why(unbounded, t
 
     _, cls = unbounded
     finder = MaxBatchSize(budget=2_000_000, max_val=64, verbose=False)
-    trainer = pl.Trainer(max_steps=1, callbacks=[finder], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(cls())
     said = [str(w.message) for w in caught if "memkit: the estimate" in str(w.message)]
     assert len(said) == 1
-    assert said[0].startswith("memkit: the estimate failed (EstimateError: Unbounded.training_step failed on fake "
-                              "tensors: DynamicOutputShapeException: aten.bincount.default")
+    assert said[0].startswith(
+        "memkit: the estimate failed (EstimateError: Unbounded.training_step failed on fake "
+        "tensors: DynamicOutputShapeException: aten.bincount.default"
+    )
     assert said[0].endswith("; searching by trials only")
     assert finder.result.predicted is None and finder.result.batch_size >= 1
