@@ -64,16 +64,30 @@ class StepRecorder(Callback):
         accountant.__exit__(None, None, None)
         self.peaks.append(accountant.peak_bytes)
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        self.checkpointed.append(sum(c.plan.count for c in trainer.callbacks if isinstance(c, ActivationCheckpointing) and c.plan))
+        self.checkpointed.append(
+            sum(c.plan.count for c in trainer.callbacks if isinstance(c, ActivationCheckpointing) and c.plan)
+        )
 
 
 def _fit(tmp_path, callbacks, *, batch_size=BATCH, accumulate=1, steps=3, **trainer_options):
     pl.seed_everything(0)
-    module, data = TinyGPT(**MODEL), CharDataModule(batch_size=batch_size, samples=8 * BATCH, vocab=MODEL["vocab"], seq_len=MODEL["seq_len"])
+    module, data = (
+        TinyGPT(**MODEL),
+        CharDataModule(batch_size=batch_size, samples=8 * BATCH, vocab=MODEL["vocab"], seq_len=MODEL["seq_len"]),
+    )
     recorder = StepRecorder()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp_path), callbacks=[*callbacks, recorder], **trainer_options)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[*callbacks, recorder],
+        **trainer_options,
+    )
     trainer.fit(module, datamodule=data)
     return module, data, trainer, recorder
 
@@ -94,7 +108,7 @@ def _reachable_tensors_and_modules(root) -> list:
 
 
 def _per_optimizer_step(losses: list[float], accumulation: int) -> list[float]:
-    return [sum(losses[i:i + accumulation]) / accumulation for i in range(0, len(losses), accumulation)]
+    return [sum(losses[i : i + accumulation]) / accumulation for i in range(0, len(losses), accumulation)]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +136,10 @@ def test_autofit_trains_the_same_curve_as_the_full_batch_within_the_budget(tmp_p
     assert auto.plan is not None and not auto.plan.fits_as_is and auto.plan.trials <= 2
     assert applied["micro_batch"] * applied["accumulate_grad_batches"] == BATCH
     assert applied["accumulate_grad_batches"] > 1 and applied["checkpoint"] is None
-    assert (data.batch_size, trainer.accumulate_grad_batches) == (applied["micro_batch"], applied["accumulate_grad_batches"])
+    assert (data.batch_size, trainer.accumulate_grad_batches) == (
+        applied["micro_batch"],
+        applied["accumulate_grad_batches"],
+    )
     assert auto.plan.best.micro_batch == applied["micro_batch"] and applied["precision"] == "32-true"
     # the plan's effective batch is the user's, and so is the loss curve (same samples per step, same updates)
     assert auto.plan.effective_batch == BATCH
@@ -181,14 +198,24 @@ def test_autofit_changes_nothing_when_the_batch_fits(tmp_path, budget, reference
     _, data, trainer, planned = _fit(tmp_path / "auto", [auto])
     assert auto.plan.fits_as_is and auto.plan.best.micro_batch == BATCH
     assert (data.batch_size, trainer.accumulate_grad_batches) == (BATCH, 1)
-    assert auto.applied == {"micro_batch": BATCH, "accumulate_grad_batches": 1, "checkpoint": None, "offload": False,
-                            "precision": "32-true"}
+    assert auto.applied == {
+        "micro_batch": BATCH,
+        "accumulate_grad_batches": 1,
+        "checkpoint": None,
+        "offload": False,
+        "precision": "32-true",
+    }
     assert planned.losses == reference.losses  # bit for bit: the plan's trials left nothing changed
 
 
 def test_autofit_resumes_with_the_checkpointed_plan_without_planning(tmp_path, budget):
-    applied = {"micro_batch": BATCH // 4, "accumulate_grad_batches": 4, "checkpoint": "budget=0.5", "offload": False,
-               "precision": "32-true"}
+    applied = {
+        "micro_batch": BATCH // 4,
+        "accumulate_grad_batches": 4,
+        "checkpoint": "budget=0.5",
+        "offload": False,
+        "precision": "32-true",
+    }
     first = AutoFit(device_memory=budget, verbose=False)
     first.load_state_dict({"applied": dict(applied)})  # what a planned fit keeps (plain values)
     _, _, trainer, _ = _fit(tmp_path / "first", [], steps=1)
@@ -198,15 +225,31 @@ def test_autofit_resumes_with_the_checkpointed_plan_without_planning(tmp_path, b
     assert torch.load(path, weights_only=True)["callbacks"][first.state_key] == {"applied": applied}
     resumed = AutoFit(device_memory=budget, verbose=False)
     pl.seed_everything(0)
-    module, data = TinyGPT(**MODEL), CharDataModule(batch_size=BATCH, samples=8 * BATCH, vocab=MODEL["vocab"], seq_len=MODEL["seq_len"])
+    module, data = (
+        TinyGPT(**MODEL),
+        CharDataModule(batch_size=BATCH, samples=8 * BATCH, vocab=MODEL["vocab"], seq_len=MODEL["seq_len"]),
+    )
     recorder = StepRecorder()
-    again = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                       enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[resumed, recorder])
+    again = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[resumed, recorder],
+    )
     again.fit(module, datamodule=data, ckpt_path=path)
     assert resumed.plan is None  # no planning
     assert resumed.applied == applied
     assert (data.batch_size, again.accumulate_grad_batches) == (BATCH // 4, 4)
-    assert again.global_step == 2 and recorder.losses and set(recorder.checkpointed) == {recorder.checkpointed[0]} and recorder.checkpointed[0] > 0
+    assert (
+        again.global_step == 2
+        and recorder.losses
+        and set(recorder.checkpointed) == {recorder.checkpointed[0]}
+        and recorder.checkpointed[0] > 0
+    )
 
 
 def test_autofit_refuses_data_it_cannot_resize(tmp_path):
@@ -216,8 +259,16 @@ def test_autofit_refuses_data_it_cannot_resize(tmp_path):
     module = TinyGPT(**MODEL)
     tokens = torch.randint(0, MODEL["vocab"], (16, MODEL["seq_len"] + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[AutoFit(verbose=False)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[AutoFit(verbose=False)],
+    )
     with pytest.raises(MisconfigurationException, match="cannot resize dataloaders passed straight to trainer.fit"):
         trainer.fit(module, train_dataloaders=loader)
 

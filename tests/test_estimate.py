@@ -28,6 +28,7 @@ from independent_count import training_step_peak
 
 MiB = 2**20
 
+
 def _small(cls):
     if cls is DemoTransformer:
         return cls(layers=2, d_model=64, dim_feedforward=128, seq_len=32, batch_size=8)
@@ -45,7 +46,10 @@ def test_estimate_within_one_percent_of_the_measured_step_and_touches_nothing(cl
     estimate = estimate_memory(module, mode=mode_value, device="cpu")
     measured = measure_training_step(module, mode=mode_value)
     assert estimate.source == "fake" and measured.source == "measured"
-    assert abs(estimate.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (estimate.peak_bytes, measured.peak_bytes)
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
+        estimate.peak_bytes,
+        measured.peak_bytes,
+    )
     assert estimate.peak_phase == measured.peak_phase
     assert sum(estimate.by_category.values()) == estimate.peak_bytes
     # categories that do not depend on kernels are exact
@@ -100,14 +104,15 @@ def test_allocator_model_rules():
     assert segment_size(1 * MiB + 512) == 20 * MiB and segment_size(10 * MiB) == 10 * MiB
     assert segment_size(11 * MiB + 1) == 12 * MiB
     model = CudaAllocatorModel()
-    model.allocate("a", 3000)              # small pool: 2 MiB segment, block 3072
-    model.allocate("b", 5 * MiB)           # large pool: 20 MiB segment, split (15 MiB left)
-    model.allocate("c", 5 * MiB)           # reuses the 15 MiB remainder
+    model.allocate("a", 3000)  # small pool: 2 MiB segment, block 3072
+    model.allocate("b", 5 * MiB)  # large pool: 20 MiB segment, split (15 MiB left)
+    model.allocate("c", 5 * MiB)  # reuses the 15 MiB remainder
     assert model.reserved_bytes == 22 * MiB and model.allocated_bytes == 3072 + 10 * MiB
-    model.free("b"); model.free("c")       # merged back into one free 20 MiB block
-    model.allocate("d", 19 * MiB)          # fits in the merged block: no new segment; 1 MiB left is not split off
+    model.free("b")
+    model.free("c")  # merged back into one free 20 MiB block
+    model.allocate("d", 19 * MiB)  # fits in the merged block: no new segment; 1 MiB left is not split off
     assert model.reserved_bytes == 22 * MiB and model.allocated_bytes == 3072 + 20 * MiB
-    model.allocate("e", 30 * MiB)          # own segment, rounded to 2 MiB
+    model.allocate("e", 30 * MiB)  # own segment, rounded to 2 MiB
     view = model.view(context_bytes=7)
     assert view.peak_reserved_bytes == 52 * MiB and view.segments == 3 and view.device_bytes == 52 * MiB + 7
 
@@ -121,7 +126,7 @@ def test_fake_session_pins_the_private_fake_tensor_api():
     assert not is_fake(module.weight) and torch.equal(module.weight, before)
     with session.active():
         value = fake(session.empty((2, 4), torch.float32)).sum()
-        assert is_fake(value) and value.item() == 1.0   # placeholder scalar
+        assert is_fake(value) and value.item() == 1.0  # placeholder scalar
         assert torch.ones(1, dtype=torch.bool).item() is True
     assert value.untyped_storage().nbytes() == 4
 
@@ -145,21 +150,33 @@ def test_fake_step_ops_answer_what_the_three_modes_answer():
         # an optimizer's in-place foreach update on fakes returns nothing and allocates nothing: not dispatched
         add_, mul_ = torch.ops.aten._foreach_add_.List, torch.ops.aten._foreach_mul_.Scalar
         assert add_([x, x], [x, x]) is None and ops.answer(add_, ([x, x], [x, x]), {"alpha": 2}) is None
-        assert ops.answer(mul_, ([x],  0.5)) is None and ops.answer(torch.ops.aten._foreach_mul.Scalar, ([x], 0.5)) is NOT_ANSWERED
+        assert (
+            ops.answer(mul_, ([x], 0.5)) is None
+            and ops.answer(torch.ops.aten._foreach_mul.Scalar, ([x], 0.5)) is NOT_ANSWERED
+        )
     real = torch.ones(2)
     assert ops.answer(add_, ([real], [real])) is NOT_ANSWERED  # a real tensor is really updated
     assert ops.answer(device, (torch.ones(1, device="meta"),)) is NOT_ANSWERED  # not a fake: left to the dispatcher
     with session.active():
         three_layers = torch.nn.functional.mse_loss(torch.empty(4, 3), torch.empty(4, 3))
     assert kept.dim() == 0 and kept.untyped_storage().nbytes() == three_layers.untyped_storage().nbytes()
-    assert (mse in ops.loss_ops) == (kept.untyped_storage().nbytes() == 48)  # this torch's real mse_loss keeps its buffer
+    assert (mse in ops.loss_ops) == (
+        kept.untyped_storage().nbytes() == 48
+    )  # this torch's real mse_loss keeps its buffer
 
 
 VIEWS = [
-    (torch.ops.aten.detach.default, ()), (torch.ops.aten.t.default, ()), (torch.ops.aten.view.default, ([2, 2, 3],)),
-    (torch.ops.aten.transpose.int, (0, 1)), (torch.ops.aten.select.int, (1, 2)), (torch.ops.aten.expand.default, ([5, 4, 3],)),
-    (torch.ops.aten.slice.Tensor, (0, 1, 4, 2)), (torch.ops.aten.split.Tensor, (3,)), (torch.ops.aten.unbind.int, (1,)),
-    (torch.ops.aten.as_strided.default, ([2, 2], [1, 3], 1)), (torch.ops.aten.unsqueeze.default, (0,)),
+    (torch.ops.aten.detach.default, ()),
+    (torch.ops.aten.t.default, ()),
+    (torch.ops.aten.view.default, ([2, 2, 3],)),
+    (torch.ops.aten.transpose.int, (0, 1)),
+    (torch.ops.aten.select.int, (1, 2)),
+    (torch.ops.aten.expand.default, ([5, 4, 3],)),
+    (torch.ops.aten.slice.Tensor, (0, 1, 4, 2)),
+    (torch.ops.aten.split.Tensor, (3,)),
+    (torch.ops.aten.unbind.int, (1,)),
+    (torch.ops.aten.as_strided.default, ([2, 2], [1, 3], 1)),
+    (torch.ops.aten.unsqueeze.default, (0,)),
 ]
 
 
@@ -178,7 +195,12 @@ def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
     for mine, theirs in zip(made_list, reference_list):
         assert type(mine) is type(theirs) and is_fake(mine) and mine.fake_mode is theirs.fake_mode
         assert mine.device == theirs.device == torch.device("cpu")
-        assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (theirs.shape, theirs.stride(), theirs.storage_offset(), theirs.dtype)
+        assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (
+            theirs.shape,
+            theirs.stride(),
+            theirs.storage_offset(),
+            theirs.dtype,
+        )
         assert mine.untyped_storage()._cdata == base.untyped_storage()._cdata == theirs.untyped_storage()._cdata
         assert not mine.requires_grad and mine.grad_fn is None
     version = made_list[0]._version
@@ -192,9 +214,9 @@ def test_fake_view_leaves_other_calls_to_fake_tensor_mode():
     with session.fake_mode_only():
         x = torch.empty(4, 3)
         assert ops.answer(torch.ops.aten._unsafe_view.default, (x, [12])) is NOT_ANSWERED  # not a view op
-        assert ops.answer(torch.ops.aten.reshape.default, (x, [12])) is NOT_ANSWERED       # a composite
-        assert ops.answer(torch.ops.aten.view_as.default, (x, x)) is NOT_ANSWERED           # two tensors
-    assert fake_view(torch.ops.aten.t.default, (torch.ones(2, 3),)) is NOT_ANSWERED     # a real tensor
+        assert ops.answer(torch.ops.aten.reshape.default, (x, [12])) is NOT_ANSWERED  # a composite
+        assert ops.answer(torch.ops.aten.view_as.default, (x, x)) is NOT_ANSWERED  # two tensors
+    assert fake_view(torch.ops.aten.t.default, (torch.ones(2, 3),)) is NOT_ANSWERED  # a real tensor
 
 
 def test_fake_parameter_is_what_nn_parameter_makes_of_a_fake():
@@ -252,7 +274,9 @@ def test_bad_input_gets_clear_errors():
         estimate_memory(plain, device="cpu")
     with pytest.raises(EstimateError, match="optimizer=lambda params"):
         estimate_memory(plain, batch=torch.randn(4, 8), device="cpu")
-    estimate = estimate_memory(plain, 16, batch=torch.randn(4, 8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu")
+    estimate = estimate_memory(
+        plain, 16, batch=torch.randn(4, 8), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), device="cpu"
+    )
     assert estimate.inputs_bytes == 16 * 8 * 4 and estimate.gradients_bytes == (8 * 2 + 2) * 4
     with pytest.raises(ValueError, match="positive integer"):
         estimate_memory(DemoMLP(), 0, device="cpu")
@@ -294,7 +318,10 @@ def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_estim
     assert estimate.batch_size == 8 and estimate.inputs_bytes == 2 * 8 * 16 * 8  # tokens + targets, int64
     assert module._trainer is None  # the stand-in trainer went to the copy only
     for size in (3, 24):
-        assert estimate_memory(module, size, datamodule=data, device="cpu").peak_bytes == measure_training_step(module, size, datamodule=data).peak_bytes
+        assert (
+            estimate_memory(module, size, datamodule=data, device="cpu").peak_bytes
+            == measure_training_step(module, size, datamodule=data).peak_bytes
+        )
 
 
 def test_the_stand_in_trainer_answers_like_a_trainer():
@@ -307,19 +334,37 @@ def test_the_stand_in_trainer_answers_like_a_trainer():
     class Reads(DemoMLP):
         def configure_optimizers(self):
             trainer = self.trainer
-            seen.update(steps=trainer.estimated_stepping_batches, max_steps=trainer.max_steps, max_epochs=trainer.max_epochs,
-                        devices=trainer.num_devices, world=trainer.world_size, precision=trainer.precision,
-                        step=self.global_step, epoch=self.current_epoch)
+            seen.update(
+                steps=trainer.estimated_stepping_batches,
+                max_steps=trainer.max_steps,
+                max_epochs=trainer.max_epochs,
+                devices=trainer.num_devices,
+                world=trainer.world_size,
+                precision=trainer.precision,
+                step=self.global_step,
+                epoch=self.current_epoch,
+            )
             return super().configure_optimizers()
 
     module = Reads(batch_size=16)  # 512 samples: 32 batches per epoch
     estimate_memory(module, device="cpu")
-    assert seen == dict(steps=32 * 1000, max_steps=-1, max_epochs=1000, devices=1, world=1, precision="32-true", step=0, epoch=0)
-    estimate_memory(module, device="cpu", mode="bf16", trainer=pl.Trainer(max_steps=70, accumulate_grad_batches=2, logger=False,
-                                                                           enable_checkpointing=False, enable_progress_bar=False))
+    assert seen == dict(
+        steps=32 * 1000, max_steps=-1, max_epochs=1000, devices=1, world=1, precision="32-true", step=0, epoch=0
+    )
+    estimate_memory(
+        module,
+        device="cpu",
+        mode="bf16",
+        trainer=pl.Trainer(
+            max_steps=70, accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
+        ),
+    )
     assert seen["steps"] == 70 and seen["max_steps"] == 70 and seen["precision"] == "bf16-mixed"
     # a real Trainer's answer for the same settings
-    assert StandInTrainer(max_epochs=3, num_training_batches=10, accumulate_grad_batches=3).estimated_stepping_batches == 4 * 3
+    assert (
+        StandInTrainer(max_epochs=3, num_training_batches=10, accumulate_grad_batches=3).estimated_stepping_batches
+        == 4 * 3
+    )
     with pytest.raises(AttributeError, match="self.trainer.not_a_setting: memkit estimates the step without a Trainer"):
         StandInTrainer().not_a_setting
 
@@ -354,7 +399,9 @@ def test_a_failing_datamodule_hook_is_named():
             raise FileNotFoundError("data/train.txt")
 
     module, _ = _gpt()
-    with pytest.raises(NoBatchError, match=r"Broken\.setup\('fit'\) failed while memkit took a sample batch: FileNotFoundError"):
+    with pytest.raises(
+        NoBatchError, match=r"Broken\.setup\('fit'\) failed while memkit took a sample batch: FileNotFoundError"
+    ):
         estimate_memory(module, datamodule=Broken(), device="cpu")
 
 
@@ -370,9 +417,14 @@ def test_a_module_on_the_meta_device_estimates_like_the_same_module_on_cpu():
     for mode in ("baseline", "bf16", "checkpoint"):
         cpu_estimate = estimate_memory(on_cpu, datamodule=data, mode=mode, device="cpu")
         meta_estimate = estimate_memory(on_meta, datamodule=data, mode=mode, device="cpu")
-        assert meta_estimate.peak_bytes == cpu_estimate.peak_bytes and meta_estimate.by_category == cpu_estimate.by_category, mode
-        assert estimate_memory(on_meta, 16, datamodule=data, mode=mode, device="cuda").cuda == \
-            estimate_memory(on_cpu, 16, datamodule=data, mode=mode, device="cuda").cuda
+        assert (
+            meta_estimate.peak_bytes == cpu_estimate.peak_bytes
+            and meta_estimate.by_category == cpu_estimate.by_category
+        ), mode
+        assert (
+            estimate_memory(on_meta, 16, datamodule=data, mode=mode, device="cuda").cuda
+            == estimate_memory(on_cpu, 16, datamodule=data, mode=mode, device="cuda").cuda
+        )
     assert on_meta.head.weight.device.type == "meta"  # untouched
     with pytest.raises(EstimateError, match="meta device"):
         measure_training_step(on_meta, datamodule=data)
@@ -385,9 +437,15 @@ def test_parameters_and_batch_on_different_devices_meet_on_one_fake_device():
     with torch.device("meta"):
         meta_module = DemoMLP()
     batch = next(iter(module.train_dataloader()))
-    assert estimate_memory(meta_module, batch=batch, device="cuda").peak_bytes == estimate_memory(module, batch=batch, device="cuda").peak_bytes
+    assert (
+        estimate_memory(meta_module, batch=batch, device="cuda").peak_bytes
+        == estimate_memory(module, batch=batch, device="cuda").peak_bytes
+    )
     meta_batch = tuple(t.to("meta") for t in batch)
-    assert estimate_memory(module, batch=meta_batch, device="cpu").peak_bytes == estimate_memory(module, batch=batch, device="cpu").peak_bytes
+    assert (
+        estimate_memory(module, batch=meta_batch, device="cpu").peak_bytes
+        == estimate_memory(module, batch=batch, device="cpu").peak_bytes
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -400,7 +458,10 @@ def test_a_module_already_on_cuda_estimates_without_touching_the_device():
     on_cuda = TinyGPT().cuda()
     before = torch.cuda.memory_allocated()
     for mode in ("baseline", "bf16"):
-        assert estimate_memory(on_cuda, datamodule=data, mode=mode).peak_bytes == estimate_memory(on_cpu, datamodule=data, mode=mode).peak_bytes
+        assert (
+            estimate_memory(on_cuda, datamodule=data, mode=mode).peak_bytes
+            == estimate_memory(on_cpu, datamodule=data, mode=mode).peak_bytes
+        )
     assert torch.cuda.memory_allocated() == before
     measured = measure_training_step(on_cuda, datamodule=data)  # the batch goes to the module's device, as in Lightning
     assert measured.peak_bytes > 0
@@ -429,12 +490,18 @@ def test_the_fake_copy_is_reused_across_modes_and_sizes_and_gives_the_same_figur
     from lightning_memkit.estimate.core import reusing_fake_copies
 
     module, data = _gpt()
-    fresh = {(mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
-             for mode in ("baseline", "bf16+checkpoint") for size in (4, 8)}
+    fresh = {
+        (mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
+        for mode in ("baseline", "bf16+checkpoint")
+        for size in (4, 8)
+    }
     data.set_up = 0
     with reusing_fake_copies():
-        reused = {(mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
-                  for mode in ("baseline", "bf16+checkpoint") for size in (4, 8)}
+        reused = {
+            (mode, size): estimate_memory(module, size, datamodule=data, mode=mode, device="cuda").to_dict()
+            for mode in ("baseline", "bf16+checkpoint")
+            for size in (4, 8)
+        }
     assert data.set_up == 1  # one sample batch for all four
     for key in fresh:
         for field in ("peak_bytes", "by_category", "cuda", "peak_phase"):

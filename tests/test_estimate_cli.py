@@ -18,7 +18,7 @@ def _table(text: str, header_word: str) -> tuple[list[str], dict[tuple[str, ...]
     start = next(i for i, line in enumerate(lines) if line.startswith(header_word))
     header = re.split(r"\s{2,}", lines[start].strip())
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         cells = re.split(r"\s{2,}", line.strip())
         if len(cells) != len(header):
             break
@@ -28,8 +28,20 @@ def _table(text: str, header_word: str) -> tuple[list[str], dict[tuple[str, ...]
 
 def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys):
     out_json = tmp_path / "estimate.json"
-    status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "64MiB", "--device", "cpu",
-                   "--modes", "baseline,bf16", "--json", str(out_json)])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit/zoo.py:DemoMLP",
+            "--device-memory",
+            "64MiB",
+            "--device",
+            "cpu",
+            "--modes",
+            "baseline,bf16",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert status == 0
     header, rows = _table(capsys.readouterr().out, "mode")
     assert header == ["mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"]
@@ -60,19 +72,36 @@ def test_cuda_target_prints_reserved_beside_allocated_and_the_kernels_each_gpu_p
     printed = {}
     for gpu in ("h100", "v100"):
         out_json = tmp_path / f"{gpu}.json"
-        status = main(["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(TINY),
-                       "--device-memory", "1GiB", "--modes", "bf16", "--gpu", gpu, "--json", str(out_json)])
+        status = main(
+            [
+                "estimate",
+                "lightning_memkit/zoo.py:DemoTransformer",
+                "--init-args",
+                json.dumps(TINY),
+                "--device-memory",
+                "1GiB",
+                "--modes",
+                "bf16",
+                "--gpu",
+                gpu,
+                "--json",
+                str(out_json),
+            ]
+        )
         out = capsys.readouterr().out
         assert status == 0
         header, rows = _table(out, "mode")
         assert header[2:5] == ["allocated", "reserved", "device needs"]
         estimate = estimate_memory(DemoTransformer(**TINY), mode="bf16", device="cuda", gpu=gpu)
-        assert rows[("bf16",)][2:5] == [format_bytes(estimate.cuda.peak_allocated_bytes),
-                                        format_bytes(estimate.cuda.peak_reserved_bytes), format_bytes(estimate.required_bytes)]
+        assert rows[("bf16",)][2:5] == [
+            format_bytes(estimate.cuda.peak_allocated_bytes),
+            format_bytes(estimate.cuda.peak_reserved_bytes),
+            format_bytes(estimate.required_bytes),
+        ]
         assert json.loads(out_json.read_text())["results"][0]["estimate"]["cuda"] == estimate.cuda.to_dict()
         kernels = [line for line in out.splitlines() if line.startswith("kernels assumed")]
         (note,) = [n for n in estimate.notes if n.startswith(KERNELS_PREFIX)]
-        assert kernels == ["kernels assumed (bf16): " + note[len(KERNELS_PREFIX):]]
+        assert kernels == ["kernels assumed (bf16): " + note[len(KERNELS_PREFIX) :]]
         assert f"on cuda ({gpu}, sm" in out.splitlines()[0]
         printed[gpu] = (kernels[0], estimate.cuda.peak_allocated_bytes)
     assert "attention: flash" in printed["h100"][0] and "attention: flash" not in printed["v100"][0]
@@ -99,14 +128,31 @@ def test_estimate_takes_a_datamodule_and_equals_the_measured_step(tmp_path, caps
     from lightning_memkit.estimate import measure_training_step
 
     out_json = tmp_path / "estimate.json"
-    status = main(["estimate", "tests/lightning_gpt.py:TinyGPT", "--datamodule", "tests/lightning_gpt.py:CharDataModule",
-                   "--datamodule-args", '{"batch_size": 12}', "--device", "cpu", "--device-memory", "64MiB",
-                   "--modes", "baseline,bf16", "--json", str(out_json)])
+    status = main(
+        [
+            "estimate",
+            "tests/lightning_gpt.py:TinyGPT",
+            "--datamodule",
+            "tests/lightning_gpt.py:CharDataModule",
+            "--datamodule-args",
+            '{"batch_size": 12}',
+            "--device",
+            "cpu",
+            "--device-memory",
+            "64MiB",
+            "--modes",
+            "baseline,bf16",
+            "--json",
+            str(out_json),
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err
     data = json.loads(out_json.read_text())
-    measured = {mode: measure_training_step(TinyGPT(), datamodule=CharDataModule(batch_size=12), mode=mode).peak_bytes
-                for mode in ("baseline", "bf16")}
+    measured = {
+        mode: measure_training_step(TinyGPT(), datamodule=CharDataModule(batch_size=12), mode=mode).peak_bytes
+        for mode in ("baseline", "bf16")
+    }
     for result in data["results"]:
         assert result["estimate"]["batch_size"] == 12
         assert result["estimate"]["peak_bytes"] == measured[result["mode"]], result["mode"]
@@ -121,7 +167,10 @@ def test_estimate_without_a_loader_points_at_datamodule_and_a_negative_memory_is
     assert "--datamodule FILE.py:DataModuleClass" in capsys.readouterr().err
     assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "-16GiB"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "memkit estimate: --device-memory -16GiB: a memory size is positive; write e.g. --device-memory 16GiB"
+    assert (
+        err.strip()
+        == "memkit estimate: --device-memory -16GiB: a memory size is positive; write e.g. --device-memory 16GiB"
+    )
     assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "0"]) == 2
     assert "a memory size is positive" in capsys.readouterr().err
 
@@ -146,35 +195,77 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     module = DemoMLP(**WIDE)
     strategies, sizes = ("ddp", "fsdp", "deepspeed_stage_2"), (1, 2, 4, 8, 16)
     with reusing_fake_copies():
-        needs = {(s, n): estimate_distributed_memory(module, strategy=s, world_size=n, wrap={torch.nn.Linear},
-                                                     device="cpu").peak_bytes
-                 for s in strategies for n in sizes}
+        needs = {
+            (s, n): estimate_distributed_memory(
+                module, strategy=s, world_size=n, wrap={torch.nn.Linear}, device="cpu"
+            ).peak_bytes
+            for s in strategies
+            for n in sizes
+        }
     # a device where FSDP fits on 4 ranks but not on 2
     memory = math.ceil(needs[("fsdp", 4)] / 0.95) + 1
     assert needs[("fsdp", 2)] > 0.95 * memory
     out_json = tmp_path / "ranks.json"
-    status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--device", "cpu",
-                   "--strategy", ",".join(strategies), "--world-size", "8", "--max-world-size", "16", "--wrap", "Linear",
-                   "--device-memory", f"{memory}B", "--modes", "baseline,bf16", "--json", str(out_json)])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit/zoo.py:DemoMLP",
+            "--init-args",
+            json.dumps(WIDE),
+            "--device",
+            "cpu",
+            "--strategy",
+            ",".join(strategies),
+            "--world-size",
+            "8",
+            "--max-world-size",
+            "16",
+            "--wrap",
+            "Linear",
+            "--device-memory",
+            f"{memory}B",
+            "--modes",
+            "baseline,bf16",
+            "--json",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
     header, rows = _table(out, "strategy")
-    assert header == ["strategy", "mode", "ranks", "batch/rank", "allocated/rank", "reserved/rank", "device needs/rank",
-                      "fits", "min GPUs"]
+    assert header == [
+        "strategy",
+        "mode",
+        "ranks",
+        "batch/rank",
+        "allocated/rank",
+        "reserved/rank",
+        "device needs/rank",
+        "fits",
+        "min GPUs",
+    ]
     assert set(rows) == {(s, m) for s in strategies for m in ("baseline", "bf16")}
     for strategy in strategies:
         row = rows[(strategy, "baseline")]
         expected_min = next((n for n in sizes if needs[(strategy, n)] <= 0.95 * memory), None)
-        assert row[2:] == ["8", "2", format_bytes(needs[(strategy, 8)]), "-", format_bytes(needs[(strategy, 8)]),
-                           "yes" if needs[(strategy, 8)] <= 0.95 * memory else "no",
-                           str(expected_min) if expected_min else "none <= 16"]
+        assert row[2:] == [
+            "8",
+            "2",
+            format_bytes(needs[(strategy, 8)]),
+            "-",
+            format_bytes(needs[(strategy, 8)]),
+            "yes" if needs[(strategy, 8)] <= 0.95 * memory else "no",
+            str(expected_min) if expected_min else "none <= 16",
+        ]
     assert rows[("fsdp", "baseline")][-1] == "4" and rows[("ddp", "baseline")][-1] == "none <= 16"
     assert "ddp baseline: none fits on up to 16 GPUs" in out
     data = json.loads(out_json.read_text())
     assert data["world_sizes_tried"] == list(sizes)
     fsdp = next(r for r in data["results"] if r["strategy"] == "fsdp" and r["mode"] == "baseline")
     assert fsdp["per_rank"]["allocated_bytes"] == needs[("fsdp", 8)] and fsdp["min_world_size"] == 4
-    assert {int(n): v for n, v in fsdp["device_bytes_by_world_size"].items()} == {n: needs[("fsdp", n)] for n in (1, 2, 4)}
+    assert {int(n): v for n, v in fsdp["device_bytes_by_world_size"].items()} == {
+        n: needs[("fsdp", n)] for n in (1, 2, 4)
+    }
 
 
 def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
@@ -186,21 +277,45 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
     from lightning_memkit.zoo import DemoMLP
 
     out_json = tmp_path / "ranks.json"
-    status = main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--strategy", "fsdp",
-                   "--world-size", "4", "--wrap", "Linear", "--device-memory", "1GiB", "--json", str(out_json)])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit/zoo.py:DemoMLP",
+            "--init-args",
+            json.dumps(WIDE),
+            "--strategy",
+            "fsdp",
+            "--world-size",
+            "4",
+            "--wrap",
+            "Linear",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
-    estimate = estimate_distributed_memory(DemoMLP(**WIDE), strategy="fsdp", world_size=4, wrap={torch.nn.Linear}, device="cuda")
+    estimate = estimate_distributed_memory(
+        DemoMLP(**WIDE), strategy="fsdp", world_size=4, wrap={torch.nn.Linear}, device="cuda"
+    )
     shift = estimate.peak_bytes - estimate.single.peak_bytes
     assert shift < 0  # the shards are smaller than the whole model's states
     view = estimate.single.cuda
     allocated, reserved = view.peak_allocated_bytes + shift, view.peak_reserved_bytes + shift
     _, rows = _table(out, "strategy")
-    assert rows[("fsdp", "baseline")][4:7] == [format_bytes(allocated), format_bytes(reserved),
-                                               format_bytes(reserved + view.context_bytes)]
+    assert rows[("fsdp", "baseline")][4:7] == [
+        format_bytes(allocated),
+        format_bytes(reserved),
+        format_bytes(reserved + view.context_bytes),
+    ]
     result = json.loads(out_json.read_text())["results"][0]
-    assert result["per_rank"] == {"allocated_bytes": allocated, "reserved_bytes": reserved,
-                                  "device_bytes": reserved + view.context_bytes}
+    assert result["per_rank"] == {
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "device_bytes": reserved + view.context_bytes,
+    }
     assert result["estimate"]["peak_bytes"] == estimate.peak_bytes
     assert any(line.startswith("kernels assumed (baseline): GPU ") for line in out.splitlines())
 
@@ -215,10 +330,16 @@ def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
         (["--strategy", "ddp,zero9"], f"--strategy zero9: unknown strategy; choose from: {', '.join(STRATEGIES)}"),
         (["--strategy", "fsdp", "--world-size", "0"], "--world-size 0: the number of ranks is at least 1"),
         (["--world-size", "8"], "--world-size is for multi-GPU estimates: give --strategy too"),
-        (["--strategy", "fsdp", "--wrap", "Block"], "--wrap Block: DemoMLP has no layer of that class; its layer classes are: "),
+        (
+            ["--strategy", "fsdp", "--wrap", "Block"],
+            "--wrap Block: DemoMLP has no layer of that class; its layer classes are: ",
+        ),
         (["--gpu", "h1000"], "--gpu: unknown GPU 'h1000': give a name ("),
         (["--gpu", "a100", "--device", "cpu"], "--gpu a100 picks CUDA kernels; it needs --device cuda"),
-        (["--check", "--device", "cpu"], "--check measures a real step on a GPU against a CUDA estimate; use --device cuda"),
+        (
+            ["--check", "--device", "cpu"],
+            "--check measures a real step on a GPU against a CUDA estimate; use --device cuda",
+        ),
         (["--check", "--strategy", "ddp"], "--check trains on this machine's one GPU; it does not run --strategy"),
         (["--check", "--meta-init"], "--check trains real steps, and a module built with --meta-init has no weights"),
     ]
@@ -235,8 +356,26 @@ def test_meta_init_estimates_what_the_module_with_weights_estimates(tmp_path, ca
     results = []
     for extra in ([], ["--meta-init"]):
         out_json = tmp_path / f"ranks{len(extra)}.json"
-        assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--init-args", json.dumps(WIDE), "--strategy", "fsdp",
-                     "--world-size", "2", "--device-memory", "1GiB", "--json", str(out_json)] + extra) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    "lightning_memkit/zoo.py:DemoMLP",
+                    "--init-args",
+                    json.dumps(WIDE),
+                    "--strategy",
+                    "fsdp",
+                    "--world-size",
+                    "2",
+                    "--device-memory",
+                    "1GiB",
+                    "--json",
+                    str(out_json),
+                ]
+                + extra
+            )
+            == 0
+        )
         capsys.readouterr()
         results.append(json.loads(out_json.read_text())["results"][0])
     for result in results:
@@ -249,20 +388,53 @@ def test_a_bare_device_memory_number_is_refused_naming_the_unit_to_write(capsys)
     # '16' read as bytes answered "does not fit in 15 B": a device's memory is never a handful of bytes
     assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "16", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("memkit estimate: --device-memory 16 has no unit; write --device-memory 16GiB (or 16GB, decimal; "
-                   "a byte count as 16B)")
-    assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "16", "--device", "cpu", "--modes", "bf16"]) == 2
+    assert err == (
+        "memkit estimate: --device-memory 16 has no unit; write --device-memory 16GiB (or 16GB, decimal; "
+        "a byte count as 16B)"
+    )
+    assert (
+        main(
+            [
+                "estimate",
+                "lightning_memkit/zoo.py:DemoMLP",
+                "--device-memory",
+                "16",
+                "--device",
+                "cpu",
+                "--modes",
+                "bf16",
+            ]
+        )
+        == 2
+    )
 
 
 def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(capsys):
     from lightning_memkit.zoo import DemoTransformer
 
-    needs = {mode: estimate_memory(DemoTransformer(**TINY), 1, mode=mode, device="cpu").required_bytes for mode in ("baseline", "bf16")}
+    needs = {
+        mode: estimate_memory(DemoTransformer(**TINY), 1, mode=mode, device="cpu").required_bytes
+        for mode in ("baseline", "bf16")
+    }
     small, large = sorted(needs, key=needs.get)
     assert needs[small] < needs[large]  # bf16 autocast on CPU keeps bf16 weight copies beside the fp32 ones
     memory = (needs[small] + needs[large]) // 2  # batch 1 fits in one mode, not in the other
-    status = main(["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(TINY), "--device-memory",
-                   f"{memory}B", "--device", "cpu", "--modes", "baseline,bf16", "--margin", "0"])
+    status = main(
+        [
+            "estimate",
+            "lightning_memkit/zoo.py:DemoTransformer",
+            "--init-args",
+            json.dumps(TINY),
+            "--device-memory",
+            f"{memory}B",
+            "--device",
+            "cpu",
+            "--modes",
+            "baseline,bf16",
+            "--margin",
+            "0",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 1  # one requested mode failed: the command failed, though the other row is printed
     _, rows = _table(captured.out, "mode")

@@ -37,19 +37,38 @@ def test_optimizer_state_is_learnt_from_the_real_optimizer():
 
 def test_zero_paper_per_rank_model_states_for_7_5b_parameters_on_64_ranks():
     psi, nd = 7_500_000_000, 64
-    gigabytes = {s: model_state_bytes(psi, s, nd, precision="16-mixed").total_bytes / 1e9
-                 for s in ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")}
+    gigabytes = {
+        s: model_state_bytes(psi, s, nd, precision="16-mixed").total_bytes / 1e9
+        for s in ("ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3")
+    }
     # the paper's Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
-    assert gigabytes == {"ddp": 120.0, "deepspeed_stage_1": 31.40625, "deepspeed_stage_2": 16.640625, "deepspeed_stage_3": 1.875}
+    assert gigabytes == {
+        "ddp": 120.0,
+        "deepspeed_stage_1": 31.40625,
+        "deepspeed_stage_2": 16.640625,
+        "deepspeed_stage_3": 1.875,
+    }
     assert [round(gigabytes[s], 1) for s in gigabytes] == [120.0, 31.4, 16.6, 1.9]
     stage1 = model_state_bytes(psi, "deepspeed_stage_1", nd)
-    assert (stage1.parameters_bytes, stage1.gradients_bytes, stage1.optimizer_state_bytes) == (2 * psi, 2 * psi, 12 * psi // nd)
+    assert (stage1.parameters_bytes, stage1.gradients_bytes, stage1.optimizer_state_bytes) == (
+        2 * psi,
+        2 * psi,
+        12 * psi // nd,
+    )
     stage2 = model_state_bytes(psi, "deepspeed_stage_2", nd)
     assert (stage2.parameters_bytes, stage2.gradients_bytes) == (2 * psi, 2 * psi // nd)
     # FSDP FULL_SHARD / FSDP2 keep fp32 weights and gradients under autocast: the same 16 bytes, all sharded
-    assert model_state_bytes(psi, "fsdp", nd).total_bytes == model_state_bytes(psi, "model_parallel", nd).total_bytes == 16 * psi // nd
+    assert (
+        model_state_bytes(psi, "fsdp", nd).total_bytes
+        == model_state_bytes(psi, "model_parallel", nd).total_bytes
+        == 16 * psi // nd
+    )
     shard_grad_op = model_state_bytes(psi, "fsdp_shard_grad_op", nd)
-    assert (shard_grad_op.parameters_bytes, shard_grad_op.gradients_bytes, shard_grad_op.optimizer_state_bytes) == (4 * psi, 4 * psi // nd, 8 * psi // nd)
+    assert (shard_grad_op.parameters_bytes, shard_grad_op.gradients_bytes, shard_grad_op.optimizer_state_bytes) == (
+        4 * psi,
+        4 * psi // nd,
+        8 * psi // nd,
+    )
     assert model_state_bytes(psi, "fsdp_no_shard", nd).total_bytes == 16 * psi
     # HYBRID_SHARD shards within a node of 8
     assert model_state_bytes(psi, "fsdp_hybrid_shard", nd, shard_size=8).total_bytes == 16 * psi // 8
@@ -59,7 +78,10 @@ def test_gpt2_1_5b_on_one_gpu_needs_24_gb_of_model_states():
     assert model_state_bytes(1_500_000_000, "ddp", 1, precision="16-mixed").total_bytes == 24 * 10**9
     assert model_state_bytes(1_500_000_000, "deepspeed_stage_3", 1, precision="16-mixed").total_bytes == 24 * 10**9
     # SGD without momentum holds no state: weights and gradients only
-    assert model_state_bytes(1_500_000_000, "ddp", 1, precision="32-true", optimizer=torch.optim.SGD).total_bytes == 8 * 1_500_000_000
+    assert (
+        model_state_bytes(1_500_000_000, "ddp", 1, precision="32-true", optimizer=torch.optim.SGD).total_bytes
+        == 8 * 1_500_000_000
+    )
 
 
 def test_bad_strategy_or_world_size_says_what_to_do():
@@ -97,13 +119,17 @@ def test_one_fake_step_per_rank_role_and_sharded_categories():
     view = estimate_distributed_memory(model, strategy="ddp", world_size=2, device="cpu", gradient_as_bucket_view=True)
     assert view.peak_bytes == single.peak_bytes and single.by_category["gradients"] == param_bytes
     # FULL_SHARD over 4: the states are quartered, a transformer block gathered and one prefetched
-    fsdp = estimate_distributed_memory(model, strategy="fsdp", world_size=4, device="cpu", wrap={nn.TransformerEncoderLayer})
+    fsdp = estimate_distributed_memory(
+        model, strategy="fsdp", world_size=4, device="cpu", wrap={nn.TransformerEncoderLayer}
+    )
     for name in ("parameters", "gradients", "optimizer_state"):
         assert fsdp.by_category[name] == -(-single.by_category[name] // 4)
     block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     root = param_bytes - 4 * block
     assert sorted([block, root], reverse=True)[0] == fsdp.buffers["fsdp_reduce_scatter"]
-    assert fsdp.buffers["fsdp_all_gather"] == 2 * block - (2 * block + 3) // 4  # four blocks: the two largest units are blocks
+    assert (
+        fsdp.buffers["fsdp_all_gather"] == 2 * block - (2 * block + 3) // 4
+    )  # four blocks: the two largest units are blocks
     assert fsdp.peak_bytes == sum(fsdp.by_category.values())
     assert "fsdp" in fsdp.summary() and fsdp.to_dict()["single"]["peak_bytes"] == single.peak_bytes
 
@@ -121,15 +147,22 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
 
     model = DemoTransformer(dropout=0.0)
     before, excepthook = live_tensor_bytes(), sys.excepthook
-    estimates = {n: estimate_distributed_memory(model, strategy="model_parallel", world_size=n, device="cpu",
-                                                wrap={nn.TransformerEncoderLayer}) for n in (2, 4)}
+    estimates = {
+        n: estimate_distributed_memory(
+            model, strategy="model_parallel", world_size=n, device="cpu", wrap={nn.TransformerEncoderLayer}
+        )
+        for n in (2, 4)
+    }
     assert not dist.is_initialized() and sys.excepthook is excepthook
     # torch's DTensor sharding cache keeps each device mesh (its int32 rank tensor) alive: nothing else stays
     assert live_tensor_bytes() - before == 4 * (2 + 4) and tensors_with_grad_fn() == []
     for n, estimate in estimates.items():
-        shard_bytes = sum(-(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+        shard_bytes = sum(
+            -(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters()
+        )
         assert estimate.by_category["parameters"] == shard_bytes
         assert estimate.rank_roles == 1 and estimate.world_size == n and estimate.single.source == "fake"
+
         # at the peak (the last block's backward) FSDP2 holds that block's gathered parameters and the root's,
         # which stay gathered from forward to backward (fully_shard's default for the root); gathered at their
         # padded size (dim 0 rounded up to a multiple of the world size: the head's 10 rows are 12 on 4 ranks)
@@ -142,8 +175,14 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
         assert estimate.peak_bytes == sum(estimate.by_category.values())
     assert estimates[4].peak_bytes < estimates[2].peak_bytes
     # fully_shard's own arguments are honoured: without resharding after forward every block stays gathered
-    kept = estimate_distributed_memory(model, strategy="model_parallel", world_size=2, device="cpu", wrap={nn.TransformerEncoderLayer},
-                                       fully_shard_kwargs={"reshard_after_forward": False})
+    kept = estimate_distributed_memory(
+        model,
+        strategy="model_parallel",
+        world_size=2,
+        device="cpu",
+        wrap={nn.TransformerEncoderLayer},
+        fully_shard_kwargs={"reshard_after_forward": False},
+    )
     everything = sum(-(-p.shape[0] // 2) * 2 * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
     assert kept.buffers["fsdp2_gathered_parameters"] == everything > estimates[2].buffers["fsdp2_gathered_parameters"]
     # the sharded copy never serves an unsharded estimate, and the module is untouched
@@ -152,7 +191,9 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
 
     with reusing_fake_copies():
         plain = estimate_memory(model, device="cpu")
-        estimate_distributed_memory(model, strategy="model_parallel", world_size=2, device="cpu", wrap={nn.TransformerEncoderLayer})
+        estimate_distributed_memory(
+            model, strategy="model_parallel", world_size=2, device="cpu", wrap={nn.TransformerEncoderLayer}
+        )
         assert estimate_memory(model, device="cpu").peak_bytes == plain.peak_bytes
     assert plain.peak_bytes == estimate_memory(model, device="cpu").peak_bytes
 
@@ -215,8 +256,13 @@ def _check_lightning_run(tmp_path, strategy, devices, batch=16, **estimate_kwarg
     script = tmp_path / "run.py"
     script.write_text(LIGHTNING_SCRIPT)
     run_script([str(script), str(tmp_path), strategy, str(devices), str(batch)], cwd=str(tmp_path), timeout=420)
-    estimate = estimate_distributed_memory(DemoTransformer(dropout=0.0, batch_size=batch), strategy=strategy,
-                                           world_size=devices, device="cpu", **estimate_kwargs)
+    estimate = estimate_distributed_memory(
+        DemoTransformer(dropout=0.0, batch_size=batch),
+        strategy=strategy,
+        world_size=devices,
+        device="cpu",
+        **estimate_kwargs,
+    )
     scalars = read_scalars(str(tmp_path / "tb" / "version_0"))
     errors = []
     for rank in range(devices):
@@ -270,8 +316,9 @@ def test_predict_max_batch_size_per_rank_under_a_strategy():
     budget = 8_000_000
     answers = {}
     for strategy in ("ddp", "model_parallel"):
-        prediction = predict_max_batch_size(model, budget, margin=0.0, device="cpu", strategy=strategy, world_size=4,
-                                            wrap={nn.TransformerEncoderLayer})
+        prediction = predict_max_batch_size(
+            model, budget, margin=0.0, device="cpu", strategy=strategy, world_size=4, wrap={nn.TransformerEncoderLayer}
+        )
         sizes = dict(prediction.estimates)
         size = prediction.batch_size
         assert sizes[size] <= budget < sizes[size + 1], prediction.estimates

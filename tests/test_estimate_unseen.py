@@ -36,9 +36,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         batch, length, d = x.shape
         q = self.q(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2) for t in self.kv(x).split(self.kv_heads * self.head_dim, 2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True,
-                                           enable_gqa=self.kv_heads != self.heads)
+        k, v = (
+            t.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            for t in self.kv(x).split(self.kv_heads * self.head_dim, 2)
+        )
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            enable_gqa=self.kv_heads != self.heads,
+        )
         return self.proj(y.transpose(1, 2).reshape(batch, length, d))
 
 
@@ -47,7 +56,9 @@ class GPTBlock(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = CausalSelfAttention(d, heads, kv_heads, dropout)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d), nn.Dropout(dropout)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -58,8 +69,17 @@ class GroupedGPT(pl.LightningModule):
     """GPT-style LM: learned positions, grouped-query causal sdpa, lm_head tied to the embedding, AdamW with
     decay / no-decay groups and a warm-up + cosine schedule from the trainer, label smoothing, ignore_index."""
 
-    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2, seq: int = 16,
-                 batch_size: int = 4, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        vocab: int = 64,
+        d: int = 32,
+        heads: int = 4,
+        kv_heads: int = 2,
+        layers: int = 2,
+        seq: int = 16,
+        batch_size: int = 4,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
@@ -91,9 +111,13 @@ class GroupedGPT(pl.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4
+        )
         total = max(2, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 2) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / 2) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -131,9 +155,20 @@ class MetricCNN(pl.LightningModule):
         torchmetrics = pytest.importorskip("torchmetrics")
         self.batch_size, self.optimizer = batch_size, optimizer
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(16, 3, 16, 16, generator=generator), torch.randint(0, 10, (16,), generator=generator))
-        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-                                 nn.Conv2d(8, 8, 3, groups=8, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8, 10))
+        self.data = TensorDataset(
+            torch.randn(16, 3, 16, 16, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+        )
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, groups=8, padding=1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Dropout(0.2),
+            nn.Linear(8, 10),
+        )
         self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10)
         self.register_buffer("class_counts", torch.zeros(10))
 
@@ -163,32 +198,51 @@ class MetricCNN(pl.LightningModule):
 def _qkv(heads=4, kv_heads=4, length=16, source=16, head_dim=64, dtype=torch.bfloat16, grad=True):
     def make(h, n):
         return torch.empty(2, h, n, head_dim, dtype=dtype, device="meta", requires_grad=grad)
+
     return make(heads, length), make(kv_heads, source), make(kv_heads, source)
 
 
-@pytest.mark.parametrize("case, gpu, expected", [
-    (dict(kv_heads=2), "h100", "flash"),                         # grouped-query heads: flash supports them
-    (dict(kv_heads=2, dtype=torch.float32), "h100", "math"),     # ... memory-efficient does not
-    (dict(kv_heads=2, dtype=torch.float16), "v100", "math"),     # no flash before sm80
-    (dict(source=32, causal=True), "h100", "efficient"),         # flash: is_causal needs equal lengths
-    (dict(head_dim=30, dtype=torch.float32), "v100", "efficient"),  # fp32 before sm80: alignment 1
-    (dict(head_dim=30, dtype=torch.float32), "h100", "math"),    # fp32 on sm80+: alignment 4
-    (dict(head_dim=200), "a10", "efficient"),                     # sm86: flash trains no head dim in (192, 224]
-    (dict(head_dim=200, grad=False), "a10", "flash"),
-    (dict(head_dim=200), "h100", "flash"),
-], ids=["gqa-bf16", "gqa-fp32", "gqa-fp16-v100", "causal-rect", "hd30-fp32-v100", "hd30-fp32-h100", "hd200-sm86",
-        "hd200-sm86-no-grad", "hd200-h100"])
+@pytest.mark.parametrize(
+    "case, gpu, expected",
+    [
+        (dict(kv_heads=2), "h100", "flash"),  # grouped-query heads: flash supports them
+        (dict(kv_heads=2, dtype=torch.float32), "h100", "math"),  # ... memory-efficient does not
+        (dict(kv_heads=2, dtype=torch.float16), "v100", "math"),  # no flash before sm80
+        (dict(source=32, causal=True), "h100", "efficient"),  # flash: is_causal needs equal lengths
+        (dict(head_dim=30, dtype=torch.float32), "v100", "efficient"),  # fp32 before sm80: alignment 1
+        (dict(head_dim=30, dtype=torch.float32), "h100", "math"),  # fp32 on sm80+: alignment 4
+        (dict(head_dim=200), "a10", "efficient"),  # sm86: flash trains no head dim in (192, 224]
+        (dict(head_dim=200, grad=False), "a10", "flash"),
+        (dict(head_dim=200), "h100", "flash"),
+    ],
+    ids=[
+        "gqa-bf16",
+        "gqa-fp32",
+        "gqa-fp16-v100",
+        "causal-rect",
+        "hd30-fp32-v100",
+        "hd30-fp32-h100",
+        "hd200-sm86",
+        "hd200-sm86-no-grad",
+        "hd200-h100",
+    ],
+)
 def test_attention_backend_follows_torchs_sdp_rules(case, gpu, expected):
     causal = case.pop("causal", False)
     query, key, value = _qkv(**case)
-    assert attention_backend(query, key, value, None, 0.1, GpuTarget.parse(gpu), enable_gqa=True, is_causal=causal) == expected
+    assert (
+        attention_backend(query, key, value, None, 0.1, GpuTarget.parse(gpu), enable_gqa=True, is_causal=causal)
+        == expected
+    )
 
 
 def _math_step(attention, dtype, gqa, masked):
     """Allocations (bytes each) and peak of one forward + backward through ``attention`` on real CPU tensors."""
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 4, 16, 8, dtype=dtype, generator=generator).requires_grad_()
-    key, value = (torch.randn(2, 2 if gqa else 4, 16, 8, dtype=dtype, generator=generator).requires_grad_() for _ in range(2))
+    key, value = (
+        torch.randn(2, 2 if gqa else 4, 16, 8, dtype=dtype, generator=generator).requires_grad_() for _ in range(2)
+    )
     mask = additive_mask(torch.rand(16, 16, generator=generator) > 0.2, dtype) if masked else None
     sizes: list[int] = []
     accountant = TensorAccountant()
@@ -204,8 +258,14 @@ def _math_step(attention, dtype, gqa, masked):
 def test_math_fallback_allocates_what_torchs_composite_allocates(dtype, gqa, masked):
     # torch's own math path (the CUDA fallback is this composite with CUDA's dropout) against memkit's copy of it:
     # fp32 accumulation for bf16, grouped heads repeated, C++ locals alive until it returns, both outputs cast back
-    torch_sizes, torch_peak = _math_step(lambda q, k, v, m, g: torch.ops.aten._scaled_dot_product_attention_math(
-        q, k, v, m, 0.0, False, None, enable_gqa=g)[0], dtype, gqa, masked)
+    torch_sizes, torch_peak = _math_step(
+        lambda q, k, v, m, g: torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, m, 0.0, False, None, enable_gqa=g
+        )[0],
+        dtype,
+        gqa,
+        masked,
+    )
     sizes, peak = _math_step(lambda q, k, v, m, g: math_attention(q, k, v, m, 0.0, False, None, g), dtype, gqa, masked)
     assert peak == torch_peak
     if masked:  # under a dispatch mode torch adds the mask out of place; on plain CUDA tensors in place
@@ -244,24 +304,40 @@ def test_label_smoothing_term_allocates_what_torchs_cross_entropy_allocates(weig
 
 
 # ============================================================================================ whole estimates
-@pytest.mark.parametrize("factory", [GroupedGPT, PaddedEncoder, MetricCNN, lambda: MetricCNN(optimizer="nadam")],
-                         ids=["grouped-gpt", "padded-encoder", "torchmetrics", "nadam"])
+@pytest.mark.parametrize(
+    "factory",
+    [GroupedGPT, PaddedEncoder, MetricCNN, lambda: MetricCNN(optimizer="nadam")],
+    ids=["grouped-gpt", "padded-encoder", "torchmetrics", "nadam"],
+)
 def test_cpu_estimate_equals_the_measured_step(factory):
     module = factory()
     estimate, measured = estimate_memory(module, 4, device="cpu"), measure_training_step(module, 4, device="cpu")
     assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
 
 
-@pytest.mark.parametrize("factory, gpu, mode, kernel", [
-    (GroupedGPT, "h100", "bf16", "attention: flash"),
-    (GroupedGPT, "v100", "fp16", "attention: math"),
-    (GroupedGPT, "a100", "bf16", "cross_entropy: CUDA autocast"),  # label smoothing: CUDA's autocast path too
-    (PaddedEncoder, "h100", "bf16", "attention: memory-efficient"),
-    (PaddedEncoder, "v100", "bf16", "attention: math"),
-    (lambda: MetricCNN(optimizer="adam_tensor_lr"), "h100", None, "cuDNN workspaces"),
-    (lambda: MetricCNN(optimizer="nadam"), "v100", "fp16", "cuDNN workspaces"),
-    (lambda: MetricCNN(optimizer="adamw_capturable"), "h100", "bf16", "cuDNN workspaces"),
-], ids=["gpt-h100-bf16", "gpt-v100-fp16", "gpt-a100-bf16-smoothing", "encoder-h100-bf16", "encoder-v100-bf16", "adam-tensor-lr-h100", "nadam-v100-fp16", "adamw-capturable-h100"])
+@pytest.mark.parametrize(
+    "factory, gpu, mode, kernel",
+    [
+        (GroupedGPT, "h100", "bf16", "attention: flash"),
+        (GroupedGPT, "v100", "fp16", "attention: math"),
+        (GroupedGPT, "a100", "bf16", "cross_entropy: CUDA autocast"),  # label smoothing: CUDA's autocast path too
+        (PaddedEncoder, "h100", "bf16", "attention: memory-efficient"),
+        (PaddedEncoder, "v100", "bf16", "attention: math"),
+        (lambda: MetricCNN(optimizer="adam_tensor_lr"), "h100", None, "cuDNN workspaces"),
+        (lambda: MetricCNN(optimizer="nadam"), "v100", "fp16", "cuDNN workspaces"),
+        (lambda: MetricCNN(optimizer="adamw_capturable"), "h100", "bf16", "cuDNN workspaces"),
+    ],
+    ids=[
+        "gpt-h100-bf16",
+        "gpt-v100-fp16",
+        "gpt-a100-bf16-smoothing",
+        "encoder-h100-bf16",
+        "encoder-v100-bf16",
+        "adam-tensor-lr-h100",
+        "nadam-v100-fp16",
+        "adamw-capturable-h100",
+    ],
+)
 def test_cuda_target_estimates_and_names_the_kernel(factory, gpu, mode, kernel):
     estimate = estimate_memory(factory(), 4, device="cuda", gpu=gpu, mode=mode)
     assumed = next(note for note in estimate.notes if note.startswith("CUDA kernels assumed"))
@@ -317,6 +393,7 @@ class ManualTwoOptimizers(pl.LightningModule):
 
 def _gan():
     from test_robustness import GAN
+
     return GAN()
 
 
@@ -329,7 +406,12 @@ def test_manual_optimization_is_estimated_as_its_training_step_runs_it(factory):
     if isinstance(configured, (list, tuple)) and configured and isinstance(configured[0], list):
         optimizers = configured[0]
     # both optimizers' state (Adam: two moments per parameter; SGD: one momentum buffer) is counted
-    state = sum(p.numel() * 4 * (2 if isinstance(opt, torch.optim.Adam) else 1) for opt in optimizers for g in opt.param_groups for p in g["params"])
+    state = sum(
+        p.numel() * 4 * (2 if isinstance(opt, torch.optim.Adam) else 1)
+        for opt in optimizers
+        for g in opt.param_groups
+        for p in g["params"]
+    )
     assert state <= estimate.by_category["optimizer_state"] <= state + 4 * 64
     cuda = estimate_memory(module, 4, device="cuda", gpu="h100", mode="bf16")
     assert cuda.cuda.peak_allocated_bytes > cuda.peak_bytes > estimate.parameters_bytes
@@ -337,7 +419,9 @@ def test_manual_optimization_is_estimated_as_its_training_step_runs_it(factory):
 
 def test_manual_optimization_refuses_a_loss_fn_it_would_not_use():
     with pytest.raises(Exception, match="manual optimization.*loss_fn= does not apply"):
-        estimate_memory(ManualTwoOptimizers(), 4, device="cpu", loss_fn=lambda module, batch: module.head(batch[0]).sum())
+        estimate_memory(
+            ManualTwoOptimizers(), 4, device="cpu", loss_fn=lambda module, batch: module.head(batch[0]).sum()
+        )
 
 
 def test_a_checkpoint_budget_measures_a_forward_that_updates_a_metric():
@@ -364,8 +448,15 @@ class HookedGPT(GroupedGPT):
 
 
 def test_the_step_runs_lightnings_hooks_and_the_trainers_gradient_clipping():
-    trainer = pl.Trainer(gradient_clip_val=0.5, gradient_clip_algorithm="value", max_steps=10, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm="value",
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     HookedGPT.clip_requests.clear()
     hooked, plain = HookedGPT(dropout=0.0), GroupedGPT(dropout=0.0)
     estimate = estimate_memory(hooked, 4, device="cpu", trainer=trainer)
@@ -386,7 +477,7 @@ def _cuda_autocast_fp32_cases():
 
     text = (pathlib.Path(torch.__file__).parent / "testing" / "_internal" / "autocast_test_lists.py").read_text()
     namespace = {"torch": torch, "collections": collections, "TEST_WITH_ROCM": False}
-    exec(text[text.index("class AutocastTestLists"):text.index("class AutocastCPUTestLists")], namespace)  # noqa: S102
+    exec(text[text.index("class AutocastTestLists") : text.index("class AutocastCPUTestLists")], namespace)  # noqa: S102
     lists = namespace["AutocastTestLists"](torch.device("cpu"))
     cases = [(torch, entry) for entry in lists.torch_fp32] + [(torch._C._nn, entry) for entry in lists.nn_fp32]
     return cases + [(torch.Tensor, entry) for entry in lists.methods_fp32]
@@ -408,7 +499,9 @@ def test_the_cuda_target_runs_torchs_cuda_autocast_fp32_lists():
             wrong.append(name)
     assert not wrong, f"not fp32 as CUDA autocast makes them: {wrong}"
     with functions, functions.patched(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.einsum("ij,jk->ik", torch.randn(4, 4), torch.randn(4, 4)).dtype == torch.bfloat16  # CUDA: lower precision
+        assert (
+            torch.einsum("ij,jk->ik", torch.randn(4, 4), torch.randn(4, 4)).dtype == torch.bfloat16
+        )  # CUDA: lower precision
         volume = torch.empty(1, 2, 4, 4, 4, dtype=torch.bfloat16, device="meta")  # the CPU kernel has no bf16
         assert F.avg_pool3d(volume, 2).dtype == torch.bfloat16  # CPU autocast would run it in fp32; CUDA's leaves it
     assert torch.Tensor.__dict__.get("exp") is None and F.layer_norm.__module__ == "torch.nn.functional"  # all put back
@@ -480,9 +573,21 @@ class _StepPeak(pl.Callback):
         self.initial = {id(v) for v in _tensor_attributes(pl_module)}  # on the host, as a GPU run would leave them
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        live = list(pl_module.parameters()) + list(pl_module.buffers()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
-        live += [v for v in _tensor_attributes(pl_module) if id(v) not in self.initial]  # a hook's kept tensor, not a dataset
-        live += [v for opt in trainer.optimizers for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        live = (
+            list(pl_module.parameters())
+            + list(pl_module.buffers())
+            + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        )
+        live += [
+            v for v in _tensor_attributes(pl_module) if id(v) not in self.initial
+        ]  # a hook's kept tensor, not a dataset
+        live += [
+            v
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]
         live += [t for t in (batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
         self.accountant = TensorAccountant()
         self.accountant.adopt(live)
@@ -493,14 +598,30 @@ class _StepPeak(pl.Callback):
         self.peaks.append(self.accountant.peak_bytes)
 
 
-@pytest.mark.parametrize("factory, steps, clip", [(_gan, 4, None), (ManualTwoOptimizers, 4, None), (lambda: HookedGPT(dropout=0.0), 2, None),
-                                                  (lambda: HookedGPT(dropout=0.0), 2, 0.5)],
-                         ids=["gan", "closure-toggle-clip-schedule", "hooked-gpt", "hooked-gpt-clipped-by-the-trainer"])
+@pytest.mark.parametrize(
+    "factory, steps, clip",
+    [
+        (_gan, 4, None),
+        (ManualTwoOptimizers, 4, None),
+        (lambda: HookedGPT(dropout=0.0), 2, None),
+        (lambda: HookedGPT(dropout=0.0), 2, 0.5),
+    ],
+    ids=["gan", "closure-toggle-clip-schedule", "hooked-gpt", "hooked-gpt-clipped-by-the-trainer"],
+)
 def test_the_estimate_equals_a_real_lightning_step(tmp_path, factory, steps, clip):
     # two optimizer steps per batch for the manual modules (global_step counts both)
     peaks = _StepPeak()
-    trainer = pl.Trainer(max_steps=steps, default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[peaks], accelerator="cpu", gradient_clip_val=clip)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[peaks],
+        accelerator="cpu",
+        gradient_clip_val=clip,
+    )
     trainer.fit(factory())
     assert len(peaks.peaks) == 2
     unattached = pl.Trainer(max_steps=steps, logger=False, gradient_clip_val=clip)
@@ -514,8 +635,16 @@ def test_max_batch_size_searches_a_manually_optimized_module_with_the_estimate(t
 
     def search(use_estimate):
         finder = MaxBatchSize(budget=400_000, max_val=1024, use_estimate=use_estimate, verbose=False)
-        trainer = pl.Trainer(max_steps=4, default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[finder], accelerator="cpu")
+        trainer = pl.Trainer(
+            max_steps=4,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[finder],
+            accelerator="cpu",
+        )
         trainer.fit(GAN(samples=1024))
         return finder.result
 

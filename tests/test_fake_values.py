@@ -78,7 +78,9 @@ class MetricModule(pl.LightningModule):
         self.losses = torchmetrics.CatMetric()
         self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(16, 16, generator=generator), torch.randint(0, 3, (16,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(16, 16, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        )
 
     def train_dataloader(self):
         return DataLoader(self.data, batch_size=4)
@@ -133,4 +135,7 @@ def test_a_compiled_lightning_module_is_estimated_as_its_eager_program_with_a_no
     assert COMPILED_NOTE in estimate.notes and COMPILED_NOTE not in eager.notes
     from lightning_memkit.estimate import predict_max_batch_size
 
-    assert predict_max_batch_size(compiled, "64MiB", device="cpu").batch_size == predict_max_batch_size(module, "64MiB", device="cpu").batch_size
+    assert (
+        predict_max_batch_size(compiled, "64MiB", device="cpu").batch_size
+        == predict_max_batch_size(module, "64MiB", device="cpu").batch_size
+    )

@@ -36,8 +36,17 @@ FAST = {"warmup_steps": 1, "timed_steps": 2, "timed_seconds": 0.2, "verbose": Fa
 
 
 def _tiny_transformer(batch_size: int = 16) -> DemoTransformer:
-    return DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16, num_classes=4,
-                           dropout=0.0, batch_size=batch_size)
+    return DemoTransformer(
+        vocab_size=64,
+        d_model=32,
+        nhead=2,
+        layers=2,
+        dim_feedforward=64,
+        seq_len=16,
+        num_classes=4,
+        dropout=0.0,
+        batch_size=batch_size,
+    )
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -93,7 +102,9 @@ def test_the_fake_step_counts_each_linear_layers_flops_by_hand():
 def test_accumulation_in_the_fake_step_matches_a_real_step_exactly():
     """Gradient accumulation (zero_grad on the first micro-batch only) in the estimate: the same bytes as the real
     step with accumulation, and more than without it (the second backward adds to live gradients)."""
-    module = LinearStack((64, 256, 256, 8), batch_size=256, samples=256)  # the peak in the backward, not the optimizer step
+    module = LinearStack(
+        (64, 256, 256, 8), batch_size=256, samples=256
+    )  # the peak in the backward, not the optimizer step
     plain = estimate_memory(module, device="cpu").peak_bytes
     with accumulating(2):
         fake = estimate_memory(module, device="cpu").peak_bytes
@@ -115,8 +126,14 @@ def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
     one = model.step_seconds(costs, 1)
     eight = model.step_seconds(costs, 8)
     assert eight > one
-    assert eight - one == pytest.approx(7 * (costs.micro.count / costs.micro_batches * ROOFLINES["h100"].op_overhead_s
-                                             + ROOFLINES["h100"].batch_overhead_s), rel=0.2)
+    assert eight - one == pytest.approx(
+        7
+        * (
+            costs.micro.count / costs.micro_batches * ROOFLINES["h100"].op_overhead_s
+            + ROOFLINES["h100"].batch_overhead_s
+        ),
+        rel=0.2,
+    )
     fitted = model.fit([(costs, 1, 2 * one)])  # one real step: the kernels' scale, the overhead kept
     assert fitted.step_seconds(costs, 1) == pytest.approx(2 * one)
     # two real steps made by a known scale and per-op overhead, with the loop's overheads (measured apart) kept:
@@ -167,11 +184,15 @@ def test_each_micro_batch_measured_gets_its_own_correction():
                 observed.append((costs[size], accumulation, seconds, size, "32-true"))
         fitted = TimeModel(roof, step_s=step_s).fit(observed)
         for costs_, accumulation, seconds, size, precision in observed:
-            assert fitted.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(seconds, rel=1e-9)
+            assert fitted.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(
+                seconds, rel=1e-9
+            )
         costs_, accumulation, seconds = next(o for o in observed if o[3] == 2)[:3]  # 1.8 x the model there
         assert fitted.step_seconds(costs_, accumulation) != pytest.approx(seconds)  # not told the size: no correction
     ratios = {size: fitted.micro_factor(size, "32-true") for size in (1, 2, 4)}
-    assert fitted.micro_factor(3, "32-true") == pytest.approx((ratios[2] ** (1 - math.log2(1.5))) * (ratios[4] ** math.log2(1.5)))
+    assert fitted.micro_factor(3, "32-true") == pytest.approx(
+        (ratios[2] ** (1 - math.log2(1.5))) * (ratios[4] ** math.log2(1.5))
+    )
     assert fitted.micro_factor(16, "32-true") == ratios[4] and TimeModel(roof).micro_factor(2, "32-true") == 1.0
     # a fit without sizes keeps none: the trials' refits in a plan always pass them
     assert TimeModel(roof, step_s=4e-3).fit([o[:3] for o in observed]).micro_factors == {}
@@ -181,7 +202,9 @@ def test_each_micro_batch_measured_gets_its_own_correction():
     fp32 = (costs[2], 1, base.step_seconds(costs[2], 1), 2, "32-true")
     both = base.fit([fp32, bf16])
     for costs_, accumulation, seconds, size, precision in (fp32, bf16):
-        assert both.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(seconds, rel=1e-9)
+        assert both.step_seconds(costs_, accumulation, micro_batch=size, precision=precision) == pytest.approx(
+            seconds, rel=1e-9
+        )
     assert both.micro_factor(2, "bf16-mixed") > 1.5 * both.micro_factor(2, "32-true")
     assert both.micro_factor(2, "16-mixed") == 1.0  # nothing measured in it
     # a step faster than the model's overheads alone (the machine's noise): the floor, not the neighbours' factor
@@ -247,8 +270,10 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
         assert all(n == 1 + planner.RETIMING_ROUNDS for n in timings), [r.note for r in ran]
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
-    assert any(re.search(r"calibrate it \(not trials; [\d.]+ s, 4 rounds\)", note) and "once per step" in note
-               for note in plan.notes)
+    assert any(
+        re.search(r"calibrate it \(not trials; [\d.]+ s, 4 rounds\)", note) and "once per step" in note
+        for note in plan.notes
+    )
     # every phase ran within a budget of an hour, and the plan says what each cost
     names = [phase.name for phase in plan.phases]
     assert names[:3] == ["estimate", "overheads", "calibration"] and names.count("trial") == plan.trials
@@ -262,7 +287,7 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
     small = min(r.candidate.micro_batch for r in plain)
     sizes = sorted({r.candidate.micro_batch for r in plan.rows if r.fits and r.candidate.micro_batch > small})
     assert calibrated[:2] == [Candidate(small, 1), Candidate(small, planner.CALIBRATION_ACCUMULATION)]
-    assert sizes and [c.micro_batch for c in calibrated[2:]] == sizes[-planner.CALIBRATION_SIZES:]
+    assert sizes and [c.micro_batch for c in calibrated[2:]] == sizes[-planner.CALIBRATION_SIZES :]
     # ...and each size it timed has its own correction, said in the notes
     fitted = next(note for note in plan.notes if "correction of its ops (measured / modelled)" in note)
     assert all(f"{c.micro_batch}: " in fitted.split("correction of its ops")[1] for c in calibrated)
@@ -297,7 +322,9 @@ def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkey
 @pytest.mark.timeout(600)
 def test_plan_leaves_no_tensor_behind():
     module = LinearStack((32, 256, 256, 8), batch_size=32, optimizer="adam")
-    budget = (estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    budget = (
+        estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes
+    ) // 2
     plan_fit(module, device_memory=budget, device="cpu", trials=1, **FAST)  # lazily made globals of torch and Lightning
     before = live_tensor_bytes()
     plan = plan_fit(module, device_memory=budget, device="cpu", trials=2, **FAST)
@@ -358,15 +385,42 @@ def _memkit(argv: list[str]) -> tuple[int, str, str]:
 
 
 SPEC = "lightning_memkit.zoo:DemoTransformer"
-ARGS = json.dumps({"vocab_size": 64, "d_model": 32, "nhead": 2, "layers": 2, "dim_feedforward": 64, "seq_len": 16,
-                   "num_classes": 4, "dropout": 0.0, "batch_size": 8})
+ARGS = json.dumps(
+    {
+        "vocab_size": 64,
+        "d_model": 32,
+        "nhead": 2,
+        "layers": 2,
+        "dim_feedforward": 64,
+        "seq_len": 16,
+        "num_classes": 4,
+        "dropout": 0.0,
+        "batch_size": 8,
+    }
+)
 
 
 @pytest.mark.timeout(300)
 def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
     path = tmp_path / "plan.json"
-    code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--device", "cpu", "--device-memory", "256MiB",
-                              "--trials", "1", "--max-seconds", "120", "--json", str(path)])
+    code, out, err = _memkit(
+        [
+            "plan",
+            SPEC,
+            "--init-args",
+            ARGS,
+            "--device",
+            "cpu",
+            "--device-memory",
+            "256MiB",
+            "--trials",
+            "1",
+            "--max-seconds",
+            "120",
+            "--json",
+            str(path),
+        ]
+    )
     assert code == 0, err
     assert "fits in 256.00 MiB as is (batch 8): nothing to change" in out
     assert "memkit plan: time budget 120 s (max_seconds)" in out  # stated at the start, before the trial
@@ -377,16 +431,19 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
     assert data["trainer_arguments"] == {"accumulate_grad_batches": 1, "precision": "32-true"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--trials", "5"], "--trials 5: give 1 to 3"),
-    (["--max-seconds", "0"], "--max-seconds 0: give a positive number of seconds"),
-    (["--device-memory", "-1GiB"], "a memory size is positive"),
-    (["--device-memory", "4"], "has no unit"),
-    (["--batch-size", "0"], "--batch-size 0: give a positive integer"),
-    (["--modes", "micro_batch,offload"], "offload"),
-    (["--world-size", "2"], "one device"),
-    (["--device-memory", "1KiB"], "below the model's parameters alone"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trials", "5"], "--trials 5: give 1 to 3"),
+        (["--max-seconds", "0"], "--max-seconds 0: give a positive number of seconds"),
+        (["--device-memory", "-1GiB"], "a memory size is positive"),
+        (["--device-memory", "4"], "has no unit"),
+        (["--batch-size", "0"], "--batch-size 0: give a positive integer"),
+        (["--modes", "micro_batch,offload"], "offload"),
+        (["--world-size", "2"], "one device"),
+        (["--device-memory", "1KiB"], "below the model's parameters alone"),
+    ],
+)
 def test_memkit_plan_refuses_bad_arguments_with_exit_status_2(argv, message):
     code, out, err = _memkit(["plan", SPEC, "--init-args", ARGS, "--device", "cpu", *argv])
     assert code == 2
@@ -405,14 +462,18 @@ def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"), encoding="utf-8").read()
     rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
     table = {name: tuple(float(v) for v in values) for name, *values in rows}
-    expected = {name: (r.fp32_flops / 1e12, r.low_flops / 1e12, r.bandwidth / 1e9, r.host_link / 1e9, r.memory_bytes / 2**30)
-                for name, r in ROOFLINES.items()}
+    expected = {
+        name: (r.fp32_flops / 1e12, r.low_flops / 1e12, r.bandwidth / 1e9, r.host_link / 1e9, r.memory_bytes / 2**30)
+        for name, r in ROOFLINES.items()
+    }
     assert table.keys() == expected.keys()
     for name, values in table.items():
         assert values == pytest.approx(expected[name]), name
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here the plan runs real trials (tested in the GPU lane)")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="with a GPU here the plan runs real trials (tested in the GPU lane)"
+)
 def test_a_gpu_plan_without_a_gpu_is_the_prediction_only():
     module = _tiny_transformer(batch_size=8)
     need = estimate_memory(module, device="cuda", gpu="h100").required_bytes
@@ -448,8 +509,9 @@ def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again()
 @pytest.mark.timeout(600)
 def test_plan_on_a_gpu_fits_a_budget_the_baseline_does_not():
     """The GPU lane: the same plan on a CUDA device, trials timed with CUDA events, peaks from the allocator."""
-    module = DemoTransformer(vocab_size=1000, d_model=256, nhead=4, layers=4, dim_feedforward=1024, seq_len=256,
-                             dropout=0.0, batch_size=64)
+    module = DemoTransformer(
+        vocab_size=1000, d_model=256, nhead=4, layers=4, dim_feedforward=1024, seq_len=256, dropout=0.0, batch_size=64
+    )
     need = estimate_memory(module, device="cuda").required_bytes
     small = estimate_memory(module, 8, device="cuda").required_bytes
     budget = (need + small) // 2
@@ -479,16 +541,27 @@ def test_training_with_the_plan_follows_the_unplanned_run():
         pl.seed_everything(0, verbose=False)
         model = _tiny_transformer(batch_size=batch_size)
         losses = Losses()
-        trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, callbacks=[losses])
+        trainer = pl.Trainer(
+            max_steps=3,
+            accumulate_grad_batches=accumulate,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[losses],
+        )
         trainer.fit(model)
-        # Lightning hands on_train_batch_end each micro-batch's loss divided by the accumulation (what it backpropagates)
-        per_step = [sum(losses.values[i:i + accumulate]) for i in range(0, len(losses.values), accumulate)]
+        # Lightning hands on_train_batch_end each micro-batch's loss divided by the accumulation (what it
+        # backpropagates)
+        per_step = [sum(losses.values[i : i + accumulate]) for i in range(0, len(losses.values), accumulate)]
         return per_step, _state(model)
 
     module = _tiny_transformer(batch_size=8)
-    budget = (estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    budget = (
+        estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes
+    ) // 2
     plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch", trials=1, **FAST)
     assert plan.best == Candidate(4, 2)  # the only micro-batch of 8 between the two estimates, without checkpointing
     planned, planned_state = train(plan.best.micro_batch, plan.trainer_arguments()["accumulate_grad_batches"])
@@ -538,9 +611,9 @@ def test_the_fake_step_counts_checkpointed_calls_and_the_ops_inside_them():
     from lightning_memkit.modes.mode import Mode
 
     module = LinearStack((32, 64, 48, 16), batch_size=8)
-    for micro_batches in (1, 2):
+    for accumulation in (1, 2):
         plain, checkpointed = OpCosts(), OpCosts()
-        with accumulating(micro_batches):
+        with accumulating(accumulation):
             with observing_ops(plain):
                 estimate_memory(module, device="cpu")
             with observing_ops(checkpointed):
@@ -635,8 +708,9 @@ def test_the_rounds_time_each_trial_retiming_rounds_times_and_no_more(monkeypatc
     # and a no stops the rounds there (the rows are priced from the rounds that ran)
     asked = []
     ran, calls = _rounds_of(monkeypatch, {8: [0.010, 0.010], 4: [0.020, 0.020], 2: [0.030, 0.030]})
-    timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None,
-                                          keep_going=lambda seconds: asked.append(seconds) is not None)
+    timings = planner._interleaved_rounds(
+        None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None, keep_going=lambda seconds: asked.append(seconds) is not None
+    )
     assert len(asked) == 1 and calls.count(8) == planner.MIN_ROUNDS == len(timings[id(ran[0])]) - 1
     assert "the median of their 2 per-round ratios" in ran[1].note
 
@@ -675,9 +749,13 @@ def test_three_trials_within_the_measured_noise_are_a_tie_settled_by_the_lowest_
     half = Candidate(4, 4, checkpoint=CheckpointBudget(0.5))
     small = Candidate(2, 8)
     rounds = {auto: [49.8, 31.8, 42.8], small: [47.0, 54.1, 41.1], half: [38.6, 44.1, 42.1]}
-    ran, counts = _scripted_trials(monkeypatch, rounds,
-                                   {auto: 38.0, small: 40.0, half: 47.0}, ((half, 53.9), (small, 57.6), (auto, 34.1)),
-                                   peaks={auto: 2_700_000, half: 2_750_000, small: 2_790_000})
+    ran, counts = _scripted_trials(
+        monkeypatch,
+        rounds,
+        {auto: 38.0, small: 40.0, half: 47.0},
+        ((half, 53.9), (small, 57.6), (auto, 34.1)),
+        peaks={auto: 2_700_000, half: 2_750_000, small: 2_790_000},
+    )
     timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert set(counts.values()) == {planner.RETIMING_ROUNDS}  # no round after the three
     fastest, compared = planner._ties(ran, timings)
@@ -689,9 +767,13 @@ def test_three_trials_within_the_measured_noise_are_a_tie_settled_by_the_lowest_
     assert best.candidate == auto and "a tie within the measured noise" in note and "the lower peak settles it" in note
     assert said == [f"memkit plan: {note}"] and "chosen: a tie with the fastest, and the lower peak" in best.note
     # the same three with the peaks the other way round: the tie goes to 2 x 8, the fastest and now the lowest peak
-    ran, counts = _scripted_trials(monkeypatch, rounds,
-                                   {auto: 38.0, small: 40.0, half: 47.0}, ((half, 53.9), (small, 57.6), (auto, 34.1)),
-                                   peaks={auto: 2_790_000, half: 2_750_000, small: 2_700_000})
+    ran, counts = _scripted_trials(
+        monkeypatch,
+        rounds,
+        {auto: 38.0, small: 40.0, half: 47.0},
+        ((half, 53.9), (small, 57.6), (auto, 34.1)),
+        peaks={auto: 2_790_000, half: 2_750_000, small: 2_700_000},
+    )
     timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert planner._settle(ran, timings, lambda *a: None)[0].candidate == small
 
@@ -701,6 +783,7 @@ def test_rounds_that_disagree_are_a_tie_even_when_their_median_parts(monkeypatch
     (+-14% at 2 standard errors), and 11% is within it: a tie. Rounds that agree (1.11 three times) measure no noise:
     11% is a difference. A fourth round at 30% settles the first pair too (the median 1.19, past the noise of four
     rounds); without rounds, the spread of the trials' own timed steps is the noise."""
+
     def pair(rounds_of_4, rounds=3):
         plan = {8: [0.010] * (rounds + 1), 4: [0.0111] + rounds_of_4}
         ran, _ = _rounds_of(monkeypatch, plan)
@@ -741,6 +824,7 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
     """On CPU, once micro 8 ran twice as slow as the model said, micro 8 checkpointed (not run) is predicted twice as
     slow too, and micro 8 itself at its measurement; micro 4 (nothing measured there) keeps the model's prediction,
     and without measured errors (CUDA) every row keeps the model's."""
+
     class Model:  # seconds per step by the row's costs (here: a name)
         asked = []
 
@@ -749,9 +833,11 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
             return {"plain 8": 0.010, "checkpointed 8": 0.012, "plain 4": 0.015}[costs]
 
     def rows():
-        made = [planner.PlanRow(Candidate(8, 1), 1, None, None, True, costs="plain 8"),
-                planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 1, None, None, True, costs="checkpointed 8"),
-                planner.PlanRow(Candidate(4, 2), 1, None, None, True, costs="plain 4")]
+        made = [
+            planner.PlanRow(Candidate(8, 1), 1, None, None, True, costs="plain 8"),
+            planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 1, None, None, True, costs="checkpointed 8"),
+            planner.PlanRow(Candidate(4, 2), 1, None, None, True, costs="plain 4"),
+        ]
         made[0].measured_samples_per_s = 8 / 0.020
         return made
 
@@ -790,7 +876,9 @@ def test_no_trial_for_a_checkpointed_micro_batch_that_already_fit_plain():
 
     budget8 = planner.PlanRow(Candidate(8, 1, checkpoint=CheckpointBudget(0.5)), 60, None, None, True)
     ckpt8.measured_samples_per_s, ckpt8.note = 700.0, "ran: median step 11 ms"
-    assert "the same step as micro 8 x 1, 32-true, checkpoint auto" in planner._needless_trial(budget8, [plain8, ckpt8, budget8])
+    assert "the same step as micro 8 x 1, 32-true, checkpoint auto" in planner._needless_trial(
+        budget8, [plain8, ckpt8, budget8]
+    )
 
 
 def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(monkeypatch):
@@ -837,7 +925,8 @@ def test_a_measured_once_per_step_part_replaces_the_optimizers_ops():
         kernels, ops = measured._terms(costs, accumulation)
         assert ops == accumulation * micro_ops
         assert measured.step_seconds(costs, accumulation) == pytest.approx(
-            kernels + ops * roof.op_overhead_s + accumulation * 7e-4 + 5e-3)
+            kernels + ops * roof.op_overhead_s + accumulation * 7e-4 + 5e-3
+        )
         assert from_ops._terms(costs, accumulation)[1] == accumulation * micro_ops + costs.optimizer.count
     small = OpCosts()  # a micro-batch of 1: another ratio of kernels to ops
     with accumulating(2), observing_ops(small):
@@ -878,8 +967,9 @@ def test_a_tie_is_settled_by_the_lower_peak_with_no_more_rounds(monkeypatch):
     truth = {a: 40.0, b: 30.0, c: 31.0}
     for lowest in (a, b, c):
         peaks = {each: 1000 if each == lowest else 2000 for each in (a, b, c)}
-        ran, counts = _scripted_trials(monkeypatch, {k: list(v) for k, v in rounds.items()}, truth,
-                                       ((a, 30.0), (b, 31.0), (c, 32.0)), peaks=peaks)
+        ran, counts = _scripted_trials(
+            monkeypatch, {k: list(v) for k, v in rounds.items()}, truth, ((a, 30.0), (b, 31.0), (c, 32.0)), peaks=peaks
+        )
         timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
         assert set(counts.values()) == {planner.RETIMING_ROUNDS}
         best, note = planner._settle(ran, timings, lambda *a: None)
@@ -917,20 +1007,36 @@ def test_the_calibration_is_needless_where_no_plausible_time_model_changes_the_t
     calibration can change which runs; with two, both plausible winners run. As many candidates as trials: every one
     runs, needless. Without a calibration, the trials run the plausible winners first."""
     module = _tiny_transformer(batch_size=8)
-    small, smaller, checkpointed = (_estimated_row(module, c) for c in (Candidate(4, 2), Candidate(2, 4),
-                                                                        Candidate(8, 1, checkpoint="auto")))
-    roof = dataclasses.replace(ROOFLINES["h100"], fp32_flops=1e11, low_flops=1e11, bandwidth=2e10, op_overhead_s=3e-6,
-                               batch_overhead_s=7e-4, step_overhead_s=3e-4, checkpoint_call_s=3e-4,
-                               checkpoint_op_s=5e-5)
+    small, smaller, checkpointed = (
+        _estimated_row(module, c) for c in (Candidate(4, 2), Candidate(2, 4), Candidate(8, 1, checkpoint="auto"))
+    )
+    roof = dataclasses.replace(
+        ROOFLINES["h100"],
+        fp32_flops=1e11,
+        low_flops=1e11,
+        bandwidth=2e10,
+        op_overhead_s=3e-6,
+        batch_overhead_s=7e-4,
+        step_overhead_s=3e-4,
+        checkpoint_call_s=3e-4,
+        checkpoint_op_s=5e-5,
+    )
     model = TimeModel(roof)
-    steps = {(scale, factor): [dataclasses.replace(model, scale=scale, roofline=dataclasses.replace(
-        roof, op_overhead_s=3e-6 * factor)).step_seconds(r.costs, r.candidate.accumulation)
-        for r in (small, smaller, checkpointed)]
-        for scale in planner.PLAUSIBLE_SCALES for factor in planner.PLAUSIBLE_OP_OVERHEADS}
+    steps = {
+        (scale, factor): [
+            dataclasses.replace(
+                model, scale=scale, roofline=dataclasses.replace(roof, op_overhead_s=3e-6 * factor)
+            ).step_seconds(r.costs, r.candidate.accumulation)
+            for r in (small, smaller, checkpointed)
+        ]
+        for scale in planner.PLAUSIBLE_SCALES
+        for factor in planner.PLAUSIBLE_OP_OVERHEADS
+    }
     assert all(s[1] > s[0] for s in steps.values())  # 2 x 4 never leads 4 x 2
     assert {s[0] < s[2] for s in steps.values()} == {True, False}  # 4 x 2 and 8 x 1 checkpointed change places
-    assert "1 is the fastest under some plausible time model" in planner._calibration_needless([small, smaller], 1,
-                                                                                              model)
+    assert "1 is the fastest under some plausible time model" in planner._calibration_needless(
+        [small, smaller], 1, model
+    )
     assert planner._calibration_needless([small, smaller, checkpointed], 1, model) is None
     needless = planner._calibration_needless([small, smaller, checkpointed], 2, model)
     assert "of the 3 candidates that could be chosen, 2 are the fastest under some plausible time model" in needless
@@ -949,18 +1055,22 @@ def test_a_plan_whose_candidates_its_trials_decide_runs_no_calibration(monkeypat
     smaller sizes are not estimated), no more than the trials: the calibration cannot change the choice and is left
     out, said in the plan's phases and notes; the trials run and choose."""
     module = _tiny_transformer(batch_size=8)
-    budget = (estimate_memory(module, device="cpu").peak_bytes
-              + estimate_memory(module, 4, device="cpu").peak_bytes) // 2
+    budget = (
+        estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 4, device="cpu").peak_bytes
+    ) // 2
 
     def refuse(*args, **kwargs):
         raise AssertionError("the calibration ran")
 
     monkeypatch.setattr(planner, "_calibration_steps", refuse)
     plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch", max_seconds=3600, **FAST)
-    assert [r.candidate for r in plan.rows if r.fits] == [Candidate(4, 2), Candidate(2, 4)] or \
-        {r.candidate for r in plan.rows if r.fits} == {Candidate(4, 2), Candidate(2, 4)}
-    assert "2 candidates predicted to fit could be chosen and up to 3 trials run them all: the trials decide" \
+    assert [r.candidate for r in plan.rows if r.fits] == [Candidate(4, 2), Candidate(2, 4)] or {
+        r.candidate for r in plan.rows if r.fits
+    } == {Candidate(4, 2), Candidate(2, 4)}
+    assert (
+        "2 candidates predicted to fit could be chosen and up to 3 trials run them all: the trials decide"
         == plan.skipped["calibration"]
+    )
     assert any(note.startswith("calibration left out: 2 candidates") for note in plan.notes)
     assert plan.trials == 2 and plan.best_row.ran and list(plan.skipped) == ["calibration"]
     assert not any("calibrate it" in note for note in plan.notes)
@@ -974,13 +1084,16 @@ def test_the_time_budget_is_stated_at_the_start_and_kept(capsys):
     says so in its phases, its notes and its last line. The budget's respect is read from what the plan reports it
     did, never from a clock."""
     module = _tiny_transformer(batch_size=8)
-    budget = (estimate_memory(module, device="cpu").peak_bytes
-              + estimate_memory(module, 2, device="cpu").peak_bytes) // 2
+    budget = (
+        estimate_memory(module, device="cpu").peak_bytes + estimate_memory(module, 2, device="cpu").peak_bytes
+    ) // 2
     plan = plan_fit(module, device_memory=budget, device="cpu", max_seconds=0.001, **{**FAST, "verbose": True})
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("memkit plan:")]
-    assert lines[1] == ("memkit plan: time budget 0.001 s (max_seconds): the estimate and one trial always run; the "
-                        "other phases only where their predicted cost fits what is left")
+    assert lines[1] == (
+        "memkit plan: time budget 0.001 s (max_seconds): the estimate and one trial always run; the "
+        "other phases only where their predicted cost fits what is left"
+    )
     assert lines[0].startswith("memkit plan: baseline") and lines[2].startswith("memkit plan: estimate: ")
     assert plan.max_seconds == 0.001 and plan.trials == 1
     row = plan.best_row

@@ -50,7 +50,8 @@ def test_a_cuda_budget_counts_the_model_once_and_the_context_once():
         trial_reserved = model + more  # one model: the original waits in host memory (cuda_trial.off_device)
         assert (cuda_trial.over_budget(trial_reserved, budget) is None) is fits, more
     assert cuda_trial.over_budget(14 * GiB, budget) == (
-        "over the budget: 14.00 GiB reserved + 512.00 MiB CUDA context > 13.50 GiB")
+        "over the budget: 14.00 GiB reserved + 512.00 MiB CUDA context > 13.50 GiB"
+    )
     # a per-process fraction set by the user caps what the allocator can reach; the context is still on top
     assert cuda_trial.device_budget_bytes(free, model, total, fraction=0.1) == 8 * GiB + CUDA_CONTEXT_BYTES
     assert cuda_trial.device_budget_bytes(free, model, total, fraction=1.0) == budget
@@ -78,13 +79,24 @@ def test_a_module_on_the_cpu_is_not_moved_for_a_trial():
 def _offloading_plan(checkpoint: bool) -> planner.Plan:
     """A CUDA plan's prediction (no GPU here: nothing runs), its best set to its fastest offload row, as a GPU's
     trials would leave it when that row won."""
-    module = DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=2, dim_feedforward=64, seq_len=16,
-                             num_classes=4, dropout=0.0, batch_size=2)
+    module = DemoTransformer(
+        vocab_size=64,
+        d_model=32,
+        nhead=2,
+        layers=2,
+        dim_feedforward=64,
+        seq_len=16,
+        num_classes=4,
+        dropout=0.0,
+        batch_size=2,
+    )
     modes = "micro_batch,checkpoint,offload" if checkpoint else "micro_batch,offload"
     plan = planner.plan_fit(module, gpu="h100", device_memory="80GiB", modes=modes, verbose=False)
     assert plan.device == "cuda" and plan.trials == 0
-    row = max((r for r in plan.rows if r.candidate.offload and (r.candidate.checkpoint is not None) == checkpoint),
-              key=lambda r: r.predicted_samples_per_s)
+    row = max(
+        (r for r in plan.rows if r.candidate.offload and (r.candidate.checkpoint is not None) == checkpoint),
+        key=lambda r: r.predicted_samples_per_s,
+    )
     return dataclasses.replace(plan, best=row.candidate)
 
 
@@ -109,15 +121,19 @@ def test_a_plan_whose_best_offloads_carries_activation_offload(tmp_path):
         with redirect_stdout(out):
             print_best(plan)
         printed = out.getvalue()
-        listed = ((f"ActivationCheckpointing(policy={best.checkpoint_text!r}), " if checkpoint else "")
-                  + "ActivationOffload()")
+        listed = (
+            f"ActivationCheckpointing(policy={best.checkpoint_text!r}), " if checkpoint else ""
+        ) + "ActivationOffload()"
         assert f"callbacks=[{listed}])" in printed and printed.endswith(text)
         # LightningCLI reads it: the callbacks are instantiated, the micro-batch is the module's batch_size
         config = tmp_path / f"plan_{checkpoint}.yaml"
         config.write_text(text)
-        cli = LightningCLI(DemoTransformer, args=[f"--config={config}", "--trainer.logger=false",
-                                                   f"--trainer.default_root_dir={tmp_path}"],
-                           run=False, save_config_callback=None)
+        cli = LightningCLI(
+            DemoTransformer,
+            args=[f"--config={config}", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"],
+            run=False,
+            save_config_callback=None,
+        )
         ours = [type(c) for c in cli.trainer.callbacks if type(c) in (ActivationCheckpointing, ActivationOffload)]
         assert ours == kinds
         assert cli.model.batch_size == best.micro_batch
@@ -130,8 +146,9 @@ def test_a_cuda_plan_keeps_its_device_index():
     if not torch.cuda.is_available():  # a CUDA plan here is a prediction: no device to enter
         assert isinstance(planner._plan_device("cuda:1"), contextlib.nullcontext)
         module = LinearStack((32, 64, 16), batch_size=8)
-        plan = planner.plan_fit(module, device="cuda:1", gpu="h100", device_memory="1GiB", modes="micro_batch",
-                                verbose=False)
+        plan = planner.plan_fit(
+            module, device="cuda:1", gpu="h100", device_memory="1GiB", modes="micro_batch", verbose=False
+        )
         assert plan.device == "cuda" and plan.trials == 0
 
 
@@ -165,14 +182,21 @@ class _Same:
 @pytest.mark.timeout(300)
 def test_fp16_steps_the_grad_scaler_skipped_are_run_beyond_and_not_timed():
     wanted, accumulation = 3, 2
-    for init_scale, skips in ((2.0 ** 24, True), (2.0 ** 4, False)):
+    for init_scale, skips in ((2.0**24, True), (2.0**4, False)):
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         gate = RealSteps(wanted)
         module = _Overflowing()
-        trainer = pl.Trainer(accelerator="cpu", max_steps=wanted + MAX_SKIPPED_STEPS,
-                             accumulate_grad_batches=accumulation, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-                             callbacks=[gate], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=wanted + MAX_SKIPPED_STEPS,
+            accumulate_grad_batches=accumulation,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+            callbacks=[gate],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, train_dataloaders=_Same(accumulation * (wanted + MAX_SKIPPED_STEPS)))
         assert gate.real == wanted and len(gate.skipped) == trainer.global_step, gate.skipped
         assert any(gate.skipped) is skips and not gate.skipped[-1]  # it stopped at a real step
@@ -201,7 +225,8 @@ def test_an_offload_trial_the_host_cannot_pin_is_refused():
     assert cuda_trial.host_refusal(3 * GiB, 4 * GiB) == (
         "not run: offload pins about 3.00 GiB of host memory (the caching host allocator rounds each block up to a "
         "power of two: up to twice that), more than 50% of the 4.00 GiB the host has available; free host memory "
-        "or leave offload out")
+        "or leave offload out"
+    )
 
 
 def test_the_host_cache_release_is_torchs_own():

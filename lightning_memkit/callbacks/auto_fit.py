@@ -24,8 +24,10 @@ __all__ = ["AutoFit"]
 #: the accepted forms of AutoFit's arguments (also in docs/arguments.md)
 DEVICE_MEMORY_ACCEPTED = "a positive number of bytes (int) or a size with a unit ('4GiB'), or None"
 GPU_ACCEPTED = "a GPU name or generation ('h100', 'a100', 'sm90'), or None"
-MODES_ACCEPTED = ("a comma-separated str or a list of: baseline, micro_batch, checkpoint, bf16, fp16, amp, offload "
-                  "(e.g. 'micro_batch,checkpoint'), or None")
+MODES_ACCEPTED = (
+    "a comma-separated str or a list of: baseline, micro_batch, checkpoint, bf16, fp16, amp, offload "
+    "(e.g. 'micro_batch,checkpoint'), or None"
+)
 TRIALS_ACCEPTED = "an integer from 1 to 3 (real trials at most)"
 MAX_SECONDS_ACCEPTED = "a positive number of seconds, or None"
 
@@ -71,16 +73,24 @@ class AutoFit(Callback):
             resumed from one (``ckpt_path=``) applies the same without planning again.
     """
 
-    def __init__(self, device_memory: int | str | None = None, gpu: str | None = None,
-                 modes: str | Sequence[str] | None = None, trials: int = 3, verbose: bool = True,
-                 max_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        device_memory: int | str | None = None,
+        gpu: str | None = None,
+        modes: str | Sequence[str] | None = None,
+        trials: int = 3,
+        verbose: bool = True,
+        max_seconds: float | None = None,
+    ) -> None:
         owner = "AutoFit"
         if isinstance(device_memory, bool) or not (device_memory is None or isinstance(device_memory, (int, str))):
             raise checks.refuse(owner, "device_memory", device_memory, DEVICE_MEMORY_ACCEPTED)
         try:
             budget = None if device_memory is None else parse_bytes(device_memory)
         except ValueError as error:
-            raise MisconfigurationException(f"{owner}(device_memory={device_memory!r}): {error}; give {DEVICE_MEMORY_ACCEPTED}") from None
+            raise MisconfigurationException(
+                f"{owner}(device_memory={device_memory!r}): {error}; give {DEVICE_MEMORY_ACCEPTED}"
+            ) from None
         if budget is not None and budget <= 0:
             raise checks.refuse(owner, "device_memory", device_memory, DEVICE_MEMORY_ACCEPTED)
         if gpu is not None:
@@ -92,7 +102,9 @@ class AutoFit(Callback):
             except (ValueError, KeyError) as error:
                 raise MisconfigurationException(f"{owner}(gpu={gpu!r}): {error}; give {GPU_ACCEPTED}") from None
         if modes is not None:
-            if not isinstance(modes, (str, list, tuple)) or not all(isinstance(m, str) for m in ([modes] if isinstance(modes, str) else modes)):
+            if not isinstance(modes, (str, list, tuple)) or not all(
+                isinstance(m, str) for m in ([modes] if isinstance(modes, str) else modes)
+            ):
                 raise checks.refuse(owner, "modes", modes, MODES_ACCEPTED)
             from lightning_memkit.plan.space import parse_plan_modes
 
@@ -124,12 +136,15 @@ class AutoFit(Callback):
 
         if not compat.fit_data_from_module(trainer):
             raise MisconfigurationException(
-                "AutoFit sets the micro-batch where batch_size lives, so it cannot resize dataloaders passed straight to "
-                "trainer.fit(...): build them in the LightningModule's or a LightningDataModule's train_dataloader() with self.batch_size")
+                "AutoFit sets the micro-batch where batch_size lives, so it cannot resize dataloaders passed straight "
+                "to trainer.fit(...): build them in the LightningModule's or a LightningDataModule's "
+                "train_dataloader() with self.batch_size"
+            )
         if not lightning_hasattr(pl_module, "batch_size"):
             raise MisconfigurationException(
-                f"AutoFit: no 'batch_size' on {type(pl_module).__name__}, its hparams or the datamodule: add self.batch_size = <int> "
-                "and build train_dataloader() with it, so the plan's micro-batch can be set")
+                f"AutoFit: no 'batch_size' on {type(pl_module).__name__}, its hparams or the datamodule: add "
+                "self.batch_size = <int> and build train_dataloader() with it, so the plan's micro-batch can be set"
+            )
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -137,14 +152,19 @@ class AutoFit(Callback):
         # dataloaders (the micro-batch) and the accumulation are read only after it, when the fit loop starts.
         if trainer.ckpt_path is not None and self.applied is not None:
             if self.verbose and trainer.is_global_zero:
-                print(f"memkit AutoFit: resumed from {trainer.ckpt_path}: applying the checkpointed run's plan "
-                      f"({_describe(self.applied)}), no planning", flush=True)
+                print(
+                    f"memkit AutoFit: resumed from {trainer.ckpt_path}: applying the checkpointed run's plan "
+                    f"({_describe(self.applied)}), no planning",
+                    flush=True,
+                )
             self._apply(trainer, pl_module, self.applied)
             return
         if trainer.fast_dev_run:
             # as MaxBatchSize and Lightning's BatchSizeFinder: a smoke test of a few batches runs no trial
-            rank_zero_warn("AutoFit: no planning under fast_dev_run (a smoke test of a few batches); training uses the batch "
-                           "size and accumulation as set. Run without fast_dev_run to plan.")
+            rank_zero_warn(
+                "AutoFit: no planning under fast_dev_run (a smoke test of a few batches); training uses the batch "
+                "size and accumulation as set. Run without fast_dev_run to plan."
+            )
             return
         from lightning_memkit.plan.planner import PlanError, plan_fit
 
@@ -154,10 +174,19 @@ class AutoFit(Callback):
         effective = size * int(trainer.accumulate_grad_batches)
         try:
             with preserved_rng():  # the plan's trials and timings must not change the fit's random stream
-                self.plan = plan_fit(pl_module, batch_size=effective, device_memory=self.device_memory, gpu=self.gpu,
-                                     device=trainer.strategy.root_device, modes=self.modes, datamodule=trainer.datamodule,
-                                     trials=self.trials, world_size=trainer.world_size,
-                                     verbose=self.verbose and trainer.is_global_zero, max_seconds=self.max_seconds)
+                self.plan = plan_fit(
+                    pl_module,
+                    batch_size=effective,
+                    device_memory=self.device_memory,
+                    gpu=self.gpu,
+                    device=trainer.strategy.root_device,
+                    modes=self.modes,
+                    datamodule=trainer.datamodule,
+                    trials=self.trials,
+                    world_size=trainer.world_size,
+                    verbose=self.verbose and trainer.is_global_zero,
+                    max_seconds=self.max_seconds,
+                )
         except PlanError as error:
             raise MisconfigurationException(f"AutoFit: {error}") from None
         plan = self.plan
@@ -166,22 +195,38 @@ class AutoFit(Callback):
         if plan.proved_micro_batch is not None and (plan.fits_as_is or self._choose_quietly(trainer, plan)):
             self._guard = BatchGuard(plan.proved_micro_batch)  # a larger training batch than the trial's is reported
         if plan.fits_as_is:
-            self.applied = {"micro_batch": size, "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
-                            "checkpoint": None, "offload": False, "precision": str(trainer.precision)}
-            self._say(trainer, f"memkit AutoFit: batch {effective} fits in {format_bytes(plan.budget_bytes)} as is; nothing changed")
+            self.applied = {
+                "micro_batch": size,
+                "accumulate_grad_batches": int(trainer.accumulate_grad_batches),
+                "checkpoint": None,
+                "offload": False,
+                "precision": str(trainer.precision),
+            }
+            self._say(
+                trainer,
+                f"memkit AutoFit: batch {effective} fits in {format_bytes(plan.budget_bytes)} as is; nothing changed",
+            )
             return
         chosen = self._choose(trainer, plan)
         if chosen is None:
             raise MisconfigurationException(
-                f"AutoFit: no configuration of batch {effective} fit in {format_bytes(plan.budget_bytes)} in a real trial "
-                "(see the table above): give more memory (device_memory=), allow more modes (modes='micro_batch,checkpoint,bf16'), "
-                "or train a smaller batch")
-        self.applied = {"micro_batch": chosen.micro_batch, "accumulate_grad_batches": chosen.accumulation,
-                        "checkpoint": _policy_text(chosen.checkpoint), "offload": bool(chosen.offload),
-                        "precision": chosen.precision}
+                f"AutoFit: no configuration of batch {effective} fit in {format_bytes(plan.budget_bytes)} in a real "
+                "trial (see the table above): give more memory (device_memory=), allow more modes "
+                "(modes='micro_batch,checkpoint,bf16'), or train a smaller batch"
+            )
+        self.applied = {
+            "micro_batch": chosen.micro_batch,
+            "accumulate_grad_batches": chosen.accumulation,
+            "checkpoint": _policy_text(chosen.checkpoint),
+            "offload": bool(chosen.offload),
+            "precision": chosen.precision,
+        }
         self._apply(trainer, pl_module, self.applied)
-        self._say(trainer, f"memkit AutoFit: training {_describe(self.applied)} (effective batch {effective}, "
-                           f"budget {format_bytes(plan.budget_bytes)})")
+        self._say(
+            trainer,
+            f"memkit AutoFit: training {_describe(self.applied)} (effective batch {effective}, "
+            f"budget {format_bytes(plan.budget_bytes)})",
+        )
 
     def _choose(self, trainer: Trainer, plan: Any) -> Any:
         """``plan.best``, or, when it changes precision, the fastest that ran at the Trainer's precision (the argument
@@ -191,13 +236,21 @@ class AutoFit(Callback):
         if best is None or best.precision == precision:
             return best
         arguments = plan.trainer_arguments()
-        self._say(trainer, f"memkit AutoFit: the fastest plan trains in {best.precision}, which a callback cannot set: add "
-                           f"Trainer(precision={best.precision!r}) (the plan's Trainer arguments: {arguments}); this fit uses "
-                           f"the fastest plan that ran at {precision}")
-        ran = [row for row in plan.rows if row.measured_samples_per_s is not None and row.candidate.precision == precision]
+        self._say(
+            trainer,
+            f"memkit AutoFit: the fastest plan trains in {best.precision}, which a callback cannot set: add "
+            f"Trainer(precision={best.precision!r}) (the plan's Trainer arguments: {arguments}); this fit uses "
+            f"the fastest plan that ran at {precision}",
+        )
+        ran = [
+            row for row in plan.rows if row.measured_samples_per_s is not None and row.candidate.precision == precision
+        ]
         if not ran:
-            rank_zero_warn(f"AutoFit: no plan at the Trainer's precision {precision} ran; training with the plan's micro-batch, "
-                           f"accumulation and checkpointing at {precision}, which may not fit: add Trainer(precision={best.precision!r})")
+            rank_zero_warn(
+                f"AutoFit: no plan at the Trainer's precision {precision} ran; training with the plan's micro-batch, "
+                f"accumulation and checkpointing at {precision}, which may not fit: add "
+                f"Trainer(precision={best.precision!r})"
+            )
             import dataclasses
 
             return dataclasses.replace(best, precision=precision)
@@ -234,8 +287,11 @@ class AutoFit(Callback):
             callback.setup(trainer, pl_module, "fit")
         self._added = added
         if applied.get("precision") not in (None, str(trainer.precision)):
-            self._say(trainer, f"memkit AutoFit: the plan was made for precision {applied['precision']!r}; this Trainer runs "
-                               f"{str(trainer.precision)!r}: add Trainer(precision={applied['precision']!r})")
+            self._say(
+                trainer,
+                f"memkit AutoFit: the plan was made for precision {applied['precision']!r}; this Trainer runs "
+                f"{str(trainer.precision)!r}: add Trainer(precision={applied['precision']!r})",
+            )
 
     def _say(self, trainer: Trainer, text: str) -> None:
         if self.verbose and trainer.is_global_zero:
@@ -273,8 +329,10 @@ def _policy_text(policy: Any) -> Any:
         return "budget=" + (repr(policy.fraction) if policy.fraction is not None else f"{policy.bytes}B")
     if isinstance(policy, frozenset):
         return sorted(f"{c.__module__}.{c.__qualname__}" for c in policy)
-    raise MisconfigurationException(f"AutoFit: cannot keep the checkpoint policy {policy!r} in a checkpoint; the plan's "
-                                    "policies are 'auto', a budget or module classes")
+    raise MisconfigurationException(
+        f"AutoFit: cannot keep the checkpoint policy {policy!r} in a checkpoint; the plan's "
+        "policies are 'auto', a budget or module classes"
+    )
 
 
 def _describe(applied: dict[str, Any]) -> str:

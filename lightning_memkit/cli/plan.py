@@ -20,31 +20,62 @@ __all__ = ["add_parser", "print_best", "run"]
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "plan", help="my batch does not fit: the fastest way to train it anyway (micro-batch, checkpointing, precision, offload)",
-        description="Estimate every way to train the module's effective batch that the allowed modes give (fake tensors, "
-                    "one step each: memory and predicted time), rank those that fit by predicted samples/s, run the top "
-                    "ones as real trials (at most 3, on a copy of the module) and print the fastest that fit, with its "
-                    "Trainer arguments and a LightningCLI YAML snippet. A module that fits as is is left as it is.")
+        "plan",
+        help=(
+            "my batch does not fit: the fastest way to train it anyway (micro-batch, checkpointing, precision, offload)"
+        ),
+        description="Estimate every way to train the module's effective batch that the allowed modes give "
+        "(fake tensors, "
+        "one step each: memory and predicted time), rank those that fit by predicted samples/s, run the top "
+        "ones as real trials (at most 3, on a copy of the module) and print the fastest that fit, with its "
+        "Trainer arguments and a LightningCLI YAML snippet. A module that fits as is is left as it is.",
+    )
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=True)
-    parser.add_argument("--device-memory", default=None,
-                        help="the memory budget, e.g. 4GiB (default: --gpu's memory, this GPU's, or on CPU half the host memory available)")
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        help=(
+            "the memory budget, e.g. 4GiB "
+            "(default: --gpu's memory, this GPU's, or on CPU half the host memory available)"
+        ),
+    )
     if hasattr(parser, "_negative_number_matcher"):  # '-4GiB' reaches the option and gets its own message
         parser._negative_number_matcher = re.compile(r"^-\.?\d")
-    parser.add_argument("--gpu", default=None, metavar="GPU",
-                        help="plan for this GPU: h100, a100, l4, sm90, ... (its kernels, roofline and memory); implies --device cuda")
-    parser.add_argument("--device", default=None, type=_device_word,
-                        help="where the plan is for: cpu, cuda or cuda:N, a GPU by index (default: cuda when a GPU is "
-                             "here or --gpu is given, else cpu)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="the effective batch to keep, samples per optimizer step (default: the train dataloader's batch)")
-    parser.add_argument("--modes", default=None,
-                        help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp), offload "
-                             "(default: micro_batch,checkpoint: memory-only changes)")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="GPU",
+        help="plan for this GPU: h100, a100, l4, sm90, ... (its kernels, roofline and memory); implies --device cuda",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        type=_device_word,
+        help="where the plan is for: cpu, cuda or cuda:N, a GPU by index (default: cuda when a GPU is "
+        "here or --gpu is given, else cpu)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="the effective batch to keep, samples per optimizer step (default: the train dataloader's batch)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp), offload "
+        "(default: micro_batch,checkpoint: memory-only changes)",
+    )
     parser.add_argument("--trials", type=int, default=3, help="the most real trials, 1 to 3 (default: 3)")
-    parser.add_argument("--max-seconds", type=float, default=None, metavar="SECONDS",
-                        help="the plan's time budget, seconds (default: the estimate plus 20 baseline steps, at least "
-                             "30 s more); the estimate and one trial always run, the other phases where they fit")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the plan's time budget, seconds (default: the estimate plus 20 baseline steps, at least "
+        "30 s more); the estimate and one trial always run, the other phases where they fit",
+    )
     parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
     parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the plan to this JSON file")
@@ -58,21 +89,44 @@ def _device_word(text: str) -> str:
 
 
 def _plan_json(plan: Any) -> dict:
-    rows = [{"configuration": row.candidate.describe(), "micro_batch": row.candidate.micro_batch,
-             "accumulation": row.candidate.accumulation, "precision": row.candidate.precision,
-             "checkpoint": row.candidate.checkpoint_text, "offload": row.candidate.offload,
-             "predicted_peak_bytes": row.predicted_peak_bytes, "predicted_step_s": row.predicted_step_s,
-             "predicted_samples_per_s": row.predicted_samples_per_s, "fits": row.fits,
-             "measured_peak_bytes": row.measured_peak_bytes, "measured_samples_per_s": row.measured_samples_per_s,
-             "measured_allocated_bytes": row.measured_allocated_bytes,
-             "measured_reserved_bytes": row.measured_reserved_bytes, "note": row.note} for row in plan.rows]
+    rows = [
+        {
+            "configuration": row.candidate.describe(),
+            "micro_batch": row.candidate.micro_batch,
+            "accumulation": row.candidate.accumulation,
+            "precision": row.candidate.precision,
+            "checkpoint": row.candidate.checkpoint_text,
+            "offload": row.candidate.offload,
+            "predicted_peak_bytes": row.predicted_peak_bytes,
+            "predicted_step_s": row.predicted_step_s,
+            "predicted_samples_per_s": row.predicted_samples_per_s,
+            "fits": row.fits,
+            "measured_peak_bytes": row.measured_peak_bytes,
+            "measured_samples_per_s": row.measured_samples_per_s,
+            "measured_allocated_bytes": row.measured_allocated_bytes,
+            "measured_reserved_bytes": row.measured_reserved_bytes,
+            "note": row.note,
+        }
+        for row in plan.rows
+    ]
     arguments = {k: v for k, v in plan.trainer_arguments().items() if k != "callbacks"}
-    return {"best": plan.best.describe() if plan.best is not None else None, "fits_as_is": plan.fits_as_is,
-            "budget_bytes": plan.budget_bytes, "effective_batch": plan.effective_batch, "trials": plan.trials,
-            "device": plan.device, "trainer_arguments": arguments, "yaml": plan.yaml(), "rows": rows,
-            "notes": plan.notes, "seconds": plan.seconds, "max_seconds": plan.max_seconds,
-            "phases": [{"name": p.name, "seconds": p.seconds, "skipped": p.skipped, "detail": p.detail}
-                       for p in plan.phases]}
+    return {
+        "best": plan.best.describe() if plan.best is not None else None,
+        "fits_as_is": plan.fits_as_is,
+        "budget_bytes": plan.budget_bytes,
+        "effective_batch": plan.effective_batch,
+        "trials": plan.trials,
+        "device": plan.device,
+        "trainer_arguments": arguments,
+        "yaml": plan.yaml(),
+        "rows": rows,
+        "notes": plan.notes,
+        "seconds": plan.seconds,
+        "max_seconds": plan.max_seconds,
+        "phases": [
+            {"name": p.name, "seconds": p.seconds, "skipped": p.skipped, "detail": p.detail} for p in plan.phases
+        ],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,16 +136,19 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.world_size is not None or args.strategy is not None:
-            raise CliError("--world-size/--strategy: memkit plan plans one device for now; for a rank's memory under a "
-                           "strategy use memkit estimate --strategy")
+            raise CliError(
+                "--world-size/--strategy: memkit plan plans one device for now; for a rank's memory under a "
+                "strategy use memkit estimate --strategy"
+            )
         memory = _memory(args.device_memory) if args.device_memory is not None else None
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
         if not 1 <= args.trials <= 3:
             raise CliError(f"--trials {args.trials}: give 1 to 3")
         if args.max_seconds is not None and not args.max_seconds > 0:
-            raise CliError(f"--max-seconds {args.max_seconds:g}: give a positive number of seconds (the plan's time "
-                           "budget)")
+            raise CliError(
+                f"--max-seconds {args.max_seconds:g}: give a positive number of seconds (the plan's time budget)"
+            )
         gpu = None
         if args.gpu is not None:
             from lightning_memkit.estimate.cuda_kernels import GpuTarget
@@ -107,24 +164,40 @@ def run(args: argparse.Namespace) -> int:
         import lightning.pytorch as pl
 
         if not isinstance(module, pl.LightningModule):
-            raise CliError(f"{args.module} is not a LightningModule class; memkit plan trains real trials with a Trainer: "
-                           "give a LightningModule")
+            raise CliError(
+                f"{args.module} is not a LightningModule class; memkit plan trains real trials with a Trainer: "
+                "give a LightningModule"
+            )
         datamodule = None
         if args.datamodule:
-            datamodule = build_instance(load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"),
-                                        what="datamodule")
+            datamodule = build_instance(
+                load_object(args.datamodule), json_object(args.datamodule_args, "--datamodule-args"), what="datamodule"
+            )
         elif getattr(type(module), "train_dataloader", None) is pl.LightningModule.train_dataloader:
-            raise CliError(f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
-                           "--datamodule FILE.py:DataModuleClass")
-        plan = plan_fit(module, batch_size=args.batch_size, device_memory=memory, gpu=gpu, device=args.device,
-                        modes=args.modes, datamodule=datamodule, trials=args.trials, verbose=True,
-                        max_seconds=args.max_seconds)
+            raise CliError(
+                f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
+                "--datamodule FILE.py:DataModuleClass"
+            )
+        plan = plan_fit(
+            module,
+            batch_size=args.batch_size,
+            device_memory=memory,
+            gpu=gpu,
+            device=args.device,
+            modes=args.modes,
+            datamodule=datamodule,
+            trials=args.trials,
+            verbose=True,
+            max_seconds=args.max_seconds,
+        )
     except (CliError, PlanError) as error:
         print(f"memkit plan: {error}", file=sys.stderr)
         return 2
     print(plan.table())
     if plan.fits_as_is:
-        print(f"\nThe module fits in {_size(plan.budget_bytes)} as is (batch {plan.effective_batch}): nothing to change.")
+        print(
+            f"\nThe module fits in {_size(plan.budget_bytes)} as is (batch {plan.effective_batch}): nothing to change."
+        )
     elif plan.best is not None:
         print_best(plan)
     elif plan.rows and all(row.predicted_peak_bytes is None for row in plan.rows):

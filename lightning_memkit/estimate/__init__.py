@@ -38,5 +38,13 @@ from lightning_memkit.estimate.sharding import (  # noqa: E402
     sharding_of,
 )
 
-__all__ += ["STRATEGIES", "DistributedEstimate", "ModelStates", "Sharding", "estimate_distributed_memory",
-            "model_state_bytes", "optimizer_state_bytes_per_parameter", "sharding_of"]
+__all__ += [
+    "STRATEGIES",
+    "DistributedEstimate",
+    "ModelStates",
+    "Sharding",
+    "estimate_distributed_memory",
+    "model_state_bytes",
+    "optimizer_state_bytes_per_parameter",
+    "sharding_of",
+]

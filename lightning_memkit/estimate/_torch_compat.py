@@ -12,10 +12,26 @@ from typing import Any, ContextManager
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["fake_tensor_module", "carries_more_than_metadata", "wrap_fake", "register_fake_process_group",
-           "fully_shard", "safe_softmax", "flash_attention", "efficient_attention", "argument", "arguments",
-           "FAKE_EXTRAS", "no_dispatch_modes", "is_op_overload", "has_composite_implicit_kernel", "nn_builtins",
-           "nn_builtin", "in_backward", "compiled_original"]
+__all__ = [
+    "fake_tensor_module",
+    "carries_more_than_metadata",
+    "wrap_fake",
+    "register_fake_process_group",
+    "fully_shard",
+    "safe_softmax",
+    "flash_attention",
+    "efficient_attention",
+    "argument",
+    "arguments",
+    "FAKE_EXTRAS",
+    "no_dispatch_modes",
+    "is_op_overload",
+    "has_composite_implicit_kernel",
+    "nn_builtins",
+    "nn_builtin",
+    "in_backward",
+    "compiled_original",
+]
 
 #: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
 #: ``torch._subclasses.fake_tensor.FakeTensor``): a constant's value, the real tensor of a
@@ -29,8 +45,10 @@ def fake_tensor_module() -> Any:
     try:
         from torch._subclasses import fake_tensor
     except ImportError as error:  # pragma: no cover - every supported torch has it
-        raise RuntimeError(f"this torch ({torch.__version__}) has no torch._subclasses.fake_tensor; "
-                           "memkit's estimate needs the torch range lightning_memkit declares") from error
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no torch._subclasses.fake_tensor; "
+            "memkit's estimate needs the torch range lightning_memkit declares"
+        ) from error
     return fake_tensor
 
 
@@ -99,10 +117,11 @@ def register_fake_process_group() -> None:
     try:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     except ImportError as error:
-        raise RuntimeError(f"this torch ({torch.__version__}) has no fake process group "
-                           "(torch.testing._internal.distributed.fake_pg): FSDP2's estimate needs it; "
-                           "estimate strategy='ddp' instead, or use a torch in lightning_memkit's declared range"
-                           ) from error
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no fake process group "
+            "(torch.testing._internal.distributed.fake_pg): FSDP2's estimate needs it; "
+            "estimate strategy='ddp' instead, or use a torch in lightning_memkit's declared range"
+        ) from error
 
 
 def fully_shard() -> Any:
@@ -111,8 +130,10 @@ def fully_shard() -> Any:
     try:
         from torch.distributed.fsdp import fully_shard as found
     except ImportError as error:
-        raise RuntimeError(f"this torch ({torch.__version__}) has no torch.distributed.fsdp.fully_shard: "
-                           "estimate strategy='model_parallel' needs it") from error
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no torch.distributed.fsdp.fully_shard: "
+            "estimate strategy='model_parallel' needs it"
+        ) from error
     return found
 
 
@@ -120,29 +141,45 @@ def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:
     """``torch.ops.aten._safe_softmax``: the softmax CUDA's math attention runs (rows that are all -inf give 0)."""
     op = getattr(torch.ops.aten, "_safe_softmax", None)
     if op is None:
-        raise RuntimeError(f"this torch ({torch.__version__}) has no aten._safe_softmax, which the CUDA math "
-                           "attention of lightning_memkit's declared torch range runs")
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no aten._safe_softmax, which the CUDA math "
+            "attention of lightning_memkit's declared torch range runs"
+        )
     return op(weights, dim)
 
 
-def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, is_causal: bool,
-                    scale: float | None) -> torch.Tensor:
+def flash_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float, is_causal: bool, scale: float | None
+) -> torch.Tensor:
     """The output of ``aten._scaled_dot_product_flash_attention`` (no debug mask), its arguments passed by
     their schema names."""
-    outputs = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p=dropout_p,
-                                                                 is_causal=is_causal, return_debug_mask=False,
-                                                                 scale=scale)
+    outputs = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout_p=dropout_p, is_causal=is_causal, return_debug_mask=False, scale=scale
+    )
     return outputs[0]
 
 
-def efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None,
-                        compute_log_sumexp: bool, dropout_p: float, is_causal: bool,
-                        scale: float | None) -> torch.Tensor:
+def efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     """The output of ``aten._scaled_dot_product_efficient_attention``, its arguments passed by their schema names."""
-    outputs = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_bias=attn_bias,
-                                                                     compute_log_sumexp=compute_log_sumexp,
-                                                                     dropout_p=dropout_p, is_causal=is_causal,
-                                                                     scale=scale)
+    outputs = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query,
+        key,
+        value,
+        attn_bias=attn_bias,
+        compute_log_sumexp=compute_log_sumexp,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+    )
     return outputs[0]
 
 
@@ -170,8 +207,9 @@ def arguments(op: Any, args: tuple, kwargs: dict | None) -> dict[str, Any]:
     call left out at their schema defaults; one left out without a default is absent from the dict."""
     names = _ARGUMENT_DEFAULTS.get(op)
     if names is None:
-        names = _ARGUMENT_DEFAULTS[op] = tuple((a.name, a.default_value if a.has_default_value() else _NO_DEFAULT)
-                                               for a in op._schema.arguments)
+        names = _ARGUMENT_DEFAULTS[op] = tuple(
+            (a.name, a.default_value if a.has_default_value() else _NO_DEFAULT) for a in op._schema.arguments
+        )
     bound = {}
     for index, (name, default) in enumerate(names):
         if index < len(args):

@@ -104,8 +104,9 @@ class AllocatorConfig:
             key, value = key.strip(), value.strip()
             if key == "expandable_segments":
                 if value not in ("True", "False"):
-                    raise ValueError("PYTORCH_CUDA_ALLOC_CONF: expandable_segments must be True or False, not "
-                                     f"{value!r}")
+                    raise ValueError(
+                        f"PYTORCH_CUDA_ALLOC_CONF: expandable_segments must be True or False, not {value!r}"
+                    )
                 expandable = value == "True"
             elif key == "max_split_size_mb":
                 max_split = _parse_size_mb(value, key)
@@ -270,8 +271,11 @@ class CudaAllocatorModel:
         small = rounded <= SMALL_REQUEST_BYTES
         block = self._find_free(rounded, small)
         if block is None:
-            block = (self._expand(rounded, small) if self.config.expandable_segments
-                     else self._new_segment(segment_size(rounded), small))
+            block = (
+                self._expand(rounded, small)
+                if self.config.expandable_segments
+                else self._new_segment(segment_size(rounded), small)
+            )
         if self._should_split(block, rounded):
             rest = _Block(block.segment, block.offset + rounded, block.size - rounded, True, small)
             blocks = self._segments[block.segment]
@@ -328,5 +332,6 @@ class CudaAllocatorModel:
 
     def view(self, context_bytes: int = 0, workspace_bytes: int = 0) -> AllocatorView:
         """The peaks so far as an :class:`AllocatorView`, with the given allowances (bytes)."""
-        return AllocatorView(self.peak_allocated_bytes, self.peak_reserved_bytes, len(self._segments), context_bytes,
-                             workspace_bytes)
+        return AllocatorView(
+            self.peak_allocated_bytes, self.peak_reserved_bytes, len(self._segments), context_bytes, workspace_bytes
+        )

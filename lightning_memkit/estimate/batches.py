@@ -15,8 +15,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.errors import MemkitError
 
-__all__ = ["preserved_rng", "sample_batch", "batch_size_of", "rebatch", "NoBatchError", "sample_batch_and_length",
-           "train_loader_and_length"]
+__all__ = [
+    "preserved_rng",
+    "sample_batch",
+    "batch_size_of",
+    "rebatch",
+    "NoBatchError",
+    "sample_batch_and_length",
+    "train_loader_and_length",
+]
 
 
 class NoBatchError(MemkitError, ValueError):
@@ -62,8 +69,10 @@ def _call_hook(owner: Any, hook: str, *arguments: Any) -> Any:
         raise
     except Exception as error:
         shown = ", ".join(repr(a) for a in arguments)
-        raise NoBatchError(f"{type(owner).__name__}.{hook}({shown}) failed while memkit took a sample batch: "
-                           f"{type(error).__name__}: {error}") from error
+        raise NoBatchError(
+            f"{type(owner).__name__}.{hook}({shown}) failed while memkit took a sample batch: "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def _is_running(datamodule: Any) -> bool:
@@ -82,8 +91,11 @@ def _train_loader(module: Any, datamodule: Any) -> Any:
     if datamodule is not None:
         candidates.append(datamodule)
     trainer = getattr(module, "_trainer", None)
-    if (trainer is not None and getattr(trainer, "datamodule", None) is not None
-            and trainer.datamodule is not datamodule):
+    if (
+        trainer is not None
+        and getattr(trainer, "datamodule", None) is not None
+        and trainer.datamodule is not datamodule
+    ):
         candidates.append(trainer.datamodule)
     candidates.append(module)
     for owner in candidates:
@@ -99,8 +111,10 @@ def _train_loader(module: Any, datamodule: Any) -> Any:
         except Exception as error:  # Lightning's default hook raises when it is not implemented
             if "must be implemented" in str(error) or isinstance(error, NotImplementedError):
                 continue
-            raise NoBatchError(f"{type(owner).__name__}.train_dataloader() failed while memkit took a sample batch: "
-                               f"{type(error).__name__}: {error}") from error
+            raise NoBatchError(
+                f"{type(owner).__name__}.train_dataloader() failed while memkit took a sample batch: "
+                f"{type(error).__name__}: {error}"
+            ) from error
     return None
 
 
@@ -156,11 +170,14 @@ def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, i
         try:
             return next(iter(loader)), batches
         except StopIteration:
-            raise NoBatchError(f"the train dataloader of {type(module).__name__} is empty; pass an example batch "
-                               "(batch=...)") from None
+            raise NoBatchError(
+                f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)"
+            ) from None
         except Exception as error:
-            raise NoBatchError(f"the first batch of the train dataloader failed while memkit took a sample batch: "
-                               f"{type(error).__name__}: {error}") from error
+            raise NoBatchError(
+                f"the first batch of the train dataloader failed while memkit took a sample batch: "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
 
 def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Any:
@@ -171,8 +188,9 @@ def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch
     """
     old_size = batch_size_of(batch)
     if old_size is None:
-        raise NoBatchError("the batch has no tensor with a batch dimension; pass an example batch of the size to "
-                           "estimate (batch=...)")
+        raise NoBatchError(
+            "the batch has no tensor with a batch dimension; pass an example batch of the size to estimate (batch=...)"
+        )
     if new_size < 1:
         raise ValueError(f"batch_size must be a positive integer, not {new_size!r}")
 

@@ -18,10 +18,19 @@ from lightning_memkit.estimate.runner import StepRequest, run
 from lightning_memkit.estimate.settings import accumulating, observing_ops, reusing_fake_copies
 from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
 
-__all__ = ["estimate_memory", "measure_training_step", "compiled_original", "COMPILED_NOTE",
-           # re-exported: the planner, the batch-size search, the CLI and their tests import them from here
-           "MemoryEstimate", "EstimateError", "reusing_fake_copies", "accumulating", "observing_ops",
-           "DATA_DEPENDENT_ADVICE"]
+__all__ = [
+    "estimate_memory",
+    "measure_training_step",
+    "compiled_original",
+    "COMPILED_NOTE",
+    # re-exported: the planner, the batch-size search, the CLI and their tests import them from here
+    "MemoryEstimate",
+    "EstimateError",
+    "reusing_fake_copies",
+    "accumulating",
+    "observing_ops",
+    "DATA_DEPENDENT_ADVICE",
+]
 
 
 def estimate_memory(
@@ -86,8 +95,19 @@ def estimate_memory(
     program of the module it wraps, and every such estimate carries a note saying so.
     """
     original = compiled_original(module)
-    request = StepRequest(original if original is not None else module, batch, batch_size, mode, device, optimizer,
-                          loss_fn, datamodule, trainer, gpu, fake=True)
+    request = StepRequest(
+        original if original is not None else module,
+        batch,
+        batch_size,
+        mode,
+        device,
+        optimizer,
+        loss_fn,
+        datamodule,
+        trainer,
+        gpu,
+        fake=True,
+    )
     estimate = run(request)
     if original is not None:
         estimate.notes.append(COMPILED_NOTE)
@@ -95,8 +115,10 @@ def estimate_memory(
 
 
 #: the note on an estimate of a ``torch.compile``'d module
-COMPILED_NOTE = ("torch.compile: this is the eager program's figure (the module torch.compile wraps, run without "
-                 "compiling); the compiled program's memory differs (fused kernels, other saved tensors)")
+COMPILED_NOTE = (
+    "torch.compile: this is the eager program's figure (the module torch.compile wraps, run without "
+    "compiling); the compiled program's memory differs (fused kernels, other saved tensors)"
+)
 
 
 def compiled_original(module: Any) -> nn.Module | None:
@@ -125,5 +147,6 @@ def measure_training_step(
     moved there, as Lightning does); ``device`` only decides whether the CUDA allocator view is added.
     ``module`` and RNG states are untouched. A module on the meta device cannot be measured.
     """
-    return run(StepRequest(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, trainer,
-                           fake=False))
+    return run(
+        StepRequest(module, batch, batch_size, mode, device, optimizer, loss_fn, datamodule, trainer, fake=False)
+    )

@@ -20,8 +20,16 @@ __all__ = ["attention_backend", "additive_mask", "efficient_mask", "math_attenti
 _FLASH_LIMITED_HEAD_DIMS = ((8, 6), (8, 9), (12, 0), (12, 1))
 
 
-def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
-                      gpu: GpuTarget, enable_gqa: bool = False, is_causal: bool = False) -> str:
+def attention_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any,
+    dropout_p: float,
+    gpu: GpuTarget,
+    enable_gqa: bool = False,
+    is_causal: bool = False,
+) -> str:
     """The ``scaled_dot_product_attention`` kernel CUDA picks: ``"flash"``, ``"efficient"`` or ``"math"``.
 
     torch's order is flash, then memory-efficient, then math (``select_sdp_backend`` in sdp_utils.cpp). Recent
@@ -36,8 +44,11 @@ def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     value. Anything else runs the math path.
     """
     tensors = (query, key, value)
-    if (any(t.dim() != 4 for t in tensors) or len({t.dtype for t in tensors}) != 1
-            or len({t.shape[0] for t in tensors}) != 1):
+    if (
+        any(t.dim() != 4 for t in tensors)
+        or len({t.dtype for t in tensors}) != 1
+        or len({t.shape[0] for t in tensors}) != 1
+    ):
         return "math"
     dtype, capability = query.dtype, gpu.capability
     q_heads, k_heads, v_heads = query.shape[1], key.shape[1], value.shape[1]
@@ -46,21 +57,39 @@ def attention_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_dim, k_dim, v_dim = query.shape[-1], key.shape[-1], value.shape[-1]
     half = dtype in (torch.float16, torch.bfloat16)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    limited = (capability in _FLASH_LIMITED_HEAD_DIMS and needs_grad
-               and (192 < q_dim <= 224 or (q_dim > 224 and dropout_p > 0.0)))
-    if ((8, 0) <= capability <= (12, 1) and half and attn_mask is None and (same_heads or grouped)
-            and q_dim == k_dim == v_dim and 0 < q_dim <= 256 and not limited
-            and not (is_causal and query.shape[-2] != key.shape[-2])
-            and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)):
+    limited = (
+        capability in _FLASH_LIMITED_HEAD_DIMS
+        and needs_grad
+        and (192 < q_dim <= 224 or (q_dim > 224 and dropout_p > 0.0))
+    )
+    if (
+        (8, 0) <= capability <= (12, 1)
+        and half
+        and attn_mask is None
+        and (same_heads or grouped)
+        and q_dim == k_dim == v_dim
+        and 0 < q_dim <= 256
+        and not limited
+        and not (is_causal and query.shape[-2] != key.shape[-2])
+        and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)
+    ):
         return "flash"
     tensor_cores = capability >= (8, 0) or (capability >= (7, 0) and half)
     alignment = 4 if capability >= (8, 0) else 1
     if tensor_cores:
         alignment = max(alignment, 128 // (16 if half else 32))
     dtypes = (torch.float16, torch.float32, torch.bfloat16) if capability >= (8, 0) else (torch.float16, torch.float32)
-    if ((5, 0) <= capability <= (12, 1) and same_heads and dtype in dtypes and q_dim == k_dim
-            and q_dim > 0 and q_dim % alignment == 0 and v_dim > 0 and v_dim % alignment == 0
-            and all(t.stride(-1) == 1 for t in tensors)):
+    if (
+        (5, 0) <= capability <= (12, 1)
+        and same_heads
+        and dtype in dtypes
+        and q_dim == k_dim
+        and q_dim > 0
+        and q_dim % alignment == 0
+        and v_dim > 0
+        and v_dim % alignment == 0
+        and all(t.stride(-1) == 1 for t in tensors)
+    ):
         return "efficient"
     return "math"
 
@@ -95,8 +124,9 @@ def math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     # the C++ function's locals (query_acc, key_acc, value_acc, the scaled query, the repeated key and value)
     # live until it returns: kept here the same way
     half = (torch.float16, torch.bfloat16)
-    query_acc, key_acc, value_acc = (t.float() if not reduce_in_half and t.dtype in half else t
-                                     for t in (query, key, value))
+    query_acc, key_acc, value_acc = (
+        t.float() if not reduce_in_half and t.dtype in half else t for t in (query, key, value)
+    )
     factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query_acc.shape[-1]))
     scaled_query = query_acc * factor
     if is_causal:

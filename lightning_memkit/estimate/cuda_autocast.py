@@ -14,8 +14,19 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_memkit.estimate import _torch_compat
 
-__all__ = ["AutocastPolicy", "autocast_policies", "autocast_dtype", "no_autocast", "cast_tensors", "any_tensor",
-           "is_low_precision", "bind_arguments", "label_smoothing_term", "UPSAMPLE_MODES", "DTYPE_POSITION"]
+__all__ = [
+    "AutocastPolicy",
+    "autocast_policies",
+    "autocast_dtype",
+    "no_autocast",
+    "cast_tensors",
+    "any_tensor",
+    "is_low_precision",
+    "bind_arguments",
+    "label_smoothing_term",
+    "UPSAMPLE_MODES",
+    "DTYPE_POSITION",
+]
 
 #: F.interpolate modes that reach an upsample op (on CUDA autocast's fp32 list)
 UPSAMPLE_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear")
@@ -50,15 +61,53 @@ def autocast_policies() -> list[tuple[Any, str, AutocastPolicy]]:
     """
     T = torch.Tensor
     both = (torch, T)
-    fp32_functions = ("layer_norm", "group_norm", "rms_norm", "cosine_similarity", "poisson_nll_loss",
-                      "cosine_embedding_loss", "hinge_embedding_loss", "kl_div", "margin_ranking_loss",
-                      "triplet_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist")
-    fp32_both = ("acos", "asin", "cosh", "erfinv", "sinh", "tan", "exp", "log", "log1p", "expm1", "log2", "log10",
-                 "rsqrt", "reciprocal", "pow", "norm", "renorm", "logsumexp")
+    fp32_functions = (
+        "layer_norm",
+        "group_norm",
+        "rms_norm",
+        "cosine_similarity",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+        "hinge_embedding_loss",
+        "kl_div",
+        "margin_ranking_loss",
+        "triplet_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "dist",
+        "pdist",
+        "cdist",
+    )
+    fp32_both = (
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "sinh",
+        "tan",
+        "exp",
+        "log",
+        "log1p",
+        "expm1",
+        "log2",
+        "log10",
+        "rsqrt",
+        "reciprocal",
+        "pow",
+        "norm",
+        "renorm",
+        "logsumexp",
+    )
     table = {
-        AutocastPolicy.FP32: [(F, "layer_norm"), (F, "group_norm"), (F, "rms_norm"), (F, "softplus"),
-                              (F, "cosine_similarity"), (F, "interpolate"), (_torch_compat.nn_builtins(), "softplus"),
-                              (T, "__pow__")]
+        AutocastPolicy.FP32: [
+            (F, "layer_norm"),
+            (F, "group_norm"),
+            (F, "rms_norm"),
+            (F, "softplus"),
+            (F, "cosine_similarity"),
+            (F, "interpolate"),
+            (_torch_compat.nn_builtins(), "softplus"),
+            (T, "__pow__"),
+        ]
         + [(torch, name) for name in fp32_functions]
         + [(owner, name) for name in fp32_both for owner in both],
         AutocastPolicy.FP32_SET_OPT_DTYPE: [(F, "softmax"), (F, "log_softmax"), (torch.linalg, "vector_norm")]
@@ -67,9 +116,12 @@ def autocast_policies() -> list[tuple[Any, str, AutocastPolicy]]:
         + [(owner, name) for name in ("mv", "addmv", "addr") for owner in both],
         AutocastPolicy.UNTOUCHED: [(F, "avg_pool3d"), (F, "max_pool3d"), (F, "adaptive_avg_pool3d"), (F, "pad")],
     }
-    return [(owner, name, policy) for policy, entries in table.items() for owner, name in entries
-            if getattr(owner, name, None) is not None]
-
+    return [
+        (owner, name, policy)
+        for policy, entries in table.items()
+        for owner, name in entries
+        if getattr(owner, name, None) is not None
+    ]
 
 
 def is_low_precision(tensor: torch.Tensor) -> bool:
@@ -82,8 +134,9 @@ def any_tensor(args: Any, kwargs: Any, test) -> bool:
 
 def cast_tensors(args: Any, kwargs: Any, test, dtype: torch.dtype) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` with every tensor passing ``test`` cast to ``dtype`` (as autocast's cached_cast)."""
-    return tree_map(lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and test(leaf) else leaf,
-                    (args, kwargs))
+    return tree_map(
+        lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and test(leaf) else leaf, (args, kwargs)
+    )
 
 
 def bind_arguments(names: tuple[str, ...], args: Any, kwargs: Any) -> dict[str, Any]:

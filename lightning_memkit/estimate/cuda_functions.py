@@ -53,10 +53,12 @@ class CudaFunctions(TorchFunctionMode):
             _torch_compat.nn_builtin("linear"): self._linear,
             F.cross_entropy: self._cross_entropy,
         }
-        policy_handlers = {AutocastPolicy.FP32: self._autocast_fp32,
-                           AutocastPolicy.FP32_SET_OPT_DTYPE: self._autocast_fp32_dtype,
-                           AutocastPolicy.LOWER_PRECISION: self._autocast_lower,
-                           AutocastPolicy.UNTOUCHED: self._autocast_untouched}
+        policy_handlers = {
+            AutocastPolicy.FP32: self._autocast_fp32,
+            AutocastPolicy.FP32_SET_OPT_DTYPE: self._autocast_fp32_dtype,
+            AutocastPolicy.LOWER_PRECISION: self._autocast_lower,
+            AutocastPolicy.UNTOUCHED: self._autocast_untouched,
+        }
         # patched, not handled by the mode: torch-function modes are not active while autograd recomputes a
         # checkpointed region in the backward, and the recomputation must make the same dtypes as the forward
         self._patches = [(owner, name, policy_handlers[policy]) for owner, name, policy in autocast_policies()]
@@ -66,14 +68,20 @@ class CudaFunctions(TorchFunctionMode):
         """Route ``torch.nn.functional``'s own Python code (``multi_head_attention_forward`` calls
         ``scaled_dot_product_attention`` and ``linear`` from its module) through the handlers too: a
         torch-function mode does not see calls made inside a Python function it passed on."""
-        names = {"scaled_dot_product_attention": self._attention, "dropout": self._dropout, "linear": self._linear,
-                 "cross_entropy": self._cross_entropy}
+        names = {
+            "scaled_dot_product_attention": self._attention,
+            "dropout": self._dropout,
+            "linear": self._linear,
+            "cross_entropy": self._cross_entropy,
+        }
         patches = [(F, name, handler) for name, handler in names.items()]
         patches += [patch for patch in self._patches if not (patch[0] is F and patch[1] in names)]
         # a class's own attribute is put back; an inherited one (torch.Tensor's methods from TensorBase) is deleted
         # again
-        saved = [(owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type)
-                  else getattr(owner, name)) for owner, name, _ in patches]
+        saved = [
+            (owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name))
+            for owner, name, _ in patches
+        ]
 
         # the patches are process-wide, the fake step runs on this thread: any other thread's calls (a data
         # loader's pin-memory thread, a user's own) go straight to the original function
@@ -148,8 +156,10 @@ class CudaFunctions(TorchFunctionMode):
     def _autocast_untouched(self, func, args, kwargs):
         if autocast_dtype() is None:
             return NotImplemented
-        if (getattr(func, "__name__", "") == "pad"
-                and bind_arguments(("input", "pad", "mode"), args, kwargs).get("mode", "constant") == "constant"):
+        if (
+            getattr(func, "__name__", "") == "pad"
+            and bind_arguments(("input", "pad", "mode"), args, kwargs).get("mode", "constant") == "constant"
+        ):
             return NotImplemented
         with no_autocast():  # CPU autocast would cast these to fp32; CUDA's runs them as they come
             return func(*args, **kwargs)
@@ -167,8 +177,9 @@ class CudaFunctions(TorchFunctionMode):
             return NotImplemented
         dtype = autocast_dtype()
         if dtype is not None:  # sdpa is on CUDA's lower-precision autocast list: every fp32 tensor argument is cast
-            query, key, value = (t.to(dtype) if t.is_floating_point() and t.dtype == torch.float32 else t
-                                 for t in (query, key, value))
+            query, key, value = (
+                t.to(dtype) if t.is_floating_point() and t.dtype == torch.float32 else t for t in (query, key, value)
+            )
             if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.float32:
                 attn_mask = attn_mask.to(dtype)
         backend = attention_backend(query, key, value, attn_mask, dropout_p, self.kernels.gpu, enable_gqa, is_causal)
@@ -179,7 +190,7 @@ class CudaFunctions(TorchFunctionMode):
             if backend == "flash":
                 head_dim = query.shape[-1]
                 if head_dim % 8:  # torch pads q, k, v to a multiple of 8 for flash and slices the output back
-                    scale = scale if scale is not None else head_dim ** -0.5
+                    scale = scale if scale is not None else head_dim**-0.5
                     query, key, value = (F.pad(t, (0, 8 - head_dim % 8)) for t in (query, key, value))
                 output = _torch_compat.flash_attention(query, key, value, dropout_p, is_causal, scale)
                 return output[..., :head_dim] if output.shape[-1] != head_dim else output
@@ -187,8 +198,9 @@ class CudaFunctions(TorchFunctionMode):
                 if attn_mask is not None:
                     attn_mask = efficient_mask(attn_mask, query, key)
                 compute_lse = any(t.requires_grad for t in (query, key, value)) and torch.is_grad_enabled()
-                return _torch_compat.efficient_attention(query, key, value, attn_mask, compute_lse, dropout_p,
-                                                         is_causal, scale)
+                return _torch_compat.efficient_attention(
+                    query, key, value, attn_mask, compute_lse, dropout_p, is_causal, scale
+                )
             return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     # ------------------------------------------------------------------ dropout
@@ -222,13 +234,27 @@ class CudaFunctions(TorchFunctionMode):
     # ------------------------------------------------------------------ cross entropy
     def _cross_entropy(self, func, args, kwargs):
         names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-        bound = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
-                 "label_smoothing": 0.0, **dict(zip(names, args)), **kwargs}
+        bound = {
+            "weight": None,
+            "size_average": None,
+            "ignore_index": -100,
+            "reduce": None,
+            "reduction": "mean",
+            "label_smoothing": 0.0,
+            **dict(zip(names, args)),
+            **kwargs,
+        }
         input, target = bound["input"], bound["target"]
         dtype = autocast_dtype()
-        if (dtype is None or not isinstance(input, torch.Tensor) or input.dtype not in (torch.float16, torch.bfloat16)
-                or not isinstance(target, torch.Tensor) or target.is_floating_point()
-                or bound["size_average"] is not None or bound["reduce"] is not None):
+        if (
+            dtype is None
+            or not isinstance(input, torch.Tensor)
+            or input.dtype not in (torch.float16, torch.bfloat16)
+            or not isinstance(target, torch.Tensor)
+            or target.is_floating_point()
+            or bound["size_average"] is not None
+            or bound["reduce"] is not None
+        ):
             return NotImplemented
         self.kernels.used.add("cross_entropy:autocast")
         weight, smoothing = bound["weight"], float(bound["label_smoothing"])
@@ -236,8 +262,13 @@ class CudaFunctions(TorchFunctionMode):
         with no_autocast():
             class_dim = 1 if input.dim() > 1 else 0
             log_probs = torch.log_softmax(input, class_dim, dtype=input.dtype)
-            nll = F.nll_loss(log_probs.float(), target, None if weight is None else weight.float(),
-                             ignore_index=ignore_index, reduction=reduction)
+            nll = F.nll_loss(
+                log_probs.float(),
+                target,
+                None if weight is None else weight.float(),
+                ignore_index=ignore_index,
+                reduction=reduction,
+            )
             if not smoothing:
                 return nll
             return label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing)

@@ -57,32 +57,44 @@ class KernelRow:
 KERNEL_TABLE: tuple[KernelRow, ...] = (
     KernelRow(
         op="scaled_dot_product_attention",
-        when=("fp16/bf16, no mask, equal head dims <= 256 (padded to a multiple of 8), grouped-query heads allowed, "
-              "is_causal only with equal lengths, sm80+ (attention_backend has all the rules)"),
-        cuda_allocates=("flash: output, logsumexp (B,H,L) fp32, philox seed+offset (2 x 8 B); backward: dq/dk/dv and "
-                        "a transient fp32 dq accumulator + softmax_d (B,L,H,D + B,H,L floats)"),
+        when=(
+            "fp16/bf16, no mask, equal head dims <= 256 (padded to a multiple of 8), grouped-query heads allowed, "
+            "is_causal only with equal lengths, sm80+ (attention_backend has all the rules)"
+        ),
+        cuda_allocates=(
+            "flash: output, logsumexp (B,H,L) fp32, philox seed+offset (2 x 8 B); backward: dq/dk/dv and "
+            "a transient fp32 dq accumulator + softmax_d (B,L,H,D + B,H,L floats)"
+        ),
         fake_cpu_allocates="math path: L x L weights, softmax, a float dropout mask",
         evidence="trace_BertLike_b8_bf16-mixed: 196608-byte lse, two 8-byte seeds, 12779776-byte backward buffer",
     ),
     KernelRow(
         op="scaled_dot_product_attention",
-        when=("no flash: fp32, fp16 (bf16 on sm80+), a mask allowed, the same heads in q, k, v, head dims aligned (8 "
-              "elements for fp16/bf16, 4 for fp32 on sm80+, 1 for fp32 before)"),
-        cuda_allocates=("memory-efficient: output, logsumexp (B,H,ceil32(L)) fp32 (seed and offset on the host), a "
-                        "bool mask made additive and padded to 8 columns when its strides are not; backward: "
-                        "dq/dk/dv, delta (B,H,L floats) and a transient fp32 dq accumulator"),
+        when=(
+            "no flash: fp32, fp16 (bf16 on sm80+), a mask allowed, the same heads in q, k, v, head dims aligned (8 "
+            "elements for fp16/bf16, 4 for fp32 on sm80+, 1 for fp32 before)"
+        ),
+        cuda_allocates=(
+            "memory-efficient: output, logsumexp (B,H,ceil32(L)) fp32 (seed and offset on the host), a "
+            "bool mask made additive and padded to 8 columns when its strides are not; backward: "
+            "dq/dk/dv, delta (B,H,L floats) and a transient fp32 dq accumulator"
+        ),
         fake_cpu_allocates="math path: L x L weights, softmax, a float dropout mask",
         evidence="trace_BertLike_b8_32-true: 196608-byte lse per layer, 12595200-byte backward buffer",
     ),
     KernelRow(
         op="scaled_dot_product_attention",
         when="neither (grouped heads in fp32, bf16 before sm80, unaligned head dims...)",
-        cuda_allocates=("math: fp16/bf16 q, k, v copied to fp32, q and k each scaled, grouped k/v heads repeated, "
-                        "(B,H,L,S) fp32 weights (the mask added in place), _safe_softmax, fused dropout (bool mask), "
-                        "the weights cast back as a second output"),
+        cuda_allocates=(
+            "math: fp16/bf16 q, k, v copied to fp32, q and k each scaled, grouped k/v heads repeated, "
+            "(B,H,L,S) fp32 weights (the mask added in place), _safe_softmax, fused dropout (bool mask), "
+            "the weights cast back as a second output"
+        ),
         fake_cpu_allocates="the CPU kernels (CPU flash attention without dropout; with dropout a float mask)",
-        evidence=("not in the traces: tests/test_estimate_unseen.py pins it against torch's "
-                  "_scaled_dot_product_attention_math"),
+        evidence=(
+            "not in the traces: tests/test_estimate_unseen.py pins it against torch's "
+            "_scaled_dot_product_attention_math"
+        ),
     ),
     KernelRow(
         op="dropout (F.dropout, nn.Dropout)",
@@ -101,39 +113,53 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
     KernelRow(
         op="cross_entropy under autocast",
         when="fp16/bf16 logits, class-index targets",
-        cuda_allocates=("log_softmax in the logits' dtype, then nll_loss on an fp32 copy (autocast's fp32 list); "
-                        "with label smoothing the class sum of the log-probabilities reduced in fp32 (one float per "
-                        "position)"),
+        cuda_allocates=(
+            "log_softmax in the logits' dtype, then nll_loss on an fp32 copy (autocast's fp32 list); "
+            "with label smoothing the class sum of the log-probabilities reduced in fp32 (one float per "
+            "position)"
+        ),
         fake_cpu_allocates="CPU autocast casts the whole loss to fp32 (an fp32 copy and fp32 log-probabilities)",
         evidence="trace_BertLike_b8_bf16-mixed: 250036224-byte bf16 log-probs and a 500072448-byte fp32 copy",
     ),
     KernelRow(
         op="autocast's op lists (bf16/fp16 modes)",
         when="ops CUDA's autocast lists differently from CPU's (autocast_policies)",
-        cuda_allocates=("layer_norm, group_norm, rms_norm, exp, log, pow, norms, distance and embedding losses: "
-                        "fp16/bf16 arguments cast to fp32 (an fp32 copy and an fp32 result); softmax, log_softmax, "
-                        "sum, cumsum, prod: an fp32 result; einsum, mv, addmv, addr, multi_dot: fp32 arguments cast "
-                        "down; 3-D poolings and reflect/replicate padding: left as they come"),
-        fake_cpu_allocates=("CPU autocast's lists: those ops in the low-precision dtype (and the 3-D poolings and "
-                            "paddings cast to fp32)"),
-        evidence=("not in the traces (no such op in their models): tests/test_estimate_unseen.py checks torch's own "
-                  "CUDA autocast test lists (torch/testing/_internal/autocast_test_lists.py)"),
+        cuda_allocates=(
+            "layer_norm, group_norm, rms_norm, exp, log, pow, norms, distance and embedding losses: "
+            "fp16/bf16 arguments cast to fp32 (an fp32 copy and an fp32 result); softmax, log_softmax, "
+            "sum, cumsum, prod: an fp32 result; einsum, mv, addmv, addr, multi_dot: fp32 arguments cast "
+            "down; 3-D poolings and reflect/replicate padding: left as they come"
+        ),
+        fake_cpu_allocates=(
+            "CPU autocast's lists: those ops in the low-precision dtype (and the 3-D poolings and "
+            "paddings cast to fp32)"
+        ),
+        evidence=(
+            "not in the traces (no such op in their models): tests/test_estimate_unseen.py checks torch's own "
+            "CUDA autocast test lists (torch/testing/_internal/autocast_test_lists.py)"
+        ),
     ),
     KernelRow(
         op="matmul family (mm, addmm, bmm...)",
         when="first call on the stream",
-        cuda_allocates=("the cuBLAS workspace, kept, one for the forward's thread and one for autograd's backward "
-                        "thread: 32 MiB on sm90+, 8 MiB + 128 KiB before (CUBLAS_WORKSPACE_CONFIG); the first addmm "
-                        "also the cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE)"),
+        cuda_allocates=(
+            "the cuBLAS workspace, kept, one for the forward's thread and one for autograd's backward "
+            "thread: 32 MiB on sm90+, 8 MiB + 128 KiB before (CUBLAS_WORKSPACE_CONFIG); the first addmm "
+            "also the cuBLASLt workspace (1 MiB, CUBLASLT_WORKSPACE_SIZE)"
+        ),
         fake_cpu_allocates="nothing",
-        evidence=("all traces: a 33554432-byte and a 1048576-byte block at the first linear layer, another "
-                  "33554432-byte block in the first backward, never freed"),
+        evidence=(
+            "all traces: a 33554432-byte and a 1048576-byte block at the first linear layer, another "
+            "33554432-byte block in the first backward, never freed"
+        ),
     ),
     KernelRow(
         op="convolution (forward, backward)",
         when="cuDNN",
-        cuda_allocates=("a transient workspace per call, modelled as input + output + weight bytes (forward, "
-                        "backward-data) and 1.25x that (backward-weight)"),
+        cuda_allocates=(
+            "a transient workspace per call, modelled as input + output + weight bytes (forward, "
+            "backward-data) and 1.25x that (backward-weight)"
+        ),
         fake_cpu_allocates="nothing",
         evidence="trace_ResNetish_b32_32-true: 25837584-byte workspaces beside 25690112-byte outputs",
     ),
@@ -154,8 +180,9 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
     KernelRow(
         op="16-mixed (GradScaler)",
         when="precision 16-mixed",
-        cuda_allocates=("the scale (4 B) and growth tracker (4 B), kept; the loss scaling's per-step scalars are "
-                        "512-byte blocks"),
+        cuda_allocates=(
+            "the scale (4 B) and growth tracker (4 B), kept; the loss scaling's per-step scalars are 512-byte blocks"
+        ),
         fake_cpu_allocates="nothing",
         evidence="not recorded in the traces (16-mixed rows are in truth.json only)",
     ),

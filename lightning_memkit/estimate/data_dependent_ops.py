@@ -64,11 +64,17 @@ class DataDependentOps:
     error the estimate reports. ``sized`` counts the answers per op, for the estimate's note (:meth:`note`).
     """
 
-    _HANDLERS = {"aten._unique2.default": "_unique", "aten._unique.default": "_unique",
-                 "aten.unique_dim.default": "_unique", "aten.unique_consecutive.default": "_unique",
-                 "aten.nonzero.default": "_nonzero", "aten.index.Tensor": "_index",
-                 "aten.masked_select.default": "_masked_select", "aten.bincount.default": "_bincount",
-                 "aten.repeat_interleave.Tensor": "_repeat_interleave"}
+    _HANDLERS = {
+        "aten._unique2.default": "_unique",
+        "aten._unique.default": "_unique",
+        "aten.unique_dim.default": "_unique",
+        "aten.unique_consecutive.default": "_unique",
+        "aten.nonzero.default": "_nonzero",
+        "aten.index.Tensor": "_index",
+        "aten.masked_select.default": "_masked_select",
+        "aten.bincount.default": "_bincount",
+        "aten.repeat_interleave.Tensor": "_repeat_interleave",
+    }
 
     def __init__(self, values: ValueSets | None = None) -> None:
         self.values = values if values is not None else ValueSets()
@@ -101,6 +107,7 @@ class DataDependentOps:
 
     def note(self) -> str | None:
         """One line for the estimate's notes: which ops were sized how, ``None`` when none ran."""
+
         def listing(counts: Counter) -> str:
             return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
 
@@ -108,8 +115,9 @@ class DataDependentOps:
         if self.sized[Sizing.BOUND]:
             parts.append(f"{listing(self.sized[Sizing.BOUND])} on fakes sized at their largest output (an upper bound)")
         if self.sized[Sizing.ASSUMED]:
-            parts.append(f"{listing(self.sized[Sizing.ASSUMED])} on fakes sized at their minlength "
-                         "(values assumed below it)")
+            parts.append(
+                f"{listing(self.sized[Sizing.ASSUMED])} on fakes sized at their minlength (values assumed below it)"
+            )
         if self.sized[Sizing.EXACT]:
             parts.append(f"{listing(self.sized[Sizing.EXACT])} on fakes sized exactly (by a real mask or known values)")
         if self.sized[Sizing.REAL]:
@@ -189,8 +197,9 @@ class DataDependentOps:
 
     def _index(self, func: Any, a: dict) -> Any:
         source, indices = a["self"], list(a["indices"])
-        masks = [index for index in indices
-                 if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)]
+        masks = [
+            index for index in indices if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+        ]
         if not masks or any(mask.dim() == 0 for mask in masks):  # x[True] adds a dim: left to the fake mode
             return NOT_ANSWERED
         way = Sizing.EXACT
@@ -206,8 +215,9 @@ class DataDependentOps:
                 way = Sizing.BOUND if how is Sizing.BOUND else way
                 replaced.extend(self._empty((count,), torch.int64, index) for _ in range(max(index.dim(), 1)))
         out = func(source, replaced)
-        self.values.attach(out, self.values.members(source) if is_fake(source) and self.values.has_set(source)
-                           else None)
+        self.values.attach(
+            out, self.values.members(source) if is_fake(source) and self.values.has_set(source) else None
+        )
         self._sized(func, way)
         return out
 

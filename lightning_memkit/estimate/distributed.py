@@ -102,8 +102,10 @@ class DistributedEstimate:
         rows = [(name, format_bytes(value)) for name, value in self.by_category.items() if value]
         rows += [(f"  {name}", format_bytes(value)) for name, value in self.buffers.items()]
         rows.append(("peak per rank (tensors)", format_bytes(self.peak_bytes)))
-        title = (f"memkit estimate: {self.strategy} on {self.world_size} ranks, batch {self.single.batch_size} "
-                 f"per rank, mode {self.single.mode}")
+        title = (
+            f"memkit estimate: {self.strategy} on {self.world_size} ranks, batch {self.single.batch_size} "
+            f"per rank, mode {self.single.mode}"
+        )
         return title + "\n" + format_table(("", "bytes"), rows)
 
 
@@ -189,8 +191,9 @@ def estimate_distributed_memory(
     sharding = sharding_of(strategy, world_size, shard_size)
     buffer_options = _BufferOptions(bucket_cap_mb, gradient_as_bucket_view, wrap, prefetch)
     if sharding.strategy == "model_parallel":
-        single, categories, buffers = fsdp2_estimate(module, batch_size, sharding, wrap, dict(fully_shard_kwargs or {}),
-                                                     estimate_kwargs)
+        single, categories, buffers = fsdp2_estimate(
+            module, batch_size, sharding, wrap, dict(fully_shard_kwargs or {}), estimate_kwargs
+        )
         peak, notes = single.peak_bytes, list(single.notes)
     else:
         single = estimate_memory(module, batch_size, **estimate_kwargs)
@@ -202,15 +205,26 @@ def estimate_distributed_memory(
         categories["strategy_buffers"] = sum(buffers.values())
         peak = single.peak_bytes - _model_state_bytes(single.by_category) + _model_state_bytes(categories)
         peak += categories["strategy_buffers"]
-    return DistributedEstimate(strategy=sharding.strategy, world_size=world_size, shard_size=sharding.shard_size,
-                               peak_bytes=peak, by_category=categories, buffers=buffers, single=single, rank_roles=1,
-                               elapsed_s=time.perf_counter() - started, notes=notes)
+    return DistributedEstimate(
+        strategy=sharding.strategy,
+        world_size=world_size,
+        shard_size=sharding.shard_size,
+        peak_bytes=peak,
+        by_category=categories,
+        buffers=buffers,
+        single=single,
+        rank_roles=1,
+        elapsed_s=time.perf_counter() - started,
+        notes=notes,
+    )
 
 
 #: the note on a DeepSpeed estimate under a half precision
-DEEPSPEED_LAYOUT_NOTE = ("DeepSpeed keeps half-precision weights and fp32 master weights in the optimizer; this "
-                         "estimate keeps the fake step's autocast layout (fp32 weights, same 16 bytes per parameter "
-                         "for Adam)")
+DEEPSPEED_LAYOUT_NOTE = (
+    "DeepSpeed keeps half-precision weights and fp32 master weights in the optimizer; this "
+    "estimate keeps the fake step's autocast layout (fp32 weights, same 16 bytes per parameter "
+    "for Adam)"
+)
 
 
 @dataclass(frozen=True)
@@ -227,12 +241,12 @@ class _BufferOptions:
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive (DDP's default is 25), not {self.bucket_cap_mb!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative integer (FSDP prefetches 1 unit), not "
-                             f"{self.prefetch!r}")
+            raise ValueError(f"prefetch must be a non-negative integer (FSDP prefetches 1 unit), not {self.prefetch!r}")
 
 
-def _strategy_buffers(module: nn.Module, categories: dict[str, int], sharding: Sharding, world_size: int,
-                      options: _BufferOptions) -> dict[str, int]:
+def _strategy_buffers(
+    module: nn.Module, categories: dict[str, int], sharding: Sharding, world_size: int, options: _BufferOptions
+) -> dict[str, int]:
     """The buffers the strategy allocates beside the model states, by name (none on one rank)."""
     if sharding.strategy in ("ddp", "fsdp_no_shard") and world_size > 1:
         return {"ddp_gradient_buckets": _ddp_buckets(module, categories, options.gradient_as_bucket_view)}
@@ -275,5 +289,7 @@ def _fsdp_buffers(module: nn.Module, sharding: Sharding, wrap: Any, prefetch: in
     n = sharding.shard_size
     largest = sorted(_unit_bytes(module, _units(module, wrap)), reverse=True)
     gathered = sum(largest[: 1 + prefetch]) if sharding.parameters else 0
-    return {"fsdp_all_gather": max(0, gathered - int(math.ceil(gathered / n))) if n > 1 else 0,
-            "fsdp_reduce_scatter": largest[0] if (sharding.gradients and n > 1) else 0}
+    return {
+        "fsdp_all_gather": max(0, gathered - int(math.ceil(gathered / n))) if n > 1 else 0,
+        "fsdp_reduce_scatter": largest[0] if (sharding.gradients and n > 1) else 0,
+    }

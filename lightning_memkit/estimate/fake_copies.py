@@ -83,8 +83,9 @@ def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...])
     for parameter in module.parameters():
         if id(parameter) not in memo:
             # a new fake (or, for a parameter already fake, its new detached alias): flagged, not detached again
-            memo[id(parameter)] = fake_parameter(cpu_fake(session, parameter.detach()),
-                                                 requires_grad=parameter.requires_grad)
+            memo[id(parameter)] = fake_parameter(
+                cpu_fake(session, parameter.detach()), requires_grad=parameter.requires_grad
+            )
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = cpu_fake(session, buffer)

@@ -26,6 +26,8 @@ class _Kind(Enum):
     COPY = "copy"  # a copy, a cast or a view: the source's value
     POINTWISE = "pointwise"  # the op on the arguments' values
     MUTATES = "mutates"  # writes an argument: what was known of it is forgotten
+
+
 _KNOWN_ATTRIBUTE = "_memkit_every_element"
 
 
@@ -65,10 +67,22 @@ class KnownValues:
     """
 
     _SEEDS = ("aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf")
-    _FILLS = {"aten::zeros": 0, "aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones": 1, "aten::ones_like": 1,
-              "aten::new_ones": 1}
-    _FILL_ARGUMENT = {"aten::full": 1, "aten::full_like": 1, "aten::new_full": 2, "aten::fill_": 1, "aten::fill": 1,
-                      "aten::scalar_tensor": 0}
+    _FILLS = {
+        "aten::zeros": 0,
+        "aten::zeros_like": 0,
+        "aten::new_zeros": 0,
+        "aten::ones": 1,
+        "aten::ones_like": 1,
+        "aten::new_ones": 1,
+    }
+    _FILL_ARGUMENT = {
+        "aten::full": 1,
+        "aten::full_like": 1,
+        "aten::new_full": 2,
+        "aten::fill_": 1,
+        "aten::fill": 1,
+        "aten::scalar_tensor": 0,
+    }
     _REDUCTIONS = ("aten::any", "aten::all", "aten::amax", "aten::amin")
     _COPIES = ("aten::_to_copy", "aten::clone", "aten::to", "aten::contiguous", "aten::lift_fresh_copy")
 
@@ -85,8 +99,9 @@ class KnownValues:
                 kind = _Kind.SEED
             elif name in self._FILLS or name in self._FILL_ARGUMENT:
                 kind = _Kind.FILL
-            elif name in self._REDUCTIONS or (name in ("aten::max", "aten::min")
-                                              and getattr(func, "_overloadname", "") == "default"):
+            elif name in self._REDUCTIONS or (
+                name in ("aten::max", "aten::min") and getattr(func, "_overloadname", "") == "default"
+            ):
                 kind = _Kind.REDUCTION  # of the whole tensor (max.dim's values and indices are not looked at)
             elif name in self._COPIES or getattr(func, "is_view", False):
                 kind = _Kind.COPY

@@ -12,8 +12,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_tensors import is_fake
 
-__all__ = ["placeholder", "ScalarPlaceholders", "losses_keeping_their_buffer", "LossBuffers", "with_loss_buffer",
-           "norm_kind", "norm_statistics_dtypes", "with_real_statistics_dtypes"]
+__all__ = [
+    "placeholder",
+    "ScalarPlaceholders",
+    "losses_keeping_their_buffer",
+    "LossBuffers",
+    "with_loss_buffer",
+    "norm_kind",
+    "norm_statistics_dtypes",
+    "with_real_statistics_dtypes",
+]
 
 
 def placeholder(tensor: torch.Tensor) -> bool | float | int:
@@ -107,9 +115,14 @@ def with_loss_buffer(args: Any, kwargs: Any, out: Any) -> Any:
 
 
 #: aten norm ops whose saved statistics (mean, rstd / invstd) may be float32 on a reduced-precision input
-_NORM_OPS = {"aten::native_layer_norm": "layer", "aten::native_batch_norm": "batch",
-             "aten::_native_batch_norm_legit": "batch", "aten::_native_batch_norm_legit_functional": "batch",
-             "aten::_native_batch_norm_legit_no_training": "batch", "aten::native_group_norm": "group"}
+_NORM_OPS = {
+    "aten::native_layer_norm": "layer",
+    "aten::native_batch_norm": "batch",
+    "aten::_native_batch_norm_legit": "batch",
+    "aten::_native_batch_norm_legit_functional": "batch",
+    "aten::_native_batch_norm_legit_no_training": "batch",
+    "aten::native_group_norm": "group",
+}
 _NORM_KIND: dict[Any, str | None] = {}
 _NORM_DTYPES: dict[tuple, tuple | None] = {}
 
@@ -169,6 +182,7 @@ def with_real_statistics_dtypes(func: Any, args: Any, kwargs: Any, out: tuple) -
     fixed = list(out)
     for index, (tensor, dtype) in enumerate(zip(out, dtypes)):
         if index and dtype is not None and is_fake(tensor) and tensor.dtype != dtype:
-            fixed[index] = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype,
-                                               device=tensor.device)
+            fixed[index] = torch.empty_strided(
+                tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device=tensor.device
+            )
     return tuple(fixed)

@@ -122,9 +122,13 @@ class FakeStepOps:
             return with_loss_buffer(args, kwargs, out)
         if isinstance(out, tuple) and norm_kind(func) is not None:
             return with_real_statistics_dtypes(func, args, kwargs, out)
-        if (type(out) is self._fake_type and not (out.is_floating_point() or out.is_complex())
-                and out.device.type == "cpu"
-                and out.numel() <= REAL_VALUES_NUMEL and not _tensors_in((args, kwargs))):
+        if (
+            type(out) is self._fake_type
+            and not (out.is_floating_point() or out.is_complex())
+            and out.device.type == "cpu"
+            and out.numel() <= REAL_VALUES_NUMEL
+            and not _tensors_in((args, kwargs))
+        ):
             return self.run_real(func, args, kwargs, factory=True)
         return out
 

@@ -15,8 +15,17 @@ from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
 
-__all__ = ["REAL_VALUES_NUMEL", "NOT_ANSWERED", "keeps_real_values", "is_fake", "fake_parameter", "fake_device_query",
-           "fake_view", "fake_tensor_type", "is_plain_view"]
+__all__ = [
+    "REAL_VALUES_NUMEL",
+    "NOT_ANSWERED",
+    "keeps_real_values",
+    "is_fake",
+    "fake_parameter",
+    "fake_device_query",
+    "fake_view",
+    "fake_tensor_type",
+    "is_plain_view",
+]
 
 #: The most elements a tensor of integers or booleans may have to keep its real values in a fake step (2**21:
 #: 16 MiB of int64). See :func:`keeps_real_values`.
@@ -35,9 +44,15 @@ def keeps_real_values(tensor: Any) -> bool:
     ``allow_non_fake_inputs``). Their memory is counted as any other output: a real step allocates the same
     bytes. Floating-point tensors (activations, parameters) always stay fake.
     """
-    return (isinstance(tensor, torch.Tensor) and not is_fake(tensor) and tensor.layout is torch.strided
-            and tensor.device.type == "cpu" and not (tensor.is_floating_point() or tensor.is_complex())
-            and tensor.numel() <= REAL_VALUES_NUMEL and not torch.nn.parameter.is_lazy(tensor))
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not is_fake(tensor)
+        and tensor.layout is torch.strided
+        and tensor.device.type == "cpu"
+        and not (tensor.is_floating_point() or tensor.is_complex())
+        and tensor.numel() <= REAL_VALUES_NUMEL
+        and not torch.nn.parameter.is_lazy(tensor)
+    )
 
 
 def fake_tensor_type() -> type:

@@ -78,13 +78,36 @@ class ValueSets:
     ``.item()``. The set is kept as an attribute of the fake tensor object.
     """
 
-    _INDEX_OPS = {"aten::argmax": None, "aten::argmin": None, "aten::sort": 1, "aten::topk": 1, "aten::kthvalue": 1,
-                  "aten::mode": 1, "aten::median": 1, "aten::nanmedian": 1, "aten::cummax": 1, "aten::cummin": 1,
-                  "aten::max": 1, "aten::min": 1}  # the output that holds indices (None: the only one)
-    _REDUCTIONS = {"aten::any": "any", "aten::all": "all", "aten::amax": "max", "aten::amin": "min", "aten::max": "max",
-                   "aten::min": "min"}
-    _COPIES = ("aten::_to_copy", "aten::clone", "aten::to", "aten::contiguous", "aten::lift_fresh_copy",
-               "aten::_to_dtype")
+    _INDEX_OPS = {
+        "aten::argmax": None,
+        "aten::argmin": None,
+        "aten::sort": 1,
+        "aten::topk": 1,
+        "aten::kthvalue": 1,
+        "aten::mode": 1,
+        "aten::median": 1,
+        "aten::nanmedian": 1,
+        "aten::cummax": 1,
+        "aten::cummin": 1,
+        "aten::max": 1,
+        "aten::min": 1,
+    }  # the output that holds indices (None: the only one)
+    _REDUCTIONS = {
+        "aten::any": "any",
+        "aten::all": "all",
+        "aten::amax": "max",
+        "aten::amin": "min",
+        "aten::max": "max",
+        "aten::min": "min",
+    }
+    _COPIES = (
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::to",
+        "aten::contiguous",
+        "aten::lift_fresh_copy",
+        "aten::_to_dtype",
+    )
 
     def __init__(self) -> None:
         self._kind: dict[Any, _Kind | None] = {}
@@ -102,8 +125,9 @@ class ValueSets:
                 kind = {"dim": _Kind.INDICES, "default": _Kind.REDUCTION}.get(overload, None)
                 if kind is None and torch.Tag.pointwise in getattr(func, "tags", ()):
                     kind = _Kind.POINTWISE
-            elif name in self._INDEX_OPS and not (name in ("aten::median", "aten::nanmedian")
-                                                  and overload == "default"):
+            elif name in self._INDEX_OPS and not (
+                name in ("aten::median", "aten::nanmedian") and overload == "default"
+            ):
                 kind = _Kind.INDICES
             elif name in self._REDUCTIONS:
                 kind = _Kind.REDUCTION
@@ -126,8 +150,11 @@ class ValueSets:
             return None
         with _torch_compat.no_dispatch_modes():
             if not is_fake(tensor):
-                if (tensor.device.type != "cpu" or tensor.layout is not torch.strided
-                        or tensor.numel() > REAL_VALUES_NUMEL):
+                if (
+                    tensor.device.type != "cpu"
+                    or tensor.layout is not torch.strided
+                    or tensor.numel() > REAL_VALUES_NUMEL
+                ):
                     return None
                 return unique_values(tensor)
             found = getattr(tensor, _VALUES_ATTRIBUTE, None)
@@ -164,21 +191,30 @@ class ValueSets:
             return usual if bool((members == usual).any()) else members[-1].item()
 
     # ------------------------------------------------------------------------------------------------ writing
-    def attach(self, tensor: Any, values: torch.Tensor | None, domain: object | None = None,
-               pick: str | None = None) -> None:
+    def attach(
+        self, tensor: Any, values: torch.Tensor | None, domain: object | None = None, pick: str | None = None
+    ) -> None:
         """Give the fake ``tensor`` the set ``values`` (a real 1-D tensor, cast to its dtype) of ``domain`` (a new
         one when ``None``: untied to any other fake); ``values=None`` forgets what was known."""
         if not is_fake(tensor):
             return
-        if (values is None or is_fake(values) or tensor.is_floating_point() or tensor.is_complex()
-                or values.numel() > VALUE_SET_LIMIT):
+        if (
+            values is None
+            or is_fake(values)
+            or tensor.is_floating_point()
+            or tensor.is_complex()
+            or values.numel() > VALUE_SET_LIMIT
+        ):
             if hasattr(tensor, _VALUES_ATTRIBUTE):
                 delattr(tensor, _VALUES_ATTRIBUTE)
             return
         with _torch_compat.no_dispatch_modes():
             values = values.reshape(-1).to(tensor.dtype)
-        setattr(tensor, _VALUES_ATTRIBUTE, _ValueSet(domain if domain is not None else object(), tuple(tensor.shape),
-                                                     values, pick))
+        setattr(
+            tensor,
+            _VALUES_ATTRIBUTE,
+            _ValueSet(domain if domain is not None else object(), tuple(tensor.shape), values, pick),
+        )
         self.count += 1
 
     def attach_range(self, tensor: Any, size: int) -> None:
@@ -208,8 +244,9 @@ class ValueSets:
             elif type(out) is not self._fake_type() or out.is_floating_point() or out.is_complex():
                 return
             elif kind is _Kind.POINTWISE:
-                if self.count or any(is_fake(value) and value.dtype is torch.bool for value in args
-                                     if isinstance(value, torch.Tensor)):
+                if self.count or any(
+                    is_fake(value) and value.dtype is torch.bool for value in args if isinstance(value, torch.Tensor)
+                ):
                     self._pointwise(func, args, kwargs or {}, out)
             elif args and is_fake(args[0]) and (self.count or args[0].dtype is torch.bool):
                 self._follow(kind, args[0], out)
@@ -265,7 +302,8 @@ class ValueSets:
                 return
             found = self._implicit(source)
         same_places = tuple(out.shape) == tuple(source.shape) and (
-            kind is _Kind.COPY or (out.stride() == source.stride() and out.storage_offset() == source.storage_offset()))
+            kind is _Kind.COPY or (out.stride() == source.stride() and out.storage_offset() == source.storage_offset())
+        )
         if same_places:
             self.attach(out, found.values, found.domain, found.pick)
         else:

@@ -19,7 +19,6 @@ from lightning_memkit.estimate.sharding import Sharding
 __all__ = ["fsdp2_estimate"]
 
 
-
 @contextlib.contextmanager
 def _fake_process_group(world_size: int) -> Iterator[Any]:
     """A fake default process group of ``world_size`` ranks (this process is rank 0; collectives move no
@@ -33,9 +32,11 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
     if not dist.is_available():
         raise ValueError("this torch has no torch.distributed: FSDP2's estimate runs FSDP2 itself and needs it")
     if dist.is_initialized():
-        raise ValueError("a process group is already initialized in this process: estimate FSDP2 "
-                         "(strategy='model_parallel') before init_process_group, or in a separate process (its fake "
-                         "process group is the default group)")
+        raise ValueError(
+            "a process group is already initialized in this process: estimate FSDP2 "
+            "(strategy='model_parallel') before init_process_group, or in a separate process (its fake "
+            "process group is the default group)"
+        )
     from torch.distributed.device_mesh import init_device_mesh  # only where torch.distributed is available
 
     _torch_compat.register_fake_process_group()
@@ -59,6 +60,7 @@ def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
     estimates don't see it), which turns the reuse of fake copies off for the block (a sharded copy must not
     serve an unsharded estimate).
     """
+
     def prepare(module_copy: nn.Module, acc: Any) -> None:
         with acc.labelled("setup"):
             shard(module_copy)
@@ -98,14 +100,21 @@ def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwar
     module.to_empty(device="cpu")  # the shards, as fake CPU tensors the accountant counts (FSDP2 re-reads them)
 
 
-def fsdp2_estimate(module: nn.Module, batch_size: int | None, sharding: Sharding, wrap: Any,
-                   fully_shard_kwargs: dict[str, Any],
-                   estimate_kwargs: dict[str, Any]) -> tuple[Any, dict[str, int], dict[str, int]]:
+def fsdp2_estimate(
+    module: nn.Module,
+    batch_size: int | None,
+    sharding: Sharding,
+    wrap: Any,
+    fully_shard_kwargs: dict[str, Any],
+    estimate_kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, int], dict[str, int]]:
     """FSDP2 run on fake tensors: the fake copy is sharded by torch's own ``fully_shard`` over a fake process
     group of the world size, and two steps run as Lightning does. Rank 0's view (FSDP2 pads every rank's shard
     to the same size, so every rank plays this role). Returns the estimate, its categories and the buffers."""
-    with _fake_process_group(sharding.shard_size) as mesh, \
-            _sharded_step_copy(lambda copy_: _fully_shard_units(copy_, wrap, mesh, fully_shard_kwargs)):
+    with (
+        _fake_process_group(sharding.shard_size) as mesh,
+        _sharded_step_copy(lambda copy_: _fully_shard_units(copy_, wrap, mesh, fully_shard_kwargs)),
+    ):
         single = estimate_memory(module, batch_size, **estimate_kwargs)
     # FSDP2 frees each unit's gathered (unsharded) parameters with resize_(0) after use; their records read 0
     # bytes by the time the categories are taken, so what the peak holds beyond the categories is exactly them.

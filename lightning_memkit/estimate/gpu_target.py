@@ -13,14 +13,34 @@ import torch
 
 from lightning_memkit.units import KiB, MiB
 
-__all__ = ["GPU_GENERATIONS", "GpuTarget", "cublas_workspace_bytes", "cublaslt_workspace_bytes", "conv_workspace_bytes",
-           "CONV_WEIGHT_GRAD_WORKSPACE_FACTOR"]
+__all__ = [
+    "GPU_GENERATIONS",
+    "GpuTarget",
+    "cublas_workspace_bytes",
+    "cublaslt_workspace_bytes",
+    "conv_workspace_bytes",
+    "CONV_WEIGHT_GRAD_WORKSPACE_FACTOR",
+]
 
 #: GPU names -> compute capability (major, minor). ``sm90``, ``9.0`` or ``(9, 0)`` are accepted too.
 GPU_GENERATIONS: dict[str, tuple[int, int]] = {
-    "v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a30": (8, 0), "a10": (8, 6), "a10g": (8, 6), "a40": (8, 6),
-    "rtx3090": (8, 6), "l4": (8, 9), "l40": (8, 9), "l40s": (8, 9), "rtx4090": (8, 9), "h100": (9, 0),
-    "h200": (9, 0), "gh200": (9, 0), "b200": (10, 0), "gb200": (10, 0),
+    "v100": (7, 0),
+    "t4": (7, 5),
+    "a100": (8, 0),
+    "a30": (8, 0),
+    "a10": (8, 6),
+    "a10g": (8, 6),
+    "a40": (8, 6),
+    "rtx3090": (8, 6),
+    "l4": (8, 9),
+    "l40": (8, 9),
+    "l40s": (8, 9),
+    "rtx4090": (8, 9),
+    "h100": (9, 0),
+    "h200": (9, 0),
+    "gh200": (9, 0),
+    "b200": (10, 0),
+    "gb200": (10, 0),
 }
 
 
@@ -57,8 +77,10 @@ class GpuTarget:
                 return cls(f"sm{digits}{match.group(2)}", (int(digits), int(match.group(2))))
             if len(digits) >= 2:
                 return cls(f"sm{digits}", (int(digits[:-1]), int(digits[-1])))
-        raise ValueError(f"unknown GPU {gpu!r}: give a name ({', '.join(sorted(GPU_GENERATIONS))}), "
-                         "a compute capability such as 'sm90' or '8.0', or a (major, minor) tuple")
+        raise ValueError(
+            f"unknown GPU {gpu!r}: give a name ({', '.join(sorted(GPU_GENERATIONS))}), "
+            "a compute capability such as 'sm90' or '8.0', or a (major, minor) tuple"
+        )
 
     @property
     def sm(self) -> int:

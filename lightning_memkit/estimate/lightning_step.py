@@ -17,8 +17,15 @@ from lightning_memkit.estimate.step_accountant import StepAccountant
 from lightning_memkit.estimate.step_errors import hook
 from lightning_memkit.estimate.trainer_stand_in import give_trainer_optimizers, is_lightning_module
 
-__all__ = ["StepLoop", "run_automatic_steps", "default_loss", "optimizer_factory", "step_autocast", "use_foreach",
-           "labelled_optimizer_step"]
+__all__ = [
+    "StepLoop",
+    "run_automatic_steps",
+    "default_loss",
+    "optimizer_factory",
+    "step_autocast",
+    "use_foreach",
+    "labelled_optimizer_step",
+]
 
 
 @dataclass
@@ -57,11 +64,15 @@ def first_optimizer(configured: Any) -> torch.optim.Optimizer:
         if len(optimizers) == 1:
             return optimizers[0]
         if len(optimizers) > 1:
-            raise EstimateError("configure_optimizers returned several optimizers; estimate_memory models automatic "
-                                "optimization with one optimizer: pass optimizer=lambda params: ... for the one to "
-                                "model")
-    raise EstimateError(f"configure_optimizers returned {type(configured).__name__}, not an optimizer; return a "
-                        "torch.optim.Optimizer or pass optimizer=lambda params: torch.optim.AdamW(params)")
+            raise EstimateError(
+                "configure_optimizers returned several optimizers; estimate_memory models automatic "
+                "optimization with one optimizer: pass optimizer=lambda params: ... for the one to "
+                "model"
+            )
+    raise EstimateError(
+        f"configure_optimizers returned {type(configured).__name__}, not an optimizer; return a "
+        "torch.optim.Optimizer or pass optimizer=lambda params: torch.optim.AdamW(params)"
+    )
 
 
 def optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable[[nn.Module], torch.optim.Optimizer]:
@@ -70,6 +81,7 @@ def optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable
     if optimizer is not None:
         return lambda copy_: optimizer(copy_.parameters())
     if is_lightning_module(module):
+
         def configured(copy_: nn.Module) -> torch.optim.Optimizer:
             with hook(f"{type(module).__name__}.configure_optimizers"):
                 returned = copy_.configure_optimizers()
@@ -78,8 +90,10 @@ def optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable
             return chosen
 
         return configured
-    raise EstimateError(f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: "
-                        "torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)")
+    raise EstimateError(
+        f"{type(module).__name__} is a plain nn.Module: pass optimizer=lambda params: "
+        "torch.optim.AdamW(params) (and loss_fn= if module(batch).sum() is not the loss)"
+    )
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -98,14 +112,18 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
             output = module.training_step(batch, 0)
         loss = _loss_of(output)
         if loss is None:
-            raise EstimateError(f"{type(module).__name__}.training_step returned {type(output).__name__}; return the "
-                                "loss tensor (or a dict with 'loss'), or pass loss_fn=")
+            raise EstimateError(
+                f"{type(module).__name__}.training_step returned {type(output).__name__}; return the "
+                "loss tensor (or a dict with 'loss'), or pass loss_fn="
+            )
         return loss
     with hook(f"{type(module).__name__}.forward"):
         output = module(batch)
     if not isinstance(output, torch.Tensor):
-        raise EstimateError(f"{type(module).__name__}(batch) returned {type(output).__name__}; pass "
-                            "loss_fn=lambda module, batch: <scalar loss>")
+        raise EstimateError(
+            f"{type(module).__name__}(batch) returned {type(output).__name__}; pass "
+            "loss_fn=lambda module, batch: <scalar loss>"
+        )
     return output.float().sum()
 
 
@@ -135,8 +153,13 @@ def use_foreach(optimizer: torch.optim.Optimizer) -> None:
             group["foreach"] = True
 
 
-def run_automatic_steps(loop: StepLoop, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], loss_fn: Callable,
-                        optimizer_hook: str = "the optimizer", lightning_hooks: bool = False) -> None:
+def run_automatic_steps(
+    loop: StepLoop,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    loss_fn: Callable,
+    optimizer_hook: str = "the optimizer",
+    lightning_hooks: bool = False,
+) -> None:
     """The steps of automatic optimization. With ``lightning_hooks`` (a LightningModule stepped by its own
     ``training_step``) the module's hooks run where Lightning's closure and precision plugin call them:
     ``on_before_zero_grad`` and ``optimizer_zero_grad``; ``on_before_backward``, ``backward`` and
@@ -200,8 +223,10 @@ def _before_optimizer_step(loop: StepLoop, optimizer: torch.optim.Optimizer, tra
             loop.module.on_before_optimizer_step(optimizer)
         with hook(f"{name}.configure_gradient_clipping"):
             loop.module.configure_gradient_clipping(
-                optimizer, gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
-                gradient_clip_algorithm=getattr(trainer, "gradient_clip_algorithm", None))
+                optimizer,
+                gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
+                gradient_clip_algorithm=getattr(trainer, "gradient_clip_algorithm", None),
+            )
 
 
 def labelled_optimizer_step(acc: StepAccountant, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:

@@ -57,8 +57,9 @@ def run_manual_steps(loop: StepLoop, optimizer: Callable | None) -> None:
         else:
             optimizers, configs = [optimizer(module_copy.parameters())], []
     if not optimizers:
-        raise EstimateError(f"{name}.configure_optimizers returned no optimizer; a manually optimized module steps "
-                            "its own optimizers")
+        raise EstimateError(
+            f"{name}.configure_optimizers returned no optimizer; a manually optimized module steps its own optimizers"
+        )
     if loop.foreach:
         for each in optimizers:
             use_foreach(each)

@@ -35,8 +35,9 @@ class DoesNotFitError(MemkitError, ValueError):
         margin: the fraction of ``capacity_bytes`` kept free.
     """
 
-    def __init__(self, module_name: str, needed_bytes: int, target_bytes: int, capacity_bytes: int,
-                 margin: float) -> None:
+    def __init__(
+        self, module_name: str, needed_bytes: int, target_bytes: int, capacity_bytes: int, margin: float
+    ) -> None:
         self.module_name = module_name
         self.needed_bytes = needed_bytes
         self.target_bytes = target_bytes
@@ -46,10 +47,12 @@ class DoesNotFitError(MemkitError, ValueError):
 
     def describe(self, modes_hint: str) -> str:
         """The message with ``modes_hint`` (how the caller's interface names other modes) as the first fix."""
-        return (f"{self.module_name} does not fit in {format_bytes(self.target_bytes)} ({1 - self.margin:.0%} of "
-                f"{format_bytes(self.capacity_bytes)}) even at batch size 1: it needs "
-                f"{format_bytes(self.needed_bytes)}; "
-                f"{modes_hint}, a smaller model, or more memory")
+        return (
+            f"{self.module_name} does not fit in {format_bytes(self.target_bytes)} ({1 - self.margin:.0%} of "
+            f"{format_bytes(self.capacity_bytes)}) even at batch size 1: it needs "
+            f"{format_bytes(self.needed_bytes)}; "
+            f"{modes_hint}, a smaller model, or more memory"
+        )
 
 
 @dataclass(frozen=True)
@@ -123,11 +126,13 @@ class BatchSizePrediction:
 
     def __str__(self) -> str:
         # the growth's intercept is a local fit (it can be negative), so only the slope near the answer is shown
-        return (f"max batch {self.batch_size} ({self.mode}): needs {format_bytes(self.predicted_bytes)} of "
-                f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} kept free; "
-                f"+{format_bytes(self.growth.per_sample_bytes)} per sample "
-                f"near it{' (capped by max_val)' if self.limited_by_max else ''}"
-                + (f"\nbatch: {self.batch_shapes} ({self.batch_note})" if self.batch_shapes else ""))
+        return (
+            f"max batch {self.batch_size} ({self.mode}): needs {format_bytes(self.predicted_bytes)} of "
+            f"{format_bytes(self.device_memory_bytes)} with {self.margin:.0%} kept free; "
+            f"+{format_bytes(self.growth.per_sample_bytes)} per sample "
+            f"near it{' (capped by max_val)' if self.limited_by_max else ''}"
+            + (f"\nbatch: {self.batch_shapes} ({self.batch_note})" if self.batch_shapes else "")
+        )
 
 
 def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
@@ -139,8 +144,10 @@ def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("no CUDA device here to read the memory of: give device_memory=, e.g. "
-                             "device_memory='16GiB' or 16 * 2**30")
+            raise ValueError(
+                "no CUDA device here to read the memory of: give device_memory=, e.g. "
+                "device_memory='16GiB' or 16 * 2**30"
+            )
         # cuda:0 is device 0 (an index of 0 is falsy: `index or current_device()` read the current device's)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return int(torch.cuda.get_device_properties(index).total_memory)
@@ -215,20 +222,24 @@ def predict_max_batch_size(
         def estimator(module_: nn.Module, batch_size: int | None, **kwargs: Any) -> Any:
             return estimate_distributed_memory(module_, batch_size, strategy=strategy, world_size=world_size, **kwargs)
     elif world_size != 1:
-        raise ValueError(f"world_size={world_size!r} needs strategy= (e.g. strategy='ddp'): without one the estimate "
-                         "is one process's")
+        raise ValueError(
+            f"world_size={world_size!r} needs strategy= (e.g. strategy='ddp'): without one the estimate "
+            "is one process's"
+        )
     capacity = parse_bytes(device_memory) if device_memory is not None else device_capacity_bytes(device)
     target = (1 - margin) * capacity
     module = compiled_original(module) or module  # a torch.compile'd module: its eager program (see estimate_memory)
     if datamodule is not None:
         estimate_kwargs["datamodule"] = datamodule
     with reusing_fake_copies():  # one fake copy and one sample batch serve every size
-        return _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator,
-                        estimate_kwargs)
+        return _predict(
+            module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs
+        )
 
 
-def _predict(module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator,
-             estimate_kwargs) -> BatchSizePrediction:
+def _predict(
+    module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs
+) -> BatchSizePrediction:
     given = batch
     reuse = EstimateSettings.current().reuse  # the block's, so the estimates below take the same batch
     batch, _batches, _note = prepare_batch(module, batch, None, estimate_kwargs.get("datamodule"), reuse)
@@ -291,6 +302,15 @@ def _predict(module, capacity, target, mode, margin, device, batch, max_val, tol
     if lo not in cache:
         required(lo)
     answer = cache[lo]
-    return BatchSizePrediction(lo, answer.required_bytes, capacity, margin, growth, list(points), mode_name,
-                               limited_by_max=lo >= max_val, batch_shapes=answer.batch_shapes,
-                               batch_note=answer.batch_note)
+    return BatchSizePrediction(
+        lo,
+        answer.required_bytes,
+        capacity,
+        margin,
+        growth,
+        list(points),
+        mode_name,
+        limited_by_max=lo >= max_val,
+        batch_shapes=answer.batch_shapes,
+        batch_note=answer.batch_note,
+    )

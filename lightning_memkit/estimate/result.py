@@ -99,7 +99,9 @@ class MemoryEstimate:
                 ("context + workspaces", format_bytes(self.cuda.context_bytes + self.cuda.workspace_bytes)),
                 ("device needs", format_bytes(self.cuda.device_bytes)),
             ]
-        title = (f"memkit estimate: batch {self.batch_size}, mode {self.mode}, device {self.device} "
-                 f"({self.source}, peak in {self.peak_phase} of step {self.peak_step})")
+        title = (
+            f"memkit estimate: batch {self.batch_size}, mode {self.mode}, device {self.device} "
+            f"({self.source}, peak in {self.peak_phase} of step {self.peak_step})"
+        )
         batch_line = f"\nbatch: {self.batch_shapes} ({self.batch_note})" if self.batch_shapes else ""
         return title + batch_line + "\n" + format_table(("", "bytes"), rows)

@@ -139,9 +139,19 @@ def _memo_key(request: StepRequest, settings: EstimateSettings) -> _MemoKey | No
     size = request.batch_size
     if size is None:
         size = batch_size_of(_prepare_batch(request, settings.reuse)[0])
-    key = _MemoKey(id(request.module), id(request.batch), size, request.mode, str(request.device),
-                   id(request.optimizer), id(request.loss_fn), id(request.datamodule), id(request.trainer),
-                   repr(request.gpu), settings.micro_batches)
+    key = _MemoKey(
+        id(request.module),
+        id(request.batch),
+        size,
+        request.mode,
+        str(request.device),
+        id(request.optimizer),
+        id(request.loss_fn),
+        id(request.datamodule),
+        id(request.trainer),
+        repr(request.gpu),
+        settings.micro_batches,
+    )
     try:
         hash(key)
     except TypeError:
@@ -153,18 +163,22 @@ def _prepare_batch(request: StepRequest, cache: ReuseCache | None) -> tuple[Any,
     return prepare_batch(request.module, request.batch, request.batch_size, request.datamodule, cache)
 
 
-def prepare_batch(module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any,
-                  cache: ReuseCache | None) -> tuple[Any, int | None, str]:
+def prepare_batch(
+    module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any, cache: ReuseCache | None
+) -> tuple[Any, int | None, str]:
     """Check the arguments; returns the batch (the data's worst batch if not given, see estimate/worst_batch.py),
     the loader's length in batches, and a note saying which batch it is and what the answer holds for. With
     ``cache`` (a ``reusing_fake_copies()`` block's) the batch of a module and datamodule is found once."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not "
-                        f"{type(module).__name__}")
+        raise TypeError(
+            f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}"
+        )
     if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
-        raise EstimateError(f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not "
-                            "exist before the first forward: run one forward with an example batch first, then "
-                            "estimate")
+        raise EstimateError(
+            f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not "
+            "exist before the first forward: run one forward with an example batch first, then "
+            "estimate"
+        )
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
     if isinstance(batch, WorstBatch):  # found by find_worst_batch (e.g. with size_of=): it says what it holds for
@@ -191,19 +205,29 @@ def _resolve(request: StepRequest, cache: ReuseCache | None) -> _Resolved:
     mode = _resolve_mode(request.mode)
     target = request.device if isinstance(request.device, torch.device) else torch.device(request.device)
     if mode is not None and mode.offload and target.type != "cuda":
-        raise EstimateError(f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs "
-                            "on CPU fakes)")
+        raise EstimateError(
+            f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs on CPU fakes)"
+        )
     batch, batches, batch_note = _prepare_batch(request, cache)
     module = request.module
     manual = is_lightning_module(module) and not module.automatic_optimization
     if manual and request.loss_fn is not None:
-        raise EstimateError(f"{type(module).__name__} uses manual optimization: its training_step runs the backward "
-                            "and the optimizer steps itself, so loss_fn= does not apply; leave it out")
+        raise EstimateError(
+            f"{type(module).__name__} uses manual optimization: its training_step runs the backward "
+            "and the optimizer steps itself, so loss_fn= does not apply; leave it out"
+        )
     configured = request.optimizer is None and is_lightning_module(module)
-    return _Resolved(mode=mode, target=target, batch=batch, batches=batches, batch_note=batch_note, manual=manual,
-                     make_optimizer=None if manual else optimizer_factory(module, request.optimizer),
-                     optimizer_hook=f"{type(module).__name__}.configure_optimizers" if configured else "optimizer=",
-                     loss_fn=request.loss_fn or default_loss)
+    return _Resolved(
+        mode=mode,
+        target=target,
+        batch=batch,
+        batches=batches,
+        batch_note=batch_note,
+        manual=manual,
+        make_optimizer=None if manual else optimizer_factory(module, request.optimizer),
+        optimizer_hook=f"{type(module).__name__}.configure_optimizers" if configured else "optimizer=",
+        loss_fn=request.loss_fn or default_loss,
+    )
 
 
 def _resolve_mode(mode: Any) -> Any:
@@ -215,8 +239,9 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
     resolved = _resolve(request, settings.reuse)
     fake, target, mode = request.fake, resolved.target, resolved.mode
     notes: list[str] = []
-    acc = StepAccountant(record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None,
-                         op_listener=settings.op_listener)
+    acc = StepAccountant(
+        record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None, op_listener=settings.op_listener
+    )
     offload = OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, request.gpu)  # the CUDA target's kernels and allocator
     with preserved_rng(), warnings.catch_warnings():
@@ -248,13 +273,16 @@ def _copy_of(request: StepRequest, cache: ReuseCache | None) -> tuple[FakeSessio
     if request.fake:
         return fake_module(module, attached, cache)
     if next((p.device.type for p in module.parameters()), "cpu") == "meta":
-        raise EstimateError(f"{type(module).__name__}'s parameters are on the meta device (no data): a real step "
-                            "cannot run; estimate_memory() estimates it on fake tensors")
+        raise EstimateError(
+            f"{type(module).__name__}'s parameters are on the meta device (no data): a real step "
+            "cannot run; estimate_memory() estimates it on fake tensors"
+        )
     return None, copy.deepcopy(module, {id(attached): None} if attached is not None else {})
 
 
-def _ready_for_step(request: StepRequest, resolved: _Resolved, session: FakeSession | None, module_copy: nn.Module,
-                    notes: list[str]) -> _StepCopy:
+def _ready_for_step(
+    request: StepRequest, resolved: _Resolved, session: FakeSession | None, module_copy: nn.Module, notes: list[str]
+) -> _StepCopy:
     """The copy with its batch (re-sized to the request's batch size: fakes on a fake step, on the parameters'
     device on a real one) and the stand-in trainer, in training mode; a fake step's caveats appended to ``notes``."""
     module, batch, batch_size = request.module, resolved.batch, request.batch_size
@@ -262,11 +290,17 @@ def _ready_for_step(request: StepRequest, resolved: _Resolved, session: FakeSess
     if session is not None:
         if batch_size is not None:
             batch = rebatch(batch, batch_size, lambda t, n: rebatched(session, t, n))
-        batch = tree_map(lambda leaf: cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor)
-                         and not keeps_real_values(leaf) else leaf, batch)
+        batch = tree_map(
+            lambda leaf: (
+                cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf) else leaf
+            ),
+            batch,
+        )
         if resolved.target.type != "cuda" and _runs_onednn_lstm(module):
-            notes.append("nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
-                         "gives it no size): this peak is low; measure_training_step() gives the real CPU figure")
+            notes.append(
+                "nn.LSTM on CPU runs oneDNN, whose workspace fake tensors do not see (torch's meta kernel "
+                "gives it no size): this peak is low; measure_training_step() gives the real CPU figure"
+            )
         # the accountant does the rest of the fake step's work (FakeStepOps)
         step_copy = _StepCopy(module_copy, batch, session.fake_mode_only, session)
     else:
@@ -275,40 +309,67 @@ def _ready_for_step(request: StepRequest, resolved: _Resolved, session: FakeSess
             batch = rebatch(batch, batch_size)
         step_copy = _StepCopy(module_copy, _move(batch, where), contextlib.nullcontext)
     trainer = request.trainer if request.trainer is not None else attached
-    attach_trainer(step_copy.module, trainer, resolved.batches, resolved.mode, request.datamodule,
-                   resolved.target.type)
+    attach_trainer(step_copy.module, trainer, resolved.batches, resolved.mode, request.datamodule, resolved.target.type)
     step_copy.module.train()
-    step_copy.autocast = step_autocast(resolved.mode, _device_type_of(step_copy.module, step_copy.batch),
-                                       resolved.target.type)
+    step_copy.autocast = step_autocast(
+        resolved.mode, _device_type_of(step_copy.module, step_copy.batch), resolved.target.type
+    )
     return step_copy
 
 
 def _runs_onednn_lstm(module: nn.Module) -> bool:
-    return (any(isinstance(m, nn.LSTM) for m in module.modules()) and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled)
+    return (
+        any(isinstance(m, nn.LSTM) for m in module.modules())
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+    )
 
 
-def _run_steps(request: StepRequest, resolved: _Resolved, settings: EstimateSettings, step_copy: _StepCopy,
-               acc: StepAccountant, offload: OffloadModel | None, kernels: CudaKernels | None) -> None:
+def _run_steps(
+    request: StepRequest,
+    resolved: _Resolved,
+    settings: EstimateSettings,
+    step_copy: _StepCopy,
+    acc: StepAccountant,
+    offload: OffloadModel | None,
+    kernels: CudaKernels | None,
+) -> None:
     """The steps on ``step_copy`` under the accountant, with the offload and the CUDA kernels the mode and target
     ask for."""
     module_copy, batch = step_copy.module, step_copy.batch
     acc.attributor.assign_module(module_copy)
     acc.attributor.assign(batch, "inputs")
-    loop = StepLoop(module_copy, batch, step_copy.autocast, acc, request.steps, micro_batches=settings.micro_batches,
-                    foreach=request.fake and resolved.target.type == "cuda")
+    loop = StepLoop(
+        module_copy,
+        batch,
+        step_copy.autocast,
+        acc,
+        request.steps,
+        micro_batches=settings.micro_batches,
+        foreach=request.fake and resolved.target.type == "cuda",
+    )
     # offload is what mode.offload models (its own hooks, the host bytes); a step apply_offload already wrapped
     # must not run torch's save_on_cpu on the fake step too: it would take every saved tensor from the counting
-    with step_copy.context(), acc, offload_suspended(), acc.attributor.watch_saved_tensors(), \
-            (kernels.active() if kernels else contextlib.nullcontext()), \
-            (offload.hooks() if offload is not None else contextlib.nullcontext()):
+    with (
+        step_copy.context(),
+        acc,
+        offload_suspended(),
+        acc.attributor.watch_saved_tensors(),
+        kernels.active() if kernels else contextlib.nullcontext(),
+        offload.hooks() if offload is not None else contextlib.nullcontext(),
+    ):
         if settings.prepare_copy is not None:
             settings.prepare_copy(module_copy, acc)
         if resolved.manual:
             run_manual_steps(loop, request.optimizer)
         else:
-            run_automatic_steps(loop, resolved.make_optimizer, resolved.loss_fn, resolved.optimizer_hook,
-                                lightning_hooks=resolved.loss_fn is default_loss and is_lightning_module(module_copy))
+            run_automatic_steps(
+                loop,
+                resolved.make_optimizer,
+                resolved.loss_fn,
+                resolved.optimizer_hook,
+                lightning_hooks=resolved.loss_fn is default_loss and is_lightning_module(module_copy),
+            )
 
 
 def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAccountant) -> Any:
@@ -334,9 +395,16 @@ def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAcc
         raise EstimateError(f"mode {mode.name!r}: {error}") from None
 
 
-def _estimate_of(acc: StepAccountant, request: StepRequest, resolved: _Resolved, batch: Any,
-                 offload: OffloadModel | None, kernels: CudaKernels | None, notes: list[str],
-                 started: float) -> MemoryEstimate:
+def _estimate_of(
+    acc: StepAccountant,
+    request: StepRequest,
+    resolved: _Resolved,
+    batch: Any,
+    offload: OffloadModel | None,
+    kernels: CudaKernels | None,
+    notes: list[str],
+    started: float,
+) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of the steps ``acc`` counted (with the CUDA allocator view on a CUDA target)."""
     if acc.errors:
         notes.append("accountant errors: " + "; ".join(acc.errors[:3]))
@@ -387,5 +455,6 @@ def _device_type_of(module: nn.Module, batch: Any) -> str:
 
 def _move(batch: Any, device: torch.device) -> Any:
     """The batch on ``device``, as Lightning moves it before ``training_step``."""
-    return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf,
-                    batch)
+    return tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf, batch
+    )

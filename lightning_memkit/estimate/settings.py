@@ -19,10 +19,12 @@ __all__ = ["EstimateSettings", "accumulating", "observing_ops", "reusing_fake_co
 
 _REUSE: contextvars.ContextVar[ReuseCache | None] = contextvars.ContextVar("memkit_fake_copies", default=None)
 _MICRO_BATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("memkit_micro_batches", default=1)
-_OP_LISTENER: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("memkit_op_listener",
-                                                                                         default=None)
+_OP_LISTENER: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar(
+    "memkit_op_listener", default=None
+)
 _PREPARE_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar(
-    "memkit_prepare_copy", default=None)
+    "memkit_prepare_copy", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,12 @@ class EstimateSettings:
     @classmethod
     def current(cls) -> EstimateSettings:
         """The settings of the blocks the caller is in."""
-        return cls(micro_batches=_MICRO_BATCHES.get(), op_listener=_OP_LISTENER.get(),
-                   prepare_copy=_PREPARE_COPY.get(), reuse=_REUSE.get())
+        return cls(
+            micro_batches=_MICRO_BATCHES.get(),
+            op_listener=_OP_LISTENER.get(),
+            prepare_copy=_PREPARE_COPY.get(),
+            reuse=_REUSE.get(),
+        )
 
 
 @contextlib.contextmanager

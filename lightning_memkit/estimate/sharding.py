@@ -13,8 +13,14 @@ from torch import nn
 
 from lightning_memkit.estimate.fake_session import FakeSession
 
-__all__ = ["STRATEGIES", "Sharding", "sharding_of", "ModelStates", "optimizer_state_bytes_per_parameter",
-           "model_state_bytes"]
+__all__ = [
+    "STRATEGIES",
+    "Sharding",
+    "sharding_of",
+    "ModelStates",
+    "optimizer_state_bytes_per_parameter",
+    "model_state_bytes",
+]
 
 # What each strategy shards: (parameters, gradients, optimizer state) sharded over the data-parallel group?
 # and whose precision layout it uses ("torch": autocast over fp32 parameters, as Lightning's DDP/FSDP
@@ -33,8 +39,13 @@ _SHARDED = {
     "model_parallel": (True, True, True, "torch"),
 }
 _ALIASES = {
-    "ddp_spawn": "ddp", "ddp_fork": "ddp", "ddp_notebook": "ddp", "deepspeed": "deepspeed_stage_2",
-    "fsdp_full": "fsdp_full_shard", "fsdp2": "model_parallel", "fully_shard": "model_parallel",
+    "ddp_spawn": "ddp",
+    "ddp_fork": "ddp",
+    "ddp_notebook": "ddp",
+    "deepspeed": "deepspeed_stage_2",
+    "fsdp_full": "fsdp_full_shard",
+    "fsdp2": "model_parallel",
+    "fully_shard": "model_parallel",
 }
 STRATEGIES: tuple[str, ...] = tuple(_SHARDED)
 """The strategy names :func:`estimate_distributed_memory` understands (Lightning's registry names, FSDP's
@@ -72,9 +83,11 @@ def sharding_of(strategy: Any, world_size: int, shard_size: int | None = None) -
         raise ValueError(f"world_size must be a positive integer (the number of ranks), not {world_size!r}")
     name = _strategy_name(strategy)
     if name not in _SHARDED:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)} (or a Lightning "
-                         "DDPStrategy, "
-                         "FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy object)")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)} (or a Lightning "
+            "DDPStrategy, "
+            "FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy object)"
+        )
     params, grads, optim, layout = _SHARDED[name]
     group = world_size
     if name == "fsdp_hybrid_shard" and shard_size is not None:
@@ -122,8 +135,9 @@ class ModelStates:
 
 
 def optimizer_state_bytes_per_parameter(
-        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | type = torch.optim.Adam,
-        dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | type = torch.optim.Adam,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, int]:
     """Bytes of optimizer state per parameter element and per parameter tensor, learnt from the real optimizer.
 
     The optimizer's ``step`` runs twice on fake parameters of two sizes (no memory is used) and its state
@@ -157,8 +171,15 @@ def optimizer_state_bytes_per_parameter(
     return per_element, per_tensor
 
 
-def model_state_bytes(num_parameters: int, strategy: Any = "ddp", world_size: int = 1, *, precision: str = "16-mixed",
-                      optimizer: Callable | type = torch.optim.Adam, shard_size: int | None = None) -> ModelStates:
+def model_state_bytes(
+    num_parameters: int,
+    strategy: Any = "ddp",
+    world_size: int = 1,
+    *,
+    precision: str = "16-mixed",
+    optimizer: Callable | type = torch.optim.Adam,
+    shard_size: int | None = None,
+) -> ModelStates:
     """Per-rank model-state bytes of ``num_parameters`` trainable parameters (the ZeRO paper's section 3 arithmetic).
 
     The optimizer's state per parameter is learnt from the real optimizer
@@ -197,5 +218,8 @@ def model_state_bytes(num_parameters: int, strategy: Any = "ddp", world_size: in
         total = nbytes * num_parameters
         return int(math.ceil(total / n)) if sharded else int(math.ceil(total))
 
-    return ModelStates(share(param_bytes, sharding.parameters), share(grad_bytes, sharding.gradients),
-                       share(optim_bytes, sharding.optimizer_state))
+    return ModelStates(
+        share(param_bytes, sharding.parameters),
+        share(grad_bytes, sharding.gradients),
+        share(optim_bytes, sharding.optimizer_state),
+    )

@@ -33,14 +33,17 @@ class StepAccountant(TensorAccountant):
     per op instead of three, with the same results (the step runs inside ``FakeSession.fake_mode_only``).
     """
 
-    def __init__(self, record_events: bool, fake_ops: FakeStepOps | None = None,
-                 op_listener: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self, record_events: bool, fake_ops: FakeStepOps | None = None, op_listener: Callable[..., None] | None = None
+    ) -> None:
         super().__init__()
         self.fake_ops = fake_ops
         self.events: list[tuple[str, int, int]] | None = [] if record_events else None
         if record_events:
-            self.add_storage_listener(lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
-                                      lambda record: self.events.append(("free", record.sequence, 0)))
+            self.add_storage_listener(
+                lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
+                lambda record: self.events.append(("free", record.sequence, 0)),
+            )
         self.peak_records: list[StorageRecord] = []
         self.peak_tick = 0
         self.attributor = CategoryAttributor(self)

@@ -69,16 +69,18 @@ def failure(module: nn.Module, fake: bool, error: BaseException) -> EstimateErro
 
 
 #: the part of :data:`DATA_DEPENDENT_HINT` that says what to do, in Python's terms (the CLI says it in its own)
-DATA_DEPENDENT_ADVICE = ("use measure_training_step() on a small batch, or express it without the data-dependent "
-                         "shape.")
+DATA_DEPENDENT_ADVICE = "use measure_training_step() on a small batch, or express it without the data-dependent shape."
 
 #: what an EstimateError adds when an op's output shape or a value depended on data the fakes do not have
-DATA_DEPENDENT_HINT = (" An op's output shape or a value read from a tensor depends on data the fake tensors do not"
-                       " hold and memkit has no bound for it (see docs/will_it_fit.md, data-dependent ops); "
-                       + DATA_DEPENDENT_ADVICE)
+DATA_DEPENDENT_HINT = (
+    " An op's output shape or a value read from a tensor depends on data the fake tensors do not"
+    " hold and memkit has no bound for it (see docs/will_it_fit.md, data-dependent ops); " + DATA_DEPENDENT_ADVICE
+)
 
 
 def _is_data_dependent(error: BaseException) -> bool:
     """Whether ``error`` is FakeTensorMode refusing a data-dependent op (an output shape or a value from data)."""
     return "data-dependent" in str(error).lower() or type(error).__name__ in (
-        "DynamicOutputShapeException", "DataDependentOutputException")
+        "DynamicOutputShapeException",
+        "DataDependentOutputException",
+    )

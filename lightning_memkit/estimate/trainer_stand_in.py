@@ -35,8 +35,9 @@ def give_trainer_optimizers(module_copy: nn.Module, returned: Any) -> None:
     trainer.optimizers, trainer.lr_scheduler_configs = automatic_optimizers_and_schedulers(returned)
 
 
-def attach_trainer(module_copy: nn.Module, trainer: Any, batches: int | None, mode: Any, datamodule: Any,
-                   target_type: str) -> None:
+def attach_trainer(
+    module_copy: nn.Module, trainer: Any, batches: int | None, mode: Any, datamodule: Any, target_type: str
+) -> None:
     """Give the copy (never ``module``) a stand-in trainer that answers as ``trainer`` (or a default
     ``Trainer()``) would at the start of fit, so ``configure_optimizers`` may read ``self.trainer``."""
     if not is_lightning_module(module_copy):

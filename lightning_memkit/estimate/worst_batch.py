@@ -24,8 +24,19 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
 
-__all__ = ["BatchSource", "WorstBatch", "find_worst_batch", "worst_batch_and_length", "seen_batch", "batch_shapes",
-           "batch_nbytes", "batch_tensors", "MAX_SIZED_SAMPLES", "SCAN_SECONDS", "SAMPLED_COUNT"]
+__all__ = [
+    "BatchSource",
+    "WorstBatch",
+    "find_worst_batch",
+    "worst_batch_and_length",
+    "seen_batch",
+    "batch_shapes",
+    "batch_nbytes",
+    "batch_tensors",
+    "MAX_SIZED_SAMPLES",
+    "SCAN_SECONDS",
+    "SAMPLED_COUNT",
+]
 
 #: The most samples sized one by one; a larger dataset is sized on a fixed random subset of this many.
 MAX_SIZED_SAMPLES = 100_000
@@ -164,8 +175,9 @@ def _seeded() -> None:
 def _signature(sample: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """A sample's total size and the shape of each of its tensor (or array) leaves."""
     leaves = tree_flatten(sample)[0]
-    leaves = [inner for leaf in leaves
-              for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])]
+    leaves = [
+        inner for leaf in leaves for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])
+    ]
     shapes = tuple(tuple(leaf.shape) for leaf in leaves if hasattr(leaf, "shape"))
     return sum(_leaf_size(leaf) for leaf in leaves), shapes
 
@@ -190,8 +202,10 @@ def _size_samples(dataset: Any, indices: Sequence[int]) -> dict[int, tuple[int, 
         try:
             signatures[index] = _signature(dataset[index])
         except Exception as error:
-            raise NoBatchError(f"{type(dataset).__name__}[{index}] failed while memkit sized the samples for the worst "
-                               f"batch: {type(error).__name__}: {error}") from error
+            raise NoBatchError(
+                f"{type(dataset).__name__}[{index}] failed while memkit sized the samples for the worst "
+                f"batch: {type(error).__name__}: {error}"
+            ) from error
     return signatures
 
 
@@ -222,9 +236,14 @@ def _loader_batch_size(loader: DataLoader) -> tuple[int, str]:
     if not isinstance(size, int):
         with preserved_rng():
             size = max((len(indices) for indices in sampler), default=1)
-    kind = "" if isinstance(sampler, BatchSampler) else (
-        f"; custom batch sampler {type(sampler).__name__}: the {size} largest samples together, an upper bound for "
-        f"any batch of {size}")
+    kind = (
+        ""
+        if isinstance(sampler, BatchSampler)
+        else (
+            f"; custom batch sampler {type(sampler).__name__}: the {size} largest samples together, an upper bound for "
+            f"any batch of {size}"
+        )
+    )
     return int(size), kind
 
 
@@ -235,6 +254,7 @@ def _collated(loader: DataLoader, dataset: Any) -> Callable[[Sequence[int]], Any
         with preserved_rng():
             _seeded()
             return collate([dataset[index] for index in indices])
+
     return make
 
 
@@ -271,8 +291,17 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
         nbytes = batch_nbytes(batch)
         if nbytes > best_bytes:
             best_order, best_batch, best_bytes = order, batch, nbytes
-    return WorstBatch(best_batch, min(batch_size, total), source, sized, total, time.perf_counter() - started,
-                      best_bytes, _order=best_order, _make=make)
+    return WorstBatch(
+        best_batch,
+        min(batch_size, total),
+        source,
+        sized,
+        total,
+        time.perf_counter() - started,
+        best_bytes,
+        _order=best_order,
+        _make=make,
+    )
 
 
 def _round_robin(orders: list[list[int]]) -> list[int]:
@@ -290,17 +319,21 @@ def _named_sizes(dataset: Any, size_of: Any, total: int) -> Sequence[float]:
     sequence of sizes (e.g. ``"lengths"``) or such a callable."""
     source = getattr(dataset, size_of, None) if isinstance(size_of, str) else size_of
     if source is None:
-        raise ValueError(f"size_of={size_of!r}: {type(dataset).__name__} has no attribute {size_of!r}; name a dataset "
-                         "attribute holding each sample's size (e.g. 'lengths'), or give a callable index -> size")
+        raise ValueError(
+            f"size_of={size_of!r}: {type(dataset).__name__} has no attribute {size_of!r}; name a dataset "
+            "attribute holding each sample's size (e.g. 'lengths'), or give a callable index -> size"
+        )
     sizes = [source(index) for index in range(total)] if callable(source) else list(source)
     if len(sizes) != total:
-        raise ValueError(f"size_of={size_of!r} gives {len(sizes)} sizes for a dataset of {total} samples: give one "
-                         "size per sample")
+        raise ValueError(
+            f"size_of={size_of!r} gives {len(sizes)} sizes for a dataset of {total} samples: give one size per sample"
+        )
     return sizes
 
 
-def find_worst_batch(loader: Any, batch_size: int | None = None, *, size_of: Any = None,
-                     max_samples: int = MAX_SIZED_SAMPLES) -> WorstBatch:
+def find_worst_batch(
+    loader: Any, batch_size: int | None = None, *, size_of: Any = None, max_samples: int = MAX_SIZED_SAMPLES
+) -> WorstBatch:
     """The largest batch ``loader`` can produce at ``batch_size`` samples (default: the loader's own).
 
     For a ``DataLoader`` over a map-style dataset every sample is sized (tensor bytes, string lengths; the model
@@ -323,16 +356,27 @@ def find_worst_batch(loader: Any, batch_size: int | None = None, *, size_of: Any
         NoBatchError: the loader is empty or a sample fails to load (the message names it).
     """
     started = time.perf_counter()
-    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
-            and hasattr(loader.dataset, "__len__") and hasattr(loader.dataset, "__getitem__"):
+    if (
+        isinstance(loader, DataLoader)
+        and not isinstance(loader.dataset, IterableDataset)
+        and hasattr(loader.dataset, "__len__")
+        and hasattr(loader.dataset, "__getitem__")
+    ):
         size, sampler_note = _loader_batch_size(loader)
         found = _from_dataset(loader, batch_size or size, size_of, max_samples)
         found.note = _note(found) + sampler_note
         return found
     if isinstance(loader, (list, tuple)) and loader:
         batch = max(loader, key=batch_nbytes)
-        found = WorstBatch(batch, batch_size_of(batch), BatchSource.BATCH_LIST, len(loader), len(loader),
-                           time.perf_counter() - started, batch_nbytes(batch))
+        found = WorstBatch(
+            batch,
+            batch_size_of(batch),
+            BatchSource.BATCH_LIST,
+            len(loader),
+            len(loader),
+            time.perf_counter() - started,
+            batch_nbytes(batch),
+        )
         found.note = _note(found)
         return found
     with preserved_rng():
@@ -345,8 +389,9 @@ def find_worst_batch(loader: Any, batch_size: int | None = None, *, size_of: Any
 
 def seen_batch(batch: Any, why: str = "", given: bool = False) -> WorstBatch:
     """A :class:`WorstBatch` for a batch that was given or seen, whose note says what the answer then holds for."""
-    found = WorstBatch(batch, batch_size_of(batch), BatchSource.GIVEN if given else BatchSource.SEEN,
-                       nbytes=batch_nbytes(batch))
+    found = WorstBatch(
+        batch, batch_size_of(batch), BatchSource.GIVEN if given else BatchSource.SEEN, nbytes=batch_nbytes(batch)
+    )
     found.note = _note(found, why)
     return found
 
@@ -356,9 +401,11 @@ def _note(found: WorstBatch, why: str = "") -> str:
     if found.source is BatchSource.DATASET:
         return f"the worst batch of all {found.total:,} samples"
     if found.source is BatchSource.DATASET_SUBSET:
-        return (f"the worst batch of {found.sized:,} of {found.total:,} samples ({found.sized / found.total:.0%}, a "
-                f"fixed random subset): a larger batch may exist; name each sample's "
-                "size (size_of=) to cover every sample")
+        return (
+            f"the worst batch of {found.sized:,} of {found.total:,} samples ({found.sized / found.total:.0%}, a "
+            f"fixed random subset): a larger batch may exist; name each sample's "
+            "size (size_of=) to cover every sample"
+        )
     if found.source is BatchSource.SIZE_FIELD:
         return f"the worst batch of {found.total:,} samples by the sizes named"
     if found.source is BatchSource.BATCH_LIST:
@@ -366,12 +413,15 @@ def _note(found: WorstBatch, why: str = "") -> str:
     if found.source is BatchSource.GIVEN:
         return "the batch given: the answer holds for batches no larger than it"
     reason = f" ({why})" if why else ""
-    return (f"the batch seen{reason}: the answer holds for this batch only; pass the worst batch (batch=...) for an "
-            "answer that holds for the run")
+    return (
+        f"the batch seen{reason}: the answer holds for this batch only; pass the worst batch (batch=...) for an "
+        "answer that holds for the run"
+    )
 
 
-def worst_batch_and_length(module: Any, datamodule: Any = None, *,
-                           size_of: Any = None) -> tuple[WorstBatch, int | None]:
+def worst_batch_and_length(
+    module: Any, datamodule: Any = None, *, size_of: Any = None
+) -> tuple[WorstBatch, int | None]:
     """The worst batch of the train dataloader of ``datamodule`` or ``module`` (see :func:`find_worst_batch`), and
     the loader's length in batches (``None`` when it has none). RNG states are untouched.
 
@@ -387,5 +437,6 @@ def worst_batch_and_length(module: Any, datamodule: Any = None, *,
     except ValueError:
         raise
     except Exception as error:
-        raise NoBatchError(f"the train dataloader failed while memkit looked for its worst batch: "
-                           f"{type(error).__name__}: {error}") from error
+        raise NoBatchError(
+            f"the train dataloader failed while memkit looked for its worst batch: {type(error).__name__}: {error}"
+        ) from error

@@ -5,4 +5,14 @@ from lightning_memkit.plan.planner import Plan, PlanError, PlanRow, plan_fit
 from lightning_memkit.plan.space import Candidate, candidate_space
 from lightning_memkit.plan.time_model import ROOFLINES, Roofline, TimeModel
 
-__all__ = ["Plan", "PlanError", "PlanRow", "plan_fit", "Candidate", "candidate_space", "ROOFLINES", "Roofline", "TimeModel"]
+__all__ = [
+    "Plan",
+    "PlanError",
+    "PlanRow",
+    "plan_fit",
+    "Candidate",
+    "candidate_space",
+    "ROOFLINES",
+    "Roofline",
+    "TimeModel",
+]

@@ -63,8 +63,14 @@ def _counts(depth: int) -> tuple[float, float, float]:
     for mode in (None, Mode(checkpoint={_Block})):
         costs = OpCosts()
         with observing_ops(costs):
-            estimate_memory(block, batch=sample, mode=mode, device="cpu", optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
-                            loss_fn=lambda m, b: m(b).sum())
+            estimate_memory(
+                block,
+                batch=sample,
+                mode=mode,
+                device="cpu",
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.0),
+                loss_fn=lambda m, b: m(b).sum(),
+            )
         counted.append(costs)
     plain, checkpointed = counted
     calls, inside = checkpointed.checkpoint_terms
@@ -102,7 +108,7 @@ def measure_checkpoint_overheads(rounds: int = 5, repeats: int = 10) -> tuple[fl
             sample = torch.randn(2, 8)
             best = {False: float("inf"), True: float("inf")}
             for round_ in range(rounds):
-                for checkpointed in ((False, True) if round_ % 2 == 0 else (True, False)):
+                for checkpointed in (False, True) if round_ % 2 == 0 else (True, False):
                     handle = apply_checkpointing(chain, {_Block}) if checkpointed else None
                     try:
                         _seconds(chain, sample, 2)  # warm

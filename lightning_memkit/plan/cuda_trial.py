@@ -25,15 +25,23 @@ from __future__ import annotations
 import contextlib
 import gc
 import traceback
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.units import format_bytes
 
-__all__ = ["HOST_PIN_SHARE", "allocator_bytes", "capped_allocator", "device_budget_bytes", "host_refusal",
-           "memory_fraction", "off_device", "over_budget"]
+__all__ = [
+    "HOST_PIN_SHARE",
+    "allocator_bytes",
+    "capped_allocator",
+    "device_budget_bytes",
+    "host_refusal",
+    "memory_fraction",
+    "off_device",
+    "over_budget",
+]
 
 #: the share of the host memory available now that an offload trial's predicted pinned bytes may take: torch's
 #: caching host allocator rounds each pinned block up to a power of two (up to twice the bytes asked), and pinned
@@ -42,8 +50,9 @@ HOST_PIN_SHARE = 0.5
 
 
 # ------------------------------------------------------------------------------------------ arithmetic (pure)
-def device_budget_bytes(free: int, reserved: int, total: int, fraction: float | None = None,
-                        context: int = CUDA_CONTEXT_BYTES) -> int:
+def device_budget_bytes(
+    free: int, reserved: int, total: int, fraction: float | None = None, context: int = CUDA_CONTEXT_BYTES
+) -> int:
     """The default budget of a CUDA plan, in the device's bytes: what this process's caching allocator can reach
     (``free`` device memory plus the ``reserved`` bytes it holds, the model under plan among them; at most
     ``fraction * total`` when a per-process fraction is set) plus its CUDA ``context``, which ``free`` already leaves
@@ -70,8 +79,10 @@ def over_budget(peak_reserved: int, budget: int, context: int = CUDA_CONTEXT_BYT
     reserved bytes plus the context, once), or ``None`` when it fits."""
     if peak_reserved + context <= budget:
         return None
-    return (f"over the budget: {format_bytes(peak_reserved)} reserved + {format_bytes(context)} CUDA context > "
-            f"{format_bytes(budget)}")
+    return (
+        f"over the budget: {format_bytes(peak_reserved)} reserved + {format_bytes(context)} CUDA context > "
+        f"{format_bytes(budget)}"
+    )
 
 
 def host_refusal(host_bytes: int, available: int, share: float = HOST_PIN_SHARE) -> str | None:
@@ -79,9 +90,11 @@ def host_refusal(host_bytes: int, available: int, share: float = HOST_PIN_SHARE)
     on a host with ``available`` bytes free (more than ``share`` of them), or ``None`` when it may."""
     if host_bytes <= share * available:
         return None
-    return (f"not run: offload pins about {format_bytes(host_bytes)} of host memory (the caching host allocator "
-            f"rounds each block up to a power of two: up to twice that), more than {share:.0%} of the "
-            f"{format_bytes(available)} the host has available; free host memory or leave offload out")
+    return (
+        f"not run: offload pins about {format_bytes(host_bytes)} of host memory (the caching host allocator "
+        f"rounds each block up to a power of two: up to twice that), more than {share:.0%} of the "
+        f"{format_bytes(available)} the host has available; free host memory or leave offload out"
+    )
 
 
 # ------------------------------------------------------------------------------------------ on a device
@@ -138,4 +151,3 @@ def _move_back(module: torch.nn.Module, device: torch.device, error: BaseExcepti
         gc.collect()
         torch.cuda.empty_cache()
         module.to(device)
-

@@ -52,10 +52,27 @@ from lightning_memkit.plan.time_model import OpCosts, TimeModel, calibrate_cpu, 
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
-__all__ = ["Plan", "PlanRow", "PlanError", "plan_fit", "CUDA_MARGIN", "WARMUP_STEPS", "TIMED_STEPS", "TIMED_SECONDS",
-           "MAX_TIMED_STEPS", "RETIMING_ROUNDS", "MIN_ROUNDS", "MAX_TRIALS", "TIE_ERRORS", "CALIBRATION_ACCUMULATION",
-           "CALIBRATION_ROUNDS", "CALIBRATION_SIZES", "PLAUSIBLE_SCALES", "PLAUSIBLE_OP_OVERHEADS",
-           "PLAUSIBLE_SIZE_EXPONENTS"]
+__all__ = [
+    "Plan",
+    "PlanRow",
+    "PlanError",
+    "plan_fit",
+    "CUDA_MARGIN",
+    "WARMUP_STEPS",
+    "TIMED_STEPS",
+    "TIMED_SECONDS",
+    "MAX_TIMED_STEPS",
+    "RETIMING_ROUNDS",
+    "MIN_ROUNDS",
+    "MAX_TRIALS",
+    "TIE_ERRORS",
+    "CALIBRATION_ACCUMULATION",
+    "CALIBRATION_ROUNDS",
+    "CALIBRATION_SIZES",
+    "PLAUSIBLE_SCALES",
+    "PLAUSIBLE_OP_OVERHEADS",
+    "PLAUSIBLE_SIZE_EXPONENTS",
+]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -224,7 +241,10 @@ class Plan:
         if self.best is None:
             return {}
         kwargs = _trainer_kwargs(self.best, self.device)
-        arguments: dict[str, Any] = {"accumulate_grad_batches": self.best.accumulation, "precision": kwargs["precision"]}
+        arguments: dict[str, Any] = {
+            "accumulate_grad_batches": self.best.accumulation,
+            "precision": kwargs["precision"],
+        }
         if kwargs.get("callbacks"):
             arguments["callbacks"] = kwargs["callbacks"]
         return arguments
@@ -235,44 +255,69 @@ class Plan:
         if self.best is None:
             return "# memkit plan: no configuration fit in a real trial\n"
         best = self.best
-        lines = [f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})",
-                 "trainer:",
-                 f"  accumulate_grad_batches: {best.accumulation}",
-                 f"  precision: {best.precision}"]
+        lines = [
+            f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})",
+            "trainer:",
+            f"  accumulate_grad_batches: {best.accumulation}",
+            f"  precision: {best.precision}",
+        ]
         if best.checkpoint is not None or best.offload:
             lines.append("  callbacks:")
         if best.checkpoint is not None:
-            lines += ["    - class_path: lightning_memkit.ActivationCheckpointing",
-                      "      init_args:",
-                      f"        policy: {_policy_yaml(best.checkpoint)}"]
+            lines += [
+                "    - class_path: lightning_memkit.ActivationCheckpointing",
+                "      init_args:",
+                f"        policy: {_policy_yaml(best.checkpoint)}",
+            ]
             if not _is_budget(best.checkpoint):
                 lines.append("        measure: false")
         if best.offload:
             lines.append("    - class_path: lightning_memkit.ActivationOffload")
-        lines += ["model:  # or data: wherever your dataloader takes its batch size",
-                  f"  batch_size: {best.micro_batch}"]
+        lines += [
+            "model:  # or data: wherever your dataloader takes its batch size",
+            f"  batch_size: {best.micro_batch}",
+        ]
         return "\n".join(lines) + "\n"
 
     def table(self) -> str:
         """The ranked table: configuration, predicted peak, step time, samples/s, fits, measured figures."""
-        head = (f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} on {self.device}; "
-                f"{self.trials} real trial{'s' if self.trials != 1 else ''}"
-                + (f"; planned in {self.seconds:.0f} s of a {budget_text(self.max_seconds)} s time budget"
-                   if self.max_seconds is not None else ""))
+        head = (
+            f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} "
+            f"on {self.device}; "
+            f"{self.trials} real trial{'s' if self.trials != 1 else ''}"
+            + (
+                f"; planned in {self.seconds:.0f} s of a {budget_text(self.max_seconds)} s time budget"
+                if self.max_seconds is not None
+                else ""
+            )
+        )
         rows = []
         for row in self.rows:
-            rows.append((
-                ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
-                format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-",
-                f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
-                f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
-                "yes" if row.fits else "no",
-                format_bytes(row.measured_peak_bytes) if row.measured_peak_bytes is not None else "-",
-                f"{row.measured_samples_per_s:.1f}" if row.measured_samples_per_s is not None else "-",
-                row.note,
-            ))
-        table = format_table(("configuration", "predicted peak", "step", "samples/s", "fits", "measured peak",
-                              "measured samples/s", "note"), rows)
+            rows.append(
+                (
+                    ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
+                    format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-",
+                    f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
+                    f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
+                    "yes" if row.fits else "no",
+                    format_bytes(row.measured_peak_bytes) if row.measured_peak_bytes is not None else "-",
+                    f"{row.measured_samples_per_s:.1f}" if row.measured_samples_per_s is not None else "-",
+                    row.note,
+                )
+            )
+        table = format_table(
+            (
+                "configuration",
+                "predicted peak",
+                "step",
+                "samples/s",
+                "fits",
+                "measured peak",
+                "measured samples/s",
+                "note",
+            ),
+            rows,
+        )
         tail = "\n".join(f"note: {n}" for n in self.notes)
         return head + "\n" + table + ("\n" + tail if tail else "")
 
@@ -313,7 +358,9 @@ def _budget_bytes(device_memory: Any, device_type: str, gpu: Any) -> int:
         try:
             budget = parse_bytes(device_memory) if isinstance(device_memory, str) else int(device_memory)
         except (ValueError, TypeError) as error:
-            raise PlanError(f"device_memory={device_memory!r}: {error}; give bytes (an int) or a size such as '4GiB'") from None
+            raise PlanError(
+                f"device_memory={device_memory!r}: {error}; give bytes (an int) or a size such as '4GiB'"
+            ) from None
         if budget <= 0:
             raise PlanError(f"device_memory={device_memory!r}: a memory size is positive; give e.g. '4GiB'")
         return budget
@@ -366,8 +413,10 @@ def _plan_device(device: Any) -> Any:
         return contextlib.nullcontext()
     index = torch.cuda.current_device() if target.index is None else target.index
     if not 0 <= index < torch.cuda.device_count():
-        raise PlanError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                        f"0 to {torch.cuda.device_count() - 1}")
+        raise PlanError(
+            f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"0 to {torch.cuda.device_count() - 1}"
+        )
     return torch.cuda.device(index)
 
 
@@ -379,7 +428,8 @@ def _user_precision(module: Any) -> str:
 
 @contextlib.contextmanager
 def _quiet_lightning() -> Iterator[None]:
-    """Lightning's per-Trainer info lines and the trials' expected warnings (a bare iterable, few steps) are not shown."""
+    """Lightning's per-Trainer info lines and the trials' expected warnings (a bare iterable, few steps) are not
+    shown."""
     names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
     loggers = [logging.getLogger(name) for name in names]
     try:  # the logger Lightning's rank_zero_info writes to (whichever Lightning package was imported last named it)
@@ -394,7 +444,9 @@ def _quiet_lightning() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="lightning")
-            warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|does not have many workers|val_dataloader).*")
+            warnings.filterwarnings(
+                "ignore", message=".*(num_workers|log_every_n_steps|does not have many workers|val_dataloader).*"
+            )
             yield
     finally:
         for each, level in zip(loggers, levels):
@@ -402,28 +454,64 @@ def _quiet_lightning() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------ estimates
-def _estimate_row(module: Any, candidate: Candidate, batch: Any, device_type: str, gpu: Any, datamodule: Any,
-                  budget: int, model: TimeModel) -> PlanRow:
+def _estimate_row(
+    module: Any,
+    candidate: Candidate,
+    batch: Any,
+    device_type: str,
+    gpu: Any,
+    datamodule: Any,
+    budget: int,
+    model: TimeModel,
+) -> PlanRow:
     from lightning_memkit.estimate.core import EstimateError, accumulating, estimate_memory, observing_ops
 
     costs = OpCosts()
     try:
         mode = candidate.mode
         with accumulating(min(candidate.accumulation, 2)), observing_ops(costs):
-            estimate = estimate_memory(module, candidate.micro_batch, batch=batch, mode=mode, device=device_type,
-                                       datamodule=datamodule, gpu=gpu if device_type == "cuda" else None)
+            estimate = estimate_memory(
+                module,
+                candidate.micro_batch,
+                batch=batch,
+                mode=mode,
+                device=device_type,
+                datamodule=datamodule,
+                gpu=gpu if device_type == "cuda" else None,
+            )
     except (EstimateError, ValueError) as error:
         return PlanRow(candidate, None, None, None, False, note=f"not estimated: {str(error).splitlines()[0][:160]}")
     peak = int(estimate.required_bytes)
     usable = budget * (1 - CUDA_MARGIN) if device_type == "cuda" else budget
-    offload_bytes = int(getattr(estimate, "offload_bytes", 0) or getattr(estimate, "host_bytes", 0) or 0) if candidate.offload else 0
+    offload_bytes = (
+        int(getattr(estimate, "offload_bytes", 0) or getattr(estimate, "host_bytes", 0) or 0)
+        if candidate.offload
+        else 0
+    )
     step_s = model.step_seconds(costs, candidate.accumulation, offload_bytes)
-    return PlanRow(candidate, peak, step_s, candidate.effective_batch / step_s, peak <= usable, costs=costs,
-                   offload_bytes=offload_bytes, model_step_s=step_s)
+    return PlanRow(
+        candidate,
+        peak,
+        step_s,
+        candidate.effective_batch / step_s,
+        peak <= usable,
+        costs=costs,
+        offload_bytes=offload_bytes,
+        model_step_s=step_s,
+    )
 
 
-def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow], batch: Any, device_type: str, gpu: Any,
-                       datamodule: Any, budget: int, model: TimeModel) -> int:
+def _estimate_families(
+    module: Any,
+    space: list[Candidate],
+    rows: list[PlanRow],
+    batch: Any,
+    device_type: str,
+    gpu: Any,
+    datamodule: Any,
+    budget: int,
+    model: TimeModel,
+) -> int:
     """Estimate the candidates not in ``rows`` yet, per mode (precision, checkpointing, offload) from the largest
     micro-batch down, stopping two micro-batches after the first that fits; returns how many were left out."""
     families: dict[tuple, list[Candidate]] = {}
@@ -441,7 +529,9 @@ def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow],
             if row is None:
                 row = _estimate_row(module, candidate, batch, device_type, gpu, datamodule, budget, model)
                 rows.append(row)
-            if row.predicted_peak_bytes is None:  # this mode cannot be estimated (its note says why): its smaller ones neither
+            if (
+                row.predicted_peak_bytes is None
+            ):  # this mode cannot be estimated (its note says why): its smaller ones neither
                 break
             fitting += row.fits
     return skipped
@@ -449,7 +539,9 @@ def _estimate_families(module: Any, space: list[Candidate], rows: list[PlanRow],
 
 def _ranked(rows: list[PlanRow]) -> list[PlanRow]:
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -(r.predicted_samples_per_s or 0.0))
-    rest = sorted((r for r in rows if not r.fits), key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0))
+    rest = sorted(
+        (r for r in rows if not r.fits), key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0)
+    )
     return fitting + rest
 
 
@@ -510,8 +602,16 @@ def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, secon
     return _StepClock()
 
 
-def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps: int, accumulation: int,
-         clock: Any, guard: Any) -> list[bool]:
+def _fit(
+    module: Any,
+    candidate: Candidate,
+    batch: Any,
+    device_type: str,
+    steps: int,
+    accumulation: int,
+    clock: Any,
+    guard: Any,
+) -> list[bool]:
     """``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch`` with a real Trainer in the candidate's
     precision and checkpointing (under ``guard``, a MemoryBudget, when given), on the plan's CUDA device
     (:func:`_cuda_device`) or the CPU. In ``16-mixed`` the fit goes on until ``steps`` optimizer steps were real, at
@@ -528,10 +628,21 @@ def _fit(module: Any, candidate: Candidate, batch: Any, device_type: str, steps:
     gate = RealSteps(steps) if kwargs["precision"] == "16-mixed" else None
     most = steps + (MAX_SKIPPED_STEPS if gate is not None else 0)
     callbacks = ([clock] if clock is not None else []) + kwargs["callbacks"] + ([gate] if gate is not None else [])
-    trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=[_cuda_device().index] if cuda else 1,
-                      max_steps=most, accumulate_grad_batches=accumulation, precision=kwargs["precision"],
-                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer = Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=[_cuda_device().index] if cuda else 1,
+        max_steps=most,
+        accumulate_grad_batches=accumulation,
+        precision=kwargs["precision"],
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
     data = _Batches(batch, most * accumulation)
     try:
         if guard is not None:
@@ -571,8 +682,9 @@ def _release(cuda: bool) -> None:
         empty_host_cache()
 
 
-def _timing_fit(copied: Any, candidate: Candidate, micro: Any, device_type: str, warmup: int, timed: int,
-                seconds: float) -> list[float]:
+def _timing_fit(
+    copied: Any, candidate: Candidate, micro: Any, device_type: str, warmup: int, timed: int, seconds: float
+) -> list[float]:
     """``warmup`` optimizer steps, then at least ``timed`` timed ones (on CPU, until they add up to ``seconds``, at
     most :data:`MAX_TIMED_STEPS`) of ``candidate`` on ``copied``: the timed steps' seconds."""
     cuda = device_type == "cuda"
@@ -602,8 +714,9 @@ def _recording_steps() -> Iterator[list[list[float]]]:
         del _RECORDED_STEPS[next(i for i, each in enumerate(_RECORDED_STEPS) if each is runs)]
 
 
-def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int,
-                seconds: float = 0.0) -> list[float]:
+def _timed_step(
+    module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int, seconds: float = 0.0
+) -> list[float]:
     """The seconds of the timed optimizer steps of ``candidate`` (see :func:`_timing_fit`) on a deep copy of
     ``module``, no budget: the CPU time model's calibration, and the interleaved rounds that time the trials again."""
     from lightning_memkit.estimate.batches import preserved_rng, rebatch
@@ -618,7 +731,9 @@ def _timed_step(module: Any, candidate: Candidate, batch: Any, device_type: str,
     return timed_seconds
 
 
-def _split_calibration(ones: list[float], manys: list[float], per_batch: float, per_step: float) -> tuple[float, float | None]:
+def _split_calibration(
+    ones: list[float], manys: list[float], per_batch: float, per_step: float
+) -> tuple[float, float | None]:
     """Seconds of one step at accumulation 1 and at :data:`CALIBRATION_ACCUMULATION`, round by round -> ``(one
     micro-batch, the once-per-step part)``: in each round their difference is the added micro-batches, the rest of the
     first step the part paid once (at least Lightning's measured ``per_step``); the median over the rounds counts, so
@@ -632,8 +747,15 @@ def _split_calibration(ones: list[float], manys: list[float], per_batch: float, 
     return per_micro, max(once, per_step)
 
 
-def _calibration_steps(module: Any, probes: list[Candidate], batch: Any, device_type: str, seconds: float,
-                       rounds: int = CALIBRATION_ROUNDS, keep_going: Any = None) -> list[list[float]]:
+def _calibration_steps(
+    module: Any,
+    probes: list[Candidate],
+    batch: Any,
+    device_type: str,
+    seconds: float,
+    rounds: int = CALIBRATION_ROUNDS,
+    keep_going: Any = None,
+) -> list[list[float]]:
     """For each of ``probes`` (in order), the median seconds per optimizer step of each round: ``rounds`` rounds of
     alternating order (each timing ``seconds / 2``), the timings of a round back to back, so that the machine's phases
     fall on all of them alike. ``keep_going(rounds done, their timings, seconds per round)``, when given, is asked
@@ -642,8 +764,10 @@ def _calibration_steps(module: Any, probes: list[Candidate], batch: Any, device_
     started = time.perf_counter()
     for round_ in range(rounds):
         order = list(range(len(probes)))
-        for index in (order if round_ % 2 == 0 else order[::-1]):
-            each[index].append(statistics.median(_timed_step(module, probes[index], batch, device_type, 1, 2, seconds / 2)))
+        for index in order if round_ % 2 == 0 else order[::-1]:
+            each[index].append(
+                statistics.median(_timed_step(module, probes[index], batch, device_type, 1, 2, seconds / 2))
+            )
         done = round_ + 1
         if done < rounds and keep_going is not None:
             if not keep_going(done, each, (time.perf_counter() - started) / done):
@@ -682,8 +806,17 @@ def _loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> 
     return per_batch, max(medians[0] - per_batch, 0.0), max(min(runs), 0.0)
 
 
-def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_type: str, warmup: int, timed: int,
-           seconds: float = 0.0, row: PlanRow | None = None) -> tuple[bool, int | None, float | None, str]:
+def _trial(
+    module: Any,
+    candidate: Candidate,
+    batch: Any,
+    budget: int,
+    device_type: str,
+    warmup: int,
+    timed: int,
+    seconds: float = 0.0,
+    row: PlanRow | None = None,
+) -> tuple[bool, int | None, float | None, str]:
     """One real trial on a deep copy of ``module``: ``(fits, peak bytes, median samples/s, note)``.
 
     On CPU the memory and the time are measured in two fits of the same copy: first two optimizer steps under a
@@ -725,8 +858,11 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     peak = None
     said: list[str] = []  # what the note adds: a CUDA trial's peaks, skipped fp16 steps, a compiled module's reset
     # on CUDA the module under plan is in host memory until the copy is gone (off_device)
-    with preserved_rng(), _quiet_lightning(), \
-            (cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext()):
+    with (
+        preserved_rng(),
+        _quiet_lightning(),
+        cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext(),
+    ):
         copied = _copy_of(module)
         micro = rebatch(batch, candidate.micro_batch)
         clock = _clock(candidate.accumulation, cuda) if cuda else None  # on CPU _timing_fit times the steps
@@ -738,8 +874,9 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
                 torch.cuda.reset_peak_memory_stats(device)
                 with cuda_trial.capped_allocator(device, budget) as cap:
                     said.append(f"allocator capped at {format_bytes(cap)}")
-                    skipped = _fit(copied, candidate, micro, device_type, warmup + timed, candidate.accumulation,
-                                   clock, None)
+                    skipped = _fit(
+                        copied, candidate, micro, device_type, warmup + timed, candidate.accumulation, clock, None
+                    )
             else:
                 guard = MemoryBudget(budget)
                 _fit(copied, candidate, micro, device_type, 2, min(candidate.accumulation, 2), None, guard)
@@ -763,13 +900,17 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
             if error_text is None:
                 error_text = cuda_trial.over_budget(reserved, budget)
             if any(skipped):
-                said.append(f"{sum(skipped)} of {len(skipped)} optimizer steps skipped by the GradScaler (inf "
-                            "gradients): run beyond those asked, not timed")
+                said.append(
+                    f"{sum(skipped)} of {len(skipped)} optimizer steps skipped by the GradScaler (inf "
+                    "gradients): run beyond those asked, not timed"
+                )
             if error_text is None:
                 timed_seconds = real_step_seconds(clock.step_seconds(), skipped, warmup)
                 if skipped and all(skipped):
-                    error_text = (f"the GradScaler skipped all {len(skipped)} optimizer steps (inf or NaN gradients "
-                                  "at every scale): the optimizer never stepped")
+                    error_text = (
+                        f"the GradScaler skipped all {len(skipped)} optimizer steps (inf or NaN gradients "
+                        "at every scale): the optimizer never stepped"
+                    )
         del copied, micro, clock
         if compiled:
             reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
@@ -781,16 +922,33 @@ def _trial(module: Any, candidate: Candidate, batch: Any, budget: int, device_ty
     if not timed_seconds:
         return False, peak, None, "no timed step ran" + tail
     median = statistics.median(timed_seconds)
-    return (True, peak, candidate.effective_batch / median,
-            f"ran: median step {median * 1e3:.1f} ms of {len(timed_seconds)}" + tail)
+    return (
+        True,
+        peak,
+        candidate.effective_batch / median,
+        f"ran: median step {median * 1e3:.1f} ms of {len(timed_seconds)}" + tail,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int | str | None = None, gpu: Any = None,
-             device: Any = None, modes: Any = None, datamodule: Any = None, trials: int = MAX_TRIALS, world_size: int = 1,
-             strategy: Any = None, verbose: bool = True, warmup_steps: int = WARMUP_STEPS,
-             timed_steps: int = TIMED_STEPS, timed_seconds: float = TIMED_SECONDS,
-             max_seconds: float | None = None) -> Plan:
+def plan_fit(
+    module: Any,
+    *,
+    batch_size: int | None = None,
+    device_memory: int | str | None = None,
+    gpu: Any = None,
+    device: Any = None,
+    modes: Any = None,
+    datamodule: Any = None,
+    trials: int = MAX_TRIALS,
+    world_size: int = 1,
+    strategy: Any = None,
+    verbose: bool = True,
+    warmup_steps: int = WARMUP_STEPS,
+    timed_steps: int = TIMED_STEPS,
+    timed_seconds: float = TIMED_SECONDS,
+    max_seconds: float | None = None,
+) -> Plan:
     """The fastest way to train ``module`` at its effective batch within a memory budget, proved by real trials.
 
     Args:
@@ -803,7 +961,8 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
             budget, the trials and their peaks are that device's; default: CUDA when available or ``gpu`` is given,
             the current device, else CPU).
         modes: what may change: ``"micro_batch,checkpoint"`` (the default: memory-only changes), plus ``bf16`` /
-            ``fp16`` / ``amp`` (a precision change) and ``offload`` (CUDA only); see :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
+            ``fp16`` / ``amp`` (a precision change) and ``offload`` (CUDA only); see
+            :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
         datamodule: a LightningDataModule to take the sample batch from.
         trials: the most real trials (1 to :data:`MAX_TRIALS`).
         world_size, strategy: one device only for now (1 and ``None``).
@@ -835,13 +994,42 @@ def plan_fit(module: Any, *, batch_size: int | None = None, device_memory: int |
     # the CPU calibration's and the trials' random numbers leave the caller's RNG streams as they were; a CUDA plan
     # runs on the device it names (the current device is set back after)
     with preserved_rng(), _plan_device(device):
-        return _plan_fit(module, batch_size, device_memory, gpu, device, modes, datamodule, trials, world_size, strategy,
-                         verbose, warmup_steps, timed_steps, timed_seconds, max_seconds)
+        return _plan_fit(
+            module,
+            batch_size,
+            device_memory,
+            gpu,
+            device,
+            modes,
+            datamodule,
+            trials,
+            world_size,
+            strategy,
+            verbose,
+            warmup_steps,
+            timed_steps,
+            timed_seconds,
+            max_seconds,
+        )
 
 
-def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device: Any, modes: Any, datamodule: Any,
-              trials: Any, world_size: Any, strategy: Any, verbose: bool, warmup_steps: Any, timed_steps: Any,
-              timed_seconds: Any, max_seconds: Any = None) -> Plan:
+def _plan_fit(
+    module: Any,
+    batch_size: Any,
+    device_memory: Any,
+    gpu: Any,
+    device: Any,
+    modes: Any,
+    datamodule: Any,
+    trials: Any,
+    world_size: Any,
+    strategy: Any,
+    verbose: bool,
+    warmup_steps: Any,
+    timed_steps: Any,
+    timed_seconds: Any,
+    max_seconds: Any = None,
+) -> Plan:
     started = time.perf_counter()
     say = (lambda text: print(text, flush=True)) if verbose else (lambda text: None)
     try:
@@ -849,22 +1037,38 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     except ImportError:  # pragma: no cover
         raise PlanError("plan_fit runs real Lightning trials: install lightning") from None
     if not isinstance(module, LightningModule):
-        raise PlanError(f"plan_fit plans a LightningModule's training (its trials run a real Trainer); {type(module).__name__} "
-                        "is not one: wrap it in a LightningModule with training_step and configure_optimizers")
+        raise PlanError(
+            f"plan_fit plans a LightningModule's training (its trials run a real Trainer); {type(module).__name__} "
+            "is not one: wrap it in a LightningModule with training_step and configure_optimizers"
+        )
     if isinstance(trials, bool) or not isinstance(trials, int) or not 1 <= trials <= MAX_TRIALS:
-        raise PlanError(f"trials={trials!r}: give 1 to {MAX_TRIALS} (the plan proves its choice in at most {MAX_TRIALS} real trials)")
+        raise PlanError(
+            f"trials={trials!r}: give 1 to {MAX_TRIALS} "
+            f"(the plan proves its choice in at most {MAX_TRIALS} real trials)"
+        )
     for name, value in (("warmup_steps", warmup_steps), ("timed_steps", timed_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-            raise PlanError(f"{name}={value!r}: give a {'non-negative' if name == 'warmup_steps' else 'positive'} integer")
-    if isinstance(timed_seconds, bool) or not isinstance(timed_seconds, (int, float)) or not 0 <= timed_seconds < float("inf"):
+            raise PlanError(
+                f"{name}={value!r}: give a {'non-negative' if name == 'warmup_steps' else 'positive'} integer"
+            )
+    if (
+        isinstance(timed_seconds, bool)
+        or not isinstance(timed_seconds, (int, float))
+        or not 0 <= timed_seconds < float("inf")
+    ):
         raise PlanError(f"timed_seconds={timed_seconds!r}: give seconds >= 0 (0: time timed_steps steps once)")
-    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
-                                    or not max_seconds > 0):
-        raise PlanError(f"max_seconds={max_seconds!r}: give a positive number of seconds (the plan's time budget; "
-                        "inf: none), or None for the default (the estimate plus 20 baseline steps)")
+    if max_seconds is not None and (
+        isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0
+    ):
+        raise PlanError(
+            f"max_seconds={max_seconds!r}: give a positive number of seconds (the plan's time budget; "
+            "inf: none), or None for the default (the estimate plus 20 baseline steps)"
+        )
     if world_size != 1 or strategy is not None:
-        raise PlanError(f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
-                        f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory")
+        raise PlanError(
+            f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
+            f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory"
+        )
     try:
         plan_modes = parse_plan_modes(modes)
     except ValueError as error:
@@ -883,26 +1087,39 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     batch = worst.batch
     effective = batch_size if batch_size is not None else batch_size_of(batch)
     if effective is None or isinstance(effective, bool) or not isinstance(effective, int) or effective < 1:
-        raise PlanError(f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)")
+        raise PlanError(
+            f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)"
+        )
     state_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     if state_bytes > budget:
-        raise PlanError(f"the budget of {format_bytes(budget)} is below the model's parameters alone ({format_bytes(state_bytes)}): "
-                        "no micro-batch, checkpointing or precision makes it fit; give more memory or a smaller model")
+        raise PlanError(
+            f"the budget of {format_bytes(budget)} is below the model's parameters alone "
+            f"({format_bytes(state_bytes)}): "
+            "no micro-batch, checkpointing or precision makes it fit; give more memory or a smaller model"
+        )
     manual = not module.automatic_optimization
     from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
 
     can_checkpoint = bool(find_repeated_blocks(module))
     user_precision = _user_precision(module)
     try:
-        space = candidate_space(effective, modes=plan_modes, device_type=device_type, precision=user_precision,
-                                can_checkpoint=can_checkpoint, can_accumulate=not manual)
+        space = candidate_space(
+            effective,
+            modes=plan_modes,
+            device_type=device_type,
+            precision=user_precision,
+            can_checkpoint=can_checkpoint,
+            can_accumulate=not manual,
+        )
     except ValueError as error:
         raise PlanError(str(error)) from None
     notes: list[str] = []
     if "checkpoint" in plan_modes and not can_checkpoint:
         notes.append(f"no checkpointing candidates: {type(module).__name__} has no repeated blocks to checkpoint")
     if manual and "micro_batch" in plan_modes:
-        notes.append("manual optimization: no gradient accumulation (Lightning's accumulate_grad_batches does not apply)")
+        notes.append(
+            "manual optimization: no gradient accumulation (Lightning's accumulate_grad_batches does not apply)"
+        )
     can_run = device_type == "cpu" or torch.cuda.is_available()
     if device_type == "cpu":
         model = TimeModel(calibrate_cpu())  # the roofline of this CPU's kernels, measured here
@@ -920,9 +1137,11 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
     with reusing_fake_copies():
         baseline = _estimate_row(module, space[0], batch, device_type, gpu, datamodule, budget, model)
         rows.append(baseline)
-        say(f"memkit plan: baseline {baseline.candidate.describe()}: predicted peak "
+        say(
+            f"memkit plan: baseline {baseline.candidate.describe()}: predicted peak "
             f"{format_bytes(baseline.predicted_peak_bytes) if baseline.predicted_peak_bytes is not None else '-'} "
-            f"of {format_bytes(budget)}")
+            f"of {format_bytes(budget)}"
+        )
         clock.state(baseline.predicted_step_s)
         if baseline.fits and can_run:
             clock.estimated(1, 1)
@@ -934,15 +1153,22 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         if not fits_as_is:
             estimating = time.perf_counter()
             skipped = _estimate_families(module, space, rows, batch, device_type, gpu, datamodule, budget, model)
-            clock.estimated(len(rows), sum(row.fits for row in rows),
-                            time.perf_counter() - estimating if clock.estimate_s is not None else None)
+            clock.estimated(
+                len(rows),
+                sum(row.fits for row in rows),
+                time.perf_counter() - estimating if clock.estimate_s is not None else None,
+            )
             if skipped:
-                notes.append(f"{skipped} smaller micro-batches not estimated: below two that fit in the same mode they fit too "
-                             "(memory grows with the micro-batch) and are slower (the same FLOPs in more, smaller steps)")
+                notes.append(
+                    f"{skipped} smaller micro-batches not estimated: below two that fit in the same mode they fit too "
+                    "(memory grows with the micro-batch) and are slower (the same FLOPs in more, smaller steps)"
+                )
     if not fits_as_is:
         if not can_run:
-            notes.append("no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
-                         "for real trials and a best configuration")
+            notes.append(
+                "no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
+                "for real trials and a best configuration"
+            )
         base_model, observations, calibrations = model, [], []
         if cpu and can_run:
             measuring = time.perf_counter()
@@ -953,12 +1179,22 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
                 # what torch's checkpoint runs in Python per checkpointed call and per op inside one, measured here:
                 # on a CPU it outweighs the recomputed FLOPs of a small micro-batch
                 per_call, per_inside = measure_checkpoint_overheads()
-            base_model = model = TimeModel(dataclasses.replace(model.roofline, batch_overhead_s=per_batch,
-                                                               step_overhead_s=per_step, checkpoint_call_s=per_call,
-                                                               checkpoint_op_s=per_inside))
-            clock.ran("overheads", time.perf_counter() - measuring,
-                      say="Lightning's loop" + (" and checkpointing's Python" if per_call or per_inside else "")
-                          + " measured apart")
+            base_model = model = TimeModel(
+                dataclasses.replace(
+                    model.roofline,
+                    batch_overhead_s=per_batch,
+                    step_overhead_s=per_step,
+                    checkpoint_call_s=per_call,
+                    checkpoint_op_s=per_inside,
+                )
+            )
+            clock.ran(
+                "overheads",
+                time.perf_counter() - measuring,
+                say="Lightning's loop"
+                + (" and checkpointing's Python" if per_call or per_inside else "")
+                + " measured apart",
+            )
         _repredict(rows, model)
         # the model the time budget prices every real run with (the measured / predicted ratio of the steps that ran
         # scales it): before the calibration, as the baseline's step was predicted
@@ -967,20 +1203,38 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         def expected_step(row: PlanRow) -> float:
             if row.ran:
                 return row.candidate.effective_batch / row.measured_samples_per_s
-            return clock.expected(reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes,
-                                                         row.candidate.micro_batch, row.candidate.precision))
+            return clock.expected(
+                reference.step_seconds(
+                    row.costs,
+                    row.candidate.accumulation,
+                    row.offload_bytes,
+                    row.candidate.micro_batch,
+                    row.candidate.precision,
+                )
+            )
 
         def trial_cost(row: PlanRow, timed: int = timed_steps, seconds: float = timed_seconds) -> float:
-            return clock.trial_cost(expected_step(row), row.candidate.accumulation, warmup_steps, timed, seconds,
-                                    MAX_TIMED_STEPS, cpu)
+            return clock.trial_cost(
+                expected_step(row), row.candidate.accumulation, warmup_steps, timed, seconds, MAX_TIMED_STEPS, cpu
+            )
 
         if baseline.costs is not None:
             clock.baseline_step_s = reference.step_seconds(baseline.costs, 1)
             clock.rebase()
         if cpu and can_run:
-            calibration = _calibrate(module, rows, batch, model, trials, clock, user_precision, effective,
-                                     (per_batch, per_step), timed_seconds,
-                                     lambda: sum(trial_cost(row) for row in _contenders(rows)[:trials]))
+            calibration = _calibrate(
+                module,
+                rows,
+                batch,
+                model,
+                trials,
+                clock,
+                user_precision,
+                effective,
+                (per_batch, per_step),
+                timed_seconds,
+                lambda: sum(trial_cost(row) for row in _contenders(rows)[:trials]),
+            )
             if calibration is not None:
                 base_model, calibrations, note = calibration
                 observations += calibrations
@@ -994,8 +1248,10 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         # fastest under some plausible time model (the most plausible first), then follow the ranking
         cover = [] if calibrations or not (cpu and can_run) else _plausible_winners(_contenders(rows), model)
         if len(cover) > 1:
-            notes.append("the time model was not calibrated: the trials ran first the candidates that are the fastest "
-                         "under some plausible time model: " + "; ".join(r.candidate.describe() for r in cover))
+            notes.append(
+                "the time model was not calibrated: the trials ran first the candidates that are the fastest "
+                "under some plausible time model: " + "; ".join(r.candidate.describe() for r in cover)
+            )
         while can_run and trials_run < trials:
             queue = [r for r in _ranked(rows) if r.fits and r.measured_peak_bytes is None and not r.note]
             if not queue:
@@ -1010,27 +1266,43 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             # the trials share what is left of the time budget (a trial times fewer steps to keep to its share);
             # until one has fit, a trial runs whatever the budget says: the plan's choice must have run
             waiting = min(trials - trials_run, sum(_needless_trial(r, rows) is None for r in queue))
-            timing = clock.fitting_steps(expected_step(row), row.candidate.accumulation, warmup_steps, timed_steps,
-                                         timed_seconds, MAX_TIMED_STEPS, cpu, clock.left() / max(waiting, 1))
+            timing = clock.fitting_steps(
+                expected_step(row),
+                row.candidate.accumulation,
+                warmup_steps,
+                timed_steps,
+                timed_seconds,
+                MAX_TIMED_STEPS,
+                cpu,
+                clock.left() / max(waiting, 1),
+            )
             shortest = min(timed_steps, MIN_TIMED_STEPS)
             if timing is None and trial_cost(row, shortest, 0.0) <= clock.left():
                 timing = (shortest, 0.0)  # more than its share, its fewest steps: the trials after it may not run
             if timing is None:
                 if any(r.ran for r in rows):
                     cost = describe_seconds(trial_cost(row, shortest, 0.0))
-                    clock.skip("trial", f"{cost} with {shortest} timed steps, and {max(clock.left(), 0):.0f} s of "
-                                        "the time budget are left", detail=row.candidate.describe())
+                    clock.skip(
+                        "trial",
+                        f"{cost} with {shortest} timed steps, and {max(clock.left(), 0):.0f} s of "
+                        "the time budget are left",
+                        detail=row.candidate.describe(),
+                    )
                     break
                 timing = (shortest, 0.0)
             timed, seconds = timing
             if (timed, seconds) != (timed_steps, timed_seconds):
-                say(f"memkit plan: trial of {row.candidate.describe()}: {timed} timed steps, to keep to the time "
-                    f"budget ({describe_seconds(trial_cost(row, timed, seconds))}, {max(clock.left(), 0):.0f} s left)")
+                say(
+                    f"memkit plan: trial of {row.candidate.describe()}: {timed} timed steps, to keep to the time "
+                    f"budget ({describe_seconds(trial_cost(row, timed, seconds))}, {max(clock.left(), 0):.0f} s left)"
+                )
             trials_run += 1
             _run_row(module, row, batch, budget, device_type, warmup_steps, timed, say, seconds, clock)
             if row.ran and row.costs is not None:
-                clock.observe(reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes),
-                              row.candidate.effective_batch / row.measured_samples_per_s)
+                clock.observe(
+                    reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes),
+                    row.candidate.effective_batch / row.measured_samples_per_s,
+                )
                 clock.rebase()
             if row.ran and cpu and row.costs is not None:
                 # CPU: every trial that ran refits the time model (scale of the kernels, per-op overhead), and the
@@ -1041,42 +1313,76 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
         ran = [r for r in rows if r.ran]
         timings = None
         if cpu and timed_seconds > 0 and len(ran) > 1:
-            per_round = sum(clock.timing_cost(expected_step(row), warmup_steps, timed_steps, timed_seconds / 2,
-                                              MAX_TIMED_STEPS) for row in ran)
-            rounds = max((n for n in range(MIN_ROUNDS, RETIMING_ROUNDS + 1) if n * per_round <= clock.left()),
-                         default=0)
+            per_round = sum(
+                clock.timing_cost(expected_step(row), warmup_steps, timed_steps, timed_seconds / 2, MAX_TIMED_STEPS)
+                for row in ran
+            )
+            rounds = max(
+                (n for n in range(MIN_ROUNDS, RETIMING_ROUNDS + 1) if n * per_round <= clock.left()), default=0
+            )
             if rounds:
                 timing_rounds = time.perf_counter()
-                timings = _interleaved_rounds(module, ran, batch, device_type, warmup_steps, timed_steps, timed_seconds,
-                                              say, rounds, keep_going=lambda seconds: seconds <= clock.left())
+                timings = _interleaved_rounds(
+                    module,
+                    ran,
+                    batch,
+                    device_type,
+                    warmup_steps,
+                    timed_steps,
+                    timed_seconds,
+                    say,
+                    rounds,
+                    keep_going=lambda seconds: seconds <= clock.left(),
+                )
                 rounds = min(len(timings[id(row)]) - 1 for row in ran)
-                clock.ran("rounds", time.perf_counter() - timing_rounds, detail=f"{rounds} rounds",
-                          say=f"rounds: the {len(ran)} trials timed {rounds} more times each, in rounds of "
-                              "alternating order")
+                clock.ran(
+                    "rounds",
+                    time.perf_counter() - timing_rounds,
+                    detail=f"{rounds} rounds",
+                    say=f"rounds: the {len(ran)} trials timed {rounds} more times each, in rounds of alternating order",
+                )
                 observations = calibrations + [_observation(r) for r in ran if r.costs is not None]
                 model = base_model.fit(observations)
                 _repredict(rows, model, measured_errors=True)
-                notes.append(f"each trial was timed {1 + rounds} times in rounds of alternating order and priced "
-                             "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
-                             "percent while a plan runs")
+                notes.append(
+                    f"each trial was timed {1 + rounds} times in rounds of alternating order and priced "
+                    "round by round against the one with the lowest median: a CPU's speed drifts by tens of "
+                    "percent while a plan runs"
+                )
             else:
-                clock.skip("rounds", f"{MIN_ROUNDS} rounds of the {len(ran)} trials would take "
-                                     f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
-                                     "the time budget are left: the trials' own timings decide, a difference within "
-                                     "their steps' noise is a tie")
+                clock.skip(
+                    "rounds",
+                    f"{MIN_ROUNDS} rounds of the {len(ran)} trials would take "
+                    f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
+                    "the time budget are left: the trials' own timings decide, a difference within "
+                    "their steps' noise is a tie",
+                )
         if cpu and observations:
-            notes.append(f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
-                         f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
-                         f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
-                         + (f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step" if model.step_s is None else
-                            f"{model.step_s * 1e3:.2f} ms once per step with the optimizer (calibrated)")
-                         + ("; each micro-batch size's correction of its ops (measured / modelled): "
-                            + ", ".join(f"{size}{'' if precision == user_precision else f' ({precision})'}: {factor:.2f}"
-                                        for (precision, size), factor in sorted(model.micro_factors.items()))
-                            if model.micro_factors else "")
-                         + (f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
-                            f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
-                            if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s else ""))
+            notes.append(
+                f"CPU time model fitted: kernels {model.scale:.2f} x the measured roofline, "
+                f"{model.roofline.op_overhead_s * 1e6:.1f} us per op; Lightning's loop measured apart: "
+                f"{model.roofline.batch_overhead_s * 1e3:.2f} ms per micro-batch, "
+                + (
+                    f"{model.roofline.step_overhead_s * 1e3:.2f} ms per step"
+                    if model.step_s is None
+                    else f"{model.step_s * 1e3:.2f} ms once per step with the optimizer (calibrated)"
+                )
+                + (
+                    "; each micro-batch size's correction of its ops (measured / modelled): "
+                    + ", ".join(
+                        f"{size}{'' if precision == user_precision else f' ({precision})'}: {factor:.2f}"
+                        for (precision, size), factor in sorted(model.micro_factors.items())
+                    )
+                    if model.micro_factors
+                    else ""
+                )
+                + (
+                    f"; checkpointing measured apart: {model.roofline.checkpoint_call_s * 1e3:.2f} ms per "
+                    f"checkpointed call, {model.roofline.checkpoint_op_s * 1e6:.1f} us per op inside one"
+                    if model.roofline.checkpoint_call_s or model.roofline.checkpoint_op_s
+                    else ""
+                )
+            )
         best, tie = _settle(ran, timings, say)
         if tie is not None:
             notes.append(tie)
@@ -1085,21 +1391,41 @@ def _plan_fit(module: Any, batch_size: Any, device_memory: Any, gpu: Any, device
             notes.append(_no_best_note(rows))
     notes.insert(0, f"batch: {worst.describe()}; micro-batches are its largest samples")
     seconds = time.perf_counter() - started
-    notes.append(f"time budget {budget_text(clock.total)} s "
-                 f"({'max_seconds' if clock.given is not None else 'the default'}); "
-                 f"planned in {seconds:.1f} s: {clock.summary()}")
-    notes += [f"{phase.name}{f' of {phase.detail}' if phase.detail else ''} left out: {phase.skipped}"
-              for phase in clock.phases if phase.skipped]
-    plan = Plan(rows, best.candidate if best is not None else None, fits_as_is, budget, effective, trials_run, device_type,
-                notes, seconds, batch_shapes=worst.shapes(),
-                proved_micro_batch=_proved(batch, best.candidate if best is not None else None),
-                max_seconds=clock.total, phases=list(clock.phases))
+    notes.append(
+        f"time budget {budget_text(clock.total)} s "
+        f"({'max_seconds' if clock.given is not None else 'the default'}); "
+        f"planned in {seconds:.1f} s: {clock.summary()}"
+    )
+    notes += [
+        f"{phase.name}{f' of {phase.detail}' if phase.detail else ''} left out: {phase.skipped}"
+        for phase in clock.phases
+        if phase.skipped
+    ]
+    plan = Plan(
+        rows,
+        best.candidate if best is not None else None,
+        fits_as_is,
+        budget,
+        effective,
+        trials_run,
+        device_type,
+        notes,
+        seconds,
+        batch_shapes=worst.shapes(),
+        proved_micro_batch=_proved(batch, best.candidate if best is not None else None),
+        max_seconds=clock.total,
+        phases=list(clock.phases),
+    )
     if fits_as_is:
-        say(f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change "
-            f"({seconds:.1f} s: {clock.summary()})")
+        say(
+            f"memkit plan: the baseline fits in {format_bytes(budget)} as is; nothing to change "
+            f"({seconds:.1f} s: {clock.summary()})"
+        )
     elif best is not None:
-        say(f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
-            f"{trials_run} trials) in {seconds:.1f} s of a {budget_text(clock.total)} s time budget: {clock.summary()}")
+        say(
+            f"memkit plan: best {best.candidate.describe()} ({best.measured_samples_per_s:.1f} samples/s measured, "
+            f"{trials_run} trials) in {seconds:.1f} s of a {budget_text(clock.total)} s time budget: {clock.summary()}"
+        )
     return plan
 
 
@@ -1109,17 +1435,23 @@ def _no_best_note(rows: list[PlanRow]) -> str:
     if failed and len(failed) == len(rows):  # nothing was predicted, so nothing was tried: memory is not the answer
         reason = failed[0].note.removeprefix("not estimated: ")
         if not reason.endswith(".") and ". " in reason:  # a note cut short: up to its last whole sentence
-            reason = reason[:reason.rindex(". ") + 1]
+            reason = reason[: reason.rindex(". ") + 1]
         reason = reason if reason.endswith(".") else reason + "."
-        return (f"the estimate failed for every candidate, so no trial ran (more memory would not help): {reason} "
-                "memkit estimate shows the whole error")
+        return (
+            f"the estimate failed for every candidate, so no trial ran (more memory would not help): {reason} "
+            "memkit estimate shows the whole error"
+        )
     return "no candidate fit in a real trial: give more memory, or allow more modes (bf16, checkpoint)"
 
 
 def _signature(row: PlanRow) -> tuple:
     """What makes two rows the same program: batch split, precision, offload, predicted peak and the step's ops."""
     costs = row.costs
-    ops = (costs.micro.count, costs.micro.flops_fp32, costs.micro.flops_low, costs.micro.bytes) if costs is not None else None
+    ops = (
+        (costs.micro.count, costs.micro.flops_fp32, costs.micro.flops_low, costs.micro.bytes)
+        if costs is not None
+        else None
+    )
     return _same_shapes(row) + (row.predicted_peak_bytes, ops)
 
 
@@ -1138,9 +1470,15 @@ def _calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> li
     chosen: dict[int, PlanRow] = {}
     for r in rows:
         size = r.candidate.micro_batch
-        if (r.costs is not None and r.fits and not r.note and not r.candidate.offload and r.candidate.precision == precision
-                and size > small.candidate.micro_batch
-                and (size not in chosen or r.costs.micro.count < chosen[size].costs.micro.count)):
+        if (
+            r.costs is not None
+            and r.fits
+            and not r.note
+            and not r.candidate.offload
+            and r.candidate.precision == precision
+            and size > small.candidate.micro_batch
+            and (size not in chosen or r.costs.micro.count < chosen[size].costs.micro.count)
+        ):
             chosen[size] = r
     return [chosen[size] for size in sorted(chosen)[-CALIBRATION_SIZES:]]
 
@@ -1170,10 +1508,15 @@ def _plausible_models(model: TimeModel, contenders: list[PlanRow]) -> Iterator[T
         for factor in PLAUSIBLE_OP_OVERHEADS:
             for exponent in PLAUSIBLE_SIZE_EXPONENTS:
                 yield dataclasses.replace(
-                    model, scale=model.scale * scale,
+                    model,
+                    scale=model.scale * scale,
                     roofline=dataclasses.replace(model.roofline, op_overhead_s=model.roofline.op_overhead_s * factor),
-                    micro_factors={(r.candidate.precision, r.candidate.micro_batch):
-                                   (largest / r.candidate.micro_batch) ** exponent for r in contenders})
+                    micro_factors={
+                        (r.candidate.precision, r.candidate.micro_batch): (largest / r.candidate.micro_batch)
+                        ** exponent
+                        for r in contenders
+                    },
+                )
 
 
 def _plausible_winners(contenders: list[PlanRow], model: TimeModel) -> list[PlanRow]:
@@ -1184,8 +1527,12 @@ def _plausible_winners(contenders: list[PlanRow], model: TimeModel) -> list[Plan
         return []
     wins = {id(row): 0 for row in contenders}
     for variant in _plausible_models(model, contenders):
-        fastest = min(contenders, key=lambda r: variant.step_seconds(
-            r.costs, r.candidate.accumulation, r.offload_bytes, r.candidate.micro_batch, r.candidate.precision))
+        fastest = min(
+            contenders,
+            key=lambda r: variant.step_seconds(
+                r.costs, r.candidate.accumulation, r.offload_bytes, r.candidate.micro_batch, r.candidate.precision
+            ),
+        )
         wins[id(fastest)] += 1
     order = {id(row): index for index, row in enumerate(contenders)}
     return sorted((row for row in contenders if wins[id(row)]), key=lambda r: (-wins[id(r)], order[id(r)]))
@@ -1199,23 +1546,37 @@ def _calibration_needless(rows: list[PlanRow], trials: int, model: TimeModel) ->
     fastest runs."""
     contenders = _contenders(rows)
     if len(contenders) <= trials:
-        return (f"{len(contenders)} candidate{'s' if len(contenders) != 1 else ''} predicted to fit could be chosen "
-                f"and up to {trials} trials run {'them all' if len(contenders) != 1 else 'it'}: the trials decide")
+        return (
+            f"{len(contenders)} candidate{'s' if len(contenders) != 1 else ''} predicted to fit could be chosen "
+            f"and up to {trials} trials run {'them all' if len(contenders) != 1 else 'it'}: the trials decide"
+        )
     winners = _plausible_winners(contenders, model)
     if len(winners) > trials:
         return None
-    return (f"of the {len(contenders)} candidates that could be chosen, {len(winners)} "
-            f"{'is' if len(winners) == 1 else 'are'} the fastest under some plausible time model (kernels "
-            f"{min(PLAUSIBLE_SCALES):g} to {max(PLAUSIBLE_SCALES):g} x, per-op cost {min(PLAUSIBLE_OP_OVERHEADS):g} to "
-            f"{max(PLAUSIBLE_OP_OVERHEADS):g} x the measured, a micro-batch k times smaller up to k ** "
-            f"{max(PLAUSIBLE_SIZE_EXPONENTS):g} times slower per sample): "
-            + "; ".join(row.candidate.describe() for row in winners)
-            + f"; {'it gets a trial' if len(winners) == 1 else 'each gets a trial'}: the trials decide")
+    return (
+        f"of the {len(contenders)} candidates that could be chosen, {len(winners)} "
+        f"{'is' if len(winners) == 1 else 'are'} the fastest under some plausible time model (kernels "
+        f"{min(PLAUSIBLE_SCALES):g} to {max(PLAUSIBLE_SCALES):g} x, per-op cost {min(PLAUSIBLE_OP_OVERHEADS):g} to "
+        f"{max(PLAUSIBLE_OP_OVERHEADS):g} x the measured, a micro-batch k times smaller up to k ** "
+        f"{max(PLAUSIBLE_SIZE_EXPONENTS):g} times slower per sample): "
+        + "; ".join(row.candidate.describe() for row in winners)
+        + f"; {'it gets a trial' if len(winners) == 1 else 'each gets a trial'}: the trials decide"
+    )
 
 
-def _calibrate(module: Any, rows: list[PlanRow], batch: Any, model: TimeModel, trials: int, clock: TimeBudget,
-               precision: str, effective: int, overheads: tuple[float, float], timed_seconds: float,
-               reserve: Any) -> tuple[TimeModel, list[tuple], str] | None:
+def _calibrate(
+    module: Any,
+    rows: list[PlanRow],
+    batch: Any,
+    model: TimeModel,
+    trials: int,
+    clock: TimeBudget,
+    precision: str,
+    effective: int,
+    overheads: tuple[float, float],
+    timed_seconds: float,
+    reserve: Any,
+) -> tuple[TimeModel, list[tuple], str] | None:
     """The CPU calibration of ``model`` where it can change the choice and its cost fits the time budget (left out
     otherwise, and why is recorded in ``clock``): ``(the model with the once-per-step part measured, the
     calibration's observations, its note)``, or ``None``.
@@ -1238,8 +1599,18 @@ def _calibrate(module: Any, rows: list[PlanRow], batch: Any, model: TimeModel, t
     for the trials (priced at the machine's speed as measured so far), pays for them: it is left out when
     :data:`MIN_ROUNDS` rounds are predicted not to fit, and stops after a round when the next, priced as the rounds
     so far took, does not fit."""
-    small = min((r for r in rows if r.costs is not None and r.candidate.checkpoint is None and not r.candidate.offload
-                 and r.candidate.precision == precision), key=lambda r: r.candidate.micro_batch, default=None)
+    small = min(
+        (
+            r
+            for r in rows
+            if r.costs is not None
+            and r.candidate.checkpoint is None
+            and not r.candidate.offload
+            and r.candidate.precision == precision
+        ),
+        key=lambda r: r.candidate.micro_batch,
+        default=None,
+    )
     if small is None or small.candidate.micro_batch >= effective:
         clock.skip("calibration", "no micro-batch smaller than the batch was estimated")
         return None
@@ -1248,22 +1619,30 @@ def _calibrate(module: Any, rows: list[PlanRow], batch: Any, model: TimeModel, t
         clock.skip("calibration", needless)
         return None
     larger = _calibration_rows(rows, small, precision)
-    probes = [Candidate(small.candidate.micro_batch, accumulation, precision)
-              for accumulation in (1, CALIBRATION_ACCUMULATION)]
+    probes = [
+        Candidate(small.candidate.micro_batch, accumulation, precision)
+        for accumulation in (1, CALIBRATION_ACCUMULATION)
+    ]
     probes += [dataclasses.replace(r.candidate, accumulation=1) for r in larger]
     sources = [small, small] + larger
-    predicted = [model.step_seconds(r.costs, p.accumulation, 0, p.micro_batch, p.precision)
-                 for r, p in zip(sources, probes)]
-    per_round = sum(clock.timing_cost(clock.expected(step), 1, 2, timed_seconds / 2, MAX_TIMED_STEPS)
-                    for step in predicted)
-    rounds = max((n for n in range(MIN_ROUNDS, CALIBRATION_ROUNDS + 1) if n * per_round + reserve() <= clock.left()),
-                 default=0)
+    predicted = [
+        model.step_seconds(r.costs, p.accumulation, 0, p.micro_batch, p.precision) for r, p in zip(sources, probes)
+    ]
+    per_round = sum(
+        clock.timing_cost(clock.expected(step), 1, 2, timed_seconds / 2, MAX_TIMED_STEPS) for step in predicted
+    )
+    rounds = max(
+        (n for n in range(MIN_ROUNDS, CALIBRATION_ROUNDS + 1) if n * per_round + reserve() <= clock.left()), default=0
+    )
     if not rounds:
-        clock.skip("calibration", f"{MIN_ROUNDS} rounds of its {len(probes)} timings would take "
-                                  f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
-                                  f"the time budget are left, {describe_seconds(reserve())} of them kept for the "
-                                  "trials (the time model ranks the candidates from its roofline and measured "
-                                  "overheads)")
+        clock.skip(
+            "calibration",
+            f"{MIN_ROUNDS} rounds of its {len(probes)} timings would take "
+            f"{describe_seconds(MIN_ROUNDS * per_round)}, and {max(clock.left(), 0):.0f} s of "
+            f"the time budget are left, {describe_seconds(reserve())} of them kept for the "
+            "trials (the time model ranks the candidates from its roofline and measured "
+            "overheads)",
+        )
         return None
 
     def keep_going(done: int, timings: list[list[float]], seconds: float) -> bool:
@@ -1279,25 +1658,35 @@ def _calibrate(module: Any, rows: list[PlanRow], batch: Any, model: TimeModel, t
     rounds = len(timings[0])
     for index, (step, measured) in enumerate(zip(predicted, timings)):
         clock.observe(step, statistics.median(measured), key=("calibration", index))
-    clock.ran("calibration", calibrating, detail=f"{rounds} rounds",
-              say=f"calibration: {rounds} rounds of {len(probes)} timings (micro-batch "
-                  f"{', '.join(str(p.micro_batch) for p in [probes[0]] + probes[2:])})")
+    clock.ran(
+        "calibration",
+        calibrating,
+        detail=f"{rounds} rounds",
+        say=f"calibration: {rounds} rounds of {len(probes)} timings (micro-batch "
+        f"{', '.join(str(p.micro_batch) for p in [probes[0]] + probes[2:])})",
+    )
     one, many = statistics.median(timings[0]), statistics.median(timings[1])
     per_micro, once = _split_calibration(timings[0], timings[1], per_batch, per_step)
     calibrated = dataclasses.replace(model, step_s=once)
-    observations = [(small.costs, 1, one, small.candidate.micro_batch, precision),
-                    (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch, precision)]
-    observations += [(r.costs, 1, statistics.median(t), r.candidate.micro_batch, precision)
-                     for r, t in zip(larger, timings[2:])]
-    note = (f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
-            f"1 and {CALIBRATION_ACCUMULATION}"
-            + "".join(f", {p.describe()}" for p in probes[2:])
-            + f" calibrate it (not trials; {calibrating:.1f} s, {rounds} rounds): "
-            + (f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step "
-               "(the optimizer, the loop)" if once is not None else
-               "too noisy to part a micro-batch from the once-per-step part (the optimizer priced "
-               "from its ops)")
-            + "; each size timed gets its own correction of its ops; each trial refits it")
+    observations = [
+        (small.costs, 1, one, small.candidate.micro_batch, precision),
+        (small.costs, CALIBRATION_ACCUMULATION, many, small.candidate.micro_batch, precision),
+    ]
+    observations += [
+        (r.costs, 1, statistics.median(t), r.candidate.micro_batch, precision) for r, t in zip(larger, timings[2:])
+    ]
+    note = (
+        f"CPU time model: real steps at micro-batch {small.candidate.micro_batch} with accumulation "
+        f"1 and {CALIBRATION_ACCUMULATION}"
+        + "".join(f", {p.describe()}" for p in probes[2:])
+        + f" calibrate it (not trials; {calibrating:.1f} s, {rounds} rounds): "
+        + (
+            f"{per_micro * 1e3:.2f} ms per micro-batch, {once * 1e3:.2f} ms once per step (the optimizer, the loop)"
+            if once is not None
+            else "too noisy to part a micro-batch from the once-per-step part (the optimizer priced from its ops)"
+        )
+        + "; each size timed gets its own correction of its ops; each trial refits it"
+    )
     return calibrated, observations, note
 
 
@@ -1307,8 +1696,13 @@ def _repredict(rows: list[PlanRow], model: TimeModel, measured_errors: bool = Fa
     errors: dict[tuple, list[float]] = {}
     for row in rows:
         if row.costs is not None:
-            row.predicted_step_s = model.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes,
-                                                      row.candidate.micro_batch, row.candidate.precision)
+            row.predicted_step_s = model.step_seconds(
+                row.costs,
+                row.candidate.accumulation,
+                row.offload_bytes,
+                row.candidate.micro_batch,
+                row.candidate.precision,
+            )
             if measured_errors and row.ran:
                 measured = row.candidate.effective_batch / row.measured_samples_per_s
                 errors.setdefault(_same_shapes(row), []).append(measured / row.predicted_step_s)
@@ -1329,10 +1723,13 @@ def _needless_trial(row: PlanRow, rows: list[PlanRow]) -> str | None:
     if twin is not None:
         return f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
     if row.candidate.checkpoint is not None:
-        plain = next((r for r in rows if r.ran and r.candidate.checkpoint is None and _same_shapes(r) == _same_shapes(row)), None)
+        plain = next(
+            (r for r in rows if r.ran and r.candidate.checkpoint is None and _same_shapes(r) == _same_shapes(row)), None
+        )
         if plain is not None:
-            return (f"not run: {plain.candidate.describe()} fit, and checkpointing it runs the same step plus the "
-                    "recompute")
+            return (
+                f"not run: {plain.candidate.describe()} fit, and checkpointing it runs the same step plus the recompute"
+            )
     return None
 
 
@@ -1342,15 +1739,26 @@ def _same_shapes(row: PlanRow) -> tuple:
     return c.micro_batch, c.accumulation, c.precision, c.offload
 
 
-def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: str, warmup: int, timed: int, say: Any,
-             seconds: float = 0.0, clock: TimeBudget | None = None) -> float:
+def _run_row(
+    module: Any,
+    row: PlanRow,
+    batch: Any,
+    budget: int,
+    device_type: str,
+    warmup: int,
+    timed: int,
+    say: Any,
+    seconds: float = 0.0,
+    clock: TimeBudget | None = None,
+) -> float:
     """Run ``row``'s trial and keep its outcome on the row (its timed steps in ``step_seconds``); recorded as a
     ``"trial"`` phase of ``clock`` when given. Returns its wall time, seconds."""
     say(f"memkit plan: trial: {row.candidate.describe()} ...")
     started = time.perf_counter()
     with _recording_steps() as runs:
-        fits, peak, samples, note = _trial(module, row.candidate, batch, budget, device_type, warmup, timed, seconds,
-                                           row=row)
+        fits, peak, samples, note = _trial(
+            module, row.candidate, batch, budget, device_type, warmup, timed, seconds, row=row
+        )
     took = time.perf_counter() - started
     row.measured_peak_bytes = peak if fits else None
     row.measured_samples_per_s = samples if fits else None
@@ -1358,14 +1766,26 @@ def _run_row(module: Any, row: PlanRow, batch: Any, budget: int, device_type: st
     row.note = note
     if clock is not None:
         clock.phases.append(Phase("trial", took, detail=row.candidate.describe()))
-    say(f"memkit plan: trial: {row.candidate.describe()} -> {note}"
-        + (f", peak {format_bytes(peak)}" if peak is not None and fits else "") + f" ({took:.1f} s)")
+    say(
+        f"memkit plan: trial: {row.candidate.describe()} -> {note}"
+        + (f", peak {format_bytes(peak)}" if peak is not None and fits else "")
+        + f" ({took:.1f} s)"
+    )
     return took
 
 
-def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type: str, warmup: int, timed: int,
-                        seconds: float, say: Any, rounds: int = RETIMING_ROUNDS,
-                        keep_going: Any = None) -> dict[int, list[float]]:
+def _interleaved_rounds(
+    module: Any,
+    ran: list[PlanRow],
+    batch: Any,
+    device_type: str,
+    warmup: int,
+    timed: int,
+    seconds: float,
+    say: Any,
+    rounds: int = RETIMING_ROUNDS,
+    keep_going: Any = None,
+) -> dict[int, list[float]]:
     """Time every trial that ran ``rounds`` more times, in rounds that alternate the order (C B A, A B C, ...), each
     time for ``seconds / 2``, and compare them round by round: the timings of one round are seconds apart, while a
     machine's phases of speed (tens of percent, seconds long on a shared CPU) put timings minutes apart on different
@@ -1382,8 +1802,10 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
         if MIN_ROUNDS <= round_ and keep_going is not None and not keep_going((time.perf_counter() - started) / round_):
             rounds = round_
             break
-        for row in (ran[::-1] if round_ % 2 == 0 else ran):
-            again = statistics.median(_timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2))
+        for row in ran[::-1] if round_ % 2 == 0 else ran:
+            again = statistics.median(
+                _timed_step(module, row.candidate, batch, device_type, warmup, timed, seconds / 2)
+            )
             timings[id(row)].append(again)
     steps = {id(row): statistics.median(timings[id(row)]) for row in ran}
     how: dict[int, str] = {}  # how a row was priced: none for a row at the median of its own timings
@@ -1393,15 +1815,21 @@ def _interleaved_rounds(module: Any, ran: list[PlanRow], batch: Any, device_type
             if row is not anchor:
                 ratio = statistics.median(_round_ratios(timings, row, anchor))
                 steps[id(row)] = steps[id(anchor)] * ratio
-                how[id(row)] = (f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
-                                f"median x {ratio:.3f}, the median of their {rounds} per-round ratios")
+                how[id(row)] = (
+                    f"{len(timings[id(row)])} interleaved timings, priced from {anchor.candidate.describe()}'s "
+                    f"median x {ratio:.3f}, the median of their {rounds} per-round ratios"
+                )
     for row in ran:
         row.measured_samples_per_s = row.candidate.effective_batch / steps[id(row)]
         priced = how.get(id(row), f"median of {len(timings[id(row)])} interleaved timings")
-        row.note = (f"ran: step {steps[id(row)] * 1e3:.1f} ms ({priced}: "
-                    f"{', '.join(f'{t * 1e3:.1f}' for t in timings[id(row)])} ms)")
-        say(f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> "
-            f"{steps[id(row)] * 1e3:.1f} ms")
+        row.note = (
+            f"ran: step {steps[id(row)] * 1e3:.1f} ms ({priced}: "
+            f"{', '.join(f'{t * 1e3:.1f}' for t in timings[id(row)])} ms)"
+        )
+        say(
+            f"memkit plan: timed in {len(timings[id(row)])} rounds: {row.candidate.describe()} -> "
+            f"{steps[id(row)] * 1e3:.1f} ms"
+        )
     return timings
 
 
@@ -1479,16 +1907,29 @@ def _settle(ran: list[PlanRow], timings: dict[int, list[float]] | None, say: Any
     if fastest is None or not tied:
         return fastest, None
     group = [fastest] + [row for row, _, _ in tied]
-    best = min(group, key=lambda row: (row.measured_peak_bytes if row.measured_peak_bytes is not None else math.inf,
-                                       -row.measured_samples_per_s))
-    parts = [f"{row.candidate.describe()} {math.exp(apart) - 1:.1%} slower (noise +-{math.exp(noise) - 1:.1%})"
-             for row, apart, noise in tied]
-    note = (f"a tie within the measured noise: {'; '.join(parts)} than the fastest, {fastest.candidate.describe()}; "
-            f"the lower peak settles it: {best.candidate.describe()} "
-            f"({format_bytes(best.measured_peak_bytes) if best.measured_peak_bytes is not None else '-'} measured)")
+    best = min(
+        group,
+        key=lambda row: (
+            row.measured_peak_bytes if row.measured_peak_bytes is not None else math.inf,
+            -row.measured_samples_per_s,
+        ),
+    )
+    parts = [
+        f"{row.candidate.describe()} {math.exp(apart) - 1:.1%} slower (noise +-{math.exp(noise) - 1:.1%})"
+        for row, apart, noise in tied
+    ]
+    note = (
+        f"a tie within the measured noise: {'; '.join(parts)} than the fastest, {fastest.candidate.describe()}; "
+        f"the lower peak settles it: {best.candidate.describe()} "
+        f"({format_bytes(best.measured_peak_bytes) if best.measured_peak_bytes is not None else '-'} measured)"
+    )
     say(f"memkit plan: {note}")
     for row in group:
-        row.note += ("; chosen: a tie with the fastest, and the lower peak" if row is best and row is not fastest else
-                     "; a tie within the noise, the lower peak chose another" if row is not best else
-                     "; a tie within the noise: the lowest peak of the tie")
+        row.note += (
+            "; chosen: a tie with the fastest, and the lower peak"
+            if row is best and row is not fastest
+            else "; a tie within the noise, the lower peak chose another"
+            if row is not best
+            else "; a tie within the noise: the lowest peak of the tie"
+        )
     return best, note

@@ -14,8 +14,16 @@ from typing import Any, Iterable
 
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
 
-__all__ = ["Candidate", "candidate_space", "micro_batches", "parse_plan_modes", "PLAN_MODE_WORDS", "DEFAULT_PLAN_MODES",
-           "MAX_MICRO_BATCHES", "CHECKPOINT_CHOICES"]
+__all__ = [
+    "Candidate",
+    "candidate_space",
+    "micro_batches",
+    "parse_plan_modes",
+    "PLAN_MODE_WORDS",
+    "DEFAULT_PLAN_MODES",
+    "MAX_MICRO_BATCHES",
+    "CHECKPOINT_CHOICES",
+]
 
 #: the words ``modes=`` (``--modes``) accepts: what the planner may change.
 PLAN_MODE_WORDS = ("baseline", "micro_batch", "checkpoint", "bf16", "fp16", "amp", "offload")
@@ -110,7 +118,8 @@ def micro_batches(effective_batch: int, limit: int = MAX_MICRO_BATCHES) -> list[
 
 
 def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
-    """The planner's modes from ``"checkpoint,micro_batch,bf16"`` (or a list); ``None`` gives :data:`DEFAULT_PLAN_MODES`.
+    """The planner's modes from ``"checkpoint,micro_batch,bf16"`` (or a list); ``None`` gives
+    :data:`DEFAULT_PLAN_MODES`.
 
     Raises:
         ValueError: for an unknown word (the message lists :data:`PLAN_MODE_WORDS`), or two precisions.
@@ -119,7 +128,9 @@ def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
         return DEFAULT_PLAN_MODES
     words = [w.strip().lower() for w in (modes.split(",") if isinstance(modes, str) else list(modes)) if str(w).strip()]
     if not words:
-        raise ValueError(f"no modes in {modes!r}; write e.g. micro_batch,checkpoint (add bf16 to allow a precision change)")
+        raise ValueError(
+            f"no modes in {modes!r}; write e.g. micro_batch,checkpoint (add bf16 to allow a precision change)"
+        )
     for word in words:
         if word not in PLAN_MODE_WORDS:
             raise ValueError(f"unknown plan mode {word!r}; choose from: {', '.join(PLAN_MODE_WORDS)} (comma-separated)")
@@ -137,8 +148,15 @@ def _allowed_precision(modes: tuple[str, ...], device_type: str) -> str | None:
     return None
 
 
-def candidate_space(effective_batch: int, *, modes: tuple[str, ...] = DEFAULT_PLAN_MODES, device_type: str = "cpu",
-                    precision: str = "32-true", can_checkpoint: bool = True, can_accumulate: bool = True) -> list[Candidate]:
+def candidate_space(
+    effective_batch: int,
+    *,
+    modes: tuple[str, ...] = DEFAULT_PLAN_MODES,
+    device_type: str = "cpu",
+    precision: str = "32-true",
+    can_checkpoint: bool = True,
+    can_accumulate: bool = True,
+) -> list[Candidate]:
     """Every candidate for ``effective_batch`` the ``modes`` allow (the baseline, the user's batch as is, first).
 
     Args:
@@ -154,8 +172,10 @@ def candidate_space(effective_batch: int, *, modes: tuple[str, ...] = DEFAULT_PL
         ValueError: ``offload`` asked for on a device other than CUDA (the reason says why).
     """
     if "offload" in modes and device_type != "cuda":
-        raise ValueError(f"offload keeps saved activations in pinned host memory while a CUDA device computes; on "
-                         f"{device_type} the activations are already in host memory: leave offload out of the modes")
+        raise ValueError(
+            f"offload keeps saved activations in pinned host memory while a CUDA device computes; on "
+            f"{device_type} the activations are already in host memory: leave offload out of the modes"
+        )
     sizes = micro_batches(effective_batch) if "micro_batch" in modes and can_accumulate else [effective_batch]
     precisions = [precision]
     other = _allowed_precision(modes, device_type)

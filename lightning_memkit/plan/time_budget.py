@@ -21,8 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Phase", "TimeBudget", "budget_text", "describe_seconds", "BUDGET_STEPS", "MIN_BUDGET_SECONDS",
-           "FIT_OVERHEAD_S", "ACCOUNTANT_FACTOR", "MIN_TIMED_STEPS"]
+__all__ = [
+    "Phase",
+    "TimeBudget",
+    "budget_text",
+    "describe_seconds",
+    "BUDGET_STEPS",
+    "MIN_BUDGET_SECONDS",
+    "FIT_OVERHEAD_S",
+    "ACCOUNTANT_FACTOR",
+    "MIN_TIMED_STEPS",
+]
 
 #: the default budget: the estimate's time plus this many steps of the baseline
 BUDGET_STEPS = 20
@@ -95,11 +104,15 @@ class TimeBudget:
         """Say the budget at the start: the one given, or the default's parts with the baseline's predicted step."""
         self.baseline_step_s = baseline_step_s if baseline_step_s and baseline_step_s > 0 else None
         if self.given is not None:
-            self.say(f"memkit plan: time budget {budget_text(self.given)} s (max_seconds): the estimate and one trial "
-                     "always run; the other phases only where their predicted cost fits what is left")
+            self.say(
+                f"memkit plan: time budget {budget_text(self.given)} s (max_seconds): the estimate and one trial "
+                "always run; the other phases only where their predicted cost fits what is left"
+            )
             return
-        self.say(f"memkit plan: time budget: the estimate, then {self._default_text()} (set max_seconds, "
-                 "--max-seconds, to change it); phases whose predicted cost does not fit are left out")
+        self.say(
+            f"memkit plan: time budget: the estimate, then {self._default_text()} (set max_seconds, "
+            "--max-seconds, to change it); phases whose predicted cost does not fit are left out"
+        )
 
     def _default_after_estimate(self) -> float:
         steps = BUDGET_STEPS * self.expected(self.baseline_step_s) if self.baseline_step_s else 0.0
@@ -123,9 +136,11 @@ class TimeBudget:
         if self.given is None:
             self._base = self.elapsed()
             self.total = self._base + self._default_after_estimate()
-        self.say(f"memkit plan: estimate: {candidates} candidate{'s' if candidates != 1 else ''} in "
-                 f"{seconds:.1f} s, {fitting} predicted to fit; time budget {budget_text(self.total)} s in all, "
-                 f"{max(self.left(), 0.0):.0f} s left")
+        self.say(
+            f"memkit plan: estimate: {candidates} candidate{'s' if candidates != 1 else ''} in "
+            f"{seconds:.1f} s, {fitting} predicted to fit; time budget {budget_text(self.total)} s in all, "
+            f"{max(self.left(), 0.0):.0f} s left"
+        )
 
     def rebase(self) -> None:
         """The default budget taken again from the steps measured so far (a slower or faster machine than the
@@ -134,8 +149,10 @@ class TimeBudget:
             return
         total = self._base + self._default_after_estimate()
         if self.total is not None and abs(total / self.total - 1) > 0.10:
-            self.say(f"memkit plan: time budget now {total:.0f} s: the steps that ran took {self.speed():.2f} x the "
-                     f"time model's prediction, so {self._default_text()}")
+            self.say(
+                f"memkit plan: time budget now {total:.0f} s: the steps that ran took {self.speed():.2f} x the "
+                f"time model's prediction, so {self._default_text()}"
+            )
         self.total = total
 
     # ------------------------------------------------------------------ phases
@@ -197,8 +214,9 @@ class TimeBudget:
             steps = min(max(timed, math.ceil(seconds / step_s)), max(timed, max_steps))
         return self.fit_overhead_s + (warmup + steps) * step_s
 
-    def trial_cost(self, step_s: float, accumulation: int, warmup: int, timed: int, seconds: float, max_steps: int,
-                   cpu: bool) -> float:
+    def trial_cost(
+        self, step_s: float, accumulation: int, warmup: int, timed: int, seconds: float, max_steps: int, cpu: bool
+    ) -> float:
         """Seconds of one real trial of a configuration whose step takes ``step_s``: on CPU two steps under the
         accountant (at most two micro-batches each, :data:`ACCOUNTANT_FACTOR` times as slow) in a run of their own,
         then the timing run; on CUDA one run does both."""
@@ -208,8 +226,17 @@ class TimeBudget:
         micro = step_s / max(accumulation, 1)
         return timing + self.fit_overhead_s + ACCOUNTANT_FACTOR * 2 * min(accumulation, 2) * micro
 
-    def fitting_steps(self, step_s: float, accumulation: int, warmup: int, timed: int, seconds: float, max_steps: int,
-                      cpu: bool, share: float) -> tuple[int, float] | None:
+    def fitting_steps(
+        self,
+        step_s: float,
+        accumulation: int,
+        warmup: int,
+        timed: int,
+        seconds: float,
+        max_steps: int,
+        cpu: bool,
+        share: float,
+    ) -> tuple[int, float] | None:
         """The ``(timed steps, seconds)`` a trial times to cost at most ``share`` seconds: as asked when it fits,
         else fewer steps (down to :data:`MIN_TIMED_STEPS`, no seconds rule); ``None`` when even that does not fit."""
         if self.trial_cost(step_s, accumulation, warmup, timed, seconds, max_steps, cpu) <= share:

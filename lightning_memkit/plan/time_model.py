@@ -36,8 +36,16 @@ from torch.utils._pytree import tree_flatten
 from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
-__all__ = ["Roofline", "ROOFLINES", "roofline_for", "calibrate_cpu", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY",
-           "MIN_MICRO_FACTOR"]
+__all__ = [
+    "Roofline",
+    "ROOFLINES",
+    "roofline_for",
+    "calibrate_cpu",
+    "OpCosts",
+    "TimeModel",
+    "KERNEL_EFFICIENCY",
+    "MIN_MICRO_FACTOR",
+]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -104,8 +112,9 @@ MIN_MICRO_FACTOR = 0.05
 
 
 def roofline_for(gpu: Any = None) -> Roofline:
-    """The :data:`ROOFLINES` row for a GPU (a name, ``"sm90"``, a :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`;
-    ``None``: this machine's GPU, else an H100). Names are matched as :class:`GpuTarget` parses them; an unnamed GPU gets
+    """The :data:`ROOFLINES` row for a GPU (a name, ``"sm90"``, a
+    :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`; ``None``: this machine's GPU, else an H100). Names are
+    matched as :class:`GpuTarget` parses them; an unnamed GPU gets
     its generation's row."""
     from lightning_memkit.estimate.cuda_kernels import GpuTarget
 
@@ -131,17 +140,22 @@ def calibrate_cpu() -> Roofline:
     """This CPU's speeds, measured (about 0.1 s; the tensors are freed before it returns): FP32 and bf16 matmul
     FLOP/s (512 x 512), bandwidth of an elementwise add over 16 MiB, the cost of one tiny op."""
     with torch.no_grad():
-        a = torch.randn(512, 512)
-        b = torch.randn(512, 512)
-        fp32 = 2 * 512 ** 3 / _timed(lambda: torch.mm(a, b), 4)
-        a16, b16 = a.bfloat16(), b.bfloat16()
-        low = 2 * 512 ** 3 / _timed(lambda: torch.mm(a16, b16), 4)
-        big = torch.empty(4 << 20)
-        bandwidth = 3 * big.numel() * 4 / _timed(lambda: torch.add(big, 1.0), 4)  # read + write + the out allocation
-        tiny = torch.zeros(1)
-        overhead = _timed(lambda: torch.add(tiny, 1.0), 200)
-        del a, b, a16, b16, big, tiny
+        fp32, low, bandwidth, overhead = _cpu_speeds()  # its tensors are freed as it returns
     return Roofline("cpu (measured)", fp32, low, bandwidth, bandwidth, op_overhead_s=overhead, batch_overhead_s=1e-3)
+
+
+def _cpu_speeds() -> tuple[float, float, float, float]:
+    """``(fp32 FLOP/s, bf16 FLOP/s, bytes/s, seconds per tiny op)`` of this CPU."""
+    a = torch.randn(512, 512)
+    b = torch.randn(512, 512)
+    fp32 = 2 * 512**3 / _timed(lambda: torch.mm(a, b), 4)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    low = 2 * 512**3 / _timed(lambda: torch.mm(a16, b16), 4)
+    big = torch.empty(4 << 20)
+    bandwidth = 3 * big.numel() * 4 / _timed(lambda: torch.add(big, 1.0), 4)  # read + write + the out allocation
+    tiny = torch.zeros(1)
+    overhead = _timed(lambda: torch.add(tiny, 1.0), 200)
+    return fp32, low, bandwidth, overhead
 
 
 @dataclass
@@ -279,8 +293,10 @@ class TimeModel:
 
     def _micro_terms(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds of the step's micro-batch kernels at scale 1, their op count)."""
-        return (accumulation * costs.micro.kernel_seconds(self.roofline) / costs.micro_batches,
-                accumulation * costs.micro.count / costs.micro_batches)
+        return (
+            accumulation * costs.micro.kernel_seconds(self.roofline) / costs.micro_batches,
+            accumulation * costs.micro.count / costs.micro_batches,
+        )
 
     def _parts(self, costs: OpCosts, accumulation: int) -> tuple[float, float]:
         """(roofline seconds, overhead seconds) of one step."""
@@ -296,8 +312,14 @@ class TimeModel:
         once = roof.step_overhead_s if self.step_s is None else self.step_s
         return accumulation * (roof.batch_overhead_s + checkpointing) + once
 
-    def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0, micro_batch: int | None = None,
-                     precision: str = "") -> float:
+    def step_seconds(
+        self,
+        costs: OpCosts,
+        accumulation: int,
+        offload_bytes: int = 0,
+        micro_batch: int | None = None,
+        precision: str = "",
+    ) -> float:
         """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
         activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped).
         ``micro_batch`` (samples) and ``precision`` (the Trainer's, e.g. ``"32-true"``): with :attr:`micro_factors`
@@ -324,9 +346,9 @@ class TimeModel:
 
         The loop's overheads (:attr:`Roofline.batch_overhead_s` per micro-batch, :attr:`Roofline.step_overhead_s` per
         step) and checkpointing's (:attr:`Roofline.checkpoint_call_s`, :attr:`Roofline.checkpoint_op_s`) are measured
-        apart and kept, and so is :attr:`step_s` when measured; the kernel scale ``a`` and the per-op overhead ``o`` solve
-        ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided by
-        its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
+        apart and kept, and so is :attr:`step_s` when measured; the kernel scale ``a`` and the per-op overhead ``o``
+        solve ``seconds - loop = a * roofline + o * ops`` by least squares on relative errors (each observation divided
+        by its seconds, so a 10 ms step weighs as much as a 1 s one), both kept positive. With one observation (or a fit
         that is not positive) only the scale is fitted and the per-op overhead kept."""
         fitted = self._fit_scale_and_overhead([observation[:3] for observation in observations])
         return fitted._fit_micro_factors([o for o in observations if len(o) > 4 and o[3] is not None])
