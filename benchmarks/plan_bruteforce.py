@@ -58,6 +58,7 @@ REFERENCE = [path for path in os.environ.get("PLAN_BRUTE_REFERENCE", "").split("
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties): Pearson's correlation of the ranks."""
+
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=lambda i: values[i])
         result = [0.0] * len(values)
@@ -86,9 +87,19 @@ class GPT2Module(pl.LightningModule):
         import transformers
 
         torch.manual_seed(0)
-        config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=seq,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=width,
+            n_layer=layers,
+            n_head=4,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         self.model = transformers.GPT2LMHeadModel(config)
         self.batch_size = batch_size
         self.ids = torch.randint(0, vocab, (4 * batch_size, seq), generator=torch.Generator().manual_seed(0))
@@ -144,7 +155,10 @@ MODELS = {
 def _budgets(module, batch: int) -> list[tuple[str, int]]:
     from lightning_memkit.estimate.core import estimate_memory
 
-    peak = {size: estimate_memory(module, size, device="cpu").peak_bytes for size in (batch, batch // 2, batch // 4, batch // 8)}
+    peak = {
+        size: estimate_memory(module, size, device="cpu").peak_bytes
+        for size in (batch, batch // 2, batch // 4, batch // 8)
+    }
     return [("mild", (peak[batch] + peak[batch // 2]) // 2), ("tight", (peak[batch // 4] + peak[batch // 8]) // 2)]
 
 
@@ -164,7 +178,9 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
 
     module = make()
     sample, _ = sample_batch_and_length(module, None)
-    space = candidate_space(batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module)))
+    space = candidate_space(
+        batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module))
+    )
     _trial(module, space[0], sample, 1 << 50, "cpu", WARMUP, TIMED)  # discarded: the process's first steps run slower
     started = time.perf_counter()
     peaks: dict = {}
@@ -172,7 +188,7 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     for round_ in range(rounds):
         shift = round_ * len(space) // rounds
         order = space[shift:] + space[:shift]
-        for candidate in (order[::-1] if round_ % 2 else order):
+        for candidate in order[::-1] if round_ % 2 else order:
             fits, peak, samples, note = _trial(module, candidate, sample, 1 << 50, "cpu", WARMUP, TIMED)
             if not fits:
                 raise RuntimeError(f"{candidate.describe()} did not run without a budget: {note}")
@@ -189,9 +205,13 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     for candidate, (peak, samples) in runs.items():
         spread = max(speeds[candidate]) / min(speeds[candidate]) - 1
         twins = [c.describe() for c in same[candidate] if c != candidate]
-        print(f"#   {candidate.describe()}: peak {peak:,} B, {samples:.1f} samples/s (rounds: "
-              f"{', '.join(f'{s:.0f}' for s in speeds[candidate])}; spread {spread:.0%})"
-              + (f"; the same program as {', '.join(twins)}: rounds pooled" if twins else ""), file=sys.stderr, flush=True)
+        print(
+            f"#   {candidate.describe()}: peak {peak:,} B, {samples:.1f} samples/s (rounds: "
+            f"{', '.join(f'{s:.0f}' for s in speeds[candidate])}; spread {spread:.0%})"
+            + (f"; the same program as {', '.join(twins)}: rounds pooled" if twins else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     return runs, time.perf_counter() - started, dict(module=module, sample=sample, same=same)
 
 
@@ -210,19 +230,28 @@ def _pooled_reference(make, batch: int, paths: list[str]) -> tuple[dict, float, 
 
     module = make()
     sample, _ = sample_batch_and_length(module, None)
-    space = candidate_space(batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module)))
+    space = candidate_space(
+        batch, modes=DEFAULT_PLAN_MODES, device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module))
+    )
     name = next(n for n, (m, _) in MODELS.items() if m is make)
     logs = [read_brute(Path(path)).get(name) for path in paths]
     runs, peaks = {}, {}
     for candidate in space:
         measured = [log[candidate.describe()] for log in logs if log and candidate.describe() in log]
         if len(measured) < len(paths):
-            raise SystemExit(f"PLAN_BRUTE_REFERENCE: {candidate.describe()} of {name} is not in every log: give whole runs")
+            raise SystemExit(
+                f"PLAN_BRUTE_REFERENCE: {candidate.describe()} of {name} is not in every log: give whole runs"
+            )
         peaks[candidate] = measured[0][0]
         runs[candidate] = (peaks[candidate], statistics.median(samples for _, samples in measured))
         # "#   reference" (not "#   micro"): a log of this mode must not read back as a brute-force run's
-        print(f"#   reference {candidate.describe()}: peak {peaks[candidate]:,} B, {runs[candidate][1]:.1f} samples/s (pooled: median "
-              f"of {len(measured)} runs' {', '.join(f'{s:.0f}' for _, s in measured)})", file=sys.stderr, flush=True)
+        print(
+            f"#   reference {candidate.describe()}: peak {peaks[candidate]:,} B, {runs[candidate][1]:.1f} samples/s "
+            f"(pooled: median "
+            f"of {len(measured)} runs' {', '.join(f'{s:.0f}' for _, s in measured)})",
+            file=sys.stderr,
+            flush=True,
+        )
     return runs, 0.0, dict(module=module, sample=sample, same=_same_programs(module, space, sample, peaks))
 
 
@@ -239,8 +268,10 @@ def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list
     ratios = []
     for round_ in range(rounds):
         speeds = {}
-        for candidate in ((chosen, best) if round_ % 2 == 0 else (best, chosen)):
-            fits, _, samples, note = _trial(context["module"], candidate, context["sample"], 1 << 50, "cpu", WARMUP, TIMED)
+        for candidate in (chosen, best) if round_ % 2 == 0 else (best, chosen):
+            fits, _, samples, note = _trial(
+                context["module"], candidate, context["sample"], 1 << 50, "cpu", WARMUP, TIMED
+            )
             if not fits:
                 raise RuntimeError(f"{candidate.describe()} did not run without a budget: {note}")
             speeds[candidate] = samples
@@ -289,7 +320,9 @@ def baselines(plain: list, fits, batch: int) -> tuple:
         largest, size = size, size * 2
     finder = None
     if largest is not None:
-        finder = max((c for c in plain if c.micro_batch <= largest and fits(c)), key=lambda c: c.micro_batch, default=None)
+        finder = max(
+            (c for c in plain if c.micro_batch <= largest and fits(c)), key=lambda c: c.micro_batch, default=None
+        )
     return composer, composer_trials, finder, finder_trials
 
 
@@ -307,17 +340,27 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
     pairs = [(predicted[c], fitting[c][2]) for c in fitting if predicted.get(c) is not None]
     for row in plan.rows:  # the time model against brute force, row by row (stderr: the diagnosis, not the table)
         measured = brute.get(row.candidate)
-        model_alone = f" (model alone {row.candidate.effective_batch / row.model_step_s:.1f})" if row.model_step_s else ""
-        print(f"#     {row.candidate.describe()}: predicted {row.predicted_samples_per_s or 0:.1f} samples/s{model_alone}"
-              f"{' (fits)' if row.fits else ''}, brute force {measured[2]:.1f}{' (fits)' if measured[0] else ''}; "
-              f"trial: {row.note}", file=sys.stderr, flush=True)
+        model_alone = (
+            f" (model alone {row.candidate.effective_batch / row.model_step_s:.1f})" if row.model_step_s else ""
+        )
+        print(
+            f"#     {row.candidate.describe()}: predicted {row.predicted_samples_per_s or 0:.1f} samples/s{model_alone}"
+            f"{' (fits)' if row.fits else ''}, brute force {measured[2]:.1f}{' (fits)' if measured[0] else ''}; "
+            f"trial: {row.note}",
+            file=sys.stderr,
+            flush=True,
+        )
     for note in plan.notes:
         print(f"#     note: {note}", file=sys.stderr, flush=True)
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan")
     # the time model alone (CPU: after its calibration, before any trial) over the same rows
     alone = {row.candidate: row.candidate.effective_batch / row.model_step_s for row in plan.rows if row.model_step_s}
-    model_pairs = [(alone[c], fitting[c][2]) for c in fitting if alone.get(c) is not None and predicted.get(c) is not None]
-    rho_model = spearman([p for p, _ in model_pairs], [m for _, m in model_pairs]) if len(model_pairs) >= 3 else float("nan")
+    model_pairs = [
+        (alone[c], fitting[c][2]) for c in fitting if alone.get(c) is not None and predicted.get(c) is not None
+    ]
+    rho_model = (
+        spearman([p for p, _ in model_pairs], [m for _, m in model_pairs]) if len(model_pairs) >= 3 else float("nan")
+    )
 
     plain = [c for c in brute if c.checkpoint is None and not c.offload]
     composer, composer_trials, finder, finder_trials = baselines(plain, lambda c: brute[c][0], batch)
@@ -328,17 +371,47 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
     best_speed = fitting[best][2] if best is not None else None
     # the planner's choice against the brute-force best, side by side, unless they are the same program
     head_to_head, ratios = None, []
-    if (HEAD_TO_HEAD_ROUNDS > 0 and chosen is not None and best is not None and chosen in brute and brute[chosen][0]
-            and chosen not in context["same"][best]):
+    if (
+        HEAD_TO_HEAD_ROUNDS > 0
+        and chosen is not None
+        and best is not None
+        and chosen in brute
+        and brute[chosen][0]
+        and chosen not in context["same"][best]
+    ):
         head_to_head, ratios = _head_to_head(context, chosen, best, HEAD_TO_HEAD_ROUNDS)
-        print(f"#     head to head: {chosen.describe()} / {best.describe()} = {head_to_head:.1%} "
-              f"(rounds: {', '.join(f'{r:.0%}' for r in ratios)})", file=sys.stderr, flush=True)
-    return dict(head_to_head=head_to_head, model=name, label=label, budget=budget, space=len(brute), fitting=len(fitting), best=best, best_speed=best_speed,
-                chosen=chosen, chosen_speed=speed(chosen), plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
-                plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
-                brute_peak=chosen_brute[1] if chosen_brute else None, trials=plan.trials, rho=rho, rho_model=rho_model, pairs=len(pairs),
-                composer=composer, composer_speed=speed(composer), composer_trials=composer_trials,
-                finder=finder, finder_speed=speed(finder), finder_trials=finder_trials, plan_s=plan.seconds)
+        print(
+            f"#     head to head: {chosen.describe()} / {best.describe()} = {head_to_head:.1%} "
+            f"(rounds: {', '.join(f'{r:.0%}' for r in ratios)})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return dict(
+        head_to_head=head_to_head,
+        model=name,
+        label=label,
+        budget=budget,
+        space=len(brute),
+        fitting=len(fitting),
+        best=best,
+        best_speed=best_speed,
+        chosen=chosen,
+        chosen_speed=speed(chosen),
+        plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
+        plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
+        brute_peak=chosen_brute[1] if chosen_brute else None,
+        trials=plan.trials,
+        rho=rho,
+        rho_model=rho_model,
+        pairs=len(pairs),
+        composer=composer,
+        composer_speed=speed(composer),
+        composer_trials=composer_trials,
+        finder=finder,
+        finder_speed=speed(finder),
+        finder_trials=finder_trials,
+        plan_s=plan.seconds,
+    )
 
 
 def main() -> None:
@@ -358,30 +431,49 @@ def main() -> None:
         peak = r["plan_peak"] if r["plan_peak"] is not None else r["brute_peak"]
         under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
         if r["head_to_head"] is not None:  # measured side by side: the reference for the verdict
-            share = f"{100 * r['head_to_head']:.0f}% side by side ({pct(r['chosen_speed'], r['best_speed'])} by the medians)"
+            share = (
+                f"{100 * r['head_to_head']:.0f}% side by side ({pct(r['chosen_speed'], r['best_speed'])} by the "
+                f"medians)"
+            )
             within = "yes" if r["head_to_head"] >= 0.95 else "no"
         else:
             share = pct(r["chosen_speed"], r["best_speed"])
-            within = "-" if r["chosen_speed"] is None or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+            within = (
+                "-"
+                if r["chosen_speed"] is None or not r["best_speed"]
+                else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+            )
         best = f"{describe(r['best'])} ({r['best_speed']:.1f})" if r["best"] is not None else "none fit"
-        return (f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
-                f"{describe(r['chosen'])} | {share} | {within} | {r['trials']} | {under} | "
-                f"{r['rho']:.2f} (n={r['pairs']}) | {r['rho_model']:.2f} | "
-                f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
-                f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |")
+        return (
+            f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
+            f"{describe(r['chosen'])} | {share} | {within} | {r['trials']} | {under} | "
+            f"{r['rho']:.2f} (n={r['pairs']}) | {r['rho_model']:.2f} | "
+            f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
+            f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |"
+        )
 
     started = time.perf_counter()
     if REFERENCE:
-        print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force not run: the median of {len(REFERENCE)} "
-              f"earlier runs' ({', '.join(REFERENCE)}); samples/s as they measured them; % of that pooled best")
+        print(
+            f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force not run: the median of "
+            f"{len(REFERENCE)} "
+            f"earlier runs' ({', '.join(REFERENCE)}); samples/s as they measured them; % of that pooled best"
+        )
     else:
-        print(f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + {TIMED} timed optimizer "
-              f"steps per configuration and round (median), {ROUNDS} rounds in rotated order (median of the rounds); samples/s as brute "
-              "force measured them; % of the brute-force best")
+        print(
+            f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads; brute force {WARMUP} warm-up + "
+            f"{TIMED} timed optimizer "
+            f"steps per configuration and round (median), {ROUNDS} rounds in rotated order (median of the rounds); "
+            f"samples/s as brute "
+            "force measured them; % of the brute-force best"
+        )
     print()
-    print("| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
-          "real peak <= budget | Spearman (plan) | Spearman (model alone) | halve until it fits | "
-          "largest batch, then accumulate |")
+    print(
+        "| model | budget | fit / space | brute-force best (samples/s) | planner's choice | % of best | within 5% | "
+        "trials | "
+        "real peak <= budget | Spearman (plan) | Spearman (model alone) | halve until it fits | "
+        "largest batch, then accumulate |"
+    )
     print("|---|---|---:|---|---|---:|---|---:|---|---:|---:|---|---|", flush=True)
     only = sys.argv[1:]
     for name, (make, batch) in MODELS.items():
@@ -391,8 +483,16 @@ def main() -> None:
             runs, seconds, context = _pooled_reference(make, batch, REFERENCE)
         else:
             runs, seconds, context = _brute_force(make, batch, ROUNDS)
-        print(f"# {name}: " + (f"reference pooled from {len(REFERENCE)} runs" if REFERENCE else
-                                f"brute force {len(runs)} configurations in {seconds:.0f} s"), file=sys.stderr, flush=True)
+        print(
+            f"# {name}: "
+            + (
+                f"reference pooled from {len(REFERENCE)} runs"
+                if REFERENCE
+                else f"brute force {len(runs)} configurations in {seconds:.0f} s"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         for label, budget in _budgets(make(), batch):
             result = _run_case(name, make, batch, label, budget, runs, context)
             print(row(result), flush=True)

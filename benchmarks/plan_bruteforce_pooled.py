@@ -61,8 +61,10 @@ def read_run(path: Path) -> dict[tuple[str, str], tuple[dict[str, float], dict[s
         elif match := _PLANNED.match(line):
             model = match.group(1)
             if model not in brute:
-                raise SystemExit(f"{path}: a plan of {model!r} before its brute force: not a log of a brute-force run "
-                                 "of plan_bruteforce.py (a PLAN_BRUTE_REFERENCE run's log is not one)")
+                raise SystemExit(
+                    f"{path}: a plan of {model!r} before its brute force: not a log of a brute-force run "
+                    "of plan_bruteforce.py (a PLAN_BRUTE_REFERENCE run's log is not one)"
+                )
             cases[(model, match.group(2))] = (brute[model], predicted)
             predicted = {}
     return cases
@@ -70,8 +72,12 @@ def read_run(path: Path) -> dict[tuple[str, str], tuple[dict[str, float], dict[s
 
 def main(paths: list[str]) -> int:
     if len(paths) < 2:
-        print("usage: python benchmarks/plan_bruteforce_pooled.py RUN1.err RUN2.err [...]: the stderr logs of at least two "
-              "runs of benchmarks/plan_bruteforce.py", file=sys.stderr)
+        print(
+            "usage: python benchmarks/plan_bruteforce_pooled.py RUN1.err RUN2.err [...]: the stderr logs of at least "
+            "two "
+            "runs of benchmarks/plan_bruteforce.py",
+            file=sys.stderr,
+        )
         return 2
     runs = {path: read_run(Path(path)) for path in paths}
     keys = [key for key in next(iter(runs.values())) if all(key in run for run in runs.values())]
@@ -79,8 +85,11 @@ def main(paths: list[str]) -> int:
         print("no case is in every log: give whole runs of plan_bruteforce.py", file=sys.stderr)
         return 2
     print(f"{len(runs)} runs: {', '.join(paths)}\n")
-    print("| case | fitting rows | brute force vs itself: Spearman min / median, >= 0.8 in | plan vs pooled brute force, per run "
-          "| model alone vs pooled brute force, per run |")
+    print(
+        "| case | fitting rows | brute force vs itself: Spearman min / median, >= 0.8 in | plan vs pooled brute force, "
+        "per run "
+        "| model alone vs pooled brute force, per run |"
+    )
     print("|---|---:|---|---|---|")
     for key in keys:
         rows = sorted(runs[paths[0]][key][1])  # the plan's fitting rows (the estimate is deterministic)
@@ -91,11 +100,17 @@ def main(paths: list[str]) -> int:
         pairs = [spearman(brute[a], brute[b]) for a, b in itertools.combinations(paths, 2)]
         pooled = [statistics.median(brute[path][i] for path in paths) for i in range(len(rows))]
         plan = [spearman([runs[path][key][1][row][0] for row in rows], pooled) for path in paths]
-        alone = [spearman([runs[path][key][1][row][1] for row in rows], pooled)
-                 if all(runs[path][key][1][row][1] is not None for row in rows) else None for path in paths]
-        print(f"| {key[0]} {key[1]} | {len(rows)} | {min(pairs):.2f} / {statistics.median(pairs):.2f}, "
-              f"{sum(p >= 0.8 for p in pairs)} of {len(pairs)} pairs | {', '.join(f'{m:.2f}' for m in plan)} | "
-              f"{', '.join('-' if m is None else f'{m:.2f}' for m in alone)} |")
+        alone = [
+            spearman([runs[path][key][1][row][1] for row in rows], pooled)
+            if all(runs[path][key][1][row][1] is not None for row in rows)
+            else None
+            for path in paths
+        ]
+        print(
+            f"| {key[0]} {key[1]} | {len(rows)} | {min(pairs):.2f} / {statistics.median(pairs):.2f}, "
+            f"{sum(p >= 0.8 for p in pairs)} of {len(pairs)} pairs | {', '.join(f'{m:.2f}' for m in plan)} | "
+            f"{', '.join('-' if m is None else f'{m:.2f}' for m in alone)} |"
+        )
     return 0
 
 

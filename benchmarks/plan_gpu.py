@@ -98,8 +98,12 @@ def resnet50(batch_size: int, size: int = 224, widths=(64, 128, 256, 512), depth
         def __init__(self) -> None:
             super().__init__(batch_size, 4096)
             self.size = size
-            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, widths[0], 7, 2, 3, bias=False),
+                nn.BatchNorm2d(widths[0]),
+                nn.ReLU(),
+                nn.MaxPool2d(3, 2, 1),
+            )
             blocks, cin = [], widths[0]
             for index, (width, depth) in enumerate(zip(widths, depths)):
                 for block in range(depth):
@@ -110,7 +114,10 @@ def resnet50(batch_size: int, size: int = 224, widths=(64, 128, 256, 512), depth
 
         def make_pool(self):
             g = torch.Generator().manual_seed(0)
-            return (torch.randn(64, 3, self.size, self.size, generator=g), torch.randint(0, classes, (64,), generator=g))
+            return (
+                torch.randn(64, 3, self.size, self.size, generator=g),
+                torch.randint(0, classes, (64,), generator=g),
+            )
 
         def forward(self, x):
             return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
@@ -156,6 +163,7 @@ def plain_fits(ran: dict[int, bool]):
     """``fits(candidate)`` for the one-knob baselines, from the plain micro-batches that ran (``{micro-batch: fit}``):
     one that did not run fits when a larger one fit (memory grows with the micro-batch), else it counts as out of
     memory (larger than every one that fit: the halving's first trial, predicted far over the budget)."""
+
     def fits(candidate) -> bool:
         if candidate.micro_batch in ran:
             return ran[candidate.micro_batch]
@@ -178,8 +186,10 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
     started = time.perf_counter()
     plan = plan_fit(module, device=device, device_memory=budget, modes=modes, verbose=False)
     plan_s = time.perf_counter() - started
-    log(f"# {name} {format_bytes(budget)}: planned in {plan_s:.0f} s, {plan.trials} trials, best "
-        f"{plan.best.describe() if plan.best else None}")
+    log(
+        f"# {name} {format_bytes(budget)}: planned in {plan_s:.0f} s, {plan.trials} trials, best "
+        f"{plan.best.describe() if plan.best else None}"
+    )
     for note in plan.notes:
         log(f"#   note: {note}")
     sample, _ = sample_batch_and_length(module, None)
@@ -192,18 +202,29 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
             fits, peak, samples, note = _trial(module, row.candidate, sample, budget, device, WARMUP, TIMED)
         except Exception as error:  # noqa: BLE001 - a row that fails (not out of memory) is reported, the rest still run
             fits, peak, samples, note = False, None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
-        runs[row.candidate] = dict(fits=fits, peak=peak, samples=samples, note=note,
-                                   predicted_samples=row.predicted_samples_per_s, predicted_peak=row.predicted_peak_bytes,
-                                   predicted_fits=row.fits, trial=row.note)
-        log(f"#   {row.candidate.describe()}: predicted {format_bytes(row.predicted_peak_bytes)}, "
+        runs[row.candidate] = dict(
+            fits=fits,
+            peak=peak,
+            samples=samples,
+            note=note,
+            predicted_samples=row.predicted_samples_per_s,
+            predicted_peak=row.predicted_peak_bytes,
+            predicted_fits=row.fits,
+            trial=row.note,
+        )
+        log(
+            f"#   {row.candidate.describe()}: predicted {format_bytes(row.predicted_peak_bytes)}, "
             f"{row.predicted_samples_per_s or 0:.1f} samples/s{' (fits)' if row.fits else ''}; brute force {note}, "
-            f"peak {format_bytes(peak) if peak else '-'}, {samples or 0:.1f} samples/s; plan's trial: {row.note or '-'}")
+            f"peak {format_bytes(peak) if peak else '-'}, {samples or 0:.1f} samples/s; plan's trial: {row.note or '-'}"
+        )
     brute_s = time.perf_counter() - brute_started
     fitting = {c: r for c, r in runs.items() if r["fits"]}
     best = max(fitting, key=lambda c: fitting[c]["samples"]) if fitting else None
     chosen = plan.best
     pairs = [(r["predicted_samples"], r["samples"]) for r in fitting.values() if r["predicted_samples"]]
-    errors = [r["samples"] / r["predicted_samples"] for r in fitting.values() if r["predicted_samples"]]  # = predicted / measured step
+    errors = [
+        r["samples"] / r["predicted_samples"] for r in fitting.values() if r["predicted_samples"]
+    ]  # = predicted / measured step
 
     space = candidate_space(batch, modes=modes, device_type=device, can_checkpoint=True)
     plain = sorted((c for c in space if c.checkpoint is None and not c.offload), key=lambda c: -c.micro_batch)
@@ -215,20 +236,35 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
 
     composer, composer_trials, finder, finder_trials = baselines(plain, fits, batch)
     best_row = plan.best_row
-    return dict(model=name, budget=budget, batch=batch, space=len(space), estimated=len(runs), fitting=len(fitting),
-                best=best.describe() if best else None, best_speed=speed(best) if best else None,
-                chosen=chosen.describe() if chosen else None, chosen_speed=speed(chosen) if chosen else None,
-                plan_speed=best_row.measured_samples_per_s if best_row else None,
-                plan_peak=best_row.measured_peak_bytes if best_row else None,
-                effective=chosen.effective_batch if chosen else None, trials=plan.trials,
-                rho=spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan"),
-                pairs=len(pairs), error_median=statistics.median(errors) if errors else None,
-                error_range=(min(errors), max(errors)) if errors else None,
-                composer=composer.describe() if composer else None, composer_speed=speed(composer) if composer else None,
-                composer_trials=composer_trials,
-                finder=finder.describe() if finder else None, finder_speed=speed(finder) if finder else None,
-                finder_trials=finder_trials, plan_s=plan_s, brute_s=brute_s,
-                rows=[dict(candidate=c.describe(), **{k: v for k, v in r.items()}) for c, r in runs.items()])
+    return dict(
+        model=name,
+        budget=budget,
+        batch=batch,
+        space=len(space),
+        estimated=len(runs),
+        fitting=len(fitting),
+        best=best.describe() if best else None,
+        best_speed=speed(best) if best else None,
+        chosen=chosen.describe() if chosen else None,
+        chosen_speed=speed(chosen) if chosen else None,
+        plan_speed=best_row.measured_samples_per_s if best_row else None,
+        plan_peak=best_row.measured_peak_bytes if best_row else None,
+        effective=chosen.effective_batch if chosen else None,
+        trials=plan.trials,
+        rho=spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan"),
+        pairs=len(pairs),
+        error_median=statistics.median(errors) if errors else None,
+        error_range=(min(errors), max(errors)) if errors else None,
+        composer=composer.describe() if composer else None,
+        composer_speed=speed(composer) if composer else None,
+        composer_trials=composer_trials,
+        finder=finder.describe() if finder else None,
+        finder_speed=speed(finder) if finder else None,
+        finder_trials=finder_trials,
+        plan_s=plan_s,
+        brute_s=brute_s,
+        rows=[dict(candidate=c.describe(), **{k: v for k, v in r.items()}) for c, r in runs.items()],
+    )
 
 
 def parse_candidate(text: str):
@@ -266,11 +302,17 @@ def time_rows(path: str, models: dict, device: str) -> None:
         sample, _ = sample_batch_and_length(module, None)
         for text in case["rows"]:
             try:
-                fits, peak, samples, note = _trial(module, parse_candidate(text), sample, case["budget"], device, WARMUP, TIMED)
+                _fits, peak, samples, note = _trial(
+                    module, parse_candidate(text), sample, case["budget"], device, WARMUP, TIMED
+                )
             except Exception as error:  # noqa: BLE001 - reported, the next row still runs
-                fits, peak, samples, note = False, None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
-            print(f"# {name} {format_bytes(case['budget'])}: {text}: brute force {note}, peak "
-                  f"{format_bytes(peak) if peak else '-'}, {samples or 0:.1f} samples/s", file=sys.stderr, flush=True)
+                peak, samples, note = None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
+            print(
+                f"# {name} {format_bytes(case['budget'])}: {text}: brute force {note}, peak "
+                f"{format_bytes(peak) if peak else '-'}, {samples or 0:.1f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _row(r: dict) -> str:
@@ -282,27 +324,46 @@ def _row(r: dict) -> str:
     def pct(speed):
         return f"{100 * speed / r['best_speed']:.0f}%" if speed and r["best_speed"] else "-"
 
-    within = "-" if not r["chosen_speed"] or not r["best_speed"] else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+    within = (
+        "-"
+        if not r["chosen_speed"] or not r["best_speed"]
+        else ("yes" if r["chosen_speed"] >= 0.95 * r["best_speed"] else "no")
+    )
     peak = r["plan_peak"]
     under = "-" if peak is None else ("yes" if peak <= r["budget"] else "NO") + f" ({format_bytes(peak)})"
     best = f"{short(r['best'])} ({r['best_speed']:.1f})" if r["best"] else "none fit"
-    error = (f"{r['error_median']:.2f} ({r['error_range'][0]:.2f}-{r['error_range'][1]:.2f})" if r["error_median"] else "-")
-    return (f"| {r['model']} | {format_bytes(r['budget'])} | {r['fitting']} / {r['estimated']} | {best} | {short(r['chosen'])} | "
-            f"{pct(r['chosen_speed'])} | {within} | {r['trials']} | {under} | {r['rho']:.2f} (n={r['pairs']}) | {error} | "
-            f"{short(r['composer'])}: {pct(r['composer_speed'])}, {r['composer_trials']} trials | "
-            f"{short(r['finder'])}: {pct(r['finder_speed'])}, {r['finder_trials']} trials |")
+    error = (
+        f"{r['error_median']:.2f} ({r['error_range'][0]:.2f}-{r['error_range'][1]:.2f})" if r["error_median"] else "-"
+    )
+    return (
+        f"| {r['model']} | {format_bytes(r['budget'])} | {r['fitting']} / {r['estimated']} | {best} | "
+        f"{short(r['chosen'])} | "
+        f"{pct(r['chosen_speed'])} | {within} | {r['trials']} | {under} | {r['rho']:.2f} (n={r['pairs']}) | {error} | "
+        f"{short(r['composer'])}: {pct(r['composer_speed'])}, {r['composer_trials']} trials | "
+        f"{short(r['finder'])}: {pct(r['finder_speed'])}, {r['finder_trials']} trials |"
+    )
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="words of the model names to run (default: all)")
     parser.add_argument("--budgets", default="8GiB,16GiB", help="comma-separated device memories (default 8GiB,16GiB)")
-    parser.add_argument("--modes", default=None, help="the planner's modes (default micro_batch,checkpoint, plus offload on CUDA)")
-    parser.add_argument("--small", action="store_true", help="tiny models, budgets from their estimates: a check of the script")
+    parser.add_argument(
+        "--modes", default=None, help="the planner's modes (default micro_batch,checkpoint, plus offload on CUDA)"
+    )
+    parser.add_argument(
+        "--small", action="store_true", help="tiny models, budgets from their estimates: a check of the script"
+    )
     parser.add_argument("--json", default=None, help="write every case's result and trial rows here")
-    parser.add_argument("--rows", default=None, help="no plan: time the configurations this JSON file lists (see above)")
-    parser.add_argument("--predict", default=None, metavar="GPU",
-                        help="no GPU needed: print each case's plan table for this GPU (predictions only, no trial)")
+    parser.add_argument(
+        "--rows", default=None, help="no plan: time the configurations this JSON file lists (see above)"
+    )
+    parser.add_argument(
+        "--predict",
+        default=None,
+        metavar="GPU",
+        help="no GPU needed: print each case's plan table for this GPU (predictions only, no trial)",
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     line = provenance_line()  # what made these figures, on both streams (the table and the log)
@@ -321,8 +382,14 @@ def main(argv: list[str]) -> None:
             if args.models and not any(word.lower() in model_name.lower() for word in args.models):
                 continue
             for text in args.budgets.split(","):
-                plan = plan_fit(build(batch), device="cuda", gpu=args.predict, device_memory=text,
-                                modes=args.modes or "micro_batch,checkpoint,offload", verbose=False)
+                plan = plan_fit(
+                    build(batch),
+                    device="cuda",
+                    gpu=args.predict,
+                    device_memory=text,
+                    modes=args.modes or "micro_batch,checkpoint,offload",
+                    verbose=False,
+                )
                 print(f"## {model_name} {text}\n{plan.table()}", flush=True)
         return
     cuda = torch.cuda.is_available()
@@ -335,11 +402,17 @@ def main(argv: list[str]) -> None:
         time_rows(args.rows, models, device)
         return
     name = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"{name}, torch {torch.__version__}; brute force {WARMUP} warm-up + {TIMED} timed optimizer steps per "
-          f"configuration (median; CUDA events); modes {modes}; % of the brute-force best")
+    print(
+        f"{name}, torch {torch.__version__}; brute force {WARMUP} warm-up + {TIMED} timed optimizer steps per "
+        f"configuration (median; CUDA events); modes {modes}; % of the brute-force best"
+    )
     print()
-    print("| model | budget | fit / run | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
-          "real peak <= budget | Spearman | predicted / measured step | halve until it fits | largest batch, then accumulate |")
+    print(
+        "| model | budget | fit / run | brute-force best (samples/s) | planner's choice | % of best | within 5% | "
+        "trials | "
+        "real peak <= budget | Spearman | predicted / measured step | halve until it fits | largest batch, then "
+        "accumulate |"
+    )
     print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---|---|", flush=True)
     results = []
     started = time.perf_counter()
@@ -347,7 +420,10 @@ def main(argv: list[str]) -> None:
         if args.models and not any(word.lower() in model_name.lower() for word in args.models):
             continue
         if args.small:  # between the estimates at the batch and at half of it, and at a quarter and an eighth
-            peaks = [estimate_memory(build(batch), size, device=device).peak_bytes for size in (batch, batch // 2, batch // 4)]
+            peaks = [
+                estimate_memory(build(batch), size, device=device).peak_bytes
+                for size in (batch, batch // 2, batch // 4)
+            ]
             budgets = [(peaks[0] + peaks[1]) // 2, (peaks[1] + peaks[2]) // 2]
         else:
             budgets = [parse_bytes(text) for text in args.budgets.split(",")]

@@ -52,11 +52,16 @@ def read(folder: Path) -> dict:
         for line in path.read_text().splitlines():
             head = re.match(r"# (.+) ([\d.]+ GiB): planned in (\d+) s, (\d+) trials, best (micro .+)$", line)
             if head:
-                case = cases.setdefault((head.group(1), _bytes(head.group(2))), {"rows": {}, "predicted": {}, "second": {}})
+                case = cases.setdefault(
+                    (head.group(1), _bytes(head.group(2))), {"rows": {}, "predicted": {}, "second": {}}
+                )
                 case.update(plan_s=int(head.group(3)), trials=int(head.group(4)), choice=head.group(5))
                 continue
-            row = re.match(rf"#   (micro [^:]+): predicted {_SIZE}, ([\d.]+) samples/s( \(fits\))?; brute force (.*), "
-                           rf"peak {_SIZE}, ([\d.]+) samples/s; plan's trial: (.*)$", line)
+            row = re.match(
+                rf"#   (micro [^:]+): predicted {_SIZE}, ([\d.]+) samples/s( \(fits\))?; brute force (.*), "
+                rf"peak {_SIZE}, ([\d.]+) samples/s; plan's trial: (.*)$",
+                line,
+            )
             if line.startswith("#   micro") and (not row or case is None):
                 unread.append(line)
             if row and case is not None:
@@ -65,13 +70,18 @@ def read(folder: Path) -> dict:
                 case["rows"][row.group(1)] = (ran, _bytes(row.group(6)), float(row.group(7)) if ran else None)
     for path in sorted(folder.glob("lease2_*.err")):
         for line in path.read_text().splitlines():
-            row = re.match(rf"# (.+) ([\d.]+ GiB): (micro [^:]+): brute force (.*), peak {_SIZE}, ([\d.]+) samples/s$", line)
+            row = re.match(
+                rf"# (.+) ([\d.]+ GiB): (micro [^:]+): brute force (.*), peak {_SIZE}, ([\d.]+) samples/s$", line
+            )
             if line.startswith("# ") and ": micro" in line and not row:
                 unread.append(line)
             if row:
                 ran = row.group(4).startswith("ran")
                 cases[(row.group(1), _bytes(row.group(2)))]["second"][row.group(3)] = (
-                    ran, _bytes(row.group(5)), float(row.group(6)) if ran else None)
+                    ran,
+                    _bytes(row.group(5)),
+                    float(row.group(6)) if ran else None,
+                )
     if unread:
         raise SystemExit(f"{len(unread)} log lines not read (a format this script does not know), e.g. {unread[0]!r}")
     predictions = (folder / "predictions_h200_roofline.txt").read_text()
@@ -82,7 +92,8 @@ def read(folder: Path) -> dict:
             cells = re.match(r"  (micro .+?)\s{2,}([\d.]+ [KMG]?i?B)\s+([\d.]+) ms\s+([\d.]+)\s+(yes|no)", line)
             if cells and (name, _bytes(budget)) in cases:
                 cases[(name, _bytes(budget))]["predicted"].setdefault(
-                    cells.group(1), (_bytes(cells.group(2)), float(cells.group(4)), cells.group(5) == "yes"))
+                    cells.group(1), (_bytes(cells.group(2)), float(cells.group(4)), cells.group(5) == "yes")
+                )
     return cases
 
 
@@ -100,9 +111,16 @@ def summarize(name: str, budget: int, case: dict) -> dict:
     errors = [m / p for p, m in pairs]  # predicted step / measured step
     missed = [t for t, r in fitting.items() if t in case["predicted"] and not case["predicted"][t][2]]
     candidates = {t: parse_candidate(t) for t in rows}
-    plain = sorted({c for c in candidates.values() if c.checkpoint is None and not c.offload}
-                   | {parse_candidate(f"micro {m} x {c.effective_batch // m}, 32-true") for c in candidates.values()
-                      for m in (1, 2, 4, 8, 16, 32, 64, 128, 256) if c.effective_batch % m == 0}, key=lambda c: -c.micro_batch)
+    plain = sorted(
+        {c for c in candidates.values() if c.checkpoint is None and not c.offload}
+        | {
+            parse_candidate(f"micro {m} x {c.effective_batch // m}, 32-true")
+            for c in candidates.values()
+            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+            if c.effective_batch % m == 0
+        },
+        key=lambda c: -c.micro_batch,
+    )
     fits = plain_fits({c.micro_batch: rows[t][0] for t, c in candidates.items() if c in plain})
     batch = next(iter(candidates.values())).effective_batch
     composer, composer_trials, finder, finder_trials = baselines(plain, fits, batch)
@@ -111,12 +129,30 @@ def summarize(name: str, budget: int, case: dict) -> dict:
         text = candidate.describe() if candidate is not None else None
         return fitting[text][2] if text in fitting else None
 
-    return dict(name=name, budget=budget, fitting=len(fitting), run=len(rows), best=best, best_speed=fitting[best][2],
-                choice=choice, choice_speed=fitting[choice][2], trials=case["trials"], peak=rows[choice][1],
-                rho=spearman([p for p, _ in pairs], [m for _, m in pairs]), pairs=len(pairs),
-                error=(min(errors), statistics.median(errors), max(errors)), missed=missed, scale=scale,
-                composer=composer, composer_speed=speed(composer), composer_trials=composer_trials,
-                finder=finder, finder_speed=speed(finder), finder_trials=finder_trials, plan_s=case["plan_s"])
+    return dict(
+        name=name,
+        budget=budget,
+        fitting=len(fitting),
+        run=len(rows),
+        best=best,
+        best_speed=fitting[best][2],
+        choice=choice,
+        choice_speed=fitting[choice][2],
+        trials=case["trials"],
+        peak=rows[choice][1],
+        rho=spearman([p for p, _ in pairs], [m for _, m in pairs]),
+        pairs=len(pairs),
+        error=(min(errors), statistics.median(errors), max(errors)),
+        missed=missed,
+        scale=scale,
+        composer=composer,
+        composer_speed=speed(composer),
+        composer_trials=composer_trials,
+        finder=finder,
+        finder_speed=speed(finder),
+        finder_trials=finder_trials,
+        plan_s=case["plan_s"],
+    )
 
 
 def main(folder: str) -> None:
@@ -130,15 +166,21 @@ def main(folder: str) -> None:
     gpu = (Path(folder) / "gpu.txt").read_text().strip().splitlines()
     recorded = [line for line in gpu if line.startswith("{") and '"commit"' in line]
     # where the logs came from (a lease's gpu.txt names it, from benchmarks/provenance.py), and this table
-    print(f"# logs' provenance: {recorded[-1]}" if recorded else
-          "# logs' provenance: not recorded (these logs predate benchmarks/provenance.py; gpu.txt has the sources' "
-          "sha256 and the versions)")
+    print(
+        f"# logs' provenance: {recorded[-1]}"
+        if recorded
+        else "# logs' provenance: not recorded (these logs predate benchmarks/provenance.py; gpu.txt has the sources' "
+        "sha256 and the versions)"
+    )
     print(provenance_line().replace("# provenance:", "# table's provenance:"))
     print(next((line for line in reversed(gpu) if " torch " in line), gpu[-1]))
     print()
-    print("| model | budget | fit / run | brute-force best (samples/s) | planner's choice | % of best | within 5% | trials | "
-          "real peak <= budget | Spearman | measured / predicted samples/s (min, median, max) | "
-          "choice, lease 2 / lease 1 | halve until it fits | largest batch, then accumulate |")
+    print(
+        "| model | budget | fit / run | brute-force best (samples/s) | planner's choice | % of best | within 5% | "
+        "trials | "
+        "real peak <= budget | Spearman | measured / predicted samples/s (min, median, max) | "
+        "choice, lease 2 / lease 1 | halve until it fits | largest batch, then accumulate |"
+    )
     print("|---|---|---:|---|---|---:|---|---:|---|---:|---|---:|---|---|")
     for (name, budget), case in sorted(read(Path(folder)).items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         r = summarize(name, budget, case)
@@ -147,15 +189,23 @@ def main(folder: str) -> None:
             return f"{speed / r['best_speed']:.0%}" if speed else "none fit"
 
         share = r["choice_speed"] / r["best_speed"]
-        print(f"| {name} | {format_bytes(budget)} | {r['fitting']} / {r['run']} | {short(r['best'])} ({r['best_speed']:.1f}) | "
-              f"{short(r['choice'])} | {share:.0%} | {'yes' if share >= 0.95 else 'no'} | {r['trials']} | "
-              f"{'yes' if r['peak'] <= budget else 'NO'} ({format_bytes(r['peak'])} allocated) | {r['rho']:.2f} (n={r['pairs']}) | "
-              f"{r['error'][0]:.2f}, {r['error'][1]:.2f}, {r['error'][2]:.2f} | {1 / r['scale']:.1%} | "
-              f"{short(r['composer'])}: {pct(r['composer_speed'])}, {r['composer_trials']} trials | "
-              f"{short(r['finder'])}: {pct(r['finder_speed'])}, {r['finder_trials']} trials |")
+        print(
+            f"| {name} | {format_bytes(budget)} | {r['fitting']} / {r['run']} | {short(r['best'])} "
+            f"({r['best_speed']:.1f}) | "
+            f"{short(r['choice'])} | {share:.0%} | {'yes' if share >= 0.95 else 'no'} | {r['trials']} | "
+            f"{'yes' if r['peak'] <= budget else 'NO'} ({format_bytes(r['peak'])} allocated) | {r['rho']:.2f} "
+            f"(n={r['pairs']}) | "
+            f"{r['error'][0]:.2f}, {r['error'][1]:.2f}, {r['error'][2]:.2f} | {1 / r['scale']:.1%} | "
+            f"{short(r['composer'])}: {pct(r['composer_speed'])}, {r['composer_trials']} trials | "
+            f"{short(r['finder'])}: {pct(r['finder_speed'])}, {r['finder_trials']} trials |"
+        )
         if r["missed"]:
             print(f"|  | predicted over the budget but fit: {'; '.join(short(t) for t in r['missed'])} |||||||||||||")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200_2026-11-27"))
+    main(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200_2026-11-27")
+    )

@@ -65,9 +65,11 @@ def plan(args: argparse.Namespace) -> None:
     result = plan_fit(_make(), device_memory=BUDGET, device="cpu", verbose=True, max_seconds=args.max_seconds)
     wall = time.perf_counter() - started
     print(result.table())
-    print(f"# plan: {wall:.1f} s wall ({result.seconds:.1f} s in plan_fit, budget {result.max_seconds:.0f} s); best "
-          f"{result.best.describe() if result.best else None}; phases: "
-          + ", ".join(p.describe() + (f" ({p.detail})" if p.detail else "") for p in result.phases))
+    print(
+        f"# plan: {wall:.1f} s wall ({result.seconds:.1f} s in plan_fit, budget {result.max_seconds:.0f} s); best "
+        f"{result.best.describe() if result.best else None}; phases: "
+        + ", ".join(p.describe() + (f" ({p.detail})" if p.detail else "") for p in result.phases)
+    )
 
 
 def autofit(args: argparse.Namespace) -> None:
@@ -83,13 +85,22 @@ def autofit(args: argparse.Namespace) -> None:
                 self.at = time.perf_counter()
 
     first, auto = FirstBatch(), AutoFit(device_memory=BUDGET)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[auto, first])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[auto, first],
+    )
     started = time.perf_counter()
     trainer.fit(_make())
-    print(f"# autofit: plan {auto.plan.seconds:.1f} s (budget {auto.plan.max_seconds:.0f} s), "
-          f"{first.at - started:.1f} s from trainer.fit to the first batch, {time.perf_counter() - started:.1f} s in "
-          f"all; trains {auto.applied}")
+    print(
+        f"# autofit: plan {auto.plan.seconds:.1f} s (budget {auto.plan.max_seconds:.0f} s), "
+        f"{first.at - started:.1f} s from trainer.fit to the first batch, {time.perf_counter() - started:.1f} s in "
+        f"all; trains {auto.applied}"
+    )
 
 
 def _trial_step(module, batch, budget, candidate, timed: int) -> float:
@@ -116,18 +127,22 @@ def brute(args: argparse.Namespace) -> None:
     with reusing_fake_copies():
         planner._estimate_families(module, space, rows, batch, "cpu", None, None, budget, TimeModel(calibrate_cpu()))
     configurations = [row.candidate for row in planner._contenders(rows)]
-    print(f"# brute force over {len(configurations)} configurations: "
-          + "; ".join(c.describe() for c in configurations), flush=True)
+    print(
+        f"# brute force over {len(configurations)} configurations: " + "; ".join(c.describe() for c in configurations),
+        flush=True,
+    )
     _trial_step(module, batch, budget, configurations[0], 1)  # discarded: the process's first steps run slower
     steps: dict = {c: [] for c in configurations}
     started = time.perf_counter()
     for round_ in range(args.rounds):
         shift = round_ * len(configurations) // args.rounds
         order = configurations[shift:] + configurations[:shift]
-        for candidate in (order[::-1] if round_ % 2 else order):
+        for candidate in order[::-1] if round_ % 2 else order:
             steps[candidate].append(_trial_step(module, batch, budget, candidate, args.timed))
-        print(f"# round {round_ + 1}: " + ", ".join(f"{c.describe()} {steps[c][-1]:.2f} s" for c in configurations),
-              flush=True)
+        print(
+            f"# round {round_ + 1}: " + ", ".join(f"{c.describe()} {steps[c][-1]:.2f} s" for c in configurations),
+            flush=True,
+        )
     ranked = sorted(configurations, key=lambda c: statistics.median(steps[c]))
     best = statistics.median(steps[ranked[0]])
     print(f"# {time.perf_counter() - started:.0f} s; {args.rounds} rounds of {args.timed} timed steps each")
@@ -135,8 +150,11 @@ def brute(args: argparse.Namespace) -> None:
     print("|---|---:|---:|---|")
     for candidate in ranked:
         median = statistics.median(steps[candidate])
-        print(f"| {candidate.describe()} | {MODEL['batch_size'] / median:.2f} | {best / median:.0%} | "
-              + ", ".join(f"{s:.2f}" for s in steps[candidate]) + " |")
+        print(
+            f"| {candidate.describe()} | {MODEL['batch_size'] / median:.2f} | {best / median:.0%} | "
+            + ", ".join(f"{s:.2f}" for s in steps[candidate])
+            + " |"
+        )
 
 
 def pair(args: argparse.Namespace) -> None:
@@ -151,17 +169,19 @@ def pair(args: argparse.Namespace) -> None:
     ratios = []
     for round_ in range(args.rounds):
         step = {}
-        for candidate in ((first, second) if round_ % 2 == 0 else (second, first)):
+        for candidate in (first, second) if round_ % 2 == 0 else (second, first):
             step[candidate] = _trial_step(module, batch, budget, candidate, args.timed)
         ratios.append(step[second] / step[first])  # samples/s of the first over the second's
         print(f"# round {round_ + 1}: {ratios[-1]:.3f}", flush=True)
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     error = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
-    print(f"samples/s of {first.describe()} over {second.describe()}, {args.rounds} rounds side by side: median "
-          f"{statistics.median(ratios):.3f}, geometric mean {math.exp(mean):.3f} (95% interval "
-          f"{math.exp(mean - 2 * error):.3f} to {math.exp(mean + 2 * error):.3f}); rounds: "
-          + ", ".join(f"{r:.2f}" for r in ratios))
+    print(
+        f"samples/s of {first.describe()} over {second.describe()}, {args.rounds} rounds side by side: median "
+        f"{statistics.median(ratios):.3f}, geometric mean {math.exp(mean):.3f} (95% interval "
+        f"{math.exp(mean - 2 * error):.3f} to {math.exp(mean + 2 * error):.3f}); rounds: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+    )
 
 
 def main() -> int:

@@ -70,10 +70,13 @@ def main() -> int:
     first, second = parse_candidate(args.first), parse_candidate(args.second)
     for candidate in (first, second):
         if candidate.effective_batch != batch:
-            raise SystemExit(f"{candidate.describe()}: the effective batch is {candidate.effective_batch}, the model's {batch}")
+            raise SystemExit(
+                f"{candidate.describe()}: the effective batch is {candidate.effective_batch}, the model's {batch}"
+            )
     module = make()
     sample, _ = sample_batch_and_length(module, None)
     _trial(module, first, sample, 1 << 50, "cpu", 1, 5)  # discarded: the process's first steps run slower
+
     def trial_step(candidate) -> float:
         fits, _, samples, note = _trial(module, candidate, sample, 1 << 50, "cpu", 1, 30)
         if not fits or samples is None:
@@ -86,8 +89,10 @@ def main() -> int:
         order = (0, 1) if round_ % 2 == 0 else (1, 0)
         for index in order:  # the two timings of each kind back to back, the order alternating from round to round
             steps[index, "trial"] = trial_step((first, second)[index])
-        for index in (order[::-1] if args.both else ()):
-            steps[index, "plan"] = statistics.median(_timed_step(module, (first, second)[index], sample, "cpu", 1, 4, 0.5))
+        for index in order[::-1] if args.both else ():
+            steps[index, "plan"] = statistics.median(
+                _timed_step(module, (first, second)[index], sample, "cpu", 1, 4, 0.5)
+            )
         trial_ratios.append(steps[1, "trial"] / steps[0, "trial"])  # samples/s of the first over the second's
         if args.both:
             plan_ratios.append(steps[1, "plan"] / steps[0, "plan"])
@@ -95,9 +100,11 @@ def main() -> int:
     def verdict(label: str, ratios: list[float]) -> str:
         logs = [math.log(r) for r in ratios]
         mean, error = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
-        return (f"{label}: median {statistics.median(ratios):.3f}, geometric mean {math.exp(mean):.3f} (95% interval "
-                f"{math.exp(mean - 2 * error):.3f} to {math.exp(mean + 2 * error):.3f}); rounds: "
-                + ", ".join(f"{r:.2f}" for r in ratios))
+        return (
+            f"{label}: median {statistics.median(ratios):.3f}, geometric mean {math.exp(mean):.3f} (95% interval "
+            f"{math.exp(mean - 2 * error):.3f} to {math.exp(mean + 2 * error):.3f}); rounds: "
+            + ", ".join(f"{r:.2f}" for r in ratios)
+        )
 
     print(f"{names[0]}: samples/s of {first.describe()} over {second.describe()}, {args.rounds} rounds side by side")
     print(verdict("brute force's timing (30 steps)", trial_ratios))

@@ -49,13 +49,33 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=4)
     args = parser.parse_args()
     if args.quick:
-        models = {"transformer LM": lambda: DemoTransformer(vocab_size=256, d_model=64, nhead=4, layers=2, dim_feedforward=256,
-                                                             seq_len=32, dropout=0.0, batch_size=16),
-                  "CNN": lambda: DemoCNN(batch_size=16)}
+        models = {
+            "transformer LM": lambda: DemoTransformer(
+                vocab_size=256,
+                d_model=64,
+                nhead=4,
+                layers=2,
+                dim_feedforward=256,
+                seq_len=32,
+                dropout=0.0,
+                batch_size=16,
+            ),
+            "CNN": lambda: DemoCNN(batch_size=16),
+        }
     else:
-        models = {"transformer LM": lambda: DemoTransformer(vocab_size=1000, d_model=128, nhead=4, layers=4, dim_feedforward=512,
-                                                             seq_len=64, dropout=0.0, batch_size=32),
-                  "CNN": lambda: DemoCNN(batch_size=32)}
+        models = {
+            "transformer LM": lambda: DemoTransformer(
+                vocab_size=1000,
+                d_model=128,
+                nhead=4,
+                layers=4,
+                dim_feedforward=512,
+                seq_len=64,
+                dropout=0.0,
+                batch_size=32,
+            ),
+            "CNN": lambda: DemoCNN(batch_size=32),
+        }
     for name, build in models.items():
         module = build()
         batch = module.batch_size
@@ -71,15 +91,29 @@ def main() -> None:
             seconds = _timed_step(module, row.candidate, sample, "cpu", 1, args.timed_steps)
             predicted.append(row.predicted_samples_per_s)
             measured.append(row.candidate.effective_batch / seconds)
-            rows.append((row.candidate.describe(), f"{row.predicted_step_s * 1e3:.1f}", f"{seconds * 1e3:.1f}",
-                         f"{(row.predicted_step_s - seconds) / seconds:+.0%}", "yes" if row.ran else ""))
+            rows.append(
+                (
+                    row.candidate.describe(),
+                    f"{row.predicted_step_s * 1e3:.1f}",
+                    f"{seconds * 1e3:.1f}",
+                    f"{(row.predicted_step_s - seconds) / seconds:+.0%}",
+                    "yes" if row.ran else "",
+                )
+            )
         fastest = max(measured)
-        best_measured = next(m for row, m in zip([r for r in plan.rows if r.fits and r.predicted_step_s is not None], measured)
-                             if row.candidate == plan.best)
-        print(f"\n{name}: effective batch {batch}, budget {budget} B, {plan.trials} trials; best {plan.best.describe()}")
+        best_measured = next(
+            m
+            for row, m in zip([r for r in plan.rows if r.fits and r.predicted_step_s is not None], measured)
+            if row.candidate == plan.best
+        )
+        print(
+            f"\n{name}: effective batch {batch}, budget {budget} B, {plan.trials} trials; best {plan.best.describe()}"
+        )
         print(format_table(("configuration", "predicted ms", "measured ms", "error", "trial"), rows))
-        print(f"Spearman(predicted, measured samples/s) = {spearman(predicted, measured):.2f}; best at "
-              f"{best_measured / fastest:.1%} of the fastest measured")
+        print(
+            f"Spearman(predicted, measured samples/s) = {spearman(predicted, measured):.2f}; best at "
+            f"{best_measured / fastest:.1%} of the fastest measured"
+        )
         for note in plan.notes:
             print("note:", note)
 
