@@ -260,8 +260,9 @@ DDP_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     module = DemoMLP(in_features=256, hidden=128, depth=2); del module.batch_size
     data = SyntheticDataModule(batch_size=8, train_size=2048, val_size=16, input_shape=(256,))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=sys.argv[1])
     budgets = [int(sys.argv[2]), int(sys.argv[3])]
     rank = int(os.environ.get("LOCAL_RANK", 0))
     from torch.distributed import distributed_c10d  # private: only this test counts the process groups
@@ -388,16 +389,18 @@ END = re.compile(
 
 
 def trial_lines(out):
-    """[(trial, batch, limit s)] of the start lines and [(trial, batch, outcome, seconds)] of the end lines, in order."""
+    """[(trial, batch, limit s)] of the start lines and [(trial, batch, outcome, seconds)] of the end lines, in
+    order."""
     starts = [(int(n), int(b), float(limit)) for n, b, limit in START.findall(out)]
     ends = [(int(n), int(b), outcome, float(seconds)) for n, b, outcome, _, seconds in END.findall(out)]
     return starts, ends
 
 
 def test_a_cpu_search_without_budget_bounds_every_trial_and_prints_it(tmp_path, capsys):
-    """No budget= on CPU: the announcement says what bounds the search (host memory, seconds per trial and in all), the first
-    trial is small (it times a step), every trial prints a line as it starts and as it ends, none runs past its announced
-    limit, later sizes grow at most 4x, and the process's peak resident memory stays under the host memory announced."""
+    """No budget= on CPU: the announcement says what bounds the search (host memory, seconds per trial and in all),
+    the first trial is small (it times a step), every trial prints a line as it starts and as it ends, none runs past
+    its announced limit, later sizes grow at most 4x, and the process's peak resident memory stays under the host
+    memory announced."""
     from lightning_memkit.probes.host import HostProbe
     from lightning_memkit.units import parse_bytes
 
@@ -443,8 +446,8 @@ SLOW_STEP_S = 3.3  # a step above the cliff: more than half a trial's limit (6 s
 
 
 class _SlowAbove(DemoMLP):
-    """A step that takes 3.3 s above ``fast_up_to`` samples (a cache cliff: the seconds per sample measured below it do not
-    foretell it)."""
+    """A step that takes 3.3 s above ``fast_up_to`` samples (a cache cliff: the seconds per sample measured below it do
+    not foretell it)."""
 
     def __init__(self, fast_up_to, **kwargs):
         super().__init__(**kwargs)

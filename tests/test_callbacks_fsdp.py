@@ -13,7 +13,6 @@ applies) and the wrapper names the layer trace removes.
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 
 import pytest

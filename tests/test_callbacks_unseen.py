@@ -133,8 +133,8 @@ def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(
     assert _memkit_files(tmp_path) == []
     # and the printed summary says where the readings are
     assert (
-        "memkit readings: no logger, so nothing was logged; every measured step on this tracker's .history; records: no file"
-        in capsys.readouterr().out
+        "memkit readings: no logger, so nothing was logged; every measured step on this tracker's .history; "
+        "records: no file" in capsys.readouterr().out
     )
 
 

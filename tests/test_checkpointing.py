@@ -359,7 +359,7 @@ def test_a_sample_that_runs_backward_is_a_clear_error_for_a_budget_and_a_warning
     handle.remove()
 
 
-# ------------------------------------------------------------------------------------------ budget units, class + budget
+# ------------------------------------------------------------------------------------- budget units, class + budget
 @pytest.mark.parametrize("value", [1.5, 2, "2", "1e9", "budget=2", "budget=1.5", 0, -0.5, True, "lots"])
 def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
     from lightning_memkit.modes.checkpointing import parse_budget

@@ -313,7 +313,9 @@ DATAMODULES = textwrap.dedent("""
             self.bs = bs
 
         def train_dataloader(self):
-            return DataLoader(TensorDataset(torch.randint(0, 50, (16, 16)), torch.randint(0, 10, (16,))), batch_size=self.bs)
+            return DataLoader(
+                TensorDataset(torch.randint(0, 50, (16, 16)), torch.randint(0, 10, (16,))), batch_size=self.bs
+            )
 
 
     class NoLoaders:

@@ -6,7 +6,6 @@ graph calls are counted, so "compiled on every step" is read, not assumed.
 
 from __future__ import annotations
 
-import copy
 import gc
 import os
 import re

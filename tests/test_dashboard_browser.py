@@ -1,4 +1,5 @@
-"""The dashboard as a browser draws it: headless Chromium on a real ``tensorboard``, the Custom Scalars tab read from the page.
+"""The dashboard as a browser draws it: headless Chromium on a real ``tensorboard``, the Custom Scalars tab read from
+the page.
 
 For each kind of run (a CPU fit with MemoryTracker + LayerTrace, a 5-step fit and a 12-step fit logged every 5 steps
 of a small GPT, a two-process DDP run, a ``memkit compare`` root,
@@ -46,7 +47,8 @@ H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_lo
 
 
 class Chromium:
-    """Headless Chromium driven over ``--remote-debugging-pipe`` (commands in on fd 3, replies out on fd 4, JSON ended by NUL).
+    """Headless Chromium driven over ``--remote-debugging-pipe`` (commands in on fd 3, replies out on fd 4, JSON ended
+    by NUL).
 
     Its own process group and profile directory; :meth:`close` kills the group and removes the profile."""
 
@@ -143,7 +145,10 @@ class Chromium:
 CARDS = r"""
 (() => {
   const deep = (root, test, out = []) => {
-    for (const node of root.querySelectorAll('*')) { if (test(node)) out.push(node); if (node.shadowRoot) deep(node.shadowRoot, test, out); }
+    for (const node of root.querySelectorAll('*')) {
+      if (test(node)) out.push(node);
+      if (node.shadowRoot) deep(node.shadowRoot, test, out);
+    }
     return out;
   };
   const cards = deep(document, n => n.tagName === 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD');
@@ -154,11 +159,14 @@ CARDS = r"""
     const yAxis = deep(root, n => n.classList && n.classList.contains('y-axis'))[0];
     return {
       title: heading ? heading.textContent.trim() : null,
-      matches: deep(root, n => n.classList && n.classList.contains('match-list-entry')).map(n => n.textContent.replace(/\s+/g, ' ').trim()),
+      matches: deep(root, n => n.classList && n.classList.contains('match-list-entry'))
+        .map(n => n.textContent.replace(/\s+/g, ' ').trim()),
       y: yAxis ? deep(yAxis, n => n.classList && n.classList.contains('tick-label')).map(n => n.textContent) : [],
       // each tag is drawn twice (the smoothed line and the raw one): a path of two points or more has an "L"
-      lines: deep(root, n => n.tagName === 'path' && n.classList.contains('line') && /L/.test(n.getAttribute('d') || '')).length,
-      text: root.textContent.includes('No data') || deep(root, n => /no data/i.test(n.textContent || '') && !n.children.length).length > 0,
+      lines: deep(root, n => n.tagName === 'path' && n.classList.contains('line')
+                             && /L/.test(n.getAttribute('d') || '')).length,
+      text: root.textContent.includes('No data')
+        || deep(root, n => /no data/i.test(n.textContent || '') && !n.children.length).length > 0,
     };
   }));
 })()
@@ -190,7 +198,8 @@ DDP_SCRIPT = textwrap.dedent(
     from lightning_memkit import MemoryTracker
 
     trainer = pl.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_steps=12, logger=TensorBoardLogger(sys.argv[1], name="ddp", version=0),
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=12,
+        logger=TensorBoardLogger(sys.argv[1], name="ddp", version=0),
         callbacks=[MemoryTracker(per_rank=True, verbose=False)], enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
     )

@@ -1,4 +1,5 @@
-"""The dashboard under real DDP (2 CPU processes, gloo): one layout, with per-rank charts that match the per-rank tags."""
+"""The dashboard under real DDP (2 CPU processes, gloo): one layout, with per-rank charts that match the per-rank
+tags."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ SCRIPT = textwrap.dedent(
             print(f"rank {{trainer.global_rank}} registered again: {{register_dashboard(trainer)}}", flush=True)
 
     trainer = pl.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_steps=3, logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=3,
+        logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
         callbacks=[MemoryTracker(per_rank=True, verbose=False), Probe()], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+        log_every_n_steps=1,
     )
     trainer.fit(LinearStack(batch_size=8))
     """
@@ -55,11 +58,12 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     scalars = read_scalars(log_dir)
     tags = set(scalars)
     per_rank = layout["memkit: per rank (DDP)"]
+
     # a chart whose values TensorBoard's three-digit axis could not label draws them above a base its title names
     # (tests/test_dashboard_rules.py checks those lines): here, as logged
-    logged = lambda t: re.sub(
-        r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/")
-    )  # noqa: E731
+    def logged(t: str) -> str:
+        return re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))
+
     matched = {
         re.sub(r"\((B|KiB|MiB|GiB)( above [0-9,.]+ (B|KiB|MiB|GiB))?", "(MiB", title.removesuffix(FRAME_TITLE)): {
             logged(t) for t in tags for r in regexes if re.match(r, t) and not is_frame_tag(t)

@@ -56,7 +56,8 @@ def steps_per_tag(scalars):
 
 
 def todays_layout(scalars, compare=False):
-    """What ``update_dashboards`` gives a run that logged ``scalars``: the layout, and the scalars with its rebased lines."""
+    """What ``update_dashboards`` gives a run that logged ``scalars``: the layout, and the scalars with its rebased
+    lines."""
     own = {t: v for t, v in scalars.items() if not t.startswith(f"memory/{DASHBOARD_TAG_PART}/")}
     layout, lines = readable_layout(layout_from_tags(steps_per_tag(own), compare=compare), {"run": own})
     return layout, {**own, **lines.get("run", {})}
@@ -102,7 +103,8 @@ def check_rebased_lines(layout, scalars):
 
 def check_frame_lines(layout, scalars):
     """Every framed chart (its title ends with FRAME_TITLE) draws two flat lines, named by their values, at exactly the
-    lowest and the highest value of its other lines, at their steps; no other chart has them. Returns how many charts had frames."""
+    lowest and the highest value of its other lines, at their steps; no other chart has them. Returns how many charts
+    had frames."""
     framed = 0
     for title, regexes in layout_tags(layout).items():
         tags = sorted(t for t in scalars if any(re.match(r, t) for r in regexes))
@@ -193,13 +195,13 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     # and NVML's chart reaches 1,403 MiB, which TensorBoard labels "1e+3" ... "1.5e+3" (the screenshot's NVML axis)
     host_ticks = "['1.5e+3', '1.5e+3', '1.5e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3']"
     assert check_dashboard(layout_from_tags(steps_per_tag(logged)), {"demo": logged}) == [
-        "'device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)': the y axis over [100, 1500] "
-        "labels ticks ['1e+3', '1.1e+3', '1.2e+3', '1.3e+3', '1.4e+3', '1.5e+3'] in exponent notation (values of 1,000 or more): "
-        "draw them in a larger unit",
-        f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks {host_ticks}: "
-        "three significant digits cannot tell them apart",
-        f"'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels ticks {host_ticks} in "
-        "exponent notation (values of 1,000 or more): draw them in a larger unit",
+        "'device (NVML), top to bottom: all processes, this process, allocator reserved (MiB)': the y axis over "
+        "[100, 1500] labels ticks ['1e+3', '1.1e+3', '1.2e+3', '1.3e+3', '1.4e+3', '1.5e+3'] in exponent notation "
+        "(values of 1,000 or more): draw them in a larger unit",
+        "'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels its ticks "
+        f"{host_ticks}: three significant digits cannot tell them apart",
+        "'host RSS, top to bottom: step peak, step end (MiB)': the y axis over [1503.5, 1507.5] labels ticks "
+        f"{host_ticks} in exponent notation (values of 1,000 or more): draw them in a larger unit",
     ]
     layout, scalars = todays_layout(logged)
     assert check_dashboard(layout, {"demo": scalars}) == []
@@ -271,7 +273,8 @@ def test_h100_compare_with_todays_layout_keeps_the_rules():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
-    """``update_dashboards`` on a copy of the old logs; a real ``tensorboard`` serves today's layout and every chart's data."""
+    """``update_dashboards`` on a copy of the old logs; a real ``tensorboard`` serves today's layout and every chart's
+    data."""
     from lightning_memkit.tensorboard.server import TensorBoardServer
 
     for name, compare in (("gl", False), ("gc", True)):
@@ -406,9 +409,11 @@ def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, request):
     """The accountant's peak read on steps 0, 1, 11 and 21 of a 31-step run logged every step: TensorBoard's outlier
     clipping (5th to 95th percentile, on by default) cuts the ends of so short a line. The layout written at fit start
     draws it and breaks the rule; the one written at fit end (what TensorBoard shows) keeps the chart, drawn between two
-    flat lines at its lowest and highest values (so the 5th-95th percentile range holds every point), and keeps every rule."""
+    flat lines at its lowest and highest values (so the 5th-95th percentile range holds every point), and keeps every
+    rule."""
     # The claim is the step-peak chart's; the run checks every chart, and host RSS depends on what earlier tests grew
-    # (within 1 MiB of ~685 MiB after the suite: test_a_nearly_flat_host_rss_line_is_drawn_by_the_rules), so a fresh process.
+    # (within 1 MiB of ~685 MiB after the suite: test_a_nearly_flat_host_rss_line_is_drawn_by_the_rules), so a fresh
+    # process.
     from conftest import rerun_in_own_process
 
     if rerun_in_own_process(request, tmp_path):
@@ -487,7 +492,7 @@ def test_cpu_compare_run_keeps_the_rules(tmp_path):
         check_rebased_lines(layout, scalars)
 
 
-# ---------------------------------------------------------------------------------------------- figures (Images tab, memkit report)
+# --------------------------------------------------------------------------------- figures (Images tab, memkit report)
 def figure_problems(figure, runs_are_lines=False):
     """check_chart on every axes of a matplotlib figure: its lines (the red peak marker is a point of one of them)."""
     problems = []
@@ -566,7 +571,8 @@ def top_to_bottom(regex):
 
 @pytest.mark.parametrize("root", [H100_DEMO, H100_COMPARE, "cpu"])
 def test_lines_lie_top_to_bottom_as_the_titles_say(root, cpu_fit):
-    """Within a run TensorBoard tells lines apart by marker shape only: the title's order is the lines' order, at every step."""
+    """Within a run TensorBoard tells lines apart by marker shape only: the title's order is the lines' order, at every
+    step."""
     runs = {"cpu": read_scalars(cpu_fit)} if root == "cpu" else scalars_by_run(root)
     checked = 0
     charts = {**layout_tags(dashboard_layout(cuda=True)), **layout_tags(dashboard_layout(cuda=False))}
@@ -585,7 +591,8 @@ def test_lines_lie_top_to_bottom_as_the_titles_say(root, cpu_fit):
 
 
 def test_the_device_table_goes_to_the_text_tab(tmp_path, cpu_fit):
-    """log_memory_summary (MemoryTracker's fit end) on the H100 run's records: capacity and headroom as text, next to the summary."""
+    """log_memory_summary (MemoryTracker's fit end) on the H100 run's records: capacity and headroom as text, next to
+    the summary."""
     from lightning.pytorch import Trainer
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

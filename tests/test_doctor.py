@@ -281,7 +281,8 @@ def test_a_tensor_made_in_another_callbacks_hook_after_the_doctors_is_attributed
 def test_a_leak_is_warned_once_and_the_report_is_written(tmp_path):
     doctor = MemoryDoctor(verbose=True)
     with pytest.warns(UserWarning, match="memory leak") as warned:
-        # with a logger: without one (logger=False, fast_dev_run) no memkit file is written, as for MemoryTracker's records
+        # with a logger: without one (logger=False, fast_dev_run) no memkit file is written, as for MemoryTracker's
+        # records
         doctor_fit(OutputsList(), tmp_path, steps=16, doctor=doctor, logger=CSVLogger(str(tmp_path)))
     assert sum("memory leak" in str(w.message) for w in warned) == 1
     with open(doctor.report_path) as file:

@@ -393,7 +393,8 @@ def test_distributed_estimate(runner, tmp_path):
     # the FSDP2 estimate shown by category is the table's N=8 cell; its fp32 parameters are an eighth of the
     # model's (shards padded to a multiple of 8 rows), Adam's two moments twice that
     shown = re.search(
-        r"^parameters\s+([\d.]+ \w+)\n^optimizer_state\s+([\d.]+ \w+)\n(?:.*\n)*?^peak per rank \(tensors\)\s+([\d.]+) GiB",
+        r"^parameters\s+([\d.]+ \w+)\n^optimizer_state\s+([\d.]+ \w+)\n"
+        r"(?:.*\n)*?^peak per rank \(tensors\)\s+([\d.]+) GiB",
         output,
         flags=re.M,
     )
@@ -443,7 +444,7 @@ def test_building_blocks(runner, tmp_path):
     # 4. ReLU saves its output (32 x 512) for backward, the second Linear saves that same storage (counted once);
     # Adam's two moments per parameter and one float32 step per parameter tensor
     assert re.search(rf"^trace: 1\s+ReLU\s+forward: saved {32 * 512 * FLOAT32} B", output, flags=re.M), output[-3000:]
-    assert re.search(rf"^trace: 2\s+Linear\s+forward: saved 0 B", output, flags=re.M), output[-3000:]
+    assert re.search(r"^trace: 2\s+Linear\s+forward: saved 0 B", output, flags=re.M), output[-3000:]
     events, trace_peak, state, again = numbers(
         r"^trace: (\d+) events, peak (\d+) B, optimizer state at end (\d+) B; from JSON: (\d+) B$"
     )

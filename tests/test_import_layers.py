@@ -205,7 +205,10 @@ def test_the_walker_sees_every_kind_of_import(tmp_path: Path) -> None:
         "b.py": "def f():\n    from lightning_memkit.sub import c\n",
         "sub/__init__.py": "from .c import X\n",
         "sub/c.py": "from .. import a\nfrom ..b import f\nX = 1\n",
-        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_memkit.a import A\nimport lightning_memkit.sub\n",
+        "d.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_memkit.a import A\n"
+            "import lightning_memkit.sub\n"
+        ),
     }
     for relative, text in files.items():
         (package / relative).write_text(text)

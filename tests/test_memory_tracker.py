@@ -78,8 +78,8 @@ def _forward_moments(model: LinearStack) -> list[int]:
 def _backward_moments(model: LinearStack, accumulating: bool = False) -> list[int]:
     """Bytes at each Linear's high point in backward (besides P and X), the moment its bias
     gradient is allocated: every gradient of this and later layers, the saved inputs of
-    earlier layers (r_0..r_{k-1}, this layer's input included), the gradient flowing into this layer's output, the one it
-    passes down (not for the first layer: the batch needs none), and three float32 scalars
+    earlier layers (r_0..r_{k-1}, this layer's input included), the gradient flowing into this layer's output, the one
+    it passes down (not for the first layer: the batch needs none), and three float32 scalars
     (Lightning's closure loss ``loss / 1``, its detached clone, autograd's seed gradient).
     ``zero_grad`` (set_to_none) ran before backward, so no older gradient is live.
 
@@ -702,8 +702,8 @@ def test_no_leak_is_reported_for_a_steady_model_or_for_garbage_the_collector_has
 def test_a_fit_after_an_earlier_one_in_the_same_process_says_once_that_its_readings_count_it(
     tmp_path, capsys, monkeypatch
 ):
-    """A notebook: the second fit's readings count every live tensor of the process, the first model's (still referenced)
-    included. The summary says so once per process, not at the first fit, not again at the third."""
+    """A notebook: the second fit's readings count every live tensor of the process, the first model's (still
+    referenced) included. The summary says so once per process, not at the first fit, not again at the third."""
     from lightning_memkit import summary_table
 
     monkeypatch.setattr(summary_table, "_PROCESS", {"fits_ended": 0, "earlier_fit_said": False})

@@ -87,7 +87,6 @@ def test_momentum_state_is_counted_once_created():
     x = torch.randn(batch_size, dims[0])
     meter = MemoryMeter("cpu", host=False)
     P = model.parameter_bytes()
-    X = batch_size * dims[0] * FLOAT32
     base = _process_bytes(meter)  # P, X, the model's data and the rest of the process
     base_peak = base + P + batch_size * dims[1] * FLOAT32 + 2 * SCALAR
     readings = []

@@ -161,6 +161,41 @@ class _Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+def _fit_twice(tmp_path, runs) -> None:
+    for offload in (False, True):
+        torch.manual_seed(0)
+        module = DemoTransformer(
+            vocab_size=500,
+            d_model=256,
+            nhead=4,
+            layers=4,
+            dim_feedforward=1024,
+            seq_len=256,
+            dropout=0.0,
+            batch_size=16,
+        )
+        recorder = _Losses()
+        callbacks = [recorder, *([ActivationOffload()] if offload else [])]
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+            callbacks=callbacks,
+        )
+        trainer.fit(module)
+        assert "training_step" not in module.__dict__  # restored after fit
+        runs[offload] = recorder
+        del module, trainer
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.cuda
 def test_offload_trains_the_same_losses_with_a_lower_cuda_peak(tmp_path):
     runs = {}

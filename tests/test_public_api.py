@@ -8,7 +8,6 @@ here: the docs and examples are read as text, the CLI's parsers are built in-pro
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import importlib
 import inspect

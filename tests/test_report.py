@@ -236,7 +236,8 @@ def test_report_of_a_run_that_ran_out_of_memory(tmp_path, capsys):
     ]
     assert [r.step for r in readings] == [0, 1, 2]
     assert html.escape(readings_table(readings)) in page
-    # the fit raised: MemoryTracker wrote its exact readings up to the failure, and the report says the fit did not finish
+    # the fit raised: MemoryTracker wrote its exact readings up to the failure, and the report says the fit did not
+    # finish
     [run] = find_sources(str(tmp_path / "logs")).runs
     assert run.exact and [r.step for r in run.history] == [0, 1]
     assert run.summary.extra["ended_by"].startswith("RuntimeError: ") and "the fit did not finish: RuntimeError" in page

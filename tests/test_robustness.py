@@ -10,7 +10,6 @@ error where the input is unsupported.
 
 from __future__ import annotations
 
-import math
 import os
 import textwrap
 

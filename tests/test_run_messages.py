@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import os
 
-import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from conftest import LinearStack, make_trainer

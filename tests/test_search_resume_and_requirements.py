@@ -144,8 +144,8 @@ def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_p
     chosen = [t for t in search.result.trials if t.fits and t.batch_size == search.result.batch_size][-1]
     printed = capsys.readouterr().out
     line = (
-        f"batch 16: trial peak {format_bytes(chosen.peak_bytes)} of the {format_bytes(2**28)} budget; counts one step's "
-        "tensors (model state, batch, step); the run peak, every live tensor of the process"
+        f"batch 16: trial peak {format_bytes(chosen.peak_bytes)} of the {format_bytes(2**28)} budget; "
+        "counts one step's tensors (model state, batch, step); the run peak, every live tensor of the process"
     )
     assert printed.count("batch-size search") == 1 and line in printed, printed
     assert tracker.summary.extra["batch_search"].startswith("batch 16: ")

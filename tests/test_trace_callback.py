@@ -157,7 +157,10 @@ def test_cli_trace_prints_the_table(tmp_path):
             def __init__(self, batch_size=4):
                 super().__init__()
                 self.batch_size = batch_size
-                self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 8 * 8, 2))
+                self.net = nn.Sequential(
+                    nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(),
+                    nn.Linear(8 * 8 * 8, 2),
+                )
             def forward(self, x):
                 return self.net(x)
             def training_step(self, batch, batch_idx):

@@ -35,9 +35,10 @@ SCRIPT = textwrap.dedent(
             self.extra = None
 
     trainer = pl.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_steps=2, logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
-        callbacks=[LayerTrace(at_steps=(1, 50))], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
+        strategy="ddp", accelerator="cpu", devices=2, max_steps=2,
+        logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
+        callbacks=[LayerTrace(at_steps=(1, 50))], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

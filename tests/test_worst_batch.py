@@ -17,7 +17,6 @@ from lightning_memkit.zoo_variable import (
     PaddedTextClassifier,
     PaddedTextDataModule,
     VaryingImageDataModule,
-    VariableLengthText,
     pad_collate,
 )
 from tests.independent_count import PeakCounter, _key
