@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # more packages installed next to torch (quoted one by one), e.g. the torchvision built for that torch
 EXTRA_SPEC ?=
 
-.PHONY: setup setup-demo demo test test-extended test-gpu test-newest
+.PHONY: setup setup-demo demo test style test-extended test-gpu test-newest
 
 # What `make demo` needs: torch and memkit with its runtime dependencies, nothing more.
 $(BIN)/memkit: pyproject.toml
@@ -34,9 +34,15 @@ demo: setup-demo
 # (test-newest). NEWEST=0 skips the second (a quick local run).
 NEWEST ?= 1
 
-test: setup
+test: style
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 	@if [ "$(NEWEST)" = "1" ]; then $(MAKE) --no-print-directory test-newest; fi
+
+# Style (pyproject.toml's [tool.ruff]): the layout is ruff format's (`ruff format .` fixes it), and ruff's lint
+# (pyflakes, pycodestyle) passes. First, as it takes seconds.
+style: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 # The newest torch pip gives here (2.14.1: on x86 a CUDA build, which runs on CPU) with its torchvision and
 # timm, so the torchvision/timm tests run too; in its own venv (NEWEST_VENV), set up like .venv.
