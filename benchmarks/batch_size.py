@@ -107,7 +107,8 @@ def estimate_section(repeats):
         f, r, m = (statistics.median(v) for v in (fake, real, measured))
         speed.append((label, f"{f:.3f}s", f"{r:.3f}s", f"{r / f:.2f}x", f"{m:.3f}s", f"{m / f:.2f}x"))
     print(
-        "estimate_memory (2 fake steps) vs one real step (no accountant) and vs measure_training_step (2 real steps, accountant); medians of",
+        "estimate_memory (2 fake steps) vs one real step (no accountant) and vs measure_training_step "
+        "(2 real steps, accountant); medians of",
         repeats,
     )
     print(format_table(("CNN", "estimate", "real step", "real/estimate", "measured", "measured/estimate"), speed))
@@ -130,8 +131,8 @@ def speed_section(repeats):
         estimate_memory(bert, 32, device="cuda")
         single.append(CLOCK() - started)
     print(
-        f"estimate_memory(BERT-base shape, batch 32, device='cuda'): median {statistics.median(single):.2f}s of {repeats} "
-        f"({', '.join(f'{t:.2f}' for t in single)})"
+        f"estimate_memory(BERT-base shape, batch 32, device='cuda'): median {statistics.median(single):.2f}s of "
+        f"{repeats} ({', '.join(f'{t:.2f}' for t in single)})"
     )
     modes = ("baseline", "amp", "checkpoint", "amp+checkpoint", "checkpoint:budget=0.5")
     module = DemoTransformer()
@@ -302,7 +303,8 @@ def main():
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     print(
-        f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, {args.clock} clock\n"
+        f"torch {torch.__version__}, lightning {pl.__version__}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock\n"
     )
     sections = set(args.sections.split(","))
     if "estimate" in sections:

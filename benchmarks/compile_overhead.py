@@ -175,7 +175,8 @@ def main() -> None:
         f"{load_after[1]:.2f} {load_after[2]:.2f} ({os.cpu_count()} CPUs)"
     )
     print(
-        f"{'variant':<15}{'ms/step (CPU)':>14}{'ratio':>8}  {'ratio per round':<22}{'graph calls/step (min)':>24}{'tracker peak bytes':>20}"
+        f"{'variant':<15}{'ms/step (CPU)':>14}{'ratio':>8}  "
+        f"{'ratio per round':<22}{'graph calls/step (min)':>24}{'tracker peak bytes':>20}"
     )
     for name in names:
         base = base_of(name)

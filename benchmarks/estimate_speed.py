@@ -167,8 +167,9 @@ def main() -> None:
                     result = _measure(source, case, without, args.timeout)
                     results.setdefault((case, label), []).append(result)
                     print(
-                        f"round {round_ + 1} {case} {label}: cold {result['cold'][0]:.2f} s wall, {result['cold'][1]:.2f} s CPU; "
-                        f"warm {result['warm'][0]:.2f} s wall, {result['warm'][1]:.2f} s CPU",
+                        f"round {round_ + 1} {case} {label}: cold {result['cold'][0]:.2f} s wall, "
+                        f"{result['cold'][1]:.2f} s CPU; warm {result['warm'][0]:.2f} "
+                        f"s wall, {result['warm'][1]:.2f} s CPU",
                         flush=True,
                     )
     rows = []

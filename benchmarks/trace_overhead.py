@@ -118,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
 
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(
-        f"trace overhead: CNN {args.blocks} blocks x {args.channels} ch, {args.image}x{args.image}, batch {args.batch_size}, "
-        f"Adam, CPU, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds"
+        f"trace overhead: CNN {args.blocks} blocks x {args.channels} ch, {args.image}x{args.image}, batch "
+        f"{args.batch_size}, Adam, CPU, {torch.get_num_threads()} threads, {args.repeats} interleaved rounds"
     )
     print("ratio of medians, median of per-round ratios (each round runs the variants back to back),")
     print("and ratio of minimums (the least disturbed run of each)")
     print(
-        f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'med/med':>8} {'per-round':>9} {'min/min':>8}  target"
+        f"{'variant':<10} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'med/med':>8} "
+        f"{'per-round':>9} {'min/min':>8}  target"
     )
     targets = {"plain": "", "traced": "<= 1.50", "accountant": "(reference)", "between": "<= 1.01"}
     for name in variants:
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         paired = statistics.median(v / p for v, p in zip(values, times["plain"]))
         print(
             f"{name:<10} {medians[name] * 1e3:10.2f} {min(values) * 1e3:8.2f} {max(values) * 1e3:8.2f} "
-            f"{medians[name] / medians['plain']:8.3f} {paired:9.3f} {min(values) / min(times['plain']):8.3f}  {targets[name]}"
+            f"{medians[name] / medians['plain']:8.3f} {paired:9.3f} "
+            f"{min(values) / min(times['plain']):8.3f}  {targets[name]}"
         )
     # the callback's own cost on a non-traced step, timed alone (the step itself is unchanged code)
     calls = 20000
@@ -142,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         callback.on_train_batch_end(trainer, model, None, (x, y), 0)
     hook_seconds = (time.perf_counter() - start) / calls
     print(
-        f"LayerTrace hooks on a non-traced step: {hook_seconds * 1e6:.2f} us = {hook_seconds / medians['plain']:.2e} of a plain step "
-        f"-> between/plain = {1 + hook_seconds / medians['plain']:.5f}"
+        f"LayerTrace hooks on a non-traced step: {hook_seconds * 1e6:.2f} us = {hook_seconds / medians['plain']:.2e} "
+        f"of a plain step -> between/plain = {1 + hook_seconds / medians['plain']:.5f}"
     )
     with LayerTracer(model, optimizer, step=1) as tracer:
         step()

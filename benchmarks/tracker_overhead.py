@@ -312,7 +312,8 @@ def main() -> None:
                 hooks = statistics.median(in_hooks[model_name][variant])
                 rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
         print(
-            f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} {'ratio to none':>14} {'in-hook ms/step':>16}"
+            f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} "
+            f"{'ratio to none':>14} {'in-hook ms/step':>16}"
         )
         for model_name, variant, n, ms, ratio, hooks in rows:
             print(f"{model_name:<6} {variant:<15} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")

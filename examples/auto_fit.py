@@ -65,8 +65,8 @@ def main() -> None:
 
     applied = auto.applied
     print(
-        f"AutoFit applied: micro-batch {applied['micro_batch']} x accumulate_grad_batches {applied['accumulate_grad_batches']}, "
-        f"checkpointing {applied['checkpoint']}, offload {applied['offload']}"
+        f"AutoFit applied: micro-batch {applied['micro_batch']} x accumulate_grad_batches "
+        f"{applied['accumulate_grad_batches']}, checkpointing {applied['checkpoint']}, offload {applied['offload']}"
     )
     offloading = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
     print(f"ActivationOffload in the Trainer's callbacks: {bool(offloading)} (CUDA only)")

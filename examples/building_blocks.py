@@ -157,7 +157,8 @@ def leaks() -> None:
     verdict: DoctorReport = session.report()
     again = DoctorReport.from_dict(json.loads(json.dumps(verdict.to_dict())))
     print(
-        f"doctor: healthy {verdict.healthy}, {verdict.leak.bytes_per_step} B per step; from JSON: {again.leak.bytes_per_step} B"
+        f"doctor: healthy {verdict.healthy}, {verdict.leak.bytes_per_step} B per step; "
+        f"from JSON: {again.leak.bytes_per_step} B"
     )
 
 

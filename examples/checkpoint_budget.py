@@ -39,6 +39,7 @@ trainer.fit(model)
 plan = checkpointing.plan  # names and numbers: safe to keep after the fit
 print(f"policy: {plan.policy}; checkpointed {plan.count} block(s): {', '.join(plan.names)}")
 print(
-    f"activation memory: {format_bytes(plan.baseline_activation_bytes)} -> {format_bytes(plan.measured_activation_bytes)} "
-    f"(budget {format_bytes(plan.budget_bytes)}); the measuring forwards peaked at {format_bytes(plan.measuring_peak_bytes)}"
+    f"activation memory: {format_bytes(plan.baseline_activation_bytes)} -> "
+    f"{format_bytes(plan.measured_activation_bytes)} (budget {format_bytes(plan.budget_bytes)}); the measuring "
+    f"forwards peaked at {format_bytes(plan.measuring_peak_bytes)}"
 )

@@ -37,7 +37,8 @@ def plain_pytorch() -> None:
             timer.stop()
     spread = time_spread(timer.times_s()[1:])  # the first step left out as warm-up
     print(
-        f"step {spread.median_s * 1000:.1f} ms median, IQR {spread.q1_s * 1000:.1f}-{spread.q3_s * 1000:.1f} ms ({timer.source})"
+        f"step {spread.median_s * 1000:.1f} ms median, IQR "
+        f"{spread.q1_s * 1000:.1f}-{spread.q3_s * 1000:.1f} ms ({timer.source})"
     )
     print("restored:", not any("forward" in m.__dict__ for m in model.modules()))
 

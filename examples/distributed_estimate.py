@@ -65,7 +65,11 @@ def main() -> None:
     rows = [
         [s]
         + [
-            f"{model_state_bytes(parameters, s, n, precision='16-mixed', optimizer=torch.optim.AdamW).total_bytes / 1e9:.2f}"
+            format(
+                model_state_bytes(parameters, s, n, precision="16-mixed", optimizer=torch.optim.AdamW).total_bytes
+                / 1e9,
+                ".2f",
+            )
             for n in sizes
         ]
         for s in ["ddp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]

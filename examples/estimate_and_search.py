@@ -54,9 +54,9 @@ def main() -> None:
     estimate: MemoryEstimate = estimate_memory(model, device="cpu")
     measured: MemoryEstimate = measure_training_step(model, device="cpu")
     print(
-        f"estimate: peak {estimate.peak_bytes} B ({estimate.source}, {estimate.peak_phase} of step {estimate.peak_step}); "
-        f"measured: peak {measured.peak_bytes} B ({measured.source}); "
-        f"optimizer state {estimate.by_category['optimizer_state']} B"
+        f"estimate: peak {estimate.peak_bytes} B ({estimate.source}, {estimate.peak_phase} of step "
+        f"{estimate.peak_step}); measured: peak {measured.peak_bytes} B ({measured.source}); optimizer state "
+        f"{estimate.by_category['optimizer_state']} B"
     )
 
     # 2. one rank of four
@@ -87,7 +87,8 @@ def main() -> None:
         peak = f"peak {trial.peak_bytes} B" if trial.fits else "stopped at the budget"
         print(f"trial: batch {trial.batch_size}: {'fits' if trial.fits else 'out of memory'}, {peak}")
     print(
-        f"search: batch size {result.batch_size} under {budget} B ({result.reason}); module's batch_size {model.batch_size}"
+        f"search: batch size {result.batch_size} under {budget} B ({result.reason}); "
+        f"module's batch_size {model.batch_size}"
     )
     trainer.fit(model)
     print(f"trained {trainer.global_step} steps with batch size {model.batch_size}")

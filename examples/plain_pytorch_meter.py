@@ -31,7 +31,8 @@ def main(steps: int = 3) -> list:
         readings.append(reading)
         print(
             f"step {step}: peak {format_bytes(reading.peak_tensor_bytes)} ({reading.peak_tensor_bytes} B), "
-            f"live at end {format_bytes(reading.tensor_bytes)} ({reading.tensor_bytes} B), host RSS {format_bytes(reading.host_rss_bytes)}"
+            f"live at end {format_bytes(reading.tensor_bytes)} ({reading.tensor_bytes} B), host RSS "
+            f"{format_bytes(reading.host_rss_bytes)}"
         )
     meter.shutdown()
     return readings

@@ -1,9 +1,9 @@
 """My batch does not fit: the fastest way to train it anyway, with plan_fit, then a fit with the plan.
 
-Runs on CPU in well under a minute on an idle machine: the memory budget is a CPU budget of live tensors (the accountant's bytes), set below
-what the baseline (the batch as is) needs, so the planner must change something: a smaller micro-batch with gradient
-accumulation (the effective batch stays the same), or activation checkpointing. On a GPU leave ``--budget`` out and
-the device's memory is the budget.
+Runs on CPU in well under a minute on an idle machine: the memory budget is a CPU budget of live tensors (the
+accountant's bytes), set below what the baseline (the batch as is) needs, so the planner must change something: a
+smaller micro-batch with gradient accumulation (the effective batch stays the same), or activation checkpointing. On a
+GPU leave ``--budget`` out and the device's memory is the budget.
 
     python examples/plan_fit.py
     python examples/plan_fit.py --fraction 0.8   # a budget of 80% of the baseline's peak

@@ -27,7 +27,8 @@ from lightning_memkit.search import BudgetExceededError, MemoryBudget
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 
-from lightning_memkit._version import __version__  # noqa: E402 - one definition, read by the report too
+# lightning_memkit.__version__, public but outside __all__: one definition, read by the report too
+from lightning_memkit._version import __version__  # noqa: E402, F401
 
 __all__ = [
     "Mode",

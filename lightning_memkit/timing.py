@@ -19,7 +19,9 @@ __all__ = ["StepTimer", "TimeSpread", "time_spread", "within_noise", "TIME_SOURC
 
 #: what each ``StepTimer.source`` measures, for tables and docs.
 TIME_SOURCES: dict[str, str] = {
-    "cuda_events": "GPU time: CUDA events recorded on the current stream at the window's ends, read after the step completed",
+    "cuda_events": (
+        "GPU time: CUDA events recorded on the current stream at the window's ends, read after the step completed"
+    ),
     "perf_counter": "wall time (time.perf_counter) from the window's start to its end",
     "process_time": "this process's CPU time (time.process_time) from the window's start to its end",
 }
@@ -30,7 +32,8 @@ def _device_type(device: Any) -> str:
         return "cpu"
     if isinstance(device, bool):
         raise ValueError(
-            f"StepTimer({device!r}): give a device (torch.device, 'cuda:0', 'cpu', an int for a CUDA device), not a bool"
+            f"StepTimer({device!r}): give a device (torch.device, 'cuda:0', "
+            "'cpu', an int for a CUDA device), not a bool"
         )
     if isinstance(device, int):
         return "cuda"  # as torch.device(0) is cuda:0

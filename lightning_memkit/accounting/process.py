@@ -132,10 +132,10 @@ class ProcessTensors:
         acc.current_bytes                              # every live CPU tensor storage, in bytes
         process.stop()
 
-    Cost: the start's full sweep (measured: 237 ms over 376,591 objects after importing Lightning, loaded 2-core machine), then a look at the young
-    generation at each collection and each :meth:`sweep` (tens of microseconds), a walk of each
-    autograd graph made since the last sweep (none between training steps, normally), and a read of
-    the ``.grad`` of the leaves earlier walks reached (:attr:`nodes_walked` counts the nodes walked).
+    Cost: the start's full sweep (measured: 237 ms over 376,591 objects after importing Lightning, loaded 2-core
+    machine), then a look at the young generation at each collection and each :meth:`sweep` (tens of microseconds), a
+    walk of each autograd graph made since the last sweep (none between training steps, normally), and a read of the
+    ``.grad`` of the leaves earlier walks reached (:attr:`nodes_walked` counts the nodes walked).
     """
 
     def __init__(self, accountant: TensorAccountant, device_type: str = "cpu") -> None:

@@ -47,7 +47,10 @@ def _wrapped_resize(storage: torch.UntypedStorage, size: Any) -> Any:
     return result
 
 
-_wrapped_resize.__doc__ = "torch.UntypedStorage.resize_, with memkit's resize watchers told after it (see lightning_memkit.accounting.storage_resize)."
+_wrapped_resize.__doc__ = (
+    "torch.UntypedStorage.resize_, with memkit's resize watchers told after it "
+    "(see lightning_memkit.accounting.storage_resize)."
+)
 
 
 def watch_storage_resizes(watcher: ResizeWatcher) -> None:

@@ -182,8 +182,9 @@ class ActivationCheckpointing(Callback):
             # ModelParallelStrategy): wrapping it again would recompute each block twice for no saving.
             rank_zero_warn(
                 f"ActivationCheckpointing: the model already checkpoints {len(wrapped)} module(s) with torch's "
-                f"checkpoint_wrapper ({', '.join(user_name(n) for n in wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}), "
-                "so this callback wraps nothing; drop one of the two."
+                "checkpoint_wrapper "
+                f"({', '.join(user_name(n) for n in wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}), so this "
+                "callback wraps nothing; drop one of the two."
             )
             return
         measure = self.measure or isinstance(self.policy, CheckpointBudget)
@@ -203,10 +204,10 @@ class ActivationCheckpointing(Callback):
             rank_zero_warn(
                 f"ActivationCheckpointing: checkpointing {self.plan.count} region(s) ({', '.join(self.plan.names[:3])}"
                 f"{', ...' if self.plan.count > 3 else ''}) saved no activation memory when measured "
-                f"({format_bytes(self.plan.baseline_activation_bytes)} -> {format_bytes(self.plan.measured_activation_bytes)}): "
-                "the model may checkpoint them itself (torch.utils.checkpoint in forward), or what autograd saves there "
-                "is their inputs anyway. Nothing is wrapped, so backward recomputes nothing; drop this callback, or "
-                "give a policy naming other modules."
+                f"({format_bytes(self.plan.baseline_activation_bytes)} -> "
+                f"{format_bytes(self.plan.measured_activation_bytes)}): the model may checkpoint them itself "
+                "(torch.utils.checkpoint in forward), or what autograd saves there is their inputs anyway. Nothing is "
+                "wrapped, so backward recomputes nothing; drop this callback, or give a policy naming other modules."
             )
             self.plan.note = (
                 self.plan.note + ". " if self.plan.note else ""

@@ -277,7 +277,10 @@ class LayerTrace(Callback):
             ran = f"the run's last training step was {last} (steps count optimizer steps from 0" + (
                 f"; this run resumed at step {first})" if first else ")"
             )
-            fix = f"give steps the run reaches, e.g. LayerTrace(at_steps=({last},)), or train longer (max_steps / max_epochs / more batches per epoch)"
+            fix = (
+                f"give steps the run reaches, e.g. LayerTrace(at_steps=({last},)), or train longer "
+                "(max_steps / max_epochs / more batches per epoch)"
+            )
             after = [s for s in missing if s > last]
             before = [s for s in missing if first is not None and s < first]
             inside = [s for s in missing if s not in after and s not in before]
@@ -293,12 +296,15 @@ class LayerTrace(Callback):
         if before and not after and not inside and not never_by_every:
             # a resumed fit: training longer cannot reach a step before the checkpoint
             fix = (
-                f"give a step this resumed run reaches, from {first} to {last}, e.g. LayerTrace(at_steps=({first},)); the steps "
-                "before the checkpoint belong to the run that wrote it (its trace files, if it traced them)"
+                f"give a step this resumed run reaches, from {first} to {last}, e.g. LayerTrace(at_steps=({first},)); "
+                "the steps before the checkpoint belong to the run that wrote it (its trace files, if it traced them)"
             )
         elif before:
             fix += f"; steps before {first} belong to the run that wrote the checkpoint"
-        return f"memkit LayerTrace: {'; '.join(problems)}: {ran}. Nothing was traced for {'them' if len(missing) > 1 else 'it'}; to trace, {fix}."
+        return (
+            f"memkit LayerTrace: {'; '.join(problems)}: {ran}. "
+            f"Nothing was traced for {'them' if len(missing) > 1 else 'it'}; to trace, {fix}."
+        )
 
     # ------------------------------------------------------------------ sinks
     def _publish(self, trainer: Trainer, result: LayerTraceResult) -> None:
@@ -332,7 +338,8 @@ class LayerTrace(Callback):
                 self.paths.append(path)
             except OSError as error:
                 rank_zero_warn(
-                    f"memkit LayerTrace: could not write {trace_filename(result.step, result.rank)} in {directory}: {error}"
+                    "memkit LayerTrace: could not write "
+                    f"{trace_filename(result.step, result.rank)} in {directory}: {error}"
                 )
         if self.verbose:
             rank_zero_info(self._summary(trainer, result, path))

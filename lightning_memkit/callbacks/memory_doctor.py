@@ -10,7 +10,6 @@ import weakref
 from typing import Literal, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -257,8 +256,8 @@ class MemoryDoctor(Callback):
                 else "floor steady"
             )
         print(
-            f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors {format_bytes(session.watched_bytes())}"
-            f" ({verdict})",
+            f"memkit doctor: step {self._step}{of}, steps watched: {done}, live tensors "
+            f"{format_bytes(session.watched_bytes())} ({verdict})",
             file=sys.stderr,
             flush=True,
         )

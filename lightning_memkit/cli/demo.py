@@ -41,7 +41,8 @@ def build_model(name: str, batch_size: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `memkit demo` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
+    """Run `memkit demo` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one
+    line saying what to write)."""
     if args.steps < 1 or args.batch_size < 1:
         print("memkit demo: --steps and --batch-size must be positive integers", file=sys.stderr)
         return 2
@@ -128,9 +129,9 @@ def explain_peaks(summary, trace, trainer) -> str | None:
     cuda = (summary.peak_source or "").endswith(("allocated_bytes", "reserved_bytes"))
     where = "everything the process holds on the GPU" if cuda else "every live tensor of the process"
     parts = [
-        f"What the peaks count: the run peak ({format_bytes(summary.peak_bytes)} at step {summary.peak_step}) is the whole "
-        f"process, {where}: the model, its gradients and optimizer state, the step's activations, and whatever else is "
-        "alive (the dataset held in memory, tensors of an earlier fit still referenced)."
+        f"What the peaks count: the run peak ({format_bytes(summary.peak_bytes)} at step {summary.peak_step}) is the "
+        f"whole process, {where}: the model, its gradients and optimizer state, the step's activations, and whatever "
+        "else is alive (the dataset held in memory, tensors of an earlier fit still referenced)."
     ]
     data = None if cuda else _dataset_bytes(trainer)
     if data:

@@ -69,13 +69,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-progress",
         action="store_true",
-        help="print no progress line (by default one line on stderr per --window steps: the step, the live tensor memory, the verdict so far)",
+        help="print no progress line (by default one line on stderr per --window steps: the step, the live tensor "
+        "memory, the verdict so far)",
     )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `memkit doctor` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
+    """Run `memkit doctor` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one
+    line saying what to write)."""
     if args.steps < 1:
         raise CliError("--steps must be a positive integer, e.g. --steps 20")
     if args.window < 2:

@@ -24,10 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "estimate",
         help="will it fit? predict a training step's memory and the largest batch, per mode (and per strategy)",
-        description="Build the LightningModule (with --init-args), run its training step on fake tensors (no real memory, "
-        "no GPU) and print, per mode, the predicted peak allocated and reserved memory at its batch size and "
-        "the largest batch that fits. With --strategy: one rank's memory under each strategy and mode, and the "
-        "fewest GPUs that fit. With --check (on a GPU): two real training steps, estimate against measured.",
+        description="Build the LightningModule (with --init-args), run its training step on fake tensors "
+        "(no real memory, no GPU) and print, per mode, the predicted peak allocated and reserved memory at its batch "
+        "size and the largest batch that fits. With --strategy: one rank's memory under each strategy and mode, and "
+        "the fewest GPUs that fit. With --check (on a GPU): two real training steps, estimate against measured.",
     )
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=True)

@@ -93,8 +93,8 @@ def check_estimates(args: argparse.Namespace, module: Any, estimates: dict[str, 
     gc.collect()  # what a failed fit's error held is gone now: give its cached blocks back too
     torch.cuda.empty_cache()
     print(
-        f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of the module, "
-        "peaks from on_train_start)"
+        f"\ncheck: two real training steps per mode on {torch.cuda.get_device_name()} (a Trainer on a copy of "
+        "the module, peaks from on_train_start)"
     )
     print(
         format_table(

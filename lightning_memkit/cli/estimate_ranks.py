@@ -114,8 +114,8 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
                 notes_by_mode.append((mode.name, estimate.notes))
     batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
     print(
-        f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, {target_words(args, gpu)}, "
-        f"{format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)"
+        f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, "
+        f"{target_words(args, gpu)}, {format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)"
     )
     print(
         format_table(
@@ -148,10 +148,11 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
             else:
                 needs = result["device_bytes_by_world_size"][sizes[-1]]
                 print(
-                    f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still needs "
-                    f"{format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: activations, "
-                    f"{'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}workspaces, the CUDA "
-                    "context); try --modes checkpoint or --modes bf16, a smaller --batch-size, more memory per GPU"
+                    f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
+                    f"needs {format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: "
+                    f"activations, {'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}"
+                    "workspaces, the CUDA context); try --modes checkpoint or --modes bf16, a smaller --batch-size, "
+                    "more memory per GPU"
                     f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
                 )
     lines = kernels_and_notes(notes_by_mode)

@@ -13,9 +13,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report",
         help="write a self-contained HTML memory report from a log dir",
-        description="Read memkit's files under LOGDIR (memkit_memory.json, memkit_trace_step<N>.json, compare.json/.csv, "
+        description="Read memkit's files under LOGDIR (memkit_memory.json, memkit_trace_step<N>.json, "
+        "compare.json/.csv, "
         "TensorBoard event files; never pickles) and write one HTML file with the summary table, figures, "
-        "layer table and mode comparison. Exits 1 when LOGDIR holds nothing memkit wrote, 2 when it is not a directory.",
+        "layer table and mode comparison. Exits 1 when LOGDIR holds nothing "
+        "memkit wrote, 2 when it is not a directory.",
     )
     parser.add_argument("logdir", help="the log dir (searched recursively), e.g. lightning_logs or memkit_logs")
     parser.add_argument(
@@ -32,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `memkit report` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
+    """Run `memkit report` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one
+    line saying what to write)."""
     import os
 
     from lightning_memkit.cli.common import CliError

@@ -64,7 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `memkit trace` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one line saying what to write)."""
+    """Run `memkit trace` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one
+    line saying what to write)."""
     if args.batch_size is not None and args.batch_size < 1:
         print("memkit trace: --batch-size must be a positive integer", file=sys.stderr)
         return 2
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         cls = load_object(args.module)
         if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
             raise CliError(
-                f"{args.module} is not a LightningModule class; memkit trace needs one (use LayerTracer from Python for a plain nn.Module)"
+                f"{args.module} is not a LightningModule class; memkit trace needs one (use "
+                "LayerTracer from Python for a plain nn.Module)"
             )
         if not args.datamodule and not _overrides(cls, "train_dataloader"):
             # checked before building: with --batch-size, building would blame the module's missing batch_size instead
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
             print("memkit trace: no training step ran (is the train dataloader empty?)", file=sys.stderr)
         else:
             print(
-                f"memkit trace: step {args.step} was never reached: training stopped after step {last}; pass --step {last} or less",
+                f"memkit trace: step {args.step} was never reached: training stopped after "
+                f"step {last}; pass --step {last} or less",
                 file=sys.stderr,
             )
         return 1

@@ -58,7 +58,8 @@ def is_compiling() -> bool:
 
 @contextlib.contextmanager
 def force_eager() -> Iterator[None]:
-    """Run compiled code eagerly in this block, without touching dynamo's caches (``torch.compiler.set_stance("force_eager")``).
+    """Run compiled code eagerly in this block, without touching dynamo's caches
+    (``torch.compiler.set_stance("force_eager")``).
 
     Why: the first call of a compiled frame while a non-infra TorchDispatchMode (memkit's accountant) is
     active makes dynamo skip that code *for the rest of the process*; under ``force_eager`` dynamo does not

@@ -85,7 +85,8 @@ class CheckpointBudget:
             object.__setattr__(self, "within", within)
 
     def target_bytes(self, baseline_activation_bytes: int) -> int:
-        """The budget in bytes, given ``baseline_activation_bytes`` (the activation bytes measured without checkpointing)."""
+        """The budget in bytes, given ``baseline_activation_bytes`` (the activation bytes measured without
+        checkpointing)."""
         if self.fraction is not None:
             return int(self.fraction * baseline_activation_bytes)
         return int(self.bytes)  # type: ignore[arg-type]
@@ -412,9 +413,9 @@ def no_match_error(module: nn.Module, policy: Any) -> ValueError:
     if policy == "auto":
         return ValueError(
             f"checkpoint policy 'auto' found no repeated blocks in {type(module).__name__} (same-class children "
-            f"with parameters of an nn.ModuleList, nn.ModuleDict or nn.Sequential) and no nn.Sequential chain of 3 or more "
-            f"layers; pass the block classes instead, "
-            f"e.g. policy={{nn.Conv2d}}. Module classes in this model: {hint}"
+            "with parameters of an nn.ModuleList, nn.ModuleDict or nn.Sequential) and no nn.Sequential chain of 3 or "
+            "more layers; pass the block classes instead, e.g. "
+            f"policy={{nn.Conv2d}}. Module classes in this model: {hint}"
         )
     if isinstance(policy, CheckpointBudget):
         policy = policy.within

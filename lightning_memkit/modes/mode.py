@@ -1,4 +1,5 @@
-"""A training memory mode: precision, activation checkpointing and activation offload as one value, parsed from a string.
+"""A training memory mode: precision, activation checkpointing and activation offload as one value, parsed from
+a string.
 
 ``parse_mode("amp+checkpoint:auto")`` gives a :class:`Mode`; ``mode.trainer_kwargs("cpu")`` gives the
 Trainer arguments for it, and ``mode.autocast("cpu")`` / ``apply_checkpointing`` apply it to a plain module.
@@ -38,7 +39,8 @@ PRECISION_WORDS: dict[str, str | None] = {
     "fp16": "16-mixed",
     "16-mixed": "16-mixed",
 }
-#: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction in (0, 1] or a size with a unit).
+#: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction in (0, 1] or a size with
+#: a unit).
 CHECKPOINT_WORDS = ("checkpoint", "checkpoint:auto", "checkpoint:budget=FRACTION", "checkpoint:budget=SIZE")
 #: the offload word: saved activations to pinned host memory (CUDA only, see :mod:`lightning_memkit.modes.offload`).
 OFFLOAD_WORD = "offload"
@@ -198,9 +200,9 @@ def _parse_checkpoint_word(word: str, text: str) -> Any:
             return normalize_policy(argument)  # the one parser of budget strings
         except ValueError:
             raise ValueError(
-                f"mode {text!r}: bad budget {argument[len('budget=') :]!r}; write checkpoint:budget=0.5 (a fraction of the "
-                "baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size with a unit); "
-                "a bare number above 1 is ambiguous"
+                f"mode {text!r}: bad budget {argument[len('budget=') :]!r}; write checkpoint:budget=0.5 (a fraction of "
+                "the baseline activation memory, 0 < f <= 1) or checkpoint:budget=512MiB (a size with a "
+                "unit); a bare number above 1 is ambiguous"
             ) from None
     raise ValueError(
         f"mode {text!r}: unknown checkpoint policy {argument!r}; choose from: {', '.join(CHECKPOINT_WORDS)}"

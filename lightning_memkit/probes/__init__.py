@@ -62,7 +62,8 @@ def build_probes(
     for probe in extra:
         if not isinstance(probe, MemoryProbe):
             raise TypeError(
-                f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; subclass lightning_memkit.probes.MemoryProbe"
+                f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; "
+                "subclass lightning_memkit.probes.MemoryProbe"
             )
         probes.append(probe)
     return ProbeSet(probes)

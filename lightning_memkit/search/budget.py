@@ -30,8 +30,9 @@ class BudgetExceededError(MemkitError, torch.OutOfMemoryError):
     def __init__(self, requested_bytes: int, budget_bytes: int) -> None:
         # The CPU allocator's own wording, so every OOM check (memkit's, Lightning's is_oom_error) knows it.
         super().__init__(
-            f"DefaultCPUAllocator: can't allocate memory: memkit budget: {format_bytes(requested_bytes)} of live tensors "
-            f"would exceed the budget of {format_bytes(budget_bytes)} ({requested_bytes} > {budget_bytes} bytes)"
+            f"DefaultCPUAllocator: can't allocate memory: memkit budget: {format_bytes(requested_bytes)} of live "
+            f"tensors would exceed the budget of {format_bytes(budget_bytes)} "
+            f"({requested_bytes} > {budget_bytes} bytes)"
         )
         self.requested_bytes = requested_bytes
         self.budget_bytes = budget_bytes
@@ -96,7 +97,8 @@ class MemoryBudget:
 
     def adopt(self, tensors: Iterable[Any], label: str = "adopted") -> int:
         """Count tensors that already exist (idempotent); returns the bytes newly counted. ``label``: the
-        accountant's label for them (see :meth:`TensorAccountant.labelled <lightning_memkit.TensorAccountant.labelled>`)."""
+        accountant's label for them
+        (see :meth:`TensorAccountant.labelled <lightning_memkit.TensorAccountant.labelled>`)."""
         return self.accountant.adopt(tensors, label)
 
     @property

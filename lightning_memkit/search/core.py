@@ -59,7 +59,8 @@ class SearchResult:
             the next trial would have run past ``max_seconds``).
         estimate_seconds: time spent estimating before the first trial.
         seconds: total wall time, estimate included.
-        estimate_unavailable: why there was no prediction (the estimate's error, ``use_estimate=False``), ``None`` with one.
+        estimate_unavailable: why there was no prediction (the estimate's error, ``use_estimate=False``), ``None``
+            with one.
         dataset_length: the train dataset's length in samples (``None`` for an iterable dataset or when unknown).
         batch_note: which batches the trials trained on: the data's worst batch at each size, or the loader's own
             batches where the data cannot be enumerated (then the answer holds for the batches drawn).
@@ -103,7 +104,10 @@ class SearchResult:
             (i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
             for i, (t, outcome) in enumerate(zip(self.trials, outcomes))
         ]
-        head = f"memkit batch-size search: {self.batch_size} ({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
+        head = (
+            f"memkit batch-size search: {self.batch_size} "
+            f"({self.reason}; {predicted}, {self.trial_count} trials, {self.seconds:.2f}s)"
+        )
         table = format_table(("trial", "batch", "outcome", "peak", "time"), rows)
         proved = self.proved_trial()
         tail = "".join(
@@ -292,8 +296,9 @@ class BatchSizeSearch:
         if lo == 0:
             detail = f" (a budget of {format_bytes(self.capacity_bytes)})" if self.capacity_bytes else ""
             raise SearchError(
-                f"no batch size ran: the smallest tried, {min(t.batch_size for t in self.trials)}, ran out of memory{detail}. "
-                "The model itself may not fit: try a memory-saving mode (bf16, checkpoint), a smaller model, or more memory"
+                f"no batch size ran: the smallest tried, {min(t.batch_size for t in self.trials)}, ran out of "
+                f"memory{detail}. The model itself may not fit: try a memory-saving mode (bf16, "
+                "checkpoint), a smaller model, or more memory"
             )
         return SearchResult(
             lo, list(self.trials), self.predicted, self.capacity_bytes, hi, reason, 0.0, time.perf_counter() - started

@@ -55,7 +55,8 @@ TIME_SAFETY = 0.5
 
 
 class TrialTooSlow(MemkitError, RuntimeError):
-    """A trial ran past its time limit (:attr:`TrialLimits.trial_seconds`): it is stopped after its step and counts as too slow."""
+    """A trial ran past its time limit (:attr:`TrialLimits.trial_seconds`): it is stopped after its step and counts as
+    too slow."""
 
 
 def host_rss_bytes() -> int:
@@ -72,7 +73,8 @@ class TrialLimits:
     Attributes:
         trial_seconds: the most one trial may run (seconds); ``None``: no per-trial limit.
         total_seconds: the most all trials together may run (seconds); ``None``: no limit.
-        host_bytes: the host memory (resident set, bytes) the search is announced to stay within; ``None``: not announced.
+        host_bytes: the host memory (resident set, bytes) the search is announced to stay within; ``None``: not
+            announced.
         first_size: the largest first trial (samples); ``None``: as the search chooses.
         growth: a later trial is at most this many times the largest size that ran.
         safety: the share of a trial's limit its projected time may fill.
@@ -89,8 +91,8 @@ class TrialLimits:
 
     @classmethod
     def for_cpu(cls, budget_bytes: int, max_seconds: float) -> "TrialLimits":
-        """The limits of a CPU search without ``budget=``: ``budget_bytes`` counted tensors (the host memory announced is
-        the resident memory now plus that), at most ``max_seconds`` of trials and :data:`CPU_TRIAL_SECONDS` each."""
+        """The limits of a CPU search without ``budget=``: ``budget_bytes`` counted tensors (the host memory announced
+        is the resident memory now plus that), at most ``max_seconds`` of trials and :data:`CPU_TRIAL_SECONDS` each."""
         return cls(
             trial_seconds=min(CPU_TRIAL_SECONDS, max_seconds),
             total_seconds=max_seconds,
@@ -134,9 +136,10 @@ class TrialLimits:
 
 
 def deadline_callback(seconds: float) -> Any:
-    """A Lightning callback that keeps a trial within ``seconds``: after each step, when the next step (taking as long as
-    this one) would end past the limit and the trial has steps left, it raises :class:`TrialTooSlow`, which the trial
-    runner counts as a trial too slow to keep. Only a trial's first step can cross the limit (nothing is known before it)."""
+    """A Lightning callback that keeps a trial within ``seconds``: after each step, when the next step (taking as long
+    as this one) would end past the limit and the trial has steps left, it raises :class:`TrialTooSlow`, which the
+    trial runner counts as a trial too slow to keep. Only a trial's first step can cross the limit (nothing is known
+    before it)."""
     from lightning.pytorch import Callback
 
     class _Deadline(Callback):

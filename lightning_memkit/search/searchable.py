@@ -61,8 +61,8 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
     if not lightning_hasattr(module, config.batch_arg_name):
         raise BatchSizeSearchError(
             f"no '{config.batch_arg_name}' found on {type(module).__name__}, its hparams or the datamodule: add "
-            f"self.{config.batch_arg_name} = <int> (or a hyperparameter of that name) and build train_dataloader() with it, "
-            "or give batch_arg_name= the attribute you use"
+            f"self.{config.batch_arg_name} = <int> (or a hyperparameter of that name) and build train_dataloader() "
+            "with it, or give batch_arg_name= the attribute you use"
         )
     # the search sets the size for each trial where Lightning's finder does: a read-only one must stop it here
     for holder, where in _batch_size_holders(module, config.batch_arg_name):
@@ -70,15 +70,16 @@ def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
             setattr(holder, config.batch_arg_name, getattr(holder, config.batch_arg_name))
         except AttributeError as error:
             raise BatchSizeSearchError(
-                f"the batch-size search sets {where}.{config.batch_arg_name} for each trial, and it cannot be set ({error}): "
-                f"make it a plain attribute (self.{config.batch_arg_name} = <int> in __init__) or give its property a setter "
-                f"(@{config.batch_arg_name}.setter), or give batch_arg_name= an attribute that can be set"
+                f"the batch-size search sets {where}.{config.batch_arg_name} for each trial, and it cannot be set "
+                f"({error}): make it a plain attribute (self.{config.batch_arg_name} = <int> in __init__) or give its "
+                f"property a setter (@{config.batch_arg_name}.setter), or give "
+                "batch_arg_name= an attribute that can be set"
             ) from None
     if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
         raise BatchSizeSearchError(
-            f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before the first "
-            "forward, so a trial cannot be undone: run one forward with an example batch before trainer.fit (e.g. in "
-            "__init__), or leave MaxBatchSize out"
+            f"{type(module).__name__} has lazy modules (nn.LazyLinear, ...) whose parameters do not exist before the "
+            "first forward, so a trial cannot be undone: run one forward with an example batch before trainer.fit "
+            "(e.g. in __init__), or leave MaxBatchSize out"
         )
 
 
