@@ -317,6 +317,15 @@ def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkey
     assert len(capped) == 7
     once = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 0.0)
     assert len(once) == 3
+    # a trial that cannot be chosen (its first timed steps slower than GIVE_UP_FACTOR x the fastest trial's step, here
+    # any step) stops after MIN_TIMED_STEPS of them, and says so; one that can runs all of them
+    monkeypatch.setattr(planner, "MAX_TIMED_STEPS", 200)
+    with planner._recording_steps(give_up=1e-9) as runs:
+        hopeless = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 4, 1e9)
+    assert len(hopeless) == planner.MIN_TIMED_STEPS and runs.gave_up and runs == [hopeless]
+    with planner._recording_steps(give_up=1e9) as runs:
+        fine = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 4, 0.0)
+    assert len(fine) == 4 and not runs.gave_up
 
 
 @pytest.mark.timeout(600)

@@ -66,6 +66,7 @@ __all__ = [
     "MIN_ROUNDS",
     "MAX_TRIALS",
     "TIE_ERRORS",
+    "GIVE_UP_FACTOR",
     "CALIBRATION_ACCUMULATION",
     "CALIBRATION_ROUNDS",
     "CALIBRATION_SIZES",
@@ -106,6 +107,10 @@ CALIBRATION_ROUNDS = 4
 #: CPU: the fewest rounds the interleaved timing or the calibration runs when the time budget cannot pay for all of
 #: them (one round says nothing of the machine's noise); fewer, and the phase is left out
 MIN_ROUNDS = 2
+#: CPU: a trial's timing stops after its first :data:`MIN_TIMED_STEPS` timed steps when their median is more than this
+#: many times the fastest trial's step so far: it cannot be chosen (nor be a tie: the machine's noise is a few
+#: percent to tens of percent), and its remaining steps would only spend the time budget
+GIVE_UP_FACTOR = 1.5
 #: a trial is a tie with the fastest when their difference (the mean of the per-round log ratios after interleaved
 #: rounds, else the log ratio of the trials' medians) is within this many standard errors of the machine's measured
 #: noise (the spread of the per-round ratios, pooled over the trials; without rounds the spread of the trials' own
@@ -560,9 +565,12 @@ class _Batches:
         return self.count
 
 
-def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, seconds: float = 0.0) -> Any:
+def _clock(
+    accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, seconds: float = 0.0, give_up: float = 0.0
+) -> Any:
     """A callback timing every optimizer step; on CPU, when ``seconds`` is given, it stops the fit once ``timed`` steps
-    after ``warmup`` have run and add up to ``seconds`` (the fit's ``max_steps`` is the cap)."""
+    after ``warmup`` have run and add up to ``seconds`` (the fit's ``max_steps`` is the cap); when ``give_up`` is
+    given, also once :data:`MIN_TIMED_STEPS` timed steps (``timed`` when fewer) have a median above it (seconds)."""
     from lightning.pytorch import Callback
 
     class _StepClock(Callback):
@@ -570,9 +578,15 @@ def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, secon
 
         def __init__(self) -> None:
             self.marks: list[Any] = []
+            self.gave_up = False
 
         def _enough(self) -> bool:
             done = len(self.marks) - 1 - warmup  # timed steps ended
+            if give_up > 0 and done >= min(timed, MIN_TIMED_STEPS):
+                steps = [b - a for a, b in zip(self.marks[warmup:], self.marks[warmup + 1 :])]
+                if statistics.median(steps) > give_up:
+                    self.gave_up = True
+                    return True
             return done >= timed and self.marks[-1] - self.marks[warmup] >= seconds
 
         def _mark(self) -> None:
@@ -590,7 +604,7 @@ def _clock(accumulation: int, cuda: bool, warmup: int = 0, timed: int = 0, secon
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % accumulation == 0:
                 self._mark()
-                if seconds > 0 and not cuda and self._enough():
+                if (seconds > 0 or give_up > 0) and not cuda and self._enough():
                     trainer.should_stop = True  # at an optimizer step's end: the loop stops before the next batch
 
         def step_seconds(self) -> list[float]:
@@ -690,23 +704,35 @@ def _timing_fit(
     cuda = device_type == "cuda"
     timing = 0.0 if cuda else seconds
     steps = warmup + (max(timed, MAX_TIMED_STEPS) if timing > 0 else timed)
-    clock = _clock(candidate.accumulation, cuda, warmup, timed, timing)
+    give_up = _RECORDED_STEPS[-1].give_up if _RECORDED_STEPS and not cuda else 0.0
+    clock = _clock(candidate.accumulation, cuda, warmup, timed, timing, give_up)
     _fit(copied, candidate, micro, device_type, steps, candidate.accumulation, clock, None)
     timed_seconds = clock.step_seconds()[warmup:]
     if _RECORDED_STEPS:
         _RECORDED_STEPS[-1].append(timed_seconds)
+        _RECORDED_STEPS[-1].gave_up = _RECORDED_STEPS[-1].gave_up or clock.gave_up
     return timed_seconds
+
+
+class _Runs(list):
+    """The timed steps of each timing run inside :func:`_recording_steps` (a list per run), whether one gave up."""
+
+    give_up: float = 0.0
+    gave_up: bool = False
 
 
 #: the timed steps of every timing run, while :func:`_recording_steps` records them (a trial's own steps, which the
 #: trial's ``(fits, peak, samples/s, note)`` leaves out: the tie rule reads the machine's noise from their spread)
-_RECORDED_STEPS: list[list[list[float]]] = []
+_RECORDED_STEPS: list[_Runs] = []
 
 
 @contextlib.contextmanager
-def _recording_steps() -> Iterator[list[list[float]]]:
-    """The timed steps of each timing run inside the block (a list per run, in order)."""
-    runs: list[list[float]] = []
+def _recording_steps(give_up: float = 0.0) -> Iterator[_Runs]:
+    """The timed steps of each timing run inside the block (a list per run, in order). ``give_up`` (seconds, CPU):
+    a timing run stops once :data:`MIN_TIMED_STEPS` of its timed steps have a median above it (a trial that cannot
+    be chosen: :data:`GIVE_UP_FACTOR`); ``gave_up`` then says so."""
+    runs = _Runs()
+    runs.give_up = give_up
     _RECORDED_STEPS.append(runs)
     try:
         yield runs
@@ -1142,7 +1168,7 @@ def _plan_fit(
             f"{format_bytes(baseline.predicted_peak_bytes) if baseline.predicted_peak_bytes is not None else '-'} "
             f"of {format_bytes(budget)}"
         )
-        clock.state(baseline.predicted_step_s)
+        clock.state(baseline.predicted_step_s, baseline.candidate.micro_batch)
         if baseline.fits and can_run:
             clock.estimated(1, 1)
             trials_run += 1
@@ -1210,7 +1236,8 @@ def _plan_fit(
                     row.offload_bytes,
                     row.candidate.micro_batch,
                     row.candidate.precision,
-                )
+                ),
+                row.candidate.micro_batch,
             )
 
         def trial_cost(row: PlanRow, timed: int = timed_steps, seconds: float = timed_seconds) -> float:
@@ -1297,11 +1324,25 @@ def _plan_fit(
                     f"budget ({describe_seconds(trial_cost(row, timed, seconds))}, {max(clock.left(), 0):.0f} s left)"
                 )
             trials_run += 1
-            _run_row(module, row, batch, budget, device_type, warmup_steps, timed, say, seconds, clock)
+            fastest = min((r.candidate.effective_batch / r.measured_samples_per_s for r in rows if r.ran), default=0.0)
+            _run_row(
+                module,
+                row,
+                batch,
+                budget,
+                device_type,
+                warmup_steps,
+                timed,
+                say,
+                seconds,
+                clock,
+                give_up=GIVE_UP_FACTOR * fastest if cpu else 0.0,
+            )
             if row.ran and row.costs is not None:
                 clock.observe(
                     reference.step_seconds(row.costs, row.candidate.accumulation, row.offload_bytes),
                     row.candidate.effective_batch / row.measured_samples_per_s,
+                    micro_batch=row.candidate.micro_batch,
                 )
                 clock.rebase()
             if row.ran and cpu and row.costs is not None:
@@ -1629,7 +1670,8 @@ def _calibrate(
         model.step_seconds(r.costs, p.accumulation, 0, p.micro_batch, p.precision) for r, p in zip(sources, probes)
     ]
     per_round = sum(
-        clock.timing_cost(clock.expected(step), 1, 2, timed_seconds / 2, MAX_TIMED_STEPS) for step in predicted
+        clock.timing_cost(clock.expected(step, probe.micro_batch), 1, 2, timed_seconds / 2, MAX_TIMED_STEPS)
+        for step, probe in zip(predicted, probes)
     )
     rounds = max(
         (n for n in range(MIN_ROUNDS, CALIBRATION_ROUNDS + 1) if n * per_round + reserve() <= clock.left()), default=0
@@ -1648,7 +1690,7 @@ def _calibrate(
     def keep_going(done: int, timings: list[list[float]], seconds: float) -> bool:
         # the machine's speed as the rounds so far measured it prices the trials kept for; the next round as these
         for index, (step, measured) in enumerate(zip(predicted, timings)):
-            clock.observe(step, statistics.median(measured), key=("calibration", index))
+            clock.observe(step, statistics.median(measured), ("calibration", index), probes[index].micro_batch)
         return seconds + reserve() <= clock.left()
 
     per_batch, per_step = overheads
@@ -1657,7 +1699,7 @@ def _calibrate(
     calibrating = time.perf_counter() - calibrating
     rounds = len(timings[0])
     for index, (step, measured) in enumerate(zip(predicted, timings)):
-        clock.observe(step, statistics.median(measured), key=("calibration", index))
+        clock.observe(step, statistics.median(measured), ("calibration", index), probes[index].micro_batch)
     clock.ran(
         "calibration",
         calibrating,
@@ -1750,12 +1792,14 @@ def _run_row(
     say: Any,
     seconds: float = 0.0,
     clock: TimeBudget | None = None,
+    give_up: float = 0.0,
 ) -> float:
     """Run ``row``'s trial and keep its outcome on the row (its timed steps in ``step_seconds``); recorded as a
-    ``"trial"`` phase of ``clock`` when given. Returns its wall time, seconds."""
+    ``"trial"`` phase of ``clock`` when given. ``give_up`` (seconds, CPU): its timing stops once its first timed
+    steps' median is above it (:func:`_recording_steps`). Returns its wall time, seconds."""
     say(f"memkit plan: trial: {row.candidate.describe()} ...")
     started = time.perf_counter()
-    with _recording_steps() as runs:
+    with _recording_steps(give_up) as runs:
         fits, peak, samples, note = _trial(
             module, row.candidate, batch, budget, device_type, warmup, timed, seconds, row=row
         )
@@ -1764,10 +1808,15 @@ def _run_row(
     row.measured_samples_per_s = samples if fits else None
     row.step_seconds = list(runs[-1]) if fits and runs else []
     row.note = note
+    if fits and runs.gave_up:
+        row.note += (
+            f"; its timing stopped after {len(row.step_seconds)} steps, slower than {GIVE_UP_FACTOR:g} x the "
+            "fastest trial's step: it cannot be chosen"
+        )
     if clock is not None:
         clock.phases.append(Phase("trial", took, detail=row.candidate.describe()))
     say(
-        f"memkit plan: trial: {row.candidate.describe()} -> {note}"
+        f"memkit plan: trial: {row.candidate.describe()} -> {row.note}"
         + (f", peak {format_bytes(peak)}" if peak is not None and fits else "")
         + f" ({took:.1f} s)"
     )

@@ -89,7 +89,8 @@ class TimeBudget:
         self.baseline_step_s: float | None = None  # the baseline's predicted step (the default's unit)
         self.estimate_s: float | None = None
         self._base = 0.0  # the default budget's start: the estimate's end (the baseline steps are counted from it)
-        self._ratios: dict[Any, float] = {}  # measured / predicted seconds per step, per real run
+        self._ratios: dict[Any, tuple[float, int | None]] = {}  # (measured / predicted step, micro-batch) per run
+        self.baseline_micro_batch: int | None = None
 
     # ------------------------------------------------------------------ the budget
     def elapsed(self) -> float:
@@ -100,9 +101,11 @@ class TimeBudget:
         """Seconds left of the budget (infinite before the default is set)."""
         return math.inf if self.total is None else self.total - self.elapsed()
 
-    def state(self, baseline_step_s: float | None) -> None:
-        """Say the budget at the start: the one given, or the default's parts with the baseline's predicted step."""
+    def state(self, baseline_step_s: float | None, micro_batch: int | None = None) -> None:
+        """Say the budget at the start: the one given, or the default's parts with the baseline's predicted step
+        (``micro_batch``: the baseline's, the size its later expected step is taken at)."""
         self.baseline_step_s = baseline_step_s if baseline_step_s and baseline_step_s > 0 else None
+        self.baseline_micro_batch = micro_batch
         if self.given is not None:
             self.say(
                 f"memkit plan: time budget {budget_text(self.given)} s (max_seconds): the estimate and one trial "
@@ -115,13 +118,17 @@ class TimeBudget:
         )
 
     def _default_after_estimate(self) -> float:
-        steps = BUDGET_STEPS * self.expected(self.baseline_step_s) if self.baseline_step_s else 0.0
+        steps = (
+            BUDGET_STEPS * self.expected(self.baseline_step_s, self.baseline_micro_batch)
+            if self.baseline_step_s
+            else 0.0
+        )
         return max(steps, MIN_BUDGET_SECONDS)
 
     def _default_text(self) -> str:
         if not self.baseline_step_s:
             return f"{MIN_BUDGET_SECONDS:.0f} s"
-        step = self.expected(self.baseline_step_s)
+        step = self.expected(self.baseline_step_s, self.baseline_micro_batch)
         text = f"{BUDGET_STEPS} baseline steps of about {step:.2f} s ({BUDGET_STEPS * step:.1f} s"
         return text + (f"; at least {MIN_BUDGET_SECONDS:.0f} s)" if BUDGET_STEPS * step < MIN_BUDGET_SECONDS else ")")
 
@@ -150,8 +157,9 @@ class TimeBudget:
         total = self._base + self._default_after_estimate()
         if self.total is not None and abs(total / self.total - 1) > 0.10:
             self.say(
-                f"memkit plan: time budget now {total:.0f} s: the steps that ran took {self.speed():.2f} x the "
-                f"time model's prediction, so {self._default_text()}"
+                f"memkit plan: time budget now {total:.0f} s: the steps that ran nearest the baseline's micro-batch "
+                f"took {self.speed(self.baseline_micro_batch):.2f} x the time model's prediction, so "
+                f"{self._default_text()}"
             )
         self.total = total
 
@@ -192,19 +200,36 @@ class TimeBudget:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ costs
-    def observe(self, predicted_step_s: float | None, measured_step_s: float | None, key: Any = None) -> None:
-        """A real run's step against the time model's prediction for it (the model the budget's predictions use);
-        a ``key`` observed again replaces its ratio (a configuration timed again as a phase goes on)."""
+    def observe(
+        self,
+        predicted_step_s: float | None,
+        measured_step_s: float | None,
+        key: Any = None,
+        micro_batch: int | None = None,
+    ) -> None:
+        """A real run's step against the time model's prediction for it (the model the budget's predictions use), at
+        its ``micro_batch``; a ``key`` observed again replaces its ratio (a configuration timed again as a phase goes
+        on)."""
         if predicted_step_s and measured_step_s and predicted_step_s > 0 and measured_step_s > 0:
-            self._ratios[len(self._ratios) if key is None else key] = measured_step_s / predicted_step_s
+            self._ratios[len(self._ratios) if key is None else key] = (measured_step_s / predicted_step_s, micro_batch)
 
-    def speed(self) -> float:
-        """Measured / predicted seconds per step, the median over the real runs (1 before any)."""
-        return statistics.median(self._ratios.values()) if self._ratios else 1.0
+    def speed(self, micro_batch: int | None = None) -> float:
+        """Measured / predicted seconds per step (1 before any real run): the median over the real runs at the
+        micro-batch nearest ``micro_batch`` (on log scales) when given, else over them all. A CPU's kernels are not
+        linear in the micro-batch, so the runs nearest in size price a run best."""
+        if not self._ratios:
+            return 1.0
+        ratios = list(self._ratios.values())
+        sized = [(ratio, size) for ratio, size in ratios if size]
+        if micro_batch and sized:
+            nearest = min({size for _, size in sized}, key=lambda size: abs(math.log(size / micro_batch)))
+            ratios = [(ratio, size) for ratio, size in sized if size == nearest]
+        return statistics.median(ratio for ratio, _ in ratios)
 
-    def expected(self, predicted_step_s: float | None) -> float:
-        """The step the machine is expected to take where the time model predicts ``predicted_step_s``."""
-        return (predicted_step_s or 0.0) * self.speed()
+    def expected(self, predicted_step_s: float | None, micro_batch: int | None = None) -> float:
+        """The step the machine is expected to take where the time model predicts ``predicted_step_s`` (at
+        ``micro_batch``: :meth:`speed`)."""
+        return (predicted_step_s or 0.0) * self.speed(micro_batch)
 
     def timing_cost(self, step_s: float, warmup: int, timed: int, seconds: float, max_steps: int) -> float:
         """Seconds of one timing run (a deep copy and a Trainer): ``warmup`` steps, then at least ``timed`` until
