@@ -196,7 +196,9 @@ def keeping_step(model: nn.Module, keeper: Keeper, x: torch.Tensor, step: int) -
     keeper.last = out * 2
     total = out.sum(dim=1)
     keeper.cache[step] = total
-    keeper.outputs.append(out.relu())
+    keeper.outputs.append(
+        out.relu(),  # the trailing comma keeps this statement over two lines, as the test needs
+    )
     return out.sum()
 
 
