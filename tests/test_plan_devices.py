@@ -258,7 +258,7 @@ def test_reset_compiled_is_torchs_compiler_reset():
 
 
 @pytest.mark.timeout(600)
-def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch(monkeypatch):
+def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch():
     """With dynamo's recompile limit at 1 and static shapes, a second trial at another micro-batch could only
     recompile past the limit (and so run eagerly) if the first trial's code were still cached: reset around each
     trial, each compiles its own graph."""
@@ -266,7 +266,10 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch(monkeyp
 
     from lightning_memkit.compiled._torch_compat import dynamo_counters
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # dynamo's own config.patch, not monkeypatch: monkeypatch's undo deletes the setting, and a deleted dynamo
+    # setting is hidden for the rest of the process (later tests read recompile_limit and fail)
+    limit = torch._dynamo.config.patch(recompile_limit=1)
+    limit.__enter__()
     torch._dynamo.reset()
     module = CompiledCNN(backend="eager", batch_size=4)
     batch = next(iter(module.train_dataloader()))
@@ -281,4 +284,5 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch(monkeyp
             assert fits and note.endswith("; compiled: dynamo's caches reset before and after the trial"), note
             assert graphs() > before, micro  # it compiled at its own micro-batch
     finally:
+        limit.__exit__(None, None, None)
         torch._dynamo.reset()
