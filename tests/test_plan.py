@@ -1100,7 +1100,7 @@ def test_the_time_budget_is_stated_at_the_start_and_kept(capsys):
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("memkit plan:")]
     assert lines[1] == (
-        "memkit plan: time budget 0.001 s (max_seconds): the estimate and one trial always run; the "
+        "memkit plan: time budget 0.001 s (max_seconds): the estimate and trials until one fits always run; the "
         "other phases only where their predicted cost fits what is left"
     )
     assert lines[0].startswith("memkit plan: baseline") and lines[2].startswith("memkit plan: estimate: ")

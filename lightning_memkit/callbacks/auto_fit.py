@@ -62,8 +62,9 @@ class AutoFit(Callback):
         trials: the most real trials the plan runs (1 to 3); each trains a few steps on a copy of the module.
         verbose: print the plan's table and what was applied, on global rank 0.
         max_seconds: the plan's time budget, seconds; default: the estimate plus 20 steps of the user's batch (at
-            least 30 s more). The plan says it at the start and each phase's cost as it ends; the estimate and one
-            trial always run, the calibration, the other trials and the timing rounds only where they fit.
+            least 30 s more). The plan says it at the start and each phase's cost as it ends; the estimate and
+            trials until one fits always run, the calibration, the other trials and the timing rounds only where
+            they fit.
 
     Attributes:
         plan: the :class:`~lightning_memkit.plan.planner.Plan` (``None`` before fit, and on a resumed fit).

@@ -74,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SECONDS",
         help="the plan's time budget, seconds (default: the estimate plus 20 baseline steps, at least "
-        "30 s more); the estimate and one trial always run, the other phases where they fit",
+        "30 s more); the estimate and trials until one fits always run, the other phases where they fit",
     )
     parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
     parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")

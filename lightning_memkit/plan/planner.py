@@ -21,8 +21,8 @@
    fastest is within the machine's measured noise (:func:`_ties`) is a tie, settled by the lower peak.
 
 The plan keeps to a wall-time budget (:mod:`lightning_memkit.plan.time_budget`: ``max_seconds``, by default the
-estimate plus 20 baseline steps), stated at the start: the estimate and one trial always run, every other phase only
-where its predicted cost fits what is left, and each phase's cost is said as it ends.
+estimate plus 20 baseline steps), stated at the start: the estimate and trials until one fits always run, every
+other phase only where its predicted cost fits what is left, and each phase's cost is said as it ends.
 """
 
 from __future__ import annotations
@@ -1002,9 +1002,9 @@ def plan_fit(
             :data:`CALIBRATION_SIZES` larger ones). 0 times ``timed_steps`` steps once.
         max_seconds: the wall-time budget of the plan, seconds; default: the estimate's time plus 20 steps of the
             baseline (at least 30 s more; :mod:`~lightning_memkit.plan.time_budget`). Stated at the start; the
-            estimate and one trial always run, the calibration, the other trials (a trial may time fewer steps) and
-            the rounds only where their predicted cost fits what is left (``plan.phases`` says what ran and what was
-            left out, and why).
+            estimate and trials until one fits always run, the calibration, the other trials (a trial may time
+            fewer steps) and the rounds only where their predicted cost fits what is left (``plan.phases`` says what
+            ran and what was left out, and why).
 
     Returns:
         a :class:`Plan`; ``plan.best`` is ``None`` when nothing fit in a real trial, or no trial could run here

@@ -6,7 +6,8 @@ it does not fit, so it is not run), at least :data:`MIN_BUDGET_SECONDS`. Once re
 taken again from them (the baseline's predicted step times the measured / predicted ratio of the steps that ran):
 a loaded machine's steps are slower than the roofline measured at the plan's start says.
 
-The estimate and one real trial always run (the plan's choice must have run in a real trial). Every other phase
+The estimate, and real trials until one fits, always run (the plan's choice must have run in a real trial within the
+memory budget). Every other phase
 (the CPU calibration, the second and third trials, the interleaved rounds) runs only when its cost, predicted from
 the steps it will time, fits in what is left of the budget; a trial may time fewer steps to fit (at least
 :data:`MIN_TIMED_STEPS`). Each phase is recorded (:class:`Phase`: its seconds, or why it was left out) and said as
@@ -108,8 +109,8 @@ class TimeBudget:
         self.baseline_micro_batch = micro_batch
         if self.given is not None:
             self.say(
-                f"memkit plan: time budget {budget_text(self.given)} s (max_seconds): the estimate and one trial "
-                "always run; the other phases only where their predicted cost fits what is left"
+                f"memkit plan: time budget {budget_text(self.given)} s (max_seconds): the estimate and trials until "
+                "one fits always run; the other phases only where their predicted cost fits what is left"
             )
             return
         self.say(
