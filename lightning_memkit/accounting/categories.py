@@ -28,6 +28,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant, is_wrapper_tensor
+from lightning_memkit.probes.base import ProbeUnavailable
+from lightning_memkit.probes.cuda import CudaAllocatorProbe
+from lightning_memkit.probes.nvml import NvmlProbe
 
 __all__ = [
     "CATEGORIES",
@@ -360,10 +363,6 @@ def cuda_memory_extras(device: torch.device | str, *, peak: bool = False, nvml: 
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return empty
-    from lightning_memkit.probes.base import ProbeUnavailable
-    from lightning_memkit.probes.cuda import CudaAllocatorProbe
-    from lightning_memkit.probes.nvml import NvmlProbe
-
     try:
         reading = CudaAllocatorProbe(device).read()
     except (ProbeUnavailable, RuntimeError):
