@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
+import torch.nn as nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._class_paths import resolve_class_path
@@ -131,8 +132,6 @@ def module_filters(owner: str, name: str, value: Any, accepted: str) -> tuple[st
     """Module filters (LayerTrace's ``modules``): ``None``, or one or a list of: an ``fnmatch`` pattern of
     qualified module names (``"encoder.layers.*"``), an ``nn.Module`` subclass, or a class path naming one
     (``"torch.nn.Linear"``, as a YAML config gives it; resolved by import here)."""
-    import torch.nn as nn
-
     if value is None:
         return None
     items = [value] if isinstance(value, (str, type)) else value

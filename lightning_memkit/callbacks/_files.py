@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lightning.pytorch.loggers.logger import DummyLogger
+
 from lightning_memkit._lightning_compat import log_dir
 
 __all__ = ["logging_loggers", "run_files_dir", "file_target"]
@@ -16,8 +18,6 @@ __all__ = ["logging_loggers", "run_files_dir", "file_target"]
 
 def logging_loggers(trainer: Any) -> list[Any]:
     """The trainer's loggers that log somewhere: all but ``fast_dev_run``'s ``DummyLogger``."""
-    from lightning.pytorch.loggers.logger import DummyLogger
-
     return [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
 
 
