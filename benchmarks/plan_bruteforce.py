@@ -173,7 +173,7 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     round to round, and its samples/s is the median of its round medians."""
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
-    from lightning_memkit.plan.planner import _trial
+    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.plan.space import DEFAULT_PLAN_MODES, candidate_space
 
     module = make()
@@ -263,7 +263,7 @@ def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list
     minute: two configurations a few percent apart can swap places between two brute-force runs. A ratio taken within
     one round (two trials seconds apart) cancels most of the drift, so it is what "within 5% of the best" is read from
     whenever the planner chose something other than the brute-force best."""
-    from lightning_memkit.plan.planner import _trial
+    from lightning_memkit.plan.trials import trial as _trial
 
     ratios = []
     for round_ in range(rounds):
@@ -283,13 +283,15 @@ def _same_programs(module, space, sample, peaks) -> dict:
     """``{candidate: [candidates that run the same program, itself included]}``: the same micro-batch, accumulation and
     precision, the same real peak (measured) and the same ops in the fake step (count, FLOPs, bytes)."""
     from lightning_memkit.estimate.core import reusing_fake_copies
-    from lightning_memkit.plan.planner import _estimate_row, _signature
+    from lightning_memkit.plan.inputs import PlanInputs
+    from lightning_memkit.plan.rows import estimate_row as _estimate_row, signature as _signature
     from lightning_memkit.plan.time_model import ROOFLINES, TimeModel
 
     keys = {}
     with reusing_fake_copies():
         for candidate in space:
-            row = _estimate_row(module, candidate, sample, "cpu", None, None, 1 << 50, TimeModel(ROOFLINES["h100"]))
+            inputs = PlanInputs(module, sample, candidate.effective_batch, 1 << 50, "cpu", space)
+            row = _estimate_row(inputs, candidate, TimeModel(ROOFLINES["h100"]))
             keys[candidate] = (_signature(row), peaks[candidate])
     return {c: [d for d in space if keys[d] == keys[c]] for c in space}
 

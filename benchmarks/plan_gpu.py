@@ -175,7 +175,7 @@ def plain_fits(ran: dict[int, bool]):
 def run_case(name: str, build, batch: int, budget: int, device: str, modes: str) -> dict:
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
-    from lightning_memkit.plan.planner import _trial
+    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.plan.space import candidate_space
     from lightning_memkit.units import format_bytes
 
@@ -290,7 +290,7 @@ def parse_candidate(text: str):
 def time_rows(path: str, models: dict, device: str) -> None:
     """``--rows``: time the listed configurations of each model and budget, under the budget's cap."""
     from lightning_memkit.estimate.batches import sample_batch_and_length
-    from lightning_memkit.plan.planner import _trial
+    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.units import format_bytes
 
     with open(path) as handle:

@@ -104,7 +104,7 @@ def autofit(args: argparse.Namespace) -> None:
 
 
 def _trial_step(module, batch, budget, candidate, timed: int) -> float:
-    from lightning_memkit.plan.planner import _trial
+    from lightning_memkit.plan.trials import trial as _trial
 
     fits, peak, samples, note = _trial(module, candidate, batch, budget, "cpu", 1, timed)
     if not fits or samples is None:
@@ -115,7 +115,8 @@ def _trial_step(module, batch, budget, candidate, timed: int) -> float:
 def brute(args: argparse.Namespace) -> None:
     from lightning_memkit.estimate.core import reusing_fake_copies
     from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
-    from lightning_memkit.plan import planner
+    from lightning_memkit.plan.inputs import PlanInputs
+    from lightning_memkit.plan.rows import contenders, estimate_families
     from lightning_memkit.plan.space import candidate_space
     from lightning_memkit.plan.time_model import TimeModel, calibrate_cpu
     from lightning_memkit.units import parse_bytes
@@ -125,8 +126,9 @@ def brute(args: argparse.Namespace) -> None:
     space = candidate_space(MODEL["batch_size"], device_type="cpu", can_checkpoint=bool(find_repeated_blocks(module)))
     rows = []
     with reusing_fake_copies():
-        planner._estimate_families(module, space, rows, batch, "cpu", None, None, budget, TimeModel(calibrate_cpu()))
-    configurations = [row.candidate for row in planner._contenders(rows)]
+        inputs = PlanInputs(module, batch, MODEL["batch_size"], budget, "cpu", space)
+        estimate_families(inputs, rows, TimeModel(calibrate_cpu()))
+    configurations = [row.candidate for row in contenders(rows)]
     print(
         f"# brute force over {len(configurations)} configurations: " + "; ".join(c.describe() for c in configurations),
         flush=True,

@@ -61,7 +61,8 @@ def main() -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     import plan_bruteforce as brute
     from lightning_memkit.estimate.batches import sample_batch_and_length
-    from lightning_memkit.plan.planner import _timed_step, _trial
+    from lightning_memkit.plan.timing import timed_step as _timed_step
+    from lightning_memkit.plan.trials import trial as _trial
 
     names = [name for name in brute.MODELS if args.model.lower() in name.lower()]
     if len(names) != 1:

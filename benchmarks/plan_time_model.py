@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_memkit.estimate import estimate_memory  # noqa: E402
 from lightning_memkit.plan import plan_fit  # noqa: E402
-from lightning_memkit.plan.planner import _timed_step  # noqa: E402
+from lightning_memkit.plan.timing import timed_step as _timed_step  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 from lightning_memkit.zoo import DemoCNN, DemoTransformer  # noqa: E402
 

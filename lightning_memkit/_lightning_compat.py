@@ -18,6 +18,7 @@ __all__ = [
     "fsdp_activation_checkpointing_configured",
     "StandInTrainer",
     "attach_stand_in_trainer",
+    "attached_trainer",
 ]
 
 
@@ -379,6 +380,12 @@ def attach_stand_in_trainer(module: Any, stand_in: StandInTrainer) -> None:
             each._trainer = stand_in  # the property's setter would also do this; _trainer is what every read uses
             each.log = _no_log
             each.log_dict = _no_log
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or ``None``: ``LightningModule._trainer``, which the public ``trainer``
+    property reads but raises on when there is none."""
+    return getattr(module, "_trainer", None)
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -435,7 +435,8 @@ def wide_records():
 
 def _trial(module, candidate, budget, warmup=1, timed=2, **row_fields):
     """One of the planner's CUDA trials of ``candidate`` on ``module``'s first batch: ``(fits, note, row)``."""
-    from lightning_memkit.plan.planner import PlanRow, _trial as trial
+    from lightning_memkit.plan.result import PlanRow
+    from lightning_memkit.plan.trials import trial
 
     batch = next(iter(module.train_dataloader()))
     row = PlanRow(candidate, None, None, None, True, **row_fields)
@@ -559,7 +560,7 @@ def test_offload_trials_check_the_host_and_leave_no_pinned_memory_cached():
     runs; one that runs pins host memory, which the caching host allocator gives back after the trial."""
     from lightning_memkit.estimate import estimate_memory
     from lightning_memkit.plan import Candidate
-    from lightning_memkit.plan.planner import _release
+    from lightning_memkit.plan.cuda_trial import release
 
     module = zoo.DemoTransformer(**SMALL)
     candidate = Candidate(8, 1, offload=True)
@@ -568,7 +569,7 @@ def test_offload_trials_check_the_host_and_leave_no_pinned_memory_cached():
     assert row.measured_reserved_bytes is None  # nothing ran
     host = estimate_memory(module, 8, mode="offload", device="cuda").host_bytes
     assert host > 0
-    _release(True)
+    release(True)
     stats = getattr(torch.cuda, "host_memory_stats", None)  # torch's pinned allocator's figures, where it has them
     if stats is not None:
         torch.cuda.reset_peak_host_memory_stats()
@@ -593,7 +594,7 @@ def test_the_trials_of_a_compiled_model_each_compile_and_leave_no_cuda_graph_poo
     after each the device holds what it held before (the CUDA-graph pools went with dynamo's reset)."""
     from lightning_memkit.compiled._torch_compat import dynamo_counters
     from lightning_memkit.plan import Candidate
-    from lightning_memkit.plan.planner import _release
+    from lightning_memkit.plan.cuda_trial import release
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
@@ -601,7 +602,7 @@ def test_the_trials_of_a_compiled_model_each_compile_and_leave_no_cuda_graph_poo
     warm = nn.Linear(8, 8).cuda()  # cuBLAS's workspaces (main and autograd threads), before the reading
     warm(torch.ones(8, 8, device="cuda")).sum().backward()
     del warm
-    _release(True)
+    release(True)
     before = torch.cuda.memory_reserved()
 
     def graphs() -> int:

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_memkit._lightning_compat import logging_step, optimizer_steps_after_batch
+from lightning_memkit._lightning_compat import attached_trainer, logging_step, optimizer_steps_after_batch
 
 from conftest import LinearStack, make_trainer, read_scalars
 
@@ -261,3 +261,15 @@ def test_train_loader_and_use_train_loader_swap_the_loader_the_next_fit_loop_run
     make_trainer(tmp_path, max_steps=2, callbacks=[swap]).fit(LinearStack())
     assert isinstance(swap.own, DataLoader) and swap.first == [7.0, 7.0]  # trained on the loader given
     assert swap.back is not swap.marked and isinstance(swap.back, DataLoader)
+
+
+def test_attached_trainer_is_the_trainer_a_fit_attached_and_none_before_and_after_detaching(tmp_path):
+    """``attached_trainer`` reads ``LightningModule._trainer``: the Trainer a fit attached (the public ``trainer``
+    property raises when there is none), ``None`` on a fresh module and after the public setter detached it."""
+    module = LinearStack((4, 8, 2), batch_size=2)
+    assert attached_trainer(module) is None
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.fit(module)
+    assert attached_trainer(module) is trainer and module.trainer is trainer
+    module.trainer = None
+    assert attached_trainer(module) is None

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import accumulating, observing_ops
 from lightning_memkit.plan import Candidate, PlanError, plan_fit
-from lightning_memkit.plan import planner
+from lightning_memkit.plan import calibration, planner, rows, settle, timing
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
 from lightning_memkit.plan.time_budget import MIN_BUDGET_SECONDS
@@ -225,16 +225,16 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
     before_state = _state(module)
     rng = torch.get_rng_state()
     calibrated = []  # the calibration's probes (the real calibration runs; this only records what it timed)
-    real_calibration = planner._calibration_steps
+    real_calibration = calibration.calibration_steps
 
     def recording(module, probes, *args, **kwargs):
         calibrated.extend(probes)
         return real_calibration(module, probes, *args, **kwargs)
 
-    monkeypatch.setattr(planner, "_calibration_steps", recording)
+    monkeypatch.setattr(calibration, "calibration_steps", recording)
     # the claims below are about the calibration where it runs: said to be needed whatever the model's grid says (the
     # needless cases have their own tests), and a time budget that leaves out no phase (the budget has its own)
-    monkeypatch.setattr(planner, "_calibration_needless", lambda *args: None)
+    monkeypatch.setattr(calibration, "calibration_needless", lambda *args: None)
 
     plan = plan_fit(module, device_memory=budget, device="cpu", max_seconds=3600, **FAST)
     assert not plan.fits_as_is
@@ -303,28 +303,26 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
 def test_a_trials_timing_runs_until_its_steps_add_up_to_the_seconds_asked(monkeypatch):
     """The CPU timing's stop rule: at least ``timed`` steps and at least ``seconds`` of them, at an optimizer step's end
     (every micro-batch of the last step ran), and never more than MAX_TIMED_STEPS."""
-    from lightning_memkit.plan import planner
-
     module = LinearStack((16, 32, 4), batch_size=4)
     batch = next(iter(module.train_dataloader()))
     candidate = Candidate(2, 2)
     micro = [part[:2] for part in batch] if isinstance(batch, (list, tuple)) else batch[:2]
-    seconds = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 0.05)
+    seconds = timing.timing_fit(timing.copy_of(module), candidate, micro, "cpu", 1, 3, 0.05)
     assert len(seconds) >= 3 and sum(seconds) >= 0.05
     assert sum(seconds[:-1]) < 0.05 or len(seconds) == 3  # it stopped at the first step that made the sum
-    monkeypatch.setattr(planner, "MAX_TIMED_STEPS", 7)
-    capped = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 1e9)
+    monkeypatch.setattr(timing, "MAX_TIMED_STEPS", 7)
+    capped = timing.timing_fit(timing.copy_of(module), candidate, micro, "cpu", 1, 3, 1e9)
     assert len(capped) == 7
-    once = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 3, 0.0)
+    once = timing.timing_fit(timing.copy_of(module), candidate, micro, "cpu", 1, 3, 0.0)
     assert len(once) == 3
     # a trial that cannot be chosen (its first timed steps slower than GIVE_UP_FACTOR x the fastest trial's step, here
     # any step) stops after MIN_TIMED_STEPS of them, and says so; one that can runs all of them
-    monkeypatch.setattr(planner, "MAX_TIMED_STEPS", 200)
-    with planner._recording_steps(give_up=1e-9) as runs:
-        hopeless = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 4, 1e9)
-    assert len(hopeless) == planner.MIN_TIMED_STEPS and runs.gave_up and runs == [hopeless]
-    with planner._recording_steps(give_up=1e9) as runs:
-        fine = planner._timing_fit(planner._copy_of(module), candidate, micro, "cpu", 1, 4, 0.0)
+    monkeypatch.setattr(timing, "MAX_TIMED_STEPS", 200)
+    with timing.recording_steps(give_up=1e-9) as runs:
+        hopeless = timing.timing_fit(timing.copy_of(module), candidate, micro, "cpu", 1, 4, 1e9)
+    assert len(hopeless) == timing.MIN_TIMED_STEPS and runs.gave_up and runs == [hopeless]
+    with timing.recording_steps(give_up=1e9) as runs:
+        fine = timing.timing_fit(timing.copy_of(module), candidate, micro, "cpu", 1, 4, 0.0)
     assert len(fine) == 4 and not runs.gave_up
 
 
@@ -683,7 +681,7 @@ def _rounds_of(monkeypatch, plan, peaks=(None, None, None)):
         queue = queues[candidate.micro_batch]
         return [queue.pop(0) if len(queue) > 1 else queue[0]]
 
-    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    monkeypatch.setattr(timing, "timed_step", timed_step)
     made = []
     for (micro, seconds), peak in zip(plan.items(), peaks):
         row = planner.PlanRow(Candidate(micro, 8 // micro), 1, seconds[0], 8 / seconds[0], True)
@@ -701,14 +699,14 @@ def test_the_rounds_time_each_trial_retiming_rounds_times_and_no_more(monkeypatc
     priced from the anchor (the lowest median) by the median of its per-round ratios to it."""
     # a clear winner (micro 8 at 10 ms, the others 20 and 30 ms): 3 rounds of all three, nothing more
     ran, calls = _rounds_of(monkeypatch, {8: [0.010, 0.010], 4: [0.020, 0.020], 2: [0.030, 0.030]})
-    timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert sorted(calls) == sorted([8, 4, 2] * planner.RETIMING_ROUNDS)
     assert [len(timings[id(row)]) for row in ran] == [1 + planner.RETIMING_ROUNDS] * 3
-    assert planner._settle(ran, timings, lambda *a: None) == (ran[0], None)  # rounds that agree: no tie
+    assert settle.settle(ran, timings, lambda *a: None) == (ran[0], None)  # rounds that agree: no tie
     # a close call (10 vs 10.5 ms, then 13 ms): still 3 rounds, micro 4 priced from micro 8 by the median of its
     # per-round ratios (1.05, 1.05, 1.3: 1.05), not by its own median
     ran, calls = _rounds_of(monkeypatch, {8: [0.010, 0.010], 4: [0.0105, 0.0105, 0.0105, 0.013], 2: [0.030, 0.030]})
-    timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert calls.count(8) == calls.count(4) == calls.count(2) == planner.RETIMING_ROUNDS
     assert ran[0].measured_samples_per_s == pytest.approx(8 / 0.010)
     assert "median of 4 interleaved timings" in ran[0].note
@@ -717,7 +715,7 @@ def test_the_rounds_time_each_trial_retiming_rounds_times_and_no_more(monkeypatc
     # and a no stops the rounds there (the rows are priced from the rounds that ran)
     asked = []
     ran, calls = _rounds_of(monkeypatch, {8: [0.010, 0.010], 4: [0.020, 0.020], 2: [0.030, 0.030]})
-    timings = planner._interleaved_rounds(
+    timings = settle.interleaved_rounds(
         None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None, keep_going=lambda seconds: asked.append(seconds) is not None
     )
     assert len(asked) == 1 and calls.count(8) == planner.MIN_ROUNDS == len(timings[id(ran[0])]) - 1
@@ -735,7 +733,7 @@ def _scripted_trials(monkeypatch, rounds, truth, trials, peaks=None):
         n = counts[candidate]
         return [(rounds[candidate][n - 1] if n <= len(rounds[candidate]) else truth[candidate]) / 1e3]
 
-    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    monkeypatch.setattr(timing, "timed_step", timed_step)
     ran = []
     for candidate, trial in trials:
         row = planner.PlanRow(candidate, 1, trial / 1e3, 16e3 / trial, True)
@@ -765,14 +763,14 @@ def test_three_trials_within_the_measured_noise_are_a_tie_settled_by_the_lowest_
         ((half, 53.9), (small, 57.6), (auto, 34.1)),
         peaks={auto: 2_700_000, half: 2_750_000, small: 2_790_000},
     )
-    timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert set(counts.values()) == {planner.RETIMING_ROUNDS}  # no round after the three
-    fastest, compared = planner._ties(ran, timings)
+    fastest, compared = settle.ties(ran, timings)
     assert fastest.candidate == small  # priced round by round: 2 x 8 is 4% ahead of auto's median
     assert all(0 <= apart <= noise for _, apart, noise in compared)
     assert 0.25 < max(noise for _, _, noise in compared) < 0.35  # the spread of the log ratios, 2 standard errors
     said = []
-    best, note = planner._settle(ran, timings, said.append)
+    best, note = settle.settle(ran, timings, said.append)
     assert best.candidate == auto and "a tie within the measured noise" in note and "the lower peak settles it" in note
     assert said == [f"memkit plan: {note}"] and "chosen: a tie with the fastest, and the lower peak" in best.note
     # the same three with the peaks the other way round: the tie goes to 2 x 8, the fastest and now the lowest peak
@@ -783,8 +781,8 @@ def test_three_trials_within_the_measured_noise_are_a_tie_settled_by_the_lowest_
         ((half, 53.9), (small, 57.6), (auto, 34.1)),
         peaks={auto: 2_790_000, half: 2_750_000, small: 2_700_000},
     )
-    timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
-    assert planner._settle(ran, timings, lambda *a: None)[0].candidate == small
+    timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    assert settle.settle(ran, timings, lambda *a: None)[0].candidate == small
 
 
 def test_rounds_that_disagree_are_a_tie_even_when_their_median_parts(monkeypatch):
@@ -796,8 +794,8 @@ def test_rounds_that_disagree_are_a_tie_even_when_their_median_parts(monkeypatch
     def pair(rounds_of_4, rounds=3):
         plan = {8: [0.010] * (rounds + 1), 4: [0.0111] + rounds_of_4}
         ran, _ = _rounds_of(monkeypatch, plan)
-        timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None, rounds=rounds)
-        fastest, [(row, apart, noise)] = planner._ties(ran, timings)
+        timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None, rounds=rounds)
+        fastest, [(row, apart, noise)] = settle.ties(ran, timings)
         assert fastest is ran[0] and row is ran[1]
         return apart, noise
 
@@ -812,21 +810,21 @@ def test_rounds_that_disagree_are_a_tie_even_when_their_median_parts(monkeypatch
     # of a median of n is 1.25 x that of a mean)
     ran, _ = _rounds_of(monkeypatch, {8: [0.010], 4: [0.0105]})
     ran[0].step_seconds, ran[1].step_seconds = [0.009, 0.010, 0.011, 0.010], [0.0095, 0.0105, 0.0115, 0.0105]
-    fastest, [(row, apart, noise)] = planner._ties(ran)
+    fastest, [(row, apart, noise)] = settle.ties(ran)
     deviations = sorted([math.log(10 / 9), 0, math.log(11 / 10), 0, math.log(10.5 / 9.5), 0, math.log(11.5 / 10.5), 0])
     sd = 1.4826 * (deviations[3] + deviations[4]) / 2
-    assert planner._step_spread(ran) == pytest.approx(sd)
+    assert settle.step_spread(ran) == pytest.approx(sd)
     assert noise == pytest.approx(planner.TIE_ERRORS * math.sqrt(math.pi / 2) * sd * math.sqrt(1 / 4 + 1 / 4))
     assert apart == pytest.approx(math.log(1.05)) and apart <= noise  # 5% within steps that spread by +-10%
     # one step the machine stalled in (10x) moves the noise no more than a step a little further off the median does
     ran[1].step_seconds = [0.0095, 0.0105, 0.0125, 0.0105]
-    further = planner._step_spread(ran)
+    further = settle.step_spread(ran)
     ran[1].step_seconds = [0.0095, 0.0105, 0.105, 0.0105]
-    assert planner._step_spread(ran) == pytest.approx(further) and further < 1.1 * sd
+    assert settle.step_spread(ran) == pytest.approx(further) and further < 1.1 * sd
     ran[0].step_seconds, ran[1].step_seconds = [0.010] * 4, [0.0105] * 4
-    assert planner._settle(ran, None, lambda *a: None) == (ran[0], None)  # steady steps: 5% is a difference
+    assert settle.settle(ran, None, lambda *a: None) == (ran[0], None)  # steady steps: 5% is a difference
     ran[0].step_seconds = ran[1].step_seconds = []  # CUDA trials keep no steps: no noise measured, no tie
-    assert planner._ties(ran)[1][0][2] is None and planner._settle(ran, None, lambda *a: None)[1] is None
+    assert settle.ties(ran)[1][0][2] is None and settle.settle(ran, None, lambda *a: None)[1] is None
 
 
 def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
@@ -841,7 +839,7 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
             self.asked.append((costs, micro_batch, precision))  # each row is priced at its own size and precision
             return {"plain 8": 0.010, "checkpointed 8": 0.012, "plain 4": 0.015}[costs]
 
-    def rows():
+    def three_rows():
         made = [
             planner.PlanRow(Candidate(8, 1), 1, None, None, True, costs="plain 8"),
             planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 1, None, None, True, costs="checkpointed 8"),
@@ -850,19 +848,19 @@ def test_a_trials_measured_error_carries_to_the_other_rows_of_its_micro_batch():
         made[0].measured_samples_per_s = 8 / 0.020
         return made
 
-    corrected = rows()
-    planner._repredict(corrected, Model(), measured_errors=True)
+    corrected = three_rows()
+    rows.repredict(corrected, Model(), measured_errors=True)
     assert [r.predicted_step_s for r in corrected] == pytest.approx([0.020, 0.024, 0.015])
     assert [r.predicted_samples_per_s for r in corrected] == pytest.approx([400, 8 / 0.024, 8 / 0.015])
     assert Model.asked == [("plain 8", 8, "32-true"), ("checkpointed 8", 8, "32-true"), ("plain 4", 4, "32-true")]
-    plain = rows()
-    planner._repredict(plain, Model())
+    plain = three_rows()
+    rows.repredict(plain, Model())
     assert [r.predicted_step_s for r in plain] == pytest.approx([0.010, 0.012, 0.015])
     # two rows of one micro-batch ran (10 ms predicted 8 ms, 9 ms predicted 9 ms): each is predicted at its own
     # measurement, not at the group's median error (which would put them the other way round: 9.0 and 10.1 ms)
-    both = rows()
+    both = three_rows()
     both[1].measured_samples_per_s = 8 / 0.0135
-    planner._repredict(both, Model(), measured_errors=True)
+    rows.repredict(both, Model(), measured_errors=True)
     assert [r.predicted_step_s for r in both[:2]] == pytest.approx([0.020, 0.0135])
     assert both[2].predicted_step_s == pytest.approx(0.015)
 
@@ -874,18 +872,18 @@ def test_no_trial_for_a_checkpointed_micro_batch_that_already_fit_plain():
     plain8 = planner.PlanRow(Candidate(8, 1), 100, None, None, True)  # predicted peaks: checkpointing saves memory
     ckpt8 = planner.PlanRow(Candidate(8, 1, checkpoint="auto"), 60, None, None, True)
     ckpt4 = planner.PlanRow(Candidate(4, 2, checkpoint="auto"), 40, None, None, True)
-    assert planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None  # nothing ran yet
+    assert rows.needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None  # nothing ran yet
     plain8.measured_samples_per_s, plain8.note = 800.0, "ran: median step 10 ms"
-    assert "micro 8 x 1, 32-true fit" in planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4])
-    assert planner._needless_trial(ckpt4, [plain8, ckpt8, ckpt4]) is None
+    assert "micro 8 x 1, 32-true fit" in rows.needless_trial(ckpt8, [plain8, ckpt8, ckpt4])
+    assert rows.needless_trial(ckpt4, [plain8, ckpt8, ckpt4]) is None
     plain8.measured_samples_per_s, plain8.note = None, "over the budget"
-    assert planner._needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None
+    assert rows.needless_trial(ckpt8, [plain8, ckpt8, ckpt4]) is None
     # the same program as a row that ran (a budget that chose every block: same peak, same ops): not run twice
     from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 
     budget8 = planner.PlanRow(Candidate(8, 1, checkpoint=CheckpointBudget(0.5)), 60, None, None, True)
     ckpt8.measured_samples_per_s, ckpt8.note = 700.0, "ran: median step 11 ms"
-    assert "the same step as micro 8 x 1, 32-true, checkpoint auto" in planner._needless_trial(
+    assert "the same step as micro 8 x 1, 32-true, checkpoint auto" in rows.needless_trial(
         budget8, [plain8, ckpt8, budget8]
     )
 
@@ -904,14 +902,14 @@ def test_a_close_call_is_decided_round_by_round_not_by_medians_minutes_apart(mon
         own = {8: 0.0095, 4: 0.011, 2: 0.0105}[candidate.micro_batch]
         return [own * phase[counts[candidate.micro_batch] - 1]]
 
-    monkeypatch.setattr(planner, "_timed_step", timed_step)
+    monkeypatch.setattr(timing, "timed_step", timed_step)
     ran = []
     for micro, trial in ((8, 0.030), (4, 0.011), (2, 0.0105)):  # the trials' own timings: micro 8's in a slow phase
         row = planner.PlanRow(Candidate(micro, 8 // micro), 1, trial, 8 / trial, True)
         row.measured_samples_per_s, row.note = 8 / trial, "ran"
         ran.append(row)
     assert statistics.median([0.030, 0.0095, 0.019, 0.0095]) > statistics.median([0.011, 0.011, 0.022, 0.011])
-    planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+    settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
     assert counts == {8: planner.RETIMING_ROUNDS, 4: planner.RETIMING_ROUNDS, 2: planner.RETIMING_ROUNDS}
     assert max(ran, key=lambda row: row.measured_samples_per_s) is ran[0]
     assert [row.measured_samples_per_s for row in ran] == pytest.approx([8 / 0.0095, 8 / 0.011, 8 / 0.0105])
@@ -956,13 +954,13 @@ def test_the_calibration_parts_a_micro_batch_from_the_once_per_step_part():
     rounds, each round is split on its own and the median counts: one round whose accumulation-1 timing fell in a
     slow phase (20 ms: alone it would say 1.7 ms per micro-batch and 18.3 ms once) moves neither part."""
     acc = planner.CALIBRATION_ACCUMULATION
-    per_micro, once = planner._split_calibration([0.010], [0.010 + (acc - 1) * 0.005], 7e-4, 3e-4)
+    per_micro, once = calibration.split_calibration([0.010], [0.010 + (acc - 1) * 0.005], 7e-4, 3e-4)
     assert per_micro == pytest.approx(0.005) and once == pytest.approx(0.005)
-    assert planner._split_calibration([0.010], [0.010 + (acc - 1) * 0.0099], 7e-4, 3e-4)[1] == pytest.approx(3e-4)
-    assert planner._split_calibration([0.010], [0.010 + (acc - 1) * 5e-4], 7e-4, 3e-4)[1] is None
-    assert planner._split_calibration([0.010], [0.008], 7e-4, 3e-4) == (0.0, None)
+    assert calibration.split_calibration([0.010], [0.010 + (acc - 1) * 0.0099], 7e-4, 3e-4)[1] == pytest.approx(3e-4)
+    assert calibration.split_calibration([0.010], [0.010 + (acc - 1) * 5e-4], 7e-4, 3e-4)[1] is None
+    assert calibration.split_calibration([0.010], [0.008], 7e-4, 3e-4) == (0.0, None)
     ones, manys = [0.010, 0.020, 0.010, 0.010], [0.025] * 4
-    assert planner._split_calibration(ones, manys, 7e-4, 3e-4) == (pytest.approx(0.005), pytest.approx(0.005))
+    assert calibration.split_calibration(ones, manys, 7e-4, 3e-4) == (pytest.approx(0.005), pytest.approx(0.005))
 
 
 def test_a_tie_is_settled_by_the_lower_peak_with_no_more_rounds(monkeypatch):
@@ -979,9 +977,9 @@ def test_a_tie_is_settled_by_the_lower_peak_with_no_more_rounds(monkeypatch):
         ran, counts = _scripted_trials(
             monkeypatch, {k: list(v) for k, v in rounds.items()}, truth, ((a, 30.0), (b, 31.0), (c, 32.0)), peaks=peaks
         )
-        timings = planner._interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
+        timings = settle.interleaved_rounds(None, ran, None, "cpu", 1, 2, 0.2, lambda *a: None)
         assert set(counts.values()) == {planner.RETIMING_ROUNDS}
-        best, note = planner._settle(ran, timings, lambda *a: None)
+        best, note = settle.settle(ran, timings, lambda *a: None)
         assert best.candidate == lowest and note is not None and lowest.describe() in note
     # the plan's own loop: a plan whose trials are scripted (A 8 x 2 the fastest with the highest peak, B 4 x 4 within
     # the noise of its steps and a lower peak; rounds left out by the budget): B is chosen, the tie said in the notes
@@ -996,7 +994,7 @@ def test_a_tie_is_settled_by_the_lower_peak_with_no_more_rounds(monkeypatch):
     far.step_seconds = [0.057, 0.060, 0.063, 0.060]
     for row in (fastest, close, far):
         row.note = "ran"
-    best, note = planner._settle([fastest, close, far], None, lambda *a: None)
+    best, note = settle.settle([fastest, close, far], None, lambda *a: None)
     assert best is close and c.describe() not in note
 
 
@@ -1043,19 +1041,19 @@ def test_the_calibration_is_needless_where_no_plausible_time_model_changes_the_t
     }
     assert all(s[1] > s[0] for s in steps.values())  # 2 x 4 never leads 4 x 2
     assert {s[0] < s[2] for s in steps.values()} == {True, False}  # 4 x 2 and 8 x 1 checkpointed change places
-    assert "1 is the fastest under some plausible time model" in planner._calibration_needless(
+    assert "1 is the fastest under some plausible time model" in calibration.calibration_needless(
         [small, smaller], 1, model
     )
-    assert planner._calibration_needless([small, smaller, checkpointed], 1, model) is None
-    needless = planner._calibration_needless([small, smaller, checkpointed], 2, model)
+    assert calibration.calibration_needless([small, smaller, checkpointed], 1, model) is None
+    needless = calibration.calibration_needless([small, smaller, checkpointed], 2, model)
     assert "of the 3 candidates that could be chosen, 2 are the fastest under some plausible time model" in needless
     assert needless.endswith("each gets a trial: the trials decide")
-    assert "the trials decide" in planner._calibration_needless([small, smaller, checkpointed], 3, model)
-    winners = planner._plausible_winners(planner._contenders([small, smaller, checkpointed]), model)
+    assert "the trials decide" in calibration.calibration_needless([small, smaller, checkpointed], 3, model)
+    winners = calibration.plausible_winners(rows.contenders([small, smaller, checkpointed]), model)
     assert {id(r) for r in winners} == {id(small), id(checkpointed)}
     # checkpointing a micro-batch predicted to fit plain is no contender (the same step plus the recompute)
     small_checkpointed = _estimated_row(module, Candidate(4, 2, checkpoint="auto"))
-    assert planner._contenders([small, small_checkpointed]) == [small]
+    assert rows.contenders([small, small_checkpointed]) == [small]
 
 
 @pytest.mark.timeout(600)
@@ -1071,7 +1069,7 @@ def test_a_plan_whose_candidates_its_trials_decide_runs_no_calibration(monkeypat
     def refuse(*args, **kwargs):
         raise AssertionError("the calibration ran")
 
-    monkeypatch.setattr(planner, "_calibration_steps", refuse)
+    monkeypatch.setattr(calibration, "calibration_steps", refuse)
     plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch", max_seconds=3600, **FAST)
     assert [r.candidate for r in plan.rows if r.fits] == [Candidate(4, 2), Candidate(2, 4)] or {
         r.candidate for r in plan.rows if r.fits
@@ -1106,8 +1104,8 @@ def test_the_time_budget_is_stated_at_the_start_and_kept(capsys):
     assert lines[0].startswith("memkit plan: baseline") and lines[2].startswith("memkit plan: estimate: ")
     assert plan.max_seconds == 0.001 and plan.trials == 1
     row = plan.best_row
-    assert row.ran and len(row.step_seconds) == planner.MIN_TIMED_STEPS and f"of {planner.MIN_TIMED_STEPS}" in row.note
-    assert f"{planner.MIN_TIMED_STEPS} timed steps, to keep to the time budget" in out
+    assert row.ran and len(row.step_seconds) == timing.MIN_TIMED_STEPS and f"of {timing.MIN_TIMED_STEPS}" in row.note
+    assert f"{timing.MIN_TIMED_STEPS} timed steps, to keep to the time budget" in out
     phases = [(phase.name, bool(phase.skipped)) for phase in plan.phases]
     assert phases[:3] == [("estimate", False), ("overheads", False), ("calibration", True)]
     assert phases[3:] == [("trial", False), ("trial", True)]

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
-from lightning_memkit.plan import cuda_trial, planner
+from lightning_memkit.plan import cuda_trial, inputs, planner, timing, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.zoo import DemoTransformer
@@ -142,9 +142,9 @@ def test_a_plan_whose_best_offloads_carries_activation_offload(tmp_path):
 
 # ------------------------------------------------------------------------------------------ item 4: the device index
 def test_a_cuda_plan_keeps_its_device_index():
-    assert isinstance(planner._plan_device("cpu"), contextlib.nullcontext)
+    assert isinstance(inputs.plan_device("cpu"), contextlib.nullcontext)
     if not torch.cuda.is_available():  # a CUDA plan here is a prediction: no device to enter
-        assert isinstance(planner._plan_device("cuda:1"), contextlib.nullcontext)
+        assert isinstance(inputs.plan_device("cuda:1"), contextlib.nullcontext)
         module = LinearStack((32, 64, 16), batch_size=8)
         plan = planner.plan_fit(
             module, device="cuda:1", gpu="h100", device_memory="1GiB", modes="micro_batch", verbose=False
@@ -209,8 +209,8 @@ def test_fp16_steps_the_grad_scaler_skipped_are_run_beyond_and_not_timed():
 @pytest.mark.timeout(300)
 def test_a_trial_fit_without_a_grad_scaler_skips_nothing():
     module = LinearStack((8, 16, 4), batch_size=4, optimizer="adam")
-    with planner._quiet_lightning():
-        skipped = planner._fit(module, Candidate(4, 1), (torch.randn(4, 8),), "cpu", 2, 1, None, None)
+    with timing.quiet_lightning():
+        skipped = timing.fit_steps(module, Candidate(4, 1), (torch.randn(4, 8),), "cpu", 2, 1, None, None)
     assert skipped == []
 
 
@@ -280,7 +280,7 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch():
     try:
         for micro in (4, 2):
             before = graphs()
-            fits, _, _, note = planner._trial(module, Candidate(micro, 4 // micro), batch, GiB, "cpu", 1, 1, 0.0)
+            fits, _, _, note = trials.trial(module, Candidate(micro, 4 // micro), batch, GiB, "cpu", 1, 1, 0.0)
             assert fits and note.endswith("; compiled: dynamo's caches reset before and after the trial"), note
             assert graphs() > before, micro  # it compiled at its own micro-batch
     finally:

@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
     elif plan.best is not None:
         print_best(plan)
     elif plan.rows and all(row.predicted_peak_bytes is None for row in plan.rows):
-        from lightning_memkit.plan.planner import _no_best_note
+        from lightning_memkit.plan.planner import no_best_note
 
-        print(f"memkit plan: {_no_best_note(plan.rows)}", file=sys.stderr)  # the estimate, not memory, stopped it
+        print(f"memkit plan: {no_best_note(plan.rows)}", file=sys.stderr)  # the estimate, not memory, stopped it
     if args.json_path:
         with open(args.json_path, "w") as handle:
             json.dump(_plan_json(plan), handle, indent=2, default=str)

@@ -1,4 +1,4 @@
-"""What a CUDA trial of the planner needs besides the Trainer (issue 36).
+"""What a CUDA trial of the planner needs besides the Trainer.
 
 - **The budget's arithmetic.** A CUDA budget is in the device's bytes: what the caching allocator may reserve plus the
   CUDA context (:data:`~lightning_memkit.estimate.allocator.CUDA_CONTEXT_BYTES`), as the estimate's
@@ -14,6 +14,9 @@
   the context (``torch.cuda.set_per_process_memory_fraction``, never above a cap already set, restored after, even on
   error): the allocator frees its cache and retries, then runs out of memory, where a card of the budget's size
   would, and a trial on a larger card does not take memory its neighbours use.
+- **The plan's device.** :func:`cuda_device` is the device a plan's budget, trials and peaks are on, and
+  :func:`release` frees what a run left there (the caching allocator's blocks, and the caching host allocator's pinned
+  ones an offload trial leaves).
 - **Offload's host memory.** An offload trial pins every saved activation in host memory: :func:`host_refusal` says
   why one whose predicted pinned bytes do not fit the host must not run.
 
@@ -30,14 +33,17 @@ from typing import Iterator
 import torch
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.plan._torch_compat import empty_host_cache
 from lightning_memkit.units import format_bytes
 
 __all__ = [
     "HOST_PIN_SHARE",
     "allocator_bytes",
     "capped_allocator",
+    "cuda_device",
     "device_budget_bytes",
     "host_refusal",
+    "release",
     "memory_fraction",
     "off_device",
     "over_budget",
@@ -151,3 +157,18 @@ def _move_back(module: torch.nn.Module, device: torch.device, error: BaseExcepti
         gc.collect()
         torch.cuda.empty_cache()
         module.to(device)
+
+
+def cuda_device() -> torch.device:
+    """The CUDA device a plan's budget, trials and peaks are on: the current one, which
+    :func:`~lightning_memkit.plan.planner.plan_fit` sets to the plan's own for the plan."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def release(cuda: bool) -> None:
+    """Free what the last run left: the garbage, and on CUDA the device's cached blocks and the caching host
+    allocator's pinned ones (an offload trial's: kept for the rest of the process otherwise)."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        empty_host_cache()

@@ -32,6 +32,7 @@ __all__ = [
     "FIT_OVERHEAD_S",
     "ACCOUNTANT_FACTOR",
     "MIN_TIMED_STEPS",
+    "MIN_ROUNDS",
 ]
 
 #: the default budget: the estimate's time plus this many steps of the baseline
@@ -48,6 +49,9 @@ FIT_OVERHEAD_S = 0.5
 ACCOUNTANT_FACTOR = 2.0
 #: the fewest timed steps a trial shortened to fit the budget times (a median and a spread need two)
 MIN_TIMED_STEPS = 2
+#: CPU: the fewest rounds the interleaved timing or the calibration runs when the time budget cannot pay for all of
+#: them (one round says nothing of the machine's noise); fewer, and the phase is left out
+MIN_ROUNDS = 2
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""What a plan found: :class:`PlanRow` (one candidate's predicted and measured figures) and :class:`Plan` (the rows, the
+best configuration, and how to train it: :meth:`Plan.trainer_arguments`, :meth:`Plan.yaml`, :meth:`Plan.table`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_memkit.errors import MemkitError
+from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+from lightning_memkit.plan.space import Candidate
+from lightning_memkit.plan.time_budget import Phase, budget_text
+from lightning_memkit.plan.time_model import OpCosts
+from lightning_memkit.search.batch_guard import ProvedBatch
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
+
+__all__ = ["Plan", "PlanError", "PlanRow", "trainer_kwargs"]
+
+
+class PlanError(MemkitError, ValueError):
+    """The plan cannot be made as asked; the message says what to change."""
+
+
+@dataclass
+class PlanRow:
+    """One candidate's figures.
+
+    Attributes:
+        candidate: the configuration.
+        predicted_peak_bytes: the estimate's peak (bytes; on CUDA what the device needs: allocator and context
+            included); ``None`` when the estimate failed (see ``note``).
+        predicted_step_s: predicted seconds per optimizer step (all its micro-batches). On CPU, once a trial ran at
+            the row's micro-batch (same precision and offload: the same shapes, only checkpointing differs), the time
+            model's prediction scaled by its error there (the median of measured / predicted over those trials): a
+            CPU's small kernels are not linear in the batch, and what the model misses at one micro-batch it misses
+            alike in each checkpointing of it. A row that ran is then predicted at its own measurement.
+        predicted_samples_per_s: effective batch / predicted step time (samples per second).
+        fits: whether the prediction fits the budget (with :data:`~lightning_memkit.plan.rows.CUDA_MARGIN` on CUDA).
+        measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
+        measured_samples_per_s: the real trial's median samples per second, ``None`` when not run or failed.
+        note: what happened (estimate error, trial outcome).
+        costs: the fake step's ops (:class:`~lightning_memkit.plan.time_model.OpCosts`: FLOPs, bytes, counts) the
+            predicted time comes from; ``None`` when the estimate failed.
+        offload_bytes: bytes of saved activations one micro-batch moves to host memory and back (offload only), bytes.
+        measured_allocated_bytes, measured_reserved_bytes: CUDA: the trial's peaks by the device's own counters
+            (``max_memory_allocated``, ``max_memory_reserved``; the budget holds the reserved bytes and the CUDA
+            context), also when it ran out of memory or over the budget (how far it got), bytes; ``None`` on CPU
+            and when no trial ran.
+        model_step_s: the time model's own prediction (seconds per optimizer step) before any trial ran: on CPU after
+            its calibration when one ran (not when the baseline fit as is, or no smaller micro-batch was estimated),
+            with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
+            ``predicted_step_s``. ``None`` when the estimate failed.
+        step_seconds: the timed steps of the row's trial (seconds each; CPU: the machine's noise is their spread),
+            empty when it did not run (or ran on CUDA).
+    """
+
+    candidate: Candidate
+    predicted_peak_bytes: int | None
+    predicted_step_s: float | None
+    predicted_samples_per_s: float | None
+    fits: bool
+    measured_peak_bytes: int | None = None
+    measured_samples_per_s: float | None = None
+    note: str = ""
+    costs: OpCosts | None = field(default=None, repr=False, compare=False)
+    offload_bytes: int = field(default=0, repr=False, compare=False)
+    measured_allocated_bytes: int | None = field(default=None, compare=False)
+    measured_reserved_bytes: int | None = field(default=None, compare=False)
+    model_step_s: float | None = field(default=None, compare=False)
+    step_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def ran(self) -> bool:
+        """Whether a real trial ran this candidate to the end within the budget."""
+        return self.measured_samples_per_s is not None
+
+
+@dataclass
+class Plan:
+    """What :func:`plan_fit` found.
+
+    Attributes:
+        rows: ranked by predicted samples/s among those predicted to fit, then the rest.
+        best: the fastest candidate that fit in a real trial (``None`` when none did, or none could run here).
+        fits_as_is: the baseline (the user's batch, nothing changed) fits: ``best`` is the baseline.
+        budget_bytes: the memory budget (bytes).
+        effective_batch: the user's samples per optimizer step (every candidate keeps it).
+        trials: how many real trials ran (at most :data:`~lightning_memkit.plan.inputs.MAX_TRIALS`).
+        device: ``"cpu"`` or ``"cuda"``.
+        notes: what the reader should know (which batch it used, no GPU here, calibration, failed trials).
+        seconds: wall time of the plan, seconds.
+        batch_shapes: the shapes of the data's worst batch every estimate and trial was cut from.
+        proved_micro_batch: the micro-batch the best candidate's trial ran (its bytes and shapes), which AutoFit's
+            guard holds training batches to; ``None`` without a best.
+        max_seconds: the time budget, seconds in all (``max_seconds`` as given, or the default:
+            :mod:`~lightning_memkit.plan.time_budget`).
+        phases: what the plan did and what it left out, in order (:class:`~lightning_memkit.plan.time_budget.Phase`:
+            its name, seconds, and why it was left out).
+    """
+
+    rows: list[PlanRow]
+    best: Candidate | None
+    fits_as_is: bool
+    budget_bytes: int
+    effective_batch: int
+    trials: int
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    batch_shapes: str = ""
+    proved_micro_batch: ProvedBatch | None = None
+    max_seconds: float | None = None
+    phases: list[Phase] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """The phases left out and why (``{"calibration": "...", "rounds": "..."}``; a trial left out is
+        ``"trial"``)."""
+        return {phase.name: phase.skipped for phase in self.phases if phase.skipped}
+
+    @property
+    def best_row(self) -> PlanRow | None:
+        """The row of :attr:`best`."""
+        return next((row for row in self.rows if row.candidate == self.best), None) if self.best is not None else None
+
+    def trainer_arguments(self) -> dict[str, Any]:
+        """``lightning.pytorch.Trainer`` arguments for :attr:`best`: ``accumulate_grad_batches``, ``precision`` and,
+        when it checkpoints or offloads, ``callbacks`` (an :class:`~lightning_memkit.ActivationCheckpointing`, an
+        :class:`~lightning_memkit.ActivationOffload`: what the best's trial ran with). The micro-batch is the
+        dataloader's batch size (:attr:`Candidate.micro_batch`). Empty when there is no best.
+        """
+        if self.best is None:
+            return {}
+        kwargs = trainer_kwargs(self.best, self.device)
+        arguments: dict[str, Any] = {
+            "accumulate_grad_batches": self.best.accumulation,
+            "precision": kwargs["precision"],
+        }
+        if kwargs.get("callbacks"):
+            arguments["callbacks"] = kwargs["callbacks"]
+        return arguments
+
+    def yaml(self) -> str:
+        """A LightningCLI config snippet for :attr:`best` (``trainer:``, with its checkpointing and offload callbacks,
+        and the micro-batch as ``batch_size``)."""
+        if self.best is None:
+            return "# memkit plan: no configuration fit in a real trial\n"
+        best = self.best
+        lines = [
+            f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})",
+            "trainer:",
+            f"  accumulate_grad_batches: {best.accumulation}",
+            f"  precision: {best.precision}",
+        ]
+        if best.checkpoint is not None or best.offload:
+            lines.append("  callbacks:")
+        if best.checkpoint is not None:
+            lines += [
+                "    - class_path: lightning_memkit.ActivationCheckpointing",
+                "      init_args:",
+                f"        policy: {_policy_yaml(best.checkpoint)}",
+            ]
+            if not _is_budget(best.checkpoint):
+                lines.append("        measure: false")
+        if best.offload:
+            lines.append("    - class_path: lightning_memkit.ActivationOffload")
+        lines += [
+            "model:  # or data: wherever your dataloader takes its batch size",
+            f"  batch_size: {best.micro_batch}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def table(self) -> str:
+        """The ranked table: configuration, predicted peak, step time, samples/s, fits, measured figures."""
+        head = (
+            f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} "
+            f"on {self.device}; "
+            f"{self.trials} real trial{'s' if self.trials != 1 else ''}"
+            + (
+                f"; planned in {self.seconds:.0f} s of a {budget_text(self.max_seconds)} s time budget"
+                if self.max_seconds is not None
+                else ""
+            )
+        )
+        rows = []
+        for row in self.rows:
+            rows.append(
+                (
+                    ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
+                    format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-",
+                    f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
+                    f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
+                    "yes" if row.fits else "no",
+                    format_bytes(row.measured_peak_bytes) if row.measured_peak_bytes is not None else "-",
+                    f"{row.measured_samples_per_s:.1f}" if row.measured_samples_per_s is not None else "-",
+                    row.note,
+                )
+            )
+        table = format_table(
+            (
+                "configuration",
+                "predicted peak",
+                "step",
+                "samples/s",
+                "fits",
+                "measured peak",
+                "measured samples/s",
+                "note",
+            ),
+            rows,
+        )
+        tail = "\n".join(f"note: {n}" for n in self.notes)
+        return head + "\n" + table + ("\n" + tail if tail else "")
+
+
+def _is_budget(policy: Any) -> bool:
+    return isinstance(policy, CheckpointBudget)
+
+
+def trainer_kwargs(candidate: Candidate, accelerator: str) -> dict[str, Any]:
+    """The candidate's ``precision`` and ``callbacks`` for a Trainer: its checkpointing callback does not measure
+    (a measuring forward at the first batch would add its own peak to the step's) unless its policy is a budget,
+    which needs the measurement to choose its blocks."""
+    extra = {} if candidate.checkpoint is None or _is_budget(candidate.checkpoint) else {"measure": False}
+    return candidate.mode.trainer_kwargs(accelerator, verbose=False, **extra)
+
+
+def _policy_yaml(policy: Any) -> str:
+    if isinstance(policy, CheckpointBudget) and policy.within is None:
+        return policy.describe()
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, frozenset):
+        return "[" + ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in policy)) + "]"
+    return describe_policy(policy)
