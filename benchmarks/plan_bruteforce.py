@@ -28,7 +28,8 @@ so brute force, the planner and the baselines are measured the same way. Prints 
 Run: python benchmarks/plan_bruteforce.py [lm|cnn|gpt-2 ...]   (environment: PLAN_BRUTE_ROUNDS, default 5;
 PLAN_BRUTE_TIMED, default 10; PLAN_BRUTE_HEAD_TO_HEAD, default 9. One model's brute force is 15 configurations x
 ROUNDS x (1 + TIMED) optimizer steps: minutes on an idle CPU; stderr has every configuration's rounds and every plan
-row's prediction beside its measurement. docs/plan.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7, 16 minutes.
+row's prediction beside its measurement. benchmarks/README.md's table: PLAN_BRUTE_TIMED=30 PLAN_BRUTE_ROUNDS=7,
+16 minutes.
 PLAN_BRUTE_REFERENCE=run1.err,run2.err,...: no brute force runs; the reference is the pooled brute force of those
 earlier runs' stderr logs, so a change to the time model is checked against a steadier reference in minutes)
 """

@@ -2,8 +2,8 @@
 against the pooled brute force.
 
 One brute-force run ranks configurations a few percent apart differently from the next on a machine whose speed
-drifts by tens of percent (docs/plan.md), so a Spearman below 0.8 in one run can be the reference's noise as much as
-the time model's error. This script reads the stderr logs of several runs (``plan_bruteforce.py`` prints each
+drifts by tens of percent (benchmarks/README.md), so a Spearman below 0.8 in one run can be the reference's noise
+as much as the time model's error. This script reads the stderr logs of several runs (``plan_bruteforce.py`` prints each
 configuration's brute-force samples/s and each plan row's prediction there) and prints, per case (model x budget):
 
 - brute force against itself: Spearman's rank correlation between every two runs' brute-force samples/s, over the

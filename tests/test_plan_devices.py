@@ -122,8 +122,10 @@ def test_a_plan_whose_best_offloads_carries_activation_offload(tmp_path):
             print_best(plan)
         printed = out.getvalue()
         listed = (
-            f"ActivationCheckpointing(policy={best.checkpoint_text!r}), " if checkpoint else ""
+            f"ActivationCheckpointing(policy={best.checkpoint_text!r}, measure=False), " if checkpoint else ""
         ) + "ActivationOffload()"
+        if checkpoint:  # printed as the trial ran it, and as trainer_arguments() and yaml() give it
+            assert arguments["callbacks"][0].measure is False and "        measure: false\n" in plan.yaml()
         assert f"callbacks=[{listed}])" in printed and printed.endswith(text)
         # LightningCLI reads it: the callbacks are instantiated, the micro-batch is the module's batch_size
         config = tmp_path / f"plan_{checkpoint}.yaml"

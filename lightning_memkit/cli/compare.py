@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--modes",
         default=DEFAULT_MODES,
         help=f"comma-separated modes (default: {DEFAULT_MODES}); words: baseline, amp, bf16, fp16, "
-        "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, "
+        "checkpoint, checkpoint:auto, checkpoint:budget=0.5, checkpoint:budget=512MiB, offload (CUDA), "
         "joined with +",
     )
     parser.add_argument(

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from lightning_memkit.cli.common import add_init_arguments
+from lightning_memkit.modes.checkpointing import CheckpointBudget
 
 __all__ = ["add_parser", "print_best", "run"]
 
@@ -218,7 +219,9 @@ def print_best(plan: Any) -> None:
     shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items() if k != "callbacks")
     callbacks = []
     if best.checkpoint is not None:
-        callbacks.append(f"ActivationCheckpointing(policy={best.checkpoint_text!r})")
+        # as the trial ran it: a measuring forward would add its own peak, unless a budget needs it to choose blocks
+        measure = "" if isinstance(best.checkpoint, CheckpointBudget) else ", measure=False"
+        callbacks.append(f"ActivationCheckpointing(policy={best.checkpoint_text!r}{measure})")
     if best.offload:
         callbacks.append("ActivationOffload()")
     listed = f", callbacks=[{', '.join(callbacks)}]" if callbacks else ""
