@@ -15,24 +15,26 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_memkit._lightning_compat import forget_model_logging, log_dir, logging_step
+from lightning_memkit._lightning_compat import forget_model_logging
 from lightning_memkit.callbacks import _checks as checks
+from lightning_memkit.callbacks import _tracker_arguments as arguments
 from lightning_memkit.callbacks._files import file_target, logging_loggers
 from lightning_memkit.callbacks._step_windows import StepWindows
-from lightning_memkit.compiled import COMPILED_CHOICES, compiled_parts
+from lightning_memkit.callbacks._tracker_end import batch_search_note, ended_by, log_summary, write_oom_report
+from lightning_memkit.callbacks._tracker_rows import ReadingRows
+from lightning_memkit.compiled import compiled_parts
 from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.confirmed_leaks import LeakConfirmer, leak_warning
 from lightning_memkit.doctor.leaks import LeakReport
-from lightning_memkit.logging_merge import LoggerMerge, PendingRow
 from lightning_memkit.meter import MemoryMeter
-from lightning_memkit.oom import OomMoment, is_out_of_memory, write_run_oom_report
+from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.peak_steps import PeakSchedule
 from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.probes.cuda import start_memory_history, stop_memory_history
 from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, records_filename
 from lightning_memkit.summary_table import fit_ended, where_readings_went
 from lightning_memkit.tensorboard.dashboard import log_memory_summary, register_dashboard
-from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, step_metrics, summary_metrics
+from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["MemoryTracker"]
 
@@ -159,62 +161,24 @@ class MemoryTracker(Callback):
         cuda_memory_stacks: Literal["python", "all"] = "python",
         compiled: Literal["keep", "eager"] = "keep",
     ) -> None:
-        owner = "MemoryTracker"
-        self.every_n_steps = checks.integer(
-            owner, "every_n_steps", every_n_steps, 1, "a positive integer, e.g. 1 to log every step"
-        )
-        self.log_validation = checks.boolean(owner, "log_validation", log_validation)
-        self.tensor_accounting = checks.choice(
-            owner, "tensor_accounting", tensor_accounting, (True, False, "auto"), "True, False or 'auto'"
-        )
-        self.nvml = checks.boolean(owner, "nvml", nvml)
-        self.host = checks.boolean(owner, "host", host)
-        self.per_rank = checks.boolean(owner, "per_rank", per_rank)
-        self.cuda_memory_history = checks.integer(
-            owner, "cuda_memory_history", cuda_memory_history, 0, "0 (off) or a number of entries, e.g. 100000"
-        )
-        self.cuda_memory_stacks = checks.choice(
-            owner,
-            "cuda_memory_stacks",
-            cuda_memory_stacks,
-            ("python", "all"),
-            "'python' (Python frames only: a fast snapshot) or 'all' (C++ frames too)",
-        )
-        self.oom_dir = checks.path(
-            owner, "oom_dir", oom_dir, "a directory path (str), or None for the logger's log dir"
-        )
-        self.max_history = checks.integer(owner, "max_history", max_history, 1, "a positive integer (readings kept)")
-        self.prefix = checks.text(owner, "prefix", prefix, "a non-empty str, e.g. 'memory'")
-        self.verbose = checks.boolean(owner, "verbose", verbose)
-        if (
-            isinstance(extra_probes, (str, bytes))
-            or not hasattr(extra_probes, "__iter__")
-            or not all(isinstance(p, MemoryProbe) for p in extra_probes)
-        ):
-            raise checks.refuse(owner, "extra_probes", extra_probes, "a list of MemoryProbe instances")
-        self.compiled = checks.choice(
-            owner,
-            "compiled",
-            compiled,
-            COMPILED_CHOICES,
-            "'keep' (measure the compiled steps as they run) or 'eager' (run the "
-            "peak-measured steps eagerly for the accountant's breakdown)",
-        )
-        self.extra_probes = list(extra_probes)
-        self.tensor_peak_every_n_steps = checks.integer(
-            owner,
-            "tensor_peak_every_n_steps",
-            tensor_peak_every_n_steps,
-            1,
-            "a positive integer, e.g. 1 for the exact peak of every logged step",
-        )
-        self.records_file = checks.path(
-            owner, "records_file", records_file, "a path (str), or None for the logger's log dir"
-        )
-        self.detect_leaks = checks.boolean(owner, "detect_leaks", detect_leaks)
-        leak_window = checks.integer(
-            owner, "leak_window", leak_window, 2, "an integer >= 2 (rises of the memory's floor that make a leak)"
-        )
+        self.every_n_steps = arguments.every_n_steps(every_n_steps)
+        self.log_validation = checks.boolean(arguments.OWNER, "log_validation", log_validation)
+        self.tensor_accounting = arguments.tensor_accounting(tensor_accounting)
+        self.nvml = checks.boolean(arguments.OWNER, "nvml", nvml)
+        self.host = checks.boolean(arguments.OWNER, "host", host)
+        self.per_rank = checks.boolean(arguments.OWNER, "per_rank", per_rank)
+        self.cuda_memory_history = arguments.cuda_memory_history(cuda_memory_history)
+        self.cuda_memory_stacks = arguments.cuda_memory_stacks(cuda_memory_stacks)
+        self.oom_dir = arguments.oom_dir(oom_dir)
+        self.max_history = arguments.max_history(max_history)
+        self.prefix = arguments.prefix(prefix)
+        self.verbose = checks.boolean(arguments.OWNER, "verbose", verbose)
+        self.extra_probes = arguments.extra_probes(extra_probes)
+        self.compiled = arguments.compiled(compiled)
+        self.tensor_peak_every_n_steps = arguments.tensor_peak_every_n_steps(tensor_peak_every_n_steps)
+        self.records_file = arguments.records_file(records_file)
+        self.detect_leaks = checks.boolean(arguments.OWNER, "detect_leaks", detect_leaks)
+        leak_window = arguments.leak_window(leak_window)
         self.history: collections.deque[StepReading] = collections.deque(maxlen=max_history)
         self.summary = RunSummary()
         self.oom_report_path: str | None = None
@@ -223,8 +187,7 @@ class MemoryTracker(Callback):
         self._reducer: ReadingReducer | None = None
         self._history_recording = False
         self._windows: StepWindows | None = None  # when the meter's windows open and close
-        # a reading waits for Lightning's own log_metrics call at its step, to be written in the same row
-        self._merge = LoggerMerge()
+        self._rows = ReadingRows()  # a reading waits for Lightning's own row at its step
         self._records = RecordsWriter()
         self.leak_report: LeakReport | None = None
         self._leaks = LeakConfirmer(window=leak_window, warmup_steps=2)
@@ -243,8 +206,7 @@ class MemoryTracker(Callback):
             self.leak_report = None
             self._leaks.reset()
         self.summary.extra.pop("ended_by", None)  # a fit resumed after a failure goes on
-        self._merge.pending = None
-        self._merge.wrap(trainer.loggers)
+        self._rows.wrap(trainer.loggers)
         device = trainer.strategy.root_device
         self._meter = MemoryMeter(
             device,
@@ -284,8 +246,7 @@ class MemoryTracker(Callback):
         if self._reducer is not None:
             self._reducer.close()  # its gloo group: a job of many fits must not accumulate them
         self._reducer = None
-        self._merge.pending = None
-        self._merge.unwrap()
+        self._rows.unwrap()
         if self._history_recording:
             stop_memory_history()
             self._history_recording = False
@@ -353,30 +314,12 @@ class MemoryTracker(Callback):
             found = self._leaks.observe(logged, trainer.current_epoch, self._meter.live_bytes_like, self._distributed)
             if found is not None:
                 self._report_leak(found)
-        if not trainer.loggers:
-            return
-        metrics = step_metrics(logged, self.prefix)
-        for rank_reading in ranks:
-            metrics.update(step_metrics(rank_reading, self.prefix, rank=rank_reading.rank))
-        # Lightning's own log_metrics call for this step (its logger connector's, which carries the
-        # epoch) gets these values too, so they land in the same row as the user's metrics; if
-        # Lightning writes nothing at this step, _flush_pending decides at the next hook.
-        self._flush_pending(trainer)
-        self._merge.pending = PendingRow(logged.step, metrics, list(trainer.loggers), logged.stage)
+        if trainer.loggers:
+            self._rows.hold(trainer, logged, ranks, self.prefix, self.every_n_steps)
 
     def _flush_pending(self, trainer: Trainer) -> None:
-        """Write a reading Lightning's own logging did not take: always for a validation run or
-        with ``every_n_steps > 1``; with ``every_n_steps=1`` only at Lightning's logging steps
-        (``log_every_n_steps``), where it wrote nothing itself because nothing else was logged."""
-        pending = self._merge.take()
-        every = trainer.log_every_n_steps
-        if pending is None or (
-            pending.stage == "train" and self.every_n_steps == 1 and (not every or (pending.step + 1) % every)
-        ):
-            return  # Lightning does not log this step: the reading stays in history only
-        row = dict(pending.metrics, epoch=trainer.current_epoch)  # an int, as in the rows Lightning writes itself
-        for logger in pending.loggers:
-            logger.log_metrics(row, step=pending.step)
+        """Write the held reading if Lightning's own logging did not take it (see ReadingRows.flush)."""
+        self._rows.flush(trainer, self.every_n_steps)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -439,16 +382,10 @@ class MemoryTracker(Callback):
         self._flush_pending(trainer)
         if self.summary.peak_bytes is None:
             return
-        for callback in trainer.callbacks:  # MaxBatchSize: its trial peak beside the run peak, with what each counts
-            note = getattr(callback, "summary_note", None)
-            text = note() if callable(note) else None
-            if isinstance(text, str):
-                self.summary.extra["batch_search"] = text
-        metrics = summary_metrics(self.summary, self.prefix)
-        step = logging_step(trainer)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-            logger.save()
+        note = batch_search_note(trainer)
+        if note is not None:
+            self.summary.extra["batch_search"] = note
+        step = log_summary(trainer, self.summary, self.prefix)
         if trainer.is_global_zero:
             target = file_target(trainer, self.records_file, self._records_name())
             if target is not None:
@@ -481,7 +418,11 @@ class MemoryTracker(Callback):
             if meter.is_open:
                 reading = meter.close()
         if is_out_of_memory(exception):
-            self._write_oom_report(trainer, exception, reading)
+            written = write_oom_report(
+                trainer, self.oom_dir, self.summary, self.history, reading, exception, self._history_recording
+            )
+            if written is not None:
+                self.oom_report_path = written
         with contextlib.suppress(Exception):
             self._flush_pending(trainer)
         for logger in trainer.loggers:
@@ -497,9 +438,7 @@ class MemoryTracker(Callback):
         run has no event files), with ``summary.extra["ended_by"]`` saying how the fit ended."""
         if not trainer.is_global_zero or self.summary.peak_bytes is None:
             return
-        message = str(exception)
-        ended_by = f"{type(exception).__name__}: {message}" if message else type(exception).__name__
-        self.summary.extra["ended_by"] = ended_by[:500]
+        self.summary.extra["ended_by"] = ended_by(exception)
         try:
             target = file_target(trainer, self.records_file, self._records_name())
             if target is not None:
@@ -509,22 +448,6 @@ class MemoryTracker(Callback):
                 f"memkit MemoryTracker: the readings could not be written after the failure "
                 f"({type(error).__name__}: {error}); they are on this tracker's .history"
             )
-
-    def _write_oom_report(self, trainer: Trainer, exception: BaseException, reading: StepReading | None) -> None:
-        directory = self.oom_dir or log_dir(trainer)
-        moment = OomMoment(
-            step=logging_step(trainer),
-            global_step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            rank=trainer.global_rank,
-        )
-        try:
-            self.oom_report_path = write_run_oom_report(
-                directory, moment, self.summary, self.history, reading, exception, snapshot=self._history_recording
-            )
-            rank_zero_warn(f"memkit: out of memory at step {moment.step}; report written to {self.oom_report_path}")
-        except OSError as error:
-            rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")
 
     # ------------------------------------------------------------------ checkpoints
     @property
