@@ -6,17 +6,27 @@ each knob (ActivationCheckpointing, ActivationOffload) and by the batch-size set
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Sequence
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.parsing import lightning_hasattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.callbacks.activation_offload import ActivationOffload
+from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
+from lightning_memkit.plan.planner import PlanError, plan_fit
+from lightning_memkit.plan.space import parse_plan_modes
 from lightning_memkit.search.batch_guard import BatchGuard
+from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["AutoFit"]
@@ -96,8 +106,6 @@ class AutoFit(Callback):
             raise checks.refuse(owner, "device_memory", device_memory, DEVICE_MEMORY_ACCEPTED)
         if gpu is not None:
             checks.text(owner, "gpu", gpu, GPU_ACCEPTED)
-            from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
             try:
                 GpuTarget.parse(gpu)
             except (ValueError, KeyError) as error:
@@ -107,8 +115,6 @@ class AutoFit(Callback):
                 isinstance(m, str) for m in ([modes] if isinstance(modes, str) else modes)
             ):
                 raise checks.refuse(owner, "modes", modes, MODES_ACCEPTED)
-            from lightning_memkit.plan.space import parse_plan_modes
-
             try:
                 modes = parse_plan_modes(modes)
             except ValueError as error:
@@ -133,8 +139,6 @@ class AutoFit(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning.pytorch.utilities.parsing import lightning_hasattr
-
         if not compat.fit_data_from_module(trainer):
             raise MisconfigurationException(
                 "AutoFit sets the micro-batch where batch_size lives, so it cannot resize dataloaders passed straight "
@@ -167,10 +171,6 @@ class AutoFit(Callback):
                 "size and accumulation as set. Run without fast_dev_run to plan."
             )
             return
-        from lightning_memkit.plan.planner import PlanError, plan_fit
-
-        from lightning_memkit.estimate.batches import preserved_rng
-
         size = int(_getattr(pl_module, "batch_size"))
         effective = size * int(trainer.accumulate_grad_batches)
         try:
@@ -252,8 +252,6 @@ class AutoFit(Callback):
                 f"accumulation and checkpointing at {precision}, which may not fit: add "
                 f"Trainer(precision={best.precision!r})"
             )
-            import dataclasses
-
             return dataclasses.replace(best, precision=precision)
         return max(ran, key=lambda row: row.measured_samples_per_s).candidate
 
@@ -274,12 +272,8 @@ class AutoFit(Callback):
         trainer.accumulate_grad_batches = applied["accumulate_grad_batches"]
         added: list[Callback] = []
         if applied.get("checkpoint") is not None:
-            from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-
             added.append(ActivationCheckpointing(policy=applied["checkpoint"], verbose=self.verbose))
         if applied.get("offload"):
-            from lightning_memkit.callbacks.activation_offload import ActivationOffload
-
             added.append(ActivationOffload(verbose=self.verbose))
         # after this one, so the fit's later hooks (on_train_batch_start, teardown) reach them; their setup is run here
         position = trainer.callbacks.index(self) + 1
@@ -319,8 +313,6 @@ class AutoFit(Callback):
 def _policy_text(policy: Any) -> Any:
     """A checkpoint policy as plain values ActivationCheckpointing(policy=...) reads back: ``"auto"``, ``"budget=0.5"``,
     ``"budget=512MiB"``-style text, or a list of class paths; ``None`` stays ``None``."""
-    from lightning_memkit.modes.checkpointing import CheckpointBudget, normalize_policy
-
     if policy is None:
         return None
     policy = normalize_policy(policy)
@@ -337,8 +329,6 @@ def _policy_text(policy: Any) -> Any:
 
 
 def _describe(applied: dict[str, Any]) -> str:
-    from lightning_memkit.modes.checkpointing import describe_policy
-
     parts = [f"micro-batch {applied['micro_batch']} x accumulate_grad_batches {applied['accumulate_grad_batches']}"]
     if applied.get("checkpoint") is not None:
         parts.append(f"checkpointing {describe_policy(applied['checkpoint'])}")
@@ -348,12 +338,8 @@ def _describe(applied: dict[str, Any]) -> str:
 
 
 def _getattr(module: Any, name: str) -> Any:
-    from lightning_memkit.search.searchable import _lightning_getattr
-
     return _lightning_getattr(module, name)
 
 
 def _setattr(module: Any, name: str, value: Any) -> None:
-    from lightning_memkit.search.searchable import _lightning_setattr
-
     _lightning_setattr(module, name, value)
