@@ -194,29 +194,55 @@ def estimate_distributed_memory(
         single, categories, buffers = fsdp2_estimate(
             module, batch_size, sharding, wrap, dict(fully_shard_kwargs or {}), estimate_kwargs
         )
-        peak, notes = single.peak_bytes, list(single.notes)
+        rank = _RankStep(single, categories, buffers, single.peak_bytes, list(single.notes))
     else:
-        single = estimate_memory(module, batch_size, **estimate_kwargs)
-        notes = list(single.notes)
-        if sharding.layout == "deepspeed" and single.mode != "baseline":
-            notes.append(DEEPSPEED_LAYOUT_NOTE)
-        categories = _sharded_categories(single.by_category, sharding)
-        buffers = _strategy_buffers(module, single.by_category, sharding, world_size, buffer_options)
-        categories["strategy_buffers"] = sum(buffers.values())
-        peak = single.peak_bytes - _model_state_bytes(single.by_category) + _model_state_bytes(categories)
-        peak += categories["strategy_buffers"]
+        rank = _state_sharded_step(module, batch_size, sharding, world_size, buffer_options, estimate_kwargs)
     return DistributedEstimate(
         strategy=sharding.strategy,
         world_size=world_size,
         shard_size=sharding.shard_size,
-        peak_bytes=peak,
-        by_category=categories,
-        buffers=buffers,
-        single=single,
+        peak_bytes=rank.peak_bytes,
+        by_category=rank.categories,
+        buffers=rank.buffers,
+        single=rank.single,
         rank_roles=1,
         elapsed_s=time.perf_counter() - started,
-        notes=notes,
+        notes=rank.notes,
     )
+
+
+@dataclass
+class _RankStep:
+    """One rank's step as the strategy makes it: the one-process estimate it derives from (``single``), the rank's
+    categories and strategy buffers, its peak and notes (what :class:`DistributedEstimate` reports)."""
+
+    single: Any
+    categories: dict[str, int]
+    buffers: dict[str, int]
+    peak_bytes: int
+    notes: list[str]
+
+
+def _state_sharded_step(
+    module: nn.Module,
+    batch_size: int | None,
+    sharding: Sharding,
+    world_size: int,
+    options: _BufferOptions,
+    estimate_kwargs: dict[str, Any],
+) -> _RankStep:
+    """DDP, FSDP1 and DeepSpeed ZeRO: one fake step of the whole model, its model states at the peak replaced by
+    this rank's shards, and the strategy's buffers added."""
+    single = estimate_memory(module, batch_size, **estimate_kwargs)
+    notes = list(single.notes)
+    if sharding.layout == "deepspeed" and single.mode != "baseline":
+        notes.append(DEEPSPEED_LAYOUT_NOTE)
+    categories = _sharded_categories(single.by_category, sharding)
+    buffers = _strategy_buffers(module, single.by_category, sharding, world_size, options)
+    categories["strategy_buffers"] = sum(buffers.values())
+    peak = single.peak_bytes - _model_state_bytes(single.by_category) + _model_state_bytes(categories)
+    peak += categories["strategy_buffers"]
+    return _RankStep(single, categories, buffers, peak, notes)
 
 
 #: the note on a DeepSpeed estimate under a half precision
