@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.modes.checkpointing import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, planner, timing, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
@@ -121,11 +122,29 @@ def test_a_plan_whose_best_offloads_carries_activation_offload(tmp_path):
         with redirect_stdout(out):
             print_best(plan)
         printed = out.getvalue()
+        # the checkpointing callback printed as the trial ran it, as trainer_arguments() and yaml() give it: a budget
+        # measures (it chooses its blocks from the measurement), another policy does not (its forward would add a peak)
+        measures = isinstance(best.checkpoint, CheckpointBudget)
         listed = (
-            f"ActivationCheckpointing(policy={best.checkpoint_text!r}, measure=False), " if checkpoint else ""
+            f"ActivationCheckpointing(policy={best.checkpoint_text!r}{'' if measures else ', measure=False'}), "
+            if checkpoint
+            else ""
         ) + "ActivationOffload()"
-        if checkpoint:  # printed as the trial ran it, and as trainer_arguments() and yaml() give it
-            assert arguments["callbacks"][0].measure is False and "        measure: false\n" in plan.yaml()
+        if checkpoint:
+            assert arguments["callbacks"][0].measure is measures
+            assert ("        measure: false\n" in plan.yaml()) is not measures
+            # a checkpointing of named blocks (not a budget) is printed with measure=False
+            named = next(
+                r.candidate
+                for r in plan.rows
+                if r.candidate.offload
+                and r.candidate.checkpoint is not None
+                and not isinstance(r.candidate.checkpoint, CheckpointBudget)
+            )
+            out = io.StringIO()
+            with redirect_stdout(out):
+                print_best(dataclasses.replace(plan, best=named))
+            assert f"ActivationCheckpointing(policy={named.checkpoint_text!r}, measure=False)" in out.getvalue()
         assert f"callbacks=[{listed}])" in printed and printed.endswith(text)
         # LightningCLI reads it: the callbacks are instantiated, the micro-batch is the module's batch_size
         config = tmp_path / f"plan_{checkpoint}.yaml"
