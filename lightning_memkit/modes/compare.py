@@ -69,6 +69,14 @@ class _RunSettings:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def _check_step_counts(max_steps: Any, warmup_steps: Any) -> None:
+    """compare_modes' step counts: a positive number of training steps, 0 or more warm-up steps."""
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+        raise ValueError(f"max_steps={max_steps!r}: give a positive number of training steps, e.g. 20")
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r}: give 0 or more steps to leave out of the timing, e.g. 3")
+
+
 # ---------------------------------------------------------------------------------------------- running
 def _run_name(mode: Mode) -> str:
     return re.sub(r"[^A-Za-z0-9_.+=-]+", "_", mode.name)
@@ -347,12 +355,41 @@ def _run_modes(
     return results
 
 
+def _compared(modes: list[Mode], results: list[ModeResult], settings: _RunSettings) -> tuple[CompareResult, list[str]]:
+    """The comparison's record (ratios against the baseline mode: the first full-precision, non-checkpointed mode,
+    else the first), and a warning per checkpoint mode that did not lower the peak."""
+    try:
+        device = device_type(settings.accelerator)
+    except ValueError:
+        device = "cpu"
+    baseline = next((r for m, r in zip(modes, results) if m.is_baseline), results[0] if results else None)
+    _ratios(results, baseline)
+    warned = _judge_checkpoints(modes, results)
+    root = os.path.abspath(settings.root_dir)
+    compare = CompareResult(
+        results, baseline.mode if baseline else None, device, settings.max_steps, settings.seed, root
+    )
+    return compare, warned
+
+
 def _write(compare: CompareResult, figures: bool) -> None:
     compare.write(figures=figures)
     if figures:
         compare.files["tensorboard"] = write_tensorboard_summary(compare)
         with open(compare.files["json"], "w") as file:
             json.dump(dict(compare.to_dict(), files=compare.files), file, indent=1)
+
+
+def _write_and_show(compare: CompareResult, settings: _RunSettings, write: bool, figures: bool) -> None:
+    """The files (``write``; ``figures``: the figures too) and, with ``verbose``, the table and where they went."""
+    if write:
+        _write(compare, figures)
+    if settings.verbose:
+        print(compare.format_table())
+        if write:
+            print(
+                f"\nwritten: {', '.join(compare.files.values())}\nTensorBoard: tensorboard --logdir {settings.root_dir}"
+            )
 
 
 def compare_modes(
@@ -407,11 +444,7 @@ def compare_modes(
         checkpointing gets ``checkpoint_helped=False``, a ``!`` in the table and a :class:`CheckpointWarning`
         naming what was wrapped.
     """
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
-        raise ValueError(f"max_steps={max_steps!r}: give a positive number of training steps, e.g. 20")
-    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r}: give 0 or more steps to leave out of the timing, e.g. 3")
-    parsed = parse_modes(modes if not isinstance(modes, Mode) else [modes])
+    _check_step_counts(max_steps, warmup_steps)
     settings = _RunSettings(
         max_steps=max_steps,
         accelerator=accelerator,
@@ -424,22 +457,10 @@ def compare_modes(
         warmup_steps=warmup_steps,
         trainer_kwargs=dict(trainer_kwargs or {}),
     )
+    parsed = parse_modes(modes if not isinstance(modes, Mode) else [modes])
     results = _run_modes(parsed, model_factory, datamodule_factory, settings, progress)
-    try:
-        device = device_type(accelerator)
-    except ValueError:
-        device = "cpu"
-    baseline = next((r for m, r in zip(parsed, results) if m.is_baseline), results[0] if results else None)
-    _ratios(results, baseline)
-    for text in _judge_checkpoints(parsed, results):
+    compare, warned = _compared(parsed, results, settings)
+    for text in warned:
         warnings.warn(f"memkit compare: {text}", CheckpointWarning, stacklevel=2)
-    compare = CompareResult(
-        results, baseline.mode if baseline else None, device, max_steps, seed, os.path.abspath(root_dir)
-    )
-    if write:
-        _write(compare, figures)
-    if verbose:
-        print(compare.format_table())
-        if write:
-            print(f"\nwritten: {', '.join(compare.files.values())}\nTensorBoard: tensorboard --logdir {root_dir}")
+    _write_and_show(compare, settings, write, figures)
     return compare
