@@ -21,7 +21,7 @@ from lightning_memkit._lightning_compat import forget_model_logging, logging_ste
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES
-from lightning_memkit.tensorboard.dashboard import markdown_code
+from lightning_memkit.tensorboard.dashboard import markdown_code, register_dashboard
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import format_bytes
 from lightning_memkit.trace.records import LayerTraceResult, trace_filename, write_new_file
@@ -190,11 +190,7 @@ class LayerTrace(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_memkit.tensorboard.dashboard import (
-            register_dashboard,
-        )  # memkit's TensorBoard dashboard, once per run
-
-        register_dashboard(trainer)
+        register_dashboard(trainer)  # memkit's TensorBoard dashboard, once per run
         if trainer.global_step == 0:  # a new run (the same callback given to a second Trainer) traces its steps again
             self._traced_steps.clear()
         self._first_step = self.last_step = None

@@ -12,6 +12,8 @@ from typing_extensions import override
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
+from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_memkit.modes.checkpointing import CheckpointBudget
 from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
 from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import search_in_fit
@@ -283,9 +285,6 @@ def _checkpoint_policy(trainer: Trainer) -> Any:
     (which run with no callbacks) wrap it themselves so they measure the mode that will train. A
     budget policy needs a measured batch: the trials then run unwrapped, a conservative answer.
     """
-    from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
-
     for callback in trainer.callbacks:
         if isinstance(callback, ActivationCheckpointing):
             if isinstance(callback.policy, CheckpointBudget):
