@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from lightning_memkit.cli.common import CliError
+
 __all__ = ["main"]
 
 #: sub-command name -> module under lightning_memkit.cli
@@ -42,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
-    from lightning_memkit.cli.common import CliError
-
     try:
         return int(args.run(args) or 0)
     except CliError as error:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import json
 import os
 import sys
 from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit.errors import MemkitError
 
@@ -114,8 +119,6 @@ def json_object(text: str, flag: str) -> dict:
     Raises:
         CliError: with an example, when the text is not a JSON object.
     """
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -133,13 +136,9 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
         CliError: when ``cls`` is not a class, cannot be built from ``init_args``, or has no place
             for the batch size.
     """
-    import inspect
-
     if not isinstance(cls, type):
         raise CliError(f"the {what} {cls!r} is not a class; give FILE.py:ClassName")
     if what == "datamodule":
-        import lightning.pytorch as pl
-
         if issubclass(cls, pl.LightningModule):
             raise CliError(
                 f"--datamodule {cls.__name__}: that is a LightningModule, not a LightningDataModule; give the module "
@@ -186,9 +185,6 @@ def build_trainer(**options: Any) -> Any:
         CliError: when Lightning rejects a setting the user gave (an accelerator this machine does not
             have, an unknown precision), with Lightning's reason and what to try instead.
     """
-    import lightning.pytorch as pl
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
     try:
         return pl.Trainer(**options)
     except (MisconfigurationException, ValueError) as error:

@@ -7,7 +7,11 @@ import os
 import sys
 import warnings
 
+import lightning.pytorch as pl
+
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
+from lightning_memkit.modes.compare import CheckpointWarning, ModeStatus, compare_modes
+from lightning_memkit.modes.mode import parse_modes
 
 __all__ = ["add_parser", "run"]
 
@@ -68,9 +72,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `memkit compare` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with
     one line saying what to write)."""
-    from lightning_memkit.modes.compare import CheckpointWarning, ModeStatus, compare_modes
-    from lightning_memkit.modes.mode import parse_modes
-
     try:
         if args.steps < 1:
             raise CliError("--steps must be a positive integer")
@@ -85,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise CliError(f"--modes: {error}") from error
         module_class = load_object(args.model)
-        import lightning.pytorch as pl
-
         if not (isinstance(module_class, type) and issubclass(module_class, pl.LightningModule)):
             raise CliError(f"{args.model} is not a LightningModule class; memkit compare trains one in each mode")
         init_args = json_object(args.init_args, "--init-args")

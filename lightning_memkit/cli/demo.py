@@ -6,6 +6,14 @@ import argparse
 import os
 import sys
 
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_memkit import LayerTrace, MemoryTracker, zoo
+from lightning_memkit.cli.common import CliError, build_trainer
+from lightning_memkit.units import format_bytes
+
 __all__ = ["add_parser", "run", "MODELS", "explain_peaks"]
 
 MODELS = ("mlp", "cnn", "transformer")
@@ -29,8 +37,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def build_model(name: str, batch_size: int):
     """The built-in model ``name`` ('mlp', 'cnn' or 'transformer')."""
-    from lightning_memkit import zoo
-
     if name == "mlp":
         return zoo.DemoMLP(batch_size=batch_size)
     if name == "cnn":
@@ -46,11 +52,6 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
         print("memkit demo: --steps and --batch-size must be positive integers", file=sys.stderr)
         return 2
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    from lightning_memkit import LayerTrace, MemoryTracker
-
     pl.seed_everything(0, verbose=False)
     model = build_model(args.model, args.batch_size)
     tracker = MemoryTracker(tensor_peak_every_n_steps=1)  # a showcase: the exact peak of every step (costs ~1.1x here)
@@ -61,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
         TensorBoardLogger(args.logdir, name=f"demo-{args.model}"),
         CSVLogger(args.logdir, name=f"demo-{args.model}-csv"),
     ]
-    from lightning_memkit.cli.common import CliError, build_trainer
-
     try:
         trainer = build_trainer(
             accelerator=args.accelerator,
@@ -99,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
 def _dataset_bytes(trainer) -> int | None:
     """Bytes of the tensors the training dataset holds (its ``tensors``, as a ``TensorDataset`` keeps them, or tensor
     attributes, as the built-in models' datasets do; each storage once), else ``None``."""
-    import torch
-
     dataset = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
     if dataset is None:
         return None
@@ -122,8 +119,6 @@ def explain_peaks(summary, trace, trainer) -> str | None:
     Returns:
         the explanation (plain text, sizes as ``format_bytes`` writes them), or ``None`` without a run peak.
     """
-    from lightning_memkit.units import format_bytes
-
     if summary.peak_bytes is None:
         return None
     cuda = (summary.peak_source or "").endswith(("allocated_bytes", "reserved_bytes"))

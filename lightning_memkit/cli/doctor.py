@@ -14,6 +14,9 @@ import sys
 import tempfile
 from typing import Any
 
+import lightning.pytorch as pl
+
+from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli.common import (
     CliError,
     add_init_arguments,
@@ -86,8 +89,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--analyse-step must be between 0 and --steps - 1 ({args.steps - 1})")
     if args.batch_size is not None and args.batch_size < 1:
         raise CliError("--batch-size must be a positive integer")
-    import lightning.pytorch as pl
-
     cls = load_object(args.module)
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         raise CliError(
@@ -111,8 +112,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass"
         )
-
-    from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 
     # the doctor prints the verdict itself when fit ends (verbose): its warning then only says a leak was found,
     # so the verdict is printed once (a quiet doctor warns the whole verdict, and printing it here doubled it)
@@ -151,6 +150,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _overrides(model: Any, method: str) -> bool:
-    import lightning.pytorch as pl
-
     return getattr(type(model), method, None) is not getattr(pl.LightningModule, method, None)

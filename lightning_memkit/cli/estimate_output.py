@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
+
 __all__ = ["KERNELS_PREFIX", "in_cli_terms", "kernels_and_notes", "target_words"]
 
 #: the estimate's note that lists the CUDA kernels assumed (estimate/cuda_kernels.py writes it)
@@ -29,8 +32,6 @@ def kernels_and_notes(notes_by_mode: list[tuple[str, list[str]]]) -> list[str]:
 def target_words(args: argparse.Namespace, gpu: Any) -> str:
     if args.device != "cuda":
         return args.device
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
     target = gpu if gpu is not None else GpuTarget.parse(None)
     return f"cuda ({target.name}, sm{target.sm})"
 
@@ -38,8 +39,6 @@ def target_words(args: argparse.Namespace, gpu: Any) -> str:
 def in_cli_terms(error: Any, args: argparse.Namespace) -> Any:
     """``error`` as this command says it: a data-dependent estimate failure's advice names memkit trace, which
     measures real steps (the Python advice names measure_training_step()); any other error as it is."""
-    from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
-
     text = str(error)
     if not getattr(error, "data_dependent", False) or DATA_DEPENDENT_ADVICE not in text:
         return error

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from lightning_memkit.cli.common import CliError
+from lightning_memkit.report import ReportInputError, write_report
+from lightning_memkit.tensorboard.dashboard import update_dashboards
 
 __all__ = ["add_parser", "run"]
 
@@ -36,11 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `memkit report` with the parsed ``args``; returns the exit status (0 on success; bad input exits 2 with one
     line saying what to write)."""
-    import os
-
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.report import ReportInputError, write_report
-
     if not os.path.isdir(args.logdir):  # a wrong argument (exit 2, as every verb's), not an empty log dir (exit 1)
         raise CliError(
             f"{args.logdir!r} is not a directory; give the log dir of a run trained with memkit "
@@ -62,10 +62,6 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     if args.update_dashboards:
-        import os
-
-        from lightning_memkit.tensorboard.dashboard import update_dashboards
-
         try:
             updated = update_dashboards(args.logdir)
         except OSError as error:
