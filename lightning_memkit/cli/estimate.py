@@ -31,6 +31,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=True)
+    _add_target_arguments(parser)
+    _add_strategy_arguments(parser)
+    parser.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build the module on the meta device (no weights, no host memory, no init time): for models "
+        "larger than this machine; the estimate is the same",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="on a GPU: also train two real steps per mode (a Trainer on a copy of the module) and print the "
+        "estimate against torch.cuda.max_memory_allocated/reserved, with the error",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    parser.set_defaults(run=run)
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """What one estimate is for: the device (its memory, type and GPU), the modes, the batch and its worst case."""
     parser.add_argument(
         "--device-memory", default=None, help="device memory, e.g. 16GiB or 80GB (default: this machine's GPU)"
     )
@@ -74,6 +94,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "then found from it without loading every sample (default: every sample is sized, or a fixed "
         "subset of a dataset too large or slow to size whole)",
     )
+
+
+def _add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The multi-GPU estimate: the strategies, the ranks, the "min GPUs" search and FSDP's units."""
     parser.add_argument(
         "--strategy",
         default=None,
@@ -97,20 +121,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="FSDP units for --strategy fsdp*/model_parallel: comma-separated class names of the module's "
         "layers (your auto_wrap_policy), e.g. TransformerEncoderLayer (default: the whole model is one unit)",
     )
-    parser.add_argument(
-        "--meta-init",
-        action="store_true",
-        help="build the module on the meta device (no weights, no host memory, no init time): for models "
-        "larger than this machine; the estimate is the same",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="on a GPU: also train two real steps per mode (a Trainer on a copy of the module) and print the "
-        "estimate against torch.cuda.max_memory_allocated/reserved, with the error",
-    )
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
-    parser.set_defaults(run=run)
 
 
 def _memory(text: str) -> int:
