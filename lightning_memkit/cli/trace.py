@@ -11,7 +11,11 @@ import os
 import sys
 import tempfile
 import warnings
+from typing import Any
 
+import lightning.pytorch as pl
+
+from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.cli.common import (
     CliError,
     add_init_arguments,
@@ -73,63 +77,17 @@ def run(args: argparse.Namespace) -> int:
         print("memkit trace: --step and --max-depth must be >= 0", file=sys.stderr)
         return 2
     try:
-        import lightning.pytorch as pl
-
-        cls = load_object(args.module)
-        if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
-            raise CliError(
-                f"{args.module} is not a LightningModule class; memkit trace needs one (use "
-                "LayerTracer from Python for a plain nn.Module)"
-            )
-        if not args.datamodule and not _overrides(cls, "train_dataloader"):
-            # checked before building: with --batch-size, building would blame the module's missing batch_size instead
-            raise CliError(
-                f"{cls.__name__} defines no train_dataloader(), so its batches"
-                + (" (and their size)" if args.batch_size is not None else "")
-                + " come from a datamodule: pass --datamodule FILE.py:DataModuleClass"
-                + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
-                + ", or add a train_dataloader() to the module"
-            )
-        model = build_instance(
-            cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
-        )
-        datamodule = (
-            build_instance(
-                load_object(args.datamodule),
-                json_object(args.datamodule_args, "--datamodule-args"),
-                args.batch_size,
-                "datamodule",
-            )
-            if args.datamodule
-            else None
-        )
+        model, datamodule = _build(args)
     except CliError as error:
         print(f"memkit trace: {error}", file=sys.stderr)
         return 2
-
-    from lightning_memkit.callbacks.layer_trace import LayerTrace
 
     callback = LayerTrace(
         at_steps=(args.step,), max_depth=args.max_depth, verbose=False
     )  # this command prints the result itself
     with tempfile.TemporaryDirectory(prefix="memkit_trace_") as root:
-        options = dict(
-            accelerator=args.accelerator,
-            devices=1,
-            max_steps=args.step + 1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            callbacks=[callback],
-            default_root_dir=root,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=False,
-        )
-        if args.precision:
-            options["precision"] = args.precision
         try:
-            trainer = build_trainer(**options)
+            trainer = build_trainer(**_trainer_options(args, callback, root))
         except CliError as error:
             print(f"memkit trace: {error}", file=sys.stderr)
             return 2
@@ -137,17 +95,81 @@ def run(args: argparse.Namespace) -> int:
             warnings.filterwarnings("ignore", message="memkit LayerTrace: .* never reached")
             trainer.fit(model, datamodule=datamodule)
     if not callback.results:
-        last = callback.last_step
-        if last is None:
-            print("memkit trace: no training step ran (is the train dataloader empty?)", file=sys.stderr)
-        else:
-            print(
-                f"memkit trace: step {args.step} was never reached: training stopped after "
-                f"step {last}; pass --step {last} or less",
-                file=sys.stderr,
-            )
+        _say_unreached(args, callback.last_step)
         return 1
-    result = callback.results[-1]
+    _print_result(args, callback.results[-1])
+    return 0
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The LightningModule ``args.module`` names and the datamodule (``None`` without ``--datamodule``), built with
+    their ``--init-args`` / ``--datamodule-args`` and ``--batch-size``; a :class:`CliError` says what is wrong."""
+    cls = load_object(args.module)
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise CliError(
+            f"{args.module} is not a LightningModule class; memkit trace needs one (use "
+            "LayerTracer from Python for a plain nn.Module)"
+        )
+    if not args.datamodule and not _overrides(cls, "train_dataloader"):
+        # checked before building: with --batch-size, building would blame the module's missing batch_size instead
+        raise CliError(
+            f"{cls.__name__} defines no train_dataloader(), so its batches"
+            + (" (and their size)" if args.batch_size is not None else "")
+            + " come from a datamodule: pass --datamodule FILE.py:DataModuleClass"
+            + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
+            + ", or add a train_dataloader() to the module"
+        )
+    model = build_instance(
+        cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
+    )
+    datamodule = (
+        build_instance(
+            load_object(args.datamodule),
+            json_object(args.datamodule_args, "--datamodule-args"),
+            args.batch_size,
+            "datamodule",
+        )
+        if args.datamodule
+        else None
+    )
+    return model, datamodule
+
+
+def _trainer_options(args: argparse.Namespace, callback: Any, root: str) -> dict[str, Any]:
+    """The Trainer that runs up to the traced step and no further: one device, no validation, nothing written
+    outside ``root`` (a temporary directory)."""
+    options = dict(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.step + 1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=[callback],
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    if args.precision:
+        options["precision"] = args.precision
+    return options
+
+
+def _say_unreached(args: argparse.Namespace, last: int | None) -> None:
+    """Why no step was traced: none ran, or training stopped before ``--step`` (``last``: its last step)."""
+    if last is None:
+        print("memkit trace: no training step ran (is the train dataloader empty?)", file=sys.stderr)
+    else:
+        print(
+            f"memkit trace: step {args.step} was never reached: training stopped after "
+            f"step {last}; pass --step {last} or less",
+            file=sys.stderr,
+        )
+
+
+def _print_result(args: argparse.Namespace, result: Any) -> None:
+    """The module table and the category split, then the files ``--json``, ``--csv`` and ``--figure`` ask for."""
     print(result.format_table())
     print()
     print(f"bytes by category (Ψ = {result.parameter_count} parameters)")
@@ -159,10 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if args.figure:
         result.figure().savefig(args.figure)
         print(f"wrote {os.path.abspath(args.figure)}")
-    return 0
 
 
 def _overrides(cls: type, method: str) -> bool:
-    import lightning.pytorch as pl
-
     return getattr(cls, method, None) is not getattr(pl.LightningModule, method, None)
