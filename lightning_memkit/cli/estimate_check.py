@@ -4,19 +4,30 @@ estimate with the error."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import gc
+import logging
 import sys
-from typing import Any
+import tempfile
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
+from lightning_memkit.estimate.batches import batch_size_of
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
 
 __all__ = ["check_refusal", "check_estimates"]
 
 
 def check_refusal(args: argparse.Namespace, gpu: Any) -> None:
     """``--check`` needs a CUDA target, one GPU here, and the estimate made for that GPU."""
-    import torch
-
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
     if args.strategy is not None:
         raise CliError("--check trains on this machine's one GPU; it does not run --strategy (drop one of them)")
     if args.meta_init:
@@ -44,13 +55,6 @@ def _error_percent(estimated: int, measured: int) -> str:
 
 def check_estimates(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any, Any]]) -> dict[str, dict]:
     """Two real training steps per estimated mode on this GPU, printed beside the estimate; returns per-mode results."""
-    import gc
-
-    import torch
-
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
-
     rows, checks = [], {}
     for name, (mode, estimate) in estimates.items():
         try:
@@ -113,35 +117,57 @@ def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_
     The module itself is not touched; everything the fit made is freed and the allocator's cache emptied.
     Raises ``ValueError`` when the loader's batch is not ``batch_size`` (the size cannot be set).
     """
-    import copy
-    import gc
-    import logging
-    import tempfile
+    real, datamodule = _copy_to_train(module, args)
+    kwargs = _mode_trainer_kwargs(mode)
+    reader = _PeakReader()
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        with _quiet_lightning(), tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
+            trainer = _two_step_trainer(root, kwargs["precision"], [*kwargs["callbacks"], reader])
+            trainer.fit(real, datamodule=datamodule)
+            del trainer
+    finally:
+        del real, datamodule
+        gc.collect()
+        torch.cuda.empty_cache()
+    if reader.peaks is None or not reader.batch_sizes:
+        raise ValueError("the fit ended before two training steps (is the train dataset empty?)")
+    if batch_size is not None and reader.batch_sizes[0] != batch_size:
+        raise ValueError(
+            f"the real fit's batch has {reader.batch_sizes[0]} samples, the estimate's {batch_size}: the loader "
+            "does not take its size from a batch_size attribute; give the size in --init-args / --datamodule-args"
+        )
+    return {
+        "peak_allocated_bytes": reader.peaks[0],
+        "peak_reserved_bytes": reader.peaks[1],
+        "steps": len(reader.batch_sizes),
+    }
 
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
-    from lightning_memkit.cli.common import build_instance, json_object, load_object
-    from lightning_memkit.estimate.batches import batch_size_of
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
+class _PeakReader(pl.Callback):
+    """CUDA's peaks from ``on_train_start`` to ``on_train_end`` (``peaks``: allocated, reserved) and each training
+    batch's size (``batch_sizes``)."""
 
-    class PeakReader(pl.Callback):
-        def __init__(self) -> None:
-            self.batch_sizes: list[int | None] = []
-            self.peaks: tuple[int, int] | None = None
+    def __init__(self) -> None:
+        self.batch_sizes: list[int | None] = []
+        self.peaks: tuple[int, int] | None = None
 
-        def on_train_start(self, trainer, pl_module) -> None:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.batch_sizes.append(batch_size_of(batch))
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batch_sizes.append(batch_size_of(batch))
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            torch.cuda.synchronize()
-            self.peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.cuda.synchronize()
+        self.peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
 
+
+def _copy_to_train(module: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+    """A deep copy of ``module`` and the datamodule ``--datamodule`` names, built at ``--batch-size``; without a
+    datamodule the copy's own ``batch_size`` is set to it."""
     real = copy.deepcopy(module)
     datamodule = None
     if args.datamodule:
@@ -158,57 +184,50 @@ def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_
                 f"{args.batch_size} with; drop --batch-size or give the size in --init-args"
             )
         lightning_setattr(real, "batch_size", args.batch_size)
+    return real, datamodule
+
+
+def _mode_trainer_kwargs(mode: Any) -> dict[str, Any]:
+    """The mode's Trainer arguments on CUDA (its precision and callbacks)."""
+    if mode.checkpoint is None:
+        return mode.trainer_kwargs("cuda")
     # auto checkpointing needs no measuring forward (the estimate makes none); a budget measures, as in training
-    kwargs = (
-        mode.trainer_kwargs(
-            "cuda", verbose=False, **({} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False})
-        )
-        if mode.checkpoint is not None
-        else mode.trainer_kwargs("cuda")
-    )
-    reader = PeakReader()
-    gc.collect()
-    torch.cuda.empty_cache()
+    measure = {} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False}
+    return mode.trainer_kwargs("cuda", verbose=False, **measure)
+
+
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's loggers at WARNING while the check trains: the Trainer's banner lines would split the printed
+    tables."""
     quiet = [
         logging.getLogger(name)
         for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
     ]
-    levels = [logger.level for logger in quiet]  # the Trainer's banner lines would split the printed tables
+    levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     try:
-        with tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
-            trainer = pl.Trainer(
-                accelerator="cuda",
-                devices=1,
-                max_steps=2,
-                precision=kwargs["precision"],
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                limit_val_batches=0,
-                default_root_dir=root,
-                callbacks=[*kwargs["callbacks"], reader],
-            )
-            trainer.fit(real, datamodule=datamodule)
-            del trainer
+        yield
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
-        del real, datamodule
-        gc.collect()
-        torch.cuda.empty_cache()
-    if reader.peaks is None or not reader.batch_sizes:
-        raise ValueError("the fit ended before two training steps (is the train dataset empty?)")
-    if batch_size is not None and reader.batch_sizes[0] != batch_size:
-        raise ValueError(
-            f"the real fit's batch has {reader.batch_sizes[0]} samples, the estimate's {batch_size}: the loader "
-            "does not take its size from a batch_size attribute; give the size in --init-args / --datamodule-args"
-        )
-    return {
-        "peak_allocated_bytes": reader.peaks[0],
-        "peak_reserved_bytes": reader.peaks[1],
-        "steps": len(reader.batch_sizes),
-    }
+
+
+def _two_step_trainer(root: str, precision: Any, callbacks: list[Any]) -> Any:
+    """A Trainer of two training steps on this machine's one GPU: no logger, checkpoint, validation or progress bar,
+    its files under ``root``."""
+    return pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=2,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+        callbacks=callbacks,
+    )
