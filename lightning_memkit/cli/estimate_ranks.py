@@ -3,11 +3,18 @@ that fit."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_memkit.cli.estimate_output import in_cli_terms, kernels_and_notes, target_words
+from lightning_memkit.estimate import EstimateError, NoBatchError
+from lightning_memkit.estimate.core import reusing_fake_copies
+from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes
 
 __all__ = ["run_distributed", "world_sizes_tried"]
 
@@ -36,83 +43,118 @@ def _rank_figures(estimate: Any) -> tuple[int, int | None, int]:
 
 
 def _fully_sharded(strategy: str) -> bool:
-    from lightning_memkit.estimate.distributed import sharding_of
-
     sharding = sharding_of(strategy, 1)
     return sharding.parameters and sharding.gradients and sharding.optimizer_state
 
 
-def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wrap) -> int:
-    from lightning_memkit.estimate import EstimateError, NoBatchError
-    from lightning_memkit.estimate.core import reusing_fake_copies
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
+@dataclass(frozen=True)
+class _RankQuestion:
+    """What every strategy and mode of one ``memkit estimate --strategy`` is estimated with: the parsed ``args``, the
+    module and its datamodule, the ``--gpu`` target, FSDP's ``wrap`` classes, the bytes one rank's device may use
+    (``usable``: the device memory less ``--margin``) and the world sizes the "min GPUs" answer tries."""
 
+    args: argparse.Namespace
+    module: Any
+    datamodule: Any
+    gpu: Any
+    wrap: Any
+    usable: float
+    sizes: list[int]
+
+
+def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wrap) -> int:
     usable = (1 - args.margin) * memory
     sizes = world_sizes_tried(args.max_world_size)
+    question = _RankQuestion(args, module, datamodule, gpu, wrap, usable, sizes)
     rows, results, notes_by_mode = [], [], []
     with reusing_fake_copies():  # one fake step per mode serves every strategy and world size
         for strategy in strategies:
             for mode in modes:
-
-                def per_rank(world_size: int):
-                    estimate = estimate_distributed_memory(
-                        module,
-                        args.batch_size,
-                        strategy=strategy,
-                        world_size=world_size,
-                        wrap=wrap,
-                        mode=mode,
-                        device=args.device,
-                        datamodule=datamodule,
-                        gpu=gpu,
-                    )
-                    return estimate, _rank_figures(estimate)
-
-                try:
-                    estimate, (allocated, reserved, needs) = per_rank(args.world_size)
-                    needs_by_size = {}
-                    minimum = None
-                    for size in sizes:
-                        needs_by_size[size] = per_rank(size)[1][2]
-                        if needs_by_size[size] <= usable:
-                            minimum = size
-                            break
-                except (NoBatchError, EstimateError, ValueError) as error:
-                    error = in_cli_terms(error, args)
-                    rows.append((strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-"))
-                    results.append({"strategy": strategy, "mode": mode.name, "error": str(error)})
-                    print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
-                    continue
-                rows.append(
-                    (
-                        strategy,
-                        mode.name,
-                        args.world_size,
-                        estimate.single.batch_size,
-                        format_bytes(allocated),
-                        format_bytes(reserved),
-                        format_bytes(needs),
-                        "yes" if needs <= usable else "no",
-                        minimum if minimum is not None else f"none <= {args.max_world_size}",
-                    )
-                )
-                results.append(
-                    {
-                        "strategy": strategy,
-                        "mode": mode.name,
-                        "world_size": args.world_size,
-                        "batch_size_per_rank": estimate.single.batch_size,
-                        "per_rank": {"allocated_bytes": allocated, "reserved_bytes": reserved, "device_bytes": needs},
-                        "fits": needs <= usable,
-                        "min_world_size": minimum,
-                        "device_bytes_by_world_size": needs_by_size,
-                        "estimate": estimate.to_dict(),
-                    }
-                )
-                notes_by_mode.append((mode.name, estimate.notes))
+                row, result, notes = _strategy_and_mode(question, strategy, mode)
+                rows.append(row)
+                results.append(result)
+                if notes is not None:
+                    notes_by_mode.append((mode.name, notes))
     batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
+    _print_table(args, gpu, memory, batch_words, rows)
+    done = [r for r in results if "error" not in r]
+    if done:
+        _print_min_gpus(question, memory, batch_words, done)
+    lines = kernels_and_notes(notes_by_mode)
+    if args.device == "cuda" and done:
+        lines.append(
+            "note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
+            "and buffers (the per-rank allocator is not replayed)"
+        )
+    for line in lines:
+        print(line)
+    if args.json_path:
+        _write_json(args, memory, sizes, results)
+    return 0 if len(done) == len(results) else 1  # any requested strategy and mode that failed fails the command
+
+
+def _per_rank(question: _RankQuestion, strategy: str, mode: Any, world_size: int) -> tuple[Any, tuple]:
+    """One rank's estimate under ``strategy`` in ``mode`` on ``world_size`` ranks, and its figures."""
+    args = question.args
+    estimate = estimate_distributed_memory(
+        question.module,
+        args.batch_size,
+        strategy=strategy,
+        world_size=world_size,
+        wrap=question.wrap,
+        mode=mode,
+        device=args.device,
+        datamodule=question.datamodule,
+        gpu=question.gpu,
+    )
+    return estimate, _rank_figures(estimate)
+
+
+def _strategy_and_mode(question: _RankQuestion, strategy: str, mode: Any) -> tuple[tuple, dict, Any]:
+    """The table row and JSON result of ``strategy`` in ``mode`` at ``--world-size``, with the fewest GPUs that fit,
+    and the estimate's notes (``None`` when the estimate failed: the row says ``-``, the error goes to stderr)."""
+    args, usable = question.args, question.usable
+    try:
+        estimate, (allocated, reserved, needs) = _per_rank(question, strategy, mode, args.world_size)
+        needs_by_size = {}
+        minimum = None
+        for size in question.sizes:
+            needs_by_size[size] = _per_rank(question, strategy, mode, size)[1][2]
+            if needs_by_size[size] <= usable:
+                minimum = size
+                break
+    except (NoBatchError, EstimateError, ValueError) as error:
+        error = in_cli_terms(error, args)
+        print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
+        row = (strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-")
+        return row, {"strategy": strategy, "mode": mode.name, "error": str(error)}, None
+    row = (
+        strategy,
+        mode.name,
+        args.world_size,
+        estimate.single.batch_size,
+        format_bytes(allocated),
+        format_bytes(reserved),
+        format_bytes(needs),
+        "yes" if needs <= usable else "no",
+        minimum if minimum is not None else f"none <= {args.max_world_size}",
+    )
+    result = {
+        "strategy": strategy,
+        "mode": mode.name,
+        "world_size": args.world_size,
+        "batch_size_per_rank": estimate.single.batch_size,
+        "per_rank": {"allocated_bytes": allocated, "reserved_bytes": reserved, "device_bytes": needs},
+        "fits": needs <= usable,
+        "min_world_size": minimum,
+        "device_bytes_by_world_size": needs_by_size,
+        "estimate": estimate.to_dict(),
+    }
+    return row, result, estimate.notes
+
+
+def _print_table(args: argparse.Namespace, gpu: Any, memory: int, batch_words: str, rows: list[tuple]) -> None:
+    """The heading line and the table: a row per strategy and mode."""
     print(
         f"memkit estimate: {args.module} per rank on {args.world_size} ranks, {batch_words}, "
         f"{target_words(args, gpu)}, {format_bytes(memory)} device memory, {args.margin:.0%} kept free (fake tensors)"
@@ -134,48 +176,44 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
             left_columns=2,
         )
     )
-    done = [r for r in results if "error" not in r]
-    if done:
-        tried = ", ".join(str(s) for s in sizes)
-        print(
-            f"min GPUs: the fewest of {tried} GPUs on which one rank's device needs fit {format_bytes(usable)} "
-            f"({1 - args.margin:.0%} of {format_bytes(memory)}) at {batch_words}:"
-        )
-        for result in done:
-            size = result["min_world_size"]
-            if size is not None:
-                print(f"  {result['strategy']} {result['mode']}: {size}")
-            else:
-                needs = result["device_bytes_by_world_size"][sizes[-1]]
-                print(
-                    f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
-                    f"needs {format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: "
-                    f"activations, {'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}"
-                    "workspaces, the CUDA context); try --modes checkpoint or --modes bf16, a smaller --batch-size, "
-                    "more memory per GPU"
-                    f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
-                )
-    lines = kernels_and_notes(notes_by_mode)
-    if args.device == "cuda" and done:
-        lines.append(
-            "note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
-            "and buffers (the per-rank allocator is not replayed)"
-        )
-    for line in lines:
-        print(line)
-    if args.json_path:
-        with open(args.json_path, "w") as file:
-            json.dump(
-                {
-                    "module": args.module,
-                    "device": args.device,
-                    "device_memory_bytes": memory,
-                    "world_size": args.world_size,
-                    "world_sizes_tried": sizes,
-                    "results": results,
-                },
-                file,
-                indent=2,
-                default=str,
+
+
+def _print_min_gpus(question: _RankQuestion, memory: int, batch_words: str, done: list[dict]) -> None:
+    """The "min GPUs" answer of each strategy and mode estimated, and what to try where none fits."""
+    args, sizes, usable = question.args, question.sizes, question.usable
+    tried = ", ".join(str(s) for s in sizes)
+    print(
+        f"min GPUs: the fewest of {tried} GPUs on which one rank's device needs fit {format_bytes(usable)} "
+        f"({1 - args.margin:.0%} of {format_bytes(memory)}) at {batch_words}:"
+    )
+    for result in done:
+        size = result["min_world_size"]
+        if size is not None:
+            print(f"  {result['strategy']} {result['mode']}: {size}")
+        else:
+            needs = result["device_bytes_by_world_size"][sizes[-1]]
+            print(
+                f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
+                f"needs {format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: "
+                f"activations, {'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}"
+                "workspaces, the CUDA context); try --modes checkpoint or --modes bf16, a smaller --batch-size, "
+                "more memory per GPU"
+                f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
             )
-    return 0 if len(done) == len(results) else 1  # any requested strategy and mode that failed fails the command
+
+
+def _write_json(args: argparse.Namespace, memory: int, sizes: list[int], results: list[dict]) -> None:
+    with open(args.json_path, "w") as file:
+        json.dump(
+            {
+                "module": args.module,
+                "device": args.device,
+                "device_memory_bytes": memory,
+                "world_size": args.world_size,
+                "world_sizes_tried": sizes,
+                "results": results,
+            },
+            file,
+            indent=2,
+            default=str,
+        )
