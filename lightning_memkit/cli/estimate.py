@@ -9,10 +9,28 @@ import re
 import sys
 from typing import Any
 
-from lightning_memkit.cli.common import add_init_arguments
+import lightning.pytorch as pl
+import torch
+
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 from lightning_memkit.cli.estimate_check import check_estimates, check_refusal
 from lightning_memkit.cli.estimate_output import KERNELS_PREFIX, in_cli_terms, kernels_and_notes, target_words
 from lightning_memkit.cli.estimate_ranks import run_distributed, world_sizes_tried
+from lightning_memkit.estimate import (
+    DoesNotFitError,
+    EstimateError,
+    NoBatchError,
+    estimate_memory,
+    predict_max_batch_size,
+)
+from lightning_memkit.estimate.core import reusing_fake_copies
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
+from lightning_memkit.estimate.predict import device_capacity_bytes
+from lightning_memkit.estimate.worst_batch import worst_batch_and_length
+from lightning_memkit.modes.mode import parse_modes
+from lightning_memkit.summary_table import format_table
+from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["add_parser", "run", "KERNELS_PREFIX", "world_sizes_tried"]
 
@@ -124,9 +142,6 @@ def _add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _memory(text: str) -> int:
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.units import parse_bytes
-
     if text.strip().startswith("-"):
         raise CliError(f"--device-memory {text}: a memory size is positive; write e.g. --device-memory 16GiB")
     try:
@@ -153,9 +168,6 @@ def _other_modes_hint(mode: str) -> str:
 
 def _gpu(args: argparse.Namespace) -> Any:
     """The ``--gpu`` target (a :class:`GpuTarget`), or ``None`` for the default."""
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
     if args.gpu is None:
         return None
     if args.device != "cuda":
@@ -169,9 +181,6 @@ def _gpu(args: argparse.Namespace) -> Any:
 
 
 def _strategies(args: argparse.Namespace) -> list[str]:
-    from lightning_memkit.cli.common import CliError
-    from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
-
     if args.strategy is None:
         for flag, value in (("--world-size", args.world_size), ("--wrap", args.wrap)):
             if value is not None:
@@ -201,8 +210,6 @@ def _strategies(args: argparse.Namespace) -> list[str]:
 
 def _wrap_classes(module: Any, text: str | None) -> set[type] | None:
     """The module's layer classes named by ``--wrap`` (matched by class name over its submodules)."""
-    from lightning_memkit.cli.common import CliError
-
     if text is None:
         return None
     by_name: dict[str, type] = {}
@@ -220,10 +227,6 @@ def _wrap_classes(module: Any, text: str | None) -> set[type] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
-    from lightning_memkit.estimate.predict import device_capacity_bytes
-    from lightning_memkit.modes.mode import parse_modes
-
     try:
         modes = parse_modes(args.modes)
         gpu = _gpu(args)
@@ -246,14 +249,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer")
         cls = load_object(args.module)
         if args.meta_init:
-            import torch
-
             with torch.device("meta"):
                 module = build_instance(cls, json_object(args.init_args, "--init-args"))
         else:
             module = build_instance(cls, json_object(args.init_args, "--init-args"))
-        import lightning.pytorch as pl
-
         if not isinstance(module, pl.LightningModule):
             raise CliError(
                 f"{args.module} is not a LightningModule class; memkit estimate needs one (for a plain nn.Module "
@@ -288,17 +287,6 @@ def _figures(estimate: Any) -> tuple[int, int | None, int]:
 
 
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
-    from lightning_memkit.estimate import (
-        DoesNotFitError,
-        EstimateError,
-        NoBatchError,
-        estimate_memory,
-        predict_max_batch_size,
-    )
-    from lightning_memkit.estimate.core import reusing_fake_copies
-    from lightning_memkit.summary_table import format_table
-    from lightning_memkit.units import format_bytes
-
     rows, results, estimates, shapes = [], [], {}, []
     batch = _named_worst_batch(args, module, datamodule)
     with reusing_fake_copies():  # one fake copy of the module and one worst batch serve every mode and size
@@ -371,8 +359,6 @@ def _named_worst_batch(args: argparse.Namespace, module: Any, datamodule: Any) -
     """With ``--size-of``, the worst batch found from the sizes named (else ``None``: the estimate finds it)."""
     if args.size_of is None:
         return None
-    from lightning_memkit.estimate.worst_batch import worst_batch_and_length
-
     return worst_batch_and_length(module, datamodule, size_of=args.size_of)[0]
 
 
