@@ -34,8 +34,12 @@ demo: setup-demo
 # (test-newest). NEWEST=0 skips the second (a quick local run).
 NEWEST ?= 1
 
+# The main lane runs on JOBS pytest-xdist workers: one per core, at most 4 (each holds torch, Lightning and a
+# model or two; more would trade memory for little). JOBS=0 runs it in this process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: style
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist worksteal
 	@if [ "$(NEWEST)" = "1" ]; then $(MAKE) --no-print-directory test-newest; fi
 
 # Style (pyproject.toml's [tool.ruff]): the layout is ruff format's (`ruff format .` fixes it), and ruff's lint
@@ -58,7 +62,7 @@ NEWEST_TESTS ?= tests/test_torch_compat.py tests/test_torch_range.py tests/test_
 test-newest:
 	$(MAKE) --no-print-directory setup VENV=$(NEWEST_VENV) TORCH_SPEC="$(NEWEST_TORCH)" EXTRA_SPEC="$(NEWEST_EXTRA)"
 	$(NEWEST_VENV)/bin/python -c "import torch; print('test-newest: torch', torch.__version__)"
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist worksteal $(NEWEST_TESTS)
 
 # The 4-process checks (`extended` marker) that `make test` skips to stay within 10 minutes on 2 cores.
 test-extended: setup

@@ -270,8 +270,11 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
         assert all(n == 1 + planner.RETIMING_ROUNDS for n in timings), [r.note for r in ran]
         assert any("timed 4 times in rounds of alternating order" in note for note in plan.notes)
     assert any("per micro-batch" in note for note in plan.notes)  # Lightning's loop, measured apart
+    # the calibration's note: its four rounds, and the once-per-step part it parted from a micro-batch's time, or that
+    # the machine's noise left the two apart by less than Lightning's own per-batch cost (a loaded CPU)
     assert any(
-        re.search(r"calibrate it \(not trials; [\d.]+ s, 4 rounds\)", note) and "once per step" in note
+        re.search(r"calibrate it \(not trials; [\d.]+ s, 4 rounds\)", note)
+        and ("ms once per step" in note or "too noisy to part a micro-batch from the once-per-step part" in note)
         for note in plan.notes
     )
     # every phase ran within a budget of an hour, and the plan says what each cost
