@@ -13,7 +13,9 @@ an eighth's). For each case:
   whether its choice's real peak stayed under the budget. When the choice is not the brute-force best (nor the same
   program), the two are timed side by side in ``HEAD_TO_HEAD`` more rounds and the median of the per-round ratios is
   the verdict (brute force's medians come from rounds minutes apart, and this machine drifts by tens of percent).
-  A choice that brute force ranks best is not checked again: the check can only clear a miss, not make one;
+  A choice slower than 5% but by less than those rounds' own noise (the planner's tie rule: ``TIE_ERRORS`` standard
+  errors of the mean per-round log ratio) is a tie; "(a tie, lower peak)" marks a choice the plan itself settled as
+  a tie. A choice that brute force ranks best is not checked again: the check can only clear a miss, not make one;
 - Spearman's rank correlation of the planner's predicted samples/s with the brute-force samples/s over the
   configurations that fit in brute force and that the plan estimated: "plan" is its final ranking (on CPU the rows
   that ran at their measurement, the rest scaled by the model's error at their micro-batch), "model alone" the time
@@ -36,6 +38,7 @@ earlier runs' stderr logs, so a change to the time model is checked against a st
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -280,6 +283,18 @@ def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list
     return statistics.median(ratios), ratios
 
 
+def paired_noise(ratios: list[float]) -> float | None:
+    """The side-by-side rounds' noise as the planner's tie rule reads it (``TIE_ERRORS`` standard errors of the mean
+    per-round log ratio), a fraction: the choice is a tie with the best when it is slower by no more than this.
+    ``None`` with fewer than two rounds."""
+    from lightning_memkit.plan.settle import TIE_ERRORS
+
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    return math.exp(TIE_ERRORS * statistics.stdev(logs) / math.sqrt(len(logs))) - 1
+
+
 def _same_programs(module, space, sample, peaks) -> dict:
     """``{candidate: [candidates that run the same program, itself included]}``: the same micro-batch, accumulation and
     precision, the same real peak (measured) and the same ops in the fake step (count, FLOPs, bytes)."""
@@ -391,6 +406,8 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
         )
     return dict(
         head_to_head=head_to_head,
+        noise=paired_noise(ratios),
+        plan_tie=any(note.startswith("a tie within the measured noise") for note in plan.notes),
         model=name,
         label=label,
         budget=budget,
@@ -439,6 +456,9 @@ def main() -> None:
                 f"medians)"
             )
             within = "yes" if r["head_to_head"] >= 0.95 else "no"
+            if within == "no" and r["noise"] is not None and r["head_to_head"] >= 1 / (1 + r["noise"]):
+                # slower by less than the side-by-side rounds' own noise (the planner's tie rule): a tie
+                within = f"tie (noise +-{r['noise']:.1%})"
         else:
             share = pct(r["chosen_speed"], r["best_speed"])
             within = (
@@ -449,7 +469,8 @@ def main() -> None:
         best = f"{describe(r['best'])} ({r['best_speed']:.1f})" if r["best"] is not None else "none fit"
         return (
             f"| {r['model']} | {r['label']} {format_bytes(r['budget'])} | {r['fitting']} / {r['space']} | {best} | "
-            f"{describe(r['chosen'])} | {share} | {within} | {r['trials']} | {under} | "
+            f"{describe(r['chosen'])}{' (a tie, lower peak)' if r['plan_tie'] else ''} | {share} | {within} | "
+            f"{r['trials']} | {under} | "
             f"{r['rho']:.2f} (n={r['pairs']}) | {r['rho_model']:.2f} | "
             f"{describe(r['composer'])}: {pct(r['composer_speed'], r['best_speed'])}, {r['composer_trials']} trials | "
             f"{describe(r['finder'])}: {pct(r['finder_speed'], r['best_speed'])}, {r['finder_trials']} trials |"
