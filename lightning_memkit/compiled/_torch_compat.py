@@ -7,6 +7,9 @@ one, that test says which.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import glob
+import os
 from typing import Any, Iterator
 
 import torch
@@ -29,7 +32,7 @@ __all__ = [
 
 def _optimized_module_type() -> type | None:
     try:
-        from torch._dynamo.eval_frame import OptimizedModule
+        from torch._dynamo.eval_frame import OptimizedModule  # deferred: private torch API, may be missing
     except Exception:  # a torch without dynamo
         return None
     return OptimizedModule
@@ -80,14 +83,14 @@ def reset_compiled() -> None:
     CUDA-graph pools of ``mode="reduce-overhead"`` (which ``empty_cache`` does not free) go with the trees."""
     reset = getattr(getattr(torch, "compiler", None), "reset", None)
     if reset is None:  # pragma: no cover - an older torch
-        from torch._dynamo import reset
+        from torch._dynamo import reset  # deferred: only an older torch, without torch.compiler.reset, needs it
     reset()
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:
     """A copy of dynamo's counters (``torch._dynamo.utils.counters``): ``{"stats": {"unique_graphs": n, ...}, ...}``."""
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # deferred: private torch API, may be missing
     except Exception:
         return {}
     return {group: dict(values) for group, values in counters.items()}
@@ -147,10 +150,6 @@ def track_cpu_allocation_sizes() -> bool:
         return _SIZES_TRACKED
     _SIZES_TRACKED = False
     try:
-        import ctypes
-        import glob
-        import os
-
         lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
         candidates = sorted(glob.glob(os.path.join(lib_dir, "libc10.*"))) + sorted(
             glob.glob(os.path.join(lib_dir, "c10.dll"))

@@ -43,7 +43,7 @@ FAKE_EXTRAS = ("constant", "real_tensor", "pytype", "dispatch_keys")
 def fake_tensor_module() -> Any:
     """``torch._subclasses.fake_tensor`` (FakeTensor, FakeTensorMode, in_kernel_invocation_manager)."""
     try:
-        from torch._subclasses import fake_tensor
+        from torch._subclasses import fake_tensor  # deferred: private torch API, a clear error where missing
     except ImportError as error:  # pragma: no cover - every supported torch has it
         raise RuntimeError(
             f"this torch ({torch.__version__}) has no torch._subclasses.fake_tensor; "
@@ -128,7 +128,7 @@ def fully_shard() -> Any:
     """FSDP2's ``fully_shard`` (``torch.distributed.fsdp.fully_shard``), which FSDP2's estimate runs on the meta
     copy."""
     try:
-        from torch.distributed.fsdp import fully_shard as found
+        from torch.distributed.fsdp import fully_shard as found  # deferred: missing where torch has no FSDP2
     except ImportError as error:
         raise RuntimeError(
             f"this torch ({torch.__version__}) has no torch.distributed.fsdp.fully_shard: "

@@ -5,6 +5,7 @@ Pinned by tests/test_search_cuda_paths.py: if a torch release moves one, that te
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 __all__ = ["reset_scaler_optimizer_stages"]
@@ -24,8 +25,7 @@ def reset_scaler_optimizer_stages(scaler: Any) -> bool:
     states = getattr(scaler, "_per_optimizer_states", None)
     if states is None:
         return False
-    from collections import defaultdict
-
+    # deferred: private torch API; a torch that moved it fails this call (pinned by the test), not the import
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)

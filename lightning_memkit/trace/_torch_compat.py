@@ -93,7 +93,7 @@ def user_class(module: torch.nn.Module) -> type:
     subclass (``fully_shard`` turns a ``Block`` into an ``FSDPBlock(FSDPModule, Block)`` in place)."""
     cls = type(wrapped_module(module))
     try:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule  # deferred: a torch built without distributed has none
     except ImportError:  # pragma: no cover - torch without distributed
         return cls
     if issubclass(cls, FSDPModule):
