@@ -37,7 +37,7 @@ def preserved_rng() -> Iterator[None]:
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     python_state = random.getstate()
     try:
-        import numpy
+        import numpy  # optional dependency: torch runs without numpy
 
         numpy_state = numpy.random.get_state()
     except ImportError:  # pragma: no cover - numpy comes with torch

@@ -10,16 +10,18 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+import psutil
 import torch
 from torch import nn
 
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.core import compiled_original, estimate_memory
+from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
 from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
 from lightning_memkit.estimate.runner import prepare_batch
 from lightning_memkit.estimate.settings import EstimateSettings, reusing_fake_copies
-from lightning_memkit.units import format_bytes
+from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
 
@@ -152,8 +154,6 @@ def device_capacity_bytes(device: str | torch.device = "cuda") -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return int(torch.cuda.get_device_properties(index).total_memory)
     if device.type == "cpu":
-        import psutil
-
         return int(psutil.virtual_memory().total)
     raise ValueError(f"cannot read the memory of {device}; give device_memory= in bytes")
 
@@ -208,15 +208,11 @@ def predict_max_batch_size(
         ValueError: when even batch size 1 does not fit (the message gives the fixed bytes) or the
             arguments are invalid.
     """
-    from lightning_memkit.units import parse_bytes
-
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r}: give a fraction in [0, 1), e.g. 0.05 to keep 5% free")
     if strategy is not None:
         if estimator is not estimate_memory:
             raise ValueError("give strategy= (a per-rank distributed estimate) or estimator=, not both")
-        from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
-
         sharding_of(strategy, world_size)  # a bad name or size fails here, before any estimate
 
         def estimator(module_: nn.Module, batch_size: int | None, **kwargs: Any) -> Any:

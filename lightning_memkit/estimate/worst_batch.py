@@ -165,7 +165,7 @@ def _seeded() -> None:
     torch.manual_seed(_SEED)
     random.seed(_SEED)
     try:
-        import numpy
+        import numpy  # optional dependency: torch runs without numpy
 
         numpy.random.seed(_SEED)
     except ImportError:  # pragma: no cover - numpy comes with torch
