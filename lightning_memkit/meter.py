@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterable, Iterator
 
+import psutil
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -143,8 +144,6 @@ class MemoryMeter:
         if cuda is not None:
             return cuda.capacity_bytes()  # type: ignore[attr-defined]
         if self.device.type == "cpu":
-            import psutil
-
             return int(psutil.virtual_memory().total)
         return None
 

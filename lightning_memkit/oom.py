@@ -5,10 +5,12 @@ Used by MemoryTracker (forensics) and by the batch-size search (a trial that ran
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -83,13 +85,10 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
     an ``nn.Parameter``), and ``made_by`` / ``where`` (aten op, module and the user's line) when a memory
     doctor (:class:`~lightning_memkit.doctor.CreationRecorder`) saw it made. Never raises.
     """
-    import gc
-    import warnings
-
     try:
-        # the doctor imports Lightning and torchmetrics (to know their files): only when a report is written
+        # deferred: the doctor imports Lightning and torchmetrics (to know their files): only when a report is written
         from lightning_memkit.doctor.frames import format_frame
-        from lightning_memkit.doctor.recorder import creation_of
+        from lightning_memkit.doctor.recorder import creation_of  # deferred: as format_frame, above
 
         storages: dict[tuple[str, int], dict[str, Any]] = {}
         with warnings.catch_warnings():  # isinstance on a deprecated module alias warns
