@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from lightning_memkit._class_paths import resolve_class_path
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -173,8 +174,6 @@ def normalize_policy(policy: Any) -> Any:
 
 def _policy_class(text: str) -> type:
     """The module class a policy string names by its class path (``"torch.nn.TransformerEncoderLayer"``)."""
-    from lightning_memkit._class_paths import resolve_class_path
-
     found = resolve_class_path(text, strict=True)
     if found is None:
         raise ValueError(

@@ -414,7 +414,7 @@ def write_tensorboard_summary(compare: CompareResult) -> str:
     # TensorBoard's writer and matplotlib: heavy, only when a comparison is written
     from torch.utils.tensorboard import SummaryWriter
 
-    from lightning_memkit.tensorboard.figures import compare_figures
+    from lightning_memkit.tensorboard.figures import compare_figures  # deferred: matplotlib, as above
 
     log_dir = os.path.join(compare.root_dir, "compare")
     writer = SummaryWriter(log_dir)

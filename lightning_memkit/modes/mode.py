@@ -163,11 +163,12 @@ class Mode:
         """
         kwargs: dict[str, Any] = {"precision": _LIGHTNING_PRECISION[self.precision_for(accelerator)], "callbacks": []}
         if self.checkpoint is not None:
+            # deferred: a cycle (the callbacks import lightning_memkit.modes) and a lower layer's one allowed edge up
             from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 
             kwargs["callbacks"].append(ActivationCheckpointing(policy=self.checkpoint, **callback_kwargs))
         if self.offload:
-            from lightning_memkit.callbacks.activation_offload import ActivationOffload
+            from lightning_memkit.callbacks.activation_offload import ActivationOffload  # deferred: as above
 
             kwargs["callbacks"].append(ActivationOffload(verbose=callback_kwargs.get("verbose", True)))
         return kwargs

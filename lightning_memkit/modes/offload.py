@@ -33,6 +33,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from lightning_memkit.modes.devices import device_type
+
 __all__ = [
     "OFFLOAD_ON_CPU",
     "OffloadHandle",
@@ -49,8 +51,6 @@ OFFLOAD_ON_CPU = "offload moves saved activations from a GPU to host memory; on 
 def check_offload_device(device: Any) -> None:
     """Raise ``ValueError`` (saying why) unless ``device`` (``"cuda"``, ``"gpu"``, a ``torch.device``, a Lightning
     accelerator) is a CUDA device: offload only moves memory from a GPU to the host."""
-    from lightning_memkit.modes.devices import device_type
-
     kind = device_type(device)
     if kind != "cuda":
         raise ValueError(
@@ -179,7 +179,7 @@ class _OffloadingStep:
 
 def _is_lightning_module(module: nn.Module) -> bool:
     try:
-        from lightning.pytorch import LightningModule
+        from lightning.pytorch import LightningModule  # deferred: the core has no Lightning import
     except ImportError:  # pragma: no cover
         return False
     return isinstance(module, LightningModule)
