@@ -19,6 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.estimate.core import estimate_memory, observing_ops
+from lightning_memkit.modes.checkpointing import apply_checkpointing
+from lightning_memkit.modes.mode import Mode
+from lightning_memkit.plan.time_model import OpCosts
+
 __all__ = ["measure_checkpoint_overheads"]
 
 #: blocks in the measured chain (each one checkpointed call)
@@ -54,10 +60,6 @@ def _counts(depth: int) -> tuple[float, float, float]:
     """For one block of ``depth`` layers, as the plan's fake step counts them: ``(ops of its plain forward and
     backward, ops the recompute adds when it is checkpointed, ops inside the checkpointed call)``. The same for every
     run of this torch (about half a second each, the first time: kept)."""
-    from lightning_memkit.estimate.core import estimate_memory, observing_ops
-    from lightning_memkit.modes.mode import Mode
-    from lightning_memkit.plan.time_model import OpCosts
-
     block, sample = _Chain(depth, blocks=1), torch.zeros(2, 8)
     counted = []
     for mode in (None, Mode(checkpoint={_Block})):
@@ -97,9 +99,6 @@ def measure_checkpoint_overheads(rounds: int = 5, repeats: int = 10) -> tuple[fl
     fastest round counts (the machine's noise only ever adds time). The recompute's ops are taken out at the plain
     chain's own time per op. About 0.7 s (the first call in a process about a second more: the fake step counts the
     blocks' ops once); nothing it made outlives the call."""
-    from lightning_memkit.estimate.batches import preserved_rng
-    from lightning_memkit.modes.checkpointing import apply_checkpointing
-
     extra_per_call: list[tuple[float, float]] = []  # (ops inside a call, seconds per call beyond its recompute)
     with preserved_rng():
         for depth in _DEPTHS:

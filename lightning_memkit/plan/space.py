@@ -9,10 +9,12 @@ three checkpointing choices, the precisions allowed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+from lightning_memkit.modes.mode import Mode, resolve_precision
 
 __all__ = [
     "Candidate",
@@ -71,14 +73,10 @@ class Candidate:
     @property
     def mode(self) -> Any:
         """The :class:`~lightning_memkit.modes.mode.Mode` (precision and checkpointing) the estimate runs in."""
-        from lightning_memkit.modes.mode import Mode
-
         precision = None if self.precision == "32-true" else self.precision
         mode = Mode(precision=precision, checkpoint=self.checkpoint)
         if self.offload:
             try:
-                import dataclasses
-
                 mode = dataclasses.replace(mode, offload=True)  # the offload mode (modes/offload.py)
             except TypeError:
                 raise ValueError("offload is not available in this version of memkit's modes") from None
@@ -140,8 +138,6 @@ def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def _allowed_precision(modes: tuple[str, ...], device_type: str) -> str | None:
-    from lightning_memkit.modes.mode import resolve_precision
-
     for word, precision in (("bf16", "bf16-mixed"), ("fp16", "16-mixed"), ("amp", "amp")):
         if word in modes:
             return resolve_precision(precision, device_type)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
@@ -116,8 +117,6 @@ def roofline_for(gpu: Any = None) -> Roofline:
     :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`; ``None``: this machine's GPU, else an H100). Names are
     matched as :class:`GpuTarget` parses them; an unnamed GPU gets
     its generation's row."""
-    from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
     target = GpuTarget.parse(gpu)
     for name in sorted(ROOFLINES, key=len, reverse=True):
         if name in target.name:
