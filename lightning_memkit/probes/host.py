@@ -23,7 +23,7 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 
 def _lifetime_peak_rss() -> int | None:
     try:
-        import resource
+        import resource  # deferred: POSIX only, Windows has none
     except ImportError:  # Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -29,7 +29,7 @@ class NvmlProbe(MemoryProbe):
 
     def __init__(self, device: torch.device | str | int) -> None:
         try:
-            import pynvml
+            import pynvml  # deferred: may be missing or broken; the probe is then unavailable
         except ImportError as error:  # nvidia-ml-py not installed
             raise ProbeUnavailable(f"pynvml cannot be imported ({error})") from error
         self._nvml = pynvml
