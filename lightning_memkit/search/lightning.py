@@ -17,6 +17,9 @@ import torch
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.estimate.core import EstimateError
+from lightning_memkit.estimate.predict import predict_max_batch_size
+from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.search.core import SearchError, SearchResult, Trial
@@ -147,8 +150,6 @@ def _checkpoint_for_trials(module: Any, config: SearchConfig) -> Any:
     search started mid-training)."""
     if config.checkpoint_policy is None:
         return None
-    from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
-
     if any(is_checkpointed(m) for m in module.modules()):
         return None
     return apply_checkpointing(module, config.checkpoint_policy)
@@ -330,8 +331,6 @@ def _clean_up(
 
 
 def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, config: SearchConfig, worst: Any):
-    from lightning_memkit.estimate.predict import predict_max_batch_size
-
     try:
         if worst is not None:
             batch = worst
@@ -355,8 +354,6 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
         )
         return prediction.growth, prediction.batch_size, None
     except Exception as error:  # the estimate only speeds the search up; trials decide
-        from lightning_memkit.estimate.core import EstimateError
-
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else 'no message'}"
         # one warning per search, saying the step itself could not be estimated (not that memory is short)
         what = "failed" if isinstance(error, EstimateError) else "was unavailable"

@@ -27,6 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import psutil
+from lightning.pytorch import Callback
+
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
 from lightning_memkit.units import format_bytes
@@ -61,8 +64,6 @@ class TrialTooSlow(MemkitError, RuntimeError):
 
 def host_rss_bytes() -> int:
     """This process's resident memory now (bytes)."""
-    import psutil
-
     return int(psutil.Process().memory_info().rss)
 
 
@@ -140,7 +141,6 @@ def deadline_callback(seconds: float) -> Any:
     as this one) would end past the limit and the trial has steps left, it raises :class:`TrialTooSlow`, which the
     trial runner counts as a trial too slow to keep. Only a trial's first step can cross the limit (nothing is known
     before it)."""
-    from lightning.pytorch import Callback
 
     class _Deadline(Callback):
         def __init__(self) -> None:

@@ -6,8 +6,11 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.distributed import release_group, side_group
 
 __all__ = ["Outcomes", "step_communicates", "rank_local"]
 
@@ -20,8 +23,6 @@ class Outcomes:
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = None
@@ -30,14 +31,10 @@ class Outcomes:
         #: the slowest rank's ``seconds`` at the last :meth:`agree`
         self.slowest_seconds = 0.0
         if self.enabled:
-            from lightning_memkit.distributed import side_group
-
             self.group = side_group(timeout_s)
 
     def close(self) -> None:
         """Destroy the side group (after the search): a job of many searches must not accumulate groups."""
-        from lightning_memkit.distributed import release_group
-
         group, self.group = self.group, None
         release_group(group)
 
@@ -95,9 +92,6 @@ def step_communicates(trainer: Any, module: Any) -> bool:
     alone); FSDP's and FSDP2's all-gathers and reduce-scatters, DeepSpeed's and SyncBatchNorm's cannot:
     a rank that stops mid-step leaves the others waiting in the step's next collective.
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
     if not isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel):
@@ -117,8 +111,6 @@ def _first_argument(value: Any, *args: Any, **kwargs: Any) -> Any:
 def rank_local(trainer: Any) -> Iterator[None]:
     """Inside a trial no rank waits for another: gradient sync, buffer broadcast and Lightning's
     barriers/reductions are turned off, so a rank that alone runs out of memory cannot deadlock."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield
         return

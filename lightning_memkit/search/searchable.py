@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.errors import MemkitError
@@ -38,21 +39,15 @@ class SearchConfig:
 
 
 def _lightning_getattr(module: Any, name: str) -> Any:
-    from lightning.pytorch.utilities.parsing import lightning_getattr
-
     return lightning_getattr(module, name)
 
 
 def _lightning_setattr(module: Any, name: str, value: Any) -> None:
-    from lightning.pytorch.utilities.parsing import lightning_setattr
-
     lightning_setattr(module, name, value)
 
 
 def check_searchable(trainer: Any, module: Any, config: SearchConfig) -> None:
     """Raise :class:`BatchSizeSearchError` (saying what to do) when the search cannot run."""
-    from lightning.pytorch.utilities.parsing import lightning_hasattr
-
     if not compat.fit_data_from_module(trainer):
         raise BatchSizeSearchError(
             "the batch-size search cannot resize dataloaders passed straight to trainer.fit(...): move them into "

@@ -7,10 +7,15 @@ import copy
 import gc
 from typing import Any, Iterator
 
+import psutil
 import torch
+from torch.utils._pytree import tree_map
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.meter import training_state_tensors
+from lightning_memkit.modes.mode import Mode
+from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 
 __all__ = [
@@ -29,8 +34,6 @@ __all__ = [
 
 def _to_host(tree: Any) -> Any:
     """A deep copy of ``tree`` with every tensor copied to the CPU (bit for bit)."""
-    from torch.utils._pytree import tree_map
-
     copied = tree_map(lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, tree)
     return copy.deepcopy(copied)
 
@@ -104,15 +107,11 @@ def reset_scaler(trainer: Any) -> None:
     """Every optimizer ready for ``unscale_`` again in the precision plugin's GradScaler (``16-mixed``)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
-        from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
-
         reset_scaler_optimizer_stages(scaler)
 
 
 def trainer_mode(trainer: Any) -> Any:
     """The Mode of the Trainer's precision (checkpointing, if any, is already on the module)."""
-    from lightning_memkit.modes.mode import Mode
-
     precision = str(trainer.precision)
     if "bf16" in precision and "mixed" in precision:
         precision = "bf16-mixed"
@@ -156,8 +155,6 @@ CPU_MAX_SECONDS = 60.0
 
 def host_search_budget_bytes() -> int:
     """The default CPU search budget: :data:`HOST_BUDGET_FRACTION` of the host memory available now, in bytes."""
-    import psutil
-
     return int(psutil.virtual_memory().available * HOST_BUDGET_FRACTION)
 
 
@@ -168,6 +165,4 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def state_tensors(trainer: Any, module: Any) -> Iterator[torch.Tensor]:
-    from lightning_memkit.meter import training_state_tensors
-
     return training_state_tensors(module, trainer.optimizers)
