@@ -27,7 +27,7 @@ BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.estimate.result.EstimateError": RuntimeError,
     "lightning_memkit.estimate.step_errors.HookFailed": Exception,
     "lightning_memkit.modes.checkpoint_measure.MeasureError": RuntimeError,
-    "lightning_memkit.plan.planner.PlanError": ValueError,
+    "lightning_memkit.plan.result.PlanError": ValueError,
     "lightning_memkit.probes.base.ProbeUnavailable": RuntimeError,
     "lightning_memkit.report.sources.ReportInputError": Exception,
     "lightning_memkit.search.budget.BudgetExceededError": torch.OutOfMemoryError,
