@@ -61,7 +61,7 @@ def tensorboard_experiment(trainer: Any) -> Any | None:
     """
     if not getattr(trainer, "is_global_zero", True):
         return None
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers import TensorBoardLogger  # deferred: the core (modes) imports this module
 
     for logger in getattr(trainer, "loggers", []):
         if isinstance(logger, TensorBoardLogger):
@@ -76,7 +76,7 @@ DASHBOARD_OPTIONS_ATTRIBUTE = "memkit_dashboard_options"
 
 def _validates(trainer: Any) -> bool:
     """Whether this fit will run validation (else the validation chart would stay empty)."""
-    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.model_helpers import is_overridden  # deferred: as TensorBoardLogger's
 
     module = getattr(trainer, "lightning_module", None)
     limit = getattr(trainer, "limit_val_batches", 1)
@@ -243,6 +243,7 @@ def read_run_scalars(
     """``{tag: [(step, value), ...]}`` of the scalars in ``run_dir``'s event files (read with
     TensorBoard's own reader, every point), without the dashboard's rebased lines
     (``<prefix>/dashboard/...``, which are made from the others), or only those with ``rebased=True``."""
+    # deferred: TensorBoard's event reader is heavy (~150 modules), only reading a run back needs it
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(run_dir, size_guidance={"scalars": 0})
@@ -359,8 +360,9 @@ def read_layout(run_dir: str) -> dict[str, dict[str, list[Any]]] | None:
     Read with TensorBoard's own event reader, in the form :func:`~lightning_memkit.tensorboard.layout.dashboard_layout`
     returns (``{category: {chart: ["Multiline", [regex, ...]]}}``).
     """
+    # deferred: TensorBoard's event reader is heavy (~150 modules), only reading a run back needs it
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.custom_scalar import layout_pb2  # deferred: as EventAccumulator
 
     accumulator = EventAccumulator(run_dir, size_guidance={"tensors": 0})
     accumulator.Reload()
@@ -383,7 +385,7 @@ def write_layout(
     Custom Scalars tab reads a run's last layout event, and the new file sorts after the run's
     own (its name starts with a later timestamp). Returns the new file's path.
     """
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # deferred: imports TensorBoard (heavy), only this needs it
 
     before = set(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
     writer = SummaryWriter(run_dir, filename_suffix=".memkit-layout")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 from typing import Sequence
 
+import numpy as np
+
 # Figure + the Agg canvas, never pyplot: no global backend switch, no figure registry to leak into
 # (a notebook user's own plots are left alone), safe off the main thread.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -125,8 +127,6 @@ def figure_png(figure: Figure, dpi: int = 100) -> bytes:
 def figure_rgb(figure: Figure):
     """The figure as an ``(height, width, 3)`` uint8 array, as ``SummaryWriter.add_image(dataformats="HWC")``
     takes it."""
-    import numpy as np
-
     canvas = figure.canvas if isinstance(figure.canvas, FigureCanvasAgg) else FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
