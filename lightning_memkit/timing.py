@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 __all__ = ["StepTimer", "TimeSpread", "time_spread", "within_noise", "TIME_SOURCES"]
 
 #: what each ``StepTimer.source`` measures, for tables and docs.
@@ -83,8 +85,6 @@ class StepTimer:
         self.max_pending = max_pending
         self._cuda = _device_type(device) == "cuda"
         if self._cuda:
-            import torch
-
             if not torch.cuda.is_available():
                 raise ValueError(
                     f"StepTimer(device={device!r}): CUDA is not available here; pass the device the work runs on"
@@ -111,8 +111,6 @@ class StepTimer:
         if self._started is not None:
             raise RuntimeError("StepTimer.start(): a window is already open; call stop() first")
         if self._cuda:
-            import torch
-
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
             self._started = event
@@ -131,8 +129,6 @@ class StepTimer:
         if not self._cuda:
             self._done.append(self.clock() - started)
             return
-        import torch
-
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.device))
         self._pending.append((started, end))
