@@ -2,6 +2,9 @@
 
 If a Lightning release renames one of them, the fallback keeps training going and
 tests/test_lightning_compat.py says which one moved.
+
+Lightning is imported inside the functions: the core (the estimate) imports this module, and the core has no
+Lightning import (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def fsdp_activation_checkpointing_configured(strategy: Any) -> bool | None:
     """``None`` when ``strategy`` is not Lightning's FSDPStrategy; else whether it was given an
     ``activation_checkpointing_policy`` (read from the private ``_activation_checkpointing_kwargs``)."""
     try:
-        from lightning.pytorch.strategies import FSDPStrategy
+        from lightning.pytorch.strategies import FSDPStrategy  # deferred: the core imports this module
     except ImportError:
         return None
     if not isinstance(strategy, FSDPStrategy):
@@ -141,6 +144,7 @@ def manual_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], list[A
     ``configure_optimizers`` returned: Lightning's private ``_configure_optimizers`` (every accepted return
     shape) then ``_configure_schedulers_manual_opt`` (``lightning.pytorch.core.optimizer``), as
     ``Trainer.fit`` sets them up."""
+    # deferred: the core imports this module
     from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_manual_opt
 
     optimizers, schedulers, _ = _configure_optimizers(configured)
@@ -152,6 +156,7 @@ def automatic_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], lis
     ``configure_optimizers`` returned: Lightning's private ``_configure_optimizers`` then
     ``_configure_schedulers_automatic_opt`` (``lightning.pytorch.core.optimizer``), as ``Trainer.fit`` sets them up
     (what ``self.trainer.optimizers`` and ``self.lr_schedulers()`` answer during fit)."""
+    # deferred: the core imports this module
     from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
     optimizers, schedulers, monitor = _configure_optimizers(configured)
@@ -161,14 +166,14 @@ def automatic_optimizers_and_schedulers(configured: Any) -> tuple[list[Any], lis
 def lightning_optimizers(optimizers: list[Any], strategy: Any) -> list[Any]:
     """Lightning's ``LightningOptimizer`` wrappers of ``optimizers`` for ``strategy`` (its private
     ``_to_lightning_optimizer``), what ``self.optimizers()`` returns in a manually optimized module."""
-    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer  # deferred: the core imports this module
 
     return [LightningOptimizer._to_lightning_optimizer(each, strategy) for each in optimizers]
 
 
 def tuner_exit_exception() -> type:
     """Lightning's exception that ends ``fit`` quietly after a tuner callback (``_TunerExitException``)."""
-    from lightning.pytorch.utilities.exceptions import _TunerExitException
+    from lightning.pytorch.utilities.exceptions import _TunerExitException  # deferred: the core imports this module
 
     return _TunerExitException
 
@@ -208,7 +213,7 @@ _LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpo
 
 
 def _loops(loop: Any) -> list[Any]:
-    from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.loop import _Loop  # deferred: the core imports this module
 
     found = [loop]
     for value in vars(loop).values():
@@ -371,7 +376,7 @@ def attach_stand_in_trainer(module: Any, stand_in: StandInTrainer) -> None:
     """Give ``module`` (memkit's copy) and every LightningModule inside it ``stand_in`` as trainer, and
     mute ``self.log`` / ``self.log_dict`` on them (logging needs a Trainer's result collection)."""
     try:
-        from lightning.pytorch import LightningModule
+        from lightning.pytorch import LightningModule  # deferred: the core imports this module
     except ImportError:  # pragma: no cover
         return
     stand_in.lightning_module = module
