@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan._torch_compat import empty_host_cache
 from lightning_memkit.units import format_bytes
 
@@ -145,8 +146,6 @@ def off_device(module: torch.nn.Module, device: torch.device) -> Iterator[bool]:
 
 
 def _move_back(module: torch.nn.Module, device: torch.device, error: BaseException | None) -> None:
-    from lightning_memkit.oom import is_out_of_memory
-
     try:
         module.to(device)
     except BaseException as failed:  # noqa: BLE001 - only running out of memory is retried
