@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import accumulating, observing_ops
-from lightning_memkit.plan import Candidate, PlanError, plan_fit
+from lightning_memkit.plan import Candidate, PlanError, RowStatus, plan_fit
 from lightning_memkit.plan import calibration, planner, rows, settle, timing
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
@@ -248,6 +248,10 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials(monkey
     assert abs(row.measured_peak_bytes - row.predicted_peak_bytes) <= 1024
     # never a configuration that did not run; ranked: those predicted to fit first
     assert sum(r.measured_samples_per_s is not None for r in plan.rows) <= plan.trials
+    # each row's status says where it stands: a trial that fit ran, the others were estimated only (or their trial
+    # failed, or needed none)
+    assert all((r.status is RowStatus.RAN) == r.ran for r in plan.rows)
+    assert {r.status for r in plan.rows} <= {RowStatus.RAN, RowStatus.ESTIMATED, RowStatus.FAILED, RowStatus.NOT_RUN}
     fits = [r.fits for r in plan.rows]
     assert fits == sorted(fits, reverse=True)
     assert plan.rows[-1].candidate == Candidate(8, 1) and not plan.rows[-1].fits  # the baseline does not fit
@@ -439,6 +443,7 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
     assert data["fits_as_is"] and data["trials"] == 1 and data["effective_batch"] == 8
     assert data["max_seconds"] == 120 and [p["name"] for p in data["phases"]] == ["estimate", "trial"]
     assert data["trainer_arguments"] == {"accumulate_grad_batches": 1, "precision": "32-true"}
+    assert [row["status"] for row in data["rows"]] == ["ran"]  # the baseline, fitting as is: the one row
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,14 @@ import re
 import sys
 from typing import Any
 
-from lightning_memkit.cli.common import add_init_arguments
+import lightning.pytorch as pl
+
+from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
+from lightning_memkit.cli.estimate import _memory
+from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.plan.planner import PlanError, no_best_note, plan_fit
+from lightning_memkit.units import format_bytes
 
 __all__ = ["add_parser", "print_best", "run"]
 
@@ -106,6 +112,7 @@ def _plan_json(plan: Any) -> dict:
             "measured_samples_per_s": row.measured_samples_per_s,
             "measured_allocated_bytes": row.measured_allocated_bytes,
             "measured_reserved_bytes": row.measured_reserved_bytes,
+            "status": row.status.value,
             "note": row.note,
         }
         for row in plan.rows
@@ -131,10 +138,6 @@ def _plan_json(plan: Any) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
-    from lightning_memkit.cli.estimate import _memory
-    from lightning_memkit.plan.planner import PlanError, plan_fit
-
     try:
         if args.world_size is not None or args.strategy is not None:
             raise CliError(
@@ -152,8 +155,6 @@ def run(args: argparse.Namespace) -> int:
             )
         gpu = None
         if args.gpu is not None:
-            from lightning_memkit.estimate.cuda_kernels import GpuTarget
-
             if args.device == "cpu":
                 raise CliError(f"--gpu {args.gpu} plans for a GPU; drop --device cpu (or --gpu)")
             try:
@@ -162,8 +163,6 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"--gpu: {error}") from None
         cls = load_object(args.module)
         module = build_instance(cls, json_object(args.init_args, "--init-args"))
-        import lightning.pytorch as pl
-
         if not isinstance(module, pl.LightningModule):
             raise CliError(
                 f"{args.module} is not a LightningModule class; memkit plan trains real trials with a Trainer: "
@@ -202,8 +201,6 @@ def run(args: argparse.Namespace) -> int:
     elif plan.best is not None:
         print_best(plan)
     elif plan.rows and all(row.predicted_peak_bytes is None for row in plan.rows):
-        from lightning_memkit.plan.planner import no_best_note
-
         print(f"memkit plan: {no_best_note(plan.rows)}", file=sys.stderr)  # the estimate, not memory, stopped it
     if args.json_path:
         with open(args.json_path, "w") as handle:
@@ -232,6 +229,4 @@ def print_best(plan: Any) -> None:
 
 
 def _size(nbytes: int) -> str:
-    from lightning_memkit.units import format_bytes
-
     return format_bytes(nbytes)

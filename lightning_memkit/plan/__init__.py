@@ -2,6 +2,7 @@
 candidate space and its time model. Core code: the trials run a Lightning Trainer on a copy of the module."""
 
 from lightning_memkit.plan.planner import Plan, PlanError, PlanRow, plan_fit
+from lightning_memkit.plan.result import RowStatus
 from lightning_memkit.plan.space import Candidate, candidate_space
 from lightning_memkit.plan.time_model import ROOFLINES, Roofline, TimeModel
 
@@ -9,6 +10,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanRow",
+    "RowStatus",
     "plan_fit",
     "Candidate",
     "candidate_space",

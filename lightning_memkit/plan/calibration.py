@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from lightning_memkit.plan import timing
 from lightning_memkit.plan.inputs import PlanInputs
-from lightning_memkit.plan.result import PlanRow
+from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.rows import contenders
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.plan.time_budget import MIN_ROUNDS, TimeBudget, describe_seconds
@@ -119,7 +119,7 @@ def calibration_rows(rows: list[PlanRow], small: PlanRow, precision: str) -> lis
         if (
             r.costs is not None
             and r.fits
-            and not r.note
+            and r.status is RowStatus.ESTIMATED
             and not r.candidate.offload
             and r.candidate.precision == precision
             and size > small.candidate.micro_batch

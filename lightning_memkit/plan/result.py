@@ -3,6 +3,7 @@ best configuration, and how to train it: :meth:`Plan.trainer_arguments`, :meth:`
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,11 +16,26 @@ from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
-__all__ = ["Plan", "PlanError", "PlanRow", "trainer_kwargs"]
+__all__ = ["Plan", "PlanError", "PlanRow", "RowStatus", "trainer_kwargs"]
 
 
 class PlanError(MemkitError, ValueError):
     """The plan cannot be made as asked; the message says what to change."""
+
+
+class RowStatus(str, enum.Enum):
+    """Where a candidate's row stands in a plan (a ``str``: ``"ran"``, ...)."""
+
+    #: predicted, no trial (yet)
+    ESTIMATED = "estimated"
+    #: the estimate failed (the note says why): no prediction, no trial
+    NOT_ESTIMATED = "not estimated"
+    #: its trial fit the budget and was timed
+    RAN = "ran"
+    #: its trial ran out of memory, went over the budget, was refused or timed nothing (the note says which)
+    FAILED = "failed"
+    #: no trial needed: the same program as a row that ran, or a checkpointing of a micro-batch that fit without it
+    NOT_RUN = "not run"
 
 
 @dataclass
@@ -53,6 +69,7 @@ class PlanRow:
             ``predicted_step_s``. ``None`` when the estimate failed.
         step_seconds: the timed steps of the row's trial (seconds each; CPU: the machine's noise is their spread),
             empty when it did not run (or ran on CUDA).
+        status: where the row stands (:class:`RowStatus`).
     """
 
     candidate: Candidate
@@ -69,6 +86,7 @@ class PlanRow:
     measured_reserved_bytes: int | None = field(default=None, compare=False)
     model_step_s: float | None = field(default=None, compare=False)
     step_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
+    status: RowStatus = field(default=RowStatus.ESTIMATED, compare=False)
 
     @property
     def ran(self) -> bool:

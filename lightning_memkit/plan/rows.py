@@ -8,7 +8,7 @@ import statistics
 
 from lightning_memkit.estimate.core import EstimateError, accumulating, estimate_memory, observing_ops
 from lightning_memkit.plan.inputs import PlanInputs
-from lightning_memkit.plan.result import PlanRow
+from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.plan.time_model import OpCosts, TimeModel
 
@@ -47,7 +47,8 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel) -> 
                 gpu=inputs.gpu if cuda else None,
             )
     except (EstimateError, ValueError) as error:
-        return PlanRow(candidate, None, None, None, False, note=f"not estimated: {str(error).splitlines()[0][:160]}")
+        note = f"not estimated: {str(error).splitlines()[0][:160]}"
+        return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED)
     peak = int(estimate.required_bytes)
     usable = inputs.budget * (1 - CUDA_MARGIN) if cuda else inputs.budget
     offload_bytes = (
@@ -123,7 +124,7 @@ def contenders(rows: list[PlanRow]) -> list[PlanRow]:
     """The rows predicted to fit that a trial could choose, ranked: estimated, not tried yet, one per program (a
     budget that chose every block is the same step as ``auto``), and no checkpointing of a micro-batch predicted to
     fit without it (the same step plus the recompute: never faster)."""
-    fitting = [r for r in ranked(rows) if r.fits and r.costs is not None and not r.note]
+    fitting = [r for r in ranked(rows) if r.fits and r.costs is not None and r.status is RowStatus.ESTIMATED]
     plain = {same_shapes(r) for r in fitting if r.candidate.checkpoint is None}
     chosen: list[PlanRow] = []
     seen: set[tuple] = set()
@@ -164,7 +165,7 @@ def needless_trial(row: PlanRow, rows: list[PlanRow]) -> str | None:
     """Why ``row`` needs no trial, given the trials that ran (its note), or ``None``: the same program as one that
     ran (a budget that chose every block: same peak and ops), or a checkpointed configuration whose micro-batch
     already fit without checkpointing (it runs the same step plus the recompute: it cannot be faster)."""
-    twin = next((r for r in rows if r.note.startswith("ran") and signature(r) == signature(row)), None)
+    twin = next((r for r in rows if r.ran and signature(r) == signature(row)), None)
     if twin is not None:
         return f"not run: the same step as {twin.candidate.describe()} (peak and ops)"
     if row.candidate.checkpoint is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from lightning_memkit.plan.calibration import plausible_winners
-from lightning_memkit.plan.result import PlanRow
+from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.rows import contenders, needless_trial, observation, ranked, repredict
 from lightning_memkit.plan.settle import RETIMING_ROUNDS, interleaved_rounds
 from lightning_memkit.plan.state import PlanState
@@ -34,7 +34,7 @@ def run_trials(state: PlanState) -> None:
             "under some plausible time model: " + "; ".join(r.candidate.describe() for r in cover)
         )
     while inputs.can_run and state.trials_run < state.settings.trials:
-        queue = [r for r in ranked(state.rows) if r.fits and r.measured_peak_bytes is None and not r.note]
+        queue = [r for r in ranked(state.rows) if r.fits and r.status is RowStatus.ESTIMATED]
         if not queue:
             break
         waiting_cover = [r for r in cover if any(r is q for q in queue)]
@@ -42,7 +42,7 @@ def run_trials(state: PlanState) -> None:
         row = queue[0]
         skipped = needless_trial(row, state.rows)
         if skipped is not None:
-            row.note = skipped
+            row.note, row.status = skipped, RowStatus.NOT_RUN
             continue
         timing = _trial_timing(state, row, queue)
         if timing is None:

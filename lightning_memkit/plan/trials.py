@@ -22,7 +22,7 @@ from lightning_memkit.plan import cuda_trial
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.inputs import PlanInputs
 from lightning_memkit.plan.real_steps import real_step_seconds
-from lightning_memkit.plan.result import PlanRow
+from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.plan.time_budget import Phase, TimeBudget
 from lightning_memkit.plan.timing import (
@@ -227,7 +227,7 @@ def run_row(
     row.measured_peak_bytes = peak if fits else None
     row.measured_samples_per_s = samples if fits else None
     row.step_seconds = list(runs[-1]) if fits and runs else []
-    row.note = note
+    row.note, row.status = note, RowStatus.RAN if fits else RowStatus.FAILED
     if fits and runs.gave_up:
         row.note += (
             f"; its timing stopped after {len(row.step_seconds)} steps, slower than {GIVE_UP_FACTOR:g} x the "
