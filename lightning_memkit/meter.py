@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator
 
 import psutil
 import torch
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.compiled import NOT_SEEN_COMPILED
 from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.probes.cuda import dump_memory_snapshot
+from lightning_memkit.probes._torch_compat import dump_memory_snapshot
 from lightning_memkit.records import RunSummary, StepReading
 
 __all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report", "OomMoment", "write_run_oom_report"]

@@ -17,7 +17,7 @@ from lightning_memkit.probes import (
     TensorProbe,
     build_probes,
 )
-from lightning_memkit.probes import cuda as cuda_probe
+from lightning_memkit.probes import _torch_compat as probe_compat
 from lightning_memkit.probes import host as host_probe
 
 BIG = 256 * 2**20  # 256 MiB: far above RSS noise, returned to the OS on free (mmap'd)
@@ -86,10 +86,10 @@ def test_cuda_history_wrappers_pin_the_private_api(tmp_path):
     assert callable(torch.cuda.memory._record_memory_history)
     assert callable(torch.cuda.memory._dump_snapshot)
     if not torch.cuda.is_available():  # a CPU build, or a CUDA build (pip's torch 2.14.1) on a machine without a GPU
-        assert cuda_probe.start_memory_history(1000) is False
-        assert cuda_probe.dump_memory_snapshot(str(tmp_path / "none.pickle")) is False
+        assert probe_compat.start_memory_history(1000) is False
+        assert probe_compat.dump_memory_snapshot(str(tmp_path / "none.pickle")) is False
         assert not (tmp_path / "none.pickle").exists()
-        cuda_probe.stop_memory_history()  # never raises
+        probe_compat.stop_memory_history()  # never raises
 
 
 def test_tensor_probe_reads_the_accountant():

@@ -217,3 +217,46 @@ def test_compiled_original_unwraps_torch_compile():
     module = torch.nn.Linear(2, 2)
     assert estimate_compat.compiled_original(torch.compile(module)) is module  # compiling is lazy: nothing runs
     assert estimate_compat.compiled_original(module) is None
+
+
+def test_the_shared_torch_internals_are_what_memkit_reads():
+    """lightning_memkit/_torch_compat.py: torch's pytree flattens a batch into its tensors (with their paths) and back,
+    a TorchDispatchMode sees each op, and DisableTorchFunctionSubclass keeps a subclass's __torch_function__ out."""
+    from lightning_memkit import _torch_compat as shared
+
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), 3)}
+    leaves, spec = shared.tree_flatten(batch)
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, torch.Tensor, int]
+    assert shared.tree_unflatten(leaves, spec)["pair"][1] == 3
+    paths = [shared.keystr(path) for path, _ in shared.tree_flatten_with_path(batch)[0]]
+    assert paths == ["['x']", "['pair'][0]", "['pair'][1]"]
+    assert shared.tree_map(lambda v: v * 2 if isinstance(v, int) else v, batch)["pair"][1] == 6
+
+    class Ops(shared.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        torch.ones(2).add(1)
+    assert any("add" in name for name in ops.seen)
+
+    class Loud(torch.Tensor):
+        calls = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    loud = torch.ones(2).as_subclass(Loud)
+    Loud.calls = 0
+    with shared.disable_torch_function_subclass():
+        loud.shape
+    assert Loud.calls == 0
+    loud.shape
+    assert Loud.calls == 1

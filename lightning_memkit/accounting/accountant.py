@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from lightning_memkit._torch_compat import TorchDispatchMode
 
 from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting._torch_compat import is_traceable_wrapper_subclass_type

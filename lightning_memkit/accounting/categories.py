@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant, is_wrapper_tensor
 from lightning_memkit.probes.base import ProbeUnavailable

@@ -38,6 +38,7 @@ from typing import Any, Iterable
 
 import torch
 
+from lightning_memkit._torch_compat import disable_torch_function_subclass
 from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting.accountant import TensorAccountant, storages_of
 from lightning_memkit.errors import MemkitError
@@ -218,7 +219,7 @@ class ProcessTensors:
         ``leaves``: where to keep the leaves (requiring grad) met, for later sweeps to read again."""
         roots, walked = self._roots, self._walked
         # a tensor subclass's __torch_function__ must not run (or recurse) for these reads
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             for tensor in tensors:
                 try:
                     on_device = self._adopt_storages(tensor)

@@ -30,7 +30,7 @@ from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.peak_steps import PeakSchedule
 from lightning_memkit.probes.base import MemoryProbe
-from lightning_memkit.probes.cuda import start_memory_history, stop_memory_history
+from lightning_memkit.probes._torch_compat import start_memory_history, stop_memory_history
 from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, records_filename
 from lightning_memkit.summary_table import fit_ended, where_readings_went
 from lightning_memkit.tensorboard.dashboard import log_memory_summary, register_dashboard

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 from torch.nn.modules import module as module_hooks
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance, force_eager

@@ -11,7 +11,7 @@ import random
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 
 from lightning_memkit.errors import MemkitError
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_map
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 
 from lightning_memkit.estimate import _torch_compat
 

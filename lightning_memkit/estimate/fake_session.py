@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from lightning_memkit._torch_compat import tree_map
 
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_outputs import LossBuffers, ScalarPlaceholders, losses_keeping_their_buffer

@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.estimate.result import EstimateError
 from lightning_memkit.estimate.step_accountant import StepAccountant

@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, keystr
+from lightning_memkit._torch_compat import tree_flatten, tree_flatten_with_path, keystr
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length

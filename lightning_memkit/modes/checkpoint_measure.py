@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 from torch import nn
 
 from lightning_memkit.accounting.accountant import TensorAccountant

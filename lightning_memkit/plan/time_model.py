@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpoint_wrap import checkpoint_region

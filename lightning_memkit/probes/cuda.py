@@ -51,37 +51,3 @@ class CudaAllocatorProbe(MemoryProbe):
     def capacity_bytes(self) -> int:
         """The device's total memory in bytes."""
         return int(torch.cuda.get_device_properties(self.device).total_memory)
-
-
-# --- torch.cuda.memory's private history API, wrapped so tests pin its behaviour ---------
-
-
-def start_memory_history(max_entries: int, stacks: str = "python") -> bool:
-    """Start recording allocator history (for an OOM snapshot), ``max_entries`` events at most, with
-    ``stacks`` (``"python"``: Python frames only, which the snapshot writes in seconds; ``"all"``: C++
-    frames too, torch's default, whose symbolization can take minutes); ``False`` if unsupported."""
-    try:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
-        return True
-    except (AttributeError, RuntimeError, TypeError):
-        return False
-
-
-def stop_memory_history() -> None:
-    """Stop recording allocator history."""
-    try:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    except (AttributeError, RuntimeError, TypeError):
-        pass
-
-
-def dump_memory_snapshot(path: str) -> bool:
-    """Write the allocator snapshot (viewable at pytorch.org/memory_viz); ``False`` on failure, and without a
-    CUDA device (a CUDA build of torch on a machine without a GPU would write an empty snapshot)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.cuda.memory._dump_snapshot(path)
-        return True
-    except (AttributeError, RuntimeError, TypeError, OSError):
-        return False

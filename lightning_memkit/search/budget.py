@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from lightning_memkit._torch_compat import TorchDispatchMode
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import psutil
 import torch
-from torch.utils._pytree import tree_map
+from lightning_memkit._torch_compat import tree_map
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.estimate.batches import preserved_rng

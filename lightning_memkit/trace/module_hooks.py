@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from lightning_memkit._torch_compat import tree_flatten
 
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.accounting.categories import CategoryAttributor
