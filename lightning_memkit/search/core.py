@@ -4,6 +4,7 @@ between a size that ran and one that ran out of memory. No Lightning here: a tri
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,17 @@ class SearchError(MemkitError, RuntimeError):
     """The search found no batch size that runs; the message says what to do."""
 
 
+class TrialOutcome(str, enum.Enum):
+    """How a trial ended (a ``str``: ``"fits"``, ...)."""
+
+    #: every step ran (within the budget)
+    FITS = "fits"
+    #: a step ran out of memory, or over the budget
+    OUT_OF_MEMORY = "out of memory"
+    #: its next step would have ended past its time limit (:class:`~lightning_memkit.search.limits.TrialTooSlow`)
+    TOO_SLOW = "too slow"
+
+
 @dataclass
 class Trial:
     """One real trial (sizes in bytes, time in seconds).
@@ -34,6 +46,7 @@ class Trial:
         error: the out-of-memory message of a failed trial.
         batch_bytes: the bytes of the largest batch the trial trained on (``None`` when unknown).
         batch_shapes: that batch's tensor shapes, e.g. ``input_ids (14, 256), labels (14,)``.
+        outcome: how it ended (:class:`TrialOutcome`; by default ``FITS`` when it fit, else ``OUT_OF_MEMORY``).
     """
 
     batch_size: int
@@ -43,6 +56,11 @@ class Trial:
     error: str | None = None
     batch_bytes: int | None = None
     batch_shapes: str = ""
+    outcome: TrialOutcome | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome is None:
+            self.outcome = TrialOutcome.FITS if self.fits else TrialOutcome.OUT_OF_MEMORY
 
 
 @dataclass
@@ -96,10 +114,7 @@ class SearchResult:
             if self.estimate_unavailable
             else "no prediction"
         )
-        outcomes = [
-            "fits" if t.fits else "too slow" if (t.error or "").startswith("too slow") else "out of memory"
-            for t in self.trials
-        ]
+        outcomes = [t.outcome.value for t in self.trials]
         rows = [
             (i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
             for i, (t, outcome) in enumerate(zip(self.trials, outcomes))

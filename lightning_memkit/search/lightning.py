@@ -22,7 +22,7 @@ from lightning_memkit.estimate.predict import predict_max_batch_size
 from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
-from lightning_memkit.search.core import SearchError, SearchResult, Trial
+from lightning_memkit.search.core import SearchError, SearchResult, Trial, TrialOutcome
 from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
 from lightning_memkit.search.ranks import Outcomes, rank_local, step_communicates
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig, _lightning_setattr, check_searchable
@@ -370,7 +370,7 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
     started = time.perf_counter()
     recorder = BatchRecorder()
     trainer.callbacks = [*trainer.callbacks, recorder]
-    steps, error_text = _trial_steps(trainer, module, size, config, setup, worst)
+    steps, error_text, slow = _trial_steps(trainer, module, size, config, setup, worst)
     if error_text is not None:  # the failed step's tensors are only reachable through cycles now
         release_memory(device)
     fits = error_text is None and steps >= config.steps_per_trial
@@ -396,13 +396,14 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
     if fits:
         return Trial(size, True, peak, seconds, None, recorder.nbytes, recorder.shapes)
     if not outcomes.enabled:
-        slow = (error_text or "").startswith("too slow")  # its steps ran within memory: their peak is known
         return Trial(
             size,
             False,
+            # a trial stopped as too slow ran its steps within memory: their peak is known
             budget.accountant.peak_bytes if slow and budget is not None else None,
             seconds,
             error_text or "out of memory",
+            outcome=TrialOutcome.TOO_SLOW if slow else TrialOutcome.OUT_OF_MEMORY,
         )
     failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
     where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
@@ -411,10 +412,12 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
 
 def _trial_steps(
     trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup, worst: Any
-) -> tuple[int, str | None]:
-    """Run the trial's steps through the fit loop; returns ``(steps run, why it stopped early)``, the reason
-    ``None`` when nothing stopped it. Only out-of-memory and a trial past its time limit are caught."""
+) -> tuple[int, str | None, bool]:
+    """Run the trial's steps through the fit loop; returns ``(steps run, why it stopped early, whether its time
+    limit stopped it)``, the reason ``None`` when nothing stopped it. Only out-of-memory and a trial past its time
+    limit are caught."""
     error_text: str | None = None
+    too_slow = False
     budget = setup.budget
     with rank_local(trainer):
         compat.reload_train_dataloader(trainer)
@@ -437,13 +440,14 @@ def _trial_steps(
                 trainer.fit_loop.run()
         except BaseException as error:  # noqa: BLE001 - only out-of-memory (and a trial past its time limit) is caught
             error_text = _stopped_by(trainer, error, size, config, setup.communicates)
+            too_slow = isinstance(error, TrialTooSlow)
             reset_scaler(trainer)  # stopped between the scaler's unscale_ and update: the next trial unscales again
             traceback.clear_frames(error.__traceback__)
             del error
         steps = trainer.fit_loop.epoch_loop.global_step
         compat.drop_train_data_fetcher(trainer)  # it holds the batch it prefetched
         compat.clear_logged_results(trainer)
-    return steps, error_text
+    return steps, error_text, too_slow
 
 
 def _stopped_by(trainer: Any, error: BaseException, size: int, config: SearchConfig, communicates: bool) -> str:

@@ -31,7 +31,7 @@ import psutil
 from lightning.pytorch import Callback
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
+from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial, TrialOutcome
 from lightning_memkit.units import format_bytes
 
 __all__ = [
@@ -239,9 +239,8 @@ class BoundedSearch(BatchSizeSearch):
         )
 
     def _end_line(self, trial: Trial) -> None:
-        outcome = "fits" if trial.fits else "too slow" if is_too_slow(trial) else "out of memory"
         self.say(
-            f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {outcome}, peak "
+            f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {trial.outcome.value}, peak "
             f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)"
         )
         if self._ended is not None:
@@ -292,4 +291,4 @@ class BoundedSearch(BatchSizeSearch):
 
 def is_too_slow(trial: Trial) -> bool:
     """Whether ``trial`` was stopped by its time limit (:class:`TrialTooSlow`) rather than by memory."""
-    return not trial.fits and (trial.error or "").startswith("too slow")
+    return trial.outcome is TrialOutcome.TOO_SLOW
