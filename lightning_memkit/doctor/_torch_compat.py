@@ -10,6 +10,8 @@ from typing import Any
 
 from torch.utils import _python_dispatch as _dispatch
 
+from lightning_memkit.accounting._torch_compat import exit_mode_in_place
+
 __all__ = ["enter_mode_at_bottom", "exit_mode_anywhere", "mode_is_active", "caller_frame", "saved_values"]
 
 
@@ -36,8 +38,6 @@ def exit_mode_anywhere(mode: Any) -> bool:
     """Exit ``mode`` wherever it is on this thread's dispatch-mode stack, leaving the modes above it
     in place and in order. Returns ``False`` (and does nothing) when ``mode`` is not on the stack.
     The stack surgery is the accountant's (:func:`lightning_memkit.accounting._torch_compat.exit_mode_in_place`)."""
-    from lightning_memkit.accounting._torch_compat import exit_mode_in_place
-
     return exit_mode_in_place(mode, lambda: mode.__exit__(None, None, None))
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_memkit._user_code import is_user_file
+from lightning_memkit.doctor.leaks import group_key
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.holder_paths import (
@@ -342,8 +343,6 @@ def attach_holders(
     groups, else its first ``survivors``): one :func:`find_holders` search for them all, for up to
     ``per_group`` of each group's most recent storages, stopped once each group has one. Sets
     :attr:`CreatorGroup.holder` and :attr:`CreatorGroup.holder_note`; returns the search (its cost)."""
-    from lightning_memkit.doctor.leaks import group_key
-
     groups = (report.growing or report.survivors)[:limit]
     wanted = {group_key_of(group): group for group in groups}
     members: dict[tuple, list] = {key: [] for key in wanted}
