@@ -18,7 +18,7 @@ import torch
 
 from lightning_memkit import ActivationCheckpointing
 from tests.compile_models import CompiledCNN, CompiledGPT2, CountingBackend, GraphCallsPerStep
-from tests.conftest import make_trainer
+from tests.conftest import make_trainer, rerun_in_own_process
 
 
 @pytest.fixture(autouse=True)
@@ -280,14 +280,18 @@ def test_the_allocator_reading_equals_the_exact_accountant_on_an_eager_step(tmp_
         assert 0 <= allocator - exact <= 256, readings
 
 
-def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_checkpointing_lowers_the_peak(tmp_path):
+def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_checkpointing_lowers_the_peak(
+    request, tmp_path
+):
+    # a user's fit, from a fresh process: on torch 2.14.1, after this file's other compiled fits (the doctor's leaking
+    # models among them) in the same process, two of this fit's four steps ran no compiled graph; alone, and on 2.13,
+    # every step runs compiled (not yet explained: CHANGELOG, issue 37)
+    if rerun_in_own_process(request, tmp_path):
+        return
     from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker
 
     peaks = {}
     for checkpointed in (False, True):
-        # the leaking compiled models of earlier tests (the doctor's, kept alive by their cycles) are collected first:
-        # on torch 2.14.1 their collection during this fit left two of its four steps running no compiled graph
-        gc.collect()
         torch._dynamo.reset()
         backend = CountingBackend()
         torch.manual_seed(0)
