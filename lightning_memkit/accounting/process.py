@@ -153,7 +153,7 @@ class ProcessTensors:
         # its weak references), so a second walk could find only what changed on the leaves it reaches:
         # those leaves are kept (weakly) in ``_leaves``, whose storages and ``.grad`` every sweep reads.
         # Walking every live graph at every sweep cost ~30 ms a step in a process holding dynamo's compiled
-        # code (its FakeTensors with a grad_fn live as long as the compiled code): issue 21.
+        # code (its FakeTensors with a grad_fn live as long as the compiled code).
         self._walked: dict[int, tuple[weakref.ref, int | None]] = {}
         self._leaves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         #: autograd nodes visited by graph walks since :meth:`start` (a count; what a sweep's walk costs)

@@ -1,4 +1,4 @@
-"""A trial in fp16 (``16-mixed``) runs until its optimizer has really stepped (issue 36).
+"""A trial in fp16 (``16-mixed``) runs until its optimizer has really stepped.
 
 Lightning's ``16-mixed`` scales the loss with a ``torch.amp.GradScaler``, whose first steps often find inf in the
 scaled gradients (the initial scale, 2**16, is meant to be too large): it then skips ``optimizer.step`` and halves the

@@ -69,7 +69,7 @@ class TensorProbe(MemoryProbe):
         #: whether :meth:`reset_peak` first adopts the tensors made since the last look (a sweep of the young
         #: objects). :class:`~lightning_memkit.MemoryMeter` turns it off for a window with no tensor peak: what
         #: such a window reads is ``tensor_bytes`` at its end, which :meth:`read` sweeps for anyway (the tensors
-        #: that lived only in between are no reading's), so one sweep a step is saved (issue 21).
+        #: that lived only in between are no reading's), so one sweep a step is saved.
         self.sweep_at_reset = True
 
     @property
