@@ -4,13 +4,11 @@ estimate with the error."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
-import logging
 import sys
 import tempfile
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +18,7 @@ from lightning_memkit.cli.common import CliError, build_instance, json_object, l
 from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.plan.timing import quiet_lightning
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -123,7 +122,7 @@ def _measure_cuda_steps(module: Any, args: argparse.Namespace, mode: Any, batch_
     gc.collect()
     torch.cuda.empty_cache()
     try:
-        with _quiet_lightning(), tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
+        with quiet_lightning(), tempfile.TemporaryDirectory(prefix="memkit_check_") as root:
             trainer = _two_step_trainer(root, kwargs["precision"], [*kwargs["callbacks"], reader])
             trainer.fit(real, datamodule=datamodule)
             del trainer
@@ -194,24 +193,6 @@ def _mode_trainer_kwargs(mode: Any) -> dict[str, Any]:
     # auto checkpointing needs no measuring forward (the estimate makes none); a budget measures, as in training
     measure = {} if isinstance(mode.checkpoint, CheckpointBudget) else {"measure": False}
     return mode.trainer_kwargs("cuda", verbose=False, **measure)
-
-
-@contextlib.contextmanager
-def _quiet_lightning() -> Iterator[None]:
-    """Lightning's loggers at WARNING while the check trains: the Trainer's banner lines would split the printed
-    tables."""
-    quiet = [
-        logging.getLogger(name)
-        for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
-    ]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
 
 
 def _two_step_trainer(root: str, precision: Any, callbacks: list[Any]) -> Any:
