@@ -178,6 +178,23 @@ def build_instance(cls: Any, init_args: dict, batch_size: int | None = None, wha
     return instance
 
 
+def build_module_and_datamodule(cls: Any, args: Any) -> tuple[Any, Any]:
+    """The module ``cls`` built from ``--init-args`` and, when ``--datamodule`` is given, the datamodule built from
+    ``--datamodule-args``; ``--batch-size`` goes to the datamodule when there is one, else to the module."""
+    module = build_instance(
+        cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
+    )
+    if not args.datamodule:
+        return module, None
+    datamodule = build_instance(
+        load_object(args.datamodule),
+        json_object(args.datamodule_args, "--datamodule-args"),
+        args.batch_size,
+        "datamodule",
+    )
+    return module, datamodule
+
+
 def build_trainer(**options: Any) -> Any:
     """``lightning.pytorch.Trainer(**options)``.
 

@@ -20,9 +20,8 @@ from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli.common import (
     CliError,
     add_init_arguments,
-    build_instance,
+    build_module_and_datamodule,
     build_trainer,
-    json_object,
     load_object,
 )
 
@@ -95,19 +94,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.module} is not a LightningModule class; memkit doctor needs one "
             "(use lightning_memkit.doctor.DoctorSession from Python for a plain training loop)"
         )
-    model = build_instance(
-        cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
-    )
-    datamodule = (
-        build_instance(
-            load_object(args.datamodule),
-            json_object(args.datamodule_args, "--datamodule-args"),
-            args.batch_size,
-            "datamodule",
-        )
-        if args.datamodule
-        else None
-    )
+    model, datamodule = build_module_and_datamodule(cls, args)
     if datamodule is None and not _overrides(model, "train_dataloader"):
         raise CliError(
             f"{cls.__name__} defines no train_dataloader(); add one or pass --datamodule FILE.py:DataModuleClass"

@@ -19,9 +19,8 @@ from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.cli.common import (
     CliError,
     add_init_arguments,
-    build_instance,
+    build_module_and_datamodule,
     build_trainer,
-    json_object,
     load_object,
 )
 
@@ -119,19 +118,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
             + (" (--batch-size then goes to the datamodule)" if args.batch_size is not None else "")
             + ", or add a train_dataloader() to the module"
         )
-    model = build_instance(
-        cls, json_object(args.init_args, "--init-args"), None if args.datamodule else args.batch_size, "module"
-    )
-    datamodule = (
-        build_instance(
-            load_object(args.datamodule),
-            json_object(args.datamodule_args, "--datamodule-args"),
-            args.batch_size,
-            "datamodule",
-        )
-        if args.datamodule
-        else None
-    )
+    model, datamodule = build_module_and_datamodule(cls, args)
     return model, datamodule
 
 
