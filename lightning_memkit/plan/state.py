@@ -4,7 +4,7 @@ and trials refine it, its time budget and notes; and what a trial costs at the m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from lightning_memkit.plan.inputs import PlanInputs, TrialSettings
 from lightning_memkit.plan.result import PlanRow
@@ -49,8 +49,8 @@ class PlanState:
     trials_run: int = 0
     fits_as_is: bool = False
     best: PlanRow | None = None
-    base_model: Any = None
-    reference: Any = None
+    base_model: TimeModel | None = None
+    reference: TimeModel | None = None
     observations: list[tuple] = field(default_factory=list)
     calibrations: list[tuple] = field(default_factory=list)
     overheads: tuple[float, float] = (0.0, 0.0)
