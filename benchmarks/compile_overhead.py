@@ -146,7 +146,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     per_round: dict[str, list[float]] = {name: [] for name in names}
     calls: dict[str, list[int]] = {name: [] for name in names}
-    peaks: dict[str, int | None] = {name: None for name in names}
+    peaks: dict[str, int | None] = dict.fromkeys(names)
     load_before = os.getloadavg()
     for round_index in range(args.rounds):
         shift = round_index % len(names)

@@ -91,7 +91,6 @@ def child(source: str, case: str, without: str | None) -> None:
     sys.path.insert(0, source)
     sys.path.insert(1, os.path.join(ROOT, "tests"))
     from gpu_truth import MODES, make_model
-
     from lightning_memkit.estimate import estimate_memory
 
     if without:

@@ -20,10 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # provenance.py (after tests/: its gpu_truth is the one)
 
 from gpu_truth import MODES, make_model, truth_rows  # noqa: E402
-from provenance import provenance_line  # noqa: E402
-
 from lightning_memkit.estimate import estimate_memory  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
+from provenance import provenance_line  # noqa: E402
 
 GiB = 2**30
 

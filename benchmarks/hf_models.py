@@ -19,9 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    from test_hf_models import BATCH, HFModule, counted_real_peak
-
     from lightning_memkit import estimate_memory
+    from test_hf_models import BATCH, HFModule, counted_real_peak
 
     print("| model | mode | real step (bytes) | estimate (bytes) | difference |")
     print("|---|---|---:|---:|---:|")

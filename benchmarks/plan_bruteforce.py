@@ -177,8 +177,8 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
     round to round, and its samples/s is the median of its round medians."""
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
-    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.plan.space import DEFAULT_PLAN_MODES, candidate_space
+    from lightning_memkit.plan.trials import trial as _trial
 
     module = make()
     sample, _ = sample_batch_and_length(module, None)
@@ -216,7 +216,7 @@ def _brute_force(make, batch: int, rounds: int) -> tuple[dict, float, dict]:
             file=sys.stderr,
             flush=True,
         )
-    return runs, time.perf_counter() - started, dict(module=module, sample=sample, same=same)
+    return runs, time.perf_counter() - started, {"module": module, "sample": sample, "same": same}
 
 
 def _pooled_reference(make, batch: int, paths: list[str]) -> tuple[dict, float, dict]:
@@ -256,7 +256,7 @@ def _pooled_reference(make, batch: int, paths: list[str]) -> tuple[dict, float, 
             file=sys.stderr,
             flush=True,
         )
-    return runs, 0.0, dict(module=module, sample=sample, same=_same_programs(module, space, sample, peaks))
+    return runs, 0.0, {"module": module, "sample": sample, "same": _same_programs(module, space, sample, peaks)}
 
 
 def _head_to_head(context: dict, chosen, best, rounds: int) -> tuple[float, list[float]]:
@@ -300,7 +300,8 @@ def _same_programs(module, space, sample, peaks) -> dict:
     precision, the same real peak (measured) and the same ops in the fake step (count, FLOPs, bytes)."""
     from lightning_memkit.estimate.core import reusing_fake_copies
     from lightning_memkit.plan.inputs import PlanInputs
-    from lightning_memkit.plan.rows import estimate_row as _estimate_row, signature as _signature
+    from lightning_memkit.plan.rows import estimate_row as _estimate_row
+    from lightning_memkit.plan.rows import signature as _signature
     from lightning_memkit.plan.time_model import ROOFLINES, TimeModel
 
     keys = {}
@@ -404,34 +405,34 @@ def _run_case(name: str, make, batch: int, label: str, budget: int, runs: dict, 
             file=sys.stderr,
             flush=True,
         )
-    return dict(
-        head_to_head=head_to_head,
-        noise=paired_noise(ratios),
-        plan_tie=any(note.startswith("a tie within the measured noise") for note in plan.notes),
-        model=name,
-        label=label,
-        budget=budget,
-        space=len(brute),
-        fitting=len(fitting),
-        best=best,
-        best_speed=best_speed,
-        chosen=chosen,
-        chosen_speed=speed(chosen),
-        plan_speed=plan.best_row.measured_samples_per_s if plan.best_row else None,
-        plan_peak=plan.best_row.measured_peak_bytes if plan.best_row else None,
-        brute_peak=chosen_brute[1] if chosen_brute else None,
-        trials=plan.trials,
-        rho=rho,
-        rho_model=rho_model,
-        pairs=len(pairs),
-        composer=composer,
-        composer_speed=speed(composer),
-        composer_trials=composer_trials,
-        finder=finder,
-        finder_speed=speed(finder),
-        finder_trials=finder_trials,
-        plan_s=plan.seconds,
-    )
+    return {
+        "head_to_head": head_to_head,
+        "noise": paired_noise(ratios),
+        "plan_tie": any(note.startswith("a tie within the measured noise") for note in plan.notes),
+        "model": name,
+        "label": label,
+        "budget": budget,
+        "space": len(brute),
+        "fitting": len(fitting),
+        "best": best,
+        "best_speed": best_speed,
+        "chosen": chosen,
+        "chosen_speed": speed(chosen),
+        "plan_speed": plan.best_row.measured_samples_per_s if plan.best_row else None,
+        "plan_peak": plan.best_row.measured_peak_bytes if plan.best_row else None,
+        "brute_peak": chosen_brute[1] if chosen_brute else None,
+        "trials": plan.trials,
+        "rho": rho,
+        "rho_model": rho_model,
+        "pairs": len(pairs),
+        "composer": composer,
+        "composer_speed": speed(composer),
+        "composer_trials": composer_trials,
+        "finder": finder,
+        "finder_speed": speed(finder),
+        "finder_trials": finder_trials,
+        "plan_s": plan.seconds,
+    }
 
 
 def main() -> None:

@@ -175,8 +175,8 @@ def plain_fits(ran: dict[int, bool]):
 def run_case(name: str, build, batch: int, budget: int, device: str, modes: str) -> dict:
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
-    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.plan.space import candidate_space
+    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.units import format_bytes
 
     cuda = device == "cuda"
@@ -202,16 +202,16 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
             fits, peak, samples, note = _trial(module, row.candidate, sample, budget, device, WARMUP, TIMED)
         except Exception as error:  # noqa: BLE001 - a row that fails (not out of memory) is reported, the rest still run
             fits, peak, samples, note = False, None, None, f"failed: {type(error).__name__}: {str(error)[:200]}"
-        runs[row.candidate] = dict(
-            fits=fits,
-            peak=peak,
-            samples=samples,
-            note=note,
-            predicted_samples=row.predicted_samples_per_s,
-            predicted_peak=row.predicted_peak_bytes,
-            predicted_fits=row.fits,
-            trial=row.note,
-        )
+        runs[row.candidate] = {
+            "fits": fits,
+            "peak": peak,
+            "samples": samples,
+            "note": note,
+            "predicted_samples": row.predicted_samples_per_s,
+            "predicted_peak": row.predicted_peak_bytes,
+            "predicted_fits": row.fits,
+            "trial": row.note,
+        }
         log(
             f"#   {row.candidate.describe()}: predicted {format_bytes(row.predicted_peak_bytes)}, "
             f"{row.predicted_samples_per_s or 0:.1f} samples/s{' (fits)' if row.fits else ''}; brute force {note}, "
@@ -236,35 +236,35 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
 
     composer, composer_trials, finder, finder_trials = baselines(plain, fits, batch)
     best_row = plan.best_row
-    return dict(
-        model=name,
-        budget=budget,
-        batch=batch,
-        space=len(space),
-        estimated=len(runs),
-        fitting=len(fitting),
-        best=best.describe() if best else None,
-        best_speed=speed(best) if best else None,
-        chosen=chosen.describe() if chosen else None,
-        chosen_speed=speed(chosen) if chosen else None,
-        plan_speed=best_row.measured_samples_per_s if best_row else None,
-        plan_peak=best_row.measured_peak_bytes if best_row else None,
-        effective=chosen.effective_batch if chosen else None,
-        trials=plan.trials,
-        rho=spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan"),
-        pairs=len(pairs),
-        error_median=statistics.median(errors) if errors else None,
-        error_range=(min(errors), max(errors)) if errors else None,
-        composer=composer.describe() if composer else None,
-        composer_speed=speed(composer) if composer else None,
-        composer_trials=composer_trials,
-        finder=finder.describe() if finder else None,
-        finder_speed=speed(finder) if finder else None,
-        finder_trials=finder_trials,
-        plan_s=plan_s,
-        brute_s=brute_s,
-        rows=[dict(candidate=c.describe(), **{k: v for k, v in r.items()}) for c, r in runs.items()],
-    )
+    return {
+        "model": name,
+        "budget": budget,
+        "batch": batch,
+        "space": len(space),
+        "estimated": len(runs),
+        "fitting": len(fitting),
+        "best": best.describe() if best else None,
+        "best_speed": speed(best) if best else None,
+        "chosen": chosen.describe() if chosen else None,
+        "chosen_speed": speed(chosen) if chosen else None,
+        "plan_speed": best_row.measured_samples_per_s if best_row else None,
+        "plan_peak": best_row.measured_peak_bytes if best_row else None,
+        "effective": chosen.effective_batch if chosen else None,
+        "trials": plan.trials,
+        "rho": spearman([p for p, _ in pairs], [m for _, m in pairs]) if len(pairs) >= 3 else float("nan"),
+        "pairs": len(pairs),
+        "error_median": statistics.median(errors) if errors else None,
+        "error_range": (min(errors), max(errors)) if errors else None,
+        "composer": composer.describe() if composer else None,
+        "composer_speed": speed(composer) if composer else None,
+        "composer_trials": composer_trials,
+        "finder": finder.describe() if finder else None,
+        "finder_speed": speed(finder) if finder else None,
+        "finder_trials": finder_trials,
+        "plan_s": plan_s,
+        "brute_s": brute_s,
+        "rows": [dict(candidate=c.describe(), **dict(r.items())) for c, r in runs.items()],
+    }
 
 
 def parse_candidate(text: str):

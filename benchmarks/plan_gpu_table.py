@@ -129,30 +129,30 @@ def summarize(name: str, budget: int, case: dict) -> dict:
         text = candidate.describe() if candidate is not None else None
         return fitting[text][2] if text in fitting else None
 
-    return dict(
-        name=name,
-        budget=budget,
-        fitting=len(fitting),
-        run=len(rows),
-        best=best,
-        best_speed=fitting[best][2],
-        choice=choice,
-        choice_speed=fitting[choice][2],
-        trials=case["trials"],
-        peak=rows[choice][1],
-        rho=spearman([p for p, _ in pairs], [m for _, m in pairs]),
-        pairs=len(pairs),
-        error=(min(errors), statistics.median(errors), max(errors)),
-        missed=missed,
-        scale=scale,
-        composer=composer,
-        composer_speed=speed(composer),
-        composer_trials=composer_trials,
-        finder=finder,
-        finder_speed=speed(finder),
-        finder_trials=finder_trials,
-        plan_s=case["plan_s"],
-    )
+    return {
+        "name": name,
+        "budget": budget,
+        "fitting": len(fitting),
+        "run": len(rows),
+        "best": best,
+        "best_speed": fitting[best][2],
+        "choice": choice,
+        "choice_speed": fitting[choice][2],
+        "trials": case["trials"],
+        "peak": rows[choice][1],
+        "rho": spearman([p for p, _ in pairs], [m for _, m in pairs]),
+        "pairs": len(pairs),
+        "error": (min(errors), statistics.median(errors), max(errors)),
+        "missed": missed,
+        "scale": scale,
+        "composer": composer,
+        "composer_speed": speed(composer),
+        "composer_trials": composer_trials,
+        "finder": finder,
+        "finder_speed": speed(finder),
+        "finder_trials": finder_trials,
+        "plan_s": case["plan_s"],
+    }
 
 
 def main(folder: str) -> None:

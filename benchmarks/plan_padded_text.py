@@ -38,7 +38,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-MODEL = dict(d_model=256, layers=6, dim_feedforward=1024, batch_size=32)
+MODEL = {"d_model": 256, "layers": 6, "dim_feedforward": 1024, "batch_size": 32}
 BUDGET = "512MiB"
 
 
@@ -160,9 +160,8 @@ def brute(args: argparse.Namespace) -> None:
 
 
 def pair(args: argparse.Namespace) -> None:
-    from plan_side_by_side import parse_candidate
-
     from lightning_memkit.units import parse_bytes
+    from plan_side_by_side import parse_candidate
 
     first, second = parse_candidate(args.first), parse_candidate(args.second)
     module, budget = _make(), parse_bytes(BUDGET)

@@ -96,8 +96,8 @@ class BenchTransformer(DemoTransformer):
 MODELS = {
     # name: (constructor kwargs, measured steps per run)
     "100ms": ({}, 20),
-    "20ms": (dict(width=1024, depth=3, batch_size=128, in_features=512), 40),
-    "1ms": (dict(width=32, depth=1, batch_size=8, in_features=16), 150),
+    "20ms": ({"width": 1024, "depth": 3, "batch_size": 128, "in_features": 512}, 40),
+    "1ms": ({"width": 32, "depth": 1, "batch_size": 8, "in_features": 16}, 150),
 }
 
 

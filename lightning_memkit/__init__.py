@@ -5,6 +5,9 @@ The public API is what this module exports; everything else may change.
 
 # first: below the supported torch range, importing fails here with one line naming the range
 from lightning_memkit import _torch_range  # noqa: F401
+
+# lightning_memkit.__version__, public but outside __all__: one definition, read by the report too
+from lightning_memkit._version import __version__  # noqa: E402, F401
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
@@ -15,8 +18,15 @@ from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.doctor import CreationRecorder, DoctorReport, DoctorSession, LeakWatcher
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate import MemoryEstimate, estimate_memory, measure_training_step, predict_max_batch_size
-from lightning_memkit.estimate import DistributedEstimate, estimate_distributed_memory, model_state_bytes
+from lightning_memkit.estimate import (
+    DistributedEstimate,
+    MemoryEstimate,
+    estimate_distributed_memory,
+    estimate_memory,
+    measure_training_step,
+    model_state_bytes,
+    predict_max_batch_size,
+)
 from lightning_memkit.estimate.worst_batch import WorstBatch, find_worst_batch
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
@@ -26,9 +36,6 @@ from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.search import BudgetExceededError, MemoryBudget
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
-
-# lightning_memkit.__version__, public but outside __all__: one definition, read by the report too
-from lightning_memkit._version import __version__  # noqa: E402, F401
 
 __all__ = [
     "Mode",

@@ -342,7 +342,7 @@ class StandInTrainer:
         )
 
     @classmethod
-    def like(cls, trainer: Any, **defaults: Any) -> "StandInTrainer":
+    def like(cls, trainer: Any, **defaults: Any) -> StandInTrainer:
         """A stand-in with the settings of ``trainer`` (a real, possibly unattached, ``Trainer``); each
         setting it cannot read keeps its default. ``defaults`` (e.g. ``num_training_batches``) fill the rest."""
         settings = dict(defaults)

@@ -6,8 +6,9 @@ Each logger's ``log_metrics`` is wrapped while a run lasts; what Lightning does 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["PendingRow", "LoggerMerge"]
 

@@ -7,12 +7,13 @@ plain PyTorch training loop (see ``MemoryMeter.measure``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import psutil
 import torch
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.compiled import NOT_SEEN_COMPILED
 from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
@@ -260,7 +261,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def measure(
         self, step: int, existing: Iterable[Any] = (), stage: str = "train", rank: int = 0, *, tensor_peak: bool = True
-    ) -> Iterator["MemoryMeter"]:
+    ) -> Iterator[MemoryMeter]:
         """Open, activate, run the ``with`` body, close. The reading is in :attr:`last`.
 
         ``step``, ``stage``, ``rank`` and ``tensor_peak`` are :meth:`open`'s; ``existing`` is

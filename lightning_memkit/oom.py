@@ -11,8 +11,9 @@ import os
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -90,7 +90,7 @@ class StepReading:
     @staticmethod
     def value_fields() -> list[str]:
         """Names of the measured fields (bytes and counts), in display order."""
-        return [f for f in MEMORY_FIELDS] + [f for f in COUNT_FIELDS]
+        return list(MEMORY_FIELDS) + list(COUNT_FIELDS)
 
     def values(self) -> dict[str, int]:
         """The measured fields that have a value."""
@@ -112,7 +112,7 @@ class StepReading:
         return {name: getattr(self, name) for name in _STEP_READING_FIELDS}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StepReading":
+    def from_dict(cls, data: dict[str, Any]) -> StepReading:
         """Inverse of :meth:`to_dict`; unknown keys are ignored so old files still load."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -215,7 +215,7 @@ class RunSummary:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunSummary":
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
         """Inverse of :meth:`to_dict`; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

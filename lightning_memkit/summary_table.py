@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.units import format_bytes

@@ -12,8 +12,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

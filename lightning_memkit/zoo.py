@@ -117,7 +117,7 @@ class _Classifier(pl.LightningModule):
         return self._data().val_dataloader()
 
 
-def _image_data(model: "_Classifier") -> SyntheticDataModule:
+def _image_data(model: _Classifier) -> SyntheticDataModule:
     size = model.hparams.image_size
     return SyntheticDataModule(
         model.batch_size,

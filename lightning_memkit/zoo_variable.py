@@ -6,7 +6,7 @@ Each dataset is fixed by its seed, so every run sees the same samples; the loade
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import lightning.pytorch as pl
 import torch

@@ -14,7 +14,8 @@ Usage in a test::
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -13,7 +13,7 @@ Usage in a test::
 from __future__ import annotations
 
 import gc
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

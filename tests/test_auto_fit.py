@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from lightning_gpt import CharDataModule, TinyGPT  # noqa: E402
 
 BATCH = 16
-MODEL = dict(vocab=64, d_model=32, heads=2, layers=2, seq_len=32)
+MODEL = {"vocab": 64, "d_model": 32, "heads": 2, "layers": 2, "seq_len": 32}
 
 
 class StepRecorder(Callback):
@@ -42,7 +42,7 @@ class StepRecorder(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         accountant = TensorAccountant()
-        state = [p for p in pl_module.parameters()] + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        state = list(pl_module.parameters()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
         for optimizer in trainer.optimizers:
             for values in optimizer.state.values():
                 state += [v for v in values.values() if isinstance(v, torch.Tensor)]

@@ -11,30 +11,29 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from conftest import run_script
 from lightning_memkit import is_out_of_memory
-from lightning_memkit.callbacks.max_batch_size import MaxBatchSize
+from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.estimate import measure_training_step
 from lightning_memkit.estimate.predict import AffineGrowth
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
 from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
-from lightning_memkit.callbacks.max_batch_size import find_max_batch_size
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
-from conftest import run_script
 
 FEATURES = 256
 
 
 def _trainer(tmp_path, **kwargs):
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-    )
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 4,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": tmp_path,
+    }
     options.update(kwargs)
     return pl.Trainer(**options)
 
@@ -111,10 +110,9 @@ def test_search_core_honours_init_val_and_max_val_and_fails_clearly():
 
 def test_budget_fails_like_out_of_memory():
     budget = MemoryBudget(1000)
-    with pytest.raises(BudgetExceededError) as caught:
-        with budget:
-            small = torch.zeros(100)  # 400 bytes: fine
-            torch.zeros(200)  # 800 more: over
+    with pytest.raises(BudgetExceededError) as caught, budget:
+        small = torch.zeros(100)  # 400 bytes: fine
+        torch.zeros(200)  # 800 more: over
     assert is_out_of_memory(caught.value) and isinstance(caught.value, torch.OutOfMemoryError)
     assert caught.value.requested_bytes == 1200 and caught.value.budget_bytes == 1000 and budget.exceeded == 1
     assert budget.live_bytes == 400

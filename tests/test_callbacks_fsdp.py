@@ -330,9 +330,8 @@ def test_wrapper_names_match_torch():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
-    from lightning_memkit.trace._torch_compat import CHECKPOINT_WRAPPED_MODULE
+    from lightning_memkit.trace._torch_compat import CHECKPOINT_WRAPPED_MODULE, user_name
     from lightning_memkit.trace._torch_compat import FSDP_WRAPPED_MODULE as OURS
-    from lightning_memkit.trace._torch_compat import user_name
 
     assert (OURS, CHECKPOINT_WRAPPED_MODULE) == (FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE)
     assert user_name("blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.fc1") == "blocks.0.fc1"

@@ -82,16 +82,16 @@ class Blocks(pl.LightningModule):
 
 
 def _trainer(root, **overrides) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        default_root_dir=str(root),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-    )
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 4,
+        "default_root_dir": str(root),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+    }
     options.update(overrides)
     return pl.Trainer(**options)
 
@@ -103,7 +103,7 @@ def _memkit_files(root) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- files
-@pytest.mark.parametrize("overrides", [dict(logger=False), dict(fast_dev_run=4)], ids=["logger=False", "fast_dev_run"])
+@pytest.mark.parametrize("overrides", [{"logger": False}, {"fast_dev_run": 4}], ids=["logger=False", "fast_dev_run"])
 def test_a_run_that_logs_nowhere_leaves_no_memkit_file_in_the_working_directory(
     overrides, tmp_path, monkeypatch, capsys
 ):
@@ -291,7 +291,7 @@ def test_charts_of_1000_mib_or_more_have_no_exponent_labels(low, high, title_uni
         "memory/train/host_peak_rss_MiB": [(s, low + 1 + (high - low) * s / (steps - 1)) for s in range(steps)],
         "memory/train/tensor_MiB": [(s, 10.0 + s) for s in range(steps)],
     }
-    layout = layout_from_tags({tag: steps for tag in scalars})
+    layout = layout_from_tags(dict.fromkeys(scalars, steps))
     assert any("exponent notation" in p for p in check_dashboard(layout, {"run": scalars}))  # as logged: "1.2e+3" ...
     readable, lines = readable_layout(layout, {"run": scalars})
     drawn = {**scalars, **lines["run"]}
@@ -316,9 +316,10 @@ def test_memkit_report_rebuilds_a_csv_only_run_exactly_and_one_run_per_fit(tmp_p
     """A CSVLogger run without memkit_memory.json (killed, or an older memkit) was "none of them memkit's";
     its metrics.csv holds the readings as float64 MiB, so they come back to the byte. A fit logged to
     TensorBoard and CSV (two directories) is one run, not two."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
     from lightning_memkit.cli import main
     from lightning_memkit.report import find_sources
-    from lightning.pytorch.loggers import TensorBoardLogger
 
     trackers = []
     for version, loggers in enumerate(

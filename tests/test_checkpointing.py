@@ -320,7 +320,6 @@ def test_measuring_forward_keeps_nothing_and_peaks_like_a_no_grad_forward():
     process holds what it held before, with no graph."""
     from lightning_memkit import TensorAccountant
     from lightning_memkit.modes.checkpointing import measure_forward
-
     from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
 
     torch.manual_seed(0)

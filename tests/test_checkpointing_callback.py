@@ -19,9 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import ActivationCheckpointing, parse_mode
-
 from conftest import make_trainer, read_scalars
+from lightning_memkit import ActivationCheckpointing, parse_mode
 
 
 class DropoutBatchNormNet(pl.LightningModule):
@@ -191,7 +190,6 @@ def test_measuring_forwards_stay_out_of_the_first_step_reading_whatever_the_orde
     import gc
 
     from lightning_memkit import MemoryTracker
-
     from live_tensors import live_tensor_bytes
 
     peaks = []

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from conftest import LinearStack, read_scalars
 from lightning_memkit import zoo
 from lightning_memkit.cli import main
 from lightning_memkit.modes import Mode
@@ -20,9 +21,7 @@ from lightning_memkit.modes.compare import COMPARE_FORMAT, CheckpointWarning, Mo
 from lightning_memkit.records import read_records
 from lightning_memkit.units import format_bytes
 
-from conftest import LinearStack, read_scalars
-
-TINY = dict(vocab_size=50, d_model=32, nhead=2, layers=3, dim_feedforward=64, seq_len=16, batch_size=8)
+TINY = {"vocab_size": 50, "d_model": 32, "nhead": 2, "layers": 3, "dim_feedforward": 64, "seq_len": 16, "batch_size": 8}
 
 
 def tiny_transformer():
@@ -190,7 +189,15 @@ def test_files_csv_json_figures_and_tensorboard(compared):
 # Big weights, tiny activations (2 tokens of 2 samples): the peak is the optimizer step (parameters,
 # gradients, Adam's state and its temporaries), when every activation is already freed, so no
 # checkpointing policy can lower it.
-STATE_BOUND = dict(vocab_size=50, d_model=128, nhead=2, layers=3, dim_feedforward=512, seq_len=2, batch_size=2)
+STATE_BOUND = {
+    "vocab_size": 50,
+    "d_model": 128,
+    "nhead": 2,
+    "layers": 3,
+    "dim_feedforward": 512,
+    "seq_len": 2,
+    "batch_size": 2,
+}
 
 
 def test_a_checkpoint_mode_that_does_not_lower_the_peak_is_marked_and_warned_about(tmp_path):

@@ -30,7 +30,6 @@ from torch import nn
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryMeter, MemoryTracker, zoo
 from lightning_memkit.modes.compare import compare_modes
 from lightning_memkit.timing import StepTimer
-
 from live_tensors import describe, live_tensors
 
 pytestmark = pytest.mark.cuda
@@ -38,30 +37,44 @@ pytestmark = pytest.mark.cuda
 # A transformer whose step is activation-bound and GPU-bound: 8 post-norm encoder blocks, d 512, ff 2048,
 # 32 sequences of 512 tokens (about 5 GiB of fp32 activations against about 0.3 GiB of weights,
 # gradients and Adam state; tens of ms of fp32 matmuls per step on an H100).
-ACTIVATION_BOUND = dict(
-    vocab_size=1000, d_model=512, nhead=8, layers=8, dim_feedforward=2048, seq_len=512, batch_size=32
-)
+ACTIVATION_BOUND = {
+    "vocab_size": 1000,
+    "d_model": 512,
+    "nhead": 8,
+    "layers": 8,
+    "dim_feedforward": 2048,
+    "seq_len": 512,
+    "batch_size": 32,
+}
 # A small one for the fits that only need to run.
-SMALL = dict(vocab_size=100, d_model=64, nhead=4, layers=3, dim_feedforward=128, seq_len=32, batch_size=8)
+SMALL = {
+    "vocab_size": 100,
+    "d_model": 64,
+    "nhead": 4,
+    "layers": 3,
+    "dim_feedforward": 128,
+    "seq_len": 32,
+    "batch_size": 8,
+}
 
 SYNC_WARNING = "synchronizing CUDA operation"  # torch's text under set_sync_debug_mode("warn")
 
 
 def _trainer(tmp_path, callbacks=(), **overrides) -> pl.Trainer:
-    options = dict(
-        accelerator="gpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        default_root_dir=str(tmp_path),
-        callbacks=list(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-    )
+    options = {
+        "accelerator": "gpu",
+        "devices": 1,
+        "max_steps": 6,
+        "logger": False,
+        "default_root_dir": str(tmp_path),
+        "callbacks": list(callbacks),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "log_every_n_steps": 1,
+    }
     options.update(overrides)
     return pl.Trainer(**options)
 

@@ -19,6 +19,7 @@ Skipped, saying so, where Chromium is not installed (Debian/Ubuntu: ``apt-get in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -130,10 +131,8 @@ class Chromium:
             os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.process.wait(timeout=10)
         for fd in (self._commands, self._replies):
             os.close(fd)

@@ -10,10 +10,9 @@ import textwrap
 import pytest
 
 from conftest import read_scalars, run_script
-from test_dashboard import read_layouts
-
 from lightning_memkit.tensorboard.readable import FRAME_TITLE
 from lightning_memkit.tensorboard.tags import is_frame_tag
+from test_dashboard import read_layouts
 
 SCRIPT = textwrap.dedent(
     """

@@ -26,9 +26,9 @@ from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.modes.compare import compare_modes, read_compare
 from lightning_memkit.records import RECORDS_FILENAME, read_records
+from lightning_memkit.tensorboard.axis import tensorboard_y_range
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards
 from lightning_memkit.tensorboard.figures import PEAK_COLOR, compare_figures, memory_per_step_figure
-from lightning_memkit.tensorboard.axis import tensorboard_y_range
 from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, dashboard_layout, layout_from_tags, layout_tags
 from lightning_memkit.tensorboard.readable import FRAME_TITLE, readable_layout
 from lightning_memkit.tensorboard.rules import check_chart, check_dashboard

@@ -97,7 +97,7 @@ def test_the_first_page_names_every_public_callback_and_memkit_verb():
     verbs = set(subparsers.choices)
     assert {"MemoryTracker", "MaxBatchSize"} <= callbacks and {"compare", "demo"} <= verbs
     tools = " ".join(row[1] for row in index_rows())
-    named = set(re.findall(r"`(\w+)`", tools)) | {m for m in re.findall(r"`memkit (\w+)", tools)}
+    named = set(re.findall(r"`(\w+)`", tools)) | set(re.findall(r"`memkit (\w+)", tools))
     assert callbacks - named == set() and verbs - named == set()
     for row in index_rows():  # each row says what the tool prints and links its page
         assert row[2] and re.fullmatch(r"\[[^]]+\]\([\w_]+\.md\)", row[3]), row

@@ -11,19 +11,19 @@ import textwrap
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.loggers import CSVLogger
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import FLOAT32, make_trainer
-from live_tensors import describe, tensors_with_grad_fn
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli import main
 from lightning_memkit.doctor import DoctorReport, DoctorSession
 from lightning_memkit.doctor._torch_compat import mode_is_active
+from live_tensors import describe, tensors_with_grad_fn
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
 ACTIVATION = B * D * FLOAT32  # bytes of one (B, D) float32 activation: 512

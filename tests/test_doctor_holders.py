@@ -283,7 +283,7 @@ def test_the_per_epoch_list_does_look_like_growth_within_each_epoch(tmp_path):
     # per step (its storage: mse_loss's (4, 32) float32 buffer, 512 B, of which the loss is a view), and
     # fall back to the floor when the epoch's end clears the list
     report, _, _ = fit(PerEpochLosses(), tmp_path, 32)
-    points = dict((step, live) for step, live in report.live_bytes_at_start)
+    points = dict(report.live_bytes_at_start)
     losses = F.mse_loss(torch.zeros(B, D), torch.zeros(B, D)).untyped_storage().nbytes()
     assert [points[step] - points[8] for step in range(8, 16)] == [k * losses for k in range(8)]
     assert [points[8 * e] for e in range(1, 4)] == [points[8]] * 3

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from independent_count import training_step_peak
 from lightning_memkit.estimate import (
     CudaAllocatorModel,
     EstimateError,
@@ -23,8 +24,6 @@ from lightning_memkit.estimate.fake_step import FakeStepOps
 from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
-
-from independent_count import training_step_peak
 
 MiB = 2**20
 
@@ -348,9 +347,16 @@ def test_the_stand_in_trainer_answers_like_a_trainer():
 
     module = Reads(batch_size=16)  # 512 samples: 32 batches per epoch
     estimate_memory(module, device="cpu")
-    assert seen == dict(
-        steps=32 * 1000, max_steps=-1, max_epochs=1000, devices=1, world=1, precision="32-true", step=0, epoch=0
-    )
+    assert seen == {
+        "steps": 32 * 1000,
+        "max_steps": -1,
+        "max_epochs": 1000,
+        "devices": 1,
+        "world": 1,
+        "precision": "32-true",
+        "step": 0,
+        "epoch": 0,
+    }
     estimate_memory(
         module,
         device="cpu",

@@ -124,7 +124,6 @@ def test_estimate_takes_a_datamodule_and_equals_the_measured_step(tmp_path, caps
 
     sys.path.insert(0, "tests")
     from lightning_gpt import CharDataModule, TinyGPT
-
     from lightning_memkit.estimate import measure_training_step
 
     out_json = tmp_path / "estimate.json"

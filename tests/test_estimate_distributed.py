@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import read_scalars, run_script
+from lightning_memkit.estimate import estimate_memory
 from lightning_memkit.estimate.distributed import estimate_distributed_memory
 from lightning_memkit.estimate.sharding import (
     STRATEGIES,
@@ -18,12 +20,8 @@ from lightning_memkit.estimate.sharding import (
     optimizer_state_bytes_per_parameter,
     sharding_of,
 )
-from lightning_memkit.estimate import estimate_memory
-from lightning_memkit.zoo import DemoTransformer
-
 from lightning_memkit.units import MiB
-
-from conftest import read_scalars, run_script
+from lightning_memkit.zoo import DemoTransformer
 
 
 # ------------------------------------------------------------------ the ZeRO paper's arithmetic
@@ -139,11 +137,11 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
     """model_parallel (FSDP2) is estimated by sharding the fake copy with torch's own fully_shard over a
     fake process group of the world size: the parameters at the peak are rank 0's shards (FSDP2 pads dim 0
     to a multiple of the world size), no process group and no real memory is left behind."""
+    import sys
+
     import torch.distributed as dist
 
     from live_tensors import live_tensor_bytes, tensors_with_grad_fn
-
-    import sys
 
     model = DemoTransformer(dropout=0.0)
     before, excepthook = live_tensor_bytes(), sys.excepthook

@@ -205,15 +205,15 @@ def _qkv(heads=4, kv_heads=4, length=16, source=16, head_dim=64, dtype=torch.bfl
 @pytest.mark.parametrize(
     "case, gpu, expected",
     [
-        (dict(kv_heads=2), "h100", "flash"),  # grouped-query heads: flash supports them
-        (dict(kv_heads=2, dtype=torch.float32), "h100", "math"),  # ... memory-efficient does not
-        (dict(kv_heads=2, dtype=torch.float16), "v100", "math"),  # no flash before sm80
-        (dict(source=32, causal=True), "h100", "efficient"),  # flash: is_causal needs equal lengths
-        (dict(head_dim=30, dtype=torch.float32), "v100", "efficient"),  # fp32 before sm80: alignment 1
-        (dict(head_dim=30, dtype=torch.float32), "h100", "math"),  # fp32 on sm80+: alignment 4
-        (dict(head_dim=200), "a10", "efficient"),  # sm86: flash trains no head dim in (192, 224]
-        (dict(head_dim=200, grad=False), "a10", "flash"),
-        (dict(head_dim=200), "h100", "flash"),
+        ({"kv_heads": 2}, "h100", "flash"),  # grouped-query heads: flash supports them
+        ({"kv_heads": 2, "dtype": torch.float32}, "h100", "math"),  # ... memory-efficient does not
+        ({"kv_heads": 2, "dtype": torch.float16}, "v100", "math"),  # no flash before sm80
+        ({"source": 32, "causal": True}, "h100", "efficient"),  # flash: is_causal needs equal lengths
+        ({"head_dim": 30, "dtype": torch.float32}, "v100", "efficient"),  # fp32 before sm80: alignment 1
+        ({"head_dim": 30, "dtype": torch.float32}, "h100", "math"),  # fp32 on sm80+: alignment 4
+        ({"head_dim": 200}, "a10", "efficient"),  # sm86: flash trains no head dim in (192, 224]
+        ({"head_dim": 200, "grad": False}, "a10", "flash"),
+        ({"head_dim": 200}, "h100", "flash"),
     ],
     ids=[
         "gqa-bf16",
@@ -546,7 +546,12 @@ def test_group_norm_and_softmax_under_bf16_are_fp32_on_a_cuda_target():
 
     model = nn.Sequential(Block(), Block(), Block())
     batch = torch.randn(2, 8, 16, 16)
-    options = dict(batch=batch, device="cuda", gpu="h100", optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    options = {
+        "batch": batch,
+        "device": "cuda",
+        "gpu": "h100",
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+    }
     bf16 = estimate_memory(model, mode="bf16", **options)
     assert any("CUDA autocast's op lists" in note for note in bf16.notes)
     # the fp32 softmax weights (2 x 256 x 256 x 4 bytes per block) are held for backward
@@ -629,9 +634,8 @@ def test_the_estimate_equals_a_real_lightning_step(tmp_path, factory, steps, cli
 
 
 def test_max_batch_size_searches_a_manually_optimized_module_with_the_estimate(tmp_path):
-    from test_robustness import GAN
-
     from lightning_memkit import MaxBatchSize
+    from test_robustness import GAN
 
     def search(use_estimate):
         finder = MaxBatchSize(budget=400_000, max_val=1024, use_estimate=use_estimate, verbose=False)

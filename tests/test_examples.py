@@ -273,7 +273,7 @@ def test_find_batch_size(runner, tmp_path):
     assert int(trained.group(1)) == batch and mib(peak) <= 24
     assert all(outcome == "out of memory" for size, outcome, _ in trials if size > batch)
     # the 16 GiB predictions: bf16 halves the activations, so more samples fit than in fp32
-    predicted = dict((mode, int(size)) for size, mode in re.findall(r"^max batch (\d+) \((\w+)\)", output, flags=re.M))
+    predicted = {mode: int(size) for size, mode in re.findall(r"^max batch (\d+) \((\w+)\)", output, flags=re.M)}
     assert predicted.keys() == {"baseline", "bf16"} and predicted["bf16"] > predicted["baseline"], output[-3000:]
 
 
@@ -320,7 +320,7 @@ def test_layer_trace(runner, tmp_path):
     assert count and int(count.group(1)) == sum(p.numel() for p in DemoCNN().parameters()), output[-3000:]
     rows = re.findall(r"^(parameters|optimizer_state|inputs)\s+[\d.]+\s+[\d.]+\s+(\d+)\s+(\d+)$", output, flags=re.M)
     lightning, plain = rows[:3], rows[-3:]
-    assert dict((name, int(end)) for name, _, end in lightning)["parameters"] == int(count.group(1)) * FLOAT32
+    assert {name: int(end) for name, _, end in lightning}["parameters"] == int(count.group(1)) * FLOAT32
     # the plain step by hand: Conv2d(3,16,3), two Conv2d(16,16,3), Linear(16,10); Adam's two moments and a
     # float32 step per parameter tensor (8); inputs x (8, 3, 32, 32) float32 and y (8,) int64
     parameters = ((16 * 3 * 9 + 16) + 2 * (16 * 16 * 9 + 16) + (16 * 10 + 10)) * FLOAT32

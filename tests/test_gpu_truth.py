@@ -15,8 +15,8 @@ from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.estimate import estimate_memory
 from lightning_memkit.estimate.cuda_attention import attention_backend
 from lightning_memkit.estimate.cuda_kernels import KERNEL_TABLE, CudaKernels
-from lightning_memkit.estimate.gpu_target import GpuTarget, conv_workspace_bytes, cublas_workspace_bytes
 from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.gpu_target import GpuTarget, conv_workspace_bytes, cublas_workspace_bytes
 from lightning_memkit.units import MiB
 
 
@@ -120,7 +120,7 @@ def test_efficient_attention_allocates_what_the_fp32_trace_shows():
     assert "attention:efficient" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_32-true", 8 * 12 * 512 * 4)
     assert sorted(set(traced)) == [196608, 12582912]  # output and logsumexp, no L x L tensor
-    assert sorted(set(s for s in sizes if s >= 512)) == sorted(set(traced))  # the fake's host philox scalars aside
+    assert sorted({s for s in sizes if s >= 512}) == sorted(set(traced))  # the fake's host philox scalars aside
 
 
 def test_flash_attention_allocates_what_the_bf16_trace_shows():
@@ -129,7 +129,7 @@ def test_flash_attention_allocates_what_the_bf16_trace_shows():
     )
     assert "attention:flash" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_bf16-mixed", 8 * 12 * 512 * 4)
-    big = lambda values: sorted(set(v for v in values if v >= 512))  # noqa: E731
+    big = lambda values: sorted({v for v in values if v >= 512})  # noqa: E731
     assert big(traced) == big(sizes) == [196608, 6291456]
     per_call = traced.count(196608)
     assert (
@@ -170,7 +170,7 @@ def test_cross_entropy_under_autocast_as_cuda_runs_it():
         for sizes_ in _trace_sizes("BertLike_b8_bf16-mixed", "cross_entropy@functional").values()
         for size in sizes_
     ]
-    assert sorted(set(s for s in traced if s > 512)) == [250036224, 500072448]
+    assert sorted({s for s in traced if s > 512}) == [250036224, 500072448]
 
 
 def test_layer_norm_under_autocast_runs_in_fp32_as_cuda_runs_it():
@@ -319,7 +319,7 @@ def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer)
 
 def test_the_estimate_replays_with_the_allocator_settings_of_pytorch_cuda_alloc_conf(monkeypatch):
     module, batch = _TinyTransformer(), torch.randn(8, 256, 64)
-    options = dict(batch=batch, optimizer=lambda p: torch.optim.AdamW(p), device="cuda", gpu="h100")
+    options = {"batch": batch, "optimizer": lambda p: torch.optim.AdamW(p), "device": "cuda", "gpu": "h100"}
     plain = estimate_memory(module, **options).cuda
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     expandable = estimate_memory(module, **options).cuda

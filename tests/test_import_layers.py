@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 PACKAGE = "lightning_memkit"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

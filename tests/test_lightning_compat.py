@@ -11,9 +11,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_memkit._lightning_compat import attached_trainer, logging_step, optimizer_steps_after_batch
-
 from conftest import LinearStack, make_trainer, read_scalars
+from lightning_memkit._lightning_compat import attached_trainer, logging_step, optimizer_steps_after_batch
 
 
 class _Recorder(pl.Callback):
@@ -98,11 +97,11 @@ def test_the_stand_in_trainer_answers_what_a_real_trainer_answers(tmp_path):
             self.stand_in = StandInTrainer.like(trainer, num_training_batches=len(pl_module.train_dataloader()))
 
     for options in (
-        dict(max_steps=-1, max_epochs=3),
-        dict(max_steps=5),
-        dict(max_steps=-1, max_epochs=2, accumulate_grad_batches=3),
-        dict(max_steps=-1, max_epochs=-1, limit_train_batches=2),
-        dict(max_steps=-1, max_epochs=1, accumulate_grad_batches=2),
+        {"max_steps": -1, "max_epochs": 3},
+        {"max_steps": 5},
+        {"max_steps": -1, "max_epochs": 2, "accumulate_grad_batches": 3},
+        {"max_steps": -1, "max_epochs": -1, "limit_train_batches": 2},
+        {"max_steps": -1, "max_epochs": 1, "accumulate_grad_batches": 2},
     ):
         reader = Read()
         trainer = make_trainer(tmp_path, callbacks=[reader], **options)

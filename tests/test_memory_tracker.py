@@ -17,14 +17,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.probes import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
-from lightning_memkit.tensorboard.tags import is_frame_tag
-from lightning_memkit.tensorboard.tags import step_tag
+from lightning_memkit.tensorboard.tags import is_frame_tag, step_tag
 from lightning_memkit.units import MiB
-
-from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from live_tensors import live_tensors, storage_bytes
 
 SCALAR = FLOAT32
@@ -584,8 +582,8 @@ def test_a_tracker_kept_after_the_fit_holds_no_tensor(tmp_path):
     import gc
     import weakref
 
-    from live_tensors import describe
     from lightning_memkit.zoo import DemoTransformer
+    from live_tensors import describe
 
     for failing in (False, True):
         tracker = MemoryTracker(verbose=False)

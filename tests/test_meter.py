@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FLOAT32, LinearStack
 from lightning_memkit import MemoryMeter, training_state_tensors
 from lightning_memkit.probes import MemoryProbe
-
-from conftest import FLOAT32, LinearStack
 
 SCALAR = FLOAT32  # a 0-dim float32 tensor
 

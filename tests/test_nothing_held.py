@@ -10,10 +10,9 @@ import gc
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from conftest import make_trainer
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryDoctor, MemoryTracker
 from lightning_memkit.zoo import DemoTransformer
-
-from conftest import make_trainer
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 

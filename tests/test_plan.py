@@ -19,17 +19,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import LinearStack
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import accumulating, observing_ops
-from lightning_memkit.plan import Candidate, PlanError, RowStatus, plan_fit
-from lightning_memkit.plan import calibration, planner, rows, settle, timing
+from lightning_memkit.plan import Candidate, PlanError, RowStatus, calibration, plan_fit, planner, rows, settle, timing
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.space import candidate_space, micro_batches, parse_plan_modes
 from lightning_memkit.plan.time_budget import MIN_BUDGET_SECONDS
 from lightning_memkit.plan.time_model import MIN_MICRO_FACTOR, ROOFLINES, OpCosts, TimeModel, roofline_for
 from lightning_memkit.zoo import DemoTransformer
-
-from conftest import LinearStack
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 FAST = {"warmup_steps": 1, "timed_steps": 2, "timed_seconds": 0.2, "verbose": False}
@@ -111,9 +109,8 @@ def test_accumulation_in_the_fake_step_matches_a_real_step_exactly():
         real = measure_training_step(module, device="cpu").peak_bytes
     assert fake == real
     assert fake > plain
-    with pytest.raises(ValueError, match="positive integer"):
-        with accumulating(0):
-            pass
+    with pytest.raises(ValueError, match="positive integer"), accumulating(0):
+        pass
 
 
 def test_time_model_small_micro_batches_are_slower_and_roofline_table_is_one():
@@ -590,8 +587,8 @@ def test_training_with_the_plan_follows_the_unplanned_run():
 def test_a_checkpointed_call_has_one_region_number_in_its_forward_and_its_recompute():
     """checkpoint_region() names the checkpointed call the code runs in: the same number in the first forward and
     in the recompute inside the backward, a new one per call, 0 outside; without gradients nothing is checkpointed."""
-    from lightning_memkit.modes.checkpointing import apply_checkpointing
     from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
+    from lightning_memkit.modes.checkpointing import apply_checkpointing
 
     seen = []
 
@@ -734,7 +731,7 @@ def _scripted_trials(monkeypatch, rounds, truth, trials, peaks=None):
     """Trials that ran (``trials``: ``(candidate, its trial's ms)``, effective batch 16; ``peaks``: measured peaks by
     candidate) and a ``_timed_step`` that gives each candidate its scripted ``rounds`` (ms), then its ``truth`` for
     every timing after: ``(ran rows, timings per candidate)``."""
-    counts = {candidate: 0 for candidate in truth}
+    counts = dict.fromkeys(truth, 0)
 
     def timed_step(module, candidate, batch, device_type, warmup, timed, seconds=0.0):
         counts[candidate] += 1
@@ -1083,8 +1080,8 @@ def test_a_plan_whose_candidates_its_trials_decide_runs_no_calibration(monkeypat
         r.candidate for r in plan.rows if r.fits
     } == {Candidate(4, 2), Candidate(2, 4)}
     assert (
-        "2 candidates predicted to fit could be chosen and up to 3 trials run them all: the trials decide"
-        == plan.skipped["calibration"]
+        plan.skipped["calibration"]
+        == "2 candidates predicted to fit could be chosen and up to 3 trials run them all: the trials decide"
     )
     assert any(note.startswith("calibration left out: 2 candidates") for note in plan.notes)
     assert plan.trials == 2 and plan.best_row.ran and list(plan.skipped) == ["calibration"]

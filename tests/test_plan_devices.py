@@ -25,14 +25,13 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 
+from conftest import LinearStack
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.modes.checkpointing import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, planner, timing, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.zoo import DemoTransformer
-
-from conftest import LinearStack
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -284,7 +283,6 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch():
     recompile past the limit (and so run eagerly) if the first trial's code were still cached: reset around each
     trial, each compiles its own graph."""
     from compile_models import CompiledCNN
-
     from lightning_memkit.compiled._torch_compat import dynamo_counters
 
     # dynamo's own config.patch, not monkeypatch: monkeypatch's undo deletes the setting, and a deleted dynamo

@@ -17,7 +17,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
 from conftest import LinearStack, make_trainer
-from test_dashboard import read_layouts
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
 from lightning_memkit.records import RECORDS_FILENAME, StepReading, read_records
@@ -25,6 +24,7 @@ from lightning_memkit.report import find_sources
 from lightning_memkit.report.render import readings_table
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.units import MiB
+from test_dashboard import read_layouts
 
 
 @pytest.fixture(scope="module")

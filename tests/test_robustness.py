@@ -518,7 +518,7 @@ def test_layer_trace_frozen_submodule_has_no_gradients_and_buffers_are_counted(t
 def test_layer_trace_on_unusual_steps_traces_the_whole_step(factory, overrides, tmp_path):
     module = factory()
     trace = LayerTrace(at_steps=(1,), figure=False, dirpath=tmp_path)  # no logger here: the file goes where asked
-    options = dict(max_steps=2)
+    options = {"max_steps": 2}
     options.update(overrides)
     fit(module, tmp_path, [trace], **options)
     (result,) = trace.results
@@ -571,7 +571,7 @@ def test_layer_trace_across_the_epoch_boundary(tmp_path):
 )
 def test_activation_checkpointing_leaves_training_unchanged(factory, policy, overrides, tmp_path):
     callback = ActivationCheckpointing(policy, verbose=False)
-    options = dict(max_steps=3)
+    options = {"max_steps": 3}
     options.update(overrides)
     module = assert_same_training(factory, tmp_path, [callback], **options)
     assert callback.plan is not None and callback.plan.count >= 1
@@ -695,12 +695,12 @@ def test_estimate_counts_what_real_loss_kernels_hold(loss):
     model = nn.Linear(D, 500)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(64, D, generator=generator), torch.rand(64, 500, generator=generator))
-    options = dict(
-        batch=batch,
-        device="cpu",
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        loss_fn=lambda module, b: loss(module(b[0]), b[1]),
-    )
+    options = {
+        "batch": batch,
+        "device": "cpu",
+        "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+        "loss_fn": lambda module, b: loss(module(b[0]), b[1]),
+    }
     assert estimate_memory(model, **options).peak_bytes == measure_training_step(model, **options).peak_bytes
 
 

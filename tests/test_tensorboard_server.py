@@ -25,8 +25,8 @@ from lightning_memkit.tensorboard.figures import figure_rgb, memory_per_step_fig
 from lightning_memkit.tensorboard.layout import dashboard_layout, prune_layout
 from lightning_memkit.tensorboard.readable import FRAME_TITLE, readable_layout
 from lightning_memkit.tensorboard.rules import check_dashboard
-from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART
 from lightning_memkit.tensorboard.server import TensorBoardServer
+from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART
 from lightning_memkit.units import MiB
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import checkpoint
 
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, read_trace, trace_step
 from lightning_memkit.trace.records import CSV_COLUMNS, TRACE_FORMAT
+from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 F32, I64, BF16 = 4, 8, 2
 B, C1, C2, H = 4, 8, 16, 16  # batch, channels, image side
@@ -350,10 +350,9 @@ def test_hooks_and_modes_are_removed_after_the_step():
 
 def test_a_failing_step_still_removes_everything():
     model = make_cnn()
-    with pytest.raises(ValueError, match="boom"):
-        with trace_step(model) as tracer:
-            model(torch.randn(B, 3, H, H))
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), trace_step(model) as tracer:
+        model(torch.randn(B, 3, H, H))
+        raise ValueError("boom")
     assert tracer.result is not None
     assert all(not m._forward_hooks for m in model.modules())
     assert _get_current_dispatch_mode() is None
@@ -386,10 +385,9 @@ def test_a_traced_step_keeps_nothing_alive_and_a_kept_tracer_holds_no_tensor():
 def test_a_failing_traced_step_keeps_nothing_alive():
     empty = live_tensor_bytes()
     model = make_cnn()
-    with pytest.raises(ValueError, match="boom"):
-        with trace_step(model, inputs=torch.randn(B, 3, H, H)) as tracer:
-            model(tracer_input := torch.randn(B, 3, H, H)).sum()  # a graph, abandoned by the failure
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), trace_step(model, inputs=torch.randn(B, 3, H, H)) as tracer:
+        model(tracer_input := torch.randn(B, 3, H, H)).sum()  # a graph, abandoned by the failure
+        raise ValueError("boom")
     del tracer_input
     assert tensors_with_grad_fn() == [], describe(tensors_with_grad_fn())
     del model

@@ -18,10 +18,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 from lightning_memkit import LayerTrace, MemoryTracker
 from lightning_memkit.trace import TRACE_FORMAT, read_trace
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
+from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 MiB = 2**20
 
@@ -494,9 +494,9 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
     source = tmp_path / "stops.py"
     source.write_text(
         textwrap.dedent(
-            """
+            f"""
         import sys
-        sys.path.insert(0, %r)
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         from conftest import LinearStack
 
         class StopsEarly(LinearStack):
@@ -504,7 +504,6 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
                 if self.trainer.global_step >= 2:
                     self.trainer.should_stop = True
     """
-            % os.path.dirname(os.path.abspath(__file__))
         )
     )
     assert main(["trace", f"{source}:StopsEarly", "--step", "5"]) == 1

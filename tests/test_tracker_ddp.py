@@ -8,9 +8,8 @@ import textwrap
 
 import pytest
 
-from lightning_memkit.units import MiB
-
 from conftest import read_scalars, run_script
+from lightning_memkit.units import MiB
 
 EXTRA_ELEMENTS = 2**20  # rank r holds (r + 1) * 4 MiB more than the model needs in its forward
 

@@ -17,11 +17,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from conftest import make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.units import MiB
 from lightning_memkit.zoo_variable import PaddedTextClassifier
-
-from conftest import make_trainer, read_scalars
 from live_tensors import live_tensors
 
 #: the every-n rule of ``MemoryTracker()`` (tensor_peak_every_n_steps=10) with log_every_n_steps=1, for 30 steps:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import TorchDispatchMode
 
+from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.accounting import _torch_compat
 from lightning_memkit.accounting._torch_compat import is_traceable_wrapper_subclass_type
 from lightning_memkit.accounting.storage_resize import watch_storage_resizes

@@ -21,12 +21,13 @@ allocator reserved but no tensor uses, and device memory of this process the all
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant, is_wrapper_tensor
 from lightning_memkit.probes.base import ProbeUnavailable
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
@@ -110,7 +111,7 @@ class CategoryBreakdown:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CategoryBreakdown":
+    def from_dict(cls, data: dict[str, Any]) -> CategoryBreakdown:
         """Inverse of :meth:`to_dict`; categories missing from ``data`` read as 0."""
         by_category = dict.fromkeys(CATEGORIES, 0)
         by_category.update({k: int(v) for k, v in data.get("bytes_by_category", {}).items()})
@@ -132,7 +133,7 @@ class _SavedHandle:
 
     __slots__ = ("tensor", "record", "attributor")
 
-    def __init__(self, tensor: torch.Tensor, record: StorageRecord | None, attributor: "CategoryAttributor") -> None:
+    def __init__(self, tensor: torch.Tensor, record: StorageRecord | None, attributor: CategoryAttributor) -> None:
         self.tensor = tensor
         self.record = record
         self.attributor = attributor
@@ -292,10 +293,7 @@ class CategoryAttributor:
             yield
 
     def _saved_at(self, key: int, tick: int) -> bool:
-        for start, end in self._saved_intervals.get(key, ()):
-            if start <= tick and (end is None or end > tick):
-                return True
-        return False
+        return any(start <= tick and (end is None or end > tick) for start, end in self._saved_intervals.get(key, ()))
 
     # ------------------------------------------------------------------ breakdown
     def category_of(self, record: StorageRecord, tick: int | None = None) -> str:

@@ -30,11 +30,13 @@ collector by ``gc.freeze()`` are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -167,7 +169,7 @@ class ProcessTensors:
         """Whether the collector hook is installed."""
         return self._callback is not None
 
-    def start(self) -> "ProcessTensors":
+    def start(self) -> ProcessTensors:
         """Adopt every live tensor of the process (a full sweep) and follow new ones from now on."""
         if self._callback is None:
             self._pid = os.getpid()
@@ -275,7 +277,7 @@ class ProcessTensors:
                     raise _AccountantError(error) from error
         return on_device
 
-    def _record(self, error: "_AccountantError") -> None:
+    def _record(self, error: _AccountantError) -> None:
         # An error of the accountant (a peak or storage listener that raised) is the accountant's, as when it
         # happens in its dispatch mode: kept in its ``errors``, so that its probe reports it and steps aside,
         # whether the collector hook or the accountant's own dispatch adopted the storage first.
@@ -332,7 +334,5 @@ class _AccountantError(MemkitError):
 
 
 def _remove_callback(callback) -> None:
-    try:
+    with contextlib.suppress(ValueError):
         gc.callbacks.remove(callback)
-    except ValueError:
-        pass

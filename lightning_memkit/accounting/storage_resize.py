@@ -32,7 +32,7 @@ class ResizeWatcher(Protocol):
         """``storage`` was just resized in place; its size is now ``storage.nbytes()`` bytes."""
 
 
-_WATCHERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
 _LOCK = threading.Lock()
 _ORIGINAL: Any = None
 

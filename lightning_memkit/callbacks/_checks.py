@@ -10,7 +10,8 @@ integers are ``int`` (a ``bool`` or a float is refused, never truncated).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch.nn as nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException

@@ -7,7 +7,8 @@ The records file, written either way, is the tracker's own (``MemoryTracker.save
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 

@@ -8,7 +8,8 @@ metrics; what Lightning does not take is written apart at the next hook that flu
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from lightning_memkit.logging_merge import LoggerMerge, PendingRow
 from lightning_memkit.records import StepReading

@@ -7,10 +7,10 @@ hooks, which loggers and files. Measuring is the tracer's job.
 from __future__ import annotations
 
 import os
-from typing import Literal, Any, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch.nn as nn
-
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -23,9 +23,9 @@ from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES
 from lightning_memkit.tensorboard.dashboard import markdown_code, register_dashboard
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
-from lightning_memkit.units import format_bytes
 from lightning_memkit.trace.records import LayerTraceResult, trace_filename, write_new_file
 from lightning_memkit.trace.tracer import LayerTracer
+from lightning_memkit.units import format_bytes
 
 __all__ = ["LayerTrace"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Literal, Any
+from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -22,10 +22,10 @@ from lightning_memkit._lightning_compat import (
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
-from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.doctor.holders import user_roots
 from lightning_memkit.doctor.leaks import LeakReport, rising_floor
 from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.units import format_bytes
 
 __all__ = ["MemoryDoctor"]

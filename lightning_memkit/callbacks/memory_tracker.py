@@ -9,7 +9,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -29,8 +30,8 @@ from lightning_memkit.doctor.leaks import LeakReport
 from lightning_memkit.meter import MemoryMeter
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.peak_steps import PeakSchedule
-from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.probes._torch_compat import start_memory_history, stop_memory_history
+from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, records_filename
 from lightning_memkit.summary_table import fit_ended, where_readings_went
 from lightning_memkit.tensorboard.dashboard import log_memory_summary, register_dashboard

@@ -106,19 +106,19 @@ def run(args: argparse.Namespace) -> int:
         window=args.window, analyse_step=args.analyse_step, verbose=True, progress=not args.no_progress
     )
     with tempfile.TemporaryDirectory(prefix="memkit_doctor_") as root:
-        options = dict(
-            accelerator=args.accelerator,
-            devices=1,
-            max_steps=args.steps,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            callbacks=[doctor],
-            default_root_dir=root,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=False,
-        )
+        options = {
+            "accelerator": args.accelerator,
+            "devices": 1,
+            "max_steps": args.steps,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "logger": False,
+            "callbacks": [doctor],
+            "default_root_dir": root,
+            "enable_checkpointing": False,
+            "enable_model_summary": False,
+            "enable_progress_bar": False,
+        }
         if args.precision:
             options["precision"] = args.precision
         trainer = build_trainer(**options)

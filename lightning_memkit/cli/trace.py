@@ -125,19 +125,19 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 def _trainer_options(args: argparse.Namespace, callback: Any, root: str) -> dict[str, Any]:
     """The Trainer that runs up to the traced step and no further: one device, no validation, nothing written
     outside ``root`` (a temporary directory)."""
-    options = dict(
-        accelerator=args.accelerator,
-        devices=1,
-        max_steps=args.step + 1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        callbacks=[callback],
-        default_root_dir=root,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    options = {
+        "accelerator": args.accelerator,
+        "devices": 1,
+        "max_steps": args.step + 1,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "callbacks": [callback],
+        "default_root_dir": root,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": False,
+    }
     if args.precision:
         options["precision"] = args.precision
     return options

@@ -58,11 +58,11 @@ def compiled_regions(module: nn.Module) -> list[tuple[str, nn.Module]]:
     wrappers and modules compiled in place (``m.compile()``), in ``named_modules`` order."""
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
-        if (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE)) or compiled_call_impl(
-            child
-        ) is not None:
-            if not any(name.startswith(n + ".") or not n for n, _ in found):
-                found.append((name, child))
+        if (
+            (OPTIMIZED_MODULE is not None and isinstance(child, OPTIMIZED_MODULE))
+            or compiled_call_impl(child) is not None
+        ) and not any(name.startswith(n + ".") or not n for n, _ in found):
+            found.append((name, child))
     return found
 
 

@@ -10,7 +10,8 @@ import contextlib
 import ctypes
 import glob
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -6,7 +6,8 @@ MemoryTracker's leak watch: :class:`~lightning_memkit.doctor.leaks.LeakWatcher`'
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from lightning_memkit.doctor import _torch_compat
-from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.frames import format_frame
+from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.recorder import CreationRecorder
 
 __all__ = ["GraphHolder", "GraphLeakReport", "count_kept_graph_nodes", "saved_in_nodes"]

@@ -22,13 +22,13 @@ import gc
 import sys
 import time
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from lightning_memkit._user_code import is_user_file
-from lightning_memkit.doctor.leaks import group_key
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.holder_paths import (
@@ -42,6 +42,7 @@ from lightning_memkit.doctor.holder_paths import (
     path_names,
 )
 from lightning_memkit.doctor.keepers import keeping_frame
+from lightning_memkit.doctor.leaks import group_key
 
 __all__ = [
     "HolderPath",

@@ -48,7 +48,8 @@ from __future__ import annotations
 import collections
 import sys
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.recorder import CreationRecorder

@@ -9,12 +9,13 @@ to run every step), and the records they produce: :class:`LeakReport` and :class
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.frames import format_frame
+from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.recorder import CreationRecorder
 from lightning_memkit.units import format_bytes
 

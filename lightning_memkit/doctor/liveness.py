@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memkit.doctor.leaks import CreatorGroup, group_by_creator
 from lightning_memkit.doctor.creation import Creation
+from lightning_memkit.doctor.leaks import CreatorGroup, group_by_creator
 from lightning_memkit.units import format_bytes
 
 __all__ = ["LivenessReport", "analyse_liveness", "PEAK_PARTS", "TINY_BYTES"]

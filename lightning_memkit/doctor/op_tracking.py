@@ -13,8 +13,8 @@ import weakref
 from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import TorchDispatchMode
 
+from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.accounting.accountant import _tensors_in, returns_alias, storage_keys, storage_of
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.frames import user_frame

@@ -26,12 +26,13 @@ import gc
 import types
 import warnings
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.nn.modules import module as module_hooks
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance, force_eager
 from lightning_memkit.doctor import _torch_compat
@@ -40,8 +41,8 @@ from lightning_memkit.doctor.op_tracking import OpTracking
 
 __all__ = ["CreationRecorder", "active_recorders", "creation_of"]
 
-_ACTIVE: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()
-_ALL: "weakref.WeakSet[CreationRecorder]" = weakref.WeakSet()  # every recorder alive: they know live storages
+_ACTIVE: weakref.WeakSet[CreationRecorder] = weakref.WeakSet()
+_ALL: weakref.WeakSet[CreationRecorder] = weakref.WeakSet()  # every recorder alive: they know live storages
 
 
 class CreationRecorder(OpTracking):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import collections
 import json
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ class DoctorReport:
         return path
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DoctorReport":
+    def from_dict(cls, data: dict[str, Any]) -> DoctorReport:
         """Inverse of :meth:`to_dict`."""
 
         def groups(items):

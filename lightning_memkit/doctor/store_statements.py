@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ast
 import linecache
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from lightning_memkit._user_code import is_user_code
 

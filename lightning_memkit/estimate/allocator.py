@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
 from lightning_memkit.units import MiB
 
@@ -96,7 +96,7 @@ class AllocatorConfig:
     max_split_size_bytes: int | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> "AllocatorConfig":
+    def parse(cls, text: str | None) -> AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string such as ``"expandable_segments:True,max_split_size_mb:128"``."""
         expandable, max_split = False, None
         for item in filter(None, (part.strip() for part in (text or "").split(","))):
@@ -113,7 +113,7 @@ class AllocatorConfig:
         return cls(expandable, max_split)
 
     @classmethod
-    def from_env(cls) -> "AllocatorConfig":
+    def from_env(cls) -> AllocatorConfig:
         """The settings in this process's ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``)."""
         return cls.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF")))
 
@@ -190,7 +190,7 @@ class CudaAllocatorModel:
     _free_small: list[tuple[int, int, int]] = field(default_factory=list)
     _free_large: list[tuple[int, int, int]] = field(default_factory=list)
     _live: dict[object, _Block] = field(default_factory=dict)
-    _ids: "itertools.count" = field(default_factory=itertools.count)
+    _ids: itertools.count = field(default_factory=itertools.count)
     _expandable: dict[bool, int] = field(default_factory=dict)  # pool (small?) -> its one segment's id
 
     # free lists hold (size, segment, offset), sorted, for best-fit lookup
@@ -316,7 +316,7 @@ class CudaAllocatorModel:
             raise ValueError(f"a segment is a positive multiple of {MIN_BLOCK_BYTES} bytes, not {nbytes}")
         self._add_free(self._new_segment(nbytes, small))
 
-    def replay(self, events: Iterable[tuple[str, object, int]]) -> "CudaAllocatorModel":
+    def replay(self, events: Iterable[tuple[str, object, int]]) -> CudaAllocatorModel:
         """Apply ``("alloc", key, nbytes)`` and ``("free", key, 0)`` events in order; returns self."""
         for kind, key, nbytes in events:
             if kind == "alloc":

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten, tree_map
 
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 from lightning_memkit.errors import MemkitError
 
 __all__ = [

@@ -7,7 +7,8 @@ module under the tensor accountant (estimate/runner.py), so the two numbers are 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

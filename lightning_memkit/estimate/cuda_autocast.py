@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning_memkit._torch_compat import tree_flatten, tree_map
 
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 from lightning_memkit.estimate import _torch_compat
 
 __all__ = [

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ _INHERITED = object()
 class CudaFunctions(TorchFunctionMode):
     """Rewrites calls whose CUDA kernel allocates differently (attention, dropout, linear, cross_entropy)."""
 
-    def __init__(self, kernels: "CudaKernels") -> None:
+    def __init__(self, kernels: CudaKernels) -> None:
         super().__init__()
         self.kernels = kernels
         self._sdpa = _torch_compat.nn_builtin("scaled_dot_product_attention")

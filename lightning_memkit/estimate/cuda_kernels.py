@@ -12,8 +12,9 @@ an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -210,7 +211,7 @@ class CudaKernels:
         self._scaler: list[torch.Tensor] = []
 
     @contextlib.contextmanager
-    def active(self) -> Iterator["CudaKernels"]:
+    def active(self) -> Iterator[CudaKernels]:
         """Inside: calls run as the CUDA kernels would allocate. Workspaces kept by the libraries live
         until the block ends (then everything made here is freed)."""
         try:

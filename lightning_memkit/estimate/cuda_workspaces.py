@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_memkit._torch_compat import TorchDispatchMode
 
+from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
 from lightning_memkit.estimate.gpu_target import (
@@ -30,7 +30,7 @@ class CudaWorkspaces(TorchDispatchMode):
 
     _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation")
 
-    def __init__(self, kernels: "CudaKernels") -> None:
+    def __init__(self, kernels: CudaKernels) -> None:
         super().__init__()
         self.kernels = kernels
         aten = torch.ops.aten

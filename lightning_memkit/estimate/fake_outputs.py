@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import TorchDispatchMode
 
+from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_tensors import is_fake
 

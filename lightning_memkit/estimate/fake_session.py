@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from lightning_memkit._torch_compat import tree_map
 
+from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_outputs import LossBuffers, ScalarPlaceholders, losses_keeping_their_buffer
 from lightning_memkit.estimate.fake_tensors import fake_parameter, is_fake

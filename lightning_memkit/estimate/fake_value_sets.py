@@ -122,7 +122,7 @@ class ValueSets:
             if schema is not None and schema.is_mutable:
                 kind = _Kind.MUTATES  # an in-place op (or an out= form): what was known of what it writes is forgotten
             elif name in ("aten::max", "aten::min"):  # over a dim: values and indices; whole: a reduction; else binary
-                kind = {"dim": _Kind.INDICES, "default": _Kind.REDUCTION}.get(overload, None)
+                kind = {"dim": _Kind.INDICES, "default": _Kind.REDUCTION}.get(overload)
                 if kind is None and torch.Tag.pointwise in getattr(func, "tags", ()):
                     kind = _Kind.POINTWISE
             elif name in self._INDEX_OPS and not (

@@ -56,7 +56,7 @@ class GpuTarget:
     capability: tuple[int, int]
 
     @classmethod
-    def parse(cls, gpu: Any = None) -> "GpuTarget":
+    def parse(cls, gpu: Any = None) -> GpuTarget:
         """``"h100"``, ``"a100"``, ``"sm90"``, ``"8.0"``, ``(8, 0)`` or a ``GpuTarget``; ``None`` is this
         machine's GPU when CUDA is available, else an H100 (the generation the recorded truth comes from)."""
         if isinstance(gpu, GpuTarget):

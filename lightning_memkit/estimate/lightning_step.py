@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.estimate.result import EstimateError
 from lightning_memkit.estimate.step_accountant import StepAccountant
 from lightning_memkit.estimate.step_errors import hook

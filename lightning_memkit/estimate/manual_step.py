@@ -4,7 +4,8 @@ optimizer steps itself, through a stand-in strategy that labels and attributes e
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ class _HostCopy:
 
     __slots__ = ("tensor", "nbytes", "owner")
 
-    def __init__(self, tensor: torch.Tensor, nbytes: int, owner: "OffloadModel") -> None:
+    def __init__(self, tensor: torch.Tensor, nbytes: int, owner: OffloadModel) -> None:
         self.tensor, self.nbytes, self.owner = tensor, nbytes, owner
 
     def __del__(self) -> None:

@@ -7,8 +7,9 @@ state are fixed; activations and inputs grow); the fit gives the jump, estimates
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import psutil
 import torch
@@ -70,7 +71,7 @@ class AffineGrowth:
     per_sample_bytes: float
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, int]]) -> "AffineGrowth":
+    def fit(cls, points: Sequence[tuple[int, int]]) -> AffineGrowth:
         """Least-squares fit through ``(batch_size, bytes)`` points (at least two distinct sizes)."""
         sizes = {b for b, _ in points}
         if len(sizes) < 2:

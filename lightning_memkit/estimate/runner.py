@@ -8,13 +8,14 @@ import contextlib
 import copy
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
-from lightning_memkit._torch_compat import tree_flatten, tree_map
 
+from lightning_memkit._torch_compat import tree_flatten, tree_map
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,

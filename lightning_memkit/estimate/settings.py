@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torch import nn
 

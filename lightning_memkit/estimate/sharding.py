@@ -5,8 +5,9 @@ bytes of the model states it leaves on each rank (:func:`model_state_bytes`: the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -4,7 +4,7 @@ phase and step of the peak, the allocation events the CUDA model replays, and on
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch import nn
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import enum
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten, tree_flatten_with_path, keystr
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from lightning_memkit._torch_compat import keystr, tree_flatten, tree_flatten_with_path
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
 
 __all__ = [

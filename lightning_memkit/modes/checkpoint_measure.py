@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten
 from torch import nn
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
+from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
 from lightning_memkit.modes.offload import offload_suspended
 
 __all__ = [
@@ -170,8 +171,8 @@ class _Measuring:
         self.result = ForwardMeasure(
             region_saved={n: {} for n in regions},
             region_inputs={n: set() for n in regions},
-            flops={n: 0 for n in regions},
-            seconds={n: 0.0 for n in regions},
+            flops=dict.fromkeys(regions, 0),
+            seconds=dict.fromkeys(regions, 0.0),
         )
         self.accountant = TensorAccountant()
         self.active: list[str] = []

@@ -8,8 +8,9 @@ regions a budget chooses among.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from torch import nn
 

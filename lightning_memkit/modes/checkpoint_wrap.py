@@ -27,8 +27,9 @@ import contextvars
 import functools
 import inspect
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -289,7 +290,7 @@ class CheckpointHandle:
             _uninstall(module)
         self._wrapped = []
 
-    def __enter__(self) -> "CheckpointHandle":
+    def __enter__(self) -> CheckpointHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -299,7 +300,7 @@ class CheckpointHandle:
         return f"CheckpointHandle({self.plan.count} regions, active={self.active})"
 
 
-def wrap_regions(regions: "list[Region]") -> list[nn.Module]:
+def wrap_regions(regions: list[Region]) -> list[nn.Module]:
     """Checkpoint every region (a module, or a segment of a plain ``nn.Sequential``'s children) and return
     the modules that got an instance ``forward`` (for :class:`CheckpointHandle`). All or nothing: on an
     error every module wrapped so far is restored."""

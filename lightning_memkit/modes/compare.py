@@ -8,6 +8,7 @@ from here too.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -15,12 +16,13 @@ import re
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.modes.compare_result import (
     COMPARE_FORMAT,
     CompareResult,
@@ -178,21 +180,21 @@ def _fit(
     datamodule = datamodule_factory() if datamodule_factory is not None else None
     tracker = MemoryTracker(verbose=False, tensor_peak_every_n_steps=1)  # CPU: the exact peak of every step
     recorder = _step_recorder()
-    options = dict(
-        accelerator=settings.accelerator,
-        devices=settings.devices,
-        max_steps=settings.max_steps,
-        logger=logger,
-        default_root_dir=settings.root_dir,
-        val_check_interval=settings.max_steps,
-        check_val_every_n_epoch=None,
-        limit_val_batches=settings.val_batches,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
+    options = {
+        "accelerator": settings.accelerator,
+        "devices": settings.devices,
+        "max_steps": settings.max_steps,
+        "logger": logger,
+        "default_root_dir": settings.root_dir,
+        "val_check_interval": settings.max_steps,
+        "check_val_every_n_epoch": None,
+        "limit_val_batches": settings.val_batches,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "log_every_n_steps": 1,
+    }
     options.update(settings.trainer_kwargs)
     options["precision"] = mode_kwargs["precision"]
     options["callbacks"] = [*mode_kwargs["callbacks"], tracker, recorder, *settings.trainer_kwargs.get("callbacks", [])]
@@ -236,10 +238,8 @@ def _read_validation(result: ModeResult, callback_metrics: dict[str, Any], wante
     metrics = {}
     for key, value in callback_metrics.items():
         if key.startswith("val"):
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 metrics[key] = float(value)
-            except (TypeError, ValueError):
-                pass
     result.val_metrics = metrics
     result.val_metric_name, result.val_metric = _pick_val_metric(metrics, wanted)
 
@@ -325,7 +325,7 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
     return warnings_text
 
 
-def progress_line(index: int, count: int, result: "ModeResult", seconds: float) -> str:
+def progress_line(index: int, count: int, result: ModeResult, seconds: float) -> str:
     """The line ``compare_modes(progress=True)`` prints as mode ``index`` of ``count`` ends: its peak (bytes, as
     ``format_bytes`` writes them), median step time (ms) and the mode's wall time (seconds), or why it failed."""
     head = f"memkit compare: mode {index}/{count} {result.mode}"

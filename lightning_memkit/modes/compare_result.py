@@ -175,7 +175,7 @@ class ModeResult:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModeResult":
+    def from_dict(cls, data: dict[str, Any]) -> ModeResult:
         """Inverse of :meth:`to_dict`; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -173,7 +173,7 @@ class Mode:
             kwargs["callbacks"].append(ActivationOffload(verbose=callback_kwargs.get("verbose", True)))
         return kwargs
 
-    def with_name(self, name: str) -> "Mode":
+    def with_name(self, name: str) -> Mode:
         """A copy with another display name."""
         return dataclasses.replace(self, name=name)
 
@@ -256,7 +256,7 @@ def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[Mode]:
     Raises:
         ValueError: for an empty list, a bad mode, or two modes with the same name.
     """
-    items = [t for t in (text.split(",") if isinstance(text, str) else list(text))]
+    items = list(text.split(",") if isinstance(text, str) else list(text))
     modes = [parse_mode(t) for t in items if not (isinstance(t, str) and not t.strip())]
     if not modes:
         raise ValueError(f"no modes in {text!r}; write e.g. baseline,amp,checkpoint,amp+checkpoint")

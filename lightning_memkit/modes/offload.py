@@ -28,7 +28,8 @@ import contextlib
 import contextvars
 import functools
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from lightning_memkit.plan import timing
 from lightning_memkit.plan.inputs import PlanInputs

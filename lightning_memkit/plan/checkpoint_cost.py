@@ -55,7 +55,7 @@ class _Chain(nn.Module):
         return x
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _counts(depth: int) -> tuple[float, float, float]:
     """For one block of ``depth`` layers, as the plan's fake step counts them: ``(ops of its plain forward and
     backward, ops the recompute adds when it is checkpointed, ops inside the checkpointed call)``. The same for every

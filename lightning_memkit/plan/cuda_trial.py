@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import traceback
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -54,7 +54,7 @@ def interleaved_rounds(
     timings = {id(row): [observation(row)[2]] for row in ran}  # the trial's own first: in no round with the others
     started = time.perf_counter()
     for round_ in range(rounds):
-        if MIN_ROUNDS <= round_ and keep_going is not None and not keep_going((time.perf_counter() - started) / round_):
+        if round_ >= MIN_ROUNDS and keep_going is not None and not keep_going((time.perf_counter() - started) / round_):
             rounds = round_
             break
         for row in ran[::-1] if round_ % 2 == 0 else ran:

@@ -10,8 +10,9 @@ three checkpointing choices, the precisions allowed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
 from lightning_memkit.modes.mode import Mode, resolve_precision

@@ -3,8 +3,8 @@ and trials refine it, its time budget and notes; and what a trial costs at the m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from lightning_memkit.plan.inputs import PlanInputs, TrialSettings
 from lightning_memkit.plan.result import PlanRow

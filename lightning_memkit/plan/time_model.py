@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpoint_wrap import checkpoint_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
@@ -337,7 +337,7 @@ class TimeModel:
             ops += costs.optimizer.count
         return kernels, ops
 
-    def fit(self, observations: list[tuple]) -> "TimeModel":
+    def fit(self, observations: list[tuple]) -> TimeModel:
         """A copy fitted to real steps: ``observations`` are ``(costs, accumulation, measured seconds)``, or
         ``(costs, accumulation, measured seconds, micro-batch samples, precision)``: those also fit
         :attr:`micro_factors` (:meth:`_fit_micro_factors`, after the fit below). Offload's copies are not parted
@@ -352,7 +352,7 @@ class TimeModel:
         fitted = self._fit_scale_and_overhead([observation[:3] for observation in observations])
         return fitted._fit_micro_factors([o for o in observations if len(o) > 4 and o[3] is not None])
 
-    def _fit_micro_factors(self, observations: list[tuple]) -> "TimeModel":
+    def _fit_micro_factors(self, observations: list[tuple]) -> TimeModel:
         """A copy whose :attr:`micro_factors` make it meet ``(costs, accumulation, seconds, micro-batch, precision)``
         observations at their micro-batches (the geometric mean of the factors of those at one size and precision;
         none kept from before; at least :data:`MIN_MICRO_FACTOR`: a step measured below the model's overheads alone
@@ -371,7 +371,7 @@ class TimeModel:
         factors = {size: math.exp(sum(values) / len(values)) for size, values in logs.items()}
         return replace(self, micro_factors=factors)
 
-    def _fit_scale_and_overhead(self, observations: list[tuple[OpCosts, int, float]]) -> "TimeModel":
+    def _fit_scale_and_overhead(self, observations: list[tuple[OpCosts, int, float]]) -> TimeModel:
         """:meth:`fit`'s kernel scale and per-op overhead (:attr:`micro_factors` kept)."""
         roof = self.roofline
         terms = []

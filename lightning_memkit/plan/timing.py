@@ -11,7 +11,8 @@ import logging
 import statistics
 import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer

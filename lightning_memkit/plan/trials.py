@@ -8,8 +8,9 @@ import contextlib
 import statistics
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import torch

@@ -4,6 +4,8 @@ tests/test_probes.py pins its behaviour: what MemoryTracker's OOM snapshot is ma
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["dump_memory_snapshot", "start_memory_history", "stop_memory_history"]
@@ -22,10 +24,8 @@ def start_memory_history(max_entries: int, stacks: str = "python") -> bool:
 
 def stop_memory_history() -> None:
     """Stop recording allocator history."""
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError, TypeError):
         torch.cuda.memory._record_memory_history(enabled=None)
-    except (AttributeError, RuntimeError, TypeError):
-        pass
 
 
 def dump_memory_snapshot(path: str) -> bool:

@@ -6,9 +6,10 @@ values. No probe imports Lightning; a failing probe is switched off by :class:`P
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 from lightning_memkit.errors import MemkitError
 
@@ -69,10 +70,8 @@ class ProbeSet:
             RuntimeWarning,
             stacklevel=3,
         )
-        try:
+        with contextlib.suppress(Exception):
             probe.close()
-        except Exception:
-            pass
 
     def reset_peak(self) -> None:
         """Open a new peak window on every probe."""
@@ -91,10 +90,8 @@ class ProbeSet:
     def close(self) -> None:
         """Close every probe."""
         for probe in self.probes:
-            try:
+            with contextlib.suppress(Exception):
                 probe.close()
-            except Exception:
-                pass
         self.probes = []
 
     def find(self, kind: type) -> MemoryProbe | None:

@@ -8,6 +8,7 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -68,10 +69,8 @@ class HostProbe(MemoryProbe):
     def _close_proc(self) -> None:
         for fd in (self._status_fd, self._clear_fd):
             if fd is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         self._status_fd = self._clear_fd = None
 
     def _ensure_own_process(self) -> bool:
@@ -121,7 +120,5 @@ class HostProbe(MemoryProbe):
         self._close_proc()
 
     def __del__(self) -> None:  # a probe dropped without close() must not leak descriptors
-        try:
+        with contextlib.suppress(Exception):
             self._close_proc()
-        except Exception:
-            pass

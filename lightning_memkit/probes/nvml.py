@@ -6,6 +6,7 @@ The CUDA context, cuDNN/cuBLAS workspaces and other libraries' buffers are invis
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -70,10 +71,8 @@ class NvmlProbe(MemoryProbe):
         return values
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def pci_bus_id_of(properties: object) -> str | None:

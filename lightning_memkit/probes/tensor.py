@@ -7,7 +7,8 @@ adds :meth:`TensorProbe.start` and :meth:`TensorProbe.stop` around the step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -12,8 +12,9 @@ import datetime
 import html
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from lightning_memkit._version import __version__
 from lightning_memkit.doctor.report import DoctorReport

@@ -32,7 +32,7 @@ class ProvedBatch:
     proved_by: str
 
     @classmethod
-    def of(cls, batch: Any, proved_by: str) -> "ProvedBatch":
+    def of(cls, batch: Any, proved_by: str) -> ProvedBatch:
         """The proved batch for ``batch`` (real or fake tensors: only shapes and dtypes are read)."""
         return cls(batch_nbytes(batch), batch_shapes(batch), proved_by)
 

@@ -6,11 +6,12 @@ result is dropped and :class:`BudgetExceededError` (a ``torch.OutOfMemoryError``
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
-from lightning_memkit._torch_compat import TorchDispatchMode
 
+from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import force_eager
 from lightning_memkit.errors import MemkitError
@@ -39,7 +40,7 @@ class BudgetExceededError(MemkitError, torch.OutOfMemoryError):
 
 
 class _Guard(TorchDispatchMode):
-    def __init__(self, budget: "MemoryBudget") -> None:
+    def __init__(self, budget: MemoryBudget) -> None:
         super().__init__()
         self.budget = budget
 
@@ -111,7 +112,7 @@ class MemoryBudget:
         """Whether the accountant's peak (bytes, since its last ``reset_peak``) is over the budget."""
         return self.accountant.peak_bytes > self.budget_bytes
 
-    def __enter__(self) -> "MemoryBudget":
+    def __enter__(self) -> MemoryBudget:
         if self._depth == 0:
             # a dispatch mode: dynamo would skip a compiled frame first met under it for the rest of the process, so
             # a compiled model runs its budgeted trials eagerly (the eager program's memory) and trains compiled after

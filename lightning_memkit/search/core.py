@@ -7,11 +7,11 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
-from lightning_memkit.estimate.predict import AffineGrowth
 from lightning_memkit.errors import MemkitError
+from lightning_memkit.estimate.predict import AffineGrowth
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 from lightning.pytorch import Callback
@@ -91,7 +92,7 @@ class TrialLimits:
     capped_by: str | None = field(default=None, init=False)
 
     @classmethod
-    def for_cpu(cls, budget_bytes: int, max_seconds: float) -> "TrialLimits":
+    def for_cpu(cls, budget_bytes: int, max_seconds: float) -> TrialLimits:
         """The limits of a CPU search without ``budget=``: ``budget_bytes`` counted tensors (the host memory announced
         is the resident memory now plus that), at most ``max_seconds`` of trials and :data:`CPU_TRIAL_SECONDS` each."""
         return cls(

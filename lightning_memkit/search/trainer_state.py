@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import gc
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import torch
-from lightning_memkit._torch_compat import tree_map
 
 from lightning_memkit import _lightning_compat as compat
+from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.modes.mode import Mode

@@ -3,7 +3,8 @@ each size, and record the largest batch each trial ran, so what fits holds for t
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler

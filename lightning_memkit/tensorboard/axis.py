@@ -6,8 +6,8 @@ A port of d3's ``nice``, ``ticks``, ``quantile`` and ``.3~g`` and of TensorBoard
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Iterable, Sequence
 
 __all__ = ["smoothed", "tensorboard_y_range", "tensorboard_ticks", "tick_label"]
 

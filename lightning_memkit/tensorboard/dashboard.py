@@ -11,7 +11,8 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.summary_table import format_summary, format_table
@@ -47,9 +48,9 @@ DEVICE_TEXT_TAG = "summary/device"
 
 # the SummaryWriters that hold a memkit layout, so several callbacks of one run register it once;
 # weak, so that a new logger on a recreated log dir (a notebook re-run) gets its layout again
-_REGISTERED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_REGISTERED: weakref.WeakSet[Any] = weakref.WeakSet()
 # the layout each of them got, so fit end can drop the charts the run left empty
-_LAYOUTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -109,15 +110,15 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
         cuda = trainer.strategy.root_device.type == "cuda"
     except Exception:
         cuda = False
-    options: dict[str, Any] = dict(
-        cuda=False,
-        tensors=False,
-        host=False,
-        validation=False,
-        ranks=False,
-        trace=tracer is not None,
-        prefix=getattr(tracer, "prefix", DEFAULT_PREFIX),
-    )
+    options: dict[str, Any] = {
+        "cuda": False,
+        "tensors": False,
+        "host": False,
+        "validation": False,
+        "ranks": False,
+        "trace": tracer is not None,
+        "prefix": getattr(tracer, "prefix", DEFAULT_PREFIX),
+    }
     if tracker is not None:  # the per-step charts need MemoryTracker's scalars
         accountant = tracker.tensor_accounting
         world_size = getattr(trainer, "world_size", 1)

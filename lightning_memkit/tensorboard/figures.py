@@ -9,7 +9,7 @@ give memkit's other figures the same look.
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -110,7 +110,7 @@ def mark_peak(ax, x: float, nbytes: int, text: str | None = None) -> None:
         fontsize=9,
         fontweight="bold",
         color=PEAK_COLOR,
-        bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=PEAK_COLOR, alpha=0.9),
+        bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": PEAK_COLOR, "alpha": 0.9},
     )
     low, high = ax.get_ylim()
     if y * 1.15 > high:  # room for the label above the marker

@@ -13,7 +13,8 @@ and :mod:`~lightning_memkit.tensorboard.readable` redraws a chart TensorBoard wo
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX, STAGE_TAGS, metric_name
 
@@ -297,21 +298,21 @@ def layout_from_tags(
         prefix: MemoryTracker's ``prefix``.
         compare: the run is one mode of a ``memkit compare`` root.
     """
-    steps = dict(tags) if isinstance(tags, Mapping) else {t: 2 for t in tags}
+    steps = dict(tags) if isinstance(tags, Mapping) else dict.fromkeys(tags, 2)
     train = f"{prefix}/{STAGE_TAGS['train']}/"
     val = f"{prefix}/{STAGE_TAGS['validate']}/"
     has = lambda stage, field: f"{stage}{metric_name(field)}" in steps  # noqa: E731
-    options = dict(
-        prefix=prefix,
-        cuda=has(train, "peak_allocated_bytes") or has(train, "allocated_bytes"),
-        nvml=has(train, "device_used_bytes"),
-        tensors=has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
-        host=has(train, "host_rss_bytes"),
-        validation=any(t.startswith(val) for t in steps),
-        ranks=max(
+    options = {
+        "prefix": prefix,
+        "cuda": has(train, "peak_allocated_bytes") or has(train, "allocated_bytes"),
+        "nvml": has(train, "device_used_bytes"),
+        "tensors": has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
+        "host": has(train, "host_rss_bytes"),
+        "validation": any(t.startswith(val) for t in steps),
+        "ranks": max(
             (int(m.group(1)) + 1 for m in (re.match(re.escape(train) + r"rank([0-9]+)/", t) for t in steps) if m),
             default=0,
         ),
-        compare=compare,
-    )
+        "compare": compare,
+    }
     return prune_layout(dashboard_layout(**options), steps)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lightning_memkit.tensorboard.axis import tensorboard_ticks
 from lightning_memkit.tensorboard.layout import layout_tags

@@ -5,7 +5,8 @@ At most three lines per run, of one scale, inside the y range TensorBoard draws,
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_memkit.tensorboard.axis import smoothed, tensorboard_ticks, tensorboard_y_range, tick_label
 from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART, layout_tags, matching_tags
@@ -93,7 +94,7 @@ def _scale_problems(title: str, series: Series) -> list[str]:
     biggest = max(scales, key=scales.get) if scales else None
     problems = []
     for key, scale in scales.items():
-        if 0 < scale and scales[biggest] > MAX_SCALE_RATIO * scale:
+        if scale > 0 and scales[biggest] > MAX_SCALE_RATIO * scale:
             problems.append(
                 f"{title!r}: {biggest[1]} ({scales[biggest]:.6g}) is {scales[biggest] / scale:.0f}x "
                 f"{key[1]} ({scale:.6g}) of run {key[0]!r}: the smaller line is flat"

@@ -5,6 +5,7 @@ Binds to 127.0.0.1 only (never ``--bind_all``), on a free port, and is always st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -79,7 +80,7 @@ class TensorBoardServer:
             *self.extra_args,
         ]
 
-    def start(self) -> "TensorBoardServer":
+    def start(self) -> TensorBoardServer:
         """Start the server and wait until it lists at least one run; raises RuntimeError on failure."""
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
         self._output = tempfile.TemporaryFile(mode="w+")
@@ -111,10 +112,8 @@ class TensorBoardServer:
                 os.killpg(process.pid, signal.SIGTERM)
                 process.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 process.wait(timeout=10)
         output, self._output = getattr(self, "_output", None), None
         if output is not None:
@@ -132,7 +131,7 @@ class TensorBoardServer:
         """GET ``path`` and parse the body as JSON."""
         return json.loads(self.get(path, params, timeout_s))
 
-    def __enter__(self) -> "TensorBoardServer":
+    def __enter__(self) -> TensorBoardServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

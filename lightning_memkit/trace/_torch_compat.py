@@ -5,7 +5,7 @@ Pinned by tests/test_trace_compat.py: if a torch release moves one, that test sa
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

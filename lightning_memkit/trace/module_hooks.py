@@ -5,13 +5,15 @@ Forward events come from module hooks, backward events from gradient hooks on a 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from lightning_memkit._torch_compat import tree_flatten
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.accounting.categories import CategoryAttributor
 from lightning_memkit.compiled import is_compiled_wrapper
@@ -118,10 +120,8 @@ class ModuleHooks:
     def remove(self) -> None:
         """Remove every hook (a hook that cannot be removed is left: the tracer is being torn down)."""
         for handle in self._handles:
-            try:
+            with contextlib.suppress(Exception):
                 handle.remove()
-            except Exception:
-                pass
         self._handles.clear()
 
     def release(self) -> None:

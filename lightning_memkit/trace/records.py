@@ -122,7 +122,7 @@ class TraceEvent:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TraceEvent":
+    def from_dict(cls, data: dict[str, Any]) -> TraceEvent:
         """Inverse of :meth:`to_dict` (unknown keys are ignored, for forward compatibility)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -196,7 +196,7 @@ class LayerTraceResult:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LayerTraceResult":
+    def from_dict(cls, data: dict[str, Any]) -> LayerTraceResult:
         """Inverse of :meth:`to_dict`.
 
         Raises:

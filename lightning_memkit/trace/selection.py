@@ -6,7 +6,8 @@ Code inside ``torch.compile`` is never hooked (a hook there would be compiled in
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 

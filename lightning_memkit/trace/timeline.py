@@ -4,8 +4,8 @@ allocator's events after the step (a compiled model, whose code no dispatch mode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

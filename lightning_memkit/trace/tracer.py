@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ _TO_COPY = torch.ops.aten._to_copy.default
 class _TracingAccountant(TensorAccountant):
     """The accountant, labelling each allocation with the phase it happened in."""
 
-    def __init__(self, tracer: "LayerTracer") -> None:
+    def __init__(self, tracer: LayerTracer) -> None:
         super().__init__()
         self._tracer = tracer
 
@@ -167,7 +168,7 @@ class LayerTracer:
         self._stack_exit: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "LayerTracer":
+    def __enter__(self) -> LayerTracer:
         self.start()
         return self
 
@@ -221,10 +222,8 @@ class LayerTracer:
         self._peak_tick = self.attributor.tick
         self.accountant.add_peak_listener(self._on_peak)
         if self._device.type == "cuda":
-            try:
+            with contextlib.suppress(RuntimeError):
                 torch.cuda.reset_peak_memory_stats(self._device)
-            except RuntimeError:
-                pass
 
     def _start_allocator(self) -> AllocatorPeak | None:
         """A compiled model traced as it runs: the allocator's events, or None (said in :attr:`errors`)."""
