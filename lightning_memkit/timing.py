@@ -1,5 +1,6 @@
 """Step timing that means the same on every device: GPU time from CUDA events on CUDA, a host clock
-elsewhere, with no host synchronisation per step; and the spread of a run's step times.
+elsewhere, with no host synchronisation per step; the spread of a run's step times, and the one rule that tells two
+sets of step times apart.
 
 On CUDA the host only *launches* work: a host clock around a step measures the launches (28.4 ms was
 reported for a BERT-base step whose synchronised time on an H100 was 299 ms). :class:`StepTimer`
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimer", "TimeSpread", "time_spread", "within_noise", "TIME_SOURCES"]
+__all__ = ["StepTimer", "TimeSpread", "time_spread", "within_noise", "faster_by", "TIME_SOURCES"]
 
 #: what each ``StepTimer.source`` measures, for tables and docs.
 TIME_SOURCES: dict[str, str] = {
@@ -222,10 +223,27 @@ def time_spread(times_s: Sequence[float]) -> TimeSpread | None:
 def within_noise(a: TimeSpread | None, b: TimeSpread | None) -> bool | None:
     """Whether two runs' step times cannot be told apart: their interquartile ranges overlap.
 
-    The rule memkit applies to a time ratio: when the middle halves of two runs' step times overlap,
-    the difference of their medians is smaller than the step-to-step spread and is reported as noise.
-    ``None`` when either run has no times.
+    The one rule memkit applies to a time difference: when the middle halves of two sets of step times overlap, the
+    difference of their medians is smaller than the step-to-step spread and is reported as noise (a mode's step
+    time against the baseline's in ``memkit compare``; a plan's trials, :func:`faster_by`). ``None`` when either run
+    has no times.
     """
     if a is None or b is None:
         return None
     return a.q1_s <= b.q3_s and b.q1_s <= a.q3_s
+
+
+def faster_by(times_s: Sequence[float], reference_s: Sequence[float], gain: float = 0.0) -> bool | None:
+    """Whether ``times_s`` are faster than ``reference_s`` by more than ``gain`` (0.05: 5%) by :func:`within_noise`'s
+    rule: ``True`` when the middle half of ``times_s`` times ``1 + gain`` lies wholly below the middle half of
+    ``reference_s``, ``False`` when it lies wholly above it, ``None`` when they overlap (not told apart yet) or either
+    is empty.
+
+    Paired timings (the same rounds, seconds apart, of two configurations on a machine whose speed drifts) are
+    compared as their per-round ratios against ``[1.0]``: ``faster_by(ratios, [1.0], gain)``.
+    """
+    scaled = time_spread([t * (1 + gain) for t in times_s])
+    reference = time_spread(reference_s)
+    if scaled is None or reference is None or within_noise(scaled, reference):
+        return None
+    return scaled.q3_s < reference.q1_s

@@ -1,4 +1,4 @@
-"""The planner on a device (issue 36, items 1 to 7): what of it runs on a CPU.
+"""The planner on a device: what of it runs on a CPU.
 
 - the CUDA budget's arithmetic counts the model under plan once and the CUDA context once, and caps a trial's
   allocator at the budget less the context (lightning_memkit/plan/cuda_trial.py);
@@ -28,7 +28,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from conftest import LinearStack
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.modes.checkpointing import CheckpointBudget
-from lightning_memkit.plan import cuda_trial, inputs, planner, timing, trials
+from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, planner, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.zoo import DemoTransformer
@@ -36,7 +36,7 @@ from lightning_memkit.zoo import DemoTransformer
 MiB, GiB = 1 << 20, 1 << 30
 
 
-# ------------------------------------------------------------------------------------------ item 1: the arithmetic
+# ------------------------------------------------------------------------------------------ the arithmetic
 def test_a_cuda_budget_counts_the_model_once_and_the_context_once():
     """A process holds the model under plan (M bytes reserved) on a device with F bytes free; the real fit needs X
     bytes more than the model. The default budget is this process's share of the device in device bytes (F + M, plus
@@ -75,7 +75,7 @@ def test_a_module_on_the_cpu_is_not_moved_for_a_trial():
     assert list(module.parameters()) == before and all(p.device.type == "cpu" for p in before)
 
 
-# ------------------------------------------------------------------------------------------ item 3: offload printed
+# ------------------------------------------------------------------------------------------ offload printed
 def _offloading_plan(checkpoint: bool) -> planner.Plan:
     """A CUDA plan's prediction (no GPU here: nothing runs), its best set to its fastest offload row, as a GPU's
     trials would leave it when that row won."""
@@ -160,7 +160,7 @@ def test_a_plan_whose_best_offloads_carries_activation_offload(tmp_path):
         assert cli.trainer.accumulate_grad_batches == best.accumulation
 
 
-# ------------------------------------------------------------------------------------------ item 4: the device index
+# ------------------------------------------------------------------------------------------ the device index
 def test_a_cuda_plan_keeps_its_device_index():
     assert isinstance(inputs.plan_device("cpu"), contextlib.nullcontext)
     if not torch.cuda.is_available():  # a CUDA plan here is a prediction: no device to enter
@@ -172,7 +172,7 @@ def test_a_cuda_plan_keeps_its_device_index():
         assert plan.device == "cuda" and plan.trials == 0
 
 
-# ------------------------------------------------------------------------------------------ item 5: fp16 trials
+# ------------------------------------------------------------------------------------------ fp16 trials
 class _Overflowing(pl.LightningModule):
     """One Linear whose loss is large enough that the GradScaler's first scales overflow fp16's gradients."""
 
@@ -229,12 +229,12 @@ def test_fp16_steps_the_grad_scaler_skipped_are_run_beyond_and_not_timed():
 @pytest.mark.timeout(300)
 def test_a_trial_fit_without_a_grad_scaler_skips_nothing():
     module = LinearStack((8, 16, 4), batch_size=4, optimizer="adam")
-    with timing.quiet_lightning():
-        skipped = timing.fit_steps(module, Candidate(4, 1), (torch.randn(4, 8),), "cpu", 2, 1, None, None)
+    with lightning_runs.quiet_lightning():
+        skipped = lightning_runs.fit_steps(module, Candidate(4, 1), (torch.randn(4, 8),), "cpu", 2, 1, None, None)
     assert skipped == []
 
 
-# ------------------------------------------------------------------------------------------ item 6: host memory
+# ------------------------------------------------------------------------------------------ host memory
 def test_an_offload_trial_the_host_cannot_pin_is_refused():
     import psutil
 
@@ -257,7 +257,7 @@ def test_the_host_cache_release_is_torchs_own():
     assert empty_host_cache() is (torch.cuda.is_available() and torch.cuda.is_initialized())
 
 
-# ------------------------------------------------------------------------------------------ item 7: compiled models
+# ------------------------------------------------------------------------------------------ compiled models
 def test_reset_compiled_is_torchs_compiler_reset():
     """Pins compiled/_torch_compat.reset_compiled: a compiled function compiles again after it."""
     from lightning_memkit.compiled._torch_compat import reset_compiled
@@ -299,8 +299,8 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch():
     try:
         for micro in (4, 2):
             before = graphs()
-            fits, _, _, note = trials.trial(module, Candidate(micro, 4 // micro), batch, GiB, "cpu", 1, 1, 0.0)
-            assert fits and note.endswith("; compiled: dynamo's caches reset before and after the trial"), note
+            record = trials.trial(module, Candidate(micro, 4 // micro), batch, GiB, "cpu", trials.TrialSteps(1, 1))
+            assert record.fits and record.note.endswith("; compiled: dynamo's caches reset before and after the trial")
             assert graphs() > before, micro  # it compiled at its own micro-batch
     finally:
         limit.__exit__(None, None, None)

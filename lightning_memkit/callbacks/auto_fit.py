@@ -61,7 +61,7 @@ class AutoFit(Callback):
     :class:`~lightning_memkit.callbacks.activation_offload.ActivationOffload`). When the batch fits as is it changes
     nothing. A precision is the Trainer's to set, not a callback's: when the best plan changes precision (only if
     ``modes`` allows one) it prints the ``Trainer(precision=...)`` argument to add and trains this fit with the
-    fastest plan that ran at the Trainer's own precision.
+    plan's rule's first that ran at the Trainer's own precision.
     Under ``fast_dev_run`` (a smoke test) it plans nothing and warns, as ``MaxBatchSize`` does.
 
     Args:
@@ -73,9 +73,8 @@ class AutoFit(Callback):
         trials: the most real trials the plan runs (1 to 3); each trains a few steps on a copy of the module.
         verbose: print the plan's table and what was applied, on global rank 0.
         max_seconds: the plan's time budget, seconds; default: the estimate plus 20 steps of the user's batch (at
-            least 30 s more). The plan says it at the start and each phase's cost as it ends; the estimate and
-            trials until one fits always run, the calibration, the other trials and the timing rounds only where
-            they fit.
+            least 30 s more). The estimate and trials until one fits always run, the other trials and the
+            side-by-side rounds only where they fit.
 
     Attributes:
         plan: the :class:`~lightning_memkit.plan.planner.Plan` (``None`` before fit, and on a resumed fit).
@@ -231,8 +230,8 @@ class AutoFit(Callback):
         )
 
     def _choose(self, trainer: Trainer, plan: Any) -> Any:
-        """``plan.best``, or, when it changes precision, the fastest that ran at the Trainer's precision (the argument
-        to add is printed: a callback cannot change a Trainer's precision)."""
+        """``plan.best``, or, when it changes precision, the plan's first (rows in the rule's order) that ran at the
+        Trainer's precision (the argument to add is printed: a callback cannot change a Trainer's precision)."""
         best = plan.best
         precision = str(trainer.precision)
         if best is None or best.precision == precision:
@@ -242,7 +241,7 @@ class AutoFit(Callback):
             trainer,
             f"memkit AutoFit: the fastest plan trains in {best.precision}, which a callback cannot set: add "
             f"Trainer(precision={best.precision!r}) (the plan's Trainer arguments: {arguments}); this fit uses "
-            f"the fastest plan that ran at {precision}",
+            f"the plan's first that ran at {precision}",
         )
         ran = [
             row for row in plan.rows if row.measured_samples_per_s is not None and row.candidate.precision == precision
@@ -254,7 +253,7 @@ class AutoFit(Callback):
                 f"Trainer(precision={best.precision!r})"
             )
             return dataclasses.replace(best, precision=precision)
-        return max(ran, key=lambda row: row.measured_samples_per_s).candidate
+        return ran[0].candidate
 
     @staticmethod
     def _choose_quietly(trainer: Trainer, plan: Any) -> bool:

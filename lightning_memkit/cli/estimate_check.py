@@ -18,7 +18,7 @@ from lightning_memkit.cli.common import CliError, build_instance, json_object, l
 from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.modes.checkpointing import CheckpointBudget
-from lightning_memkit.plan.timing import quiet_lightning
+from lightning_memkit.plan.lightning_runs import quiet_lightning
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 

@@ -1,6 +1,6 @@
 """``memkit plan FILE.py:Module``: the fastest way to train the module's batch in a memory budget (precision only when
-allowed, checkpointing, micro-batch x accumulation, offload on CUDA), predicted on fake tensors and proved by at most
-three real trials; prints the ranked table, then the Trainer arguments and a LightningCLI YAML snippet for the best.
+allowed, checkpointing, micro-batch x accumulation, offload on CUDA), estimated on fake tensors and proved by at most
+three real trials; prints the table, the choice and why, then the Trainer arguments and a LightningCLI YAML snippet.
 
 Exit status: 0 with a best configuration (or the module fits as is), 1 when nothing fit in a real trial (or, for a CUDA
 plan on a machine without a GPU, nothing could run: the table is the prediction only), 2 for bad arguments."""
@@ -32,10 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "my batch does not fit: the fastest way to train it anyway (micro-batch, checkpointing, precision, offload)"
         ),
         description="Estimate every way to train the module's effective batch that the allowed modes give "
-        "(fake tensors, "
-        "one step each: memory and predicted time), rank those that fit by predicted samples/s, run the top "
-        "ones as real trials (at most 3, on a copy of the module) and print the fastest that fit, with its "
-        "Trainer arguments and a LightningCLI YAML snippet. A module that fits as is is left as it is.",
+        "(fake tensors, one step each), order those that fit by a simple rule (no recompute first, a lower "
+        "precision where allowed, fewer and larger micro-batches), run the first ones as real trials (at most 3, "
+        "on a copy of the module) and print the choice: the rule's first that fit, unless another was measured "
+        "faster by more than 5%, with its Trainer arguments and a LightningCLI YAML snippet. A module that fits "
+        "as is is left as it is.",
     )
     parser.add_argument("module", help="FILE.py:ModuleClass or package.module:ModuleClass (built with --init-args)")
     add_init_arguments(parser, datamodule=True)
@@ -80,8 +81,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="the plan's time budget, seconds (default: the estimate plus 20 baseline steps, at least "
-        "30 s more); the estimate and trials until one fits always run, the other phases where they fit",
+        help="the plan's time budget, seconds (default: the estimate plus 20 steps of the effective batch, at "
+        "least 30 s more); the estimate and trials until one fits always run, the other phases where they fit",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="print a progress line per phase (estimate, each trial, the rounds)"
     )
     parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
     parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")
@@ -129,6 +133,7 @@ def _plan_json(plan: Any) -> dict:
         "yaml": plan.yaml(),
         "rows": rows,
         "notes": plan.notes,
+        "reason": plan.reason,
         "seconds": plan.seconds,
         "max_seconds": plan.max_seconds,
         "phases": [
@@ -178,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
                 "--datamodule FILE.py:DataModuleClass"
             )
+        if not args.verbose:
+            print(
+                f"memkit plan: estimating the candidates, then at most {args.trials} real trial"
+                f"{'s' if args.trials != 1 else ''} (--verbose: a line per phase) ...",
+                flush=True,
+            )
         plan = plan_fit(
             module,
             batch_size=args.batch_size,
@@ -187,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             modes=args.modes,
             datamodule=datamodule,
             trials=args.trials,
-            verbose=True,
+            verbose=args.verbose,
             max_seconds=args.max_seconds,
         )
     except (CliError, PlanError) as error:

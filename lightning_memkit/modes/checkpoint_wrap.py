@@ -23,10 +23,8 @@ so dropout masks match. Two things are added on top of torch:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +41,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointHandle",
     "checkpointed_call",
-    "checkpoint_region",
     "frozen_running_stats",
     "is_checkpointed",
     "unwrap_modules",
@@ -51,17 +48,6 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_memkit_checkpoint_state"
-
-#: the checkpointed call the running code is inside (0: none); a new number per call, the same in its recompute
-_REGION: contextvars.ContextVar[int] = contextvars.ContextVar("memkit_checkpoint_region", default=0)
-_REGION_NUMBERS = itertools.count(1)
-
-
-def checkpoint_region() -> int:
-    """The number of the checkpointed call (:func:`checkpointed_call`) the calling code runs inside, in its first
-    forward and in its recompute alike; 0 outside any. The planner's time model counts the ops of checkpointed
-    regions with it: a region costs more than its ops (torch's saved-tensor hooks, the recompute's bookkeeping)."""
-    return _REGION.get()
 
 
 def _has_running_stats(module: nn.Module) -> bool:
@@ -111,19 +97,13 @@ def checkpointed_call(
         # BatchNorm's running statistics are updated once (by the forward) without memkit's freeze.
         return _torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     stat_modules = tuple(stat_modules)
-    number = next(_REGION_NUMBERS)
 
     def contexts() -> tuple[Any, Any]:
         return contextlib.nullcontext(), frozen_running_stats(stat_modules)
 
-    def region(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        token = _REGION.set(number)
-        try:
-            return function(*inner_args, **inner_kwargs)
-        finally:
-            _REGION.reset(token)
-
-    return _torch_checkpoint(region, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs)
+    return _torch_checkpoint(
+        function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs
+    )
 
 
 def _compiling() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
@@ -15,6 +15,9 @@ from lightning_memkit.plan.time_model import OpCosts
 from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
+
+if TYPE_CHECKING:  # trials.py imports this module to build rows
+    from lightning_memkit.plan.trials import TrialRecord
 
 __all__ = ["Plan", "PlanError", "PlanRow", "RowStatus", "trainer_kwargs"]
 
@@ -34,7 +37,8 @@ class RowStatus(str, enum.Enum):
     RAN = "ran"
     #: its trial ran out of memory, went over the budget, was refused or timed nothing (the note says which)
     FAILED = "failed"
-    #: no trial needed: the same program as a row that ran, or a checkpointing of a micro-batch that fit without it
+    #: no trial: the same program as a row the trials could take, more recompute or offload on a micro-batch that fits
+    #: with less, or no time left in the plan's budget (the note says which)
     NOT_RUN = "not run"
 
 
@@ -46,12 +50,10 @@ class PlanRow:
         candidate: the configuration.
         predicted_peak_bytes: the estimate's peak (bytes; on CUDA what the device needs: allocator and context
             included); ``None`` when the estimate failed (see ``note``).
-        predicted_step_s: predicted seconds per optimizer step (all its micro-batches). On CPU, once a trial ran at
-            the row's micro-batch (same precision and offload: the same shapes, only checkpointing differs), the time
-            model's prediction scaled by its error there (the median of measured / predicted over those trials): a
-            CPU's small kernels are not linear in the batch, and what the model misses at one micro-batch it misses
-            alike in each checkpointing of it. A row that ran is then predicted at its own measurement.
-        predicted_samples_per_s: effective batch / predicted step time (samples per second).
+        predicted_step_s: predicted seconds per optimizer step (all its micro-batches) from the roofline time model
+            (:mod:`~lightning_memkit.plan.time_model`) of a CUDA plan; ``None`` on CPU (a CPU plan's trials time the
+            candidates: no model of a CPU's kernels ranks them) and when the estimate failed.
+        predicted_samples_per_s: effective batch / predicted step time (samples per second), or ``None``.
         fits: whether the prediction fits the budget (with :data:`~lightning_memkit.plan.rows.CUDA_MARGIN` on CUDA).
         measured_peak_bytes: the real trial's peak (bytes), ``None`` when not run or when it ran out of memory.
         measured_samples_per_s: the real trial's median samples per second, ``None`` when not run or failed.
@@ -63,12 +65,10 @@ class PlanRow:
             (``max_memory_allocated``, ``max_memory_reserved``; the budget holds the reserved bytes and the CUDA
             context), also when it ran out of memory or over the budget (how far it got), bytes; ``None`` on CPU
             and when no trial ran.
-        model_step_s: the time model's own prediction (seconds per optimizer step) before any trial ran: on CPU after
-            its calibration when one ran (not when the baseline fit as is, or no smaller micro-batch was estimated),
-            with no trial's measurement in it (``predicted_step_s`` carries them); on CUDA the same as
-            ``predicted_step_s``. ``None`` when the estimate failed.
-        step_seconds: the timed steps of the row's trial (seconds each; CPU: the machine's noise is their spread),
-            empty when it did not run (or ran on CUDA).
+        step_seconds: the timed optimizer steps of the row's trial, seconds each (their spread is the machine's noise);
+            empty when it did not run or failed.
+        round_seconds: when the plan timed this row again side by side with the rule's first
+            (:mod:`~lightning_memkit.plan.choice`), its median step in each round, seconds; empty otherwise.
         status: where the row stands (:class:`RowStatus`).
     """
 
@@ -84,8 +84,8 @@ class PlanRow:
     offload_bytes: int = field(default=0, repr=False, compare=False)
     measured_allocated_bytes: int | None = field(default=None, compare=False)
     measured_reserved_bytes: int | None = field(default=None, compare=False)
-    model_step_s: float | None = field(default=None, compare=False)
     step_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
+    round_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
     status: RowStatus = field(default=RowStatus.ESTIMATED, compare=False)
 
     @property
@@ -93,20 +93,34 @@ class PlanRow:
         """Whether a real trial ran this candidate to the end within the budget."""
         return self.measured_samples_per_s is not None
 
+    def keep(self, record: TrialRecord) -> None:
+        """Take a trial's :class:`~lightning_memkit.plan.trials.TrialRecord`: its measured figures, note and status."""
+        median = record.median_step_s
+        self.measured_peak_bytes = record.peak_bytes if record.fits else None
+        self.measured_samples_per_s = self.candidate.effective_batch / median if record.fits and median else None
+        self.measured_allocated_bytes, self.measured_reserved_bytes = record.allocated_bytes, record.reserved_bytes
+        self.step_seconds = list(record.step_seconds) if record.fits else []
+        self.note = record.note
+        self.status = RowStatus.RAN if record.fits else RowStatus.FAILED
+
 
 @dataclass
 class Plan:
     """What :func:`plan_fit` found.
 
     Attributes:
-        rows: ranked by predicted samples/s among those predicted to fit, then the rest.
-        best: the fastest candidate that fit in a real trial (``None`` when none did, or none could run here).
+        rows: those predicted to fit in the order of the plan's rule (:func:`~lightning_memkit.plan.space.preference`:
+            no recompute first, then a lower precision where allowed, no offload, fewer and larger micro-batches),
+            then the rest by predicted peak.
+        best: the candidate chosen among those that fit in a real trial: the rule's first, unless another was
+            measured faster by more than :data:`~lightning_memkit.plan.choice.MIN_GAIN` (``None`` when none fit, or
+            none could run here).
         fits_as_is: the baseline (the user's batch, nothing changed) fits: ``best`` is the baseline.
         budget_bytes: the memory budget (bytes).
         effective_batch: the user's samples per optimizer step (every candidate keeps it).
         trials: how many real trials ran (at most :data:`~lightning_memkit.plan.inputs.MAX_TRIALS`).
         device: ``"cpu"`` or ``"cuda"``.
-        notes: what the reader should know (which batch it used, no GPU here, calibration, failed trials).
+        notes: what the reader should know (which batch it used, no GPU here, what was left out and why).
         seconds: wall time of the plan, seconds.
         batch_shapes: the shapes of the data's worst batch every estimate and trial was cut from.
         proved_micro_batch: the micro-batch the best candidate's trial ran (its bytes and shapes), which AutoFit's
@@ -115,6 +129,7 @@ class Plan:
             :mod:`~lightning_memkit.plan.time_budget`).
         phases: what the plan did and what it left out, in order (:class:`~lightning_memkit.plan.time_budget.Phase`:
             its name, seconds, and why it was left out).
+        reason: one line on why :attr:`best` was chosen (``""`` without one).
     """
 
     rows: list[PlanRow]
@@ -130,11 +145,11 @@ class Plan:
     proved_micro_batch: ProvedBatch | None = None
     max_seconds: float | None = None
     phases: list[Phase] = field(default_factory=list)
+    reason: str = ""
 
     @property
     def skipped(self) -> dict[str, str]:
-        """The phases left out and why (``{"calibration": "...", "rounds": "..."}``; a trial left out is
-        ``"trial"``)."""
+        """The phases left out and why (``{"trial": "...", "rounds": "..."}``)."""
         return {phase.name: phase.skipped for phase in self.phases if phase.skipped}
 
     @property
@@ -190,46 +205,43 @@ class Plan:
         return "\n".join(lines) + "\n"
 
     def table(self) -> str:
-        """The ranked table: configuration, predicted peak, step time, samples/s, fits, measured figures."""
+        """The table: each candidate estimated, in the plan's order, with its predicted peak, whether it fits, its
+        predicted step on CUDA, and what its trial measured; then the choice and why, and the notes."""
         head = (
             f"memkit plan: effective batch {self.effective_batch}, budget {format_bytes(self.budget_bytes)} "
-            f"on {self.device}; "
-            f"{self.trials} real trial{'s' if self.trials != 1 else ''}"
+            f"on {self.device}; {self.trials} real trial{'s' if self.trials != 1 else ''}"
             + (
                 f"; planned in {self.seconds:.0f} s of a {budget_text(self.max_seconds)} s time budget"
                 if self.max_seconds is not None
                 else ""
             )
         )
-        rows = []
-        for row in self.rows:
-            rows.append(
-                (
-                    ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
-                    format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else "-",
-                    f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
-                    f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
-                    "yes" if row.fits else "no",
-                    format_bytes(row.measured_peak_bytes) if row.measured_peak_bytes is not None else "-",
-                    f"{row.measured_samples_per_s:.1f}" if row.measured_samples_per_s is not None else "-",
-                    row.note,
-                )
-            )
-        table = format_table(
-            (
-                "configuration",
-                "predicted peak",
-                "step",
-                "samples/s",
-                "fits",
-                "measured peak",
-                "measured samples/s",
-                "note",
-            ),
-            rows,
-        )
-        tail = "\n".join(f"note: {n}" for n in self.notes)
-        return head + "\n" + table + ("\n" + tail if tail else "")
+        predicted = any(row.predicted_step_s is not None for row in self.rows)
+        columns = ["configuration", "predicted peak", "fits"]
+        columns += ["predicted step", "samples/s"] if predicted else []
+        columns += ["measured peak", "measured samples/s", "note"]
+        table = format_table(tuple(columns), [self._cells(row, predicted) for row in self.rows])
+        tail = [f"best: {self.best.describe()}: {self.reason}"] if self.best is not None and self.reason else []
+        tail += [f"note: {n}" for n in self.notes]
+        return head + "\n" + table + "".join("\n" + line for line in tail)
+
+    def _cells(self, row: PlanRow, predicted: bool) -> tuple[str, ...]:
+        def size(value: int | None) -> str:
+            return format_bytes(value) if value is not None else "-"
+
+        cells = [
+            ("* " if row.candidate == self.best else "  ") + row.candidate.describe(),
+            size(row.predicted_peak_bytes),
+            "yes" if row.fits else "no",
+        ]
+        if predicted:
+            cells += [
+                f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",
+                f"{row.predicted_samples_per_s:.1f}" if row.predicted_samples_per_s is not None else "-",
+            ]
+        measured = row.measured_samples_per_s
+        cells += [size(row.measured_peak_bytes), f"{measured:.1f}" if measured is not None else "-", row.note]
+        return tuple(cells)
 
 
 def _is_budget(policy: Any) -> bool:

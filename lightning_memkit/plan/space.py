@@ -20,6 +20,8 @@ from lightning_memkit.modes.mode import Mode, resolve_precision
 __all__ = [
     "Candidate",
     "candidate_space",
+    "preference",
+    "recompute_level",
     "micro_batches",
     "parse_plan_modes",
     "PLAN_MODE_WORDS",
@@ -189,3 +191,21 @@ def candidate_space(
                     if candidate not in space:
                         space.append(candidate)
     return space
+
+
+def recompute_level(candidate: Candidate) -> int:
+    """How much ``candidate`` recomputes in its backward: 0 without checkpointing, 1 for a checkpointing budget
+    (part of the blocks), 2 for every repeated block (``"auto"``) or a set of block classes."""
+    if candidate.checkpoint is None:
+        return 0
+    return 1 if isinstance(candidate.checkpoint, CheckpointBudget) else 2
+
+
+def preference(candidate: Candidate) -> tuple[int, bool, bool, int]:
+    """The plan's rule, as a sort key (smaller first): no recompute before recompute (a checkpointed step runs its
+    forward again), then a lower precision where the user allowed one (``32-true`` only where no other is
+    allowed), then no offload (its copies to the host and back), then fewer and larger micro-batches (the same
+    samples in fewer, larger kernels and fewer trips through the training loop). The trials decide between
+    candidates; the rule orders them, picks which the trials take, and keeps its first when no other was measured
+    clearly faster (:mod:`~lightning_memkit.plan.choice`)."""
+    return recompute_level(candidate), candidate.precision == "32-true", candidate.offload, candidate.accumulation

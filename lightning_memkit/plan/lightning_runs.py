@@ -1,21 +1,17 @@
 """Real Lightning runs of a candidate, timed: a quiet ``Trainer`` fit of a few optimizer steps on the same batch
 (:func:`fit_steps`), a callback that times each step and stops a CPU timing once its steps add up to the seconds
-asked (:class:`StepClock`), a timing on a deep copy of the module (:func:`timed_step`), and Lightning's own cost per
-micro-batch, per step and per run (:func:`loop_overheads`)."""
+asked (:class:`StepClock`), and a timing on a deep copy of the module (:func:`timed_step`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import logging
-import statistics
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning_utilities.core import rank_zero
 
 from lightning_memkit._lightning_compat import attached_trainer
@@ -25,21 +21,17 @@ from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps
 from lightning_memkit.plan.result import trainer_kwargs
 from lightning_memkit.plan.space import Candidate
-from lightning_memkit.plan.time_budget import MIN_TIMED_STEPS
+from lightning_memkit.timing import StepTimer
 
 __all__ = [
-    "GIVE_UP_FACTOR",
     "MAX_TIMED_STEPS",
     "TIMED_SECONDS",
     "TIMED_STEPS",
     "WARMUP_STEPS",
-    "Runs",
     "StepClock",
     "copy_of",
     "fit_steps",
-    "loop_overheads",
     "quiet_lightning",
-    "recording_steps",
     "timed_step",
     "timing_fit",
 ]
@@ -54,10 +46,6 @@ TIMED_STEPS = 4
 TIMED_SECONDS = 1.0
 #: the most optimizer steps a trial times
 MAX_TIMED_STEPS = 200
-#: CPU: a trial's timing stops after its first :data:`MIN_TIMED_STEPS` timed steps when their median is more than this
-#: many times the fastest trial's step so far: it cannot be chosen (nor be a tie: the machine's noise is a few
-#: percent to tens of percent), and its remaining steps would only spend the time budget
-GIVE_UP_FACTOR = 1.5
 
 
 @contextlib.contextmanager
@@ -98,60 +86,32 @@ class _Batches:
 
 
 class StepClock(Callback):
-    """Times every optimizer step: marks the start of the first micro-batch and the end of every optimizer step (CUDA
-    events on CUDA, ``perf_counter`` on CPU). On CPU, when ``seconds`` is given, it stops the fit once ``timed`` steps
-    after ``warmup`` have run and add up to ``seconds`` (the fit's ``max_steps`` is the cap); when ``give_up`` is
-    given, also once :data:`~lightning_memkit.plan.time_budget.MIN_TIMED_STEPS` timed steps (``timed`` when fewer)
-    have a median above it (seconds), and ``gave_up`` then says so."""
+    """Times every optimizer step of a fit with a :class:`~lightning_memkit.timing.StepTimer` (CUDA events on CUDA,
+    ``perf_counter`` elsewhere): a window from the start of its first micro-batch to the end of its last. On CPU,
+    when ``seconds`` is given, it stops the fit once ``timed`` steps after ``warmup`` have run and add up to
+    ``seconds`` (the fit's ``max_steps`` is the cap)."""
 
-    def __init__(
-        self,
-        accumulation: int,
-        cuda: bool,
-        warmup: int = 0,
-        timed: int = 0,
-        seconds: float = 0.0,
-        give_up: float = 0.0,
-    ) -> None:
-        self.accumulation, self.cuda, self.warmup, self.timed = accumulation, cuda, warmup, timed
-        self.seconds, self.give_up = seconds, give_up
-        self.marks: list[Any] = []
-        self.gave_up = False
-
-    def _enough(self) -> bool:
-        warmup = self.warmup
-        done = len(self.marks) - 1 - warmup  # timed steps ended
-        if self.give_up > 0 and done >= min(self.timed, MIN_TIMED_STEPS):
-            steps = [b - a for a, b in zip(self.marks[warmup:], self.marks[warmup + 1 :])]
-            if statistics.median(steps) > self.give_up:
-                self.gave_up = True
-                return True
-        return done >= self.timed and self.marks[-1] - self.marks[warmup] >= self.seconds
-
-    def _mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+    def __init__(self, accumulation: int, device: Any, warmup: int = 0, timed: int = 0, seconds: float = 0.0) -> None:
+        self.accumulation, self.warmup, self.timed, self.seconds = accumulation, warmup, timed, seconds
+        self.timer = StepTimer(device)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:
-            self._mark()
+        if batch_idx % self.accumulation == 0:
+            self.timer.cancel()  # a step that raised left its window open
+            self.timer.start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if (batch_idx + 1) % self.accumulation == 0:
-            self._mark()
-            if (self.seconds > 0 or self.give_up > 0) and not self.cuda and self._enough():
+        if (batch_idx + 1) % self.accumulation or not self.timer.running:
+            return
+        self.timer.stop()
+        if self.seconds > 0 and self.timer.source != "cuda_events":
+            timed = self.timer.times_s()[self.warmup :]
+            if len(timed) >= self.timed and sum(timed) >= self.seconds:
                 trainer.should_stop = True  # at an optimizer step's end: the loop stops before the next batch
 
     def step_seconds(self) -> list[float]:
-        """Seconds of each optimizer step marked (the first from the first micro-batch's start)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        """Seconds of each optimizer step timed, in order (on CUDA, read once the fit has ended)."""
+        return self.timer.times_s()
 
 
 def fit_steps(
@@ -220,47 +180,16 @@ def timing_fit(
     cuda = device_type == "cuda"
     timing = 0.0 if cuda else seconds
     steps = warmup + (max(timed, MAX_TIMED_STEPS) if timing > 0 else timed)
-    give_up = _RECORDED_STEPS[-1].give_up if _RECORDED_STEPS and not cuda else 0.0
-    clock = StepClock(candidate.accumulation, cuda, warmup, timed, timing, give_up)
+    clock = StepClock(candidate.accumulation, cuda_device() if cuda else None, warmup, timed, timing)
     fit_steps(copied, candidate, micro, device_type, steps, candidate.accumulation, clock, None)
-    timed_seconds = clock.step_seconds()[warmup:]
-    if _RECORDED_STEPS:
-        _RECORDED_STEPS[-1].append(timed_seconds)
-        _RECORDED_STEPS[-1].gave_up = _RECORDED_STEPS[-1].gave_up or clock.gave_up
-    return timed_seconds
-
-
-class Runs(list):
-    """The timed steps of each timing run inside :func:`recording_steps` (a list per run), whether one gave up."""
-
-    give_up: float = 0.0
-    gave_up: bool = False
-
-
-#: the timed steps of every timing run, while :func:`recording_steps` records them (a trial's own steps, which the
-#: trial's ``(fits, peak, samples/s, note)`` leaves out: the tie rule reads the machine's noise from their spread)
-_RECORDED_STEPS: list[Runs] = []
-
-
-@contextlib.contextmanager
-def recording_steps(give_up: float = 0.0) -> Iterator[Runs]:
-    """The timed steps of each timing run inside the block (a list per run, in order). ``give_up`` (seconds, CPU):
-    a timing run stops once :data:`MIN_TIMED_STEPS` of its timed steps have a median above it (a trial that cannot
-    be chosen: :data:`GIVE_UP_FACTOR`); ``gave_up`` then says so."""
-    runs = Runs()
-    runs.give_up = give_up
-    _RECORDED_STEPS.append(runs)
-    try:
-        yield runs
-    finally:
-        del _RECORDED_STEPS[next(i for i, each in enumerate(_RECORDED_STEPS) if each is runs)]
+    return clock.step_seconds()[warmup:]
 
 
 def timed_step(
     module: Any, candidate: Candidate, batch: Any, device_type: str, warmup: int, timed: int, seconds: float = 0.0
 ) -> list[float]:
     """The seconds of the timed optimizer steps of ``candidate`` (see :func:`timing_fit`) on a deep copy of
-    ``module``, no budget: the CPU time model's calibration, and the interleaved rounds that time the trials again."""
+    ``module``, no memory budget: the rounds that time a plan's trials again, side by side."""
     cuda = device_type == "cuda"
     with preserved_rng(), quiet_lightning():
         copied = copy_of(module)
@@ -269,35 +198,3 @@ def timed_step(
         del copied, micro
     release(cuda)
     return timed_seconds
-
-
-class _Nothing(LightningModule):
-    """One ``Linear(1, 1)`` and SGD at lr 0: a step of Lightning's loop and almost nothing else."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.layer(batch).sum()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-def loop_overheads(accumulation: int = 8, warmup: int = 1, timed: int = 10) -> tuple[float, float, float]:
-    """Lightning's own cost on this CPU, seconds: ``(per micro-batch, per optimizer step, per run)``, from a module
-    with one ``Linear(1, 1)`` trained with accumulation 1 and ``accumulation`` (the medians' difference is the
-    micro-batches' cost, the rest the step's; a run's wall time beyond its steps is what building, setting up and
-    tearing down a Trainer costs, which the time budget prices every real run at). The fake step sees the model's
-    ops, not the loop around them (hooks, the closure, the batch's transfer, ``zero_grad``), which is what makes many
-    small micro-batches slow on a CPU."""
-    medians, runs = [], []
-    with quiet_lightning():
-        for each in (1, accumulation):
-            started = time.perf_counter()
-            steps = timing_fit(_Nothing(), Candidate(1, each), torch.zeros(1, 1), "cpu", warmup, timed, 0.0)
-            medians.append(statistics.median(steps))
-            runs.append(time.perf_counter() - started - sum(steps) - warmup * medians[-1])
-    per_batch = max(medians[1] - medians[0], 0.0) / (accumulation - 1)
-    return per_batch, max(medians[0] - per_batch, 0.0), max(min(runs), 0.0)
