@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from plan_bruteforce import baselines, spearman  # noqa: E402
+from plan_choice import baselines, spearman  # noqa: E402
 from provenance import provenance_line, write_json  # noqa: E402
 
 WARMUP = int(os.environ.get("PLAN_GPU_WARMUP", "1"))
@@ -176,8 +176,8 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
     from lightning_memkit.estimate.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
     from lightning_memkit.plan.space import candidate_space
-    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.units import format_bytes
+    from plan_choice import trial_figures as _trial
 
     cuda = device == "cuda"
     _cap(budget, cuda)
@@ -290,8 +290,8 @@ def parse_candidate(text: str):
 def time_rows(path: str, models: dict, device: str) -> None:
     """``--rows``: time the listed configurations of each model and budget, under the budget's cap."""
     from lightning_memkit.estimate.batches import sample_batch_and_length
-    from lightning_memkit.plan.trials import trial as _trial
     from lightning_memkit.units import format_bytes
+    from plan_choice import trial_figures as _trial
 
     with open(path) as handle:
         cases = json.load(handle)

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from plan_bruteforce import baselines, spearman  # noqa: E402
+from plan_choice import baselines, spearman  # noqa: E402
 from plan_gpu import parse_candidate, plain_fits  # noqa: E402
 from provenance import provenance_line  # noqa: E402
 

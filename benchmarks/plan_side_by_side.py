@@ -1,4 +1,4 @@
-"""Two configurations of one of plan_bruteforce.py's models timed side by side, for as many rounds as a verdict needs.
+"""Two configurations of one of plan_choice.py's three models timed side by side, for as many rounds as a verdict needs.
 
     python benchmarks/plan_side_by_side.py lm 8x2 16x1:auto --rounds 30
     python benchmarks/plan_side_by_side.py cnn 4x4:budget=0.5 2x8 --rounds 16 --both
@@ -49,7 +49,7 @@ def parse_candidate(text: str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="lm, cnn or gpt-2 (a word of plan_bruteforce.py's model names)")
+    parser.add_argument("model", help="lm, cnn or gpt-2 (a word of plan_choice.py's model names)")
     parser.add_argument("first")
     parser.add_argument("second")
     parser.add_argument("--rounds", type=int, default=30)
@@ -59,10 +59,10 @@ def main() -> int:
         raise SystemExit(f"--rounds {args.rounds}: give at least 2 (a verdict needs a spread)")
     warnings.simplefilter("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    import plan_bruteforce as brute
+    import plan_choice as brute
     from lightning_memkit.estimate.batches import sample_batch_and_length
-    from lightning_memkit.plan.timing import timed_step as _timed_step
-    from lightning_memkit.plan.trials import trial as _trial
+    from lightning_memkit.plan.lightning_runs import timed_step as _timed_step
+    from plan_choice import trial_figures as _trial
 
     names = [name for name in brute.MODELS if args.model.lower() in name.lower()]
     if len(names) != 1:
