@@ -275,13 +275,13 @@ def test_the_rules_first_is_chosen_unless_another_trial_is_measured_faster_by_mo
         ]
         assert [(p.name, p.detail) for p in state.clock.phases] == [("rounds", f"{rounds} rounds")]
     assert state.reason.startswith("the plan's rule ranks it first among the trials that fit; micro 32 x 1")
-    assert "not by more than 5% (3 side-by-side rounds)" in state.reason
+    assert "not shown faster by more than 5% over 3 side-by-side rounds, so the rule keeps" in state.reason
     # a 20% gain is said as such
     first, other = _ran(first_candidate, [0.1] * 3), _ran(other_candidate, [0.09] * 3)
     _rounds(monkeypatch, lambda c, r: 0.8 if c == other_candidate else 1.0)
     state = _choosing([first, other], max_seconds=3600)
     choice.choose(state)
-    assert state.reason == "measured 25% faster than the rule's first, micro 8 x 4, 32-true (3 side-by-side rounds)"
+    assert state.reason == "measured 25% faster than the rule's first, micro 8 x 4, 32-true, over 3 side-by-side rounds"
     # rounds that swing both ways (20% faster, even, 20% slower, ...) never tell the pair apart: the rule's first,
     # after MAX_ROUNDS
     first, other = _ran(first_candidate, [0.1] * 3), _ran(other_candidate, [0.09] * 3)
@@ -291,20 +291,21 @@ def test_the_rules_first_is_chosen_unless_another_trial_is_measured_faster_by_mo
     assert state.best is first and len(first.round_seconds) == choice.MAX_ROUNDS
 
 
-def test_without_time_for_rounds_the_trials_own_steps_decide_by_the_same_rule(monkeypatch):
-    """When the budget cannot pay for a round, the trials' own timed steps are compared: a trial whose middle half of
-    steps lies below the rule's first's by more than MIN_GAIN is chosen; one whose steps overlap is not."""
+def test_without_time_for_rounds_the_rule_keeps_the_choice(monkeypatch):
+    """A trial's own timing only nominates it: when the budget cannot pay for the side-by-side rounds, even a trial
+    that ran much faster in its own timing (trials a minute apart: the machine's load may have changed) does not
+    override the rule, and the reason says the rounds had no time."""
     _rounds(monkeypatch, lambda c, r: pytest.fail("no round fits the budget"))
     first = _ran(Candidate(8, 4), [0.100, 0.102, 0.098, 0.101])
-    clear = _ran(Candidate(32, 1, checkpoint="auto"), [0.080, 0.081, 0.079, 0.080])
+    clear = _ran(Candidate(32, 1, checkpoint="auto"), [0.050, 0.051, 0.049, 0.050])
     state = _choosing([first, clear], max_seconds=1e-3, trial_seconds=5.0)
     choice.choose(state)
-    assert state.best is clear and state.reason.endswith("(the trials' own timed steps)")
-    assert state.clock.phases[0].name == "rounds" and "a round takes about 10 s" in state.clock.phases[0].skipped
-    close = _ran(Candidate(32, 1, checkpoint="auto"), [0.090, 0.104, 0.085, 0.099])
-    state = _choosing([first, close], max_seconds=1e-3, trial_seconds=5.0)
-    choice.choose(state)
     assert state.best is first
+    assert state.reason.endswith(
+        "ran faster in its trial, but not shown faster by more than 5% (no time was left to time it side by side), "
+        "so the rule keeps the choice"
+    )
+    assert state.clock.phases[0].name == "rounds" and "a round takes about 5 s" in state.clock.phases[0].skipped
     # no trial faster than the rule's first: no rounds at all
     slow = _ran(Candidate(32, 1, checkpoint="auto"), [0.2] * 4)
     state = _choosing([slow, first], max_seconds=3600)

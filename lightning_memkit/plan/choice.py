@@ -10,9 +10,9 @@ first is timed again side by side with it, in rounds of alternating order (a CPU
 over seconds: timings seconds apart share the machine's state, a trial's own timing minutes later does not), until
 the per-round ratios tell whether it is faster by more than :data:`MIN_GAIN` (after at least :data:`MIN_ROUNDS`
 rounds, by :func:`~lightning_memkit.timing.faster_by`, the package's one noise rule) or the time budget ends (at most
-:data:`MAX_ROUNDS` rounds). Without
-those rounds the trials' own timed steps are compared by the same rule. What the measurements cannot tell apart is
-decided by the rule: the same choice in every run.
+:data:`MAX_ROUNDS` rounds). A trial's own timing only nominates it: trials run a minute apart, on a machine whose
+load may change in between, so no choice rests on them alone. What the side-by-side rounds cannot tell apart, or
+have no time for, the rule decides: the same choice in every run.
 """
 
 from __future__ import annotations
@@ -101,14 +101,14 @@ def choose(state: PlanState) -> None:
         state.best = min(winners, key=lambda row: verdicts[id(row)][1])
         gain = 1 / verdicts[id(state.best)][1] - 1
         state.reason = (
-            f"measured {gain:.0%} faster than the rule's first, {first.candidate.describe()} "
-            f"({_how(state.best, rounds)})"
+            f"measured {gain:.0%} faster than the rule's first, {first.candidate.describe()}, "
+            f"{_how(state.best, rounds)}"
         )
         return
     state.reason += (
         f"; {', '.join(r.candidate.describe() for r in challengers)} ran faster in "
-        f"{'its trial' if len(challengers) == 1 else 'their trials'}, but not by more than {MIN_GAIN:.0%} "
-        f"({_how(challengers[0], rounds)}), so the rule keeps the choice"
+        f"{'its trial' if len(challengers) == 1 else 'their trials'}, but not shown faster by more than "
+        f"{MIN_GAIN:.0%} {_how(challengers[0], rounds)}, so the rule keeps the choice"
     )
 
 
@@ -118,7 +118,8 @@ def _median(row: PlanRow) -> float:
 
 def _side_by_side(state: PlanState, first: PlanRow, challengers: list[PlanRow]) -> list[dict[int, float]]:
     """Time ``first`` and the undecided ``challengers`` again in rounds of alternating order while the budget affords
-    a round and one is undecided (at most :data:`MAX_ROUNDS`); returns each round's median step per row (``id(row)`` -> seconds)."""
+    a round and one is undecided (at most :data:`MAX_ROUNDS`); returns each round's median step per row
+    (``id(row)`` -> seconds)."""
     inputs, settings, clock = state.inputs, state.settings, state.clock
     steps = TrialSteps(settings.warmup_steps, min(ROUND_STEPS, settings.timed_steps), settings.timed_seconds / 2)
     rounds: list[dict[int, float]] = []
@@ -126,11 +127,10 @@ def _side_by_side(state: PlanState, first: PlanRow, challengers: list[PlanRow]) 
     undecided = list(challengers)
     while undecided and len(rounds) < MAX_ROUNDS:
         members = [first, *undecided]
-        cost = (
-            (time.perf_counter() - started) / len(rounds)
-            if rounds
-            else sum(state.trial_seconds[id(r)] for r in members)
-        )
+        # the first round is priced at half the members' trials: a round times each once for half a trial's
+        # seconds, without the trial's accountant steps; later rounds at the mean of those that ran
+        first_round = sum(state.trial_seconds[id(r)] for r in members) / 2
+        cost = (time.perf_counter() - started) / len(rounds) if rounds else first_round
         if not clock.affords(cost):
             if not rounds:
                 clock.skip("rounds", f"a round takes about {cost:.0f} s, and {max(clock.left(), 0):.0f} s are left")
@@ -155,16 +155,16 @@ def _ratios(row: PlanRow, first: PlanRow, rounds: list[dict[int, float]]) -> lis
 
 
 def _verdict(row: PlanRow, first: PlanRow, rounds: list[dict[int, float]]) -> tuple[bool | None, float]:
-    """Whether ``row`` is faster than ``first`` by more than :data:`MIN_GAIN` (``None``: not told apart), and its
-    step over ``first``'s: from the per-round ratios after :data:`MIN_ROUNDS` rounds, else the trials' own steps."""
+    """Whether ``row`` is faster than ``first`` by more than :data:`MIN_GAIN` (``None``: not told apart, or fewer
+    than :data:`MIN_ROUNDS` side-by-side rounds), and the median of its per-round step over ``first``'s."""
     ratios = _ratios(row, first, rounds)
-    if len(ratios) >= MIN_ROUNDS:
-        return faster_by(ratios, [1.0], MIN_GAIN), statistics.median(ratios)
-    return faster_by(row.step_seconds, first.step_seconds, MIN_GAIN), _median(row) / _median(first)
+    if len(ratios) < MIN_ROUNDS:
+        return None, statistics.median(ratios) if ratios else _median(row) / _median(first)
+    return faster_by(ratios, [1.0], MIN_GAIN), statistics.median(ratios)
 
 
 def _how(row: PlanRow, rounds: list[dict[int, float]]) -> str:
     count = sum(id(row) in each for each in rounds)
-    if count >= MIN_ROUNDS:
-        return f"{count} side-by-side rounds"
-    return "the trials' own timed steps"
+    if not count:
+        return "(no time was left to time it side by side)"
+    return f"over {count} side-by-side round{'s' if count != 1 else ''}"
