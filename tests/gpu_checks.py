@@ -75,7 +75,10 @@ class AllocatorStepPeaks(Callback):
 
     Put it after the MemoryTracker in the Trainer's callbacks: its window opens right after the tracker's opened and
     closes right after the tracker read the step (one batch per optimizer step). ``bytes_now(pl_module)`` gives the
-    bytes live at the window's start: by default CUDA's ``memory_allocated()``; on CPU an independent gc count.
+    bytes live at the window's start: by default CUDA's ``memory_allocated()``; on CPU an independent gc count. CUDA's
+    caching allocator reports its own allocated bytes of the device, so there the peak is the highest of the start and
+    every reported total, in whatever order the threads' events were stamped; the CPU allocator counts only the blocks
+    it has seen, so there the rise above its count before the first event is added to the start.
 
     Attributes:
         peaks: bytes, one per training step, in order.
@@ -96,7 +99,11 @@ class AllocatorStepPeaks(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         recording, self._recording = self._recording, None
         recording.stop()
-        self.peaks.append(self._start + highest_rise(allocator_events(recording, self.device_type)))
+        events = allocator_events(recording, self.device_type)
+        if self.device_type == "cuda":
+            self.peaks.append(max([self._start] + [total for _, total in events]))
+        else:
+            self.peaks.append(self._start + highest_rise(events))
 
 
 def check_step_peaks(readings: Sequence[int | None], independent: Sequence[int]) -> None:
@@ -138,7 +145,7 @@ def _explicit_waits() -> list[tuple[Any, str, str]]:
         (torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize"),
     ]
     accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and "synchronize" in vars(accelerator):
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
         waits.append((accelerator, "synchronize", "torch.accelerator.synchronize"))
     return waits
 
@@ -195,9 +202,9 @@ class SyncCounter:
 
     def __enter__(self) -> SyncCounter:
         for owner, attribute, kind in _explicit_waits():
-            original = vars(owner)[attribute]
-            self._restore.append((owner, attribute, original))
-            setattr(owner, attribute, self._counted(original, kind))
+            own = vars(owner).get(attribute)  # None: inherited, so put back by deleting the wrapper
+            self._restore.append((owner, attribute, own))
+            setattr(owner, attribute, self._counted(getattr(owner, attribute), kind))
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
@@ -220,8 +227,11 @@ class SyncCounter:
             torch.cuda.set_sync_debug_mode(self._debug_mode)
             self._debug_mode = None
         self._warnings.__exit__(*exc)
-        for owner, attribute, original in reversed(self._restore):
-            setattr(owner, attribute, original)
+        for owner, attribute, own in reversed(self._restore):
+            if own is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, own)
         self._restore = []
 
     @property
