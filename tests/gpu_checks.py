@@ -299,9 +299,10 @@ class PinnedBlocks(TorchDispatchMode):
 
 def pinned_bytes_held(stats: dict[str, Any] | None) -> int | None:
     """Bytes of pinned blocks the caching host allocator holds, handed out or cached, from
-    ``torch.cuda.host_memory_stats()``: torch 2.13 names them ``allocated_bytes`` (its ``active_bytes`` being those
-    handed out); torches before that, ``reserved_bytes`` (their ``allocated_bytes`` being those handed out, 0 once the
-    tensors are freed, released or not). ``None`` without the figures."""
+    ``torch.cuda.host_memory_stats()``: a torch whose figures have ``active_bytes`` (2.13) names them
+    ``allocated_bytes`` (``active_bytes`` being those handed out); an older one ``reserved_bytes`` (its
+    ``allocated_bytes`` being those handed out, 0 once the tensors are freed, released or not). ``None`` without the
+    figures."""
     if not stats:
         return None
     key = "allocated_bytes.current" if "active_bytes.current" in stats else "reserved_bytes.current"

@@ -228,8 +228,9 @@ def test_the_pinned_check_fails_when_nothing_was_cached_to_release(host_cache):
 
 
 def test_the_pinned_bytes_held_are_read_from_either_layout_of_host_memory_stats():
-    """torch 2.13: ``allocated_bytes`` are the blocks held (handed out or cached), ``active_bytes`` those handed out;
-    before: ``reserved_bytes`` held, ``allocated_bytes`` handed out (0 once freed, released or not)."""
+    """Figures with ``active_bytes`` (torch 2.13): ``allocated_bytes`` are the blocks held (handed out or cached),
+    ``active_bytes`` those handed out; older figures: ``reserved_bytes`` held, ``allocated_bytes`` handed out (0 once
+    freed, released or not)."""
     cached = 1 << 20
     newer = {"allocated_bytes.current": cached, "active_bytes.current": 0, "allocations.current": 1}
     older = {"allocated_bytes.current": 0, "reserved_bytes.current": cached, "segment.current": 1}
