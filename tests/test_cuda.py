@@ -491,12 +491,13 @@ def wide_records():
 def _trial(module, candidate, budget, warmup=1, timed=2, **row_fields):
     """One of the planner's CUDA trials of ``candidate`` on ``module``'s first batch: ``(fits, note, row)``."""
     from lightning_memkit.plan.result import PlanRow
-    from lightning_memkit.plan.trials import trial
+    from lightning_memkit.plan.trials import TrialSteps, trial
 
     batch = next(iter(module.train_dataloader()))
     row = PlanRow(candidate, None, None, None, True, **row_fields)
-    fits, _, _, note = trial(module, candidate, batch, budget, "cuda", warmup, timed, row=row)
-    return fits, note, row
+    record = trial(module, candidate, batch, budget, "cuda", TrialSteps(warmup, timed), row.offload_bytes)
+    row.keep(record)
+    return record.fits, row.note, row
 
 
 def test_a_plans_trial_counts_the_model_on_the_device_once(wide_records):

@@ -39,7 +39,7 @@ from lightning_memkit import MemoryTracker
 from lightning_memkit.compiled._torch_compat import track_cpu_allocation_sizes
 from lightning_memkit.modes.compare import _step_recorder, compare_modes
 from lightning_memkit.plan import _torch_compat as plan_compat
-from lightning_memkit.plan import cuda_trial, inputs, timing, trials
+from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, trials
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.probes.base import MemoryProbe, ProbeSet
 from lightning_memkit.timing import StepTimer
@@ -309,7 +309,7 @@ def test_a_cuda_plan_enters_the_device_it_names_and_its_trials_train_there(monke
         built.update(kwargs)
         raise _TrainerBuilt
 
-    monkeypatch.setattr(timing, "Trainer", trainer)
+    monkeypatch.setattr(lightning_runs, "Trainer", trainer)
     with pytest.raises(_TrainerBuilt):
-        timing.fit_steps(LinearStack(), Candidate(8, 1), (torch.ones(8, 32),), "cuda", 2, 1, None, None)
+        lightning_runs.fit_steps(LinearStack(), Candidate(8, 1), (torch.ones(8, 32),), "cuda", 2, 1, None, None)
     assert built["accelerator"] == "gpu" and built["devices"] == [1]
