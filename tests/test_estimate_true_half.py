@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import LinearStack
 from fit_count import closure_bytes, fit_peak_bytes
 from lightning_gpt import TinyGPT
-from lightning_memkit import estimate_memory, measure_training_step
+from lightning_memkit import estimate_distributed_memory, estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import reusing_fake_copies
 
 HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
@@ -120,6 +120,28 @@ def test_estimates_of_every_precision_in_one_block_keep_their_own_fake_copy():
     assert together == alone
     assert alone[1] < alone[2] < alone[0] and alone[3] == alone[1]
     assert {p.dtype for p in module.parameters()} == {torch.float32}  # the module itself is never converted
+
+
+def test_per_rank_buffers_hold_the_converted_modules_half_precision_tensors():
+    """DDP's gradient buckets and FSDP's gathered parameters are the bf16 module's (Lightning converts it before the
+    strategy wraps it); DeepSpeed's layout under true half precision is said to differ from the fake step's."""
+    from lightning_memkit.estimate.distributed import DEEPSPEED_TRUE_HALF_NOTE
+
+    module, batch = _token_gpt(), _token_batch()
+    elements = sum(p.numel() for p in module.parameters())
+
+    def rank(strategy: str, mode=None):
+        return estimate_distributed_memory(
+            module, strategy=strategy, world_size=2, mode=mode, batch=batch, device="cpu"
+        )
+
+    assert rank("ddp").buffers["ddp_gradient_buckets"] == 4 * elements
+    assert rank("ddp", "bf16-true").buffers["ddp_gradient_buckets"] == 2 * elements
+    # the whole model is one FSDP unit: gathered whole, less this rank's half
+    assert rank("fsdp", "bf16-true").buffers["fsdp_all_gather"] == 2 * elements - elements
+    deepspeed = rank("deepspeed_stage_2", "bf16-true")
+    assert DEEPSPEED_TRUE_HALF_NOTE in deepspeed.notes
+    assert deepspeed.by_category["parameters"] == 2 * elements  # the fake step's bf16 weights, not sharded in stage 2
 
 
 # ------------------------------------------------------------------------------------------ a 7B LoRA on 24 GiB
