@@ -18,7 +18,14 @@ from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
 from lightning_memkit.plan.result import PlanError
-from lightning_memkit.plan.space import PLAN_PRECISIONS, Candidate, allows_true_half, candidate_space, parse_plan_modes
+from lightning_memkit.plan.space import (
+    MIXED_PLAN_WORDS,
+    PLAN_PRECISIONS,
+    Candidate,
+    allows_true_half,
+    candidate_space,
+    parse_plan_modes,
+)
 from lightning_memkit.plan.time_model import roofline_for
 from lightning_memkit.search.lightning import host_search_budget_bytes
 from lightning_memkit.units import format_bytes, parse_bytes
@@ -194,6 +201,15 @@ def _space(inputs: PlanInputs, plan_modes: Any) -> list[Candidate]:
     """The candidates for ``plan_modes`` (the notes say which modes the module cannot take)."""
     manual = not inputs.module.automatic_optimization
     can_checkpoint = bool(find_repeated_blocks(inputs.module))
+    mixed = [word for word in plan_modes if word in MIXED_PLAN_WORDS]
+    if inputs.precision in TRUE_HALF_PRECISIONS and mixed:
+        # the Trainer's HalfPrecision converted the module at setup: its fp32 weights, which a mixed precision keeps,
+        # are gone, so a mixed candidate's step cannot be estimated or tried from it
+        plan_modes = tuple(word for word in plan_modes if word not in mixed)
+        inputs.notes.append(
+            f"no {', '.join(mixed)} candidates: the Trainer's {inputs.precision} converted the module's weights "
+            "before the plan; plan before the fit (memkit plan, plan_fit) to weigh mixed precision against it"
+        )
     try:
         space = candidate_space(
             inputs.effective,

@@ -29,6 +29,7 @@ __all__ = [
     "allows_true_half",
     "PLAN_MODE_WORDS",
     "PLAN_PRECISIONS",
+    "MIXED_PLAN_WORDS",
     "DEFAULT_PLAN_MODES",
     "MAX_MICRO_BATCHES",
     "CHECKPOINT_CHOICES",
@@ -40,8 +41,11 @@ __all__ = [
 PLAN_MODE_WORDS = ("baseline", "micro_batch", "checkpoint", "bf16", "fp16", "amp", "bf16-true", "fp16-true", "offload")
 #: the Lightning precisions a candidate may have
 PLAN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", *TRUE_HALF_PRECISIONS)
-#: each precision word's Lightning precision (``amp`` is resolved per device)
+#: each mixed precision word's Lightning precision (``amp`` is resolved per device)
 _MIXED_WORDS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "amp": "amp"}
+#: the words that allow a mixed precision
+MIXED_PLAN_WORDS = tuple(_MIXED_WORDS)
+#: each true half precision word's Lightning precision
 _TRUE_HALF_WORDS = {"bf16-true": "bf16-true", "fp16-true": "16-true"}
 #: how low each precision is, the rule's order: true half precision, then mixed, then full (``32-true``)
 _PRECISION_RANK = {"bf16-true": 0, "16-true": 0, "bf16-mixed": 1, "16-mixed": 1, "32-true": 2}
