@@ -261,3 +261,32 @@ def test_a_7b_lora_with_checkpointing_fits_24gib_in_bf16_true_by_the_estimate_an
         assert abs(estimate.by_category[name] - count[name]) <= 0.01 * count[name], name
     seconds = time.perf_counter() - started
     print(f"7B LoRA bf16-true+checkpoint estimate: {seconds:.1f} s, peak {estimate.peak_bytes / 2**30:.2f} GiB")
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+def test_on_a_gpu_a_bf16_true_fit_is_within_the_cuda_estimates_bounds(tmp_path, capsys):
+    """`memkit estimate --check` trains two real bf16-true steps on the GPU: the CUDA estimate is within the bounds
+    docs/cuda_estimate.md states for every precision (allocated -3%..+10%, reserved -5%..+15%)."""
+    import json
+
+    from lightning_memkit.cli import main
+
+    model = {"vocab_size": 1000, "d_model": 512, "nhead": 8, "layers": 4, "dim_feedforward": 2048, "seq_len": 512}
+    out_json = tmp_path / "check.json"
+    arguments = [
+        "estimate",
+        "lightning_memkit.zoo:DemoTransformer",
+        "--init-args",
+        json.dumps({**model, "batch_size": 16}),
+    ]
+    assert main([*arguments, "--modes", "baseline,bf16-true", "--check", "--json", str(out_json)]) == 0, (
+        capsys.readouterr()
+    )
+    results = {r["mode"]: r for r in json.loads(out_json.read_text())["results"]}
+    for result in results.values():
+        check, cuda = result["check"], result["estimate"]["cuda"]
+        allocated = (cuda["peak_allocated_bytes"] - check["peak_allocated_bytes"]) / check["peak_allocated_bytes"]
+        reserved = (cuda["peak_reserved_bytes"] - check["peak_reserved_bytes"]) / check["peak_reserved_bytes"]
+        assert -0.03 <= allocated <= 0.10 and -0.05 <= reserved <= 0.15, (result["mode"], allocated, reserved)
+    assert results["bf16-true"]["check"]["peak_allocated_bytes"] < results["baseline"]["check"]["peak_allocated_bytes"]
