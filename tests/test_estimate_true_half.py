@@ -235,7 +235,7 @@ def lora_llama_peak_count(sizes: dict[str, int], sequence: int, batch: int, para
     }
 
 
-@pytest.mark.slow  # 12-21 s on 2 shared cores: one fake step of 6.76e9 parameters
+@pytest.mark.slow  # 9-21 s on 2 shared cores (quiet, loaded): two fake steps of 6.76e9 parameters
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_7b_lora_with_checkpointing_fits_24gib_in_bf16_true_by_the_estimate_and_the_analytic_count():
