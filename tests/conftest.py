@@ -88,6 +88,23 @@ class LinearStack(pl.LightningModule):
         return self.batch_size * self.dims[layer + 1] * FLOAT32
 
 
+class FrozenBaseStack(LinearStack):
+    """A :class:`LinearStack` whose layers but the last are frozen, trained with Adam: a fine-tune whose frozen weights
+    are most of its memory (a LoRA's base), so that only true half precision (2 bytes per weight) fits a budget below
+    its fp32 weights."""
+
+    def __init__(self, dims=(64, 512, 512, 8), batch_size: int = 8, **kwargs) -> None:
+        super().__init__(dims, batch_size=batch_size, optimizer="adam", **kwargs)
+        for layer in list(self.net)[:-1]:
+            layer.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    def frozen_parameter_elements(self) -> int:
+        return sum(p.numel() for p in self.parameters() if not p.requires_grad)
+
+
 def make_trainer(tmp_path, **overrides) -> pl.Trainer:
     """A small, quiet CPU Trainer writing under ``tmp_path``."""
     options = {

@@ -23,6 +23,7 @@ from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.estimate.core import estimate_memory
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import FrozenBaseStack  # noqa: E402
 from lightning_gpt import CharDataModule, TinyGPT  # noqa: E402
 
 BATCH = 16
@@ -57,7 +58,7 @@ class StepRecorder(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self.first_gradients:
-            self.first_gradients = [p.grad.detach().clone() for p in pl_module.parameters()]
+            self.first_gradients = [p.grad.detach().clone() for p in pl_module.parameters() if p.grad is not None]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         accountant, self._accountant = self._accountant, None
@@ -277,3 +278,45 @@ def test_autofit_plans_nothing_under_fast_dev_run(tmp_path):
     with pytest.warns(UserWarning, match="AutoFit: no planning under fast_dev_run"):
         _, data, trainer, _ = _fit(tmp_path, [auto], fast_dev_run=1)
     assert auto.plan is None and auto.applied is None and data.batch_size == BATCH
+
+
+def _frozen_fit(tmp_path, precision: str, callbacks) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks,
+    )
+    trainer.fit(FrozenBaseStack(log_loss=True))
+    return trainer
+
+
+def test_autofit_names_the_precision_to_add_when_only_bf16_true_fits_and_applies_it_under_a_bf16_true_trainer(
+    tmp_path, capsys
+):
+    module = FrozenBaseStack()
+    half = estimate_memory(module, mode="bf16-true", device="cpu").peak_bytes
+    budget = (half + 4 * module.frozen_parameter_elements()) // 2  # below the fp32 weights alone
+    auto = AutoFit(device_memory=budget, modes="micro_batch,bf16-true", trials=1, verbose=True)
+    with pytest.warns(UserWarning, match="no plan at the Trainer's precision 32-true ran"):
+        _frozen_fit(tmp_path / "fp32", "32-true", [auto])
+    out = capsys.readouterr().out
+    assert auto.plan.best.precision == "bf16-true" and auto.plan.best_row.ran
+    assert (
+        "memkit AutoFit: the fastest plan trains in bf16-true, which a callback cannot set: add "
+        "Trainer(precision='bf16-true') (the plan's Trainer arguments: {'accumulate_grad_batches': 1, 'precision': "
+        "'bf16-true'})" in out
+    )
+    # with the argument added, the plan applies as it is and the fit stays within the budget; the Trainer converted the
+    # module's weights at setup, so mixed precision (fp32 weights) is not a candidate the plan could estimate
+    auto = AutoFit(device_memory=budget, modes="micro_batch,bf16,bf16-true", trials=1, verbose=False)
+    recorder = StepRecorder()
+    trainer = _frozen_fit(tmp_path / "bf16", "bf16-true", [auto, recorder])
+    assert auto.plan.fits_as_is and auto.applied["precision"] == "bf16-true" and trainer.global_step == 2
+    assert recorder.peaks and max(recorder.peaks) <= budget
+    assert any(note.startswith("no bf16 candidates: the Trainer's bf16-true converted") for note in auto.plan.notes)

@@ -307,6 +307,32 @@ def test_cli_compare(tmp_path, capsys):
     assert "JSON object" in capsys.readouterr().err
 
 
+def test_cli_compare_runs_true_half_precision_as_lightnings_bf16_true(tmp_path, capsys):
+    spec = f"{zoo.__file__}:DemoTransformer"
+    modes = ["baseline", "bf16", "bf16-true", "bf16-true+checkpoint"]
+    args = ["compare", spec, "--modes", ",".join(modes), "--steps", "2", "--accelerator", "cpu", "--no-figures"]
+    assert main([*args, "--no-progress", "--logdir", str(tmp_path), "--init-args", json.dumps(TINY)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("memkit compare (cpu, 2 steps, ratios vs baseline)") :]
+    assert all(re.search(rf"^\s*{re.escape(mode)}\s", table, flags=re.M) for mode in modes)
+    written = read_compare(str(tmp_path))
+    with open(tmp_path / "compare.json") as file:
+        precisions = {entry["mode"]: entry["precision"] for entry in json.load(file)["modes"]}
+    assert precisions == {
+        "baseline": "32-true",
+        "bf16": "bf16-mixed",
+        "bf16-true": "bf16-true",
+        "bf16-true+checkpoint": "bf16-true",
+    }
+    half, mixed, base = written["bf16-true"], written["bf16"], written["baseline"]
+    assert all(written[mode].status == "ok" and written[mode].steps == 2 for mode in modes)
+    # the weights, gradients and optimizer state in bf16, no fp32 master weights: below mixed precision's peak
+    assert half.peak_allocated_bytes < mixed.peak_allocated_bytes < base.peak_allocated_bytes
+    assert half.peak_ratio == half.peak_allocated_bytes / base.peak_allocated_bytes
+    checkpointed = written["bf16-true+checkpoint"]  # judged against the same precision without checkpointing
+    assert checkpointed.counterpart == "bf16-true" and checkpointed.counterpart_peak_bytes == half.peak_allocated_bytes
+
+
 DATAMODULES = textwrap.dedent("""
     import lightning.pytorch as pl
     import torch

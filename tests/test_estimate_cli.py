@@ -64,6 +64,29 @@ def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys
 TINY = {"vocab_size": 64, "d_model": 32, "nhead": 2, "layers": 1, "dim_feedforward": 64, "seq_len": 16, "batch_size": 4}
 
 
+def test_true_half_precision_modes_print_and_write_the_librarys_figures(tmp_path, capsys):
+    """--modes bf16-true,fp16-true: a row each with the library's figures (the module built on the meta device, the
+    library's with its weights), lower than mixed precision's."""
+    from lightning_memkit.zoo import DemoTransformer
+
+    modes = ("bf16", "bf16-true", "fp16-true")
+    out_json = tmp_path / "half.json"
+    arguments = ["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(TINY), "--meta-init"]
+    arguments += ["--device-memory", "16MiB", "--device", "cpu", "--modes", ",".join(modes), "--json", str(out_json)]
+    assert main(arguments) == 0
+    _, rows = _table(capsys.readouterr().out, "mode")
+    assert {key[0] for key in rows} == set(modes)
+    estimate = estimate_memory(DemoTransformer(**TINY), mode="bf16-true", device="cpu")
+    prediction = predict_max_batch_size(DemoTransformer(**TINY), 16 * 2**20, mode="bf16-true", device="cpu")
+    assert rows[("bf16-true",)][2] == format_bytes(estimate.peak_bytes)
+    assert rows[("bf16-true",)][5] == str(prediction.batch_size)
+    data = json.loads(out_json.read_text())["results"]
+    assert [r["mode"] for r in data] == list(modes) and data[1]["estimate"]["mode"] == "bf16-true"
+    peaks = {r["mode"]: r["estimate"]["peak_bytes"] for r in data}
+    assert peaks["bf16-true"] == estimate.peak_bytes == peaks["fp16-true"] < peaks["bf16"]
+    assert data[1]["max_batch"]["batch_size"] == prediction.batch_size
+
+
 def test_cuda_target_prints_reserved_beside_allocated_and_the_kernels_each_gpu_picks(tmp_path, capsys):
     """--gpu reaches the kernel table: an H100 runs bf16 attention through flash, a V100 (sm70) cannot; every
     figure printed is the library's own estimate for that GPU."""

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from dispatch_counter import StorageCounter
-from lightning_memkit import estimate_memory
+from fit_count import closure_bytes, fit_peak_bytes
+from lightning_memkit import estimate_memory, parse_mode
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,6 +144,19 @@ def test_with_and_without_the_all_ones_mask_the_estimate_is_the_same():
     unmasked = estimate_memory(HFModule("llama", mask=False), BATCH, device="cpu")
     assert masked.peak_bytes - unmasked.peak_bytes == BATCH * SEQ * 8  # the loader's int64 mask, nothing built from it
     assert masked.by_category["inputs"] - unmasked.by_category["inputs"] == BATCH * SEQ * 8
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind, mode", [("llama", "bf16-true"), ("lora", "bf16-true+checkpoint")])
+def test_a_bf16_true_fit_of_a_transformers_model_peaks_at_the_estimate(kind, mode):
+    """Lightning's HalfPrecision converts the model (rotary frequencies included) and runs training_step with bf16 as
+    the default dtype; a real fit, counted from its start, peaks at the estimate's bytes."""
+    batch = next(iter(HFModule(kind).train_dataloader()))
+    estimate = estimate_memory(HFModule(kind), batch=batch, mode=mode, device="cpu")
+    callbacks = parse_mode(mode).trainer_kwargs("cpu", verbose=False, measure=False)["callbacks"]
+    closure = closure_bytes(estimate.peak_phase, loss_bytes=4)  # transformers' loss is on fp32 logits
+    assert fit_peak_bytes(HFModule(kind), batch, "bf16-true", callbacks) == estimate.peak_bytes + closure
+    assert estimate.peak_bytes < estimate_memory(HFModule(kind), batch=batch, mode="bf16", device="cpu").peak_bytes
 
 
 # ---- the library checks the fake step answers as the real step does ---------------------------------------------

@@ -24,6 +24,10 @@ from lightning_memkit.modes.mode import MODE_WORDS
         ("checkpoint:budget=512MiB", None, CheckpointBudget(bytes=512 * 2**20)),
         ("amp+checkpoint", "amp", "auto"),
         (" BF16 + checkpoint:budget=0.25 ", "bf16-mixed", CheckpointBudget(fraction=0.25)),
+        ("bf16-true", "bf16-true", None),
+        ("fp16-true", "16-true", None),
+        ("16-true", "16-true", None),
+        ("bf16-true+checkpoint", "bf16-true", "auto"),
     ],
 )
 def test_parse_mode_words(text, precision, checkpoint):
@@ -38,6 +42,7 @@ def test_parse_mode_words(text, precision, checkpoint):
     [
         ("ampp", "unknown mode word 'ampp'"),
         ("amp+bf16", "two precisions"),
+        ("bf16+bf16-true", "two precisions"),
         ("checkpoint+checkpoint:auto", "checkpointing twice"),
         ("checkpoint:everything", "unknown checkpoint policy"),
         ("checkpoint:budget=lots", "bad budget"),
@@ -83,6 +88,42 @@ def test_trainer_kwargs():
     assert kwargs["precision"] == "bf16-mixed"
     (callback,) = kwargs["callbacks"]
     assert type(callback).__name__ == "ActivationCheckpointing" and callback.policy == CheckpointBudget(fraction=0.5)
+
+
+def test_true_half_precision_is_lightnings_half_precision_on_every_device():
+    for text, precision, dtype, name in (
+        ("bf16-true", "bf16-true", torch.bfloat16, "bf16-true"),
+        ("fp16-true", "16-true", torch.float16, "fp16-true"),
+    ):
+        mode = parse_mode(text)
+        assert mode.is_true_half and not mode.is_baseline and Mode(precision=precision).name == name
+        assert mode.true_half_dtype() == dtype
+        for device in ("cpu", "cuda"):  # no autocast, and no fallback on CPU: Lightning runs 16-true there as asked
+            assert mode.precision_for(device) == precision and mode.autocast_dtype(device) is None
+            assert mode.trainer_kwargs(device) == {"precision": precision, "callbacks": []}
+        layer = nn.Linear(4, 4)
+        with mode.autocast("cpu"):  # nothing to autocast: the module itself is converted
+            assert layer(torch.randn(2, 4)).dtype == torch.float32
+    for text in ("baseline", "bf16", "amp"):
+        assert not parse_mode(text).is_true_half and parse_mode(text).true_half_dtype() is None
+    assert resolve_precision("16-true", "cpu") == "16-true"
+    kwargs = parse_mode("bf16-true+checkpoint").trainer_kwargs("cpu")
+    assert kwargs["precision"] == "bf16-true" and type(kwargs["callbacks"][0]).__name__ == "ActivationCheckpointing"
+    with pytest.raises(ValueError, match="'bf16-true' or '16-true'"):
+        resolve_precision("8-true", "cpu")
+
+
+def test_the_trainers_true_half_precision_is_the_mode_the_batch_size_search_estimates():
+    import lightning.pytorch as pl
+
+    from lightning_memkit.search.trainer_state import trainer_mode
+
+    for precision in ("bf16-true", "16-true"):
+        assert trainer_mode(pl.Trainer(precision=precision, accelerator="cpu", logger=False)) == Mode(
+            precision=precision
+        )
+    assert trainer_mode(pl.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False)) == Mode("bf16-mixed")
+    assert trainer_mode(pl.Trainer(precision="32-true", accelerator="cpu", logger=False)) is None
 
 
 def test_autocast_helper_for_plain_modules():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import LinearStack
+from conftest import FrozenBaseStack, LinearStack
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.core import accumulating, observing_ops
 from lightning_memkit.modes.checkpointing import CheckpointBudget
@@ -91,6 +91,29 @@ def test_the_rule_puts_no_recompute_first_then_a_lower_precision_then_fewer_larg
     ]
     shuffled = order[::-1][1::2] + order[::-1][::2]
     assert sorted(shuffled, key=preference) == order
+
+
+def test_true_half_precision_has_its_own_words_and_ranks_before_mixed_at_the_same_recompute():
+    space = candidate_space(8, modes=parse_plan_modes("micro_batch,bf16,bf16-true"), device_type="cpu")
+    assert {c.precision for c in space} == {"32-true", "bf16-mixed", "bf16-true"}
+    assert {c.precision for c in candidate_space(8, modes=("fp16-true",), device_type="cuda")} == {"32-true", "16-true"}
+    # the user's own true half precision is the baseline's; no other precision unless allowed
+    assert {c.precision for c in candidate_space(8, precision="bf16-true", device_type="cpu")} == {"bf16-true"}
+    assert Candidate(8, 1, "bf16-true").mode.trainer_kwargs("cpu")["precision"] == "bf16-true"
+    order = [
+        Candidate(8, 1, "bf16-true"),
+        Candidate(8, 1, "bf16-mixed"),
+        Candidate(4, 2, "bf16-mixed"),
+        Candidate(8, 1, "32-true"),
+        Candidate(8, 1, "16-true", "auto"),  # recompute first: a plain mixed or fp32 step ranks before
+        Candidate(8, 1, "16-mixed", "auto"),
+    ]
+    assert sorted(order[::-1][1::2] + order[::-1][::2], key=preference) == order
+    for modes, message in (("bf16-true,fp16-true", "two true half precisions"), ("bf16,amp", "two mixed")):
+        with pytest.raises(ValueError, match=message):
+            parse_plan_modes(modes)
+    with pytest.raises(ValueError, match="'bf16-true'"):
+        Candidate(8, 1, "bf16")
 
 
 def _row(candidate: Candidate, peak: int, fits: bool = True, status: RowStatus = RowStatus.ESTIMATED) -> PlanRow:
@@ -362,6 +385,32 @@ def test_plan_fits_a_budget_the_baseline_does_not_in_at_most_three_trials():
     assert all(phase.seconds > 0 for phase in plan.phases if not phase.skipped)
 
 
+def _below_fp32_weights(module: FrozenBaseStack) -> int:
+    """A budget above the bf16-true step's estimated peak and below the module's fp32 weights alone."""
+    half = estimate_memory(module, mode="bf16-true", device="cpu").peak_bytes
+    return (half + 4 * module.frozen_parameter_elements()) // 2
+
+
+@pytest.mark.timeout(600)
+def test_a_plan_allowed_bf16_true_trains_a_frozen_base_whose_fp32_weights_exceed_the_budget():
+    module = FrozenBaseStack()
+    budget = _below_fp32_weights(module)
+    with pytest.raises(PlanError, match="only true half precision keeps them in it.*bf16-true in the modes"):
+        plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch,bf16", **FAST)
+    plan = plan_fit(module, device_memory=budget, device="cpu", modes="micro_batch,bf16-true", trials=2, **FAST)
+    assert {row.candidate.precision for row in plan.rows} == {"32-true", "bf16-true"}
+    assert all(row.fits == (row.candidate.precision == "bf16-true") for row in plan.rows)
+    assert plan.best == Candidate(8, 1, "bf16-true")  # the rule's first: no recompute, the largest micro-batch
+    row = plan.best_row
+    # the trial ran Trainer(precision="bf16-true") on a copy converted on the host first, as a fit converts it before
+    # the device sees it: its peak is the bf16 step's (the fp32 weights alone would be over the budget)
+    assert row.ran and row.measured_peak_bytes <= budget
+    assert abs(row.measured_peak_bytes - row.predicted_peak_bytes) <= 1024
+    assert plan.trainer_arguments() == {"accumulate_grad_batches": 1, "precision": "bf16-true"}
+    assert "  precision: bf16-true\n" in plan.yaml() and "* micro 8 x 1, bf16-true" in plan.table()
+    assert {p.dtype for p in module.parameters()} == {torch.float32}  # the trials converted copies
+
+
 @pytest.mark.timeout(600)
 def test_plan_leaves_no_tensor_behind():
     module = LinearStack((32, 256, 256, 8), batch_size=32, optimizer="adam")
@@ -503,6 +552,7 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
         (["--modes", "micro_batch,offload"], "offload"),
         (["--world-size", "2"], "one device"),
         (["--device-memory", "1KiB"], "below the model's parameters alone"),
+        (["--modes", "micro_batch,bf16-true,fp16-true"], "two true half precisions"),
     ],
 )
 def test_memkit_plan_refuses_bad_arguments_with_exit_status_2(argv, message):

@@ -72,8 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--modes",
         default=None,
-        help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp), offload "
-        "(default: micro_batch,checkpoint: memory-only changes)",
+        help="what may change, comma-separated: micro_batch, checkpoint, bf16 (or fp16, amp: mixed precision), "
+        "bf16-true (or fp16-true: true half precision, the weights and optimizer state themselves in 16 bits), "
+        "offload (default: micro_batch,checkpoint: memory-only changes)",
     )
     parser.add_argument("--trials", type=int, default=3, help="the most real trials, 1 to 3 (default: 3)")
     parser.add_argument(

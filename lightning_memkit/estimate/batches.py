@@ -21,6 +21,7 @@ __all__ = [
     "sample_batch",
     "batch_size_of",
     "rebatch",
+    "converted_floats",
     "NoBatchError",
     "sample_batch_and_length",
     "train_loader_and_length",
@@ -207,3 +208,13 @@ def rebatch(batch: Any, new_size: int, make: Callable[[torch.Tensor, int], torch
         return leaf
 
     return tree_map(convert, batch)
+
+
+def converted_floats(batch: Any, dtype: torch.dtype | None) -> Any:
+    """``batch`` with each floating-point tensor leaf converted to ``dtype`` (what Lightning's ``HalfPrecision``
+    plugin does to every batch, ``convert_input``); ``batch`` itself when ``dtype`` is ``None``."""
+    if dtype is None:
+        return batch
+    return tree_map(
+        lambda leaf: leaf.to(dtype) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf, batch
+    )

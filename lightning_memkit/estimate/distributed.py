@@ -8,11 +8,13 @@ same per-rank batch), so one fake step answers for all of them: world size 64 co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_memkit.estimate.core import estimate_memory
@@ -25,6 +27,7 @@ from lightning_memkit.estimate.sharding import (
     optimizer_state_bytes_per_parameter,
     sharding_of,
 )
+from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -117,8 +120,9 @@ def _units(module: nn.Module, wrap: Any) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, classes) and m is not module] + [module]
 
 
-def _unit_bytes(module: nn.Module, units: list[nn.Module]) -> list[int]:
-    """Each unit's own trainable parameter bytes (a parameter belongs to the innermost unit holding it)."""
+def _unit_bytes(module: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = None) -> list[int]:
+    """Each unit's own trainable parameter bytes (a parameter belongs to the innermost unit holding it; in ``dtype``
+    under a true half precision)."""
     owner: dict[int, int] = {}
     for index, unit in enumerate(units[:-1]):
         for parameter in unit.parameters():
@@ -128,7 +132,7 @@ def _unit_bytes(module: nn.Module, units: list[nn.Module]) -> list[int]:
     for parameter in module.parameters():
         if parameter.requires_grad and id(parameter) not in seen:
             seen.add(id(parameter))
-            sizes[owner.get(id(parameter), len(units) - 1)] += parameter.numel() * parameter.element_size()
+            sizes[owner.get(id(parameter), len(units) - 1)] += _parameter_bytes(parameter, dtype)
     return sizes
 
 
@@ -235,9 +239,13 @@ def _state_sharded_step(
     this rank's shards, and the strategy's buffers added."""
     single = estimate_memory(module, batch_size, **estimate_kwargs)
     notes = list(single.notes)
+    mode = estimate_kwargs.get("mode")
+    half = parse_mode(mode).true_half_dtype() if mode is not None else None
     if sharding.layout == "deepspeed" and single.mode != "baseline":
-        notes.append(DEEPSPEED_LAYOUT_NOTE)
+        notes.append(DEEPSPEED_TRUE_HALF_NOTE if half is not None else DEEPSPEED_LAYOUT_NOTE)
     categories = _sharded_categories(single.by_category, sharding)
+    # under a true half precision the strategy's buffers hold the converted module's half-precision tensors
+    options = dataclasses.replace(options, parameter_dtype=half)
     buffers = _strategy_buffers(module, single.by_category, sharding, world_size, options)
     categories["strategy_buffers"] = sum(buffers.values())
     peak = single.peak_bytes - _model_state_bytes(single.by_category) + _model_state_bytes(categories)
@@ -245,23 +253,31 @@ def _state_sharded_step(
     return _RankStep(single, categories, buffers, peak, notes)
 
 
-#: the note on a DeepSpeed estimate under a half precision
+#: the note on a DeepSpeed estimate under a mixed precision
 DEEPSPEED_LAYOUT_NOTE = (
     "DeepSpeed keeps half-precision weights and fp32 master weights in the optimizer; this "
     "estimate keeps the fake step's autocast layout (fp32 weights, same 16 bytes per parameter "
     "for Adam)"
+)
+#: the note on a DeepSpeed estimate under a true half precision (bf16-true, 16-true)
+DEEPSPEED_TRUE_HALF_NOTE = (
+    "DeepSpeed keeps fp32 master weights and fp32 optimizer state beside the half-precision weights (2 + 2 + 12 bytes "
+    "per trainable parameter for Adam); this estimate keeps the fake step's true half layout (2 + 2 + 4): its "
+    "optimizer state is low by 8 bytes per trainable parameter, before sharding"
 )
 
 
 @dataclass(frozen=True)
 class _BufferOptions:
     """The arguments that size a strategy's own buffers: DDP's ``bucket_cap_mb`` and ``gradient_as_bucket_view``,
-    FSDP's ``wrap`` (its units) and ``prefetch`` (units gathered ahead)."""
+    FSDP's ``wrap`` (its units) and ``prefetch`` (units gathered ahead), and the dtype a true half precision converts
+    the floating-point parameters (and so their gradients) to (``None``: as built)."""
 
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     wrap: Any = None
     prefetch: int = 1
+    parameter_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:
@@ -275,9 +291,10 @@ def _strategy_buffers(
 ) -> dict[str, int]:
     """The buffers the strategy allocates beside the model states, by name (none on one rank)."""
     if sharding.strategy in ("ddp", "fsdp_no_shard") and world_size > 1:
-        return {"ddp_gradient_buckets": _ddp_buckets(module, categories, options.gradient_as_bucket_view)}
+        buckets = _ddp_buckets(module, categories, options.gradient_as_bucket_view, options.parameter_dtype)
+        return {"ddp_gradient_buckets": buckets}
     if sharding.strategy.startswith("fsdp") and (world_size > 1 or sharding.parameters):
-        return _fsdp_buffers(module, sharding, options.wrap, options.prefetch)
+        return _fsdp_buffers(module, sharding, options)
     return {}
 
 
@@ -299,22 +316,32 @@ def _sharded_categories(categories: dict[str, int], sharding: Sharding) -> dict[
     return sharded
 
 
-def _ddp_buckets(module: nn.Module, categories: dict[str, int], gradient_as_bucket_view: bool) -> int:
-    """DDP's gradient buckets: one flat copy of every trainable gradient; as the gradients' own storage
-    (``gradient_as_bucket_view``), only what the peak's gradients do not already cover."""
+def _parameter_bytes(parameter: nn.Parameter, dtype: torch.dtype | None) -> int:
+    """``parameter``'s bytes in the step: in ``dtype`` (a true half precision's) when it is floating-point."""
+    if dtype is not None and parameter.is_floating_point():
+        return parameter.numel() * dtype.itemsize
+    return parameter.numel() * parameter.element_size()
+
+
+def _ddp_buckets(
+    module: nn.Module, categories: dict[str, int], gradient_as_bucket_view: bool, dtype: torch.dtype | None
+) -> int:
+    """DDP's gradient buckets: one flat copy of every trainable gradient (in ``dtype`` under a true half precision);
+    as the gradients' own storage (``gradient_as_bucket_view``), only what the peak's gradients do not already
+    cover."""
     trainable = {id(p): p for p in module.parameters() if p.requires_grad}
-    gradient_bytes = sum(p.numel() * p.element_size() for p in trainable.values())
+    gradient_bytes = sum(_parameter_bytes(p, dtype) for p in trainable.values())
     if gradient_as_bucket_view:
         return max(0, gradient_bytes - categories.get("gradients", 0))
     return gradient_bytes
 
 
-def _fsdp_buffers(module: nn.Module, sharding: Sharding, wrap: Any, prefetch: int) -> dict[str, int]:
+def _fsdp_buffers(module: nn.Module, sharding: Sharding, options: _BufferOptions) -> dict[str, int]:
     """FSDP1's buffers: the all-gathered parameters of the largest unit computing and of the ``prefetch`` units
     gathered ahead (less the shard already counted), and the reduce-scatter input of the largest unit's gradients."""
     n = sharding.shard_size
-    largest = sorted(_unit_bytes(module, _units(module, wrap)), reverse=True)
-    gathered = sum(largest[: 1 + prefetch]) if sharding.parameters else 0
+    largest = sorted(_unit_bytes(module, _units(module, options.wrap), options.parameter_dtype), reverse=True)
+    gathered = sum(largest[: 1 + options.prefetch]) if sharding.parameters else 0
     return {
         "fsdp_all_gather": max(0, gathered - int(math.ceil(gathered / n))) if n > 1 else 0,
         "fsdp_reduce_scatter": largest[0] if (sharding.gradients and n > 1) else 0,

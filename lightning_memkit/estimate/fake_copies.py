@@ -1,5 +1,6 @@
 """The fake copy a fake step runs on: the module and batch as CPU fakes (no weight read, nothing allocated where the
-module lives), and what estimates of one module share inside a ``reusing_fake_copies()`` block (:class:`ReuseCache`).
+module lives), in a true half precision's dtype where the mode converts them, and what estimates of one module share
+inside a ``reusing_fake_copies()`` block (:class:`ReuseCache`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ __all__ = ["ReuseCache", "fake_module", "cpu_fake", "rebatched", "dismantle"]
 
 class ReuseCache:
     """What estimates of the same module inside one :func:`~lightning_memkit.estimate.core.reusing_fake_copies` block
-    share: the fake copy of each module (made once, its gradients reset between estimates), each sampled batch, and
-    each estimate (the same question asked twice, a table then a prediction, gets the same answer)."""
+    share: the fake copy of each module (made once per parameter dtype, its gradients reset between estimates), each
+    sampled batch, and each estimate (the same question asked twice, a table then a prediction, gets the same
+    answer)."""
 
     def __init__(self) -> None:
-        #: id(module) -> (module, its session, its fake copy)
-        self.copies: dict[int, tuple[nn.Module, FakeSession, nn.Module]] = {}
+        #: (id(module), the true half dtype or None) -> (module, its session, its fake copy)
+        self.copies: dict[tuple[int, torch.dtype | None], tuple[nn.Module, FakeSession, nn.Module]] = {}
         #: (id(module), id(datamodule)) -> (batch, the loader's length in batches, the batch's note)
         self.batches: dict[tuple[int, int], tuple[Any, int | None, str]] = {}
         #: the question (the runner's memo key) -> its estimate
@@ -60,35 +62,42 @@ def rebatched(session: FakeSession, tensor: torch.Tensor, size: int) -> torch.Te
     return session.empty(shape, tensor.dtype, "cpu")
 
 
-def cpu_fake(session: FakeSession, tensor: torch.Tensor) -> torch.Tensor:
+def cpu_fake(session: FakeSession, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A fake CPU tensor with ``tensor``'s shape, strides and dtype, wherever ``tensor`` lives (CPU, CUDA,
     meta): the fake step runs on CPU fakes only, so parameters and batch always share one device and a
-    CPU-only torch never makes a fake CUDA tensor."""
-    if is_fake(tensor) and tensor.device.type == "cpu":
+    CPU-only torch never makes a fake CUDA tensor. With ``dtype`` (a true half precision's), a floating-point
+    ``tensor``'s fake has that dtype instead, as ``module.to(dtype)`` leaves it."""
+    if dtype is None or not tensor.is_floating_point():
+        dtype = tensor.dtype
+    if is_fake(tensor) and tensor.device.type == "cpu" and tensor.dtype == dtype:
         return tensor
-    if tensor.device.type == "cpu" and not is_fake(tensor):
+    if tensor.device.type == "cpu" and not is_fake(tensor) and tensor.dtype == dtype:
         return session.tensor(tensor)
     with session.mode:
-        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu")
+        fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device="cpu")
     if tensor.requires_grad and (fake.is_floating_point() or fake.is_complex()):
         fake.requires_grad_(True)
     return fake
 
 
-def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...]) -> nn.Module:
+def _fake_copy(
+    session: FakeSession, module: nn.Module, detach: tuple[Any, ...], dtype: torch.dtype | None = None
+) -> nn.Module:
     """A deep copy of ``module`` whose parameters, buffers and plain tensor attributes are CPU fakes
     (no weight is read or copied, nothing is allocated where the module lives); ``detach`` objects
-    (its Trainer) become ``None``."""
+    (its Trainer) become ``None``. With ``dtype``, the floating-point parameters and buffers are fakes of that
+    dtype, as Lightning's ``HalfPrecision.convert_module`` (``module.to(dtype)``) leaves them; plain tensor
+    attributes keep theirs, as ``module.to`` does."""
     memo: dict[int, Any] = {id(obj): None for obj in detach if obj is not None}
     for parameter in module.parameters():
         if id(parameter) not in memo:
             # a new fake (or, for a parameter already fake, its new detached alias): flagged, not detached again
             memo[id(parameter)] = fake_parameter(
-                cpu_fake(session, parameter.detach()), requires_grad=parameter.requires_grad
+                cpu_fake(session, parameter.detach(), dtype), requires_grad=parameter.requires_grad
             )
     for buffer in module.buffers():
         if id(buffer) not in memo:
-            memo[id(buffer)] = cpu_fake(session, buffer)
+            memo[id(buffer)] = cpu_fake(session, buffer, dtype)
     for each in module.modules():  # a mask or a dataset held as a plain attribute: fake, not copied for real
         for value in vars(each).values():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
@@ -96,17 +105,21 @@ def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...])
     return copy.deepcopy(module, memo)
 
 
-def fake_module(module: nn.Module, trainer: Any, cache: ReuseCache | None) -> tuple[FakeSession, nn.Module]:
-    """The fake session and fake copy of ``module`` (its ``trainer`` left out of the copy): the block's copy when
-    ``cache`` holds one (its last gradients dropped), else a new one, kept in ``cache`` if given."""
-    if cache is not None and id(module) in cache.copies:
-        original, session, module_copy = cache.copies[id(module)]
+def fake_module(
+    module: nn.Module, trainer: Any, cache: ReuseCache | None, dtype: torch.dtype | None = None
+) -> tuple[FakeSession, nn.Module]:
+    """The fake session and fake copy of ``module`` (its ``trainer`` left out of the copy; its floating-point
+    parameters and buffers in ``dtype`` when given, a true half precision's): the block's copy when ``cache`` holds
+    one (its last gradients dropped), else a new one, kept in ``cache`` if given."""
+    key = (id(module), dtype)
+    if cache is not None and key in cache.copies:
+        original, session, module_copy = cache.copies[key]
         if original is module:
             for parameter in module_copy.parameters():  # last estimate's gradients
                 parameter.grad = None
             return session, module_copy
     session = FakeSession()
-    module_copy = _fake_copy(session, module, (trainer,))
+    module_copy = _fake_copy(session, module, (trainer,), dtype)
     if cache is not None:
-        cache.copies[id(module)] = (module, session, module_copy)
+        cache.copies[key] = (module, session, module_copy)
     return session, module_copy

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -24,6 +24,7 @@ __all__ = [
     "default_loss",
     "optimizer_factory",
     "step_autocast",
+    "default_dtype",
     "use_foreach",
     "labelled_optimizer_step",
 ]
@@ -129,13 +130,29 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def step_autocast(mode: Any, device_type: str, target_device_type: str) -> Callable[[], ContextManager[Any]]:
-    """The autocast context for the step (Lightning applies it around training_step only)."""
+    """The precision's context for the step's forward, as Lightning's precision plugin applies it around
+    training_step only (its ``forward_context``): autocast under a mixed precision; under a true half precision the
+    half dtype as torch's default dtype (tensors the forward creates without a dtype are half), no autocast."""
     if mode is None:
         return contextlib.nullcontext
+    half = mode.true_half_dtype()
+    if half is not None:
+        return lambda: default_dtype(half)
     dtype = mode.autocast_dtype(target_device_type)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``dtype`` as torch's default floating-point dtype inside the block (``HalfPrecision.forward_context``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def use_foreach(optimizer: torch.optim.Optimizer) -> None:

@@ -22,7 +22,7 @@ from lightning_memkit.estimate.allocator import (
     CUDNN_WORKSPACE_BYTES,
     CudaAllocatorModel,
 )
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, converted_floats, preserved_rng, rebatch
 from lightning_memkit.estimate.cuda_kernels import CudaKernels, cuda_target
 from lightning_memkit.estimate.fake_copies import ReuseCache, cpu_fake, dismantle, fake_module, rebatched
 from lightning_memkit.estimate.fake_session import FakeSession
@@ -250,7 +250,7 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
         warnings.filterwarnings("ignore", message=".*self.trainer.*")
         module_copy = handle = None
         try:
-            session, module_copy = _copy_of(request, settings.reuse)
+            session, module_copy = _copy_of(request, settings.reuse, _true_half_dtype(mode))
             step_copy = _ready_for_step(request, resolved, session, module_copy, notes)
             handle = _apply_checkpointing(step_copy, resolved, acc)
             _run_steps(request, resolved, settings, step_copy, acc, offload, kernels)
@@ -266,19 +266,28 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
     return _estimate_of(acc, request, resolved, step_copy.batch, offload, kernels, notes, started)
 
 
-def _copy_of(request: StepRequest, cache: ReuseCache | None) -> tuple[FakeSession | None, nn.Module]:
+def _true_half_dtype(mode: Any) -> torch.dtype | None:
+    """The dtype a true half precision mode converts the module and batch to (``None`` for the others)."""
+    return None if mode is None else mode.true_half_dtype()
+
+
+def _copy_of(
+    request: StepRequest, cache: ReuseCache | None, dtype: torch.dtype | None = None
+) -> tuple[FakeSession | None, nn.Module]:
     """The copy the step runs on: a fake copy (with its session), or a real deep copy (``None`` for the session),
-    the module's trainer left out of it."""
+    the module's trainer left out of it; with ``dtype`` (a true half precision's), its floating-point parameters and
+    buffers converted to it, as Lightning's ``HalfPrecision.convert_module`` does before the fit's first step."""
     module = request.module
     attached = getattr(module, "_trainer", None)
     if request.fake:
-        return fake_module(module, attached, cache)
+        return fake_module(module, attached, cache, dtype)
     if next((p.device.type for p in module.parameters()), "cpu") == "meta":
         raise EstimateError(
             f"{type(module).__name__}'s parameters are on the meta device (no data): a real step "
             "cannot run; estimate_memory() estimates it on fake tensors"
         )
-    return None, copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    module_copy = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    return None, module_copy if dtype is None else module_copy.to(dtype=dtype)
 
 
 def _ready_for_step(
@@ -288,12 +297,15 @@ def _ready_for_step(
     device on a real one) and the stand-in trainer, in training mode; a fake step's caveats appended to ``notes``."""
     module, batch, batch_size = request.module, resolved.batch, request.batch_size
     attached = getattr(module, "_trainer", None)
+    half = _true_half_dtype(resolved.mode)  # Lightning's HalfPrecision.convert_input, before the batch's transfer
     if session is not None:
         if batch_size is not None:
             batch = rebatch(batch, batch_size, lambda t, n: rebatched(session, t, n))
         batch = tree_map(
             lambda leaf: (
-                cpu_fake(session, leaf) if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf) else leaf
+                cpu_fake(session, leaf, half)
+                if isinstance(leaf, torch.Tensor) and not keeps_real_values(leaf)
+                else leaf
             ),
             batch,
         )
@@ -308,7 +320,7 @@ def _ready_for_step(
         where = next((p.device for p in module.parameters()), torch.device("cpu"))
         if batch_size is not None:
             batch = rebatch(batch, batch_size)
-        step_copy = _StepCopy(module_copy, _move(batch, where), contextlib.nullcontext)
+        step_copy = _StepCopy(module_copy, _move(converted_floats(batch, half), where), contextlib.nullcontext)
     trainer = request.trainer if request.trainer is not None else attached
     attach_trainer(step_copy.module, trainer, resolved.batches, resolved.mode, request.datamodule, resolved.target.type)
     step_copy.module.train()

@@ -56,8 +56,10 @@ def attach_trainer(
         value = getattr(trainer, setting, None)
         if value is not None:
             setattr(stand_in, setting, value)
-    from lightning.pytorch.plugins.precision import Precision  # deferred: a LightningModule's copy only
+    # deferred: a LightningModule's copy only
+    from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 
-    # what LightningModule.clip_gradients calls (torch's clip_grad_norm_/value_)
-    stand_in.precision_plugin = Precision()
+    # what LightningModule.clip_gradients calls (torch's clip_grad_norm_/value_); true half precision's own plugin
+    half = mode is not None and mode.true_half_dtype() is not None
+    stand_in.precision_plugin = HalfPrecision(mode.precision) if half else Precision()
     attach_stand_in_trainer(module_copy, stand_in)

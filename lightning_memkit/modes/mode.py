@@ -3,6 +3,9 @@ a string.
 
 ``parse_mode("amp+checkpoint:auto")`` gives a :class:`Mode`; ``mode.trainer_kwargs("cpu")`` gives the
 Trainer arguments for it, and ``mode.autocast("cpu")`` / ``apply_checkpointing`` apply it to a plain module.
+The precisions are Lightning's: full (``32-true``), mixed (``bf16-mixed``, ``16-mixed``: autocast over fp32
+weights) and true half (``bf16-true``, ``16-true``: the weights, gradients, optimizer state and floating-point
+inputs themselves in half precision, no autocast).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ __all__ = [
     "CHECKPOINT_WORDS",
     "OFFLOAD_WORD",
     "MODE_WORDS",
+    "PRECISIONS",
+    "TRUE_HALF_PRECISIONS",
 ]
 
 #: precision words -> the precision they ask for ("amp" is resolved per device by :func:`resolve_precision`).
@@ -38,7 +43,14 @@ PRECISION_WORDS: dict[str, str | None] = {
     "bf16-mixed": "bf16-mixed",
     "fp16": "16-mixed",
     "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true",
+    "fp16-true": "16-true",
+    "16-true": "16-true",
 }
+#: Lightning's true half precisions: the module converted to the half dtype, no autocast, no GradScaler.
+TRUE_HALF_PRECISIONS = ("bf16-true", "16-true")
+#: the values :attr:`Mode.precision` takes (``None`` is full precision; ``"amp"`` is resolved per device).
+PRECISIONS = (None, "amp", "bf16-mixed", "16-mixed", *TRUE_HALF_PRECISIONS)
 #: checkpoint words (``checkpoint`` means ``checkpoint:auto``; ``budget=`` takes a fraction in (0, 1] or a size with
 #: a unit).
 CHECKPOINT_WORDS = ("checkpoint", "checkpoint:auto", "checkpoint:budget=FRACTION", "checkpoint:budget=SIZE")
@@ -47,15 +59,26 @@ OFFLOAD_WORD = "offload"
 #: every word a mode string may combine with ``+``.
 MODE_WORDS = tuple(PRECISION_WORDS) + CHECKPOINT_WORDS + (OFFLOAD_WORD,)
 
-_LIGHTNING_PRECISION = {None: "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+_LIGHTNING_PRECISION = {
+    None: "32-true",
+    "bf16-mixed": "bf16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true",
+    "16-true": "16-true",
+}
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE_HALF_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_NAMES = {"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true", "16-true": "fp16-true"}
+_PRECISION_CHOICES = "None, 'amp', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"
 
 
 def resolve_precision(precision: str | None, device: Any) -> str | None:
-    """The concrete mixed precision for ``device``: ``None`` (full precision), ``"bf16-mixed"`` or ``"16-mixed"``.
+    """The concrete precision for ``device``: ``None`` (full precision), ``"bf16-mixed"``, ``"16-mixed"``,
+    ``"bf16-true"`` or ``"16-true"``.
 
     ``"amp"`` is ``"16-mixed"`` on CUDA (and MPS) and ``"bf16-mixed"`` elsewhere (CPU). ``"16-mixed"``
-    on CPU falls back to ``"bf16-mixed"`` with a warning, exactly as Lightning's Trainer does.
+    on CPU falls back to ``"bf16-mixed"`` with a warning, exactly as Lightning's Trainer does. The true half
+    precisions are the same on every device (Lightning's Trainer runs ``"16-true"`` on CPU as asked).
     """
     device_type = _device_type(device)
     if precision == "amp":
@@ -66,8 +89,8 @@ def resolve_precision(precision: str | None, device: Any) -> str | None:
             stacklevel=3,
         )
         return "bf16-mixed"
-    if precision not in (None, "bf16-mixed", "16-mixed"):
-        raise ValueError(f"unknown precision {precision!r}; choose None, 'amp', 'bf16-mixed' or '16-mixed'")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose {_PRECISION_CHOICES}")
     return precision
 
 
@@ -77,7 +100,10 @@ class Mode:
 
     Attributes:
         precision: ``None`` (full fp32), ``"amp"`` (``16-mixed`` on CUDA, ``bf16-mixed`` on CPU, see
-            :func:`resolve_precision`), ``"bf16-mixed"`` or ``"16-mixed"``.
+            :func:`resolve_precision`), ``"bf16-mixed"`` or ``"16-mixed"`` (autocast over fp32 weights), or
+            ``"bf16-true"`` or ``"16-true"`` (true half precision: the module's floating-point parameters and
+            buffers and the batch's floating-point tensors converted to the half dtype, as Lightning's
+            ``HalfPrecision`` plugin does; no autocast, no GradScaler).
         checkpoint: ``None`` (no checkpointing) or a policy for
             :func:`~lightning_memkit.modes.checkpointing.apply_checkpointing`: ``"auto"``, a frozenset of
             module classes, a callable ``(name, module) -> bool`` or a
@@ -102,8 +128,8 @@ class Mode:
     offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in (None, "amp", "bf16-mixed", "16-mixed"):
-            raise ValueError(f"Mode(precision={self.precision!r}): choose None, 'amp', 'bf16-mixed' or '16-mixed'")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Mode(precision={self.precision!r}): choose {_PRECISION_CHOICES}")
         if self.checkpoint is not None:
             object.__setattr__(self, "checkpoint", normalize_policy(self.checkpoint))
         if not isinstance(self.offload, bool):
@@ -114,7 +140,7 @@ class Mode:
     def _default_name(self) -> str:
         parts = []
         if self.precision is not None:
-            parts.append({"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16"}[self.precision])
+            parts.append(_NAMES[self.precision])
         if self.checkpoint is not None:
             parts.append(
                 "checkpoint" if self.checkpoint == "auto" else f"checkpoint:{describe_policy(self.checkpoint)}"
@@ -128,20 +154,31 @@ class Mode:
         """Whether the mode changes nothing (full precision, no checkpointing, no offload)."""
         return self.precision is None and self.checkpoint is None and not self.offload
 
+    @property
+    def is_true_half(self) -> bool:
+        """Whether the mode trains in true half precision (``bf16-true``/``16-true``: no fp32 master weights)."""
+        return self.precision in TRUE_HALF_PRECISIONS
+
     def precision_for(self, device: Any) -> str | None:
-        """The concrete mixed precision on ``device`` (``None`` for full precision); see :func:`resolve_precision`."""
+        """The concrete precision on ``device`` (``None`` for full precision); see :func:`resolve_precision`."""
         return resolve_precision(self.precision, device)
 
     def autocast_dtype(self, device: Any) -> torch.dtype | None:
-        """The autocast dtype on ``device`` (``torch.bfloat16``/``torch.float16``), or ``None`` for fp32."""
-        precision = self.precision_for(device)
-        return None if precision is None else _AUTOCAST_DTYPE[precision]
+        """The autocast dtype on ``device`` (``torch.bfloat16``/``torch.float16``), or ``None`` for fp32 and for
+        true half precision (which has no autocast)."""
+        return _AUTOCAST_DTYPE.get(self.precision_for(device))
+
+    def true_half_dtype(self) -> torch.dtype | None:
+        """The dtype a true half precision converts the module and the batch's floating-point tensors to
+        (``torch.bfloat16`` for ``bf16-true``, ``torch.float16`` for ``16-true``), else ``None``."""
+        return _TRUE_HALF_DTYPE.get(self.precision)
 
     def autocast(self, device_type: Any = "cpu") -> ContextManager[Any]:
         """``torch.autocast(device_type, dtype)`` for this mode's precision, or a no-op context for fp32.
 
         For plain PyTorch loops; under a Trainer use :meth:`trainer_kwargs`, which lets Lightning's
-        own precision plugin do the same.
+        own precision plugin do the same. True half precision has no autocast (a no-op context): convert the
+        module and the batch's floating-point tensors with ``.to(mode.true_half_dtype())`` instead.
         """
         dtype = self.autocast_dtype(device_type)
         if dtype is None:
@@ -153,7 +190,8 @@ class Mode:
 
         Returns ``{"precision": ..., "callbacks": [...]}``: the Lightning precision flag (``"32-true"``,
         ``"bf16-mixed"`` or ``"16-mixed"``, so Lightning's own ``MixedPrecision`` plugin does the
-        autocast and, for fp16, the gradient scaling) and an
+        autocast and, for fp16, the gradient scaling; ``"bf16-true"`` or ``"16-true"``, so its
+        ``HalfPrecision`` plugin converts the module and the inputs) and an
         :class:`~lightning_memkit.callbacks.activation_checkpointing.ActivationCheckpointing` callback
         when the mode checkpoints (``callback_kwargs`` are passed to it), and an
         :class:`~lightning_memkit.callbacks.activation_offload.ActivationOffload` callback when it offloads
@@ -214,7 +252,8 @@ def parse_mode(text: str | Mode) -> Mode:
     """Parse a mode string such as ``"baseline"``, ``"amp"``, ``"bf16+checkpoint"`` or ``"checkpoint:budget=0.5"``.
 
     Words are joined with ``+``: at most one precision word (``baseline``/``fp32``, ``amp``, ``bf16``,
-    ``fp16``) and at most one checkpoint word (``checkpoint`` = ``checkpoint:auto``,
+    ``fp16``, or true half precision ``bf16-true``, ``fp16-true``; Lightning's ``bf16-mixed``, ``16-mixed``,
+    ``16-true`` too) and at most one checkpoint word (``checkpoint`` = ``checkpoint:auto``,
     ``checkpoint:budget=0.5`` for a fraction of the baseline activation memory,
     ``checkpoint:budget=512MiB`` for a size) and ``offload`` (saved activations to pinned host memory, CUDA
     only). The mode's name is the text as written.

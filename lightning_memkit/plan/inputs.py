@@ -15,9 +15,17 @@ from lightning_memkit._lightning_compat import attached_trainer
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of
 from lightning_memkit.estimate.worst_batch import WorstBatch, worst_batch_and_length
 from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
+from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
 from lightning_memkit.plan.result import PlanError
-from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
+from lightning_memkit.plan.space import (
+    MIXED_PLAN_WORDS,
+    PLAN_PRECISIONS,
+    Candidate,
+    allows_true_half,
+    candidate_space,
+    parse_plan_modes,
+)
 from lightning_memkit.plan.time_model import roofline_for
 from lightning_memkit.search.lightning import host_search_budget_bytes
 from lightning_memkit.units import format_bytes, parse_bytes
@@ -58,7 +66,8 @@ class PlanInputs:
         budget: the memory budget, bytes.
         device_type: ``"cpu"`` or ``"cuda"``.
         space: the candidates, the baseline (the user's batch as is) first.
-        precision: the user's precision (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``).
+        precision: the user's precision (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``,
+            ``"16-true"``).
         gpu: the GPU planned for (``"h100"``...), or ``None``.
         datamodule: the LightningDataModule the batch came from, or ``None``.
         worst: the data's worst batch as found (its description and shapes), or ``None`` when ``batch`` was given.
@@ -159,24 +168,48 @@ def plan_inputs(
         raise PlanError(
             f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)"
         )
-    state_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    precision = user_precision(module)
+    true_half = precision in TRUE_HALF_PRECISIONS or allows_true_half(plan_modes)
+    state_bytes = _smallest_parameter_bytes(module, true_half)
     if state_bytes > budget:
+        half_fits = not true_half and _smallest_parameter_bytes(module, True) <= budget
         raise PlanError(
             f"the budget of {format_bytes(budget)} is below the model's parameters alone "
             f"({format_bytes(state_bytes)}): "
-            "no micro-batch, checkpointing or precision makes it fit; give more memory or a smaller model"
+            + (
+                "only true half precision keeps them in it (2 bytes each): allow it with bf16-true in the modes "
+                "(it rounds the weights and optimizer state themselves to bf16), or give more memory"
+                if half_fits
+                else "no micro-batch, checkpointing or precision makes it fit; give more memory or a smaller model"
+            )
         )
-    inputs = PlanInputs(
-        module, worst.batch, effective, budget, device_type, [], user_precision(module), gpu, datamodule, worst
-    )
+    inputs = PlanInputs(module, worst.batch, effective, budget, device_type, [], precision, gpu, datamodule, worst)
     inputs.space = _space(inputs, plan_modes)
     return inputs
+
+
+def _smallest_parameter_bytes(module: Any, true_half: bool) -> int:
+    """The parameters' bytes in the candidates' precision that keeps the fewest: a true half precision (when
+    ``true_half``) converts the floating-point parameters to 2 bytes each (Lightning's ``HalfPrecision``); the others
+    keep them as built."""
+    return sum(
+        p.numel() * (2 if true_half and p.is_floating_point() else p.element_size()) for p in module.parameters()
+    )
 
 
 def _space(inputs: PlanInputs, plan_modes: Any) -> list[Candidate]:
     """The candidates for ``plan_modes`` (the notes say which modes the module cannot take)."""
     manual = not inputs.module.automatic_optimization
     can_checkpoint = bool(find_repeated_blocks(inputs.module))
+    mixed = [word for word in plan_modes if word in MIXED_PLAN_WORDS]
+    if inputs.precision in TRUE_HALF_PRECISIONS and mixed:
+        # the Trainer's HalfPrecision converted the module at setup: its fp32 weights, which a mixed precision keeps,
+        # are gone, so a mixed candidate's step cannot be estimated or tried from it
+        plan_modes = tuple(word for word in plan_modes if word not in mixed)
+        inputs.notes.append(
+            f"no {', '.join(mixed)} candidates: the Trainer's {inputs.precision} converted the module's weights "
+            "before the plan; plan before the fit (memkit plan, plan_fit) to weigh mixed precision against it"
+        )
     try:
         space = candidate_space(
             inputs.effective,
@@ -265,4 +298,4 @@ def user_precision(module: Any) -> str:
     """The precision of the Trainer ``module`` is attached to (AutoFit plans at fit start), else ``"32-true"``."""
     trainer = attached_trainer(module)
     text = str(getattr(trainer, "precision", "32-true")) if trainer is not None else "32-true"
-    return text if text in ("32-true", "bf16-mixed", "16-mixed") else "32-true"
+    return text if text in PLAN_PRECISIONS else "32-true"

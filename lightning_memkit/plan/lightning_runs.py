@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning_utilities.core import rank_zero
 
 from lightning_memkit._lightning_compat import attached_trainer
-from lightning_memkit.estimate.batches import preserved_rng, rebatch
+from lightning_memkit.estimate.batches import converted_floats, preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps
@@ -125,7 +125,8 @@ def fit_steps(
     guard: Any,
 ) -> list[bool]:
     """``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch`` with a real Trainer in the candidate's
-    precision and checkpointing (under ``guard``, a MemoryBudget, when given), on the plan's CUDA device
+    precision and checkpointing (under ``guard``, a MemoryBudget, when given; ``module``, a copy, is converted to a
+    true half precision's dtype in place before), on the plan's CUDA device
     (:func:`cuda_device`) or the CPU. In ``16-mixed`` the fit goes on until ``steps`` optimizer steps were real, at
     most :data:`~lightning_memkit.plan.real_steps.MAX_SKIPPED_STEPS` more (the GradScaler skips a step whose gradients
     overflow: it allocates no optimizer state); returns whether each optimizer step was skipped (empty in the other
@@ -150,6 +151,12 @@ def fit_steps(
         num_sanity_val_steps=0,
         log_every_n_steps=1,
     )
+    half = candidate.mode.true_half_dtype()
+    if half is not None:
+        # what Lightning's HalfPrecision does at fit start (the module) and to every batch, done here on the host, as
+        # a user's fit does it before anything reaches the device: the budget counts the half-precision step only
+        module.to(dtype=half)
+        batch = converted_floats(batch, half)
     data = _Batches(batch, most * accumulation)
     try:
         if guard is not None:

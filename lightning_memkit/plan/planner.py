@@ -6,9 +6,9 @@
    (:mod:`~.rows`; on CUDA the same fake step's ops also predict the step time on the GPU's roofline).
 3. Those predicted to fit (on CUDA with :data:`~.rows.CUDA_MARGIN` of the memory kept free for the allocator) are
    ordered by the plan's rule (:func:`~lightning_memkit.plan.space.preference`: no recompute first, a lower precision
-   where allowed, no offload, fewer and larger micro-batches), and at most ``trials`` of them run as real trials
-   (:mod:`~.trials`): a real Lightning ``Trainer`` on a deep copy of the module, its peak measured within the budget
-   and its steps timed.
+   where allowed (true half, then mixed, then full), no offload, fewer and larger micro-batches), and at most
+   ``trials`` of them run as real trials (:mod:`~.trials`): a real Lightning ``Trainer`` on a deep copy of the module,
+   its peak measured within the budget and its steps timed.
 4. The choice (:mod:`~.choice`) is the rule's first among the trials that fit, unless another is measured faster by
    more than :data:`~.choice.MIN_GAIN`, side by side: never a configuration that did not run.
 
@@ -80,8 +80,9 @@ def plan_fit(
             budget, the trials and their peaks are that device's; default: CUDA when available or ``gpu`` is given,
             the current device, else CPU).
         modes: what may change: ``"micro_batch,checkpoint"`` (the default: memory-only changes), plus ``bf16`` /
-            ``fp16`` / ``amp`` (a precision change) and ``offload`` (CUDA only); see
-            :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
+            ``fp16`` / ``amp`` (a change to mixed precision), ``bf16-true`` / ``fp16-true`` (a change to true half
+            precision: the weights, gradients and optimizer state in 16 bits, no fp32 master weights) and
+            ``offload`` (CUDA only); see :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
         datamodule: a LightningDataModule to take the batch from.
         trials: the most real trials (1 to :data:`MAX_TRIALS`).
         world_size, strategy: one device only for now (1 and ``None``).

@@ -1,7 +1,8 @@
 """The planner's candidate space: every way to train the user's effective batch that the allowed modes give.
 
 A candidate is a micro-batch and an accumulation whose product is the user's effective batch exactly, a
-precision (only when the user allows one), an activation-checkpointing policy (none, a budget of half the
+precision (only when the user allows one: a mixed precision, a true half precision, or one of each), an
+activation-checkpointing policy (none, a budget of half the
 activations, or every repeated block) and, on CUDA only, activation offload. The space stays small (tens of
 candidates): at most :data:`MAX_MICRO_BATCHES` micro-batches (the divisors of the batch nearest to its halvings),
 three checkpointing choices, the precisions allowed.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
-from lightning_memkit.modes.mode import Mode, resolve_precision
+from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode, resolve_precision
 
 __all__ = [
     "Candidate",
@@ -24,14 +25,30 @@ __all__ = [
     "recompute_level",
     "micro_batches",
     "parse_plan_modes",
+    "allowed_precisions",
+    "allows_true_half",
     "PLAN_MODE_WORDS",
+    "PLAN_PRECISIONS",
+    "MIXED_PLAN_WORDS",
     "DEFAULT_PLAN_MODES",
     "MAX_MICRO_BATCHES",
     "CHECKPOINT_CHOICES",
 ]
 
-#: the words ``modes=`` (``--modes``) accepts: what the planner may change.
-PLAN_MODE_WORDS = ("baseline", "micro_batch", "checkpoint", "bf16", "fp16", "amp", "offload")
+#: the words ``modes=`` (``--modes``) accepts: what the planner may change. ``bf16``, ``fp16`` and ``amp`` allow a mixed
+#: precision (autocast over fp32 weights), ``bf16-true`` and ``fp16-true`` a true half precision (the weights,
+#: gradients and optimizer state themselves in half precision); one word of each kind at most.
+PLAN_MODE_WORDS = ("baseline", "micro_batch", "checkpoint", "bf16", "fp16", "amp", "bf16-true", "fp16-true", "offload")
+#: the Lightning precisions a candidate may have
+PLAN_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", *TRUE_HALF_PRECISIONS)
+#: each mixed precision word's Lightning precision (``amp`` is resolved per device)
+_MIXED_WORDS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "amp": "amp"}
+#: the words that allow a mixed precision
+MIXED_PLAN_WORDS = tuple(_MIXED_WORDS)
+#: each true half precision word's Lightning precision
+_TRUE_HALF_WORDS = {"bf16-true": "bf16-true", "fp16-true": "16-true"}
+#: how low each precision is, the rule's order: true half precision, then mixed, then full (``32-true``)
+_PRECISION_RANK = {"bf16-true": 0, "16-true": 0, "bf16-mixed": 1, "16-mixed": 1, "32-true": 2}
 #: what the planner may change by default: memory-only changes (no precision change, no offload)
 DEFAULT_PLAN_MODES = ("micro_batch", "checkpoint")
 #: the most micro-batch sizes tried (the batch, then the divisors nearest to its halvings)
@@ -48,7 +65,8 @@ class Candidate:
         micro_batch: samples per forward/backward (the dataloader's batch size).
         accumulation: micro-batches per optimizer step (``accumulate_grad_batches``);
             ``micro_batch * accumulation`` is the user's effective batch.
-        precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
+        precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or
+            ``"16-true"``.
         checkpoint: ``None`` or what ``ActivationCheckpointing(policy=...)`` / ``apply_checkpointing`` accept
             (``"auto"``, a :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`, a set of module classes).
         offload: saved activations kept in pinned host memory (CUDA only).
@@ -65,8 +83,10 @@ class Candidate:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Candidate({name}={value!r}): give a positive integer")
-        if self.precision not in ("32-true", "bf16-mixed", "16-mixed"):
-            raise ValueError(f"Candidate(precision={self.precision!r}): give '32-true', 'bf16-mixed' or '16-mixed'")
+        if self.precision not in PLAN_PRECISIONS:
+            raise ValueError(
+                f"Candidate(precision={self.precision!r}): give one of {', '.join(repr(p) for p in PLAN_PRECISIONS)}"
+            )
 
     @property
     def effective_batch(self) -> int:
@@ -123,7 +143,8 @@ def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
     :data:`DEFAULT_PLAN_MODES`.
 
     Raises:
-        ValueError: for an unknown word (the message lists :data:`PLAN_MODE_WORDS`), or two precisions.
+        ValueError: for an unknown word (the message lists :data:`PLAN_MODE_WORDS`), or two mixed precisions (or two
+            true half precisions).
     """
     if modes is None:
         return DEFAULT_PLAN_MODES
@@ -135,16 +156,23 @@ def parse_plan_modes(modes: str | Iterable[str] | None) -> tuple[str, ...]:
     for word in words:
         if word not in PLAN_MODE_WORDS:
             raise ValueError(f"unknown plan mode {word!r}; choose from: {', '.join(PLAN_MODE_WORDS)} (comma-separated)")
-    if len({w for w in words if w in ("bf16", "fp16", "amp")}) > 1:
-        raise ValueError(f"modes {modes!r} allow two precisions; give one of bf16, fp16, amp")
+    if len({w for w in words if w in _MIXED_WORDS}) > 1:
+        raise ValueError(f"modes {modes!r} allow two mixed precisions; give one of bf16, fp16, amp")
+    if len({w for w in words if w in _TRUE_HALF_WORDS}) > 1:
+        raise ValueError(f"modes {modes!r} allow two true half precisions; give one of bf16-true, fp16-true")
     return tuple(dict.fromkeys(words))
 
 
-def _allowed_precision(modes: tuple[str, ...], device_type: str) -> str | None:
-    for word, precision in (("bf16", "bf16-mixed"), ("fp16", "16-mixed"), ("amp", "amp")):
-        if word in modes:
-            return resolve_precision(precision, device_type)
-    return None
+def allows_true_half(modes: tuple[str, ...]) -> bool:
+    """Whether ``modes`` (from :func:`parse_plan_modes`) allow a true half precision (``bf16-true``, ``fp16-true``)."""
+    return any(word in _TRUE_HALF_WORDS for word in modes)
+
+
+def allowed_precisions(modes: tuple[str, ...], device_type: str) -> list[str]:
+    """The precisions ``modes`` allow the plan to change to, on ``device_type`` (``amp`` and ``fp16`` on CPU resolve
+    as Lightning's Trainer resolves them): at most a mixed one and a true half one."""
+    allowed = [resolve_precision(precision, device_type) for word, precision in _MIXED_WORDS.items() if word in modes]
+    return allowed + [precision for word, precision in _TRUE_HALF_WORDS.items() if word in modes]
 
 
 def candidate_space(
@@ -161,7 +189,8 @@ def candidate_space(
     Args:
         effective_batch: the user's samples per optimizer step.
         modes: from :func:`parse_plan_modes`: ``micro_batch`` (smaller micro-batches with accumulation),
-            ``checkpoint`` (:data:`CHECKPOINT_CHOICES`), a precision word, ``offload`` (CUDA only).
+            ``checkpoint`` (:data:`CHECKPOINT_CHOICES`), precision words (a mixed and a true half one at most),
+            ``offload`` (CUDA only).
         device_type: ``"cpu"`` or ``"cuda"``.
         precision: the user's own precision (the baseline's).
         can_checkpoint: whether the module has blocks to checkpoint (``find_repeated_blocks``).
@@ -177,9 +206,7 @@ def candidate_space(
         )
     sizes = micro_batches(effective_batch) if "micro_batch" in modes and can_accumulate else [effective_batch]
     precisions = [precision]
-    other = _allowed_precision(modes, device_type)
-    if other is not None and other != precision:
-        precisions.append(other)
+    precisions += [other for other in allowed_precisions(modes, device_type) if other != precision]
     checkpoints = list(CHECKPOINT_CHOICES) if "checkpoint" in modes and can_checkpoint else [None]
     offloads = [False, True] if "offload" in modes else [False]
     space = [Candidate(effective_batch, 1, precision)]
@@ -201,11 +228,13 @@ def recompute_level(candidate: Candidate) -> int:
     return 1 if isinstance(candidate.checkpoint, CheckpointBudget) else 2
 
 
-def preference(candidate: Candidate) -> tuple[int, bool, bool, int]:
+def preference(candidate: Candidate) -> tuple[int, int, bool, int]:
     """The plan's rule, as a sort key (smaller first): no recompute before recompute (a checkpointed step runs its
-    forward again), then a lower precision where the user allowed one (``32-true`` only where no other is
-    allowed), then no offload (its copies to the host and back), then fewer and larger micro-batches (the same
-    samples in fewer, larger kernels and fewer trips through the training loop). The trials decide between
-    candidates; the rule orders them, picks which the trials take, and keeps its first when no other was measured
-    clearly faster (:mod:`~lightning_memkit.plan.choice`)."""
-    return recompute_level(candidate), candidate.precision == "32-true", candidate.offload, candidate.accumulation
+    forward again), then a lower precision where the user allowed one: true half precision (``bf16-true``,
+    ``16-true``: half the bytes of weights, gradients and optimizer state to move, no casts) before mixed precision,
+    and ``32-true`` only where no other is allowed; then no offload (its copies to the host and back), then fewer and
+    larger micro-batches (the same samples in fewer, larger kernels and fewer trips through the training loop). The
+    trials decide between candidates; the rule orders them, picks which the trials take, and keeps its first when no
+    other was measured clearly faster (:mod:`~lightning_memkit.plan.choice`)."""
+    rank = _PRECISION_RANK[candidate.precision]
+    return recompute_level(candidate), rank, candidate.offload, candidate.accumulation

@@ -15,7 +15,7 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.meter import training_state_tensors
-from lightning_memkit.modes.mode import Mode
+from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode
 from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 
@@ -114,6 +114,8 @@ def reset_scaler(trainer: Any) -> None:
 def trainer_mode(trainer: Any) -> Any:
     """The Mode of the Trainer's precision (checkpointing, if any, is already on the module)."""
     precision = str(trainer.precision)
+    if precision in TRUE_HALF_PRECISIONS:
+        return Mode(precision=precision)
     if "bf16" in precision and "mixed" in precision:
         precision = "bf16-mixed"
     elif precision.startswith("16") and "mixed" in precision:
