@@ -340,14 +340,18 @@ def _brute_force(module, batch, budget: int, candidates: list, rounds: int) -> d
 
 def _head_to_head(module, batch, chosen, best, rounds: int) -> float:
     """The median over ``rounds`` alternating rounds of ``best``'s step over ``chosen``'s (1.0: as fast; below 1: the
-    choice is slower), each timed for half a second."""
+    choice is slower), each timed for a second (at least 5 steps) after one warm-up step; every round on stderr."""
     from lightning_memkit.plan.lightning_runs import timed_step
 
     ratios = []
     for round_ in range(rounds):
         pair = (chosen, best) if round_ % 2 else (best, chosen)
-        step = {c: statistics.median(timed_step(module, c, batch, "cpu", 1, 2, 0.5)) for c in pair}
+        step = {c: statistics.median(timed_step(module, c, batch, "cpu", 1, 5, 1.0)) for c in pair}
         ratios.append(step[best] / step[chosen])
+        _say(
+            f"#   side by side {round_ + 1}: {chosen.describe()} {step[chosen] * 1e3:.1f} ms, {best.describe()} "
+            f"{step[best] * 1e3:.1f} ms (load {os.getloadavg()[0]:.1f})"
+        )
     return statistics.median(ratios)
 
 
