@@ -4,13 +4,13 @@ module lives), and what estimates of one module share inside a ``reusing_fake_co
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit.estimate.fake_session import FakeSession
 from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, fake_parameter, is_fake, keeps_real_values
 
@@ -93,7 +93,7 @@ def _fake_copy(session: FakeSession, module: nn.Module, detach: tuple[Any, ...])
         for value in vars(each).values():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = cpu_fake(session, value)
-    return copy.deepcopy(module, memo)
+    return copy_module(module, memo, compiled=False)
 
 
 def fake_module(module: nn.Module, trainer: Any, cache: ReuseCache | None) -> tuple[FakeSession, nn.Module]:

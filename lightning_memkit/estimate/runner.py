@@ -15,6 +15,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit._torch_compat import tree_flatten, tree_map
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
@@ -278,7 +279,7 @@ def _copy_of(request: StepRequest, cache: ReuseCache | None) -> tuple[FakeSessio
             f"{type(module).__name__}'s parameters are on the meta device (no data): a real step "
             "cannot run; estimate_memory() estimates it on fake tensors"
         )
-    return None, copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    return None, copy_module(module, {id(attached): None} if attached is not None else {}, compiled=False)
 
 
 def _ready_for_step(

@@ -6,7 +6,6 @@ micro-batch, per step and per run (:func:`loop_overheads`)."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import statistics
 import time
@@ -18,7 +17,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core import rank_zero
 
-from lightning_memkit._lightning_compat import attached_trainer
+from lightning_memkit._lightning_compat import attached_trainer, copy_module
 from lightning_memkit.estimate.batches import preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
@@ -205,9 +204,11 @@ def fit_steps(
 
 
 def copy_of(module: Any) -> Any:
-    """A deep copy of ``module`` without its Trainer (the Trainer, its loops and optimizers are not copied)."""
+    """A deep copy of ``module`` without its Trainer (the Trainer, its loops and optimizers are not copied), whose
+    compiled step methods (``trainer.fit(torch.compile(model))``) run the copy, compiled as the original's
+    (:func:`~lightning_memkit._lightning_compat.copy_module`)."""
     attached = attached_trainer(module)
-    copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    copied = copy_module(module, {id(attached): None} if attached is not None else {})
     copied.trainer = None
     return copied
 
