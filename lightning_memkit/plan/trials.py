@@ -76,7 +76,9 @@ def trial(
     (``row.offload_bytes``) the host cannot spare is refused before it runs. A ``16-mixed`` trial runs until
     ``warmup + timed`` optimizer steps were real (:class:`~lightning_memkit.plan.real_steps.RealSteps`: the steps the
     GradScaler skipped allocate no optimizer state and are not timed). A compiled module's caches are reset before and
-    after the trial (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed)."""
+    after the trial (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed), also when
+    it fails; an error other than running out of memory propagates with its frames cleared: it holds none of the
+    trial's tensors."""
     cuda = device_type == "cuda"
     host_bytes = row.offload_bytes if row is not None and candidate.offload else 0
     if cuda and host_bytes:
@@ -94,17 +96,24 @@ def trial(
         quiet_lightning(),
         cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext(),
     ):
-        copied = copy_of(module)
-        micro = rebatch(batch, candidate.micro_batch)
-        if cuda:
-            _cuda_fit(copied, candidate, micro, budget, (warmup, timed), device, run, row)
-        else:
-            _cpu_fit(copied, candidate, micro, budget, (warmup, timed, seconds), run)
-        del copied, micro
-        if compiled:
-            reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
-            run.said.append("compiled: dynamo's caches reset before and after the trial")
-        release(cuda)
+        copied = micro = None
+        try:
+            copied = copy_of(module)
+            micro = rebatch(batch, candidate.micro_batch)
+            if cuda:
+                _cuda_fit(copied, candidate, micro, budget, (warmup, timed), device, run, row)
+            else:
+                _cpu_fit(copied, candidate, micro, budget, (warmup, timed, seconds), run)
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__)  # the error keeps its lines, not the trial's tensors
+            raise
+        finally:
+            del copied, micro
+            if compiled:
+                reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
+            release(cuda)
+    if compiled:
+        run.said.append("compiled: dynamo's caches reset before and after the trial")
     return _outcome(candidate, run)
 
 
