@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.compiled import compiled_parts
+from lightning_memkit.compiled._torch_compat import reset_compiled
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.estimate.core import EstimateError
@@ -69,6 +71,7 @@ class _Setup:
     capacity: int | None
     limits: TrialLimits | None
     max_seconds: float | None
+    compiled: bool
 
 
 def _set_up(trainer: Any, module: Any, config: SearchConfig) -> _Setup:
@@ -109,7 +112,8 @@ def _set_up(trainer: Any, module: Any, config: SearchConfig) -> _Setup:
         # CUDA under FSDP / model parallel: the device's memory as a budget judged after each trial, so a trial
         # near the limit is refused by its measured peak on every rank, not by an OOM on one rank mid-step.
         budget = MemoryBudget(capacity, stop_at_crossing=False)
-    return _Setup(device, outcomes, communicates, snapshot, budget, capacity, limits, max_seconds)
+    compiled = bool(compiled_parts(module))
+    return _Setup(device, outcomes, communicates, snapshot, budget, capacity, limits, max_seconds, compiled)
 
 
 def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResult:
@@ -364,13 +368,22 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
 def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup, worst: Any = None) -> Trial:
     _lightning_setattr(module, config.batch_arg_name, size)
     device, budget, outcomes = setup.device, setup.budget, setup.outcomes
+    if setup.compiled:
+        # each trial compiles at its own size, as the fit will: the last trial's code (and the estimate's fake step,
+        # which makes dynamo skip a frame it first meets) must not count against the recompile limit, nor its
+        # CUDA-graph pools stay on the device
+        reset_compiled()
     if device.type == "cuda":
         release_memory(device)  # the last trial's cached blocks go back: each trial starts like a fresh fit
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     recorder = BatchRecorder()
     trainer.callbacks = [*trainer.callbacks, recorder]
-    steps, error_text, slow = _trial_steps(trainer, module, size, config, setup, worst)
+    try:
+        steps, error_text, slow = _trial_steps(trainer, module, size, config, setup, worst)
+    finally:
+        if setup.compiled:
+            reset_compiled()  # the fit after the search compiles afresh, at the size found
     if error_text is not None:  # the failed step's tensors are only reachable through cycles now
         release_memory(device)
     fits = error_text is None and steps >= config.steps_per_trial
