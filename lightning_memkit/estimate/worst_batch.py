@@ -28,6 +28,7 @@ __all__ = [
     "BatchSource",
     "WorstBatch",
     "find_worst_batch",
+    "sized_indices",
     "worst_batch_and_length",
     "seen_batch",
     "batch_shapes",
@@ -45,6 +46,8 @@ MAX_SIZED_SAMPLES = 100_000
 SCAN_SECONDS = 30.0
 #: How many samples a sized subset has when the whole dataset would take too long.
 SAMPLED_COUNT = 4096
+#: How many samples are loaded to project the time of sizing them all.
+_PROBED_SAMPLES = 32
 #: How many ranking keys (the total size, then each tensor dimension that varies) may propose a worst batch.
 _MAX_KEYS = 8
 #: The seed every generator gets while samples are sized and collated, so random augmentations repeat.
@@ -209,22 +212,38 @@ def _size_samples(dataset: Any, indices: Sequence[int]) -> dict[int, tuple[int, 
     return signatures
 
 
-def _indices_to_size(dataset: Any, total: int, max_samples: int) -> tuple[list[int], bool]:
-    """Which samples to size: all of them, or a fixed random subset when there are too many or they are slow.
+def _fixed_subset(total: int, count: int) -> list[int]:
+    """``count`` of ``total`` dataset indices, sorted: the same random subset in every run and on every rank."""
+    generator = torch.Generator().manual_seed(_SEED)
+    return sorted(torch.randperm(total, generator=generator)[:count].tolist())
 
-    Returns ``(indices, complete)``."""
-    if total > max_samples:
-        generator = torch.Generator().manual_seed(_SEED)
-        return sorted(torch.randperm(total, generator=generator)[:max_samples].tolist()), False
-    probe = min(total, 32)
+
+def _indices_to_size(
+    dataset: Any, total: int, max_samples: int, agree_seconds: Callable[[float], float] | None
+) -> tuple[list[int], bool]:
+    """Which samples to size: all of them, a fixed random subset of ``max_samples`` when there are more, or one of
+    :data:`SAMPLED_COUNT` when sizing those would take longer than :data:`SCAN_SECONDS` (projected from the first
+    :data:`_PROBED_SAMPLES` of them; ``agree_seconds`` turns this process's projection into the one every process
+    agrees on). Returns ``(indices, complete)``."""
+    pool = list(range(total)) if total <= max_samples else _fixed_subset(total, max_samples)
+    probe = pool[:_PROBED_SAMPLES]
     started = time.perf_counter()
-    for index in range(probe):
+    for index in probe:
         dataset[index]
-    projected = (time.perf_counter() - started) / max(probe, 1) * total
-    if projected > SCAN_SECONDS and total > SAMPLED_COUNT:
-        generator = torch.Generator().manual_seed(_SEED)
-        return sorted(torch.randperm(total, generator=generator)[:SAMPLED_COUNT].tolist()), False
-    return list(range(total)), True
+    projected = (time.perf_counter() - started) / max(len(probe), 1) * len(pool)
+    if agree_seconds is not None:
+        projected = float(agree_seconds(projected))
+    return sized_indices(total, pool, projected)
+
+
+def sized_indices(total: int, pool: list[int], projected_seconds: float) -> tuple[list[int], bool]:
+    """The samples sized of a dataset of ``total``: the ``pool`` (every index, or a fixed subset of a dataset over
+    ``max_samples``), or a fixed random subset of :data:`SAMPLED_COUNT` when sizing the pool is projected to take
+    more than :data:`SCAN_SECONDS` (``projected_seconds``). A function of its arguments alone: processes that agree on
+    the projection size the same samples. Returns ``(indices, complete)``."""
+    if projected_seconds > SCAN_SECONDS and len(pool) > SAMPLED_COUNT:
+        return _fixed_subset(total, SAMPLED_COUNT), False
+    return pool, len(pool) == total
 
 
 def _loader_batch_size(loader: DataLoader) -> tuple[int, str]:
@@ -258,7 +277,9 @@ def _collated(loader: DataLoader, dataset: Any) -> Callable[[Sequence[int]], Any
     return make
 
 
-def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples: int) -> WorstBatch:
+def _from_dataset(
+    loader: DataLoader, batch_size: int, size_of: Any, max_samples: int, agree_seconds: Callable[[float], float] | None
+) -> WorstBatch:
     started = time.perf_counter()
     dataset = loader.dataset
     total = len(dataset)
@@ -272,7 +293,7 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
             keys, source, sized = [lambda index: sizes[index]], BatchSource.SIZE_FIELD, total
             candidates = range(total)
         else:
-            indices, complete = _indices_to_size(dataset, total, max_samples)
+            indices, complete = _indices_to_size(dataset, total, max_samples, agree_seconds)
             signatures = _size_samples(dataset, indices)
             keys, candidates = _keys(signatures), indices
             source, sized = (BatchSource.DATASET if complete else BatchSource.DATASET_SUBSET), len(indices)
@@ -332,15 +353,21 @@ def _named_sizes(dataset: Any, size_of: Any, total: int) -> Sequence[float]:
 
 
 def find_worst_batch(
-    loader: Any, batch_size: int | None = None, *, size_of: Any = None, max_samples: int = MAX_SIZED_SAMPLES
+    loader: Any,
+    batch_size: int | None = None,
+    *,
+    size_of: Any = None,
+    max_samples: int = MAX_SIZED_SAMPLES,
+    agree_seconds: Callable[[float], float] | None = None,
 ) -> WorstBatch:
     """The largest batch ``loader`` can produce at ``batch_size`` samples (default: the loader's own).
 
     For a ``DataLoader`` over a map-style dataset every sample is sized (tensor bytes, string lengths; the model
     does not run), and the largest samples are collated with the loader's ``collate_fn``: by total size, and by
     each tensor dimension that varies (the tallest and the widest images). The collated batch with the most bytes
-    wins. A dataset over ``max_samples``, or one whose samples are slow to load (sizing all would take over
-    :data:`SCAN_SECONDS`), is sized on a fixed random subset, and the note says how much it covered.
+    wins. A dataset over ``max_samples`` is sized on a fixed random subset of that many, and one whose samples are
+    slow to load (sizing them would take over :data:`SCAN_SECONDS`, projected from the first 32) on a fixed random
+    subset of :data:`SAMPLED_COUNT`; the note says how much it covered.
 
     Args:
         loader: a ``DataLoader``, a list of ready batches, or any iterable of batches.
@@ -348,6 +375,9 @@ def find_worst_batch(
         size_of: each sample's size without loading it: the name of a dataset attribute (a sequence of sizes,
             e.g. ``"lengths"``) or a callable ``index -> size``. Only the largest samples are then loaded.
         max_samples: the most samples sized one by one.
+        agree_seconds: where several processes look for the same worst batch (the ranks of a DDP search), a function
+            from this process's projected seconds of sizing to the projection all agree on (the largest), so that
+            every process sizes the same samples; ``None``: this process's own.
 
     Returns:
         a :class:`WorstBatch`; for an iterable dataset or another iterable, the first batch, marked as the batch seen.
@@ -363,7 +393,7 @@ def find_worst_batch(
         and hasattr(loader.dataset, "__getitem__")
     ):
         size, sampler_note = _loader_batch_size(loader)
-        found = _from_dataset(loader, batch_size or size, size_of, max_samples)
+        found = _from_dataset(loader, batch_size or size, size_of, max_samples, agree_seconds)
         found.note = _note(found) + sampler_note
         return found
     if isinstance(loader, (list, tuple)) and loader:

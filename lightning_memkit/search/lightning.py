@@ -164,7 +164,8 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
     trainer.limit_val_batches = 0
     module.train()
     compat.reload_train_dataloader(trainer)
-    worst = worst_of_fit(trainer)  # every trial trains on the data's worst batch at its size
+    # every trial trains on the data's worst batch at its size, the same samples on every rank
+    worst = worst_of_fit(trainer, setup.outcomes.largest)
     if worst is not None:
         _say(trainer, f"memkit: trials train on {worst.note} ({worst.seconds:.2f}s to find)", config.verbose)
     max_val = config.max_val
@@ -205,7 +206,7 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
         search = None
     result.batch_note = (
         f"each trial trained on {worst.note} at its size"
-        if worst is not None and worst.holds_for_the_run
+        if worst is not None and worst.indices(1) is not None
         else "the trials trained on the loader's own batches: the answer holds for the batches they drew"
     )
     result.estimate_unavailable = unavailable if predicted is None else None

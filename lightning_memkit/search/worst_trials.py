@@ -3,7 +3,7 @@ each size, and record the largest batch each trial ran, so what fits holds for t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -15,13 +15,14 @@ from lightning_memkit.estimate.worst_batch import WorstBatch, batch_nbytes, batc
 __all__ = ["worst_of_fit", "worst_loader", "BatchRecorder"]
 
 
-def worst_of_fit(trainer: Any) -> WorstBatch | None:
+def worst_of_fit(trainer: Any, agree_seconds: Callable[[float], float] | None = None) -> WorstBatch | None:
     """The worst batch of the fit's train dataloader (after ``reload_train_dataloader``), or ``None`` when there is
-    none to read (no loader set up)."""
+    none to read (no loader set up). ``agree_seconds``: every rank's projection of the sizing time made one (see
+    :func:`~lightning_memkit.estimate.worst_batch.find_worst_batch`), so every rank sizes the same samples."""
     loader = compat.train_loader(trainer)
     if loader is None:
         return None
-    return find_worst_batch(loader)
+    return find_worst_batch(loader, agree_seconds=agree_seconds)
 
 
 class _SameIndices(Sampler[list[int]]):
