@@ -242,7 +242,9 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
     fake, target, mode = request.fake, resolved.target, resolved.mode
     notes: list[str] = []
     acc = StepAccountant(
-        record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None, op_listener=settings.op_listener
+        record_events=target.type == "cuda",
+        fake_ops=FakeStepOps(cuda=target.type == "cuda") if fake else None,
+        op_listener=settings.op_listener,
     )
     offload = OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, request.gpu)  # the CUDA target's kernels and allocator
