@@ -11,8 +11,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import run_script
-from lightning_memkit.estimate import worst_batch
-from lightning_memkit.estimate.worst_batch import SAMPLED_COUNT, BatchSource, find_worst_batch, sized_indices
+from lightning_memkit.estimate import sample_sizes
+from lightning_memkit.estimate.sample_sizes import SAMPLED_COUNT, sized_indices
+from lightning_memkit.estimate.worst_batch import BatchSource, agreed_worst_batch, find_worst_batch
 
 PROBED = 32  # samples loaded to project the sizing time
 BATCH = 8
@@ -43,7 +44,7 @@ def test_a_dataset_over_max_samples_is_sized_on_max_samples_when_that_is_quick()
 
 def test_a_dataset_over_max_samples_whose_sizing_would_be_slow_is_sized_on_a_small_fixed_subset(monkeypatch):
     # the scan's time bound lowered to a millisecond: 100,000 samples of any dataset project past it
-    monkeypatch.setattr(worst_batch, "SCAN_SECONDS", 1e-3)
+    monkeypatch.setattr(sample_sizes, "SCAN_SECONDS", 1e-3)
     data = _Counted(150_000)
     worst = find_worst_batch(DataLoader(data, batch_size=BATCH))
     assert worst.source is BatchSource.DATASET_SUBSET and worst.sized == SAMPLED_COUNT
@@ -57,11 +58,14 @@ def test_which_samples_are_sized_follows_the_projection_the_ranks_agree_on():
     total = SAMPLED_COUNT + 100
     everything = list(range(total))
     # rank 0's projection is quick, rank 1's slow: by their own each would size other samples
-    quick, slow = sized_indices(total, everything, 0.1), sized_indices(total, everything, 10 * worst_batch.SCAN_SECONDS)
+    quick, slow = (
+        sized_indices(total, everything, 0.1),
+        sized_indices(total, everything, 10 * sample_sizes.SCAN_SECONDS),
+    )
     assert quick == (everything, True) and slow[1] is False and len(slow[0]) == SAMPLED_COUNT
     # agreed on the slowest projection, a quick rank sizes what the slow one does
     data = _Counted(total)
-    agreed = find_worst_batch(DataLoader(data, batch_size=BATCH), agree_seconds=lambda seconds: max(seconds, 60.0))
+    agreed = agreed_worst_batch(DataLoader(data, batch_size=BATCH), lambda seconds: max(seconds, 60.0))
     assert agreed.sized == SAMPLED_COUNT and data.loaded == PROBED + SAMPLED_COUNT + BATCH
     assert agreed.indices(BATCH) == slow[0][:BATCH]  # the samples are alike: the first of the subset are the worst
 
@@ -73,7 +77,7 @@ DDP_SCRIPT = textwrap.dedent(
     import torch, lightning.pytorch as pl
     from torch.utils.data import DataLoader, Dataset
     from lightning_memkit.callbacks.max_batch_size import find_max_batch_size
-    from lightning_memkit.estimate.worst_batch import SAMPLED_COUNT
+    from lightning_memkit.estimate.sample_sizes import SAMPLED_COUNT
 
     RANK = int(os.environ.get("LOCAL_RANK", 0))
 

@@ -25,8 +25,8 @@ class ReuseCache:
     def __init__(self) -> None:
         #: id(module) -> (module, its session, its fake copy)
         self.copies: dict[int, tuple[nn.Module, FakeSession, nn.Module]] = {}
-        #: (id(module), id(datamodule)) -> (batch, the loader's length in batches, the batch's note)
-        self.batches: dict[tuple[int, int], tuple[Any, int | None, str]] = {}
+        #: (id(module), id(datamodule)) -> (its worst batch, the loader's length in batches)
+        self.batches: dict[tuple[int, int], tuple[Any, int | None]] = {}
         #: the question (the runner's memo key) -> its estimate
         self.estimates: dict[Any, Any] = {}
 

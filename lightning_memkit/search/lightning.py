@@ -37,7 +37,7 @@ from lightning_memkit.search.trainer_state import (
     trainer_mode,
 )
 from lightning_memkit.search.trial_steps import ran_every_step, trial_steps
-from lightning_memkit.search.worst_trials import BatchRecorder, worst_of_fit
+from lightning_memkit.search.worst_trials import BatchRecorder, trained_on, worst_of_fit
 from lightning_memkit.units import format_bytes
 
 # the search's settings and errors are imported from here by the callbacks and users' code
@@ -167,7 +167,7 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
     # every trial trains on the data's worst batch at its size, the same samples on every rank
     worst = worst_of_fit(trainer, setup.outcomes.largest)
     if worst is not None:
-        _say(trainer, f"memkit: trials train on {worst.note} ({worst.seconds:.2f}s to find)", config.verbose)
+        _say(trainer, f"memkit: trials train on {trained_on(worst)} ({worst.seconds:.2f}s to find)", config.verbose)
     max_val = config.max_val
     dataset_length = compat.train_dataset_length(trainer)
     if dataset_length is not None and dataset_length < max_val:
@@ -205,7 +205,7 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
         # cycle that kept a copy of the weights alive until the next full collection. Clearing the cell breaks it.
         search = None
     result.batch_note = (
-        f"each trial trained on {worst.note} at its size"
+        f"each trial trained on {trained_on(worst)}" + ("" if worst.sampler_iterable else " at its size")
         if worst is not None and worst.indices(1) is not None
         else "the trials trained on the loader's own batches: the answer holds for the batches they drew"
     )
