@@ -182,3 +182,17 @@ def test_max_batch_size_trials_train_on_the_samplers_largest_batch_at_their_size
             assert trial.batch_shapes == worst.at_size(trial.batch_size).shapes(), trial
     proved = result.proved_trial()
     assert proved.batch_size == result.batch_size and proved.peak_bytes <= 2**20
+
+
+def test_memkit_estimate_names_the_batch_at_the_batch_size_asked(capsys):
+    from lightning_memkit.cli import main
+
+    args = ["estimate", "tests/test_worst_batch_samplers.py:_Classifier", "--device", "cpu", "--device-memory", "1GiB"]
+    assert main([*args, "--init-args", '{"batch_size": 32, "reshuffled": true}', "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the 8 largest samples together, an upper bound for any batch of 8" in out, out
+    assert main([*args, "--init-args", '{"batch_size": 32}', "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"estimated on {_shapes(64, 100)}" in out and "the largest batch LengthBuckets yields at batch size 64" in out
+    )
