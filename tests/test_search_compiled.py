@@ -1,7 +1,7 @@
 """The batch-size search of a compiled module: dynamo's caches are reset before and after each trial, so what the
-trials and the estimate's fake step left in them (compiled code for other sizes, frames dynamo chose to skip) never
-makes the fit after the search recompile past the limit or run uncompiled. On CPU every trial runs eagerly inside its
-memory budget; the fit after the search is the compiled run to check."""
+trials left in them (compiled code for other sizes) never makes the fit after the search recompile past the limit or
+run uncompiled; and an estimate runs compiled code eagerly without making dynamo skip it afterwards. On CPU every trial
+runs eagerly inside its memory budget; the fit after the search is the compiled run to check."""
 
 from __future__ import annotations
 
@@ -91,3 +91,22 @@ def test_the_fit_after_a_search_of_a_compiled_module_runs_compiled_at_the_size_f
     in_the_fit = backend.compiled[mark.compiled :]
     assert len(in_the_fit) == 1 and (found, FEATURES) in in_the_fit[0], backend.compiled
     assert backend.calls - mark.calls == steps  # every step of the fit ran the compiled code
+
+
+def test_an_estimate_of_a_compiled_module_leaves_it_compiling_afterwards():
+    """The estimate's fake step runs compiled code eagerly (the eager program's figure); met first under its dispatch
+    mode instead, a compiled frame would be skipped by dynamo for the rest of the process."""
+    from lightning_memkit import estimate_memory
+
+    torch._dynamo.reset()
+    backend = _CountingBackend()
+    module = _CompiledMLP(backend)
+    batch = (module.x[:8], module.y[:8])
+    try:
+        estimate = estimate_memory(module, batch=batch, device="cpu")
+        assert estimate.by_category["gradients"] == sum(p.numel() * p.element_size() for p in module.parameters())
+        assert backend.compiled == []  # the estimate compiled nothing
+        module.net(batch[0])
+        assert len(backend.compiled) == 1 and backend.calls == 1  # the module's next call compiles and runs it
+    finally:
+        torch._dynamo.reset()

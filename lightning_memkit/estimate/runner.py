@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit._torch_compat import tree_flatten, tree_map
+from lightning_memkit.compiled import force_eager
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -271,7 +272,10 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
     )
     offload = OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, request.gpu)  # the CUDA target's kernels and allocator
-    with preserved_rng(), warnings.catch_warnings():
+    # compiled code runs eagerly in the step (the eager program's figure): dynamo, meeting a compiled frame first under
+    # the accountant's dispatch mode, would otherwise skip it for the rest of the process, and the user's fit after
+    # the estimate would run uncompiled
+    with preserved_rng(), warnings.catch_warnings(), force_eager():
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*self.trainer.*")
         module_copy = handle = None
