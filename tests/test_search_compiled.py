@@ -65,14 +65,8 @@ class _AtTheFitsFirstBatch(pl.Callback):
             self.compiled, self.calls = len(self.backend.compiled), self.backend.calls
 
 
-@pytest.mark.timeout(300)
-def test_the_fit_after_a_search_of_a_compiled_module_runs_compiled_at_the_size_found(tmp_path):
-    torch._dynamo.reset()
-    backend = _CountingBackend()
-    module = _CompiledMLP(backend)
-    mark = _AtTheFitsFirstBatch(backend)
-    steps = 3
-    trainer = pl.Trainer(
+def _trainer(tmp_path, steps: int, callbacks: list) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
         logger=False,
@@ -80,11 +74,31 @@ def test_the_fit_after_a_search_of_a_compiled_module_runs_compiled_at_the_size_f
         enable_model_summary=False,
         enable_checkpointing=False,
         default_root_dir=tmp_path,
-        callbacks=[MaxBatchSize(budget=2**20, max_val=256, verbose=False), mark],
+        callbacks=callbacks,
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_search_after_a_compiled_fit_leaves_the_next_fit_compiling_at_the_size_found(tmp_path):
+    """The module trained compiled at batch 4 before the search (a first fit, or epochs before a search started
+    mid-training), under a recompile limit of 1: had its cached code survived the search, the fit at the size found
+    would be a recompile past the limit, and run uncompiled."""
+    # dynamo's own config.patch, not monkeypatch: monkeypatch's undo deletes the setting, and a deleted dynamo
+    # setting is hidden for the rest of the process
+    limit = torch._dynamo.config.patch(recompile_limit=1)
+    limit.__enter__()
+    torch._dynamo.reset()
+    backend = _CountingBackend()
+    module = _CompiledMLP(backend)
+    steps = 3
     try:
-        trainer.fit(module)  # the search (with its estimate) at fit start, then 3 steps at the size found
+        _trainer(tmp_path, 2, []).fit(module)  # compiled at batch 4
+        assert len(backend.compiled) == 1 and backend.calls == 2
+        mark = _AtTheFitsFirstBatch(backend)
+        # the search (with its estimate) at fit start, then 3 steps at the size found
+        _trainer(tmp_path, steps, [MaxBatchSize(budget=2**20, max_val=256, verbose=False), mark]).fit(module)
     finally:
+        limit.__exit__(None, None, None)
         torch._dynamo.reset()
     found = module.batch_size
     assert found > 4
