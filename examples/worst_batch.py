@@ -29,6 +29,8 @@ def main() -> None:
     ):
         worst: WorstBatch = find_worst_batch(data.train_dataloader())
         print(f"{name}: {worst.describe()} ({worst.nbytes} bytes, found in {worst.seconds:.2f}s)")
+        if worst.sampler_iterable:  # a bucketing sampler memkit can iterate: the largest batch it really yields
+            print(f"{name} at 64: {worst.at_size(64).describe()}")
 
     # 2. the estimate and the prediction use it, and say so
     model = PaddedTextClassifier(d_model=32, dim_feedforward=64)

@@ -10,8 +10,10 @@ Lightning import (docs/architecture.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
+import types
 from typing import Any
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "StandInTrainer",
     "attach_stand_in_trainer",
     "attached_trainer",
+    "copy_module",
 ]
 
 
@@ -395,6 +398,42 @@ def attached_trainer(module: Any) -> Any:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+#: the step methods Lightning's ``from_compiled`` compiles on the instance (lightning/pytorch/utilities/compile.py)
+_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
+def copy_module(module: Any, memo: dict[int, Any] | None = None, *, compiled: bool = True) -> Any:
+    """``copy.deepcopy(module, memo)`` whose step methods run the copy, not ``module``.
+
+    ``trainer.fit(torch.compile(model))`` makes Lightning's ``from_compiled`` put compiled wrappers of the module's
+    bound methods on the instance (``forward``, ``training_step``...), and keep the originals and the dynamo context
+    in the private ``_compiler_ctx``. A deep copy keeps those wrappers, which call the original module: a step of the
+    copy would train the original's parameters. Here each is the copy's own method: compiled again with the same
+    dynamo context (``compiled=True``: a trial, which runs as the fit will), or plain (``compiled=False``: a step
+    under a dispatch mode, which runs the eager program). Without ``_compiler_ctx`` the copy is ``copy.deepcopy``'s.
+    """
+    memo = dict(memo or {})
+    context = vars(module).get("_compiler_ctx")
+    if not isinstance(context, dict) or "dynamo_ctx" not in context:
+        return copy.deepcopy(module, memo)
+    dynamo = context["dynamo_ctx"]
+    memo.setdefault(id(dynamo), dynamo)  # the compile settings are shared, not copied
+    copied = copy.deepcopy(module, memo)
+    own = dict(context)
+    for name in _COMPILED_METHODS:
+        original = context.get(f"original_{name}")
+        if name not in vars(module) or getattr(original, "__self__", None) is not module:
+            continue
+        method = types.MethodType(original.__func__, copied)
+        own[f"original_{name}"] = method
+        if compiled:
+            setattr(copied, name, dynamo(method))
+        else:
+            vars(copied).pop(name, None)  # the class's method shows through
+    copied._compiler_ctx = own if compiled else None
+    return copied
 
 
 def drop_train_data_fetcher(trainer: Any) -> None:

@@ -7,6 +7,7 @@ compared with a real step on the same batch, to the byte: the bound's extra byte
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import textwrap
@@ -477,3 +478,77 @@ def test_max_batch_size_warns_once_that_the_estimate_failed_and_why(unbounded, t
     )
     assert said[0].endswith("; searching by trials only")
     assert finder.result.predicted is None and finder.result.batch_size >= 1
+
+
+# ------------------------------------------------------------------------------------------ a CUDA target's kernels
+def _op_bytes(inputs, op, cuda: bool) -> int:
+    """The bytes ``op(*inputs())`` adds to a fake step's peak (its inputs made before), on a CPU or a CUDA target: the
+    outputs it makes and, on CUDA, what its kernel makes beside them (estimate/cuda_workspaces.py)."""
+    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+
+    session = FakeSession()
+    acc = StepAccountant(record_events=False, fake_ops=FakeStepOps(cuda=cuda))
+    with session.fake_mode_only(), acc, CudaKernels().active() if cuda else contextlib.nullcontext():
+        made = inputs()
+        acc.reset_peak()
+        start = acc.current_bytes
+        op(*made)
+        return acc.peak_bytes - start
+
+
+@pytest.mark.parametrize("asked", [{}, {"return_inverse": True}, {"return_counts": True}])
+def test_unique_dim_makes_its_inverse_and_counts_on_a_cuda_target_only_when_asked(asked):
+    rows, width = 8, 4  # ids cast from floats, nothing known of them: at most every row is unique
+
+    def inputs():
+        return (torch.empty(rows, width).long(),)
+
+    def op(ids):
+        return torch.unique(ids, dim=0, **asked)
+
+    values, inverse, counts = rows * width * INT64, rows * INT64, rows * INT64
+    assert _op_bytes(inputs, op, cuda=False) == values + inverse + counts  # the CPU kernel gives both, always
+    cuda = values + (inverse if asked.get("return_inverse") else 0) + (counts if asked.get("return_counts") else 0)
+    assert _op_bytes(inputs, op, cuda=True) == cuda
+
+
+def test_masked_select_on_a_cuda_target_counts_the_positions_it_selects_by():
+    shape = (6, 5)
+
+    def inputs():
+        x = torch.empty(shape)
+        return x, x > 0  # a fake mask: every element selected at most
+
+    selected = shape[0] * shape[1]
+    assert _op_bytes(inputs, torch.masked_select, cuda=False) == selected * FLOAT32
+    # CUDA indexes by the expanded mask: nonzero's (N, ndim) int64 positions are alive with the output
+    assert _op_bytes(inputs, torch.masked_select, cuda=True) == selected * FLOAT32 + selected * len(shape) * INT64
+
+
+class _UniqueRowsStep(pl.LightningModule):
+    """A step whose peak is at ``torch.unique(ids, dim=0)`` of ROWS single-id rows (its outputs are dropped at once)."""
+
+    ROWS = 100_000
+
+    def __init__(self, **asked) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.asked = asked
+
+    def training_step(self, batch, batch_idx):
+        out = self.layer(batch)
+        torch.unique(out.detach().long(), dim=0, **self.asked)
+        return out.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_cuda_target_estimate_counts_uniques_inverse_and_counts_only_when_the_step_asks_for_them():
+    batch = torch.randn(_UniqueRowsStep.ROWS, 1, generator=torch.Generator().manual_seed(0))
+    asked = {"return_inverse": True, "return_counts": True}
+    for device, extra in (("cpu", 0), ("cuda", 2 * _UniqueRowsStep.ROWS * INT64)):
+        plain = estimate_memory(_UniqueRowsStep(), batch=batch, device=device)
+        both = estimate_memory(_UniqueRowsStep(**asked), batch=batch, device=device)
+        assert plain.peak_phase == both.peak_phase == "forward"
+        assert both.peak_bytes - plain.peak_bytes == extra, device  # CPU makes both anyway; CUDA only when asked

@@ -186,7 +186,10 @@ def test_estimate_takes_a_datamodule_and_equals_the_measured_step(tmp_path, caps
 
 def test_estimate_without_a_loader_points_at_datamodule_and_a_negative_memory_is_one_line(capsys):
     assert main(["estimate", "tests/lightning_gpt.py:TinyGPT", "--device-memory", "16GiB"]) == 2
-    assert "--datamodule FILE.py:DataModuleClass" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # what docs/worst_batch.md says the estimate does with the loader: its samples sized, the largest batch they make
+    assert "--datamodule FILE.py:DataModuleClass" in err
+    assert "sizes the samples of its train dataloader and estimates the largest batch they make at --batch-size" in err
     assert main(["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "-16GiB"]) == 2
     err = capsys.readouterr().err
     assert (

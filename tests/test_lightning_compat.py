@@ -272,3 +272,31 @@ def test_attached_trainer_is_the_trainer_a_fit_attached_and_none_before_and_afte
     assert attached_trainer(module) is trainer and module.trainer is trainer
     module.trainer = None
     assert attached_trainer(module) is None
+
+
+def test_copy_module_reads_what_lightnings_from_compiled_keeps():
+    """``copy_module`` reads ``from_compiled``'s ``_compiler_ctx``: the dynamo context and each step method as a
+    bound method of the module, the compiled wrappers put on the instance. A copy for an eager step gets the class's
+    methods back, bound to the copy; a copy for a trial gets the wrappers again, of the copy's methods, with the
+    same dynamo context."""
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    from lightning_memkit._lightning_compat import copy_module
+    from lightning_memkit.compiled._torch_compat import compiled_function
+
+    torch.manual_seed(0)
+    compiled = torch.compile(LinearStack((4, 8, 2), batch_size=2), backend="eager")
+    module = from_compiled(compiled)
+    context = module._compiler_ctx
+    assert context["dynamo_ctx"] is compiled.dynamo_ctx
+    for name in ("forward", "training_step", "validation_step", "test_step", "predict_step"):
+        assert context[f"original_{name}"].__self__ is module
+        assert compiled_function(vars(module)[name])
+    eager = copy_module(module, compiled=False)
+    assert "training_step" not in vars(eager) and eager._compiler_ctx is None
+    assert eager.training_step.__func__ is LinearStack.training_step and eager.training_step.__self__ is eager
+    trial = copy_module(module)
+    assert compiled_function(vars(trial)["training_step"])
+    assert trial._compiler_ctx["dynamo_ctx"] is compiled.dynamo_ctx
+    assert trial._compiler_ctx["original_training_step"].__self__ is trial
+    assert module._compiler_ctx["original_training_step"].__self__ is module  # the original's is untouched

@@ -266,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
         elif getattr(type(module), "train_dataloader", None) is pl.LightningModule.train_dataloader:
             raise CliError(
                 f"{type(module).__name__} defines no train_dataloader(); give the datamodule that feeds it with "
-                "--datamodule FILE.py:DataModuleClass (memkit estimate takes one batch from it and re-shapes it "
-                "to --batch-size)"
+                "--datamodule FILE.py:DataModuleClass (memkit estimate sizes the samples of its train dataloader "
+                "and estimates the largest batch they make at --batch-size: docs/worst_batch.md)"
             )
         wrap = _wrap_classes(module, args.wrap)
     except (CliError, ValueError) as error:

@@ -31,6 +31,8 @@ __all__ = [
     "nn_builtin",
     "in_backward",
     "compiled_original",
+    "queued_cuda_seeds",
+    "requeue_cuda_seeds",
 ]
 
 #: What a ``FakeTensor`` may carry besides shape, strides, dtype, device and storage (attributes of
@@ -219,3 +221,33 @@ def arguments(op: Any, args: tuple, kwargs: dict | None) -> dict[str, Any]:
         elif default is not _NO_DEFAULT:
             bound[name] = default
     return bound
+
+
+def queued_cuda_seeds() -> Any:
+    """The seeds torch gives the CUDA generators when CUDA initialises: ``torch.manual_seed`` (and
+    ``torch.cuda.manual_seed``/``manual_seed_all``) called before then queue them, the latest of each kind, on
+    ``torch.cuda._lazy_seed_tracker``. ``(seed_all call, seed call, their order)``, for :func:`requeue_cuda_seeds`;
+    ``None`` in a torch that keeps no such queue."""
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    if tracker is None:
+        return None
+    return tracker.manual_seed_all_cb, tracker.manual_seed_cb, list(tracker.call_order)
+
+
+def requeue_cuda_seeds(queued: Any) -> None:
+    """Put back the CUDA seeds :func:`queued_cuda_seeds` read. Where CUDA initialised in between (applying whatever
+    was queued then), the generators are seeded as the calls read would have seeded them, or, where none was queued,
+    given a fresh generator's state (torch's default seed)."""
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    if tracker is None or queued is None:
+        return
+    seed_all, seed, order = queued
+    if not torch.cuda.is_initialized():
+        tracker.manual_seed_all_cb, tracker.manual_seed_cb, tracker.call_order = seed_all, seed, list(order)
+        return
+    calls = [call for call, _stack in (entry for entry in order if entry)]
+    for call in calls:
+        call()
+    if not calls:
+        for index, generator in enumerate(torch.cuda.default_generators):
+            generator.set_state(torch.Generator(device=f"cuda:{index}").get_state())

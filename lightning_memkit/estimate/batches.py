@@ -15,6 +15,7 @@ import torch
 
 from lightning_memkit._torch_compat import tree_flatten, tree_map
 from lightning_memkit.errors import MemkitError
+from lightning_memkit.estimate import _torch_compat
 
 __all__ = [
     "preserved_rng",
@@ -34,9 +35,12 @@ class NoBatchError(MemkitError, ValueError):
 
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Put torch's CPU (and initialised CUDA) generators, ``random`` and numpy's state back afterwards."""
+    """Put torch's CPU generator, ``random`` and numpy's state back afterwards, and the CUDA generators' (their
+    states where CUDA is initialised, else the seeds ``torch.manual_seed`` queued for them: memkit's own seeding in
+    the block must not replace the seed the user's run gets when CUDA starts)."""
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    queued_cuda = _torch_compat.queued_cuda_seeds() if cuda_states is None else None
     python_state = random.getstate()
     try:
         import numpy  # optional dependency: torch runs without numpy
@@ -50,6 +54,8 @@ def preserved_rng() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            _torch_compat.requeue_cuda_seeds(queued_cuda)
         random.setstate(python_state)
         if numpy is not None:
             numpy.random.set_state(numpy_state)

@@ -1,5 +1,6 @@
-"""What CUDA libraries allocate through the caching allocator, allocated in the fake step (:class:`CudaWorkspaces`):
-the cuBLAS and cuBLASLt workspaces (kept), cuDNN convolution workspaces and fused-attention backward buffers.
+"""What CUDA libraries and kernels allocate through the caching allocator beside their outputs, allocated in the fake
+step (:class:`CudaWorkspaces`): the cuBLAS and cuBLASLt workspaces (kept), cuDNN convolution workspaces,
+fused-attention backward buffers and ``masked_select``'s positions.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ __all__ = ["CudaWorkspaces"]
 
 class CudaWorkspaces(TorchDispatchMode):
     """Allocates what CUDA libraries take through the caching allocator: cuBLAS/cuBLASLt workspaces
-    (kept), cuDNN convolution workspaces and fused-attention backward buffers (transient)."""
+    (kept), cuDNN convolution workspaces and fused-attention backward buffers (transient), and what a kernel makes
+    beside its output: ``masked_select`` indexes by the expanded mask (IndexKernel.cpp), whose ``nonzero`` gives an
+    ``(N, ndim)`` int64 tensor of the selected positions (transient)."""
 
     _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation")
 
@@ -42,6 +45,7 @@ class CudaWorkspaces(TorchDispatchMode):
         self._conv_backward = aten.convolution_backward.default
         self._flash_backward = aten._scaled_dot_product_flash_attention_backward.default
         self._efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
+        self._masked_select = aten.masked_select.default
         self._device = torch.ops.prim.device.default
         self._fake_type = fake_tensor_type()
 
@@ -91,6 +95,14 @@ class CudaWorkspaces(TorchDispatchMode):
             _transient(4 * batch * length * heads * dim + 4 * batch * heads * 32, args)
             del delta
             return outputs
+        if func is self._masked_select:
+            source = _torch_compat.argument(func, "self", args, kwargs)
+            mask = _torch_compat.argument(func, "mask", args, kwargs)
+            selected = func(*args, **kwargs)
+            # made before the output by the real kernel, here after it: the same bytes alive at once
+            dims = max(len(torch.broadcast_shapes(source.shape, mask.shape)), 1)
+            _transient(selected.numel() * dims * torch.int64.itemsize, args)
+            return selected
         return func(*args, **kwargs)
 
 

@@ -53,7 +53,8 @@ class DataDependentOps:
     * ``unique`` (``_unique2``, ``_unique``): as many values as the input has elements, or as its set has members
       if fewer (the argmax over 4 classes has at most 4 distinct values, as torchmetrics checks); the inverse and the
       counts shaped accordingly (each only when asked for); ``unique_consecutive``: the element count;
-      ``unique_dim``: the size of that dim (inverse and counts always, as the CPU kernel gives them);
+      ``unique_dim``: the size of that dim (inverse and counts always on a CPU target, as the CPU kernel gives them;
+      on a CUDA target only when asked for, as CUDA's ``compute_unique`` makes them);
     * ``nonzero``: ``(numel, ndim)`` indices; indexing by a boolean mask and ``masked_select``: every element selected;
     * ``bincount``: the largest member plus one, at least ``minlength``; with no set but a ``minlength``, ``minlength``
       bins: the values are *assumed* below it (class ids counted into ``num_classes`` bins by torchmetrics' confusion
@@ -76,8 +77,10 @@ class DataDependentOps:
         "aten.repeat_interleave.Tensor": "_repeat_interleave",
     }
 
-    def __init__(self, values: ValueSets | None = None) -> None:
+    def __init__(self, values: ValueSets | None = None, cuda: bool = False) -> None:
         self.values = values if values is not None else ValueSets()
+        #: the step's target is a CUDA device: its kernels' outputs, not the CPU kernels'
+        self.cuda = cuda
         self._handler: dict[Any, Any] = {}
         self._tagged: dict[Any, bool] = {}
         #: per way an output was sized: op name -> answers
@@ -156,8 +159,9 @@ class DataDependentOps:
             shape = list(source.shape)
             shape[dim] = count
             values = self._empty(tuple(shape), source.dtype, source)
-            inverse = self._empty((size,), torch.int64, source)  # the CPU kernel gives both, asked for or not
-            counts = self._empty((count,), torch.int64, source)
+            # the CPU kernel gives both, asked for or not; CUDA's only what is asked for
+            inverse = self._empty((size,) if a.get("return_inverse") or not self.cuda else (0,), torch.int64, source)
+            counts = self._empty((count,) if a.get("return_counts") or not self.cuda else (0,), torch.int64, source)
         self.values.attach(values, members)
         self.values.attach_range(inverse, count)
         self._sized(func, Sizing.EXACT if exact else Sizing.BOUND)

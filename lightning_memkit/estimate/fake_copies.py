@@ -5,13 +5,13 @@ inside a ``reusing_fake_copies()`` block (:class:`ReuseCache`).
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit.estimate.fake_session import FakeSession
 from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, fake_parameter, is_fake, keeps_real_values
 
@@ -27,8 +27,8 @@ class ReuseCache:
     def __init__(self) -> None:
         #: (id(module), the true half dtype or None) -> (module, its session, its fake copy)
         self.copies: dict[tuple[int, torch.dtype | None], tuple[nn.Module, FakeSession, nn.Module]] = {}
-        #: (id(module), id(datamodule)) -> (batch, the loader's length in batches, the batch's note)
-        self.batches: dict[tuple[int, int], tuple[Any, int | None, str]] = {}
+        #: (id(module), id(datamodule)) -> (its worst batch, the loader's length in batches)
+        self.batches: dict[tuple[int, int], tuple[Any, int | None]] = {}
         #: the question (the runner's memo key) -> its estimate
         self.estimates: dict[Any, Any] = {}
 
@@ -102,7 +102,7 @@ def _fake_copy(
         for value in vars(each).values():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = cpu_fake(session, value)
-    return copy.deepcopy(module, memo)
+    return copy_module(module, memo, compiled=False)
 
 
 def fake_module(

@@ -5,13 +5,13 @@ placeholder scalars and kept loss buffers, or with the fake mode alone for a cal
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.fake_outputs import LossBuffers, ScalarPlaceholders, losses_keeping_their_buffer
@@ -69,7 +69,7 @@ class FakeSession:
         for buffer in module.buffers():
             if id(buffer) not in memo:
                 memo[id(buffer)] = self.tensor(buffer)
-        return copy.deepcopy(module, memo)
+        return copy_module(module, memo, compiled=False)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -60,7 +60,7 @@ class FakeStepOps:
             return ops.run(func, args, kwargs)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         self._fake_type = fake_tensor_type()
         self._device = torch.ops.prim.device.default
         self._item = torch.ops.aten._local_scalar_dense.default
@@ -69,7 +69,7 @@ class FakeStepOps:
         self.loss_ops = losses_keeping_their_buffer()
         self.known = KnownValues()
         self.values = ValueSets()
-        self.data_dependent = DataDependentOps(self.values)
+        self.data_dependent = DataDependentOps(self.values, cuda=cuda)
 
     def answer(self, func: Any, args: Any, kwargs: Any = None) -> Any:
         """The result of ``func(*args, **kwargs)`` when it needs no kernel (a fake tensor's device, a fake

@@ -239,7 +239,7 @@ def _predict(
 ) -> BatchSizePrediction:
     given = batch
     reuse = EstimateSettings.current().reuse  # the block's, so the estimates below take the same batch
-    batch, _batches, _note = prepare_batch(module, batch, None, estimate_kwargs.get("datamodule"), reuse)
+    batch = prepare_batch(module, batch, None, estimate_kwargs.get("datamodule"), reuse).batch
     base = batch_size_of(batch)
     if base is None:
         raise EstimateError("the batch has no batch dimension; pass an example batch (batch=...) with one")

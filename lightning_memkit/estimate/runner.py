@@ -15,7 +15,9 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
+from lightning_memkit._lightning_compat import copy_module
 from lightning_memkit._torch_compat import tree_flatten, tree_map
+from lightning_memkit.compiled import force_eager
 from lightning_memkit.estimate.allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -42,12 +44,12 @@ from lightning_memkit.estimate.settings import EstimateSettings
 from lightning_memkit.estimate.step_accountant import StepAccountant
 from lightning_memkit.estimate.step_errors import HookFailed, failure
 from lightning_memkit.estimate.trainer_stand_in import attach_trainer, is_lightning_module
-from lightning_memkit.estimate.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
+from lightning_memkit.estimate.worst_batch import BatchSource, WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, offload_suspended
 
-__all__ = ["StepRequest", "run", "prepare_batch", "GIVEN_BATCH_NOTE"]
+__all__ = ["StepRequest", "run", "prepare_batch", "PreparedBatch", "GIVEN_BATCH_NOTE"]
 
 #: the note on an estimate of a batch the caller gave
 GIVEN_BATCH_NOTE = "the batch given: the answer holds for batches no larger than it"
@@ -100,6 +102,7 @@ class _Resolved:
     batch: Any
     batches: int | None  # the loader's length in batches
     batch_note: str
+    sized: bool  # the batch is the one of the asked size already (a batch sampler's): not re-sized
     manual: bool  # Lightning's manual optimization: training_step steps its optimizers itself
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None
     optimizer_hook: str  # what made the optimizer, as an error names it
@@ -139,7 +142,7 @@ def _memo_key(request: StepRequest, settings: EstimateSettings) -> _MemoKey | No
         return None  # an observed step must run
     size = request.batch_size
     if size is None:
-        size = batch_size_of(_prepare_batch(request, settings.reuse)[0])
+        size = batch_size_of(_prepare_batch(request, settings.reuse).batch)
     key = _MemoKey(
         id(request.module),
         id(request.batch),
@@ -160,16 +163,38 @@ def _memo_key(request: StepRequest, settings: EstimateSettings) -> _MemoKey | No
     return key
 
 
-def _prepare_batch(request: StepRequest, cache: ReuseCache | None) -> tuple[Any, int | None, str]:
+def _prepare_batch(request: StepRequest, cache: ReuseCache | None) -> PreparedBatch:
     return prepare_batch(request.module, request.batch, request.batch_size, request.datamodule, cache)
+
+
+@dataclass
+class PreparedBatch:
+    """The batch a step runs on, the loader's length in batches (``None``: unknown), a note saying which batch it is
+    and what the answer holds for, and whether it is the batch of the asked size already (``sized``: the largest
+    batch a custom batch sampler yields at that size, which re-sizing another batch cannot give)."""
+
+    batch: Any
+    batches: int | None
+    note: str
+    sized: bool = False
+
+
+def _at_size(worst: WorstBatch, batches: int | None, batch_size: int | None) -> PreparedBatch:
+    """``worst`` at the asked size: a batch sampler's largest batch there where it can be iterated, else ``worst``
+    (re-sized by the step), with the note at that size."""
+    size = batch_size or worst.batch_size
+    found = worst.at_size(size) if size is not None else worst
+    if found.source is BatchSource.SAMPLER:
+        return PreparedBatch(found.batch, batches, found.note, sized=True)
+    return PreparedBatch(worst.batch, batches, worst.note_at(size))
 
 
 def prepare_batch(
     module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any, cache: ReuseCache | None
-) -> tuple[Any, int | None, str]:
-    """Check the arguments; returns the batch (the data's worst batch if not given, see estimate/worst_batch.py),
-    the loader's length in batches, and a note saying which batch it is and what the answer holds for. With
-    ``cache`` (a ``reusing_fake_copies()`` block's) the batch of a module and datamodule is found once."""
+) -> PreparedBatch:
+    """Check the arguments; returns the batch (the data's worst batch at the asked size if not given, see
+    estimate/worst_batch.py) as a :class:`PreparedBatch`. With ``cache`` (a ``reusing_fake_copies()`` block's) the
+    worst batch of a module and datamodule is found once."""
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"estimate_memory needs an nn.Module (a LightningModule or a plain module), not {type(module).__name__}"
@@ -183,22 +208,21 @@ def prepare_batch(
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
     if isinstance(batch, WorstBatch):  # found by find_worst_batch (e.g. with size_of=): it says what it holds for
-        return batch.batch, None, batch.note
+        return _at_size(batch, None, batch_size)
     if batch is not None:
-        return batch, None, GIVEN_BATCH_NOTE
+        return PreparedBatch(batch, None, GIVEN_BATCH_NOTE)
     key = (id(module), id(datamodule))
     if cache is not None and key in cache.batches:
-        return cache.batches[key]
+        return _at_size(*cache.batches[key], batch_size)
     try:
         worst, batches = worst_batch_and_length(module, datamodule)
     except NoBatchError as error:
         if batch_size is None and "failed" not in str(error):
             raise NoBatchError(f"{error}; or give batch_size= together with one of them") from None
         raise
-    prepared = (worst.batch, batches, worst.note)
     if cache is not None:
-        cache.batches[key] = prepared
-    return prepared
+        cache.batches[key] = (worst, batches)
+    return _at_size(worst, batches, batch_size)
 
 
 def _resolve(request: StepRequest, cache: ReuseCache | None) -> _Resolved:
@@ -209,7 +233,7 @@ def _resolve(request: StepRequest, cache: ReuseCache | None) -> _Resolved:
         raise EstimateError(
             f"mode {mode.name!r}: {OFFLOAD_ON_CPU}; estimate it for device='cuda' (the estimate runs on CPU fakes)"
         )
-    batch, batches, batch_note = _prepare_batch(request, cache)
+    prepared = _prepare_batch(request, cache)
     module = request.module
     manual = is_lightning_module(module) and not module.automatic_optimization
     if manual and request.loss_fn is not None:
@@ -221,9 +245,10 @@ def _resolve(request: StepRequest, cache: ReuseCache | None) -> _Resolved:
     return _Resolved(
         mode=mode,
         target=target,
-        batch=batch,
-        batches=batches,
-        batch_note=batch_note,
+        batch=prepared.batch,
+        batches=prepared.batches,
+        batch_note=prepared.note,
+        sized=prepared.sized,
         manual=manual,
         make_optimizer=None if manual else optimizer_factory(module, request.optimizer),
         optimizer_hook=f"{type(module).__name__}.configure_optimizers" if configured else "optimizer=",
@@ -241,11 +266,16 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
     fake, target, mode = request.fake, resolved.target, resolved.mode
     notes: list[str] = []
     acc = StepAccountant(
-        record_events=target.type == "cuda", fake_ops=FakeStepOps() if fake else None, op_listener=settings.op_listener
+        record_events=target.type == "cuda",
+        fake_ops=FakeStepOps(cuda=target.type == "cuda") if fake else None,
+        op_listener=settings.op_listener,
     )
     offload = OffloadModel(acc) if mode is not None and mode.offload else None
     kernels = cuda_target(target, fake, mode, request.gpu)  # the CUDA target's kernels and allocator
-    with preserved_rng(), warnings.catch_warnings():
+    # compiled code runs eagerly in the step (the eager program's figure): dynamo, meeting a compiled frame first under
+    # the accountant's dispatch mode, would otherwise skip it for the rest of the process, and the user's fit after
+    # the estimate would run uncompiled
+    with preserved_rng(), warnings.catch_warnings(), force_eager():
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*self.trainer.*")
         module_copy = handle = None
@@ -286,7 +316,7 @@ def _copy_of(
             f"{type(module).__name__}'s parameters are on the meta device (no data): a real step "
             "cannot run; estimate_memory() estimates it on fake tensors"
         )
-    module_copy = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    module_copy = copy_module(module, {id(attached): None} if attached is not None else {}, compiled=False)
     return None, module_copy if dtype is None else module_copy.to(dtype=dtype)
 
 
@@ -295,7 +325,8 @@ def _ready_for_step(
 ) -> _StepCopy:
     """The copy with its batch (re-sized to the request's batch size: fakes on a fake step, on the parameters'
     device on a real one) and the stand-in trainer, in training mode; a fake step's caveats appended to ``notes``."""
-    module, batch, batch_size = request.module, resolved.batch, request.batch_size
+    module, batch = request.module, resolved.batch
+    batch_size = None if resolved.sized else request.batch_size
     attached = getattr(module, "_trainer", None)
     half = _true_half_dtype(resolved.mode)  # Lightning's HalfPrecision.convert_input, before the batch's transfer
     if session is not None:

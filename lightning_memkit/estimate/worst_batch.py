@@ -12,7 +12,6 @@ same answer in every run. Where the data cannot be enumerated (an iterable datas
 from __future__ import annotations
 
 import enum
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,34 +20,29 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from lightning_memkit._torch_compat import keystr, tree_flatten, tree_flatten_with_path
+from lightning_memkit._torch_compat import keystr, tree_flatten_with_path
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
+from lightning_memkit.estimate.sample_sizes import (
+    MAX_SIZED_SAMPLES,
+    indices_to_size,
+    named_sizes,
+    ranking_keys,
+    seed_everything,
+    size_samples,
+)
+from lightning_memkit.estimate.sampler_batches import SamplerBatches, iterable_sampler, largest_yielded
 
 __all__ = [
     "BatchSource",
     "WorstBatch",
     "find_worst_batch",
+    "agreed_worst_batch",
     "worst_batch_and_length",
     "seen_batch",
     "batch_shapes",
     "batch_nbytes",
     "batch_tensors",
-    "MAX_SIZED_SAMPLES",
-    "SCAN_SECONDS",
-    "SAMPLED_COUNT",
 ]
-
-#: The most samples sized one by one; a larger dataset is sized on a fixed random subset of this many.
-MAX_SIZED_SAMPLES = 100_000
-#: When sizing every sample would take longer than this (seconds, projected from the first samples), a fixed random
-#: subset of :data:`SAMPLED_COUNT` samples is sized instead, and the answer says what it covered.
-SCAN_SECONDS = 30.0
-#: How many samples a sized subset has when the whole dataset would take too long.
-SAMPLED_COUNT = 4096
-#: How many ranking keys (the total size, then each tensor dimension that varies) may propose a worst batch.
-_MAX_KEYS = 8
-#: The seed every generator gets while samples are sized and collated, so random augmentations repeat.
-_SEED = 0
 
 
 class BatchSource(enum.Enum):
@@ -57,6 +51,7 @@ class BatchSource(enum.Enum):
     DATASET = "every sample of the dataset sized"
     DATASET_SUBSET = "a fixed random subset of the dataset sized"
     SIZE_FIELD = "the sizes the user named"
+    SAMPLER = "the largest batch the loader's batch sampler yields at a size"
     BATCH_LIST = "the largest of the loader's ready batches"
     GIVEN = "the batch given"
     SEEN = "the batch seen"
@@ -65,6 +60,10 @@ class BatchSource(enum.Enum):
 @dataclass
 class WorstBatch:
     """The largest batch the data can produce at ``batch_size``, and how it was found.
+
+    Where a custom batch sampler makes the batches (buckets of similar lengths) it is the largest samples together, an
+    upper bound for any batch of that size; where that sampler can be iterated without training,
+    :meth:`at_size` gives the largest batch it really yields at a size (source ``SAMPLER``).
 
     Attributes:
         batch: the collated batch (real tensors), its largest samples first.
@@ -86,11 +85,40 @@ class WorstBatch:
     note: str = ""
     _order: list[int] = field(default_factory=list, repr=False)
     _make: Callable[[Sequence[int]], Any] | None = field(default=None, repr=False)
+    _sampling: _Sampling | None = field(default=None, repr=False)
 
     @property
     def holds_for_the_run(self) -> bool:
         """Whether the answer holds for every batch the data can produce (not only the one seen)."""
-        return self.source in (BatchSource.DATASET, BatchSource.SIZE_FIELD, BatchSource.BATCH_LIST)
+        return self.source in (BatchSource.DATASET, BatchSource.SIZE_FIELD, BatchSource.SAMPLER, BatchSource.BATCH_LIST)
+
+    @property
+    def sampler_name(self) -> str | None:
+        """The class of the custom batch sampler that makes the loader's batches (``None``: the loader's own
+        ``batch_size`` does)."""
+        return self._sampling.name if self._sampling is not None else None
+
+    @property
+    def sampler_iterable(self) -> bool:
+        """Whether :meth:`at_size` gives the largest batch that sampler really yields at a size."""
+        return self._sampling is not None and self._sampling.sampler is not None
+
+    def note_at(self, size: int | None) -> str:
+        """What an answer at ``size`` samples per batch, on this batch, holds for (its own size when ``None``)."""
+        if self._sampling is None:
+            return self.note
+        return _note(self, size=size or self.batch_size)
+
+    def at_size(self, size: int) -> WorstBatch:
+        """The worst batch a run at ``size`` samples per batch meets: the largest batch the loader's batch sampler
+        yields at that size where it can be iterated without training (a ``SAMPLER`` batch, found once per size),
+        else this one (whose :meth:`at` and :meth:`indices` give that size)."""
+        sampling = self._sampling
+        if sampling is None or sampling.sampler is None:
+            return self
+        if size not in sampling.found:
+            sampling.found[size] = _yielded(self, sampling, size)
+        return sampling.found[size]
 
     def shapes(self) -> str:
         """The batch's tensor shapes, e.g. ``input_ids (16, 256), attention_mask (16, 256), labels (16,)``."""
@@ -102,12 +130,15 @@ class WorstBatch:
 
     def indices(self, size: int) -> list[int] | None:
         """The dataset indices of the worst batch of ``size`` samples, largest first (the largest repeated when the
-        dataset has fewer), or ``None`` where the samples are not known (the batch seen or given)."""
+        dataset has fewer), or ``None`` where the samples are not known (the batch seen or given). A ``SAMPLER``
+        batch's are its own samples, the batch of the size it was found at."""
         if self._make is None or not self._order:
             return None
         if size < 1:
             raise ValueError(f"size must be a positive integer, not {size!r}")
         order = self._order
+        if self.source is BatchSource.SAMPLER:
+            return list(order)
         return [order[i % len(order)] for i in range(size)]
 
     def at(self, size: int) -> Any:
@@ -115,18 +146,6 @@ class WorstBatch:
         where the samples are not known (the batch seen or given: rebatch that instead)."""
         indices = self.indices(size)
         return None if indices is None else self._make(indices)
-
-
-def _leaf_size(leaf: Any) -> int:
-    """What one leaf of a sample adds to a batch: a tensor's (or array's) bytes, a string's or a list's length."""
-    if isinstance(leaf, torch.Tensor):
-        return leaf.numel() * leaf.element_size()
-    nbytes = getattr(leaf, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(leaf, (str, bytes)):
-        return len(leaf)
-    return 0
 
 
 def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
@@ -161,90 +180,61 @@ def batch_shapes(batch: Any) -> str:
     return ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in batch_tensors(batch)) or "no tensors"
 
 
-def _seeded() -> None:
-    torch.manual_seed(_SEED)
-    random.seed(_SEED)
-    try:
-        import numpy  # optional dependency: torch runs without numpy
-
-        numpy.random.seed(_SEED)
-    except ImportError:  # pragma: no cover - numpy comes with torch
-        pass
-
-
-def _signature(sample: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """A sample's total size and the shape of each of its tensor (or array) leaves."""
-    leaves = tree_flatten(sample)[0]
-    leaves = [
-        inner for leaf in leaves for inner in (tree_flatten(dict(leaf))[0] if isinstance(leaf, Mapping) else [leaf])
-    ]
-    shapes = tuple(tuple(leaf.shape) for leaf in leaves if hasattr(leaf, "shape"))
-    return sum(_leaf_size(leaf) for leaf in leaves), shapes
-
-
-def _keys(signatures: dict[int, tuple[int, tuple]]) -> list[Callable[[int], int]]:
-    """The rankings that may make the largest batch: the total size, then each tensor dimension that varies
-    (two images, one tall and one wide, are padded to the tallest and the widest: neither is largest alone)."""
-    keys: list[Callable[[int], int]] = [lambda index: signatures[index][0]]
-    shapes = [shape for _, shape in signatures.values()]
-    first = shapes[0]
-    for leaf, shape in enumerate(first):
-        for dim in range(len(shape)):
-            same_layout = all(len(s) > leaf and len(s[leaf]) == len(shape) for s in shapes)
-            if same_layout and len({s[leaf][dim] for s in shapes}) > 1 and len(keys) < _MAX_KEYS:
-                keys.append(lambda index, leaf=leaf, dim=dim: signatures[index][1][leaf][dim])
-    return keys
-
-
-def _size_samples(dataset: Any, indices: Sequence[int]) -> dict[int, tuple[int, tuple]]:
-    signatures: dict[int, tuple[int, tuple]] = {}
-    for index in indices:
-        try:
-            signatures[index] = _signature(dataset[index])
-        except Exception as error:
-            raise NoBatchError(
-                f"{type(dataset).__name__}[{index}] failed while memkit sized the samples for the worst "
-                f"batch: {type(error).__name__}: {error}"
-            ) from error
-    return signatures
-
-
-def _indices_to_size(dataset: Any, total: int, max_samples: int) -> tuple[list[int], bool]:
-    """Which samples to size: all of them, or a fixed random subset when there are too many or they are slow.
-
-    Returns ``(indices, complete)``."""
-    if total > max_samples:
-        generator = torch.Generator().manual_seed(_SEED)
-        return sorted(torch.randperm(total, generator=generator)[:max_samples].tolist()), False
-    probe = min(total, 32)
-    started = time.perf_counter()
-    for index in range(probe):
-        dataset[index]
-    projected = (time.perf_counter() - started) / max(probe, 1) * total
-    if projected > SCAN_SECONDS and total > SAMPLED_COUNT:
-        generator = torch.Generator().manual_seed(_SEED)
-        return sorted(torch.randperm(total, generator=generator)[:SAMPLED_COUNT].tolist()), False
-    return list(range(total)), True
-
-
-def _loader_batch_size(loader: DataLoader) -> tuple[int, str]:
-    """The loader's samples per batch, and a note when a custom batch sampler decides it."""
+def _loader_batch_size(loader: DataLoader) -> tuple[int, Any]:
+    """The loader's samples per batch, and its batch sampler where a custom one (not torch's ``BatchSampler``)
+    decides them (else ``None``)."""
     if loader.batch_size is not None:
-        return int(loader.batch_size), ""
+        return int(loader.batch_size), None
     sampler = loader.batch_sampler
     size = getattr(sampler, "batch_size", None)
     if not isinstance(size, int):
         with preserved_rng():
             size = max((len(indices) for indices in sampler), default=1)
-    kind = (
-        ""
-        if isinstance(sampler, BatchSampler)
-        else (
-            f"; custom batch sampler {type(sampler).__name__}: the {size} largest samples together, an upper bound for "
-            f"any batch of {size}"
-        )
+    return int(size), None if isinstance(sampler, BatchSampler) else sampler
+
+
+@dataclass
+class _Sampling:
+    """A custom batch sampler's part in a worst batch: its name, its batches where it can be iterated without training
+    (``None``: ``why_not`` says why), the samples' rankings, and the largest batch it yields at each size asked."""
+
+    name: str
+    sampler: SamplerBatches | None
+    why_not: str = ""
+    keys: list[Callable[[int], float]] = field(default_factory=list)
+    found: dict[int, WorstBatch] = field(default_factory=dict)
+
+
+def _sampling_of(sampler: Any, loader: DataLoader, found: WorstBatch, keys: list[Callable[[int], float]]) -> _Sampling:
+    name = type(sampler).__name__
+    if found.source not in (BatchSource.DATASET, BatchSource.SIZE_FIELD):
+        return _Sampling(name, None, "not every sample was sized, so its batches cannot be ranked")
+    batches, why_not = iterable_sampler(sampler, keep=(loader.dataset,))
+    return _Sampling(name, batches, why_not, keys)
+
+
+def _yielded(worst: WorstBatch, sampling: _Sampling, size: int) -> WorstBatch:
+    """The largest batch (by collated bytes) ``sampling``'s sampler yields at ``size`` samples per batch."""
+    started = time.perf_counter()
+    batches = sampling.sampler.batches(size)
+    indices, batch, nbytes = largest_yielded(batches, sampling.keys, worst._make, batch_nbytes)
+    found = WorstBatch(
+        batch,
+        len(indices),
+        BatchSource.SAMPLER,
+        worst.sized,
+        worst.total,
+        time.perf_counter() - started,
+        nbytes,
+        _order=indices,
+        _make=worst._make,
     )
-    return int(size), kind
+    sized = "every sample sized" if worst.source is BatchSource.DATASET else "by the sizes named"
+    found.note = (
+        f"the largest batch {sampling.name} yields at batch size {size} (of its {len(batches):,} batches of "
+        f"{worst.total:,} samples, {sized})"
+    )
+    return found
 
 
 def _collated(loader: DataLoader, dataset: Any) -> Callable[[Sequence[int]], Any]:
@@ -252,13 +242,16 @@ def _collated(loader: DataLoader, dataset: Any) -> Callable[[Sequence[int]], Any
 
     def make(indices: Sequence[int]) -> Any:
         with preserved_rng():
-            _seeded()
+            seed_everything()
             return collate([dataset[index] for index in indices])
 
     return make
 
 
-def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples: int) -> WorstBatch:
+def _from_dataset(
+    loader: DataLoader, batch_size: int, size_of: Any, max_samples: int, agree_seconds: Callable[[float], float] | None
+) -> tuple[WorstBatch, list[Callable[[int], float]]]:
+    """The largest samples collated at ``batch_size``, and the rankings of the samples it tried."""
     started = time.perf_counter()
     dataset = loader.dataset
     total = len(dataset)
@@ -266,15 +259,15 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
         raise NoBatchError(f"the train dataset {type(dataset).__name__} is empty; pass an example batch (batch=...)")
     make = _collated(loader, dataset)
     with preserved_rng():
-        _seeded()
+        seed_everything()
         if size_of is not None:
-            sizes = _named_sizes(dataset, size_of, total)
+            sizes = named_sizes(dataset, size_of, total)
             keys, source, sized = [lambda index: sizes[index]], BatchSource.SIZE_FIELD, total
             candidates = range(total)
         else:
-            indices, complete = _indices_to_size(dataset, total, max_samples)
-            signatures = _size_samples(dataset, indices)
-            keys, candidates = _keys(signatures), indices
+            indices, complete = indices_to_size(dataset, total, max_samples, agree_seconds)
+            signatures = size_samples(dataset, indices)
+            keys, candidates = ranking_keys(signatures), indices
             source, sized = (BatchSource.DATASET if complete else BatchSource.DATASET_SUBSET), len(indices)
     best_order: list[int] = []
     best_batch, best_bytes = None, -1
@@ -291,7 +284,7 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
         nbytes = batch_nbytes(batch)
         if nbytes > best_bytes:
             best_order, best_batch, best_bytes = order, batch, nbytes
-    return WorstBatch(
+    found = WorstBatch(
         best_batch,
         min(batch_size, total),
         source,
@@ -302,6 +295,7 @@ def _from_dataset(loader: DataLoader, batch_size: int, size_of: Any, max_samples
         _order=best_order,
         _make=make,
     )
+    return found, keys
 
 
 def _round_robin(orders: list[list[int]]) -> list[int]:
@@ -314,23 +308,6 @@ def _round_robin(orders: list[list[int]]) -> list[int]:
     return list(merged)
 
 
-def _named_sizes(dataset: Any, size_of: Any, total: int) -> Sequence[float]:
-    """Per-sample sizes from ``size_of``: a callable ``index -> size`` or the name of a dataset attribute that is a
-    sequence of sizes (e.g. ``"lengths"``) or such a callable."""
-    source = getattr(dataset, size_of, None) if isinstance(size_of, str) else size_of
-    if source is None:
-        raise ValueError(
-            f"size_of={size_of!r}: {type(dataset).__name__} has no attribute {size_of!r}; name a dataset "
-            "attribute holding each sample's size (e.g. 'lengths'), or give a callable index -> size"
-        )
-    sizes = [source(index) for index in range(total)] if callable(source) else list(source)
-    if len(sizes) != total:
-        raise ValueError(
-            f"size_of={size_of!r} gives {len(sizes)} sizes for a dataset of {total} samples: give one size per sample"
-        )
-    return sizes
-
-
 def find_worst_batch(
     loader: Any, batch_size: int | None = None, *, size_of: Any = None, max_samples: int = MAX_SIZED_SAMPLES
 ) -> WorstBatch:
@@ -339,8 +316,12 @@ def find_worst_batch(
     For a ``DataLoader`` over a map-style dataset every sample is sized (tensor bytes, string lengths; the model
     does not run), and the largest samples are collated with the loader's ``collate_fn``: by total size, and by
     each tensor dimension that varies (the tallest and the widest images). The collated batch with the most bytes
-    wins. A dataset over ``max_samples``, or one whose samples are slow to load (sizing all would take over
-    :data:`SCAN_SECONDS`), is sized on a fixed random subset, and the note says how much it covered.
+    wins. A dataset over ``max_samples`` is sized on a fixed random subset of that many, and one whose samples are
+    slow to load (sizing them would take over ``SCAN_SECONDS``, projected from the first 32) on a fixed random subset
+    of ``SAMPLED_COUNT`` (estimate/sample_sizes.py); the note says how much it covered. Where a custom batch sampler
+    makes the batches, the largest samples together are an upper bound for any batch of that size, and the note says
+    so; where that sampler can be iterated without training (seeded or deterministic, with a ``batch_size`` to set),
+    :meth:`WorstBatch.at_size` gives the largest batch it really yields at a size.
 
     Args:
         loader: a ``DataLoader``, a list of ready batches, or any iterable of batches.
@@ -355,6 +336,23 @@ def find_worst_batch(
     Raises:
         NoBatchError: the loader is empty or a sample fails to load (the message names it).
     """
+    return _find(loader, batch_size, size_of, max_samples, None)
+
+
+def agreed_worst_batch(loader: Any, agree_seconds: Callable[[float], float]) -> WorstBatch:
+    """:func:`find_worst_batch` at the loader's own size where several processes look for the same worst batch (the
+    ranks of a DDP search): ``agree_seconds`` turns this process's projected seconds of sizing the samples into the
+    projection all agree on (the largest), so that every process sizes the same samples."""
+    return _find(loader, None, None, MAX_SIZED_SAMPLES, agree_seconds)
+
+
+def _find(
+    loader: Any,
+    batch_size: int | None,
+    size_of: Any,
+    max_samples: int,
+    agree_seconds: Callable[[float], float] | None,
+) -> WorstBatch:
     started = time.perf_counter()
     if (
         isinstance(loader, DataLoader)
@@ -362,9 +360,11 @@ def find_worst_batch(
         and hasattr(loader.dataset, "__len__")
         and hasattr(loader.dataset, "__getitem__")
     ):
-        size, sampler_note = _loader_batch_size(loader)
-        found = _from_dataset(loader, batch_size or size, size_of, max_samples)
-        found.note = _note(found) + sampler_note
+        size, sampler = _loader_batch_size(loader)
+        found, keys = _from_dataset(loader, batch_size or size, size_of, max_samples, agree_seconds)
+        if sampler is not None:
+            found._sampling = _sampling_of(sampler, loader, found, keys)
+        found.note = _note(found)
         return found
     if isinstance(loader, (list, tuple)) and loader:
         batch = max(loader, key=batch_nbytes)
@@ -396,8 +396,21 @@ def seen_batch(batch: Any, why: str = "", given: bool = False) -> WorstBatch:
     return found
 
 
-def _note(found: WorstBatch, why: str = "") -> str:
-    """Which batch ``found`` is and what an answer on it holds for (its shapes are said apart: :meth:`describe`)."""
+def _note(found: WorstBatch, why: str = "", size: int | None = None) -> str:
+    """Which batch ``found`` is and what an answer on it holds for (its shapes are said apart: :meth:`describe`); where
+    a custom batch sampler makes the batches, at ``size`` samples per batch (its own size when ``None``)."""
+    sampling = found._sampling
+    if sampling is None or found.source is BatchSource.SAMPLER:
+        return _source_note(found, why)
+    size = size or found.batch_size
+    bound = (
+        f"{_source_note(found, why)}; custom batch sampler {sampling.name}: the {size} largest samples together, an "
+        f"upper bound for any batch of {size}"
+    )
+    return bound + (f" ({sampling.why_not})" if sampling.why_not else "")
+
+
+def _source_note(found: WorstBatch, why: str = "") -> str:
     if found.source is BatchSource.DATASET:
         return f"the worst batch of all {found.total:,} samples"
     if found.source is BatchSource.DATASET_SUBSET:

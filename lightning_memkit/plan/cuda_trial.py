@@ -13,7 +13,9 @@
 - **The budget enforced.** While a trial runs, :func:`capped_allocator` caps the caching allocator at the budget less
   the context (``torch.cuda.set_per_process_memory_fraction``, never above a cap already set, restored after, even on
   error): the allocator frees its cache and retries, then runs out of memory, where a card of the budget's size
-  would, and a trial on a larger card does not take memory its neighbours use.
+  would, and a trial on a larger card does not take memory its neighbours use. A budget that caps nothing (the
+  device, or a cap already set, is smaller) leaves the allocator untouched; where no cap was set before, none is
+  after (:data:`NO_CAP`), so a configured ``garbage_collection_threshold``, which acts only under a cap, stays off.
 - **The plan's device.** :func:`cuda_device` is the device a plan's budget, trials and peaks are on, and
   :func:`release` frees what a run left there (the caching allocator's blocks, and the caching host allocator's pinned
   ones an offload trial leaves).
@@ -39,6 +41,7 @@ from lightning_memkit.units import format_bytes
 
 __all__ = [
     "HOST_PIN_SHARE",
+    "NO_CAP",
     "allocator_bytes",
     "capped_allocator",
     "cuda_device",
@@ -54,6 +57,11 @@ __all__ = [
 #: caching host allocator rounds each pinned block up to a power of two (up to twice the bytes asked), and pinned
 #: pages cannot be swapped out, so a host short of them fails hard (the kernel's OOM killer), not with an error
 HOST_PIN_SHARE = 0.5
+
+#: the fraction ``torch.cuda.get_per_process_memory_fraction`` reads where no cap is set, and the one
+#: ``set_per_process_memory_fraction`` takes to remove a cap: the caching allocator keeps no maximum for a fraction of
+#: 1 (its ``setMemoryFraction`` leaves ``allowed_memory_maximum`` unset unless the fraction is below 1)
+NO_CAP = 1.0
 
 
 # ------------------------------------------------------------------------------------------ arithmetic (pure)
@@ -75,7 +83,7 @@ def allocator_bytes(budget: int, context: int = CUDA_CONTEXT_BYTES) -> int:
     return max(int(budget) - int(context), 0)
 
 
-def memory_fraction(budget: int, total: int, previous: float = 1.0, context: int = CUDA_CONTEXT_BYTES) -> float:
+def memory_fraction(budget: int, total: int, previous: float = NO_CAP, context: int = CUDA_CONTEXT_BYTES) -> float:
     """The ``set_per_process_memory_fraction`` share of a device of ``total`` bytes that caps a trial at
     ``budget`` device bytes: the allocator's part of the budget, never above a cap already set (``previous``)."""
     return max(0.0, min(1.0, float(previous), allocator_bytes(budget, context) / total))
@@ -108,12 +116,16 @@ def host_refusal(host_bytes: int, available: int, share: float = HOST_PIN_SHARE)
 @contextlib.contextmanager
 def capped_allocator(device: torch.device, budget: int, context: int = CUDA_CONTEXT_BYTES) -> Iterator[int]:
     """Within the block the caching allocator of ``device`` reserves at most the budget less the context
-    (:func:`memory_fraction`; a lower cap already set stays); the cap before is set back after, even on error.
+    (:func:`memory_fraction`; a lower cap already set stays); the cap before is set back after, even on error, and
+    where none was set, none is left (:data:`NO_CAP`). A budget that caps nothing leaves the allocator untouched.
     Yields the cap, bytes."""
     total = torch.cuda.get_device_properties(device).total_memory
     read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    previous = float(read(device)) if read is not None else 1.0
+    previous = min(float(read(device)), NO_CAP) if read is not None else NO_CAP
     fraction = memory_fraction(budget, total, previous, context)
+    if fraction >= previous:  # the device, or the cap already set, is the smaller: nothing to cap, nothing to restore
+        yield int(previous * total)
+        return
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
         yield int(fraction * total)

@@ -5,7 +5,6 @@ asked (:class:`StepClock`), and a timing on a deep copy of the module (:func:`ti
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import warnings
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from typing import Any
 from lightning.pytorch import Callback, Trainer
 from lightning_utilities.core import rank_zero
 
-from lightning_memkit._lightning_compat import attached_trainer
+from lightning_memkit._lightning_compat import attached_trainer, copy_module
 from lightning_memkit.estimate.batches import converted_floats, preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
@@ -172,9 +171,11 @@ def fit_steps(
 
 
 def copy_of(module: Any) -> Any:
-    """A deep copy of ``module`` without its Trainer (the Trainer, its loops and optimizers are not copied)."""
+    """A deep copy of ``module`` without its Trainer (the Trainer, its loops and optimizers are not copied), whose
+    compiled step methods (``trainer.fit(torch.compile(model))``) run the copy, compiled as the original's
+    (:func:`~lightning_memkit._lightning_compat.copy_module`)."""
     attached = attached_trainer(module)
-    copied = copy.deepcopy(module, {id(attached): None} if attached is not None else {})
+    copied = copy_module(module, {id(attached): None} if attached is not None else {})
     copied.trainer = None
     return copied
 

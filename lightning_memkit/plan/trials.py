@@ -106,7 +106,8 @@ def trial(
     are within the budget. An offload trial whose predicted pinned host bytes (``offload_bytes``) the host cannot
     spare is refused before it runs. A ``16-mixed`` trial runs until its steps were real
     (:class:`~lightning_memkit.plan.real_steps.RealSteps`). A compiled module's caches are reset before and after the
-    trial, also when it fails (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed).
+    trial, also when it fails (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed);
+    an error other than running out of memory propagates with its frames cleared: it holds none of the trial's tensors.
     """
     cuda = device_type == "cuda"
     if cuda and offload_bytes:
@@ -120,24 +121,28 @@ def trial(
     if compiled:
         reset_compiled()
         said.append("compiled: dynamo's caches reset before and after the trial")
-    try:
-        # on CUDA the module under plan is in host memory until the copy is gone (off_device)
-        with (
-            preserved_rng(),
-            quiet_lightning(),
-            cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext(),
-        ):
+    # on CUDA the module under plan is in host memory until the copy is gone (off_device)
+    with (
+        preserved_rng(),
+        quiet_lightning(),
+        cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext(),
+    ):
+        copied = micro = None
+        try:
             copied = copy_of(module)
             micro = rebatch(batch, candidate.micro_batch)
             if cuda:
                 _cuda_fit(copied, candidate, micro, budget, steps, device, record, said)
             else:
                 _cpu_fit(copied, candidate, micro, budget, steps, record)
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__)  # the error keeps its lines, not the trial's tensors
+            raise
+        finally:
             del copied, micro
-    finally:
-        if compiled:
-            reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
-        release(cuda)
+            if compiled:
+                reset_compiled()  # CUDA-graph pools go with the trees, before the cache is emptied
+            release(cuda)
     return _concluded(record, said)
 
 

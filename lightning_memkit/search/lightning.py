@@ -7,7 +7,6 @@ callbacks and loggers set aside; everything a trial changes is restored afterwar
 from __future__ import annotations
 
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -15,16 +14,17 @@ from typing import Any
 import torch
 
 from lightning_memkit import _lightning_compat as compat
+from lightning_memkit.compiled import compiled_parts
+from lightning_memkit.compiled._torch_compat import reset_compiled
 from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.estimate.core import EstimateError
 from lightning_memkit.estimate.predict import predict_max_batch_size
 from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
-from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
-from lightning_memkit.search.core import SearchError, SearchResult, Trial, TrialOutcome
-from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
-from lightning_memkit.search.ranks import Outcomes, rank_local, step_communicates
+from lightning_memkit.search.core import SearchResult, Trial, TrialOutcome
+from lightning_memkit.search.limits import BoundedSearch, TrialLimits
+from lightning_memkit.search.ranks import Outcomes, step_communicates
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig, _lightning_setattr, check_searchable
 from lightning_memkit.search.trainer_state import (
     CPU_MAX_SECONDS,
@@ -34,11 +34,10 @@ from lightning_memkit.search.trainer_state import (
     host_search_budget_bytes,
     local_shard,
     release_memory,
-    reset_scaler,
-    state_tensors,
     trainer_mode,
 )
-from lightning_memkit.search.worst_trials import BatchRecorder, worst_loader, worst_of_fit
+from lightning_memkit.search.trial_steps import ran_every_step, trial_steps
+from lightning_memkit.search.worst_trials import BatchRecorder, trained_on, worst_of_fit
 from lightning_memkit.units import format_bytes
 
 # the search's settings and errors are imported from here by the callbacks and users' code
@@ -69,6 +68,7 @@ class _Setup:
     capacity: int | None
     limits: TrialLimits | None
     max_seconds: float | None
+    compiled: bool
 
 
 def _set_up(trainer: Any, module: Any, config: SearchConfig) -> _Setup:
@@ -109,7 +109,8 @@ def _set_up(trainer: Any, module: Any, config: SearchConfig) -> _Setup:
         # CUDA under FSDP / model parallel: the device's memory as a budget judged after each trial, so a trial
         # near the limit is refused by its measured peak on every rank, not by an OOM on one rank mid-step.
         budget = MemoryBudget(capacity, stop_at_crossing=False)
-    return _Setup(device, outcomes, communicates, snapshot, budget, capacity, limits, max_seconds)
+    compiled = bool(compiled_parts(module))
+    return _Setup(device, outcomes, communicates, snapshot, budget, capacity, limits, max_seconds, compiled)
 
 
 def search_in_fit(trainer: Any, module: Any, config: SearchConfig) -> SearchResult:
@@ -163,9 +164,10 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
     trainer.limit_val_batches = 0
     module.train()
     compat.reload_train_dataloader(trainer)
-    worst = worst_of_fit(trainer)  # every trial trains on the data's worst batch at its size
+    # every trial trains on the data's worst batch at its size, the same samples on every rank
+    worst = worst_of_fit(trainer, setup.outcomes.largest)
     if worst is not None:
-        _say(trainer, f"memkit: trials train on {worst.note} ({worst.seconds:.2f}s to find)", config.verbose)
+        _say(trainer, f"memkit: trials train on {trained_on(worst)} ({worst.seconds:.2f}s to find)", config.verbose)
     max_val = config.max_val
     dataset_length = compat.train_dataset_length(trainer)
     if dataset_length is not None and dataset_length < max_val:
@@ -203,8 +205,8 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
         # cycle that kept a copy of the weights alive until the next full collection. Clearing the cell breaks it.
         search = None
     result.batch_note = (
-        f"each trial trained on {worst.note} at its size"
-        if worst is not None and worst.holds_for_the_run
+        f"each trial trained on {trained_on(worst)}" + ("" if worst.sampler_iterable else " at its size")
+        if worst is not None and worst.indices(1) is not None
         else "the trials trained on the loader's own batches: the answer holds for the batches they drew"
     )
     result.estimate_unavailable = unavailable if predicted is None else None
@@ -364,21 +366,26 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
 def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup, worst: Any = None) -> Trial:
     _lightning_setattr(module, config.batch_arg_name, size)
     device, budget, outcomes = setup.device, setup.budget, setup.outcomes
+    if setup.compiled:
+        # each trial compiles at its own size, as the fit will: the last trial's code (and the estimate's fake step,
+        # which makes dynamo skip a frame it first meets) must not count against the recompile limit, nor its
+        # CUDA-graph pools stay on the device
+        reset_compiled()
     if device.type == "cuda":
         release_memory(device)  # the last trial's cached blocks go back: each trial starts like a fresh fit
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     recorder = BatchRecorder()
     trainer.callbacks = [*trainer.callbacks, recorder]
-    steps, error_text, slow = _trial_steps(trainer, module, size, config, setup, worst)
+    try:
+        ran = trial_steps(trainer, module, size, config, setup, worst)
+    finally:
+        if setup.compiled:
+            reset_compiled()  # the fit after the search compiles afresh, at the size found
+    error_text, slow = ran.error_text, ran.too_slow
     if error_text is not None:  # the failed step's tensors are only reachable through cycles now
         release_memory(device)
-    fits = error_text is None and steps >= config.steps_per_trial
-    if error_text is None and not fits:
-        raise SearchError(
-            f"a trial at batch size {size} ran {steps} of {config.steps_per_trial} steps: the train "
-            "dataloader ends too early; give a larger dataset or a smaller steps_per_trial"
-        )
+    fits = error_text is None and ran_every_step(ran, size, config)
     if budget is not None:
         peak = budget.accountant.peak_bytes
         if fits and not budget.stop_at_crossing and budget.peak_exceeded:
@@ -408,61 +415,3 @@ def _trial(trainer: Any, module: Any, size: int, config: SearchConfig, setup: _S
     failed = outcomes.failed_ranks  # every rank names the ranks that ran out; this rank's own message if it did
     where = f"out of memory on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
     return Trial(size, False, None, seconds, f"{where}: {error_text}" if error_text else where)
-
-
-def _trial_steps(
-    trainer: Any, module: Any, size: int, config: SearchConfig, setup: _Setup, worst: Any
-) -> tuple[int, str | None, bool]:
-    """Run the trial's steps through the fit loop; returns ``(steps run, why it stopped early, whether its time
-    limit stopped it)``, the reason ``None`` when nothing stopped it. Only out-of-memory and a trial past its time
-    limit are caught."""
-    error_text: str | None = None
-    too_slow = False
-    budget = setup.budget
-    with rank_local(trainer):
-        compat.reload_train_dataloader(trainer)
-        loader = worst_loader(worst, size, compat.train_loader(trainer), config.steps_per_trial + 1) if worst else None
-        if loader is not None:
-            compat.use_train_loader(trainer, loader)
-        compat.reset_fit_progress(trainer)
-        compat.clear_logged_results(trainer)
-        trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
-        trainer.fit_loop.max_epochs = max(1000, trainer.fit_loop.max_epochs or 0)
-        trainer.should_stop = False
-        try:
-            if budget is not None:
-                budget.accountant.reset_peak()
-                budget.adopt(state_tensors(trainer, module), "state")
-                budget.accountant.reset_peak()
-                with budget:
-                    trainer.fit_loop.run()
-            else:
-                trainer.fit_loop.run()
-        except BaseException as error:  # noqa: BLE001 - only out-of-memory (and a trial past its time limit) is caught
-            error_text = _stopped_by(trainer, error, size, config, setup.communicates)
-            too_slow = isinstance(error, TrialTooSlow)
-            reset_scaler(trainer)  # stopped between the scaler's unscale_ and update: the next trial unscales again
-            traceback.clear_frames(error.__traceback__)
-            del error
-        steps = trainer.fit_loop.epoch_loop.global_step
-        compat.drop_train_data_fetcher(trainer)  # it holds the batch it prefetched
-        compat.clear_logged_results(trainer)
-    return steps, error_text, too_slow
-
-
-def _stopped_by(trainer: Any, error: BaseException, size: int, config: SearchConfig, communicates: bool) -> str:
-    """What stopped a trial, in one line; any error but out-of-memory or the time limit is raised again."""
-    if isinstance(error, TrialTooSlow):  # its next step would end past its time limit (search/limits.py)
-        return f"too slow: {error} ({trainer.fit_loop.epoch_loop.global_step} of {config.steps_per_trial} steps ran)"
-    if not is_out_of_memory(error):
-        raise error
-    if communicates:
-        # The other ranks wait in this step's next collective, which this rank will never join.
-        raise BatchSizeSearchError(
-            f"rank {trainer.global_rank} ran out of memory at batch size {size} inside a step of "
-            f"{type(trainer.strategy).__name__}, whose collectives the other ranks are waiting in: the search "
-            "cannot go on. Give MaxBatchSize(budget=...) below this device's memory (trials are then judged by "
-            f"their measured peak after the step, on every rank) or a smaller max_val= "
-            f"({str(error).splitlines()[0][:200]})"
-        ) from None
-    return str(error).splitlines()[0][:300]

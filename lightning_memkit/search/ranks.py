@@ -59,6 +59,11 @@ class Outcomes:
     def min(self, value: int) -> int:
         return self.agree(True, None, value)[2]
 
+    def largest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (microsecond resolution): one figure every rank decides by."""
+        self.agree(True, None, seconds=seconds)
+        return self.slowest_seconds
+
     def prediction(self, growth: Any, predicted: int | None) -> tuple[Any, int | None]:
         """One prediction for every rank (each estimated its own batch, and an estimate may fail on one rank
         only): none if any rank has none, else the smallest predicted size with the growth it came with."""

@@ -16,11 +16,13 @@ from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode
+from lightning_memkit.plan.real_steps import RealSteps
 from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 
 __all__ = [
     "Snapshot",
+    "real_steps_gate",
     "reset_scaler",
     "trainer_mode",
     "release_memory",
@@ -76,6 +78,12 @@ class Snapshot:
             if parameter.requires_grad != requires_grad:
                 parameter.requires_grad_(requires_grad)
 
+    def restore_precision(self, trainer: Any) -> None:
+        """The precision plugin's state as when the search began: a GradScaler's scale and growth tracker, so each
+        trial starts from the fit's scale, not from where the last trial's skipped steps left it."""
+        trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
+        reset_scaler(trainer)  # load_state_dict keeps an optimizer "unscaled" by a trial that ran out of memory
+
     def restore(self, trainer: Any, module: Any, batch_arg_name: str) -> None:
         self.restore_requires_grad()
         with torch.no_grad():
@@ -86,8 +94,7 @@ class Snapshot:
             optimizer.load_state_dict(copy.deepcopy(state))  # torch casts the state back to each parameter's device
         for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
             config.scheduler.load_state_dict(copy.deepcopy(state))
-        trainer.precision_plugin.load_state_dict(copy.deepcopy(self.precision))
-        reset_scaler(trainer)  # load_state_dict keeps an optimizer "unscaled" by a trial that ran out of memory
+        self.restore_precision(trainer)
         trainer.callbacks = self.callbacks
         trainer.loggers = self.loggers
         trainer.fit_loop.epoch_loop.max_steps = self.max_steps
@@ -109,6 +116,13 @@ def reset_scaler(trainer: Any) -> None:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
         reset_scaler_optimizer_stages(scaler)
+
+
+def real_steps_gate(trainer: Any, wanted: int) -> RealSteps | None:
+    """The callback that tells a trial's real optimizer steps from those the precision plugin's GradScaler skipped,
+    and stops the fit at the ``wanted``-th real one; ``None`` without an enabled GradScaler (no step is skipped)."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return RealSteps(wanted) if scaler is not None and scaler.is_enabled() else None
 
 
 def trainer_mode(trainer: Any) -> Any:
