@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.compile import from_compiled
 
 from lightning_memkit import estimate_memory
 from lightning_memkit.compiled import compiled_parts
-from lightning_memkit.plan import timing, trials
+from lightning_memkit.plan import lightning_runs, trials
 from lightning_memkit.plan.space import Candidate
 
 GiB = 1 << 30
@@ -52,7 +52,7 @@ def _batch() -> torch.Tensor:
 
 def test_a_trials_copy_of_a_compiled_module_computes_with_its_own_parameters():
     module = _compiled()
-    copied = timing.copy_of(module)
+    copied = lightning_runs.copy_of(module)
     batch = _batch()
     expected = copied.layer(batch).pow(2).mean().detach()  # the copy's weights, through no compiled method
     with torch.no_grad():
@@ -68,7 +68,8 @@ def test_a_trial_of_a_compiled_module_trains_the_copy_and_leaves_the_original_un
     compiles: list = []
     module = _compiled(compiles)
     before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
-    fits, peak, _, note = trials.trial(module, Candidate(ROWS, 1), _batch(), GiB, "cpu", 1, 2)
+    record = trials.trial(module, Candidate(ROWS, 1), _batch(), GiB, "cpu", trials.TrialSteps(1, 2))
+    fits, peak, note = record.fits, record.peak_bytes, record.note
     assert fits, note
     assert all(torch.equal(module.state_dict()[name], tensor) for name, tensor in before.items())
     assert all(parameter.grad is None for parameter in module.parameters())

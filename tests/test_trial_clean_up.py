@@ -56,7 +56,7 @@ def test_a_trial_failing_with_another_error_resets_dynamo_and_its_error_holds_no
     batch = torch.randn(ROWS, FEATURES, generator=torch.Generator().manual_seed(1))
     before = storage_bytes(live_tensors())
     with pytest.raises(ValueError, match="planted") as failed:
-        trials.trial(module, Candidate(ROWS, 1), batch, GiB, "cpu", 1, 2)
+        trials.trial(module, Candidate(ROWS, 1), batch, GiB, "cpu", trials.TrialSteps(1, 2))
     # the error is still held here (as a caller's traceback would hold it): the trial's copy, its gradients and
     # Adam's state are not alive through it
     assert storage_bytes(live_tensors()) == before
