@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
+import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -26,9 +29,11 @@ import pytest
 import torch
 
 from dispatch_counter import StorageCounter
-from llama_shapes import LORA_RANK, SHAPES, LlamaFineTune
 from lightning_memkit import estimate_memory, parse_mode
 from lightning_memkit.accounting.categories import CATEGORIES
+from lightning_memkit.cli import main
+from lightning_memkit.units import format_bytes
+from llama_shapes import LORA_RANK, SHAPES, LlamaFineTune
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -80,14 +85,16 @@ class Case:
 
 class LlamaCount:
     """The bytes of one fine-tuning step of a Llama-shaped model, counted from its shapes (``B`` batch, ``S``
-    sequence, ``h`` hidden, ``L`` layers, ``H`` heads of size ``d``, ``kv`` = key/value heads x ``d``, ``I`` MLP
+    sequence, ``h`` hidden, ``L`` layers, ``H`` heads of size ``d``, ``kv`` = key/value heads x ``d``, ``ff`` MLP
     width, ``V`` vocabulary, ``R`` LoRA rank)."""
 
     def __init__(self, case: Case) -> None:
         size = SHAPES[case.shape]
         self.case = case
         self.B, self.S = case.batch, SEQ
-        self.h, self.L, self.H, self.I, self.V = (size[k] for k in ("hidden", "layers", "heads", "intermediate", "vocab"))
+        self.h, self.L, self.H, self.ff, self.V = (
+            size[k] for k in ("hidden", "layers", "heads", "intermediate", "vocab")
+        )
         self.d = self.h // self.H
         self.kv = size["kv_heads"] * self.d
         self.R = LORA_RANK
@@ -96,8 +103,8 @@ class LlamaCount:
 
     # ------------------------------------------------------------------ parameters (elements)
     def layer_matmul(self) -> int:
-        """A decoder layer's matmul weights: q and o (h x h), k and v (kv x h), gate, up and down (h x I each)."""
-        return 2 * self.h * self.h + 2 * self.h * self.kv + 3 * self.h * self.I
+        """A decoder layer's matmul weights: q and o (h x h), k and v (kv x h), gate, up and down (h x ff each)."""
+        return 2 * self.h * self.h + 2 * self.h * self.kv + 3 * self.h * self.ff
 
     def base_parameters(self) -> int:
         """The embedding and lm_head (V x h each, untied), each layer's matmuls and two RMSNorm weights, the final
@@ -167,7 +174,7 @@ class LlamaCount:
     def saved_per_layer(self, index: int) -> list[tuple[str, int]]:
         """Every tensor a (not checkpointed) ``LlamaDecoderLayer`` number ``index`` saves for backward, in bytes (the
         weights and their copies aside). Listed from the layer's real steps (see the module docstring)."""
-        B, S, h, kv, I, H, R = self.B, self.S, self.h, self.kv, self.I, self.H, self.R
+        B, S, h, kv, ff, H, R = self.B, self.S, self.h, self.kv, self.ff, self.H, self.R
         attention = [
             ("q after RoPE (B, H, S, d), bf16", BF16 * B * S * h),
             ("k after RoPE (B, kv heads, S, d), bf16", BF16 * B * S * kv),
@@ -182,8 +189,8 @@ class LlamaCount:
             norm.append(("normalized input, before the weight (B, S, h), fp32", FP32 * B * S * h))
             projections = [(f"{p}_proj input cast to bf16 (B*S, h)", BF16 * B * S * h) for p in "qkv"]
             mlp = [(f"{p}_proj input cast to bf16 (B*S, h)", BF16 * B * S * h) for p in ("gate", "up")]
-            mlp += [(name, BF16 * B * S * I) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
-            mlp.append(("SiLU x up (down_proj's input), bf16", BF16 * B * S * I))
+            mlp += [(name, BF16 * B * S * ff) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
+            mlp.append(("SiLU x up (down_proj's input), bf16", BF16 * B * S * ff))
             return [*norm, *projections, *attention, *norm, *mlp]
         if self.mixed:  # LoRA: the base is frozen, so a base matmul saves no input and a norm no normalized input
             norm = [("norm input (B, S, h), fp32", FP32 * B * S * h), ("rsqrt (B, S, 1), fp32", FP32 * B * S)]
@@ -191,21 +198,21 @@ class LlamaCount:
             for p in "qkvo":  # peft casts the input to A's fp32, then autocast to bf16: a copy per projection
                 adapters += [(f"{p}_proj lora_A input cast to bf16 (B*S, h)", BF16 * B * S * h)]
                 adapters += [(f"{p}_proj lora_A output (B*S, R), bf16", BF16 * B * S * R)]
-            mlp = [(name, BF16 * B * S * I) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
+            mlp = [(name, BF16 * B * S * ff) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
             return [*([] if first else norm), *adapters, *attention, *norm, *mlp]
         # bf16-true: no casts; RMSNorm computes in fp32 from a copy of its input, and returns bf16
         if not lora:
             norm = [("norm input cast to fp32 (B, S, h)", FP32 * B * S * h), ("rsqrt (B, S, 1), fp32", FP32 * B * S)]
             norm.append(("normalized input cast back to bf16 (B, S, h)", BF16 * B * S * h))
             mlp = [("norm output, gate_proj's and up_proj's input (B, S, h), bf16", BF16 * B * S * h)]
-            mlp += [(name, BF16 * B * S * I) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
-            mlp.append(("SiLU x up (down_proj's input), bf16", BF16 * B * S * I))
+            mlp += [(name, BF16 * B * S * ff) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
+            mlp.append(("SiLU x up (down_proj's input), bf16", BF16 * B * S * ff))
             projections = [("norm output, q/k/v_proj's input (B, S, h), bf16", BF16 * B * S * h)]
             return [*norm, *projections, *attention, *norm, *mlp]
         norm = [("norm input cast to fp32 (B, S, h)", FP32 * B * S * h), ("rsqrt (B, S, 1), fp32", FP32 * B * S)]
         adapters = [("norm output, the q/k/v lora_A input (B, S, h), bf16", BF16 * B * S * h)]
         adapters += [(f"{p}_proj lora_A output (B*S, R), bf16", BF16 * B * S * R) for p in "qkvo"]
-        mlp = [(name, BF16 * B * S * I) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
+        mlp = [(name, BF16 * B * S * ff) for name in ("gate output (SiLU's input)", "SiLU output", "up output")]
         return [*([] if first else norm), *adapters, *attention, *norm, *mlp]
 
     def saved_by_the_model(self, moment: Moment) -> list[tuple[str, int]]:
@@ -386,3 +393,100 @@ def test_small_variant_estimate_equals_a_real_cpu_step(mode):
     torch.manual_seed(0)
     module = LlamaFineTune("small", seq_len=SMALL_SEQ)
     assert estimate_memory(module, 1, mode=mode, device="cpu").peak_bytes == _real_peak(module, mode)
+
+
+# ------------------------------------------------------------------------------ what a user sees when nothing fits
+LLAMA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_shapes.py")
+
+
+def _cells(line: str) -> list[str]:
+    return re.split(r"\s{2,}", line.strip())
+
+
+def _rows_under(text: str, header: str) -> dict[str, list[str]]:
+    """The rows of the first printed table whose header line starts with ``header``, by their first cell."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    width = len(_cells(lines[start]))
+    rows = {}
+    for line in lines[start + 2 :]:
+        cells = _cells(line)
+        if len(cells) != width:
+            break
+        rows[cells[0]] = cells
+    return rows
+
+
+@pytest.mark.slow  # five 7B estimates (two of them checkpointed): 30-60 s on a loaded 2-core machine
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_7b_full_fine_tune_at_80gib_prints_its_breakdown_and_the_computed_suggestions(tmp_path, capsys):
+    out_json = tmp_path / "7b.json"
+    arguments = [LLAMA_FILE + ":LlamaFineTune", "--meta-init", "--device-memory", "80GiB", "--modes", "bf16"]
+    status = main(["estimate", *arguments, "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 1  # the mode asked for does not fit
+    data = json.loads(out_json.read_text())
+    (result,) = data["results"]
+    estimate, needs = result["estimate"], {n["mode"]: n for n in data["mode_needs"]}
+    assert result["fits"] is False and result["max_batch"] is None and "error" not in result
+    # the table's row: every figure, with "does not fit" where the largest batch would be
+    row = _rows_under(out, "mode")["bf16"]
+    cuda = estimate["cuda"]
+    assert row[1:] == [
+        "1",
+        format_bytes(cuda["peak_allocated_bytes"]),
+        format_bytes(cuda["peak_reserved_bytes"]),
+        format_bytes(estimate["required_bytes"]),
+        format_bytes(needs["bf16"]["required_bytes"]),
+        "does not fit",
+        "-",
+    ]
+    # the breakdown at the peak, by the count written above; fixed and per sample, by the counts at batch 1 and 2
+    one, two = (LlamaCount(Case("7b", False, "bf16-mixed", False, b)) for b in (1, 2))
+    (moment_one, at_one), (moment_two, at_two) = one.peak(), two.peak()
+    assert moment_one is moment_two is Moment.FORWARD_END
+    breakdown = _rows_under(out, "category")
+    for name in CATEGORIES:
+        per_sample = at_two[name] - at_one[name]
+        if at_one[name] or per_sample:
+            assert breakdown[name][1:] == [
+                format_bytes(at_one[name]),
+                format_bytes(at_one[name] - per_sample),
+                format_bytes(per_sample),
+            ], name
+    assert breakdown["autocast_weight_copies"][3] == "0 B" and breakdown["activations"][2] == "2.00 MiB"  # cos, sin
+    assert estimate["by_category"] == at_one and result["batch_split"]["peak_phases"] == ["forward", "forward"]
+    # the suggestions: each other mode estimated at batch 1; printed only where it needs less than bf16
+    assert set(needs) == {"bf16", "baseline", "checkpoint", "bf16+checkpoint"}
+    checkpointed = LlamaCount(Case("7b", False, "bf16-mixed", True, 1)).peak()[1]
+    assert needs["bf16+checkpoint"]["peak_bytes"] == sum(checkpointed.values())
+    ran = needs["bf16"]["required_bytes"]
+    less = sorted((n for n in needs.values() if n["required_bytes"] < ran), key=lambda n: n["required_bytes"])
+    assert less and result["suggestions"] == [n["mode"] for n in less]
+    tried = [line.strip() for line in out.splitlines() if line.strip().startswith("try --modes")]
+    assert tried == [
+        f"try --modes {n['mode']}: needs {format_bytes(n['required_bytes'])} at batch size 1 "
+        f"({format_bytes(ran - n['required_bytes'])} less; does not fit 76.00 GiB either)"
+        for n in less
+    ]
+    assert "none of them fits one device: --strategy gives the fewest GPUs for each mode" in out
+
+
+@pytest.mark.slow  # four 7B LoRA estimates at batch 1 and one at batch 2: about 30-60 s on a loaded 2-core machine
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lora_checkpointed_at_24gib_suggests_only_modes_that_need_less(tmp_path, capsys):
+    """LoRA + bf16 + checkpointing does not fit 24 GiB. bf16 alone needs far more at batch 1 (every layer keeps its
+    activations), so it is not suggested; a mode is suggested only where its own estimate needs less."""
+    out_json = tmp_path / "lora.json"
+    arguments = [LLAMA_FILE + ":LlamaFineTune", "--init-args", '{"lora": true}', "--meta-init", "--device-memory"]
+    status = main(["estimate", *arguments, "24GiB", "--modes", "bf16+checkpoint", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 1
+    data = json.loads(out_json.read_text())
+    needs = {n["mode"]: n["required_bytes"] for n in data["mode_needs"]}
+    ran = needs["bf16+checkpoint"]
+    assert needs["bf16"] > ran + 16 * 2**30  # what the old hint offered first
+    less = sorted((m for m in needs if needs[m] < ran), key=needs.get)
+    assert data["results"][0]["suggestions"] == less and "bf16" not in less
+    tried = [line.strip().split(":")[0] for line in out.splitlines() if line.strip().startswith("try --modes")]
+    assert tried == [f"try --modes {m}" for m in less]
