@@ -272,24 +272,27 @@ def test_what_does_not_fit_keeps_its_figures_and_the_other_modes_needs_are_estim
         mode_needs(module, memory, batch_size=2)
 
 
-def test_batch_split_is_exact_at_batch_1_and_2_and_puts_weight_copies_in_the_fixed_part():
+def test_batch_split_is_batch_1_and_what_a_sample_adds_where_weight_copies_add_nothing():
     from lightning_memkit.estimate import BatchSplit, estimate_batch_split
 
     module = DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=1, dim_feedforward=64, seq_len=16)
-    split = estimate_batch_split(module, mode="bf16", device="cpu")
-    one, two = (estimate_memory(module, b, mode="bf16", device="cpu") for b in (1, 2))
-    assert split == BatchSplit.between(one, two)
-    assert (split.bytes_at(1), split.bytes_at(2)) == (one.peak_bytes, two.peak_bytes)
-    assert split.batch_one_bytes == one.peak_bytes and split.batch_one_required_bytes == one.required_bytes
-    assert sum(split.fixed_by_category.values()) == split.fixed_bytes
+    split = estimate_batch_split(module, 8, mode="bf16", device="cpu")
+    one, eight, nine = (estimate_memory(module, b, mode="bf16", device="cpu") for b in (1, 8, 9))
+    assert split == BatchSplit.between(one, eight, nine) and split.batch_size == 8
+    assert (split.batch_one_bytes, split.batch_one_required_bytes) == (one.peak_bytes, one.required_bytes)
+    assert split.batch_one_by_category == one.by_category
+    assert split.per_sample_bytes == nine.peak_bytes - eight.peak_bytes
     assert sum(split.per_sample_by_category.values()) == split.per_sample_bytes
-    assert split.peak_phases == (one.peak_phase, two.peak_phase)
-    for name in ("parameters", "buffers", "optimizer_state"):
-        assert split.per_sample_by_category[name] == 0 and split.fixed_by_category[name] == one.by_category[name]
-    assert split.per_sample_by_category["autocast_weight_copies"] == 0
+    assert split.peak_phases == (one.peak_phase, eight.peak_phase, nine.peak_phase)
+    assert eight.peak_phase == nine.peak_phase == "forward"  # the moment this test reads the growth at
+    for name in ("parameters", "buffers", "gradients", "optimizer_state", "autocast_weight_copies"):
+        assert split.per_sample_by_category[name] == 0, name
+    assert eight.by_category["autocast_weight_copies"] > 0 and split.per_sample_by_category["activations"] > 0
     assert "autocast_weight_copies" in split.summary() and split.to_dict()["peak_phases"] == list(split.peak_phases)
-    with pytest.raises(ValueError, match=r"batch sizes \(1, 2\)"):
-        BatchSplit.between(two, one)
+    with pytest.raises(ValueError, match="batch sizes 1, b and b \\+ 1"):
+        BatchSplit.between(eight, eight, nine)
+    with pytest.raises(ValueError, match="positive integer"):
+        estimate_batch_split(module, 0)
 
 
 def test_predict_max_batch_size_when_memory_is_flat_at_small_batches():

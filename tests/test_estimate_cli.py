@@ -61,27 +61,27 @@ def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys
 
     estimate = estimate_memory(DemoMLP(), mode="baseline", device="cpu")
     prediction = predict_max_batch_size(DemoMLP(), 64 * 2**20, mode="baseline", device="cpu")
-    split = estimate_batch_split(DemoMLP(), mode="baseline", device="cpu")
+    split = estimate_batch_split(DemoMLP(), 32, mode="baseline", device="cpu")
     baseline = rows[("baseline",)]
     assert baseline[1] == "32"
     # on a CPU target the allocated figure is the tensor peak and there is no caching allocator to reserve
     assert baseline[2:5] == [format_bytes(estimate.peak_bytes), "-", format_bytes(estimate.required_bytes)]
     assert baseline[5:7] == [format_bytes(split.batch_one_required_bytes), str(prediction.batch_size)]
-    # each mode's breakdown: the categories at the peak, what is fixed and what each sample adds
+    # each mode's breakdown: the categories at the peak, at batch 1, and what one more sample adds
     title = next(line for line in out.splitlines() if line.startswith("baseline: tensor bytes at the peak"))
     assert f"(batch 32, {estimate.peak_phase} of step {estimate.peak_step})" in title
     header, categories = _table(out[out.index(title) :], "category")
     assert header == list(BREAKDOWN_HEADERS)
-    for name, value in estimate.by_category.items():
-        if value or split.fixed_by_category[name] or split.per_sample_by_category[name]:
-            fixed, per_sample = split.fixed_by_category[name], split.per_sample_by_category[name]
-            assert categories[(name,)][1:] == [format_bytes(value), format_bytes(fixed), format_bytes(per_sample)]
+    columns = (estimate.by_category, split.batch_one_by_category, split.per_sample_by_category)
+    for name in estimate.by_category:
+        if any(column[name] for column in columns):
+            assert categories[(name,)][1:] == [format_bytes(column[name]) for column in columns], name
         else:
             assert (name,) not in categories
-    assert categories[("parameters",)][3] == "0 B" and categories[("inputs",)][2] == "0 B"
+    assert categories[("parameters",)][3] == "0 B"
     assert categories[("peak (tensors)",)][1:] == [
         format_bytes(estimate.peak_bytes),
-        format_bytes(split.fixed_bytes),
+        format_bytes(split.batch_one_bytes),
         format_bytes(split.per_sample_bytes),
     ]
     data = json.loads(out_json.read_text())

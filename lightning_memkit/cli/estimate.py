@@ -24,7 +24,7 @@ from lightning_memkit.estimate import (
     estimate_memory,
     predict_max_batch_size,
 )
-from lightning_memkit.estimate.batch_split import SPLIT_BATCH_SIZES, BatchSplit
+from lightning_memkit.estimate.batch_split import BatchSplit
 from lightning_memkit.estimate.core import reusing_fake_copies
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
@@ -292,14 +292,13 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
         for mode in modes:
             try:
                 estimate = estimate_memory(module, args.batch_size, mode=mode, **same)
-                split = BatchSplit.between(
-                    *(estimate_memory(module, size, mode=mode, **same) for size in SPLIT_BATCH_SIZES)
-                )
                 try:
                     prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, **same)
                 except DoesNotFitError as error:  # the figures are still shown, and what would fit is computed below
                     prediction = None
                     too_large.append((mode.name, error))
+                sizes = (1, estimate.batch_size, estimate.batch_size + 1)
+                split = BatchSplit.between(*(estimate_memory(module, size, mode=mode, **same) for size in sizes))
             except (NoBatchError, EstimateError, ValueError) as error:
                 error = in_cli_terms(error, args)
                 rows.append((mode.name, *["-"] * 7))

@@ -1,13 +1,13 @@
 """What ``memkit estimate`` prints under its table for one device: each mode's tensor bytes at the peak by category,
-with what is fixed and what each sample adds, and for a mode that does not fit even at batch size 1, the modes whose
-estimate needs less there."""
+beside what batch 1 costs and what one more sample adds, and for a mode that does not fit even at batch size 1, the
+modes whose estimate needs less there."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightning_memkit.accounting.categories import CATEGORIES
-from lightning_memkit.estimate.batch_split import SPLIT_BATCH_SIZES, BatchSplit
+from lightning_memkit.estimate.batch_split import BatchSplit
 from lightning_memkit.estimate.mode_needs import ModeNeed, needing_less
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
@@ -18,46 +18,36 @@ __all__ = ["BREAKDOWN_HEADERS", "breakdown_lines", "does_not_fit_lines"]
 BATCH_FREE_PHASES = ("optimizer", "zero_grad")
 
 #: the columns of a mode's breakdown table
-BREAKDOWN_HEADERS = ("category", "at the peak", "fixed", "per sample")
+BREAKDOWN_HEADERS = ("category", "at the peak", "batch 1", "per sample")
 
 
 def breakdown_lines(mode: str, estimate: Any, split: BatchSplit) -> list[str]:
     """A mode's breakdown: a title line, then a row per category (those that are zero in every column left out) and
-    the peak: the bytes at the peak of the batch estimated, and what is fixed and what each sample adds."""
+    the peak: the bytes at the peak of the batch estimated, at batch 1, and what one more sample adds."""
+    columns = (estimate.by_category, split.batch_one_by_category, split.per_sample_by_category)
     rows = [
-        (
-            name,
-            format_bytes(estimate.by_category.get(name, 0)),
-            format_bytes(split.fixed_by_category[name]),
-            format_bytes(split.per_sample_by_category[name]),
-        )
+        (name, *(format_bytes(column.get(name, 0)) for column in columns))
         for name in CATEGORIES
-        if estimate.by_category.get(name, 0) or split.fixed_by_category[name] or split.per_sample_by_category[name]
+        if any(column.get(name, 0) for column in columns)
     ]
-    rows.append(
-        (
-            "peak (tensors)",
-            format_bytes(estimate.peak_bytes),
-            format_bytes(split.fixed_bytes),
-            format_bytes(split.per_sample_bytes),
-        )
-    )
-    one, two = SPLIT_BATCH_SIZES
+    peaks = (estimate.peak_bytes, split.batch_one_bytes, split.per_sample_bytes)
+    rows.append(("peak (tensors)", *(format_bytes(value) for value in peaks)))
+    one, at, following = split.peak_phases
+    size = split.batch_size
     lines = [
         f"{mode}: tensor bytes at the peak (batch {estimate.batch_size}, {estimate.peak_phase} of step "
-        f"{estimate.peak_step}); fixed and per sample from the estimates at batch {one} and {two}",
+        f"{estimate.peak_step}), at batch 1 (peak in the {one}), and what one more sample adds at batch {size}",
         format_table(BREAKDOWN_HEADERS, rows),
     ]
-    if split.peak_phases[0] != split.peak_phases[1]:
+    if at != following:
         lines.append(
-            f"  the peak is in the {split.peak_phases[0]} at batch {one} and in the {split.peak_phases[1]} at batch "
-            f"{two}: a category's fixed and per-sample bytes compare those two moments"
+            f"  the peak moves from the {at} at batch {size} to the {following} at batch {size + 1}: a category's "
+            "bytes per sample compare those two moments"
         )
-    elif split.peak_phases[0] in BATCH_FREE_PHASES:
+    elif at in BATCH_FREE_PHASES:
         lines.append(
-            f"  at batch {one} and {two} the peak is in the {split.peak_phases[0]}, where the batch's activations "
-            "are gone: per sample is what a sample adds there, until a larger batch moves the peak into the forward "
-            "or backward"
+            f"  at batch {size} the peak is in the {at}, where the batch's activations are gone: per sample is what a "
+            "sample adds there, until a larger batch moves the peak into the forward or backward"
         )
     return lines
 
