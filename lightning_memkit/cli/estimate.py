@@ -286,17 +286,16 @@ def _figures(estimate: Any) -> tuple[int, int | None, int]:
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     rows, results, estimates, shapes, breakdowns, too_large = [], [], {}, [], [], []
     batch = _named_worst_batch(args, module, datamodule)
-    usable = (1 - args.margin) * memory
     same = {"batch": batch, "device": args.device, "datamodule": datamodule, "gpu": gpu}
     with reusing_fake_copies():  # one fake copy of the module and one worst batch serve every mode and size
         for mode in modes:
             try:
                 estimate = estimate_memory(module, args.batch_size, mode=mode, **same)
+                prediction = not_fitting = None
                 try:
                     prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, **same)
                 except DoesNotFitError as error:  # the figures are still shown, and what would fit is computed below
-                    prediction = None
-                    too_large.append((mode.name, error))
+                    not_fitting = error
                 sizes = (1, estimate.batch_size, estimate.batch_size + 1)
                 split = BatchSplit.between(*(estimate_memory(module, size, mode=mode, **same) for size in sizes))
             except (NoBatchError, EstimateError, ValueError) as error:
@@ -308,8 +307,10 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
             rows.append(_row(mode.name, estimate, split, prediction))
             results.append(_result(mode.name, estimate, split, prediction))
             breakdowns.append((mode.name, estimate, split))
-            if prediction is not None:
-                shapes.append((mode.name, estimate, prediction))
+            shapes.append((mode.name, estimate, prediction))
+            if not_fitting is not None:
+                too_large.append((mode.name, not_fitting))
+            else:
                 estimates[mode.name] = (mode, estimate)
         needs = mode_needs(module, memory, modes=_alternatives(modes), margin=args.margin, **same) if too_large else []
     print(
@@ -322,7 +323,7 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
     for mode_name, estimate, split in breakdowns:
         print("\n".join(breakdown_lines(mode_name, estimate, split)))
     for mode_name, error in too_large:
-        print("\n".join(does_not_fit_lines(mode_name, error.needed_bytes, usable, needs)))
+        print("\n".join(does_not_fit_lines(mode_name, error.needed_bytes, error.target_bytes, needs)))
         print(f"memkit estimate: mode {mode_name}: {error.describe('its figures are printed above')}", file=sys.stderr)
         result = next(r for r in results if r["mode"] == mode_name)
         result["suggestions"] = [n.mode for n in needing_less(needs, error.needed_bytes) if n.mode != mode_name]
@@ -405,6 +406,9 @@ def _batch_lines(shapes: list[tuple[str, Any, Any]]) -> list[str]:
         return []
     lines = [f"batch: {shapes[0][1].batch_note}"]
     for mode, estimate, prediction in shapes:
+        if prediction is None:
+            lines.append(f"  {mode}: estimated on {estimate.batch_shapes}; does not fit even at batch size 1")
+            continue
         lines.append(
             f"  {mode}: estimated on {estimate.batch_shapes}; max batch {prediction.batch_size} on "
             f"{prediction.batch_shapes}"
