@@ -301,7 +301,7 @@ CASES = [
 
 def _marks(case: Case) -> list:
     marks = []
-    if case.shape == "70b":  # 15-30 s an estimate on a loaded 2-core machine
+    if case.shape == "70b":  # 6-15 s an estimate on a quiet 2-core machine, 15-60 s when the cores are shared
         marks.append(pytest.mark.slow)
     if case.precision == "bf16-true" and not _has_mode("bf16-true"):
         marks.append(pytest.mark.skip(reason=TRUE_HALF_MISSING))
@@ -383,7 +383,7 @@ def _real_peak(module: LlamaFineTune, mode: str) -> int:
     return counter.peak_bytes
 
 
-@pytest.mark.slow  # two real steps of a 166M-parameter model: 20-30 s on a loaded 2-core machine
+@pytest.mark.slow  # two real steps of a 166M-parameter model: 5 s on a quiet 2-core machine, 50 s when shared
 @pytest.mark.timeout(600)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("mode", ["baseline", "bf16"])
@@ -417,7 +417,7 @@ def _rows_under(text: str, header: str) -> dict[str, list[str]]:
     return rows
 
 
-@pytest.mark.slow  # five 7B estimates (two of them checkpointed): 30-60 s on a loaded 2-core machine
+@pytest.mark.slow  # five 7B estimates (two of them checkpointed): 14 s on a quiet 2-core machine, 26 s when shared
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_7b_full_fine_tune_at_80gib_prints_its_breakdown_and_the_computed_suggestions(tmp_path, capsys):
     out_json = tmp_path / "7b.json"
@@ -469,7 +469,7 @@ def test_the_7b_full_fine_tune_at_80gib_prints_its_breakdown_and_the_computed_su
     assert "none of them fits one device: --strategy gives the fewest GPUs for each mode" in out
 
 
-@pytest.mark.slow  # four 7B LoRA estimates at batch 1 and one at batch 2: about 30-60 s on a loaded 2-core machine
+@pytest.mark.slow  # four 7B LoRA estimates at batch 1 and one at batch 2: 21 s on a quiet 2-core machine
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lora_checkpointed_at_24gib_suggests_only_modes_that_need_less(tmp_path, capsys):
     """LoRA + bf16 + checkpointing does not fit 24 GiB. bf16 alone needs far more at batch 1 (every layer keeps its
