@@ -245,6 +245,56 @@ def test_predict_max_batch_size_matches_the_measured_limit():
         predict_max_batch_size(module, 100_000, device="cpu")
 
 
+def test_what_does_not_fit_keeps_its_figures_and_the_other_modes_needs_are_estimated():
+    """When batch 1 does not fit, the error carries the batch-1 estimate (the whole breakdown), and mode_needs
+    estimates each mode at batch 1: a mode is worth suggesting only where it needs less."""
+    from lightning_memkit.estimate import DoesNotFitError, ModeNeed, mode_needs
+    from lightning_memkit.estimate.mode_needs import needing_less
+
+    module = DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=1, dim_feedforward=64, seq_len=16)
+    one = estimate_memory(module, 1, mode="bf16", device="cpu")
+    with pytest.raises(DoesNotFitError) as raised:
+        predict_max_batch_size(module, one.required_bytes - 1, mode="bf16", device="cpu", margin=0.0)
+    assert raised.value.estimate.to_dict() | {"elapsed_s": 0} == one.to_dict() | {"elapsed_s": 0}
+    assert raised.value.needed_bytes == one.required_bytes and "mode_needs()" in str(raised.value)
+    memory = one.required_bytes - 1
+    # one layer: the auto checkpoint policy finds no repeated blocks, so that mode cannot be estimated
+    needs = mode_needs(module, memory, modes=("bf16", "baseline", "checkpoint"), margin=0.0, device="cpu")
+    baseline = estimate_memory(module, 1, device="cpu")
+    assert needs[:2] == [
+        ModeNeed("bf16", one.required_bytes, one.peak_bytes, False),
+        ModeNeed("baseline", baseline.required_bytes, baseline.peak_bytes, baseline.required_bytes <= memory),
+    ]
+    assert needs[2].mode == "checkpoint" and "found no repeated blocks" in needs[2].error and not needs[2].fits
+    less = needing_less(needs, one.required_bytes)
+    assert less == ([needs[1]] if baseline.required_bytes < one.required_bytes else [])
+    with pytest.raises(ValueError, match="batch size 1"):
+        mode_needs(module, memory, batch_size=2)
+
+
+def test_batch_split_is_batch_1_and_what_a_sample_adds_where_weight_copies_add_nothing():
+    from lightning_memkit.estimate import BatchSplit, estimate_batch_split
+
+    module = DemoTransformer(vocab_size=64, d_model=32, nhead=2, layers=1, dim_feedforward=64, seq_len=16)
+    split = estimate_batch_split(module, 8, mode="bf16", device="cpu")
+    one, eight, nine = (estimate_memory(module, b, mode="bf16", device="cpu") for b in (1, 8, 9))
+    assert split == BatchSplit.between(one, eight, nine) and split.batch_size == 8
+    assert (split.batch_one_bytes, split.batch_one_required_bytes) == (one.peak_bytes, one.required_bytes)
+    assert split.batch_one_by_category == one.by_category
+    assert split.per_sample_bytes == nine.peak_bytes - eight.peak_bytes
+    assert sum(split.per_sample_by_category.values()) == split.per_sample_bytes
+    assert split.peak_phases == (one.peak_phase, eight.peak_phase, nine.peak_phase)
+    assert eight.peak_phase == nine.peak_phase == "forward"  # the moment this test reads the growth at
+    for name in ("parameters", "buffers", "gradients", "optimizer_state", "autocast_weight_copies"):
+        assert split.per_sample_by_category[name] == 0, name
+    assert eight.by_category["autocast_weight_copies"] > 0 and split.per_sample_by_category["activations"] > 0
+    assert "autocast_weight_copies" in split.summary() and split.to_dict()["peak_phases"] == list(split.peak_phases)
+    with pytest.raises(ValueError, match="batch sizes 1, b and b \\+ 1"):
+        BatchSplit.between(eight, eight, nine)
+    with pytest.raises(ValueError, match="positive integer"):
+        estimate_batch_split(module, 0)
+
+
 def test_predict_max_batch_size_when_memory_is_flat_at_small_batches():
     """A small model whose peak sits in the optimizer step at small batches: the two first estimates are
     equal, so the fitted slope is zero. The search must still reach the real limit (thousands), not creep

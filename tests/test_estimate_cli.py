@@ -7,7 +7,8 @@ import re
 
 from lightning_memkit.cli import main
 from lightning_memkit.cli.estimate import KERNELS_PREFIX
-from lightning_memkit.estimate import estimate_memory, predict_max_batch_size
+from lightning_memkit.cli.estimate_figures import BREAKDOWN_HEADERS
+from lightning_memkit.estimate import estimate_batch_split, estimate_memory, predict_max_batch_size
 from lightning_memkit.units import format_bytes
 
 
@@ -43,21 +44,52 @@ def test_estimate_table_has_a_row_per_mode_matching_the_library(tmp_path, capsys
         ]
     )
     assert status == 0
-    header, rows = _table(capsys.readouterr().out, "mode")
-    assert header == ["mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"]
+    out = capsys.readouterr().out
+    header, rows = _table(out, "mode")
+    assert header == [
+        "mode",
+        "batch",
+        "allocated",
+        "reserved",
+        "device needs",
+        "batch 1 needs",
+        "max batch",
+        "needs at max",
+    ]
     assert {key[0] for key in rows} == {"baseline", "bf16"}
     from lightning_memkit.zoo import DemoMLP
 
     estimate = estimate_memory(DemoMLP(), mode="baseline", device="cpu")
     prediction = predict_max_batch_size(DemoMLP(), 64 * 2**20, mode="baseline", device="cpu")
+    split = estimate_batch_split(DemoMLP(), 32, mode="baseline", device="cpu")
     baseline = rows[("baseline",)]
     assert baseline[1] == "32"
     # on a CPU target the allocated figure is the tensor peak and there is no caching allocator to reserve
     assert baseline[2:5] == [format_bytes(estimate.peak_bytes), "-", format_bytes(estimate.required_bytes)]
-    assert baseline[5] == str(prediction.batch_size)
+    assert baseline[5:7] == [format_bytes(split.batch_one_required_bytes), str(prediction.batch_size)]
+    # each mode's breakdown: the categories at the peak, at batch 1, and what one more sample adds
+    title = next(line for line in out.splitlines() if line.startswith("baseline: tensor bytes at the peak"))
+    assert f"(batch 32, {estimate.peak_phase} of step {estimate.peak_step})" in title
+    header, categories = _table(out[out.index(title) :], "category")
+    assert header == list(BREAKDOWN_HEADERS)
+    columns = (estimate.by_category, split.batch_one_by_category, split.per_sample_by_category)
+    for name in estimate.by_category:
+        if any(column[name] for column in columns):
+            assert categories[(name,)][1:] == [format_bytes(column[name]) for column in columns], name
+        else:
+            assert (name,) not in categories
+    assert categories[("parameters",)][3] == "0 B"
+    assert categories[("peak (tensors)",)][1:] == [
+        format_bytes(estimate.peak_bytes),
+        format_bytes(split.batch_one_bytes),
+        format_bytes(split.per_sample_bytes),
+    ]
     data = json.loads(out_json.read_text())
-    assert data["results"][0]["estimate"]["peak_bytes"] == estimate.peak_bytes
-    assert data["results"][0]["max_batch"]["batch_size"] == prediction.batch_size
+    result = data["results"][0]
+    assert result["estimate"]["peak_bytes"] == estimate.peak_bytes
+    assert result["estimate"]["by_category"] == estimate.by_category
+    assert result["max_batch"]["batch_size"] == prediction.batch_size and result["fits"] is True
+    assert result["batch_split"] == split.to_dict() and "mode_needs" not in data
 
 
 #: a transformer small enough for a CUDA-target estimate in a second (on CPU fakes)
@@ -293,6 +325,52 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     }
 
 
+def test_strategy_that_does_not_fit_gets_the_modes_that_need_less_per_rank_with_their_fewest_gpus(tmp_path, capsys):
+    """DDP of a transformer whose activations dominate: the mode asked for does not fit on 2 GPUs; each other mode's
+    rank is estimated, and those that need less are printed with their figures and fewest GPUs, least first."""
+    from lightning_memkit.estimate import reusing_fake_copies
+    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.zoo import DemoTransformer
+
+    arguments = {**TINY, "layers": 3, "seq_len": 256, "batch_size": 16}
+    module = DemoTransformer(**arguments)
+    modes = ("baseline", "bf16", "checkpoint", "bf16+checkpoint")
+    with reusing_fake_copies():
+        needs = {
+            (mode, n): estimate_distributed_memory(module, strategy="ddp", world_size=n, mode=mode, device="cpu")
+            for mode in modes
+            for n in (1, 2, 4)
+        }
+    needs = {key: estimate.peak_bytes for key, estimate in needs.items()}
+    memory = 60 * 2**20
+    usable = 0.95 * memory
+    assert needs[("baseline", 2)] > needs[("bf16", 2)] > usable > needs[("checkpoint", 2)]  # what this test is about
+    out_json = tmp_path / "ranks.json"
+    command = ["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", json.dumps(arguments)]
+    command += ["--device", "cpu", "--strategy", "ddp", "--world-size", "2", "--max-world-size", "4"]
+    status = main([*command, "--device-memory", f"{memory}B", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert status == 0  # with --strategy, not fitting is an answer (the fewest GPUs), not a failure
+    less = sorted((m for m in modes[1:] if needs[(m, 2)] < needs[("baseline", 2)]), key=lambda m: needs[(m, 2)])
+    fewest = {m: next((n for n in (1, 2, 4) if needs[(m, n)] <= usable), None) for m in less}
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("ddp baseline: try")]
+    assert lines == [
+        f"ddp baseline: try --modes {m}: one rank needs {format_bytes(needs[(m, 2)])} on 2 GPUs "
+        f"({'fits' if needs[(m, 2)] <= usable else 'does not fit'}); min GPUs {fewest[m] or 'none <= 4'}"
+        for m in less
+    ]
+    (result,) = json.loads(out_json.read_text())["results"]
+    assert result["suggestions"] == [
+        {
+            "mode": m,
+            "device_bytes_per_rank": needs[(m, 2)],
+            "fits": needs[(m, 2)] <= usable,
+            "min_world_size": fewest[m],
+        }
+        for m in less
+    ]
+
+
 def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
     """On a CUDA target a rank's allocated and reserved figures are the one-process allocator view moved by the
     rank's tensor difference (its shards and buffers), and the device needs add the CUDA context."""
@@ -461,12 +539,25 @@ def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(c
         ]
     )
     captured = capsys.readouterr()
-    assert status == 1  # one requested mode failed: the command failed, though the other row is printed
+    assert status == 1  # one requested mode does not fit: the command fails, with every figure of both printed
     _, rows = _table(captured.out, "mode")
-    assert rows[(small,)][5] == "1" and rows[(large,)][1:] == ["-"] * 6  # max batch 1; nothing for the other
+    assert rows[(small,)][6] == "1"  # max batch 1
+    large_estimate = estimate_memory(DemoTransformer(**TINY), mode=large, device="cpu")
+    assert rows[(large,)][1:] == [
+        "4",
+        format_bytes(large_estimate.peak_bytes),
+        "-",
+        format_bytes(large_estimate.required_bytes),
+        format_bytes(needs[large]),
+        "does not fit",
+        "-",
+    ]
+    assert f"{large}: tensor bytes at the peak (batch 4," in captured.out
     (line,) = [line for line in captured.err.splitlines() if line.startswith(f"memkit estimate: mode {large}:")]
-    assert f"it needs {format_bytes(needs[large])}" in line
-    assert "--modes checkpoint" in line and "mode=" not in line and "'" not in line
+    assert f"it needs {format_bytes(needs[large])}" in line and "mode=" not in line and "'" not in line
+    # the fix is computed: the other mode, estimated at batch 1, needs less and fits; the command's syntax names it
+    assert f"try --modes {small}: needs {format_bytes(needs[small])} at batch size 1" in captured.out
+    assert f"try --modes {large}" not in captured.out
 
 
 def test_the_search_summary_says_no_prediction_rather_than_none():

@@ -21,7 +21,7 @@ allocator reserved but no tensor uses, and device memory of this process the all
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "CATEGORY_DESCRIPTIONS",
     "AUTOCAST_COPY_LABEL",
     "RECOMPUTE_LABEL",
+    "is_parameter_cast",
     "CategoryBreakdown",
     "CategoryAttributor",
     "category_breakdown",
@@ -74,6 +75,21 @@ CATEGORY_DESCRIPTIONS: dict[str, str] = {
 
 #: The accountant label the tracer gives to autocast's copies of parameters.
 AUTOCAST_COPY_LABEL = "autocast weight copy"
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def is_parameter_cast(func: Any, args: Any, kwargs: Any, is_parameter: Callable[[torch.Tensor], bool]) -> bool:
+    """Whether the aten op ``func(*args, **kwargs)`` copies a parameter (``is_parameter(tensor)``) into another dtype:
+    what autocast does to a matmul's weight, and what a storage labelled :data:`AUTOCAST_COPY_LABEL` (or given the
+    role ``autocast_weight_copies``) holds. The copy lives as long as autocast's cache or autograd keeps it,
+    whatever the batch size."""
+    if func is not _TO_COPY or not args:
+        return False
+    source = args[0]
+    dtype = (kwargs or {}).get("dtype")
+    return isinstance(source, torch.Tensor) and dtype is not None and dtype != source.dtype and is_parameter(source)
+
 
 #: The accountant label the tracer gives to allocations made while recomputing checkpointed
 #: forward code during backward.

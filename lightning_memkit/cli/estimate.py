@@ -14,6 +14,7 @@ import torch
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 from lightning_memkit.cli.estimate_check import check_estimates, check_refusal
+from lightning_memkit.cli.estimate_figures import breakdown_lines, does_not_fit_lines
 from lightning_memkit.cli.estimate_output import KERNELS_PREFIX, in_cli_terms, kernels_and_notes, target_words
 from lightning_memkit.cli.estimate_ranks import run_distributed, world_sizes_tried
 from lightning_memkit.estimate import (
@@ -23,9 +24,11 @@ from lightning_memkit.estimate import (
     estimate_memory,
     predict_max_batch_size,
 )
+from lightning_memkit.estimate.batch_split import BatchSplit
 from lightning_memkit.estimate.core import reusing_fake_copies
 from lightning_memkit.estimate.cuda_kernels import GpuTarget
 from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
+from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, mode_needs, needing_less
 from lightning_memkit.estimate.predict import device_capacity_bytes
 from lightning_memkit.estimate.worst_batch import worst_batch_and_length
 from lightning_memkit.modes.mode import parse_modes
@@ -160,12 +163,6 @@ def _memory(text: str) -> int:
     return memory
 
 
-def _other_modes_hint(mode: str) -> str:
-    """How to ask this command for the modes that need less memory than ``mode``."""
-    others = [name for name in ("bf16", "checkpoint", "bf16+checkpoint") if name != mode]
-    return "try " + " or ".join(f"--modes {name}" for name in others)
-
-
 def _gpu(args: argparse.Namespace) -> Any:
     """The ``--gpu`` target (a :class:`GpuTarget`), or ``None`` for the default."""
     if args.gpu is None:
@@ -287,56 +284,53 @@ def _figures(estimate: Any) -> tuple[int, int | None, int]:
 
 
 def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
-    rows, results, estimates, shapes = [], [], {}, []
+    rows, results, estimates, shapes, breakdowns, too_large = [], [], {}, [], [], []
     batch = _named_worst_batch(args, module, datamodule)
+    same = {"batch": batch, "device": args.device, "datamodule": datamodule, "gpu": gpu}
     with reusing_fake_copies():  # one fake copy of the module and one worst batch serve every mode and size
         for mode in modes:
             try:
-                estimate = estimate_memory(
-                    module, args.batch_size, batch=batch, mode=mode, device=args.device, datamodule=datamodule, gpu=gpu
-                )
-                prediction = predict_max_batch_size(
-                    module,
-                    memory,
-                    mode=mode,
-                    margin=args.margin,
-                    device=args.device,
-                    batch=batch,
-                    datamodule=datamodule,
-                    gpu=gpu,
-                )
-                shapes.append((mode.name, estimate, prediction))
-                allocated, reserved, needs = _figures(estimate)
-                rows.append(
-                    (
-                        mode.name,
-                        estimate.batch_size,
-                        format_bytes(allocated),
-                        format_bytes(reserved),
-                        format_bytes(needs),
-                        prediction.batch_size,
-                        format_bytes(prediction.predicted_bytes),
-                    )
-                )
-                results.append({"mode": mode.name, "estimate": estimate.to_dict(), "max_batch": prediction.to_dict()})
-                estimates[mode.name] = (mode, estimate)
+                estimate = estimate_memory(module, args.batch_size, mode=mode, **same)
+                prediction = not_fitting = None
+                try:
+                    prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, **same)
+                except DoesNotFitError as error:  # the figures are still shown, and what would fit is computed below
+                    not_fitting = error
+                sizes = (1, estimate.batch_size, estimate.batch_size + 1)
+                split = BatchSplit.between(*(estimate_memory(module, size, mode=mode, **same) for size in sizes))
             except (NoBatchError, EstimateError, ValueError) as error:
-                if isinstance(error, DoesNotFitError):  # the fix, in this command's syntax
-                    error = error.describe(_other_modes_hint(mode.name))
                 error = in_cli_terms(error, args)
-                rows.append((mode.name, "-", "-", "-", "-", "-", "-"))
+                rows.append((mode.name, *["-"] * 7))
                 results.append({"mode": mode.name, "error": str(error)})
                 print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
+                continue
+            rows.append(_row(mode.name, estimate, split, prediction))
+            results.append(_result(mode.name, estimate, split, prediction))
+            breakdowns.append((mode.name, estimate, split))
+            shapes.append((mode.name, estimate, prediction))
+            if not_fitting is not None:
+                too_large.append((mode.name, not_fitting))
+            else:
+                estimates[mode.name] = (mode, estimate)
+        needs = mode_needs(module, memory, modes=_alternatives(modes), margin=args.margin, **same) if too_large else []
     print(
         f"memkit estimate: {args.module} on {target_words(args, gpu)}, {format_bytes(memory)} device memory, "
         f"{args.margin:.0%} kept free (fake tensors)"
     )
-    print(format_table(("mode", "batch", "allocated", "reserved", "device needs", "max batch", "needs at max"), rows))
+    print(format_table(SINGLE_HEADERS, rows))
     for line in _batch_lines(shapes):
         print(line)
+    for mode_name, estimate, split in breakdowns:
+        print("\n".join(breakdown_lines(mode_name, estimate, split)))
+    for mode_name, error in too_large:
+        print("\n".join(does_not_fit_lines(mode_name, error.needed_bytes, error.target_bytes, needs)))
+        print(f"memkit estimate: mode {mode_name}: {error.describe('its figures are printed above')}", file=sys.stderr)
+        result = next(r for r in results if r["mode"] == mode_name)
+        result["suggestions"] = [n.mode for n in needing_less(needs, error.needed_bytes) if n.mode != mode_name]
     for line in kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
-    status = 0 if all("error" not in r for r in results) else 1  # any requested mode that failed fails the command
+    # any requested mode that failed or does not fit even at batch size 1 fails the command
+    status = 0 if all("error" not in r and r["fits"] for r in results) else 1
     if args.check and estimates:
         checks = check_estimates(args, module, estimates)
         for result in results:
@@ -345,14 +339,58 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
         if any("error" in c for c in checks.values()):
             status = 1
     if args.json_path:
+        document = {"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results}
+        if needs:
+            document["mode_needs"] = [need.to_dict() for need in needs]
         with open(args.json_path, "w") as file:
-            json.dump(
-                {"module": args.module, "device": args.device, "device_memory_bytes": memory, "results": results},
-                file,
-                indent=2,
-                default=str,
-            )
+            json.dump(document, file, indent=2, default=str)
     return status
+
+
+#: the columns of the one-device table
+SINGLE_HEADERS = (
+    "mode",
+    "batch",
+    "allocated",
+    "reserved",
+    "device needs",
+    "batch 1 needs",
+    "max batch",
+    "needs at max",
+)
+
+
+def _row(mode: str, estimate: Any, split: BatchSplit, prediction: Any) -> tuple:
+    """A mode's row: its figures at the batch estimated and at batch size 1, and its largest batch (or that it
+    does not fit)."""
+    allocated, reserved, needs = _figures(estimate)
+    return (
+        mode,
+        estimate.batch_size,
+        format_bytes(allocated),
+        format_bytes(reserved),
+        format_bytes(needs),
+        format_bytes(split.batch_one_required_bytes),
+        prediction.batch_size if prediction is not None else "does not fit",
+        format_bytes(prediction.predicted_bytes) if prediction is not None else "-",
+    )
+
+
+def _result(mode: str, estimate: Any, split: BatchSplit, prediction: Any) -> dict[str, Any]:
+    """A mode's JSON result: every figure, whether or not it fits."""
+    return {
+        "mode": mode,
+        "estimate": estimate.to_dict(),
+        "batch_split": split.to_dict(),
+        "fits": prediction is not None,
+        "max_batch": prediction.to_dict() if prediction is not None else None,
+    }
+
+
+def _alternatives(modes: list[Any]) -> list[Any]:
+    """The modes estimated at batch size 1 when one does not fit: those asked for, then the other alternatives."""
+    names = {mode.name for mode in modes}
+    return list(modes) + [name for name in ALTERNATIVE_MODES if name not in names]
 
 
 def _named_worst_batch(args: argparse.Namespace, module: Any, datamodule: Any) -> Any:
@@ -368,6 +406,9 @@ def _batch_lines(shapes: list[tuple[str, Any, Any]]) -> list[str]:
         return []
     lines = [f"batch: {shapes[0][1].batch_note}"]
     for mode, estimate, prediction in shapes:
+        if prediction is None:
+            lines.append(f"  {mode}: estimated on {estimate.batch_shapes}; does not fit even at batch size 1")
+            continue
         lines.append(
             f"  {mode}: estimated on {estimate.batch_shapes}; max batch {prediction.batch_size} on "
             f"{prediction.batch_shapes}"

@@ -13,6 +13,8 @@ from lightning_memkit.cli.estimate_output import in_cli_terms, kernels_and_notes
 from lightning_memkit.estimate import EstimateError, NoBatchError
 from lightning_memkit.estimate.core import reusing_fake_copies
 from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
+from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES
+from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -75,11 +77,14 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
                 results.append(result)
                 if notes is not None:
                     notes_by_mode.append((mode.name, notes))
+        suggestions = _suggestions(question, modes, results)
     batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
     _print_table(args, gpu, memory, batch_words, rows)
     done = [r for r in results if "error" not in r]
     if done:
         _print_min_gpus(question, memory, batch_words, done)
+    for line in _suggestion_lines(question, done, suggestions):
+        print(line)
     lines = kernels_and_notes(notes_by_mode)
     if args.device == "cuda" and done:
         lines.append(
@@ -110,19 +115,24 @@ def _per_rank(question: _RankQuestion, strategy: str, mode: Any, world_size: int
     return estimate, _rank_figures(estimate)
 
 
+def _fewest_gpus(question: _RankQuestion, strategy: str, mode: Any) -> tuple[Any, tuple, int | None, dict[int, int]]:
+    """``strategy`` in ``mode``: one rank's estimate and figures at ``--world-size``, the fewest GPUs that fit (``None``
+    when none of the sizes tried does) and each size's device needs up to it. Raises what the estimate raises."""
+    estimate, figures = _per_rank(question, strategy, mode, question.args.world_size)
+    needs_by_size = {}
+    for size in question.sizes:
+        needs_by_size[size] = _per_rank(question, strategy, mode, size)[1][2]
+        if needs_by_size[size] <= question.usable:
+            return estimate, figures, size, needs_by_size
+    return estimate, figures, None, needs_by_size
+
+
 def _strategy_and_mode(question: _RankQuestion, strategy: str, mode: Any) -> tuple[tuple, dict, Any]:
     """The table row and JSON result of ``strategy`` in ``mode`` at ``--world-size``, with the fewest GPUs that fit,
     and the estimate's notes (``None`` when the estimate failed: the row says ``-``, the error goes to stderr)."""
     args, usable = question.args, question.usable
     try:
-        estimate, (allocated, reserved, needs) = _per_rank(question, strategy, mode, args.world_size)
-        needs_by_size = {}
-        minimum = None
-        for size in question.sizes:
-            needs_by_size[size] = _per_rank(question, strategy, mode, size)[1][2]
-            if needs_by_size[size] <= usable:
-                minimum = size
-                break
+        estimate, (allocated, reserved, needs), minimum, needs_by_size = _fewest_gpus(question, strategy, mode)
     except (NoBatchError, EstimateError, ValueError) as error:
         error = in_cli_terms(error, args)
         print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
@@ -196,10 +206,76 @@ def _print_min_gpus(question: _RankQuestion, memory: int, batch_words: str, done
                 f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
                 f"needs {format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: "
                 f"activations, {'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}"
-                "workspaces, the CUDA context); try --modes checkpoint or --modes bf16, a smaller --batch-size, "
-                "more memory per GPU"
+                "workspaces, the CUDA context); a smaller --batch-size, more memory per GPU"
                 f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
             )
+
+
+def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """For each strategy and mode estimated that does not fit at ``--world-size``: the other modes (those asked for,
+    then :data:`~lightning_memkit.estimate.mode_needs.ALTERNATIVE_MODES`) whose rank needs less there, least first, each
+    with its device needs per rank and its fewest GPUs. Each result that does not fit gets them under
+    ``"suggestions"``."""
+    asked = {mode.name for mode in modes}
+    candidates = [*modes, *(parse_mode(name) for name in ALTERNATIVE_MODES if name not in asked)]
+    answers = {(r["strategy"], r["mode"]): _suggestion(r) for r in results if "error" not in r}
+    found = {}
+    for result in results:
+        if "error" in result or result["fits"]:
+            continue
+        strategy, needs = result["strategy"], result["per_rank"]["device_bytes"]
+        for mode in candidates:
+            if (strategy, mode.name) not in answers:
+                try:
+                    _, figures, minimum, _ = _fewest_gpus(question, strategy, mode)
+                except (NoBatchError, EstimateError, ValueError):  # a mode that cannot be estimated is no suggestion
+                    answers[(strategy, mode.name)] = None
+                    continue
+                answers[(strategy, mode.name)] = {
+                    "mode": mode.name,
+                    "device_bytes_per_rank": figures[2],
+                    "fits": figures[2] <= question.usable,
+                    "min_world_size": minimum,
+                }
+        less = [answers[(strategy, m.name)] for m in candidates if answers[(strategy, m.name)] is not None]
+        less = sorted((a for a in less if a["device_bytes_per_rank"] < needs), key=lambda a: a["device_bytes_per_rank"])
+        result["suggestions"] = found[(strategy, result["mode"])] = less
+    return found
+
+
+def _suggestion(result: dict) -> dict:
+    """A mode already in the table, as a suggestion for another mode of its strategy."""
+    return {
+        "mode": result["mode"],
+        "device_bytes_per_rank": result["per_rank"]["device_bytes"],
+        "fits": result["fits"],
+        "min_world_size": result["min_world_size"],
+    }
+
+
+def _suggestion_lines(
+    question: _RankQuestion, done: list[dict], suggestions: dict[tuple[str, str], list[dict]]
+) -> list:
+    """For each strategy and mode that does not fit on ``--world-size`` GPUs, the modes whose rank needs less there."""
+    args = question.args
+    lines = []
+    for result in done:
+        key = (result["strategy"], result["mode"])
+        if key not in suggestions:
+            continue
+        less = suggestions[key]
+        if not less:
+            lines.append(f"  {key[0]} {key[1]}: no other mode needs less per rank on {args.world_size} GPUs")
+        for each in less:
+            fewest = each["min_world_size"] if each["min_world_size"] is not None else f"none <= {args.max_world_size}"
+            lines.append(
+                f"  {key[0]} {key[1]}: try --modes {each['mode']}: one rank needs "
+                f"{format_bytes(each['device_bytes_per_rank'])} on {args.world_size} GPUs "
+                f"({'fits' if each['fits'] else 'does not fit'}); min GPUs {fewest}"
+            )
+    if lines:
+        lines.insert(0, f"what needs less per rank where a mode does not fit on {args.world_size} GPUs (estimated):")
+    return lines
 
 
 def _write_json(args: argparse.Namespace, memory: int, sizes: list[int], results: list[dict]) -> None:

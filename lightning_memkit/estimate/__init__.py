@@ -28,6 +28,10 @@ from lightning_memkit.estimate.predict import (  # noqa: E402
 )
 
 __all__ += ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "device_capacity_bytes", "predict_max_batch_size"]
+from lightning_memkit.estimate.batch_split import BatchSplit, estimate_batch_split  # noqa: E402
+from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, ModeNeed, mode_needs  # noqa: E402
+
+__all__ += ["ALTERNATIVE_MODES", "BatchSplit", "ModeNeed", "estimate_batch_split", "mode_needs"]
 from lightning_memkit.estimate.distributed import DistributedEstimate, estimate_distributed_memory  # noqa: E402
 from lightning_memkit.estimate.sharding import (  # noqa: E402
     STRATEGIES,

@@ -36,25 +36,39 @@ class DoesNotFitError(MemkitError, ValueError):
         target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes.
         capacity_bytes: the device memory given, bytes.
         margin: the fraction of ``capacity_bytes`` kept free.
+        estimate: the estimate at batch size 1 (a :class:`~lightning_memkit.estimate.MemoryEstimate`, or for a
+            per-rank question a :class:`~lightning_memkit.estimate.DistributedEstimate`): the whole breakdown of
+            what does not fit.
     """
 
     def __init__(
-        self, module_name: str, needed_bytes: int, target_bytes: int, capacity_bytes: int, margin: float
+        self,
+        module_name: str,
+        needed_bytes: int,
+        target_bytes: int,
+        capacity_bytes: int,
+        margin: float,
+        estimate: Any = None,
     ) -> None:
         self.module_name = module_name
         self.needed_bytes = needed_bytes
         self.target_bytes = target_bytes
         self.capacity_bytes = capacity_bytes
         self.margin = margin
-        super().__init__(self.describe("try mode='bf16' or 'checkpoint'"))
+        self.estimate = estimate
+        super().__init__(
+            self.describe(
+                "mode_needs() (lightning_memkit.estimate) estimates what each other mode needs at batch size 1; "
+                "or a smaller model, or more memory"
+            )
+        )
 
-    def describe(self, modes_hint: str) -> str:
-        """The message with ``modes_hint`` (how the caller's interface names other modes) as the first fix."""
+    def describe(self, fixes: str) -> str:
+        """The message, ending with ``fixes``: what to do, in the caller's interface (computed, never guessed)."""
         return (
             f"{self.module_name} does not fit in {format_bytes(self.target_bytes)} ({1 - self.margin:.0%} of "
             f"{format_bytes(self.capacity_bytes)}) even at batch size 1: it needs "
-            f"{format_bytes(self.needed_bytes)}; "
-            f"{modes_hint}, a smaller model, or more memory"
+            f"{format_bytes(self.needed_bytes)}; {fixes}"
         )
 
 
@@ -206,8 +220,9 @@ def predict_max_batch_size(
     ``batch_note`` say which batch it was.
 
     Raises:
-        ValueError: when even batch size 1 does not fit (the message gives the fixed bytes) or the
-            arguments are invalid.
+        DoesNotFitError: when even batch size 1 does not fit (a ``ValueError``: its ``estimate`` holds the whole
+            breakdown at batch size 1).
+        ValueError: when the arguments are invalid.
     """
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r}: give a fraction in [0, 1), e.g. 0.05 to keep 5% free")
@@ -288,7 +303,7 @@ def _predict(
     if lo == 0:
         value = required(1)
         if value > target:
-            raise DoesNotFitError(type(module).__name__, value, target, capacity, margin)
+            raise DoesNotFitError(type(module).__name__, value, target, capacity, margin, cache[1])
         lo = 1
     # The growth near the answer (at small batches the peak may sit in the optimizer step, flat in
     # batch), fitted over a wide enough span that allocator segment steps do not dominate the slope.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
-from lightning_memkit.accounting.categories import CategoryAttributor
+from lightning_memkit.accounting.categories import CategoryAttributor, is_parameter_cast
 from lightning_memkit.estimate.fake_step import FakeStepOps
 from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED
 
@@ -83,6 +83,16 @@ class StepAccountant(TensorAccountant):
             except BaseException as error:  # never raise here: the listener only observes
                 self._record_error(f"op listener on {func}: {type(error).__name__}: {error}")
         return result
+
+    def _account(self, func, args, kwargs, result) -> None:
+        super()._account(func, args, kwargs, result)
+        # autocast's low-precision copy of a weight is model-sized, not batch-sized: its own category, as LayerTrace
+        # files it (saved for backward, it would otherwise read as activations)
+        if is_parameter_cast(func, args, kwargs, self._is_parameter):
+            self.attributor.assign(result, "autocast_weight_copies")
+
+    def _is_parameter(self, tensor: torch.Tensor) -> bool:
+        return self.attributor.role_of(tensor) == "parameters"
 
     def _on_peak(self, _peak: int) -> None:
         self.peak_records = self.live_records()

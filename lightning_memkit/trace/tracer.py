@@ -35,6 +35,7 @@ from lightning_memkit.accounting.categories import (
     CategoryAttributor,
     CategoryBreakdown,
     cuda_memory_extras,
+    is_parameter_cast,
 )
 from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions, force_eager
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, user_class
@@ -47,8 +48,6 @@ __all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
 
 #: The accountant labels the tracer gives allocations (the phase they happened in).
 PHASE_LABELS = ("forward", "backward", RECOMPUTE_LABEL, "optimizer", AUTOCAST_COPY_LABEL)
-
-_TO_COPY = torch.ops.aten._to_copy.default
 
 
 class _TracingAccountant(TensorAccountant):
@@ -308,21 +307,16 @@ class LayerTracer:
 
     # ------------------------------------------------------------------ labels and peaks
     def _label_for(self, func, args, kwargs) -> str:
-        if func is _TO_COPY and args:
-            source = args[0]
-            dtype = (kwargs or {}).get("dtype")
-            if (
-                isinstance(source, torch.Tensor)
-                and dtype is not None
-                and dtype != source.dtype
-                and self.accountant.storage_key(source) in self._parameter_keys
-            ):
-                return AUTOCAST_COPY_LABEL
+        if is_parameter_cast(func, args, kwargs, self._is_parameter):
+            return AUTOCAST_COPY_LABEL
         if in_backward():
             if self._hooks.recompute_depth or in_checkpoint_recomputation():
                 return RECOMPUTE_LABEL
             return "backward"
         return self._hooks.host_phase
+
+    def _is_parameter(self, tensor: torch.Tensor) -> bool:
+        return self.accountant.storage_key(tensor) in self._parameter_keys
 
     def _on_peak(self, peak_bytes: int) -> None:
         self._peak_records = self.accountant.live_records()
