@@ -18,9 +18,9 @@ from lightning_memkit.units import parse_bytes
 
 __all__ = ["ALTERNATIVE_MODES", "ModeNeed", "mode_needs", "needing_less"]
 
-#: the modes whose need is estimated when a step does not fit: full and mixed precision, each with and without
-#: activation checkpointing (a precision the modes gain belongs here, with and without checkpointing)
-ALTERNATIVE_MODES = ("baseline", "bf16", "checkpoint", "bf16+checkpoint")
+#: the modes whose need is estimated when a step does not fit: full, mixed and true half precision, each with and
+#: without activation checkpointing (a suggested bf16-true says that it rounds the weights themselves: docs/modes.md)
+ALTERNATIVE_MODES = ("baseline", "bf16", "bf16-true", "checkpoint", "bf16+checkpoint", "bf16-true+checkpoint")
 
 
 @dataclass
