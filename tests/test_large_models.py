@@ -454,19 +454,23 @@ def test_the_7b_full_fine_tune_at_80gib_prints_its_breakdown_and_the_computed_su
         assert breakdown[name][3] == "0 B"  # the model's, whatever the batch
     assert estimate["by_category"] == at_one and result["batch_split"]["peak_phases"] == ["forward"] * 3
     # the suggestions: each other mode estimated at batch 1; printed only where it needs less than bf16
-    assert set(needs) == {"bf16", "baseline", "checkpoint", "bf16+checkpoint"}
-    checkpointed = LlamaCount(Case("7b", False, "bf16-mixed", True, 1)).peak()[1]
-    assert needs["bf16+checkpoint"]["peak_bytes"] == sum(checkpointed.values())
+    assert set(needs) == {"bf16", "baseline", "checkpoint", "bf16+checkpoint", "bf16-true", "bf16-true+checkpoint"}
+    for mode, precision, checkpoint in (("bf16+checkpoint", "bf16-mixed", True), ("bf16-true", "bf16-true", False)):
+        counted = LlamaCount(Case("7b", False, precision, checkpoint, 1)).peak()[1]
+        assert needs[mode]["peak_bytes"] == sum(counted.values()), mode
     ran = needs["bf16"]["required_bytes"]
     less = sorted((n for n in needs.values() if n["required_bytes"] < ran), key=lambda n: n["required_bytes"])
     assert less and result["suggestions"] == [n["mode"] for n in less]
     tried = [line.strip() for line in out.splitlines() if line.strip().startswith("try --modes")]
     assert tried == [
         f"try --modes {n['mode']}: needs {format_bytes(n['required_bytes'])} at batch size 1 "
-        f"({format_bytes(ran - n['required_bytes'])} less; does not fit 76.00 GiB either)"
+        f"({format_bytes(ran - n['required_bytes'])} less; "
+        f"{'fits' if n['fits'] else 'does not fit 76.00 GiB either'})"
         for n in less
     ]
-    assert "none of them fits one device: --strategy gives the fewest GPUs for each mode" in out
+    # true half precision (no fp32 master weights: 8 bytes per parameter, not 16) fits one 80 GiB card at batch 1
+    assert needs["bf16-true"]["fits"] and needs["bf16-true"]["required_bytes"] <= 76 * 2**30
+    assert "none of them fits one device" not in out
 
 
 @pytest.mark.slow  # four 7B LoRA estimates at batch 1 and one at batch 2: 21 s on a quiet 2-core machine
