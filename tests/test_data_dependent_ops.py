@@ -1,6 +1,6 @@
 """Ops whose output shape depends on values (unique, nonzero, boolean masks, masked_select, bincount) in a fake step:
 sized exactly where real values decide them, else at their largest output (an upper bound) by the values the fake
-step knows (estimate/fake_value_sets.py, estimate/data_dependent_ops.py), so the estimate never fails for want of a
+step knows (estimate/fake/value_sets.py, estimate/fake/data_dependent_ops.py), so the estimate never fails for want of a
 bound, is at least the real step's peak, and validation code (torchmetrics') passes as it does on data. Each estimate is
 compared with a real step on the same batch, to the byte: the bound's extra bytes are computed by hand.
 """
@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.estimate import EstimateError
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.step_accountant import StepAccountant
 from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
 

@@ -19,9 +19,9 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
-from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
-from lightning_memkit.estimate.fake_known_values import known_value
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
+from lightning_memkit.estimate.fake.known_values import known_value
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")

@@ -15,7 +15,7 @@ from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.estimate import estimate_memory
 from lightning_memkit.estimate.cuda_attention import attention_backend
 from lightning_memkit.estimate.cuda_kernels import KERNEL_TABLE, CudaKernels
-from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.gpu_target import GpuTarget, conv_workspace_bytes, cublas_workspace_bytes
 from lightning_memkit.units import MiB
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
 from lightning_memkit.estimate.gpu_target import (
     CONV_WEIGHT_GRAD_WORKSPACE_FACTOR,
     conv_workspace_bytes,

@@ -24,10 +24,10 @@ from lightning_memkit.estimate.allocator import (
 )
 from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
 from lightning_memkit.estimate.cuda_kernels import CudaKernels, cuda_target
-from lightning_memkit.estimate.fake_copies import ReuseCache, cpu_fake, dismantle, fake_module, rebatched
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepMode, FakeStepOps
-from lightning_memkit.estimate.fake_tensors import keeps_real_values
+from lightning_memkit.estimate.fake.copies import ReuseCache, cpu_fake, dismantle, fake_module, rebatched
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepMode, FakeStepOps
+from lightning_memkit.estimate.fake.tensors import keeps_real_values
 from lightning_memkit.estimate.lightning_step import (
     StepLoop,
     default_loss,

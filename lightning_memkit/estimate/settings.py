@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memkit.estimate.fake_copies import ReuseCache
+from lightning_memkit.estimate.fake.copies import ReuseCache
 
 __all__ = ["EstimateSettings", "accumulating", "observing_ops", "reusing_fake_copies", "preparing_copies"]
 

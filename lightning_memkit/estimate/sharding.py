@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.estimate.fake_session import FakeSession
+from lightning_memkit.estimate.fake.session import FakeSession
 
 __all__ = [
     "STRATEGIES",

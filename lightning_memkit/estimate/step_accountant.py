@@ -10,15 +10,15 @@ import torch
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
 from lightning_memkit.accounting.categories import CategoryAttributor
-from lightning_memkit.estimate.fake_step import FakeStepOps
-from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED
 
 __all__ = ["StepAccountant", "OPTIMIZER_FLOAT_PLACEHOLDER"]
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
 #: What ``.item()`` of a fake floating-point tensor answers inside the optimizer's step (elsewhere it is 1.0,
-#: see :class:`~lightning_memkit.estimate.fake_outputs.ScalarPlaceholders`). An optimizer reads its scalars there (step
+#: see :class:`~lightning_memkit.estimate.fake.outputs.ScalarPlaceholders`). An optimizer reads its scalars there (step
 #: counts, NAdam's running product of momentum factors) and divides by ``x`` and ``1 - x``: 1.0 makes NAdam's
 #: ``1 - mu_product`` zero, 0.5 keeps both non-zero. Memory does not depend on the value.
 OPTIMIZER_FLOAT_PLACEHOLDER = 0.5
@@ -28,7 +28,7 @@ class StepAccountant(TensorAccountant):
     """The accountant plus what the estimate needs: the live records at each new peak, the phase
     of the peak, and (for the CUDA model) the allocation/free events in order.
 
-    On a fake step it also does :class:`~lightning_memkit.estimate.fake_step.FakeStepOps`' work (placeholder
+    On a fake step it also does :class:`~lightning_memkit.estimate.fake.step_ops.FakeStepOps`' work (placeholder
     scalars, kept loss buffers, fake tensors' devices) in the same dispatch call: one Python mode layer
     per op instead of three, with the same results (the step runs inside ``FakeSession.fake_mode_only``).
     """

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, is_fake
-from lightning_memkit.estimate.fake_value_sets import ValueSets
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, is_fake
+from lightning_memkit.estimate.fake.value_sets import ValueSets
 
 __all__ = ["DataDependentOps", "Sizing"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake_tensors import is_fake
+from lightning_memkit.estimate.fake.tensors import is_fake
 
 __all__ = ["KnownValues", "known_value"]
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake_outputs import LossBuffers, ScalarPlaceholders, losses_keeping_their_buffer
-from lightning_memkit.estimate.fake_tensors import fake_parameter, is_fake
+from lightning_memkit.estimate.fake.outputs import LossBuffers, ScalarPlaceholders, losses_keeping_their_buffer
+from lightning_memkit.estimate.fake.tensors import fake_parameter, is_fake
 
 __all__ = ["FakeSession"]
 

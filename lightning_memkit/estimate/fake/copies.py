@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, fake_parameter, is_fake, keeps_real_values
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.tensors import REAL_VALUES_NUMEL, fake_parameter, is_fake, keeps_real_values
 
 __all__ = ["ReuseCache", "fake_module", "cpu_fake", "rebatched", "dismantle"]
 

@@ -11,16 +11,16 @@ import torch
 from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.accounting.accountant import _tensors_in  # the op-argument walk the accountant runs per op
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.data_dependent_ops import DataDependentOps
-from lightning_memkit.estimate.fake_known_values import KnownValues, known_value
-from lightning_memkit.estimate.fake_outputs import (
+from lightning_memkit.estimate.fake.data_dependent_ops import DataDependentOps
+from lightning_memkit.estimate.fake.known_values import KnownValues, known_value
+from lightning_memkit.estimate.fake.outputs import (
     losses_keeping_their_buffer,
     norm_kind,
     placeholder,
     with_loss_buffer,
     with_real_statistics_dtypes,
 )
-from lightning_memkit.estimate.fake_tensors import (
+from lightning_memkit.estimate.fake.tensors import (
     NOT_ANSWERED,
     REAL_VALUES_NUMEL,
     fake_device_query,
@@ -29,7 +29,7 @@ from lightning_memkit.estimate.fake_tensors import (
     is_plain_view,
     keeps_real_values,
 )
-from lightning_memkit.estimate.fake_value_sets import ValueSets
+from lightning_memkit.estimate.fake.value_sets import ValueSets
 
 __all__ = ["FakeStepOps", "FakeStepMode"]
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake_known_values import known_value
-from lightning_memkit.estimate.fake_outputs import placeholder
-from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, fake_tensor_type, is_fake
+from lightning_memkit.estimate.fake.known_values import known_value
+from lightning_memkit.estimate.fake.outputs import placeholder
+from lightning_memkit.estimate.fake.tensors import REAL_VALUES_NUMEL, fake_tensor_type, is_fake
 
 __all__ = ["ValueSets", "VALUE_SET_LIMIT", "unique_values"]
 
