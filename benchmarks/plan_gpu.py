@@ -153,7 +153,7 @@ def _cap(budget: int, cuda: bool) -> None:
     """A card of ``budget`` bytes: the allocator may use the budget less the CUDA context's allowance."""
     if not cuda:
         return
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget - CUDA_CONTEXT_BYTES) / total))

@@ -461,7 +461,7 @@ def test_a_plans_trial_counts_the_model_on_the_device_once(wide_records):
     """Issue 36, item 1: AutoFit plans at fit start, its module already on the device. Its trial's reserved peak is
     the one-model figure (the original waits in host memory while the copy trains), the same Parameter objects are
     back on the device after, and a budget of that figure plus the CUDA context, once, fits."""
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
     from lightning_memkit.plan import Candidate
 
     module = _Wide(width=4096)  # 256 MiB of weights
@@ -488,7 +488,7 @@ def test_a_trial_runs_under_an_allocator_capped_at_the_budget(wide_records):
     budget less the CUDA context (a step's attempt to allocate that much fails in the trial, and succeeds after it);
     the cap before is restored after, also when the trial raises; a trial over the cap runs out of memory and
     reports how far it got; the peaks are on the row and in its note."""
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
     from lightning_memkit.plan import Candidate
     from lightning_memkit.units import format_bytes
 

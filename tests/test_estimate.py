@@ -18,7 +18,7 @@ from lightning_memkit.estimate import (
     measure_training_step,
     predict_max_batch_size,
 )
-from lightning_memkit.estimate.allocator import round_allocation, segment_size
+from lightning_memkit.estimate.cuda.caching_allocator import round_allocation, segment_size
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
@@ -90,7 +90,7 @@ def test_cuda_view_rounds_and_adds_documented_allowances():
     assert view is not None
     assert view.peak_allocated_bytes >= estimate.peak_bytes
     assert view.peak_reserved_bytes % (2 * MiB) == 0 and view.peak_reserved_bytes >= view.peak_allocated_bytes
-    # cuBLAS/cuDNN workspaces are allocated inside the simulated step (estimate/cuda_kernels.py), not added on top
+    # cuBLAS/cuDNN workspaces are allocated inside the simulated step (estimate/cuda/kernels.py), not added on top
     assert view.context_bytes == 512 * MiB and view.workspace_bytes == 0
     assert estimate.required_bytes == view.peak_reserved_bytes + 512 * MiB
     assert any("cuBLAS workspace 32768 KiB" in note for note in estimate.notes)

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from conftest import LinearStack
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.modes.checkpointing import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, planner, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds

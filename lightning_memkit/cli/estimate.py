@@ -24,7 +24,7 @@ from lightning_memkit.estimate import (
     predict_max_batch_size,
 )
 from lightning_memkit.estimate.core import reusing_fake_copies
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.estimate.cuda.kernels import GpuTarget
 from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
 from lightning_memkit.estimate.predict import device_capacity_bytes
 from lightning_memkit.estimate.worst_batch import worst_batch_and_length

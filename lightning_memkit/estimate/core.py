@@ -71,7 +71,7 @@ def estimate_memory(
         optimizer: ``params -> optimizer`` for plain modules, or to override ``configure_optimizers``.
         loss_fn: ``(module, batch) -> loss``; default ``training_step(batch, 0)`` for a LightningModule.
         gpu: for a CUDA target, the GPU whose kernels to model: ``"h100"``, ``"a100"``, ``"sm90"``, ``(8, 0)``...
-            (default: this machine's GPU, else an H100); see :mod:`lightning_memkit.estimate.cuda_kernels`.
+            (default: this machine's GPU, else an H100); see :mod:`lightning_memkit.estimate.cuda.kernels`.
         datamodule: a LightningDataModule to take the sample batch from: it is prepared and set up as
             ``Trainer.fit`` does (``prepare_data()``, ``setup("fit")``) before its ``train_dataloader()`` is read.
         trainer: the (unattached) ``Trainer`` the module will be fit with: ``self.trainer`` in the copy's

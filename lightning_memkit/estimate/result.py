@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_memkit.accounting.categories import CATEGORIES
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate.allocator import AllocatorView
+from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 

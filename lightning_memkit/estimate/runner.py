@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from lightning_memkit._torch_compat import tree_flatten, tree_map
-from lightning_memkit.estimate.allocator import (
+from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
+from lightning_memkit.estimate.cuda.caching_allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
     CUDNN_WORKSPACE_BYTES,
     CudaAllocatorModel,
 )
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
-from lightning_memkit.estimate.cuda_kernels import CudaKernels, cuda_target
+from lightning_memkit.estimate.cuda.kernels import CudaKernels, cuda_target
 from lightning_memkit.estimate.fake.copies import ReuseCache, cpu_fake, dismantle, fake_module, rebatched
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepMode, FakeStepOps

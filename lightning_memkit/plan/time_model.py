@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_memkit._torch_compat import tree_flatten
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.estimate.cuda.kernels import GpuTarget
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
 __all__ = ["Roofline", "ROOFLINES", "roofline_for", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
@@ -82,7 +82,7 @@ KERNEL_EFFICIENCY = {"flops": 0.7, "bandwidth": 0.8}
 
 def roofline_for(gpu: Any = None) -> Roofline:
     """The :data:`ROOFLINES` row for a GPU (a name, ``"sm90"``, a
-    :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`; ``None``: this machine's GPU, else an H100). Names are
+    :class:`~lightning_memkit.estimate.cuda.kernels.GpuTarget`; ``None``: this machine's GPU, else an H100). Names are
     matched as :class:`GpuTarget` parses them; an unnamed GPU gets
     its generation's row."""
     target = GpuTarget.parse(gpu)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.cuda_attention import additive_mask, attention_backend, efficient_mask, math_attention
-from lightning_memkit.estimate.cuda_autocast import (
+from lightning_memkit.estimate.cuda.attention import additive_mask, attention_backend, efficient_mask, math_attention
+from lightning_memkit.estimate.cuda.autocast import (
     DTYPE_POSITION,
     UPSAMPLE_MODES,
     AutocastPolicy,
@@ -30,7 +30,7 @@ from lightning_memkit.estimate.cuda_autocast import (
 )
 
 if TYPE_CHECKING:
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+    from lightning_memkit.estimate.cuda.kernels import CudaKernels
 
 __all__ = ["CudaFunctions"]
 

@@ -10,16 +10,16 @@ import torch
 
 from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
-from lightning_memkit.estimate.gpu_target import (
+from lightning_memkit.estimate.cuda.gpu_target import (
     CONV_WEIGHT_GRAD_WORKSPACE_FACTOR,
     conv_workspace_bytes,
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
 )
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_device_query, fake_tensor_type
 
 if TYPE_CHECKING:
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+    from lightning_memkit.estimate.cuda.kernels import CudaKernels
 
 __all__ = ["CudaWorkspaces"]
 

@@ -2,9 +2,9 @@
 
 A CUDA-target estimate runs its fake step on CPU fakes (a CPU-only torch cannot make fake CUDA
 tensors). Where a CUDA kernel allocates differently from the CPU (or fake) one, the fake step is made to
-allocate what the CUDA kernel does: the calls are rewritten (estimate/cuda_functions.py, with
-estimate/cuda_attention.py and estimate/cuda_autocast.py) and the libraries' workspaces allocated
-(estimate/cuda_workspaces.py) for the GPU of estimate/gpu_target.py. Every such choice is one row of
+allocate what the CUDA kernel does: the calls are rewritten (estimate/cuda/functions.py, with
+estimate/cuda/attention.py and estimate/cuda/autocast.py) and the libraries' workspaces allocated
+(estimate/cuda/workspaces.py) for the GPU of estimate/cuda/gpu_target.py. Every such choice is one row of
 :data:`KERNEL_TABLE`, and each row is pinned by tests/test_gpu_truth.py against allocator traces recorded on
 an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
 """
@@ -18,10 +18,15 @@ from typing import Any
 
 import torch
 
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES, AllocatorConfig, AllocatorView, CudaAllocatorModel
-from lightning_memkit.estimate.cuda_functions import CudaFunctions
-from lightning_memkit.estimate.cuda_workspaces import CudaWorkspaces
-from lightning_memkit.estimate.gpu_target import GPU_GENERATIONS, GpuTarget, cublas_workspace_bytes
+from lightning_memkit.estimate.cuda.caching_allocator import (
+    CUDA_CONTEXT_BYTES,
+    AllocatorConfig,
+    AllocatorView,
+    CudaAllocatorModel,
+)
+from lightning_memkit.estimate.cuda.functions import CudaFunctions
+from lightning_memkit.estimate.cuda.gpu_target import GPU_GENERATIONS, GpuTarget, cublas_workspace_bytes
+from lightning_memkit.estimate.cuda.workspaces import CudaWorkspaces
 from lightning_memkit.units import KiB
 
 __all__ = [
@@ -197,7 +202,7 @@ class CudaKernels:
     Attributes:
         gpu: the target :class:`GpuTarget`.
         precision: the step's Lightning precision (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``).
-        config: the :class:`~lightning_memkit.estimate.allocator.AllocatorConfig` replayed with.
+        config: the :class:`~lightning_memkit.estimate.cuda.caching_allocator.AllocatorConfig` replayed with.
         used: the kernel choices the step made (``"attention:flash"``, ``"dropout:fused"``...).
     """
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.gpu_target import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 
 __all__ = ["attention_backend", "additive_mask", "efficient_mask", "math_attention"]
 

@@ -44,11 +44,11 @@ ROUND_LARGE_BYTES = 2 * MiB
 #: visible to the caching allocator, measured at roughly 300-600 MiB on A100/H100 with torch 2.x.
 CUDA_CONTEXT_BYTES = 512 * MiB
 #: cuBLAS workspace on Hopper (torch's default CUBLAS_WORKSPACE_CONFIG ":4096:8", 8 x 4 MiB). The
-#: CUDA-target estimate allocates it inside the simulated step (see estimate/cuda_kernels.py);
+#: CUDA-target estimate allocates it inside the simulated step (see estimate/cuda/kernels.py);
 #: kept here as a named figure for callers that budget without an estimate.
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: A rough cuDNN workspace allowance for callers that budget without an estimate; the CUDA-target
-#: estimate simulates each convolution's workspace instead (estimate/cuda_kernels.py).
+#: estimate simulates each convolution's workspace instead (estimate/cuda/kernels.py).
 CUDNN_WORKSPACE_BYTES = 64 * MiB
 
 
