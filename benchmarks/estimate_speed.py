@@ -63,7 +63,7 @@ def _switch_off(lever: str) -> None:
     import lightning_memkit.estimate.fake.copies as fake_copies
     import lightning_memkit.estimate.fake.session as fake_session
     import lightning_memkit.estimate.fake.step_ops as fake_step
-    import lightning_memkit.estimate.runner as runner
+    import lightning_memkit.estimate.step.runner as runner
 
     if (
         lever == "one-dispatch-layer"

@@ -24,8 +24,8 @@ from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.estimate import EstimateError
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepOps
-from lightning_memkit.estimate.step_accountant import StepAccountant
-from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

@@ -17,7 +17,7 @@ from lightning_memkit import estimate_memory
 from lightning_memkit.estimate.fake.known_values import known_value
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepOps
-from lightning_memkit.estimate.step_accountant import StepAccountant
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

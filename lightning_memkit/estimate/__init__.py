@@ -5,8 +5,8 @@ from lightning_memkit.accounting.categories import CATEGORIES
 from lightning_memkit.estimate.batches import NoBatchError
 from lightning_memkit.estimate.core import estimate_memory, measure_training_step
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView, CudaAllocatorModel
-from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
-from lightning_memkit.estimate.settings import reusing_fake_copies
+from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
 __all__ = [
     "AllocatorView",

@@ -2,7 +2,7 @@
 :func:`measure_training_step` measures the same step on a real copy, categorised the same way.
 
 Both run the same step code (forward, zero_grad, backward, optimizer step, in Lightning's order) on a *copy* of the
-module under the tensor accountant (estimate/runner.py), so the two numbers are comparable.
+module under the tensor accountant (estimate/step/runner.py), so the two numbers are comparable.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
-from lightning_memkit.estimate.runner import StepRequest, run
-from lightning_memkit.estimate.settings import accumulating, observing_ops, reusing_fake_copies
-from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.runner import StepRequest, run
+from lightning_memkit.estimate.step.settings import accumulating, observing_ops, reusing_fake_copies
 
 __all__ = [
     "estimate_memory",

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.core import estimate_memory
-from lightning_memkit.estimate.settings import preparing_copies
 from lightning_memkit.estimate.sharding import Sharding
+from lightning_memkit.estimate.step.settings import preparing_copies
 
 __all__ = ["fsdp2_estimate"]
 
@@ -57,7 +57,7 @@ def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
     with ``shard`` before the steps (and before the optimizer is made, as Lightning's ``configure_model`` runs
     before ``configure_optimizers``), and starts the peak after the sharding (set-up is not the step).
 
-    Through :func:`~lightning_memkit.estimate.settings.preparing_copies` (a context variable: concurrent
+    Through :func:`~lightning_memkit.estimate.step.settings.preparing_copies` (a context variable: concurrent
     estimates don't see it), which turns the reuse of fake copies off for the block (a sharded copy must not
     serve an unsharded estimate).
     """

@@ -19,9 +19,9 @@ from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.core import compiled_original, estimate_memory
 from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
-from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
-from lightning_memkit.estimate.runner import prepare_batch
-from lightning_memkit.estimate.settings import EstimateSettings, reusing_fake_copies
+from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.runner import prepare_batch
+from lightning_memkit.estimate.step.settings import EstimateSettings, reusing_fake_copies
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from lightning_memkit.estimate.batches import preserved_rng
-from lightning_memkit.estimate.settings import reusing_fake_copies
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import MIN_GAIN, choose, run_trials
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
 from lightning_memkit.plan.lightning_runs import TIMED_SECONDS, TIMED_STEPS, WARMUP_STEPS

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from lightning_memkit._lightning_compat import lightning_optimizers, manual_optimizers_and_schedulers
-from lightning_memkit.estimate.lightning_step import StepLoop, labelled_optimizer_step, use_foreach
-from lightning_memkit.estimate.result import EstimateError
-from lightning_memkit.estimate.step_accountant import StepAccountant
-from lightning_memkit.estimate.step_errors import hook
+from lightning_memkit.estimate.step.hook_errors import hook
+from lightning_memkit.estimate.step.lightning_step import StepLoop, labelled_optimizer_step, use_foreach
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 __all__ = ["ManualStrategy", "run_manual_steps"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_memkit.estimate.step_accountant import StepAccountant
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 __all__ = ["OffloadModel"]
 

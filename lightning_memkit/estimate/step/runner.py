@@ -28,20 +28,20 @@ from lightning_memkit.estimate.fake.copies import ReuseCache, cpu_fake, dismantl
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepMode, FakeStepOps
 from lightning_memkit.estimate.fake.tensors import keeps_real_values
-from lightning_memkit.estimate.lightning_step import (
+from lightning_memkit.estimate.step.hook_errors import HookFailed, failure
+from lightning_memkit.estimate.step.lightning_step import (
     StepLoop,
     default_loss,
     optimizer_factory,
     run_automatic_steps,
     step_autocast,
 )
-from lightning_memkit.estimate.manual_step import run_manual_steps
-from lightning_memkit.estimate.offload_model import OffloadModel
-from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
-from lightning_memkit.estimate.settings import EstimateSettings
-from lightning_memkit.estimate.step_accountant import StepAccountant
-from lightning_memkit.estimate.step_errors import HookFailed, failure
-from lightning_memkit.estimate.trainer_stand_in import attach_trainer, is_lightning_module
+from lightning_memkit.estimate.step.manual_step import run_manual_steps
+from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.offload_model import OffloadModel
+from lightning_memkit.estimate.step.settings import EstimateSettings
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
+from lightning_memkit.estimate.step.trainer_stand_in import attach_trainer, is_lightning_module
 from lightning_memkit.estimate.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode

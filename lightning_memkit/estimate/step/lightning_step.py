@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from lightning_memkit._torch_compat import tree_flatten
-from lightning_memkit.estimate.result import EstimateError
-from lightning_memkit.estimate.step_accountant import StepAccountant
-from lightning_memkit.estimate.step_errors import hook
-from lightning_memkit.estimate.trainer_stand_in import give_trainer_optimizers, is_lightning_module
+from lightning_memkit.estimate.step.hook_errors import hook
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
+from lightning_memkit.estimate.step.trainer_stand_in import give_trainer_optimizers, is_lightning_module
 
 __all__ = [
     "StepLoop",
