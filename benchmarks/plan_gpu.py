@@ -173,7 +173,7 @@ def plain_fits(ran: dict[int, bool]):
 
 
 def run_case(name: str, build, batch: int, budget: int, device: str, modes: str) -> dict:
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
     from lightning_memkit.plan.space import candidate_space
     from lightning_memkit.units import format_bytes
@@ -289,7 +289,7 @@ def parse_candidate(text: str):
 
 def time_rows(path: str, models: dict, device: str) -> None:
     """``--rows``: time the listed configurations of each model and budget, under the budget's cap."""
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.units import format_bytes
     from plan_choice import trial_figures as _trial
 

@@ -60,7 +60,7 @@ def main() -> int:
     warnings.simplefilter("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     import plan_choice as brute
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.plan.lightning_runs import timed_step as _timed_step
     from plan_choice import trial_figures as _trial
 

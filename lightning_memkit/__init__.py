@@ -27,7 +27,7 @@ from lightning_memkit.estimate import (
     model_state_bytes,
     predict_max_batch_size,
 )
-from lightning_memkit.estimate.worst_batch import WorstBatch, find_worst_batch
+from lightning_memkit.estimate.data.worst_batch import WorstBatch, find_worst_batch
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes import CheckpointBudget, Mode, apply_checkpointing, compare_modes, parse_mode
 from lightning_memkit.oom import is_out_of_memory

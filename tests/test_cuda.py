@@ -352,7 +352,7 @@ def test_one_fsdp2_rank_on_the_device_against_the_world_size_1_estimate(tmp_path
         "import torch, torch.distributed as dist\n"
         "from torch import nn\n"
         "from torch.distributed.fsdp import fully_shard\n"
-        "from lightning_memkit.estimate.distributed import estimate_distributed_memory\n"
+        "from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory\n"
         "from lightning_memkit.zoo import DemoTransformer\n"
         "name = torch.cuda.get_device_name(0).lower()\n"
         "gpu = next((g for g in ('h200', 'h100', 'a100', 'l4', 'v100') if g in name), None)\n"

@@ -22,7 +22,7 @@ from lightning_memkit import MemkitError
 BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.accounting.process._AccountantError": Exception,
     "lightning_memkit.cli.common.CliError": Exception,
-    "lightning_memkit.estimate.batches.NoBatchError": ValueError,
+    "lightning_memkit.estimate.data.batches.NoBatchError": ValueError,
     "lightning_memkit.estimate.predict.DoesNotFitError": ValueError,
     "lightning_memkit.estimate.step.memory_estimate.EstimateError": RuntimeError,
     "lightning_memkit.estimate.step.hook_errors.HookFailed": Exception,

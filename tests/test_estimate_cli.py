@@ -188,7 +188,7 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     import torch
 
     from lightning_memkit.estimate import reusing_fake_copies
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
     from lightning_memkit.zoo import DemoMLP
 
     module = DemoMLP(**WIDE)
@@ -272,7 +272,7 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
     rank's tensor difference (its shards and buffers), and the device needs add the CUDA context."""
     import torch
 
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
     from lightning_memkit.zoo import DemoMLP
 
     out_json = tmp_path / "ranks.json"
@@ -322,7 +322,7 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
 def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
     import torch
 
-    from lightning_memkit.estimate.sharding import STRATEGIES
+    from lightning_memkit.estimate.distributed.sharding import STRATEGIES
 
     base = ["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "1GiB"]
     cases = [

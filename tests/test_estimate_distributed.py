@@ -13,8 +13,8 @@ from torch import nn
 
 from conftest import read_scalars, run_script
 from lightning_memkit.estimate import estimate_memory
-from lightning_memkit.estimate.distributed import estimate_distributed_memory
-from lightning_memkit.estimate.sharding import (
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
+from lightning_memkit.estimate.distributed.sharding import (
     STRATEGIES,
     model_state_bytes,
     optimizer_state_bytes_per_parameter,

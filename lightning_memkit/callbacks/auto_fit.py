@@ -21,8 +21,8 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
-from lightning_memkit.estimate.batches import preserved_rng
 from lightning_memkit.estimate.cuda.kernels import GpuTarget
+from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
 from lightning_memkit.plan.planner import PlanError, plan_fit
 from lightning_memkit.plan.space import parse_plan_modes

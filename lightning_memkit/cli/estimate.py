@@ -25,9 +25,9 @@ from lightning_memkit.estimate import (
 )
 from lightning_memkit.estimate.core import reusing_fake_copies
 from lightning_memkit.estimate.cuda.kernels import GpuTarget
-from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
+from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
+from lightning_memkit.estimate.distributed.per_rank import STRATEGIES, sharding_of
 from lightning_memkit.estimate.predict import device_capacity_bytes
-from lightning_memkit.estimate.worst_batch import worst_batch_and_length
 from lightning_memkit.modes.mode import parse_modes
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes, parse_bytes

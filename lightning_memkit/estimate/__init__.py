@@ -2,9 +2,9 @@
 and the largest batch size predicted from a few estimates."""
 
 from lightning_memkit.accounting.categories import CATEGORIES
-from lightning_memkit.estimate.batches import NoBatchError
 from lightning_memkit.estimate.core import estimate_memory, measure_training_step
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView, CudaAllocatorModel
+from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
@@ -28,8 +28,8 @@ from lightning_memkit.estimate.predict import (  # noqa: E402
 )
 
 __all__ += ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "device_capacity_bytes", "predict_max_batch_size"]
-from lightning_memkit.estimate.distributed import DistributedEstimate, estimate_distributed_memory  # noqa: E402
-from lightning_memkit.estimate.sharding import (  # noqa: E402
+from lightning_memkit.estimate.distributed.per_rank import DistributedEstimate, estimate_distributed_memory  # noqa: E402
+from lightning_memkit.estimate.distributed.sharding import (  # noqa: E402
     STRATEGIES,
     ModelStates,
     Sharding,

@@ -60,7 +60,7 @@ def estimate_memory(
             ``datamodule`` or the module can produce, re-shaped to this size (its rows repeated or cut, largest
             first); ``None`` keeps the loader's size.
         batch: an example batch instead of the data's worst batch (re-shaped if ``batch_size`` is given), or a
-            :class:`~lightning_memkit.estimate.worst_batch.WorstBatch` from ``find_worst_batch`` (e.g. found with
+            :class:`~lightning_memkit.estimate.data.worst_batch.WorstBatch` from ``find_worst_batch`` (e.g. found with
             ``size_of=`` on a large dataset). Without it the batch is the worst the train dataloader can produce: its
             dataset's largest samples, collated by its own ``collate_fn`` (see ``find_worst_batch``), so the answer
             holds for every batch of the run; :attr:`MemoryEstimate.batch_note` says which batch it was.

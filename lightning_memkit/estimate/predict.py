@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate.batches import batch_size_of
 from lightning_memkit.estimate.core import compiled_original, estimate_memory
-from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
+from lightning_memkit.estimate.data.batches import batch_size_of
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory, sharding_of
 from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
 from lightning_memkit.estimate.step.runner import prepare_batch
 from lightning_memkit.estimate.step.settings import EstimateSettings, reusing_fake_copies
@@ -194,14 +194,14 @@ def predict_max_batch_size(
             ``measure_training_step``).
         strategy, world_size: the largest batch *per rank* under a multi-device strategy on ``world_size``
             ranks (``"ddp"``, ``"model_parallel"``, ``"fsdp"``, ``"deepspeed_stage_2"``...; see
-            :func:`~lightning_memkit.estimate.distributed.estimate_distributed_memory`, whose own arguments
+            :func:`~lightning_memkit.estimate.distributed.per_rank.estimate_distributed_memory`, whose own arguments
             such as ``wrap=`` go in ``estimate_kwargs``): each size is one rank's estimate, one fake step per
             rank role, and ``device_memory`` is one device's memory.
         datamodule: a LightningDataModule whose train dataloader gives the batch (default: the module's own).
 
     Without ``batch=``, every size is estimated on the data's worst batch (the largest samples the train dataloader's
     dataset holds, collated by its own ``collate_fn``: see
-    :func:`~lightning_memkit.estimate.worst_batch.find_worst_batch`),
+    :func:`~lightning_memkit.estimate.data.worst_batch.find_worst_batch`),
     so the answer holds for the largest batch the data can produce; :attr:`BatchSizePrediction.batch_shapes` and
     ``batch_note`` say which batch it was.
 

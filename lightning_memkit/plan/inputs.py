@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_memkit._lightning_compat import attached_trainer
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of
-from lightning_memkit.estimate.worst_batch import WorstBatch, worst_batch_and_length
+from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of
+from lightning_memkit.estimate.data.worst_batch import WorstBatch, worst_batch_and_length
 from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
 from lightning_memkit.plan.result import PlanError

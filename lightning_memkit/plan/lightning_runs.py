@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning_utilities.core import rank_zero
 
 from lightning_memkit._lightning_compat import attached_trainer
-from lightning_memkit.estimate.batches import preserved_rng, rebatch
+from lightning_memkit.estimate.data.batches import preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import MIN_GAIN, choose, run_trials
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings

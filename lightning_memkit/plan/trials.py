@@ -17,7 +17,7 @@ import torch
 
 from lightning_memkit.compiled import compiled_parts
 from lightning_memkit.compiled._torch_compat import reset_compiled
-from lightning_memkit.estimate.batches import preserved_rng, rebatch
+from lightning_memkit.estimate.data.batches import preserved_rng, rebatch
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan import cuda_trial
 from lightning_memkit.plan.cuda_trial import cuda_device, release

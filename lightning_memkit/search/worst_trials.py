@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.estimate.worst_batch import WorstBatch, batch_nbytes, batch_shapes, find_worst_batch
+from lightning_memkit.estimate.data.worst_batch import WorstBatch, batch_nbytes, batch_shapes, find_worst_batch
 
 __all__ = ["worst_of_fit", "worst_loader", "BatchRecorder"]
 

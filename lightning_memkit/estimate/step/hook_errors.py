@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_memkit._user_code import is_user_file
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate.batches import NoBatchError
+from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 
 __all__ = ["HookFailed", "hook", "failure", "DATA_DEPENDENT_ADVICE", "DATA_DEPENDENT_HINT"]

@@ -49,7 +49,7 @@ class MemoryEstimate:
             which counts the device.
         batch_shapes: the shapes of the batch the step ran on, e.g. ``input_ids (817, 256), labels (817,)``.
         batch_note: which batch that is and what the answer holds for: the data's worst batch (every sample sized,
-            see :func:`~lightning_memkit.estimate.worst_batch.find_worst_batch`), a subset's, the batch given, or
+            see :func:`~lightning_memkit.estimate.data.worst_batch.find_worst_batch`), a subset's, the batch given, or
             the batch seen where the data cannot be enumerated (an iterable dataset).
     """
 

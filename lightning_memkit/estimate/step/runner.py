@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from lightning_memkit._torch_compat import tree_flatten, tree_map
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
 from lightning_memkit.estimate.cuda.caching_allocator import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -24,6 +23,8 @@ from lightning_memkit.estimate.cuda.caching_allocator import (
     CudaAllocatorModel,
 )
 from lightning_memkit.estimate.cuda.kernels import CudaKernels, cuda_target
+from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of, preserved_rng, rebatch
+from lightning_memkit.estimate.data.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.estimate.fake.copies import ReuseCache, cpu_fake, dismantle, fake_module, rebatched
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepMode, FakeStepOps
@@ -42,7 +43,6 @@ from lightning_memkit.estimate.step.offload_model import OffloadModel
 from lightning_memkit.estimate.step.settings import EstimateSettings
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
 from lightning_memkit.estimate.step.trainer_stand_in import attach_trainer, is_lightning_module
-from lightning_memkit.estimate.worst_batch import WorstBatch, batch_shapes, worst_batch_and_length
 from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, offload_suspended
@@ -167,7 +167,7 @@ def _prepare_batch(request: StepRequest, cache: ReuseCache | None) -> tuple[Any,
 def prepare_batch(
     module: nn.Module, batch: Any, batch_size: int | None, datamodule: Any, cache: ReuseCache | None
 ) -> tuple[Any, int | None, str]:
-    """Check the arguments; returns the batch (the data's worst batch if not given, see estimate/worst_batch.py),
+    """Check the arguments; returns the batch (the data's worst batch if not given, see estimate/data/worst_batch.py),
     the loader's length in batches, and a note saying which batch it is and what the answer holds for. With
     ``cache`` (a ``reusing_fake_copies()`` block's) the batch of a module and datamodule is found once."""
     if not isinstance(module, nn.Module):

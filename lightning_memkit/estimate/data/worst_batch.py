@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_memkit._torch_compat import keystr, tree_flatten, tree_flatten_with_path
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
+from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of, preserved_rng, train_loader_and_length
 
 __all__ = [
     "BatchSource",
@@ -426,7 +426,7 @@ def worst_batch_and_length(
     the loader's length in batches (``None`` when it has none). RNG states are untouched.
 
     Raises:
-        NoBatchError: as :func:`~lightning_memkit.estimate.batches.sample_batch_and_length`.
+        NoBatchError: as :func:`~lightning_memkit.estimate.data.batches.sample_batch_and_length`.
     """
     with preserved_rng():
         loader, batches = train_loader_and_length(module, datamodule)

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.core import estimate_memory
-from lightning_memkit.estimate.sharding import Sharding
+from lightning_memkit.estimate.distributed.sharding import Sharding
 from lightning_memkit.estimate.step.settings import preparing_copies
 
 __all__ = ["fsdp2_estimate"]

@@ -16,8 +16,8 @@ from typing import Any
 from torch import nn
 
 from lightning_memkit.estimate.core import estimate_memory
-from lightning_memkit.estimate.fsdp2 import fsdp2_estimate
-from lightning_memkit.estimate.sharding import (
+from lightning_memkit.estimate.distributed.fsdp2 import fsdp2_estimate
+from lightning_memkit.estimate.distributed.sharding import (
     STRATEGIES,
     ModelStates,
     Sharding,
@@ -31,7 +31,7 @@ from lightning_memkit.units import format_bytes
 __all__ = [
     "DistributedEstimate",
     "estimate_distributed_memory",
-    # re-exported from estimate/sharding.py: this module's documented surface (docs/distributed.md, the CLI, the tests)
+    # re-exported from sharding.py: this module's documented surface (docs/distributed.md, the CLI, the tests)
     "STRATEGIES",
     "ModelStates",
     "Sharding",
