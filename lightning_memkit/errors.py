@@ -1,7 +1,7 @@
 """The root of memkit's exceptions: every exception class memkit defines is a :class:`MemkitError`.
 
 This module owns only that root. Each error lives beside the code that raises it (``PlanError`` in
-``plan/planner.py``, ``EstimateError`` in ``estimate/core.py``, ...) and subclasses ``MemkitError`` *and* the
+``plan/planner.py``, ``EstimateError`` in ``estimate/api.py``, ...) and subclasses ``MemkitError`` *and* the
 builtin it always had (``ValueError``, ``RuntimeError``, ``torch.OutOfMemoryError``), so ``except ValueError``
 keeps working and ``except MemkitError`` catches memkit's own errors (a bad argument to a function is still a
 plain ``ValueError`` or ``TypeError``, as Python's own are). It imports nothing, so every layer of the package

@@ -23,7 +23,7 @@ BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.accounting.process._AccountantError": Exception,
     "lightning_memkit.cli.common.CliError": Exception,
     "lightning_memkit.estimate.data.batches.NoBatchError": ValueError,
-    "lightning_memkit.estimate.predict.DoesNotFitError": ValueError,
+    "lightning_memkit.estimate.largest_batch.DoesNotFitError": ValueError,
     "lightning_memkit.estimate.step.memory_estimate.EstimateError": RuntimeError,
     "lightning_memkit.estimate.step.hook_errors.HookFailed": Exception,
     "lightning_memkit.modes.checkpoint_measure.MeasureError": RuntimeError,
@@ -79,7 +79,7 @@ def test_memkit_error_is_public_and_an_exception():
 
 def test_except_clauses_written_for_the_builtin_bases_still_catch():
     from lightning_memkit import BudgetExceededError, PlanError, is_out_of_memory
-    from lightning_memkit.estimate.core import EstimateError
+    from lightning_memkit.estimate.api import EstimateError
 
     with pytest.raises(ValueError, match="give a budget"):
         raise PlanError("give a budget")

@@ -308,7 +308,7 @@ def test_ddp_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(tmp
 def test_predict_max_batch_size_per_rank_under_a_strategy():
     """The largest per-rank batch under DDP and FSDP2 on 4 ranks in 8 MB: each size is one rank's estimate;
     the answer fits and one more sample does not; FSDP2's sharded states leave room for a larger batch."""
-    from lightning_memkit.estimate.predict import predict_max_batch_size
+    from lightning_memkit.estimate.largest_batch import predict_max_batch_size
 
     model = DemoTransformer(dropout=0.0, layers=2, d_model=64, dim_feedforward=128, seq_len=32)
     budget = 8_000_000

@@ -124,7 +124,7 @@ def test_an_estimate_of_a_module_with_torchmetrics_prints_no_library_warning_and
 
 
 def test_a_compiled_lightning_module_is_estimated_as_its_eager_program_with_a_note():
-    from lightning_memkit.estimate.core import COMPILED_NOTE, compiled_original
+    from lightning_memkit.estimate.api import COMPILED_NOTE, compiled_original
 
     module = MetricModule()
     compiled = torch.compile(module)  # Trainer.fit takes it; compiling happens at the first call only

@@ -21,7 +21,7 @@ from torch import nn
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
-from lightning_memkit.estimate.core import EstimateError, estimate_memory
+from lightning_memkit.estimate.api import EstimateError, estimate_memory
 from lightning_memkit.modes.checkpointing import CheckpointBudget
 from lightning_memkit.modes.mode import Mode, parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, apply_offload

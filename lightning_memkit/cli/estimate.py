@@ -23,11 +23,11 @@ from lightning_memkit.estimate import (
     estimate_memory,
     predict_max_batch_size,
 )
-from lightning_memkit.estimate.core import reusing_fake_copies
+from lightning_memkit.estimate.api import reusing_fake_copies
 from lightning_memkit.estimate.cuda.kernels import GpuTarget
 from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
 from lightning_memkit.estimate.distributed.per_rank import STRATEGIES, sharding_of
-from lightning_memkit.estimate.predict import device_capacity_bytes
+from lightning_memkit.estimate.largest_batch import device_capacity_bytes
 from lightning_memkit.modes.mode import parse_modes
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes, parse_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.api import DATA_DEPENDENT_ADVICE
 from lightning_memkit.estimate.cuda.kernels import GpuTarget
 
 __all__ = ["KERNELS_PREFIX", "in_cli_terms", "kernels_and_notes", "target_words"]

@@ -2,7 +2,7 @@
 and the largest batch size predicted from a few estimates."""
 
 from lightning_memkit.accounting.categories import CATEGORIES
-from lightning_memkit.estimate.core import estimate_memory, measure_training_step
+from lightning_memkit.estimate.api import estimate_memory, measure_training_step
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView, CudaAllocatorModel
 from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
@@ -19,7 +19,7 @@ __all__ = [
     "measure_training_step",
     "reusing_fake_copies",
 ]
-from lightning_memkit.estimate.predict import (  # noqa: E402
+from lightning_memkit.estimate.largest_batch import (  # noqa: E402
     AffineGrowth,
     BatchSizePrediction,
     DoesNotFitError,

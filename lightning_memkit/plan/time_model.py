@@ -2,7 +2,7 @@
 overhead.
 
 The estimate's fake step (:func:`~lightning_memkit.estimate.estimate_memory`) runs every op of a training step on
-fake tensors; :class:`OpCosts` listens to those ops (:func:`~lightning_memkit.estimate.core.observing_ops`) in the
+fake tensors; :class:`OpCosts` listens to those ops (:func:`~lightning_memkit.estimate.api.observing_ops`) in the
 same fake step that gives the memory, and keeps, for the steady-state step (the second), each op's FLOPs (torch's
 own formulas, ``torch.utils.flop_counter``), bytes moved (inputs + outputs; a view moves none) and dtype, split into
 the per-micro-batch part (forward, backward and the recompute of checkpointed regions, which reruns inside the
@@ -133,7 +133,7 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
 
 
 class OpCosts:
-    """The ops of one fake step, as a listener for :func:`~lightning_memkit.estimate.core.observing_ops`.
+    """The ops of one fake step, as a listener for :func:`~lightning_memkit.estimate.api.observing_ops`.
 
     Keeps the steady-state step's (the second step's) ops: :attr:`micro` (forward, backward, recompute; all the
     micro-batches the fake step ran: :attr:`micro_batches`) and :attr:`optimizer` (the optimizer step, once per step).

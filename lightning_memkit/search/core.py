@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate.predict import AffineGrowth
+from lightning_memkit.estimate.largest_batch import AffineGrowth
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
@@ -153,7 +153,7 @@ class BatchSizeSearch:
     Args:
         run_trial: ``batch_size -> Trial``; it must catch out-of-memory and return ``fits=False``.
         capacity_bytes: the memory the peaks are compared with (needed to use a model).
-        growth: the estimate's :class:`~lightning_memkit.estimate.predict.AffineGrowth`, if any.
+        growth: the estimate's :class:`~lightning_memkit.estimate.largest_batch.AffineGrowth`, if any.
         predicted: the estimate's predicted largest size (the first trial, a little below it).
         init_val: the first size tried (overrides ``predicted`` for the first trial).
         max_val: the largest size ever tried.

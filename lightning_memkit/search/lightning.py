@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.estimate.core import EstimateError
+from lightning_memkit.estimate.api import EstimateError
 from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.estimate.data.batches import preserved_rng
-from lightning_memkit.estimate.predict import predict_max_batch_size
+from lightning_memkit.estimate.largest_batch import predict_max_batch_size
 from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget

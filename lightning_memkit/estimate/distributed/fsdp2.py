@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.core import estimate_memory
+from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.distributed.sharding import Sharding
 from lightning_memkit.estimate.step.settings import preparing_copies
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memkit.estimate.core import estimate_memory
+from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.distributed.fsdp2 import fsdp2_estimate
 from lightning_memkit.estimate.distributed.sharding import (
     STRATEGIES,

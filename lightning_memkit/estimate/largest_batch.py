@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.estimate.core import compiled_original, estimate_memory
+from lightning_memkit.estimate.api import compiled_original, estimate_memory
 from lightning_memkit.estimate.data.batches import batch_size_of
 from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory, sharding_of
 from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
