@@ -119,7 +119,7 @@ def speed_section(repeats):
     """BERT-base-sized encoder at batch 32 (CUDA target): one estimate; and memkit estimate's work for five
     modes (an estimate and a prediction each) with a fresh fake copy per estimate vs reusing_fake_copies()."""
     from lightning_memkit.estimate import predict_max_batch_size
-    from lightning_memkit.estimate.api import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     bert = DemoTransformer(
         vocab_size=30522, d_model=768, nhead=12, layers=12, dim_feedforward=3072, seq_len=512, batch_size=32

@@ -269,7 +269,7 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
 
 def parse_candidate(text: str):
     """The :class:`~lightning_memkit.plan.space.Candidate` that ``Candidate.describe()`` wrote as ``text``."""
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
+    from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
     from lightning_memkit.plan.space import Candidate
 
     parts = text.split(", ")

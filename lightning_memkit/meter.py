@@ -15,9 +15,10 @@ import torch
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.compiled import NOT_SEEN_COMPILED
-from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes
+from lightning_memkit.probes import build_probes
+from lightning_memkit.probes.base import MemoryProbe, ProbeSet
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
-from lightning_memkit.probes.tensor import TENSOR_SCOPES
+from lightning_memkit.probes.tensor import TENSOR_SCOPES, TensorProbe
 from lightning_memkit.records import StepReading
 
 __all__ = ["MemoryMeter", "training_state_tensors"]

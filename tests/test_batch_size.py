@@ -295,7 +295,7 @@ def test_trials_run_in_the_checkpointing_mode_the_trainer_will_train_in(tmp_path
     """With ActivationCheckpointing on the Trainer, the trials (which run with no callbacks) wrap the
     module themselves: the answer is larger than without, and the module is unwrapped afterwards."""
     from lightning_memkit import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 
     def setup():
         torch.manual_seed(0)

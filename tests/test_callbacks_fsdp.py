@@ -308,7 +308,7 @@ def test_activation_checkpointing_steps_aside_for_a_model_that_checkpoints_itsel
 
     from conftest import LinearStack, make_trainer
     from lightning_memkit import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
     from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper
 
     class SelfCheckpointed(LinearStack):

@@ -207,7 +207,7 @@ def test_activation_checkpointing_on_a_model_that_checkpoints_itself_wraps_nothi
     """A forward that calls torch.utils.checkpoint itself was wrapped again ("activation memory 1.03 KiB
     -> 1.03 KiB (measured)"): each block recomputed twice for no saving. Now the measured plan that saves
     nothing is undone, with a warning, and training is the same as without the callback."""
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 
     wrapped_during_fit = []
 

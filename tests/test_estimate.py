@@ -476,7 +476,7 @@ def test_a_module_already_on_cuda_estimates_without_touching_the_device():
 def test_a_checkpointed_step_that_fails_leaves_the_reused_fake_copy_unwrapped():
     """The checkpointing wrappers come off the block's fake copy even when the step fails after wrapping it (here in
     the optimizer's construction), so the next estimate of the same copy is the plain step's."""
-    from lightning_memkit.estimate.api import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     module, data = _gpt()
     fresh = estimate_memory(module, 4, datamodule=data, device="cuda").to_dict()
@@ -493,7 +493,7 @@ def test_a_checkpointed_step_that_fails_leaves_the_reused_fake_copy_unwrapped():
 
 
 def test_the_fake_copy_is_reused_across_modes_and_sizes_and_gives_the_same_figures():
-    from lightning_memkit.estimate.api import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     module, data = _gpt()
     fresh = {

@@ -6,7 +6,7 @@ import json
 import re
 
 from lightning_memkit.cli import main
-from lightning_memkit.cli.estimate import KERNELS_PREFIX
+from lightning_memkit.cli.estimate_output import KERNELS_PREFIX
 from lightning_memkit.estimate import estimate_memory, predict_max_batch_size
 from lightning_memkit.units import format_bytes
 

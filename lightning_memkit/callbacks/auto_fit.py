@@ -21,10 +21,11 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
-from lightning_memkit.estimate.cuda.kernels import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 from lightning_memkit.estimate.data.batches import preserved_rng
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
-from lightning_memkit.plan.planner import PlanError, plan_fit
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy, normalize_policy
+from lightning_memkit.plan.planner import plan_fit
+from lightning_memkit.plan.result import PlanError
 from lightning_memkit.plan.space import parse_plan_modes
 from lightning_memkit.search.batch_guard import BatchGuard
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr

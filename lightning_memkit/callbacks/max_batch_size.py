@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
 from lightning_memkit.search.core import SearchError, SearchResult
 from lightning_memkit.search.lightning import search_in_fit

@@ -10,7 +10,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_memkit import LayerTrace, MemoryTracker, zoo
+from lightning_memkit import zoo
+from lightning_memkit.callbacks.layer_trace import LayerTrace
+from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.cli.common import CliError, build_trainer
 from lightning_memkit.units import format_bytes
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_memkit.estimate.api import DATA_DEPENDENT_ADVICE
-from lightning_memkit.estimate.cuda.kernels import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
 
 __all__ = ["KERNELS_PREFIX", "in_cli_terms", "kernels_and_notes", "target_words"]
 

@@ -32,7 +32,6 @@ from lightning_memkit._user_code import is_user_file
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.holder_paths import (
-    HOOK_DICTS,
     ROOT_KINDS,
     HolderPath,
     annotate,
@@ -44,16 +43,7 @@ from lightning_memkit.doctor.holder_paths import (
 from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.leaks import group_key
 
-__all__ = [
-    "HolderPath",
-    "HolderSearch",
-    "SearchStop",
-    "find_holders",
-    "user_roots",
-    "attach_holders",
-    "path_names",
-    "HOOK_DICTS",
-]
+__all__ = ["HolderSearch", "SearchStop", "find_holders", "user_roots", "attach_holders"]
 
 _DEAD_ENDS = (types.FrameType, types.ModuleType, type, types.CodeType, types.BuiltinFunctionType)
 

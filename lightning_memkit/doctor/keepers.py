@@ -55,7 +55,6 @@ from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.recorder import CreationRecorder
 from lightning_memkit.doctor.store_statements import (
     CODE_STATEMENTS,
-    STORE_METHODS,
     StoreStatement,
     code_statements,
     target_names,
@@ -63,7 +62,7 @@ from lightning_memkit.doctor.store_statements import (
 from lightning_memkit.doctor.stored_values import stored_tensors
 
 # STORE_METHODS and target_names live in store_statements.py; named here too, where the keeping line is decided
-__all__ = ["KeepTracer", "MAX_KEPT_AT", "STORE_METHODS", "keeping_frame", "target_names"]
+__all__ = ["KeepTracer", "MAX_KEPT_AT", "keeping_frame"]
 
 #: the most keeping lines remembered per storage
 MAX_KEPT_AT = 4

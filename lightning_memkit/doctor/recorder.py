@@ -34,7 +34,8 @@ from torch.nn.modules import module as module_hooks
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import storage_of
-from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance, force_eager
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.op_tracking import OpTracking

@@ -14,24 +14,10 @@ import torch
 from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
-from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.memory_estimate import MemoryEstimate
 from lightning_memkit.estimate.step.runner import StepRequest, run
-from lightning_memkit.estimate.step.settings import accumulating, observing_ops, reusing_fake_copies
 
-__all__ = [
-    "estimate_memory",
-    "measure_training_step",
-    "compiled_original",
-    "COMPILED_NOTE",
-    # re-exported: the planner, the batch-size search, the CLI and their tests import them from here
-    "MemoryEstimate",
-    "EstimateError",
-    "reusing_fake_copies",
-    "accumulating",
-    "observing_ops",
-    "DATA_DEPENDENT_ADVICE",
-]
+__all__ = ["estimate_memory", "measure_training_step", "compiled_original", "COMPILED_NOTE"]
 
 
 def estimate_memory(

@@ -18,7 +18,8 @@ from torch import nn
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.api import compiled_original, estimate_memory
 from lightning_memkit.estimate.data.batches import batch_size_of
-from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory, sharding_of
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
+from lightning_memkit.estimate.distributed.sharding import sharding_of
 from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
 from lightning_memkit.estimate.step.runner import prepare_batch
 from lightning_memkit.estimate.step.settings import EstimateSettings, reusing_fake_copies

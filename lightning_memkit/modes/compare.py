@@ -2,8 +2,7 @@
 accuracy side by side (returned, printed, CSV/JSON, figures, one TensorBoard run per mode).
 
 Each mode gets a fresh model and data from the factories, the same seed, and a MemoryTracker. The records
-(:class:`ModeResult`, :class:`CompareResult`, :func:`read_compare`) are in compare_result.py and importable
-from here too.
+(:class:`ModeResult`, :class:`CompareResult`, :func:`read_compare`) are in compare_result.py.
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ import torch
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.modes.compare_result import (
-    COMPARE_FORMAT,
     CompareResult,
     ModeResult,
     ModeStatus,
-    read_compare,
     write_tensorboard_summary,
 )
 from lightning_memkit.modes.devices import device_type
@@ -36,16 +33,7 @@ from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.timing import StepTimer, time_spread, within_noise
 from lightning_memkit.units import format_bytes
 
-__all__ = [
-    "COMPARE_FORMAT",
-    "ModeResult",
-    "CompareResult",
-    "ModeStatus",
-    "CheckpointWarning",
-    "compare_modes",
-    "read_compare",
-    "progress_line",
-]
+__all__ = ["CheckpointWarning", "compare_modes", "progress_line"]
 
 #: StepReading peak fields, best first: a mode's peak comes from the first one its readings have.
 PEAK_SOURCES = ("peak_allocated_bytes", "peak_tensor_bytes", "host_peak_rss_bytes")

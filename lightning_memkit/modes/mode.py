@@ -15,7 +15,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
+from lightning_memkit.modes.checkpoint_policy import describe_policy, normalize_policy
 from lightning_memkit.modes.devices import device_type as _device_type
 
 __all__ = [

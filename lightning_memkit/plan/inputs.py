@@ -19,7 +19,7 @@ from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, r
 from lightning_memkit.plan.result import PlanError
 from lightning_memkit.plan.space import Candidate, candidate_space, parse_plan_modes
 from lightning_memkit.plan.time_model import roofline_for
-from lightning_memkit.search.lightning import host_search_budget_bytes
+from lightning_memkit.search.trainer_state import host_search_budget_bytes
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MAX_TRIALS", "PlanInputs", "TrialSettings", "plan_device", "plan_inputs", "trial_settings"]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy
 from lightning_memkit.modes.mode import Mode, resolve_precision
 
 __all__ = [

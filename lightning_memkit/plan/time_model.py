@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_memkit._torch_compat import tree_flatten
-from lightning_memkit.estimate.cuda.kernels import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
 __all__ = ["Roofline", "ROOFLINES", "roofline_for", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.estimate.api import EstimateError
 from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.largest_batch import predict_max_batch_size
-from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
+from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.search.core import SearchError, SearchResult, Trial, TrialOutcome
@@ -42,14 +43,7 @@ from lightning_memkit.search.worst_trials import BatchRecorder, worst_loader, wo
 from lightning_memkit.units import format_bytes
 
 # the search's settings and errors are imported from here by the callbacks and users' code
-__all__ = [
-    "SearchConfig",
-    "search_in_fit",
-    "BatchSizeSearchError",
-    "check_searchable",
-    "cuda_capacity_bytes",
-    "host_search_budget_bytes",
-]
+__all__ = ["search_in_fit"]
 
 
 def _say(trainer: Any, text: str, verbose: bool) -> None:

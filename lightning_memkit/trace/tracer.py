@@ -36,7 +36,8 @@ from lightning_memkit.accounting.categories import (
     CategoryBreakdown,
     cuda_memory_extras,
 )
-from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions, force_eager
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, user_class
 from lightning_memkit.trace.module_hooks import ModuleHooks
 from lightning_memkit.trace.records import LayerTraceResult, TraceEvent

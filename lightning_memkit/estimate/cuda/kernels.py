@@ -25,19 +25,11 @@ from lightning_memkit.estimate.cuda.caching_allocator import (
     CudaAllocatorModel,
 )
 from lightning_memkit.estimate.cuda.functions import CudaFunctions
-from lightning_memkit.estimate.cuda.gpu_target import GPU_GENERATIONS, GpuTarget, cublas_workspace_bytes
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget, cublas_workspace_bytes
 from lightning_memkit.estimate.cuda.workspaces import CudaWorkspaces
 from lightning_memkit.units import KiB
 
-__all__ = [
-    "KERNEL_TABLE",
-    "KernelRow",
-    "CudaKernels",
-    "cuda_target",
-    # re-exported: the GPU an estimate is for, as callers name it (gpu= arguments, --gpu)
-    "GPU_GENERATIONS",
-    "GpuTarget",
-]
+__all__ = ["KERNEL_TABLE", "KernelRow", "CudaKernels", "cuda_target"]
 
 
 @dataclass(frozen=True)

@@ -18,27 +18,13 @@ from torch import nn
 from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.distributed.fsdp2 import fsdp2_estimate
 from lightning_memkit.estimate.distributed.sharding import (
-    STRATEGIES,
-    ModelStates,
     Sharding,
-    model_state_bytes,
-    optimizer_state_bytes_per_parameter,
     sharding_of,
 )
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 
-__all__ = [
-    "DistributedEstimate",
-    "estimate_distributed_memory",
-    # re-exported from sharding.py: this module's documented surface (docs/distributed.md, the CLI, the tests)
-    "STRATEGIES",
-    "ModelStates",
-    "Sharding",
-    "model_state_bytes",
-    "optimizer_state_bytes_per_parameter",
-    "sharding_of",
-]
+__all__ = ["DistributedEstimate", "estimate_distributed_memory"]
 
 
 @dataclass
