@@ -42,8 +42,8 @@ for _name in (
 
 from lightning_memkit.callbacks.max_batch_size import find_max_batch_size  # noqa: E402
 from lightning_memkit.estimate import estimate_memory, measure_training_step  # noqa: E402
+from lightning_memkit.search.batch_search import SearchError  # noqa: E402
 from lightning_memkit.search.budget import MemoryBudget  # noqa: E402
-from lightning_memkit.search.core import SearchError  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer, SyntheticDataModule  # noqa: E402
 

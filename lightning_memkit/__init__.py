@@ -18,7 +18,7 @@ from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.doctor.leaks import LeakWatcher
 from lightning_memkit.doctor.recorder import CreationRecorder
-from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.estimate.api import estimate_memory, measure_training_step
 from lightning_memkit.estimate.data.worst_batch import WorstBatch, find_worst_batch
@@ -29,7 +29,7 @@ from lightning_memkit.estimate.step.memory_estimate import MemoryEstimate
 from lightning_memkit.meter import MemoryMeter, training_state_tensors
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.modes.checkpointing import apply_checkpointing
-from lightning_memkit.modes.compare import compare_modes
+from lightning_memkit.modes.comparison import compare_modes
 from lightning_memkit.modes.mode import Mode, parse_mode
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan.planner import plan_fit
@@ -37,7 +37,7 @@ from lightning_memkit.plan.result import Plan, PlanError, PlanRow
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.records import RunSummary, StepReading
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
-from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
+from lightning_memkit.trace.trace_records import LayerTraceResult, TraceEvent
 from lightning_memkit.trace.tracer import LayerTracer, trace_step
 from lightning_memkit.units import format_bytes, parse_bytes
 

@@ -16,8 +16,8 @@ from lightning_memkit import is_out_of_memory
 from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.estimate import measure_training_step
 from lightning_memkit.estimate.largest_batch import AffineGrowth
+from lightning_memkit.search.batch_search import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
 
 FEATURES = 256

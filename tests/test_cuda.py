@@ -28,7 +28,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryMeter, MemoryTracker, zoo
-from lightning_memkit.modes.compare import compare_modes
+from lightning_memkit.modes.comparison import compare_modes
 from lightning_memkit.timing import StepTimer
 from live_tensors import describe, live_tensors
 

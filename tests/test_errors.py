@@ -34,7 +34,7 @@ BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.probes.base.ProbeUnavailable": RuntimeError,
     "lightning_memkit.report.sources.ReportInputError": Exception,
     "lightning_memkit.search.budget.BudgetExceededError": torch.OutOfMemoryError,
-    "lightning_memkit.search.core.SearchError": RuntimeError,
+    "lightning_memkit.search.batch_search.SearchError": RuntimeError,
     "lightning_memkit.search.searchable.BatchSizeSearchError": ValueError,
     "lightning_memkit.search.limits.TrialTooSlow": RuntimeError,
 }
@@ -101,7 +101,7 @@ def test_except_clauses_written_for_the_builtin_bases_still_catch():
 def test_a_memkit_error_is_an_out_of_memory_error_only_when_it_is_one_or_was_raised_from_one():
     from lightning_memkit import is_out_of_memory
     from lightning_memkit.modes.checkpoint_measure import MeasureError
-    from lightning_memkit.search.core import SearchError
+    from lightning_memkit.search.batch_search import SearchError
 
     # the search's verdict names memory in words; no allocation failed (MemoryTracker wrote an OOM report for it)
     assert not is_out_of_memory(SearchError("no batch size ran: the smallest tried, 1, ran out of memory"))

@@ -444,7 +444,7 @@ def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(c
 
 
 def test_the_search_summary_says_no_prediction_rather_than_none():
-    from lightning_memkit.search.core import SearchResult, Trial
+    from lightning_memkit.search.batch_search import SearchResult, Trial
 
     result = SearchResult(batch_size=8, trials=[Trial(8, True, 1024, 0.5)], reason="max_val")
     assert "None" not in result.table() and "no prediction" in result.table().splitlines()[0]

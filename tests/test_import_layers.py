@@ -27,7 +27,7 @@ ALLOWED_TO_IMPORT_CALLBACKS = (f"{PACKAGE}.callbacks", f"{PACKAGE}.cli")
 #: an entry that no longer exists fails it too, so the list only shrinks.
 TRAINER_BUILDING_EDGES: dict[tuple[str, str], str] = {
     (
-        f"{PACKAGE}.modes.compare",
+        f"{PACKAGE}.modes.comparison",
         f"{PACKAGE}.callbacks.memory_tracker",
     ): "compare_modes trains one Trainer per mode, each measured by a MemoryTracker",
     (

@@ -418,7 +418,7 @@ def test_files_go_to_the_logger_or_dirpath_never_unasked_into_the_working_direct
 
 
 def test_write_new_file_takes_the_first_free_version(tmp_path):
-    from lightning_memkit.trace.records import write_new_file
+    from lightning_memkit.trace.trace_records import write_new_file
 
     paths = [write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", str(i)) for i in range(3)]
     assert [os.path.basename(p) for p in paths] == [

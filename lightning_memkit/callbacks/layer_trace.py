@@ -23,7 +23,7 @@ from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES
 from lightning_memkit.tensorboard.dashboard import markdown_code, register_dashboard
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
-from lightning_memkit.trace.records import LayerTraceResult, trace_filename, write_new_file
+from lightning_memkit.trace.trace_records import LayerTraceResult, trace_filename, write_new_file
 from lightning_memkit.trace.tracer import LayerTracer
 from lightning_memkit.units import format_bytes
 

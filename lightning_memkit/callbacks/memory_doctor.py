@@ -24,7 +24,7 @@ from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.doctor.holders import user_roots
 from lightning_memkit.doctor.leaks import LeakReport, rising_floor
-from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.units import format_bytes
 

@@ -24,7 +24,6 @@ from lightning_memkit.callbacks._step_windows import StepWindows
 from lightning_memkit.callbacks._tracker_end import batch_search_note, ended_by, log_summary, write_oom_report
 from lightning_memkit.callbacks._tracker_rows import ReadingRows
 from lightning_memkit.compiled import compiled_parts
-from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.confirmed_leaks import LeakConfirmer, leak_warning
 from lightning_memkit.doctor.leaks import LeakReport
 from lightning_memkit.meter import MemoryMeter
@@ -32,6 +31,7 @@ from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.peak_steps import PeakSchedule
 from lightning_memkit.probes._torch_compat import start_memory_history, stop_memory_history
 from lightning_memkit.probes.base import MemoryProbe
+from lightning_memkit.rank_reduction import ReadingReducer
 from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, records_filename
 from lightning_memkit.summary_table import fit_ended, where_readings_went
 from lightning_memkit.tensorboard.dashboard import log_memory_summary, register_dashboard

@@ -115,7 +115,7 @@ def explain_peaks(summary, trace, trainer) -> str | None:
 
     Args:
         summary: MemoryTracker's :class:`~lightning_memkit.records.RunSummary` (bytes).
-        trace: the last :class:`~lightning_memkit.trace.records.LayerTraceResult`, or ``None``.
+        trace: the last :class:`~lightning_memkit.trace.trace_records.LayerTraceResult`, or ``None``.
         trainer: the fitted Trainer (its training dataset's tensors, when it holds them, are named in bytes).
 
     Returns:

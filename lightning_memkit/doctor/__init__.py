@@ -7,7 +7,7 @@ from lightning_memkit.doctor.graphs import GraphHolder, GraphLeakReport, count_k
 from lightning_memkit.doctor.leaks import CreatorGroup, LeakReport, LeakWatcher, group_by_creator
 from lightning_memkit.doctor.liveness import PEAK_PARTS, LivenessReport, analyse_liveness
 from lightning_memkit.doctor.recorder import CreationRecorder, creation_of
-from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 
 __all__ = [
     "Creation",

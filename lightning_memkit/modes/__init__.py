@@ -10,8 +10,8 @@ from lightning_memkit.modes.checkpoint_plan import CheckpointPlan, CheckpointSeg
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, find_repeated_blocks, parse_budget
 from lightning_memkit.modes.checkpoint_wrap import CheckpointHandle
 from lightning_memkit.modes.checkpointing import apply_checkpointing, plan_checkpointing
-from lightning_memkit.modes.compare import compare_modes
 from lightning_memkit.modes.compare_result import CompareResult, ModeResult, read_compare
+from lightning_memkit.modes.comparison import compare_modes
 from lightning_memkit.modes.mode import Mode, parse_mode, parse_modes, resolve_precision
 
 __all__ = [

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from lightning_memkit.report.render import Report, ReportFigure, build_report
+from lightning_memkit.report.html_report import Report, ReportFigure, build_report
 from lightning_memkit.report.sources import ReportInputError, ReportSources, find_sources
 
 __all__ = [

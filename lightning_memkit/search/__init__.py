@@ -4,7 +4,7 @@ out-of-memory error, and the Lightning trial runner behind MaxBatchSize / find_m
 This layer never imports lightning_memkit.callbacks: the callback passes the search what it needs
 (the checkpointing policy the trials train with), and ``find_max_batch_size`` lives beside the callback."""
 
+from lightning_memkit.search.batch_search import BatchSizeSearch, SearchError, SearchResult, Trial
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
 
 __all__ = ["BatchSizeSearch", "BudgetExceededError", "MemoryBudget", "SearchError", "SearchResult", "Trial"]

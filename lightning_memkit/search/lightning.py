@@ -22,8 +22,8 @@ from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.oom import is_out_of_memory
+from lightning_memkit.search.batch_search import SearchError, SearchResult, Trial, TrialOutcome
 from lightning_memkit.search.budget import MemoryBudget
-from lightning_memkit.search.core import SearchError, SearchResult, Trial, TrialOutcome
 from lightning_memkit.search.limits import BoundedSearch, TrialLimits, TrialTooSlow
 from lightning_memkit.search.ranks import Outcomes, rank_local, step_communicates
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig, _lightning_setattr, check_searchable

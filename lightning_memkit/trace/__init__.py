@@ -3,7 +3,7 @@
 ``LayerTracer``/``trace_step`` record; ``LayerTraceResult`` holds; trace/render.py shows.
 """
 
-from lightning_memkit.trace.records import (
+from lightning_memkit.trace.trace_records import (
     MODULE_PHASES,
     STEP_PHASES,
     TRACE_FORMAT,

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_memkit._version import __version__
-from lightning_memkit.doctor.report import DoctorReport
+from lightning_memkit.doctor.verdict import DoctorReport
 from lightning_memkit.modes.compare_result import ModeStatus, read_compare
 from lightning_memkit.records import MEMORY_FIELDS, RunSummary, StepReading
 from lightning_memkit.report.sources import CompareFile, DoctorFile, OomFile, ReportSources, RunRecords, TraceFile
 from lightning_memkit.summary_table import format_summary, format_table
 from lightning_memkit.tensorboard.dashboard import device_table
 from lightning_memkit.tensorboard.figures import compare_figures, figure_png, memory_per_step_figure
-from lightning_memkit.trace.records import LayerTraceResult
+from lightning_memkit.trace.trace_records import LayerTraceResult
 from lightning_memkit.units import MiB
 
 __all__ = ["ReportFigure", "Report", "build_report", "readings_table"]
