@@ -17,11 +17,19 @@ from typing import Any
 
 import torch
 
+from lightning_memkit._lightning_compat import log_dir, logging_step
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.probes._torch_compat import dump_memory_snapshot
 from lightning_memkit.records import RunSummary, StepReading
 
-__all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report", "OomMoment", "write_run_oom_report"]
+__all__ = [
+    "is_out_of_memory",
+    "largest_live_tensors",
+    "write_oom_report",
+    "OomMoment",
+    "write_run_oom_report",
+    "write_fit_oom_report",
+]
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
@@ -179,3 +187,33 @@ def write_run_oom_report(
         "cuda_snapshot": snapshot_path,
     }
     return write_oom_report(stem + ".json", payload, error)
+
+
+def write_fit_oom_report(
+    trainer: Any,
+    oom_dir: str | os.PathLike | None,
+    summary: RunSummary,
+    history: Sequence[StepReading],
+    reading: StepReading | None,
+    exception: BaseException,
+    snapshot: bool,
+) -> str | None:
+    """Write the OOM report into ``oom_dir`` (default: the first logger's log dir) and warn where it is; ``None``,
+    with a warning, when it cannot be written. ``reading``: the failed step's, closed at the failure."""
+    # deferred: is_out_of_memory serves code that runs without Lightning; only a fit's report warns through it
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    directory = oom_dir or log_dir(trainer)
+    moment = OomMoment(
+        step=logging_step(trainer),
+        global_step=trainer.global_step,
+        epoch=trainer.current_epoch,
+        rank=trainer.global_rank,
+    )
+    try:
+        path = write_run_oom_report(directory, moment, summary, history, reading, exception, snapshot=snapshot)
+        rank_zero_warn(f"memkit: out of memory at step {moment.step}; report written to {path}")
+    except OSError as error:
+        rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")
+        return None
+    return path
