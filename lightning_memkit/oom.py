@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_memkit._lightning_compat import log_dir, logging_step
+from lightning_memkit._lightning_compat import logging_step
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.probes._torch_compat import dump_memory_snapshot
 from lightning_memkit.records import RunSummary, StepReading
@@ -191,19 +191,19 @@ def write_run_oom_report(
 
 def write_fit_oom_report(
     trainer: Any,
-    oom_dir: str | os.PathLike | None,
+    directory: str,
     summary: RunSummary,
     history: Sequence[StepReading],
     reading: StepReading | None,
     exception: BaseException,
     snapshot: bool,
 ) -> str | None:
-    """Write the OOM report into ``oom_dir`` (default: the first logger's log dir) and warn where it is; ``None``,
-    with a warning, when it cannot be written. ``reading``: the failed step's, closed at the failure."""
+    """Write a fit's OOM report into ``directory`` (MemoryTracker's ``oom_dir``, else the run's log dir), at the
+    trainer's step, and warn where it is; ``None``, with a warning, when it cannot be written. ``reading``: the failed
+    step's, closed at the failure."""
     # deferred: is_out_of_memory serves code that runs without Lightning; only a fit's report warns through it
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    directory = oom_dir or log_dir(trainer)
     moment = OomMoment(
         step=logging_step(trainer),
         global_step=trainer.global_step,

@@ -326,7 +326,7 @@ def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_estim
 def test_the_stand_in_trainer_answers_like_a_trainer():
     import lightning.pytorch as pl
 
-    from lightning_memkit._lightning_compat import StandInTrainer
+    from lightning_memkit.estimate.step.trainer_stand_in import StandInTrainer
 
     seen = {}
 

@@ -79,7 +79,7 @@ def test_wrappers_fall_back_when_the_internals_are_missing():
 def test_the_stand_in_trainer_answers_what_a_real_trainer_answers(tmp_path):
     """estimated_stepping_batches (and the settings it reads) of a real fit, against the estimate's stand-in
     built from the same settings, for epochs-, steps- and accumulation-bound runs."""
-    from lightning_memkit._lightning_compat import StandInTrainer
+    from lightning_memkit.estimate.step.trainer_stand_in import StandInTrainer
 
     class Read(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
@@ -272,3 +272,17 @@ def test_attached_trainer_is_the_trainer_a_fit_attached_and_none_before_and_afte
     assert attached_trainer(module) is trainer and module.trainer is trainer
     module.trainer = None
     assert attached_trainer(module) is None
+
+
+def test_the_compat_module_lists_every_public_definition_and_only_them():
+    """``__all__`` of _lightning_compat.py is its table of contents: every private access it wraps, by name."""
+    import ast
+    import inspect
+
+    import lightning_memkit._lightning_compat as compat
+
+    tree = ast.parse(inspect.getsource(compat))
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    public = {name for name in defined if not name.startswith("_")}
+    assert sorted(compat.__all__) == sorted(public)

@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_memkit._lightning_compat import forget_model_logging
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks import _tracker_arguments as arguments
-from lightning_memkit.callbacks._files import file_target, logging_loggers
+from lightning_memkit.callbacks._files import file_target, log_dir, logging_loggers
 from lightning_memkit.callbacks._step_windows import StepWindows
 from lightning_memkit.compiled import compiled_parts
 from lightning_memkit.doctor.confirmed_leaks import LeakConfirmer, leak_warning
@@ -431,7 +431,13 @@ class MemoryTracker(Callback):
                 reading = meter.close()
         if is_out_of_memory(exception):
             written = write_fit_oom_report(
-                trainer, self.oom_dir, self.summary, self.history, reading, exception, self._history_recording
+                trainer,
+                self.oom_dir or log_dir(trainer),
+                self.summary,
+                self.history,
+                reading,
+                exception,
+                self._history_recording,
             )
             if written is not None:
                 self.oom_report_path = written

@@ -64,7 +64,7 @@ def estimate_memory(
             ``configure_optimizers`` / ``training_step`` answers with its ``max_steps``, ``max_epochs``,
             ``accumulate_grad_batches``, ``num_devices``... Default: the module's own trainer if it is
             attached to one, else what a default ``Trainer()`` would answer at the start of fit (see
-            :class:`~lightning_memkit._lightning_compat.StandInTrainer`).
+            :class:`~lightning_memkit.estimate.step.trainer_stand_in.StandInTrainer`).
 
     The module may live anywhere (CPU, CUDA, the meta device): the fake copy's parameters and the
     batch are CPU fakes of the same shapes and dtypes, so nothing is read from or allocated on the
