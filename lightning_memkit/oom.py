@@ -92,7 +92,7 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
     entry: ``nbytes`` (the storage's bytes), ``device``, ``shape``, ``dtype``, ``count`` (tensors on the
     storage), ``grad_fn`` (the autograd op that made it, ``""`` for a leaf), ``parameter`` (whether it is
     an ``nn.Parameter``), and ``made_by`` / ``where`` (aten op, module and the user's line) when a memory
-    doctor (:class:`~lightning_memkit.doctor.CreationRecorder`) saw it made. Never raises.
+    doctor (:class:`~lightning_memkit.doctor.recorder.CreationRecorder`) saw it made. Never raises.
     """
     try:
         # deferred: the doctor imports Lightning and torchmetrics (to know their files): only when a report is written

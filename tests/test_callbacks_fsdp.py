@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from conftest import read_scalars, run_process
-from lightning_memkit.trace import LayerTracer, read_trace
+from lightning_memkit.trace.trace_records import read_trace
+from lightning_memkit.trace.tracer import LayerTracer
 from lightning_memkit.units import MiB
 
 EXTRA_PER_SAMPLE = 1024  # float32 elements rank 1 alone holds per sample through its step: 4 KiB a sample

@@ -319,7 +319,7 @@ def test_memkit_report_rebuilds_a_csv_only_run_exactly_and_one_run_per_fit(tmp_p
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_memkit.cli import main
-    from lightning_memkit.report import find_sources
+    from lightning_memkit.report.sources import find_sources
 
     trackers = []
     for version, loggers in enumerate(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 from lightning_memkit.cli import main
 from lightning_memkit.cli.estimate_output import KERNELS_PREFIX
@@ -449,3 +451,24 @@ def test_the_search_summary_says_no_prediction_rather_than_none():
     result = SearchResult(batch_size=8, trials=[Trial(8, True, 1024, 0.5)], reason="max_val")
     assert "None" not in result.table() and "no prediction" in result.table().splitlines()[0]
     assert "predicted 12," in SearchResult(batch_size=8, predicted=12, reason="converged").table()
+
+
+#: what estimating a step needs none of: training callbacks, the planner, the batch-size search, the doctor, the
+#: layer trace, the report, the TensorBoard dashboard, the mode comparison
+NOT_FOR_AN_ESTIMATE = ("callbacks", "plan", "search", "doctor", "trace", "report", "tensorboard", "modes.comparison")
+
+
+def test_memkit_estimate_imports_what_estimating_needs_and_nothing_else():
+    """A fresh process runs ``memkit estimate --help`` (the estimate command's module and parser) and reads back the
+    memkit modules it loaded: the estimate's, none of the other commands'."""
+    code = (
+        "import sys\nfrom lightning_memkit.cli import main\ntry:\n    main(['estimate', '--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "print('MODULES', *sorted(m for m in sys.modules if m.startswith('lightning_memkit')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
+    loaded = run.stdout.split("MODULES", 1)[1].split()
+    assert "usage: memkit estimate" in run.stdout
+    assert {"lightning_memkit.cli.estimate", "lightning_memkit.estimate.step.runner"} <= set(loaded)
+    unneeded = [m for m in loaded if any(m.startswith(f"lightning_memkit.{part}") for part in NOT_FOR_AN_ESTIMATE)]
+    assert not unneeded, f"memkit estimate imports modules it does not use: {unneeded}"

@@ -20,8 +20,8 @@ from conftest import LinearStack, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
 from lightning_memkit.records import RECORDS_FILENAME, StepReading, read_records
-from lightning_memkit.report import find_sources
 from lightning_memkit.report.html_report import readings_table
+from lightning_memkit.report.sources import find_sources
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.units import MiB
 from test_dashboard import read_layouts

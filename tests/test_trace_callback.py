@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import LayerTrace, MemoryTracker
-from lightning_memkit.trace import TRACE_FORMAT, read_trace
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
+from lightning_memkit.trace.trace_records import TRACE_FORMAT, read_trace
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 MiB = 2**20

@@ -82,7 +82,7 @@ class ActivationCheckpointing(Callback):
     ``memory/checkpoint/activation_MiB`` (activation memory with checkpointing, exact).
 
     Attributes:
-        plan: the :class:`~lightning_memkit.modes.checkpointing.CheckpointPlan` once applied: names and
+        plan: the :class:`~lightning_memkit.modes.checkpoint_plan.CheckpointPlan` once applied: names and
             numbers only, so a callback kept after the fit holds no tensor of the model's.
     """
 

@@ -78,7 +78,7 @@ class AutoFit(Callback):
             side-by-side rounds only where they fit.
 
     Attributes:
-        plan: the :class:`~lightning_memkit.plan.planner.Plan` (``None`` before fit, and on a resumed fit).
+        plan: the :class:`~lightning_memkit.plan.result.Plan` (``None`` before fit, and on a resumed fit).
         applied: what this fit trains with: ``{"micro_batch": samples, "accumulate_grad_batches": n,
             "checkpoint": policy text ("auto", "budget=0.5", class paths) or None, "offload": bool, "precision": str}``
             (plain values only); kept in checkpoints, so a fit

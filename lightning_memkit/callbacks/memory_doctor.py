@@ -1,5 +1,5 @@
 """MemoryDoctor: find tensors that survive training steps (leaks), tensors held past their last use,
-and who made them. Thin wiring of :class:`~lightning_memkit.doctor.DoctorSession` to Lightning's hooks.
+and who made them. Thin wiring of :class:`~lightning_memkit.doctor.verdict.DoctorSession` to Lightning's hooks.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class MemoryDoctor(Callback):
             op-by-op record of the eager program. See docs/compile.md.
 
     Attributes:
-        report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
+        report: the :class:`~lightning_memkit.doctor.verdict.DoctorReport` (``None`` before the first step).
         report_path: ``<log_dir>/memkit_doctor.json`` written at fit end in the first logger's log dir;
             ``None`` without a logger (``logger=False``, ``fast_dev_run``): nothing lands in the working
             directory unasked, :attr:`report` has the verdict (``report.to_json(path)`` writes it).

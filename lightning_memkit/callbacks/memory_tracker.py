@@ -119,7 +119,7 @@ class MemoryTracker(Callback):
         prefix: the first part of every logged key. Several MemoryTrackers in one Trainer (say,
             one measuring every step and one with ``every_n_steps=100``) need different prefixes:
             the prefix also names the tracker's checkpoint state.
-        extra_probes: your own :class:`~lightning_memkit.probes.MemoryProbe` instances, read
+        extra_probes: your own :class:`~lightning_memkit.probes.base.MemoryProbe` instances, read
             with the built-in ones every measured step (a failing probe warns once and is
             switched off; training continues).
         verbose: print the summary table at fit end (global rank zero only).
@@ -140,7 +140,7 @@ class MemoryTracker(Callback):
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
         summary: the run's :class:`~lightning_memkit.records.RunSummary`.
         oom_report_path: the path of the OOM report, if one was written.
-        leak_report: the :class:`~lightning_memkit.doctor.LeakReport` of steady growth, once
+        leak_report: the :class:`~lightning_memkit.doctor.leaks.LeakReport` of steady growth, once
             found (``detect_leaks``), else ``None``.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
             which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other

@@ -334,7 +334,7 @@ class CreationRecorder(OpTracking):
     def watched_bytes_of(self, storages: Iterable[Any]) -> int:
         """Bytes of the distinct untyped ``storages`` that :attr:`live_bytes` counts, less training state and
         less what was alive before the run (:meth:`know_existing`): their part of what the leak rule watches
-        (see :meth:`~lightning_memkit.doctor.DoctorSession.watched_bytes`). A storage the recorder does not know
+        (see :meth:`~lightning_memkit.doctor.verdict.DoctorSession.watched_bytes`). A storage the recorder does not know
         counts 0 bytes."""
         seen: set[int] = set()
         total = 0

@@ -404,7 +404,7 @@ def compare_modes(
     Args:
         model_factory: returns a new LightningModule (called once per mode, after seeding).
         datamodule_factory: returns a new LightningDataModule, or ``None`` to use the module's own loaders.
-        modes: mode strings (see :func:`~lightning_memkit.modes.parse_mode`), a comma-separated string,
+        modes: mode strings (see :func:`~lightning_memkit.modes.mode.parse_mode`), a comma-separated string,
             or :class:`Mode` values. Ratios are taken against the first full-precision, non-checkpointed
             mode (``baseline``), else against the first mode.
         max_steps: training steps per mode; validation runs once at the end (``val_batches`` batches).

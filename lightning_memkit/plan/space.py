@@ -50,7 +50,8 @@ class Candidate:
             ``micro_batch * accumulation`` is the user's effective batch.
         precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
         checkpoint: ``None`` or what ``ActivationCheckpointing(policy=...)`` / ``apply_checkpointing`` accept
-            (``"auto"``, a :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`, a set of module classes).
+            (``"auto"``, a :class:`~lightning_memkit.modes.checkpoint_policy.CheckpointBudget`, a set of module
+            classes).
         offload: saved activations kept in pinned host memory (CUDA only).
     """
 

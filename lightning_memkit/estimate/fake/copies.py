@@ -18,9 +18,10 @@ __all__ = ["ReuseCache", "fake_module", "cpu_fake", "rebatched", "dismantle"]
 
 
 class ReuseCache:
-    """What estimates of the same module inside one :func:`~lightning_memkit.estimate.api.reusing_fake_copies` block
-    share: the fake copy of each module (made once, its gradients reset between estimates), each sampled batch, and
-    each estimate (the same question asked twice, a table then a prediction, gets the same answer)."""
+    """What estimates of the same module inside one
+    :func:`~lightning_memkit.estimate.step.settings.reusing_fake_copies` block share: the fake copy of each module
+    (made once, its gradients reset between estimates), each sampled batch, and each estimate (the same question
+    asked twice, a table then a prediction, gets the same answer)."""
 
     def __init__(self) -> None:
         #: id(module) -> (module, its session, its fake copy)
