@@ -42,8 +42,8 @@ for _name in (
 
 from lightning_memkit.callbacks.max_batch_size import find_max_batch_size  # noqa: E402
 from lightning_memkit.estimate import estimate_memory, measure_training_step  # noqa: E402
+from lightning_memkit.search.batch_search import SearchError  # noqa: E402
 from lightning_memkit.search.budget import MemoryBudget  # noqa: E402
-from lightning_memkit.search.core import SearchError  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer, SyntheticDataModule  # noqa: E402
 
@@ -119,7 +119,7 @@ def speed_section(repeats):
     """BERT-base-sized encoder at batch 32 (CUDA target): one estimate; and memkit estimate's work for five
     modes (an estimate and a prediction each) with a fresh fake copy per estimate vs reusing_fake_copies()."""
     from lightning_memkit.estimate import predict_max_batch_size
-    from lightning_memkit.estimate.core import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     bert = DemoTransformer(
         vocab_size=30522, d_model=768, nhead=12, layers=12, dim_feedforward=3072, seq_len=512, batch_size=32

@@ -25,7 +25,9 @@ import time
 import torch
 from torch import nn
 
-from lightning_memkit.doctor import CreationRecorder, LeakWatcher, count_kept_graph_nodes
+from lightning_memkit.doctor.graphs import count_kept_graph_nodes
+from lightning_memkit.doctor.leaks import LeakWatcher
+from lightning_memkit.doctor.recorder import CreationRecorder
 
 
 def main() -> None:

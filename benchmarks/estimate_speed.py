@@ -60,10 +60,10 @@ LEVERS = {
 # --------------------------------------------------------------------------------------------- child
 def _switch_off(lever: str) -> None:
     """Put back the behaviour before ``lever`` (this tree only)."""
-    import lightning_memkit.estimate.fake_copies as fake_copies
-    import lightning_memkit.estimate.fake_session as fake_session
-    import lightning_memkit.estimate.fake_step as fake_step
-    import lightning_memkit.estimate.runner as runner
+    import lightning_memkit.estimate.fake.copies as fake_copies
+    import lightning_memkit.estimate.fake.session as fake_session
+    import lightning_memkit.estimate.fake.step_ops as fake_step
+    import lightning_memkit.estimate.step.runner as runner
 
     if (
         lever == "one-dispatch-layer"

@@ -356,7 +356,7 @@ def _head_to_head(module, batch, chosen, best, rounds: int) -> float:
 
 
 def _case(name: str, make, label: str, budget: int, args) -> dict:
-    from lightning_memkit.estimate.worst_batch import worst_batch_and_length
+    from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
     from lightning_memkit.plan import plan_fit
 
     module = make()

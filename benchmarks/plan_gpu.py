@@ -153,7 +153,7 @@ def _cap(budget: int, cuda: bool) -> None:
     """A card of ``budget`` bytes: the allocator may use the budget less the CUDA context's allowance."""
     if not cuda:
         return
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget - CUDA_CONTEXT_BYTES) / total))
@@ -173,7 +173,7 @@ def plain_fits(ran: dict[int, bool]):
 
 
 def run_case(name: str, build, batch: int, budget: int, device: str, modes: str) -> dict:
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.plan import plan_fit
     from lightning_memkit.plan.space import candidate_space
     from lightning_memkit.units import format_bytes
@@ -269,7 +269,7 @@ def run_case(name: str, build, batch: int, budget: int, device: str, modes: str)
 
 def parse_candidate(text: str):
     """The :class:`~lightning_memkit.plan.space.Candidate` that ``Candidate.describe()`` wrote as ``text``."""
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
+    from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
     from lightning_memkit.plan.space import Candidate
 
     parts = text.split(", ")
@@ -289,7 +289,7 @@ def parse_candidate(text: str):
 
 def time_rows(path: str, models: dict, device: str) -> None:
     """``--rows``: time the listed configurations of each model and budget, under the budget's cap."""
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.units import format_bytes
     from plan_choice import trial_figures as _trial
 

@@ -38,7 +38,7 @@ def _make():
 
 
 def _worst(module):
-    from lightning_memkit.estimate.worst_batch import worst_batch_and_length
+    from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
 
     worst, _ = worst_batch_and_length(module, None)
     return worst

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def parse_candidate(text: str):
     """``8x2``, ``16x1:auto``, ``4x4:budget=0.5`` -> a Candidate."""
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
+    from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
     from lightning_memkit.plan.space import Candidate
 
     split, _, checkpoint = text.partition(":")
@@ -60,7 +60,7 @@ def main() -> int:
     warnings.simplefilter("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     import plan_choice as brute
-    from lightning_memkit.estimate.batches import sample_batch_and_length
+    from lightning_memkit.estimate.data.batches import sample_batch_and_length
     from lightning_memkit.plan.lightning_runs import timed_step as _timed_step
     from plan_choice import trial_figures as _trial
 

@@ -14,8 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from lightning_memkit.estimate import reusing_fake_copies
-from lightning_memkit.estimate.distributed import estimate_distributed_memory, model_state_bytes
+from lightning_memkit.estimate import estimate_distributed_memory, model_state_bytes, reusing_fake_copies
 from lightning_memkit.summary_table import format_table
 
 VOCAB, WIDTH, LAYERS, HEADS, SEQ, BATCH = 32_000, 2048, 20, 16, 1024, 4

@@ -25,8 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_memkit import MemoryDoctor
-from lightning_memkit.doctor import DoctorSession
+from lightning_memkit import DoctorSession, MemoryDoctor
 
 
 class LeakyRegressor(pl.LightningModule):

@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import os
 import types
 from typing import Any
 
 __all__ = [
-    "log_dir",
     "logging_step",
     "optimizer_steps_after_batch",
     "fsdp_activation_checkpointing_configured",
-    "StandInTrainer",
+    "forget_model_logging",
+    "fit_data_from_module",
+    "reload_train_dataloader",
+    "train_loader",
+    "use_train_loader",
+    "train_dataset_length",
+    "reset_fit_progress",
+    "manual_optimizers_and_schedulers",
+    "automatic_optimizers_and_schedulers",
+    "lightning_optimizers",
+    "tuner_exit_exception",
+    "clear_logged_results",
+    "no_per_step_sigterm_broadcast",
+    "loop_flags",
+    "set_loop_flags",
     "attach_stand_in_trainer",
     "attached_trainer",
     "copy_module",
+    "drop_train_data_fetcher",
+    "prefetched_batches",
+    "logged_metrics_state",
+    "restore_logged_metrics",
 ]
 
 
@@ -238,144 +253,7 @@ def set_loop_flags(loop: Any, flags: list[dict[str, Any]]) -> None:
             setattr(each, name, value)
 
 
-def log_dir(trainer: Any) -> str:
-    """Where memkit writes its files for this run: the first logger's ``log_dir``, else the
-    trainer's ``default_root_dir`` (public API; here so every callback picks the same place)."""
-    for logger in trainer.loggers:
-        directory = getattr(logger, "log_dir", None)
-        if directory:
-            return str(directory)
-    return str(trainer.default_root_dir)
-
-
-# ---------------------------------------------------------------------------- the estimate's stand-in trainer
-#: ``Trainer()``'s default epochs when neither ``max_epochs`` nor ``max_steps`` is given (Lightning's own default)
-DEFAULT_MAX_EPOCHS = 1000
-
-
-class StandInTrainer:
-    """What ``self.trainer`` answers while memkit estimates a step without a Trainer.
-
-    A LightningModule's ``configure_optimizers`` (and sometimes ``training_step``) reads the trainer:
-    ``self.trainer.estimated_stepping_batches`` to size a warm-up + cosine schedule, ``max_steps``,
-    ``max_epochs``, ``num_devices``, ``world_size``, ``precision``, ``global_step``, ``current_epoch``,
-    ``log_dir`` (a path; nothing is created there), and, once the estimate has called the module's own
-    ``configure_optimizers``, ``optimizers`` and ``lr_scheduler_configs`` (``self.lr_schedulers()``). The estimate
-    attaches this object to its *copy* of the module, never to the user's module. Values are those a
-    ``Trainer(**settings)`` would give at the start of ``fit`` (step 0, epoch 0, one device on rank 0),
-    or, when the module is attached to a real Trainer, read from it. Memory does not depend on these
-    values (a schedule's length changes no tensor), only on the code not failing: so where the train
-    loader's length is unknown, ``num_training_batches`` is 1 (``estimated_stepping_batches`` stays a
-    positive number that a ``OneCycleLR(total_steps=...)`` accepts).
-
-    An attribute it does not have raises an ``AttributeError`` that names it and says the estimate
-    runs without a Trainer.
-    """
-
-    def __init__(
-        self,
-        *,
-        max_steps: int = -1,
-        max_epochs: int | None = None,
-        num_training_batches: int | float = 1,
-        accumulate_grad_batches: int = 1,
-        num_devices: int = 1,
-        num_nodes: int = 1,
-        precision: str = "32-true",
-        datamodule: Any = None,
-        lightning_module: Any = None,
-        log_dir: str | None = None,
-    ) -> None:
-        if max_epochs is None:
-            max_epochs = DEFAULT_MAX_EPOCHS if max_steps == -1 else -1
-        self.max_steps = max_steps
-        self.max_epochs = max_epochs
-        self.num_training_batches = num_training_batches
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.num_devices = num_devices
-        self.num_nodes = num_nodes
-        self.world_size = num_devices * num_nodes
-        self.precision = precision
-        self.datamodule = datamodule
-        self.lightning_module = lightning_module
-        self.global_step = 0
-        self.current_epoch = 0
-        self.global_rank = 0
-        self.local_rank = 0
-        self.node_rank = 0
-        self.is_global_zero = True
-        self.training = True
-        self.sanity_checking = False
-        self.fast_dev_run = False
-        self.testing = self.validating = self.predicting = False
-        self.logger = None
-        self.loggers: list[Any] = []
-        self.callbacks: list[Any] = []
-        self.optimizers: list[Any] = []
-        self.lr_scheduler_configs: list[Any] = []
-        self.gradient_clip_val = None
-        self.gradient_clip_algorithm = None
-        # what Trainer() would give (its default logger's directory); a path, nothing is created there
-        self.log_dir = log_dir if log_dir is not None else os.path.join(os.getcwd(), "lightning_logs", "version_0")
-        self.default_root_dir = os.getcwd()
-        self.limit_train_batches = 1.0
-        self.val_check_interval = 1.0
-        self.check_val_every_n_epoch = 1
-        self.log_every_n_steps = 50
-
-    @property
-    def estimated_stepping_batches(self) -> int | float:
-        """As ``Trainer.estimated_stepping_batches``: optimizer steps in the whole fit."""
-        if self.max_epochs == -1:
-            return float("inf") if self.max_steps == -1 else self.max_steps
-        total = self.num_training_batches
-        if total == float("inf"):
-            return self.max_steps
-        steps = math.ceil(total / self.accumulate_grad_batches) * max(self.max_epochs, 1)
-        return min(steps, self.max_steps) if self.max_steps != -1 else steps
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"self.trainer.{name}: memkit estimates the step without a Trainer, and its stand-in trainer "
-            f"answers only what configure_optimizers and training_step usually read (estimated_stepping_batches, "
-            f"max_steps, max_epochs, num_devices, world_size, precision, global_step, current_epoch, ...); "
-            f"pass loss_fn= / optimizer= to estimate_memory to avoid reading trainer.{name}"
-        )
-
-    @classmethod
-    def like(cls, trainer: Any, **defaults: Any) -> StandInTrainer:
-        """A stand-in with the settings of ``trainer`` (a real, possibly unattached, ``Trainer``); each
-        setting it cannot read keeps its default. ``defaults`` (e.g. ``num_training_batches``) fill the rest."""
-        settings = dict(defaults)
-        if trainer is not None:
-            for name, read in (
-                ("max_steps", lambda t: t.max_steps),
-                ("max_epochs", lambda t: t.max_epochs),
-                ("accumulate_grad_batches", lambda t: t.accumulate_grad_batches),
-                ("num_devices", lambda t: t.num_devices),
-                ("num_nodes", lambda t: t.num_nodes),
-                ("precision", lambda t: str(t.precision)),
-                ("datamodule", lambda t: t.datamodule),
-                ("log_dir", lambda t: t.log_dir),
-            ):
-                try:
-                    value = read(trainer)
-                except Exception:  # noqa: BLE001 - a property that needs a running fit keeps the default
-                    continue
-                if value is not None or name == "max_epochs":
-                    settings[name] = value
-            try:
-                batches = trainer.num_training_batches
-                if batches not in (None, float("inf")) and batches > 0:
-                    settings["num_training_batches"] = batches
-            except Exception:  # noqa: BLE001
-                pass
-        return cls(**settings)
-
-
-def attach_stand_in_trainer(module: Any, stand_in: StandInTrainer) -> None:
+def attach_stand_in_trainer(module: Any, stand_in: Any) -> None:
     """Give ``module`` (memkit's copy) and every LightningModule inside it ``stand_in`` as trainer, and
     mute ``self.log`` / ``self.log_dict`` on them (logging needs a Trainer's result collection)."""
     try:

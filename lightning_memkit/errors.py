@@ -1,8 +1,8 @@
 """The root of memkit's exceptions: every exception class memkit defines is a :class:`MemkitError`.
 
 This module owns only that root. Each error lives beside the code that raises it (``PlanError`` in
-``plan/planner.py``, ``EstimateError`` in ``estimate/core.py``, ...) and subclasses ``MemkitError`` *and* the
-builtin it always had (``ValueError``, ``RuntimeError``, ``torch.OutOfMemoryError``), so ``except ValueError``
+``plan/result.py``, ``EstimateError`` in ``estimate/step/memory_estimate.py``, ...) and subclasses ``MemkitError``
+*and* the builtin it always had (``ValueError``, ``RuntimeError``, ``torch.OutOfMemoryError``), so ``except ValueError``
 keeps working and ``except MemkitError`` catches memkit's own errors (a bad argument to a function is still a
 plain ``ValueError`` or ``TypeError``, as Python's own are). It imports nothing, so every layer of the package
 can use it without an import cycle. ``tests/test_errors.py`` finds every exception class in the package and holds

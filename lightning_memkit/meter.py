@@ -15,9 +15,10 @@ import torch
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.compiled import NOT_SEEN_COMPILED
-from lightning_memkit.probes import MemoryProbe, ProbeSet, TensorProbe, build_probes
+from lightning_memkit.probes import build_probes
+from lightning_memkit.probes.base import MemoryProbe, ProbeSet
 from lightning_memkit.probes.cuda import CudaAllocatorProbe
-from lightning_memkit.probes.tensor import TENSOR_SCOPES
+from lightning_memkit.probes.tensor import TENSOR_SCOPES, TensorProbe
 from lightning_memkit.records import StepReading
 
 __all__ = ["MemoryMeter", "training_state_tensors"]
@@ -70,7 +71,7 @@ class MemoryMeter:
             allocate (to compare several models held in one process).
         nvml: read NVML on CUDA devices.
         host: read the process's RSS and per-step peak RSS.
-        extra_probes: more :class:`~lightning_memkit.probes.MemoryProbe` instances to read each
+        extra_probes: more :class:`~lightning_memkit.probes.base.MemoryProbe` instances to read each
             step (a failing one warns once and is switched off, like the built-in ones).
 
     Plain PyTorch::
@@ -122,7 +123,7 @@ class MemoryMeter:
     @property
     def compiled(self) -> str | None:
         """How the steps of a compiled model are measured (:attr:`TensorProbe.compiled
-        <lightning_memkit.probes.TensorProbe.compiled>`): ``"keep"`` (the peak from the allocator's events, the
+        <lightning_memkit.probes.tensor.TensorProbe.compiled>`): ``"keep"`` (the peak from the allocator's events, the
         step runs compiled), ``"eager"`` (the accountant, the measured steps run eagerly) or ``None`` (no
         compiled model: the accountant). Set it when the model is compiled; memkit's callbacks do."""
         probe = self.tensor_probe

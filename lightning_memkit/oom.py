@@ -17,11 +17,19 @@ from typing import Any
 
 import torch
 
+from lightning_memkit._lightning_compat import logging_step
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.probes._torch_compat import dump_memory_snapshot
 from lightning_memkit.records import RunSummary, StepReading
 
-__all__ = ["is_out_of_memory", "largest_live_tensors", "write_oom_report", "OomMoment", "write_run_oom_report"]
+__all__ = [
+    "is_out_of_memory",
+    "largest_live_tensors",
+    "write_oom_report",
+    "OomMoment",
+    "write_run_oom_report",
+    "write_fit_oom_report",
+]
 
 # Messages of allocators that raise a plain RuntimeError rather than torch.OutOfMemoryError.
 _OOM_MESSAGES = (
@@ -84,7 +92,7 @@ def largest_live_tensors(limit: int = 10) -> list[dict[str, Any]]:
     entry: ``nbytes`` (the storage's bytes), ``device``, ``shape``, ``dtype``, ``count`` (tensors on the
     storage), ``grad_fn`` (the autograd op that made it, ``""`` for a leaf), ``parameter`` (whether it is
     an ``nn.Parameter``), and ``made_by`` / ``where`` (aten op, module and the user's line) when a memory
-    doctor (:class:`~lightning_memkit.doctor.CreationRecorder`) saw it made. Never raises.
+    doctor (:class:`~lightning_memkit.doctor.recorder.CreationRecorder`) saw it made. Never raises.
     """
     try:
         # deferred: the doctor imports Lightning and torchmetrics (to know their files): only when a report is written
@@ -179,3 +187,33 @@ def write_run_oom_report(
         "cuda_snapshot": snapshot_path,
     }
     return write_oom_report(stem + ".json", payload, error)
+
+
+def write_fit_oom_report(
+    trainer: Any,
+    directory: str,
+    summary: RunSummary,
+    history: Sequence[StepReading],
+    reading: StepReading | None,
+    exception: BaseException,
+    snapshot: bool,
+) -> str | None:
+    """Write a fit's OOM report into ``directory`` (MemoryTracker's ``oom_dir``, else the run's log dir), at the
+    trainer's step, and warn where it is; ``None``, with a warning, when it cannot be written. ``reading``: the failed
+    step's, closed at the failure."""
+    # deferred: is_out_of_memory serves code that runs without Lightning; only a fit's report warns through it
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    moment = OomMoment(
+        step=logging_step(trainer),
+        global_step=trainer.global_step,
+        epoch=trainer.current_epoch,
+        rank=trainer.global_rank,
+    )
+    try:
+        path = write_run_oom_report(directory, moment, summary, history, reading, exception, snapshot=snapshot)
+        rank_zero_warn(f"memkit: out of memory at step {moment.step}; report written to {path}")
+    except OSError as error:
+        rank_zero_warn(f"memkit: out of memory, and the report could not be written to {directory}: {error}")
+        return None
+    return path

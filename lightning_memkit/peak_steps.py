@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_memkit.estimate.worst_batch import batch_nbytes
+from lightning_memkit.estimate.data.worst_batch import batch_nbytes
 
 __all__ = ["ALWAYS_PEAKED_STEPS", "PeakSchedule"]
 

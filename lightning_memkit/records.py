@@ -21,6 +21,7 @@ __all__ = [
     "read_records",
     "records_filename",
     "RecordsWriter",
+    "ended_by",
 ]
 
 #: the file MemoryTracker writes in the log dir at fit end, and `memkit report` reads.
@@ -282,3 +283,10 @@ def read_records(path: str) -> tuple[RunSummary, list[StepReading]]:
         summary.train_steps_measured = sum(r.stage == "train" for r in history)
         summary.validation_runs_measured = len(history) - summary.train_steps_measured
     return summary, history
+
+
+def ended_by(exception: BaseException) -> str:
+    """``summary.extra["ended_by"]``: the exception's type and message, at most 500 characters."""
+    message = str(exception)
+    text = f"{type(exception).__name__}: {message}" if message else type(exception).__name__
+    return text[:500]

@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_memkit import TensorAccountant
 from lightning_memkit.accounting.accountant import returns_alias
-from lightning_memkit.probes import ProbeSet, TensorProbe
+from lightning_memkit.probes.base import ProbeSet
+from lightning_memkit.probes.tensor import TensorProbe
 
 F32 = 4
 

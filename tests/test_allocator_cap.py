@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_script
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.plan import cuda_trial
 
 GiB = 1 << 30

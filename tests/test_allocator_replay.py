@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_truth import device_order_sizes, load_trace, make_model, trace_names, truth_row
-from lightning_memkit.estimate.allocator import AllocatorConfig, CudaAllocatorModel
+from lightning_memkit.estimate.cuda.caching_allocator import AllocatorConfig, CudaAllocatorModel
 from lightning_memkit.units import MiB
 
 

@@ -44,3 +44,24 @@ def test_every_package_the_architecture_map_names_exists_and_every_package_is_na
     assert existing - packages == set(), f"packages docs/architecture.md does not name: {sorted(existing - packages)}"
     missing = {name for name in modules if not (PACKAGE / name).is_file()}
     assert not missing, f"docs/architecture.md names modules that do not exist: {sorted(missing)}"
+
+
+def _named_subpackages() -> set[str]:
+    """The subpackages the map draws under a package (``    name/`` below ``  package/``), as ``package/name``."""
+    named, parent = set(), None
+    for line in _map().splitlines()[1:]:
+        top = re.match(r"^  (\S+)/\s", line)
+        nested = re.match(r"^    (\S+)/\s", line)
+        if top:
+            parent = top.group(1)
+        elif nested and parent:
+            named.add(f"{parent}/{nested.group(1)}")
+    return named
+
+
+def test_every_subpackage_the_map_draws_exists_and_every_subpackage_is_drawn():
+    named = _named_subpackages()
+    existing = {str(path.parent.relative_to(PACKAGE)) for path in PACKAGE.glob("*/*/__init__.py")}
+    assert named, "the map draws no subpackage (its nested entries are indented four spaces: `    name/`)"
+    assert named - existing == set(), f"docs/architecture.md draws subpackages that do not exist: {named - existing}"
+    assert existing - named == set(), f"subpackages docs/architecture.md does not draw: {sorted(existing - named)}"

@@ -20,7 +20,7 @@ from lightning.pytorch import Callback
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.auto_fit import AutoFit
-from lightning_memkit.estimate.core import estimate_memory
+from lightning_memkit.estimate.api import estimate_memory
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import FrozenBaseStack  # noqa: E402

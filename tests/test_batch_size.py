@@ -15,9 +15,9 @@ from conftest import run_script
 from lightning_memkit import is_out_of_memory
 from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.estimate import measure_training_step
-from lightning_memkit.estimate.predict import AffineGrowth
+from lightning_memkit.estimate.largest_batch import AffineGrowth
+from lightning_memkit.search.batch_search import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
 
 FEATURES = 256
@@ -295,7 +295,7 @@ def test_trials_run_in_the_checkpointing_mode_the_trainer_will_train_in(tmp_path
     """With ActivationCheckpointing on the Trainer, the trials (which run with no callbacks) wrap the
     module themselves: the answer is larger than without, and the module is unwrapped afterwards."""
     from lightning_memkit import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 
     def setup():
         torch.manual_seed(0)

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from conftest import read_scalars, run_process
-from lightning_memkit.trace import LayerTracer, read_trace
+from lightning_memkit.trace.trace_records import read_trace
+from lightning_memkit.trace.tracer import LayerTracer
 from lightning_memkit.units import MiB
 
 EXTRA_PER_SAMPLE = 1024  # float32 elements rank 1 alone holds per sample through its step: 4 KiB a sample
@@ -308,7 +309,7 @@ def test_activation_checkpointing_steps_aside_for_a_model_that_checkpoints_itsel
 
     from conftest import LinearStack, make_trainer
     from lightning_memkit import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
     from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper
 
     class SelfCheckpointed(LinearStack):

@@ -207,7 +207,7 @@ def test_activation_checkpointing_on_a_model_that_checkpoints_itself_wraps_nothi
     """A forward that calls torch.utils.checkpoint itself was wrapped again ("activation memory 1.03 KiB
     -> 1.03 KiB (measured)"): each block recomputed twice for no saving. Now the measured plan that saves
     nothing is undone, with a warning, and training is the same as without the callback."""
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 
     wrapped_during_fit = []
 
@@ -319,7 +319,7 @@ def test_memkit_report_rebuilds_a_csv_only_run_exactly_and_one_run_per_fit(tmp_p
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_memkit.cli import main
-    from lightning_memkit.report import find_sources
+    from lightning_memkit.report.sources import find_sources
 
     trackers = []
     for version, loggers in enumerate(

@@ -15,7 +15,7 @@ from lightning_memkit.accounting.categories import (
     category_breakdown,
     cuda_memory_extras,
 )
-from lightning_memkit.trace import trace_step
+from lightning_memkit.trace.tracer import trace_step
 
 F32 = 4
 

@@ -10,14 +10,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_memkit.modes.checkpointing import (
-    CheckpointBudget,
-    apply_checkpointing,
-    find_repeated_blocks,
-    frozen_running_stats,
-    measure_activation_bytes,
-    plan_checkpointing,
-)
+from lightning_memkit.modes.checkpoint_measure import measure_activation_bytes
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, find_repeated_blocks
+from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats
+from lightning_memkit.modes.checkpointing import apply_checkpointing, plan_checkpointing
 
 FLOAT32 = 4
 
@@ -319,7 +315,7 @@ def test_measuring_forward_keeps_nothing_and_peaks_like_a_no_grad_forward():
     (exact, accountant), it still counts exactly what a grad forward keeps for backward, and afterwards the
     process holds what it held before, with no graph."""
     from lightning_memkit import TensorAccountant
-    from lightning_memkit.modes.checkpointing import measure_forward
+    from lightning_memkit.modes.checkpoint_measure import measure_forward
     from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
 
     torch.manual_seed(0)
@@ -361,7 +357,7 @@ def test_a_sample_that_runs_backward_is_a_clear_error_for_a_budget_and_a_warning
 # ------------------------------------------------------------------------------------- budget units, class + budget
 @pytest.mark.parametrize("value", [1.5, 2, "2", "1e9", "budget=2", "budget=1.5", 0, -0.5, True, "lots"])
 def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
-    from lightning_memkit.modes.checkpointing import parse_budget
+    from lightning_memkit.modes.checkpoint_policy import parse_budget
 
     with pytest.raises(ValueError, match=r"fraction in \(0, 1\].*512MiB"):
         if isinstance(value, str) and value.startswith("budget="):
@@ -371,7 +367,7 @@ def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
 
 
 def test_budget_forms_that_say_their_unit():
-    from lightning_memkit.modes.checkpointing import normalize_policy, parse_budget
+    from lightning_memkit.modes.checkpoint_policy import normalize_policy, parse_budget
 
     assert parse_budget(1) == CheckpointBudget(fraction=1.0)
     assert parse_budget("0.25") == CheckpointBudget(fraction=0.25)

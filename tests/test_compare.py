@@ -16,8 +16,9 @@ import pytest
 from conftest import LinearStack, read_scalars
 from lightning_memkit import zoo
 from lightning_memkit.cli import main
-from lightning_memkit.modes import Mode
-from lightning_memkit.modes.compare import COMPARE_FORMAT, CheckpointWarning, ModeResult, compare_modes, read_compare
+from lightning_memkit.modes.compare_result import COMPARE_FORMAT, ModeResult, read_compare
+from lightning_memkit.modes.comparison import CheckpointWarning, compare_modes
+from lightning_memkit.modes.mode import Mode
 from lightning_memkit.records import read_records
 from lightning_memkit.units import format_bytes
 

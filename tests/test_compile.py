@@ -311,7 +311,8 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
         assert callbacks[-3].results and callbacks[-2].report is not None and callbacks[-2].report.compiled
         peaks[checkpointed] = [r.peak_tensor_bytes for r in tracker.history]
-        from lightning_memkit.compiled import _STREAM, profiler_active
+        from lightning_memkit.compiled import _STREAM
+        from lightning_memkit.compiled._torch_compat import profiler_active
 
         assert not _STREAM._readers and not profiler_active()  # nothing left recording after the fit
         assert None not in peaks[checkpointed]  # the shared profiler served the tracker while the others read it too

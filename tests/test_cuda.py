@@ -35,7 +35,7 @@ from gpu_checks import (
     watched_release,
 )
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryMeter, MemoryTracker, zoo
-from lightning_memkit.modes.compare import compare_modes
+from lightning_memkit.modes.comparison import compare_modes
 from lightning_memkit.timing import StepTimer
 from live_tensors import describe, live_tensors
 
@@ -395,7 +395,7 @@ def test_one_fsdp2_rank_on_the_device_against_the_world_size_1_estimate(tmp_path
         "import torch, torch.distributed as dist\n"
         "from torch import nn\n"
         "from torch.distributed.fsdp import fully_shard\n"
-        "from lightning_memkit.estimate.distributed import estimate_distributed_memory\n"
+        "from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory\n"
         "from lightning_memkit.zoo import DemoTransformer\n"
         "name = torch.cuda.get_device_name(0).lower()\n"
         "gpu = next((g for g in ('h200', 'h100', 'a100', 'l4', 'v100') if g in name), None)\n"
@@ -508,7 +508,7 @@ def test_a_plans_trial_counts_the_model_on_the_device_once(wide_records):
     Catches: a trial that keeps the original on the device beside its copy (a model counted twice: plans that refuse
     what fits), one that moves the original back as new Parameter objects (an optimizer built on them would train
     stale ones), a budget that counts the context twice."""
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
     from lightning_memkit.plan import Candidate
 
     module = _Wide(width=4096)  # 256 MiB of weights
@@ -538,7 +538,7 @@ def test_a_trial_runs_under_an_allocator_capped_at_the_budget(wide_records):
 
     Catches: a trial that is not capped (on a large card it fits what a card of the budget's size would not), a cap left
     after the trial (the real fit capped), the module left off the device after a trial that raised."""
-    from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+    from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
     from lightning_memkit.plan import Candidate
     from lightning_memkit.units import format_bytes
 

@@ -211,7 +211,7 @@ def make_logs(kind: str, tmp_path_factory) -> str:
     """The log root of one kind of run, written here (the shared H100 logs: copied and given today's layout)."""
     from lightning_memkit import MemoryTracker, zoo
     from lightning_memkit.callbacks.layer_trace import LayerTrace
-    from lightning_memkit.modes.compare import compare_modes
+    from lightning_memkit.modes.comparison import compare_modes
     from lightning_memkit.tensorboard.dashboard import update_dashboards
 
     root = tmp_path_factory.mktemp(f"browser_{kind}")

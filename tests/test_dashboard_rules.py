@@ -24,7 +24,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from conftest import LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.layer_trace import LayerTrace
-from lightning_memkit.modes.compare import compare_modes, read_compare
+from lightning_memkit.modes.compare_result import read_compare
+from lightning_memkit.modes.comparison import compare_modes
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.axis import tensorboard_y_range
 from lightning_memkit.tensorboard.dashboard import device_table, read_layout, update_dashboards

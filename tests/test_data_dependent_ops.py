@@ -1,6 +1,6 @@
 """Ops whose output shape depends on values (unique, nonzero, boolean masks, masked_select, bincount) in a fake step:
 sized exactly where real values decide them, else at their largest output (an upper bound) by the values the fake
-step knows (estimate/fake_value_sets.py, estimate/data_dependent_ops.py), so the estimate never fails for want of a
+step knows (estimate/fake/value_sets.py, estimate/fake/data_dependent_ops.py), so the estimate never fails for want of a
 bound, is at least the real step's peak, and validation code (torchmetrics') passes as it does on data. Each estimate is
 compared with a real step on the same batch, to the byte: the bound's extra bytes are computed by hand.
 """
@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.estimate import EstimateError
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
-from lightning_memkit.estimate.step_accountant import StepAccountant
-from lightning_memkit.estimate.step_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
+from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")
 
@@ -484,7 +484,7 @@ def test_max_batch_size_warns_once_that_the_estimate_failed_and_why(unbounded, t
 def _op_bytes(inputs, op, cuda: bool) -> int:
     """The bytes ``op(*inputs())`` adds to a fake step's peak (its inputs made before), on a CPU or a CUDA target: the
     outputs it makes and, on CUDA, what its kernel makes beside them (estimate/cuda_workspaces.py)."""
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+    from lightning_memkit.estimate.cuda.kernels import CudaKernels
 
     session = FakeSession()
     acc = StepAccountant(record_events=False, fake_ops=FakeStepOps(cuda=cuda))

@@ -21,8 +21,8 @@ from conftest import FLOAT32, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli import main
-from lightning_memkit.doctor import DoctorReport, DoctorSession
 from lightning_memkit.doctor._torch_compat import mode_is_active
+from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 from live_tensors import describe, tensors_with_grad_fn
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
@@ -498,7 +498,7 @@ def test_cli_doctor_refuses_bad_arguments(tmp_path, capsys):
 
 # ============================================================================================ the watcher alone
 def test_leak_watcher_reports_steady_growth_once_and_ignores_oscillation():
-    from lightning_memkit.doctor import LeakWatcher
+    from lightning_memkit.doctor.leaks import LeakWatcher
 
     watcher = LeakWatcher(window=3, warmup_steps=1)
     found = [watcher.observe(step, 1000 + 100 * step) for step in range(8)]

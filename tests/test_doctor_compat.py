@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from lightning_memkit.doctor import CreationRecorder
 from lightning_memkit.doctor._torch_compat import (
     caller_frame,
     enter_mode_at_bottom,
@@ -19,6 +18,7 @@ from lightning_memkit.doctor._torch_compat import (
     saved_values,
 )
 from lightning_memkit.doctor.frames import user_frame
+from lightning_memkit.doctor.recorder import CreationRecorder
 from lightning_memkit.oom import largest_live_tensors, write_oom_report
 
 

@@ -22,9 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import FLOAT32, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
-from lightning_memkit.doctor import LeakWatcher
 from lightning_memkit.doctor.holders import find_holders, user_roots
-from lightning_memkit.doctor.leaks import rising_floor
+from lightning_memkit.doctor.leaks import LeakWatcher, rising_floor
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
 ACTIVATION = B * D * FLOAT32  # one (4, 32) float32 output: 512 B

@@ -10,11 +10,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import lightning_memkit
+import lightning_memkit.errors
 from lightning_memkit import MemkitError
 
 #: Every exception class in the package and the builtin base it had before MemkitError, which it keeps so that
@@ -22,16 +25,16 @@ from lightning_memkit import MemkitError
 BUILTIN_BASES: dict[str, type[BaseException]] = {
     "lightning_memkit.accounting.process._AccountantError": Exception,
     "lightning_memkit.cli.common.CliError": Exception,
-    "lightning_memkit.estimate.batches.NoBatchError": ValueError,
-    "lightning_memkit.estimate.predict.DoesNotFitError": ValueError,
-    "lightning_memkit.estimate.result.EstimateError": RuntimeError,
-    "lightning_memkit.estimate.step_errors.HookFailed": Exception,
+    "lightning_memkit.estimate.data.batches.NoBatchError": ValueError,
+    "lightning_memkit.estimate.largest_batch.DoesNotFitError": ValueError,
+    "lightning_memkit.estimate.step.memory_estimate.EstimateError": RuntimeError,
+    "lightning_memkit.estimate.step.hook_errors.HookFailed": Exception,
     "lightning_memkit.modes.checkpoint_measure.MeasureError": RuntimeError,
     "lightning_memkit.plan.result.PlanError": ValueError,
     "lightning_memkit.probes.base.ProbeUnavailable": RuntimeError,
     "lightning_memkit.report.sources.ReportInputError": Exception,
     "lightning_memkit.search.budget.BudgetExceededError": torch.OutOfMemoryError,
-    "lightning_memkit.search.core.SearchError": RuntimeError,
+    "lightning_memkit.search.batch_search.SearchError": RuntimeError,
     "lightning_memkit.search.searchable.BatchSizeSearchError": ValueError,
     "lightning_memkit.search.limits.TrialTooSlow": RuntimeError,
 }
@@ -79,7 +82,7 @@ def test_memkit_error_is_public_and_an_exception():
 
 def test_except_clauses_written_for_the_builtin_bases_still_catch():
     from lightning_memkit import BudgetExceededError, PlanError, is_out_of_memory
-    from lightning_memkit.estimate.core import EstimateError
+    from lightning_memkit.estimate.step.memory_estimate import EstimateError
 
     with pytest.raises(ValueError, match="give a budget"):
         raise PlanError("give a budget")
@@ -98,7 +101,7 @@ def test_except_clauses_written_for_the_builtin_bases_still_catch():
 def test_a_memkit_error_is_an_out_of_memory_error_only_when_it_is_one_or_was_raised_from_one():
     from lightning_memkit import is_out_of_memory
     from lightning_memkit.modes.checkpoint_measure import MeasureError
-    from lightning_memkit.search.core import SearchError
+    from lightning_memkit.search.batch_search import SearchError
 
     # the search's verdict names memory in words; no allocation failed (MemoryTracker wrote an OOM report for it)
     assert not is_out_of_memory(SearchError("no batch size ran: the smallest tried, 1, ran out of memory"))
@@ -109,3 +112,14 @@ def test_a_memkit_error_is_an_out_of_memory_error_only_when_it_is_one_or_was_rai
             raise MeasureError(f"the measuring forward failed: {error}") from error
     except MeasureError as wrapped:
         assert is_out_of_memory(wrapped) and is_out_of_memory(wrapped.__cause__)
+
+
+def test_the_homes_errors_py_names_are_where_the_errors_live():
+    """errors.py tells a reader where errors live (``PlanError`` in ``plan/result.py``): each pair it names holds."""
+    named = re.findall(r"``(\w+Error)`` in\s+``([\w/]+)\.py``", lightning_memkit.errors.__doc__)
+    assert named, "errors.py names no error's home"
+    found = {name.rsplit(".", 1)[-1]: cls for name, cls in _package_exceptions().items()}
+    for error, path in named:
+        module = found[error].__module__
+        assert module == "lightning_memkit." + path.replace("/", "."), f"{error} lives in {module}, not {path}.py"
+        assert Path(lightning_memkit.__file__).parent.joinpath(f"{path}.py").is_file()

@@ -18,10 +18,10 @@ from lightning_memkit.estimate import (
     measure_training_step,
     predict_max_batch_size,
 )
-from lightning_memkit.estimate.allocator import round_allocation, segment_size
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
-from lightning_memkit.estimate.fake_tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
+from lightning_memkit.estimate.cuda.caching_allocator import round_allocation, segment_size
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
+from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
 
@@ -90,7 +90,7 @@ def test_cuda_view_rounds_and_adds_documented_allowances():
     assert view is not None
     assert view.peak_allocated_bytes >= estimate.peak_bytes
     assert view.peak_reserved_bytes % (2 * MiB) == 0 and view.peak_reserved_bytes >= view.peak_allocated_bytes
-    # cuBLAS/cuDNN workspaces are allocated inside the simulated step (estimate/cuda_kernels.py), not added on top
+    # cuBLAS/cuDNN workspaces are allocated inside the simulated step (estimate/cuda/kernels.py), not added on top
     assert view.context_bytes == 512 * MiB and view.workspace_bytes == 0
     assert estimate.required_bytes == view.peak_reserved_bytes + 512 * MiB
     assert any("cuBLAS workspace 32768 KiB" in note for note in estimate.notes)
@@ -376,7 +376,7 @@ def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_estim
 def test_the_stand_in_trainer_answers_like_a_trainer():
     import lightning.pytorch as pl
 
-    from lightning_memkit._lightning_compat import StandInTrainer
+    from lightning_memkit.estimate.step.trainer_stand_in import StandInTrainer
 
     seen = {}
 
@@ -526,7 +526,7 @@ def test_a_module_already_on_cuda_estimates_without_touching_the_device():
 def test_a_checkpointed_step_that_fails_leaves_the_reused_fake_copy_unwrapped():
     """The checkpointing wrappers come off the block's fake copy even when the step fails after wrapping it (here in
     the optimizer's construction), so the next estimate of the same copy is the plain step's."""
-    from lightning_memkit.estimate.core import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     module, data = _gpt()
     fresh = estimate_memory(module, 4, datamodule=data, device="cuda").to_dict()
@@ -543,7 +543,7 @@ def test_a_checkpointed_step_that_fails_leaves_the_reused_fake_copy_unwrapped():
 
 
 def test_the_fake_copy_is_reused_across_modes_and_sizes_and_gives_the_same_figures():
-    from lightning_memkit.estimate.core import reusing_fake_copies
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
     module, data = _gpt()
     fresh = {

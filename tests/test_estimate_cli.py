@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 from lightning_memkit.cli import main
 from lightning_memkit.cli.estimate import KERNELS_PREFIX
@@ -246,7 +248,7 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     import torch
 
     from lightning_memkit.estimate import reusing_fake_copies
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
     from lightning_memkit.zoo import DemoMLP
 
     module = DemoMLP(**WIDE)
@@ -329,7 +331,7 @@ def test_strategy_that_does_not_fit_gets_the_modes_that_need_less_per_rank_with_
     """DDP of a transformer whose activations dominate: the mode asked for does not fit on 2 GPUs; each other mode's
     rank is estimated, and those that need less are printed with their figures and fewest GPUs, least first."""
     from lightning_memkit.estimate import reusing_fake_copies
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
     from lightning_memkit.zoo import DemoTransformer
 
     arguments = {**TINY, "layers": 3, "seq_len": 256, "batch_size": 16}
@@ -376,7 +378,7 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
     rank's tensor difference (its shards and buffers), and the device needs add the CUDA context."""
     import torch
 
-    from lightning_memkit.estimate.distributed import estimate_distributed_memory
+    from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
     from lightning_memkit.zoo import DemoMLP
 
     out_json = tmp_path / "ranks.json"
@@ -426,7 +428,7 @@ def test_strategy_on_a_cuda_target_prints_reserved_per_rank(tmp_path, capsys):
 def test_strategy_gpu_and_check_refusals_are_one_line_each(capsys):
     import torch
 
-    from lightning_memkit.estimate.sharding import STRATEGIES
+    from lightning_memkit.estimate.distributed.sharding import STRATEGIES
 
     base = ["estimate", "lightning_memkit/zoo.py:DemoMLP", "--device-memory", "1GiB"]
     cases = [
@@ -561,8 +563,29 @@ def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(c
 
 
 def test_the_search_summary_says_no_prediction_rather_than_none():
-    from lightning_memkit.search.core import SearchResult, Trial
+    from lightning_memkit.search.batch_search import SearchResult, Trial
 
     result = SearchResult(batch_size=8, trials=[Trial(8, True, 1024, 0.5)], reason="max_val")
     assert "None" not in result.table() and "no prediction" in result.table().splitlines()[0]
     assert "predicted 12," in SearchResult(batch_size=8, predicted=12, reason="converged").table()
+
+
+#: what estimating a step needs none of: training callbacks, the planner, the batch-size search, the doctor, the
+#: layer trace, the report, the TensorBoard dashboard, the mode comparison
+NOT_FOR_AN_ESTIMATE = ("callbacks", "plan", "search", "doctor", "trace", "report", "tensorboard", "modes.comparison")
+
+
+def test_memkit_estimate_imports_what_estimating_needs_and_nothing_else():
+    """A fresh process runs ``memkit estimate --help`` (the estimate command's module and parser) and reads back the
+    memkit modules it loaded: the estimate's, none of the other commands'."""
+    code = (
+        "import sys\nfrom lightning_memkit.cli import main\ntry:\n    main(['estimate', '--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "print('MODULES', *sorted(m for m in sys.modules if m.startswith('lightning_memkit')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
+    loaded = run.stdout.split("MODULES", 1)[1].split()
+    assert "usage: memkit estimate" in run.stdout
+    assert {"lightning_memkit.cli.estimate", "lightning_memkit.estimate.step.runner"} <= set(loaded)
+    unneeded = [m for m in loaded if any(m.startswith(f"lightning_memkit.{part}") for part in NOT_FOR_AN_ESTIMATE)]
+    assert not unneeded, f"memkit estimate imports modules it does not use: {unneeded}"

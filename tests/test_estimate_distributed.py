@@ -13,8 +13,8 @@ from torch import nn
 
 from conftest import read_scalars, run_script
 from lightning_memkit.estimate import estimate_memory
-from lightning_memkit.estimate.distributed import estimate_distributed_memory
-from lightning_memkit.estimate.sharding import (
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
+from lightning_memkit.estimate.distributed.sharding import (
     STRATEGIES,
     model_state_bytes,
     optimizer_state_bytes_per_parameter,
@@ -308,7 +308,7 @@ def test_ddp_estimate_matches_each_ranks_measured_peak_on_four_cpu_processes(tmp
 def test_predict_max_batch_size_per_rank_under_a_strategy():
     """The largest per-rank batch under DDP and FSDP2 on 4 ranks in 8 MB: each size is one rank's estimate;
     the answer fits and one more sample does not; FSDP2's sharded states leave room for a larger batch."""
-    from lightning_memkit.estimate.predict import predict_max_batch_size
+    from lightning_memkit.estimate.largest_batch import predict_max_batch_size
 
     model = DemoTransformer(dropout=0.0, layers=2, d_model=64, dim_feedforward=128, seq_len=32)
     budget = 8_000_000

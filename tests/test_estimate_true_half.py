@@ -21,7 +21,7 @@ from conftest import LinearStack
 from fit_count import closure_bytes, fit_peak_bytes
 from lightning_gpt import TinyGPT
 from lightning_memkit import estimate_distributed_memory, estimate_memory, measure_training_step
-from lightning_memkit.estimate.core import reusing_fake_copies
+from lightning_memkit.estimate.api import reusing_fake_copies
 
 HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 MODE_OF = {"32-true": None, "bf16-true": "bf16-true", "16-true": "fp16-true"}
@@ -125,7 +125,7 @@ def test_estimates_of_every_precision_in_one_block_keep_their_own_fake_copy():
 def test_per_rank_buffers_hold_the_converted_modules_half_precision_tensors():
     """DDP's gradient buckets and FSDP's gathered parameters are the bf16 module's (Lightning converts it before the
     strategy wraps it); DeepSpeed's layout under true half precision is said to differ from the fake step's."""
-    from lightning_memkit.estimate.distributed import DEEPSPEED_TRUE_HALF_NOTE
+    from lightning_memkit.estimate.distributed.per_rank import DEEPSPEED_TRUE_HALF_NOTE
 
     module, batch = _token_gpt(), _token_batch()
     elements = sum(p.numel() for p in module.parameters())

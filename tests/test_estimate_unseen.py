@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import estimate_memory, measure_training_step
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.estimate.cuda_attention import additive_mask, attention_backend, math_attention
-from lightning_memkit.estimate.cuda_autocast import label_smoothing_term
-from lightning_memkit.estimate.gpu_target import GpuTarget
+from lightning_memkit.estimate.cuda.attention import additive_mask, attention_backend, math_attention
+from lightning_memkit.estimate.cuda.autocast import label_smoothing_term
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 
 
 # ============================================================================================ models
@@ -486,8 +486,8 @@ def _cuda_autocast_fp32_cases():
 def test_the_cuda_target_runs_torchs_cuda_autocast_fp32_lists():
     # torch's own CUDA autocast test lists (ops CUDA runs in fp32 whatever the autocast dtype): on the CUDA target's
     # fake step each comes out fp32, where CPU autocast (what the fake step runs on) leaves several in fp16
-    from lightning_memkit.estimate.cuda_functions import CudaFunctions
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+    from lightning_memkit.estimate.cuda.functions import CudaFunctions
+    from lightning_memkit.estimate.cuda.kernels import CudaKernels
 
     functions = CudaFunctions(CudaKernels("h100", "16-mixed"))
     wrong = []
@@ -512,8 +512,8 @@ def test_the_cuda_autocast_patches_leave_other_threads_alone():
     # (a user's thread, a loader's) must get CPU autocast's dtypes, not the CUDA policy the fake step follows
     import threading
 
-    from lightning_memkit.estimate.cuda_functions import CudaFunctions
-    from lightning_memkit.estimate.cuda_kernels import CudaKernels
+    from lightning_memkit.estimate.cuda.functions import CudaFunctions
+    from lightning_memkit.estimate.cuda.kernels import CudaKernels
 
     def sum_dtype():
         with torch.autocast("cpu", dtype=torch.bfloat16):

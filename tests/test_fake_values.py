@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
-from lightning_memkit.estimate.fake_known_values import known_value
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.fake_step import FakeStepOps
-from lightning_memkit.estimate.step_accountant import StepAccountant
+from lightning_memkit.estimate.fake.known_values import known_value
+from lightning_memkit.estimate.fake.session import FakeSession
+from lightning_memkit.estimate.fake.step_ops import FakeStepOps
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
 torchmetrics = pytest.importorskip("torchmetrics")
 
@@ -124,7 +124,7 @@ def test_an_estimate_of_a_module_with_torchmetrics_prints_no_library_warning_and
 
 
 def test_a_compiled_lightning_module_is_estimated_as_its_eager_program_with_a_note():
-    from lightning_memkit.estimate.core import COMPILED_NOTE, compiled_original
+    from lightning_memkit.estimate.api import COMPILED_NOTE, compiled_original
 
     module = MetricModule()
     compiled = torch.compile(module)  # Trainer.fit takes it; compiling happens at the first call only

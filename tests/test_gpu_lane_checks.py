@@ -37,7 +37,7 @@ from gpu_checks import (
 )
 from lightning_memkit import MemoryTracker
 from lightning_memkit.compiled._torch_compat import track_cpu_allocation_sizes
-from lightning_memkit.modes.compare import _step_recorder, compare_modes
+from lightning_memkit.modes.comparison import _step_recorder, compare_modes
 from lightning_memkit.plan import _torch_compat as plan_compat
 from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, trials
 from lightning_memkit.plan.space import Candidate

@@ -1,5 +1,5 @@
 """The CUDA-target estimate against real H100 memory (tests/data/gpu_truth), and each row of the CUDA
-kernel table (lightning_memkit/estimate/cuda_kernels.py) pinned against the recorded allocator traces."""
+kernel table (lightning_memkit/estimate/cuda/kernels.py) pinned against the recorded allocator traces."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from torch import nn
 from gpu_truth import MODES, load_trace, make_model, truth_rows
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.estimate import estimate_memory
-from lightning_memkit.estimate.cuda_attention import attention_backend
-from lightning_memkit.estimate.cuda_kernels import KERNEL_TABLE, CudaKernels
-from lightning_memkit.estimate.fake_session import FakeSession
-from lightning_memkit.estimate.gpu_target import GpuTarget, conv_workspace_bytes, cublas_workspace_bytes
+from lightning_memkit.estimate.cuda.attention import attention_backend
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget, conv_workspace_bytes, cublas_workspace_bytes
+from lightning_memkit.estimate.cuda.kernels import KERNEL_TABLE, CudaKernels
+from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.units import MiB
 
 

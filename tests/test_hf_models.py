@@ -182,7 +182,7 @@ def test_transformers_drops_an_all_ones_mask_for_sdpa_by_reading_its_values():
 
 
 def test_the_fake_step_keeps_the_loaders_mask_real_and_floats_fake():
-    from lightning_memkit.estimate.fake_tensors import REAL_VALUES_NUMEL, keeps_real_values
+    from lightning_memkit.estimate.fake.tensors import REAL_VALUES_NUMEL, keeps_real_values
 
     assert keeps_real_values(torch.ones(4, SEQ, dtype=torch.long)) and keeps_real_values(
         torch.ones(3, dtype=torch.bool)

@@ -27,7 +27,7 @@ ALLOWED_TO_IMPORT_CALLBACKS = (f"{PACKAGE}.callbacks", f"{PACKAGE}.cli")
 #: an entry that no longer exists fails it too, so the list only shrinks.
 TRAINER_BUILDING_EDGES: dict[tuple[str, str], str] = {
     (
-        f"{PACKAGE}.modes.compare",
+        f"{PACKAGE}.modes.comparison",
         f"{PACKAGE}.callbacks.memory_tracker",
     ): "compare_modes trains one Trainer per mode, each measured by a MemoryTracker",
     (
@@ -279,3 +279,132 @@ def test_pending_edges_still_exist() -> None:
     graph = import_graph()
     gone = [f"{a} -> {b}" for a, b in TRAINER_BUILDING_EDGES if b not in graph.get(a, {})]
     assert not gone, f"these edges are gone; remove them from TRAINER_BUILDING_EDGES: {gone}"
+
+
+# ---------------------------------------------------------------------------------------------- one path to each name
+
+
+def _is_compat(name: str) -> bool:
+    """A compat module (``_torch_compat``, ``_lightning_compat``): the one place memkit reaches a library's private
+    names, so a name it imports from outside the package is its own to give."""
+    return name.rsplit(".", 1)[-1].endswith("_compat")
+
+
+def definitions(name: str, tree: ast.Module) -> set[str]:
+    """The names ``name`` defines at module level (functions, classes, assignments, also under ``if``/``try``/
+    ``with``), and, for a compat module, the names it imports from outside the package."""
+    defined: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and _is_compat(name):
+                outside = isinstance(node, ast.Import) or (
+                    not node.level and not (node.module or "").startswith(PACKAGE)
+                )
+                if outside:
+                    defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return defined
+
+
+def names_imported_from_elsewhere(modules: dict[str, Path]) -> list[str]:
+    """``"importer:line imports X from M"`` for each ``from M import X`` (at any level, annotation-only ones too)
+    inside the package where ``M`` is a package module that neither defines ``X`` nor has a submodule ``X``."""
+    trees = {name: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for name, path in modules.items()}
+    defined = {name: definitions(name, tree) for name, tree in trees.items()}
+    found: list[tuple[str, int, str]] = []
+    for importer, tree in trees.items():
+        is_package = modules[importer].name == "__init__.py"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _resolve(importer, is_package, node.level, node.module)
+            if source not in modules:
+                continue
+            found += [
+                (importer, node.lineno, f"{importer}:{node.lineno} imports {alias.name} from {source}")
+                for alias in node.names
+                if f"{source}.{alias.name}" not in modules and alias.name not in defined[source]
+            ]
+    return [text for _, _, text in sorted(found)]
+
+
+#: the public packages: the only modules that gather names defined elsewhere, for users
+PUBLIC_PACKAGES = (PACKAGE, f"{PACKAGE}.estimate", f"{PACKAGE}.plan")
+
+
+def reexported_names(modules: dict[str, Path]) -> list[str]:
+    """``"module: X"`` for each name a module other than the public packages (and the compat modules) lists in
+    ``__all__`` without defining it: a re-export, a second path to the name."""
+    found = []
+    for name, path in sorted(modules.items()):
+        if name in PUBLIC_PACKAGES or _is_compat(name):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        exported: list[str] = []
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AugAssign)) and isinstance(node.value, (ast.List, ast.Tuple)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                    exported += [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        own = definitions(name, tree)
+        found += [f"{name}: {each}" for each in exported if each not in own]
+    return found
+
+
+def test_the_name_check_sees_a_reexport_and_lets_a_definition_pass(tmp_path: Path) -> None:
+    package = tmp_path / PACKAGE
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from lightning_memkit.home import Thing\n__all__ = ['Thing']\n",
+        "home.py": "class Thing:\n    pass\nLIMIT: int = 3\n",
+        "shim.py": "from lightning_memkit.home import Thing\n__all__ = ['Thing', 'helper']\ndef helper():\n    pass\n",
+        "_torch_compat.py": "from torch.utils._pytree import tree_map\n",
+        "sub/__init__.py": "from lightning_memkit.home import LIMIT\n__all__ = ['LIMIT']\n",
+        "sub/user.py": (
+            "from lightning_memkit.home import LIMIT, Thing\n"  # the definer: passes
+            "from lightning_memkit.shim import helper\n"  # defined there: passes
+            "from lightning_memkit import sub\n"  # a submodule: passes
+            "from lightning_memkit._torch_compat import tree_map\n"  # a compat module's own: passes
+            "def f():\n    from ..shim import Thing\n"  # through the shim, in a function: fails
+            "from lightning_memkit import Thing\n"  # through the package: fails
+        ),
+    }
+    for relative, text in files.items():
+        (package / relative).write_text(text)
+    modules = {
+        ".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in package.rglob("*.py")
+    }
+    assert names_imported_from_elsewhere(modules) == [
+        f"{PACKAGE}.sub.user:6 imports Thing from {PACKAGE}.shim",
+        f"{PACKAGE}.sub.user:7 imports Thing from {PACKAGE}",
+    ]
+    # the public package gathers names for users; a shim, or another package's __init__, may not
+    assert reexported_names(modules) == [f"{PACKAGE}.shim: Thing", f"{PACKAGE}.sub: LIMIT"]
+
+
+def test_every_import_inside_the_package_names_the_module_that_defines_the_name() -> None:
+    """One path to each name: code inside the package imports a name from its home, never through a module or
+    package that imports it from there (the public packages gather names for users, not for the package)."""
+    found = names_imported_from_elsewhere(module_names())
+    assert not found, "import these from the module that defines them:\n  " + "\n  ".join(found)
+
+
+def test_no_module_reexports_a_name_it_does_not_define() -> None:
+    found = reexported_names(module_names())
+    assert not found, "these modules list in __all__ names defined elsewhere (import them from there):\n  " + (
+        "\n  ".join(found)
+    )

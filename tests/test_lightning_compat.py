@@ -79,7 +79,7 @@ def test_wrappers_fall_back_when_the_internals_are_missing():
 def test_the_stand_in_trainer_answers_what_a_real_trainer_answers(tmp_path):
     """estimated_stepping_batches (and the settings it reads) of a real fit, against the estimate's stand-in
     built from the same settings, for epochs-, steps- and accumulation-bound runs."""
-    from lightning_memkit._lightning_compat import StandInTrainer
+    from lightning_memkit.estimate.step.trainer_stand_in import StandInTrainer
 
     class Read(pl.Callback):
         def on_fit_start(self, trainer, pl_module):

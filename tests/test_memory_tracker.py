@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
-from lightning_memkit.probes import MemoryProbe
+from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.tags import is_frame_tag, step_tag
 from lightning_memkit.units import MiB

@@ -14,7 +14,7 @@ import torch
 
 from conftest import FLOAT32, LinearStack
 from lightning_memkit import MemoryMeter, training_state_tensors
-from lightning_memkit.probes import MemoryProbe
+from lightning_memkit.probes.base import MemoryProbe
 
 SCALAR = FLOAT32  # a 0-dim float32 tensor
 

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from lightning_memkit import CheckpointBudget, Mode, parse_mode
-from lightning_memkit.modes import parse_modes, resolve_precision
-from lightning_memkit.modes.mode import MODE_WORDS
+from lightning_memkit.modes.mode import MODE_WORDS, parse_modes, resolve_precision
 
 
 @pytest.mark.parametrize(

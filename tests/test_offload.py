@@ -21,8 +21,9 @@ from torch import nn
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
-from lightning_memkit.estimate.core import EstimateError, estimate_memory
-from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.estimate.api import estimate_memory
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.modes.mode import Mode, parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, apply_offload
 from lightning_memkit.zoo import DemoMLP, DemoTransformer
@@ -350,7 +351,7 @@ def test_a_checkpoint_budget_with_offload_chooses_blocks_by_what_they_save_on_th
     """On the GPU, with ActivationOffload: the budget chooses the blocks it chooses without offload ("budget ...
     cannot be met" was an H200 plan's trial), and the fit trains."""
     from lightning_memkit import ActivationCheckpointing
-    from lightning_memkit.modes.checkpointing import CheckpointBudget
+    from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 
     chosen = {}
     for offload in (False, True):

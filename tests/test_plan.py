@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import FrozenBaseStack, LinearStack
 from lightning_memkit.estimate import estimate_memory, measure_training_step
-from lightning_memkit.estimate.core import accumulating, observing_ops
-from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.estimate.step.settings import accumulating, observing_ops
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan import Candidate, PlanError, PlanRow, RowStatus, choice, lightning_runs, plan_fit
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 from lightning_memkit.plan.inputs import TrialSettings

@@ -26,11 +26,12 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from conftest import LinearStack
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
-from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, planner, trials
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
+from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.zoo import DemoTransformer
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -229,7 +230,7 @@ def test_fp16_steps_the_grad_scaler_skipped_are_run_beyond_and_not_timed():
 @pytest.mark.timeout(300)
 def test_a_trial_fit_without_a_grad_scaler_skips_nothing():
     module = LinearStack((8, 16, 4), batch_size=4, optimizer="adam")
-    with lightning_runs.quiet_lightning():
+    with quiet_lightning():
         skipped = lightning_runs.fit_steps(module, Candidate(4, 1), (torch.randn(4, 8),), "cpu", 2, 1, None, None)
     assert skipped == []
 

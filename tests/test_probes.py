@@ -7,18 +7,14 @@ import sys
 import pytest
 import torch
 
-from lightning_memkit.probes import (
-    CudaAllocatorProbe,
-    HostProbe,
-    MemoryProbe,
-    NvmlProbe,
-    ProbeSet,
-    ProbeUnavailable,
-    TensorProbe,
-    build_probes,
-)
 from lightning_memkit.probes import _torch_compat as probe_compat
+from lightning_memkit.probes import build_probes
 from lightning_memkit.probes import host as host_probe
+from lightning_memkit.probes.base import MemoryProbe, ProbeSet, ProbeUnavailable
+from lightning_memkit.probes.cuda import CudaAllocatorProbe
+from lightning_memkit.probes.host import HostProbe
+from lightning_memkit.probes.nvml import NvmlProbe
+from lightning_memkit.probes.tensor import TensorProbe
 
 BIG = 256 * 2**20  # 256 MiB: far above RSS noise, returned to the OS on free (mmap'd)
 

@@ -3,7 +3,12 @@ where each name comes from (``from lightning_memkit import X``) as they are. Add
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+from pathlib import Path
+
+import pytest
 
 import lightning_memkit
 
@@ -84,3 +89,24 @@ def test_the_public_names_are_these():
 def test_the_keyword_arguments_users_pass_are_these():
     for name, parameters in SIGNATURES.items():
         assert list(inspect.signature(getattr(lightning_memkit, name)).parameters) == parameters, name
+
+
+def test_each_public_name_is_imported_on_first_use_from_the_home_type_checkers_read():
+    """The package imports a public name from its home when it is first read (``_HOMES``); type checkers read the
+    ``if TYPE_CHECKING:`` imports. Both tables, ``__all__`` and the objects' own modules agree."""
+    tree = ast.parse(Path(lightning_memkit.__file__).read_text(encoding="utf-8"))
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    imported = {
+        alias.name: node.module for node in checked.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    homes = {name: module for module, names in lightning_memkit._HOMES.items() for name in names}
+    assert homes == imported
+    assert sorted(homes) == sorted(lightning_memkit.__all__)
+    for name, module in homes.items():
+        value = getattr(lightning_memkit, name)
+        assert value is getattr(importlib.import_module(module), name)
+        if inspect.isclass(value) or inspect.isfunction(value):
+            assert value.__module__ == module, name
+    assert set(lightning_memkit.__all__) <= set(dir(lightning_memkit))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        lightning_memkit.not_a_name  # noqa: B018

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memkit.estimate._torch_compat import queued_cuda_seeds
-from lightning_memkit.estimate.batches import preserved_rng
-from lightning_memkit.estimate.worst_batch import find_worst_batch
+from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.estimate.data.worst_batch import find_worst_batch
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.is_initialized(), reason="CUDA has started: no seed is queued for it"

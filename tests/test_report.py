@@ -20,8 +20,8 @@ from conftest import LinearStack, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
 from lightning_memkit.records import RECORDS_FILENAME, StepReading, read_records
-from lightning_memkit.report import find_sources
-from lightning_memkit.report.render import readings_table
+from lightning_memkit.report.html_report import readings_table
+from lightning_memkit.report.sources import find_sources
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.units import MiB
 from test_dashboard import read_layouts
@@ -143,7 +143,7 @@ def test_report_never_unpickles(run_dir, tmp_path):
 
 def test_report_with_a_layer_trace(tmp_path):
     from lightning_memkit.callbacks import layer_trace
-    from lightning_memkit.trace.records import read_trace
+    from lightning_memkit.trace.trace_records import read_trace
 
     model = LinearStack(optimizer="adam")
     logger = TensorBoardLogger(str(tmp_path / "logs"), name="run", version=0)
@@ -167,10 +167,10 @@ def test_report_with_a_layer_trace(tmp_path):
 
 
 def test_report_of_a_compare_run(tmp_path, capsys):
-    from lightning_memkit.modes import compare
+    from lightning_memkit.modes.comparison import compare_modes
 
     root = tmp_path / "cmp"
-    result = compare.compare_modes(
+    result = compare_modes(
         lambda: LinearStack(val_batches=1),
         modes="baseline,amp",
         max_steps=2,

@@ -578,7 +578,7 @@ def test_activation_checkpointing_leaves_training_unchanged(factory, policy, ove
     if isinstance(module, DictStages):  # four blocks called from user code: the last runs plain
         assert callback.plan.names == ["stages.stage0", "stages.stage1", "stages.stage2"]
     # restored at the end of fit: the module's own forward is back
-    from lightning_memkit.modes.checkpointing import is_checkpointed
+    from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
 
     assert not any(is_checkpointed(m) for m in module.modules())
 

@@ -238,7 +238,7 @@ def test_step_timer_reads_an_int_as_that_cuda_device():
 
 @pytest.mark.cuda
 def test_the_capacity_of_cuda_0_is_device_0s():
-    from lightning_memkit.estimate.predict import device_capacity_bytes
+    from lightning_memkit.estimate.largest_batch import device_capacity_bytes
 
     last = torch.cuda.device_count() - 1
     with torch.cuda.device(last):  # the current device is another one where there are several

@@ -149,7 +149,7 @@ def test_user_frame_is_found_by_what_frames_are_not_how_many(depth):
 def test_the_recorder_names_the_users_line_under_torchs_own_python_frames():
     """Ops made directly, through torch's Python functional (F.dropout) and through a module's forward:
     each creation names this file's line, whatever frames torch's dispatch puts in between."""
-    from lightning_memkit.doctor import CreationRecorder
+    from lightning_memkit.doctor.recorder import CreationRecorder
 
     layer = torch.nn.Linear(4, 3)
     recorder = CreationRecorder()

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_memkit.trace import LayerTracer, LayerTraceResult, TraceEvent, read_trace, trace_step
-from lightning_memkit.trace.records import CSV_COLUMNS, TRACE_FORMAT
+from lightning_memkit.trace.trace_records import CSV_COLUMNS, TRACE_FORMAT, LayerTraceResult, TraceEvent, read_trace
+from lightning_memkit.trace.tracer import LayerTracer, trace_step
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 F32, I64, BF16 = 4, 8, 2

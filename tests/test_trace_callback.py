@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import LayerTrace, MemoryTracker
-from lightning_memkit.trace import TRACE_FORMAT, read_trace
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
+from lightning_memkit.trace.trace_records import TRACE_FORMAT, read_trace
 from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 MiB = 2**20
@@ -418,7 +418,7 @@ def test_files_go_to_the_logger_or_dirpath_never_unasked_into_the_working_direct
 
 
 def test_write_new_file_takes_the_first_free_version(tmp_path):
-    from lightning_memkit.trace.records import write_new_file
+    from lightning_memkit.trace.trace_records import write_new_file
 
     paths = [write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", str(i)) for i in range(3)]
     assert [os.path.basename(p) for p in paths] == [

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import run_script
-from lightning_memkit.trace import read_trace
+from lightning_memkit.trace.trace_records import read_trace
 
 EXTRA_ELEMENTS = 2**20  # rank r allocates (r + 1) * 4 MiB more inside its training step
 

@@ -180,8 +180,8 @@ SEED_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from torch.utils.data import DataLoader, TensorDataset
-    from lightning_memkit.estimate.batches import preserved_rng
-    from lightning_memkit.estimate.worst_batch import find_worst_batch
+    from lightning_memkit.estimate.data.batches import preserved_rng
+    from lightning_memkit.estimate.data.worst_batch import find_worst_batch
 
     case = sys.argv[1]
     if case != "unseeded":

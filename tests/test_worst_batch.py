@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_memkit import MaxBatchSize, estimate_memory, measure_training_step, predict_max_batch_size
-from lightning_memkit.estimate.worst_batch import BatchSource, batch_nbytes, find_worst_batch
+from lightning_memkit.estimate.data.worst_batch import BatchSource, batch_nbytes, find_worst_batch
 from lightning_memkit.zoo_variable import (
     PaddedTextClassifier,
     PaddedTextDataModule,

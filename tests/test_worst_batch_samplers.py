@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_memkit import estimate_memory, measure_training_step, predict_max_batch_size
-from lightning_memkit.estimate.worst_batch import BatchSource, batch_shapes, find_worst_batch
+from lightning_memkit.estimate.data.worst_batch import BatchSource, batch_shapes, find_worst_batch
 from lightning_memkit.zoo_variable import pad_collate
 
 #: (length, samples): a short-text dataset whose longest bucket holds few samples (as in the issue's, 69 at 512)

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import run_script
 from lightning_memkit.estimate import sample_sizes
-from lightning_memkit.estimate.sample_sizes import SAMPLED_COUNT, sized_indices
-from lightning_memkit.estimate.worst_batch import BatchSource, agreed_worst_batch, find_worst_batch
+from lightning_memkit.estimate.data.sample_sizes import SAMPLED_COUNT, sized_indices
+from lightning_memkit.estimate.data.worst_batch import BatchSource, agreed_worst_batch, find_worst_batch
 
 PROBED = 32  # samples loaded to project the sizing time
 BATCH = 8
@@ -77,7 +77,7 @@ DDP_SCRIPT = textwrap.dedent(
     import torch, lightning.pytorch as pl
     from torch.utils.data import DataLoader, Dataset
     from lightning_memkit.callbacks.max_batch_size import find_max_batch_size
-    from lightning_memkit.estimate.sample_sizes import SAMPLED_COUNT
+    from lightning_memkit.estimate.data.sample_sizes import SAMPLED_COUNT
 
     RANK = int(os.environ.get("LOCAL_RANK", 0))
 

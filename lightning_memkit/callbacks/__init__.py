@@ -1,5 +1,3 @@
-"""Thin Lightning adapters over memkit's core: each wires measuring code to Trainer hooks."""
+"""Thin Lightning adapters over memkit's core: each wires measuring code to Trainer hooks.
 
-from lightning_memkit.callbacks.memory_tracker import MemoryTracker
-
-__all__ = ["MemoryTracker"]
+Import each name from the module that defines it."""

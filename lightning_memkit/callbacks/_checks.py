@@ -18,19 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_memkit._class_paths import resolve_class_path
 
-__all__ = [
-    "refuse",
-    "boolean",
-    "integer",
-    "number",
-    "text",
-    "path",
-    "choice",
-    "steps",
-    "resolve_class_path",
-    "module_filters",
-    "A_BOOL",
-]
+__all__ = ["refuse", "boolean", "integer", "number", "text", "path", "choice", "steps", "module_filters", "A_BOOL"]
 
 #: the accepted form of every boolean argument
 A_BOOL = "True or False (a bool)"

@@ -11,9 +11,17 @@ from typing import Any
 
 from lightning.pytorch.loggers.logger import DummyLogger
 
-from lightning_memkit._lightning_compat import log_dir
+__all__ = ["log_dir", "logging_loggers", "run_files_dir", "file_target"]
 
-__all__ = ["logging_loggers", "run_files_dir", "file_target"]
+
+def log_dir(trainer: Any) -> str:
+    """Where memkit writes its files for this run: the first logger's ``log_dir``, else the
+    trainer's ``default_root_dir`` (one rule, so every callback picks the same place)."""
+    for logger in trainer.loggers:
+        directory = getattr(logger, "log_dir", None)
+        if directory:
+            return str(directory)
+    return str(trainer.default_root_dir)
 
 
 def logging_loggers(trainer: Any) -> list[Any]:

@@ -17,16 +17,10 @@ from typing_extensions import override
 
 from lightning_memkit._lightning_compat import forget_model_logging, fsdp_activation_checkpointing_configured
 from lightning_memkit.callbacks import _checks as checks
-from lightning_memkit.modes.checkpointing import (
-    CheckpointBudget,
-    CheckpointHandle,
-    CheckpointPlan,
-    apply_checkpointing,
-    describe_policy,
-    normalize_policy,
-    parse_budget,
-    plan_checkpointing,
-)
+from lightning_memkit.modes.checkpoint_plan import CheckpointPlan
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy, normalize_policy, parse_budget
+from lightning_memkit.modes.checkpoint_wrap import CheckpointHandle
+from lightning_memkit.modes.checkpointing import apply_checkpointing, plan_checkpointing
 from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper, user_name
 from lightning_memkit.units import MiB, format_bytes
 
@@ -88,7 +82,7 @@ class ActivationCheckpointing(Callback):
     ``memory/checkpoint/activation_MiB`` (activation memory with checkpointing, exact).
 
     Attributes:
-        plan: the :class:`~lightning_memkit.modes.checkpointing.CheckpointPlan` once applied: names and
+        plan: the :class:`~lightning_memkit.modes.checkpoint_plan.CheckpointPlan` once applied: names and
             numbers only, so a callback kept after the fit holds no tensor of the model's.
     """
 

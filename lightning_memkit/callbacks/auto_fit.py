@@ -21,10 +21,11 @@ from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
-from lightning_memkit.estimate.batches import preserved_rng
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy, normalize_policy
-from lightning_memkit.plan.planner import PlanError, plan_fit
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy, normalize_policy
+from lightning_memkit.plan.planner import plan_fit
+from lightning_memkit.plan.result import PlanError
 from lightning_memkit.plan.space import parse_plan_modes
 from lightning_memkit.search.batch_guard import BatchGuard
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
@@ -77,7 +78,7 @@ class AutoFit(Callback):
             side-by-side rounds only where they fit.
 
     Attributes:
-        plan: the :class:`~lightning_memkit.plan.planner.Plan` (``None`` before fit, and on a resumed fit).
+        plan: the :class:`~lightning_memkit.plan.result.Plan` (``None`` before fit, and on a resumed fit).
         applied: what this fit trains with: ``{"micro_batch": samples, "accumulate_grad_batches": n,
             "checkpoint": policy text ("auto", "budget=0.5", class paths) or None, "offload": bool, "precision": str}``
             (plain values only); kept in checkpoints, so a fit

@@ -1,6 +1,6 @@
 """LayerTrace: a per-module memory table, figure and category split of chosen training steps.
 
-Thin wiring of :class:`~lightning_memkit.trace.LayerTracer` to Lightning: which steps, which
+Thin wiring of :class:`~lightning_memkit.trace.tracer.LayerTracer` to Lightning: which steps, which
 hooks, which loggers and files. Measuring is the tracer's job.
 """
 
@@ -23,7 +23,7 @@ from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES
 from lightning_memkit.tensorboard.dashboard import markdown_code, register_dashboard
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
-from lightning_memkit.trace.records import LayerTraceResult, trace_filename, write_new_file
+from lightning_memkit.trace.trace_records import LayerTraceResult, trace_filename, write_new_file
 from lightning_memkit.trace.tracer import LayerTracer
 from lightning_memkit.units import format_bytes
 
@@ -122,7 +122,7 @@ class LayerTrace(Callback):
             runs eagerly, traced module by module (the eager program's bytes). See docs/compile.md.
 
     Attributes:
-        results: the :class:`~lightning_memkit.trace.LayerTraceResult` of each traced step.
+        results: the :class:`~lightning_memkit.trace.trace_records.LayerTraceResult` of each traced step.
         paths: the JSON files written.
         last_step: the last training step (logging step) the latest fit started; ``None`` before one.
     """

@@ -13,9 +13,9 @@ from typing_extensions import override
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
-from lightning_memkit.modes.checkpointing import CheckpointBudget
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.search.batch_guard import BatchGuard, ProvedBatch
-from lightning_memkit.search.core import SearchError, SearchResult
+from lightning_memkit.search.batch_search import SearchError, SearchResult
 from lightning_memkit.search.lightning import search_in_fit
 from lightning_memkit.search.searchable import (
     BatchSizeSearchError,
@@ -78,7 +78,7 @@ class MaxBatchSize(Callback):
             without a trial; ``True`` searches again.
 
     Attributes:
-        result: the :class:`~lightning_memkit.search.core.SearchResult` (trials, timings).
+        result: the :class:`~lightning_memkit.search.batch_search.SearchResult` (trials, timings).
         optimal_batch_size: the size found (before ``keep_effective_batch_size``), as Lightning names it.
 
     Under DDP every rank runs the same trials in lockstep; each trial's outcome is agreed over the

@@ -1,5 +1,5 @@
 """MemoryDoctor: find tensors that survive training steps (leaks), tensors held past their last use,
-and who made them. Thin wiring of :class:`~lightning_memkit.doctor.DoctorSession` to Lightning's hooks.
+and who made them. Thin wiring of :class:`~lightning_memkit.doctor.verdict.DoctorSession` to Lightning's hooks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
 from lightning_memkit.doctor.holders import user_roots
 from lightning_memkit.doctor.leaks import LeakReport, rising_floor
-from lightning_memkit.doctor.report import DoctorReport, DoctorSession
+from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
 from lightning_memkit.units import format_bytes
 
@@ -85,7 +85,7 @@ class MemoryDoctor(Callback):
             op-by-op record of the eager program. See docs/compile.md.
 
     Attributes:
-        report: the :class:`~lightning_memkit.doctor.DoctorReport` (``None`` before the first step).
+        report: the :class:`~lightning_memkit.doctor.verdict.DoctorReport` (``None`` before the first step).
         report_path: ``<log_dir>/memkit_doctor.json`` written at fit end in the first logger's log dir;
             ``None`` without a logger (``logger=False``, ``fast_dev_run``): nothing lands in the working
             directory unasked, :attr:`report` has the verdict (``report.to_json(path)`` writes it).

@@ -19,25 +19,36 @@ from typing_extensions import override
 from lightning_memkit._lightning_compat import forget_model_logging
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks import _tracker_arguments as arguments
-from lightning_memkit.callbacks._files import file_target, logging_loggers
+from lightning_memkit.callbacks._files import file_target, log_dir, logging_loggers
 from lightning_memkit.callbacks._step_windows import StepWindows
-from lightning_memkit.callbacks._tracker_end import batch_search_note, ended_by, log_summary, write_oom_report
-from lightning_memkit.callbacks._tracker_rows import ReadingRows
 from lightning_memkit.compiled import compiled_parts
-from lightning_memkit.distributed import ReadingReducer
 from lightning_memkit.doctor.confirmed_leaks import LeakConfirmer, leak_warning
 from lightning_memkit.doctor.leaks import LeakReport
+from lightning_memkit.logging_merge import ReadingRows, log_summary
 from lightning_memkit.meter import MemoryMeter
-from lightning_memkit.oom import is_out_of_memory
+from lightning_memkit.oom import is_out_of_memory, write_fit_oom_report
 from lightning_memkit.peak_steps import PeakSchedule
 from lightning_memkit.probes._torch_compat import start_memory_history, stop_memory_history
 from lightning_memkit.probes.base import MemoryProbe
-from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, records_filename
+from lightning_memkit.rank_reduction import ReadingReducer
+from lightning_memkit.records import RecordsWriter, RunSummary, StepReading, ended_by, records_filename
 from lightning_memkit.summary_table import fit_ended, where_readings_went
 from lightning_memkit.tensorboard.dashboard import log_memory_summary, register_dashboard
 from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 
 __all__ = ["MemoryTracker"]
+
+
+def _batch_search_note(trainer: Any) -> str | None:
+    """The note a batch-size search (MaxBatchSize) gives for the summary: its trial peak beside the run peak, with
+    what each counts; the last callback's that gives one, else ``None``."""
+    found = None
+    for callback in trainer.callbacks:
+        note = getattr(callback, "summary_note", None)
+        text = note() if callable(note) else None
+        if isinstance(text, str):
+            found = text
+    return found
 
 
 class MemoryTracker(Callback):
@@ -108,7 +119,7 @@ class MemoryTracker(Callback):
         prefix: the first part of every logged key. Several MemoryTrackers in one Trainer (say,
             one measuring every step and one with ``every_n_steps=100``) need different prefixes:
             the prefix also names the tracker's checkpoint state.
-        extra_probes: your own :class:`~lightning_memkit.probes.MemoryProbe` instances, read
+        extra_probes: your own :class:`~lightning_memkit.probes.base.MemoryProbe` instances, read
             with the built-in ones every measured step (a failing probe warns once and is
             switched off; training continues).
         verbose: print the summary table at fit end (global rank zero only).
@@ -129,7 +140,7 @@ class MemoryTracker(Callback):
         history: the logged readings, oldest first (under DDP the max over ranks, ``rank=-1``).
         summary: the run's :class:`~lightning_memkit.records.RunSummary`.
         oom_report_path: the path of the OOM report, if one was written.
-        leak_report: the :class:`~lightning_memkit.doctor.LeakReport` of steady growth, once
+        leak_report: the :class:`~lightning_memkit.doctor.leaks.LeakReport` of steady growth, once
             found (``detect_leaks``), else ``None``.
         records_path: the ``memkit_memory.json`` written at fit end (summary and history),
             which ``memkit report`` reads (``memkit_memory_<prefix>.json`` for a prefix other
@@ -383,7 +394,7 @@ class MemoryTracker(Callback):
         self._flush_pending(trainer)
         if self.summary.peak_bytes is None:
             return
-        note = batch_search_note(trainer)
+        note = _batch_search_note(trainer)
         if note is not None:
             self.summary.extra["batch_search"] = note
         step = log_summary(trainer, self.summary, self.prefix)
@@ -419,8 +430,14 @@ class MemoryTracker(Callback):
             if meter.is_open:
                 reading = meter.close()
         if is_out_of_memory(exception):
-            written = write_oom_report(
-                trainer, self.oom_dir, self.summary, self.history, reading, exception, self._history_recording
+            written = write_fit_oom_report(
+                trainer,
+                self.oom_dir or log_dir(trainer),
+                self.summary,
+                self.history,
+                reading,
+                exception,
+                self._history_recording,
             )
             if written is not None:
                 self.oom_report_path = written

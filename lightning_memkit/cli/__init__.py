@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 
 from lightning_memkit.cli.common import CliError
 
@@ -25,21 +26,24 @@ VERBS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``memkit`` argument parser."""
+def build_parser(verbs: Iterable[str] = tuple(VERBS)) -> argparse.ArgumentParser:
+    """The ``memkit`` argument parser with these verbs' sub-commands (default: all of them)."""
     parser = argparse.ArgumentParser(
         prog="memkit", description="Training memory for PyTorch Lightning: measure, explain, fix."
     )
     subparsers = parser.add_subparsers(dest="verb", metavar="COMMAND")
-    for verb, module_name in VERBS.items():
-        module = importlib.import_module(f"lightning_memkit.cli.{module_name}")
+    for verb in verbs:
+        module = importlib.import_module(f"lightning_memkit.cli.{VERBS[verb]}")
         module.add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``memkit``; returns the exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # a verb's own sub-command runs it (and prints its --help): the other verbs' modules are not imported
+    named = argv[:1] if argv and argv[0] in VERBS else VERBS
+    parser = build_parser(named)
     args = parser.parse_args(argv)
     if args.verb is None:
         parser.print_help()

@@ -10,7 +10,8 @@ import warnings
 import lightning.pytorch as pl
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
-from lightning_memkit.modes.compare import CheckpointWarning, ModeStatus, compare_modes
+from lightning_memkit.modes.compare_result import ModeStatus
+from lightning_memkit.modes.comparison import CheckpointWarning, compare_modes
 from lightning_memkit.modes.mode import parse_modes
 
 __all__ = ["add_parser", "run"]

@@ -10,7 +10,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_memkit import LayerTrace, MemoryTracker, zoo
+from lightning_memkit import zoo
+from lightning_memkit.callbacks.layer_trace import LayerTrace
+from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 from lightning_memkit.cli.common import CliError, build_trainer
 from lightning_memkit.units import format_bytes
 
@@ -113,7 +115,7 @@ def explain_peaks(summary, trace, trainer) -> str | None:
 
     Args:
         summary: MemoryTracker's :class:`~lightning_memkit.records.RunSummary` (bytes).
-        trace: the last :class:`~lightning_memkit.trace.records.LayerTraceResult`, or ``None``.
+        trace: the last :class:`~lightning_memkit.trace.trace_records.LayerTraceResult`, or ``None``.
         trainer: the fitted Trainer (its training dataset's tensors, when it holds them, are named in bytes).
 
     Returns:

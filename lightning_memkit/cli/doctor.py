@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         raise CliError(
             f"{args.module} is not a LightningModule class; memkit doctor needs one "
-            "(use lightning_memkit.doctor.DoctorSession from Python for a plain training loop)"
+            "(use lightning_memkit.doctor.verdict.DoctorSession from Python for a plain training loop)"
         )
     model, datamodule = build_module_and_datamodule(cls, args)
     if datamodule is None and not _overrides(model, "train_dataloader"):

@@ -15,27 +15,23 @@ import torch
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 from lightning_memkit.cli.estimate_check import check_estimates, check_refusal
 from lightning_memkit.cli.estimate_figures import breakdown_lines, does_not_fit_lines
-from lightning_memkit.cli.estimate_output import KERNELS_PREFIX, in_cli_terms, kernels_and_notes, target_words
-from lightning_memkit.cli.estimate_ranks import run_distributed, world_sizes_tried
-from lightning_memkit.estimate import (
-    DoesNotFitError,
-    EstimateError,
-    NoBatchError,
-    estimate_memory,
-    predict_max_batch_size,
-)
+from lightning_memkit.cli.estimate_output import in_cli_terms, kernels_and_notes, target_words
+from lightning_memkit.cli.estimate_ranks import run_distributed
+from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.batch_split import BatchSplit
-from lightning_memkit.estimate.core import reusing_fake_copies
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
-from lightning_memkit.estimate.distributed import STRATEGIES, sharding_of
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.estimate.data.batches import NoBatchError
+from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
+from lightning_memkit.estimate.distributed.sharding import STRATEGIES, sharding_of
+from lightning_memkit.estimate.largest_batch import DoesNotFitError, device_capacity_bytes, predict_max_batch_size
 from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, mode_needs, needing_less
-from lightning_memkit.estimate.predict import device_capacity_bytes
-from lightning_memkit.estimate.worst_batch import worst_batch_and_length
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.modes.mode import parse_modes
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes, parse_bytes
 
-__all__ = ["add_parser", "run", "KERNELS_PREFIX", "world_sizes_tried"]
+__all__ = ["add_parser", "run"]
 
 #: the largest world size ``--strategy`` tries for its "min GPUs" answer unless ``--max-world-size`` says otherwise
 DEFAULT_MAX_WORLD_SIZE = 1024

@@ -15,10 +15,10 @@ import torch
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from lightning_memkit.cli.common import CliError, build_instance, json_object, load_object
-from lightning_memkit.estimate.batches import batch_size_of
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
-from lightning_memkit.modes.checkpointing import CheckpointBudget
-from lightning_memkit.plan.lightning_runs import quiet_lightning
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.estimate.data.batches import batch_size_of
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
+from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 

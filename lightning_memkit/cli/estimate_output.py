@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_memkit.estimate.core import DATA_DEPENDENT_ADVICE
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.estimate.step.hook_errors import DATA_DEPENDENT_ADVICE
 
 __all__ = ["KERNELS_PREFIX", "in_cli_terms", "kernels_and_notes", "target_words"]
 
-#: the estimate's note that lists the CUDA kernels assumed (estimate/cuda_kernels.py writes it)
+#: the estimate's note that lists the CUDA kernels assumed (estimate/cuda/kernels.py writes it)
 KERNELS_PREFIX = "CUDA kernels assumed: "
 
 

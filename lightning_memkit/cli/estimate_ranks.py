@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_memkit.cli.estimate_output import in_cli_terms, kernels_and_notes, target_words
-from lightning_memkit.estimate import EstimateError, NoBatchError
-from lightning_memkit.estimate.core import reusing_fake_copies
-from lightning_memkit.estimate.distributed import estimate_distributed_memory, sharding_of
+from lightning_memkit.estimate.data.batches import NoBatchError
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
+from lightning_memkit.estimate.distributed.sharding import sharding_of
 from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes

@@ -17,9 +17,10 @@ import lightning.pytorch as pl
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 from lightning_memkit.cli.estimate import _memory
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
-from lightning_memkit.modes.checkpointing import CheckpointBudget
-from lightning_memkit.plan.planner import PlanError, no_best_note, plan_fit
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
+from lightning_memkit.plan.planner import no_best_note, plan_fit
+from lightning_memkit.plan.result import PlanError
 from lightning_memkit.units import format_bytes
 
 __all__ = ["add_parser", "print_best", "run"]

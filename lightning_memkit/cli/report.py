@@ -7,7 +7,8 @@ import os
 import sys
 
 from lightning_memkit.cli.common import CliError
-from lightning_memkit.report import ReportInputError, write_report
+from lightning_memkit.report import write_report
+from lightning_memkit.report.sources import ReportInputError
 from lightning_memkit.tensorboard.dashboard import update_dashboards
 
 __all__ = ["add_parser", "run"]

@@ -19,9 +19,6 @@ from lightning_memkit.compiled._torch_compat import (
     allocator_events,
     compiled_call_impl,
     compiled_function,
-    dynamo_counters,
-    force_eager,
-    is_compiling,
     mark,
     profiler_active,
     track_cpu_allocation_sizes,
@@ -34,9 +31,6 @@ __all__ = [
     "compiled_parts",
     "compiled_regions",
     "is_compiled_wrapper",
-    "dynamo_counters",
-    "force_eager",
-    "is_compiling",
     "NOT_SEEN_COMPILED",
 ]
 

@@ -31,7 +31,7 @@ class GraphHolder:
         grad_fn: the name of its graph's root node, e.g. ``"AddBackward0"``.
         nodes: how many autograd nodes are reachable from it and from no tensor listed before it.
         shape, dtype, nbytes: of the tensor's storage (bytes).
-        made_by: who made it (a :class:`~lightning_memkit.doctor.Creation` description), or ``""``.
+        made_by: who made it (a :class:`~lightning_memkit.doctor.creation.Creation` description), or ``""``.
         where: the user's line that made it, or ``""``.
         count: how many such tensors (same root node type, shape, dtype and maker); ``nodes`` is theirs together.
         holder: where a program reaches one of them, as code you can paste (``"model.total"``), or ``""``

@@ -32,7 +32,6 @@ from lightning_memkit._user_code import is_user_file
 from lightning_memkit.accounting.accountant import storage_of
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.holder_paths import (
-    HOOK_DICTS,
     ROOT_KINDS,
     HolderPath,
     annotate,
@@ -44,16 +43,7 @@ from lightning_memkit.doctor.holder_paths import (
 from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.leaks import group_key
 
-__all__ = [
-    "HolderPath",
-    "HolderSearch",
-    "SearchStop",
-    "find_holders",
-    "user_roots",
-    "attach_holders",
-    "path_names",
-    "HOOK_DICTS",
-]
+__all__ = ["HolderSearch", "SearchStop", "find_holders", "user_roots", "attach_holders"]
 
 _DEAD_ENDS = (types.FrameType, types.ModuleType, type, types.CodeType, types.BuiltinFunctionType)
 
@@ -340,7 +330,7 @@ def find_holders(
 def attach_holders(
     report: Any, recorder: Any, roots: dict, time_limit_s: float = 1.0, per_group: int = 3, limit: int = 8
 ) -> HolderSearch:
-    """Name the holder of each group a :class:`~lightning_memkit.doctor.LeakReport` lists (its ``growing``
+    """Name the holder of each group a :class:`~lightning_memkit.doctor.leaks.LeakReport` lists (its ``growing``
     groups, else its first ``survivors``): one :func:`find_holders` search for them all, for up to
     ``per_group`` of each group's most recent storages, stopped once each group has one. Sets
     :attr:`CreatorGroup.holder` and :attr:`CreatorGroup.holder_note`; returns the search (its cost)."""
@@ -378,7 +368,7 @@ def attach_holders(
 
 
 def group_key_of(group: Any) -> tuple:
-    """The grouping key of a :class:`~lightning_memkit.doctor.CreatorGroup` (as :func:`group_key` of its records)."""
+    """The grouping key of a :class:`~lightning_memkit.doctor.leaks.CreatorGroup` (:func:`group_key` of its records)."""
     return (
         group.op,
         group.module,

@@ -23,7 +23,7 @@ How it works, and why:
   is a call, a container of a user type), its value expressions stand in (a name, ``x.attr``,
   ``x[constant]``; in any other expression, the tensors its names refer to), with the tensors ops made
   while it ran. A tensor is looked for one level into lists, tuples and dicts. Each one's
-  :attr:`~lightning_memkit.doctor.Creation.kept_at` gets the statement's first line.
+  :attr:`~lightning_memkit.doctor.creation.Creation.kept_at` gets the statement's first line.
 * Frames already running when tracing starts get no call event: the user's ones (a training loop written
   inline) are given their line tracer when it starts, as ``pdb`` does.
 * A tensor stored by several statements keeps up to :data:`MAX_KEPT_AT` of them; the report picks the
@@ -55,7 +55,6 @@ from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.recorder import CreationRecorder
 from lightning_memkit.doctor.store_statements import (
     CODE_STATEMENTS,
-    STORE_METHODS,
     StoreStatement,
     code_statements,
     target_names,
@@ -63,7 +62,7 @@ from lightning_memkit.doctor.store_statements import (
 from lightning_memkit.doctor.stored_values import stored_tensors
 
 # STORE_METHODS and target_names live in store_statements.py; named here too, where the keeping line is decided
-__all__ = ["KeepTracer", "MAX_KEPT_AT", "STORE_METHODS", "keeping_frame", "target_names"]
+__all__ = ["KeepTracer", "MAX_KEPT_AT", "keeping_frame"]
 
 #: the most keeping lines remembered per storage
 MAX_KEPT_AT = 4
@@ -197,7 +196,7 @@ class KeepTracer:
 
 def keeping_frame(creations: Iterable[Creation], path_names: Iterable[str] = ()) -> list | None:
     """The line that keeps a group of tensors, ``[filename, line, function]``, or ``None`` when none was seen:
-    of the lines in their :attr:`~lightning_memkit.doctor.Creation.kept_at`, those whose target names share a
+    of the lines in their :attr:`~lightning_memkit.doctor.creation.Creation.kept_at`, those whose target names share a
     name with ``path_names`` (the names on the path to their holder: ``{"kept"}`` for ``model.kept[27]``)
     first, then the one that stored most of them, then the one that stored the newest."""
     counts: collections.Counter = collections.Counter()

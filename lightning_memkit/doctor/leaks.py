@@ -277,7 +277,7 @@ class LeakWatcher:
     an epoch ends (at the next epoch's first step) and at :meth:`finish`, with the memory measured
     after the epoch's end: memory a run frees at each epoch's end (a list of the epoch's losses) is
     not a leak. Without epochs, every step is judged. With a
-    :class:`~lightning_memkit.doctor.CreationRecorder` (``recorder=``), the report also groups the
+    :class:`~lightning_memkit.doctor.recorder.CreationRecorder` (``recorder=``), the report also groups the
     tensors that survived from earlier steps by who made them.
 
     Usage::

@@ -1,6 +1,6 @@
 """Within a step: each storage from creation to last use, and what is held past its last use at the peak.
 
-Owns :func:`analyse_liveness`, which replays a :class:`~lightning_memkit.doctor.CreationRecorder`
+Owns :func:`analyse_liveness`, which replays a :class:`~lightning_memkit.doctor.recorder.CreationRecorder`
 liveness window (allocation, last use and free of every storage on one op clock) into a
 :class:`LivenessReport`: the step's peak, what it is made of, and the bytes *held too long* there:
 live at the peak although their last use came before it (what a memory planner would reclaim).

@@ -34,7 +34,8 @@ from torch.nn.modules import module as module_hooks
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import storage_of
-from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance, force_eager
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorBalance
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.doctor import _torch_compat
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
 from lightning_memkit.doctor.op_tracking import OpTracking
@@ -333,7 +334,7 @@ class CreationRecorder(OpTracking):
     def watched_bytes_of(self, storages: Iterable[Any]) -> int:
         """Bytes of the distinct untyped ``storages`` that :attr:`live_bytes` counts, less training state and
         less what was alive before the run (:meth:`know_existing`): their part of what the leak rule watches
-        (see :meth:`~lightning_memkit.doctor.DoctorSession.watched_bytes`). A storage the recorder does not know
+        (see :meth:`~lightning_memkit.doctor.verdict.DoctorSession.watched_bytes`). A storage the recorder does not know
         counts 0 bytes."""
         seen: set[int] = set()
         total = 0

@@ -2,11 +2,11 @@
 and the largest batch size predicted from a few estimates."""
 
 from lightning_memkit.accounting.categories import CATEGORIES
-from lightning_memkit.estimate.allocator import AllocatorView, CudaAllocatorModel
-from lightning_memkit.estimate.batches import NoBatchError
-from lightning_memkit.estimate.core import estimate_memory, measure_training_step
-from lightning_memkit.estimate.result import EstimateError, MemoryEstimate
-from lightning_memkit.estimate.settings import reusing_fake_copies
+from lightning_memkit.estimate.api import estimate_memory, measure_training_step
+from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView, CudaAllocatorModel
+from lightning_memkit.estimate.data.batches import NoBatchError
+from lightning_memkit.estimate.step.memory_estimate import EstimateError, MemoryEstimate
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
 __all__ = [
     "AllocatorView",
@@ -19,7 +19,7 @@ __all__ = [
     "measure_training_step",
     "reusing_fake_copies",
 ]
-from lightning_memkit.estimate.predict import (  # noqa: E402
+from lightning_memkit.estimate.largest_batch import (  # noqa: E402
     AffineGrowth,
     BatchSizePrediction,
     DoesNotFitError,
@@ -32,8 +32,8 @@ from lightning_memkit.estimate.batch_split import BatchSplit, estimate_batch_spl
 from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, ModeNeed, mode_needs  # noqa: E402
 
 __all__ += ["ALTERNATIVE_MODES", "BatchSplit", "ModeNeed", "estimate_batch_split", "mode_needs"]
-from lightning_memkit.estimate.distributed import DistributedEstimate, estimate_distributed_memory  # noqa: E402
-from lightning_memkit.estimate.sharding import (  # noqa: E402
+from lightning_memkit.estimate.distributed.per_rank import DistributedEstimate, estimate_distributed_memory  # noqa: E402
+from lightning_memkit.estimate.distributed.sharding import (  # noqa: E402
     STRATEGIES,
     ModelStates,
     Sharding,

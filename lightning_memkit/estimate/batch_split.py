@@ -15,9 +15,9 @@ from typing import Any
 from torch import nn
 
 from lightning_memkit.accounting.categories import CATEGORIES
-from lightning_memkit.estimate.core import estimate_memory
-from lightning_memkit.estimate.result import MemoryEstimate
-from lightning_memkit.estimate.settings import reusing_fake_copies
+from lightning_memkit.estimate.api import estimate_memory
+from lightning_memkit.estimate.step.memory_estimate import MemoryEstimate
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
 

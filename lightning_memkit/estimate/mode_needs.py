@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memkit.estimate.batches import NoBatchError
-from lightning_memkit.estimate.core import estimate_memory
-from lightning_memkit.estimate.result import EstimateError
-from lightning_memkit.estimate.settings import reusing_fake_copies
+from lightning_memkit.estimate.api import estimate_memory
+from lightning_memkit.estimate.data.batches import NoBatchError
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.units import parse_bytes
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.compiled import force_eager
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.modes._torch_compat import next_node_sequence_number, node_sequence_number
 from lightning_memkit.modes.checkpoint_wrap import frozen_running_stats

@@ -48,7 +48,7 @@ class CheckpointBudget:
 
     "Activation bytes" are the bytes of the distinct tensor storages a forward saves for backward
     plus its output, parameters, buffers and the inputs excluded, counted exactly by a
-    ``saved_tensors_hooks`` pack hook (see :func:`~lightning_memkit.modes.checkpointing.measure_activation_bytes`).
+    ``saved_tensors_hooks`` pack hook (see :func:`~lightning_memkit.modes.checkpoint_measure.measure_activation_bytes`).
     """
 
     fraction: float | None = None

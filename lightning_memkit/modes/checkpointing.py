@@ -1,9 +1,8 @@
 """Activation checkpointing for any nn.Module: apply a policy (choose, measure, wrap) and plan it.
 
-The entry points, :func:`apply_checkpointing` and :func:`plan_checkpointing`, and the home of the whole
-checkpointing API: the policies and the choice of regions live in ``checkpoint_policy``, the records in
-``checkpoint_plan``, the wrapping in ``checkpoint_wrap`` and the measuring in ``checkpoint_measure``;
-every public name is importable from here too.
+The entry points, :func:`apply_checkpointing` and :func:`plan_checkpointing`; the policies and the choice of
+regions live in ``checkpoint_policy``, the records in ``checkpoint_plan``, the wrapping in ``checkpoint_wrap`` and the
+measuring in ``checkpoint_measure``.
 """
 
 from __future__ import annotations
@@ -15,58 +14,28 @@ from torch import nn
 
 from lightning_memkit.modes.checkpoint_measure import (
     BlockProfile,
-    ForwardMeasure,
     MeasureError,
     block_profiles,
-    measure_activation_bytes,
     measure_forward,
-    profile_blocks,
 )
 from lightning_memkit.modes.checkpoint_plan import CheckpointPlan, CheckpointSegment
 from lightning_memkit.modes.checkpoint_policy import (
-    BUDGET_UNITS_HINT,
     CheckpointBudget,
     Region,
     budget_candidates,
     describe_policy,
-    find_repeated_blocks,
     no_match_error,
     normalize_policy,
-    parse_budget,
     regions_for,
 )
 from lightning_memkit.modes.checkpoint_wrap import (
     CheckpointHandle,
-    checkpointed_call,
-    frozen_running_stats,
-    is_checkpointed,
     unwrap_modules,
     wrap_regions,
 )
 from lightning_memkit.units import format_bytes
 
-__all__ = [
-    "CheckpointBudget",
-    "CheckpointSegment",
-    "CheckpointPlan",
-    "CheckpointHandle",
-    "apply_checkpointing",
-    "plan_checkpointing",
-    "find_repeated_blocks",
-    "measure_activation_bytes",
-    "measure_forward",
-    "profile_blocks",
-    "BlockProfile",
-    "ForwardMeasure",
-    "MeasureError",
-    "normalize_policy",
-    "describe_policy",
-    "parse_budget",
-    "checkpointed_call",
-    "frozen_running_stats",
-    "is_checkpointed",
-    "BUDGET_UNITS_HINT",
-]
+__all__ = ["apply_checkpointing", "plan_checkpointing"]
 
 
 def _segments(regions: list[Region], profiles: dict[str, BlockProfile] | None) -> list[CheckpointSegment]:

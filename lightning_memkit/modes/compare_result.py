@@ -83,7 +83,7 @@ class ModeResult:
         counterpart_peak_ratio: this mode's peak / the counterpart's.
         checkpoint_helped: ``False`` when the peak is *not below* the counterpart's (checkpointing made it
             no better, or worse: the table marks it and a
-            :class:`~lightning_memkit.modes.compare.CheckpointWarning` is issued), ``True``
+            :class:`~lightning_memkit.modes.comparison.CheckpointWarning` is issued), ``True``
             when it is below, ``None`` without a counterpart.
         step_peaks: ``[[step, peak_bytes], ...]`` for every measured training step.
         step_times_s: every step's time (seconds, ``time_source``), in order, warm-up included.

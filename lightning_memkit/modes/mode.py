@@ -18,7 +18,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from lightning_memkit.modes.checkpointing import describe_policy, normalize_policy
+from lightning_memkit.modes.checkpoint_policy import describe_policy, normalize_policy
 from lightning_memkit.modes.devices import device_type as _device_type
 
 __all__ = [
@@ -107,7 +107,7 @@ class Mode:
         checkpoint: ``None`` (no checkpointing) or a policy for
             :func:`~lightning_memkit.modes.checkpointing.apply_checkpointing`: ``"auto"``, a frozenset of
             module classes, a callable ``(name, module) -> bool`` or a
-            :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`.
+            :class:`~lightning_memkit.modes.checkpoint_policy.CheckpointBudget`.
         offload: ``True`` to move what autograd saves to pinned host memory during the forward (torch's
             ``save_on_cpu``; CUDA only: refused on CPU, see :mod:`lightning_memkit.modes.offload`).
         name: the label used in tables, CSV and TensorBoard run names (default: built from the parts,

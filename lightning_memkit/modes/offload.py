@@ -18,7 +18,7 @@ What it costs and saves (bytes):
 - device: a saved tensor's GPU memory is freed once nothing else holds it (activations: yes; parameters and
   the batch: no); backward allocates a GPU copy of each saved tensor while the op that needs it runs.
 
-:func:`~lightning_memkit.estimate.core.estimate_memory` models both (``mode="offload"``, a CUDA target):
+:func:`~lightning_memkit.estimate.api.estimate_memory` models both (``mode="offload"``, a CUDA target):
 ``MemoryEstimate.host_bytes`` and a device peak without the offloaded activations.
 """
 

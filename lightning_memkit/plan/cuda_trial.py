@@ -1,7 +1,7 @@
 """What a CUDA trial of the planner needs besides the Trainer.
 
 - **The budget's arithmetic.** A CUDA budget is in the device's bytes: what the caching allocator may reserve plus the
-  CUDA context (:data:`~lightning_memkit.estimate.allocator.CUDA_CONTEXT_BYTES`), as the estimate's
+  CUDA context (:data:`~lightning_memkit.estimate.cuda.caching_allocator.CUDA_CONTEXT_BYTES`), as the estimate's
   ``required_bytes`` counts them and as a card of that size holds them. The default budget is this process's share
   of the device: what is free plus what its allocator holds (the model under plan included: the real fit trains it
   there), plus its context, which ``free`` already leaves out (:func:`device_budget_bytes`). A trial's figure is its
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan._torch_compat import empty_host_cache
 from lightning_memkit.units import format_bytes

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lightning_memkit._lightning_compat import attached_trainer
-from lightning_memkit.estimate.batches import NoBatchError, batch_size_of
-from lightning_memkit.estimate.worst_batch import WorstBatch, worst_batch_and_length
+from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of
+from lightning_memkit.estimate.data.worst_batch import WorstBatch, worst_batch_and_length
 from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
@@ -27,7 +27,7 @@ from lightning_memkit.plan.space import (
     parse_plan_modes,
 )
 from lightning_memkit.plan.time_model import roofline_for
-from lightning_memkit.search.lightning import host_search_budget_bytes
+from lightning_memkit.search.trainer_state import host_search_budget_bytes
 from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = ["MAX_TRIALS", "PlanInputs", "TrialSettings", "plan_device", "plan_inputs", "trial_settings"]

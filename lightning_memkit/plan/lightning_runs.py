@@ -4,22 +4,19 @@ asked (:class:`StepClock`), and a timing on a deep copy of the module (:func:`ti
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
-from lightning_utilities.core import rank_zero
 
 from lightning_memkit._lightning_compat import attached_trainer, copy_module
-from lightning_memkit.estimate.batches import converted_floats, preserved_rng, rebatch
+from lightning_memkit.estimate.data.batches import converted_floats, preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps
 from lightning_memkit.plan.result import trainer_kwargs
 from lightning_memkit.plan.space import Candidate
+from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.timing import StepTimer
 
 __all__ = [
@@ -30,7 +27,6 @@ __all__ = [
     "StepClock",
     "copy_of",
     "fit_steps",
-    "quiet_lightning",
     "timed_step",
     "timing_fit",
 ]
@@ -45,29 +41,6 @@ TIMED_STEPS = 4
 TIMED_SECONDS = 1.0
 #: the most optimizer steps a trial times
 MAX_TIMED_STEPS = 200
-
-
-@contextlib.contextmanager
-def quiet_lightning() -> Iterator[None]:
-    """Lightning's per-Trainer info lines and the trials' expected warnings (a bare iterable, few steps) are not
-    shown."""
-    names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
-    loggers = [logging.getLogger(name) for name in names]
-    # the logger Lightning's rank_zero_info writes to (whichever Lightning package was imported last named it)
-    loggers.append(rank_zero.log)
-    levels = [each.level for each in loggers]
-    for each in loggers:
-        each.setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module="lightning")
-            warnings.filterwarnings(
-                "ignore", message=".*(num_workers|log_every_n_steps|does not have many workers|val_dataloader).*"
-            )
-            yield
-    finally:
-        for each, level in zip(loggers, levels):
-            each.setLevel(level)
 
 
 class _Batches:

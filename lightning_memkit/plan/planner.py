@@ -21,33 +21,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lightning_memkit.estimate.batches import preserved_rng
-from lightning_memkit.estimate.settings import reusing_fake_copies
-from lightning_memkit.plan.choice import MIN_GAIN, choose, run_trials
+from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
+from lightning_memkit.plan.choice import choose, run_trials
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
 from lightning_memkit.plan.lightning_runs import TIMED_SECONDS, TIMED_STEPS, WARMUP_STEPS
-from lightning_memkit.plan.result import Plan, PlanError, PlanRow
-from lightning_memkit.plan.rows import CUDA_MARGIN, estimate_families, estimate_row, ranked
+from lightning_memkit.plan.result import Plan, PlanRow
+from lightning_memkit.plan.rows import estimate_families, estimate_row, ranked
 from lightning_memkit.plan.state import PlanState
 from lightning_memkit.plan.time_budget import TimeBudget, budget_text
 from lightning_memkit.plan.time_model import TimeModel, roofline_for
 from lightning_memkit.plan.trials import TrialSteps, proved_batch, run_row
 from lightning_memkit.units import format_bytes
 
-# the settings' constants are named here too, beside plan_fit whose defaults they are
-__all__ = [
-    "Plan",
-    "PlanRow",
-    "PlanError",
-    "plan_fit",
-    "no_best_note",
-    "CUDA_MARGIN",
-    "MAX_TRIALS",
-    "MIN_GAIN",
-    "TIMED_SECONDS",
-    "TIMED_STEPS",
-    "WARMUP_STEPS",
-]
+__all__ = ["plan_fit", "no_best_note"]
 
 
 def plan_fit(

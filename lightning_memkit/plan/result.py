@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.plan.time_budget import Phase, budget_text
 from lightning_memkit.plan.time_model import OpCosts

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
-from lightning_memkit.estimate.core import EstimateError, accumulating, estimate_memory, observing_ops
+from lightning_memkit.estimate.api import estimate_memory
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.estimate.step.settings import accumulating, observing_ops
 from lightning_memkit.plan.inputs import PlanInputs
 from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.space import Candidate, preference, recompute_level

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memkit.modes.checkpointing import CheckpointBudget, describe_policy
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode, resolve_precision
 
 __all__ = [
@@ -68,7 +68,8 @@ class Candidate:
         precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or
             ``"16-true"``.
         checkpoint: ``None`` or what ``ActivationCheckpointing(policy=...)`` / ``apply_checkpointing`` accept
-            (``"auto"``, a :class:`~lightning_memkit.modes.checkpointing.CheckpointBudget`, a set of module classes).
+            (``"auto"``, a :class:`~lightning_memkit.modes.checkpoint_policy.CheckpointBudget`, a set of module
+            classes).
         offload: saved activations kept in pinned host memory (CUDA only).
     """
 

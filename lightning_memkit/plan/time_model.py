@@ -2,11 +2,12 @@
 overhead.
 
 The estimate's fake step (:func:`~lightning_memkit.estimate.estimate_memory`) runs every op of a training step on
-fake tensors; :class:`OpCosts` listens to those ops (:func:`~lightning_memkit.estimate.core.observing_ops`) in the
-same fake step that gives the memory, and keeps, for the steady-state step (the second), each op's FLOPs (torch's
-own formulas, ``torch.utils.flop_counter``), bytes moved (inputs + outputs; a view moves none) and dtype, split into
-the per-micro-batch part (forward, backward and the recompute of checkpointed regions, which reruns inside the
-backward) and the once-per-step part (the optimizer).
+fake tensors; :class:`OpCosts` listens to those ops
+(:func:`~lightning_memkit.estimate.step.settings.observing_ops`) in the same fake step that gives the memory, and
+keeps, for the steady-state step (the second), each op's FLOPs (torch's own formulas, ``torch.utils.flop_counter``),
+bytes moved (inputs + outputs; a view moves none) and dtype, split into the per-micro-batch part (forward, backward
+and the recompute of checkpointed regions, which reruns inside the backward) and the once-per-step part (the
+optimizer).
 
 One op takes ``max(flops / peak_flops[dtype], bytes / bandwidth) + op_overhead`` (a roofline plus the launch cost);
 a step takes ``accumulation * (micro-batch ops + batch_overhead [+ offload copies]) + optimizer ops``. The device
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from lightning_memkit._torch_compat import tree_flatten
-from lightning_memkit.estimate.cuda_kernels import GpuTarget
+from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
 __all__ = ["Roofline", "ROOFLINES", "roofline_for", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
@@ -82,9 +83,8 @@ KERNEL_EFFICIENCY = {"flops": 0.7, "bandwidth": 0.8}
 
 def roofline_for(gpu: Any = None) -> Roofline:
     """The :data:`ROOFLINES` row for a GPU (a name, ``"sm90"``, a
-    :class:`~lightning_memkit.estimate.cuda_kernels.GpuTarget`; ``None``: this machine's GPU, else an H100). Names are
-    matched as :class:`GpuTarget` parses them; an unnamed GPU gets
-    its generation's row."""
+    :class:`~lightning_memkit.estimate.cuda.gpu_target.GpuTarget`; ``None``: this machine's GPU, else an H100).
+    Names are matched as :class:`GpuTarget` parses them; an unnamed GPU gets its generation's row."""
     target = GpuTarget.parse(gpu)
     for name in sorted(ROOFLINES, key=len, reverse=True):
         if name in target.name:
@@ -133,7 +133,7 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
 
 
 class OpCosts:
-    """The ops of one fake step, as a listener for :func:`~lightning_memkit.estimate.core.observing_ops`.
+    """The ops of one fake step, as a listener for :func:`~lightning_memkit.estimate.step.settings.observing_ops`.
 
     Keeps the steady-state step's (the second step's) ops: :attr:`micro` (forward, backward, recompute; all the
     micro-batches the fake step ran: :attr:`micro_batches`) and :attr:`optimizer` (the optimizer step, once per step).

@@ -17,15 +17,16 @@ import torch
 
 from lightning_memkit.compiled import compiled_parts
 from lightning_memkit.compiled._torch_compat import reset_compiled
-from lightning_memkit.estimate.batches import preserved_rng, rebatch
+from lightning_memkit.estimate.data.batches import preserved_rng, rebatch
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan import cuda_trial
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.inputs import PlanInputs
-from lightning_memkit.plan.lightning_runs import StepClock, copy_of, fit_steps, quiet_lightning, timing_fit
+from lightning_memkit.plan.lightning_runs import StepClock, copy_of, fit_steps, timing_fit
 from lightning_memkit.plan.real_steps import real_step_seconds
 from lightning_memkit.plan.result import PlanRow
 from lightning_memkit.plan.space import Candidate
+from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.search.budget import MemoryBudget
 from lightning_memkit.units import format_bytes

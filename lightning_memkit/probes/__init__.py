@@ -16,16 +16,7 @@ from lightning_memkit.probes.host import HostProbe
 from lightning_memkit.probes.nvml import NvmlProbe
 from lightning_memkit.probes.tensor import TensorProbe
 
-__all__ = [
-    "MemoryProbe",
-    "ProbeSet",
-    "ProbeUnavailable",
-    "CudaAllocatorProbe",
-    "HostProbe",
-    "NvmlProbe",
-    "TensorProbe",
-    "build_probes",
-]
+__all__ = ["build_probes"]
 
 
 def build_probes(
@@ -63,7 +54,7 @@ def build_probes(
         if not isinstance(probe, MemoryProbe):
             raise TypeError(
                 f"extra probes must be MemoryProbe instances, not {type(probe).__name__}; "
-                "subclass lightning_memkit.probes.MemoryProbe"
+                "subclass lightning_memkit.probes.base.MemoryProbe"
             )
         probes.append(probe)
     return ProbeSet(probes)

@@ -14,7 +14,8 @@ import torch
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.accounting.process import ProcessTensors
-from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, force_eager
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.probes.base import MemoryProbe
 
 __all__ = ["TENSOR_SCOPES", "TensorProbe"]

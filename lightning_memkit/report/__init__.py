@@ -5,18 +5,10 @@
 
 from __future__ import annotations
 
-from lightning_memkit.report.render import Report, ReportFigure, build_report
-from lightning_memkit.report.sources import ReportInputError, ReportSources, find_sources
+from lightning_memkit.report.html_report import build_report
+from lightning_memkit.report.sources import ReportSources, find_sources
 
-__all__ = [
-    "write_report",
-    "build_report",
-    "find_sources",
-    "Report",
-    "ReportFigure",
-    "ReportSources",
-    "ReportInputError",
-]
+__all__ = ["write_report"]
 
 
 def write_report(logdir: str, output: str, png_dir: str | None = None) -> tuple[ReportSources, list[str]]:

@@ -133,7 +133,7 @@ class OomFile:
 @dataclass
 class DoctorFile:
     """The memory doctor's verdict ``memkit_doctor.json`` (MemoryDoctor, at fit end): ``data`` is
-    :meth:`lightning_memkit.doctor.DoctorReport.to_dict`'s JSON."""
+    :meth:`lightning_memkit.doctor.verdict.DoctorReport.to_dict`'s JSON."""
 
     name: str
     path: str

@@ -2,9 +2,6 @@
 out-of-memory error, and the Lightning trial runner behind MaxBatchSize / find_max_batch_size.
 
 This layer never imports lightning_memkit.callbacks: the callback passes the search what it needs
-(the checkpointing policy the trials train with), and ``find_max_batch_size`` lives beside the callback."""
+(the checkpointing policy the trials train with), and ``find_max_batch_size`` lives beside the callback.
 
-from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial
-
-__all__ = ["BatchSizeSearch", "BudgetExceededError", "MemoryBudget", "SearchError", "SearchResult", "Trial"]
+Import each name from the module that defines it."""

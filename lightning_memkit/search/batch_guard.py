@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memkit.estimate.worst_batch import batch_nbytes, batch_shapes
+from lightning_memkit.estimate.data.worst_batch import batch_nbytes, batch_shapes
 from lightning_memkit.units import format_bytes
 
 __all__ = ["ProvedBatch", "BatchGuard"]

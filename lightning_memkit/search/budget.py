@@ -13,7 +13,7 @@ import torch
 
 from lightning_memkit._torch_compat import TorchDispatchMode
 from lightning_memkit.accounting.accountant import TensorAccountant
-from lightning_memkit.compiled import force_eager
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.units import format_bytes
 

@@ -16,13 +16,14 @@ import torch
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.compiled import compiled_parts
 from lightning_memkit.compiled._torch_compat import reset_compiled
-from lightning_memkit.estimate.allocator import CUDA_CONTEXT_BYTES
-from lightning_memkit.estimate.batches import preserved_rng
-from lightning_memkit.estimate.core import EstimateError
-from lightning_memkit.estimate.predict import predict_max_batch_size
-from lightning_memkit.modes.checkpointing import apply_checkpointing, is_checkpointed
+from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
+from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.estimate.largest_batch import predict_max_batch_size
+from lightning_memkit.estimate.step.memory_estimate import EstimateError
+from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
+from lightning_memkit.modes.checkpointing import apply_checkpointing
+from lightning_memkit.search.batch_search import SearchResult, Trial, TrialOutcome
 from lightning_memkit.search.budget import MemoryBudget
-from lightning_memkit.search.core import SearchResult, Trial, TrialOutcome
 from lightning_memkit.search.limits import BoundedSearch, TrialLimits
 from lightning_memkit.search.ranks import Outcomes, step_communicates
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig, _lightning_setattr, check_searchable
@@ -41,14 +42,7 @@ from lightning_memkit.search.worst_trials import BatchRecorder, trained_on, wors
 from lightning_memkit.units import format_bytes
 
 # the search's settings and errors are imported from here by the callbacks and users' code
-__all__ = [
-    "SearchConfig",
-    "search_in_fit",
-    "BatchSizeSearchError",
-    "check_searchable",
-    "cuda_capacity_bytes",
-    "host_search_budget_bytes",
-]
+__all__ = ["search_in_fit"]
 
 
 def _say(trainer: Any, text: str, verbose: bool) -> None:

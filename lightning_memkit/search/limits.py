@@ -32,7 +32,7 @@ import psutil
 from lightning.pytorch import Callback
 
 from lightning_memkit.errors import MemkitError
-from lightning_memkit.search.core import BatchSizeSearch, SearchError, SearchResult, Trial, TrialOutcome
+from lightning_memkit.search.batch_search import BatchSizeSearch, SearchError, SearchResult, Trial, TrialOutcome
 from lightning_memkit.units import format_bytes
 
 __all__ = [
@@ -168,13 +168,13 @@ def deadline_callback(seconds: float) -> Any:
 
 
 class BoundedSearch(BatchSizeSearch):
-    """:class:`~lightning_memkit.search.core.BatchSizeSearch` whose every trial is bounded by :class:`TrialLimits`
-    before it runs, and printed as it starts and as it ends.
+    """:class:`~lightning_memkit.search.batch_search.BatchSizeSearch` whose every trial is bounded by
+    :class:`TrialLimits` before it runs, and printed as it starts and as it ends.
 
     Args:
         limits: the bounds (``None``: only the printing).
         say: prints one line (``None``: silent).
-        **kwargs: :class:`~lightning_memkit.search.core.BatchSizeSearch`'s arguments.
+        **kwargs: :class:`~lightning_memkit.search.batch_search.BatchSizeSearch`'s arguments.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.distributed import release_group, side_group
+from lightning_memkit.rank_reduction import release_group, side_group
 
 __all__ = ["Outcomes", "step_communicates", "rank_local"]
 

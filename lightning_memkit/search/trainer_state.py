@@ -13,7 +13,7 @@ import torch
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit._torch_compat import tree_map
-from lightning_memkit.estimate.batches import preserved_rng
+from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode
 from lightning_memkit.plan.real_steps import RealSteps

@@ -11,7 +11,7 @@ from typing import Any
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.oom import is_out_of_memory
 from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS
-from lightning_memkit.search.core import SearchError
+from lightning_memkit.search.batch_search import SearchError
 from lightning_memkit.search.limits import TrialTooSlow
 from lightning_memkit.search.ranks import rank_local
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig

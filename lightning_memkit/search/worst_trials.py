@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_memkit import _lightning_compat as compat
-from lightning_memkit.estimate.worst_batch import (
+from lightning_memkit.estimate.data.worst_batch import (
     WorstBatch,
     agreed_worst_batch,
     batch_nbytes,
@@ -24,7 +24,7 @@ __all__ = ["worst_of_fit", "worst_loader", "trained_on", "BatchRecorder"]
 def worst_of_fit(trainer: Any, agree_seconds: Callable[[float], float] | None = None) -> WorstBatch | None:
     """The worst batch of the fit's train dataloader (after ``reload_train_dataloader``), or ``None`` when there is
     none to read (no loader set up). ``agree_seconds``: every rank's projection of the sizing time made one (see
-    :func:`~lightning_memkit.estimate.worst_batch.agreed_worst_batch`), so every rank sizes the same samples."""
+    :func:`~lightning_memkit.estimate.data.worst_batch.agreed_worst_batch`), so every rank sizes the same samples."""
     loader = compat.train_loader(trainer)
     if loader is None:
         return None

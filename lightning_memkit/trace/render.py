@@ -1,6 +1,6 @@
 """Sinks of a layer trace: the indented text table, the category table, the figure, the scalars.
 
-They only read a :class:`~lightning_memkit.trace.records.LayerTraceResult`; nothing here measures.
+They only read a :class:`~lightning_memkit.trace.trace_records.LayerTraceResult`; nothing here measures.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning_memkit.tensorboard.tags import DEFAULT_PREFIX
 from lightning_memkit.units import MiB, format_bytes
 
 if TYPE_CHECKING:  # annotations only, never run: records.py imports this module for its display methods
-    from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
+    from lightning_memkit.trace.trace_records import LayerTraceResult, TraceEvent
 
 __all__ = ["format_trace_table", "format_category_table", "trace_figure", "trace_metrics", "PHASE_COLORS"]
 

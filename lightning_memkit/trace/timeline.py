@@ -11,8 +11,8 @@ import torch
 
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.compiled import AllocatorPeak
-from lightning_memkit.trace.records import TraceEvent
 from lightning_memkit.trace.selection import TracedModule
+from lightning_memkit.trace.trace_records import TraceEvent
 
 __all__ = ["StepTimeline", "shapes_of"]
 
@@ -33,7 +33,7 @@ class _RegionForward:
 
 
 class StepTimeline:
-    """The step's :class:`~lightning_memkit.trace.records.TraceEvent` list, each event with the live bytes, their
+    """The step's :class:`~lightning_memkit.trace.trace_records.TraceEvent` list, each event with the live bytes, their
     change since the event before and the running peak.
 
     With an ``allocator`` (a compiled model) each event only marks the allocator's event stream, and

@@ -37,12 +37,13 @@ from lightning_memkit.accounting.categories import (
     cuda_memory_extras,
     is_parameter_cast,
 )
-from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions, force_eager
+from lightning_memkit.compiled import COMPILED_CHOICES, AllocatorPeak, compiled_parts, compiled_regions
+from lightning_memkit.compiled._torch_compat import force_eager
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, user_class
 from lightning_memkit.trace.module_hooks import ModuleHooks
-from lightning_memkit.trace.records import LayerTraceResult, TraceEvent
 from lightning_memkit.trace.selection import compiled_hidden, select_modules
 from lightning_memkit.trace.timeline import StepTimeline
+from lightning_memkit.trace.trace_records import LayerTraceResult, TraceEvent
 
 __all__ = ["LayerTracer", "trace_step", "PHASE_LABELS"]
 
@@ -129,7 +130,7 @@ class LayerTracer:
             an eager model (the eager program's bytes). :attr:`LayerTraceResult.notes` says which.
 
     After the ``with`` block (or :meth:`stop`), :attr:`result` holds the
-    :class:`~lightning_memkit.trace.records.LayerTraceResult`. A tracer traces one step; make a
+    :class:`~lightning_memkit.trace.trace_records.LayerTraceResult`. A tracer traces one step; make a
     new one (cheap) for the next. Once stopped it holds only that record: every hook is removed,
     no autograd graph is kept, and it lets go of the model, the optimizers and the batch (its
     ``model`` is ``None`` then), so keeping the tracer keeps no tensor alive. Failures inside
