@@ -172,6 +172,13 @@ class AutoFit(Callback):
                 "size and accumulation as set. Run without fast_dev_run to plan."
             )
             return
+        if trainer.world_size > 1:
+            # a plan for several devices chooses the strategy, which the Trainer has set before any callback runs
+            raise MisconfigurationException(
+                f"AutoFit plans one device; this fit runs on {trainer.world_size}. Plan the strategy before the fit: "
+                f"`memkit plan FILE.py:Module --world-size {trainer.world_size}` (or plan_fit(module, "
+                f"world_size={trainer.world_size})) gives the Trainer's strategy and arguments"
+            )
         size = int(_getattr(pl_module, "batch_size"))
         effective = size * int(trainer.accumulate_grad_batches)
         try:
@@ -185,7 +192,6 @@ class AutoFit(Callback):
                     modes=self.modes,
                     datamodule=trainer.datamodule,
                     trials=self.trials,
-                    world_size=trainer.world_size,
                     verbose=self.verbose and trainer.is_global_zero,
                     max_seconds=self.max_seconds,
                 )

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_memkit.cli.common import CliError, add_init_arguments, build_instance, json_object, load_object
 from lightning_memkit.cli.estimate import _memory
@@ -21,6 +22,7 @@ from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan.planner import no_best_note, plan_fit
 from lightning_memkit.plan.result import PlanError
+from lightning_memkit.plan.time_model import INTERCONNECTS
 from lightning_memkit.units import format_bytes
 
 __all__ = ["add_parser", "print_best", "run"]
@@ -89,10 +91,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="print a progress line per phase (estimate, each trial, the rounds)"
     )
-    parser.add_argument("--world-size", type=int, default=None, help="not yet: plans are for one device")
-    parser.add_argument("--strategy", default=None, help="not yet: plans are for one device")
+    _add_device_arguments(parser)
     parser.add_argument("--json", dest="json_path", default=None, help="also write the plan to this JSON file")
     parser.set_defaults(run=run)
+
+
+def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several devices: how many, which strategies, the interconnect; a module built on the meta device."""
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="plan on this many devices (each trains --batch-size / N samples per step): one rank's estimate per "
+        "strategy, ranked by the predicted step on a GPU target (by the rule on CPU); predicted, not trialled",
+    )
+    parser.add_argument(
+        "--max-world-size",
+        type=int,
+        default=None,
+        help="plan on the fewest devices where a configuration fits, trying 1, 2, 4, ... up to this many",
+    )
+    parser.add_argument(
+        "--strategy",
+        default=None,
+        help="on several devices, the strategies weighed, comma-separated: ddp, deepspeed_stage_2, fsdp, "
+        "model_parallel (a module whose configure_model shards it), deepspeed_stage_3 (default: every one that "
+        "applies)",
+    )
+    parser.add_argument(
+        "--interconnect",
+        default=None,
+        type=_interconnect,
+        help="what one rank's collectives move at: nvlink (400 GB/s, the default), infiniband (50 GB/s), pcie "
+        "(25 GB/s), or a number of GB/s",
+    )
+    parser.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build the module on the meta device (no weights, no host memory): for models larger than this "
+        "machine; nothing can be trialled, the plan is the prediction (use with --gpu or --world-size)",
+    )
+
+
+def _interconnect(text: str) -> str | float:
+    if text in INTERCONNECTS:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value > 0:
+        return value * 1e9
+    raise argparse.ArgumentTypeError(f"{text!r}: give {', '.join(INTERCONNECTS)}, or a positive number of GB/s")
 
 
 def _device_word(text: str) -> str:
@@ -146,11 +196,6 @@ def _plan_json(plan: Any) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.world_size is not None or args.strategy is not None:
-            raise CliError(
-                "--world-size/--strategy: memkit plan plans one device for now; for a rank's memory under a "
-                "strategy use memkit estimate --strategy"
-            )
         memory = _memory(args.device_memory) if args.device_memory is not None else None
         if args.batch_size is not None and args.batch_size < 1:
             raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
@@ -169,7 +214,11 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as error:
                 raise CliError(f"--gpu: {error}") from None
         cls = load_object(args.module)
-        module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        if args.meta_init:
+            with torch.device("meta"):
+                module = build_instance(cls, json_object(args.init_args, "--init-args"))
+        else:
+            module = build_instance(cls, json_object(args.init_args, "--init-args"))
         if not isinstance(module, pl.LightningModule):
             raise CliError(
                 f"{args.module} is not a LightningModule class; memkit plan trains real trials with a Trainer: "
@@ -202,6 +251,10 @@ def run(args: argparse.Namespace) -> int:
             trials=args.trials,
             verbose=args.verbose,
             max_seconds=args.max_seconds,
+            world_size=args.world_size or 1,
+            strategy=args.strategy,
+            max_world_size=args.max_world_size,
+            interconnect=args.interconnect,
         )
     except (CliError, PlanError) as error:
         print(f"memkit plan: {error}", file=sys.stderr)

@@ -23,6 +23,7 @@ so dropout masks match. Two things are added on top of torch:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +43,7 @@ __all__ = [
     "CheckpointHandle",
     "checkpointed_call",
     "frozen_running_stats",
+    "in_checkpointed_region",
     "is_checkpointed",
     "unwrap_modules",
     "wrap_regions",
@@ -82,6 +84,31 @@ def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
                     module.num_batches_tracked.copy_(counter)
 
 
+#: whether the running code is a checkpointed region's recompute (its forward run again inside the backward)
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("memkit_recomputing", default=False)
+
+
+def in_checkpointed_region() -> bool:
+    """Whether the calling code runs as the recompute of a :func:`checkpointed_call` (its forward again, inside the
+    backward): the planner's time model counts those ops as the recompute's cost."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+@contextlib.contextmanager
+def _recompute_context(stat_modules: tuple[nn.Module, ...]) -> Iterator[None]:
+    with frozen_running_stats(stat_modules), _recomputing():
+        yield
+
+
 def checkpointed_call(
     function: Callable[..., Any], stat_modules: Iterable[nn.Module], *args: Any, **kwargs: Any
 ) -> Any:
@@ -99,7 +126,7 @@ def checkpointed_call(
     stat_modules = tuple(stat_modules)
 
     def contexts() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), frozen_running_stats(stat_modules)
+        return contextlib.nullcontext(), _recompute_context(stat_modules)
 
     return _torch_checkpoint(
         function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True, **kwargs

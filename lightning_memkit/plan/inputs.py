@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 
 from lightning_memkit._lightning_compat import attached_trainer
 from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of
@@ -17,6 +19,7 @@ from lightning_memkit.estimate.data.worst_batch import WorstBatch, worst_batch_a
 from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
+from lightning_memkit.plan.rank_space import Devices, ParameterCounts, parse_strategies
 from lightning_memkit.plan.result import PlanError
 from lightning_memkit.plan.space import (
     MIXED_PLAN_WORDS,
@@ -26,11 +29,11 @@ from lightning_memkit.plan.space import (
     candidate_space,
     parse_plan_modes,
 )
-from lightning_memkit.plan.time_model import roofline_for
+from lightning_memkit.plan.time_model import INTERCONNECTS, roofline_for
 from lightning_memkit.search.trainer_state import host_search_budget_bytes
 from lightning_memkit.units import format_bytes, parse_bytes
 
-__all__ = ["MAX_TRIALS", "PlanInputs", "TrialSettings", "plan_device", "plan_inputs", "trial_settings"]
+__all__ = ["MAX_TRIALS", "PlanInputs", "TrialSettings", "devices_of", "plan_device", "plan_inputs", "trial_settings"]
 
 #: the most real trials a plan runs
 MAX_TRIALS = 3
@@ -72,6 +75,10 @@ class PlanInputs:
         datamodule: the LightningDataModule the batch came from, or ``None``.
         worst: the data's worst batch as found (its description and shapes), or ``None`` when ``batch`` was given.
         notes: what the reader should know about the space (no checkpointing candidates, manual optimization).
+        devices: the devices it plans for (:class:`~lightning_memkit.plan.rank_space.Devices`: one by default).
+        modes: the words of what may change (:func:`~lightning_memkit.plan.space.parse_plan_modes`).
+        op_costs: the fake steps' ops by per-rank step, so that the strategies of one step share them (the estimate
+            runs a step once inside ``reusing_fake_copies``).
     """
 
     module: Any
@@ -85,6 +92,9 @@ class PlanInputs:
     datamodule: Any = None
     worst: WorstBatch | None = None
     notes: list[str] = field(default_factory=list)
+    devices: Devices = field(default_factory=Devices)
+    modes: tuple[str, ...] = ()
+    op_costs: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @property
     def cpu(self) -> bool:
@@ -93,7 +103,10 @@ class PlanInputs:
 
     @property
     def can_run(self) -> bool:
-        """Whether real trials can run here (a CUDA plan without a GPU is a prediction only)."""
+        """Whether real trials can run here: not for a CUDA plan without a GPU, nor for a module built on the meta
+        device (no weights to train): those plans are the prediction only."""
+        if any(p.is_meta for p in self.module.parameters()):
+            return False
         return self.cpu or torch.cuda.is_available()
 
 
@@ -138,20 +151,18 @@ def plan_inputs(
     datamodule: Any,
     world_size: Any,
     strategy: Any,
+    max_world_size: Any = None,
+    interconnect: Any = None,
 ) -> PlanInputs:
     """What the plan plans for, checked: raises :class:`~lightning_memkit.plan.result.PlanError` for a module that is
-    not a LightningModule, several devices, unknown modes or device, a bad budget or batch size, or a budget below the
-    model's parameters."""
+    not a LightningModule, unknown modes, device or strategy, a bad budget, batch size or world size, or a budget below
+    the model's parameters (sharded over the most devices allowed)."""
     if not isinstance(module, LightningModule):
         raise PlanError(
             f"plan_fit plans a LightningModule's training (its trials run a real Trainer); {type(module).__name__} "
             "is not one: wrap it in a LightningModule with training_step and configure_optimizers"
         )
-    if world_size != 1 or strategy is not None:
-        raise PlanError(
-            f"plan_fit plans one device (world_size=1, no strategy); for world_size={world_size!r}, "
-            f"strategy={strategy!r} use `memkit estimate --strategy` for the per-rank memory"
-        )
+    devices = devices_of(module, world_size, max_world_size, strategy, interconnect)
     try:
         plan_modes = parse_plan_modes(modes)
     except ValueError as error:
@@ -163,14 +174,23 @@ def plan_inputs(
         worst, _ = worst_batch_and_length(module, datamodule)
     except NoBatchError as error:
         raise PlanError(str(error)) from None
-    effective = batch_size if batch_size is not None else batch_size_of(worst.batch)
+    effective = batch_size
+    if effective is None:  # the loader's batch is per device, as under Lightning's DDP
+        loader_batch = batch_size_of(worst.batch)
+        effective = loader_batch * (1 if devices.fewest else devices.world_size) if loader_batch else loader_batch
     if effective is None or isinstance(effective, bool) or not isinstance(effective, int) or effective < 1:
         raise PlanError(
             f"batch_size={effective!r}: give the effective batch as a positive integer (samples per optimizer step)"
         )
+    if not devices.fewest and effective % devices.world_size:
+        raise PlanError(
+            f"batch_size={effective}: the effective batch is split evenly over world_size={devices.world_size} "
+            "devices; give a multiple of it"
+        )
     precision = user_precision(module)
     true_half = precision in TRUE_HALF_PRECISIONS or allows_true_half(plan_modes)
-    state_bytes = _smallest_parameter_bytes(module, true_half)
+    # a sharding strategy spreads the parameters over every device
+    state_bytes = _smallest_parameter_bytes(module, true_half) // devices.world_size
     if state_bytes > budget:
         half_fits = not true_half and _smallest_parameter_bytes(module, True) <= budget
         raise PlanError(
@@ -184,8 +204,54 @@ def plan_inputs(
             )
         )
     inputs = PlanInputs(module, worst.batch, effective, budget, device_type, [], precision, gpu, datamodule, worst)
+    inputs.devices, inputs.modes = devices, plan_modes
     inputs.space = _space(inputs, plan_modes)
     return inputs
+
+
+def devices_of(module: Any, world_size: Any, max_world_size: Any, strategy: Any, interconnect: Any) -> Devices:
+    """The devices a plan is for, checked (:class:`~lightning_memkit.plan.rank_space.Devices`)."""
+    for name, value in (("world_size", world_size), ("max_world_size", max_world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanError(f"{name}={value!r}: give a positive number of devices")
+    if max_world_size is not None and world_size not in (None, 1):
+        raise PlanError(
+            f"world_size={world_size} and max_world_size={max_world_size}: give one (world_size plans on that many "
+            "devices; max_world_size finds the fewest that fit, up to it)"
+        )
+    most = max_world_size if max_world_size is not None else (world_size or 1)
+    if most == 1:
+        if strategy is not None:
+            raise PlanError(f"strategy={strategy!r} is for several devices: give world_size or max_world_size")
+        return Devices()
+    can_model_parallel = is_overridden("configure_model", module, LightningModule)
+    try:
+        strategies = parse_strategies(strategy, can_model_parallel)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    speed = _bytes_per_second(interconnect)
+    # FSDP's units: the module's repeated blocks (as an auto_wrap_policy of their classes)
+    blocks = {type(run.container[index]) for run in find_repeated_blocks(module) for index in _indices(run)}
+    fewest = max_world_size is not None
+    return Devices(most, fewest, strategies, speed, frozenset(blocks) or None, ParameterCounts.of(module))
+
+
+def _indices(run: Any) -> list[Any]:
+    """The keys of a run of repeated blocks in its container (a ModuleDict's names, else positions)."""
+    children = list(run.container.named_children())
+    return [children[i][0] if isinstance(run.container, nn.ModuleDict) else i for i in run.indices]
+
+
+def _bytes_per_second(interconnect: Any) -> float:
+    """An interconnect's bytes per second: a name of :data:`~.time_model.INTERCONNECTS` (default ``nvlink``) or a
+    positive number."""
+    if interconnect is None:
+        return INTERCONNECTS["nvlink"]
+    if isinstance(interconnect, str) and interconnect in INTERCONNECTS:
+        return INTERCONNECTS[interconnect]
+    if isinstance(interconnect, (int, float)) and not isinstance(interconnect, bool) and interconnect > 0:
+        return float(interconnect)
+    raise PlanError(f"interconnect={interconnect!r}: name one of {', '.join(INTERCONNECTS)}, or give bytes per second")
 
 
 def _smallest_parameter_bytes(module: Any, true_half: bool) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import choose, run_trials
+from lightning_memkit.plan.devices import plan_devices
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
 from lightning_memkit.plan.lightning_runs import TIMED_SECONDS, TIMED_STEPS, WARMUP_STEPS
 from lightning_memkit.plan.result import Plan, PlanRow
@@ -49,6 +50,8 @@ def plan_fit(
     trials: int = MAX_TRIALS,
     world_size: int = 1,
     strategy: Any = None,
+    max_world_size: int | None = None,
+    interconnect: str | float | None = None,
     verbose: bool = True,
     warmup_steps: int = WARMUP_STEPS,
     timed_steps: int = TIMED_STEPS,
@@ -59,7 +62,8 @@ def plan_fit(
 
     Args:
         module: a LightningModule (trials train a deep copy of it with a real ``Trainer``; it is left untouched).
-        batch_size: the effective batch (samples per optimizer step) to keep; default: the train dataloader's batch.
+        batch_size: the effective batch (samples per optimizer step, over every device) to keep; default: the train
+            dataloader's batch (per device, as under Lightning's DDP) times ``world_size``.
         device_memory: the budget, bytes or a size (``"4GiB"``); default: the GPU's memory (``gpu=`` or this
             machine's, less what other processes hold), on CPU half the host memory available now.
         gpu: the GPU to plan for (``"h100"``, ``"sm80"``...): its kernels, roofline and memory; implies CUDA.
@@ -72,7 +76,15 @@ def plan_fit(
             ``offload`` (CUDA only); see :data:`~lightning_memkit.plan.space.PLAN_MODE_WORDS`.
         datamodule: a LightningDataModule to take the batch from.
         trials: the most real trials (1 to :data:`MAX_TRIALS`).
-        world_size, strategy: one device only for now (1 and ``None``).
+        world_size: devices to plan for (each trains ``batch_size / world_size`` samples per optimizer step); on
+            several, every candidate is one rank's estimate under a strategy
+            (:mod:`~lightning_memkit.plan.devices`), ranked by its predicted step (a CUDA plan) or by the rule
+            (CPU), and nothing is trialled.
+        strategy: on several devices, the strategies weighed (``"fsdp"``, ``"ddp,deepspeed_stage_3"``; default:
+            every one of :data:`~lightning_memkit.plan.rank_space.PLAN_STRATEGIES` that applies).
+        max_world_size: plan on the fewest devices, up to this many, where a candidate fits (1, 2, 4, ...).
+        interconnect: what one rank's collectives move at: ``"nvlink"`` (default), ``"infiniband"``, ``"pcie"``
+            (:data:`~lightning_memkit.plan.time_model.INTERCONNECTS`), or bytes per second.
         verbose: print a progress line per phase.
         warmup_steps, timed_steps: optimizer steps per trial before timing, and timed at least (their median counts).
         timed_seconds: CPU: each trial times steps until they add up to this many seconds (at most
@@ -108,19 +120,36 @@ def plan_fit(
             datamodule=datamodule,
             world_size=world_size,
             strategy=strategy,
+            max_world_size=max_world_size,
+            interconnect=interconnect,
         )
         state = PlanState(inputs, settings, TimeBudget(settings.max_seconds, started, say), say, notes=inputs.notes)
-        _estimate(state)
-        if not state.fits_as_is:
-            if inputs.can_run:
-                run_trials(state)
-                choose(state)
-            else:
-                state.notes.append(
-                    "no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
-                    "for real trials and a best configuration"
-                )
+        if inputs.devices.several:
+            plan_devices(state, _one_device)
+        else:
+            _one_device(state)
         return _plan(state)
+
+
+def _one_device(state: PlanState) -> None:
+    """The plan on one device: estimate, then (unless the batch fits as is) the trials and the choice."""
+    inputs = state.inputs
+    _estimate(state)
+    if state.fits_as_is:
+        return
+    if inputs.can_run:
+        run_trials(state)
+        choose(state)
+    elif any(p.is_meta for p in inputs.module.parameters()):
+        state.notes.append(
+            "the module is on the meta device (no weights to train): the table is the prediction only and nothing "
+            "ran; build it with weights on the GPU for real trials and a best configuration"
+        )
+    else:
+        state.notes.append(
+            "no GPU here: the table is the prediction only and nothing ran; run memkit plan on the GPU "
+            "for real trials and a best configuration"
+        )
 
 
 def _estimate(state: PlanState) -> None:
@@ -172,7 +201,7 @@ def _plan(state: PlanState) -> Plan:
         state.notes.append(no_best_note(state.rows))
     chosen = best.candidate if best is not None else None
     plan = Plan(
-        ranked(state.rows),
+        ranked(state.rows, by_time=state.world_size > 1 and not inputs.cpu),
         chosen,
         state.fits_as_is,
         inputs.budget,
@@ -186,6 +215,8 @@ def _plan(state: PlanState) -> Plan:
         max_seconds=clock.total,
         phases=list(clock.phases),
         reason=state.reason,
+        world_size=state.world_size,
+        wrap=inputs.devices.wrap if chosen is not None and chosen.strategy == "fsdp" else None,
     )
     if best is not None:
         state.say(f"memkit plan: best {best.candidate.describe()}: {state.reason} ({seconds:.1f} s)")

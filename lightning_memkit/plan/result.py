@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from lightning_memkit.errors import MemkitError
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, describe_policy
 from lightning_memkit.plan.space import Candidate
+from lightning_memkit.plan.strategy_arguments import strategy_argument, strategy_yaml
 from lightning_memkit.plan.time_budget import Phase, budget_text
-from lightning_memkit.plan.time_model import OpCosts
+from lightning_memkit.plan.time_model import OpCosts, StepTerms
 from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
@@ -67,6 +68,8 @@ class PlanRow:
             and when no trial ran.
         step_seconds: the timed optimizer steps of the row's trial, seconds each (their spread is the machine's noise);
             empty when it did not run or failed.
+        terms: a CUDA plan's predicted step by term (:class:`~lightning_memkit.plan.time_model.StepTerms`: compute,
+            recompute, optimizer, loop, offload, and on several devices the bytes sent and their time), or ``None``.
         round_seconds: when the plan timed this row again side by side with the rule's first
             (:mod:`~lightning_memkit.plan.choice`), its median step in each round, seconds; empty otherwise.
         status: where the row stands (:class:`RowStatus`).
@@ -86,6 +89,7 @@ class PlanRow:
     measured_reserved_bytes: int | None = field(default=None, compare=False)
     step_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
     round_seconds: list[float] = field(default_factory=list, repr=False, compare=False)
+    terms: StepTerms | None = field(default=None, repr=False, compare=False)
     status: RowStatus = field(default=RowStatus.ESTIMATED, compare=False)
 
     @property
@@ -130,6 +134,9 @@ class Plan:
         phases: what the plan did and what it left out, in order (:class:`~lightning_memkit.plan.time_budget.Phase`:
             its name, seconds, and why it was left out).
         reason: one line on why :attr:`best` was chosen (``""`` without one).
+        world_size: the devices the plan is for (on several, each row's figures are one rank's).
+        wrap: the module classes FSDP wraps as units (its repeated blocks), which :meth:`trainer_arguments` and
+            :meth:`yaml` give FSDP as its ``auto_wrap_policy``; ``None`` on one device.
     """
 
     rows: list[PlanRow]
@@ -146,6 +153,8 @@ class Plan:
     max_seconds: float | None = None
     phases: list[Phase] = field(default_factory=list)
     reason: str = ""
+    world_size: int = 1
+    wrap: frozenset[type] | None = None
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -158,18 +167,22 @@ class Plan:
         return next((row for row in self.rows if row.candidate == self.best), None) if self.best is not None else None
 
     def trainer_arguments(self) -> dict[str, Any]:
-        """``lightning.pytorch.Trainer`` arguments for :attr:`best`: ``accumulate_grad_batches``, ``precision`` and,
-        when it checkpoints or offloads, ``callbacks`` (an :class:`~lightning_memkit.ActivationCheckpointing`, an
-        :class:`~lightning_memkit.ActivationOffload`: what the best's trial ran with). The micro-batch is the
-        dataloader's batch size (:attr:`Candidate.micro_batch`). Empty when there is no best.
+        """``lightning.pytorch.Trainer`` arguments for :attr:`best`: ``accumulate_grad_batches``, ``precision``, on
+        several devices ``devices`` and ``strategy`` (a registered name, or an ``FSDPStrategy`` wrapping
+        :attr:`wrap`), and when it checkpoints or offloads ``callbacks`` (an
+        :class:`~lightning_memkit.ActivationCheckpointing`, an :class:`~lightning_memkit.ActivationOffload`: what the
+        best's trial ran with). The micro-batch is the dataloader's batch size (:attr:`Candidate.micro_batch`). Empty
+        when there is no best.
         """
         if self.best is None:
             return {}
         kwargs = trainer_kwargs(self.best, self.device)
-        arguments: dict[str, Any] = {
-            "accumulate_grad_batches": self.best.accumulation,
-            "precision": kwargs["precision"],
-        }
+        arguments: dict[str, Any] = {}
+        if self.best.strategy is not None:
+            arguments["devices"] = self.best.world_size
+            arguments["strategy"] = strategy_argument(self.best.strategy, self.wrap)
+        arguments["accumulate_grad_batches"] = self.best.accumulation
+        arguments["precision"] = kwargs["precision"]
         if kwargs.get("callbacks"):
             arguments["callbacks"] = kwargs["callbacks"]
         return arguments
@@ -180,12 +193,10 @@ class Plan:
         if self.best is None:
             return "# memkit plan: no configuration fit in a real trial\n"
         best = self.best
-        lines = [
-            f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})",
-            "trainer:",
-            f"  accumulate_grad_batches: {best.accumulation}",
-            f"  precision: {best.precision}",
-        ]
+        lines = [f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})", "trainer:"]
+        if best.strategy is not None:
+            lines += [f"  devices: {best.world_size}", *strategy_yaml(best.strategy, self.wrap)]
+        lines += [f"  accumulate_grad_batches: {best.accumulation}", f"  precision: {best.precision}"]
         if best.checkpoint is not None or best.offload:
             lines.append("  callbacks:")
         if best.checkpoint is not None:
@@ -217,15 +228,17 @@ class Plan:
             )
         )
         predicted = any(row.predicted_step_s is not None for row in self.rows)
-        columns = ["configuration", "predicted peak", "fits"]
+        communicates = any(row.terms is not None and row.terms.comm_bytes for row in self.rows)
+        columns = ["configuration", "predicted peak" + (" per rank" if self.world_size > 1 else ""), "fits"]
+        columns += ["compute", "recompute", "sent", "comm"] if communicates else []
         columns += ["predicted step", "samples/s"] if predicted else []
         columns += ["measured peak", "measured samples/s", "note"]
-        table = format_table(tuple(columns), [self._cells(row, predicted) for row in self.rows])
+        table = format_table(tuple(columns), [self._cells(row, predicted, communicates) for row in self.rows])
         tail = [f"best: {self.best.describe()}: {self.reason}"] if self.best is not None and self.reason else []
         tail += [f"note: {n}" for n in self.notes]
         return head + "\n" + table + "".join("\n" + line for line in tail)
 
-    def _cells(self, row: PlanRow, predicted: bool) -> tuple[str, ...]:
+    def _cells(self, row: PlanRow, predicted: bool, communicates: bool) -> tuple[str, ...]:
         def size(value: int | None) -> str:
             return format_bytes(value) if value is not None else "-"
 
@@ -234,6 +247,14 @@ class Plan:
             size(row.predicted_peak_bytes),
             "yes" if row.fits else "no",
         ]
+        if communicates:
+            terms = row.terms
+            cells += (
+                [f"{terms.compute_s * 1e3:.0f} ms", f"{terms.recompute_s * 1e3:.0f} ms", size(terms.comm_bytes)]
+                + [f"{terms.comm_s * 1e3:.0f} ms"]
+                if terms is not None
+                else ["-"] * 4
+            )
         if predicted:
             cells += [
                 f"{row.predicted_step_s * 1e3:.1f} ms" if row.predicted_step_s is not None else "-",

@@ -4,11 +4,14 @@ roofline model), their order by the plan's rule, and which of them a trial shoul
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from lightning_memkit.estimate.api import estimate_memory
+from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.settings import accumulating, observing_ops
 from lightning_memkit.plan.inputs import PlanInputs
+from lightning_memkit.plan.rank_space import comm_bytes, optimizer_share
 from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.space import Candidate, preference, recompute_level
 from lightning_memkit.plan.time_model import OpCosts, TimeModel
@@ -20,32 +23,34 @@ CUDA_MARGIN = 0.05
 
 
 def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | None) -> PlanRow:
-    """``candidate``'s row: its peak from one fake step (an accumulation of 2 has the peak of any larger one) and
-    whether it fits ``inputs.budget``; with a ``model`` (a CUDA plan) also its step time from the same fake step's
-    ops. A row with a note when it cannot be estimated."""
-    costs = OpCosts() if model is not None else None
+    """``candidate``'s row: its peak from one fake step (an accumulation of 2 has the peak of any larger one; on
+    several devices one rank's, :func:`~lightning_memkit.estimate.distributed.per_rank.estimate_distributed_memory`)
+    and whether it fits ``inputs.budget``; with a ``model`` (a CUDA plan) also its step time, by term, from the same
+    fake step's ops. A row with a note when it cannot be estimated."""
+    # a step whose ops are known already runs unobserved, so the estimate may answer from the fake step another
+    # strategy ran (an observed step always runs)
+    costs = OpCosts() if model is not None and _costs_key(candidate) not in inputs.op_costs else None
     cuda = inputs.device_type == "cuda"
     try:
         with (
             accumulating(min(candidate.accumulation, 2)),
             observing_ops(costs) if costs is not None else contextlib.nullcontext(),
         ):
-            estimate = estimate_memory(
-                inputs.module,
-                candidate.micro_batch,
-                batch=inputs.batch,
-                mode=candidate.mode,
-                device=inputs.device_type,
-                datamodule=inputs.datamodule,
-                gpu=inputs.gpu if cuda else None,
-            )
+            estimate = _estimate(inputs, candidate, cuda)
     except (EstimateError, ValueError) as error:
         note = f"not estimated: {str(error).splitlines()[0][:160]}"
         return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED)
     peak = int(estimate.required_bytes)
     usable = inputs.budget * (1 - CUDA_MARGIN) if cuda else inputs.budget
-    offload_bytes = int(getattr(estimate, "host_bytes", 0) or 0) if candidate.offload else 0
-    step_s = model.step_seconds(costs, candidate.accumulation, offload_bytes) if model and costs else None
+    single = getattr(estimate, "single", estimate)
+    offload_bytes = int(getattr(single, "host_bytes", 0) or 0) if candidate.offload else 0
+    terms = None
+    if model is not None:
+        costs = _shared_costs(inputs, candidate, costs)
+        parameters = inputs.devices.parameters
+        sent = comm_bytes(candidate, parameters) if parameters is not None else 0
+        terms = model.step_terms(costs, candidate.accumulation, offload_bytes, sent, optimizer_share(candidate))
+    step_s = terms.total_s if terms is not None else None
     return PlanRow(
         candidate,
         peak,
@@ -54,7 +59,44 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
         peak <= usable,
         costs=costs,
         offload_bytes=offload_bytes,
+        terms=terms,
     )
+
+
+def _estimate(inputs: PlanInputs, candidate: Candidate, cuda: bool) -> Any:
+    """The candidate's estimate: one device's, or on several one rank's under its strategy."""
+    common = {
+        "batch": inputs.batch,
+        "mode": candidate.mode,
+        "device": inputs.device_type,
+        "datamodule": inputs.datamodule,
+        "gpu": inputs.gpu if cuda else None,
+    }
+    if candidate.strategy is None:
+        return estimate_memory(inputs.module, candidate.micro_batch, **common)
+    return estimate_distributed_memory(
+        inputs.module,
+        candidate.micro_batch,
+        strategy=candidate.strategy,
+        world_size=candidate.world_size,
+        wrap=inputs.devices.wrap,
+        **common,
+    )
+
+
+def _costs_key(candidate: Candidate) -> tuple:
+    """What makes two candidates' per-rank steps run the same ops (the strategy apart)."""
+    c = candidate
+    return c.micro_batch, min(c.accumulation, 2), c.precision, repr(c.checkpoint), c.offload
+
+
+def _shared_costs(inputs: PlanInputs, candidate: Candidate, costs: OpCosts | None) -> OpCosts:
+    """The ops of the candidate's per-rank step: those just observed (kept for the other strategies), or those
+    observed when another strategy ran the same step."""
+    key = _costs_key(candidate)
+    if costs is not None:
+        inputs.op_costs.setdefault(key, costs)
+    return inputs.op_costs[key]
 
 
 def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel | None) -> int:
@@ -63,7 +105,8 @@ def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel 
     them after); returns how many were left out."""
     families: dict[tuple, list[Candidate]] = {}
     for candidate in inputs.space:
-        families.setdefault((candidate.precision, repr(candidate.checkpoint), candidate.offload), []).append(candidate)
+        family = (candidate.strategy, candidate.precision, repr(candidate.checkpoint), candidate.offload)
+        families.setdefault(family, []).append(candidate)
     done = {row.candidate: row for row in rows}
     skipped = 0
     for members in families.values():
@@ -82,10 +125,16 @@ def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel 
     return skipped
 
 
-def ranked(rows: list[PlanRow]) -> list[PlanRow]:
-    """Those predicted to fit in the rule's order (:func:`~lightning_memkit.plan.space.preference`), then the rest by
-    predicted peak (those not estimated last)."""
-    fitting = sorted((r for r in rows if r.fits), key=lambda r: preference(r.candidate))
+def ranked(rows: list[PlanRow], by_time: bool = False) -> list[PlanRow]:
+    """Those predicted to fit in the rule's order (:func:`~lightning_memkit.plan.space.preference`; ``by_time``: the
+    fastest predicted step first, the rule's order between equals), then the rest by predicted peak (those not
+    estimated last)."""
+
+    def order(row: PlanRow) -> tuple:
+        speed = -(row.predicted_samples_per_s or 0.0) if by_time else 0.0
+        return speed, preference(row.candidate)
+
+    fitting = sorted((r for r in rows if r.fits), key=order)
     rest = sorted(
         (r for r in rows if not r.fits), key=lambda r: (r.predicted_peak_bytes is None, r.predicted_peak_bytes or 0)
     )

@@ -49,6 +49,10 @@ MIXED_PLAN_WORDS = tuple(_MIXED_WORDS)
 _TRUE_HALF_WORDS = {"bf16-true": "bf16-true", "fp16-true": "16-true"}
 #: how low each precision is, the rule's order: true half precision, then mixed, then full (``32-true``)
 _PRECISION_RANK = {"bf16-true": 0, "16-true": 0, "bf16-mixed": 1, "16-mixed": 1, "32-true": 2}
+#: the rule's order of strategies on several devices: no sharding (one all-reduce of the gradients per step), then
+#: gradients and optimizer state sharded (ZeRO-2: the same bytes on the wire), then parameters too (gathered for each
+#: micro-batch's forward and backward: half again as many bytes)
+_STRATEGY_RANK = {None: 0, "ddp": 0, "deepspeed_stage_2": 1, "fsdp": 2, "model_parallel": 2, "deepspeed_stage_3": 2}
 #: what the planner may change by default: memory-only changes (no precision change, no offload)
 DEFAULT_PLAN_MODES = ("micro_batch", "checkpoint")
 #: the most micro-batch sizes tried (the batch, then the divisors nearest to its halvings)
@@ -62,15 +66,20 @@ class Candidate:
     """One way to train the user's effective batch.
 
     Attributes:
-        micro_batch: samples per forward/backward (the dataloader's batch size).
+        micro_batch: samples per forward/backward on one device (the dataloader's batch size).
         accumulation: micro-batches per optimizer step (``accumulate_grad_batches``);
-            ``micro_batch * accumulation`` is the user's effective batch.
+            ``micro_batch * accumulation * world_size`` is the user's effective batch.
         precision: a Lightning precision string: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or
             ``"16-true"``.
         checkpoint: ``None`` or what ``ActivationCheckpointing(policy=...)`` / ``apply_checkpointing`` accept
             (``"auto"``, a :class:`~lightning_memkit.modes.checkpoint_policy.CheckpointBudget`, a set of module
             classes).
         offload: saved activations kept in pinned host memory (CUDA only).
+        strategy: on several devices, the Lightning strategy (a name of
+            :data:`~lightning_memkit.plan.rank_space.PLAN_STRATEGIES`: ``"ddp"``, ``"fsdp"``, ``"model_parallel"``,
+            ``"deepspeed_stage_2"``, ``"deepspeed_stage_3"``); ``None`` on one device.
+        world_size: devices (ranks) the batch is split over, each training ``micro_batch * accumulation`` samples per
+            optimizer step.
     """
 
     micro_batch: int
@@ -78,9 +87,11 @@ class Candidate:
     precision: str = "32-true"
     checkpoint: Any = None
     offload: bool = False
+    strategy: str | None = None
+    world_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "accumulation"):
+        for name in ("micro_batch", "accumulation", "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Candidate({name}={value!r}): give a positive integer")
@@ -91,8 +102,8 @@ class Candidate:
 
     @property
     def effective_batch(self) -> int:
-        """Samples per optimizer step: ``micro_batch * accumulation``."""
-        return self.micro_batch * self.accumulation
+        """Samples per optimizer step over every device: ``micro_batch * accumulation * world_size``."""
+        return self.micro_batch * self.accumulation * self.world_size
 
     @property
     def mode(self) -> Any:
@@ -112,8 +123,10 @@ class Candidate:
         return "none" if self.checkpoint is None else describe_policy(self.checkpoint)
 
     def describe(self) -> str:
-        """One short line: ``micro 16 x 4, 32-true, checkpoint budget=0.5``."""
-        parts = [f"micro {self.micro_batch} x {self.accumulation}", self.precision]
+        """One short line: ``micro 16 x 4, 32-true, checkpoint budget=0.5`` (on several devices it starts with the
+        strategy and the devices: ``fsdp x 8, micro 2 x 4, bf16-mixed``)."""
+        parts = [f"{self.strategy} x {self.world_size}"] if self.strategy is not None else []
+        parts += [f"micro {self.micro_batch} x {self.accumulation}", self.precision]
         if self.checkpoint is not None:
             parts.append(f"checkpoint {self.checkpoint_text}")
         if self.offload:
@@ -229,13 +242,15 @@ def recompute_level(candidate: Candidate) -> int:
     return 1 if isinstance(candidate.checkpoint, CheckpointBudget) else 2
 
 
-def preference(candidate: Candidate) -> tuple[int, int, bool, int]:
+def preference(candidate: Candidate) -> tuple[int, int, int, bool, int]:
     """The plan's rule, as a sort key (smaller first): no recompute before recompute (a checkpointed step runs its
-    forward again), then a lower precision where the user allowed one: true half precision (``bf16-true``,
-    ``16-true``: half the bytes of weights, gradients and optimizer state to move, no casts) before mixed precision,
-    and ``32-true`` only where no other is allowed; then no offload (its copies to the host and back), then fewer and
-    larger micro-batches (the same samples in fewer, larger kernels and fewer trips through the training loop). The
-    trials decide between candidates; the rule orders them, picks which the trials take, and keeps its first when no
-    other was measured clearly faster (:mod:`~lightning_memkit.plan.choice`)."""
+    forward again), then on several devices the strategy that shards less (:data:`_STRATEGY_RANK`), then a lower
+    precision where the user allowed one: true half precision (``bf16-true``, ``16-true``: half the bytes of weights,
+    gradients and optimizer state to move, no casts) before mixed precision, and ``32-true`` only where no other is
+    allowed; then no offload (its copies to the host and back), then fewer and larger micro-batches (the same samples
+    in fewer, larger kernels and fewer trips through the training loop). The trials decide between candidates; the
+    rule orders them, picks which the trials take, and keeps its first when no other was measured clearly faster
+    (:mod:`~lightning_memkit.plan.choice`)."""
     rank = _PRECISION_RANK[candidate.precision]
-    return recompute_level(candidate), rank, candidate.offload, candidate.accumulation
+    strategy = _STRATEGY_RANK.get(candidate.strategy, 2)
+    return recompute_level(candidate), strategy, rank, candidate.offload, candidate.accumulation

@@ -28,6 +28,7 @@ class PlanState:
         fits_as_is: the baseline fit as is.
         best: the row chosen.
         reason: one line on why it was chosen.
+        world_size: the devices the rows are for (the fewest that fit, when the plan looks for them).
     """
 
     inputs: PlanInputs
@@ -40,6 +41,7 @@ class PlanState:
     fits_as_is: bool = False
     best: PlanRow | None = None
     reason: str = ""
+    world_size: int = 1
 
     @property
     def trials_run(self) -> int:

@@ -25,9 +25,19 @@ import torch
 
 from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
+from lightning_memkit.modes.checkpoint_wrap import in_checkpointed_region
 from lightning_memkit.plan._torch_compat import is_view_op, op_flops
 
-__all__ = ["Roofline", "ROOFLINES", "roofline_for", "OpCosts", "TimeModel", "KERNEL_EFFICIENCY"]
+__all__ = [
+    "INTERCONNECTS",
+    "KERNEL_EFFICIENCY",
+    "ROOFLINES",
+    "OpCosts",
+    "Roofline",
+    "StepTerms",
+    "TimeModel",
+    "roofline_for",
+]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -79,6 +89,10 @@ ROOFLINES: dict[str, Roofline] = {
 _BY_MAJOR = {7: "v100", 8: "a100", 9: "h100", 10: "b200"}
 #: the share of a roofline's peak that real kernels reach (matmuls, elementwise)
 KERNEL_EFFICIENCY = {"flops": 0.7, "bandwidth": 0.8}
+#: what one rank's collectives move per second, bytes/s, by interconnect: NVLink 4 within a node (H100 SXM: 450 GB/s
+#: per direction, about 400 GB/s reached by NCCL's ring collectives), InfiniBand NDR across nodes (400 Gb/s per GPU),
+#: PCIe 4 x16 without NVLink
+INTERCONNECTS: dict[str, float] = {"nvlink": 400e9, "infiniband": 50e9, "pcie": 25e9}
 
 
 def roofline_for(gpu: Any = None) -> Roofline:
@@ -143,6 +157,7 @@ class OpCosts:
         self.step = step
         self.micro = _Ops()
         self.optimizer = _Ops()
+        self.recompute = _Ops()  # the micro-batch ops that rerun a checkpointed region's forward in the backward
         self.micro_batches = 1
 
     def __call__(self, func: Any, args: Any, kwargs: Any, result: Any, accountant: Any) -> None:
@@ -158,6 +173,8 @@ class OpCosts:
         flops = op_flops(func, args, kwargs, result)
         target = self.optimizer if accountant.label == "optimizer" else self.micro
         target.add(flops, nbytes, out_dtype in _LOW)
+        if accountant.label == "backward" and in_checkpointed_region():
+            self.recompute.add(flops, nbytes, out_dtype in _LOW)
 
     @property
     def micro_batch_flops(self) -> float:
@@ -166,24 +183,80 @@ class OpCosts:
 
 
 @dataclass(frozen=True)
+class StepTerms:
+    """One optimizer step's predicted time on one device, by term (seconds; bytes where named).
+
+    Attributes:
+        compute_s: the forward and backward of every micro-batch, without the recompute (roofline plus per-op cost).
+        recompute_s: the checkpointed regions' forward run again in the backward.
+        optimizer_s: the optimizer step (on a sharding strategy, on this rank's shard).
+        loop_s: the training loop's own cost per micro-batch.
+        offload_s: activation offload's copies to the host and back (over the host link).
+        comm_bytes: what this rank sends to the others per optimizer step (all-reduce, all-gathers,
+            reduce-scatters), bytes.
+        comm_s: ``comm_bytes`` at the interconnect's bandwidth, not overlapped with compute (an upper bound).
+    """
+
+    compute_s: float
+    recompute_s: float
+    optimizer_s: float
+    loop_s: float
+    offload_s: float = 0.0
+    comm_bytes: int = 0
+    comm_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """The step, seconds: every term added."""
+        return self.compute_s + self.recompute_s + self.optimizer_s + self.loop_s + self.offload_s + self.comm_s
+
+
+@dataclass(frozen=True)
 class TimeModel:
     """Step time from :class:`OpCosts` on a :class:`Roofline` (seconds): ``accumulation * (roofline(micro-batch ops)
     + op_overhead * ops + batch_overhead [+ offload copies]) + roofline(optimizer ops) + op_overhead * optimizer
-    ops``.
+    ops [+ communication]``, by term (:class:`StepTerms`).
 
     Attributes:
         roofline: the device's speeds (its ``op_overhead_s`` and ``batch_overhead_s`` are the overheads).
+        interconnect: bytes per second one rank's collectives move at (:data:`INTERCONNECTS`); ``None`` on one device.
     """
 
     roofline: Roofline
+    interconnect: float | None = None
+
+    def step_terms(
+        self,
+        costs: OpCosts,
+        accumulation: int,
+        offload_bytes: int = 0,
+        comm_bytes: int = 0,
+        optimizer_share: float = 1.0,
+    ) -> StepTerms:
+        """Predicted terms of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
+        activations one micro-batch moves to the host and back; ``comm_bytes``: bytes this rank sends per step;
+        ``optimizer_share``: the part of the optimizer's ops this rank runs (``1 / world_size`` where the optimizer
+        state is sharded)."""
+        roof = self.roofline
+
+        def seconds(ops: _Ops) -> float:
+            return ops.kernel_seconds(roof) + roof.op_overhead_s * ops.count
+
+        per_micro = accumulation / costs.micro_batches
+        recompute = seconds(costs.recompute) * per_micro
+        if comm_bytes and not self.interconnect:
+            raise ValueError("a step that communicates needs the interconnect's bandwidth (TimeModel.interconnect)")
+        return StepTerms(
+            compute_s=seconds(costs.micro) * per_micro - recompute,
+            recompute_s=recompute,
+            optimizer_s=seconds(costs.optimizer) * optimizer_share,
+            loop_s=accumulation * roof.batch_overhead_s,
+            offload_s=accumulation * 2 * offload_bytes / roof.host_link if offload_bytes else 0.0,
+            comm_bytes=comm_bytes,
+            comm_s=comm_bytes / self.interconnect if comm_bytes and self.interconnect else 0.0,
+        )
 
     def step_seconds(self, costs: OpCosts, accumulation: int, offload_bytes: int = 0) -> float:
-        """Predicted seconds of one optimizer step of ``accumulation`` micro-batches. ``offload_bytes``: bytes of saved
-        activations one micro-batch moves to the host and back (over :attr:`Roofline.host_link`, not overlapped)."""
-        roof = self.roofline
-        per_micro = (
-            costs.micro.kernel_seconds(roof) + roof.op_overhead_s * costs.micro.count
-        ) / costs.micro_batches + roof.batch_overhead_s
-        copies = 2 * offload_bytes / roof.host_link if offload_bytes else 0.0
-        optimizer = costs.optimizer.kernel_seconds(roof) + roof.op_overhead_s * costs.optimizer.count
-        return accumulation * (per_micro + copies) + optimizer
+        """Predicted seconds of one optimizer step of ``accumulation`` micro-batches on one device (the sum of
+        :meth:`step_terms`)."""
+        return self.step_terms(costs, accumulation, offload_bytes).total_s
