@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from lightning_memkit.cli import main
-from lightning_memkit.cli.estimate import KERNELS_PREFIX
 from lightning_memkit.cli.estimate_figures import BREAKDOWN_HEADERS
+from lightning_memkit.cli.estimate_output import KERNELS_PREFIX
 from lightning_memkit.estimate import estimate_batch_split, estimate_memory, predict_max_batch_size
 from lightning_memkit.units import format_bytes
 
@@ -113,7 +113,7 @@ def test_true_half_precision_modes_print_and_write_the_librarys_figures(tmp_path
     estimate = estimate_memory(DemoTransformer(**TINY), mode="bf16-true", device="cpu")
     prediction = predict_max_batch_size(DemoTransformer(**TINY), 16 * 2**20, mode="bf16-true", device="cpu")
     assert rows[("bf16-true",)][2] == format_bytes(estimate.peak_bytes)
-    assert rows[("bf16-true",)][5] == str(prediction.batch_size)
+    assert rows[("bf16-true",)][6] == str(prediction.batch_size)
     data = json.loads(out_json.read_text())["results"]
     assert [r["mode"] for r in data] == list(modes) and data[1]["estimate"]["mode"] == "bf16-true"
     peaks = {r["mode"]: r["estimate"]["peak_bytes"] for r in data}
@@ -332,11 +332,12 @@ def test_strategy_that_does_not_fit_gets_the_modes_that_need_less_per_rank_with_
     rank is estimated, and those that need less are printed with their figures and fewest GPUs, least first."""
     from lightning_memkit.estimate import reusing_fake_copies
     from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
+    from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES
     from lightning_memkit.zoo import DemoTransformer
 
     arguments = {**TINY, "layers": 3, "seq_len": 256, "batch_size": 16}
     module = DemoTransformer(**arguments)
-    modes = ("baseline", "bf16", "checkpoint", "bf16+checkpoint")
+    modes = ALTERNATIVE_MODES  # the ask (baseline) first
     with reusing_fake_copies():
         needs = {
             (mode, n): estimate_distributed_memory(module, strategy="ddp", world_size=n, mode=mode, device="cpu")
@@ -559,7 +560,7 @@ def test_a_mode_that_fails_makes_the_command_fail_and_the_fix_is_in_cli_syntax(c
     assert f"it needs {format_bytes(needs[large])}" in line and "mode=" not in line and "'" not in line
     # the fix is computed: the other mode, estimated at batch 1, needs less and fits; the command's syntax names it
     assert f"try --modes {small}: needs {format_bytes(needs[small])} at batch size 1" in captured.out
-    assert f"try --modes {large}" not in captured.out
+    assert f"try --modes {large}:" not in captured.out
 
 
 def test_the_search_summary_says_no_prediction_rather_than_none():

@@ -21,7 +21,7 @@ from conftest import LinearStack
 from fit_count import closure_bytes, fit_peak_bytes
 from lightning_gpt import TinyGPT
 from lightning_memkit import estimate_distributed_memory, estimate_memory, measure_training_step
-from lightning_memkit.estimate.api import reusing_fake_copies
+from lightning_memkit.estimate.step.settings import reusing_fake_copies
 
 HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 MODE_OF = {"32-true": None, "bf16-true": "bf16-true", "16-true": "fp16-true"}

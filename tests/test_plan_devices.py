@@ -29,9 +29,9 @@ from conftest import LinearStack
 from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, planner, trials
-from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.quiet_lightning import quiet_lightning
+from lightning_memkit.search.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.zoo import DemoTransformer
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -1,6 +1,6 @@
 """The batch-size search in ``16-mixed``: a GradScaler skips the optimizer steps whose scaled gradients overflow (its
 first ones, at a too large initial scale), and a skipped step allocates no optimizer state. So each trial runs until
-``steps_per_trial`` steps were real (plan/real_steps.RealSteps), every trial starts from the scale the fit had when
+``steps_per_trial`` steps were real (search/real_steps.RealSteps), every trial starts from the scale the fit had when
 the search began (not from where the last trial's skips left it), and a size is proved with Adam's state in its peak.
 The scaler is a real ``torch.amp.GradScaler("cpu")`` under Lightning's ``16-mixed`` plugin (Lightning turns a plain
 ``precision="16-mixed"`` on CPU into bf16, which has no scaler); its initial scale is high enough to overflow."""

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import run_script
-from lightning_memkit.estimate import sample_sizes
+from lightning_memkit.estimate.data import sample_sizes
 from lightning_memkit.estimate.data.sample_sizes import SAMPLED_COUNT, sized_indices
 from lightning_memkit.estimate.data.worst_batch import BatchSource, agreed_worst_batch, find_worst_batch
 

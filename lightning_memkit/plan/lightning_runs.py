@@ -13,10 +13,10 @@ from lightning_memkit._lightning_compat import attached_trainer, copy_module
 from lightning_memkit.estimate.data.batches import converted_floats, preserved_rng, rebatch
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.plan.cuda_trial import cuda_device, release
-from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS, RealSteps
 from lightning_memkit.plan.result import trainer_kwargs
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.quiet_lightning import quiet_lightning
+from lightning_memkit.search.real_steps import MAX_SKIPPED_STEPS, RealSteps
 from lightning_memkit.timing import StepTimer
 
 __all__ = [
@@ -100,7 +100,7 @@ def fit_steps(
     precision and checkpointing (under ``guard``, a MemoryBudget, when given; ``module``, a copy, is converted to a
     true half precision's dtype in place before), on the plan's CUDA device
     (:func:`cuda_device`) or the CPU. In ``16-mixed`` the fit goes on until ``steps`` optimizer steps were real, at
-    most :data:`~lightning_memkit.plan.real_steps.MAX_SKIPPED_STEPS` more (the GradScaler skips a step whose gradients
+    most :data:`~lightning_memkit.search.real_steps.MAX_SKIPPED_STEPS` more (the GradScaler skips a step whose gradients
     overflow: it allocates no optimizer state); returns whether each optimizer step was skipped (empty in the other
     precisions)."""
     cuda = device_type == "cuda"

@@ -23,12 +23,12 @@ from lightning_memkit.plan import cuda_trial
 from lightning_memkit.plan.cuda_trial import cuda_device, release
 from lightning_memkit.plan.inputs import PlanInputs
 from lightning_memkit.plan.lightning_runs import StepClock, copy_of, fit_steps, timing_fit
-from lightning_memkit.plan.real_steps import real_step_seconds
 from lightning_memkit.plan.result import PlanRow
 from lightning_memkit.plan.space import Candidate
 from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.search.batch_guard import ProvedBatch
 from lightning_memkit.search.budget import MemoryBudget
+from lightning_memkit.search.real_steps import real_step_seconds
 from lightning_memkit.units import format_bytes
 
 __all__ = ["TrialRecord", "TrialSteps", "proved_batch", "run_row", "trial"]
@@ -106,7 +106,7 @@ def trial(
     allocator is capped at the budget less the CUDA context, and it fits when its peak reserved bytes plus the context
     are within the budget. An offload trial whose predicted pinned host bytes (``offload_bytes``) the host cannot
     spare is refused before it runs. A ``16-mixed`` trial runs until its steps were real
-    (:class:`~lightning_memkit.plan.real_steps.RealSteps`). A compiled module's caches are reset before and after the
+    (:class:`~lightning_memkit.search.real_steps.RealSteps`). A compiled module's caches are reset before and after the
     trial, also when it fails (it compiles at its own micro-batch, as the real fit will; CUDA-graph pools are freed);
     an error other than running out of memory propagates with its frames cleared: it holds none of the trial's tensors.
     """

@@ -16,8 +16,8 @@ from lightning_memkit._torch_compat import tree_map
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.meter import training_state_tensors
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS, Mode
-from lightning_memkit.plan.real_steps import RealSteps
 from lightning_memkit.search._torch_compat import reset_scaler_optimizer_stages
+from lightning_memkit.search.real_steps import RealSteps
 from lightning_memkit.search.searchable import _lightning_getattr, _lightning_setattr
 
 __all__ = [

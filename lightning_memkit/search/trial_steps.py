@@ -10,10 +10,10 @@ from typing import Any
 
 from lightning_memkit import _lightning_compat as compat
 from lightning_memkit.oom import is_out_of_memory
-from lightning_memkit.plan.real_steps import MAX_SKIPPED_STEPS
 from lightning_memkit.search.batch_search import SearchError
 from lightning_memkit.search.limits import TrialTooSlow
 from lightning_memkit.search.ranks import rank_local
+from lightning_memkit.search.real_steps import MAX_SKIPPED_STEPS
 from lightning_memkit.search.searchable import BatchSizeSearchError, SearchConfig
 from lightning_memkit.search.trainer_state import real_steps_gate, reset_scaler, state_tensors
 from lightning_memkit.search.worst_trials import worst_loader
@@ -52,7 +52,7 @@ def ran_every_step(ran: Ran, size: int, config: SearchConfig) -> bool:
 def trial_steps(trainer: Any, module: Any, size: int, config: SearchConfig, setup: Any, worst: Any) -> Ran:
     """Run the trial's steps through the fit loop, from the scale the fit's GradScaler had when the search began. In
     ``16-mixed`` it runs until ``steps_per_trial`` steps were real (at most
-    :data:`~lightning_memkit.plan.real_steps.MAX_SKIPPED_STEPS` more: a skipped step allocates no optimizer state).
+    :data:`~lightning_memkit.search.real_steps.MAX_SKIPPED_STEPS` more: a skipped step allocates no optimizer state).
     Only out-of-memory and a trial past its time limit are caught."""
     error_text: str | None = None
     too_slow = False
