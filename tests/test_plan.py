@@ -468,8 +468,8 @@ def test_bad_input_is_refused_with_what_to_do():
         plan_fit(module, trials=4, device_memory="64MiB", device="cpu", **FAST)
     with pytest.raises(PlanError, match="offload"):
         plan_fit(module, modes="micro_batch,offload", device_memory="64MiB", device="cpu", **FAST)
-    with pytest.raises(PlanError, match="one device"):
-        plan_fit(module, world_size=2, device_memory="64MiB", device="cpu", **FAST)
+    with pytest.raises(PlanError, match="split evenly over world_size=3"):
+        plan_fit(module, world_size=3, batch_size=8, device_memory="64MiB", device="cpu", **FAST)
     with pytest.raises(PlanError, match="not one"):
         plan_fit(torch.nn.Linear(2, 2), device_memory="64MiB", device="cpu", **FAST)
     with pytest.raises(PlanError, match="a size such as"):
@@ -550,7 +550,7 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
         (["--device-memory", "4"], "has no unit"),
         (["--batch-size", "0"], "--batch-size 0: give a positive integer"),
         (["--modes", "micro_batch,offload"], "offload"),
-        (["--world-size", "2"], "one device"),
+        (["--world-size", "2", "--strategy", "fsdp"], "'fsdp' does not run on cpu processes"),
         (["--device-memory", "1KiB"], "below the model's parameters alone"),
         (["--modes", "micro_batch,bf16-true,fp16-true"], "two true half precisions"),
     ],

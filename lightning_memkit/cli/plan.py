@@ -22,6 +22,7 @@ from lightning_memkit.estimate.cuda.gpu_target import GpuTarget
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan.planner import no_best_note, plan_fit
 from lightning_memkit.plan.result import PlanError
+from lightning_memkit.plan.strategy_arguments import strategy_text
 from lightning_memkit.plan.time_model import INTERCONNECTS
 from lightning_memkit.units import format_bytes
 
@@ -279,6 +280,8 @@ def print_best(plan: Any) -> None:
     callback its trial ran with (checkpointing, offload), and the LightningCLI YAML snippet."""
     best = plan.best
     arguments = plan.trainer_arguments()
+    if best.strategy is not None:  # the strategy as code, not an object's repr
+        arguments["strategy"] = _Text(strategy_text(best.strategy, plan.wrap, best.world_size))
     shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items() if k != "callbacks")
     callbacks = []
     if best.checkpoint is not None:
@@ -292,6 +295,13 @@ def print_best(plan: Any) -> None:
     print(f"  Trainer({shown}{listed})")
     print("LightningCLI config:")
     print(plan.yaml(), end="")
+
+
+class _Text(str):
+    """Text printed as is inside ``repr`` of the arguments (an expression, not a string literal)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _size(nbytes: int) -> str:

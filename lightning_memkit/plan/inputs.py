@@ -162,12 +162,12 @@ def plan_inputs(
             f"plan_fit plans a LightningModule's training (its trials run a real Trainer); {type(module).__name__} "
             "is not one: wrap it in a LightningModule with training_step and configure_optimizers"
         )
-    devices = devices_of(module, world_size, max_world_size, strategy, interconnect)
     try:
         plan_modes = parse_plan_modes(modes)
     except ValueError as error:
         raise PlanError(str(error)) from None
     device_type = device_type_of(device, gpu)
+    devices = devices_of(module, world_size, max_world_size, strategy, interconnect, device_type)
     budget = budget_bytes(device_memory, device_type, gpu)
     try:
         # every estimate and trial runs on the data's worst batch, so what the plan proves holds for the run
@@ -209,7 +209,9 @@ def plan_inputs(
     return inputs
 
 
-def devices_of(module: Any, world_size: Any, max_world_size: Any, strategy: Any, interconnect: Any) -> Devices:
+def devices_of(
+    module: Any, world_size: Any, max_world_size: Any, strategy: Any, interconnect: Any, device_type: str = "cuda"
+) -> Devices:
     """The devices a plan is for, checked (:class:`~lightning_memkit.plan.rank_space.Devices`)."""
     for name, value in (("world_size", world_size), ("max_world_size", max_world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -226,7 +228,7 @@ def devices_of(module: Any, world_size: Any, max_world_size: Any, strategy: Any,
         return Devices()
     can_model_parallel = is_overridden("configure_model", module, LightningModule)
     try:
-        strategies = parse_strategies(strategy, can_model_parallel)
+        strategies = parse_strategies(strategy, can_model_parallel, device_type)
     except ValueError as error:
         raise PlanError(str(error)) from None
     speed = _bytes_per_second(interconnect)

@@ -24,7 +24,7 @@ from typing import Any
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import choose, run_trials
-from lightning_memkit.plan.devices import plan_devices
+from lightning_memkit.plan.several_devices import plan_devices
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
 from lightning_memkit.plan.lightning_runs import TIMED_SECONDS, TIMED_STEPS, WARMUP_STEPS
 from lightning_memkit.plan.result import Plan, PlanRow
@@ -78,7 +78,7 @@ def plan_fit(
         trials: the most real trials (1 to :data:`MAX_TRIALS`).
         world_size: devices to plan for (each trains ``batch_size / world_size`` samples per optimizer step); on
             several, every candidate is one rank's estimate under a strategy
-            (:mod:`~lightning_memkit.plan.devices`), ranked by its predicted step (a CUDA plan) or by the rule
+            (:mod:`~lightning_memkit.plan.several_devices`), ranked by its predicted step (a CUDA plan) or by the rule
             (CPU), and nothing is trialled.
         strategy: on several devices, the strategies weighed (``"fsdp"``, ``"ddp,deepspeed_stage_3"``; default:
             every one of :data:`~lightning_memkit.plan.rank_space.PLAN_STRATEGIES` that applies).

@@ -30,6 +30,7 @@ from torch import nn
 from lightning_memkit.plan.space import Candidate, candidate_space
 
 __all__ = [
+    "CPU_STRATEGIES",
     "PLAN_STRATEGIES",
     "ParameterCounts",
     "comm_bytes",
@@ -42,6 +43,9 @@ __all__ = [
 #: the strategies a plan on several devices weighs, least communication first (FSDP2, ``model_parallel``, only for a
 #: module whose ``configure_model`` shards it: Lightning's ModelParallelStrategy requires one)
 PLAN_STRATEGIES = ("ddp", "deepspeed_stage_2", "fsdp", "model_parallel", "deepspeed_stage_3")
+#: the strategies Lightning runs on CPU processes (gloo): its FSDPStrategy refuses ``accelerator="cpu"``, and
+#: DeepSpeed's ZeRO needs its CUDA build
+CPU_STRATEGIES = ("ddp", "model_parallel")
 #: the strategies that shard the optimizer state (each rank steps its shard)
 _SHARDED_OPTIMIZER = ("deepspeed_stage_2", "fsdp", "model_parallel", "deepspeed_stage_3")
 
@@ -60,16 +64,20 @@ class ParameterCounts:
         return cls(sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad))
 
 
-def parse_strategies(strategy: str | Iterable[str] | None, can_model_parallel: bool) -> tuple[str, ...]:
+def parse_strategies(
+    strategy: str | Iterable[str] | None, can_model_parallel: bool, device_type: str = "cuda"
+) -> tuple[str, ...]:
     """The strategies a plan weighs: ``None`` for every one of :data:`PLAN_STRATEGIES` that applies (FSDP2 only where
-    the module shards itself in ``configure_model``), else the names given (``"fsdp"``, ``"ddp,fsdp"``).
+    the module shards itself in ``configure_model``; on CPU only :data:`CPU_STRATEGIES`), else the names given
+    (``"fsdp"``, ``"ddp,fsdp"``).
 
     Raises:
-        ValueError: a name not in :data:`PLAN_STRATEGIES`, or ``model_parallel`` for a module without
-            ``configure_model``.
+        ValueError: a name not in :data:`PLAN_STRATEGIES`, ``model_parallel`` for a module without
+            ``configure_model``, or a strategy Lightning does not run on the device.
     """
+    usable = PLAN_STRATEGIES if device_type == "cuda" else CPU_STRATEGIES
     if strategy is None:
-        return tuple(s for s in PLAN_STRATEGIES if s != "model_parallel" or can_model_parallel)
+        return tuple(s for s in usable if s != "model_parallel" or can_model_parallel)
     words = [w.strip().lower() for w in (strategy.split(",") if isinstance(strategy, str) else strategy) if w.strip()]
     for word in words:
         if word not in PLAN_STRATEGIES:
@@ -81,6 +89,12 @@ def parse_strategies(strategy: str | Iterable[str] | None, can_model_parallel: b
         )
     if not words:
         raise ValueError(f"strategy={strategy!r}: give one of {', '.join(PLAN_STRATEGIES)}")
+    refused = [word for word in words if word not in usable]
+    if refused:
+        raise ValueError(
+            f"strategy {refused[0]!r} does not run on {device_type} processes (Lightning's FSDPStrategy refuses "
+            f"accelerator='cpu', DeepSpeed's ZeRO needs CUDA): on {device_type} plan {' or '.join(usable)}"
+        )
     return tuple(dict.fromkeys(words))
 
 

@@ -180,7 +180,7 @@ class Plan:
         arguments: dict[str, Any] = {}
         if self.best.strategy is not None:
             arguments["devices"] = self.best.world_size
-            arguments["strategy"] = strategy_argument(self.best.strategy, self.wrap)
+            arguments["strategy"] = strategy_argument(self.best.strategy, self.wrap, self.best.world_size)
         arguments["accumulate_grad_batches"] = self.best.accumulation
         arguments["precision"] = kwargs["precision"]
         if kwargs.get("callbacks"):
@@ -195,7 +195,7 @@ class Plan:
         best = self.best
         lines = [f"# memkit plan: {best.describe()} (effective batch {best.effective_batch})", "trainer:"]
         if best.strategy is not None:
-            lines += [f"  devices: {best.world_size}", *strategy_yaml(best.strategy, self.wrap)]
+            lines += [f"  devices: {best.world_size}", *strategy_yaml(best.strategy, self.wrap, best.world_size)]
         lines += [f"  accumulate_grad_batches: {best.accumulation}", f"  precision: {best.precision}"]
         if best.checkpoint is not None or best.offload:
             lines.append("  callbacks:")
