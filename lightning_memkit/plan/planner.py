@@ -24,11 +24,11 @@ from typing import Any
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import choose, run_trials
-from lightning_memkit.plan.several_devices import plan_devices
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
 from lightning_memkit.plan.lightning_runs import TIMED_SECONDS, TIMED_STEPS, WARMUP_STEPS
 from lightning_memkit.plan.result import Plan, PlanRow
 from lightning_memkit.plan.rows import estimate_families, estimate_row, ranked
+from lightning_memkit.plan.several_devices import plan_devices
 from lightning_memkit.plan.state import PlanState
 from lightning_memkit.plan.time_budget import TimeBudget, budget_text
 from lightning_memkit.plan.time_model import TimeModel, roofline_for
