@@ -89,9 +89,9 @@ def child(source: str, case: str, without: str | None) -> None:
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, source)
-    sys.path.insert(1, os.path.join(ROOT, "tests"))
-    from gpu_truth import MODES, make_model
+    sys.path.insert(1, ROOT)  # tests.helpers from this tree; the estimate from the source measured, first
     from lightning_memkit.estimate import estimate_memory
+    from tests.helpers.gpu_truth import MODES, make_model
 
     if without:
         _switch_off(without)

@@ -12,6 +12,7 @@ from lightning_memkit import TensorAccountant
 from lightning_memkit.accounting.accountant import returns_alias
 from lightning_memkit.probes.base import ProbeSet
 from lightning_memkit.probes.tensor import TensorProbe
+from tests.helpers.paths import REPO_ROOT
 
 F32 = 4
 
@@ -366,17 +367,16 @@ def test_fsdp2_reading_equals_an_independent_gc_count(tmp_path):
     step the meter's whole-process reading equals the bytes of every storage ``gc`` can reach. It needs both:
     DTensors counted by their local shard (their own storage is the full size with no memory) and the gathered
     parameters' ``resize_(0)`` after use followed (otherwise each unit's unsharded parameters stay counted)."""
-    import os
 
-    from conftest import run_script
+    from tests.helpers.processes import run_script
 
     script = tmp_path / "fsdp2_count.py"
     script.write_text(
         "import sys, warnings\n"
         "warnings.filterwarnings('ignore')\n"
         "import torch, torch.distributed as dist\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from live_tensors import live_tensor_bytes\n"
+        f"sys.path.insert(0, {REPO_ROOT!r})\n"
+        "from tests.helpers.live_tensors import live_tensor_bytes\n"
         "from torch.distributed.fsdp import fully_shard\n"
         "from lightning_memkit import MemoryMeter\n"
         "from lightning_memkit.zoo import DemoTransformer\n"

@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
-from conftest import run_script
 from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.plan import cuda_trial
+from tests.helpers.processes import run_script
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

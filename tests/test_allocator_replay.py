@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_truth import device_order_sizes, load_trace, make_model, trace_names, truth_row
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorConfig, CudaAllocatorModel
 from lightning_memkit.units import MiB
+from tests.helpers.gpu_truth import device_order_sizes, load_trace, make_model, trace_names, truth_row
 
 
 def _seeded(trace: dict) -> tuple[CudaAllocatorModel, int]:

@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import lightning_memkit
+from tests.helpers.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO_ROOT)
 PACKAGE = Path(lightning_memkit.__file__).parent
 
 

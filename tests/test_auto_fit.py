@@ -9,8 +9,6 @@ changes nothing; a resumed fit applies the checkpointed plan without planning.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -21,10 +19,8 @@ from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_memkit.callbacks.auto_fit import AutoFit
 from lightning_memkit.estimate.api import estimate_memory
-
-sys.path.insert(0, os.path.dirname(__file__))
-from conftest import FrozenBaseStack  # noqa: E402
-from lightning_gpt import CharDataModule, TinyGPT  # noqa: E402
+from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
+from tests.helpers.models import FrozenBaseStack
 
 BATCH = 16
 MODEL = {"vocab": 64, "d_model": 32, "heads": 2, "layers": 2, "seq_len": 32}

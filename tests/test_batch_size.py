@@ -11,7 +11,6 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from conftest import run_script
 from lightning_memkit import is_out_of_memory
 from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.estimate import measure_training_step
@@ -19,6 +18,7 @@ from lightning_memkit.estimate.largest_batch import AffineGrowth
 from lightning_memkit.search.batch_search import BatchSizeSearch, SearchError, Trial
 from lightning_memkit.search.budget import BudgetExceededError, MemoryBudget
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
+from tests.helpers.processes import run_script
 
 FEATURES = 256
 
@@ -336,7 +336,7 @@ def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_searc
     so the search needs at most 4 real trials, and the answer ran."""
     import warnings
 
-    from lightning_gpt import CharDataModule, TinyGPT
+    from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
     torch.manual_seed(0)
     module, data = TinyGPT(), CharDataModule(batch_size=8, samples=1024)
@@ -356,7 +356,7 @@ def test_a_schedule_from_self_trainer_and_a_datamodule_set_up_in_setup_are_searc
 def test_the_search_leaves_no_tensor_behind(tmp_path):
     """After the search (trials that fit and one that ran out of memory), the process holds exactly the
     tensors it held before: no trial batch, no logged loss, no gradient, no autograd graph."""
-    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import live_tensor_bytes, tensors_with_grad_fn
 
     module, data = _setup()
     trainer = _trainer(tmp_path)

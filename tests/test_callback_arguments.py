@@ -22,8 +22,9 @@ import lightning_memkit
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryDoctor, MemoryTracker
 from lightning_memkit.callbacks.activation_offload import ActivationOffload
 from lightning_memkit.callbacks.auto_fit import AutoFit
+from tests.helpers.paths import REPO_ROOT
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "arguments.md")
+DOC = os.path.join(REPO_ROOT, "docs", "arguments.md")
 CALLBACKS = {
     c.__name__: c
     for c in (

@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import read_scalars, run_process
 from lightning_memkit.trace.trace_records import read_trace
 from lightning_memkit.trace.tracer import LayerTracer
 from lightning_memkit.units import MiB
+from tests.helpers.event_files import read_scalars
+from tests.helpers.processes import run_process
 
 EXTRA_PER_SAMPLE = 1024  # float32 elements rank 1 alone holds per sample through its step: 4 KiB a sample
 
@@ -307,10 +308,11 @@ def test_activation_checkpointing_steps_aside_for_a_model_that_checkpoints_itsel
     ModelParallelStrategy) is not wrapped twice: one warning, no plan, training as the model set it up."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    from conftest import LinearStack, make_trainer
     from lightning_memkit import ActivationCheckpointing
     from lightning_memkit.modes.checkpoint_wrap import is_checkpointed
     from lightning_memkit.trace._torch_compat import is_checkpoint_wrapper
+    from tests.helpers.models import LinearStack
+    from tests.helpers.trainers import make_trainer
 
     class SelfCheckpointed(LinearStack):
         def configure_model(self):

@@ -22,7 +22,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import LinearStack
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MemoryDoctor, MemoryTracker
 from lightning_memkit.records import RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.axis import tensorboard_ticks, tensorboard_y_range, tick_label
@@ -36,6 +35,7 @@ from lightning_memkit.tensorboard.layout import (
 from lightning_memkit.tensorboard.readable import readable_layout
 from lightning_memkit.tensorboard.rules import MAX_TICK_LABEL, check_dashboard
 from lightning_memkit.units import MiB
+from tests.helpers.models import LinearStack
 
 D = 16
 

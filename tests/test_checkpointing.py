@@ -207,7 +207,7 @@ def test_a_budget_on_a_forward_with_its_own_saved_tensor_hooks_says_why_it_canno
     take every saved tensor: the measuring forward would see no activation and report the budget as unreachable
     ("none of the blocks holds activation memory"). It says what hides them and what to do instead; nothing is
     left wrapped, and a policy that needs no measuring still applies."""
-    from live_tensors import describe, live_tensor_bytes, live_tensors
+    from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors
 
     torch.manual_seed(0)
     model = OffloadingBlockNet(blocks=4, width=32)
@@ -316,7 +316,7 @@ def test_measuring_forward_keeps_nothing_and_peaks_like_a_no_grad_forward():
     process holds what it held before, with no graph."""
     from lightning_memkit import TensorAccountant
     from lightning_memkit.modes.checkpoint_measure import measure_forward
-    from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
 
     torch.manual_seed(0)
     model = BlockNet(blocks=6, width=64)

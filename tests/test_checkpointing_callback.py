@@ -19,8 +19,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import make_trainer, read_scalars
 from lightning_memkit import ActivationCheckpointing, parse_mode
+from tests.helpers.event_files import read_scalars
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.trainers import make_trainer
 
 
 class DropoutBatchNormNet(pl.LightningModule):
@@ -132,8 +134,8 @@ def test_under_fsdp_it_defers_to_the_strategy_with_a_warning():
 DDP_SCRIPT = textwrap.dedent(
     """
     import sys, torch, lightning.pytorch as pl
-    sys.path.insert(0, {tests!r})
-    from test_checkpointing_callback import DropoutBatchNormNet
+    sys.path.insert(0, {root!r})
+    from tests.test_checkpointing_callback import DropoutBatchNormNet
     from lightning_memkit import ActivationCheckpointing
 
     class Check(pl.Callback):
@@ -156,7 +158,7 @@ DDP_SCRIPT = textwrap.dedent(
 
 def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
     script = tmp_path / "ddp_ckpt.py"
-    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__)))
+    script.write_text(DDP_SCRIPT.format(root=REPO_ROOT))
     env = dict(os.environ, PL_DISABLE_FORK="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     process = subprocess.Popen(
         [sys.executable, str(script)],
@@ -190,7 +192,7 @@ def test_measuring_forwards_stay_out_of_the_first_step_reading_whatever_the_orde
     import gc
 
     from lightning_memkit import MemoryTracker
-    from live_tensors import live_tensor_bytes
+    from tests.helpers.live_tensors import live_tensor_bytes
 
     peaks = []
     for order in (
@@ -239,7 +241,7 @@ class _Step0Probe(pl.Callback):
         self.graph = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+        from tests.helpers.live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
 
         if batch_idx == 0 and trainer.global_step == 0:
             self.live_bytes = live_tensor_bytes()
@@ -259,7 +261,7 @@ def test_measuring_leaves_no_graph_and_a_kept_callback_holds_no_tensor(tmp_path,
     import gc
     import weakref
 
-    from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+    from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
     gc.collect()
     before = live_tensor_bytes()

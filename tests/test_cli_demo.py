@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from conftest import read_scalars
 from lightning_memkit.units import format_bytes
+from tests.helpers.event_files import read_scalars
 
 # A hang guard, under the suite's 300 s per-test limit so a hang shows the output. On a loaded 2-core machine, niced,
 # this file's two tests took 177 s together, and 180 s / 60 s were passed in a whole-suite run there (torch and

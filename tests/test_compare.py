@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 
-from conftest import LinearStack, read_scalars
 from lightning_memkit import zoo
 from lightning_memkit.cli import main
 from lightning_memkit.modes.compare_result import COMPARE_FORMAT, ModeResult, read_compare
@@ -21,6 +20,8 @@ from lightning_memkit.modes.comparison import CheckpointWarning, compare_modes
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.records import read_records
 from lightning_memkit.units import format_bytes
+from tests.helpers.event_files import read_scalars
+from tests.helpers.models import LinearStack
 
 TINY = {"vocab_size": 50, "d_model": 32, "nhead": 2, "layers": 3, "dim_feedforward": 64, "seq_len": 16, "batch_size": 8}
 
@@ -116,7 +117,7 @@ def test_step_times_median_and_spread_over_the_steps_after_warm_up(compared):
 
 
 def test_modes_do_not_see_each_other_and_compare_leaves_nothing_behind(tmp_path):
-    from live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import describe, live_tensor_bytes, tensors_with_grad_fn
 
     before = live_tensor_bytes()
     # the same mode twice: the second must not count the first's model, gradients and optimizer state

@@ -1,6 +1,6 @@
 """memkit with torch.compile: measuring never switches compile off, and checkpointing works compiled.
 
-Models (tests/compile_models.py) use ``backend="aot_eager"`` through a counting backend: each step's compiled
+Models (tests/helpers/compile_models.py) use ``backend="aot_eager"`` through a counting backend: each step's compiled
 graph calls are counted, so "compiled on every step" is read, not assumed.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_memkit import ActivationCheckpointing
-from tests.compile_models import CompiledCNN, CompiledGPT2, CountingBackend, GraphCallsPerStep
-from tests.conftest import make_trainer, rerun_in_own_process
+from tests.helpers.compile_models import CompiledCNN, CompiledGPT2, CountingBackend, GraphCallsPerStep
+from tests.helpers.trainers import make_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +65,7 @@ class _ProfiledSteps(pl.Callback):
         self._base = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from tests.live_tensors import storage_bytes
+        from tests.helpers.live_tensors import storage_bytes
 
         # no gc.collect() first: garbage in reference cycles holds its memory until the collector runs, in this
         # run as in the tracker's
@@ -281,12 +281,12 @@ def test_the_allocator_reading_equals_the_exact_accountant_on_an_eager_step(tmp_
 
 
 def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_checkpointing_lowers_the_peak(
-    request, tmp_path
+    rerun_in_own_process, tmp_path
 ):
     # a user's fit, from a fresh process: on torch 2.14.1, after this file's other compiled fits (the doctor's leaking
     # models among them) in the same process, two of this fit's four steps ran no compiled graph; alone, and on 2.13,
     # every step runs compiled (not yet explained: CHANGELOG, issue 37)
-    if rerun_in_own_process(request, tmp_path):
+    if rerun_in_own_process():
         return
     from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker
 

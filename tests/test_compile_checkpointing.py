@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memkit import ActivationCheckpointing
 from lightning_memkit.modes.checkpointing import apply_checkpointing
-from tests.compile_models import CountingBackend, GraphCallsPerStep
-from tests.conftest import make_trainer
+from tests.helpers.compile_models import CountingBackend, GraphCallsPerStep
+from tests.helpers.trainers import make_trainer
 
 SEQ = 64  # half of n_positions: the cache doubled the keys to 128, the mask stayed 64 wide
 

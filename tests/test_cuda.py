@@ -2,11 +2,11 @@
 
 Every test here is marked ``cuda``: collected everywhere, skipped where ``torch.cuda.is_available()`` is false
 (tests/conftest.py). Each test's docstring says what breakage it catches; docs/gpu_tests.md has them in one table. The
-checks they assert with (tests/gpu_checks.py) share nothing with the code they check: a step's peak from the allocator's
-own events, never its peak counter; waits for the device caught where they happen, explicit ones included; pinned
-blocks by address, asked of the driver; a step's time against a host clock around the same step of the same run. Each
-check also runs on a CPU stand-in in the main lane, once as it is and once with the code it guards broken on purpose
-(tests/test_gpu_lane_checks.py), so it is seen to fail for the breakage it names.
+checks they assert with (tests/helpers/gpu_checks.py) share nothing with the code they check: a step's peak from the
+allocator's own events, never its peak counter; waits for the device caught where they happen, explicit ones included;
+pinned blocks by address, asked of the driver; a step's time against a host clock around the same step of the same run.
+Each check also runs on a CPU stand-in in the main lane, once as it is and once with the code it guards broken on
+purpose (tests/test_gpu_lane_checks.py), so it is seen to fail for the breakage it names.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from gpu_checks import (
+from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryMeter, MemoryTracker, zoo
+from lightning_memkit.modes.comparison import compare_modes
+from lightning_memkit.timing import StepTimer
+from tests.helpers.gpu_checks import (
     AllocatorStepPeaks,
     FirstStepScratch,
     PinnedBlocks,
@@ -34,10 +37,7 @@ from gpu_checks import (
     pinned_bytes_held,
     watched_release,
 )
-from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryMeter, MemoryTracker, zoo
-from lightning_memkit.modes.comparison import compare_modes
-from lightning_memkit.timing import StepTimer
-from live_tensors import describe, live_tensors
+from tests.helpers.live_tensors import describe, live_tensors
 
 pytestmark = pytest.mark.cuda
 
@@ -386,7 +386,7 @@ def test_one_fsdp2_rank_on_the_device_against_the_world_size_1_estimate(tmp_path
     recorded H100 truth).
 
     Catches: a per-rank estimate whose shards or CUDA peak drift from what FSDP2 allocates on a device."""
-    from conftest import run_script
+    from tests.helpers.processes import run_script
 
     script = tmp_path / "fsdp2_rank.py"
     script.write_text(

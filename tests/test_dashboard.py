@@ -10,7 +10,6 @@ import shutil
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from conftest import LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.records import COUNT_FIELDS, MEMORY_FIELDS, RunSummary, StepReading, read_records
@@ -19,6 +18,9 @@ from lightning_memkit.tensorboard.figures import PEAK_COLOR, memory_per_step_fig
 from lightning_memkit.tensorboard.layout import dashboard_layout
 from lightning_memkit.tensorboard.tags import step_tag
 from lightning_memkit.units import MiB
+from tests.helpers.event_files import read_layouts, read_scalars
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 ALL_FIELDS = list(MEMORY_FIELDS) + list(COUNT_FIELDS)
 
@@ -100,23 +102,6 @@ def test_layout_follows_prefix_and_switches():
         "modes overlaid: this process on the device, NVML (MiB)": {"memory/train/process_device_MiB"},
         "modes overlaid: host RSS at step end (MiB)": {"memory/train/host_rss_MiB"},
     }
-
-
-def read_layouts(log_dir):
-    """Every custom-scalars layout in the run's event files, as TensorBoard parses it."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.custom_scalar import layout_pb2
-
-    layouts = []
-    for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
-        accumulator = EventAccumulator(path, size_guidance={"tensors": 0})
-        accumulator.Reload()
-        if "custom_scalars__config__" in accumulator.Tags()["tensors"]:
-            for event in accumulator.Tensors("custom_scalars__config__"):
-                layout = layout_pb2.Layout()
-                layout.ParseFromString(event.tensor_proto.string_val[0])
-                layouts.append({c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category})
-    return layouts
 
 
 def _layout_events(log_dir):

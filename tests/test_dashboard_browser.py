@@ -33,7 +33,10 @@ import time
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import LinearStack, make_trainer, run_script
+from tests.helpers.models import LinearStack
+from tests.helpers.paths import DATA_DIR, REPO_ROOT
+from tests.helpers.processes import run_script
+from tests.helpers.trainers import make_trainer
 
 CHROMIUM = next((path for path in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if path), None)
 pytestmark = [
@@ -44,7 +47,7 @@ pytestmark = [
         "the dashboard's browser check needs it",
     ),
 ]
-H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
+H100 = os.path.join(DATA_DIR, "h100_logs")
 
 
 class Chromium:
@@ -192,8 +195,8 @@ DDP_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    sys.path.insert(0, {tests!r})
-    from conftest import LinearStack
+    sys.path.insert(0, {root!r})
+    from tests.helpers.models import LinearStack
     from lightning_memkit import MemoryTracker
 
     trainer = pl.Trainer(
@@ -231,7 +234,7 @@ def make_logs(kind: str, tmp_path_factory) -> str:
         "cpu5",
         "sparse",
     ):  # a short run, and a sparsely logged one: a small GPT with a datamodule, as a user writes it
-        from lightning_gpt import CharDataModule, TinyGPT
+        from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
         steps, every = (5, 1) if kind == "cpu5" else (12, 5)
         trainer = make_trainer(
@@ -245,7 +248,7 @@ def make_logs(kind: str, tmp_path_factory) -> str:
         return str(root)
     if kind == "ddp":
         script = root / "ddp_run.py"
-        script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+        script.write_text(DDP_SCRIPT.format(root=REPO_ROOT))
         run_script([str(script), str(root / "logs")], cwd=str(root), timeout=240)
         return str(root / "logs")
     if kind == "compare":

@@ -3,16 +3,16 @@ tags."""
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 
 import pytest
 
-from conftest import read_scalars, run_script
 from lightning_memkit.tensorboard.readable import FRAME_TITLE
 from lightning_memkit.tensorboard.tags import is_frame_tag
-from test_dashboard import read_layouts
+from tests.helpers.event_files import read_layouts, read_scalars
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    sys.path.insert(0, {tests!r})
-    from conftest import LinearStack
+    sys.path.insert(0, {root!r})
+    from tests.helpers.models import LinearStack
     from lightning_memkit import MemoryTracker
     from lightning_memkit.tensorboard.dashboard import register_dashboard
 
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(200)
 def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     script = tmp_path / "ddp_dashboard.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    script.write_text(SCRIPT.format(root=REPO_ROOT))
     output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)
     assert "rank 0 registered again: False" in output and "rank 1 registered again: False" in output
 

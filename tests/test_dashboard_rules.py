@@ -21,7 +21,6 @@ import shutil
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.layer_trace import LayerTrace
 from lightning_memkit.modes.compare_result import read_compare
@@ -35,8 +34,12 @@ from lightning_memkit.tensorboard.readable import FRAME_TITLE, readable_layout
 from lightning_memkit.tensorboard.rules import check_chart, check_dashboard
 from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART, is_frame_tag
 from lightning_memkit.units import format_bytes
+from tests.helpers.event_files import read_scalars
+from tests.helpers.models import LinearStack
+from tests.helpers.paths import DATA_DIR
+from tests.helpers.trainers import make_trainer
 
-H100 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_logs")
+H100 = os.path.join(DATA_DIR, "h100_logs")
 H100_DEMO = os.path.join(H100, "gl")
 H100_COMPARE = os.path.join(H100, "gc")
 
@@ -406,7 +409,7 @@ class GrowingStep(LinearStack):
 
 
 @pytest.mark.timeout(300)
-def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, request):
+def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, rerun_in_own_process):
     """The accountant's peak read on steps 0, 1, 11 and 21 of a 31-step run logged every step: TensorBoard's outlier
     clipping (5th to 95th percentile, on by default) cuts the ends of so short a line. The layout written at fit start
     draws it and breaks the rule; the one written at fit end (what TensorBoard shows) keeps the chart, drawn between two
@@ -415,11 +418,9 @@ def test_a_sampled_peak_of_a_few_points_is_framed_at_fit_end(tmp_path, request):
     # The claim is the step-peak chart's; the run checks every chart, and host RSS depends on what earlier tests grew
     # (within 1 MiB of ~685 MiB after the suite: test_a_nearly_flat_host_rss_line_is_drawn_by_the_rules), so a fresh
     # process.
-    from conftest import rerun_in_own_process
-
-    if rerun_in_own_process(request, tmp_path):
+    if rerun_in_own_process():
         return
-    from test_dashboard import read_layouts
+    from tests.helpers.event_files import read_layouts
 
     logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
     trainer = make_trainer(tmp_path, max_steps=31, logger=logger, callbacks=[MemoryTracker(verbose=False)])

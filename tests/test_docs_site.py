@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 DOCS = os.path.join(ROOT, "docs")
 PAGES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(DOCS, "*.md")))
 

@@ -17,13 +17,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import FLOAT32, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli import main
 from lightning_memkit.doctor._torch_compat import mode_is_active
 from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
-from live_tensors import describe, tensors_with_grad_fn
+from tests.helpers.live_tensors import describe, tensors_with_grad_fn
+from tests.helpers.models import FLOAT32
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.trainers import make_trainer
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
 ACTIVATION = B * D * FLOAT32  # bytes of one (B, D) float32 activation: 512
@@ -297,7 +299,7 @@ ROBUST = ["DictBatch", "GAN", "accumulation", "lstm", "gru", "WithValidation", "
 
 @pytest.mark.parametrize("name", ROBUST)
 def test_no_false_alarm_on_robustness_modules_over_20_steps(name, tmp_path):
-    import test_robustness as r
+    from tests import test_robustness as r
 
     overrides = {}
     if name == "accumulation":
@@ -515,7 +517,7 @@ def test_leak_watcher_reports_steady_growth_once_and_ignores_oscillation():
 
 
 def test_the_doctor_kept_after_fit_holds_no_tensor(tmp_path):
-    from live_tensors import live_tensor_bytes
+    from tests.helpers.live_tensors import live_tensor_bytes
 
     gc.collect()
     before = live_tensor_bytes()
@@ -540,9 +542,9 @@ def test_outputs_appended_to_a_list_on_cuda(tmp_path):
 
 
 def test_the_example_runs_and_finds_both_problems():
-    from conftest import run_script
+    from tests.helpers.processes import run_script
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     output = run_script([os.path.join("examples", "doctor.py")], cwd=root, timeout=300)
     assert f"-> {16 * FLOAT32 * 8} bytes kept per step; made by aten.addmm in encoder.2" in output
     assert f"({16 * 4096 * FLOAT32} B, 1 tensors): aten.addmm in expand" in output

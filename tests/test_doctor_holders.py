@@ -19,11 +19,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import FLOAT32, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.doctor.holders import find_holders, user_roots
 from lightning_memkit.doctor.leaks import LeakWatcher, rising_floor
+from tests.helpers.models import FLOAT32
+from tests.helpers.trainers import make_trainer
 
 B, D_IN, D = 4, 16, 32  # batch, input width, hidden width
 ACTIVATION = B * D * FLOAT32  # one (4, 32) float32 output: 512 B
@@ -373,7 +374,7 @@ def test_a_tensor_lightning_keeps_is_named_as_lightnings(tmp_path):
 
 
 def test_the_doctor_leaves_nothing_behind_after_naming_holders(tmp_path):
-    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import live_tensor_bytes, tensors_with_grad_fn
 
     gc.collect()
     before = live_tensor_bytes()
@@ -387,7 +388,7 @@ def test_the_doctor_leaves_nothing_behind_after_naming_holders(tmp_path):
 
 def test_memkit_doctor_prints_one_progress_line_per_window_unless_told_not_to(tmp_path, capsys):
     from lightning_memkit.cli import main
-    from test_doctor import LEAKY_FILE
+    from tests.test_doctor import LEAKY_FILE
 
     path = tmp_path / "leaky.py"
     path.write_text(LEAKY_FILE)

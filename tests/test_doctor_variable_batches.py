@@ -21,13 +21,14 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FLOAT32, make_trainer
 from lightning_memkit._lightning_compat import prefetched_batches
 from lightning_memkit.callbacks.memory_doctor import MemoryDoctor
 from lightning_memkit.cli import main
 from lightning_memkit.cli.common import load_object
 from lightning_memkit.doctor.keepers import keeping_frame
 from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
+from tests.helpers.models import FLOAT32
+from tests.helpers.trainers import make_trainer
 
 B, CLASSES = 8, 4  # batch size, classes of PaddedTextClassifier
 TRUE_BYTES_PER_STEP = B * CLASSES * FLOAT32 + FLOAT32  # the logits (8, 4) float32 and the 0-dim loss: 132

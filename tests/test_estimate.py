@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from independent_count import training_step_peak
 from lightning_memkit.estimate import (
     CudaAllocatorModel,
     EstimateError,
@@ -24,6 +23,7 @@ from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED, fake_parameter, fake_view, is_fake
 from lightning_memkit.modes.mode import Mode
 from lightning_memkit.zoo import DemoCNN, DemoMLP, DemoTransformer
+from tests.helpers.independent_count import training_step_peak
 
 MiB = 2**20
 
@@ -65,7 +65,7 @@ def test_estimate_within_one_percent_of_the_measured_step_and_touches_nothing(cl
 @pytest.mark.parametrize("cls", [DemoMLP, DemoCNN, DemoTransformer])
 @pytest.mark.parametrize("mode, autocast_dtype", [("baseline", None), ("bf16", torch.bfloat16)])
 def test_estimate_matches_an_independent_count_of_the_real_step(cls, mode, autocast_dtype):
-    """Against tests/independent_count.py (gc walk and its own dispatch counter over a plain-torch loop in
+    """Against tests/helpers/independent_count.py (gc walk and its own dispatch counter over a plain-torch loop in
     Lightning's order), not measure_training_step, which shares the estimate's step code. Measured: equal to
     the byte for four of the six, within 192 bytes (0.003%) for the others."""
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_a_checkpoint_budget_mode_is_estimated_exactly_on_fake_tensors():
 
 # ------------------------------------------------------------------------ as Lightning would run it
 def _gpt():
-    from lightning_gpt import CharDataModule, TinyGPT
+    from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
     torch.manual_seed(0)
     return TinyGPT(), CharDataModule(batch_size=8)
@@ -448,7 +448,7 @@ def test_an_error_names_the_hook_that_failed(where):
 
 
 def test_a_failing_datamodule_hook_is_named():
-    from lightning_gpt import CharDataModule
+    from tests.helpers.lightning_gpt import CharDataModule
 
     class Broken(CharDataModule):
         def setup(self, stage):
@@ -463,7 +463,7 @@ def test_a_failing_datamodule_hook_is_named():
 
 # ------------------------------------------------------------------------ wherever the parameters live
 def test_a_module_on_the_meta_device_estimates_like_the_same_module_on_cpu():
-    from lightning_gpt import CharDataModule, TinyGPT
+    from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
     data = CharDataModule(batch_size=8)
     on_cpu = TinyGPT()
@@ -507,7 +507,7 @@ def test_parameters_and_batch_on_different_devices_meet_on_one_fake_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.cuda
 def test_a_module_already_on_cuda_estimates_without_touching_the_device():
-    from lightning_gpt import CharDataModule, TinyGPT
+    from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
     data = CharDataModule(batch_size=8)
     on_cpu = TinyGPT()

@@ -177,19 +177,16 @@ def test_estimate_bad_input_says_what_to_do(capsys):
 def test_estimate_takes_a_datamodule_and_equals_the_measured_step(tmp_path, capsys):
     """A LightningModule whose configure_optimizers reads self.trainer.estimated_stepping_batches, fed by a
     LightningDataModule that makes its dataset in setup(): the CLI's figure is the measured step's, to the byte."""
-    import sys
-
-    sys.path.insert(0, "tests")
-    from lightning_gpt import CharDataModule, TinyGPT
     from lightning_memkit.estimate import measure_training_step
+    from tests.helpers.lightning_gpt import CharDataModule, TinyGPT
 
     out_json = tmp_path / "estimate.json"
     status = main(
         [
             "estimate",
-            "tests/lightning_gpt.py:TinyGPT",
+            "tests/helpers/lightning_gpt.py:TinyGPT",
             "--datamodule",
-            "tests/lightning_gpt.py:CharDataModule",
+            "tests/helpers/lightning_gpt.py:CharDataModule",
             "--datamodule-args",
             '{"batch_size": 12}',
             "--device",
@@ -219,7 +216,7 @@ def test_estimate_takes_a_datamodule_and_equals_the_measured_step(tmp_path, caps
 
 
 def test_estimate_without_a_loader_points_at_datamodule_and_a_negative_memory_is_one_line(capsys):
-    assert main(["estimate", "tests/lightning_gpt.py:TinyGPT", "--device-memory", "16GiB"]) == 2
+    assert main(["estimate", "tests/helpers/lightning_gpt.py:TinyGPT", "--device-memory", "16GiB"]) == 2
     err = capsys.readouterr().err
     # what docs/worst_batch.md says the estimate does with the loader: its samples sized, the largest batch they make
     assert "--datamodule FILE.py:DataModuleClass" in err

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import read_scalars, run_script
 from lightning_memkit.estimate import estimate_memory
 from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
 from lightning_memkit.estimate.distributed.sharding import (
@@ -22,6 +21,8 @@ from lightning_memkit.estimate.distributed.sharding import (
 )
 from lightning_memkit.units import MiB
 from lightning_memkit.zoo import DemoTransformer
+from tests.helpers.event_files import read_scalars
+from tests.helpers.processes import run_script
 
 
 # ------------------------------------------------------------------ the ZeRO paper's arithmetic
@@ -141,7 +142,7 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
 
     import torch.distributed as dist
 
-    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import live_tensor_bytes, tensors_with_grad_fn
 
     model = DemoTransformer(dropout=0.0)
     before, excepthook = live_tensor_bytes(), sys.excepthook

@@ -1,5 +1,5 @@
 """True half precision (Lightning's ``bf16-true`` and ``16-true``): the estimate against real Lightning fits, counted by
-tests/dispatch_counter.py (no code shared with memkit), and against analytic counts of the model states, up to a
+tests/helpers/dispatch_counter.py (no code shared with memkit), and against analytic counts of the model states, up to a
 Llama-2-7B LoRA fine-tune built on the meta device.
 
 Lightning's ``HalfPrecision`` plugin converts the module (``module.to(dtype)``) before the first step, converts each
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import LinearStack
-from fit_count import closure_bytes, fit_peak_bytes
-from lightning_gpt import TinyGPT
 from lightning_memkit import estimate_distributed_memory, estimate_memory, measure_training_step
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
+from tests.helpers.fit_count import closure_bytes, fit_peak_bytes
+from tests.helpers.lightning_gpt import TinyGPT
+from tests.helpers.models import LinearStack
 
 HALF = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 MODE_OF = {"32-true": None, "bf16-true": "bf16-true", "16-true": "fp16-true"}

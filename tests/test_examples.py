@@ -25,7 +25,9 @@ import threading
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 EXAMPLES = os.path.join(ROOT, "examples")
 FLOAT32, INT64 = 4, 8
 MiB = 1024**2
@@ -155,8 +157,8 @@ def test_plain_pytorch_meter(runner, tmp_path):
     # The meter reads every live tensor of the process, so the libraries' own module-level tensors are in it
     # (torchmetrics holds a 4-byte one): counted with gc in a process that imported what the example imports.
     (tmp_path / "base.py").write_text(
-        f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import lightning_memkit\nfrom live_tensors import live_tensor_bytes\n"
+        f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\n"
+        "import lightning_memkit\nfrom tests.helpers.live_tensors import live_tensor_bytes\n"
         "print('base', live_tensor_bytes())\n",
         encoding="utf-8",
     )
@@ -177,7 +179,7 @@ def test_plain_pytorch_meter(runner, tmp_path):
 
 
 def test_memory_tracker(runner, tmp_path):
-    from conftest import read_scalars
+    from tests.helpers.event_files import read_scalars
 
     output = run_example(runner, "memory_tracker.py", ["--steps", "4", "--logdir", "logs"], tmp_path)
     run_peak = re.search(r"run peak: (\d+) bytes at step (\d+)", output)

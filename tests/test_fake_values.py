@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
 from lightning_memkit.estimate.fake.known_values import known_value
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
+from tests.helpers.dispatch_counter import StorageCounter
 
 torchmetrics = pytest.importorskip("torchmetrics")
 

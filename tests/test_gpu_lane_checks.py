@@ -1,5 +1,5 @@
-"""The GPU lane's checks (tests/gpu_checks.py) exercised both ways on this CPU: each runs on a CPU stand-in of its
-claim and passes, then runs again with the code it guards broken on purpose (``monkeypatch``) and fails for that
+"""The GPU lane's checks (tests/helpers/gpu_checks.py) exercised both ways on this CPU: each runs on a CPU stand-in of
+its claim and passes, then runs again with the code it guards broken on purpose (``monkeypatch``) and fails for that
 breakage. docs/gpu_tests.md has the table of GPU tests, the breakage each catches and the test here that shows it.
 
 - per-step peak: a CPU fit's MemoryTracker (the accountant) against the CPU allocator's own events; broken: the
@@ -21,8 +21,15 @@ import time
 import pytest
 import torch
 
-from conftest import LinearStack, make_trainer
-from gpu_checks import (
+from lightning_memkit import MemoryTracker
+from lightning_memkit.compiled._torch_compat import track_cpu_allocation_sizes
+from lightning_memkit.modes.comparison import _step_recorder, compare_modes
+from lightning_memkit.plan import _torch_compat as plan_compat
+from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, trials
+from lightning_memkit.plan.space import Candidate
+from lightning_memkit.probes.base import MemoryProbe, ProbeSet
+from lightning_memkit.timing import StepTimer
+from tests.helpers.gpu_checks import (
     AllocatorStepPeaks,
     FirstStepScratch,
     PinnedBlocks,
@@ -35,15 +42,9 @@ from gpu_checks import (
     pinned_bytes_held,
     watched_release,
 )
-from lightning_memkit import MemoryTracker
-from lightning_memkit.compiled._torch_compat import track_cpu_allocation_sizes
-from lightning_memkit.modes.comparison import _step_recorder, compare_modes
-from lightning_memkit.plan import _torch_compat as plan_compat
-from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, trials
-from lightning_memkit.plan.space import Candidate
-from lightning_memkit.probes.base import MemoryProbe, ProbeSet
-from lightning_memkit.timing import StepTimer
-from live_tensors import live_tensors, storage_bytes
+from tests.helpers.live_tensors import live_tensors, storage_bytes
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 SCRATCH_BYTES = 1 << 20
 

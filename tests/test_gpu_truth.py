@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_truth import MODES, load_trace, make_model, truth_rows
 from lightning_memkit.accounting.accountant import TensorAccountant
 from lightning_memkit.estimate import estimate_memory
 from lightning_memkit.estimate.cuda.attention import attention_backend
@@ -18,6 +17,7 @@ from lightning_memkit.estimate.cuda.gpu_target import GpuTarget, conv_workspace_
 from lightning_memkit.estimate.cuda.kernels import KERNEL_TABLE, CudaKernels
 from lightning_memkit.estimate.fake.session import FakeSession
 from lightning_memkit.units import MiB
+from tests.helpers.gpu_truth import MODES, load_trace, make_model, truth_rows
 
 
 def _row_id(row):
@@ -284,7 +284,7 @@ def test_the_gpu_generation_changes_the_attention_kernel_and_the_estimate():
 
 
 def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
-    from live_tensors import live_tensor_bytes
+    from tests.helpers.live_tensors import live_tensor_bytes
 
     module, batch = _TinyTransformer(), torch.randn(2, 64, 64)
     originals = (F.scaled_dot_product_attention, F.dropout, F.linear, F.cross_entropy)

@@ -1,6 +1,6 @@
 """Users' real models: Hugging Face transformers (GPT-2, Llama, BERT from small configs, no download) and a peft LoRA,
 each fed an attention mask by its loader, in fp32 and bf16 autocast and checkpointed. The estimate on fake tensors
-equals the real step's absolute peak, counted by tests/dispatch_counter.py (no code shared with memkit).
+equals the real step's absolute peak, counted by tests/helpers/dispatch_counter.py (no code shared with memkit).
 
 Each library check the fake step must answer as the real step does is pinned here, so a transformers release that
 changes it fails a test that names it.
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dispatch_counter import StorageCounter
-from fit_count import closure_bytes, fit_peak_bytes
 from lightning_memkit import estimate_memory, parse_mode
+from tests.helpers.dispatch_counter import StorageCounter
+from tests.helpers.fit_count import closure_bytes, fit_peak_bytes
 
 transformers = pytest.importorskip("transformers")
 

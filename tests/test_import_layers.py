@@ -14,8 +14,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.helpers.paths import REPO_ROOT
+
 PACKAGE = "lightning_memkit"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(REPO_ROOT) / PACKAGE
 
 #: Packages and modules that may import ``lightning_memkit.callbacks``: the callbacks themselves,
 #: the command line (it trains with them) and the public root ``__init__``.

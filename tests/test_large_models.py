@@ -2,8 +2,8 @@
 hand from the architecture, and a smaller variant against a real CPU step.
 
 The models are ``transformers.LlamaForCausalLM`` built on the meta device inside a LightningModule
-(tests/llama_shapes.py), trained on random tokens of sequence 2048 with AdamW, in full or with peft LoRA (rank 16 on
-q/k/v/o), bf16-mixed or bf16-true, with and without activation checkpointing, at batch 1 and 4, for an H100. Every
+(tests/helpers/llama_shapes.py), trained on random tokens of sequence 2048 with AdamW, in full or with peft LoRA (rank
+16 on q/k/v/o), bf16-mixed or bf16-true, with and without activation checkpointing, at batch 1 and 4, for an H100. Every
 category of the estimate's peak equals the count below to the byte (which is within 1%, and leaves no difference to
 explain), and so does the peak.
 
@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory, parse_mode
 from lightning_memkit.accounting.categories import CATEGORIES
 from lightning_memkit.cli import main
 from lightning_memkit.units import format_bytes
-from llama_shapes import LORA_RANK, SHAPES, LlamaFineTune
+from tests.helpers.dispatch_counter import StorageCounter
+from tests.helpers.llama_shapes import LORA_RANK, SHAPES, LlamaFineTune
+from tests.helpers.paths import REPO_ROOT
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -366,7 +367,7 @@ SMALL_SEQ = 128  # the real step's compute grows with the sequence; 128 tokens k
 
 def _real_peak(module: LlamaFineTune, mode: str) -> int:
     """Two real steps in Lightning's order (training_step under the mode's autocast, zero_grad, backward, the
-    optimizer's step) on a copy, their absolute peak counted by tests/dispatch_counter.py (no memkit code)."""
+    optimizer's step) on a copy, their absolute peak counted by tests/helpers/dispatch_counter.py (no memkit code)."""
     model = copy.deepcopy(module)
     model.train()
     batch = next(iter(model.train_dataloader()))
@@ -396,7 +397,7 @@ def test_small_variant_estimate_equals_a_real_cpu_step(mode):
 
 
 # ------------------------------------------------------------------------------ what a user sees when nothing fits
-LLAMA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_shapes.py")
+LLAMA_FILE = os.path.join(REPO_ROOT, "tests", "helpers", "llama_shapes.py")
 
 
 def _cells(line: str) -> list[str]:

@@ -11,8 +11,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import LinearStack, make_trainer, read_scalars
 from lightning_memkit._lightning_compat import attached_trainer, logging_step, optimizer_steps_after_batch
+from tests.helpers.event_files import read_scalars
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 
 class _Recorder(pl.Callback):
@@ -156,8 +158,9 @@ def test_lightning_binds_the_modules_logging_on_callbacks_and_forget_model_loggi
     the module's bound ``log``/``log_dict`` (which keep the module alive), and nothing removes them."""
     from lightning.pytorch import Callback
 
-    from conftest import LinearStack, make_trainer
     from lightning_memkit._lightning_compat import forget_model_logging
+    from tests.helpers.models import LinearStack
+    from tests.helpers.trainers import make_trainer
 
     callback = Callback()
     model = LinearStack()

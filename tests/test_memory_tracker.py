@@ -17,20 +17,22 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.probes.base import MemoryProbe
 from lightning_memkit.records import MEMORY_FIELDS, RECORDS_FILENAME, read_records
 from lightning_memkit.tensorboard.tags import is_frame_tag, step_tag
 from lightning_memkit.units import MiB
-from live_tensors import live_tensors, storage_bytes
+from tests.helpers.event_files import read_scalars
+from tests.helpers.live_tensors import live_tensors, storage_bytes
+from tests.helpers.models import FLOAT32, LinearStack
+from tests.helpers.trainers import make_trainer
 
 SCALAR = FLOAT32
 
 
 class _ProcessBytes(Callback):
     """Placed before the tracker: the process's live tensor bytes at each batch start, counted
-    independently of memkit with gc (tests/live_tensors.py), plus the parameters' gradients,
+    independently of memkit with gc (tests/helpers/live_tensors.py), plus the parameters' gradients,
     which have no Python object for gc to find until someone reads them."""
 
     def __init__(self) -> None:
@@ -583,7 +585,7 @@ def test_a_tracker_kept_after_the_fit_holds_no_tensor(tmp_path):
     import weakref
 
     from lightning_memkit.zoo import DemoTransformer
-    from live_tensors import describe
+    from tests.helpers.live_tensors import describe
 
     for failing in (False, True):
         tracker = MemoryTracker(verbose=False)

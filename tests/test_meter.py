@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FLOAT32, LinearStack
 from lightning_memkit import MemoryMeter, training_state_tensors
 from lightning_memkit.probes.base import MemoryProbe
+from tests.helpers.models import FLOAT32, LinearStack
+from tests.helpers.paths import REPO_ROOT
 
 SCALAR = FLOAT32  # a 0-dim float32 tensor
 
@@ -226,14 +227,14 @@ def test_process_scope_never_unpacks_what_a_hook_packed():
 
 def test_process_reading_equals_an_independent_gc_count(tmp_path):
     """In a fresh process, the meter's reading equals the bytes of every tensor the garbage
-    collector can reach (tests/live_tensors.py), before and after a step that keeps tensors."""
-    from conftest import run_script
+    collector can reach (tests/helpers/live_tensors.py), before and after a step that keeps tensors."""
+    from tests.helpers.processes import run_script
 
     script = tmp_path / "count.py"
     script.write_text(
         "import sys, torch\n"
-        f"sys.path.insert(0, {str(__import__('os').path.dirname(__file__))!r})\n"
-        "from live_tensors import live_tensor_bytes\n"
+        f"sys.path.insert(0, {REPO_ROOT!r})\n"
+        "from tests.helpers.live_tensors import live_tensor_bytes\n"
         "from lightning_memkit import MemoryMeter\n"
         "model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))\n"
         "kept = [torch.randn(33, 7) for _ in range(5)]\n"

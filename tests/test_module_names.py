@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "lightning_memkit"
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = Path(REPO_ROOT) / "lightning_memkit"
 
 #: file names every package may have its own of
 PER_PACKAGE = ("__init__.py", "__main__.py", "_torch_compat.py")

@@ -1,6 +1,6 @@
 """Every memkit callback together, kept after the fit: they hold records, never a tensor.
 
-Counted with gc over the whole process (tests/live_tensors.py), not with memkit's own accountant.
+Counted with gc over the whole process (tests/helpers/live_tensors.py), not with memkit's own accountant.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import gc
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import make_trainer
 from lightning_memkit import ActivationCheckpointing, LayerTrace, MaxBatchSize, MemoryDoctor, MemoryTracker
 from lightning_memkit.zoo import DemoTransformer
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.trainers import make_trainer
 
 
 @pytest.mark.timeout(600)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import FrozenBaseStack, LinearStack
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.estimate.step.settings import accumulating, observing_ops
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
@@ -29,7 +28,9 @@ from lightning_memkit.plan.state import PlanState
 from lightning_memkit.plan.time_budget import MIN_BUDGET_SECONDS, TimeBudget
 from lightning_memkit.plan.time_model import ROOFLINES, OpCosts, TimeModel, roofline_for
 from lightning_memkit.zoo import DemoTransformer
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.models import FrozenBaseStack, LinearStack
+from tests.helpers.paths import REPO_ROOT
 
 FAST = {"warmup_steps": 1, "timed_steps": 2, "timed_seconds": 0.2, "verbose": False}
 
@@ -570,7 +571,7 @@ def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
     import os
     import re
 
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"), encoding="utf-8").read()
+    text = open(os.path.join(REPO_ROOT, "docs", "plan.md"), encoding="utf-8").read()
     rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
     table = {name: tuple(float(v) for v in values) for name, *values in rows}
     expected = {

@@ -25,7 +25,6 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 
-from conftest import LinearStack
 from lightning_memkit.estimate.cuda.caching_allocator import CUDA_CONTEXT_BYTES
 from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan import cuda_trial, inputs, lightning_runs, planner, trials
@@ -33,6 +32,7 @@ from lightning_memkit.plan.space import Candidate
 from lightning_memkit.quiet_lightning import quiet_lightning
 from lightning_memkit.search.real_steps import MAX_SKIPPED_STEPS, RealSteps, real_step_seconds
 from lightning_memkit.zoo import DemoTransformer
+from tests.helpers.models import LinearStack
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -283,8 +283,8 @@ def test_each_trial_of_a_compiled_module_compiles_at_its_own_micro_batch():
     """With dynamo's recompile limit at 1 and static shapes, a second trial at another micro-batch could only
     recompile past the limit (and so run eagerly) if the first trial's code were still cached: reset around each
     trial, each compiles its own graph."""
-    from compile_models import CompiledCNN
     from lightning_memkit.compiled._torch_compat import dynamo_counters
+    from tests.helpers.compile_models import CompiledCNN
 
     # dynamo's own config.patch, not monkeypatch: monkeypatch's undo deletes the setting, and a deleted dynamo
     # setting is hidden for the rest of the process (later tests read recompile_limit and fail)

@@ -12,12 +12,13 @@ import time
 import pytest
 import torch
 
-from conftest import read_scalars, run_script
 from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
 from lightning_memkit.plan import Candidate, PlanError, plan_fit
 from lightning_memkit.plan.rank_space import ParameterCounts, comm_bytes, parse_strategies, rank_space, world_sizes
 from lightning_memkit.plan.time_model import INTERCONNECTS
 from lightning_memkit.zoo import DemoTransformer
+from tests.helpers.event_files import read_scalars
+from tests.helpers.processes import run_script
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -196,7 +197,14 @@ def test_a_7b_full_fine_tune_on_eight_80gib_gpus_gets_a_configuration_that_fits_
     from lightning_memkit.cli import main
 
     out_json = tmp_path / "plan.json"
-    arguments = ["plan", "tests/llama_shapes.py:LlamaFineTune", "--meta-init", "--gpu", "h100", "--device-memory"]
+    arguments = [
+        "plan",
+        "tests/helpers/llama_shapes.py:LlamaFineTune",
+        "--meta-init",
+        "--gpu",
+        "h100",
+        "--device-memory",
+    ]
     arguments += ["80GiB", "--world-size", "8", "--batch-size", "16", "--modes", "micro_batch,checkpoint,bf16"]
     started = time.perf_counter()
     status = main([*arguments, "--json", str(out_json)])

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "lightning_memkit"
+from tests.helpers.paths import REPO_ROOT
+
+ROOT = Path(REPO_ROOT) / "lightning_memkit"
 LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
 
 

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memkit import MemoryTracker, TensorAccountant
 from lightning_memkit.accounting.process import ProcessTensors
-from tests.compile_models import CompiledCNN, CountingBackend, GraphCallsPerStep
-from tests.conftest import make_trainer
+from tests.helpers.compile_models import CompiledCNN, CountingBackend, GraphCallsPerStep
+from tests.helpers.trainers import make_trainer
 
 F32 = 4
 

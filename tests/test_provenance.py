@@ -11,7 +11,9 @@ import sys
 
 import torch
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+from tests.helpers.paths import REPO_ROOT
+
+BENCHMARKS = os.path.join(REPO_ROOT, "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
 import provenance  # noqa: E402

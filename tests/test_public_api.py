@@ -21,8 +21,9 @@ import typing
 import pytest
 
 import lightning_memkit
+from tests.helpers.paths import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 DOCS = os.path.join(ROOT, "docs")
 API_PAGE = "api.md"
 VERBS = ("demo", "estimate", "trace", "compare", "report", "doctor", "plan")
@@ -239,7 +240,7 @@ def test_the_api_page_lists_the_public_names_and_the_records_they_return():
 
 def _examples_run_by_tests() -> set[str]:
     run: set[str] = set()
-    for path in glob.glob(os.path.join(ROOT, "tests", "test_*.py")):
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
         text = _read(path)
         run.update(re.findall(r"run_example\(\s*runner,\s*\"(\w+\.py)\"", text))
         run.update(re.findall(r"os\.path\.join\(\s*\"examples\",\s*\"(\w+\.py)\"\s*\)", text))

@@ -9,9 +9,11 @@ import re
 
 import pytest
 
-from conftest import read_scalars, run_script
+from tests.helpers.event_files import read_scalars
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+README = os.path.join(REPO_ROOT, "README.md")
 
 
 def readme_example() -> str:

@@ -16,7 +16,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
-from conftest import LinearStack, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.cli import main
 from lightning_memkit.records import RECORDS_FILENAME, StepReading, read_records
@@ -24,7 +23,9 @@ from lightning_memkit.report.html_report import readings_table
 from lightning_memkit.report.sources import find_sources
 from lightning_memkit.summary_table import format_summary
 from lightning_memkit.units import MiB
-from test_dashboard import read_layouts
+from tests.helpers.event_files import read_layouts
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from conftest import FLOAT32, make_trainer, read_scalars
 from lightning_memkit import (
     ActivationCheckpointing,
     LayerTrace,
@@ -34,6 +33,9 @@ from lightning_memkit import (
 )
 from lightning_memkit.cli import main
 from lightning_memkit.records import read_records
+from tests.helpers.event_files import read_scalars
+from tests.helpers.models import FLOAT32
+from tests.helpers.trainers import make_trainer
 
 D = 16  # feature width of the small models
 
@@ -427,12 +429,10 @@ def test_standalone_validate_and_test_with_every_callback_attached(tmp_path):
     assert module.batch_size == 4  # the batch-size search is a fit-only feature
 
 
-def test_two_memory_trackers_with_different_prefixes_both_read_every_step(tmp_path, request):
+def test_two_memory_trackers_with_different_prefixes_both_read_every_step(tmp_path, rerun_in_own_process):
     # After the rest of the suite the two nested accountants' step-0 peaks differ by 3,336 B (an open defect, noted on
     # issue 19 with the flaky DDP test); the claim is checked in a fresh process until it is found.
-    from conftest import rerun_in_own_process
-
-    if rerun_in_own_process(request, tmp_path):
+    if rerun_in_own_process():
         return
     first = MemoryTracker(verbose=False)
     second = MemoryTracker(every_n_steps=2, prefix="mem2", verbose=False)
@@ -713,7 +713,7 @@ def test_estimate_of_an_lstm_on_cpu_says_it_misses_the_onednn_workspace():
 
 def test_cli_estimate_prints_the_estimates_notes(tmp_path, capsys):
     path = tmp_path / "rnn.py"
-    path.write_text("from test_robustness import Recurrent\n")
+    path.write_text("from tests.test_robustness import Recurrent\n")
     assert (
         main(
             ["estimate", f"{path}:Recurrent", "--device", "cpu", "--device-memory", "1GiB", "--modes", "baseline,bf16"]

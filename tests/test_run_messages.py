@@ -9,9 +9,10 @@ import os
 
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import LinearStack, make_trainer
 from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker
 from lightning_memkit.records import RunSummary, StepReading, read_records
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 
 def test_the_doctor_under_fast_dev_run_says_too_few_steps_not_no_leak(tmp_path):

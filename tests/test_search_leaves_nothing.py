@@ -3,7 +3,7 @@
 Each check runs with the garbage collector switched off (switched on again in ``finally``), so a
 tensor kept only by a reference cycle still counts: what the process would hold until the collector
 next runs (for a large model, a copy of its weights). The counts are the process's own
-(``tests/live_tensors.py``), never memkit's accountant, except where the tracker's readings are what
+(``tests/helpers/live_tensors.py``), never memkit's accountant, except where the tracker's readings are what
 is compared.
 """
 
@@ -18,7 +18,7 @@ from lightning_memkit import MemoryTracker, compare_modes
 from lightning_memkit.callbacks.max_batch_size import MaxBatchSize, find_max_batch_size
 from lightning_memkit.estimate import estimate_memory, measure_training_step
 from lightning_memkit.zoo import DemoMLP, SyntheticDataModule
-from live_tensors import describe, live_tensor_bytes, live_tensors
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors
 
 FEATURES = 64
 SIZE = 16

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from conftest import LinearStack, make_trainer
 from lightning_memkit import MemoryTracker
 from lightning_memkit.records import read_records
 from lightning_memkit.summary_table import format_summary
@@ -28,6 +27,8 @@ from lightning_memkit.tensorboard.rules import check_dashboard
 from lightning_memkit.tensorboard.server import TensorBoardServer
 from lightning_memkit.tensorboard.tags import DASHBOARD_TAG_PART
 from lightning_memkit.units import MiB
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

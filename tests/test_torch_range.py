@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from lightning_memkit._torch_range import MINIMUM_TORCH, SUPPORTED_RANGE, check_torch_version
+from tests.helpers.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(REPO_ROOT)
 BELOW = f"{MINIMUM_TORCH[0]}.{MINIMUM_TORCH[1] - 1}.0+cu128" if MINIMUM_TORCH[1] else f"{MINIMUM_TORCH[0] - 1}.9.0"
 LOWEST = f"{MINIMUM_TORCH[0]}.{MINIMUM_TORCH[1]}.0"
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_memkit.trace.trace_records import CSV_COLUMNS, TRACE_FORMAT, LayerTraceResult, TraceEvent, read_trace
 from lightning_memkit.trace.tracer import LayerTracer, trace_step
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
 
 F32, I64, BF16 = 4, 8, 2
 B, C1, C2, H = 4, 8, 16, 16  # batch, channels, image side

@@ -17,11 +17,14 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from conftest import FLOAT32, LinearStack, make_trainer, read_scalars
 from lightning_memkit import LayerTrace, MemoryTracker
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
 from lightning_memkit.trace.trace_records import TRACE_FORMAT, read_trace
-from live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.event_files import read_scalars
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.models import FLOAT32, LinearStack
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.trainers import make_trainer
 
 MiB = 2**20
 
@@ -496,8 +499,8 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
         textwrap.dedent(
             f"""
         import sys
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-        from conftest import LinearStack
+        sys.path.insert(0, {REPO_ROOT!r})
+        from tests.helpers.models import LinearStack
 
         class StopsEarly(LinearStack):
             def on_train_batch_end(self, outputs, batch, batch_idx):

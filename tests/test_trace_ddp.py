@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
 
-from conftest import run_script
 from lightning_memkit.trace.trace_records import read_trace
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 
 EXTRA_ELEMENTS = 2**20  # rank r allocates (r + 1) * 4 MiB more inside its training step
 
@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent(
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    sys.path.insert(0, {tests!r})
-    from conftest import LinearStack
+    sys.path.insert(0, {root!r})
+    from tests.helpers.models import LinearStack
     from lightning_memkit import LayerTrace
 
     class RankDependent(LinearStack):
@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_ddp_each_rank_traces_its_own_step(tmp_path):
     script = tmp_path / "ddp_trace.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
+    script.write_text(SCRIPT.format(root=REPO_ROOT, extra=EXTRA_ELEMENTS))
     output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path))
     # the printed summary and the unreached-step warning come from global rank zero only
     assert output.count("memkit LayerTrace: step 1 on cpu") == 1, output[-3000:]

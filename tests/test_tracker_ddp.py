@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 
 import pytest
 
-from conftest import read_scalars, run_script
 from lightning_memkit.units import MiB
+from tests.helpers.event_files import read_scalars
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 
 EXTRA_ELEMENTS = 2**20  # rank r holds (r + 1) * 4 MiB more than the model needs in its forward
 
@@ -20,8 +21,8 @@ SCRIPT = textwrap.dedent(
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    sys.path.insert(0, {tests!r})
-    from conftest import LinearStack
+    sys.path.insert(0, {root!r})
+    from tests.helpers.models import LinearStack
     from lightning_memkit import MemoryTracker
 
     class RankDependent(LinearStack):
@@ -90,7 +91,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     script = tmp_path / "ddp_run.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), extra=EXTRA_ELEMENTS))
+    script.write_text(SCRIPT.format(root=REPO_ROOT, extra=EXTRA_ELEMENTS))
     run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)  # kills the process group on timeout
 
     ranks = []

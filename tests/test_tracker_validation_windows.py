@@ -8,8 +8,9 @@ import os
 
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import LinearStack, make_trainer
 from lightning_memkit import MemoryTracker
+from tests.helpers.models import LinearStack
+from tests.helpers.trainers import make_trainer
 
 MiB = 2**20
 

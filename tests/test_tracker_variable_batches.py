@@ -17,11 +17,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-from conftest import make_trainer, read_scalars
 from lightning_memkit import MemoryTracker
 from lightning_memkit.units import MiB
 from lightning_memkit.zoo_variable import PaddedTextClassifier
-from live_tensors import live_tensors
+from tests.helpers.event_files import read_scalars
+from tests.helpers.live_tensors import live_tensors
+from tests.helpers.trainers import make_trainer
 
 #: the every-n rule of ``MemoryTracker()`` (tensor_peak_every_n_steps=10) with log_every_n_steps=1, for 30 steps:
 #: the first two steps, then the logged step ten after the last scheduled one (a batch-peaked step does not count)

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.compile import from_compiled
 
 from lightning_memkit.plan import trials
 from lightning_memkit.plan.space import Candidate
-from live_tensors import live_tensors, storage_bytes
+from tests.helpers.live_tensors import live_tensors, storage_bytes
 
 GiB = 1 << 30
 FEATURES, OUTPUTS, ROWS = 64, 32, 4

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import run_script
+from tests.helpers.processes import run_script
 
 pytestmark = pytest.mark.cuda
 

@@ -1,7 +1,7 @@
-"""torchvision and timm models: the CPU estimate against the real step's absolute peak (tests/dispatch_counter.py),
-in 32-true and bf16-mixed. torchvision does not import beside the CPU torch 2.13 wheel of the main environment:
-these tests run where it does (the torch 2.14 environment of the torch-versions matrix) and are skipped, saying
-why, elsewhere."""
+"""torchvision and timm models: the CPU estimate against the real step's absolute peak
+(tests/helpers/dispatch_counter.py), in 32-true and bf16-mixed. torchvision does not import beside the CPU torch 2.13
+wheel of the main environment: these tests run where it does (the torch 2.14 environment of the torch-versions matrix)
+and are skipped, saying why, elsewhere."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dispatch_counter import StorageCounter
 from lightning_memkit import estimate_memory
+from tests.helpers.dispatch_counter import StorageCounter
 
 try:
     import timm

@@ -19,7 +19,7 @@ from lightning_memkit.zoo_variable import (
     VaryingImageDataModule,
     pad_collate,
 )
-from tests.independent_count import PeakCounter, _key
+from tests.helpers.independent_count import PeakCounter, _key
 
 
 class PaddedText(PaddedTextClassifier):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import run_script
 from lightning_memkit.estimate.data import sample_sizes
 from lightning_memkit.estimate.data.sample_sizes import SAMPLED_COUNT, sized_indices
 from lightning_memkit.estimate.data.worst_batch import BatchSource, agreed_worst_batch, find_worst_batch
+from tests.helpers.processes import run_script
 
 PROBED = 32  # samples loaded to project the sizing time
 BATCH = 8

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-TRUTH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpu_truth")
+from tests.helpers.paths import DATA_DIR
+
+TRUTH_DIR = os.path.join(DATA_DIR, "gpu_truth")
 #: Lightning precision -> memkit mode
 MODES = {"32-true": None, "16-mixed": "fp16", "bf16-mixed": "bf16"}
 

@@ -3,7 +3,7 @@
 
 Built on the meta device (``with torch.device("meta"):``, as ``memkit estimate --meta-init`` builds it), a 70B
 model costs no memory to hold; the estimate needs only shapes. ``memkit estimate
-tests/llama_shapes.py:LlamaFineTune --init-args '{"shape": "7b"}' --meta-init`` estimates it from the shell.
+tests/helpers/llama_shapes.py:LlamaFineTune --init-args '{"shape": "7b"}' --meta-init`` estimates it from the shell.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ accountant (it shares no code with lightning_memkit) that sees every CPU storage
 
 Usage in a test::
 
-    from dispatch_counter import StorageCounter
+    from tests.helpers.dispatch_counter import StorageCounter
     counter = StorageCounter(existing=[*model.parameters(), *model.buffers(), *batch])
     with counter:
         ...                              # the real steps

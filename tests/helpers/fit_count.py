@@ -1,9 +1,9 @@
-"""The tensor peak of a real Lightning fit, counted by tests/dispatch_counter.py (no code shared with memkit): what the
-estimate of the same step must equal.
+"""The tensor peak of a real Lightning fit, counted by tests/helpers/dispatch_counter.py (no code shared with memkit):
+what the estimate of the same step must equal.
 
 Usage in a test::
 
-    from fit_count import closure_bytes, fit_peak_bytes
+    from tests.helpers.fit_count import closure_bytes, fit_peak_bytes
     estimate = estimate_memory(make(), batch=batch, mode="bf16-true", device="cpu")
     expected = estimate.peak_bytes + closure_bytes(estimate.peak_phase, loss_bytes=2)
     assert fit_peak_bytes(make(), batch, "bf16-true") == expected
@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils._pytree import tree_flatten
 
-from dispatch_counter import StorageCounter
+from tests.helpers.dispatch_counter import StorageCounter
 
 __all__ = ["fit_peak_bytes", "closure_bytes"]
 

@@ -3,7 +3,7 @@ nothing behind (it never asks memkit's own accountant, which sees only what it w
 
 Usage in a test::
 
-    from live_tensors import live_tensor_bytes, tensors_with_grad_fn
+    from tests.helpers.live_tensors import live_tensor_bytes, tensors_with_grad_fn
     before = live_tensor_bytes()
     ...                                   # run the feature
     assert tensors_with_grad_fn() == []   # no autograd graph survives
