@@ -64,7 +64,7 @@ def test_the_walk_finds_every_known_error_class():
     new = sorted(set(found) - set(BUILTIN_BASES))
     assert not new, (
         f"new exception classes {new}: subclass MemkitError (from lightning_memkit.errors) and the "
-        f"builtin they extend, and add them to BUILTIN_BASES in tests/test_errors.py"
+        f"builtin they extend, and add them to BUILTIN_BASES in tests/core/test_errors.py"
     )
 
 
