@@ -3,7 +3,7 @@
 Each example runs as its own process (``python examples/X.py [quick options]`` with the working
 directory a fresh ``tmp_path``, so nothing is written into the repository), and its printed figures
 are read back and checked against what can be computed: bytes by hand, files it wrote, the search's
-own trials. ``examples/doctor.py`` is run by tests/test_doctor.py.
+own trials. ``examples/doctor.py`` is run by tests/doctor/test_doctor.py.
 
 Starting Python, torch and Lightning costs each process several seconds of CPU (about 6 s on a loaded
 2-core host: more than most examples' own work), so the processes are forked from one warm

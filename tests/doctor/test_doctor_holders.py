@@ -388,7 +388,7 @@ def test_the_doctor_leaves_nothing_behind_after_naming_holders(tmp_path):
 
 def test_memkit_doctor_prints_one_progress_line_per_window_unless_told_not_to(tmp_path, capsys):
     from lightning_memkit.cli import main
-    from tests.test_doctor import LEAKY_FILE
+    from tests.doctor.test_doctor import LEAKY_FILE
 
     path = tmp_path / "leaky.py"
     path.write_text(LEAKY_FILE)
