@@ -135,7 +135,7 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys, torch, lightning.pytorch as pl
     sys.path.insert(0, {root!r})
-    from tests.test_checkpointing_callback import DropoutBatchNormNet
+    from tests.modes.test_checkpointing_callback import DropoutBatchNormNet
     from lightning_memkit import ActivationCheckpointing
 
     class Check(pl.Callback):
