@@ -2,7 +2,7 @@
 device-side twin of a CPU test that checks its logic:
 
 - AutoFit on ``trainer.fit(torch.compile(model))`` fails if a trial's copy calls the original's compiled methods
-  (the original waits in host memory: a device mismatch). CPU: tests/test_compiled_copies.py.
+  (the original waits in host memory: a device mismatch). CPU: tests/compiled/test_compiled_copies.py.
 - A search of a compiled model (static shapes, recompile limit 2) fails if dynamo's caches are kept across trials
   (later trials and the fit run uncompiled). CPU: tests/test_search_compiled.py.
 - fp16 search trials fail if a trial "fits" on steps the GradScaler skipped, or starts from the last trial's scale.

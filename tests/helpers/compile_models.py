@@ -1,4 +1,4 @@
-"""Compiled models for tests/test_compile.py: a Hugging Face GPT-2 (small config, no download) and a
+"""Compiled models for tests/compiled/test_compile.py: a Hugging Face GPT-2 (small config, no download) and a
 BatchNorm CNN, each a LightningModule whose inner model is ``torch.compile``d (``backend="aot_eager"`` by
 default: AOT autograd's joint graph and partitioner as inductor gets them, without C++ compilation, so fast on CPU)."""
 
