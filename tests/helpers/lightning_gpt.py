@@ -2,7 +2,7 @@
 AdamW with a warm-up + cosine schedule sized from ``self.trainer.estimated_stepping_batches``, and a
 LightningDataModule that keeps ``batch_size`` in its hparams and makes its datasets in ``setup()``.
 
-The estimate, ``memkit estimate --datamodule`` and MaxBatchSize are tested on it (tests/test_estimate.py).
+The estimate, ``memkit estimate --datamodule`` and MaxBatchSize are tested on it (tests/estimate/test_estimate.py).
 """
 
 from __future__ import annotations

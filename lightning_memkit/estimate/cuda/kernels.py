@@ -90,7 +90,7 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         ),
         fake_cpu_allocates="the CPU kernels (CPU flash attention without dropout; with dropout a float mask)",
         evidence=(
-            "not in the traces: tests/test_estimate_unseen.py pins it against torch's "
+            "not in the traces: tests/estimate/test_estimate_unseen.py pins it against torch's "
             "_scaled_dot_product_attention_math"
         ),
     ),
@@ -133,7 +133,7 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
             "paddings cast to fp32)"
         ),
         evidence=(
-            "not in the traces (no such op in their models): tests/test_estimate_unseen.py checks torch's own "
+            "not in the traces (no such op in their models): tests/estimate/test_estimate_unseen.py checks torch's own "
             "CUDA autocast test lists (torch/testing/_internal/autocast_test_lists.py)"
         ),
     ),
