@@ -12,7 +12,7 @@ device-side twin of a CPU test that checks its logic:
 - The user's CUDA seed fails if memkit's seeding replaces the seed queued before CUDA started.
   CPU: tests/test_random_state.py.
 - ``masked_select``'s positions fail if CUDA makes no ``(N, ndim)`` index temporary beside its output, as the CUDA
-  target's estimate counts. CPU: tests/test_data_dependent_ops.py.
+  target's estimate counts. CPU: tests/estimate/fake/test_data_dependent_ops.py.
 
 The allocator cap's twin is in tests/test_allocator_cap.py.
 """
