@@ -7,7 +7,7 @@
 
 Cases: BERT-base (tests/data/gpu_truth's BertLike: 12 layers, d 768, seq 512, AdamW) at batch 32 in
 32-true and bf16-mixed, and ResNet-18's layout (ResNetish, 224 px) at batch 128, each estimated for
-an H100 (``device="cuda", gpu="h100"``) as tests/test_gpu_truth.py does.
+an H100 (``device="cuda", gpu="h100"``) as tests/estimate/cuda/test_gpu_truth.py does.
 
 Each measurement is a fresh Python process (torch's fake-tensor cache is per process), the model
 built before the clock starts; it times the first estimate of the process ("cold": what
