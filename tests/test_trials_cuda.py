@@ -10,7 +10,7 @@ device-side twin of a CPU test that checks its logic:
 - A failed trial of a CUDA-graph model fails if its pools, cached blocks or frames hold device memory after it.
   CPU: tests/test_trial_clean_up.py.
 - The user's CUDA seed fails if memkit's seeding replaces the seed queued before CUDA started.
-  CPU: tests/test_random_state.py.
+  CPU: tests/estimate/data/test_random_state.py.
 - ``masked_select``'s positions fail if CUDA makes no ``(N, ndim)`` index temporary beside its output, as the CUDA
   target's estimate counts. CPU: tests/estimate/fake/test_data_dependent_ops.py.
 

@@ -187,7 +187,14 @@ def test_max_batch_size_trials_train_on_the_samplers_largest_batch_at_their_size
 def test_memkit_estimate_names_the_batch_at_the_batch_size_asked(capsys):
     from lightning_memkit.cli import main
 
-    args = ["estimate", "tests/test_worst_batch_samplers.py:_Classifier", "--device", "cpu", "--device-memory", "1GiB"]
+    args = [
+        "estimate",
+        "tests/estimate/data/test_worst_batch_samplers.py:_Classifier",
+        "--device",
+        "cpu",
+        "--device-memory",
+        "1GiB",
+    ]
     assert main([*args, "--init-args", '{"batch_size": 32, "reshuffled": true}', "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "the 8 largest samples together, an upper bound for any batch of 8" in out, out
