@@ -4,9 +4,9 @@ device-side twin of a CPU test that checks its logic:
 - AutoFit on ``trainer.fit(torch.compile(model))`` fails if a trial's copy calls the original's compiled methods
   (the original waits in host memory: a device mismatch). CPU: tests/compiled/test_compiled_copies.py.
 - A search of a compiled model (static shapes, recompile limit 2) fails if dynamo's caches are kept across trials
-  (later trials and the fit run uncompiled). CPU: tests/test_search_compiled.py.
+  (later trials and the fit run uncompiled). CPU: tests/search/test_search_compiled.py.
 - fp16 search trials fail if a trial "fits" on steps the GradScaler skipped, or starts from the last trial's scale.
-  CPU: tests/test_search_fp16.py.
+  CPU: tests/search/test_search_fp16.py.
 - A failed trial of a CUDA-graph model fails if its pools, cached blocks or frames hold device memory after it.
   CPU: tests/test_trial_clean_up.py.
 - The user's CUDA seed fails if memkit's seeding replaces the seed queued before CUDA started.
