@@ -8,13 +8,13 @@ device-side twin of a CPU test that checks its logic:
 - fp16 search trials fail if a trial "fits" on steps the GradScaler skipped, or starts from the last trial's scale.
   CPU: tests/search/test_search_fp16.py.
 - A failed trial of a CUDA-graph model fails if its pools, cached blocks or frames hold device memory after it.
-  CPU: tests/test_trial_clean_up.py.
+  CPU: tests/plan/test_trial_clean_up.py.
 - The user's CUDA seed fails if memkit's seeding replaces the seed queued before CUDA started.
   CPU: tests/estimate/data/test_random_state.py.
 - ``masked_select``'s positions fail if CUDA makes no ``(N, ndim)`` index temporary beside its output, as the CUDA
   target's estimate counts. CPU: tests/estimate/fake/test_data_dependent_ops.py.
 
-The allocator cap's twin is in tests/test_allocator_cap.py.
+The allocator cap's twin is in tests/plan/test_allocator_cap.py.
 """
 
 from __future__ import annotations
