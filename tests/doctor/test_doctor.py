@@ -299,7 +299,7 @@ ROBUST = ["DictBatch", "GAN", "accumulation", "lstm", "gru", "WithValidation", "
 
 @pytest.mark.parametrize("name", ROBUST)
 def test_no_false_alarm_on_robustness_modules_over_20_steps(name, tmp_path):
-    from tests import test_robustness as r
+    from tests.callbacks import test_robustness as r
 
     overrides = {}
     if name == "accumulation":

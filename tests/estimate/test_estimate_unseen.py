@@ -392,7 +392,7 @@ class ManualTwoOptimizers(pl.LightningModule):
 
 
 def _gan():
-    from tests.test_robustness import GAN
+    from tests.callbacks.test_robustness import GAN
 
     return GAN()
 
@@ -635,7 +635,7 @@ def test_the_estimate_equals_a_real_lightning_step(tmp_path, factory, steps, cli
 
 def test_max_batch_size_searches_a_manually_optimized_module_with_the_estimate(tmp_path):
     from lightning_memkit import MaxBatchSize
-    from tests.test_robustness import GAN
+    from tests.callbacks.test_robustness import GAN
 
     def search(use_estimate):
         finder = MaxBatchSize(budget=400_000, max_val=1024, use_estimate=use_estimate, verbose=False)

@@ -713,7 +713,7 @@ def test_estimate_of_an_lstm_on_cpu_says_it_misses_the_onednn_workspace():
 
 def test_cli_estimate_prints_the_estimates_notes(tmp_path, capsys):
     path = tmp_path / "rnn.py"
-    path.write_text("from tests.test_robustness import Recurrent\n")
+    path.write_text("from tests.callbacks.test_robustness import Recurrent\n")
     assert (
         main(
             ["estimate", f"{path}:Recurrent", "--device", "cpu", "--device-memory", "1GiB", "--modes", "baseline,bf16"]
