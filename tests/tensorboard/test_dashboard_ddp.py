@@ -59,7 +59,7 @@ def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     per_rank = layout["memkit: per rank (DDP)"]
 
     # a chart whose values TensorBoard's three-digit axis could not label draws them above a base its title names
-    # (tests/test_dashboard_rules.py checks those lines): here, as logged
+    # (tests/tensorboard/test_dashboard_rules.py checks those lines): here, as logged
     def logged(t: str) -> str:
         return re.sub(r"_(B|KiB|MiB|GiB)(_above_[0-9.]+_(B|KiB|MiB|GiB))?$", "_MiB", t.replace("/dashboard/", "/"))
 
