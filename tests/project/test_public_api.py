@@ -261,7 +261,7 @@ def test_every_example_is_run_by_a_test():
 
 def test_every_public_name_is_used_by_an_example_that_a_test_runs():
     sources = {name: _read(os.path.join(ROOT, "examples", name)) for name in _examples_run_by_tests()}
-    # the README's example with every callback, which tests/test_readme.py runs as written
+    # the README's example with every callback, which tests/project/test_readme.py runs as written
     blocks = re.findall(r"```python\n(.*?)```", _read(os.path.join(ROOT, "README.md")), flags=re.S)
     sources["README.md"] = next(block for block in blocks if "MaxBatchSize(" in block)
     used = {source: _identifiers(text) for source, text in sources.items()}
