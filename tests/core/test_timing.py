@@ -1,5 +1,5 @@
 """lightning_memkit.timing on CPU: StepTimer's windows with an injected host clock (exact), its misuse
-errors, the spread and the within-noise rule. The CUDA-event path is in tests/test_cuda.py."""
+errors, the spread and the within-noise rule. The CUDA-event path is in tests/gpu/test_cuda.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
 - an offload trial that the host cannot pin is refused; the caching host allocator's release is torch's own;
 - a compiled module's trials each compile at their own micro-batch (dynamo reset around each).
 
-Each has a twin in the GPU lane (tests/test_cuda.py) that checks it on a real device.
+Each has a twin in the GPU lane (tests/gpu/test_cuda.py) that checks it on a real device.
 """
 
 from __future__ import annotations

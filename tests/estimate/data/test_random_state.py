@@ -2,7 +2,7 @@
 CUDA starts, ``torch.manual_seed`` does not seed the CUDA generators: it queues their seed for CUDA's start, and
 memkit's own seeding must not replace the seed the user queued (their run's CUDA stream would change). Read through
 lightning_memkit/estimate/_torch_compat.py (``torch.cuda``'s queue of lazy seeds), pinned here; the GPU lane checks
-the CUDA stream itself (tests/test_trials_cuda.py)."""
+the CUDA stream itself (tests/gpu/test_trials_cuda.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ checks they assert with (tests/helpers/gpu_checks.py) share nothing with the cod
 allocator's own events, never its peak counter; waits for the device caught where they happen, explicit ones included;
 pinned blocks by address, asked of the driver; a step's time against a host clock around the same step of the same run.
 Each check also runs on a CPU stand-in in the main lane, once as it is and once with the code it guards broken on
-purpose (tests/test_gpu_lane_checks.py), so it is seen to fail for the breakage it names.
+purpose (tests/gpu/test_gpu_lane_checks.py), so it is seen to fail for the breakage it names.
 """
 
 from __future__ import annotations
