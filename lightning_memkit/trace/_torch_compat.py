@@ -1,6 +1,6 @@
 """The private torch autograd internals the layer tracer reads, wrapped in one place.
 
-Pinned by tests/test_trace_compat.py: if a torch release moves one, that test says which.
+Pinned by tests/trace/test_trace_callback.py: if a torch release moves one, that test says which.
 """
 
 from __future__ import annotations

@@ -217,9 +217,8 @@ def test_every_documented_tag_at_every_step_train_and_val(tmp_path):
     # ... and the dashboard's rebased copies of them (docs/dashboard.md: lines drawn above a base the
     # chart's title names, written at fit end where TensorBoard's tick labels would repeat)
     rebased = {t for t in scalars if t.startswith("memory/dashboard/")}
-    for tag in rebased - {
-        t for t in rebased if is_frame_tag(t)
-    }:  # frame lines: tests/tensorboard/test_dashboard_rules.py
+    # frame lines: tests/tensorboard/test_dashboard_rules.py
+    for tag in rebased - {t for t in rebased if is_frame_tag(t)}:
         source = re.fullmatch(
             r"memory/dashboard/(.+?)_(B|KiB|MiB|GiB)(_above_[0-9.]+_\2)?", tag
         )  # GiB alone: values of 1,000 MiB and more

@@ -726,7 +726,8 @@ def test_cli_estimate_prints_the_estimates_notes(tmp_path, capsys):
 
 
 def test_estimate_manual_optimization_says_what_to_do():
-    # the GAN's own training_step is estimated (tests/estimate/test_estimate_unseen.py); a loss_fn= it would ignore is refused
+    # the GAN's own training_step is estimated (tests/estimate/test_estimate_unseen.py); a loss_fn= it would ignore is
+    # refused
     with pytest.raises(Exception, match="manual optimization.*loss_fn="):
         estimate_memory(GAN(), 4, device="cpu", loss_fn=lambda module, batch: module.generator(batch[0]).sum())
 

@@ -1,6 +1,6 @@
-"""The checks the GPU lane (tests/gpu/test_cuda.py) asserts with, written so that each also runs on a CPU: the main lane's
-tests/gpu/test_gpu_lane_checks.py runs them on CPU stand-ins as they are, and again with the code they guard broken on
-purpose, so each check is seen to fail for the breakage it names (docs/gpu_tests.md has the table).
+"""The checks the GPU lane (tests/gpu/test_cuda.py) asserts with, written so that each also runs on a CPU: the main
+lane's tests/gpu/test_gpu_lane_checks.py runs them on CPU stand-ins as they are, and again with the code they guard
+broken on purpose, so each check is seen to fail for the breakage it names (docs/gpu_tests.md has the table).
 
 - :class:`AllocatorStepPeaks`: each training step's peak from the allocator's own events, never from its peak counter
   (which MemoryTracker resets every step).

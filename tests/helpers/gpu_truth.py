@@ -1,6 +1,7 @@
 """Helpers for the recorded H100 truth in tests/data/gpu_truth (real CUDA peaks and allocator traces).
 
-Shared by tests/estimate/cuda/test_allocator_replay.py, tests/estimate/cuda/test_gpu_truth.py and benchmarks/gpu_truth.py.
+Shared by tests/estimate/cuda/test_allocator_replay.py, tests/estimate/cuda/test_gpu_truth.py and
+benchmarks/gpu_truth.py.
 """
 
 from __future__ import annotations

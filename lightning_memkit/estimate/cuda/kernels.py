@@ -5,8 +5,8 @@ tensors). Where a CUDA kernel allocates differently from the CPU (or fake) one, 
 allocate what the CUDA kernel does: the calls are rewritten (estimate/cuda/functions.py, with
 estimate/cuda/attention.py and estimate/cuda/autocast.py) and the libraries' workspaces allocated
 (estimate/cuda/workspaces.py) for the GPU of estimate/cuda/gpu_target.py. Every such choice is one row of
-:data:`KERNEL_TABLE`, and each row is pinned by tests/estimate/cuda/test_gpu_truth.py against allocator traces recorded on
-an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
+:data:`KERNEL_TABLE`, and each row is pinned by tests/estimate/cuda/test_gpu_truth.py against allocator traces recorded
+on an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
 """
 
 from __future__ import annotations
