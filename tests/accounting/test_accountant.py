@@ -412,7 +412,7 @@ def test_fsdp2_reading_equals_an_independent_gc_count(tmp_path):
 
 def test_an_accountant_exited_below_another_mode_leaves_that_mode_active():
     # TorchDispatchMode.__exit__ pops the top of the stack: MemoryTracker pausing its accountant between two
-    # micro-batches while LayerTrace's accountant sat above it used to pop LayerTrace's instead of its own.
+    # micro-batches while LayerTrace's accountant sits above it must not pop LayerTrace's instead of its own.
     from lightning_memkit.accounting._torch_compat import dispatch_mode_stack
 
     below, above = TensorAccountant(), TensorAccountant()

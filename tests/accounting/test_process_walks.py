@@ -1,9 +1,9 @@
 """ProcessTensors' graph walks: each autograd graph walked once, what it holds still counted exactly.
 
-What made MemoryTracker() cheap on a compiled model (issue 21): a sweep walks only the graphs made since the
+What keeps MemoryTracker() cheap on a compiled model: a sweep walks only the graphs made since the
 last one (dynamo keeps FakeTensors with a ``grad_fn`` alive as long as its compiled code: walking them at every
-sweep cost ~30 ms a step), and a tensor seen twice is never compared with itself (a WeakSet did that with
-``==``: an elementwise op, through FakeTensor dispatch). Pinned here by counts, never by time.
+sweep would cost ~30 ms a step), and a tensor seen twice is never compared with itself (a WeakSet would do
+that with ``==``: an elementwise op, through FakeTensor dispatch). Pinned here by counts, never by time.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """memkit's callbacks, dashboard and CLI on Trainer set-ups and modules the other tests do not use.
 
-Each test holds one cause that a probe found (logger-less and ``fast_dev_run`` runs, a step that
+Each test holds one such case (logger-less and ``fast_dev_run`` runs, a step that
 raises, a step that runs no forward, a model that checkpoints itself, more than three DDP ranks,
 charts of 1,000 MiB and more, a wrong path to ``memkit report``), on real Trainer runs where a
 Trainer is involved, read back as a user would (files, CSV, tensorboard's reader, the CLI).
@@ -246,8 +246,8 @@ def _rank_runs(world_size: int, steps: int = 20) -> dict[str, list[tuple[int, fl
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8, 13])
 def test_per_rank_charts_draw_at_most_three_lines_for_any_number_of_ranks(world_size):
-    """One chart per quantity with a line per rank broke the 3-lines rule from 4 ranks on. Each rank's
-    line is now in exactly one chart per quantity, and every chart keeps the dashboard's rules."""
+    """One chart per quantity with a line per rank would break the 3-lines rule from 4 ranks on: each rank's
+    line is in exactly one chart per quantity, and every chart keeps the dashboard's rules."""
     scalars = _rank_runs(world_size)
     steps = {tag: len(points) for tag, points in scalars.items()}
     layout = layout_from_tags(steps)

@@ -430,8 +430,8 @@ def test_standalone_validate_and_test_with_every_callback_attached(tmp_path):
 
 
 def test_two_memory_trackers_with_different_prefixes_both_read_every_step(tmp_path, rerun_in_own_process):
-    # After the rest of the suite the two nested accountants' step-0 peaks differ by 3,336 B (an open defect, noted on
-    # issue 19 with the flaky DDP test); the claim is checked in a fresh process until it is found.
+    # After the rest of the suite the two nested accountants' step-0 peaks differ by 3,336 B (an open defect, not
+    # explained yet); the claim is checked in a fresh process.
     if rerun_in_own_process():
         return
     first = MemoryTracker(verbose=False)

@@ -285,7 +285,7 @@ def test_tracker_layer_trace_and_doctor_together_keep_every_step_compiled_and_ch
 ):
     # a user's fit, from a fresh process: on torch 2.14.1, after this file's other compiled fits (the doctor's leaking
     # models among them) in the same process, two of this fit's four steps ran no compiled graph; alone, and on 2.13,
-    # every step runs compiled (not yet explained: CHANGELOG, issue 37)
+    # every step runs compiled (not explained yet)
     if rerun_in_own_process():
         return
     from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker

@@ -1,11 +1,11 @@
-"""ActivationCheckpointing on a Hugging Face GPT-2 whose inner model is ``torch.compile``d in the LightningModule
-(issue 36), and the rule behind the fix: a checkpointed block runs without its key/value cache.
+"""ActivationCheckpointing on a Hugging Face GPT-2 whose inner model is ``torch.compile``d in the LightningModule,
+and the rule that makes it work: a checkpointed block runs without its key/value cache.
 
-GPT-2's config has ``use_cache=True``, so in training too its blocks append each forward's keys to a cache. A
-checkpointed block's recompute appended them again: the recomputed attention saw ``2 * T`` keys. Eager with no
-mask, sdpa's causal path took that; with a ``(B, 1, T, T)`` mask (a padded batch, or any mask under dynamo, where
-transformers cannot read that an all-ones mask is all ones) it crashed: "The size of tensor a (128) must match
-the size of tensor b (64) at non-singleton dimension 3". Models from configs, no download; ``backend="aot_eager"``
+GPT-2's config has ``use_cache=True``, so in training too its blocks append each forward's keys to a cache. With the
+cache on, a checkpointed block's recompute would append them again: the recomputed attention would see ``2 * T`` keys.
+Eager with no mask, sdpa's causal path takes that; with a ``(B, 1, T, T)`` mask (a padded batch, or any mask under
+dynamo, where transformers cannot read that an all-ones mask is all ones) it crashes: "The size of tensor a (128) must
+match the size of tensor b (64) at non-singleton dimension 3". Models from configs, no download; ``backend="aot_eager"``
 (AOT autograd's joint graph and partitioner, without C++ compilation) through a counting backend.
 """
 

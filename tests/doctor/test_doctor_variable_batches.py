@@ -1,5 +1,5 @@
-"""The memory doctor on batches that change size (issue 35): text padded per batch, lengths 16 to 256, with a
-planted leak (each step's loss and logits appended to a list on the module). Real Trainer fits on CPU, exact bytes.
+"""The memory doctor on batches that change size: text padded per batch, lengths 16 to 256, with a planted
+leak (each step's loss and logits appended to a list on the module). Real Trainer fits on CPU, exact bytes.
 
 The logits are ``(batch, classes)`` whatever the padded length, so the leak keeps the same bytes every step:
 ``8 * 4 * 4 + 4 = 132`` B for batches of 8, 4 classes, float32 and a 0-dim loss. The batch in flight (and,
@@ -53,7 +53,7 @@ LEAKY_TEXT = textwrap.dedent(
 
 
     class LeakyPaddedText(PaddedTextClassifier):
-        """PaddedTextClassifier's step, and the user study's bug: the loss and the logits kept every step."""
+        """PaddedTextClassifier's step, and the planted leak: the loss and the logits kept every step."""
 
         def __init__(self, batch_size: int = 8, iterable: bool = False):
             super().__init__(batch_size=batch_size, train_size=256)

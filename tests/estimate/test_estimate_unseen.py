@@ -1,6 +1,6 @@
 """The estimate on models and set-ups its other tests do not use: a GPT-style LM with grouped-query causal
 attention, an encoder with a padding mask, torchmetrics inside ``training_step``, optimizers that read their
-scalars. Each test failed before the fix it pins (the commit that added it says which).
+scalars. Each test pins one thing such a model does that the estimate must follow.
 
 The CUDA kernel choices are checked against torch's own rules (sdp_utils.cpp's ``select_sdp_backend``) and
 the math fallback against torch's own composite ``_scaled_dot_product_attention_math`` run on real tensors.

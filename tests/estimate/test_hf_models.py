@@ -130,7 +130,7 @@ def test_estimate_with_the_loaders_attention_mask_equals_the_real_step(kind, mod
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_checkpoint_mode_on_hf_decoders_equals_the_real_checkpointed_step(kind):
-    # failed with "Attempting to broadcast a dimension of length 64" while the fake step built a (B, 1, L, L) mask
+    # a fake step that built a (B, 1, L, L) mask would fail: "Attempting to broadcast a dimension of length 64"
     module = HFModule(kind)
     estimate = estimate_memory(module, BATCH, mode="checkpoint", device="cpu")
     assert abs(estimate.peak_bytes - counted_real_peak(module, "checkpoint")) <= 64

@@ -21,7 +21,7 @@ try:
 except Exception as error:  # noqa: BLE001 - an ImportError, or torchvision's operator registration failing
     pytest.skip(
         f"torchvision/timm do not import here ({type(error).__name__}: {error}); run under the torch 2.14 "
-        "environment (see the torch-versions issue)",
+        "environment (docs/versions.md)",
         allow_module_level=True,
     )
 

@@ -1,5 +1,5 @@
-"""The trials and searches of issue 43's fixes on a GPU (the ``cuda`` lane: skipped where no CUDA device is), each the
-device-side twin of a CPU test that checks its logic:
+"""The trials and searches on a GPU (the ``cuda`` lane: skipped where no CUDA device is), each the device-side twin
+of a CPU test that checks its logic:
 
 - AutoFit on ``trainer.fit(torch.compile(model))`` fails if a trial's copy calls the original's compiled methods
   (the original waits in host memory: a device mismatch). CPU: tests/compiled/test_compiled_copies.py.

@@ -418,7 +418,7 @@ class TinyGPT(nn.Module):
 
 
 def test_a_class_policy_with_a_budget_chooses_only_among_its_matches():
-    """ActivationCheckpointing({MLP}, budget=0.5) used to drop {MLP} silently and checkpoint whole blocks."""
+    """A budget within a class policy ({MLP}) chooses among the MLP blocks only, never whole blocks."""
     torch.manual_seed(0)
     model = TinyGPT()
     base = copy.deepcopy(model)

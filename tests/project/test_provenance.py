@@ -1,5 +1,5 @@
-"""GPU results carry their provenance (issue 36, item 9): benchmarks/provenance.py names the commit, whether the tree
-had changes not committed, torch, CUDA and the device, and every benchmark script that writes GPU results uses it."""
+"""GPU results carry their provenance: benchmarks/provenance.py names the commit, whether the tree had changes not
+committed, torch, CUDA and the device, and every benchmark script that writes GPU results uses it."""
 
 from __future__ import annotations
 

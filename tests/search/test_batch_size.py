@@ -534,7 +534,7 @@ class _ToggledGAN(pl.LightningModule):
 @pytest.mark.parametrize("use_estimate", [True, False], ids=["estimate", "trials-only"])
 def test_a_trial_out_of_memory_between_toggle_and_untoggle_leaves_every_parameter_trainable(use_estimate, tmp_path):
     # a trial stopped mid-step by the budget never reaches untoggle_optimizer: the parameters it froze must be
-    # trainable again for the next trial and for training (before: 'element 0 ... does not require grad')
+    # trainable again for the next trial and for training (else: 'element 0 ... does not require grad')
     torch.manual_seed(0)
     module = _ToggledGAN()
     flags = {name: p.requires_grad for name, p in module.named_parameters()}

@@ -158,8 +158,8 @@ def test_the_h100_runs_old_layout_breaks_the_rules():
 
 
 # Host RSS of a long-lived process: flat within a MiB of hundreds of MiB, its step peak equal to its step end (nothing
-# grew inside the steps). Both broke the tick rule before: 0.9 MiB above its base is 921.6 KiB, and an axis up to
-# 1,000 KiB labels its top "1e+3"; the chart now reads 0 to 0.9 MiB above the base.
+# grew inside the steps). Drawn as they are, both would break the tick rule: 0.9 MiB above its base is 921.6 KiB,
+# and an axis up to 1,000 KiB labels its top "1e+3"; the chart reads 0 to 0.9 MiB above the base instead.
 FLAT_HOST_RSS = {
     "a step of 0.9 MiB at 685 MiB, 100 steps": [685.0] * 50 + [685.9] * 50,
     "one bump of 0.9 MiB at 1,503.7 MiB, 2 steps": [1503.7, 1504.6],
@@ -195,7 +195,7 @@ def test_h100_demo_with_todays_layout_keeps_the_rules():
     [run] = run_dirs(H100_DEMO)
     logged = read_scalars(run)
     # the charts chosen from the tags alone: host RSS moves by 13 MiB around 1,500 MiB, and TensorBoard's
-    # three-digit labels read 1.5e+3 or 1.51e+3 on every tick (docs/images of the earlier dashboard show it)
+    # three-digit labels read 1.5e+3 or 1.51e+3 on every tick
     # and NVML's chart reaches 1,403 MiB, which TensorBoard labels "1e+3" ... "1.5e+3" (the screenshot's NVML axis)
     host_ticks = "['1.5e+3', '1.5e+3', '1.5e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3', '1.51e+3']"
     assert check_dashboard(layout_from_tags(steps_per_tag(logged)), {"demo": logged}) == [

@@ -263,8 +263,8 @@ def test_in_checkpoint_recomputation_only_while_checkpoint_recomputes():
 
 
 def test_a_kept_layer_trace_holds_no_tensor_of_the_model_after_the_fit(tmp_path):
-    """The issue's case: DemoTransformer, 3 steps, model and Trainer deleted, the callback kept to read its
-    results. Lightning binds ``callback.log`` to the module at fit start and never unbinds it; that kept
+    """A user's case: DemoTransformer, 3 steps, model and Trainer deleted, the callback kept to read its
+    results. Lightning binds ``callback.log`` to the module at fit start and never unbinds it, which would keep
     14.33 MiB (parameters, gradients, Adam's state) alive. Counted with gc over the whole process."""
     from lightning_memkit.zoo import DemoTransformer
 
@@ -515,7 +515,7 @@ def test_cli_trace_step_never_reached_says_the_last_step(tmp_path, capsys):
 
 
 def test_traced_steps_leave_the_next_steps_start_as_an_untraced_run_has_it(tmp_path):
-    """Issue-9 acceptance for LayerTrace: at each step's start, no autograd graph is alive and the process's
+    """LayerTrace leaves nothing to the next step: at each step's start, no autograd graph is alive and the process's
     live tensor bytes equal those of the same fit without LayerTrace (a transformer with dropout)."""
     from lightning.pytorch import Callback, seed_everything
 

@@ -17,7 +17,7 @@ from lightning_memkit import estimate_memory, measure_training_step, predict_max
 from lightning_memkit.estimate.data.worst_batch import BatchSource, batch_shapes, find_worst_batch
 from lightning_memkit.zoo_variable import pad_collate
 
-#: (length, samples): a short-text dataset whose longest bucket holds few samples (as in the issue's, 69 at 512)
+#: (length, samples): a short-text dataset whose longest bucket holds few samples (as in a user's, 69 at 512)
 LENGTHS = [(200, 20), (100, 150), (60, 100), (20, 50)]
 #: the bucket edges: a sample of length L goes to the first bucket whose edge is at least L
 EDGES = (32, 64, 128, 256)
@@ -127,7 +127,7 @@ def test_the_estimate_at_a_size_runs_on_the_samplers_batch_and_a_real_step_on_it
     measured = measure_training_step(module, batch=batch)
     assert estimate.peak_bytes == measured.peak_bytes and estimate.by_category == measured.by_category
     upper = estimate_memory(module, batch=find_worst_batch(module.train_dataloader()).at(64), device="cpu")
-    assert upper.peak_bytes > estimate.peak_bytes  # the (64, 200) upper bound the answer used to be
+    assert upper.peak_bytes > estimate.peak_bytes  # the (64, 200) upper bound: the largest samples put together
 
 
 def test_the_max_batch_is_predicted_on_a_batch_the_sampler_yields():
