@@ -55,9 +55,10 @@ NEWEST_TORCH ?= torch==2.14.1
 NEWEST_EXTRA ?= torchvision==0.29.1 timm
 # The newest end runs what depends on torch's internals and on the real libraries (torchvision/timm import only
 # there); the whole suite ran on 2.14.1 by hand (docs/versions.md). NEWEST_TESTS= (empty) runs everything.
-NEWEST_TESTS ?= tests/test_torch_compat.py tests/test_torch_range.py tests/test_accountant.py tests/test_doctor_compat.py \
-	tests/test_probes.py tests/test_lightning_compat.py tests/test_fake_values.py tests/test_hf_models.py \
-	tests/test_vision_models.py tests/test_compile.py tests/test_estimate.py tests/test_gpu_truth.py tests/test_trace_callback.py
+NEWEST_TESTS ?= tests/compat tests/accounting/test_accountant.py tests/doctor/test_doctor_compat.py \
+	tests/probes/test_probes.py tests/estimate/fake/test_fake_values.py tests/estimate/test_hf_models.py \
+	tests/estimate/test_vision_models.py tests/compiled/test_compile.py tests/estimate/test_estimate.py \
+	tests/estimate/cuda/test_gpu_truth.py tests/trace/test_trace_callback.py
 
 test-newest:
 	$(MAKE) --no-print-directory setup VENV=$(NEWEST_VENV) TORCH_SPEC="$(NEWEST_TORCH)" EXTRA_SPEC="$(NEWEST_EXTRA)"

@@ -1,7 +1,7 @@
 """The figures of docs/compile.md: a compiled model's step peak against the eager program's and the estimate's,
 and what activation checkpointing does compiled.
 
-For each model (HF GPT-2 small config, a BatchNorm CNN; tests/compile_models.py), a plain training loop (AdamW /
+For each model (HF GPT-2 small config, a BatchNorm CNN; tests/helpers/compile_models.py), a plain training loop (AdamW /
 SGD, ``zero_grad(set_to_none=True)``), step 3 (optimizer state present) measured with ``MemoryMeter`` in the
 ``"step"`` scope (the training state plus what the step makes, bytes):
 
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lightning_memkit import estimate_memory  # noqa: E402
 from lightning_memkit.meter import MemoryMeter, training_state_tensors  # noqa: E402
 from lightning_memkit.modes.checkpointing import apply_checkpointing  # noqa: E402
-from tests.compile_models import CompiledCNN, CompiledGPT2  # noqa: E402
+from tests.helpers.compile_models import CompiledCNN, CompiledGPT2  # noqa: E402
 
 
 def build(name: str, compiled: bool, backend: str):

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_memkit import LayerTrace, MemoryDoctor, MemoryTracker  # noqa: E402
-from tests.compile_models import CompiledCNN, CompiledGPT2, CountingBackend  # noqa: E402
+from tests.helpers.compile_models import CompiledCNN, CompiledGPT2, CountingBackend  # noqa: E402
 
 
 class StepClock(pl.Callback):

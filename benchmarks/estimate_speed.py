@@ -7,7 +7,7 @@
 
 Cases: BERT-base (tests/data/gpu_truth's BertLike: 12 layers, d 768, seq 512, AdamW) at batch 32 in
 32-true and bf16-mixed, and ResNet-18's layout (ResNetish, 224 px) at batch 128, each estimated for
-an H100 (``device="cuda", gpu="h100"``) as tests/test_gpu_truth.py does.
+an H100 (``device="cuda", gpu="h100"``) as tests/estimate/cuda/test_gpu_truth.py does.
 
 Each measurement is a fresh Python process (torch's fake-tensor cache is per process), the model
 built before the clock starts; it times the first estimate of the process ("cold": what
@@ -89,9 +89,9 @@ def child(source: str, case: str, without: str | None) -> None:
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, source)
-    sys.path.insert(1, os.path.join(ROOT, "tests"))
-    from gpu_truth import MODES, make_model
+    sys.path.insert(1, ROOT)  # tests.helpers from this tree; the estimate from the source measured, first
     from lightning_memkit.estimate import estimate_memory
+    from tests.helpers.gpu_truth import MODES, make_model
 
     if without:
         _switch_off(without)

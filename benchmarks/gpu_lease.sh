@@ -19,8 +19,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 timeout -k 10 240 python3 benchmarks/plan_gpu.py bert --budgets 16GiB,8GiB --json "$OUT/bert.json" >"$OUT/bert.md" 2>"$OUT/bert.err"
 echo "exit $? after ${SECONDS} s" >>"$OUT/bert.md"
 timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rs -v -n 4 --dist loadfile --timeout 140 --durations=15 \
-  tests/test_compile.py tests/test_cuda.py tests/test_doctor.py tests/test_estimate.py tests/test_offload.py \
-  tests/test_plan.py tests/test_search_cuda_paths.py >"$OUT/test_gpu.txt" 2>&1
+  tests/compiled/test_compile.py tests/gpu/test_cuda.py tests/doctor/test_doctor.py tests/estimate/test_estimate.py tests/modes/test_offload.py \
+  tests/plan/test_plan.py tests/gpu/test_search_cuda_paths.py >"$OUT/test_gpu.txt" 2>&1
 echo "exit $? after ${SECONDS} s" >>"$OUT/test_gpu.txt"
 left=$((LIMIT - SECONDS))
 if [ "$left" -gt 60 ]; then

@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   sha256sum benchmarks/plan_gpu.py lightning_memkit/plan/planner.py
   python3 benchmarks/provenance.py; } >"$OUT/gpu.txt" 2>&1
 timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider -m cuda -rs -v -n 3 --timeout 60 \
-  tests/test_offload.py tests/test_plan.py >"$OUT/test_gpu.txt" 2>&1
+  tests/modes/test_offload.py tests/plan/test_plan.py >"$OUT/test_gpu.txt" 2>&1
 echo "exit $? after ${SECONDS} s" >>"$OUT/test_gpu.txt"
 left=$((${LIMIT:-280} - SECONDS)); [ "$left" -gt 10 ] || left=10
 timeout -k 5 "$left" python3 benchmarks/plan_gpu.py --rows benchmarks/gpu_lease_rows.json \

@@ -16,13 +16,12 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # provenance.py (after tests/: its gpu_truth is the one)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # provenance.py
 
-from gpu_truth import MODES, make_model, truth_rows  # noqa: E402
 from lightning_memkit.estimate import estimate_memory  # noqa: E402
 from lightning_memkit.summary_table import format_table  # noqa: E402
 from provenance import provenance_line  # noqa: E402
+from tests.helpers.gpu_truth import MODES, make_model, truth_rows  # noqa: E402
 
 GiB = 2**30
 
@@ -33,7 +32,7 @@ def main(argv: list[str]) -> None:
     # the estimate's code and versions (this run), and the recorded truth's (tests/data/gpu_truth/truth.json's meta)
     import json
 
-    from gpu_truth import TRUTH_DIR
+    from tests.helpers.gpu_truth import TRUTH_DIR
 
     print(provenance_line())
     with open(os.path.join(TRUTH_DIR, "truth.json")) as handle:

@@ -16,7 +16,7 @@ Model sets (``--models``):
 - ``held-out`` (default): two models no planner test uses, each at half its batch's real peak (measured by a real
   step): a small vision transformer with dropout (patch embedding, 4 pre-norm blocks of ``nn.MultiheadAttention`` and
   an MLP) and a ConvMixer-style CNN with BatchNorm (depthwise and pointwise convolutions, residual blocks);
-- ``three``: the three models x two budgets of benchmarks/README.md's earlier tables (tests/lightning_gpt.py's
+- ``three``: the three models x two budgets of benchmarks/README.md's earlier tables (tests/helpers/lightning_gpt.py's
   TinyGPT LM, zoo.DemoResNet, a Hugging Face GPT-2 from a config), budgets half-way between the batch's and half the
   batch's estimated peaks ("mild") and between a quarter's and an eighth's ("tight").
 
@@ -35,7 +35,7 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
@@ -179,11 +179,12 @@ class GPT2Module(pl.LightningModule):
 
 
 class LMModule(pl.LightningModule):
-    """tests/lightning_gpt.py's TinyGPT with a train_dataloader of its own (the planner reads the module's batch)."""
+    """tests/helpers/lightning_gpt.py's TinyGPT with a train_dataloader of its own (the planner reads the module's
+    batch)."""
 
     def __init__(self, batch_size: int = 16, seq: int = 32) -> None:
         super().__init__()
-        from lightning_gpt import TinyGPT
+        from tests.helpers.lightning_gpt import TinyGPT
 
         torch.manual_seed(0)
         self.gpt = TinyGPT(vocab=256, d_model=64, heads=4, layers=2, seq_len=seq)

@@ -46,7 +46,6 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
@@ -64,7 +63,7 @@ GiB = 1 << 30
 
 
 def _models_module():
-    from gpu_truth import models_module
+    from tests.helpers.gpu_truth import models_module
 
     return models_module()
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # what type checkers and editors read; _HOMES is the same tab
     from lightning_memkit.trace.tracer import LayerTracer, trace_step
     from lightning_memkit.units import format_bytes, parse_bytes
 
-#: home module -> the public names it defines (tests/test_public_names.py holds it against the imports above)
+#: home module -> the public names it defines (tests/project/test_public_names.py holds it against the imports above)
 _HOMES: dict[str, tuple[str, ...]] = {
     "lightning_memkit.accounting.accountant": ("TensorAccountant",),
     "lightning_memkit.callbacks.activation_checkpointing": ("ActivationCheckpointing",),

@@ -1,7 +1,7 @@
 """The few private Lightning internals memkit reads, wrapped in one place and pinned by tests.
 
 If a Lightning release renames one of them, the fallback keeps training going and
-tests/test_lightning_compat.py says which one moved.
+tests/compat/test_lightning_compat.py says which one moved.
 
 Lightning is imported inside the functions: the core (the estimate) imports this module, and the core has no
 Lightning import (docs/architecture.md).
@@ -85,7 +85,7 @@ def forget_model_logging(callback: Any) -> None:
     callback when a fit starts (``_CallbackConnector._attach_model_logging_functions``) and never removes
     them, so a callback kept after the fit (to read its records) would keep the model, its gradients
     and its optimizer state alive. Lightning binds them again at the next fit, validate or test.
-    Pinned by tests/test_lightning_compat.py."""
+    Pinned by tests/compat/test_lightning_compat.py."""
     for name in ("log", "log_dict"):
         vars(callback).pop(name, None)
 
@@ -330,7 +330,7 @@ def prefetched_batches(trainer: Any) -> list[Any]:
     keeps them (``(batch, batch_idx, dataloader_idx)``): ``fit_loop._data_fetcher.batches`` of Lightning's
     ``_PrefetchDataFetcher``, which fetches one batch ahead when the train loader has no length (an iterable
     dataset) and none when it has one. Falls back to ``[]`` (a fetcher without ``batches``, no fit running).
-    Pinned by tests/test_lightning_compat.py."""
+    Pinned by tests/compat/test_lightning_compat.py."""
     fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
     batches = getattr(fetcher, "batches", None)
     return list(batches) if isinstance(batches, list) else []

@@ -1,8 +1,8 @@
 """torch's private building blocks that memkit's packages share, named once here: its pytree (flattening a batch
 or an op's arguments into tensors) and ``TorchDispatchMode`` (seeing every op), both under ``torch.utils._*`` with no
 public home in the torch versions memkit supports, and ``DisableTorchFunctionSubclass``. A package's own private
-needs live in its ``_torch_compat.py``; tests/test_torch_compat.py pins these, and tests/test_private_apis.py keeps
-every other module off torch's and Lightning's private names.
+needs live in its ``_torch_compat.py``; tests/compat/test_torch_compat.py pins these, and
+tests/project/test_private_apis.py keeps every other module off torch's and Lightning's private names.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ This module owns only that root. Each error lives beside the code that raises it
 *and* the builtin it always had (``ValueError``, ``RuntimeError``, ``torch.OutOfMemoryError``), so ``except ValueError``
 keeps working and ``except MemkitError`` catches memkit's own errors (a bad argument to a function is still a
 plain ``ValueError`` or ``TypeError``, as Python's own are). It imports nothing, so every layer of the package
-can use it without an import cycle. ``tests/test_errors.py`` finds every exception class in the package and holds
+can use it without an import cycle. ``tests/core/test_errors.py`` finds every exception class in the package and holds
 it under this root.
 """
 

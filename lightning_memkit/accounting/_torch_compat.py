@@ -1,8 +1,8 @@
 """The private torch internals the tensor accounting uses, wrapped in one place.
 
 Each function names the private API it reads and takes the path this torch offers; one that switches a
-feature off says so once (a warning) rather than hiding it. Pinned by tests/test_torch_compat.py and
-tests/test_accountant.py (``test_torch_compat_*``).
+feature off says so once (a warning) rather than hiding it. Pinned by tests/compat/test_torch_compat.py and
+tests/accounting/test_accountant.py (``test_torch_compat_*``).
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ def returns_alias(func: Any) -> bool:
     ``out=`` ops), read from the private ``OpOverload._schema`` and cached per op.
 
     ``True`` when the schema cannot be read, which sends the op down the careful path.
-    tests/test_accountant.py pins this against known ops.
+    tests/accounting/test_accountant.py pins this against known ops.
     """
     cached = _ALIAS_CACHE.get(func)
     if cached is None:

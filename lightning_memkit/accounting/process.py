@@ -100,7 +100,7 @@ def saved_tensor_data(node: Any) -> list[Any]:
     ``saved_tensors_hooks`` pack hook comes back as whatever the hook returned (activation
     checkpointing's placeholders), and no unpack hook runs. A saved value already freed by
     backward (``data`` is ``None``) is skipped. Through accounting/_torch_compat.py; pinned by
-    tests/test_accountant.py and tests/test_torch_compat.py.
+    tests/accounting/test_accountant.py and tests/compat/test_torch_compat.py.
     """
     kind = type(node)
     names = _SAVED_NAMES.get(kind)

@@ -9,7 +9,7 @@ resize, when it happens, so a peak taken at the moment a storage grows back is e
 
 The wrap is installed the first time a watcher registers and stays (the wrapper calls torch's own
 method first and returns its result; a watcher's failure never reaches the caller). Watchers are held
-weakly: a dropped accountant stops being told. ``tests/test_accountant.py`` pins that torch's method
+weakly: a dropped accountant stops being told. ``tests/accounting/test_accountant.py`` pins that torch's method
 is the one FSDP2 calls and that the wrap sees it.
 """
 

@@ -2,7 +2,7 @@
 
 Every public callback checks its arguments when it is built (not at fit start), so a wrong value
 fails where it was written, with a message ``Owner(name=value): give <accepted form>``. The accepted
-forms here are the ones docs/arguments.md lists (tests/test_callback_arguments.py reads that table and
+forms here are the ones docs/arguments.md lists (tests/callbacks/test_callback_arguments.py reads that table and
 builds each wrong case). Booleans are ``bool`` (a ``1`` or a ``"no"`` is refused, not read as true);
 integers are ``int`` (a ``bool`` or a float is refused, never truncated).
 """

@@ -1,7 +1,7 @@
 """MemoryTracker's arguments that need more than a bool check: each one checked, and refused in the words users read.
 
-The accepted forms are the ones docs/arguments.md lists (tests/test_callback_arguments.py builds each wrong case
-from that table); one function per argument, named as the argument, returns the value to keep.
+The accepted forms are the ones docs/arguments.md lists (tests/callbacks/test_callback_arguments.py builds each wrong
+case from that table); one function per argument, named as the argument, returns the value to keep.
 """
 
 from __future__ import annotations

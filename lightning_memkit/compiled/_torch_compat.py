@@ -1,6 +1,6 @@
 """The torch internals memkit reads about ``torch.compile``, wrapped in one place.
 
-Pinned by tests/test_compile.py (``test_compile_compat_pins_the_torch_internals``): if a torch release moves
+Pinned by tests/compiled/test_compile.py (``test_compile_compat_pins_the_torch_internals``): if a torch release moves
 one, that test says which.
 """
 

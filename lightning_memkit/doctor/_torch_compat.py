@@ -1,6 +1,6 @@
 """The private torch internals the memory doctor uses, wrapped in one place.
 
-Pinned by tests/test_doctor_compat.py: if a torch release moves one, that test says which.
+Pinned by tests/doctor/test_doctor_compat.py: if a torch release moves one, that test says which.
 """
 
 from __future__ import annotations

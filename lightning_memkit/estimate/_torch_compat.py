@@ -1,7 +1,7 @@
 """The private torch internals the estimate uses, wrapped in one place.
 
 Each function names the private API it reads and either takes the path this torch offers or raises an
-error saying what is missing. Pinned by tests/test_torch_compat.py: if a torch release moves one, that
+error saying what is missing. Pinned by tests/compat/test_torch_compat.py: if a torch release moves one, that
 test says which.
 """
 

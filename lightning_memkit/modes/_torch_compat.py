@@ -1,4 +1,4 @@
-"""The torch internals the modes read, in one place (pinned by tests/test_checkpointing.py).
+"""The torch internals the modes read, in one place (pinned by tests/modes/test_checkpointing.py).
 
 - ``torch.autograd.graph.Node._sequence_nr()``: the order in which this thread made autograd's nodes (a counter
   that only grows), so a measuring forward can tell the nodes it made from those of a graph its inputs carried in.

@@ -160,7 +160,7 @@ def _fit(
     """Train one mode; returns (trainer, its MemoryTracker, its step recorder)."""
     import lightning.pytorch as pl  # Lightning only when a comparison runs: lightning_memkit.modes is core
 
-    # a Trainer-building edge below the callbacks (tests/test_import_layers.py names it)
+    # a Trainer-building edge below the callbacks (tests/project/test_import_layers.py names it)
     from lightning_memkit.callbacks.memory_tracker import MemoryTracker
 
     pl.seed_everything(settings.seed, verbose=False)

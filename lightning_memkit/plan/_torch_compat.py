@@ -1,4 +1,4 @@
-"""The torch internals the planner's time model reads, in one place (pinned by tests/test_plan.py).
+"""The torch internals the planner's time model reads, in one place (pinned by tests/plan/test_plan.py).
 
 - ``torch.utils.flop_counter.flop_registry``: torch's FLOP formulas per aten op (what ``FlopCounterMode`` counts
   with), called on the fake step's fake tensors (shapes only).

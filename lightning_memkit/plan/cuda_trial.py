@@ -22,7 +22,7 @@
 - **Offload's host memory.** An offload trial pins every saved activation in host memory: :func:`host_refusal` says
   why one whose predicted pinned bytes do not fit the host must not run.
 
-The arithmetic is pure (tests/test_plan.py); what touches a device is checked in tests/test_cuda.py.
+The arithmetic is pure (tests/plan/test_plan.py); what touches a device is checked in tests/gpu/test_cuda.py.
 """
 
 from __future__ import annotations

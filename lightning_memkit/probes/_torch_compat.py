@@ -1,6 +1,6 @@
 """torch.cuda.memory's private allocator-history API (``_record_memory_history``, ``_dump_snapshot``), wrapped so
 that a torch without it (or without a GPU) makes these return ``False`` instead of failing, and so that
-tests/test_probes.py pins its behaviour: what MemoryTracker's OOM snapshot is made of."""
+tests/probes/test_probes.py pins its behaviour: what MemoryTracker's OOM snapshot is made of."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The private torch internals the batch-size search touches, wrapped in one place.
 
-Pinned by tests/test_search_cuda_paths.py: if a torch release moves one, that test says which.
+Pinned by tests/gpu/test_search_cuda_paths.py: if a torch release moves one, that test says which.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ MAX_SERIES_PER_CHART = 3
 # TensorBoard tells a run's lines apart only by marker shape, with the legend folded away: a chart
 # of several lines draws quantities ordered by definition (reserved >= allocated, a step's peak >=
 # its end, all processes >= this process >= its allocator), and its title names them top to bottom,
-# in the order of ``fields`` (tests/test_dashboard_rules.py checks the order on real logs).
+# in the order of ``fields`` (tests/tensorboard/test_dashboard_rules.py checks the order on real logs).
 _CUDA_CHARTS = [
     (
         "CUDA step peak, top to bottom: reserved, allocated (MiB)",

@@ -1,6 +1,6 @@
 """The private torch autograd internals the layer tracer reads, wrapped in one place.
 
-Pinned by tests/test_trace_compat.py: if a torch release moves one, that test says which.
+Pinned by tests/trace/test_trace_callback.py: if a torch release moves one, that test says which.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = [
 #: Lightning's FSDPStrategy wraps with), torch's ``checkpoint_wrapper`` (``_CHECKPOINT_WRAPPED_MODULE``,
 #: what ``FSDPStrategy(activation_checkpointing_policy=...)`` applies) and ``torch.compile``'s
 #: ``OptimizedModule`` (``_orig_mod``). The first two are pinned against torch's own constants by
-#: tests/test_callbacks_fsdp.py (torch names no constant for the third).
+#: tests/callbacks/test_callbacks_fsdp.py (torch names no constant for the third).
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 COMPILED_MODULE = "_orig_mod"

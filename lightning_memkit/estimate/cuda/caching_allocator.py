@@ -3,7 +3,7 @@
 It replays allocation and free events (bytes, in order) through the allocator's rules
 (c10/cuda/CUDACachingAllocator.cpp) and reports the allocated and reserved peaks, in bytes. Replaying
 the recorded H100 traces in tests/data/gpu_truth reproduces their segments and reserved peaks
-(tests/test_allocator_replay.py).
+(tests/estimate/cuda/test_allocator_replay.py).
 """
 
 from __future__ import annotations

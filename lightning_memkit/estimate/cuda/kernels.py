@@ -5,8 +5,8 @@ tensors). Where a CUDA kernel allocates differently from the CPU (or fake) one, 
 allocate what the CUDA kernel does: the calls are rewritten (estimate/cuda/functions.py, with
 estimate/cuda/attention.py and estimate/cuda/autocast.py) and the libraries' workspaces allocated
 (estimate/cuda/workspaces.py) for the GPU of estimate/cuda/gpu_target.py. Every such choice is one row of
-:data:`KERNEL_TABLE`, and each row is pinned by tests/test_gpu_truth.py against allocator traces recorded on
-an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
+:data:`KERNEL_TABLE`, and each row is pinned by tests/estimate/cuda/test_gpu_truth.py against allocator traces recorded
+on an H100 (tests/data/gpu_truth, torch 2.11, cuDNN 9).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class KernelRow:
         when: the condition under which CUDA runs this kernel.
         cuda_allocates: what the CUDA kernel allocates (sizes in terms of the op's shapes).
         fake_cpu_allocates: what the CPU fake step would allocate without this row.
-        evidence: where the recorded H100 traces show it (tests/test_gpu_truth.py pins it).
+        evidence: where the recorded H100 traces show it (tests/estimate/cuda/test_gpu_truth.py pins it).
     """
 
     op: str
@@ -90,7 +90,7 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
         ),
         fake_cpu_allocates="the CPU kernels (CPU flash attention without dropout; with dropout a float mask)",
         evidence=(
-            "not in the traces: tests/test_estimate_unseen.py pins it against torch's "
+            "not in the traces: tests/estimate/test_estimate_unseen.py pins it against torch's "
             "_scaled_dot_product_attention_math"
         ),
     ),
@@ -133,7 +133,7 @@ KERNEL_TABLE: tuple[KernelRow, ...] = (
             "paddings cast to fp32)"
         ),
         evidence=(
-            "not in the traces (no such op in their models): tests/test_estimate_unseen.py checks torch's own "
+            "not in the traces (no such op in their models): tests/estimate/test_estimate_unseen.py checks torch's own "
             "CUDA autocast test lists (torch/testing/_internal/autocast_test_lists.py)"
         ),
     ),

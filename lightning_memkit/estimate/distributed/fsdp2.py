@@ -26,7 +26,8 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
     data) and a 1-D CPU device mesh over it, for the length of the block.
 
     torch's ``FakeProcessGroup`` backend is registered by the private ``torch.testing._internal.distributed.fake_pg``
-    (what TorchTitan's memory estimation uses), through estimate/_torch_compat.py; tests/test_torch_compat.py pins it.
+    (what TorchTitan's memory estimation uses), through estimate/_torch_compat.py; tests/compat/test_torch_compat.py
+    pins it.
     """
     import torch.distributed as dist  # a torch built without it answers below
 

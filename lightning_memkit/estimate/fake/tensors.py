@@ -2,7 +2,7 @@
 fake parameters, and the views and device queries answered without a trip through FakeTensorMode.
 
 torch's FakeTensorMode is private (``torch._subclasses.fake_tensor``): memkit reaches it through
-estimate/_torch_compat.py only, and tests/test_estimate.py (test_fake_session_pins_the_private_fake_tensor_api,
+estimate/_torch_compat.py only, and tests/estimate/test_estimate.py (test_fake_session_pins_the_private_fake_tensor_api,
 test_fake_parameter_is_what_nn_parameter_makes_of_a_fake) pins the behaviour memkit relies on.
 """
 
