@@ -33,15 +33,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 #: the module the command lines build (Llama-shaped fine-tuning, tests' helpers)
-MODULE = "tests/llama_shapes.py:LlamaFineTune"
+MODULE = "tests/helpers/llama_shapes.py:LlamaFineTune"
 
 #: one measurement, run in a fresh process: prints {"seconds": ...}
 PROBE = r"""
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, "tests")
+sys.path.insert(0, ".")
 import torch
-from llama_shapes import LlamaFineTune, llama_config
+from tests.helpers.llama_shapes import LlamaFineTune, llama_config
 kind, shape = sys.argv[1], sys.argv[2]
 with torch.device("meta"):
     module = LlamaFineTune(shape)
