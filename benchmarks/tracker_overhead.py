@@ -35,6 +35,7 @@ ops, like a small GPT), "20ms" a wide MLP, "1ms" a tiny MLP (almost nothing but 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -221,7 +222,7 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
     if isinstance(model, BenchMLP):
         model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
     trainer.fit(model)
-    times = [b - a for a, b in zip(step_clock.starts, step_clock.starts[1:])]
+    times = [b - a for a, b in itertools.pairwise(step_clock.starts)]
     even = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 0]
     odd = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 1]
     return statistics.median(even) / statistics.median(odd)
@@ -252,9 +253,11 @@ def run_once(
         limit_val_batches=0,
     )
     trainer.fit(model)
-    step_times = [b - a for a, b in zip(step_clock.starts[warmup:], step_clock.starts[warmup + 1 :])]
+    step_times = [b - a for a, b in itertools.pairwise(step_clock.starts[warmup:])]
     hook_times = (
-        [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
+        [sum(t) for t in zip(*(timer.per_step for timer in timers), strict=True)][warmup:]
+        if timers
+        else [0.0] * len(step_times)
     )
     return step_times, hook_times
 

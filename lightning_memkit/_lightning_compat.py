@@ -248,7 +248,7 @@ def loop_flags(loop: Any) -> list[dict[str, Any]]:
 
 def set_loop_flags(loop: Any, flags: list[dict[str, Any]]) -> None:
     """Put back flags saved by :func:`loop_flags` (same loop tree)."""
-    for each, saved in zip(_loops(loop), flags):
+    for each, saved in zip(_loops(loop), flags, strict=True):
         for name, value in saved.items():
             setattr(each, name, value)
 

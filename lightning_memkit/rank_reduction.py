@@ -54,7 +54,8 @@ def _encode(reading: StepReading) -> torch.Tensor:
 
 def _decode(vector: torch.Tensor, step: int, stage: str, rank: int) -> StepReading:
     values = {
-        name: (None if int(v) == _MISSING else int(v)) for name, v in zip(StepReading.value_fields(), vector.tolist())
+        name: (None if int(v) == _MISSING else int(v))
+        for name, v in zip(StepReading.value_fields(), vector.tolist(), strict=True)
     }
     return StepReading(step=step, stage=stage, rank=rank, **values)
 

@@ -228,7 +228,7 @@ def test_activation_checkpointing_on_a_model_that_checkpoints_itself_wraps_nothi
             assert plan.measured_saving_bytes <= 0 < plan.count and "unwrapped" in plan.note
             assert any("saved no activation memory when measured" in str(w.message) for w in caught)
     assert wrapped_during_fit == [False] * 6
-    assert all(torch.equal(a, b) for a, b in zip(losses["without"], losses["with"]))
+    assert all(torch.equal(a, b) for a, b in zip(losses["without"], losses["with"], strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- dashboard

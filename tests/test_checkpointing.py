@@ -46,10 +46,10 @@ def _step(model: nn.Module, x: torch.Tensor, seed: int = 7) -> None:
 
 
 def _assert_same_training_effect(base: nn.Module, other: nn.Module) -> None:
-    for (name, p), (_, q) in zip(base.named_parameters(), other.named_parameters()):
+    for (name, p), (_, q) in zip(base.named_parameters(), other.named_parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, f"{name} has no gradient"
         assert (p.grad - q.grad).abs().max().item() <= 1e-6, name
-    for (name, a), (_, b) in zip(base.named_buffers(), other.named_buffers()):
+    for (name, a), (_, b) in zip(base.named_buffers(), other.named_buffers(), strict=True):
         assert torch.equal(a, b), f"buffer {name} differs: running statistics updated twice?"
 
 
@@ -304,7 +304,7 @@ def test_auto_cuts_a_plain_sequential_chain_when_no_block_repeats():
     handle = apply_checkpointing(model, "auto")
     assert handle.plan.count == 2  # round(sqrt(9)) = 3 segments, the last one runs plain
     model(x).sum().backward()
-    for got, want in zip((p.grad for p in model.parameters()), expected):
+    for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
         assert torch.equal(got, want)
     handle.remove()
 

@@ -59,7 +59,7 @@ def test_estimate_within_one_percent_of_the_measured_step_and_touches_nothing(cl
     assert state.keys() == module.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state()) and py_rng == random.getstate()
-    assert all(numpy.array_equal(a, b) for a, b in zip(np_rng[1:2], numpy.random.get_state()[1:2]))
+    assert all(numpy.array_equal(a, b) for a, b in zip(np_rng[1:2], numpy.random.get_state()[1:2], strict=True))
 
 
 @pytest.mark.parametrize("cls", [DemoMLP, DemoCNN, DemoTransformer])
@@ -191,7 +191,7 @@ def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
     made_list = list(made) if isinstance(made, (list, tuple)) else [made]
     reference_list = list(reference) if isinstance(reference, (list, tuple)) else [reference]
     assert type(made) is type(reference) and len(made_list) == len(reference_list)
-    for mine, theirs in zip(made_list, reference_list):
+    for mine, theirs in zip(made_list, reference_list, strict=True):
         assert type(mine) is type(theirs) and is_fake(mine) and mine.fake_mode is theirs.fake_mode
         assert mine.device == theirs.device == torch.device("cpu")
         assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (

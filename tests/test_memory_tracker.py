@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import re
@@ -567,7 +568,7 @@ def test_memory_kept_outside_the_window_shows_by_its_exact_bytes(tmp_path, cache
     model = _KeepsPerStep(samples=128)  # 16 batches: no epoch boundary in 10 steps
     make_trainer(tmp_path, max_steps=10, logger=logger, callbacks=callbacks).fit(model)
     assert [r.step for r in tracker.history] == [0, 2, 4, 6, 8]
-    growth = [b.tensor_bytes - a.tensor_bytes for a, b in zip(tracker.history, list(tracker.history)[1:])]
+    growth = [b.tensor_bytes - a.tensor_bytes for a, b in itertools.pairwise(tracker.history)]
     assert growth == [per_measured_step] * 4
     logged = read_scalars(logger.log_dir)["memory/train/tensor_MiB"]
     assert [s for s, _ in logged] == [0, 2, 4, 6, 8]

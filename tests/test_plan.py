@@ -8,6 +8,7 @@ CPU a plan's trial peak is compared with the estimate exactly); figures of FLOPs
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import time
 from contextlib import redirect_stderr, redirect_stdout
@@ -161,7 +162,7 @@ def test_the_fake_step_counts_each_linear_layers_flops_by_hand():
     costs = OpCosts()
     with observing_ops(costs):
         estimate_memory(module, device="cpu")
-    layers = list(zip(dims, dims[1:]))
+    layers = list(itertools.pairwise(dims))
     expected = sum(2 * batch * i * o * (2 if index == 0 else 3) for index, (i, o) in enumerate(layers))
     assert costs.micro_batches == 1
     assert costs.micro_batch_flops == expected
@@ -215,7 +216,7 @@ def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again()
         estimate_memory(module, device="cpu")
     with observing_ops(checkpointed):
         estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
-    rerun = sum(2 * batch * i * o for i, o in list(zip(dims, dims[1:]))[:-1])
+    rerun = sum(2 * batch * i * o for i, o in list(itertools.pairwise(dims))[:-1])
     assert checkpointed.micro_batch_flops - plain.micro_batch_flops == rerun
     assert checkpointed.micro.count > plain.micro.count
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 
 import pytest
@@ -110,7 +111,7 @@ def test_event_order_forward_then_backward_then_optimizer():
     pre_bw = [e.module for e in result.module_events("pre-backward") if e.module]
     assert pre_bw == [str(i) for i in reversed(range(10))]
     # live bytes chain: every delta is the difference of consecutive live values
-    for previous, event in zip(result.events, result.events[1:]):
+    for previous, event in itertools.pairwise(result.events):
         assert event.delta_bytes == event.live_bytes - previous.live_bytes
         assert event.peak_bytes >= event.live_bytes
     assert result.events[result.peak_event_index].peak_bytes == result.peak_bytes
@@ -130,7 +131,7 @@ def test_in_place_relu_traced_and_gradients_unchanged():
     with trace_step(model) as tracer:
         model(x).pow(2).sum().backward()
     assert tracer.result.errors == []
-    for parameter, grad in zip(model.parameters(), expected):
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(parameter.grad, grad, rtol=0, atol=0)
     for name in ("1", "3"):
         assert [e.phase for e in tracer.result.module_events(module=name)] == [

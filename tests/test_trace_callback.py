@@ -4,6 +4,7 @@ the `memkit trace` command, and the private torch internals the tracer relies on
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import subprocess
@@ -573,7 +574,7 @@ class _MetricAccumulating(pl.LightningModule):
 def _micro_batch_peaks(result) -> list[int]:
     starts = [e.index for e in result.events if e.phase == "pre-forward" and e.module == "net"]
     bounds = starts + [len(result.events)]
-    return [max(e.live_bytes for e in result.events[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [max(e.live_bytes for e in result.events[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # torchmetrics on torch's pytree, not memkit's

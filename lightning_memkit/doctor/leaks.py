@@ -9,6 +9,7 @@ to run every step), and the records they produce: :class:`LeakReport` and :class
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,7 +258,7 @@ def rising_floor(points: list, min_rises: int = 5, min_bytes_per_step: int = 1) 
     if len(rises) < max(2, min_rises):
         return None
     steps = [points[i][0] for i in rises]
-    widest = max(b - a for a, b in zip(steps, steps[1:]))
+    widest = max(b - a for a, b in itertools.pairwise(steps))
     if points[-1][0] - steps[-1] > 2 * widest:
         return None
     span = steps[-1] - steps[0]

@@ -287,12 +287,12 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
     baseline, amp+checkpoint vs amp, bf16+checkpoint vs bf16); returns a warning per mode that did not
     lower the peak."""
     warnings_text = []
-    for mode, result in zip(modes, results):
+    for mode, result in zip(modes, results, strict=True):
         if mode.checkpoint is None or result.status != ModeStatus.OK or result.peak_allocated_bytes is None:
             continue
         candidates = [
             (m, r)
-            for m, r in zip(modes, results)
+            for m, r in zip(modes, results, strict=True)
             if m.checkpoint is None
             and r.status == ModeStatus.OK
             and r.peak_allocated_bytes is not None
@@ -350,7 +350,7 @@ def _compared(modes: list[Mode], results: list[ModeResult], settings: _RunSettin
         device = device_type(settings.accelerator)
     except ValueError:
         device = "cpu"
-    baseline = next((r for m, r in zip(modes, results) if m.is_baseline), results[0] if results else None)
+    baseline = next((r for m, r in zip(modes, results, strict=True) if m.is_baseline), results[0] if results else None)
     _ratios(results, baseline)
     warned = _judge_checkpoints(modes, results)
     root = os.path.abspath(settings.root_dir)

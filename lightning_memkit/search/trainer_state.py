@@ -90,9 +90,9 @@ class Snapshot:
             module.load_state_dict(self.module_state)
             for parameter, gradient in self.gradients:
                 parameter.grad = None if gradient is None else gradient.to(parameter.device)
-        for optimizer, state in zip(trainer.optimizers, self.optimizers):
+        for optimizer, state in zip(trainer.optimizers, self.optimizers, strict=True):
             optimizer.load_state_dict(copy.deepcopy(state))  # torch casts the state back to each parameter's device
-        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
             config.scheduler.load_state_dict(copy.deepcopy(state))
         self.restore_precision(trainer)
         trainer.callbacks = self.callbacks

@@ -168,7 +168,7 @@ def tick_problems(title: str, series: Series, smoothing: float = 0.6) -> list[st
             f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: "
             f"three significant digits cannot tell them apart"
         )
-    large = [label for t, label in zip(ticks, labels) if abs(t) >= MAX_TICK_LABEL]
+    large = [label for t, label in zip(ticks, labels, strict=True) if abs(t) >= MAX_TICK_LABEL]
     if large:
         problems.append(
             f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels ticks {large} in exponent "

@@ -164,7 +164,8 @@ class KnownValues:
         schema = getattr(func, "_schema", None)
         if schema is None or not schema.is_mutable:
             return
-        for argument, value in zip(schema.arguments, args):
+        # not strict: the call passes fewer positional arguments than the schema names (the rest by keyword)
+        for argument, value in zip(schema.arguments, args, strict=False):
             written = argument.alias_info is not None and argument.alias_info.is_write
             if written and is_fake(value) and hasattr(value, _KNOWN_ATTRIBUTE):
                 delattr(value, _KNOWN_ATTRIBUTE)

@@ -180,7 +180,7 @@ def with_real_statistics_dtypes(func: Any, args: Any, kwargs: Any, out: tuple) -
     if dtypes is None or len(dtypes) != len(out):
         return out
     fixed = list(out)
-    for index, (tensor, dtype) in enumerate(zip(out, dtypes)):
+    for index, (tensor, dtype) in enumerate(zip(out, dtypes, strict=True)):
         if index and dtype is not None and is_fake(tensor) and tensor.dtype != dtype:
             fixed[index] = torch.empty_strided(
                 tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device=tensor.device
