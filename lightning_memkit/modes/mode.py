@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -173,7 +174,7 @@ class Mode:
         (``torch.bfloat16`` for ``bf16-true``, ``torch.float16`` for ``16-true``), else ``None``."""
         return _TRUE_HALF_DTYPE.get(self.precision)
 
-    def autocast(self, device_type: Any = "cpu") -> ContextManager[Any]:
+    def autocast(self, device_type: Any = "cpu") -> AbstractContextManager[Any]:
         """``torch.autocast(device_type, dtype)`` for this mode's precision, or a no-op context for fp32.
 
         For plain PyTorch loops; under a Trainer use :meth:`trainer_kwargs`, which lets Lightning's

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class StepLoop:
 
     module: nn.Module
     batch: Any
-    autocast: Callable[[], ContextManager[Any]]
+    autocast: Callable[[], AbstractContextManager[Any]]
     acc: StepAccountant
     steps: int
     micro_batches: int = 1
@@ -129,7 +130,7 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return output.float().sum()
 
 
-def step_autocast(mode: Any, device_type: str, target_device_type: str) -> Callable[[], ContextManager[Any]]:
+def step_autocast(mode: Any, device_type: str, target_device_type: str) -> Callable[[], AbstractContextManager[Any]]:
     """The precision's context for the step's forward, as Lightning's precision plugin applies it around
     training_step only (its ``forward_context``): autocast under a mixed precision; under a true half precision the
     half dtype as torch's default dtype (tensors the forward creates without a dtype are half), no autocast."""

@@ -9,8 +9,9 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,9 +117,9 @@ class _StepCopy:
 
     module: nn.Module
     batch: Any
-    context: Callable[[], ContextManager[Any]]
+    context: Callable[[], AbstractContextManager[Any]]
     session: FakeSession | None = None
-    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def run(request: StepRequest, settings: EstimateSettings | None = None) -> MemoryEstimate:
