@@ -9,6 +9,7 @@ job of many fits does not accumulate process groups (each holds sockets and a th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 
@@ -36,10 +37,8 @@ def release_group(group: object | None) -> None:
     happens for ``None``, or when torch.distributed was torn down already (the group went with it)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return
-    try:
+    with contextlib.suppress(ValueError, RuntimeError):  # destroyed already (the whole world, or twice)
         dist.destroy_process_group(group)
-    except (ValueError, RuntimeError):  # destroyed already (the whole world, or twice)
-        pass
 
 
 def _encode(reading: StepReading) -> torch.Tensor:
@@ -118,6 +117,7 @@ class ReadingReducer:
             warnings.warn(
                 f"memkit: cross-rank memory reduction failed ({error}); logging this rank's values only from now on.",
                 RuntimeWarning,
+                stacklevel=2,
             )
             self.enabled = False
             return reading, ([reading] if per_rank else [])

@@ -12,6 +12,7 @@ import itertools
 import json
 import time
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -568,10 +569,9 @@ def test_memkit_plan_refuses_a_missing_file():
 
 
 def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
-    import os
     import re
 
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "plan.md"), encoding="utf-8").read()
+    text = Path(__file__).parent.parent.joinpath("docs", "plan.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
     table = {name: tuple(float(v) for v in values) for name, *values in rows}
     expected = {

@@ -307,9 +307,9 @@ def test_autocast_weight_copies_are_their_own_category():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     x = torch.randn(4, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with trace_step(model, inputs=x) as tracer:  # ends inside autocast: its weight cache is alive
-            out = model(x)
+    # the trace ends inside autocast: its weight cache is alive
+    with torch.autocast("cpu", dtype=torch.bfloat16), trace_step(model, inputs=x) as tracer:
+        out = model(x)
     result = tracer.result
     assert result.errors == [] and out.dtype == torch.bfloat16
     # the first Linear's forward: bf16 copies of weight, bias and input, then its bf16 output

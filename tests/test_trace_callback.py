@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -427,7 +428,7 @@ def test_write_new_file_takes_the_first_free_version(tmp_path):
         "memkit_trace_step3_rank1-v1.json",
         "memkit_trace_step3_rank1-v2.json",
     ]
-    assert [open(p).read() for p in paths] == ["0", "1", "2"]
+    assert [Path(p).read_text() for p in paths] == ["0", "1", "2"]
     os.remove(paths[1])  # a gap is reused: the name is free again
     assert (
         os.path.basename(write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", "3"))

@@ -156,9 +156,10 @@ class _SavedHandle:
 
     def __del__(self) -> None:
         if self.record is not None:
-            try:
+            # try, not contextlib.suppress: a finalizer also runs at interpreter exit, when module globals may be gone
+            try:  # noqa: SIM105
                 self.attributor._release_saved(self.record)
-            except Exception:  # never raise from a finalizer
+            except Exception:  # noqa: BLE001, S110 - never raise from a finalizer
                 pass
 
 

@@ -205,12 +205,16 @@ def _hooks_or_metric_state(path: HolderPath, objects: list) -> bool:
             path.holder = path.text = holder
             path.note = _describe_hooks(objects[index + 1], holder)
             return True
-        if _METRIC is not None and isinstance(parent, _METRIC) and kind in ("attr", "item"):
-            if isinstance(getattr(parent, "_defaults", {}).get(key), list):
-                holder = _render(path.root, edges[: index + 1])
-                path.holder = path.text = holder
-                path.note = _metric_state_note(parent, _render(path.root, edges[:index]), key, objects[index + 1])
-                return True
+        if (
+            _METRIC is not None
+            and isinstance(parent, _METRIC)
+            and kind in ("attr", "item")
+            and isinstance(getattr(parent, "_defaults", {}).get(key), list)
+        ):
+            holder = _render(path.root, edges[: index + 1])
+            path.holder = path.text = holder
+            path.note = _metric_state_note(parent, _render(path.root, edges[:index]), key, objects[index + 1])
+            return True
     return False
 
 

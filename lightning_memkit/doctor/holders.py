@@ -17,6 +17,7 @@ global hooks) costs a few milliseconds, not a pass over the whole heap per level
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import gc
 import sys
@@ -98,10 +99,8 @@ def user_roots(
     if trainer is not None:
         for index, callback in enumerate(getattr(trainer, "callbacks", None) or []):
             add(callback, f"trainer.callbacks[{index}]", "callback")
-        try:
+        with contextlib.suppress(Exception):  # a property of a half-set-up trainer may raise anything
             add(getattr(trainer, "datamodule", None), "trainer.datamodule", "datamodule")
-        except Exception:  # noqa: BLE001 - a property of a half-set-up trainer
-            pass
         add(trainer, "trainer", "trainer")
     for name, obj in (extra or {}).items():
         add(obj, name, "global")

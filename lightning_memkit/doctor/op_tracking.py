@@ -8,6 +8,7 @@ docstring says how each part is found, and why.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -86,10 +87,10 @@ class OpTracking(TorchDispatchMode):
             self._live[key] = creation
             self._refs[key] = ref
             self.live_bytes += creation.nbytes
-        try:  # the tensor first seen on it: where a kept graph hangs, and where the holder search starts
+        # the tensor first seen on it: where a kept graph hangs, and where the holder search starts (a tensor
+        # subclass without weak references has none)
+        with contextlib.suppress(TypeError):
             self._made[key] = weakref.ref(tensor)
-        except TypeError:
-            pass
         if self._window is not None:
             self._window.append(creation)
         return creation

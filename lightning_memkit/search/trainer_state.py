@@ -3,6 +3,7 @@ and the tensors a trial starts from."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 from collections.abc import Iterator
@@ -155,10 +156,8 @@ def cuda_capacity_bytes(device: torch.device) -> int:
     capacity = int(free + torch.cuda.memory_reserved(device))
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
-        try:
+        with contextlib.suppress(RuntimeError, TypeError):  # pragma: no cover - older torch
             capacity = min(capacity, int(fraction(device) * total))
-        except (RuntimeError, TypeError):  # pragma: no cover - older torch
-            pass
     return capacity
 
 

@@ -83,7 +83,8 @@ class TensorBoardServer:
     def start(self) -> TensorBoardServer:
         """Start the server and wait until it lists at least one run; raises RuntimeError on failure."""
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
-        self._output = tempfile.TemporaryFile(mode="w+")
+        # held open for the server's life (stop() closes it), so not a with block
+        self._output = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.process = subprocess.Popen(
             self.command(), stdout=self._output, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
