@@ -298,7 +298,7 @@ def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
             }
             assert charts == expected  # the new layout replaced the one written at fit start
             served_runs = {}
-            for title, regexes in layout_tags(charts).items():
+            for regexes in layout_tags(charts).values():
                 for run in runs:
                     for regex in regexes:  # what the Custom Scalars tab fetches for this chart
                         answer = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": regex})

@@ -422,7 +422,7 @@ def test_the_stand_in_trainer_answers_like_a_trainer():
         == 4 * 3
     )
     with pytest.raises(AttributeError, match="self.trainer.not_a_setting: memkit estimates the step without a Trainer"):
-        StandInTrainer().not_a_setting
+        _ = StandInTrainer().not_a_setting
 
 
 class _Failing(DemoMLP):

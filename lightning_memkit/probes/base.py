@@ -31,14 +31,14 @@ class MemoryProbe(ABC):
     #: short name used in warnings, e.g. ``"nvml"``.
     name: str = "probe"
 
-    def reset_peak(self) -> None:
+    def reset_peak(self) -> None:  # noqa: B027 - optional: a probe without a peak keeps this no-op
         """Start a new peak window. Probes without peaks need not override this."""
 
     @abstractmethod
     def read(self) -> dict[str, int]:
         """Return the current values, in bytes or counts, keyed by StepReading field name."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a probe that holds nothing keeps this no-op
         """Release what the probe holds (NVML handle, dispatch mode)."""
 
 
