@@ -113,7 +113,7 @@ class ReadingReducer:
                 maximum = self._maximum.copy_(self._vector)
                 dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
                 ranks = []
-        except Exception as error:  # a rank out of step: log locally, never hang or crash
+        except Exception as error:  # noqa: BLE001 - a rank out of step: log locally, never hang or crash
             warnings.warn(
                 f"memkit: cross-rank memory reduction failed ({error}); logging this rank's values only from now on.",
                 RuntimeWarning,

@@ -280,7 +280,7 @@ class CategoryAttributor:
                         for listener in self._save_listeners:
                             listener(record, first_time)
             return _SavedHandle(tensor.detach(), record, self)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a pack hook never fails the user's backward: the tensor is saved uncounted
             return _SavedHandle(tensor.detach(), None, self)
 
     def _release_saved(self, record: StorageRecord) -> None:
@@ -394,6 +394,6 @@ def cuda_memory_extras(device: torch.device | str, *, peak: bool = False, nvml: 
                 probe.close()
             if process is not None:
                 extras["nvml_unseen_bytes"] = max(0, process - reading["reserved_bytes"])
-        except Exception:
+        except Exception:  # noqa: BLE001 - NVML is optional: unavailable or failing, this figure is left out
             pass
     return extras

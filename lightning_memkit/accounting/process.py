@@ -324,7 +324,7 @@ class ProcessTensors:
             found.extend(t for t in saved_tensor_data(node) if isinstance(t, torch.Tensor))
             try:
                 stack.extend(n for n, _ in node.next_functions)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an exotic node without readable edges: the walk goes on elsewhere
                 continue
         self._adopt(found, leaves=self._leaves)
 

@@ -201,7 +201,7 @@ class MemoryDoctor(Callback):
                 self._show_progress(trainer, session)
             else:  # another micro-batch of the same optimizer step
                 session.recorder.assign_roles(batch=batch)
-        except Exception as error:  # never break training: step aside
+        except Exception as error:  # noqa: BLE001 - never break training: step aside
             self._give_up(error)
 
     @override
@@ -213,7 +213,7 @@ class MemoryDoctor(Callback):
             return
         try:
             session.step_end(self._step, module=pl_module, optimizers=trainer.optimizers)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - never break training: step aside
             self._give_up(error)
         self._step = None
 
@@ -303,7 +303,7 @@ class MemoryDoctor(Callback):
                 self._write_report(trainer)
                 if self.verbose and self._warned and trainer.is_global_zero:
                     print(self.report.format())  # the warning said the verdict would follow
-            except Exception:  # never mask the user's exception
+            except Exception:  # noqa: BLE001 - never mask the user's exception
                 pass
         forget_model_logging(self)  # kept to read its records, it must not keep the model
 

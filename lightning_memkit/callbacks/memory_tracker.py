@@ -234,7 +234,7 @@ class MemoryTracker(Callback):
         self.summary.device = str(device)
         try:
             self.summary.capacity_bytes = self._meter.capacity_bytes()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the capacity labels the summary: unknown (None) rather than a failed fit
             self.summary.capacity_bytes = None
         if self.cuda_memory_history and device.type == "cuda":
             self._history_recording = start_memory_history(self.cuda_memory_history, stacks=self.cuda_memory_stacks)
@@ -441,10 +441,10 @@ class MemoryTracker(Callback):
             )
             if written is not None:
                 self.oom_report_path = written
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # never mask the user's exception
             self._flush_pending(trainer)
         for logger in trainer.loggers:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # never mask the user's exception
                 logger.save()
         self._save_records_after_failure(trainer, exception)
         self._release()
@@ -461,7 +461,7 @@ class MemoryTracker(Callback):
             target = file_target(trainer, self.records_file, self._records_name())
             if target is not None:
                 self.records_path = self.save_records(target)
-        except Exception as error:  # never mask the user's exception
+        except Exception as error:  # noqa: BLE001 - never mask the user's exception
             rank_zero_warn(
                 f"memkit MemoryTracker: the readings could not be written after the failure "
                 f"({type(error).__name__}: {error}); they are on this tracker's .history"

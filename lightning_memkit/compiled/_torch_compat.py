@@ -34,7 +34,7 @@ __all__ = [
 def _optimized_module_type() -> type | None:
     try:
         from torch._dynamo.eval_frame import OptimizedModule  # deferred: private torch API, may be missing
-    except Exception:  # a torch without dynamo
+    except ImportError:  # a torch without dynamo
         return None
     return OptimizedModule
 
@@ -92,7 +92,7 @@ def dynamo_counters() -> dict[str, dict[str, int]]:
     """A copy of dynamo's counters (``torch._dynamo.utils.counters``): ``{"stats": {"unique_graphs": n, ...}, ...}``."""
     try:
         from torch._dynamo.utils import counters  # deferred: private torch API, may be missing
-    except Exception:
+    except ImportError:  # a torch without dynamo counts nothing
         return {}
     return {group: dict(values) for group, values in counters.items()}
 

@@ -121,7 +121,7 @@ class OpTracking(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         try:
             self._observe(func, args, kwargs, result)
-        except BaseException as error:  # never raise from dispatch: it can abort the interpreter
+        except BaseException as error:  # noqa: BLE001 - never raise from dispatch (it can abort the interpreter): counted
             self.error_count += 1
             message = f"{func}: {type(error).__name__}: {error}"
             if len(self.errors) < _MAX_ERRORS and message not in self.errors:

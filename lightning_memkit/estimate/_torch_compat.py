@@ -107,7 +107,7 @@ def compiled_original(module: Any) -> Any:
     or ``None`` when ``module`` is not one (or this torch has no dynamo, so compiles nothing)."""
     try:
         from torch._dynamo.eval_frame import OptimizedModule  # deferred: importing dynamo takes about a second
-    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+    except ImportError:  # a torch without dynamo compiles nothing
         return None
     if isinstance(module, OptimizedModule):
         return getattr(module, "_orig_mod", None)

@@ -296,7 +296,7 @@ def wrap_regions(regions: list[Region]) -> list[nn.Module]:
         for container, ranges in by_container.values():
             _install(container, _segmented_sequential_forward, tuple(sorted(ranges)))
             wrapped.append(container)
-    except Exception:
+    except Exception:  # whatever failed: no module is left half-wrapped, and the error goes on
         for module in wrapped:
             _uninstall(module)
         raise

@@ -247,7 +247,7 @@ def _run_mode(
             mode_kwargs = mode.trainer_kwargs(settings.accelerator)
         result.precision = mode_kwargs["precision"]
         trainer, tracker, recorder = _fit(mode, mode_kwargs, model_factory, datamodule_factory, logger, settings)
-    except Exception as error:  # a mode this device cannot run, or OOM: report it and go on with the others
+    except Exception as error:  # noqa: BLE001 - a mode this device cannot run, or OOM: reported, the others still run
         result.status = ModeStatus.FAILED
         result.error = f"{type(error).__name__}: {error}"
         if settings.verbose:

@@ -56,7 +56,7 @@ class ProbeSet:
     def _guard(self, probe: MemoryProbe, action: str, call):
         try:
             return call()
-        except Exception as error:  # a probe must never break training
+        except Exception as error:  # noqa: BLE001 - a probe must never break training: disabled, with one warning
             self._disable(probe, f"{action} failed: {type(error).__name__}: {error}")
             return None
 
@@ -70,7 +70,7 @@ class ProbeSet:
             RuntimeWarning,
             stacklevel=3,
         )
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the probe already failed: closing it must not fail training
             probe.close()
 
     def reset_peak(self) -> None:
@@ -90,7 +90,7 @@ class ProbeSet:
     def close(self) -> None:
         """Close every probe."""
         for probe in self.probes:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a probe must never break training, closing included
                 probe.close()
         self.probes = []
 

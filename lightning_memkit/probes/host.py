@@ -120,5 +120,5 @@ class HostProbe(MemoryProbe):
         self._close_proc()
 
     def __del__(self) -> None:  # a probe dropped without close() must not leak descriptors
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # never raise from a finalizer
             self._close_proc()

@@ -41,7 +41,7 @@ class NvmlProbe(MemoryProbe):
         # user needs to see ("NVML Shared Library Not Found"), not a generic "no CUDA".
         try:
             pynvml.nvmlInit()
-        except Exception as error:
+        except Exception as error:  # NVMLError, or a broken binding's own: either way the probe is unavailable
             raise ProbeUnavailable(f"nvmlInit failed ({type(error).__name__}: {error})") from error
         if not torch.cuda.is_available():
             self.close()
@@ -63,7 +63,7 @@ class NvmlProbe(MemoryProbe):
         values = {"device_used_bytes": int(info.used), "device_total_bytes": int(info.total)}
         try:
             processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except Exception:
+        except Exception:  # noqa: BLE001 - some drivers and containers refuse the list: no per-process figure
             processes = []
         for process in processes:
             if process.pid == self._pid and process.usedGpuMemory is not None:
@@ -71,7 +71,7 @@ class NvmlProbe(MemoryProbe):
         return values
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # closing must not fail training: NVML is released at exit anyway
             self._nvml.nvmlShutdown()
 
 
@@ -110,7 +110,7 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
     for what, key, lookup in attempts:
         try:
             return lookup(key)
-        except Exception as error:  # pynvml.NVMLError and its subclasses (NVMLError_NotFound, ...)
+        except Exception as error:  # noqa: BLE001 - NVMLError (NotFound, ...) or a broken binding's: in the message
             failures.append(f"{what} {key}: {type(error).__name__}: {error}")
     raise ProbeUnavailable(
         "NVML does not know this CUDA device ("

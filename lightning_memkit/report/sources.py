@@ -293,7 +293,7 @@ def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
                 exact=False,
                 origin="TensorBoard scalars",
             )
-        except Exception as error:  # a damaged event file must not stop the report
+        except Exception as error:  # noqa: BLE001 - a damaged event file must not stop the report
             sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
             continue
         if run is not None:

@@ -349,7 +349,7 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
             tolerance=config.margin,
         )
         return prediction.growth, prediction.batch_size, None
-    except Exception as error:  # the estimate only speeds the search up; trials decide
+    except Exception as error:  # noqa: BLE001 - the estimate only speeds the search up; trials decide
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else 'no message'}"
         # one warning per search, saying the step itself could not be estimated (not that memory is short)
         what = "failed" if isinstance(error, EstimateError) else "was unavailable"

@@ -108,7 +108,7 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
     tracer = next((c for c in callbacks if getattr(c, LAYER_TRACE_ATTRIBUTE, False) is True), None)
     try:
         cuda = trainer.strategy.root_device.type == "cuda"
-    except Exception:
+    except Exception:  # noqa: BLE001 - a strategy not set up yet may raise anything: no CUDA panels
         cuda = False
     options: dict[str, Any] = {
         "cuda": False,
@@ -211,7 +211,7 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
             for sibling in siblings:  # the modes compared so far: one layout, one base for all of them
                 if read_layout(sibling) != pruned:
                     write_layout(sibling, pruned, _new_lines(sibling, derived.get(sibling, {}), prefix))
-        except Exception as error:  # never break training for a dashboard
+        except Exception as error:  # noqa: BLE001 - never break training for a dashboard
             warnings.warn(
                 f"memkit: the dashboard of {run_dir} keeps its fit-start layout ({type(error).__name__}: {error})",
                 stacklevel=2,

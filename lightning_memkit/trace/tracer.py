@@ -61,7 +61,7 @@ class _TracingAccountant(TensorAccountant):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         try:
             self.set_label(self._tracer._label_for(func, args, kwargs))
-        except BaseException as error:  # never raise inside dispatch
+        except BaseException as error:  # noqa: BLE001 - never raise inside dispatch: recorded
             self._record_error(f"labelling {func}: {type(error).__name__}: {error}")
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -202,7 +202,7 @@ class LayerTracer:
             if self.compiled != "keep":
                 stack.enter_context(self.attributor.watch_saved_tensors())
                 stack.enter_context(self.accountant)
-        except BaseException:
+        except BaseException:  # whatever stopped the start (an interrupt too): undo it, then raise
             stack.close()
             self._hooks.remove()
             raise

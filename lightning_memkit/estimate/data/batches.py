@@ -75,7 +75,7 @@ def _call_hook(owner: Any, hook: str, *arguments: Any) -> Any:
         return getattr(owner, hook)(*arguments)
     except NoBatchError:
         raise
-    except Exception as error:
+    except Exception as error:  # the user's hook may raise anything: a NoBatchError names the hook
         shown = ", ".join(repr(a) for a in arguments)
         raise NoBatchError(
             f"{type(owner).__name__}.{hook}({shown}) failed while memkit took a sample batch: "
@@ -181,7 +181,7 @@ def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, i
             raise NoBatchError(
                 f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)"
             ) from None
-        except Exception as error:
+        except Exception as error:  # the user's loader may raise anything: a NoBatchError says where
             raise NoBatchError(
                 f"the first batch of the train dataloader failed while memkit took a sample batch: "
                 f"{type(error).__name__}: {error}"

@@ -99,7 +99,7 @@ def size_samples(dataset: Any, indices: Sequence[int]) -> dict[int, tuple[int, t
     for index in indices:
         try:
             signatures[index] = signature(dataset[index])
-        except Exception as error:
+        except Exception as error:  # the user's dataset may raise anything: a NoBatchError names the sample
             raise NoBatchError(
                 f"{type(dataset).__name__}[{index}] failed while memkit sized the samples for the worst "
                 f"batch: {type(error).__name__}: {error}"

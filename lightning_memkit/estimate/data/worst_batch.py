@@ -449,7 +449,7 @@ def worst_batch_and_length(
         raise
     except ValueError:
         raise
-    except Exception as error:
+    except Exception as error:  # the user's loader may raise anything: a NoBatchError says where
         raise NoBatchError(
             f"the train dataloader failed while memkit looked for its worst batch: {type(error).__name__}: {error}"
         ) from error

@@ -287,7 +287,7 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
             _run_steps(request, resolved, settings, step_copy, acc, offload, kernels)
         except (EstimateError, NoBatchError):
             raise
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - the user's step may raise anything: an EstimateError names it
             raise failure(request.module, fake, error) from (error.error if isinstance(error, HookFailed) else error)
         finally:
             if handle is not None:

@@ -74,13 +74,13 @@ class StepAccountant(TensorAccountant):
             return result
         try:
             self._account(func, args, kwargs, result)
-        except BaseException as error:  # never raise here (see TensorAccountant)
+        except BaseException as error:  # noqa: BLE001 - never raise inside dispatch (see TensorAccountant): recorded
             self._record_error(f"{func}: {type(error).__name__}: {error}")
         listener = self.op_listener
         if listener is not None:
             try:
                 listener(func, args, kwargs, result, self)
-            except BaseException as error:  # never raise here: the listener only observes
+            except BaseException as error:  # noqa: BLE001 - never raise inside dispatch: the listener only observes
                 self._record_error(f"op listener on {func}: {type(error).__name__}: {error}")
         return result
 

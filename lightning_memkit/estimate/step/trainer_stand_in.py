@@ -135,7 +135,7 @@ class StandInTrainer:
                 batches = trainer.num_training_batches
                 if batches not in (None, float("inf")) and batches > 0:
                     settings["num_training_batches"] = batches
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a loader that cannot be sized before the fit keeps the default
                 pass
         return cls(**settings)
 
