@@ -4,6 +4,7 @@ the auto and budget policies measured exactly, clear errors."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _assert_same_training_effect(base: nn.Module, other: nn.Module) -> None:
 
 
 @pytest.mark.parametrize(
-    "policy, count",
+    ("policy", "count"),
     [("auto", 3), ({nn.Sequential}, 4), (lambda name, m: name.startswith("blocks.") and name.count(".") == 1, 4)],
 )
 def test_gradients_and_running_stats_identical_with_dropout_and_batchnorm(policy, count):
@@ -359,11 +360,12 @@ def test_a_sample_that_runs_backward_is_a_clear_error_for_a_budget_and_a_warning
 def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
     from lightning_memkit.modes.checkpoint_policy import parse_budget
 
+    if isinstance(value, str) and value.startswith("budget="):
+        parse = functools.partial(apply_checkpointing, BlockNet(), value, sample=(torch.randn(2, 8),))
+    else:
+        parse = functools.partial(parse_budget, value)
     with pytest.raises(ValueError, match=r"fraction in \(0, 1\].*512MiB"):
-        if isinstance(value, str) and value.startswith("budget="):
-            apply_checkpointing(BlockNet(), value, sample=(torch.randn(2, 8),))
-        else:
-            parse_budget(value)
+        parse()
 
 
 def test_budget_forms_that_say_their_unit():

@@ -63,7 +63,7 @@ def test_estimate_within_one_percent_of_the_measured_step_and_touches_nothing(cl
 
 
 @pytest.mark.parametrize("cls", [DemoMLP, DemoCNN, DemoTransformer])
-@pytest.mark.parametrize("mode, autocast_dtype", [("baseline", None), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(("mode", "autocast_dtype"), [("baseline", None), ("bf16", torch.bfloat16)])
 def test_estimate_matches_an_independent_count_of_the_real_step(cls, mode, autocast_dtype):
     """Against tests/independent_count.py (gc walk and its own dispatch counter over a plain-torch loop in
     Lightning's order), not measure_training_step, which shares the estimate's step code. Measured: equal to
@@ -179,7 +179,7 @@ VIEWS = [
 ]
 
 
-@pytest.mark.parametrize("op, extra", VIEWS, ids=[str(op) for op, _ in VIEWS])
+@pytest.mark.parametrize(("op", "extra"), VIEWS, ids=[str(op) for op, _ in VIEWS])
 def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
     # the estimate's dispatch answers view ops of a fake itself (half of a fake step's ops): pinned against
     # FakeTensorMode's own result, which fake_view reproduces through private torch APIs

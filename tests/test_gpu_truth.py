@@ -302,7 +302,7 @@ def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
 
 
 @pytest.mark.parametrize(
-    "dtype, trace, buffer",
+    ("dtype", "trace", "buffer"),
     [(torch.float32, "BertLike_b8_32-true", 12595200), (torch.bfloat16, "BertLike_b8_bf16-mixed", 12779776)],
 )
 def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer):

@@ -516,7 +516,7 @@ def test_misuse_is_refused_with_a_clear_message():
 
 
 # ---------------------------------------------------------------------------- the whole process
-@pytest.mark.parametrize("steps, every, expected", [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
+@pytest.mark.parametrize(("steps", "every", "expected"), [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
 def test_the_first_two_logged_steps_get_the_peak(tmp_path, steps, every, expected):
     """A short or sparsely logged run still gets a step-peak line of two points or more: the first two steps Lightning
     logs always get the accountant's peak (with log_every_n_steps=5 the run's always-peaked steps 0 and 1 are not

@@ -13,7 +13,7 @@ from lightning_memkit.modes.mode import MODE_WORDS, parse_modes, resolve_precisi
 
 
 @pytest.mark.parametrize(
-    "text, precision, checkpoint",
+    ("text", "precision", "checkpoint"),
     [
         ("baseline", None, None),
         ("amp", "amp", None),
@@ -39,7 +39,7 @@ def test_parse_mode_words(text, precision, checkpoint):
 
 
 @pytest.mark.parametrize(
-    "text, message",
+    ("text", "message"),
     [
         ("ampp", "unknown mode word 'ampp'"),
         ("amp+bf16", "two precisions"),

@@ -544,7 +544,7 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--trials", "5"], "--trials 5: give 1 to 3"),
         (["--max-seconds", "0"], "--max-seconds 0: give a positive number of seconds"),
