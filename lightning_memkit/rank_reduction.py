@@ -24,7 +24,7 @@ __all__ = ["ReadingReducer", "side_group", "release_group"]
 _MISSING = -1
 
 
-def side_group(timeout_s: float) -> object:
+def side_group(timeout_s: float) -> dist.ProcessGroup:
     """A new gloo process group of every rank, with its own timeout (seconds): memkit's calls on it
     never interleave with the strategy's collectives (FSDP's all-gathers run on the default group),
     and a rank that never arrives is an error after ``timeout_s``, not a hang. Every rank must call
@@ -32,7 +32,7 @@ def side_group(timeout_s: float) -> object:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def release_group(group: object | None) -> None:
+def release_group(group: dist.ProcessGroup | None) -> None:
     """Destroy a group :func:`side_group` made (a local call on each rank: no collective). Nothing
     happens for ``None``, or when torch.distributed was torn down already (the group went with it)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
@@ -73,7 +73,7 @@ class ReadingReducer:
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
         self.world_size = 1
         self.rank = 0
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

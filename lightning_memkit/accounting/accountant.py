@@ -84,8 +84,9 @@ def storages_of(tensor: Any) -> list[torch.UntypedStorage]:
     (``is_wrapper_tensor``: DTensor...) those of its inner tensors, found with ``__tensor_flatten__``.
     Empty when there is none."""
     if isinstance(tensor, torch.Tensor) and is_wrapper_tensor(tensor):
+        wrapper: Any = tensor  # a wrapper subclass has __tensor_flatten__, which torch.Tensor does not declare
         try:
-            names, _ = tensor.__tensor_flatten__()
+            names, _ = wrapper.__tensor_flatten__()
         except Exception:  # noqa: BLE001 - an exotic subclass: nothing we can count
             return []
         found: list[torch.UntypedStorage] = []
@@ -261,7 +262,7 @@ class TensorAccountant(TorchDispatchMode):
         record = StorageRecord(nbytes, str(storage.device), label, self._sequence, adopted)
         self._sequence += 1
         # The callback holds no reference to the storage; it fires when torch frees it.
-        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        ref = weakref.ref(storage, lambda _ref: self._release(key))
         with self._lock:
             if key in self._records:  # adopted meanwhile by another thread (a collector hook)
                 return 0

@@ -187,7 +187,8 @@ class CategoryAttributor:
         self._roles: dict[int, str] = {}
         self._kept: dict[int, StorageRecord] = {}  # keeps role/saved records alive so ids stay unique
         self._saved_count: dict[int, int] = {}
-        self._saved_intervals: dict[int, list[list[int | None]]] = {}
+        # per record: (saved at, released at) ticks, ``None`` while still saved
+        self._saved_intervals: dict[int, list[tuple[int, int | None]]] = {}
         self._tick = 0
         self._save_listeners: list = []
 
@@ -216,10 +217,10 @@ class CategoryAttributor:
                 tensor
             ):  # a DTensor (FSDP2's parameters, gradients, state): its local tensor's storage
                 adopted += self.accountant.adopt([tensor], label=category)
-                for record in self.accountant.records_of(tensor):
-                    if id(record) not in self._roles:
-                        self._roles[id(record)] = category
-                        self._kept[id(record)] = record
+                for inner in self.accountant.records_of(tensor):
+                    if id(inner) not in self._roles:
+                        self._roles[id(inner)] = category
+                        self._kept[id(inner)] = inner
                 continue
             record = self.accountant.record_of(tensor)
             if record is None:
@@ -274,7 +275,7 @@ class CategoryAttributor:
                     self._tick += 1
                     intervals = self._saved_intervals.setdefault(key, [])
                     first_time = not intervals
-                    intervals.append([self._tick, None])
+                    intervals.append((self._tick, None))
                     self._kept[key] = record
                     if key not in self._roles:
                         for listener in self._save_listeners:
@@ -293,7 +294,7 @@ class CategoryAttributor:
         self._tick += 1
         intervals = self._saved_intervals.get(key)
         if intervals and intervals[-1][1] is None:
-            intervals[-1][1] = self._tick
+            intervals[-1] = (intervals[-1][0], self._tick)
 
     @staticmethod
     def _unpack(handle: _SavedHandle) -> torch.Tensor:

@@ -59,7 +59,8 @@ def watch_storage_resizes(watcher: ResizeWatcher) -> None:
     with _LOCK:
         if _ORIGINAL is None:
             _ORIGINAL = torch.UntypedStorage.resize_
-            torch.UntypedStorage.resize_ = _wrapped_resize
+            # the wrap is the point (the module docstring says why); mypy does not allow assigning to a method
+            torch.UntypedStorage.resize_ = _wrapped_resize  # type: ignore[method-assign, assignment]
         _WATCHERS.add(watcher)
 
 

@@ -82,10 +82,7 @@ def reset_compiled() -> None:
     is ``torch._dynamo.reset``): the planner's trials each compile at their own micro-batch, as the real fit will,
     instead of recompiling the last trial's code for a new shape (dynamic shapes, then the recompile limit), and the
     CUDA-graph pools of ``mode="reduce-overhead"`` (which ``empty_cache`` does not free) go with the trees."""
-    reset = getattr(getattr(torch, "compiler", None), "reset", None)
-    if reset is None:  # pragma: no cover - an older torch
-        from torch._dynamo import reset  # deferred: only an older torch, without torch.compiler.reset, needs it
-    reset()
+    torch.compiler.reset()
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:

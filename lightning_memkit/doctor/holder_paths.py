@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-try:
-    from torchmetrics import Metric as _METRIC
-except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
-    _METRIC = None
+from torchmetrics import Metric
 
 __all__ = [
     "HolderPath",
@@ -206,8 +202,7 @@ def _hooks_or_metric_state(path: HolderPath, objects: list) -> bool:
             path.note = _describe_hooks(objects[index + 1], holder)
             return True
         if (
-            _METRIC is not None
-            and isinstance(parent, _METRIC)
+            isinstance(parent, Metric)
             and kind in ("attr", "item")
             and isinstance(getattr(parent, "_defaults", {}).get(key), list)
         ):

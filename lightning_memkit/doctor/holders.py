@@ -186,7 +186,8 @@ def _targets(tensors: Iterable[Any]) -> set[int]:
 def _children(obj: Any, roots: dict, graphs: bool) -> list | None:
     """``[(edge or None, child)]`` the walk goes on to from ``obj``, or None at a dead end."""
     if isinstance(obj, torch.Tensor):
-        children = [(None, child) for child in gc.get_referents(obj)]  # its __dict__, a parameter's attributes
+        # its __dict__, a parameter's attributes
+        children: list[tuple[tuple[str, str] | None, Any]] = [(None, child) for child in gc.get_referents(obj)]
         node = obj.grad_fn if graphs else None
         if node is not None:
             children.append((("graph", ".grad_fn"), _GraphNode(node)))

@@ -82,7 +82,7 @@ class OpTracking(TorchDispatchMode):
             created_at=-1 if adopted else self._clock,
         )
         creation.last_use_at = creation.created_at
-        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        ref = weakref.ref(storage, lambda _ref: self._release(key))
         with self._lock:
             self._live[key] = creation
             self._refs[key] = ref
@@ -167,7 +167,7 @@ class OpTracking(TorchDispatchMode):
             if storage is None:
                 continue
             key = id(storage)
-            if key in self._live or (alias and key in input_keys):
+            if key in self._live or (input_keys is not None and alias and key in input_keys):
                 continue
             if frame is False:
                 frame = user_frame()

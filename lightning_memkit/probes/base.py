@@ -10,6 +10,7 @@ import contextlib
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import TypeVar
 
 from lightning_memkit.errors import MemkitError
 
@@ -40,6 +41,9 @@ class MemoryProbe(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: a probe that holds nothing keeps this no-op
         """Release what the probe holds (NVML handle, dispatch mode)."""
+
+
+ProbeT = TypeVar("ProbeT", bound=MemoryProbe)
 
 
 class ProbeSet:
@@ -94,6 +98,6 @@ class ProbeSet:
                 probe.close()
         self.probes = []
 
-    def find(self, kind: type) -> MemoryProbe | None:
+    def find(self, kind: type[ProbeT]) -> ProbeT | None:
         """The first active probe of class ``kind``, if any."""
         return next((p for p in self.probes if isinstance(p, kind)), None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -87,7 +89,15 @@ def pci_bus_id_of(properties: object) -> str | None:
     return f"{domain:08X}:{bus:02X}:{device:02X}.0"
 
 
-def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
+class NvmlLookups(Protocol):
+    """The two lookups of NVML's binding (``pynvml``) :func:`find_nvml_handle` uses."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> object: ...
+
+    def nvmlDeviceGetHandleByPciBusId(self, pci_bus_id: str) -> object: ...
+
+
+def find_nvml_handle(nvml: NvmlLookups, uuid: str, pci_bus_id: str | None) -> object:
     """The NVML handle of the CUDA device with torch's ``uuid`` (with or without its ``GPU-``/``MIG-``
     prefix) and ``pci_bus_id``: by UUID as a GPU, then as a MIG slice, then by PCI bus id. Never by index.
 
@@ -98,7 +108,7 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
     for prefix in ("GPU-", "MIG-"):
         if bare.startswith(prefix):
             bare = bare[len(prefix) :]
-    attempts: list[tuple[str, str, object]] = []
+    attempts: list[tuple[str, str, Callable[[str], object]]] = []
     if bare:
         attempts += [
             ("UUID", f"GPU-{bare}", nvml.nvmlDeviceGetHandleByUUID),

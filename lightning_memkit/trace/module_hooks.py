@@ -127,7 +127,7 @@ class ModuleHooks:
     def release(self) -> None:
         """Forget the modules, the calls and the accounting: they reach the model, its gradients and the batch."""
         self.infos = {}
-        self.attributor = self.accountant = None
+        del self.attributor, self.accountant
         self._calls = {}
         self._recompute_calls = {}
         self.stack = []
