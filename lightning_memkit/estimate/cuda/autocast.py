@@ -98,7 +98,7 @@ def autocast_policies() -> list[tuple[Any, str, AutocastPolicy]]:
         "renorm",
         "logsumexp",
     )
-    table = {
+    table: dict[AutocastPolicy, list[tuple[object, str]]] = {
         AutocastPolicy.FP32: [
             (F, "layer_norm"),
             (F, "group_norm"),

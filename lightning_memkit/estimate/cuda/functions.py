@@ -5,6 +5,7 @@ CUDA autocast's op lists), rewritten in the fake step so it allocates what CUDA 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -96,7 +97,7 @@ class CudaFunctions(TorchFunctionMode):
                 return original(*args, **kwargs) if result is NotImplemented else result
 
             call.__name__ = call.__qualname__ = name
-            call.__wrapped__ = original
+            functools.update_wrapper(call, original, assigned=(), updated=())  # __wrapped__ only: the name is ours
             return call
 
         try:

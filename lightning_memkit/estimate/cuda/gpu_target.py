@@ -63,7 +63,7 @@ class GpuTarget:
             return gpu
         if gpu is None:
             if torch.cuda.is_available():
-                return cls(torch.cuda.get_device_name().lower(), tuple(torch.cuda.get_device_capability()))
+                return cls(torch.cuda.get_device_name().lower(), torch.cuda.get_device_capability())
             return cls("h100", GPU_GENERATIONS["h100"])
         if isinstance(gpu, tuple) and len(gpu) == 2 and all(isinstance(v, int) for v in gpu):
             return cls(f"sm{gpu[0]}{gpu[1]}", gpu)

@@ -42,12 +42,11 @@ def preserved_rng() -> Iterator[None]:
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     queued_cuda = _torch_compat.queued_cuda_seeds() if cuda_states is None else None
     python_state = random.getstate()
-    try:
-        import numpy  # optional dependency: torch runs without numpy
+    numpy_state = None
+    with contextlib.suppress(ImportError):  # numpy is optional: torch runs without it
+        import numpy
 
         numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch
-        numpy = None
     try:
         yield
     finally:
@@ -57,7 +56,7 @@ def preserved_rng() -> Iterator[None]:
         else:
             _torch_compat.requeue_cuda_seeds(queued_cuda)
         random.setstate(python_state)
-        if numpy is not None:
+        if numpy_state is not None:
             numpy.random.set_state(numpy_state)
 
 

@@ -128,11 +128,12 @@ def run(request: StepRequest, settings: EstimateSettings | None = None) -> Memor
     settings = settings if settings is not None else EstimateSettings.current()
     cache = settings.reuse
     key = _memo_key(request, settings) if request.fake and cache is not None else None
-    if key is not None and key in cache.estimates:
+    if cache is None or key is None:
+        return _run_once(request, settings)
+    if key in cache.estimates:
         return copy.deepcopy(cache.estimates[key])
     estimate = _run_once(request, settings)
-    if key is not None:
-        cache.estimates[key] = copy.deepcopy(estimate)
+    cache.estimates[key] = copy.deepcopy(estimate)
     return estimate
 
 
@@ -366,7 +367,7 @@ def _runs_onednn_lstm(module: nn.Module) -> bool:
     return (
         any(isinstance(m, nn.LSTM) for m in module.modules())
         and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
     )
 
 
@@ -405,7 +406,7 @@ def _run_steps(
     ):
         if settings.prepare_copy is not None:
             settings.prepare_copy(module_copy, acc)
-        if resolved.manual:
+        if resolved.make_optimizer is None:  # manual optimization: training_step steps its optimizers itself
             run_manual_steps(loop, request.optimizer)
         else:
             run_automatic_steps(

@@ -38,11 +38,12 @@ class StepAccountant(TensorAccountant):
     ) -> None:
         super().__init__()
         self.fake_ops = fake_ops
-        self.events: list[tuple[str, int, int]] | None = [] if record_events else None
+        events: list[tuple[str, int, int]] = []
+        self.events: list[tuple[str, int, int]] | None = events if record_events else None
         if record_events:
             self.add_storage_listener(
-                lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
-                lambda record: self.events.append(("free", record.sequence, 0)),
+                lambda record: events.append(("alloc", record.sequence, record.nbytes)),
+                lambda record: events.append(("free", record.sequence, 0)),
             )
         self.peak_records: list[StorageRecord] = []
         self.peak_tick = 0
