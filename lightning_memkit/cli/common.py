@@ -57,6 +57,8 @@ def load_object(spec: str) -> Any:
             if module is None:
                 module_name = "_memkit_user_" + stem
                 module_spec = importlib.util.spec_from_file_location(module_name, location)
+                if module_spec is None or module_spec.loader is None:
+                    raise CliError(f"{location}: Python cannot load this file as a module; give a .py file")
                 module = importlib.util.module_from_spec(module_spec)
                 sys.modules[module_name] = module
                 module_spec.loader.exec_module(module)

@@ -91,7 +91,9 @@ class CheckpointBudget:
         checkpointing)."""
         if self.fraction is not None:
             return int(self.fraction * baseline_activation_bytes)
-        return int(self.bytes)  # type: ignore[arg-type]
+        if self.bytes is None:  # __post_init__ refuses it: one of the two is given
+            raise ValueError("CheckpointBudget: give exactly one of fraction=0.5 or bytes='512MiB'")
+        return int(self.bytes)
 
     def describe(self) -> str:
         """``budget=0.5``, ``budget=512.00 MiB`` or ``budget=0.5 within {MLP}``."""
@@ -206,9 +208,13 @@ class _BlockRun:
     names: list[str]  # qualified names of the blocks
 
     @property
-    def sequential(self) -> bool:
+    def sequential(self) -> nn.Sequential | None:
+        """The container when it is a plain ``nn.Sequential``, which runs its children in order, else ``None``."""
         # A subclass that overrides forward may call children in any order: treat it like a ModuleList.
-        return isinstance(self.container, nn.Sequential) and type(self.container).forward is nn.Sequential.forward
+        container = self.container
+        if isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward:
+            return container
+        return None
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -338,8 +344,9 @@ def regions_for(module: nn.Module, policy: Any) -> tuple[list[Region], str]:
     regions: list[Region] = []
     notes = []
     for run in runs:
-        if run.sequential:
-            children = list(run.container.named_children())
+        sequential = run.sequential
+        if sequential is not None:
+            children = list(sequential.named_children())
             for start, end in _sqrt_ranges(run.indices):
                 names = [_join(run.container_name, children[i][0]) for i in range(start, end)]
                 regions.append(
@@ -347,7 +354,7 @@ def regions_for(module: nn.Module, policy: Any) -> tuple[list[Region], str]:
                         f"{run.container_name or '<root>'}[{start}:{end}]",
                         [children[i][1] for i in range(start, end)],
                         names,
-                        run.container,
+                        sequential,
                         (start, end),
                     )
                 )

@@ -46,10 +46,10 @@ def _segments(regions: list[Region], profiles: dict[str, BlockProfile] | None) -
             CheckpointSegment(
                 region.name,
                 tuple(region.module_names),
-                p and p.saved_bytes,
-                p and p.predicted_saving_bytes,
-                p and p.recompute_flops,
-                p and p.forward_seconds,
+                None if p is None else p.saved_bytes,
+                None if p is None else p.predicted_saving_bytes,
+                None if p is None else p.recompute_flops,
+                None if p is None else p.forward_seconds,
             )
         )
     return out

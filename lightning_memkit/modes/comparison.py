@@ -197,7 +197,7 @@ def _read_peaks(result: ModeResult, history: Sequence[Any]) -> None:
     train = [r for r in history if r.stage == "train"]
     source = next((f for f in PEAK_SOURCES if any(getattr(r, f) is not None for r in train)), None)
     train = [r for r in train if source is not None and getattr(r, source) is not None]
-    result.step_peaks = [[r.step, int(getattr(r, source))] for r in train]
+    result.step_peaks = [[r.step, int(getattr(r, source))] for r in train] if source is not None else []
     if train:
         result.peak_allocated_bytes = max(peak for _, peak in result.step_peaks)
         result.peak_source = source
@@ -303,13 +303,17 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
         # the same precision word first (amp+checkpoint vs amp), else the same Lightning precision (amp vs bf16 on
         # CPU)
         _, counterpart = next(((m, r) for m, r in candidates if m.precision == mode.precision), candidates[0])
+        counterpart_peak = counterpart.peak_allocated_bytes
+        if counterpart_peak is None:  # the candidates all have a peak
+            continue
         result.counterpart = counterpart.mode
-        result.counterpart_peak_bytes = counterpart.peak_allocated_bytes
-        if counterpart.peak_allocated_bytes:
-            result.counterpart_peak_ratio = result.peak_allocated_bytes / counterpart.peak_allocated_bytes
-        result.checkpoint_helped = result.peak_allocated_bytes < counterpart.peak_allocated_bytes
-        if not result.checkpoint_helped:
-            warnings_text.append(result.checkpoint_warning())
+        result.counterpart_peak_bytes = counterpart_peak
+        if counterpart_peak:
+            result.counterpart_peak_ratio = result.peak_allocated_bytes / counterpart_peak
+        result.checkpoint_helped = result.peak_allocated_bytes < counterpart_peak
+        warning = result.checkpoint_warning()  # a sentence when checkpointing did not help
+        if warning is not None:
+            warnings_text.append(warning)
     return warnings_text
 
 
@@ -383,7 +387,7 @@ def _write_and_show(compare: CompareResult, settings: _RunSettings, write: bool,
 def compare_modes(
     model_factory: Callable[[], Any],
     datamodule_factory: Callable[[], Any] | None = None,
-    modes: str | Sequence[str | Mode] = ("baseline", "amp", "checkpoint", "amp+checkpoint"),
+    modes: str | Mode | Sequence[str | Mode] = ("baseline", "amp", "checkpoint", "amp+checkpoint"),
     max_steps: int = 20,
     *,
     accelerator: Any = "auto",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,8 @@ _LIGHTNING_PRECISION = {
     "bf16-true": "bf16-true",
     "16-true": "16-true",
 }
-_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_TRUE_HALF_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_AUTOCAST_DTYPE: dict[str | None, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE_HALF_DTYPE: dict[str | None, torch.dtype] = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _NAMES = {"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true", "16-true": "fp16-true"}
 _PRECISION_CHOICES = "None, 'amp', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"
 
@@ -290,13 +291,13 @@ def parse_mode(text: str | Mode) -> Mode:
     return Mode(precision=precision, checkpoint=checkpoint, name=cleaned, offload=offload)
 
 
-def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[Mode]:
+def parse_modes(text: str | Sequence[str | Mode]) -> list[Mode]:
     """Parse a comma-separated list (``"baseline,amp,checkpoint"``) or a list of mode strings.
 
     Raises:
         ValueError: for an empty list, a bad mode, or two modes with the same name.
     """
-    items = list(text.split(",") if isinstance(text, str) else list(text))
+    items: list[str | Mode] = list(text.split(",")) if isinstance(text, str) else list(text)
     modes = [parse_mode(t) for t in items if not (isinstance(t, str) and not t.strip())]
     if not modes:
         raise ValueError(f"no modes in {text!r}; write e.g. baseline,amp,checkpoint,amp+checkpoint")

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.estimate.data.worst_batch import batch_shapes
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import choose, run_trials
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
@@ -162,7 +163,9 @@ def _estimate(state: PlanState) -> None:
 def _plan(state: PlanState) -> Plan:
     """The :class:`~lightning_memkit.plan.result.Plan`, its notes completed, and the closing line said."""
     inputs, clock, best = state.inputs, state.clock, state.best
-    state.notes.insert(0, f"batch: {inputs.worst.describe()}; micro-batches are its largest samples")
+    worst = inputs.worst
+    found = worst.describe() if worst is not None else "the batch given"
+    state.notes.insert(0, f"batch: {found}; micro-batches are its largest samples")
     seconds = time.perf_counter() - clock.started
     state.notes.append(
         f"planned in {seconds:.1f} s of a {budget_text(clock.total)} s time budget "
@@ -181,7 +184,7 @@ def _plan(state: PlanState) -> Plan:
         inputs.device_type,
         state.notes,
         seconds,
-        batch_shapes=inputs.worst.shapes(),
+        batch_shapes=worst.shapes() if worst is not None else batch_shapes(inputs.batch),
         proved_micro_batch=proved_batch(inputs.batch, chosen),
         max_seconds=clock.total,
         phases=list(clock.phases),

@@ -276,7 +276,12 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
         builder.add(f'<p class="problems">the comparison figures could not be drawn: {html.escape(repr(error))}</p>')
         figures = {}
     for key, figure in figures.items():
-        builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", lambda figure=figure: figure)
+        builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", _drawn(figure))
+
+
+def _drawn(figure: Any) -> Callable[[], Any]:
+    """A figure already drawn, as the maker :meth:`_Builder.figure` takes."""
+    return lambda: figure
 
 
 def _items(texts: list[str]) -> str:

@@ -115,7 +115,8 @@ class SearchResult:
             else "no prediction"
         )
         rows = [
-            (i + 1, t.batch_size, t.outcome.value, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
+            # every trial has an outcome once built (__post_init__)
+            (i + 1, t.batch_size, t.outcome.value if t.outcome else "", format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
             for i, t in enumerate(self.trials)
         ]
         head = (

@@ -132,12 +132,10 @@ def trainer_mode(trainer: Any) -> Any:
     if precision in TRUE_HALF_PRECISIONS:
         return Mode(precision=precision)
     if "bf16" in precision and "mixed" in precision:
-        precision = "bf16-mixed"
-    elif precision.startswith("16") and "mixed" in precision:
-        precision = "16-mixed"
-    else:
-        precision = None
-    return None if precision is None else Mode(precision=precision)
+        return Mode(precision="bf16-mixed")
+    if precision.startswith("16") and "mixed" in precision:
+        return Mode(precision="16-mixed")
+    return None
 
 
 def release_memory(device: torch.device) -> None:

@@ -197,7 +197,7 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
                     )
         ax.set_ylabel("MiB")
         ax.set_title(question + " (MiB)", fontsize=9, loc="left")
-        if summary.peak_bytes is not None and summary.peak_source in fields:
+        if summary.peak_bytes is not None and summary.peak_step is not None and summary.peak_source in fields:
             stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
             mark_peak(
                 ax,
