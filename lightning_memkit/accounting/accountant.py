@@ -337,7 +337,9 @@ class TensorAccountant(TorchDispatchMode):
         parent_exit = super().__exit__
         _torch_compat.exit_mode_in_place(self, lambda: parent_exit(exc_type, exc_val, exc_tb))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(  # noqa: D105
+        self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         result = func(*args, **(kwargs or {}))
         try:
             self._account(func, args, kwargs, result)

@@ -34,7 +34,7 @@ class DoesNotFitError(MemkitError, ValueError):
     Attributes:
         module_name: the module's class name.
         needed_bytes: what batch size 1 needs (the estimate's ``required_bytes``), bytes.
-        target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes.
+        target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes (not rounded).
         capacity_bytes: the device memory given, bytes.
         margin: the fraction of ``capacity_bytes`` kept free.
         estimate: the estimate at batch size 1 (a :class:`~lightning_memkit.estimate.MemoryEstimate`, or for a
@@ -46,7 +46,7 @@ class DoesNotFitError(MemkitError, ValueError):
         self,
         module_name: str,
         needed_bytes: int,
-        target_bytes: int,
+        target_bytes: float,
         capacity_bytes: int,
         margin: float,
         estimate: Any = None,
@@ -251,7 +251,17 @@ def predict_max_batch_size(
 
 
 def _predict(
-    module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs
+    module: nn.Module,
+    capacity: int,
+    target: float,
+    mode: Any,
+    margin: float,
+    device: str | torch.device,
+    batch: Any,
+    max_val: int,
+    tolerance: float,
+    estimator: Callable[..., MemoryEstimate],
+    estimate_kwargs: dict[str, Any],
 ) -> BatchSizePrediction:
     given = batch
     reuse = EstimateSettings.current().reuse  # the block's, so the estimates below take the same batch

@@ -17,7 +17,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from lightning_memkit.modes.devices import device_type
 from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.timing import StepTimer, time_spread, within_noise
 from lightning_memkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
 
 __all__ = ["CheckpointWarning", "compare_modes", "progress_line"]
 
@@ -79,7 +82,7 @@ def _first_batch_size(batch: Any) -> int | None:
     return None
 
 
-def _step_recorder():
+def _step_recorder() -> Any:
     from lightning.pytorch import Callback  # Lightning only when a comparison runs: lightning_memkit.modes is core
 
     class _StepRecorder(Callback):
@@ -98,17 +101,21 @@ def _step_recorder():
             self.batch_size: int | None = None
             self._last_loss: Any = None
 
-        def on_train_start(self, trainer, pl_module) -> None:
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             self.timer = StepTimer(trainer.strategy.root_device)
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        def on_train_batch_start(
+            self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             if self.batch_size is None:
                 self.batch_size = _first_batch_size(batch)
             if self.timer is not None:
                 self.timer.cancel()  # a window left open by a step that returned None
                 self.timer.start()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        def on_train_batch_end(
+            self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if self.timer is not None and self.timer.running:
                 self.timer.stop()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -116,7 +123,7 @@ def _step_recorder():
                 # read at train end: float() here would wait for the device every step
                 self._last_loss = loss.detach()
 
-        def on_train_end(self, trainer, pl_module) -> None:
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
             if self._last_loss is not None:
                 self.final_loss = float(self._last_loss.float().cpu())
                 self._last_loss = None

@@ -58,7 +58,9 @@ class _TracingAccountant(TensorAccountant):
         super().__init__()
         self._tracer = tracer
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(  # noqa: D105
+        self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         try:
             self.set_label(self._tracer._label_for(func, args, kwargs))
         except BaseException as error:  # noqa: BLE001 - never raise inside dispatch: recorded
@@ -314,7 +316,7 @@ class LayerTracer:
             )
 
     # ------------------------------------------------------------------ labels and peaks
-    def _label_for(self, func, args, kwargs) -> str:
+    def _label_for(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> str:
         if is_parameter_cast(func, args, kwargs, self._is_parameter):
             return AUTOCAST_COPY_LABEL
         if in_backward():
