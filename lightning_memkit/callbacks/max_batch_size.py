@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -299,7 +299,7 @@ def _checkpoint_policy(trainer: Trainer) -> Any:
 
 
 def find_max_batch_size(
-    trainer: Trainer, module: LightningModule, datamodule: Any = None, **options: Any
+    trainer: Trainer, module: LightningModule, datamodule: LightningDataModule | None = None, **options: Any
 ) -> SearchResult:
     """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
     that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).

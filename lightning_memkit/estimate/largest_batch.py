@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -24,6 +24,12 @@ from lightning_memkit.estimate.step.memory_estimate import EstimateError, Memory
 from lightning_memkit.estimate.step.runner import prepare_batch
 from lightning_memkit.estimate.step.settings import EstimateSettings, reusing_fake_copies
 from lightning_memkit.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule
+
+    from lightning_memkit.estimate.distributed.per_rank import DistributedEstimate
+    from lightning_memkit.modes.mode import ModeLike
 
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
 
@@ -49,7 +55,7 @@ class DoesNotFitError(MemkitError, ValueError):
         target_bytes: float,
         capacity_bytes: int,
         margin: float,
-        estimate: Any = None,
+        estimate: MemoryEstimate | DistributedEstimate | None = None,
     ) -> None:
         self.module_name = module_name
         self.needed_bytes = needed_bytes
@@ -178,7 +184,7 @@ def predict_max_batch_size(
     module: nn.Module,
     device_memory: int | str | None = None,
     *,
-    mode: Any = None,
+    mode: ModeLike = None,
     margin: float = 0.05,
     device: str | torch.device = "cuda",
     batch: Any = None,
@@ -187,7 +193,7 @@ def predict_max_batch_size(
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
     strategy: Any = None,
     world_size: int = 1,
-    datamodule: Any = None,
+    datamodule: LightningDataModule | None = None,
     **estimate_kwargs: Any,
 ) -> BatchSizePrediction:
     """Predict the largest batch size whose training step fits in ``device_memory`` (fake tensors only).
@@ -254,7 +260,7 @@ def _predict(
     module: nn.Module,
     capacity: int,
     target: float,
-    mode: Any,
+    mode: ModeLike,
     margin: float,
     device: str | torch.device,
     batch: Any,

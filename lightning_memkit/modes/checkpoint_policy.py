@@ -8,7 +8,7 @@ regions a budget chooses among.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = [
     "CheckpointBudget",
+    "CheckpointPolicy",
     "normalize_policy",
     "describe_policy",
     "find_repeated_blocks",
@@ -133,6 +134,13 @@ def parse_budget(value: Any, within: Any = None) -> CheckpointBudget:
             f"budget {value!r} is ambiguous: a bare number must be a fraction in (0, 1]; {BUDGET_UNITS_HINT}"
         )
     return CheckpointBudget(fraction=number, within=within)
+
+
+#: a checkpointing policy: ``"auto"`` (or ``"budget=0.5"``), a set of module classes (or their class paths), a module
+#: class, a callable ``(qualified_name, module) -> bool``, or a :class:`CheckpointBudget`
+CheckpointPolicy = (
+    str | Iterable[str | type[nn.Module]] | type[nn.Module] | CheckpointBudget | Callable[[str, nn.Module], bool]
+)
 
 
 def normalize_policy(policy: Any) -> Any:

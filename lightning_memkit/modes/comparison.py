@@ -28,7 +28,7 @@ from lightning_memkit.modes.compare_result import (
     ModeStatus,
     write_tensorboard_summary,
 )
-from lightning_memkit.modes.devices import device_type
+from lightning_memkit.modes.devices import DeviceLike, device_type
 from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.timing import StepTimer, time_spread, within_noise
 from lightning_memkit.units import format_bytes
@@ -397,8 +397,8 @@ def compare_modes(
     modes: str | Mode | Sequence[str | Mode] = ("baseline", "amp", "checkpoint", "amp+checkpoint"),
     max_steps: int = 20,
     *,
-    accelerator: Any = "auto",
-    devices: Any = 1,
+    accelerator: DeviceLike = "auto",
+    devices: int | str | list[int] = 1,
     root_dir: str = "memkit_compare",
     seed: int = 0,
     val_batches: int = 2,

@@ -19,7 +19,10 @@ the effective batch, at least 30 s more).
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
 
 from lightning_memkit.estimate.data.batches import preserved_rng
 from lightning_memkit.estimate.data.worst_batch import batch_shapes
@@ -35,21 +38,26 @@ from lightning_memkit.plan.time_model import TimeModel, roofline_for
 from lightning_memkit.plan.trials import TrialSteps, proved_batch, run_row
 from lightning_memkit.units import format_bytes
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from lightning_memkit.estimate.cuda.gpu_target import GpuLike
+
 __all__ = ["plan_fit", "no_best_note"]
 
 
 def plan_fit(
-    module: Any,
+    module: LightningModule,
     *,
     batch_size: int | None = None,
     device_memory: int | str | None = None,
-    gpu: Any = None,
-    device: Any = None,
-    modes: Any = None,
-    datamodule: Any = None,
+    gpu: GpuLike = None,
+    device: str | torch.device | None = None,
+    modes: str | Iterable[str] | None = None,
+    datamodule: LightningDataModule | None = None,
     trials: int = MAX_TRIALS,
     world_size: int = 1,
-    strategy: Any = None,
+    strategy: str | None = None,
     verbose: bool = True,
     warmup_steps: int = WARMUP_STEPS,
     timed_steps: int = TIMED_STEPS,

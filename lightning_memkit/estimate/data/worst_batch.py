@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,7 +318,11 @@ def _round_robin(orders: list[list[int]]) -> list[int]:
 
 
 def find_worst_batch(
-    loader: Any, batch_size: int | None = None, *, size_of: Any = None, max_samples: int = MAX_SIZED_SAMPLES
+    loader: Iterable[Any],
+    batch_size: int | None = None,
+    *,
+    size_of: str | Callable[[int], float] | None = None,
+    max_samples: int = MAX_SIZED_SAMPLES,
 ) -> WorstBatch:
     """The largest batch ``loader`` can produce at ``batch_size`` samples (default: the loader's own).
 

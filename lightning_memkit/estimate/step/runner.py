@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,6 +50,12 @@ from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, offload_suspended
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule, Trainer
+
+    from lightning_memkit.estimate.cuda.gpu_target import GpuLike
+    from lightning_memkit.modes.mode import ModeLike
+
 __all__ = ["StepRequest", "run", "prepare_batch", "PreparedBatch", "GIVEN_BATCH_NOTE"]
 
 #: the note on an estimate of a batch the caller gave
@@ -64,13 +70,13 @@ class StepRequest:
     module: nn.Module
     batch: Any = None
     batch_size: int | None = None
-    mode: Any = None
+    mode: ModeLike = None
     device: str | torch.device = "cuda"
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
-    datamodule: Any = None
-    trainer: Any = None
-    gpu: Any = None
+    datamodule: LightningDataModule | None = None
+    trainer: Trainer | None = None
+    gpu: GpuLike = None
     fake: bool = True
     steps: int = 2
 
