@@ -354,17 +354,7 @@ class TensorAccountant(TorchDispatchMode):
         if not returns_alias(func):
             # A functional op: by its schema every output is a fresh allocation, so the
             # inputs need not be looked at (the common case, and the cheap one).
-            for output in outputs:
-                storage = storage_of(output)
-                if storage is not None:
-                    if id(storage) not in self._records:
-                        self._track(storage, self._label, adopted=False)
-                elif is_wrapper_tensor(
-                    output
-                ):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
-                    for inner in storages_of(output):
-                        if id(inner) not in self._records:
-                            self._track(inner, self._label, adopted=False)
+            self._track_fresh(outputs)
             return
         if func in _LIFT_FRESH:
             # torch.tensor(data) builds its tensor in C++, outside the dispatcher, then hands it to lift_fresh (an
@@ -384,6 +374,20 @@ class TensorAccountant(TorchDispatchMode):
                     self._resize(storage)
                 elif key not in self._records:
                     self._track(storage, self._label, adopted=False)
+
+    def _track_fresh(self, outputs: list[torch.Tensor]) -> None:
+        """Track the storages of a functional op's outputs, each a fresh allocation."""
+        for output in outputs:
+            storage = storage_of(output)
+            if storage is not None:
+                if id(storage) not in self._records:
+                    self._track(storage, self._label, adopted=False)
+            elif is_wrapper_tensor(
+                output
+            ):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
+                for inner in storages_of(output):
+                    if id(inner) not in self._records:
+                        self._track(inner, self._label, adopted=False)
 
 
 #: the ops torch.tensor() hands its freshly built tensor to (``lift_fresh(Tensor(a) self) -> Tensor(a)``)

@@ -24,7 +24,7 @@ from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
 from lightning_memkit.estimate.distributed.sharding import STRATEGIES, sharding_of
 from lightning_memkit.estimate.largest_batch import DoesNotFitError, device_capacity_bytes, predict_max_batch_size
-from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, mode_needs, needing_less
+from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, ModeNeed, mode_needs, needing_less
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.modes.mode import parse_modes
@@ -329,6 +329,18 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
         result["suggestions"] = [n.mode for n in needing_less(needs, too_big.needed_bytes) if n.mode != mode_name]
     for line in kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
+    return _single_status(args, module, memory, results, estimates, needs)
+
+
+def _single_status(
+    args: argparse.Namespace,
+    module: Any,
+    memory: int,
+    results: list[dict],
+    estimates: dict[str, tuple[Any, Any]],
+    needs: list[ModeNeed],
+) -> int:
+    """The command's exit status (after ``--check``'s measured steps, when asked), the ``--json`` document written."""
     # any requested mode that failed or does not fit even at batch size 1 fails the command
     status = 0 if all("error" not in r and r["fits"] for r in results) else 1
     if args.check and estimates:

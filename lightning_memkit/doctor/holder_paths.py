@@ -99,6 +99,12 @@ def edge_between(parent: Any, child: Any) -> tuple[str, Any]:
             if getattr(parent, name, None) is child:
                 return "attr", name
         return "ref", "function"
+    return _attribute_edge(parent, child)
+
+
+def _attribute_edge(parent: Any, child: Any) -> tuple[str, Any]:
+    """How ``parent``, an object that is no container, function or cell, refers to ``child``: an attribute in its
+    ``__dict__`` or its slots (read without running the object's own ``__getattribute__``)."""
     try:
         namespace = object.__getattribute__(parent, "__dict__")
     except (AttributeError, TypeError):

@@ -256,6 +256,18 @@ def predict_max_batch_size(
         )
 
 
+def _bracket(points: list[tuple[int, int]], target: float, max_val: int) -> tuple[int, int]:
+    """``(lo, hi)``: the largest batch size of ``points`` (``(size, required bytes)``) that fits ``target`` bytes (at
+    most ``max_val``; 0 when none does) and the smallest that does not (``max_val + 1`` when all fit)."""
+    lo, hi = 0, max_val + 1
+    for size, value in points:
+        if value <= target:
+            lo = max(lo, min(size, max_val))  # the first sizes (the batch's own and double) may exceed max_val
+        else:
+            hi = min(hi, size)
+    return lo, hi
+
+
 def _predict(
     module: nn.Module,
     capacity: int,
@@ -288,12 +300,7 @@ def _predict(
     required(first), required(second)
     growth = AffineGrowth.fit(points)
     mode_name = cache[first].mode
-    lo, hi = 0, max_val + 1
-    for size, value in points:
-        if value <= target:
-            lo = max(lo, min(size, max_val))  # the first sizes (the batch's own and double) may exceed max_val
-        else:
-            hi = min(hi, size)
+    lo, hi = _bracket(points, target, max_val)
     guess = growth.largest_fitting(target)
     for _ in range(12):
         if hi - lo <= max(1, tolerance * max(lo, 1)) or lo >= max_val:
