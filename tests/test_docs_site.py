@@ -56,7 +56,7 @@ def test_the_site_builds_strictly(tmp_path):
     for page in PAGES:  # every page was built, and the runnable examples the pages link are served beside them
         name = "" if page == "index.md" else page[:-3] + "/"
         assert (site / name / "index.html").exists(), page
-    text = "".join(Path(os.path.join(DOCS, p)).read_text(encoding="utf-8") for p in PAGES)
+    text = "".join(Path(DOCS, p).read_text(encoding="utf-8") for p in PAGES)
     linked = set(re.findall(r"\]\(\.\./examples/([\w.]+)", text))
     assert linked and all((site / "examples" / name).exists() for name in linked), linked
 
@@ -68,7 +68,7 @@ def test_every_page_is_in_the_navigation_once():
 def test_every_relative_link_of_the_pages_resolves():
     broken = []
     for page in PAGES:
-        text = Path(os.path.join(DOCS, page)).read_text(encoding="utf-8")
+        text = Path(DOCS, page).read_text(encoding="utf-8")
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if re.match(r"[a-z]+:", target):
                 continue
@@ -78,7 +78,7 @@ def test_every_relative_link_of_the_pages_resolves():
 
 
 def index_rows() -> list[list[str]]:
-    text = Path(os.path.join(DOCS, "index.md")).read_text(encoding="utf-8")
+    text = Path(DOCS, "index.md").read_text(encoding="utf-8")
     rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
     header, _, *body = rows
     assert [c.strip() for c in header] == ["question", "tool", "what it prints (and writes)", "page"]
@@ -110,7 +110,7 @@ MAX_PAGE_LINES = 300
 
 
 def test_no_page_is_over_300_lines():
-    lines = {page: len(Path(os.path.join(DOCS, page)).read_text(encoding="utf-8").splitlines()) for page in PAGES}
+    lines = {page: len(Path(DOCS, page).read_text(encoding="utf-8").splitlines()) for page in PAGES}
     over = {page: count for page, count in lines.items() if count > MAX_PAGE_LINES}
     assert over == {}, f"over {MAX_PAGE_LINES} lines: {over} (runs go to benchmarks/README.md, history to CHANGELOG.md)"
 
@@ -142,7 +142,7 @@ def test_no_page_docstring_or_message_cites_source_documents():
 
 
 def test_the_changelog_has_an_unreleased_section():
-    text = Path(os.path.join(ROOT, "CHANGELOG.md")).read_text(encoding="utf-8")
+    text = Path(ROOT, "CHANGELOG.md").read_text(encoding="utf-8")
     assert text.startswith("# Changelog") and "\n## Unreleased\n" in text
 
 

@@ -54,8 +54,8 @@ def test_without_git_the_commit_comes_from_the_environment(monkeypatch, tmp_path
 
 def test_every_gpu_result_script_names_its_provenance():
     for script in ("plan_gpu.py", "plan_gpu_table.py", "gpu_truth.py"):
-        text = Path(os.path.join(BENCHMARKS, script)).read_text()
+        text = Path(BENCHMARKS, script).read_text()
         assert "from provenance import" in text and "provenance_line()" in text, script
-    assert "write_json(args.json, results)" in Path(os.path.join(BENCHMARKS, "plan_gpu.py")).read_text()
+    assert "write_json(args.json, results)" in Path(BENCHMARKS, "plan_gpu.py").read_text()
     for script in ("gpu_lease.sh", "gpu_lease2.sh"):
-        assert "python3 benchmarks/provenance.py" in Path(os.path.join(BENCHMARKS, script)).read_text(), script
+        assert "python3 benchmarks/provenance.py" in Path(BENCHMARKS, script).read_text(), script
