@@ -82,8 +82,8 @@ def main() -> None:
             f"  checkpointed ('auto'): eager {eager_ck:,} ({eager_ck / eager - 1:+.1%})  compiled {compiled_ck:,} "
             f"({compiled_ck / compiled - 1:+.1%})"
         )
-        worst = max(abs(a - b) for a, b in zip(compiled_ck_losses, eager_ck_losses))
-        worst_plain = max(abs(a - b) for a, b in zip(compiled_losses, eager_losses))
+        worst = max(abs(a - b) for a, b in zip(compiled_ck_losses, eager_ck_losses, strict=True))
+        worst_plain = max(abs(a - b) for a, b in zip(compiled_losses, eager_losses, strict=True))
         print(
             f"  losses: compiled+checkpointed vs eager+checkpointed max |diff| {worst:.2e}; "
             f"compiled vs eager {worst_plain:.2e}"

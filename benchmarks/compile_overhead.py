@@ -183,7 +183,7 @@ def main() -> None:
         if base not in times:
             continue
         ratio = statistics.median(times[name]) / statistics.median(times[base])
-        rounds = " ".join(f"{a / b:.2f}" for a, b in zip(per_round[name], per_round[base]))
+        rounds = " ".join(f"{a / b:.2f}" for a, b in zip(per_round[name], per_round[base], strict=True))
         peak = peaks[name]
         print(
             f"{name:<15}{statistics.median(times[name]) * 1e3:>14.2f}{ratio:>8.2f}  {rounds:<22}"

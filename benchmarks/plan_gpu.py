@@ -104,7 +104,7 @@ def resnet50(batch_size: int, size: int = 224, widths=(64, 128, 256, 512), depth
                 nn.MaxPool2d(3, 2, 1),
             )
             blocks, cin = [], widths[0]
-            for index, (width, depth) in enumerate(zip(widths, depths)):
+            for index, (width, depth) in enumerate(zip(widths, depths, strict=True)):
                 for block in range(depth):
                     blocks.append(Bottleneck(cin, width, 2 if index > 0 and block == 0 else 1))
                     cin = 4 * width

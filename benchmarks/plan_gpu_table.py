@@ -185,8 +185,8 @@ def main(folder: str) -> None:
     for (name, budget), case in sorted(read(Path(folder)).items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         r = summarize(name, budget, case)
 
-        def pct(speed) -> str:
-            return f"{speed / r['best_speed']:.0%}" if speed else "none fit"
+        def pct(speed, best_speed=r["best_speed"]) -> str:
+            return f"{speed / best_speed:.0%}" if speed else "none fit"
 
         share = r["choice_speed"] / r["best_speed"]
         print(

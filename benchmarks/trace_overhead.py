@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = {"plain": "", "traced": "<= 1.50", "accountant": "(reference)", "between": "<= 1.01"}
     for name in variants:
         values = times[name]
-        paired = statistics.median(v / p for v, p in zip(values, times["plain"]))
+        paired = statistics.median(v / p for v, p in zip(values, times["plain"], strict=True))
         print(
             f"{name:<10} {medians[name] * 1e3:10.2f} {min(values) * 1e3:8.2f} {max(values) * 1e3:8.2f} "
             f"{medians[name] / medians['plain']:8.3f} {paired:9.3f} "

@@ -35,12 +35,14 @@ ops, like a small GPT), "20ms" a wide MLP, "1ms" a tiny MLP (almost nothing but 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -221,7 +223,7 @@ def run_paired(model_name: str, variant: str, root: str, warmup: int = 6, clock=
     if isinstance(model, BenchMLP):
         model.data = torch.randn(model.batch_size * (2 * steps + warmup + 1), model.data.shape[1])
     trainer.fit(model)
-    times = [b - a for a, b in zip(step_clock.starts, step_clock.starts[1:])]
+    times = [b - a for a, b in itertools.pairwise(step_clock.starts)]
     even = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 0]
     odd = [t for i, t in enumerate(times) if i >= warmup and i % 2 == 1]
     return statistics.median(even) / statistics.median(odd)
@@ -252,11 +254,62 @@ def run_once(
         limit_val_batches=0,
     )
     trainer.fit(model)
-    step_times = [b - a for a, b in zip(step_clock.starts[warmup:], step_clock.starts[warmup + 1 :])]
+    step_times = [b - a for a, b in itertools.pairwise(step_clock.starts[warmup:])]
     hook_times = (
-        [sum(t) for t in zip(*(timer.per_step for timer in timers))][warmup:] if timers else [0.0] * len(step_times)
+        [sum(t) for t in zip(*(timer.per_step for timer in timers), strict=True)][warmup:]
+        if timers
+        else [0.0] * len(step_times)
     )
     return step_times, hook_times
+
+
+def _print_table(results: dict, in_hooks: dict, variants: list[str]) -> None:
+    """The interleaved runs' table: each variant's median step time, its ratio to no callback, and its time in hooks."""
+    rows = []
+    for model_name, by_variant in results.items():
+        base = statistics.median(by_variant["none"])
+        for variant in variants:
+            median = statistics.median(by_variant[variant])
+            hooks = statistics.median(in_hooks[model_name][variant])
+            rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
+    print(
+        f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} "
+        f"{'ratio to none':>14} {'in-hook ms/step':>16}"
+    )
+    for model_name, variant, n, ms, ratio, hooks in rows:
+        print(f"{model_name:<6} {variant:<15} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
+    print()
+    for model_name in MODELS:
+        r = {v: ratio for m, v, _, _, ratio, _ in rows if m == model_name}
+        h = {v: hooks for m, v, _, _, _, hooks in rows if m == model_name}
+        base_ms = next(ms for m, v, _, ms, _, _ in rows if m == model_name and v == "none")
+        print(
+            f"{model_name} (none: {base_ms:.2f} ms/step): memkit/none = {r['memkit']:.3f}, "
+            f"in-hook {h['memkit']:.3f} ms = {h['memkit'] / base_ms:.1%} of a step; "
+            f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
+            f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
+            f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
+            f"default: memkit-default/none = {r['memkit-default']:.3f} "
+            f"({'cheaper' if r['memkit-default'] <= r['devicestats'] else 'NOT cheaper'} than devicestats); "
+            f"peak every step: memkit+peak/none = {r['memkit+peak']:.3f}"
+        )
+
+
+def _print_paired(variants: list[str], repeats: int, root: str, clock: Callable[[], float]) -> None:
+    """The paired runs (one run alternates steps with and without the callback) and their table."""
+    paired = {m: {v: [] for v in variants} for m in MODELS}
+    for repeat in range(repeats):
+        for model_name in MODELS:
+            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+            for variant in order:
+                paired[model_name][variant].append(run_paired(model_name, variant, root, clock=clock))
+    print("\npaired (one run alternates steps with and without the callback; median of runs):")
+    print(f"{'model':<6} {'variant':<15} {'with/without':>13} {'over control':>13}")
+    for model_name in MODELS:
+        control = statistics.median(paired[model_name]["none"])
+        for variant in variants:
+            ratio = statistics.median(paired[model_name][variant])
+            print(f"{model_name:<6} {variant:<15} {ratio:>13.3f} {ratio / control:>13.3f}")
 
 
 def main() -> None:
@@ -304,52 +357,12 @@ def main() -> None:
                     step_times, hook_times = run_once(model_name, variant, root, clock=clock)
                     results[model_name][variant] += step_times
                     in_hooks[model_name][variant] += hook_times
-        rows = []
-        for model_name, by_variant in results.items():
-            base = statistics.median(by_variant["none"])
-            for variant in variants:
-                median = statistics.median(by_variant[variant])
-                hooks = statistics.median(in_hooks[model_name][variant])
-                rows.append((model_name, variant, len(by_variant[variant]), median * 1e3, median / base, hooks * 1e3))
-        print(
-            f"{'model':<6} {'variant':<15} {'steps':>5} {'median ms/step':>15} "
-            f"{'ratio to none':>14} {'in-hook ms/step':>16}"
-        )
-        for model_name, variant, n, ms, ratio, hooks in rows:
-            print(f"{model_name:<6} {variant:<15} {n:>5} {ms:>15.3f} {ratio:>14.3f} {hooks:>16.3f}")
-        print()
-        for model_name in MODELS:
-            r = {v: ratio for m, v, _, _, ratio, _ in rows if m == model_name}
-            h = {v: hooks for m, v, _, _, _, hooks in rows if m == model_name}
-            base_ms = next(ms for m, v, _, ms, _, _ in rows if m == model_name and v == "none")
-            print(
-                f"{model_name} (none: {base_ms:.2f} ms/step): memkit/none = {r['memkit']:.3f}, "
-                f"in-hook {h['memkit']:.3f} ms = {h['memkit'] / base_ms:.1%} of a step; "
-                f"devicestats/none = {r['devicestats']:.3f}, in-hook {h['devicestats']:.3f} ms "
-                f"(memkit {'cheaper' if h['memkit'] < h['devicestats'] else 'NOT cheaper'} per logged step, "
-                f"{h['devicestats'] / max(h['memkit'], 1e-9):.1f}x); "
-                f"default: memkit-default/none = {r['memkit-default']:.3f} "
-                f"({'cheaper' if r['memkit-default'] <= r['devicestats'] else 'NOT cheaper'} than devicestats); "
-                f"peak every step: memkit+peak/none = {r['memkit+peak']:.3f}"
-            )
+        _print_table(results, in_hooks, variants)
         # Paired: one run alternates steps with and without the callback; the ratio
         # even/odd, divided by the same ratio of a run with no callback (the control),
         # is the callback's cost per logged step with the load shared by both sides.
-        if args.no_paired:
-            return
-        paired = {m: {v: [] for v in variants} for m in MODELS}
-        for repeat in range(repeats):
-            for model_name in MODELS:
-                order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
-                for variant in order:
-                    paired[model_name][variant].append(run_paired(model_name, variant, root, clock=clock))
-        print("\npaired (one run alternates steps with and without the callback; median of runs):")
-        print(f"{'model':<6} {'variant':<15} {'with/without':>13} {'over control':>13}")
-        for model_name in MODELS:
-            control = statistics.median(paired[model_name]["none"])
-            for variant in variants:
-                ratio = statistics.median(paired[model_name][variant])
-                print(f"{model_name:<6} {variant:<15} {ratio:>13.3f} {ratio / control:>13.3f}")
+        if not args.no_paired:
+            _print_paired(variants, repeats, root, clock)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -49,7 +49,7 @@ def main() -> None:
     except (
         PlanError
     ) as error:  # input it cannot plan for (a budget below the parameters...): the message says what to give
-        raise SystemExit(f"cannot plan: {error}")
+        raise SystemExit(f"cannot plan: {error}") from None
     print(plan.table())
     ran: list[PlanRow] = [row for row in plan.rows if row.ran]
     print(f"{len(ran)} of {len(plan.rows)} candidates trained for real")

@@ -248,7 +248,7 @@ def loop_flags(loop: Any) -> list[dict[str, Any]]:
 
 def set_loop_flags(loop: Any, flags: list[dict[str, Any]]) -> None:
     """Put back flags saved by :func:`loop_flags` (same loop tree)."""
-    for each, saved in zip(_loops(loop), flags):
+    for each, saved in zip(_loops(loop), flags, strict=True):
         for name, value in saved.items():
             setattr(each, name, value)
 
@@ -264,8 +264,9 @@ def attach_stand_in_trainer(module: Any, stand_in: Any) -> None:
     for each in module.modules():
         if isinstance(each, LightningModule):
             each._trainer = stand_in  # the property's setter would also do this; _trainer is what every read uses
-            each.log = _no_log
-            each.log_dict = _no_log
+            # instance attributes that shadow the methods, on memkit's copy only
+            each.log = _no_log  # type: ignore[method-assign]
+            each.log_dict = _no_log  # type: ignore[method-assign]
 
 
 def attached_trainer(module: Any) -> Any:
@@ -302,7 +303,7 @@ def copy_module(module: Any, memo: dict[int, Any] | None = None, *, compiled: bo
     own = dict(context)
     for name in _COMPILED_METHODS:
         original = context.get(f"original_{name}")
-        if name not in vars(module) or getattr(original, "__self__", None) is not module:
+        if name not in vars(module) or original is None or getattr(original, "__self__", None) is not module:
             continue
         method = types.MethodType(original.__func__, copied)
         own[f"original_{name}"] = method

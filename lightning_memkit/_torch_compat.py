@@ -7,6 +7,8 @@ tests/project/test_private_apis.py keeps every other module off torch's and Ligh
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
@@ -22,7 +24,7 @@ __all__ = [
 ]
 
 
-def disable_torch_function_subclass() -> torch._C.DisableTorchFunctionSubclass:
+def disable_torch_function_subclass() -> AbstractContextManager[None]:
     """A context in which a tensor subclass's ``__torch_function__`` does not run (reading a subclass's attributes
     without recursing into it)."""
     return torch._C.DisableTorchFunctionSubclass()

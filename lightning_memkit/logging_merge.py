@@ -56,7 +56,13 @@ class LoggerMerge:
             def log_metrics(metrics, step=None, *args, _original=original, _logger=logger, **kwargs):
                 merge = reference()
                 pending = merge.pending if merge is not None else None
-                if pending is not None and step == pending.step and "epoch" in metrics and _logger in pending.loggers:
+                if (
+                    merge is not None
+                    and pending is not None
+                    and step == pending.step
+                    and "epoch" in metrics
+                    and _logger in pending.loggers
+                ):
                     pending.loggers.remove(_logger)
                     metrics = {**metrics, **pending.metrics}
                     if not pending.loggers:

@@ -118,7 +118,7 @@ class MemoryMeter:
     @property
     def tensor_probe(self) -> TensorProbe | None:
         """The accountant's probe, when tensor accounting is on and working."""
-        return self.probes.find(TensorProbe)  # type: ignore[return-value]
+        return self.probes.find(TensorProbe)
 
     @property
     def compiled(self) -> str | None:
@@ -144,7 +144,7 @@ class MemoryMeter:
         """The measured device's memory capacity in bytes: the CUDA device's total, or host RAM."""
         cuda = self.probes.find(CudaAllocatorProbe)
         if cuda is not None:
-            return cuda.capacity_bytes()  # type: ignore[attr-defined]
+            return cuda.capacity_bytes()
         if self.device.type == "cpu":
             return int(psutil.virtual_memory().total)
         return None

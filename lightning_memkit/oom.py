@@ -137,7 +137,7 @@ def write_oom_report(path: str, payload: dict[str, Any], error: BaseException, l
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         try:
             report["cuda_memory_summary"] = torch.cuda.memory_summary()
-        except Exception as summary_error:
+        except Exception as summary_error:  # noqa: BLE001 - the report is written without the summary, saying why
             report["cuda_memory_summary"] = f"unavailable: {summary_error}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as file:

@@ -32,5 +32,5 @@ def quiet_lightning() -> Iterator[None]:
             )
             yield
     finally:
-        for each, level in zip(loggers, levels):
+        for each, level in zip(loggers, levels, strict=True):
             each.setLevel(level)

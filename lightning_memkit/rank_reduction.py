@@ -9,6 +9,7 @@ job of many fits does not accumulate process groups (each holds sockets and a th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 
@@ -23,7 +24,7 @@ __all__ = ["ReadingReducer", "side_group", "release_group"]
 _MISSING = -1
 
 
-def side_group(timeout_s: float) -> object:
+def side_group(timeout_s: float) -> dist.ProcessGroup:
     """A new gloo process group of every rank, with its own timeout (seconds): memkit's calls on it
     never interleave with the strategy's collectives (FSDP's all-gathers run on the default group),
     and a rank that never arrives is an error after ``timeout_s``, not a hang. Every rank must call
@@ -31,15 +32,13 @@ def side_group(timeout_s: float) -> object:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def release_group(group: object | None) -> None:
+def release_group(group: dist.ProcessGroup | None) -> None:
     """Destroy a group :func:`side_group` made (a local call on each rank: no collective). Nothing
     happens for ``None``, or when torch.distributed was torn down already (the group went with it)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return
-    try:
+    with contextlib.suppress(ValueError, RuntimeError):  # destroyed already (the whole world, or twice)
         dist.destroy_process_group(group)
-    except (ValueError, RuntimeError):  # destroyed already (the whole world, or twice)
-        pass
 
 
 def _encode(reading: StepReading) -> torch.Tensor:
@@ -54,7 +53,8 @@ def _encode(reading: StepReading) -> torch.Tensor:
 
 def _decode(vector: torch.Tensor, step: int, stage: str, rank: int) -> StepReading:
     values = {
-        name: (None if int(v) == _MISSING else int(v)) for name, v in zip(StepReading.value_fields(), vector.tolist())
+        name: (None if int(v) == _MISSING else int(v))
+        for name, v in zip(StepReading.value_fields(), vector.tolist(), strict=True)
     }
     return StepReading(step=step, stage=stage, rank=rank, **values)
 
@@ -73,7 +73,7 @@ class ReadingReducer:
     """
 
     def __init__(self, timeout_s: float = 300.0) -> None:
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
         self.world_size = 1
         self.rank = 0
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -113,10 +113,11 @@ class ReadingReducer:
                 maximum = self._maximum.copy_(self._vector)
                 dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
                 ranks = []
-        except Exception as error:  # a rank out of step: log locally, never hang or crash
+        except Exception as error:  # noqa: BLE001 - a rank out of step: log locally, never hang or crash
             warnings.warn(
                 f"memkit: cross-rank memory reduction failed ({error}); logging this rank's values only from now on.",
                 RuntimeWarning,
+                stacklevel=2,
             )
             self.enabled = False
             return reading, ([reading] if per_rank else [])

@@ -192,7 +192,7 @@ class RunSummary:
                 self.train_steps_with_peak = 0
             if better or source == self.peak_source:
                 self.train_steps_with_peak += reading.stage == "train"
-            if better or (source == self.peak_source and peak > self.peak_bytes):
+            if better or (source == self.peak_source and self.peak_bytes is not None and peak > self.peak_bytes):
                 self.peak_bytes = peak
                 self.peak_step = reading.step
                 self.peak_stage = reading.stage

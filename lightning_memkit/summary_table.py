@@ -26,7 +26,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], left_
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
-        padded = (c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        padded = (
+            c.ljust(w) if i < left_columns else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
         return "  ".join(padded).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

@@ -85,6 +85,9 @@ class SyntheticDataModule(pl.LightningDataModule):
 class _Classifier(pl.LightningModule):
     """Shared training logic: cross-entropy, Adam, and a torchmetrics accuracy on validation."""
 
+    #: samples per batch: a public attribute that Lightning's and memkit's batch-size searches set
+    batch_size: int
+
     def __init__(self, num_classes: int, lr: float) -> None:
         super().__init__()
         self.lr = lr
@@ -118,13 +121,13 @@ class _Classifier(pl.LightningModule):
 
 
 def _image_data(model: _Classifier) -> SyntheticDataModule:
-    size = model.hparams.image_size
+    size = model.hparams["image_size"]
     return SyntheticDataModule(
         model.batch_size,
         train_size=256,
         val_size=64,
         input_shape=(3, size, size),
-        num_classes=model.hparams.num_classes,
+        num_classes=model.hparams["num_classes"],
     )
 
 
@@ -156,7 +159,7 @@ class DemoMLP(_Classifier):
 
     def _data(self) -> SyntheticDataModule:
         return SyntheticDataModule(
-            self.batch_size, input_shape=(self.hparams.in_features,), num_classes=self.hparams.num_classes
+            self.batch_size, input_shape=(self.hparams["in_features"],), num_classes=self.hparams["num_classes"]
         )
 
 
@@ -237,9 +240,9 @@ class DemoTransformer(_Classifier):
             self.batch_size,
             train_size=256,
             val_size=64,
-            input_shape=(hp.seq_len,),
-            num_classes=hp.num_classes,
-            vocab_size=hp.vocab_size,
+            input_shape=(hp["seq_len"],),
+            num_classes=hp["num_classes"],
+            vocab_size=hp["vocab_size"],
         )
 
 

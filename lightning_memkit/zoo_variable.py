@@ -191,13 +191,19 @@ class PaddedTextClassifier(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
 
     def datamodule(self) -> PaddedTextDataModule:
         """The synthetic data this model trains on, at its current ``batch_size``."""
         hp = self.hparams
         return PaddedTextDataModule(
-            self.batch_size, hp.train_size, hp.min_length, hp.max_length, hp.vocab_size, hp.num_classes, hp.bucketed
+            self.batch_size,
+            hp["train_size"],
+            hp["min_length"],
+            hp["max_length"],
+            hp["vocab_size"],
+            hp["num_classes"],
+            hp["bucketed"],
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -301,12 +307,12 @@ class VaryingImageClassifier(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
 
     def datamodule(self) -> VaryingImageDataModule:
         """The synthetic data this model trains on, at its current ``batch_size``."""
         hp = self.hparams
-        return VaryingImageDataModule(self.batch_size, hp.train_size, tuple(hp.sizes), hp.num_classes)
+        return VaryingImageDataModule(self.batch_size, hp["train_size"], tuple(hp["sizes"]), hp["num_classes"])
 
     def train_dataloader(self) -> DataLoader:
         return self.datamodule().train_dataloader()

@@ -100,8 +100,8 @@ def rerun_in_own_process(request, tmp_path) -> Callable[..., bool]:
 
 # ---- tests leave the repository tree as they found it ------------------------------------------------------------
 
-#: path parts that are set-up, not test output: virtual environments, bytecode, build metadata, pytest's cache
-NOT_TEST_OUTPUT = (".venv*", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache")
+#: path parts that are set-up, not test output: virtual environments, bytecode, build metadata, the tools' caches
+NOT_TEST_OUTPUT = (".venv*", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".mypy_cache")
 #: new untracked (not ignored) files of these kinds are someone's edit, not test output: others may be adding
 #: modules and pages to the checkout while the tests run (a test writes its scripts under tmp_path)
 EDITED_SOURCES = (".py", ".md")

@@ -84,8 +84,9 @@ def storages_of(tensor: Any) -> list[torch.UntypedStorage]:
     (``is_wrapper_tensor``: DTensor...) those of its inner tensors, found with ``__tensor_flatten__``.
     Empty when there is none."""
     if isinstance(tensor, torch.Tensor) and is_wrapper_tensor(tensor):
+        wrapper: Any = tensor  # a wrapper subclass has __tensor_flatten__, which torch.Tensor does not declare
         try:
-            names, _ = tensor.__tensor_flatten__()
+            names, _ = wrapper.__tensor_flatten__()
         except Exception:  # noqa: BLE001 - an exotic subclass: nothing we can count
             return []
         found: list[torch.UntypedStorage] = []
@@ -261,7 +262,7 @@ class TensorAccountant(TorchDispatchMode):
         record = StorageRecord(nbytes, str(storage.device), label, self._sequence, adopted)
         self._sequence += 1
         # The callback holds no reference to the storage; it fires when torch frees it.
-        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        ref = weakref.ref(storage, lambda _ref: self._release(key))
         with self._lock:
             if key in self._records:  # adopted meanwhile by another thread (a collector hook)
                 return 0
@@ -336,11 +337,13 @@ class TensorAccountant(TorchDispatchMode):
         parent_exit = super().__exit__
         _torch_compat.exit_mode_in_place(self, lambda: parent_exit(exc_type, exc_val, exc_tb))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(  # noqa: D105
+        self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         result = func(*args, **(kwargs or {}))
         try:
             self._account(func, args, kwargs, result)
-        except BaseException as error:  # never raise here: see the module docstring
+        except BaseException as error:  # noqa: BLE001 - never raise inside dispatch (see the module docstring): recorded
             self._record_error(f"{func}: {type(error).__name__}: {error}")
         return result
 
@@ -351,17 +354,7 @@ class TensorAccountant(TorchDispatchMode):
         if not returns_alias(func):
             # A functional op: by its schema every output is a fresh allocation, so the
             # inputs need not be looked at (the common case, and the cheap one).
-            for output in outputs:
-                storage = storage_of(output)
-                if storage is not None:
-                    if id(storage) not in self._records:
-                        self._track(storage, self._label, adopted=False)
-                elif is_wrapper_tensor(
-                    output
-                ):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
-                    for inner in storages_of(output):
-                        if id(inner) not in self._records:
-                            self._track(inner, self._label, adopted=False)
+            self._track_fresh(outputs)
             return
         if func in _LIFT_FRESH:
             # torch.tensor(data) builds its tensor in C++, outside the dispatcher, then hands it to lift_fresh (an
@@ -381,6 +374,20 @@ class TensorAccountant(TorchDispatchMode):
                     self._resize(storage)
                 elif key not in self._records:
                     self._track(storage, self._label, adopted=False)
+
+    def _track_fresh(self, outputs: list[torch.Tensor]) -> None:
+        """Track the storages of a functional op's outputs, each a fresh allocation."""
+        for output in outputs:
+            storage = storage_of(output)
+            if storage is not None:
+                if id(storage) not in self._records:
+                    self._track(storage, self._label, adopted=False)
+            elif is_wrapper_tensor(
+                output
+            ):  # a DTensor's memory is its local tensor's (storage_of first: no list per output on this hot path)
+                for inner in storages_of(output):
+                    if id(inner) not in self._records:
+                        self._track(inner, self._label, adopted=False)
 
 
 #: the ops torch.tensor() hands its freshly built tensor to (``lift_fresh(Tensor(a) self) -> Tensor(a)``)

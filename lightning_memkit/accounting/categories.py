@@ -156,9 +156,10 @@ class _SavedHandle:
 
     def __del__(self) -> None:
         if self.record is not None:
-            try:
+            # try, not contextlib.suppress: a finalizer also runs at interpreter exit, when module globals may be gone
+            try:  # noqa: SIM105
                 self.attributor._release_saved(self.record)
-            except Exception:  # never raise from a finalizer
+            except Exception:  # noqa: BLE001, S110 - never raise from a finalizer
                 pass
 
 
@@ -186,7 +187,8 @@ class CategoryAttributor:
         self._roles: dict[int, str] = {}
         self._kept: dict[int, StorageRecord] = {}  # keeps role/saved records alive so ids stay unique
         self._saved_count: dict[int, int] = {}
-        self._saved_intervals: dict[int, list[list[int | None]]] = {}
+        # per record: (saved at, released at) ticks, ``None`` while still saved
+        self._saved_intervals: dict[int, list[tuple[int, int | None]]] = {}
         self._tick = 0
         self._save_listeners: list = []
 
@@ -215,10 +217,10 @@ class CategoryAttributor:
                 tensor
             ):  # a DTensor (FSDP2's parameters, gradients, state): its local tensor's storage
                 adopted += self.accountant.adopt([tensor], label=category)
-                for record in self.accountant.records_of(tensor):
-                    if id(record) not in self._roles:
-                        self._roles[id(record)] = category
-                        self._kept[id(record)] = record
+                for inner in self.accountant.records_of(tensor):
+                    if id(inner) not in self._roles:
+                        self._roles[id(inner)] = category
+                        self._kept[id(inner)] = inner
                 continue
             record = self.accountant.record_of(tensor)
             if record is None:
@@ -273,13 +275,13 @@ class CategoryAttributor:
                     self._tick += 1
                     intervals = self._saved_intervals.setdefault(key, [])
                     first_time = not intervals
-                    intervals.append([self._tick, None])
+                    intervals.append((self._tick, None))
                     self._kept[key] = record
                     if key not in self._roles:
                         for listener in self._save_listeners:
                             listener(record, first_time)
             return _SavedHandle(tensor.detach(), record, self)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a pack hook never fails the user's backward: the tensor is saved uncounted
             return _SavedHandle(tensor.detach(), None, self)
 
     def _release_saved(self, record: StorageRecord) -> None:
@@ -292,7 +294,7 @@ class CategoryAttributor:
         self._tick += 1
         intervals = self._saved_intervals.get(key)
         if intervals and intervals[-1][1] is None:
-            intervals[-1][1] = self._tick
+            intervals[-1] = (intervals[-1][0], self._tick)
 
     @staticmethod
     def _unpack(handle: _SavedHandle) -> torch.Tensor:
@@ -393,6 +395,6 @@ def cuda_memory_extras(device: torch.device | str, *, peak: bool = False, nvml: 
                 probe.close()
             if process is not None:
                 extras["nvml_unseen_bytes"] = max(0, process - reading["reserved_bytes"])
-        except Exception:
+        except Exception:  # noqa: BLE001 - NVML is optional: unavailable or failing, this figure is left out
             pass
     return extras

@@ -31,11 +31,12 @@ collector by ``gc.freeze()`` are not seen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -68,7 +69,12 @@ def keep_out_of_readings(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         for storage in storages_of(tensor):
             key = id(storage)
-            _KEPT_OUT[key] = weakref.ref(storage, lambda _ref, key=key: _KEPT_OUT.pop(key, None))
+            _KEPT_OUT[key] = weakref.ref(storage, functools.partial(_forget_kept_out, key))
+
+
+def _forget_kept_out(key: int, _ref: object) -> None:
+    """The storage ``key`` names was freed: its id may be reused by a storage that counts."""
+    _KEPT_OUT.pop(key, None)
 
 
 def _kept_out(storage: torch.UntypedStorage) -> bool:
@@ -160,7 +166,7 @@ class ProcessTensors:
         self._leaves: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         #: autograd nodes visited by graph walks since :meth:`start` (a count; what a sweep's walk costs)
         self.nodes_walked = 0
-        self._callback = None
+        self._callback: Callable[[str, dict], None] | None = None
         self._pid = os.getpid()
         self.errors = 0
 
@@ -324,7 +330,7 @@ class ProcessTensors:
             found.extend(t for t in saved_tensor_data(node) if isinstance(t, torch.Tensor))
             try:
                 stack.extend(n for n, _ in node.next_functions)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - an exotic node without readable edges: the walk goes on elsewhere
                 continue
         self._adopt(found, leaves=self._leaves)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch.nn as nn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -40,6 +40,16 @@ def boolean(owner: str, name: str, value: Any) -> bool:
     return value
 
 
+@overload
+def integer(
+    owner: str, name: str, value: Any, minimum: int, accepted: str, *, optional: Literal[False] = False
+) -> int: ...
+
+
+@overload
+def integer(owner: str, name: str, value: Any, minimum: int, accepted: str, *, optional: bool) -> int | None: ...
+
+
 def integer(owner: str, name: str, value: Any, minimum: int, accepted: str, *, optional: bool = False) -> int | None:
     """``value`` if it is an ``int`` (not a bool) ``>= minimum`` (or ``None`` when ``optional``)."""
     if optional and value is None:
@@ -47,6 +57,36 @@ def integer(owner: str, name: str, value: Any, minimum: int, accepted: str, *, o
     if not _is_int(value) or value < minimum:
         raise refuse(owner, name, value, accepted)
     return value
+
+
+@overload
+def number(
+    owner: str,
+    name: str,
+    value: Any,
+    accepted: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_open: bool = True,
+    high_open: bool = True,
+    optional: Literal[False] = False,
+) -> float: ...
+
+
+@overload
+def number(
+    owner: str,
+    name: str,
+    value: Any,
+    accepted: str,
+    *,
+    low: float,
+    high: float | None = None,
+    low_open: bool = True,
+    high_open: bool = True,
+    optional: bool,
+) -> float | None: ...
 
 
 def number(

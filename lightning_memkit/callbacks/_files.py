@@ -38,10 +38,10 @@ def run_files_dir(trainer: Any) -> str | None:
     return log_dir(trainer)
 
 
-def file_target(trainer: Any, asked: str | os.PathLike | None, filename: str) -> str | os.PathLike | None:
+def file_target(trainer: Any, asked: str | os.PathLike | None, filename: str) -> str | None:
     """Where a callback's file goes: the path ``asked`` for, else ``filename`` in :func:`run_files_dir`, else
     ``None`` (no logger, or fast_dev_run's stand-in: nothing written into the working directory unless asked)."""
     if asked is not None:
-        return asked
+        return os.fspath(asked)
     directory = run_files_dir(trainer)
     return None if directory is None else os.path.join(directory, filename)

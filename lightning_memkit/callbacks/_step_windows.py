@@ -53,11 +53,13 @@ class StepWindows:
             peak = self.peaks.open_window(step, bool(trainer.loggers), trainer.log_every_n_steps, batch, sized)
             meter.open(step, "train", trainer.global_rank, tensor_peak=peak)
         elif self.peaks.later_micro_batch(batch, meter.tensor_probe is not None):
-            # a window opened without the peak did not sweep; this micro-batch's tensors were made since
-            meter.tensor_probe.sweep()
-        if self.peaks.peaked_from_micro_batch:
+            probe = meter.tensor_probe
+            if probe is not None:  # a window opened without the peak did not sweep; this micro-batch's tensors since
+                probe.sweep()
+        probe = meter.tensor_probe
+        if self.peaks.peaked_from_micro_batch and probe is not None:
             # the meter opened this window without the peak, so its resume() would only adopt the gradients
-            meter.tensor_probe.start(_gradients(pl_module))
+            probe.start(_gradients(pl_module))
         else:
             meter.resume(_gradients(pl_module))
 

@@ -6,7 +6,6 @@ case from that table); one function per argument, named as the argument, returns
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from lightning_memkit.callbacks import _checks as checks
@@ -55,7 +54,7 @@ def cuda_memory_stacks(value: Any) -> str:
     )
 
 
-def oom_dir(value: Any) -> str | os.PathLike | None:
+def oom_dir(value: Any) -> str | None:
     return checks.path(OWNER, "oom_dir", value, "a directory path (str), or None for the logger's log dir")
 
 
@@ -99,7 +98,7 @@ def tensor_peak_every_n_steps(value: Any) -> int:
     )
 
 
-def records_file(value: Any) -> str | os.PathLike | None:
+def records_file(value: Any) -> str | None:
     return checks.path(OWNER, "records_file", value, "a path (str), or None for the logger's log dir")
 
 

@@ -151,13 +151,14 @@ class ActivationCheckpointing(Callback):
             )
             return
         _run_before_step_windows(trainer, self)
-        needs_sample = isinstance(self.policy, CheckpointBudget)
+        policy = self.policy
+        needs_sample = isinstance(policy, CheckpointBudget)
         if needs_sample and not pl_module.automatic_optimization and self.sample_fn is None:
             raise MisconfigurationException(
                 "ActivationCheckpointing(budget=...) with manual optimization: pass "
                 "sample_fn=lambda module, batch: module(batch[0]) so the measuring forward does not step"
             )
-        within = self.policy.within if needs_sample else self.policy
+        within = policy.within if isinstance(policy, CheckpointBudget) else policy
         if within is not None:
             try:
                 plan_checkpointing(pl_module, within)  # fail before training when the policy matches nothing
@@ -186,14 +187,15 @@ class ActivationCheckpointing(Callback):
             measure = False
         sample = self._sample(trainer, pl_module, batch) if measure else None
         try:
-            self._handle = apply_checkpointing(pl_module, self.policy, sample=sample)
+            handle = apply_checkpointing(pl_module, self.policy, sample=sample)
         except ValueError as error:
             raise MisconfigurationException(f"ActivationCheckpointing: {error}") from None
+        self._handle = handle
         if isinstance(self.policy, CheckpointBudget) and trainer.world_size > 1:
-            self._agree_across_ranks(trainer, pl_module)
-        self.plan = self._handle.plan
+            handle = self._handle = self._agree_across_ranks(trainer, pl_module, handle)
+        self.plan = handle.plan
         if self._saves_nothing(trainer, self.plan):
-            self._handle.remove()
+            handle.remove()
             self._handle = None
             rank_zero_warn(
                 f"ActivationCheckpointing: checkpointing {self.plan.count} region(s) ({', '.join(self.plan.names[:3])}"
@@ -226,16 +228,20 @@ class ActivationCheckpointing(Callback):
             nothing = bool(trainer.strategy.broadcast(nothing, src=0))
         return nothing
 
-    def _agree_across_ranks(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Each rank measured its own batch; all ranks take rank 0's choice so every replica does the same work.
-        names = trainer.strategy.broadcast(sorted(self._handle.plan.names), src=0)
-        if sorted(self._handle.plan.names) != names and not any("[" in n for n in names):
-            plan = self._handle.plan
-            self._handle.remove()
-            chosen = set(names)
-            self._handle = apply_checkpointing(pl_module, lambda name, module: name in chosen)
-            self._handle.plan.policy, self._handle.plan.budget_bytes = plan.policy, plan.budget_bytes
-            self._handle.plan.note = "rank 0's choice, broadcast"
+    @staticmethod
+    def _agree_across_ranks(trainer: Trainer, pl_module: LightningModule, handle: CheckpointHandle) -> CheckpointHandle:
+        """The checkpointing every rank applies: rank 0's choice (each rank measured its own batch; all take rank 0's
+        so every replica does the same work)."""
+        names = trainer.strategy.broadcast(sorted(handle.plan.names), src=0)
+        if sorted(handle.plan.names) == names or any("[" in n for n in names):
+            return handle
+        plan = handle.plan
+        handle.remove()
+        chosen = set(names)
+        agreed = apply_checkpointing(pl_module, lambda name, module: name in chosen)
+        agreed.plan.policy, agreed.plan.budget_bytes = plan.policy, plan.budget_bytes
+        agreed.plan.note = "rank 0's choice, broadcast"
+        return agreed
 
     def _sample(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> Callable[[], Any]:
         def run() -> Any:
@@ -269,7 +275,7 @@ class ActivationCheckpointing(Callback):
 def _run_before_step_windows(trainer: Trainer, callback: Callback) -> None:
     """Move ``callback`` ahead of the first callback that opens a memkit step window
     (``memkit_opens_step_window``), so the measuring forwards never land in step 0's reading."""
-    callbacks = trainer.callbacks
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, not declared
     first = next((i for i, cb in enumerate(callbacks) if getattr(cb, "memkit_opens_step_window", False)), None)
     mine = callbacks.index(callback)
     if first is not None and first < mine:

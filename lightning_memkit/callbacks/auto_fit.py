@@ -165,7 +165,7 @@ class AutoFit(Callback):
                 )
             self._apply(trainer, pl_module, self.applied)
             return
-        if trainer.fast_dev_run:
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
             # as MaxBatchSize and Lightning's BatchSizeFinder: a smoke test of a few batches runs no trial
             rank_zero_warn(
                 "AutoFit: no planning under fast_dev_run (a smoke test of a few batches); training uses the batch "
@@ -190,7 +190,7 @@ class AutoFit(Callback):
                     gpu=self.gpu,
                     device=trainer.strategy.root_device,
                     modes=self.modes,
-                    datamodule=trainer.datamodule,
+                    datamodule=trainer.datamodule,  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
                     trials=self.trials,
                     verbose=self.verbose and trainer.is_global_zero,
                     max_seconds=self.max_seconds,
@@ -283,9 +283,10 @@ class AutoFit(Callback):
         if applied.get("offload"):
             added.append(ActivationOffload(verbose=self.verbose))
         # after this one, so the fit's later hooks (on_train_batch_start, teardown) reach them; their setup is run here
-        position = trainer.callbacks.index(self) + 1
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
+        position = callbacks.index(self) + 1
         for offset, callback in enumerate(added):
-            trainer.callbacks.insert(position + offset, callback)
+            callbacks.insert(position + offset, callback)
             callback.setup(trainer, pl_module, "fit")
         self._added = added
         if applied.get("precision") not in (None, str(trainer.precision)):
@@ -301,10 +302,11 @@ class AutoFit(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
         for callback in self._added:
             callback.teardown(trainer, pl_module, stage)
-            if callback in trainer.callbacks:
-                trainer.callbacks.remove(callback)
+            if callback in callbacks:
+                callbacks.remove(callback)
         self._added = []
         compat.forget_model_logging(self)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -177,14 +177,14 @@ class MaxBatchSize(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.ckpt_path is not None and self.trained_with is not None and not self.search_on_resume:
-            self._reuse(trainer, pl_module)  # resumed: the checkpointed run's batch, no trial
+            self._reuse(trainer, pl_module, self.trained_with)  # resumed: the checkpointed run's batch, no trial
             return
         self.find(trainer, pl_module)
 
     def find(self, trainer: Trainer, pl_module: LightningModule) -> int:
         """Run the search now (also from ``on_train_epoch_start`` mid-training) for ``trainer``'s fit of
         ``pl_module``; returns the size found (samples per batch), also kept as ``optimal_batch_size``."""
-        if trainer.fast_dev_run:
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
             size = int(getattr(pl_module, self.config.batch_arg_name, 0) or 0)
             # as Lightning's BatchSizeFinder: no search in a smoke test, and it says so (it was silent: result None)
             rank_zero_warn(
@@ -243,13 +243,11 @@ class MaxBatchSize(Callback):
             counts = "is the allocator's reserved bytes in one trial; the run peak, allocated bytes over the run"
         return f"batch {result.batch_size}: {peak}; {counts}"
 
-    def _reuse(self, trainer: Trainer, pl_module: LightningModule) -> int:
-        """A resumed fit: the checkpointed run's batch size (and accumulation), no trial."""
-        size = self.trained_with["batch_size"]
+    def _reuse(self, trainer: Trainer, pl_module: LightningModule, trained_with: dict[str, int]) -> int:
+        """A resumed fit: the checkpointed run's batch size (and accumulation, ``trained_with``), no trial."""
+        size = trained_with["batch_size"]
         _lightning_setattr(pl_module, self.config.batch_arg_name, size)
-        trainer.accumulate_grad_batches = self.trained_with.get(
-            "accumulate_grad_batches", trainer.accumulate_grad_batches
-        )
+        trainer.accumulate_grad_batches = trained_with.get("accumulate_grad_batches", trainer.accumulate_grad_batches)
         if self.config.verbose and trainer.is_global_zero:
             print(
                 f"memkit: resumed from {trainer.ckpt_path}: batch size {size} from the checkpoint (the search found "
@@ -285,7 +283,8 @@ def _checkpoint_policy(trainer: Trainer) -> Any:
     (which run with no callbacks) wrap it themselves so they measure the mode that will train. A
     budget policy needs a measured batch: the trials then run unwrapped, a conservative answer.
     """
-    for callback in trainer.callbacks:
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
+    for callback in callbacks:
         if isinstance(callback, ActivationCheckpointing):
             if isinstance(callback.policy, CheckpointBudget):
                 warnings.warn(
@@ -300,7 +299,7 @@ def _checkpoint_policy(trainer: Trainer) -> Any:
 
 
 def find_max_batch_size(
-    trainer: Trainer, module: LightningModule, datamodule: Any = None, **options: Any
+    trainer: Trainer, module: LightningModule, datamodule: LightningDataModule | None = None, **options: Any
 ) -> SearchResult:
     """Find the largest batch size that trains, before ``fit``: the search runs in a short ``fit``
     that stops after it (as Lightning's ``Tuner.scale_batch_size`` does).
@@ -313,11 +312,12 @@ def find_max_batch_size(
     """
     finder = MaxBatchSize(**options)
     finder._exit_after_search = True
-    trainer.callbacks = list(trainer.callbacks) + [finder]
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connectors, not declared on Trainer
+    trainer.callbacks = [*callbacks, finder]  # type: ignore[attr-defined]
     try:
         trainer.fit(module, datamodule=datamodule)
     finally:
-        trainer.callbacks = [c for c in trainer.callbacks if c is not finder]
+        trainer.callbacks = [c for c in trainer.callbacks if c is not finder]  # type: ignore[attr-defined]
     if finder.result is None:
         raise SearchError(
             "the batch-size search did not run: fit ended before on_fit_start (fast_dev_run? an exception?)"

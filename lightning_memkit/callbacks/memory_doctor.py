@@ -22,7 +22,7 @@ from lightning_memkit._lightning_compat import (
 from lightning_memkit.callbacks import _checks as checks
 from lightning_memkit.callbacks._files import run_files_dir
 from lightning_memkit.compiled import COMPILED_CHOICES, NOT_SEEN_COMPILED, compiled_parts
-from lightning_memkit.doctor.holders import user_roots
+from lightning_memkit.doctor.holders import HolderSearch, user_roots
 from lightning_memkit.doctor.leaks import LeakReport, rising_floor
 from lightning_memkit.doctor.verdict import DoctorReport, DoctorSession
 from lightning_memkit.tensorboard.dashboard import markdown_code, tensorboard_experiment
@@ -137,7 +137,7 @@ class MemoryDoctor(Callback):
         self._step: int | None = None
         self._warned = False
         self._first_step: int | None = None
-        self.holder_search = None
+        self.holder_search: HolderSearch | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -163,7 +163,9 @@ class MemoryDoctor(Callback):
         self._first_step = None
         try:  # what feeds the run exists before it: a pre-built batch is never memory a step added
             self._session.recorder.know_existing(
-                [trainer.train_dataloader, trainer.datamodule], stop_at=[trainer, pl_module]
+                # Lightning sets Trainer.datamodule in its data connector; the class does not declare it
+                [trainer.train_dataloader, trainer.datamodule],  # type: ignore[attr-defined]
+                stop_at=[trainer, pl_module],
             )
         except Exception as error:  # noqa: BLE001 - a loader that cannot be walked: its batches may look new
             self._session.recorder.errors.append(f"noting the data's tensors: {type(error).__name__}: {error}")
@@ -201,7 +203,7 @@ class MemoryDoctor(Callback):
                 self._show_progress(trainer, session)
             else:  # another micro-batch of the same optimizer step
                 session.recorder.assign_roles(batch=batch)
-        except Exception as error:  # never break training: step aside
+        except Exception as error:  # noqa: BLE001 - never break training: step aside
             self._give_up(error)
 
     @override
@@ -213,7 +215,7 @@ class MemoryDoctor(Callback):
             return
         try:
             session.step_end(self._step, module=pl_module, optimizers=trainer.optimizers)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - never break training: step aside
             self._give_up(error)
         self._step = None
 
@@ -285,7 +287,7 @@ class MemoryDoctor(Callback):
         self._close()
         if self.report is None:
             return
-        self._write_report(trainer)
+        self._write_report(trainer, self.report)
         experiment = tensorboard_experiment(trainer)
         if experiment is not None:  # the verdict in TensorBoard's Text tab
             experiment.add_text(DOCTOR_TEXT_TAG, markdown_code(self.report.format()), global_step=trainer.global_step)
@@ -300,19 +302,19 @@ class MemoryDoctor(Callback):
         if watching and self.report is not None:
             # nothing is lost: the verdict up to the failure (a leak that ended in an out-of-memory error, say)
             try:
-                self._write_report(trainer)
+                self._write_report(trainer, self.report)
                 if self.verbose and self._warned and trainer.is_global_zero:
                     print(self.report.format())  # the warning said the verdict would follow
-            except Exception:  # never mask the user's exception
+            except Exception:  # noqa: BLE001 - never mask the user's exception
                 pass
         forget_model_logging(self)  # kept to read its records, it must not keep the model
 
-    def _write_report(self, trainer: Trainer) -> None:
+    def _write_report(self, trainer: Trainer, report: DoctorReport) -> None:
         directory = run_files_dir(trainer)  # no logger (or fast_dev_run): no file in the working directory
         if trainer.is_global_zero and directory:
             try:
                 os.makedirs(directory, exist_ok=True)
-                self.report_path = self.report.to_json(os.path.join(directory, REPORT_FILENAME))
+                self.report_path = report.to_json(os.path.join(directory, REPORT_FILENAME))
             except OSError as error:
                 rank_zero_warn(f"memkit doctor: could not write {REPORT_FILENAME} to {directory}: {error}")
 

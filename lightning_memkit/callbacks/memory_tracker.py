@@ -234,7 +234,7 @@ class MemoryTracker(Callback):
         self.summary.device = str(device)
         try:
             self.summary.capacity_bytes = self._meter.capacity_bytes()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the capacity labels the summary: unknown (None) rather than a failed fit
             self.summary.capacity_bytes = None
         if self.cuda_memory_history and device.type == "cuda":
             self._history_recording = start_memory_history(self.cuda_memory_history, stacks=self.cuda_memory_stacks)
@@ -322,8 +322,9 @@ class MemoryTracker(Callback):
         logged, ranks = self._reducer.reduce(reading, self.per_rank) if self._reducer else (reading, [])
         self.history.append(logged)
         self.summary.update(logged)
-        if self.detect_leaks and logged.stage == "train" and self.leak_report is None:
-            found = self._leaks.observe(logged, trainer.current_epoch, self._meter.live_bytes_like, self._distributed)
+        meter = self._meter  # made at setup, before any step
+        if self.detect_leaks and logged.stage == "train" and self.leak_report is None and meter is not None:
+            found = self._leaks.observe(logged, trainer.current_epoch, meter.live_bytes_like, self._distributed)
             if found is not None:
                 self._report_leak(found)
         if trainer.loggers:
@@ -403,7 +404,9 @@ class MemoryTracker(Callback):
             if target is not None:
                 self.records_path = self.save_records(target)
             loggers = [type(logger).__name__ for logger in logging_loggers(trainer)]
-            where = where_readings_went(loggers, self.every_n_steps, trainer.log_every_n_steps, self.records_path)
+            # Lightning sets Trainer.log_every_n_steps in a connector; the class does not declare it
+            log_every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+            where = where_readings_went(loggers, self.every_n_steps, log_every, self.records_path)
             fit_ended(self.summary, list(self.history), where if self.verbose else None)
             # the summary table and the memory figure in TensorBoard
             log_memory_summary(trainer, self.summary, list(self.history), step, self.prefix)
@@ -441,10 +444,10 @@ class MemoryTracker(Callback):
             )
             if written is not None:
                 self.oom_report_path = written
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # never mask the user's exception
             self._flush_pending(trainer)
         for logger in trainer.loggers:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # never mask the user's exception
                 logger.save()
         self._save_records_after_failure(trainer, exception)
         self._release()
@@ -461,7 +464,7 @@ class MemoryTracker(Callback):
             target = file_target(trainer, self.records_file, self._records_name())
             if target is not None:
                 self.records_path = self.save_records(target)
-        except Exception as error:  # never mask the user's exception
+        except Exception as error:  # noqa: BLE001 - never mask the user's exception
             rank_zero_warn(
                 f"memkit MemoryTracker: the readings could not be written after the failure "
                 f"({type(error).__name__}: {error}); they are on this tracker's .history"

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import sys
+import types
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,38 +36,7 @@ def load_object(spec: str) -> Any:
     if location.endswith(".py") or os.sep in location:
         if not os.path.isfile(location):
             raise CliError(f"{location!r} does not exist; give the path of a Python file that defines {name}")
-        stem = os.path.splitext(os.path.basename(location))[0]
-        # The file's directory stays importable for the whole run, as under `python FILE.py`:
-        # a train_dataloader() often imports a sibling module only when it is called. A file inside a
-        # package is imported as package.module from the package's root instead, as under `python -m`:
-        # the package's own directory on sys.path would let its subpackages shadow top-level libraries
-        # (lightning_memkit/tensorboard/ hid the real tensorboard from Lightning's TensorBoardLogger).
-        directory = os.path.dirname(os.path.abspath(location))
-        parts = [stem]
-        while os.path.isfile(os.path.join(directory, "__init__.py")):
-            directory, package = os.path.split(directory)
-            parts.insert(0, package)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
-        try:
-            module = None
-            if len(parts) > 1:
-                module = importlib.import_module(".".join(parts))
-                if os.path.realpath(getattr(module, "__file__", None) or "") != os.path.realpath(location):
-                    module = None  # an installed package of the same name: load the file given
-            if module is None:
-                module_name = "_memkit_user_" + stem
-                module_spec = importlib.util.spec_from_file_location(module_name, location)
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[module_name] = module
-                module_spec.loader.exec_module(module)
-        except SyntaxError as error:
-            raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
-        except ImportError as error:
-            raise CliError(
-                f"importing {location} failed: {error}; install the missing package in this environment "
-                "or fix the import"
-            ) from None
+        module = _import_file(location)
     else:
         try:
             module = importlib.import_module(location)
@@ -87,6 +57,43 @@ def load_object(spec: str) -> Any:
         available = sorted(n for n in dir(module) if not n.startswith("_"))
         raise CliError(f"{location!r} has no {name!r}; it defines: {', '.join(available)}")
     return getattr(module, name)
+
+
+def _import_file(location: str) -> types.ModuleType:
+    """The module of the Python file at ``location``; a :class:`CliError` when it cannot be imported."""
+    stem = os.path.splitext(os.path.basename(location))[0]
+    # The file's directory stays importable for the whole run, as under `python FILE.py`:
+    # a train_dataloader() often imports a sibling module only when it is called. A file inside a
+    # package is imported as package.module from the package's root instead, as under `python -m`:
+    # the package's own directory on sys.path would let its subpackages shadow top-level libraries
+    # (lightning_memkit/tensorboard/ hid the real tensorboard from Lightning's TensorBoardLogger).
+    directory = os.path.dirname(os.path.abspath(location))
+    parts = [stem]
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        directory, package = os.path.split(directory)
+        parts.insert(0, package)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        if len(parts) > 1:
+            module = importlib.import_module(".".join(parts))
+            if os.path.realpath(getattr(module, "__file__", None) or "") == os.path.realpath(location):
+                return module
+            # an installed package of the same name: load the file given
+        module_name = "_memkit_user_" + stem
+        module_spec = importlib.util.spec_from_file_location(module_name, location)
+        if module_spec is None or module_spec.loader is None:
+            raise CliError(f"{location}: Python cannot load this file as a module; give a .py file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    except SyntaxError as error:
+        raise CliError(f"{error.filename}, line {error.lineno}: {error.msg}; fix the file and run again") from None
+    except ImportError as error:
+        raise CliError(
+            f"importing {location} failed: {error}; install the missing package in this environment or fix the import"
+        ) from None
 
 
 def add_init_arguments(parser: Any, datamodule: bool = True) -> None:

@@ -60,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
     # Step 1 is the first step after Adam has created its state: the layer trace shows all of it.
     # verbose=False: the demo prints the category table itself, below, with where the module table went.
     layer_trace = LayerTrace(at_steps=(1,) if args.steps > 1 else (0,), verbose=False)
-    loggers = [
-        TensorBoardLogger(args.logdir, name=f"demo-{args.model}"),
-        CSVLogger(args.logdir, name=f"demo-{args.model}-csv"),
-    ]
+    tensorboard = TensorBoardLogger(args.logdir, name=f"demo-{args.model}")
+    loggers = [tensorboard, CSVLogger(args.logdir, name=f"demo-{args.model}-csv")]
     try:
         trainer = build_trainer(
             accelerator=args.accelerator,
@@ -91,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     explained = explain_peaks(tracker.summary, layer_trace.results[-1] if layer_trace.results else None, trainer)
     if explained:
         print("\n" + explained)
-    print(f"\nTensorBoard logs: {os.path.abspath(loggers[0].log_dir)}")
+    print(f"\nTensorBoard logs: {os.path.abspath(tensorboard.log_dir)}")
     print(f"Open them with:   tensorboard --logdir {args.logdir}   (the Custom Scalars tab is memkit's dashboard)")
     print(f"Offline report:   memkit report {args.logdir} -o memkit_report.html")
     return 0

@@ -24,7 +24,7 @@ from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.data.worst_batch import worst_batch_and_length
 from lightning_memkit.estimate.distributed.sharding import STRATEGIES, sharding_of
 from lightning_memkit.estimate.largest_batch import DoesNotFitError, device_capacity_bytes, predict_max_batch_size
-from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, mode_needs, needing_less
+from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES, ModeNeed, mode_needs, needing_less
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.modes.mode import parse_modes
@@ -292,13 +292,15 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
                     prediction = predict_max_batch_size(module, memory, mode=mode, margin=args.margin, **same)
                 except DoesNotFitError as error:  # the figures are still shown, and what would fit is computed below
                     not_fitting = error
+                if estimate.batch_size is None:
+                    raise EstimateError("the batch has no batch dimension: give a batch whose tensors have one")
                 sizes = (1, estimate.batch_size, estimate.batch_size + 1)
                 split = BatchSplit.between(*(estimate_memory(module, size, mode=mode, **same) for size in sizes))
             except (NoBatchError, EstimateError, ValueError) as error:
-                error = in_cli_terms(error, args)
+                failure = in_cli_terms(error, args)
                 rows.append((mode.name, *["-"] * 7))
-                results.append({"mode": mode.name, "error": str(error)})
-                print(f"memkit estimate: mode {mode.name}: {error}", file=sys.stderr)
+                results.append({"mode": mode.name, "error": str(failure)})
+                print(f"memkit estimate: mode {mode.name}: {failure}", file=sys.stderr)
                 continue
             rows.append(_row(mode.name, estimate, split, prediction))
             results.append(_result(mode.name, estimate, split, prediction))
@@ -318,13 +320,27 @@ def _run_single(args, module, datamodule, modes, memory, gpu) -> int:
         print(line)
     for mode_name, estimate, split in breakdowns:
         print("\n".join(breakdown_lines(mode_name, estimate, split)))
-    for mode_name, error in too_large:
-        print("\n".join(does_not_fit_lines(mode_name, error.needed_bytes, error.target_bytes, needs)))
-        print(f"memkit estimate: mode {mode_name}: {error.describe('its figures are printed above')}", file=sys.stderr)
+    for mode_name, too_big in too_large:
+        print("\n".join(does_not_fit_lines(mode_name, too_big.needed_bytes, too_big.target_bytes, needs)))
+        print(
+            f"memkit estimate: mode {mode_name}: {too_big.describe('its figures are printed above')}", file=sys.stderr
+        )
         result = next(r for r in results if r["mode"] == mode_name)
-        result["suggestions"] = [n.mode for n in needing_less(needs, error.needed_bytes) if n.mode != mode_name]
+        result["suggestions"] = [n.mode for n in needing_less(needs, too_big.needed_bytes) if n.mode != mode_name]
     for line in kernels_and_notes([(r["mode"], r["estimate"]["notes"]) for r in results if "estimate" in r]):
         print(line)
+    return _single_status(args, module, memory, results, estimates, needs)
+
+
+def _single_status(
+    args: argparse.Namespace,
+    module: Any,
+    memory: int,
+    results: list[dict],
+    estimates: dict[str, tuple[Any, Any]],
+    needs: list[ModeNeed],
+) -> int:
+    """The command's exit status (after ``--check``'s measured steps, when asked), the ``--json`` document written."""
     # any requested mode that failed or does not fit even at batch size 1 fails the command
     status = 0 if all("error" not in r and r["fits"] for r in results) else 1
     if args.check and estimates:

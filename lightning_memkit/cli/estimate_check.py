@@ -54,7 +54,8 @@ def _error_percent(estimated: int, measured: int) -> str:
 
 def check_estimates(args: argparse.Namespace, module: Any, estimates: dict[str, tuple[Any, Any]]) -> dict[str, dict]:
     """Two real training steps per estimated mode on this GPU, printed beside the estimate; returns per-mode results."""
-    rows, checks = [], {}
+    rows: list[tuple] = []
+    checks: dict[str, dict[str, Any]] = {}
     for name, (mode, estimate) in estimates.items():
         try:
             measured = _measure_cuda_steps(module, args, mode, estimate.batch_size)

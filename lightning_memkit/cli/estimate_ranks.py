@@ -138,7 +138,7 @@ def _strategy_and_mode(question: _RankQuestion, strategy: str, mode: Any) -> tup
     except (NoBatchError, EstimateError, ValueError) as error:
         error = in_cli_terms(error, args)
         print(f"memkit estimate: {strategy}, mode {mode.name}: {error}", file=sys.stderr)
-        row = (strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-")
+        row: tuple[object, ...] = (strategy, mode.name, args.world_size, "-", "-", "-", "-", "-", "-")
         return row, {"strategy": strategy, "mode": mode.name, "error": str(error)}, None
     row = (
         strategy,
@@ -220,7 +220,10 @@ def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict])
     ``"suggestions"``."""
     asked = {mode.name for mode in modes}
     candidates = [*modes, *(parse_mode(name) for name in ALTERNATIVE_MODES if name not in asked)]
-    answers = {(r["strategy"], r["mode"]): _suggestion(r) for r in results if "error" not in r}
+    # per (strategy, mode): its suggestion, or None where the mode cannot be estimated
+    answers: dict[tuple[str, str], dict | None] = {
+        (r["strategy"], r["mode"]): _suggestion(r) for r in results if "error" not in r
+    }
     found = {}
     for result in results:
         if "error" in result or result["fits"]:
@@ -239,8 +242,10 @@ def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict])
                     "fits": figures[2] <= question.usable,
                     "min_world_size": minimum,
                 }
-        less = [answers[(strategy, m.name)] for m in candidates if answers[(strategy, m.name)] is not None]
-        less = sorted((a for a in less if a["device_bytes_per_rank"] < needs), key=lambda a: a["device_bytes_per_rank"])
+        known = [answer for m in candidates if (answer := answers[(strategy, m.name)]) is not None]
+        less = sorted(
+            (a for a in known if a["device_bytes_per_rank"] < needs), key=lambda a: a["device_bytes_per_rank"]
+        )
         result["suggestions"] = found[(strategy, result["mode"])] = less
     return found
 

@@ -195,25 +195,30 @@ def _plan_json(plan: Any) -> dict:
     }
 
 
+def _checked(args: argparse.Namespace) -> tuple[int | None, GpuTarget | None]:
+    """The budget (bytes) and the GPU the arguments name; a :class:`CliError` saying what to give when one is wrong."""
+    memory = _memory(args.device_memory) if args.device_memory is not None else None
+    if args.batch_size is not None and args.batch_size < 1:
+        raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
+    if not 1 <= args.trials <= 3:
+        raise CliError(f"--trials {args.trials}: give 1 to 3")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise CliError(
+            f"--max-seconds {args.max_seconds:g}: give a positive number of seconds (the plan's time budget)"
+        )
+    if args.gpu is None:
+        return memory, None
+    if args.device == "cpu":
+        raise CliError(f"--gpu {args.gpu} plans for a GPU; drop --device cpu (or --gpu)")
+    try:
+        return memory, GpuTarget.parse(args.gpu)
+    except ValueError as error:
+        raise CliError(f"--gpu: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        memory = _memory(args.device_memory) if args.device_memory is not None else None
-        if args.batch_size is not None and args.batch_size < 1:
-            raise CliError(f"--batch-size {args.batch_size}: give a positive integer (samples per optimizer step)")
-        if not 1 <= args.trials <= 3:
-            raise CliError(f"--trials {args.trials}: give 1 to 3")
-        if args.max_seconds is not None and not args.max_seconds > 0:
-            raise CliError(
-                f"--max-seconds {args.max_seconds:g}: give a positive number of seconds (the plan's time budget)"
-            )
-        gpu = None
-        if args.gpu is not None:
-            if args.device == "cpu":
-                raise CliError(f"--gpu {args.gpu} plans for a GPU; drop --device cpu (or --gpu)")
-            try:
-                gpu = GpuTarget.parse(args.gpu)
-            except ValueError as error:
-                raise CliError(f"--gpu: {error}") from None
+        memory, gpu = _checked(args)
         cls = load_object(args.module)
         if args.meta_init:
             with torch.device("meta"):

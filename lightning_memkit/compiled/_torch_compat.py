@@ -34,7 +34,7 @@ __all__ = [
 def _optimized_module_type() -> type | None:
     try:
         from torch._dynamo.eval_frame import OptimizedModule  # deferred: private torch API, may be missing
-    except Exception:  # a torch without dynamo
+    except ImportError:  # a torch without dynamo
         return None
     return OptimizedModule
 
@@ -82,17 +82,14 @@ def reset_compiled() -> None:
     is ``torch._dynamo.reset``): the planner's trials each compile at their own micro-batch, as the real fit will,
     instead of recompiling the last trial's code for a new shape (dynamic shapes, then the recompile limit), and the
     CUDA-graph pools of ``mode="reduce-overhead"`` (which ``empty_cache`` does not free) go with the trees."""
-    reset = getattr(getattr(torch, "compiler", None), "reset", None)
-    if reset is None:  # pragma: no cover - an older torch
-        from torch._dynamo import reset  # deferred: only an older torch, without torch.compiler.reset, needs it
-    reset()
+    torch.compiler.reset()
 
 
 def dynamo_counters() -> dict[str, dict[str, int]]:
     """A copy of dynamo's counters (``torch._dynamo.utils.counters``): ``{"stats": {"unique_graphs": n, ...}, ...}``."""
     try:
         from torch._dynamo.utils import counters  # deferred: private torch API, may be missing
-    except Exception:
+    except ImportError:  # a torch without dynamo counts nothing
         return {}
     return {group: dict(values) for group, values in counters.items()}
 

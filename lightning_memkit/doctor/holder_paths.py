@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-try:
-    from torchmetrics import Metric as _METRIC
-except ImportError:  # pragma: no cover - torchmetrics is a Lightning dependency
-    _METRIC = None
+from torchmetrics import Metric
 
 __all__ = [
     "HolderPath",
@@ -103,6 +99,12 @@ def edge_between(parent: Any, child: Any) -> tuple[str, Any]:
             if getattr(parent, name, None) is child:
                 return "attr", name
         return "ref", "function"
+    return _attribute_edge(parent, child)
+
+
+def _attribute_edge(parent: Any, child: Any) -> tuple[str, Any]:
+    """How ``parent``, an object that is no container, function or cell, refers to ``child``: an attribute in its
+    ``__dict__`` or its slots (read without running the object's own ``__getattribute__``)."""
     try:
         namespace = object.__getattribute__(parent, "__dict__")
     except (AttributeError, TypeError):
@@ -205,12 +207,15 @@ def _hooks_or_metric_state(path: HolderPath, objects: list) -> bool:
             path.holder = path.text = holder
             path.note = _describe_hooks(objects[index + 1], holder)
             return True
-        if _METRIC is not None and isinstance(parent, _METRIC) and kind in ("attr", "item"):
-            if isinstance(getattr(parent, "_defaults", {}).get(key), list):
-                holder = _render(path.root, edges[: index + 1])
-                path.holder = path.text = holder
-                path.note = _metric_state_note(parent, _render(path.root, edges[:index]), key, objects[index + 1])
-                return True
+        if (
+            isinstance(parent, Metric)
+            and kind in ("attr", "item")
+            and isinstance(getattr(parent, "_defaults", {}).get(key), list)
+        ):
+            holder = _render(path.root, edges[: index + 1])
+            path.holder = path.text = holder
+            path.note = _metric_state_note(parent, _render(path.root, edges[:index]), key, objects[index + 1])
+            return True
     return False
 
 

@@ -17,6 +17,7 @@ global hooks) costs a few milliseconds, not a pass over the whole heap per level
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import gc
 import sys
@@ -98,10 +99,8 @@ def user_roots(
     if trainer is not None:
         for index, callback in enumerate(getattr(trainer, "callbacks", None) or []):
             add(callback, f"trainer.callbacks[{index}]", "callback")
-        try:
+        with contextlib.suppress(Exception):  # a property of a half-set-up trainer may raise anything
             add(getattr(trainer, "datamodule", None), "trainer.datamodule", "datamodule")
-        except Exception:  # noqa: BLE001 - a property of a half-set-up trainer
-            pass
         add(trainer, "trainer", "trainer")
     for name, obj in (extra or {}).items():
         add(obj, name, "global")
@@ -187,7 +186,8 @@ def _targets(tensors: Iterable[Any]) -> set[int]:
 def _children(obj: Any, roots: dict, graphs: bool) -> list | None:
     """``[(edge or None, child)]`` the walk goes on to from ``obj``, or None at a dead end."""
     if isinstance(obj, torch.Tensor):
-        children = [(None, child) for child in gc.get_referents(obj)]  # its __dict__, a parameter's attributes
+        # its __dict__, a parameter's attributes
+        children: list[tuple[tuple[str, str] | None, Any]] = [(None, child) for child in gc.get_referents(obj)]
         node = obj.grad_fn if graphs else None
         if node is not None:
             children.append((("graph", ".grad_fn"), _GraphNode(node)))

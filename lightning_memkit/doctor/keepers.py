@@ -49,6 +49,7 @@ import collections
 import sys
 import weakref
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 from lightning_memkit.doctor.creation import STATE_ROLES, Creation
@@ -113,7 +114,7 @@ class KeepTracer:
         self._on = True
         sys.settrace(self._global)
         # frames already running get no call event: give the user's ones their line tracer now, as pdb does
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame.f_trace is None:
                 statements = code_statements(frame.f_code)
@@ -132,7 +133,8 @@ class KeepTracer:
         """The global trace function: called for every Python call while tracing (torch's dispatch included), so
         it is a closure over its lookups and returns at once for code with no store statement."""
         codes = CODE_STATEMENTS
-        missing = object()  # a code object not looked at yet
+        # a code object not looked at yet: this very (empty) dict, told apart by identity
+        missing: dict[int, StoreStatement] = {}
         line_tracer = self._line_tracer
 
         def trace_call(frame: Any, event: str, arg: Any) -> Any:
@@ -199,7 +201,7 @@ def keeping_frame(creations: Iterable[Creation], path_names: Iterable[str] = ())
     of the lines in their :attr:`~lightning_memkit.doctor.creation.Creation.kept_at`, those whose target names share a
     name with ``path_names`` (the names on the path to their holder: ``{"kept"}`` for ``model.kept[27]``)
     first, then the one that stored most of them, then the one that stored the newest."""
-    counts: collections.Counter = collections.Counter()
+    counts: collections.Counter[tuple[str, int, str]] = collections.Counter()
     newest: dict[tuple, int] = {}
     for creation in creations:
         for frame in creation.kept_at:
@@ -209,7 +211,8 @@ def keeping_frame(creations: Iterable[Creation], path_names: Iterable[str] = ())
         return None
     names = set(path_names)
 
-    def rank(frame: tuple) -> tuple:
+    def rank(frame: tuple[str, int, str]) -> tuple[bool, int, int]:
         return (bool(names & target_names(frame)), counts[frame], newest[frame])
 
-    return list(max(counts, key=rank))
+    line: tuple[str, int, str] = max(counts, key=rank)
+    return list(line)

@@ -9,6 +9,7 @@ to run every step), and the records they produce: :class:`LeakReport` and :class
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,7 +258,7 @@ def rising_floor(points: list, min_rises: int = 5, min_bytes_per_step: int = 1) 
     if len(rises) < max(2, min_rises):
         return None
     steps = [points[i][0] for i in rises]
-    widest = max(b - a for a, b in zip(steps, steps[1:]))
+    widest = max(b - a for a, b in itertools.pairwise(steps))
     if points[-1][0] - steps[-1] > 2 * widest:
         return None
     span = steps[-1] - steps[0]
@@ -406,7 +407,7 @@ class LeakWatcher:
             rises=rises,
         )
         if self.recorder is not None:
-            kept = self._attribute(report, step, final)
+            kept = self._attribute(self.recorder, report, step, final)
             undone = freed_at_end is not None and freed_at_end >= grown - grown // 2
             if final and kept < grown // 2 and (freed_at_end is None or undone):
                 # what the rising steps made is freed now (a list of the epoch's tensors), or, when it was
@@ -416,11 +417,11 @@ class LeakWatcher:
         self.report = report
         return report
 
-    def _attribute(self, report: LeakReport, step: int, final: bool) -> int:
+    def _attribute(self, recorder: CreationRecorder, report: LeakReport, step: int, final: bool) -> int:
         """Group the survivors; returns the bytes the growing groups still keep from the rising steps."""
         survivors = [
             c
-            for c in self.recorder.live_creations()
+            for c in recorder.live_creations()
             if c.step is not None
             and (c.step <= step if final else c.step < step)
             and c.role not in STATE_ROLES
@@ -431,7 +432,9 @@ class LeakWatcher:
         report.growing = [g for g in report.survivors if len(g.steps) >= needed]
         growing = {group_key(c) for c in survivors} & {_key_of(g) for g in report.growing}
         return sum(
-            c.nbytes for c in survivors if report.first_step <= c.step <= report.last_step and group_key(c) in growing
+            c.nbytes
+            for c in survivors
+            if c.step is not None and report.first_step <= c.step <= report.last_step and group_key(c) in growing
         )
 
 

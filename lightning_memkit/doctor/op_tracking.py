@@ -8,6 +8,7 @@ docstring says how each part is found, and why.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -81,15 +82,15 @@ class OpTracking(TorchDispatchMode):
             created_at=-1 if adopted else self._clock,
         )
         creation.last_use_at = creation.created_at
-        ref = weakref.ref(storage, lambda _ref, key=key: self._release(key))
+        ref = weakref.ref(storage, lambda _ref: self._release(key))
         with self._lock:
             self._live[key] = creation
             self._refs[key] = ref
             self.live_bytes += creation.nbytes
-        try:  # the tensor first seen on it: where a kept graph hangs, and where the holder search starts
+        # the tensor first seen on it: where a kept graph hangs, and where the holder search starts (a tensor
+        # subclass without weak references has none)
+        with contextlib.suppress(TypeError):
             self._made[key] = weakref.ref(tensor)
-        except TypeError:
-            pass
         if self._window is not None:
             self._window.append(creation)
         return creation
@@ -120,7 +121,7 @@ class OpTracking(TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         try:
             self._observe(func, args, kwargs, result)
-        except BaseException as error:  # never raise from dispatch: it can abort the interpreter
+        except BaseException as error:  # noqa: BLE001 - never raise from dispatch (it can abort the interpreter): counted
             self.error_count += 1
             message = f"{func}: {type(error).__name__}: {error}"
             if len(self.errors) < _MAX_ERRORS and message not in self.errors:
@@ -166,7 +167,7 @@ class OpTracking(TorchDispatchMode):
             if storage is None:
                 continue
             key = id(storage)
-            if key in self._live or (alias and key in input_keys):
+            if key in self._live or (input_keys is not None and alias and key in input_keys):
                 continue
             if frame is False:
                 frame = user_frame()

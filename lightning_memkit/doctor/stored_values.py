@@ -76,7 +76,7 @@ def _read_back(store: Store, frame: Any) -> Any:
     """What ``store`` put where it stores, read from there after the statement without running user code:
     ``obj.__dict__[name]``, ``container[key]`` of a dict or a list, the last (first) item of a list or deque
     appended to; ``_MISSING`` when it cannot be read that way."""
-    if store.kind == "other":
+    if store.kind == "other" or store.target is None:
         return _MISSING
     target = _value(store.target, frame)
     if target is _MISSING:

@@ -88,7 +88,7 @@ class DoctorReport:
     def from_dict(cls, data: dict[str, Any]) -> DoctorReport:
         """Inverse of :meth:`to_dict`."""
 
-        def groups(items):
+        def groups(items: list[dict[str, Any]] | None) -> list[CreatorGroup]:
             derived = ("where", "kept_where")  # texts to_dict adds, read back from the frames
             return [CreatorGroup(**{k: v for k, v in g.items() if k not in derived}) for g in items or []]
 

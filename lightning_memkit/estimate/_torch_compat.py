@@ -7,7 +7,8 @@ test says which.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -66,7 +67,7 @@ def wrap_fake(fake_type: type, mode: Any, meta: torch.Tensor, device: torch.devi
     return fake_type(mode, meta, device)
 
 
-def no_dispatch_modes() -> ContextManager[None]:
+def no_dispatch_modes() -> AbstractContextManager[None]:
     """``torch.utils._python_dispatch._disable_current_modes()``: the block runs below every dispatch mode (no fake
     mode, no accountant), so what it makes is real (or meta) and values can be read from real tensors."""
     return _disable_current_modes()
@@ -106,7 +107,7 @@ def compiled_original(module: Any) -> Any:
     or ``None`` when ``module`` is not one (or this torch has no dynamo, so compiles nothing)."""
     try:
         from torch._dynamo.eval_frame import OptimizedModule  # deferred: importing dynamo takes about a second
-    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+    except ImportError:  # a torch without dynamo compiles nothing
         return None
     if isinstance(module, OptimizedModule):
         return getattr(module, "_orig_mod", None)

@@ -8,7 +8,7 @@ module under the tensor accountant (estimate/step/runner.py), so the two numbers
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,12 @@ from torch import nn
 from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.step.memory_estimate import MemoryEstimate
 from lightning_memkit.estimate.step.runner import StepRequest, run
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule, Trainer
+
+    from lightning_memkit.estimate.cuda.gpu_target import GpuLike
+    from lightning_memkit.modes.mode import ModeLike
 
 __all__ = ["estimate_memory", "measure_training_step", "compiled_original", "COMPILED_NOTE"]
 
@@ -25,13 +31,13 @@ def estimate_memory(
     batch_size: int | None = None,
     *,
     batch: Any = None,
-    mode: Any = None,
+    mode: ModeLike = None,
     device: str | torch.device = "cuda",
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    datamodule: Any = None,
-    trainer: Any = None,
-    gpu: Any = None,
+    datamodule: LightningDataModule | None = None,
+    trainer: Trainer | None = None,
+    gpu: GpuLike = None,
 ) -> MemoryEstimate:
     """Predict a training step's memory without running it: fake tensors, no real memory, no GPU needed.
 
@@ -119,12 +125,12 @@ def measure_training_step(
     batch_size: int | None = None,
     *,
     batch: Any = None,
-    mode: Any = None,
+    mode: ModeLike = None,
     device: str | torch.device = "cpu",
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    datamodule: Any = None,
-    trainer: Any = None,
+    datamodule: LightningDataModule | None = None,
+    trainer: Trainer | None = None,
 ) -> MemoryEstimate:
     """Measure what :func:`estimate_memory` predicts: the same two steps on a real deep copy of ``module``.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -25,6 +25,12 @@ from lightning_memkit.estimate.step.runner import prepare_batch
 from lightning_memkit.estimate.step.settings import EstimateSettings, reusing_fake_copies
 from lightning_memkit.units import format_bytes, parse_bytes
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule
+
+    from lightning_memkit.estimate.distributed.per_rank import DistributedEstimate
+    from lightning_memkit.modes.mode import ModeLike
+
 __all__ = ["AffineGrowth", "BatchSizePrediction", "DoesNotFitError", "predict_max_batch_size", "device_capacity_bytes"]
 
 
@@ -34,7 +40,7 @@ class DoesNotFitError(MemkitError, ValueError):
     Attributes:
         module_name: the module's class name.
         needed_bytes: what batch size 1 needs (the estimate's ``required_bytes``), bytes.
-        target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes.
+        target_bytes: the memory it had to fit in (``capacity_bytes`` less the margin), bytes (not rounded).
         capacity_bytes: the device memory given, bytes.
         margin: the fraction of ``capacity_bytes`` kept free.
         estimate: the estimate at batch size 1 (a :class:`~lightning_memkit.estimate.MemoryEstimate`, or for a
@@ -46,10 +52,10 @@ class DoesNotFitError(MemkitError, ValueError):
         self,
         module_name: str,
         needed_bytes: int,
-        target_bytes: int,
+        target_bytes: float,
         capacity_bytes: int,
         margin: float,
-        estimate: Any = None,
+        estimate: MemoryEstimate | DistributedEstimate | None = None,
     ) -> None:
         self.module_name = module_name
         self.needed_bytes = needed_bytes
@@ -178,7 +184,7 @@ def predict_max_batch_size(
     module: nn.Module,
     device_memory: int | str | None = None,
     *,
-    mode: Any = None,
+    mode: ModeLike = None,
     margin: float = 0.05,
     device: str | torch.device = "cuda",
     batch: Any = None,
@@ -187,7 +193,7 @@ def predict_max_batch_size(
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
     strategy: Any = None,
     world_size: int = 1,
-    datamodule: Any = None,
+    datamodule: LightningDataModule | None = None,
     **estimate_kwargs: Any,
 ) -> BatchSizePrediction:
     """Predict the largest batch size whose training step fits in ``device_memory`` (fake tensors only).
@@ -250,8 +256,30 @@ def predict_max_batch_size(
         )
 
 
+def _bracket(points: list[tuple[int, int]], target: float, max_val: int) -> tuple[int, int]:
+    """``(lo, hi)``: the largest batch size of ``points`` (``(size, required bytes)``) that fits ``target`` bytes (at
+    most ``max_val``; 0 when none does) and the smallest that does not (``max_val + 1`` when all fit)."""
+    lo, hi = 0, max_val + 1
+    for size, value in points:
+        if value <= target:
+            lo = max(lo, min(size, max_val))  # the first sizes (the batch's own and double) may exceed max_val
+        else:
+            hi = min(hi, size)
+    return lo, hi
+
+
 def _predict(
-    module, capacity, target, mode, margin, device, batch, max_val, tolerance, estimator, estimate_kwargs
+    module: nn.Module,
+    capacity: int,
+    target: float,
+    mode: ModeLike,
+    margin: float,
+    device: str | torch.device,
+    batch: Any,
+    max_val: int,
+    tolerance: float,
+    estimator: Callable[..., MemoryEstimate],
+    estimate_kwargs: dict[str, Any],
 ) -> BatchSizePrediction:
     given = batch
     reuse = EstimateSettings.current().reuse  # the block's, so the estimates below take the same batch
@@ -272,12 +300,7 @@ def _predict(
     required(first), required(second)
     growth = AffineGrowth.fit(points)
     mode_name = cache[first].mode
-    lo, hi = 0, max_val + 1
-    for size, value in points:
-        if value <= target:
-            lo = max(lo, min(size, max_val))  # the first sizes (the batch's own and double) may exceed max_val
-        else:
-            hi = min(hi, size)
+    lo, hi = _bracket(points, target, max_val)
     guess = growth.largest_fitting(target)
     for _ in range(12):
         if hi - lo <= max(1, tolerance * max(lo, 1)) or lo >= max_val:

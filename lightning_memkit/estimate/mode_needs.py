@@ -4,6 +4,7 @@ suggested only where its estimate needs less than the mode that did not fit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
-from lightning_memkit.modes.mode import parse_mode
+from lightning_memkit.modes.mode import Mode, parse_mode
 from lightning_memkit.units import parse_bytes
 
 __all__ = ["ALTERNATIVE_MODES", "ModeNeed", "mode_needs", "needing_less"]
@@ -51,7 +52,7 @@ def mode_needs(
     module: nn.Module,
     device_memory: int | str,
     *,
-    modes: Any = ALTERNATIVE_MODES,
+    modes: Iterable[str | Mode] = ALTERNATIVE_MODES,
     margin: float = 0.05,
     **estimate_kwargs: Any,
 ) -> list[ModeNeed]:

@@ -81,7 +81,8 @@ class CheckpointPlan:
     def predicted_saving_bytes(self) -> int | None:
         """Sum of the segments' predicted savings, or ``None`` when not measured."""
         values = [s.predicted_saving_bytes for s in self.segments]
-        return None if not values or any(v is None for v in values) else int(sum(values))  # type: ignore[arg-type]
+        known = [v for v in values if v is not None]
+        return int(sum(known)) if values and len(known) == len(values) else None
 
     @property
     def measured_saving_bytes(self) -> int | None:

@@ -8,7 +8,7 @@ regions a budget chooses among.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from lightning_memkit.units import format_bytes, parse_bytes
 
 __all__ = [
     "CheckpointBudget",
+    "CheckpointPolicy",
     "normalize_policy",
     "describe_policy",
     "find_repeated_blocks",
@@ -91,7 +92,9 @@ class CheckpointBudget:
         checkpointing)."""
         if self.fraction is not None:
             return int(self.fraction * baseline_activation_bytes)
-        return int(self.bytes)  # type: ignore[arg-type]
+        if self.bytes is None:  # __post_init__ refuses it: one of the two is given
+            raise ValueError("CheckpointBudget: give exactly one of fraction=0.5 or bytes='512MiB'")
+        return int(self.bytes)
 
     def describe(self) -> str:
         """``budget=0.5``, ``budget=512.00 MiB`` or ``budget=0.5 within {MLP}``."""
@@ -131,6 +134,13 @@ def parse_budget(value: Any, within: Any = None) -> CheckpointBudget:
             f"budget {value!r} is ambiguous: a bare number must be a fraction in (0, 1]; {BUDGET_UNITS_HINT}"
         )
     return CheckpointBudget(fraction=number, within=within)
+
+
+#: a checkpointing policy: ``"auto"`` (or ``"budget=0.5"``), a set of module classes (or their class paths), a module
+#: class, a callable ``(qualified_name, module) -> bool``, or a :class:`CheckpointBudget`
+CheckpointPolicy = (
+    str | Iterable[str | type[nn.Module]] | type[nn.Module] | CheckpointBudget | Callable[[str, nn.Module], bool]
+)
 
 
 def normalize_policy(policy: Any) -> Any:
@@ -206,9 +216,13 @@ class _BlockRun:
     names: list[str]  # qualified names of the blocks
 
     @property
-    def sequential(self) -> bool:
+    def sequential(self) -> nn.Sequential | None:
+        """The container when it is a plain ``nn.Sequential``, which runs its children in order, else ``None``."""
         # A subclass that overrides forward may call children in any order: treat it like a ModuleList.
-        return isinstance(self.container, nn.Sequential) and type(self.container).forward is nn.Sequential.forward
+        container = self.container
+        if isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward:
+            return container
+        return None
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -338,8 +352,9 @@ def regions_for(module: nn.Module, policy: Any) -> tuple[list[Region], str]:
     regions: list[Region] = []
     notes = []
     for run in runs:
-        if run.sequential:
-            children = list(run.container.named_children())
+        sequential = run.sequential
+        if sequential is not None:
+            children = list(sequential.named_children())
             for start, end in _sqrt_ranges(run.indices):
                 names = [_join(run.container_name, children[i][0]) for i in range(start, end)]
                 regions.append(
@@ -347,7 +362,7 @@ def regions_for(module: nn.Module, policy: Any) -> tuple[list[Region], str]:
                         f"{run.container_name or '<root>'}[{start}:{end}]",
                         [children[i][1] for i in range(start, end)],
                         names,
-                        run.container,
+                        sequential,
                         (start, end),
                     )
                 )

@@ -28,7 +28,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,13 @@ __all__ = [
 _STATE_ATTR = "_memkit_checkpoint_state"
 
 
+class _RunningStats(Protocol):
+    """What a BatchNorm-like module with running statistics has (:func:`_has_running_stats`)."""
+
+    momentum: float | None
+    num_batches_tracked: torch.Tensor | None
+
+
 def _has_running_stats(module: nn.Module) -> bool:
     return (
         bool(getattr(module, "track_running_stats", False))
@@ -68,20 +75,21 @@ def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
     restores ``num_batches_tracked`` afterwards. Unlike ``track_running_stats = False`` this keeps the
     same aten ops and saved tensors, which torch's checkpoint checks on recompute.
     """
-    saved = []
+    saved: list[tuple[_RunningStats, float | None, torch.Tensor | None]] = []
     for module in modules:
         if _has_running_stats(module):
-            counter = getattr(module, "num_batches_tracked", None)
-            saved.append((module, module.momentum, None if counter is None else counter.clone()))
-            module.momentum = 0.0
+            stats = cast(_RunningStats, module)
+            counter = getattr(stats, "num_batches_tracked", None)
+            saved.append((stats, stats.momentum, None if counter is None else counter.clone()))
+            stats.momentum = 0.0
     try:
         yield
     finally:
-        for module, momentum, counter in saved:
-            module.momentum = momentum
-            if counter is not None:
+        for stats, momentum, counter in saved:
+            stats.momentum = momentum
+            if counter is not None and stats.num_batches_tracked is not None:
                 with torch.no_grad():
-                    module.num_batches_tracked.copy_(counter)
+                    stats.num_batches_tracked.copy_(counter)
 
 
 #: whether the running code is a checkpointed region's recompute (its forward run again inside the backward)
@@ -315,15 +323,15 @@ def wrap_regions(regions: list[Region]) -> list[nn.Module]:
     by_container: dict[int, tuple[nn.Sequential, list[tuple[int, int]]]] = {}
     try:
         for region in regions:
-            if region.container is not None:
-                by_container.setdefault(id(region.container), (region.container, []))[1].append(region.child_range)  # type: ignore[arg-type]
+            if region.container is not None and region.child_range is not None:  # a segment: both are given
+                by_container.setdefault(id(region.container), (region.container, []))[1].append(region.child_range)
             else:
                 _install(region.modules[0], _checkpointed_forward)
                 wrapped.append(region.modules[0])
         for container, ranges in by_container.values():
             _install(container, _segmented_sequential_forward, tuple(sorted(ranges)))
             wrapped.append(container)
-    except Exception:
+    except Exception:  # whatever failed: no module is left half-wrapped, and the error goes on
         for module in wrapped:
             _uninstall(module)
         raise

@@ -21,6 +21,7 @@ from lightning_memkit.modes.checkpoint_measure import (
 from lightning_memkit.modes.checkpoint_plan import CheckpointPlan, CheckpointSegment
 from lightning_memkit.modes.checkpoint_policy import (
     CheckpointBudget,
+    CheckpointPolicy,
     Region,
     budget_candidates,
     describe_policy,
@@ -46,10 +47,10 @@ def _segments(regions: list[Region], profiles: dict[str, BlockProfile] | None) -
             CheckpointSegment(
                 region.name,
                 tuple(region.module_names),
-                p and p.saved_bytes,
-                p and p.predicted_saving_bytes,
-                p and p.recompute_flops,
-                p and p.forward_seconds,
+                None if p is None else p.saved_bytes,
+                None if p is None else p.predicted_saving_bytes,
+                None if p is None else p.recompute_flops,
+                None if p is None else p.forward_seconds,
             )
         )
     return out
@@ -129,7 +130,7 @@ def _plan_budget(module: nn.Module, budget: CheckpointBudget, sample: Any) -> tu
     return plan, wrapped
 
 
-def apply_checkpointing(module: nn.Module, policy: Any = "auto", sample: Any = None) -> CheckpointHandle:
+def apply_checkpointing(module: nn.Module, policy: CheckpointPolicy = "auto", sample: Any = None) -> CheckpointHandle:
     """Checkpoint submodules of ``module`` (non-reentrant) and return a handle that undoes it.
 
     Args:

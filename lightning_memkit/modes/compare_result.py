@@ -365,7 +365,7 @@ def _timing_notes(timed: list[ModeResult]) -> list[str]:
             "~ within noise: this mode's IQR overlaps the baseline's, so the time difference is smaller "
             "than the step-to-step spread."
         )
-    fewest = min(r.timed_steps for r in timed)
+    fewest = min(r.timed_steps or 0 for r in timed)
     if fewest < MIN_TIMED_STEPS:
         lines.append(
             f"only {fewest} timed step(s): the median and spread are unreliable; "

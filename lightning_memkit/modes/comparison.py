@@ -17,7 +17,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,10 +28,13 @@ from lightning_memkit.modes.compare_result import (
     ModeStatus,
     write_tensorboard_summary,
 )
-from lightning_memkit.modes.devices import device_type
+from lightning_memkit.modes.devices import DeviceLike, device_type
 from lightning_memkit.modes.mode import Mode, parse_modes
 from lightning_memkit.timing import StepTimer, time_spread, within_noise
 from lightning_memkit.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
 
 __all__ = ["CheckpointWarning", "compare_modes", "progress_line"]
 
@@ -79,7 +82,7 @@ def _first_batch_size(batch: Any) -> int | None:
     return None
 
 
-def _step_recorder():
+def _step_recorder() -> Any:
     from lightning.pytorch import Callback  # Lightning only when a comparison runs: lightning_memkit.modes is core
 
     class _StepRecorder(Callback):
@@ -98,17 +101,21 @@ def _step_recorder():
             self.batch_size: int | None = None
             self._last_loss: Any = None
 
-        def on_train_start(self, trainer, pl_module) -> None:
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
             self.timer = StepTimer(trainer.strategy.root_device)
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        def on_train_batch_start(
+            self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+        ) -> None:
             if self.batch_size is None:
                 self.batch_size = _first_batch_size(batch)
             if self.timer is not None:
                 self.timer.cancel()  # a window left open by a step that returned None
                 self.timer.start()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        def on_train_batch_end(
+            self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             if self.timer is not None and self.timer.running:
                 self.timer.stop()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -116,7 +123,7 @@ def _step_recorder():
                 # read at train end: float() here would wait for the device every step
                 self._last_loss = loss.detach()
 
-        def on_train_end(self, trainer, pl_module) -> None:
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
             if self._last_loss is not None:
                 self.final_loss = float(self._last_loss.float().cpu())
                 self._last_loss = None
@@ -197,7 +204,7 @@ def _read_peaks(result: ModeResult, history: Sequence[Any]) -> None:
     train = [r for r in history if r.stage == "train"]
     source = next((f for f in PEAK_SOURCES if any(getattr(r, f) is not None for r in train)), None)
     train = [r for r in train if source is not None and getattr(r, source) is not None]
-    result.step_peaks = [[r.step, int(getattr(r, source))] for r in train]
+    result.step_peaks = [[r.step, int(getattr(r, source))] for r in train] if source is not None else []
     if train:
         result.peak_allocated_bytes = max(peak for _, peak in result.step_peaks)
         result.peak_source = source
@@ -247,7 +254,7 @@ def _run_mode(
             mode_kwargs = mode.trainer_kwargs(settings.accelerator)
         result.precision = mode_kwargs["precision"]
         trainer, tracker, recorder = _fit(mode, mode_kwargs, model_factory, datamodule_factory, logger, settings)
-    except Exception as error:  # a mode this device cannot run, or OOM: report it and go on with the others
+    except Exception as error:  # noqa: BLE001 - a mode this device cannot run, or OOM: reported, the others still run
         result.status = ModeStatus.FAILED
         result.error = f"{type(error).__name__}: {error}"
         if settings.verbose:
@@ -287,12 +294,12 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
     baseline, amp+checkpoint vs amp, bf16+checkpoint vs bf16); returns a warning per mode that did not
     lower the peak."""
     warnings_text = []
-    for mode, result in zip(modes, results):
+    for mode, result in zip(modes, results, strict=True):
         if mode.checkpoint is None or result.status != ModeStatus.OK or result.peak_allocated_bytes is None:
             continue
         candidates = [
             (m, r)
-            for m, r in zip(modes, results)
+            for m, r in zip(modes, results, strict=True)
             if m.checkpoint is None
             and r.status == ModeStatus.OK
             and r.peak_allocated_bytes is not None
@@ -303,13 +310,17 @@ def _judge_checkpoints(modes: list[Mode], results: list[ModeResult]) -> list[str
         # the same precision word first (amp+checkpoint vs amp), else the same Lightning precision (amp vs bf16 on
         # CPU)
         _, counterpart = next(((m, r) for m, r in candidates if m.precision == mode.precision), candidates[0])
+        counterpart_peak = counterpart.peak_allocated_bytes
+        if counterpart_peak is None:  # the candidates all have a peak
+            continue
         result.counterpart = counterpart.mode
-        result.counterpart_peak_bytes = counterpart.peak_allocated_bytes
-        if counterpart.peak_allocated_bytes:
-            result.counterpart_peak_ratio = result.peak_allocated_bytes / counterpart.peak_allocated_bytes
-        result.checkpoint_helped = result.peak_allocated_bytes < counterpart.peak_allocated_bytes
-        if not result.checkpoint_helped:
-            warnings_text.append(result.checkpoint_warning())
+        result.counterpart_peak_bytes = counterpart_peak
+        if counterpart_peak:
+            result.counterpart_peak_ratio = result.peak_allocated_bytes / counterpart_peak
+        result.checkpoint_helped = result.peak_allocated_bytes < counterpart_peak
+        warning = result.checkpoint_warning()  # a sentence when checkpointing did not help
+        if warning is not None:
+            warnings_text.append(warning)
     return warnings_text
 
 
@@ -350,7 +361,7 @@ def _compared(modes: list[Mode], results: list[ModeResult], settings: _RunSettin
         device = device_type(settings.accelerator)
     except ValueError:
         device = "cpu"
-    baseline = next((r for m, r in zip(modes, results) if m.is_baseline), results[0] if results else None)
+    baseline = next((r for m, r in zip(modes, results, strict=True) if m.is_baseline), results[0] if results else None)
     _ratios(results, baseline)
     warned = _judge_checkpoints(modes, results)
     root = os.path.abspath(settings.root_dir)
@@ -383,11 +394,11 @@ def _write_and_show(compare: CompareResult, settings: _RunSettings, write: bool,
 def compare_modes(
     model_factory: Callable[[], Any],
     datamodule_factory: Callable[[], Any] | None = None,
-    modes: str | Sequence[str | Mode] = ("baseline", "amp", "checkpoint", "amp+checkpoint"),
+    modes: str | Mode | Sequence[str | Mode] = ("baseline", "amp", "checkpoint", "amp+checkpoint"),
     max_steps: int = 20,
     *,
-    accelerator: Any = "auto",
-    devices: Any = 1,
+    accelerator: DeviceLike = "auto",
+    devices: int | str | list[int] = 1,
     root_dir: str = "memkit_compare",
     seed: int = 0,
     val_batches: int = 2,

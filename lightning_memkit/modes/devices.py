@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 import torch
 
-__all__ = ["device_type"]
+if TYPE_CHECKING:
+    from lightning.pytorch.accelerators import Accelerator
+
+__all__ = ["device_type", "DeviceLike"]
+
+#: a device argument: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"gpu"``, ``"auto"`` (or ``None``: CUDA when available),
+#: a ``torch.device``, or a Lightning ``Accelerator``
+DeviceLike = Union[str, torch.device, "Accelerator", None]
 
 
-def device_type(device: Any) -> str:
+def device_type(device: DeviceLike) -> str:
     """``"cpu"``, ``"cuda"``, ``"mps"``... from an accelerator name, a torch.device or a Lightning Accelerator."""
     if isinstance(device, torch.device):
         return device.type

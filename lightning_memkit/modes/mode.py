@@ -13,16 +13,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
 from lightning_memkit.modes.checkpoint_policy import describe_policy, normalize_policy
+from lightning_memkit.modes.devices import DeviceLike
 from lightning_memkit.modes.devices import device_type as _device_type
 
 __all__ = [
     "Mode",
+    "ModeLike",
     "parse_mode",
     "parse_modes",
     "resolve_precision",
@@ -66,13 +70,13 @@ _LIGHTNING_PRECISION = {
     "bf16-true": "bf16-true",
     "16-true": "16-true",
 }
-_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_TRUE_HALF_DTYPE = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_AUTOCAST_DTYPE: dict[str | None, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE_HALF_DTYPE: dict[str | None, torch.dtype] = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _NAMES = {"amp": "amp", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16-true", "16-true": "fp16-true"}
 _PRECISION_CHOICES = "None, 'amp', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"
 
 
-def resolve_precision(precision: str | None, device: Any) -> str | None:
+def resolve_precision(precision: str | None, device: DeviceLike) -> str | None:
     """The concrete precision for ``device``: ``None`` (full precision), ``"bf16-mixed"``, ``"16-mixed"``,
     ``"bf16-true"`` or ``"16-true"``.
 
@@ -159,11 +163,11 @@ class Mode:
         """Whether the mode trains in true half precision (``bf16-true``/``16-true``: no fp32 master weights)."""
         return self.precision in TRUE_HALF_PRECISIONS
 
-    def precision_for(self, device: Any) -> str | None:
+    def precision_for(self, device: DeviceLike) -> str | None:
         """The concrete precision on ``device`` (``None`` for full precision); see :func:`resolve_precision`."""
         return resolve_precision(self.precision, device)
 
-    def autocast_dtype(self, device: Any) -> torch.dtype | None:
+    def autocast_dtype(self, device: DeviceLike) -> torch.dtype | None:
         """The autocast dtype on ``device`` (``torch.bfloat16``/``torch.float16``), or ``None`` for fp32 and for
         true half precision (which has no autocast)."""
         return _AUTOCAST_DTYPE.get(self.precision_for(device))
@@ -173,7 +177,7 @@ class Mode:
         (``torch.bfloat16`` for ``bf16-true``, ``torch.float16`` for ``16-true``), else ``None``."""
         return _TRUE_HALF_DTYPE.get(self.precision)
 
-    def autocast(self, device_type: Any = "cpu") -> ContextManager[Any]:
+    def autocast(self, device_type: DeviceLike = "cpu") -> AbstractContextManager[Any]:
         """``torch.autocast(device_type, dtype)`` for this mode's precision, or a no-op context for fp32.
 
         For plain PyTorch loops; under a Trainer use :meth:`trainer_kwargs`, which lets Lightning's
@@ -185,7 +189,7 @@ class Mode:
             return contextlib.nullcontext()
         return torch.autocast(device_type=_device_type(device_type), dtype=dtype)
 
-    def trainer_kwargs(self, accelerator: Any = "auto", **callback_kwargs: Any) -> dict[str, Any]:
+    def trainer_kwargs(self, accelerator: DeviceLike = "auto", **callback_kwargs: Any) -> dict[str, Any]:
         """Keyword arguments for ``lightning.pytorch.Trainer`` that train in this mode.
 
         Returns ``{"precision": ..., "callbacks": [...]}``: the Lightning precision flag (``"32-true"``,
@@ -226,6 +230,11 @@ class Mode:
         if self.offload:
             data["offload"] = True
         return data
+
+
+#: a ``mode=`` argument: a :class:`Mode`, a mode string (``"bf16"``, ``"amp+checkpoint"``: see :func:`parse_mode`), or
+#: ``None`` (full precision, nothing checkpointed)
+ModeLike = Mode | str | None
 
 
 def _parse_checkpoint_word(word: str, text: str) -> Any:
@@ -289,13 +298,13 @@ def parse_mode(text: str | Mode) -> Mode:
     return Mode(precision=precision, checkpoint=checkpoint, name=cleaned, offload=offload)
 
 
-def parse_modes(text: str | list[str] | tuple[str, ...]) -> list[Mode]:
+def parse_modes(text: str | Sequence[str | Mode]) -> list[Mode]:
     """Parse a comma-separated list (``"baseline,amp,checkpoint"``) or a list of mode strings.
 
     Raises:
         ValueError: for an empty list, a bad mode, or two modes with the same name.
     """
-    items = list(text.split(",") if isinstance(text, str) else list(text))
+    items: list[str | Mode] = list(text.split(",")) if isinstance(text, str) else list(text)
     modes = [parse_mode(t) for t in items if not (isinstance(t, str) and not t.strip())]
     if not modes:
         raise ValueError(f"no modes in {text!r}; write e.g. baseline,amp,checkpoint,amp+checkpoint")

@@ -153,7 +153,7 @@ def apply_offload(module: nn.Module, device: Any = "cuda", *, pin_memory: bool =
             with offloading(pin_memory):
                 return original(*args, **kwargs)
 
-        step._memkit_offload = True  # type: ignore[attr-defined]
+        step._memkit_offload = True
     module.__dict__[attribute] = step
     return OffloadHandle(module, attribute, current)
 

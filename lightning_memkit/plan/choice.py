@@ -63,7 +63,7 @@ def run_trials(state: PlanState) -> None:
         took = run_row(state.inputs, row, steps, state.say)
         state.trial_seconds[id(row)] = took
         clock.ran("trial", took, row.candidate.describe())
-        if clock.step_s is None and row.ran:
+        if clock.step_s is None and row.measured_samples_per_s is not None:  # it ran
             clock.step_s = row.candidate.effective_batch / row.measured_samples_per_s
     _mark_not_run(state.rows)
 

@@ -151,7 +151,7 @@ def off_device(module: torch.nn.Module, device: torch.device) -> Iterator[bool]:
     module.to("cpu")
     try:
         yield True
-    except BaseException as error:
+    except BaseException as error:  # whatever ended the trial (an interrupt too): the module goes back first
         _move_back(module, device, error)
         raise
     _move_back(module, device, None)

@@ -233,7 +233,9 @@ def devices_of(
         raise PlanError(str(error)) from None
     speed = _bytes_per_second(interconnect)
     # FSDP's units: the module's repeated blocks (as an auto_wrap_policy of their classes)
-    blocks = {type(run.container[index]) for run in find_repeated_blocks(module) for index in _indices(run)}
+    blocks = {
+        type(run.container.get_submodule(str(index))) for run in find_repeated_blocks(module) for index in _indices(run)
+    }
     fewest = max_world_size is not None
     return Devices(most, fewest, strategies, speed, frozenset(blocks) or None, ParameterCounts.of(module))
 

@@ -19,9 +19,13 @@ the effective batch, at least 30 s more).
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
 
 from lightning_memkit.estimate.data.batches import preserved_rng
+from lightning_memkit.estimate.data.worst_batch import batch_shapes
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
 from lightning_memkit.plan.choice import choose, run_trials
 from lightning_memkit.plan.inputs import MAX_TRIALS, plan_device, plan_inputs, trial_settings
@@ -35,21 +39,26 @@ from lightning_memkit.plan.time_model import TimeModel, roofline_for
 from lightning_memkit.plan.trials import TrialSteps, proved_batch, run_row
 from lightning_memkit.units import format_bytes
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from lightning_memkit.estimate.cuda.gpu_target import GpuLike
+
 __all__ = ["plan_fit", "no_best_note"]
 
 
 def plan_fit(
-    module: Any,
+    module: LightningModule,
     *,
     batch_size: int | None = None,
     device_memory: int | str | None = None,
-    gpu: Any = None,
-    device: Any = None,
-    modes: Any = None,
-    datamodule: Any = None,
+    gpu: GpuLike = None,
+    device: str | torch.device | None = None,
+    modes: str | Iterable[str] | None = None,
+    datamodule: LightningDataModule | None = None,
     trials: int = MAX_TRIALS,
     world_size: int = 1,
-    strategy: Any = None,
+    strategy: str | None = None,
     max_world_size: int | None = None,
     interconnect: str | float | None = None,
     verbose: bool = True,
@@ -191,7 +200,9 @@ def _estimate(state: PlanState) -> None:
 def _plan(state: PlanState) -> Plan:
     """The :class:`~lightning_memkit.plan.result.Plan`, its notes completed, and the closing line said."""
     inputs, clock, best = state.inputs, state.clock, state.best
-    state.notes.insert(0, f"batch: {inputs.worst.describe()}; micro-batches are its largest samples")
+    worst = inputs.worst
+    found = worst.describe() if worst is not None else "the batch given"
+    state.notes.insert(0, f"batch: {found}; micro-batches are its largest samples")
     seconds = time.perf_counter() - clock.started
     state.notes.append(
         f"planned in {seconds:.1f} s of a {budget_text(clock.total)} s time budget "
@@ -210,7 +221,7 @@ def _plan(state: PlanState) -> Plan:
         inputs.device_type,
         state.notes,
         seconds,
-        batch_shapes=inputs.worst.shapes(),
+        batch_shapes=worst.shapes() if worst is not None else batch_shapes(inputs.batch),
         proved_micro_batch=proved_batch(inputs.batch, chosen),
         max_seconds=clock.total,
         phases=list(clock.phases),

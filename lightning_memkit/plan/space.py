@@ -185,7 +185,8 @@ def allows_true_half(modes: tuple[str, ...]) -> bool:
 def allowed_precisions(modes: tuple[str, ...], device_type: str) -> list[str]:
     """The precisions ``modes`` allow the plan to change to, on ``device_type`` (``amp`` and ``fp16`` on CPU resolve
     as Lightning's Trainer resolves them): at most a mixed one and a true half one."""
-    allowed = [resolve_precision(precision, device_type) for word, precision in _MIXED_WORDS.items() if word in modes]
+    resolved = [resolve_precision(precision, device_type) for word, precision in _MIXED_WORDS.items() if word in modes]
+    allowed = [precision for precision in resolved if precision is not None]  # a mixed word never resolves to None
     return allowed + [precision for word, precision in _TRUE_HALF_WORDS.items() if word in modes]
 
 

@@ -126,13 +126,13 @@ def trial(
     with (
         preserved_rng(),
         quiet_lightning(),
-        cuda_trial.off_device(module, device) if cuda else contextlib.nullcontext(),
+        cuda_trial.off_device(module, device) if device is not None else contextlib.nullcontext(),
     ):
         copied = micro = None
         try:
             copied = copy_of(module)
             micro = rebatch(batch, candidate.micro_batch)
-            if cuda:
+            if device is not None:  # on CUDA
                 _cuda_fit(copied, candidate, micro, budget, steps, device, record, said)
             else:
                 _cpu_fit(copied, candidate, micro, budget, steps, record)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -34,7 +34,7 @@ def build_probes(
     A probe whose source is missing warns once and is left out."""
     device = torch.device(device)
     probes: list[MemoryProbe] = []
-    factories = []
+    factories: list[Callable[[], MemoryProbe]] = []
     if device.type == "cuda":
         factories.append(lambda: CudaAllocatorProbe(device))
         if nvml:

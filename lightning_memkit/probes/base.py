@@ -10,6 +10,7 @@ import contextlib
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import TypeVar
 
 from lightning_memkit.errors import MemkitError
 
@@ -31,15 +32,18 @@ class MemoryProbe(ABC):
     #: short name used in warnings, e.g. ``"nvml"``.
     name: str = "probe"
 
-    def reset_peak(self) -> None:
+    def reset_peak(self) -> None:  # noqa: B027 - optional: a probe without a peak keeps this no-op
         """Start a new peak window. Probes without peaks need not override this."""
 
     @abstractmethod
     def read(self) -> dict[str, int]:
         """Return the current values, in bytes or counts, keyed by StepReading field name."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a probe that holds nothing keeps this no-op
         """Release what the probe holds (NVML handle, dispatch mode)."""
+
+
+ProbeT = TypeVar("ProbeT", bound=MemoryProbe)
 
 
 class ProbeSet:
@@ -56,7 +60,7 @@ class ProbeSet:
     def _guard(self, probe: MemoryProbe, action: str, call):
         try:
             return call()
-        except Exception as error:  # a probe must never break training
+        except Exception as error:  # noqa: BLE001 - a probe must never break training: disabled, with one warning
             self._disable(probe, f"{action} failed: {type(error).__name__}: {error}")
             return None
 
@@ -70,7 +74,7 @@ class ProbeSet:
             RuntimeWarning,
             stacklevel=3,
         )
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the probe already failed: closing it must not fail training
             probe.close()
 
     def reset_peak(self) -> None:
@@ -90,10 +94,10 @@ class ProbeSet:
     def close(self) -> None:
         """Close every probe."""
         for probe in self.probes:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a probe must never break training, closing included
                 probe.close()
         self.probes = []
 
-    def find(self, kind: type) -> MemoryProbe | None:
+    def find(self, kind: type[ProbeT]) -> ProbeT | None:
         """The first active probe of class ``kind``, if any."""
         return next((p for p in self.probes if isinstance(p, kind)), None)

@@ -80,14 +80,16 @@ class HostProbe(MemoryProbe):
 
     def _reset(self) -> bool:
         try:
-            return self._ensure_own_process() and os.write(self._clear_fd, b"5") == 1
+            if not self._ensure_own_process() or self._clear_fd is None:  # closed
+                return False
+            return os.write(self._clear_fd, b"5") == 1
         except (OSError, TypeError):
             return False
 
     def _read_status(self) -> tuple[int, int] | None:
         """(VmRSS, VmHWM) in bytes, or ``None`` if /proc/self/status cannot be read."""
         try:
-            if not self._ensure_own_process():
+            if not self._ensure_own_process() or self._status_fd is None:  # closed
                 return None
             data = os.pread(self._status_fd, 8192, 0)
             rss_at = data.index(b"VmRSS:")
@@ -120,5 +122,5 @@ class HostProbe(MemoryProbe):
         self._close_proc()
 
     def __del__(self) -> None:  # a probe dropped without close() must not leak descriptors
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # never raise from a finalizer
             self._close_proc()

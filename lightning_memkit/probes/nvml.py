@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -41,7 +43,7 @@ class NvmlProbe(MemoryProbe):
         # user needs to see ("NVML Shared Library Not Found"), not a generic "no CUDA".
         try:
             pynvml.nvmlInit()
-        except Exception as error:
+        except Exception as error:  # NVMLError, or a broken binding's own: either way the probe is unavailable
             raise ProbeUnavailable(f"nvmlInit failed ({type(error).__name__}: {error})") from error
         if not torch.cuda.is_available():
             self.close()
@@ -63,7 +65,7 @@ class NvmlProbe(MemoryProbe):
         values = {"device_used_bytes": int(info.used), "device_total_bytes": int(info.total)}
         try:
             processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except Exception:
+        except Exception:  # noqa: BLE001 - some drivers and containers refuse the list: no per-process figure
             processes = []
         for process in processes:
             if process.pid == self._pid and process.usedGpuMemory is not None:
@@ -71,7 +73,7 @@ class NvmlProbe(MemoryProbe):
         return values
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # closing must not fail training: NVML is released at exit anyway
             self._nvml.nvmlShutdown()
 
 
@@ -87,7 +89,15 @@ def pci_bus_id_of(properties: object) -> str | None:
     return f"{domain:08X}:{bus:02X}:{device:02X}.0"
 
 
-def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
+class NvmlLookups(Protocol):
+    """The two lookups of NVML's binding (``pynvml``) :func:`find_nvml_handle` uses."""
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> object: ...
+
+    def nvmlDeviceGetHandleByPciBusId(self, pci_bus_id: str) -> object: ...
+
+
+def find_nvml_handle(nvml: NvmlLookups, uuid: str, pci_bus_id: str | None) -> object:
     """The NVML handle of the CUDA device with torch's ``uuid`` (with or without its ``GPU-``/``MIG-``
     prefix) and ``pci_bus_id``: by UUID as a GPU, then as a MIG slice, then by PCI bus id. Never by index.
 
@@ -98,7 +108,7 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
     for prefix in ("GPU-", "MIG-"):
         if bare.startswith(prefix):
             bare = bare[len(prefix) :]
-    attempts: list[tuple[str, str, object]] = []
+    attempts: list[tuple[str, str, Callable[[str], object]]] = []
     if bare:
         attempts += [
             ("UUID", f"GPU-{bare}", nvml.nvmlDeviceGetHandleByUUID),
@@ -110,7 +120,7 @@ def find_nvml_handle(nvml: object, uuid: str, pci_bus_id: str | None) -> object:
     for what, key, lookup in attempts:
         try:
             return lookup(key)
-        except Exception as error:  # pynvml.NVMLError and its subclasses (NVMLError_NotFound, ...)
+        except Exception as error:  # noqa: BLE001 - NVMLError (NotFound, ...) or a broken binding's: in the message
             failures.append(f"{what} {key}: {type(error).__name__}: {error}")
     raise ProbeUnavailable(
         "NVML does not know this CUDA device ("

@@ -128,7 +128,7 @@ class _Builder:
         """Render ``make()`` (a matplotlib Figure) to PNG and embed it; a failure is said, not raised."""
         try:
             png = figure_png(make())
-        except Exception as error:  # a broken figure must not lose the rest of the report
+        except Exception as error:  # noqa: BLE001 - a broken figure must not lose the rest of the report
             self.add(
                 f'<p class="problems">figure "{html.escape(title)}" could not be drawn: {html.escape(repr(error))}</p>'
             )
@@ -272,11 +272,16 @@ def _compare_section(builder: _Builder, compare: CompareFile) -> None:
         builder.add('<ul class="problems">' + items + "</ul>")
     try:
         figures = compare_figures(result)
-    except Exception as error:  # the table is already there; say why the figures are not
+    except Exception as error:  # noqa: BLE001 - the table is already there; say why the figures are not
         builder.add(f'<p class="problems">the comparison figures could not be drawn: {html.escape(repr(error))}</p>')
         figures = {}
     for key, figure in figures.items():
-        builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", lambda figure=figure: figure)
+        builder.figure(_slug(compare.name, "compare", key), f"mode comparison: {key}", _drawn(figure))
+
+
+def _drawn(figure: Any) -> Callable[[], Any]:
+    """A figure already drawn, as the maker :meth:`_Builder.figure` takes."""
+    return lambda: figure
 
 
 def _items(texts: list[str]) -> str:

@@ -67,7 +67,7 @@ def csv_readings(directory: str, prefix: str = "memory") -> list[StepReading]:
     with open(os.path.join(directory, CSV_METRICS), newline="", encoding="utf-8") as file:
         for row in csv.DictReader(file):
             step = row.get("step")
-            if step in (None, ""):
+            if not step:  # missing or empty
                 continue
             for column, text in row.items():
                 field = logged.field(column)

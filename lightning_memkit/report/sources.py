@@ -212,20 +212,21 @@ class _Walk:
     examples: list[str] = field(default_factory=list)  # the first few files seen, for the message when none is ours
 
 
-def _trace_file(run: str, path: str, name: str) -> TraceFile:
+def _trace_file(run: str, path: str, match: re.Match[str]) -> TraceFile:
+    """The trace file at ``path``, its name matched by :data:`TRACE_PATTERN`."""
     data = _read_json(path)
     if _format_of(data) != TRACE_FORMAT:
         raise ValueError(f'no "format": "{TRACE_FORMAT}/1" key')
-    match = TRACE_PATTERN.match(name)
     step = int(match.group(1)) if match.group(1).isdigit() else None
     return TraceFile(run, path, step, int(match.group(2) or 0), data)
 
 
-def _oom_file(run: str, path: str, name: str) -> OomFile:
+def _oom_file(run: str, path: str, match: re.Match[str]) -> OomFile:
+    """The out-of-memory report at ``path``, its name matched by :data:`OOM_PATTERN`."""
     data = _read_json(path)
     if not isinstance(data, dict) or not {"error_type", "summary"} <= set(data):
         raise ValueError("not a memkit out-of-memory report (no error_type and summary keys)")
-    return OomFile(run, path, int(OOM_PATTERN.match(name).group(1)), data)
+    return OomFile(run, path, int(match.group(1)), data)
 
 
 def _doctor_file(run: str, path: str) -> DoctorFile:
@@ -244,10 +245,10 @@ def _read_file(sources: ReportSources, walk: _Walk, directory: str, name: str, f
         summary, history = read_records(path)
         sources.runs.append(RunRecords(run, path, summary, history))
         walk.record_dirs.add(directory)
-    elif TRACE_PATTERN.match(name):
-        sources.traces.append(_trace_file(run, path, name))
-    elif OOM_PATTERN.match(name):
-        sources.ooms.append(_oom_file(run, path, name))
+    elif trace := TRACE_PATTERN.match(name):
+        sources.traces.append(_trace_file(run, path, trace))
+    elif oom := OOM_PATTERN.match(name):
+        sources.ooms.append(_oom_file(run, path, oom))
     elif name == DOCTOR_JSON:
         sources.doctors.append(_doctor_file(run, path))
     elif name == COMPARE_JSON or (name == COMPARE_CSV and COMPARE_JSON not in files):
@@ -293,7 +294,7 @@ def _add_rebuilt_runs(sources: ReportSources, walk: _Walk) -> None:
                 exact=False,
                 origin="TensorBoard scalars",
             )
-        except Exception as error:  # a damaged event file must not stop the report
+        except Exception as error:  # noqa: BLE001 - a damaged event file must not stop the report
             sources.problems.append(f"{_relative(logdir, directory)}: cannot read its TensorBoard events ({error})")
             continue
         if run is not None:

@@ -114,10 +114,10 @@ class SearchResult:
             if self.estimate_unavailable
             else "no prediction"
         )
-        outcomes = [t.outcome.value for t in self.trials]
         rows = [
-            (i + 1, t.batch_size, outcome, format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
-            for i, (t, outcome) in enumerate(zip(self.trials, outcomes))
+            # every trial has an outcome once built (__post_init__)
+            (i + 1, t.batch_size, t.outcome.value if t.outcome else "", format_bytes(t.peak_bytes), f"{t.seconds:.2f}s")
+            for i, t in enumerate(self.trials)
         ]
         head = (
             f"memkit batch-size search: {self.batch_size} "

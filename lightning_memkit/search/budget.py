@@ -44,7 +44,9 @@ class _Guard(TorchDispatchMode):
         super().__init__()
         self.budget = budget
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(  # noqa: D105
+        self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         result = func(*args, **(kwargs or {}))
         accountant = self.budget.accountant
         # Views allocate nothing; raising while a view is being set up can abort the interpreter.

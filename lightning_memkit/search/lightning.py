@@ -168,11 +168,12 @@ def _search(trainer: Any, module: Any, config: SearchConfig, setup: _Setup) -> S
         max_val = dataset_length
     _check_state_fits(module, setup.budget)
     growth, predicted, unavailable, estimate_seconds = _prediction(trainer, module, config, setup, worst)
+    search: BoundedSearch | None = None  # made below: the trials read its deadline
 
     def run_trial(size: int) -> Trial:
         setup.snapshot.restore_requires_grad()  # the last trial may have stopped inside toggle_optimizer's window
         # no deadline where a step communicates: a rank stopped after its step would leave the others waiting
-        deadline = search.deadline
+        deadline = search.deadline if search is not None else None
         trainer.callbacks = [deadline] if deadline is not None and not setup.communicates else []
         try:
             return _trial(trainer, module, size, config, setup, worst)
@@ -349,7 +350,7 @@ def _predict(trainer: Any, module: Any, capacity: int, device: torch.device, con
             tolerance=config.margin,
         )
         return prediction.growth, prediction.batch_size, None
-    except Exception as error:  # the estimate only speeds the search up; trials decide
+    except Exception as error:  # noqa: BLE001 - the estimate only speeds the search up; trials decide
         why = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else 'no message'}"
         # one warning per search, saying the step itself could not be estimated (not that memory is short)
         what = "failed" if isinstance(error, EstimateError) else "was unavailable"

@@ -240,8 +240,9 @@ class BoundedSearch(BatchSizeSearch):
         )
 
     def _end_line(self, trial: Trial) -> None:
+        outcome = trial.outcome.value if trial.outcome else ""  # every trial has one once built (__post_init__)
         self.say(
-            f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {trial.outcome.value}, peak "
+            f"memkit: trial {len(self.trials)}: batch {trial.batch_size} -> {outcome}, peak "
             f"{format_bytes(trial.peak_bytes)} ({trial.seconds:.2f}s)"
         )
         if self._ended is not None:

@@ -26,7 +26,7 @@ class Outcomes:
     def __init__(self, timeout_s: float = 300.0) -> None:
         self.dist = dist
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.group = None
+        self.group: dist.ProcessGroup | None = None
         #: the ranks whose trial failed, at the last :meth:`agree`
         self.failed_ranks: list[int] = []
         #: the slowest rank's ``seconds`` at the last :meth:`agree`
@@ -121,7 +121,7 @@ def rank_local(trainer: Any) -> Iterator[None]:
         yield
         return
     strategy = trainer.strategy
-    wrapped = getattr(strategy, "model", None)
+    wrapped: Any = getattr(strategy, "model", None)  # DistributedDataParallel, or None
     saved_sync = getattr(wrapped, "require_backward_grad_sync", None)
     saved_broadcast = getattr(wrapped, "broadcast_buffers", None)
     stubs = {

@@ -70,5 +70,5 @@ def real_step_seconds(step_seconds: list[float], skipped: list[bool], warmup: in
     ``i``'s, ``skipped[i]`` whether the GradScaler skipped it (no flags: none was skipped)."""
     if not skipped:
         return list(step_seconds[warmup:])
-    real = [seconds for seconds, skip in zip(step_seconds, skipped) if not skip]
+    real = [seconds for seconds, skip in zip(step_seconds, skipped, strict=True) if not skip]
     return real[warmup:]

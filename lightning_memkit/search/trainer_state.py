@@ -3,6 +3,7 @@ and the tensors a trial starts from."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 from collections.abc import Iterator
@@ -90,9 +91,9 @@ class Snapshot:
             module.load_state_dict(self.module_state)
             for parameter, gradient in self.gradients:
                 parameter.grad = None if gradient is None else gradient.to(parameter.device)
-        for optimizer, state in zip(trainer.optimizers, self.optimizers):
+        for optimizer, state in zip(trainer.optimizers, self.optimizers, strict=True):
             optimizer.load_state_dict(copy.deepcopy(state))  # torch casts the state back to each parameter's device
-        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers, strict=True):
             config.scheduler.load_state_dict(copy.deepcopy(state))
         self.restore_precision(trainer)
         trainer.callbacks = self.callbacks
@@ -131,12 +132,10 @@ def trainer_mode(trainer: Any) -> Any:
     if precision in TRUE_HALF_PRECISIONS:
         return Mode(precision=precision)
     if "bf16" in precision and "mixed" in precision:
-        precision = "bf16-mixed"
-    elif precision.startswith("16") and "mixed" in precision:
-        precision = "16-mixed"
-    else:
-        precision = None
-    return None if precision is None else Mode(precision=precision)
+        return Mode(precision="bf16-mixed")
+    if precision.startswith("16") and "mixed" in precision:
+        return Mode(precision="16-mixed")
+    return None
 
 
 def release_memory(device: torch.device) -> None:
@@ -155,10 +154,8 @@ def cuda_capacity_bytes(device: torch.device) -> int:
     capacity = int(free + torch.cuda.memory_reserved(device))
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
-        try:
+        with contextlib.suppress(RuntimeError, TypeError):  # pragma: no cover - older torch
             capacity = min(capacity, int(fraction(device) * total))
-        except (RuntimeError, TypeError):  # pragma: no cover - older torch
-            pass
     return capacity
 
 

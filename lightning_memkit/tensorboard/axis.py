@@ -19,9 +19,8 @@ def smoothed(values: Sequence[float], weight: float) -> list[float]:
     """TensorBoard's line smoothing (a debiased exponential moving average; constant series unchanged)."""
     if all(v == values[0] for v in values):
         return list(values)
-    out, last, count = [], 0.0, 0
-    for v in values:
-        count += 1
+    out, last = [], 0.0
+    for count, v in enumerate(values, start=1):
         last = last * weight + (1 - weight) * v
         out.append(last / (1 - weight**count) if weight != 1 else last)
     return out

@@ -108,7 +108,7 @@ def _layout_for(trainer: Any, overrides: dict[str, Any]) -> dict[str, dict[str, 
     tracer = next((c for c in callbacks if getattr(c, LAYER_TRACE_ATTRIBUTE, False) is True), None)
     try:
         cuda = trainer.strategy.root_device.type == "cuda"
-    except Exception:
+    except Exception:  # noqa: BLE001 - a strategy not set up yet may raise anything: no CUDA panels
         cuda = False
     options: dict[str, Any] = {
         "cuda": False,
@@ -211,7 +211,7 @@ def _refresh_layout(trainer: Any, experiment: Any, history: Sequence[StepReading
             for sibling in siblings:  # the modes compared so far: one layout, one base for all of them
                 if read_layout(sibling) != pruned:
                     write_layout(sibling, pruned, _new_lines(sibling, derived.get(sibling, {}), prefix))
-        except Exception as error:  # never break training for a dashboard
+        except Exception as error:  # noqa: BLE001 - never break training for a dashboard
             warnings.warn(
                 f"memkit: the dashboard of {run_dir} keeps its fit-start layout ({type(error).__name__}: {error})",
                 stacklevel=2,
@@ -316,42 +316,28 @@ def device_table(history: Sequence[StepReading]) -> str | None:
     readings = [r for r in history if r.device_total_bytes]
     if not readings:
         return None
-    total = max(r.device_total_bytes for r in readings)
-    fullest = max(
-        (r for r in readings if r.device_used_bytes is not None), key=lambda r: r.device_used_bytes, default=None
-    )
+    total = max(r.device_total_bytes or 0 for r in readings)
+    used = [(r.device_used_bytes, r) for r in readings if r.device_used_bytes is not None]
     rows = [["capacity (NVML total)", format_bytes(total)]]
-    if fullest is not None:
+    if used:
+        used_bytes, fullest = max(used, key=lambda pair: pair[0])
         rows.append(
-            [
-                "most used, all processes",
-                f"{format_bytes(fullest.device_used_bytes)} at step {fullest.step} ({fullest.stage})",
-            ]
+            ["most used, all processes", f"{format_bytes(used_bytes)} at step {fullest.step} ({fullest.stage})"]
         )
         rows.append(
             [
                 "headroom at that step",
-                f"{format_bytes(total - fullest.device_used_bytes)} "
-                f"({(total - fullest.device_used_bytes) / total:.1%} of capacity)",
+                f"{format_bytes(total - used_bytes)} ({(total - used_bytes) / total:.1%} of capacity)",
             ]
         )
-    process = max(
-        (r for r in readings if r.process_device_bytes is not None), key=lambda r: r.process_device_bytes, default=None
-    )
-    if process is not None:
+    processes = [(r.process_device_bytes, r) for r in readings if r.process_device_bytes is not None]
+    if processes:
+        process_bytes, process = max(processes, key=lambda pair: pair[0])
         rows.append(
-            [
-                "most used, this process",
-                f"{format_bytes(process.process_device_bytes)} at step {process.step} ({process.stage})",
-            ]
+            ["most used, this process", f"{format_bytes(process_bytes)} at step {process.step} ({process.stage})"]
         )
         if process.reserved_bytes is not None:
-            rows.append(
-                [
-                    "  of which outside the allocator",
-                    format_bytes(process.process_device_bytes - process.reserved_bytes),
-                ]
-            )
+            rows.append(["  of which outside the allocator", format_bytes(process_bytes - process.reserved_bytes)])
     return "memkit device memory (NVML)\n" + format_table(["measure", "value"], rows)
 
 

@@ -165,7 +165,7 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
     if not panels:
         axes[0].text(0.5, 0.5, "no readings", ha="center", va="center", transform=axes[0].transAxes)
         return figure
-    for ax, (question, fields, val_fields) in zip(axes, panels):
+    for ax, (question, fields, val_fields) in zip(axes, panels, strict=True):
         for field in fields:
             label, color, style = SERIES_STYLE[field]
             steps, values = _series(train, field)
@@ -197,7 +197,7 @@ def memory_per_step_figure(summary: RunSummary, history: Sequence[StepReading], 
                     )
         ax.set_ylabel("MiB")
         ax.set_title(question + " (MiB)", fontsize=9, loc="left")
-        if summary.peak_bytes is not None and summary.peak_source in fields:
+        if summary.peak_bytes is not None and summary.peak_step is not None and summary.peak_source in fields:
             stage = "" if summary.peak_stage in (None, "train") else f", {summary.peak_stage}"
             mark_peak(
                 ax,
@@ -243,7 +243,7 @@ def compare_figures(compare) -> dict[str, Figure]:
         bars = bar_ax.bar(positions, [r.peak_allocated_bytes / MiB for r in ok], color="#4c72b0")
         bar_ax.set_xticks(positions, [r.mode for r in ok], rotation=20)
         lowest = min(positions, key=lambda i: ok[i].peak_allocated_bytes)
-        for position, (bar, result) in enumerate(zip(bars, ok)):
+        for position, (bar, result) in enumerate(zip(bars, ok, strict=True)):
             if result.peak_ratio is not None and position != lowest:  # the lowest bar's ratio is in its marker's label
                 bar_ax.annotate(
                     f"{result.peak_ratio:.2f}x",

@@ -302,17 +302,17 @@ def layout_from_tags(
     train = f"{prefix}/{STAGE_TAGS['train']}/"
     val = f"{prefix}/{STAGE_TAGS['validate']}/"
     has = lambda stage, field: f"{stage}{metric_name(field)}" in steps  # noqa: E731
-    options = {
-        "prefix": prefix,
-        "cuda": has(train, "peak_allocated_bytes") or has(train, "allocated_bytes"),
-        "nvml": has(train, "device_used_bytes"),
-        "tensors": has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
-        "host": has(train, "host_rss_bytes"),
-        "validation": any(t.startswith(val) for t in steps),
-        "ranks": max(
+    layout = dashboard_layout(
+        prefix=prefix,
+        cuda=has(train, "peak_allocated_bytes") or has(train, "allocated_bytes"),
+        nvml=has(train, "device_used_bytes"),
+        tensors=has(train, "tensor_bytes") or has(train, "peak_tensor_bytes"),
+        host=has(train, "host_rss_bytes"),
+        validation=any(t.startswith(val) for t in steps),
+        ranks=max(
             (int(m.group(1)) + 1 for m in (re.match(re.escape(train) + r"rank([0-9]+)/", t) for t in steps) if m),
             default=0,
         ),
-        "compare": compare,
-    }
-    return prune_layout(dashboard_layout(**options), steps)
+        compare=compare,
+    )
+    return prune_layout(layout, steps)

@@ -15,6 +15,7 @@ from lightning_memkit.tensorboard.axis import tensorboard_ticks
 from lightning_memkit.tensorboard.layout import layout_tags
 from lightning_memkit.tensorboard.rules import (
     MAX_TICK_LABEL,
+    Series,
     chart_series,
     clipping_problems,
     drawn_lines,
@@ -33,9 +34,6 @@ _FRAME_KEYS = ("<frame: lowest>", "<frame: highest>")
 SHORT_LINE_POINTS = 10
 #: the units a rebased line can be drawn in, smallest first, with their factor from MiB
 _UNITS = (("B", 1048576.0), ("KiB", 1024.0), ("MiB", 1.0), ("GiB", 1 / 1024))
-
-#: ``{(run, tag): [(step, value), ...]}``: the lines of one chart.
-Series = Mapping[tuple[str, str], Sequence[tuple[float, float]]]
 
 
 @dataclass(frozen=True)
@@ -130,13 +128,13 @@ def _short_raw_outside(series: Series, smoothing: float) -> bool:
     return any(not low <= v <= high for points in series.values() for _, v in points)
 
 
-def _frame_lines(series: Series) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def _frame_lines(series: Series) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """Two flat lines per run, at the lowest and the highest value of every line of the chart (all runs), at the
     steps that run's lines were logged at: with them at least a third of the chart's points lie at each end, so
     TensorBoard's 5th-95th percentile range spans every value of the lines however few their points."""
     values = [v for points in series.values() for _, v in points]
     low, high = min(values), max(values)
-    frames: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    frames: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for run in sorted({run for run, _ in series}):
         steps = sorted({step for (r, _), points in series.items() if r == run for step, _ in points})
         frames[(run, _FRAME_KEYS[0])] = [(step, low) for step in steps]
@@ -236,7 +234,7 @@ def readable_layout(
             framed = bool(series) and bool(
                 clipping_problems(title, series, smoothing) or _short_raw_outside(series, smoothing)
             )
-            drawn = {**series, **_frame_lines(series)} if framed else dict(series)
+            drawn: Series = {**series, **_frame_lines(series)} if framed else dict(series)
             display = _readable_display(title, series, drawn, smoothing)
             if display is not None:
                 named = display.named()

@@ -34,8 +34,8 @@ MAX_TICK_LABEL = 1000.0
 #: default (it ignores values beyond the 5th and 95th percentiles: up to 10 % of a long line).
 MAX_CLIPPED_FRACTION = 0.1
 
-#: ``{(run, line name): [(step, value), ...]}``: every line one chart draws.
-Series = Mapping[tuple[str, str], Sequence[tuple[float, float]]]
+#: ``{(run, line name): [(step, value), ...]}``: every line one chart draws (steps are TensorBoard's, whole numbers).
+Series = Mapping[tuple[str, str], Sequence[tuple[int, float]]]
 
 
 def chart_series(
@@ -91,7 +91,9 @@ def _scale_problems(title: str, series: Series) -> list[str]:
         for key, points in series.items()
         if not is_frame_tag(key[1]) and not is_rebased_tag(key[1])
     }
-    biggest = max(scales, key=scales.get) if scales else None
+    if not scales:
+        return []
+    biggest = max(scales, key=scales.__getitem__)
     problems = []
     for key, scale in scales.items():
         if scale > 0 and scales[biggest] > MAX_SCALE_RATIO * scale:
@@ -168,7 +170,7 @@ def tick_problems(title: str, series: Series, smoothing: float = 0.6) -> list[st
             f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels its ticks {labels}: "
             f"three significant digits cannot tell them apart"
         )
-    large = [label for t, label in zip(ticks, labels) if abs(t) >= MAX_TICK_LABEL]
+    large = [label for t, label in zip(ticks, labels, strict=True) if abs(t) >= MAX_TICK_LABEL]
     if large:
         problems.append(
             f"{title!r}: the y axis over [{low:.6g}, {high:.6g}] labels ticks {large} in exponent "

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import IO, Any
 
 __all__ = ["TensorBoardServer", "free_port"]
 
@@ -54,6 +54,7 @@ class TensorBoardServer:
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
         self.log: str = ""
+        self._output: IO[str] | None = None
 
     @property
     def url(self) -> str:
@@ -83,7 +84,8 @@ class TensorBoardServer:
     def start(self) -> TensorBoardServer:
         """Start the server and wait until it lists at least one run; raises RuntimeError on failure."""
         # a file, not a pipe: a pipe nobody reads would block the server once it fills
-        self._output = tempfile.TemporaryFile(mode="w+")
+        # held open for the server's life (stop() closes it), so not a with block
+        self._output = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.process = subprocess.Popen(
             self.command(), stdout=self._output, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -115,7 +117,7 @@ class TensorBoardServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
-        output, self._output = getattr(self, "_output", None), None
+        output, self._output = self._output, None
         if output is not None:
             output.seek(0)
             self.log = output.read()

@@ -76,7 +76,8 @@ def summary_metrics(summary: RunSummary, prefix: str = DEFAULT_PREFIX) -> dict[s
     metrics = {}
     if summary.peak_bytes is not None:
         metrics[f"{prefix}/summary/run_peak_MiB"] = summary.peak_bytes / MiB
-        metrics[f"{prefix}/summary/run_peak_step"] = float(summary.peak_step)
+        if summary.peak_step is not None:  # read with the peak
+            metrics[f"{prefix}/summary/run_peak_step"] = float(summary.peak_step)
     if summary.capacity_bytes:
         metrics[f"{prefix}/summary/capacity_MiB"] = summary.capacity_bytes / MiB
     if summary.peak_fraction is not None:

@@ -120,14 +120,14 @@ class ModuleHooks:
     def remove(self) -> None:
         """Remove every hook (a hook that cannot be removed is left: the tracer is being torn down)."""
         for handle in self._handles:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # tearing down: one stuck hook must not keep the others
                 handle.remove()
         self._handles.clear()
 
     def release(self) -> None:
         """Forget the modules, the calls and the accounting: they reach the model, its gradients and the batch."""
         self.infos = {}
-        self.attributor = self.accountant = None
+        del self.attributor, self.accountant
         self._calls = {}
         self._recompute_calls = {}
         self.stack = []
@@ -168,7 +168,7 @@ class ModuleHooks:
                             needs_grad, lambda grads, f=frame: self._backward(f, grads), mode="all"
                         )
                     )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error(f"pre-forward hook of {type(module).__name__}", error)
 
     def _close_call(self, module: nn.Module) -> ModuleCall | None:
@@ -203,7 +203,7 @@ class ModuleHooks:
                             needs_grad, lambda grad, f=frame: self._pre_backward(f, grad), mode="any"
                         )
                     )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error(f"forward hook of {type(module).__name__}", error)
 
     # ------------------------------------------------------------------ backward
@@ -221,7 +221,7 @@ class ModuleHooks:
                 self.timeline.emit("backward", frame.info, frame.call, False, described=frame.input_grads)
             elif not frame.needs_input_grads:
                 self._pending_backward.append(frame)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error("pre-backward hook", error)
 
     def _backward(self, frame: ModuleCall, grads: Sequence[torch.Tensor | None]) -> None:
@@ -239,7 +239,7 @@ class ModuleHooks:
                 return
             frame.backward_seen = True
             self.timeline.emit("backward", frame.info, frame.call, False, list(grads))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error("backward hook", error)
 
     def _grad_accumulated(self, parameter: torch.Tensor) -> None:
@@ -249,7 +249,7 @@ class ModuleHooks:
             self._ensure_backward_end_callback()
             if parameter.grad is not None:
                 self.attributor.assign([parameter.grad], "gradients")
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error("gradient hook", error)
 
     def _ensure_backward_end_callback(self) -> None:
@@ -270,7 +270,7 @@ class ModuleHooks:
             self._pending_backward.clear()
             self.timeline.marker("backward-end")
             self.host_phase = "optimizer"
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error("end of backward", error)
 
     # ------------------------------------------------------------------ optimizer
@@ -280,5 +280,5 @@ class ModuleHooks:
         try:
             self.attributor.assign_optimizers([optimizer])
             self.timeline.marker("optimizer-step")
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a hook never breaks the user's step: on_error reports it
             self.on_error("optimizer step hook", error)

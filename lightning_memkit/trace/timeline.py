@@ -48,6 +48,10 @@ class StepTimeline:
         self._last_live = start_bytes
         self._region_forwards: list[_RegionForward] = []
 
+    def release(self) -> None:
+        """Drop the accountant once the step is traced: its records reach the model, the state and the batch."""
+        del self.accountant
+
     def emit(
         self,
         phase: str,
@@ -96,6 +100,8 @@ class StepTimeline:
 
     def fill_from_allocator(self) -> None:
         """A compiled model: each event's bytes from the allocator's events up to its mark, read after the step."""
+        if self.allocator is None:  # not a compiled model: the bytes were read as the events happened
+            return
         marks = self.allocator.marks
         last = self.start_bytes
         for event in self.events:

@@ -12,10 +12,13 @@ import io
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_memkit.accounting.categories import CATEGORIES, CategoryBreakdown
 from lightning_memkit.trace.render import format_category_table, format_trace_table, trace_figure, trace_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "TRACE_FORMAT",
@@ -257,7 +260,7 @@ class LayerTraceResult:
         """The category breakdown at the peak and at step end, as a table."""
         return format_category_table(self)
 
-    def figure(self, title: str | None = None):
+    def figure(self, title: str | None = None) -> Figure:
         """A matplotlib figure of live memory (MiB) against event index, the peak marked, under ``title``
         (default: the model's class and the step)."""
         return trace_figure(self, title=title)

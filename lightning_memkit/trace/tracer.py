@@ -58,10 +58,12 @@ class _TracingAccountant(TensorAccountant):
         super().__init__()
         self._tracer = tracer
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(  # noqa: D105
+        self, func: Any, types: tuple[type, ...], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         try:
             self.set_label(self._tracer._label_for(func, args, kwargs))
-        except BaseException as error:  # never raise inside dispatch
+        except BaseException as error:  # noqa: BLE001 - never raise inside dispatch: recorded
             self._record_error(f"labelling {func}: {type(error).__name__}: {error}")
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -93,10 +95,10 @@ def _parameter_count(model: nn.Module) -> int:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
+    for parameter in model.parameters():
+        return parameter.device
+    for buffer in model.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -151,7 +153,8 @@ class LayerTracer:
         _check_arguments(model, max_depth, compiled)
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        self.model = model
+        #: the traced model; ``None`` once the step's result is built (the tracer must not keep it alive)
+        self.model: nn.Module | None = model
         self.optimizers = list(optimizers)
         self.max_depth = max_depth
         self.step = step
@@ -166,6 +169,13 @@ class LayerTracer:
         self.result: LayerTraceResult | None = None
         self._active = False
         self._stack_exit: contextlib.ExitStack | None = None
+
+    @property
+    def _traced(self) -> nn.Module:
+        """The model, while its step is traced."""
+        if self.model is None:
+            raise RuntimeError("a LayerTracer traces one step; create a new LayerTracer for the next step")
+        return self.model
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> LayerTracer:
@@ -185,7 +195,7 @@ class LayerTracer:
         self.attributor = CategoryAttributor(self.accountant)
         self.errors: list[str] = []
         self._warned = False
-        self._device = _model_device(self.model)
+        self._device = _model_device(self._traced)
         self._adopt_state(inputs)
         self._start_bytes = self.accountant.current_bytes
         self._allocator = self._start_allocator() if self.compiled == "keep" else None
@@ -193,7 +203,7 @@ class LayerTracer:
         self._timeline = StepTimeline(self.accountant, self._start_bytes, self._allocator)
         self.events: list[TraceEvent] = self._timeline.events
         self._hooks = ModuleHooks(self._infos, self.attributor, self._timeline, self._error)
-        self._hooks.install(self.model, self.optimizers)
+        self._hooks.install(self._traced, self.optimizers)
         self._timeline.marker("step-start")
         stack = contextlib.ExitStack()
         try:
@@ -202,7 +212,7 @@ class LayerTracer:
             if self.compiled != "keep":
                 stack.enter_context(self.attributor.watch_saved_tensors())
                 stack.enter_context(self.accountant)
-        except BaseException:
+        except BaseException:  # whatever stopped the start (an interrupt too): undo it, then raise
             stack.close()
             self._hooks.remove()
             raise
@@ -211,11 +221,11 @@ class LayerTracer:
 
     def _adopt_state(self, inputs: Any) -> None:
         """The model's, the optimizers' and the batch's tensors, with their roles; the peak from here."""
-        self.attributor.assign_module(self.model)
+        self.attributor.assign_module(self._traced)
         self.attributor.assign_optimizers(self.optimizers)
         if inputs is not None:
             self.attributor.assign(inputs, "inputs")
-        self._parameter_keys = {self.accountant.storage_key(p) for p in self.model.parameters()}
+        self._parameter_keys = {self.accountant.storage_key(p) for p in self._traced.parameters()}
         self.attributor.add_save_listener(self._on_save)
         self.accountant.reset_peak()
         self._peak_records: list[StorageRecord] = self.accountant.live_records()
@@ -240,7 +250,7 @@ class LayerTracer:
         """What a trace of a compiled model can see, said once in the result."""
         if self.compiled == "keep":
             return [
-                f"compiled model ({', '.join(compiled_parts(self.model))}), traced as it runs: rows for modules "
+                f"compiled model ({', '.join(compiled_parts(self._traced))}), traced as it runs: rows for modules "
                 "outside compiled code and for each compiled region as a whole (its saved bytes: what its graph "
                 "kept for backward); bytes from the allocator's events; no category split inside compiled code "
                 "(the peak's rise is 'other'); LayerTrace(compiled='eager') traces the eager program module by "
@@ -248,7 +258,7 @@ class LayerTracer:
             ]
         if self.compiled == "eager":
             return [
-                f"compiled model ({', '.join(compiled_parts(self.model))}): this step ran EAGERLY "
+                f"compiled model ({', '.join(compiled_parts(self._traced))}): this step ran EAGERLY "
                 "(compiled='eager'); its bytes are the eager program's"
             ]
         return []
@@ -272,7 +282,7 @@ class LayerTracer:
             self._hooks.remove()
         try:
             # roles made during the step: gradients set to None and back, lazily created optimizer state
-            self.attributor.assign_module(self.model)
+            self.attributor.assign_module(self._traced)
             self.attributor.assign_optimizers(self.optimizers)
             self.result = self._build_result()
         finally:
@@ -289,9 +299,8 @@ class LayerTracer:
         self._hooks.release()
         self._parameter_keys = set()
         self._peak_records = []
-        self._timeline.accountant = None
-        self.accountant = None
-        self.attributor = None
+        self._timeline.release()
+        del self.accountant, self.attributor
 
     # ------------------------------------------------------------------ failure handling
     def _error(self, where: str, error: BaseException) -> None:
@@ -307,7 +316,7 @@ class LayerTracer:
             )
 
     # ------------------------------------------------------------------ labels and peaks
-    def _label_for(self, func, args, kwargs) -> str:
+    def _label_for(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> str:
         if is_parameter_cast(func, args, kwargs, self._is_parameter):
             return AUTOCAST_COPY_LABEL
         if in_backward():
@@ -361,8 +370,8 @@ class LayerTracer:
             step=self.step,
             rank=self.rank,
             device=str(self._device),
-            model=user_class(self.model).__name__,
-            parameter_count=_parameter_count(self.model),
+            model=user_class(self._traced).__name__,
+            parameter_count=_parameter_count(self._traced),
             events=list(self.events),
             start_bytes=self._start_bytes,
             end_bytes=end,

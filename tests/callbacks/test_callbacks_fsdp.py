@@ -220,11 +220,13 @@ def test_model_parallel_fsdp2_two_cpu_ranks_every_callback_per_rank(tmp_path):
     for tag in ("tensor_MiB", "peak_tensor_MiB", "host_rss_MiB"):
         rank0, rank1 = bytes_of(f"memory/train/rank0/{tag}"), bytes_of(f"memory/train/rank1/{tag}")
         assert [s for s, _ in scalars[f"memory/train/rank1/{tag}"]] == [0, 1, 2], tag
-        assert bytes_of(f"memory/train/{tag}") == [max(a, b) for a, b in zip(rank0, rank1)], tag
+        assert bytes_of(f"memory/train/{tag}") == [max(a, b) for a, b in zip(rank0, rank1, strict=True)], tag
     # rank 1's extra tensor (4 KiB per sample of the batch found) is live at its step's peak
     assert all(
         b > a
-        for a, b in zip(bytes_of("memory/train/rank0/peak_tensor_MiB"), bytes_of("memory/train/rank1/peak_tensor_MiB"))
+        for a, b in zip(
+            bytes_of("memory/train/rank0/peak_tensor_MiB"), bytes_of("memory/train/rank1/peak_tensor_MiB"), strict=True
+        )
     )
 
     # ---- LayerTrace: one file per rank, the user's names and classes, the same modules in the same order

@@ -228,7 +228,7 @@ def test_activation_checkpointing_on_a_model_that_checkpoints_itself_wraps_nothi
             assert plan.measured_saving_bytes <= 0 < plan.count and "unwrapped" in plan.note
             assert any("saved no activation memory when measured" in str(w.message) for w in caught)
     assert wrapped_during_fit == [False] * 6
-    assert all(torch.equal(a, b) for a, b in zip(losses["without"], losses["with"]))
+    assert all(torch.equal(a, b) for a, b in zip(losses["without"], losses["with"], strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- dashboard
@@ -279,7 +279,7 @@ def test_per_rank_charts_draw_at_most_three_lines_for_any_number_of_ranks(world_
 
 
 @pytest.mark.parametrize(
-    "low, high, title_unit", [(1200.0, 2400.0, "(GiB)"), (1494.0, 1507.0, "(MiB above 1,490 MiB)")]
+    ("low", "high", "title_unit"), [(1200.0, 2400.0, "(GiB)"), (1494.0, 1507.0, "(MiB above 1,490 MiB)")]
 )
 def test_charts_of_1000_mib_or_more_have_no_exponent_labels(low, high, title_unit):
     """TensorBoard labels 1,400 MiB "1.4e+3". A chart whose values reach 1,000 MiB is drawn in GiB

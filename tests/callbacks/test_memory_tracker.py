@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import re
@@ -518,7 +519,7 @@ def test_misuse_is_refused_with_a_clear_message():
 
 
 # ---------------------------------------------------------------------------- the whole process
-@pytest.mark.parametrize("steps, every, expected", [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
+@pytest.mark.parametrize(("steps", "every", "expected"), [(12, 5, [4, 9]), (5, 1, [0, 1]), (25, 2, [1, 3, 13, 23])])
 def test_the_first_two_logged_steps_get_the_peak(tmp_path, steps, every, expected):
     """A short or sparsely logged run still gets a step-peak line of two points or more: the first two steps Lightning
     logs always get the accountant's peak (with log_every_n_steps=5 the run's always-peaked steps 0 and 1 are not
@@ -570,7 +571,7 @@ def test_memory_kept_outside_the_window_shows_by_its_exact_bytes(tmp_path, cache
     model = _KeepsPerStep(samples=128)  # 16 batches: no epoch boundary in 10 steps
     make_trainer(tmp_path, max_steps=10, logger=logger, callbacks=callbacks).fit(model)
     assert [r.step for r in tracker.history] == [0, 2, 4, 6, 8]
-    growth = [b.tensor_bytes - a.tensor_bytes for a, b in zip(tracker.history, list(tracker.history)[1:])]
+    growth = [b.tensor_bytes - a.tensor_bytes for a, b in itertools.pairwise(tracker.history)]
     assert growth == [per_measured_step] * 4
     logged = read_scalars(logger.log_dir)["memory/train/tensor_MiB"]
     assert [s for s, _ in logged] == [0, 2, 4, 6, 8]

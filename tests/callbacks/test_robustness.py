@@ -506,7 +506,7 @@ def test_layer_trace_frozen_submodule_has_no_gradients_and_buffers_are_counted(t
 
 
 @pytest.mark.parametrize(
-    "factory, overrides",
+    ("factory", "overrides"),
     [
         (DictBatch, {}),
         (lambda: Recurrent("lstm"), {}),
@@ -545,7 +545,7 @@ def test_layer_trace_across_the_epoch_boundary(tmp_path):
 
 # ============================================================================================ ActivationCheckpointing
 @pytest.mark.parametrize(
-    "factory, policy, overrides",
+    ("factory", "policy", "overrides"),
     [
         (Base, "auto", {}),
         (DictBatch, "auto", {}),
@@ -598,7 +598,7 @@ def test_activation_checkpointing_with_tracker_keeps_step_readings(tmp_path):
 
 # ============================================================================================ MaxBatchSize
 @pytest.mark.parametrize(
-    "factory, overrides",
+    ("factory", "overrides"),
     [
         (DictBatch, {}),
         (Scheduled, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
@@ -938,7 +938,7 @@ def test_cli_trace_estimate_compare_on_a_user_file(user_file, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+    ("verb", "extra"), [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
 )
 def test_cli_wrong_class_name_is_a_clear_error(verb, extra, user_file, capsys):
     status = main([verb, f"{user_file}:UserModle", *extra])
@@ -950,7 +950,7 @@ def test_cli_wrong_class_name_is_a_clear_error(verb, extra, user_file, capsys):
 
 
 @pytest.mark.parametrize(
-    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+    ("verb", "extra"), [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
 )
 def test_cli_missing_file_is_a_clear_error(verb, extra, tmp_path, capsys):
     status = main([verb, f"{tmp_path / 'nope.py'}:UserModel", *extra])
@@ -970,7 +970,7 @@ def test_cli_user_file_importing_a_sibling_lazily(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "verb, extra", [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
+    ("verb", "extra"), [("trace", []), ("estimate", ["--device-memory", "1GiB"]), ("compare", ["--steps", "1"])]
 )
 def test_cli_not_a_lightning_module_is_refused_before_training(verb, extra, tmp_path, capsys):
     path = tmp_path / "lazy_model.py"

@@ -125,10 +125,10 @@ def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     # scalar or two: the process scope counts every live tensor, and a background thread (gloo's workers,
     # TensorBoard's writer on rank 0) can let go of a few bytes at a moment that depends on scheduling. One
     # loaded CI run saw 4194300 at step 1 (a 4-byte scalar on one rank); 4 MiB missing or doubled still fails.
-    differences = [b - a for a, b in zip(rank0, rank1)]
+    differences = [b - a for a, b in zip(rank0, rank1, strict=True)]
     assert all(abs(d - 4 * EXTRA_ELEMENTS) <= 32 for d in differences), differences
-    assert maximum == [max(a, b) for a, b in zip(rank0, rank1)] == rank1
+    assert maximum == [max(a, b) for a, b in zip(rank0, rank1, strict=True)] == rank1
     assert [r["peak_tensor_bytes"] for r in history] == maximum
     host0 = bytes_of("memory/train/rank0/host_rss_MiB")
     host1 = bytes_of("memory/train/rank1/host_rss_MiB")
-    assert bytes_of("memory/train/host_rss_MiB") == [max(a, b) for a, b in zip(host0, host1)]
+    assert bytes_of("memory/train/host_rss_MiB") == [max(a, b) for a, b in zip(host0, host1, strict=True)]

@@ -225,7 +225,7 @@ def test_prefetched_batches_is_the_batch_the_next_step_receives(tmp_path):
     check = Check()
     make_trainer(tmp_path, max_steps=3, callbacks=[check]).fit(Iterable())
     assert [len(ahead) for ahead in check.ahead] == [1, 1, 1]
-    assert all(ahead[0] is received for ahead, received in zip(check.ahead, check.received[1:]))
+    assert all(ahead[0] is received for ahead, received in zip(check.ahead[:-1], check.received[1:], strict=True))
     sized = Check()
     make_trainer(tmp_path, max_steps=2, callbacks=[sized]).fit(LinearStack())
     assert sized.ahead == [[], []]

@@ -42,7 +42,7 @@ def test_import_at_the_lowest_supported_release_succeeds():
 
 
 @pytest.mark.parametrize(
-    "version, supported",
+    ("version", "supported"),
     [
         (LOWEST, True),
         (f"{LOWEST}a0+git1234", True),

@@ -50,7 +50,7 @@ def test_checkpointing_a_compiled_model_trains_compiled_with_the_uncompiled_loss
     assert checkpointing.plan is not None and checkpointing.plan.count >= 1
     assert backend.compiled >= 1 and all(calls >= 1 for calls in counts.per_step), counts.per_step
     torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=1e-6)
-    for (name, a), (_, b) in zip(compiled.named_buffers(), eager.named_buffers()):
+    for (name, a), (_, b) in zip(compiled.named_buffers(), eager.named_buffers(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # BatchNorm statistics updated once, as eager
 
 
@@ -149,7 +149,7 @@ def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_
     again = make(backend=CountingBackend())
     profiled = _ProfiledSteps()
     _fit(again, tmp_path / "profiled", [profiled], steps=4)
-    for step, (mine, theirs) in enumerate(zip(peaks, profiled.peaks)):
+    for step, (mine, theirs) in enumerate(zip(peaks, profiled.peaks, strict=True)):
         assert abs(mine - theirs) <= 0.01 * theirs, (step, mine, theirs)
 
 
@@ -276,7 +276,7 @@ def test_the_allocator_reading_equals_the_exact_accountant_on_an_eager_step(tmp_
         readings[how] = [r.peak_tensor_bytes for r in tracker.history]
         del model, tracker
         gc.collect()
-    for exact, allocator in zip(readings[None], readings["keep"]):
+    for exact, allocator in zip(readings[None], readings["keep"], strict=True):
         assert 0 <= allocator - exact <= 256, readings
 
 

@@ -111,7 +111,7 @@ def test_a_compiled_gpt2_trains_checkpointed_with_the_eager_checkpointed_losses(
     assert len(compiled.losses) == 3
     # aot_eager runs the same aten ops as eager on CPU: the losses and the trained weights are equal bit for bit
     assert compiled.losses == eager.losses == unchecked.losses, (compiled.losses, eager.losses, unchecked.losses)
-    for (name, a), (_, b) in zip(compiled.model.named_parameters(), eager.model.named_parameters()):
+    for (name, a), (_, b) in zip(compiled.model.named_parameters(), eager.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -105,13 +105,16 @@ def test_a_memkit_error_is_an_out_of_memory_error_only_when_it_is_one_or_was_rai
 
     # the search's verdict names memory in words; no allocation failed (MemoryTracker wrote an OOM report for it)
     assert not is_out_of_memory(SearchError("no batch size ran: the smallest tried, 1, ran out of memory"))
-    try:
+
+    def measuring_forward() -> None:
         try:
             torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: the CPU allocator refuses it
         except RuntimeError as error:
             raise MeasureError(f"the measuring forward failed: {error}") from error
-    except MeasureError as wrapped:
-        assert is_out_of_memory(wrapped) and is_out_of_memory(wrapped.__cause__)
+
+    with pytest.raises(MeasureError) as wrapped:
+        measuring_forward()
+    assert is_out_of_memory(wrapped.value) and is_out_of_memory(wrapped.value.__cause__)
 
 
 def test_the_homes_errors_py_names_are_where_the_errors_live():

@@ -32,7 +32,7 @@ def _process_bytes(meter: MemoryMeter) -> int:
 
 
 @pytest.mark.parametrize("scope", ["process", "step"])
-@pytest.mark.parametrize("dims, batch_size", [((32, 64, 48, 16), 8), ((128, 256, 64, 10), 4)])
+@pytest.mark.parametrize(("dims", "batch_size"), [((32, 64, 48, 16), 8), ((128, 256, 64, 10), 4)])
 def test_plain_loop_peak_equals_hand_computed_bytes(dims, batch_size, scope):
     """``zero_grad(); loss = net(x).pow(2).sum(); loss.backward(); opt.step()`` with plain SGD.
 

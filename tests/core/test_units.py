@@ -6,7 +6,7 @@ from lightning_memkit import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(
-    "text, expected",
+    ("text", "expected"),
     [
         ("16GiB", 16 * 2**30),
         ("512 MiB", 512 * 2**20),

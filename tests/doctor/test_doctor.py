@@ -5,6 +5,7 @@ steps; a large intermediate held by a Python variable named with its bytes and t
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import textwrap
@@ -383,7 +384,7 @@ def test_doctor_and_memory_tracker_together_in_either_order(doctor_first, tmp_pa
     assert steps == list(range(12))
     tensor_bytes = [r.tensor_bytes for r in tracker.history if r.stage == "train"]
     # the tracker sees the same leak (at step end) with its own accountant
-    assert {b - a for a, b in zip(tensor_bytes[3:], tensor_bytes[4:])} == {ACTIVATION}
+    assert {b - a for a, b in itertools.pairwise(tensor_bytes[3:])} == {ACTIVATION}
 
 
 def test_plain_pytorch_session_finds_the_leak_and_leaves_no_mode_on():

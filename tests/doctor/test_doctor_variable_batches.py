@@ -10,6 +10,7 @@ the ``append`` lines that keep the tensors beside the lines that made them, and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -142,7 +143,7 @@ def test_the_callback_gives_the_exact_bytes_per_step_and_the_append_lines_once(i
     check_leak(report.leak, leaky_file, LEAKY_TEXT)
     # exact at every step: what is watched grows by the leak alone once training state and logging are made
     points = report.live_bytes_at_start
-    assert [b - a for (_, a), (_, b) in zip(points[1:], points[2:])] == [TRUE_BYTES_PER_STEP] * (STEPS - 2), points
+    assert [b - a for (_, a), (_, b) in itertools.pairwise(points[1:])] == [TRUE_BYTES_PER_STEP] * (STEPS - 2), points
     assert report.graph_leak is not None  # the kept loss and logits keep their graphs' nodes too
 
     # each verdict is shown once: printed at fit end; the warning only says a leak was found

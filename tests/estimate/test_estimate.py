@@ -59,11 +59,11 @@ def test_estimate_within_one_percent_of_the_measured_step_and_touches_nothing(cl
     assert state.keys() == module.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state()) and py_rng == random.getstate()
-    assert all(numpy.array_equal(a, b) for a, b in zip(np_rng[1:2], numpy.random.get_state()[1:2]))
+    assert all(numpy.array_equal(a, b) for a, b in zip(np_rng[1:2], numpy.random.get_state()[1:2], strict=True))
 
 
 @pytest.mark.parametrize("cls", [DemoMLP, DemoCNN, DemoTransformer])
-@pytest.mark.parametrize("mode, autocast_dtype", [("baseline", None), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(("mode", "autocast_dtype"), [("baseline", None), ("bf16", torch.bfloat16)])
 def test_estimate_matches_an_independent_count_of_the_real_step(cls, mode, autocast_dtype):
     """Against tests/helpers/independent_count.py (gc walk and its own dispatch counter over a plain-torch loop in
     Lightning's order), not measure_training_step, which shares the estimate's step code. Measured: equal to
@@ -179,7 +179,7 @@ VIEWS = [
 ]
 
 
-@pytest.mark.parametrize("op, extra", VIEWS, ids=[str(op) for op, _ in VIEWS])
+@pytest.mark.parametrize(("op", "extra"), VIEWS, ids=[str(op) for op, _ in VIEWS])
 def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
     # the estimate's dispatch answers view ops of a fake itself (half of a fake step's ops): pinned against
     # FakeTensorMode's own result, which fake_view reproduces through private torch APIs
@@ -191,7 +191,7 @@ def test_fake_view_is_what_fake_tensor_mode_makes_of_a_view(op, extra):
     made_list = list(made) if isinstance(made, (list, tuple)) else [made]
     reference_list = list(reference) if isinstance(reference, (list, tuple)) else [reference]
     assert type(made) is type(reference) and len(made_list) == len(reference_list)
-    for mine, theirs in zip(made_list, reference_list):
+    for mine, theirs in zip(made_list, reference_list, strict=True):
         assert type(mine) is type(theirs) and is_fake(mine) and mine.fake_mode is theirs.fake_mode
         assert mine.device == theirs.device == torch.device("cpu")
         assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (
@@ -422,7 +422,7 @@ def test_the_stand_in_trainer_answers_like_a_trainer():
         == 4 * 3
     )
     with pytest.raises(AttributeError, match="self.trainer.not_a_setting: memkit estimates the step without a Trainer"):
-        StandInTrainer().not_a_setting
+        _ = StandInTrainer().not_a_setting
 
 
 class _Failing(DemoMLP):

@@ -203,7 +203,7 @@ def _qkv(heads=4, kv_heads=4, length=16, source=16, head_dim=64, dtype=torch.bfl
 
 
 @pytest.mark.parametrize(
-    "case, gpu, expected",
+    ("case", "gpu", "expected"),
     [
         ({"kv_heads": 2}, "h100", "flash"),  # grouped-query heads: flash supports them
         ({"kv_heads": 2, "dtype": torch.float32}, "h100", "math"),  # ... memory-efficient does not
@@ -316,7 +316,7 @@ def test_cpu_estimate_equals_the_measured_step(factory):
 
 
 @pytest.mark.parametrize(
-    "factory, gpu, mode, kernel",
+    ("factory", "gpu", "mode", "kernel"),
     [
         (GroupedGPT, "h100", "bf16", "attention: flash"),
         (GroupedGPT, "v100", "fp16", "attention: math"),
@@ -604,7 +604,7 @@ class _StepPeak(pl.Callback):
 
 
 @pytest.mark.parametrize(
-    "factory, steps, clip",
+    ("factory", "steps", "clip"),
     [
         (_gan, 4, None),
         (ManualTwoOptimizers, 4, None),

@@ -120,7 +120,7 @@ CASES = [(kind, mode) for kind in ("gpt2", "llama", "bert", "lora") for mode in 
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("kind, mode", CASES, ids=[f"{k}-{m}" for k, m in CASES])
+@pytest.mark.parametrize(("kind", "mode"), CASES, ids=[f"{k}-{m}" for k, m in CASES])
 def test_estimate_with_the_loaders_attention_mask_equals_the_real_step(kind, mode):
     module = HFModule(kind)
     estimate = estimate_memory(module, BATCH, mode=mode, device="cpu")
@@ -147,7 +147,7 @@ def test_with_and_without_the_all_ones_mask_the_estimate_is_the_same():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("kind, mode", [("llama", "bf16-true"), ("lora", "bf16-true+checkpoint")])
+@pytest.mark.parametrize(("kind", "mode"), [("llama", "bf16-true"), ("lora", "bf16-true+checkpoint")])
 def test_a_bf16_true_fit_of_a_transformers_model_peaks_at_the_estimate(kind, mode):
     """Lightning's HalfPrecision converts the model (rotary frequencies included) and runs training_step with bf16 as
     the default dtype; a real fit, counted from its start, peaks at the estimate's bytes."""

@@ -75,7 +75,7 @@ def counted_real_peak(module: Classifier, mode: str) -> int:
 CASES = [(kind, mode) for kind in ("mobilenet_v3_small", "vit") for mode in ("baseline", "bf16")]
 
 
-@pytest.mark.parametrize("kind, mode", CASES, ids=[f"{k}-{m}" for k, m in CASES])
+@pytest.mark.parametrize(("kind", "mode"), CASES, ids=[f"{k}-{m}" for k, m in CASES])
 def test_estimate_equals_the_real_step(kind, mode):
     module = Classifier(kind)
     assert (

@@ -522,7 +522,9 @@ def test_a_plans_trial_counts_the_model_on_the_device_once(wide_records):
     fits, note, on_device = _trial(module, candidate, 64 * GiB)
     assert fits, note
     assert abs(on_device.measured_reserved_bytes - on_host.measured_reserved_bytes) < weights // 4, (on_host.note, note)
-    assert all(a is b for a, b in zip(module.parameters(), parameters)) and all(p.is_cuda for p in parameters)
+    assert all(a is b for a, b in zip(module.parameters(), parameters, strict=True)) and all(
+        p.is_cuda for p in parameters
+    )
     budget = on_host.measured_reserved_bytes + CUDA_CONTEXT_BYTES + 64 * MiB
     fits, note, row = _trial(module, candidate, budget)
     assert fits, note

@@ -108,7 +108,12 @@ class AllocatorStepPeaks(Callback):
 
 def check_step_peaks(readings: Sequence[int | None], independent: Sequence[int]) -> None:
     """Every step's peak as the tracker read it is the allocator's own high point of that step (bytes, exactly)."""
-    wrong = [(step, read, truth) for step, (read, truth) in enumerate(zip(readings, independent)) if read != truth]
+    # not strict: the lengths are asserted below, with both series in the message
+    wrong = [
+        (step, read, truth)
+        for step, (read, truth) in enumerate(zip(readings, independent, strict=False))
+        if read != truth
+    ]
     assert len(readings) == len(independent) and not wrong, (
         f"per-step peaks differ from the allocator's own high point: (step, read, independent) {wrong}"
     )
@@ -384,7 +389,7 @@ def check_same_steps_timed_alike(timed_s: Sequence[float], synchronized_s: Seque
     assert len(timed_s) == len(synchronized_s) and timed_s, (len(timed_s), len(synchronized_s))
     off = [
         (step, round(timed, 6), round(truth, 6))
-        for step, (timed, truth) in enumerate(zip(timed_s, synchronized_s))
+        for step, (timed, truth) in enumerate(zip(timed_s, synchronized_s, strict=True))
         if abs(timed / truth - 1) > tolerance
     ]
     median = statistics.median(timed_s) / statistics.median(synchronized_s)

@@ -4,6 +4,7 @@ the auto and budget policies measured exactly, clear errors."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -46,15 +47,15 @@ def _step(model: nn.Module, x: torch.Tensor, seed: int = 7) -> None:
 
 
 def _assert_same_training_effect(base: nn.Module, other: nn.Module) -> None:
-    for (name, p), (_, q) in zip(base.named_parameters(), other.named_parameters()):
+    for (name, p), (_, q) in zip(base.named_parameters(), other.named_parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, f"{name} has no gradient"
         assert (p.grad - q.grad).abs().max().item() <= 1e-6, name
-    for (name, a), (_, b) in zip(base.named_buffers(), other.named_buffers()):
+    for (name, a), (_, b) in zip(base.named_buffers(), other.named_buffers(), strict=True):
         assert torch.equal(a, b), f"buffer {name} differs: running statistics updated twice?"
 
 
 @pytest.mark.parametrize(
-    "policy, count",
+    ("policy", "count"),
     [("auto", 3), ({nn.Sequential}, 4), (lambda name, m: name.startswith("blocks.") and name.count(".") == 1, 4)],
 )
 def test_gradients_and_running_stats_identical_with_dropout_and_batchnorm(policy, count):
@@ -304,7 +305,7 @@ def test_auto_cuts_a_plain_sequential_chain_when_no_block_repeats():
     handle = apply_checkpointing(model, "auto")
     assert handle.plan.count == 2  # round(sqrt(9)) = 3 segments, the last one runs plain
     model(x).sum().backward()
-    for got, want in zip((p.grad for p in model.parameters()), expected):
+    for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
         assert torch.equal(got, want)
     handle.remove()
 
@@ -359,11 +360,12 @@ def test_a_sample_that_runs_backward_is_a_clear_error_for_a_budget_and_a_warning
 def test_a_budget_is_a_fraction_or_a_size_with_a_unit(value):
     from lightning_memkit.modes.checkpoint_policy import parse_budget
 
+    if isinstance(value, str) and value.startswith("budget="):
+        parse = functools.partial(apply_checkpointing, BlockNet(), value, sample=(torch.randn(2, 8),))
+    else:
+        parse = functools.partial(parse_budget, value)
     with pytest.raises(ValueError, match=r"fraction in \(0, 1\].*512MiB"):
-        if isinstance(value, str) and value.startswith("budget="):
-            apply_checkpointing(BlockNet(), value, sample=(torch.randn(2, 8),))
-        else:
-            parse_budget(value)
+        parse()
 
 
 def test_budget_forms_that_say_their_unit():

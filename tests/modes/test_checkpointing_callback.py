@@ -77,9 +77,9 @@ def test_callback_trains_exactly_like_baseline_and_restores_the_module(tmp_path)
     callback = ActivationCheckpointing("auto")
     logger = TensorBoardLogger(str(tmp_path), name="ckpt", version="")
     _fit(model, tmp_path / "ckpt", [callback], logger=logger)
-    for (name, p), (_, q) in zip(base.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(base.named_parameters(), model.named_parameters(), strict=True):
         assert (p - q).abs().max().item() <= 1e-6, name
-    for (name, a), (_, b) in zip(base.named_buffers(), model.named_buffers()):
+    for (name, a), (_, b) in zip(base.named_buffers(), model.named_buffers(), strict=True):
         assert torch.equal(a, b), name
     assert callback.plan.names == ["blocks.0", "blocks.1", "blocks.2"]  # the last block runs plain
     assert callback.plan.measured_activation_bytes < callback.plan.baseline_activation_bytes

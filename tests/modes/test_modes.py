@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from lightning_memkit.modes.mode import MODE_WORDS, parse_modes, resolve_precisi
 
 
 @pytest.mark.parametrize(
-    "text, precision, checkpoint",
+    ("text", "precision", "checkpoint"),
     [
         ("baseline", None, None),
         ("amp", "amp", None),
@@ -37,7 +39,7 @@ def test_parse_mode_words(text, precision, checkpoint):
 
 
 @pytest.mark.parametrize(
-    "text, message",
+    ("text", "message"),
     [
         ("ampp", "unknown mode word 'ampp'"),
         ("amp+bf16", "two precisions"),
@@ -140,7 +142,7 @@ def test_mode_is_a_frozen_hashable_value_with_a_default_name():
     assert mode.name == "bf16+checkpoint:{Linear}"
     assert Mode().is_baseline and Mode().name == "baseline"
     assert hash(parse_mode("amp+checkpoint")) == hash(parse_mode("amp+checkpoint"))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         mode.precision = None  # type: ignore[misc]
     with pytest.raises(ValueError, match="precision"):
         Mode(precision="fp8")

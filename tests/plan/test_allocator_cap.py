@@ -60,7 +60,7 @@ def test_a_budget_below_the_device_caps_it_for_the_trial_and_leaves_no_cap_after
     share = (budget - CUDA_CONTEXT_BYTES) / TOTAL
     assert _trial(budget) == int(share * TOTAL)
     assert device.sets == [share, cuda_trial.NO_CAP] and device.fraction == cuda_trial.NO_CAP
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="the trial failed"):
         _trial(budget, fails=True)
     assert device.sets[-1] == cuda_trial.NO_CAP  # put back on error too
 

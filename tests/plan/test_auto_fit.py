@@ -144,7 +144,7 @@ def test_autofit_trains_the_same_curve_as_the_full_batch_within_the_budget(tmp_p
     torch.testing.assert_close(torch.tensor(curve), torch.tensor(reference.losses), rtol=1e-4, atol=1e-5)
     # the first optimizer step's gradients (accumulated over the micro-batches) are the full batch's
     # (later weights are not compared: AdamW's update of a near-zero gradient is its sign, float noise included)
-    for mine, theirs in zip(planned.first_gradients, reference.first_gradients):
+    for mine, theirs in zip(planned.first_gradients, reference.first_gradients, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
     assert max(planned.peaks) <= budget, (max(planned.peaks), budget)
 

@@ -8,9 +8,11 @@ CPU a plan's trial peak is compared with the estimate exactly); figures of FLOPs
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import time
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,7 +164,7 @@ def test_the_fake_step_counts_each_linear_layers_flops_by_hand():
     costs = OpCosts()
     with observing_ops(costs):
         estimate_memory(module, device="cpu")
-    layers = list(zip(dims, dims[1:]))
+    layers = list(itertools.pairwise(dims))
     expected = sum(2 * batch * i * o * (2 if index == 0 else 3) for index, (i, o) in enumerate(layers))
     assert costs.micro_batches == 1
     assert costs.micro_batch_flops == expected
@@ -216,7 +218,7 @@ def test_the_recompute_of_checkpointed_regions_is_counted_as_the_forward_again()
         estimate_memory(module, device="cpu")
     with observing_ops(checkpointed):
         estimate_memory(module, device="cpu", mode=Mode(checkpoint=frozenset({torch.nn.Sequential})))
-    rerun = sum(2 * batch * i * o for i, o in list(zip(dims, dims[1:]))[:-1])
+    rerun = sum(2 * batch * i * o for i, o in list(itertools.pairwise(dims))[:-1])
     assert checkpointed.micro_batch_flops - plain.micro_batch_flops == rerun
     assert checkpointed.micro.count > plain.micro.count
 
@@ -543,7 +545,7 @@ def test_memkit_plan_says_a_module_that_fits_changes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--trials", "5"], "--trials 5: give 1 to 3"),
         (["--max-seconds", "0"], "--max-seconds 0: give a positive number of seconds"),
@@ -568,10 +570,9 @@ def test_memkit_plan_refuses_a_missing_file():
 
 
 def test_the_roofline_table_in_the_docs_is_the_one_in_the_code():
-    import os
     import re
 
-    text = open(os.path.join(REPO_ROOT, "docs", "plan.md"), encoding="utf-8").read()
+    text = (Path(REPO_ROOT) / "docs" / "plan.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, flags=re.M)
     table = {name: tuple(float(v) for v in values) for name, *values in rows}
     expected = {

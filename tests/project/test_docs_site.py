@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_the_site_builds_strictly(tmp_path):
     for page in PAGES:  # every page was built, and the runnable examples the pages link are served beside them
         name = "" if page == "index.md" else page[:-3] + "/"
         assert (site / name / "index.html").exists(), page
-    text = "".join(open(os.path.join(DOCS, p), encoding="utf-8").read() for p in PAGES)
+    text = "".join(Path(DOCS, p).read_text(encoding="utf-8") for p in PAGES)
     linked = set(re.findall(r"\]\(\.\./examples/([\w.]+)", text))
     assert linked and all((site / "examples" / name).exists() for name in linked), linked
 
@@ -69,7 +70,7 @@ def test_every_page_is_in_the_navigation_once():
 def test_every_relative_link_of_the_pages_resolves():
     broken = []
     for page in PAGES:
-        text = open(os.path.join(DOCS, page), encoding="utf-8").read()
+        text = Path(DOCS, page).read_text(encoding="utf-8")
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if re.match(r"[a-z]+:", target):
                 continue
@@ -79,7 +80,7 @@ def test_every_relative_link_of_the_pages_resolves():
 
 
 def index_rows() -> list[list[str]]:
-    text = open(os.path.join(DOCS, "index.md"), encoding="utf-8").read()
+    text = Path(DOCS, "index.md").read_text(encoding="utf-8")
     rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
     header, _, *body = rows
     assert [c.strip() for c in header] == ["question", "tool", "what it prints (and writes)", "page"]
@@ -111,7 +112,7 @@ MAX_PAGE_LINES = 300
 
 
 def test_no_page_is_over_300_lines():
-    lines = {page: len(open(os.path.join(DOCS, page), encoding="utf-8").read().splitlines()) for page in PAGES}
+    lines = {page: len(Path(DOCS, page).read_text(encoding="utf-8").splitlines()) for page in PAGES}
     over = {page: count for page, count in lines.items() if count > MAX_PAGE_LINES}
     assert over == {}, f"over {MAX_PAGE_LINES} lines: {over} (runs go to benchmarks/README.md, history to CHANGELOG.md)"
 
@@ -123,15 +124,19 @@ def test_no_page_docstring_or_message_cites_source_documents():
     """Users read what the tool does; they were never given "the seed article" or "the seed's table"."""
     found = []
     for path in glob.glob(os.path.join(DOCS, "*.md")) + [os.path.join(ROOT, "README.md")]:
-        found += [(path, line) for line in open(path, encoding="utf-8") if SOURCE_CITATIONS.search(line)]
+        found += [
+            (path, line)
+            for line in Path(path).read_text(encoding="utf-8").splitlines()
+            if SOURCE_CITATIONS.search(line)
+        ]
     for path in glob.glob(os.path.join(ROOT, "lightning_memkit", "**", "*.py"), recursive=True):
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
         for node in ast.walk(tree):  # docstrings and every string a message is made of
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and SOURCE_CITATIONS.search(node.value):
                 found.append((path, node.value[:80]))
         comments = [
             line
-            for line in open(path, encoding="utf-8")
+            for line in Path(path).read_text(encoding="utf-8").splitlines()
             if "#" in line and SOURCE_CITATIONS.search(line.split("#", 1)[1])
         ]
         found += [(path, line) for line in comments]
@@ -139,7 +144,7 @@ def test_no_page_docstring_or_message_cites_source_documents():
 
 
 def test_the_changelog_has_an_unreleased_section():
-    text = open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8").read()
+    text = Path(ROOT, "CHANGELOG.md").read_text(encoding="utf-8")
     assert text.startswith("# Changelog") and "\n## Unreleased\n" in text
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -55,8 +56,8 @@ def test_without_git_the_commit_comes_from_the_environment(monkeypatch, tmp_path
 
 def test_every_gpu_result_script_names_its_provenance():
     for script in ("plan_gpu.py", "plan_gpu_table.py", "gpu_truth.py"):
-        text = open(os.path.join(BENCHMARKS, script)).read()
+        text = Path(BENCHMARKS, script).read_text()
         assert "from provenance import" in text and "provenance_line()" in text, script
-    assert "write_json(args.json, results)" in open(os.path.join(BENCHMARKS, "plan_gpu.py")).read()
+    assert "write_json(args.json, results)" in Path(BENCHMARKS, "plan_gpu.py").read_text()
     for script in ("gpu_lease.sh", "gpu_lease2.sh"):
-        assert "python3 benchmarks/provenance.py" in open(os.path.join(BENCHMARKS, script)).read(), script
+        assert "python3 benchmarks/provenance.py" in Path(BENCHMARKS, script).read_text(), script

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import lightning_memkit
+from tests.helpers.paths import REPO_ROOT
 
 PUBLIC = [
     "ActivationCheckpointing",
@@ -110,3 +111,20 @@ def test_each_public_name_is_imported_on_first_use_from_the_home_type_checkers_r
     assert set(lightning_memkit.__all__) <= set(dir(lightning_memkit))
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         lightning_memkit.not_a_name  # noqa: B018
+
+
+def test_the_modules_mypy_holds_to_full_annotations_are_the_public_apis():
+    """pyproject.toml's strict mypy override (every function fully annotated) names the three public packages and
+    every module a name they export is defined in: a public name that moves takes the rule with it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text(encoding="utf-8"))
+    strict = [o for o in config["tool"]["mypy"]["overrides"] if o.get("disallow_untyped_defs")]
+    assert len(strict) == 1 and strict[0].get("disallow_incomplete_defs") is True, strict
+    packages = ["lightning_memkit", "lightning_memkit.estimate", "lightning_memkit.plan"]
+    defining = set(packages)
+    for package in map(importlib.import_module, packages):
+        for name in package.__all__:
+            value = getattr(package, name)
+            if inspect.isclass(value) or inspect.isfunction(value):
+                defining.add(value.__module__)
+    assert sorted(strict[0]["module"]) == sorted(defining)

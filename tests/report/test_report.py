@@ -81,7 +81,7 @@ def test_run_without_records_is_rebuilt_from_tensorboard_scalars(run_dir, tmp_pa
     [run] = sources.runs
     assert not run.exact and run.name == "run/version_0"
     assert [(r.step, r.stage) for r in run.history] == [(r.step, r.stage) for r in history]
-    for rebuilt, original in zip(run.history, history):
+    for rebuilt, original in zip(run.history, history, strict=True):
         # TensorBoard keeps float32 MiB: bytes come back as round(float32(bytes / 2**20) * 2**20)
         for field in ("tensor_bytes", "peak_tensor_bytes"):  # the peak only on the steps the accountant measured it
             exact, back = getattr(original, field), getattr(rebuilt, field)

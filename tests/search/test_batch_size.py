@@ -110,9 +110,10 @@ def test_search_core_honours_init_val_and_max_val_and_fails_clearly():
 
 def test_budget_fails_like_out_of_memory():
     budget = MemoryBudget(1000)
-    with pytest.raises(BudgetExceededError) as caught, budget:
+    with budget:
         small = torch.zeros(100)  # 400 bytes: fine
-        torch.zeros(200)  # 800 more: over
+        with pytest.raises(BudgetExceededError) as caught:
+            torch.zeros(200)  # 800 more: over
     assert is_out_of_memory(caught.value) and isinstance(caught.value, torch.OutOfMemoryError)
     assert caught.value.requested_bytes == 1200 and caught.value.budget_bytes == 1000 and budget.exceeded == 1
     assert budget.live_bytes == 400
@@ -164,7 +165,7 @@ def _equal(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 

@@ -126,13 +126,15 @@ class SetOnceDataModule(pl.LightningDataModule):
 
 
 def test_a_failing_clean_up_never_hides_the_searchs_own_error(tmp_path):
-    with pytest.warns(RuntimeWarning, match="putting the trainer's state back failed too"):
-        with pytest.raises(ValueError, match="the step's own error"):
-            _trainer(
-                tmp_path,
-                [MaxBatchSize(budget="256MiB", init_val=8, max_val=16, use_estimate=False, verbose=False)],
-                max_steps=2,
-            ).fit(FailingStepMLP(), datamodule=SetOnceDataModule())
+    with (
+        pytest.warns(RuntimeWarning, match="putting the trainer's state back failed too"),
+        pytest.raises(ValueError, match="the step's own error"),
+    ):
+        _trainer(
+            tmp_path,
+            [MaxBatchSize(budget="256MiB", init_val=8, max_val=16, use_estimate=False, verbose=False)],
+            max_steps=2,
+        ).fit(FailingStepMLP(), datamodule=SetOnceDataModule())
 
 
 def test_the_summary_says_once_what_the_search_peak_and_the_run_peak_count(tmp_path, capsys):

@@ -14,6 +14,7 @@ sees after upgrading) must keep them, read back through a real TensorBoard serve
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import re
 import shutil
@@ -98,7 +99,7 @@ def check_rebased_lines(layout, scalars):
                 source = tag.replace(f"/{DASHBOARD_TAG_PART}/", "/").replace(f"_{unit}", "_MiB")
             factor = {"B": 2**20, "KiB": 1024, "MiB": 1, "GiB": 1 / 1024}[unit]
             assert [s for s, _ in scalars[tag]] == [s for s, _ in scalars[source]], tag
-            for (_, rebased), (_, value) in zip(scalars[tag], scalars[source]):
+            for (_, rebased), (_, value) in zip(scalars[tag], scalars[source], strict=True):
                 assert rebased == pytest.approx(value * factor - float(base.replace(",", "")), abs=1e-5), (tag, title)
             assert min(v for _, v in scalars[tag]) >= -1e-5  # the base is at or below every value
             checked += 1
@@ -300,7 +301,7 @@ def test_h100_logs_served_by_tensorboard_with_todays_layout(tmp_path):
             }
             assert charts == expected  # the new layout replaced the one written at fit start
             served_runs = {}
-            for title, regexes in layout_tags(charts).items():
+            for regexes in layout_tags(charts).values():
                 for run in runs:
                     for regex in regexes:  # what the Custom Scalars tab fetches for this chart
                         answer = server.get_json("/data/plugin/custom_scalars/scalars", {"run": run, "tag": regex})
@@ -504,7 +505,9 @@ def figure_problems(figure, runs_are_lines=False):
             if line.get_color() == PEAK_COLOR:
                 continue
             label = line.get_label()
-            series[(label if runs_are_lines else "figure", label)] = list(zip(line.get_xdata(), line.get_ydata()))
+            series[(label if runs_are_lines else "figure", label)] = list(
+                zip(line.get_xdata(), line.get_ydata(), strict=True)
+            )
         if not series:  # a bar chart (one value per mode: single-step data, drawn as bars): only the scale rule
             heights = [patch.get_height() for patch in ax.patches]
             assert heights and max(heights) <= 100 * min(heights), heights
@@ -587,7 +590,11 @@ def test_lines_lie_top_to_bottom_as_the_titles_say(root, cpu_fit):
                 continue
             values = [dict(scalars[tag]) for tag in order]
             for step in set.intersection(*(set(v) for v in values)):
-                assert all(upper[step] >= lower[step] for upper, lower in zip(values, values[1:])), (title, step, order)
+                assert all(upper[step] >= lower[step] for upper, lower in itertools.pairwise(values)), (
+                    title,
+                    step,
+                    order,
+                )
                 checked += 1
     assert checked >= 10  # steps x charts compared
 

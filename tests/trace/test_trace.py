@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 
 import pytest
@@ -110,7 +111,7 @@ def test_event_order_forward_then_backward_then_optimizer():
     pre_bw = [e.module for e in result.module_events("pre-backward") if e.module]
     assert pre_bw == [str(i) for i in reversed(range(10))]
     # live bytes chain: every delta is the difference of consecutive live values
-    for previous, event in zip(result.events, result.events[1:]):
+    for previous, event in itertools.pairwise(result.events):
         assert event.delta_bytes == event.live_bytes - previous.live_bytes
         assert event.peak_bytes >= event.live_bytes
     assert result.events[result.peak_event_index].peak_bytes == result.peak_bytes
@@ -130,7 +131,7 @@ def test_in_place_relu_traced_and_gradients_unchanged():
     with trace_step(model) as tracer:
         model(x).pow(2).sum().backward()
     assert tracer.result.errors == []
-    for parameter, grad in zip(model.parameters(), expected):
+    for parameter, grad in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(parameter.grad, grad, rtol=0, atol=0)
     for name in ("1", "3"):
         assert [e.phase for e in tracer.result.module_events(module=name)] == [
@@ -306,9 +307,9 @@ def test_autocast_weight_copies_are_their_own_category():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     x = torch.randn(4, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with trace_step(model, inputs=x) as tracer:  # ends inside autocast: its weight cache is alive
-            out = model(x)
+    # the trace ends inside autocast: its weight cache is alive
+    with torch.autocast("cpu", dtype=torch.bfloat16), trace_step(model, inputs=x) as tracer:
+        out = model(x)
     result = tracer.result
     assert result.errors == [] and out.dtype == torch.bfloat16
     # the first Linear's forward: bf16 copies of weight, bias and input, then its bf16 output
@@ -350,7 +351,8 @@ def test_hooks_and_modes_are_removed_after_the_step():
 
 def test_a_failing_step_still_removes_everything():
     model = make_cnn()
-    with pytest.raises(ValueError, match="boom"), trace_step(model) as tracer:
+    # the step fails inside the trace: the raise in the block is what is tested
+    with pytest.raises(ValueError, match="boom"), trace_step(model) as tracer:  # noqa: PT012
         model(torch.randn(B, 3, H, H))
         raise ValueError("boom")
     assert tracer.result is not None
@@ -385,7 +387,8 @@ def test_a_traced_step_keeps_nothing_alive_and_a_kept_tracer_holds_no_tensor():
 def test_a_failing_traced_step_keeps_nothing_alive():
     empty = live_tensor_bytes()
     model = make_cnn()
-    with pytest.raises(ValueError, match="boom"), trace_step(model, inputs=torch.randn(B, 3, H, H)) as tracer:
+    # the step fails inside the trace, leaving its graph: the raise in the block is what is tested
+    with pytest.raises(ValueError, match="boom"), trace_step(model, inputs=torch.randn(B, 3, H, H)) as tracer:  # noqa: PT012
         model(tracer_input := torch.randn(B, 3, H, H)).sum()  # a graph, abandoned by the failure
         raise ValueError("boom")
     del tracer_input

@@ -4,12 +4,14 @@ the `memkit trace` command, and the private torch internals the tracer relies on
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -429,7 +431,7 @@ def test_write_new_file_takes_the_first_free_version(tmp_path):
         "memkit_trace_step3_rank1-v1.json",
         "memkit_trace_step3_rank1-v2.json",
     ]
-    assert [open(p).read() for p in paths] == ["0", "1", "2"]
+    assert [Path(p).read_text() for p in paths] == ["0", "1", "2"]
     os.remove(paths[1])  # a gap is reused: the name is free again
     assert (
         os.path.basename(write_new_file(tmp_path / "d", "memkit_trace_step3_rank1.json", "3"))
@@ -576,7 +578,7 @@ class _MetricAccumulating(pl.LightningModule):
 def _micro_batch_peaks(result) -> list[int]:
     starts = [e.index for e in result.events if e.phase == "pre-forward" and e.module == "net"]
     bounds = starts + [len(result.events)]
-    return [max(e.live_bytes for e in result.events[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [max(e.live_bytes for e in result.events[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # torchmetrics on torch's pytree, not memkit's

@@ -98,7 +98,7 @@ def autocast_policies() -> list[tuple[Any, str, AutocastPolicy]]:
         "renorm",
         "logsumexp",
     )
-    table = {
+    table: dict[AutocastPolicy, list[tuple[object, str]]] = {
         AutocastPolicy.FP32: [
             (F, "layer_norm"),
             (F, "group_norm"),
@@ -142,7 +142,8 @@ def cast_tensors(args: Any, kwargs: Any, test, dtype: torch.dtype) -> tuple[Any,
 
 def bind_arguments(names: tuple[str, ...], args: Any, kwargs: Any) -> dict[str, Any]:
     """A call's ``args`` and ``kwargs`` by parameter name (``names`` in order)."""
-    return {**dict(zip(names, args)), **kwargs}
+    # not strict: a call passes fewer positional arguments than the signature names (the rest by keyword or default)
+    return {**dict(zip(names, args, strict=False)), **kwargs}
 
 
 def label_smoothing_term(log_probs, nll, target, weight, class_dim, reduction, ignore_index, smoothing):

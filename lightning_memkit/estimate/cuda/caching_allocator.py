@@ -215,11 +215,14 @@ class CudaAllocatorModel:
             return None
         size, segment, offset = entries[index]
         limit = self.config.max_split_size_bytes
-        if limit is not None and not small:
-            # the best fit only: an oversize block is not handed to a request below the limit, nor wasted
-            # on a request more than 20 MiB smaller than it (get_free_block); a new segment is made instead
-            if (rounded < limit <= size) or (rounded >= limit and size >= rounded + LARGE_SEGMENT_BYTES):
-                return None
+        # the best fit only: an oversize block is not handed to a request below the limit, nor wasted on a request
+        # more than 20 MiB smaller than it (get_free_block); a new segment is made instead
+        if (
+            limit is not None
+            and not small
+            and ((rounded < limit <= size) or (rounded >= limit and size >= rounded + LARGE_SEGMENT_BYTES))
+        ):
+            return None
         del entries[index]
         return self._block_at(segment, offset)
 

@@ -5,6 +5,7 @@ CUDA autocast's op lists), rewritten in the fake step so it allocates what CUDA 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -96,7 +97,7 @@ class CudaFunctions(TorchFunctionMode):
                 return original(*args, **kwargs) if result is NotImplemented else result
 
             call.__name__ = call.__qualname__ = name
-            call.__wrapped__ = original
+            functools.update_wrapper(call, original, assigned=(), updated=())  # __wrapped__ only: the name is ours
             return call
 
         try:
@@ -168,8 +169,7 @@ class CudaFunctions(TorchFunctionMode):
     # ------------------------------------------------------------------ attention
     def _attention(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
+        bound = bind_arguments(names, args, kwargs)
         query, key, value = bound["query"], bound["key"], bound["value"]
         attn_mask, dropout_p = bound.get("attn_mask"), float(bound.get("dropout_p", 0.0))
         is_causal, scale = bool(bound.get("is_causal", False)), bound.get("scale")
@@ -207,12 +207,12 @@ class CudaFunctions(TorchFunctionMode):
     # ------------------------------------------------------------------ dropout
     def _dropout(self, func, args, kwargs):
         names = ("input", "p", "training", "inplace")
-        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args)), **kwargs}
+        bound = {"p": 0.5, "training": True, "inplace": False, **bind_arguments(names, args, kwargs)}
         return self._fused_dropout(bound["input"], float(bound["p"]), bool(bound["training"]), bool(bound["inplace"]))
 
     def _torch_dropout(self, func, args, kwargs):
         names = ("input", "p", "train")
-        bound = {**dict(zip(names, args)), **kwargs}
+        bound = bind_arguments(names, args, kwargs)
         return self._fused_dropout(bound["input"], float(bound["p"]), bool(bound["train"]), False)
 
     def _fused_dropout(self, input, p, training, inplace):
@@ -225,7 +225,7 @@ class CudaFunctions(TorchFunctionMode):
     # ------------------------------------------------------------------ linear
     def _linear(self, func, args, kwargs):
         names = ("input", "weight", "bias")
-        bound = {"bias": None, **dict(zip(names, args)), **kwargs}
+        bound = {"bias": None, **bind_arguments(names, args, kwargs)}
         input, weight, bias = bound["input"], bound["weight"], bound["bias"]
         if bias is None or not isinstance(input, torch.Tensor) or input.dim() <= 2 or input.is_contiguous():
             return NotImplemented
@@ -242,8 +242,7 @@ class CudaFunctions(TorchFunctionMode):
             "reduce": None,
             "reduction": "mean",
             "label_smoothing": 0.0,
-            **dict(zip(names, args)),
-            **kwargs,
+            **bind_arguments(names, args, kwargs),
         }
         input, target = bound["input"], bound["target"]
         dtype = autocast_dtype()

@@ -16,6 +16,7 @@ from lightning_memkit.units import KiB, MiB
 __all__ = [
     "GPU_GENERATIONS",
     "GpuTarget",
+    "GpuLike",
     "cublas_workspace_bytes",
     "cublaslt_workspace_bytes",
     "conv_workspace_bytes",
@@ -56,14 +57,14 @@ class GpuTarget:
     capability: tuple[int, int]
 
     @classmethod
-    def parse(cls, gpu: Any = None) -> GpuTarget:
+    def parse(cls, gpu: GpuLike = None) -> GpuTarget:
         """``"h100"``, ``"a100"``, ``"sm90"``, ``"8.0"``, ``(8, 0)`` or a ``GpuTarget``; ``None`` is this
         machine's GPU when CUDA is available, else an H100 (the generation the recorded truth comes from)."""
         if isinstance(gpu, GpuTarget):
             return gpu
         if gpu is None:
             if torch.cuda.is_available():
-                return cls(torch.cuda.get_device_name().lower(), tuple(torch.cuda.get_device_capability()))
+                return cls(torch.cuda.get_device_name().lower(), torch.cuda.get_device_capability())
             return cls("h100", GPU_GENERATIONS["h100"])
         if isinstance(gpu, tuple) and len(gpu) == 2 and all(isinstance(v, int) for v in gpu):
             return cls(f"sm{gpu[0]}{gpu[1]}", gpu)
@@ -86,6 +87,11 @@ class GpuTarget:
     def sm(self) -> int:
         """The capability as one number: 90 for (9, 0)."""
         return self.capability[0] * 10 + self.capability[1]
+
+
+#: a ``gpu=`` argument: a name (``"h100"``), a compute capability (``"sm90"``, ``"8.0"``, ``(8, 0)``), a
+#: :class:`GpuTarget`, or ``None`` (this machine's GPU, else an H100)
+GpuLike = GpuTarget | str | tuple[int, int] | None
 
 
 def _workspace_config_bytes(text: str) -> int:

@@ -252,4 +252,4 @@ def cuda_target(device: torch.device, fake: bool, mode: Any = None, gpu: Any = N
     precision = None
     if mode is not None and getattr(mode, "precision", None) is not None:
         precision = "16-mixed" if mode.precision == "amp" else mode.precision
-    return CudaKernels(gpu, {None: "32-true"}.get(precision, precision))
+    return CudaKernels(gpu, "32-true" if precision is None else precision)

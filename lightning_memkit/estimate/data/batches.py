@@ -42,12 +42,11 @@ def preserved_rng() -> Iterator[None]:
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     queued_cuda = _torch_compat.queued_cuda_seeds() if cuda_states is None else None
     python_state = random.getstate()
-    try:
-        import numpy  # optional dependency: torch runs without numpy
+    numpy_state = None
+    with contextlib.suppress(ImportError):  # numpy is optional: torch runs without it
+        import numpy
 
         numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch
-        numpy = None
     try:
         yield
     finally:
@@ -57,7 +56,7 @@ def preserved_rng() -> Iterator[None]:
         else:
             _torch_compat.requeue_cuda_seeds(queued_cuda)
         random.setstate(python_state)
-        if numpy is not None:
+        if numpy_state is not None:
             numpy.random.set_state(numpy_state)
 
 
@@ -75,7 +74,7 @@ def _call_hook(owner: Any, hook: str, *arguments: Any) -> Any:
         return getattr(owner, hook)(*arguments)
     except NoBatchError:
         raise
-    except Exception as error:
+    except Exception as error:  # the user's hook may raise anything: a NoBatchError names the hook
         shown = ", ".join(repr(a) for a in arguments)
         raise NoBatchError(
             f"{type(owner).__name__}.{hook}({shown}) failed while memkit took a sample batch: "
@@ -181,7 +180,7 @@ def sample_batch_and_length(module: Any, datamodule: Any = None) -> tuple[Any, i
             raise NoBatchError(
                 f"the train dataloader of {type(module).__name__} is empty; pass an example batch (batch=...)"
             ) from None
-        except Exception as error:
+        except Exception as error:  # the user's loader may raise anything: a NoBatchError says where
             raise NoBatchError(
                 f"the first batch of the train dataloader failed while memkit took a sample batch: "
                 f"{type(error).__name__}: {error}"

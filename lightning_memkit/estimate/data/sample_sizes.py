@@ -5,6 +5,7 @@ The worst-batch search (estimate/worst_batch.py) ranks samples by these sizes.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,17 +81,22 @@ def signature(sample: Any) -> tuple[int, tuple[tuple[int, ...], ...]]:
     return sum(_leaf_size(leaf) for leaf in leaves), shapes
 
 
-def ranking_keys(signatures: dict[int, tuple[int, tuple]]) -> list[Callable[[int], int]]:
+def _dimension(signatures: dict[int, tuple[int, tuple]], leaf: int, dim: int, index: int) -> int:
+    """Dimension ``dim`` of tensor leaf ``leaf`` of sample ``index``."""
+    return signatures[index][1][leaf][dim]
+
+
+def ranking_keys(signatures: dict[int, tuple[int, tuple]]) -> list[Callable[[int], float]]:
     """The rankings that may make the largest batch: the total size, then each tensor dimension that varies
     (two images, one tall and one wide, are padded to the tallest and the widest: neither is largest alone)."""
-    keys: list[Callable[[int], int]] = [lambda index: signatures[index][0]]
+    keys: list[Callable[[int], float]] = [lambda index: signatures[index][0]]
     shapes = [shape for _, shape in signatures.values()]
     first = shapes[0]
     for leaf, shape in enumerate(first):
         for dim in range(len(shape)):
             same_layout = all(len(s) > leaf and len(s[leaf]) == len(shape) for s in shapes)
             if same_layout and len({s[leaf][dim] for s in shapes}) > 1 and len(keys) < _MAX_KEYS:
-                keys.append(lambda index, leaf=leaf, dim=dim: signatures[index][1][leaf][dim])
+                keys.append(functools.partial(_dimension, signatures, leaf, dim))
     return keys
 
 
@@ -99,7 +105,7 @@ def size_samples(dataset: Any, indices: Sequence[int]) -> dict[int, tuple[int, t
     for index in indices:
         try:
             signatures[index] = signature(dataset[index])
-        except Exception as error:
+        except Exception as error:  # the user's dataset may raise anything: a NoBatchError names the sample
             raise NoBatchError(
                 f"{type(dataset).__name__}[{index}] failed while memkit sized the samples for the worst "
                 f"batch: {type(error).__name__}: {error}"

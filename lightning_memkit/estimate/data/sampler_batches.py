@@ -11,6 +11,7 @@ largest samples together, an upper bound.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,11 @@ def iterable_sampler(sampler: Any, keep: tuple[Any, ...] = ()) -> tuple[SamplerB
     return found, ""
 
 
+def _padded_size(key: Callable[[int], float], batch: list[int]) -> float:
+    """The batch's samples times their largest ``key``: what padding to the longest makes."""
+    return len(batch) * max(key(index) for index in batch)
+
+
 def largest_yielded(
     batches: Sequence[list[int]], keys: list[Callable[[int], float]], make: Callable[[Sequence[int]], Any], nbytes: Any
 ) -> tuple[list[int], Any, int]:
@@ -81,10 +87,13 @@ def largest_yielded(
     collated batch, its bytes)``. Only the batches that lead a ranking are collated: the sum of each sample's total
     size (``keys[0]``; what stacking makes) and, for each key, the batch's samples times its largest value (what
     padding to the longest makes)."""
-    batches = [batch for batch in batches if batch]
+    nonempty = [batch for batch in batches if batch]
     rankings: list[Callable[[list[int]], float]] = [lambda batch: sum(keys[0](index) for index in batch)]
-    rankings += [lambda batch, key=key: len(batch) * max(key(index) for index in batch) for key in keys]
-    leaders = {tuple(max(batches, key=ranking)) for ranking in rankings}
+    rankings += [functools.partial(_padded_size, key) for key in keys]
+    leaders: set[tuple[int, ...]] = set()
+    for ranking in rankings:
+        leading: list[int] = max(nonempty, key=ranking)
+        leaders.add(tuple(leading))
     best: tuple[list[int], Any, int] = ([], None, -1)
     for leader in sorted(leaders):
         batch = make(leader)

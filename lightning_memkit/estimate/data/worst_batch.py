@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,10 +114,10 @@ class WorstBatch:
         yields at that size where it can be iterated without training (a ``SAMPLER`` batch, found once per size),
         else this one (whose :meth:`at` and :meth:`indices` give that size)."""
         sampling = self._sampling
-        if sampling is None or sampling.sampler is None:
+        if sampling is None or sampling.sampler is None or self._make is None:
             return self
         if size not in sampling.found:
-            sampling.found[size] = _yielded(self, sampling, size)
+            sampling.found[size] = _yielded(self, sampling, sampling.sampler, self._make, size)
         return sampling.found[size]
 
     def shapes(self) -> str:
@@ -145,7 +145,7 @@ class WorstBatch:
         """The worst batch of ``size`` samples: the ``size`` largest samples collated (a real batch), or ``None``
         where the samples are not known (the batch seen or given: rebatch that instead)."""
         indices = self.indices(size)
-        return None if indices is None else self._make(indices)
+        return None if indices is None or self._make is None else self._make(indices)
 
 
 def batch_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
@@ -185,7 +185,7 @@ def _loader_batch_size(loader: DataLoader) -> tuple[int, Any]:
     decides them (else ``None``)."""
     if loader.batch_size is not None:
         return int(loader.batch_size), None
-    sampler = loader.batch_sampler
+    sampler: Any = loader.batch_sampler  # torch's BatchSampler or the user's own: any iterable of index lists
     size = getattr(sampler, "batch_size", None)
     if not isinstance(size, int):
         with preserved_rng():
@@ -213,11 +213,18 @@ def _sampling_of(sampler: Any, loader: DataLoader, found: WorstBatch, keys: list
     return _Sampling(name, batches, why_not, keys)
 
 
-def _yielded(worst: WorstBatch, sampling: _Sampling, size: int) -> WorstBatch:
-    """The largest batch (by collated bytes) ``sampling``'s sampler yields at ``size`` samples per batch."""
+def _yielded(
+    worst: WorstBatch,
+    sampling: _Sampling,
+    sampler: SamplerBatches,
+    make: Callable[[Sequence[int]], Any],
+    size: int,
+) -> WorstBatch:
+    """The largest batch (by collated bytes) ``sampler`` (``sampling``'s) yields at ``size`` samples per batch,
+    collated by ``make``."""
     started = time.perf_counter()
-    batches = sampling.sampler.batches(size)
-    indices, batch, nbytes = largest_yielded(batches, sampling.keys, worst._make, batch_nbytes)
+    batches = sampler.batches(size)
+    indices, batch, nbytes = largest_yielded(batches, sampling.keys, make, batch_nbytes)
     found = WorstBatch(
         batch,
         len(indices),
@@ -254,10 +261,12 @@ def _from_dataset(
     """The largest samples collated at ``batch_size``, and the rankings of the samples it tried."""
     started = time.perf_counter()
     dataset = loader.dataset
-    total = len(dataset)
+    total = len(dataset)  # type: ignore[arg-type]  # a map-style dataset's __len__, which Dataset does not declare
     if total == 0:
         raise NoBatchError(f"the train dataset {type(dataset).__name__} is empty; pass an example batch (batch=...)")
     make = _collated(loader, dataset)
+    keys: list[Callable[[int], float]]
+    candidates: Sequence[int]
     with preserved_rng():
         seed_everything()
         if size_of is not None:
@@ -309,7 +318,11 @@ def _round_robin(orders: list[list[int]]) -> list[int]:
 
 
 def find_worst_batch(
-    loader: Any, batch_size: int | None = None, *, size_of: Any = None, max_samples: int = MAX_SIZED_SAMPLES
+    loader: Iterable[Any],
+    batch_size: int | None = None,
+    *,
+    size_of: str | Callable[[int], float] | None = None,
+    max_samples: int = MAX_SIZED_SAMPLES,
 ) -> WorstBatch:
     """The largest batch ``loader`` can produce at ``batch_size`` samples (default: the loader's own).
 
@@ -415,7 +428,7 @@ def _source_note(found: WorstBatch, why: str = "") -> str:
         return f"the worst batch of all {found.total:,} samples"
     if found.source is BatchSource.DATASET_SUBSET:
         return (
-            f"the worst batch of {found.sized:,} of {found.total:,} samples ({found.sized / found.total:.0%}, a "
+            f"the worst batch of {found.sized:,} of {found.total:,} samples ({found.sized / (found.total or 1):.0%}, a "
             f"fixed random subset): a larger batch may exist; name each sample's "
             "size (size_of=) to cover every sample"
         )
@@ -449,7 +462,7 @@ def worst_batch_and_length(
         raise
     except ValueError:
         raise
-    except Exception as error:
+    except Exception as error:  # the user's loader may raise anything: a NoBatchError says where
         raise NoBatchError(
             f"the train dataloader failed while memkit looked for its worst batch: {type(error).__name__}: {error}"
         ) from error

@@ -145,7 +145,7 @@ class DataDependentOps:
         single = members is not None and members.numel() == 1
         if dim is None:
             count = source.numel()
-            if single or (members is not None and "consecutive" not in name):  # consecutive runs may repeat a value
+            if members is not None and (single or "consecutive" not in name):  # consecutive runs may repeat a value
                 count = min(count, members.numel())
             exact = count == 0 or single
             values = self._empty((count,), source.dtype, source)
@@ -249,7 +249,7 @@ class DataDependentOps:
         else:  # a real bincount sums float32/float64 weights in their dtype, any other dtype in float64
             dtype = weights.dtype if weights.dtype in (torch.float32, torch.float64) else torch.float64
         self._sized(func, way)
-        return self._empty((length,), dtype, source if is_fake(source) else weights)
+        return self._empty((length,), dtype, source if is_fake(source) or weights is None else weights)
 
     def _repeat_interleave(self, func: Any, a: dict) -> Any:
         repeats = a["repeats"]

@@ -91,28 +91,30 @@ class KnownValues:
         self.count = 0  # values made known so far: until one is, ops other than seeds and fills need no look
 
     def _kind_of(self, func: Any) -> _Kind | None:
-        kind = self._kind.get(func, _UNKNOWN)
-        if kind is _UNKNOWN:
-            schema = getattr(func, "_schema", None)
-            name = schema.name if schema is not None else ""
-            if name in self._SEEDS:
-                kind = _Kind.SEED
-            elif name in self._FILLS or name in self._FILL_ARGUMENT:
-                kind = _Kind.FILL
-            elif name in self._REDUCTIONS or (
-                name in ("aten::max", "aten::min") and getattr(func, "_overloadname", "") == "default"
-            ):
-                kind = _Kind.REDUCTION  # of the whole tensor (max.dim's values and indices are not looked at)
-            elif name in self._COPIES or getattr(func, "is_view", False):
-                kind = _Kind.COPY
-            elif torch.Tag.pointwise in getattr(func, "tags", ()):
-                kind = _Kind.POINTWISE
-            elif schema is not None and schema.is_mutable:
-                kind = _Kind.MUTATES  # writes an argument: what was known of it is forgotten
-            else:
-                kind = None
-            self._kind[func] = kind
-        return kind
+        try:
+            return self._kind[func]
+        except KeyError:  # not looked at yet
+            kind = self._kind[func] = self._classify(func)
+            return kind
+
+    def _classify(self, func: Any) -> _Kind | None:
+        schema = getattr(func, "_schema", None)
+        name = schema.name if schema is not None else ""
+        if name in self._SEEDS:
+            return _Kind.SEED
+        if name in self._FILLS or name in self._FILL_ARGUMENT:
+            return _Kind.FILL
+        if name in self._REDUCTIONS or (
+            name in ("aten::max", "aten::min") and getattr(func, "_overloadname", "") == "default"
+        ):
+            return _Kind.REDUCTION  # of the whole tensor (max.dim's values and indices are not looked at)
+        if name in self._COPIES or getattr(func, "is_view", False):
+            return _Kind.COPY
+        if torch.Tag.pointwise in getattr(func, "tags", ()):
+            return _Kind.POINTWISE
+        if schema is not None and schema.is_mutable:
+            return _Kind.MUTATES  # writes an argument: what was known of it is forgotten
+        return None
 
     def after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Record what is known of ``out`` (the result of ``func(*args, **kwargs)`` in a fake step)."""
@@ -164,7 +166,8 @@ class KnownValues:
         schema = getattr(func, "_schema", None)
         if schema is None or not schema.is_mutable:
             return
-        for argument, value in zip(schema.arguments, args):
+        # not strict: the call passes fewer positional arguments than the schema names (the rest by keyword)
+        for argument, value in zip(schema.arguments, args, strict=False):
             written = argument.alias_info is not None and argument.alias_info.is_write
             if written and is_fake(value) and hasattr(value, _KNOWN_ATTRIBUTE):
                 delattr(value, _KNOWN_ATTRIBUTE)

@@ -128,14 +128,15 @@ _NORM_DTYPES: dict[tuple, tuple | None] = {}
 
 
 def norm_kind(func: Any) -> str | None:
-    kind = _NORM_KIND.get(func, False)
-    if kind is False:
+    try:
+        return _NORM_KIND[func]
+    except KeyError:  # not looked at yet
         schema = getattr(func, "_schema", None)
         kind = _NORM_KIND[func] = _NORM_OPS.get(schema.name) if schema is not None else None
-    return kind
+        return kind
 
 
-def norm_statistics_dtypes(func: Any, args: Any, kwargs: Any = None) -> tuple[torch.dtype, ...] | None:
+def norm_statistics_dtypes(func: Any, args: Any, kwargs: Any = None) -> tuple[torch.dtype | None, ...] | None:
     """The dtypes of the outputs of the norm op ``func(*args, **kwargs)`` (``native_layer_norm``, the batch norms,
     ``native_group_norm``) as this torch's real CPU kernel gives them, asked once per op and argument dtypes by
     running it on a tiny real copy of the arguments; ``None`` for another op or when it cannot be asked.
@@ -180,7 +181,7 @@ def with_real_statistics_dtypes(func: Any, args: Any, kwargs: Any, out: tuple) -
     if dtypes is None or len(dtypes) != len(out):
         return out
     fixed = list(out)
-    for index, (tensor, dtype) in enumerate(zip(out, dtypes)):
+    for index, (tensor, dtype) in enumerate(zip(out, dtypes, strict=True)):
         if index and dtype is not None and is_fake(tensor) and tensor.dtype != dtype:
             fixed[index] = torch.empty_strided(
                 tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype, device=tensor.device

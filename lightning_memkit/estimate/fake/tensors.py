@@ -55,7 +55,7 @@ def keeps_real_values(tensor: Any) -> bool:
     )
 
 
-def fake_tensor_type() -> type:
+def fake_tensor_type() -> type[torch.Tensor]:
     """torch's ``FakeTensor`` class (through estimate/_torch_compat.py)."""
     return _torch_compat.fake_tensor_module().FakeTensor
 
@@ -88,7 +88,7 @@ def fake_device_query(args: Any, fake_type: Any = None) -> Any:
     """The answer to ``prim.device(tensor)`` for a fake ``tensor`` (exactly what FakeTensorMode's device
     handler answers), else :data:`NOT_ANSWERED`. A dispatch mode above the fake mode answers these
     itself: they are most of a fake step's ops, and each Python mode layer they pass costs Python time."""
-    tensor = args[0] if len(args) == 1 else None
+    tensor: Any = args[0] if len(args) == 1 else None
     if type(tensor) is (fake_type or fake_tensor_type()):
         return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
     return NOT_ANSWERED

@@ -23,8 +23,6 @@ VALUE_SET_LIMIT = 4096
 
 _VALUES_ATTRIBUTE = "_memkit_value_set"
 
-_UNKNOWN = object()
-
 
 class _Kind(Enum):
     """What an op's output holds of its inputs' value sets."""
@@ -114,33 +112,34 @@ class ValueSets:
         self.count = 0  # sets attached so far: until one is, only seeds need a look
 
     def _kind_of(self, func: Any) -> _Kind | None:
-        kind = self._kind.get(func, _UNKNOWN)
-        if kind is _UNKNOWN:
-            schema = getattr(func, "_schema", None)
-            name = schema.name if schema is not None else ""
-            overload = getattr(func, "_overloadname", "")
-            if schema is not None and schema.is_mutable:
-                kind = _Kind.MUTATES  # an in-place op (or an out= form): what was known of what it writes is forgotten
-            elif name in ("aten::max", "aten::min"):  # over a dim: values and indices; whole: a reduction; else binary
-                kind = {"dim": _Kind.INDICES, "default": _Kind.REDUCTION}.get(overload)
-                if kind is None and torch.Tag.pointwise in getattr(func, "tags", ()):
-                    kind = _Kind.POINTWISE
-            elif name in self._INDEX_OPS and not (
-                name in ("aten::median", "aten::nanmedian") and overload == "default"
-            ):
-                kind = _Kind.INDICES
-            elif name in self._REDUCTIONS:
-                kind = _Kind.REDUCTION
-            elif name in self._COPIES:
-                kind = _Kind.COPY
-            elif getattr(func, "is_view", False):
-                kind = _Kind.VIEW
-            elif torch.Tag.pointwise in getattr(func, "tags", ()):
+        try:
+            return self._kind[func]
+        except KeyError:  # not looked at yet
+            kind = self._kind[func] = self._classify(func)
+            return kind
+
+    def _classify(self, func: Any) -> _Kind | None:
+        schema = getattr(func, "_schema", None)
+        name = schema.name if schema is not None else ""
+        overload = getattr(func, "_overloadname", "")
+        if schema is not None and schema.is_mutable:
+            return _Kind.MUTATES  # an in-place op (or an out= form): what was known of what it writes is forgotten
+        if name in ("aten::max", "aten::min"):  # over a dim: values and indices; whole: a reduction; else binary
+            kind = {"dim": _Kind.INDICES, "default": _Kind.REDUCTION}.get(overload)
+            if kind is None and torch.Tag.pointwise in getattr(func, "tags", ()):
                 kind = _Kind.POINTWISE
-            else:
-                kind = None
-            self._kind[func] = kind
-        return kind
+            return kind
+        if name in self._INDEX_OPS and not (name in ("aten::median", "aten::nanmedian") and overload == "default"):
+            return _Kind.INDICES
+        if name in self._REDUCTIONS:
+            return _Kind.REDUCTION
+        if name in self._COPIES:
+            return _Kind.COPY
+        if getattr(func, "is_view", False):
+            return _Kind.VIEW
+        if torch.Tag.pointwise in getattr(func, "tags", ()):
+            return _Kind.POINTWISE
+        return None
 
     # ------------------------------------------------------------------------------------------------ reading
     def members(self, tensor: Any) -> torch.Tensor | None:
@@ -254,7 +253,7 @@ class ValueSets:
             self.attach(out if isinstance(out, torch.Tensor) else None, None)
 
     @staticmethod
-    def _fake_type() -> type:
+    def _fake_type() -> type[torch.Tensor]:
         return fake_tensor_type()
 
     def _indices(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:

@@ -34,7 +34,7 @@ def hook(name: str) -> Iterator[None]:
         yield
     except (HookFailed, EstimateError, NoBatchError):
         raise
-    except Exception as error:
+    except Exception as error:  # the user's hook may raise anything: HookFailed names the hook
         raise HookFailed(name, error) from error
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from lightning_memkit.estimate.step.hook_errors import hook
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
 from lightning_memkit.estimate.step.trainer_stand_in import give_trainer_optimizers, is_lightning_module
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 __all__ = [
     "StepLoop",
@@ -46,7 +50,7 @@ class StepLoop:
 
     module: nn.Module
     batch: Any
-    autocast: Callable[[], ContextManager[Any]]
+    autocast: Callable[[], AbstractContextManager[Any]]
     acc: StepAccountant
     steps: int
     micro_batches: int = 1
@@ -85,8 +89,9 @@ def optimizer_factory(module: nn.Module, optimizer: Callable | None) -> Callable
     if is_lightning_module(module):
 
         def configured(copy_: nn.Module) -> torch.optim.Optimizer:
+            lightning = cast("LightningModule", copy_)  # a copy of the LightningModule
             with hook(f"{type(module).__name__}.configure_optimizers"):
-                returned = copy_.configure_optimizers()
+                returned = lightning.configure_optimizers()
             chosen = first_optimizer(returned)
             give_trainer_optimizers(copy_, returned)
             return chosen
@@ -129,7 +134,7 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return output.float().sum()
 
 
-def step_autocast(mode: Any, device_type: str, target_device_type: str) -> Callable[[], ContextManager[Any]]:
+def step_autocast(mode: Any, device_type: str, target_device_type: str) -> Callable[[], AbstractContextManager[Any]]:
     """The precision's context for the step's forward, as Lightning's precision plugin applies it around
     training_step only (its ``forward_context``): autocast under a mixed precision; under a true half precision the
     half dtype as torch's default dtype (tensors the forward creates without a dtype are half), no autocast."""
@@ -188,7 +193,8 @@ def run_automatic_steps(
     if loop.foreach:
         use_foreach(optimizer)
     acc = loop.acc
-    trainer = getattr(loop.module, "_trainer", None) if lightning_hooks else None
+    lightning = loop.module if lightning_hooks and is_lightning_module(loop.module) else None
+    trainer = getattr(lightning, "_trainer", None)
     for step in range(1, loop.steps + 1):
         acc.step = step
         for micro in range(max(1, int(loop.micro_batches))):
@@ -198,49 +204,53 @@ def run_automatic_steps(
             # Lightning's automatic optimization: zero_grad after the forward, before backward (with gradient
             # accumulation only on the first micro-batch of a step: the later ones add to the gradients)
             if micro == 0:
-                _zero_grad(loop, optimizer, step, lightning_hooks)
-            _backward(loop, loss, lightning_hooks)
+                _zero_grad(loop, optimizer, step, lightning)
+            _backward(loop, loss, lightning)
             del loss
         acc.attributor.assign_module(loop.module)  # the new gradients
-        if lightning_hooks:
-            _before_optimizer_step(loop, optimizer, trainer)
+        if lightning is not None:
+            _before_optimizer_step(loop, lightning, optimizer, trainer)
         labelled_optimizer_step(acc, optimizer)
         if trainer is not None and hasattr(trainer, "global_step"):
             trainer.global_step += 1  # as the fit loop counts optimizer steps
 
 
-def _zero_grad(loop: StepLoop, optimizer: torch.optim.Optimizer, step: int, lightning_hooks: bool) -> None:
+def _zero_grad(loop: StepLoop, optimizer: torch.optim.Optimizer, step: int, lightning: LightningModule | None) -> None:
+    """Zero the gradients; through ``lightning``'s hooks where it is given (the module, a LightningModule)."""
     name = type(loop.module).__name__
     with loop.acc.labelled("zero_grad"):
-        if lightning_hooks:
+        if lightning is not None:
             with hook(f"{name}.on_before_zero_grad"):
-                loop.module.on_before_zero_grad(optimizer)
+                lightning.on_before_zero_grad(optimizer)
             with hook(f"{name}.optimizer_zero_grad"):
-                loop.module.optimizer_zero_grad(0, step - 1, optimizer)
+                lightning.optimizer_zero_grad(0, step - 1, optimizer)
         else:
             optimizer.zero_grad(set_to_none=True)
 
 
-def _backward(loop: StepLoop, loss: torch.Tensor, lightning_hooks: bool) -> None:
+def _backward(loop: StepLoop, loss: torch.Tensor, lightning: LightningModule | None) -> None:
+    """The loss's backward; through ``lightning``'s hooks where it is given (the module, a LightningModule)."""
     name = type(loop.module).__name__
     with loop.acc.labelled("backward"), hook("the backward of the loss"):
-        if lightning_hooks:
+        if lightning is not None:
             with hook(f"{name}.on_before_backward"):
-                loop.module.on_before_backward(loss)
-            loop.module.backward(loss)
+                lightning.on_before_backward(loss)
+            lightning.backward(loss)
             with hook(f"{name}.on_after_backward"):
-                loop.module.on_after_backward()
+                lightning.on_after_backward()
         else:
             loss.backward()
 
 
-def _before_optimizer_step(loop: StepLoop, optimizer: torch.optim.Optimizer, trainer: Any) -> None:
-    name = type(loop.module).__name__
+def _before_optimizer_step(
+    loop: StepLoop, lightning: LightningModule, optimizer: torch.optim.Optimizer, trainer: Any
+) -> None:
+    name = type(lightning).__name__
     with loop.acc.labelled("optimizer"):
         with hook(f"{name}.on_before_optimizer_step"):
-            loop.module.on_before_optimizer_step(optimizer)
+            lightning.on_before_optimizer_step(optimizer)
         with hook(f"{name}.configure_gradient_clipping"):
-            loop.module.configure_gradient_clipping(
+            lightning.configure_gradient_clipping(
                 optimizer,
                 gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
                 gradient_clip_algorithm=getattr(trainer, "gradient_clip_algorithm", None),

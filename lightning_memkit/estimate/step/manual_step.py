@@ -5,16 +5,19 @@ optimizer steps itself, through a stand-in strategy that labels and attributes e
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from lightning_memkit._lightning_compat import lightning_optimizers, manual_optimizers_and_schedulers
 from lightning_memkit.estimate.step.hook_errors import hook
 from lightning_memkit.estimate.step.lightning_step import StepLoop, labelled_optimizer_step, use_foreach
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
+from lightning_memkit.estimate.step.trainer_stand_in import StandInTrainer, is_lightning_module
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 __all__ = ["ManualStrategy", "run_manual_steps"]
 
@@ -26,7 +29,7 @@ class ManualStrategy:
     calls :meth:`optimizer_step` (``optimizer.step(closure=...)``, the closure run inside the step as torch's
     optimizers do). The phases are labelled and attributed as the automatic step's are."""
 
-    def __init__(self, acc: StepAccountant, module_copy: nn.Module) -> None:
+    def __init__(self, acc: StepAccountant, module_copy: LightningModule) -> None:
         self.acc, self.module = acc, module_copy
         self._lightning_optimizers: list[Any] = []
 
@@ -52,6 +55,8 @@ def run_manual_steps(loop: StepLoop, optimizer: Callable | None) -> None:
     runs the forward, backward and steps itself, under the precision's autocast as Lightning runs it."""
     module_copy, acc = loop.module, loop.acc
     name = type(module_copy).__name__
+    if not is_lightning_module(module_copy):
+        raise EstimateError(f"{name} is a plain nn.Module: manual optimization is a LightningModule's")
     with hook(f"{name}.configure_optimizers" if optimizer is None else "optimizer="):
         if optimizer is None:
             optimizers, configs = manual_optimizers_and_schedulers(module_copy.configure_optimizers())
@@ -66,7 +71,7 @@ def run_manual_steps(loop: StepLoop, optimizer: Callable | None) -> None:
             use_foreach(each)
     strategy = ManualStrategy(acc, module_copy)
     strategy._lightning_optimizers = lightning_optimizers(optimizers, strategy)
-    trainer = module_copy.trainer
+    trainer = cast(StandInTrainer, module_copy.trainer)  # what attach_trainer gave the copy
     trainer.optimizers, trainer.lr_scheduler_configs = optimizers, configs
     trainer.strategy = strategy  # its precision_plugin is attach_trainer's (what clip_gradients calls)
     for step in range(1, loop.steps + 1):

@@ -19,6 +19,9 @@ __all__ = ["MemoryEstimate", "EstimateError"]
 class EstimateError(MemkitError, RuntimeError):
     """The step could not be estimated; the message says why and what to do."""
 
+    #: whether the step failed on an op whose output shape depends on tensor values (the message says what to do)
+    data_dependent: bool = False
+
 
 @dataclass
 class MemoryEstimate:

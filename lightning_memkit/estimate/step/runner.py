@@ -9,8 +9,9 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,6 +50,12 @@ from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, offload_suspended
 
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule, Trainer
+
+    from lightning_memkit.estimate.cuda.gpu_target import GpuLike
+    from lightning_memkit.modes.mode import ModeLike
+
 __all__ = ["StepRequest", "run", "prepare_batch", "PreparedBatch", "GIVEN_BATCH_NOTE"]
 
 #: the note on an estimate of a batch the caller gave
@@ -63,13 +70,13 @@ class StepRequest:
     module: nn.Module
     batch: Any = None
     batch_size: int | None = None
-    mode: Any = None
+    mode: ModeLike = None
     device: str | torch.device = "cuda"
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
-    datamodule: Any = None
-    trainer: Any = None
-    gpu: Any = None
+    datamodule: LightningDataModule | None = None
+    trainer: Trainer | None = None
+    gpu: GpuLike = None
     fake: bool = True
     steps: int = 2
 
@@ -116,9 +123,9 @@ class _StepCopy:
 
     module: nn.Module
     batch: Any
-    context: Callable[[], ContextManager[Any]]
+    context: Callable[[], AbstractContextManager[Any]]
     session: FakeSession | None = None
-    autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def run(request: StepRequest, settings: EstimateSettings | None = None) -> MemoryEstimate:
@@ -127,11 +134,12 @@ def run(request: StepRequest, settings: EstimateSettings | None = None) -> Memor
     settings = settings if settings is not None else EstimateSettings.current()
     cache = settings.reuse
     key = _memo_key(request, settings) if request.fake and cache is not None else None
-    if key is not None and key in cache.estimates:
+    if cache is None or key is None:
+        return _run_once(request, settings)
+    if key in cache.estimates:
         return copy.deepcopy(cache.estimates[key])
     estimate = _run_once(request, settings)
-    if key is not None:
-        cache.estimates[key] = copy.deepcopy(estimate)
+    cache.estimates[key] = copy.deepcopy(estimate)
     return estimate
 
 
@@ -286,7 +294,7 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
             _run_steps(request, resolved, settings, step_copy, acc, offload, kernels)
         except (EstimateError, NoBatchError):
             raise
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - the user's step may raise anything: an EstimateError names it
             raise failure(request.module, fake, error) from (error.error if isinstance(error, HookFailed) else error)
         finally:
             if handle is not None:
@@ -365,7 +373,7 @@ def _runs_onednn_lstm(module: nn.Module) -> bool:
     return (
         any(isinstance(m, nn.LSTM) for m in module.modules())
         and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
     )
 
 
@@ -404,7 +412,7 @@ def _run_steps(
     ):
         if settings.prepare_copy is not None:
             settings.prepare_copy(module_copy, acc)
-        if resolved.manual:
+        if resolved.make_optimizer is None:  # manual optimization: training_step steps its optimizers itself
             run_manual_steps(loop, request.optimizer)
         else:
             run_automatic_steps(

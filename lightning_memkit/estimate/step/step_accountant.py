@@ -38,11 +38,12 @@ class StepAccountant(TensorAccountant):
     ) -> None:
         super().__init__()
         self.fake_ops = fake_ops
-        self.events: list[tuple[str, int, int]] | None = [] if record_events else None
+        events: list[tuple[str, int, int]] = []
+        self.events: list[tuple[str, int, int]] | None = events if record_events else None
         if record_events:
             self.add_storage_listener(
-                lambda record: self.events.append(("alloc", record.sequence, record.nbytes)),
-                lambda record: self.events.append(("free", record.sequence, 0)),
+                lambda record: events.append(("alloc", record.sequence, record.nbytes)),
+                lambda record: events.append(("free", record.sequence, 0)),
             )
         self.peak_records: list[StorageRecord] = []
         self.peak_tick = 0
@@ -74,13 +75,13 @@ class StepAccountant(TensorAccountant):
             return result
         try:
             self._account(func, args, kwargs, result)
-        except BaseException as error:  # never raise here (see TensorAccountant)
+        except BaseException as error:  # noqa: BLE001 - never raise inside dispatch (see TensorAccountant): recorded
             self._record_error(f"{func}: {type(error).__name__}: {error}")
         listener = self.op_listener
         if listener is not None:
             try:
                 listener(func, args, kwargs, result, self)
-            except BaseException as error:  # never raise here: the listener only observes
+            except BaseException as error:  # noqa: BLE001 - never raise inside dispatch: the listener only observes
                 self._record_error(f"op listener on {func}: {type(error).__name__}: {error}")
         return result
 

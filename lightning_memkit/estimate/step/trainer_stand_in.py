@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import nn
 
 from lightning_memkit._lightning_compat import attach_stand_in_trainer, automatic_optimizers_and_schedulers
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_memkit.estimate.step.manual_step import ManualStrategy
 
 __all__ = ["DEFAULT_MAX_EPOCHS", "StandInTrainer", "is_lightning_module", "attach_trainer", "give_trainer_optimizers"]
 
@@ -36,6 +42,11 @@ class StandInTrainer:
     An attribute it does not have raises an ``AttributeError`` that names it and says the estimate
     runs without a Trainer.
     """
+
+    #: what ``LightningModule.clip_gradients`` calls; :func:`attach_trainer` gives it
+    precision_plugin: Precision
+    #: what a manually optimized ``training_step`` steps through (``self.trainer.strategy``), given by the estimate
+    strategy: ManualStrategy
 
     def __init__(
         self,
@@ -135,12 +146,12 @@ class StandInTrainer:
                 batches = trainer.num_training_batches
                 if batches not in (None, float("inf")) and batches > 0:
                     settings["num_training_batches"] = batches
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a loader that cannot be sized before the fit keeps the default
                 pass
         return cls(**settings)
 
 
-def is_lightning_module(module: nn.Module) -> bool:
+def is_lightning_module(module: nn.Module) -> TypeGuard[LightningModule]:
     """Whether ``module`` is a LightningModule (``False`` when Lightning is not installed)."""
     try:
         from lightning.pytorch import LightningModule  # deferred: the estimate imports Lightning only when asked

@@ -4,6 +4,7 @@ kernel table (lightning_memkit/estimate/cuda/kernels.py) pinned against the reco
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_attention_backend_follows_dtype_mask_head_dim_and_gpu_generation():
 
 def test_efficient_attention_allocates_what_the_fp32_trace_shows():
     sizes, kernels, _ = _fake_allocations(
-        lambda s: lambda q=_qkv(s, torch.float32): F.scaled_dot_product_attention(*q, dropout_p=0.1)
+        lambda s: functools.partial(F.scaled_dot_product_attention, *_qkv(s, torch.float32), dropout_p=0.1)
     )
     assert "attention:efficient" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_32-true", 8 * 12 * 512 * 4)
@@ -125,7 +126,7 @@ def test_efficient_attention_allocates_what_the_fp32_trace_shows():
 
 def test_flash_attention_allocates_what_the_bf16_trace_shows():
     sizes, kernels, _ = _fake_allocations(
-        lambda s: lambda q=_qkv(s, torch.bfloat16): F.scaled_dot_product_attention(*q, dropout_p=0.1)
+        lambda s: functools.partial(F.scaled_dot_product_attention, *_qkv(s, torch.bfloat16), dropout_p=0.1)
     )
     assert "attention:flash" in kernels.used
     traced = _sdpa_frame_sizes("BertLike_b8_bf16-mixed", 8 * 12 * 512 * 4)
@@ -138,7 +139,7 @@ def test_flash_attention_allocates_what_the_bf16_trace_shows():
 
 
 def test_fused_dropout_keeps_a_bool_mask_as_the_trace_shows():
-    sizes, kernels, _ = _fake_allocations(lambda s: lambda x=torch.empty(8, 512, 768): F.dropout(x, 0.1, True))
+    sizes, kernels, _ = _fake_allocations(lambda s: functools.partial(F.dropout, torch.empty(8, 512, 768), 0.1, True))
     assert sorted(sizes) == [3145728, 12582912]  # output, and a 1-byte-per-element mask
     traced = [size for sizes_ in _trace_sizes("BertLike_b8_32-true", "dropout@functional").values() for size in sizes_]
     assert traced.count(3145728) == 2 * 12 * 2  # the two (8, 512, 768) dropouts of 12 layers, 2 steps: bool masks
@@ -301,7 +302,7 @@ def test_the_cuda_target_leaves_nothing_behind_and_restores_torch_functions():
 
 
 @pytest.mark.parametrize(
-    "dtype, trace, buffer",
+    ("dtype", "trace", "buffer"),
     [(torch.float32, "BertLike_b8_32-true", 12595200), (torch.bfloat16, "BertLike_b8_bf16-mixed", 12779776)],
 )
 def test_fused_attention_backward_buffers_match_the_traces(dtype, trace, buffer):

@@ -165,11 +165,14 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
         # at the peak (the last block's backward) FSDP2 holds that block's gathered parameters and the root's,
         # which stay gathered from forward to backward (fully_shard's default for the root); gathered at their
         # padded size (dim 0 rounded up to a multiple of the world size: the head's 10 rows are 12 on 4 ranks)
-        def gathered(parameters):
-            return sum(-(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) * p.element_size() for p in parameters)
+        def gathered(parameters, world_size):
+            return sum(
+                -(-p.shape[0] // world_size) * world_size * (p.numel() // p.shape[0]) * p.element_size()
+                for p in parameters
+            )
 
-        block = gathered(model.blocks[-1].parameters())
-        root = gathered(p for name, p in model.named_parameters() if not name.startswith("blocks."))
+        block = gathered(model.blocks[-1].parameters(), n)
+        root = gathered((p for name, p in model.named_parameters() if not name.startswith("blocks.")), n)
         assert estimate.buffers == {"fsdp2_gathered_parameters": block + root}
         assert estimate.peak_bytes == sum(estimate.by_category.values())
     assert estimates[4].peak_bytes < estimates[2].peak_bytes
