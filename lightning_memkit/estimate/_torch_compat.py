@@ -18,6 +18,8 @@ __all__ = [
     "wrap_fake",
     "register_fake_process_group",
     "fully_shard",
+    "ddp_bucket_assignment",
+    "ddp_first_bucket_bytes",
     "safe_softmax",
     "flash_attention",
     "efficient_attention",
@@ -137,6 +139,25 @@ def fully_shard() -> Any:
             "estimate strategy='model_parallel' needs it"
         ) from error
     return found
+
+
+def ddp_bucket_assignment(parameters: list[torch.Tensor], limits_bytes: list[int]) -> list[list[int]]:
+    """DDP's bucket assignment of ``parameters`` (indices into it, bucket by bucket, in the order the reducer allocates
+    them) under the size limits ``limits_bytes`` (the first bucket's, then the rest's): torch's own
+    ``torch.distributed._compute_bucket_assignment_by_size``, which DDP's constructor and its reducer's rebuild call
+    (one bucket per dtype and device, dense gradients)."""
+    import torch.distributed as dist  # only where torch.distributed is available
+
+    indices, _ = dist._compute_bucket_assignment_by_size(parameters, limits_bytes, [False] * len(parameters))
+    return [list(bucket) for bucket in indices]
+
+
+def ddp_first_bucket_bytes() -> int:
+    """DDP's first bucket's size limit at the default ``bucket_cap_mb``
+    (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB): the first gradients ready are sent sooner."""
+    import torch.distributed as dist  # only where torch.distributed is available
+
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:
