@@ -46,7 +46,10 @@ def launch(argv: list[str]) -> int:
     """Start WORLD ranks of this script and wait for all of them (the caller's timeout ends the session)."""
     out, world = argv[0], int(argv[2])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), *argv], env=env) for rank in range(world)]
+    ranks = [
+        subprocess.Popen([sys.executable, __file__, "--rank", str(rank), *argv], env=dict(env, LOCAL_RANK=str(rank)))
+        for rank in range(world)
+    ]
     codes = [rank.wait() for rank in ranks]
     if any(codes):
         for rank in ranks:
@@ -57,10 +60,12 @@ def launch(argv: list[str]) -> int:
 
 
 def _precision_plugin(strategy: str, precision: str):
-    from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, Precision
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, HalfPrecision, Precision
 
     if strategy == "fsdp":
         return FSDPPrecision(precision)
+    if strategy.startswith("deepspeed"):
+        return DeepSpeedPrecision(precision)
     return HalfPrecision(precision) if precision != "32-true" else Precision()
 
 
@@ -106,6 +111,34 @@ def _setup(strategy: str, module, plugin, world: int, options: dict):
     return module.training_step
 
 
+def _deepspeed_engine(strategy: str, module, precision: str, options: dict):
+    """DeepSpeed's engine as Lightning's DeepSpeedStrategy initialises it: its default config for the stage (with the
+    precision's ``bf16`` section), the module's ``configure_optimizers`` optimizer; ``training_step`` through the
+    engine's forward (Lightning's forward redirection)."""
+    import deepspeed
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    config = DeepSpeedStrategy(stage=int(strategy[-1]), **options).config
+    config["train_micro_batch_size_per_gpu"] = module.batch_size
+    if precision.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
+    optimizer = module.configure_optimizers()
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, dist_init_required=False)
+    return engine, lambda *args: _ForwardRedirection()(engine, module, "training_step", *args)
+
+
+def _run_deepspeed(strategy: str, module, plugin, precision: str, options: dict, counter) -> None:
+    engine, training_step = _deepspeed_engine(strategy, module, precision, options)
+    batch_data = plugin.convert_input(next(iter(module.train_dataloader())))
+    counter.start_peak()
+    for step in range(2):
+        loss = training_step(batch_data, step)
+        engine.backward(loss)
+        del loss
+        engine.step()
+
+
 def run_rank(rank: int, argv: list[str]) -> None:
     out, strategy, world, precision, name, shape, seq, batch = argv[:8]
     options = json.loads(argv[8]) if len(argv) > 8 else {}
@@ -117,21 +150,28 @@ def run_rank(rank: int, argv: list[str]) -> None:
     counter = RankCounter()
     counter.hold([*module.parameters(), *module.buffers()])
     with counter:
-        training_step = _setup(strategy, module, plugin, world, options)
-        optimizer = module.configure_optimizers()
-        batch_data = plugin.convert_input(next(iter(module.train_dataloader())))
-        counter.start_peak()
-        for step in range(2):
-            with plugin.forward_context():
-                loss = training_step(batch_data, step)
-            module.optimizer_zero_grad(0, step, optimizer)
-            module.backward(loss)
-            del loss
-            optimizer.step()
+        if strategy.startswith("deepspeed"):
+            _run_deepspeed(strategy, module, plugin, precision, options, counter)
+        else:
+            _run_steps(strategy, module, plugin, world, options, counter)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"rank": rank, "peak_bytes": counter.peak_bytes}, file)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _run_steps(strategy: str, module, plugin, world: int, options: dict, counter) -> None:
+    training_step = _setup(strategy, module, plugin, world, options)
+    optimizer = module.configure_optimizers()
+    batch_data = plugin.convert_input(next(iter(module.train_dataloader())))
+    counter.start_peak()
+    for step in range(2):
+        with plugin.forward_context():
+            loss = training_step(batch_data, step)
+        module.optimizer_zero_grad(0, step, optimizer)
+        module.backward(loss)
+        del loss
+        optimizer.step()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ per-rank batch), so one fake step answers for all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,7 +20,8 @@ from torch import nn
 from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView
 from lightning_memkit.estimate.distributed.ddp import DdpSetup
-from lightning_memkit.estimate.distributed.deepspeed_zero import DeepSpeedSetup
+from lightning_memkit.estimate.distributed.deepspeed_stage3 import Stage3Setup
+from lightning_memkit.estimate.distributed.deepspeed_zero import DeepSpeedSetup, wrapped_factory
 from lightning_memkit.estimate.distributed.fake_group import fake_process_group
 from lightning_memkit.estimate.distributed.fsdp1 import Fsdp1Setup
 from lightning_memkit.estimate.distributed.fsdp2 import Fsdp2Setup
@@ -273,8 +275,7 @@ def _rank_step(
             setup = _fsdp1_setup(name, sharding, world_size, options, precision, half, mesh)
             return run_rank_step(module, batch_size, setup, estimate_kwargs)
     if name.startswith("deepspeed"):
-        setup = DeepSpeedSetup(int(name[-1]), sharding.shard_size, precision, half, options)
-        return run_rank_step(module, batch_size, setup, estimate_kwargs)
+        return _deepspeed_rank_step(module, batch_size, int(name[-1]), sharding, options, parsed, estimate_kwargs)
     if world_size == 1:  # one process: no reducer is modelled, the module's own step (shared with plain estimates)
         if has_configure_model(module):
             return run_rank_step(module, batch_size, _OneDevice(half), estimate_kwargs)
@@ -283,6 +284,42 @@ def _rank_step(
         return RankStep(single, categories, {}, single.peak_bytes, list(single.notes))
     setup = DdpSetup(options.bucket_cap_mb, options.gradient_as_bucket_view, options.find_unused_parameters, half)
     return run_rank_step(module, batch_size, setup, estimate_kwargs)
+
+
+def _deepspeed_rank_step(
+    module: nn.Module,
+    batch_size: int | None,
+    stage: int,
+    sharding: Sharding,
+    options: StrategyOptions,
+    mode: Any,
+    estimate_kwargs: dict[str, Any],
+) -> RankStep:
+    """ZeRO's rank: the step in DeepSpeed's compute layout (a mixed precision runs as its true half: the engine
+    converts the weights, Lightning's DeepSpeed precision runs no autocast), the optimizer ZeRO's around the user's."""
+    kwargs = dict(estimate_kwargs)
+    notes = []
+    half = None
+    if mode is not None:
+        device = kwargs.get("device", "cuda")
+        precision = mode.precision_for(device)
+        half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, mode.true_half_dtype())
+        if precision in ("bf16-mixed", "16-mixed"):
+            true_half = "bf16-true" if half is torch.bfloat16 else "16-true"
+            kwargs["mode"] = dataclasses.replace(mode, precision=true_half)
+            notes.append(
+                f"DeepSpeed runs {precision} as half-precision weights without autocast (its engine converts the "
+                f"module; fp32 master weights in the optimizer): the rank's step ran as {true_half}"
+            )
+    holder: list[DeepSpeedSetup] = []
+    if kwargs.get("optimizer") is not None:
+        kwargs["optimizer"] = wrapped_factory(kwargs["optimizer"], holder)
+    setup = Stage3Setup(sharding.shard_size, half, options) if stage == 3 else None
+    setup = setup or DeepSpeedSetup(stage, sharding.shard_size, half, options)
+    holder.append(setup)
+    rank = run_rank_step(module, batch_size, setup, kwargs)
+    rank.notes[:0] = notes
+    return rank
 
 
 def _fsdp1_setup(
