@@ -114,3 +114,18 @@ class LlamaFSDP(LlamaFineTune):
     def configure_model(self):
         if self.model is None:
             self.model = LlamaFineTune.build_model(self, self.shape)
+
+
+class LlamaModelParallelKeepGathered(LlamaModelParallel):
+    """:class:`LlamaModelParallel` whose layers stay gathered from forward to backward
+    (``fully_shard(..., reshard_after_forward=False)``)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if self.device_mesh is None:
+            return
+        dp_mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(self.model, mesh=dp_mesh, reshard_after_forward=False)

@@ -1,11 +1,12 @@
 """An independent count of one rank's real tensor memory, for the multi-process checks: plain torch, no code shared
 with lightning_memkit (its accountant and its estimate are what the count checks).
 
-:class:`RankCounter` is a dispatch mode that counts every CPU storage an op creates (a DTensor's by its local
-tensor), follows every ``UntypedStorage.resize_`` of a counted storage (FSDP frees and re-grows its gathered
-parameters that way, outside the dispatcher), and subtracts a storage when torch frees it (``weakref.finalize`` on
-the storage, whose Python object torch keeps for the storage's life). Storages that exist when it starts are counted
-only when :meth:`RankCounter.hold` is given their tensors (the module's parameters and buffers).
+:class:`RankCounter` is a dispatch mode that counts every CPU storage an op creates (a DTensor's by its local tensor;
+``torch.tensor(data)``'s, which the dispatcher sees as ``lift_fresh`` of a tensor made outside it), follows every
+``UntypedStorage.resize_`` of a counted storage (FSDP frees and re-grows its gathered parameters that way, outside
+the dispatcher), and subtracts a storage when torch frees it (``weakref.finalize`` on the storage, whose Python
+object torch keeps for the storage's life). Storages that exist when it starts are counted only when
+:meth:`RankCounter.hold` is given their tensors (the module's parameters and buffers).
 
 Usage in a rank::
 
@@ -105,7 +106,9 @@ class RankCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        inputs = {s._cdata for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None}
+        inputs = set()
+        if func is not torch.ops.aten.lift_fresh.default:  # torch.tensor(data) is made outside the dispatcher: new
+            inputs = {s._cdata for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None}
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             storage = _storage(tensor)

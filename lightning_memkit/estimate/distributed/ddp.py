@@ -40,7 +40,7 @@ from lightning_memkit.units import MiB
 
 __all__ = ["DdpSetup", "DDP_BUCKETS"]
 
-#: the buffer name (and accountant label) of DDP's gradient buckets in a rank's breakdown
+#: the buffer name of DDP's gradient buckets in a rank's breakdown
 DDP_BUCKETS = "ddp_gradient_buckets"
 
 
@@ -53,8 +53,6 @@ class DdpSetup(RankSetup):
         find_unused_parameters: DDP's argument of that name (it decides the initial bucket assignment).
         half: a true half precision's dtype, else ``None``.
     """
-
-    buffer_labels = (DDP_BUCKETS,)
 
     def __init__(
         self,
@@ -105,18 +103,18 @@ class DdpSetup(RankSetup):
         parameters' dtype; each parameter's view into its bucket."""
         self.buckets, self.views = [], {}
         assignment = _torch_compat.ddp_bucket_assignment(parameters, limits)
-        with acc.labelled(DDP_BUCKETS):
-            for indices in assignment:
-                members = [parameters[i] for i in indices]
-                bucket = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype)
-                self.buckets.append(bucket)
-                offset = 0
-                for member in members:
-                    view = self.views[id(member)] = bucket[offset : offset + member.numel()].view_as(member)
-                    offset += member.numel()
-                    if self.as_view and member.grad is not None:  # initialize_bucket_views, at a rebuild
-                        view.copy_(member.grad)
-                        member.grad = view
+        for indices in assignment:
+            members = [parameters[i] for i in indices]
+            bucket = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype)
+            self.claim(acc, DDP_BUCKETS, [bucket])
+            self.buckets.append(bucket)
+            offset = 0
+            for member in members:
+                view = self.views[id(member)] = bucket[offset : offset + member.numel()].view_as(member)
+                offset += member.numel()
+                if self.as_view and member.grad is not None:  # initialize_bucket_views, at a rebuild
+                    view.copy_(member.grad)
+                    member.grad = view
 
     def _gradient_ready(self, parameter: nn.Parameter) -> None:
         """The reducer's autograd hook: the gradient copied into its bucket view (``gradient_as_bucket_view``: the

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.estimate.distributed.deepspeed_zero import (
     DEEPSPEED_BUCKETS,
     DEEPSPEED_GRADIENT_PARTITION,
@@ -32,7 +33,6 @@ from lightning_memkit.estimate.distributed.deepspeed_zero import (
     _wrap_optimizer_factory,
     zero_settings,
 )
-from lightning_memkit._torch_compat import tree_flatten
 from lightning_memkit.estimate.distributed.rank_step import padded_shard_numel, trainable_parameters
 from lightning_memkit.estimate.distributed.strategy_options import StrategyOptions
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
@@ -48,8 +48,6 @@ PERSISTENCE_THRESHOLD = 100_000
 
 class Stage3Setup(DeepSpeedSetup):
     """A rank under Lightning's DeepSpeedStrategy, ZeRO stage 3 (see the module's docstring)."""
-
-    buffer_labels = (DEEPSPEED_BUCKETS, DEEPSPEED_GRADIENT_PARTITION, DEEPSPEED_GATHERED)
 
     def __init__(self, world_size: int, half: torch.dtype | None, options: StrategyOptions) -> None:
         super().__init__(3, world_size, half, options)
@@ -79,10 +77,10 @@ class Stage3Setup(DeepSpeedSetup):
         self.master = torch.empty(self.partition_numel, dtype=torch.float32) if not self.offload else None
         if self.offload:
             self.host = 3 * 4 * self.partition_numel
-        with acc.labelled(DEEPSPEED_GRADIENT_PARTITION):
-            self.partition_grads = torch.zeros(self.partition_numel, dtype=self.dtype)
-        with acc.labelled(DEEPSPEED_BUCKETS):
-            self.buckets = [torch.empty(self.bucket_numel, dtype=self.dtype)]
+        self.partition_grads = torch.zeros(self.partition_numel, dtype=self.dtype)
+        self.claim(acc, DEEPSPEED_GRADIENT_PARTITION, [self.partition_grads])
+        self.buckets = [torch.empty(self.bucket_numel, dtype=self.dtype)]
+        self.claim(acc, DEEPSPEED_BUCKETS, self.buckets)
         for module in module_copy.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._hook_gathers(module)
@@ -104,10 +102,10 @@ class Stage3Setup(DeepSpeedSetup):
         module.register_forward_hook(after_forward)
 
     def _gather(self, module: nn.Module) -> None:
-        with self.acc.labelled(DEEPSPEED_GATHERED):
-            for parameter in module.parameters(recurse=False):
-                if parameter.numel() == 0:
-                    parameter.data = torch.empty(self.shapes[id(parameter)], dtype=parameter.dtype)
+        for parameter in module.parameters(recurse=False):
+            if parameter.numel() == 0:
+                parameter.data = torch.empty(self.shapes[id(parameter)], dtype=parameter.dtype)
+                self.claim(self.acc, DEEPSPEED_GATHERED, [parameter])
 
     def _release(self, module: nn.Module) -> None:
         for parameter in module.parameters(recurse=False):

@@ -42,7 +42,7 @@ from lightning_memkit.estimate.step.trainer_stand_in import is_lightning_module
 
 __all__ = ["DeepSpeedSetup", "ZeroOptimizer", "DEEPSPEED_BUCKETS", "DEEPSPEED_GRADIENT_PARTITION", "zero_settings"]
 
-#: buffer names (and accountant labels) in a rank's breakdown
+#: buffer names in a rank's breakdown
 DEEPSPEED_BUCKETS = "deepspeed_gradient_buckets"
 DEEPSPEED_GRADIENT_PARTITION = "deepspeed_gradient_partition"
 
@@ -113,8 +113,6 @@ class DeepSpeedSetup(RankSetup):
         half: the half dtype the rank's step runs in (``None`` for fp32).
         options: the strategy's options (``offload_optimizer``, ``deepspeed_config``).
     """
-
-    buffer_labels = (DEEPSPEED_BUCKETS, DEEPSPEED_GRADIENT_PARTITION)
 
     def __init__(self, stage: int, world_size: int, half: torch.dtype | None, options: StrategyOptions) -> None:
         super().__init__()
@@ -191,12 +189,12 @@ class DeepSpeedSetup(RankSetup):
             offset += parameter.numel()
 
     def _gradient_ready(self, parameter: nn.Parameter) -> None:
-        """``reduce_independent_p_g_buckets_and_remove_grads``: the gradient into the bucket, the full bucket reduced."""
+        """``reduce_independent_p_g_buckets_and_remove_grads``: the gradient into the bucket, a full bucket reduced."""
         if parameter.grad is None:
             return
         if not self.buckets:
-            with self.acc.labelled(DEEPSPEED_BUCKETS):
-                self.buckets = [torch.empty(self.bucket_numel, dtype=self.dtype) for _ in range(self.bucket_count)]
+            self.buckets = [torch.empty(self.bucket_numel, dtype=self.dtype) for _ in range(self.bucket_count)]
+            self.claim(self.acc, DEEPSPEED_BUCKETS, self.buckets)
         numel = parameter.numel()
         if self.bucket_used + numel > self.bucket_numel:
             self._reduce_bucket()
@@ -213,9 +211,9 @@ class DeepSpeedSetup(RankSetup):
         for parameter in self.bucket_members:
             if id(parameter) in self.in_partition and parameter.grad is not None:
                 if self.partition_grads is None:
-                    with self.acc.labelled(DEEPSPEED_GRADIENT_PARTITION):
-                        total = sum(p.numel() for p in self.parameters if id(p) in self.in_partition)
-                        self.partition_grads = torch.empty(total, dtype=self.dtype)
+                    total = sum(p.numel() for p in self.parameters if id(p) in self.in_partition)
+                    self.partition_grads = torch.empty(total, dtype=self.dtype)
+                    self.claim(self.acc, DEEPSPEED_GRADIENT_PARTITION, [self.partition_grads])
                 numel = parameter.numel()
                 view = self.partition_grads[self.partition_used : self.partition_used + numel].view_as(parameter)
                 view.copy_(parameter.grad)

@@ -99,6 +99,7 @@ class Fsdp1Setup(RankSetup):
         # answers "the same storage", which is what a step that swaps no parameter has); for the estimate's length
         # (the runner's warnings block), the warning about it is not the user's
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")  # one rank: as FSDP does
         wrapper = FullyShardedDataParallel(
             module_copy,
             mixed_precision=self.mixed_precision,

@@ -34,18 +34,22 @@ class RankSetup:
     buffers.
 
     Attributes:
-        buffer_labels: accountant labels under which :meth:`wrap` (or its hooks) allocates the strategy's buffers;
-            each label is the buffer's name in :attr:`RankStep.buffers`.
         gathered: the buffer name of the storages the strategy resizes in place (FSDP's gathered parameters: freed
             with ``resize_(0)`` after use, grown back before the next), or ``None``.
         notes: caveats the setup adds to the estimate.
     """
 
-    buffer_labels: tuple[str, ...] = ()
     gathered: str | None = None
 
     def __init__(self) -> None:
         self.notes: list[str] = []
+        self._claimed: dict[int, tuple[str, StorageRecord]] = {}  # id(record) -> (buffer name, the record kept)
+
+    def claim(self, acc: StepAccountant, name: str, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` (just allocated by the set-up or its hooks) are the strategy's buffer ``name``."""
+        for tensor in tensors:
+            for record in acc.records_of(tensor):
+                self._claimed[id(record)] = (name, record)
 
     def build(self, module_copy: nn.Module, acc: StepAccountant) -> None:
         """Build ``module_copy`` (fake, in the step's fake world, under ``acc``) as the strategy does before the
@@ -57,8 +61,9 @@ class RankSetup:
 
     def buffer_name(self, record: StorageRecord, acc: StepAccountant) -> str | None:
         """The strategy buffer ``record`` belongs to, or ``None`` when it is none of the strategy's."""
-        if record.label in self.buffer_labels:
-            return record.label
+        claimed = self._claimed.get(id(record))
+        if claimed is not None:
+            return claimed[0]
         if self.gathered is not None and id(record) in acc.resized:
             return self.gathered
         return None
