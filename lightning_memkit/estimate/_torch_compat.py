@@ -20,6 +20,7 @@ __all__ = [
     "fully_shard",
     "ddp_bucket_assignment",
     "ddp_first_bucket_bytes",
+    "dtensor_local",
     "safe_softmax",
     "flash_attention",
     "efficient_attention",
@@ -158,6 +159,12 @@ def ddp_first_bucket_bytes() -> int:
     import torch.distributed as dist  # only where torch.distributed is available
 
     return int(dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of a DTensor (``DTensor._local_tensor``, without ``to_local()``'s dispatched view), or ``None``
+    for any other tensor."""
+    return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else None
 
 
 def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:
