@@ -9,13 +9,15 @@ What the model allocates, with Lightning's DeepSpeedStrategy settings:
 - The fp32 master partitions, stepped by the user's optimizer (``optimizer_state``, as stages 1 and 2), the flat
   gradient partition buffer (``grad_partitions_flat_buffer``, allocated at set-up) and the gradient bucket
   (``reduce_bucket_size`` elements, one, at set-up).
-- Around each module that holds parameters, in forward and in backward: its parameters gathered (a full tensor each)
-  before, freed after. Each gradient is copied into the bucket (autograd's own freed); a full bucket is
-  reduce-scattered and this rank's part copied into its gradient partition.
+- Around each module that holds parameters, in forward and in backward: its parameters gathered before (one flat
+  all-gather buffer, then a full tensor each), freed after; from the second step, a module's parameters fetched
+  again within ``stage3_max_reuse_distance`` (1e9) elements of fetches stay gathered after its forward. Each
+  gradient is copied into the bucket (autograd's own freed); a full bucket is reduce-scattered and this rank's part
+  copied into its gradient partition.
 - The step: the gradient partition converted to fp32 as the master's gradient, the optimizer's step, freed.
 
-Not modelled: the prefetch coordinator (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
-``stage3_max_reuse_distance``: parameters kept gathered from forward into backward), parameter offload.
+Not modelled: the prefetching of the next modules' parameters (``stage3_prefetch_bucket_size``) and
+``stage3_max_live_parameters``, parameter offload.
 """
 
 from __future__ import annotations
@@ -44,6 +46,41 @@ DEEPSPEED_GATHERED = "deepspeed_gathered_parameters"
 
 #: DeepSpeed's default ``stage3_param_persistence_threshold`` (elements): smaller parameters stay gathered
 PERSISTENCE_THRESHOLD = 100_000
+#: DeepSpeed's default ``stage3_max_reuse_distance`` (elements): a parameter fetched again within it stays gathered
+MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+class FetchTrace:
+    """The order in which modules fetched their parameters in the first step (DeepSpeed's parameter coordinator
+    records it, and from the second step on releases a module's parameters after its forward only when they are not
+    fetched again within ``stage3_max_reuse_distance`` elements of fetches: ``__params_to_release``)."""
+
+    def __init__(self) -> None:
+        self.order: list[nn.Module] = []
+        self.numel: list[int] = []
+        self.position = 0
+        self.step = 0
+
+    def fetched(self, module: nn.Module, step: int) -> None:
+        if step != self.step:  # a new step: the trace is complete after the first
+            self.step, self.position = step, 0
+        if step <= 1:
+            self.order.append(module)
+            self.numel.append(sum(p.numel() for p in module.parameters(recurse=False)))
+        self.position += 1
+
+    def reused_soon(self, module: nn.Module, reuse_numel: int) -> bool:
+        """Whether, in a complete trace, ``module`` is fetched again within ``reuse_numel`` elements of fetches."""
+        if self.step <= 1:
+            return False
+        traversed = 0
+        for index in range(self.position, len(self.order)):
+            if traversed >= reuse_numel:
+                return False
+            if self.order[index] is module:
+                return True
+            traversed += self.numel[index]
+        return False
 
 
 class Stage3Setup(DeepSpeedSetup):
@@ -54,9 +91,10 @@ class Stage3Setup(DeepSpeedSetup):
         settings = zero_settings(options)
         self.persistence = int(settings.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD))
         self.bucket_count = 1
+        self.reuse_numel = int(settings.get("stage3_max_reuse_distance", MAX_REUSE_DISTANCE))
         self.partitions: dict[int, torch.Tensor] = {}
-        self.grad_views: dict[int, torch.Tensor] = {}
         self.shapes: dict[int, torch.Size] = {}
+        self.trace = FetchTrace()
 
     def wrap(self, module_copy: nn.Module, acc: StepAccountant) -> None:
         """Partitions, the fp32 master, the gradient buffers, the gather hooks and the gradient hooks."""
@@ -73,7 +111,7 @@ class Stage3Setup(DeepSpeedSetup):
             if parameter.numel() > self.persistence:
                 parameter.data = torch.empty(0, dtype=parameter.dtype)
         acc.attributor.assign(list(self.partitions.values()), "parameters")
-        self.partition_numel = sum(padded_shard_numel(p.numel(), self.world_size) for p in parameters)
+        self.partition_numel = sum(self.partitions[id(p)].numel() for p in parameters)
         self.master = torch.empty(self.partition_numel, dtype=torch.float32) if not self.offload else None
         if self.offload:
             self.host = 3 * 4 * self.partition_numel
@@ -93,7 +131,8 @@ class Stage3Setup(DeepSpeedSetup):
         gradient of its output arrives (before its backward) and each freed when its gradient is ready."""
 
         def after_forward(m: nn.Module, args: Any, output: Any) -> None:
-            self._release(m)
+            if not self.trace.reused_soon(m, self.reuse_numel):
+                self._release(m)
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: self._gather(m))
@@ -102,10 +141,17 @@ class Stage3Setup(DeepSpeedSetup):
         module.register_forward_hook(after_forward)
 
     def _gather(self, module: nn.Module) -> None:
-        for parameter in module.parameters(recurse=False):
-            if parameter.numel() == 0:
-                parameter.data = torch.empty(self.shapes[id(parameter)], dtype=parameter.dtype)
-                self.claim(self.acc, DEEPSPEED_GATHERED, [parameter])
+        """``fetch_sub_module``: the module's partitioned parameters all-gathered into one flat buffer (their padded
+        partitions of every rank), each copied out into its own full tensor, the flat buffer freed."""
+        self.trace.fetched(module, self.acc.step)
+        missing = [p for p in module.parameters(recurse=False) if p.numel() == 0 and id(p) in self.shapes]
+        if not missing:
+            return
+        flat = torch.empty(sum(self.partitions[id(p)].numel() for p in missing) * self.world_size, dtype=self.dtype)
+        for parameter in missing:
+            parameter.data = torch.empty(self.shapes[id(parameter)], dtype=parameter.dtype)
+            self.claim(self.acc, DEEPSPEED_GATHERED, [parameter])
+        del flat
 
     def _release(self, module: nn.Module) -> None:
         for parameter in module.parameters(recurse=False):

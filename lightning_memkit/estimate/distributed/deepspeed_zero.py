@@ -15,7 +15,8 @@ What the model allocates, with Lightning's DeepSpeedStrategy settings (``contigu
   as ``optimizer_state`` (the ZeRO paper's 12 bytes per parameter for Adam, sharded).
 - In backward, at the first gradient: the gradient buckets (``reduce_bucket_size`` elements in the half dtype, two
   with ``overlap_comm``); each gradient is copied into the bucket and becomes a view of it (autograd's own is freed);
-  when a bucket is full it is reduced in place, the gradients of parameters in this rank's partition are copied into
+  when a bucket is full it is all-reduced through a flat copy of its gradients (``allreduce_bucket``), copied back,
+  and the gradients of parameters in this rank's partition are copied into
   ``grads_in_partition`` (their whole size, allocated once), the others dropped (stage 1 drops them at the end of
   backward). After backward the buckets are freed.
 - The step: the partition's gradients flattened (half), converted to fp32 and set as the master's gradient, the
@@ -207,7 +208,11 @@ class DeepSpeedSetup(RankSetup):
         self.bucket_members.append(parameter)
 
     def _reduce_bucket(self) -> None:
-        """``reduce_ipg_grads``: in place; the partition's gradients copied into ``grads_in_partition``."""
+        """``reduce_ipg_grads``: the bucket's gradients all-reduced through a flat copy of them (``average_tensor`` ->
+        ``allreduce_bucket``'s ``flatten``, freed once copied back), then the partition's gradients copied into
+        ``grads_in_partition``."""
+        flat = torch.empty(self.bucket_used, dtype=self.dtype)
+        del flat
         for parameter in self.bucket_members:
             if id(parameter) in self.in_partition and parameter.grad is not None:
                 if self.partition_grads is None:
