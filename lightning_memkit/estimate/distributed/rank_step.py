@@ -20,9 +20,16 @@ from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.step.memory_estimate import MemoryEstimate
 from lightning_memkit.estimate.step.settings import preparing_copies
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
-from lightning_memkit.estimate.step.trainer_stand_in import is_lightning_module
 
-__all__ = ["RankSetup", "RankStep", "run_rank_step", "route_through", "runs_configure_model", "STRATEGY_BUFFERS"]
+__all__ = [
+    "RankSetup",
+    "RankStep",
+    "run_rank_step",
+    "route_through",
+    "padded_shard_numel",
+    "trainable_parameters",
+    "STRATEGY_BUFFERS",
+]
 
 #: the category of the strategy's own buffers in a rank's breakdown (DDP's buckets, FSDP's gathered parameters)
 STRATEGY_BUFFERS = "strategy_buffers"
@@ -151,16 +158,6 @@ def _rank_breakdown(acc: StepAccountant, setup: RankSetup) -> tuple[dict[str, in
         else:
             categories[acc.attributor.category_of(record, acc.peak_tick)] += nbytes
     return categories, buffers
-
-
-def runs_configure_model(module: nn.Module) -> bool:
-    """Whether Lightning would call ``module.configure_model`` (a LightningModule that overrides it)."""
-    if not is_lightning_module(module):
-        return False
-    hook = getattr(type(module), "configure_model", None)
-    from lightning.pytorch import LightningModule  # a LightningModule is here: Lightning is installed
-
-    return hook is not None and hook is not LightningModule.configure_model
 
 
 def route_through(wrapper: Callable[..., Any], module: nn.Module, method: str) -> None:
