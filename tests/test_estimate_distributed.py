@@ -313,6 +313,7 @@ def _check_lightning_run(tmp_path, strategy, devices, batch=16, **estimate_kwarg
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ddp_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_path):
     estimate, errors = _check_lightning_run(tmp_path, "ddp", 2)
     # without the reducer's bucket term the estimate would miss by the gradients' size (8% here)
@@ -321,6 +322,7 @@ def test_ddp_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp2_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_path):
     """Lightning's ModelParallelStrategy runs FSDP2 on CPU with gloo; each rank's peak against the estimate."""
     _check_lightning_run(tmp_path, "model_parallel", 2, wrap={nn.TransformerEncoderLayer})

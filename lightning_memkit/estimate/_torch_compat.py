@@ -7,6 +7,8 @@ test says which.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ContextManager
 
 import torch
@@ -21,6 +23,7 @@ __all__ = [
     "ddp_bucket_assignment",
     "ddp_first_bucket_bytes",
     "dtensor_local",
+    "fsdp1_storage_checks_on_fakes",
     "safe_softmax",
     "flash_attention",
     "efficient_attention",
@@ -165,6 +168,33 @@ def dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
     """The local tensor of a DTensor (``DTensor._local_tensor``, without ``to_local()``'s dispatched view), or ``None``
     for any other tensor."""
     return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else None
+
+
+@contextlib.contextmanager
+def fsdp1_storage_checks_on_fakes() -> Iterator[None]:
+    """Inside the block, FSDP1's two storage checks (``torch.distributed.fsdp._flat_param._data_ptr_allocated`` and
+    ``_same_storage``) read the storage itself instead of its data pointer, which a fake tensor has not (0 on every
+    one): "allocated" is a storage of more than 0 bytes, "the same storage" the same storage object. For a real tensor
+    both answer what FSDP's own do. Restored when the block ends."""
+    from torch.distributed.fsdp import _flat_param  # only where torch.distributed is available
+
+    saved = (_flat_param._data_ptr_allocated, _flat_param._same_storage)
+
+    def allocated(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().nbytes() > 0
+
+    def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a, b = (
+            dtensor_local(a) if dtensor_local(a) is not None else a,
+            dtensor_local(b) if dtensor_local(b) is not None else b,
+        )
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+    _flat_param._data_ptr_allocated, _flat_param._same_storage = allocated, same_storage
+    try:
+        yield
+    finally:
+        _flat_param._data_ptr_allocated, _flat_param._same_storage = saved
 
 
 def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.api import estimate_memory
 from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView
 from lightning_memkit.estimate.distributed.ddp import DdpSetup
@@ -271,7 +272,7 @@ def _rank_step(
             setup = Fsdp2Setup(mesh, options.wrap, dict(options.fully_shard_kwargs), half)
             return run_rank_step(module, batch_size, setup, estimate_kwargs)
     if name.startswith("fsdp"):
-        with fake_process_group(world_size) as mesh:
+        with fake_process_group(world_size) as mesh, _torch_compat.fsdp1_storage_checks_on_fakes():
             setup = _fsdp1_setup(name, sharding, world_size, options, precision, half, mesh)
             return run_rank_step(module, batch_size, setup, estimate_kwargs)
     if name.startswith("deepspeed"):
