@@ -86,6 +86,8 @@ class FetchTrace:
 class Stage3Setup(DeepSpeedSetup):
     """A rank under Lightning's DeepSpeedStrategy, ZeRO stage 3 (see the module's docstring)."""
 
+    gathered = DEEPSPEED_GATHERED
+
     def __init__(self, world_size: int, half: torch.dtype | None, options: StrategyOptions) -> None:
         super().__init__(3, world_size, half, options)
         settings = zero_settings(options)
@@ -93,7 +95,7 @@ class Stage3Setup(DeepSpeedSetup):
         self.bucket_count = 1
         self.reuse_numel = int(settings.get("stage3_max_reuse_distance", MAX_REUSE_DISTANCE))
         self.partitions: dict[int, torch.Tensor] = {}
-        self.shapes: dict[int, torch.Size] = {}
+        self.released: set[int] = set()  # the parameters whose full memory is freed now
         self.trace = FetchTrace()
 
     def wrap(self, module_copy: nn.Module, acc: StepAccountant) -> None:
@@ -104,13 +106,13 @@ class Stage3Setup(DeepSpeedSetup):
         trainable = {id(p) for p in parameters}
         self.frozen = [p for p in every if id(p) not in trainable]
         for parameter in every:
-            self.shapes[id(parameter)] = parameter.shape
             self.partitions[id(parameter)] = torch.empty(
                 padded_shard_numel(parameter.numel(), self.world_size), dtype=parameter.dtype
             )
-            if parameter.numel() > self.persistence:
-                parameter.data = torch.empty(0, dtype=parameter.dtype)
         acc.attributor.assign(list(self.partitions.values()), "parameters")
+        for parameter in every:
+            if parameter.numel() > self.persistence:
+                self._free(parameter)
         self.partition_numel = sum(self.partitions[id(p)].numel() for p in parameters)
         self.master = torch.empty(self.partition_numel, dtype=torch.float32) if not self.offload else None
         if self.offload:
@@ -144,19 +146,27 @@ class Stage3Setup(DeepSpeedSetup):
         """``fetch_sub_module``: the module's partitioned parameters all-gathered into one flat buffer (their padded
         partitions of every rank), each copied out into its own full tensor, the flat buffer freed."""
         self.trace.fetched(module, self.acc.step)
-        missing = [p for p in module.parameters(recurse=False) if p.numel() == 0 and id(p) in self.shapes]
+        missing = [p for p in module.parameters(recurse=False) if id(p) in self.released]
         if not missing:
             return
         flat = torch.empty(sum(self.partitions[id(p)].numel() for p in missing) * self.world_size, dtype=self.dtype)
         for parameter in missing:
-            parameter.data = torch.empty(self.shapes[id(parameter)], dtype=parameter.dtype)
-            self.claim(self.acc, DEEPSPEED_GATHERED, [parameter])
+            self.released.discard(id(parameter))
+            parameter.untyped_storage().resize_(parameter.numel() * parameter.element_size())
         del flat
 
     def _release(self, module: nn.Module) -> None:
         for parameter in module.parameters(recurse=False):
             if parameter.numel() > self.persistence:
-                parameter.data = torch.empty(0, dtype=parameter.dtype)
+                self._free(parameter)
+
+    def _free(self, parameter: nn.Parameter) -> None:
+        """``free_param``: the full parameter's memory freed (DeepSpeed swaps ``param.data`` for an empty tensor; its
+        autograd functions save the parameter itself, so nothing else holds the memory: here the storage is
+        resized to 0 bytes in place, which frees it under any alias too)."""
+        if id(parameter) not in self.released:
+            self.released.add(id(parameter))
+            parameter.untyped_storage().resize_(0)
 
     def _gradient_ready(self, parameter: nn.Parameter) -> None:
         """The gradient into the bucket (autograd's freed); a full bucket reduce-scattered into the partition."""
@@ -170,14 +180,14 @@ class Stage3Setup(DeepSpeedSetup):
         self.bucket_used += numel
         parameter.grad = None
         if numel > self.persistence:
-            parameter.data = torch.empty(0, dtype=parameter.dtype)  # its module's backward is done with it
+            self._free(parameter)  # its module's backward is done with it
 
     def epilogue(self) -> None:
         """The end of backward: the last bucket reduced; parameters still gathered (frozen ones) freed."""
         self.bucket_members, self.bucket_used = [], 0
         for parameter in self.frozen:
             if parameter.numel() > self.persistence:
-                parameter.data = torch.empty(0, dtype=parameter.dtype)
+                self._free(parameter)
 
     def before_step(self) -> None:
         self.epilogue()
