@@ -1,6 +1,7 @@
-"""Per-rank memory under multi-device strategies: the ZeRO paper's model-state arithmetic, one fake
-step per rank role, FSDP2 run on a fake process group, and the estimate against real 2- and 4-process
-DDP and FSDP2 (Lightning's ModelParallelStrategy) runs on CPU (gloo); the largest batch per rank."""
+"""Per-rank memory under multi-device strategies: the ZeRO paper's model-state arithmetic, each rank's own fake step
+(DDP's buckets, FSDP and FSDP2 run on a fake process group, the module's own configure_model), the estimate against
+Lightning's 2- and 4-process DDP and FSDP2 runs on CPU (gloo) measured by MemoryTracker (make test-extended; the
+independent counts are tests/test_estimate_ranks_real.py's), and the largest batch per rank."""
 
 from __future__ import annotations
 
