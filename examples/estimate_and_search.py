@@ -7,7 +7,10 @@
    ``MemoryEstimate``; ``measure_training_step`` runs the same two steps for real on a copy. For a CPU
    target the two peaks are the same bytes.
 2. ``estimate_distributed_memory`` gives one rank's ``DistributedEstimate``: under DDP every rank holds
-   the whole model; under ZeRO stage 3 the parameters, gradients and Adam's state are sharded.
+   the whole model; under ZeRO stage 3 the parameters, gradients and Adam's state are sharded, but a
+   module's parameters are gathered whole while it runs, and DeepSpeed's gradient bucket
+   (``reduce_bucket_size``: 2e8 elements under Lightning's DeepSpeedStrategy) is allocated whole: on a
+   model this small the bucket, not the model, sets the rank's peak.
 3. ``find_max_batch_size`` finds the largest batch that trains under a CPU memory budget (bytes of live
    tensors), before ``fit``, and sets it on the module: the following ``fit`` trains with it.
 
@@ -68,6 +71,8 @@ def main() -> None:
             f"{rank.strategy} on {rank.world_size} ranks: parameters {rank.by_category['parameters']} B, "
             f"optimizer state {rank.by_category['optimizer_state']} B, peak {rank.peak_bytes} B per rank"
         )
+        for name, size in rank.buffers.items():  # the strategy's own buffers: DDP's buckets, ZeRO's partitions
+            print(f"{rank.strategy} buffer {name}: {size} B")
 
     # 3. the largest batch that trains under the budget, then a fit with it
     trainer = pl.Trainer(

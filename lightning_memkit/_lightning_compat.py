@@ -40,6 +40,9 @@ __all__ = [
     "prefetched_batches",
     "logged_metrics_state",
     "restore_logged_metrics",
+    "give_device_mesh",
+    "fsdp_mixed_precision",
+    "ddp_kwargs",
 ]
 
 
@@ -357,3 +360,31 @@ def restore_logged_metrics(trainer: Any, saved: dict[str, dict]) -> None:
     connector = getattr(trainer, "_logger_connector", None)
     for name, values in saved.items():
         setattr(connector, name, dict(values))
+
+
+def give_device_mesh(module: Any, mesh: Any) -> None:
+    """Set the LightningModule's ``device_mesh`` (its private ``_device_mesh``, which the property returns) as
+    ModelParallelStrategy's ``setup_environment`` does before ``configure_model``. Pinned by
+    tests/test_lightning_compat.py."""
+    module._device_mesh = mesh
+
+
+def fsdp_mixed_precision(precision: str) -> Any:
+    """The ``torch.distributed.fsdp.MixedPrecision`` Lightning's FSDPStrategy gives FSDP for ``precision`` (its
+    ``FSDPPrecision.mixed_precision_config``: ``bf16-mixed`` and ``bf16-true`` gather parameters and reduce gradients
+    in bf16, ``16-*`` in fp16, ``32-true`` in fp32), read from Lightning's own plugin (the warning it gives for a
+    true half precision is left out)."""
+    import warnings
+
+    from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FSDPPrecision(precision).mixed_precision_config  # type: ignore[arg-type]  # validated by the caller
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments Lightning's DDPStrategy passes to ``DistributedDataParallel`` (its private
+    ``_ddp_kwargs``: ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``find_unused_parameters``...); ``{}`` when
+    it has none. Pinned by tests/test_lightning_compat.py."""
+    return dict(getattr(strategy, "_ddp_kwargs", None) or {})

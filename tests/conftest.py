@@ -59,6 +59,24 @@ def _no_trace_function_outlives_a_test():
         threading.settrace(None)
 
 
+@pytest.fixture(autouse=True)
+def _no_torch_mode_outlives_a_test():
+    """A dispatch or function mode left on torch's stack sees every later test's ops (and may hold their tensors): the
+    test that leaves one fails here, by name, and the mode is popped so the tests after it run as written."""
+    from torch.overrides import _pop_mode as pop_function_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    dispatch_before, function_before = len(_get_current_dispatch_mode_stack()), torch._C._len_torch_function_stack()
+    yield
+    left = []
+    while len(_get_current_dispatch_mode_stack()) > dispatch_before:
+        left.append(type(_pop_mode()).__name__)
+    while torch._C._len_torch_function_stack() > function_before:
+        left.append(type(pop_function_mode()).__name__)
+    if left:
+        pytest.fail(f"the test left torch modes active: {left}")
+
+
 @pytest.fixture
 def rerun_in_own_process(request, tmp_path) -> Callable[..., bool]:
     """Run the calling test again in a fresh Python process and assert it passes there; ``False`` inside that process.

@@ -158,6 +158,7 @@ class TensorAccountant(TorchDispatchMode):
         self._storage_listeners: list[
             tuple[Callable[[StorageRecord], None] | None, Callable[[StorageRecord], None] | None]
         ] = []
+        self._resize_listeners: list[Callable[[StorageRecord], None]] = []
         watch_storage_resizes(self)  # resizes outside the dispatcher, for as long as this accountant lives
 
     # ------------------------------------------------------------------ labels
@@ -194,12 +195,17 @@ class TensorAccountant(TorchDispatchMode):
         self,
         on_track: Callable[[StorageRecord], None] | None = None,
         on_release: Callable[[StorageRecord], None] | None = None,
+        on_resize: Callable[[StorageRecord], None] | None = None,
     ) -> None:
-        """Call ``on_track(record)`` when a storage starts being counted (allocated or adopted) and
-        ``on_release(record)`` when torch frees it, in the order they happen (an allocator model
-        replays them). Both run on the hot path and, for frees, possibly inside garbage collection:
-        keep them cheap and never raise."""
+        """Call ``on_track(record)`` when a storage starts being counted (allocated or adopted),
+        ``on_resize(record)`` when a counted storage is resized in place (``record.nbytes`` is its new size: FSDP
+        frees and re-grows its gathered parameters so, and a device allocator frees and allocates with it) and
+        ``on_release(record)`` when torch frees it, in the order they happen (an allocator model replays them).
+        They run on the hot path and, for frees, possibly inside garbage collection: keep them cheap and never
+        raise."""
         self._storage_listeners.append((on_track, on_release))
+        if on_resize is not None:
+            self._resize_listeners.append(on_resize)
 
     def is_tracked(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` is counted by this accountant."""
@@ -312,6 +318,8 @@ class TensorAccountant(TorchDispatchMode):
                 record.nbytes = nbytes
                 self.current_bytes += delta
                 self.current_bytes_by_label[record.label] = self.current_bytes_by_label.get(record.label, 0) + delta
+            for on_resize in self._resize_listeners:
+                on_resize(record)
             self._update_peak()
 
     def _update_peak(self) -> None:

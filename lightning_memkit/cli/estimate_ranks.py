@@ -34,16 +34,12 @@ def world_sizes_tried(limit: int) -> list[int]:
 
 
 def _rank_figures(estimate: Any) -> tuple[int, int | None, int]:
-    """(allocated, reserved, device needs) per rank, bytes. On CUDA: the one-process allocator view shifted by the
-    rank's tensor difference (its shards and buffers against the one-process step); the per-rank allocator
-    itself is not replayed. On CPU: the rank's tensor peak."""
-    single = estimate.single
-    if single.cuda is None:
+    """(allocated, reserved, device needs) per rank, bytes. On CUDA: the rank's own caching allocator, replayed from
+    the rank's own allocations, resizes and frees. On CPU: the rank's tensor peak."""
+    if estimate.cuda is None:
         return estimate.peak_bytes, None, estimate.peak_bytes
-    shift = estimate.peak_bytes - single.peak_bytes
-    allocated = single.cuda.peak_allocated_bytes + shift
-    reserved = max(allocated, single.cuda.peak_reserved_bytes + shift)
-    return allocated, reserved, reserved + single.cuda.context_bytes + single.cuda.workspace_bytes
+    view = estimate.cuda
+    return view.peak_allocated_bytes, view.peak_reserved_bytes, view.device_bytes
 
 
 def _fully_sharded(strategy: str) -> bool:
@@ -78,7 +74,7 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
                 rows.append(row)
                 results.append(result)
                 if notes is not None:
-                    notes_by_mode.append((mode.name, notes))
+                    notes_by_mode.append((f"{strategy} {mode.name}", notes))
         suggestions = _suggestions(question, modes, results)
     batch_words = f"batch {args.batch_size} per rank" if args.batch_size is not None else "the module's batch per rank"
     _print_table(args, gpu, memory, batch_words, rows)
@@ -90,8 +86,7 @@ def run_distributed(args, module, datamodule, modes, strategies, memory, gpu, wr
     lines = kernels_and_notes(notes_by_mode)
     if args.device == "cuda" and done:
         lines.append(
-            "note: per rank, allocated and reserved are the one-process allocator view shifted by the rank's shards "
-            "and buffers (the per-rank allocator is not replayed)"
+            "note: per rank, allocated and reserved are the rank's own caching allocator, replayed from its step"
         )
     for line in lines:
         print(line)

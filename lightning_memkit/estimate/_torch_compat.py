@@ -1,13 +1,14 @@
 """The private torch internals the estimate uses, wrapped in one place.
 
 Each function names the private API it reads and either takes the path this torch offers or raises an
-error saying what is missing. Pinned by tests/compat/test_torch_compat.py: if a torch release moves one, that
+error saying what is missing. Pinned by tests/test_torch_compat.py: if a torch release moves one, that
 test says which.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,10 @@ __all__ = [
     "wrap_fake",
     "register_fake_process_group",
     "fully_shard",
+    "ddp_bucket_assignment",
+    "ddp_first_bucket_bytes",
+    "dtensor_local",
+    "fsdp1_storage_checks_on_fakes",
     "safe_softmax",
     "flash_attention",
     "efficient_attention",
@@ -67,7 +72,7 @@ def wrap_fake(fake_type: type, mode: Any, meta: torch.Tensor, device: torch.devi
     return fake_type(mode, meta, device)
 
 
-def no_dispatch_modes() -> AbstractContextManager[None]:
+def no_dispatch_modes() -> contextlib.AbstractContextManager[None]:
     """``torch.utils._python_dispatch._disable_current_modes()``: the block runs below every dispatch mode (no fake
     mode, no accountant), so what it makes is real (or meta) and values can be read from real tensors."""
     return _disable_current_modes()
@@ -107,7 +112,7 @@ def compiled_original(module: Any) -> Any:
     or ``None`` when ``module`` is not one (or this torch has no dynamo, so compiles nothing)."""
     try:
         from torch._dynamo.eval_frame import OptimizedModule  # deferred: importing dynamo takes about a second
-    except ImportError:  # a torch without dynamo compiles nothing
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
         return None
     if isinstance(module, OptimizedModule):
         return getattr(module, "_orig_mod", None)
@@ -138,6 +143,56 @@ def fully_shard() -> Any:
             "estimate strategy='model_parallel' needs it"
         ) from error
     return found
+
+
+def ddp_bucket_assignment(parameters: Sequence[torch.Tensor], limits_bytes: list[int]) -> list[list[int]]:
+    """DDP's bucket assignment of ``parameters`` (indices into it, bucket by bucket, in the order the reducer allocates
+    them) under the size limits ``limits_bytes`` (the first bucket's, then the rest's): torch's own
+    ``torch.distributed._compute_bucket_assignment_by_size``, which DDP's constructor and its reducer's rebuild call
+    (one bucket per dtype and device, dense gradients)."""
+    import torch.distributed as dist  # only where torch.distributed is available
+
+    indices, _ = dist._compute_bucket_assignment_by_size(list(parameters), limits_bytes, [False] * len(parameters))
+    return [list(bucket) for bucket in indices]
+
+
+def ddp_first_bucket_bytes() -> int:
+    """DDP's first bucket's size limit at the default ``bucket_cap_mb``
+    (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB): the first gradients ready are sent sooner."""
+    import torch.distributed as dist  # only where torch.distributed is available
+
+    return int(dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def dtensor_local(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of a DTensor (``DTensor._local_tensor``, without ``to_local()``'s dispatched view), or ``None``
+    for any other tensor."""
+    return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else None
+
+
+@contextlib.contextmanager
+def fsdp1_storage_checks_on_fakes() -> Iterator[None]:
+    """Inside the block, FSDP1's two storage checks (``torch.distributed.fsdp._flat_param._data_ptr_allocated`` and
+    ``_same_storage``) read the storage itself instead of its data pointer, which a fake tensor has not (0 on every
+    one): "allocated" is a storage of more than 0 bytes, "the same storage" the same storage object. For a real tensor
+    both answer what FSDP's own do. Restored when the block ends."""
+    from torch.distributed.fsdp import _flat_param  # only where torch.distributed is available
+
+    saved = (_flat_param._data_ptr_allocated, _flat_param._same_storage)
+
+    def allocated(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().nbytes() > 0
+
+    def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+        local_a, local_b = dtensor_local(a), dtensor_local(b)
+        a, b = (a if local_a is None else local_a), (b if local_b is None else local_b)
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+    _flat_param._data_ptr_allocated, _flat_param._same_storage = allocated, same_storage
+    try:
+        yield
+    finally:
+        _flat_param._data_ptr_allocated, _flat_param._same_storage = saved
 
 
 def safe_softmax(weights: torch.Tensor, dim: int) -> torch.Tensor:

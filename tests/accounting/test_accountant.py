@@ -279,6 +279,26 @@ def test_storage_listeners_see_every_allocation_and_free_in_order():
     assert events == [("track", 40), ("track", 40), ("release", 40), ("track", 24), ("release", 40), ("release", 24)]
 
 
+def test_storage_listeners_see_a_resize_in_place_as_it_happens():
+    """FSDP frees and re-grows its gathered parameters with ``UntypedStorage.resize_``: a resize listener is told
+    each new size, between the storage's allocation and its free, so an allocator model frees and reallocates."""
+    from lightning_memkit.accounting.accountant import TensorAccountant
+
+    events = []
+    accountant = TensorAccountant()
+    accountant.add_storage_listener(
+        lambda r: events.append(("track", r.nbytes)),
+        lambda r: events.append(("release", r.nbytes)),
+        lambda r: events.append(("resize", r.nbytes)),
+    )
+    with accountant:
+        a = torch.ones(10)  # 40 bytes
+    a.untyped_storage().resize_(0)  # outside the dispatcher, as FSDP frees
+    a.untyped_storage().resize_(80)
+    del a
+    assert events == [("track", 40), ("resize", 0), ("resize", 80), ("release", 80)]
+
+
 def test_saved_tensor_data_pins_the_private_autograd_api():
     """ProcessTensors reaches a graph's saved tensors through ``node._raw_saved_*`` and
     ``SavedTensor.data`` (private torch bindings): a plainly saved tensor comes back sharing its

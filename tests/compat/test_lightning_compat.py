@@ -303,3 +303,24 @@ def test_copy_module_reads_what_lightnings_from_compiled_keeps():
     assert trial._compiler_ctx["dynamo_ctx"] is compiled.dynamo_ctx
     assert trial._compiler_ctx["original_training_step"].__self__ is trial
     assert module._compiler_ctx["original_training_step"].__self__ is module  # the original's is untouched
+
+
+def test_the_strategy_settings_the_per_rank_estimate_reads_are_lightnings():
+    """ModelParallelStrategy gives configure_model its mesh through ``_device_mesh``; FSDPStrategy derives FSDP's
+    MixedPrecision from the precision; DDPStrategy keeps DDP's keyword arguments in ``_ddp_kwargs``."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_memkit._lightning_compat import ddp_kwargs, fsdp_mixed_precision, give_device_mesh
+
+    module = LightningModule()
+    give_device_mesh(module, "mesh")
+    assert module.device_mesh == "mesh"
+    assert fsdp_mixed_precision("bf16-mixed").param_dtype == torch.bfloat16
+    assert fsdp_mixed_precision("32-true").reduce_dtype == torch.float32
+    assert ddp_kwargs(DDPStrategy(bucket_cap_mb=5, gradient_as_bucket_view=True)) == {
+        "bucket_cap_mb": 5,
+        "gradient_as_bucket_view": True,
+    }
+    assert ddp_kwargs(object()) == {}

@@ -260,3 +260,32 @@ def test_the_shared_torch_internals_are_what_memkit_reads():
     assert Loud.calls == 0
     _ = loud.shape
     assert Loud.calls == 1
+
+
+def test_ddps_bucket_assignment_is_torchs_own():
+    """DDP's reducer sizes its buckets with ``torch.distributed._compute_bucket_assignment_by_size``: one bucket per
+    dtype without a limit (its initial assignment), ``bucket_cap_mb`` buckets after a 1 MiB first one (its rebuild)."""
+    import torch.distributed as dist
+
+    params = [torch.empty(256, 1024), torch.empty(256, 1024, dtype=torch.bfloat16), torch.empty(512, 1024)]
+    assert estimate_compat.ddp_first_bucket_bytes() == dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20
+    assert sorted(map(sorted, estimate_compat.ddp_bucket_assignment(params, [sys.maxsize]))) == [[0, 2], [1]]
+    capped = estimate_compat.ddp_bucket_assignment(params, [2**20, 2 * 2**20])
+    assert sorted(map(sorted, capped)) == [[0], [1], [2]]
+
+
+def test_dtensor_local_is_the_local_shard_without_a_view():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    estimate_compat.register_fake_process_group()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        local = torch.ones(2, 3)
+        shard = DTensor.from_local(local, init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
+        found = estimate_compat.dtensor_local(shard)
+        assert found.shape == (2, 3) and found.data_ptr() == shard.to_local().data_ptr() == local.data_ptr()
+        assert estimate_compat.dtensor_local(local) is None
+    finally:
+        dist.destroy_process_group()

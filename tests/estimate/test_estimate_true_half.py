@@ -123,10 +123,8 @@ def test_estimates_of_every_precision_in_one_block_keep_their_own_fake_copy():
 
 
 def test_per_rank_buffers_hold_the_converted_modules_half_precision_tensors():
-    """DDP's gradient buckets and FSDP's gathered parameters are the bf16 module's (Lightning converts it before the
-    strategy wraps it); DeepSpeed's layout under true half precision is said to differ from the fake step's."""
-    from lightning_memkit.estimate.distributed.per_rank import DEEPSPEED_TRUE_HALF_NOTE
-
+    """DDP's gradient buckets, FSDP's gathered parameters and DeepSpeed's flat weights are the bf16 module's (Lightning
+    converts it before the strategy wraps it)."""
     module, batch = _token_gpt(), _token_batch()
     elements = sum(p.numel() for p in module.parameters())
 
@@ -137,11 +135,13 @@ def test_per_rank_buffers_hold_the_converted_modules_half_precision_tensors():
 
     assert rank("ddp").buffers["ddp_gradient_buckets"] == 4 * elements
     assert rank("ddp", "bf16-true").buffers["ddp_gradient_buckets"] == 2 * elements
-    # the whole model is one FSDP unit: gathered whole, less this rank's half
-    assert rank("fsdp", "bf16-true").buffers["fsdp_all_gather"] == 2 * elements - elements
+    # the whole model is one FSDP unit: its flat parameter (padded to a multiple of the 2 ranks) gathered whole
+    padded = -(-elements // 2) * 2
+    fsdp = rank("fsdp", "bf16-true")
+    assert fsdp.buffers["fsdp_gathered_parameters"] == 2 * padded and fsdp.by_category["parameters"] == padded
+    # ZeRO 2 keeps every rank's bf16 weights whole, flattened and padded to a multiple of 2 x world size elements
     deepspeed = rank("deepspeed_stage_2", "bf16-true")
-    assert DEEPSPEED_TRUE_HALF_NOTE in deepspeed.notes
-    assert deepspeed.by_category["parameters"] == 2 * elements  # the fake step's bf16 weights, not sharded in stage 2
+    assert deepspeed.by_category["parameters"] == 2 * (-(-elements // 4) * 4)
 
 
 # ------------------------------------------------------------------------------------------ a 7B LoRA on 24 GiB

@@ -481,7 +481,9 @@ def test_estimate_and_search(runner, tmp_path):
     tensors = len(list(DemoMLP().parameters()))
     assert estimate and estimate.group(1) == estimate.group(2), output[-3000:]
     assert int(estimate.group(3)) == 2 * parameters + tensors * FLOAT32
-    # one rank of four: DDP holds everything, ZeRO-3 a quarter of the parameters and of Adam's state
+    # one rank of four: DDP holds everything; ZeRO-3 a quarter of the parameters (DeepSpeed pads each partition to
+    # whole elements), the model gathered whole at the peak, fp32 master weights and Adam's two moments over its flat
+    # partition with one step counter, and its gradient bucket of reduce_bucket_size elements allocated whole
     ranks = {
         name: tuple(map(int, rest))
         for name, *rest in re.findall(
@@ -492,8 +494,16 @@ def test_estimate_and_search(runner, tmp_path):
     }
     assert ranks.keys() == {"ddp", "deepspeed_stage_3"}, output[-3000:]
     assert ranks["ddp"][:2] == (parameters, 2 * parameters + tensors * FLOAT32)
-    assert ranks["deepspeed_stage_3"][:2] == (parameters // 4, (2 * parameters + tensors * FLOAT32) // 4)
-    assert ranks["deepspeed_stage_3"][2] < ranks["ddp"][2]
+    elements = parameters // FLOAT32
+    partition = -(-elements // 4) * FLOAT32
+    assert ranks["deepspeed_stage_3"][:2] == (parameters + partition, 3 * partition + FLOAT32)
+    buffers = dict(re.findall(r"^deepspeed_stage_3 buffer (\w+): (\d+) B$", output, flags=re.M))
+    lightning_reduce_bucket_size = 200_000_000  # DeepSpeedStrategy's default, in elements
+    assert buffers == {
+        "deepspeed_gradient_partition": str(partition),
+        "deepspeed_gradient_buckets": str(lightning_reduce_bucket_size * FLOAT32),
+    }
+    assert ranks["deepspeed_stage_3"][2] > lightning_reduce_bucket_size * FLOAT32 > ranks["ddp"][2]
     # the search: the size found is the largest trial that fitted, under the budget; the fit trained with it
     trials = [
         (int(size), outcome)

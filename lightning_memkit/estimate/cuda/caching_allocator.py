@@ -152,6 +152,13 @@ class AllocatorView:
         return data
 
 
+@dataclass(frozen=True)
+class _ResizedKey:
+    """The key a resized storage's new block is allocated under while its old block is still live."""
+
+    key: object
+
+
 @dataclass(eq=False)
 class _Block:
     segment: int
@@ -312,6 +319,18 @@ class CudaAllocatorModel:
             block = before
         self._add_free(block)
 
+    def resize(self, key: object, nbytes: int) -> None:
+        """Resize the storage under ``key`` in place to ``nbytes``, as ``UntypedStorage.resize_`` does on CUDA
+        (``resize_bytes_cuda``): a new block of the new size is allocated, the old data copied, then the old block
+        freed; to 0 bytes only the free. A key not live (freed, or resized to 0 before) is allocated anew."""
+        if nbytes <= 0:
+            self.free(key)
+            return
+        grown = _ResizedKey(key)
+        self.allocate(grown, nbytes)
+        self.free(key)
+        self._live[key] = self._live.pop(grown)
+
     def cache_segment(self, nbytes: int, small: bool = False) -> None:
         """Add a free segment of ``nbytes`` to the small or large pool, as if earlier work had left it
         cached (reserved, nothing allocated in it): the state a replay starts from."""
@@ -320,10 +339,13 @@ class CudaAllocatorModel:
         self._add_free(self._new_segment(nbytes, small))
 
     def replay(self, events: Iterable[tuple[str, object, int]]) -> CudaAllocatorModel:
-        """Apply ``("alloc", key, nbytes)`` and ``("free", key, 0)`` events in order; returns self."""
+        """Apply ``("alloc", key, nbytes)``, ``("resize", key, nbytes)`` (the storage's new size) and
+        ``("free", key, 0)`` events in order; returns self."""
         for kind, key, nbytes in events:
             if kind == "alloc":
                 self.allocate(key, nbytes)
+            elif kind == "resize":
+                self.resize(key, nbytes)
             else:
                 self.free(key)
         return self

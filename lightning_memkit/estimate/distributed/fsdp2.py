@@ -1,128 +1,90 @@
-"""FSDP2 (Lightning's ModelParallelStrategy) on fake tensors: torch's own ``fully_shard`` run on the step's fake copy
-over a fake process group of the world size, so the estimated step is the sharded step itself.
+"""FSDP2 (Lightning's ModelParallelStrategy) on one rank: torch's own ``fully_shard`` run on the rank's fake copy over a
+fake process group of the world size, so the estimated step is the sharded step itself.
+
+Real code throughout: the module's own ``configure_model`` shards it (``fully_shard`` on its blocks, then on the
+inner model), given ``self.device_mesh`` as ModelParallelStrategy gives it; without one, ``wrap=`` stands in
+(``fully_shard`` on each module of those classes, then on the innermost module holding every parameter). Then two
+steps run through FSDP2's hooks: its shards (dim 0 padded to a multiple of the world size), its all-gathers into
+unsharded parameters (freed with ``resize_(0)`` after use: ``reshard_after_forward`` either way), its
+``MixedPrecisionPolicy`` casts, its reduce-scatters and the optimizer's step on the shards (DTensors).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_memkit.estimate import _torch_compat
-from lightning_memkit.estimate.api import estimate_memory
-from lightning_memkit.estimate.distributed.sharding import Sharding
-from lightning_memkit.estimate.step.settings import preparing_copies
+from lightning_memkit.estimate.distributed.fake_group import DATA_PARALLEL
+from lightning_memkit.estimate.distributed.rank_step import RankSetup
+from lightning_memkit.estimate.distributed.user_model import (
+    convert_to_half,
+    has_configure_model,
+    materialized,
+    on_meta,
+    run_configure_model,
+    smallest_root,
+)
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 
-__all__ = ["fsdp2_estimate"]
+__all__ = ["Fsdp2Setup", "FSDP2_GATHERED"]
 
-
-@contextlib.contextmanager
-def _fake_process_group(world_size: int) -> Iterator[Any]:
-    """A fake default process group of ``world_size`` ranks (this process is rank 0; collectives move no
-    data) and a 1-D CPU device mesh over it, for the length of the block.
-
-    torch's ``FakeProcessGroup`` backend is registered by the private ``torch.testing._internal.distributed.fake_pg``
-    (what TorchTitan's memory estimation uses), through estimate/_torch_compat.py; tests/compat/test_torch_compat.py
-    pins it.
-    """
-    import torch.distributed as dist  # a torch built without it answers below
-
-    if not dist.is_available():
-        raise ValueError("this torch has no torch.distributed: FSDP2's estimate runs FSDP2 itself and needs it")
-    if dist.is_initialized():
-        raise ValueError(
-            "a process group is already initialized in this process: estimate FSDP2 "
-            "(strategy='model_parallel') before init_process_group, or in a separate process (its fake "
-            "process group is the default group)"
-        )
-    from torch.distributed.device_mesh import init_device_mesh  # only where torch.distributed is available
-
-    _torch_compat.register_fake_process_group()
-
-    excepthook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:" and never undoes it
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
-    try:
-        yield init_device_mesh("cpu", (world_size,))  # outside fake mode: the mesh reads its ranks' values
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
+#: the buffer name of FSDP2's unsharded (gathered) parameters in a rank's breakdown
+FSDP2_GATHERED = "fsdp2_gathered_parameters"
 
 
-@contextlib.contextmanager
-def _sharded_step_copy(shard: Callable[[nn.Module], None]) -> Iterator[None]:
-    """Inside the block, :func:`~lightning_memkit.estimate.estimate_memory` shards its fake copy of the module
-    with ``shard`` before the steps (and before the optimizer is made, as Lightning's ``configure_model`` runs
-    before ``configure_optimizers``), and starts the peak after the sharding (set-up is not the step).
+class Fsdp2Setup(RankSetup):
+    """A rank under ModelParallelStrategy: the copy's ``configure_model`` (or ``wrap=``'s stand-in) shards it with
+    ``fully_shard`` on the meta device, then the shards are materialised as fake tensors and, under a true half
+    precision, converted as the precision plugin's ``convert_module`` does after ``configure_model``.
 
-    Through :func:`~lightning_memkit.estimate.step.settings.preparing_copies` (a context variable: concurrent
-    estimates don't see it), which turns the reuse of fake copies off for the block (a sharded copy must not
-    serve an unsharded estimate).
+    Args:
+        mesh: the fake world's 2-D device mesh (``self.device_mesh``; the stand-in shards over its
+            ``"data_parallel"`` dimension).
+        wrap: the stand-in's module classes (used only without a ``configure_model``).
+        fully_shard_kwargs: the stand-in's ``fully_shard`` arguments other than ``mesh`` (``reshard_after_forward``,
+            ``mp_policy``...).
+        half: a true half precision's dtype, else ``None``.
     """
 
-    def prepare(module_copy: nn.Module, acc: Any) -> None:
-        with acc.labelled("setup"):
-            shard(module_copy)
-        acc.attributor.assign_module(module_copy)  # the shards are the parameters now
-        acc.reset_peak()
+    gathered = FSDP2_GATHERED
 
-    with preparing_copies(prepare):
-        yield
+    def __init__(self, mesh: Any, wrap: Any, fully_shard_kwargs: dict[str, Any], half: torch.dtype | None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.wrap_classes = wrap
+        self.fully_shard_kwargs = fully_shard_kwargs
+        self.half = half
+        self.user_sharded = False
 
+    def build(self, module_copy: nn.Module, acc: StepAccountant) -> None:
+        """The user's ``configure_model`` (its ``fully_shard`` calls included), on the meta device."""
+        if not has_configure_model(module_copy):
+            return
+        self.user_sharded = True
+        with on_meta(module_copy):
+            run_configure_model(module_copy, self.half, self.mesh)
+        self._materialize(module_copy)
 
-def _fully_shard_units(module: nn.Module, wrap: Any, mesh: Any, fully_shard_kwargs: dict[str, Any]) -> None:
-    """``fully_shard`` each module whose class is in ``wrap``, innermost first, then the root: what a
-    ``configure_model`` under Lightning's ModelParallelStrategy does.
+    def wrap(self, module_copy: nn.Module, acc: StepAccountant) -> None:
+        """``wrap=``'s stand-in where the module has no ``configure_model``: ``fully_shard`` on each module of those
+        classes, innermost first, then on the root."""
+        if self.user_sharded:
+            return
+        fully_shard = _torch_compat.fully_shard()
+        mesh = self.mesh[DATA_PARALLEL]
+        root = smallest_root(module_copy)
+        with on_meta(module_copy):
+            if self.wrap_classes:
+                classes = tuple(self.wrap_classes)
+                units = [m for m in root.modules() if isinstance(m, classes) and m is not root]
+                for unit in reversed(units):  # post-order: an inner unit is sharded before the unit holding it
+                    fully_shard(unit, mesh=mesh, **self.fully_shard_kwargs)
+            fully_shard(root, mesh=mesh, **self.fully_shard_kwargs)
+        self._materialize(module_copy)
 
-    Sharded on the meta device, then materialised with ``to_empty`` in the caller's (fake) modes, as FSDP2's
-    meta-device initialisation does: ``fully_shard`` cuts every parameter into world-size chunks, which on
-    fake tensors costs a fake tensor per chunk (23 s for a 1B model on 64 ranks, against 5 s on 2); on meta it
-    is cheap. The parameters' values are not needed, only their shapes; tied parameters stay tied.
-    """
-    fully_shard = _torch_compat.fully_shard()
-
-    with _torch_compat.no_dispatch_modes():  # no fake mode, no accountant: meta tensors only
-        metas: dict[int, nn.Parameter] = {}
-        for submodule in module.modules():
-            for name, parameter in list(submodule._parameters.items()):
-                if parameter is not None:
-                    if id(parameter) not in metas:
-                        meta = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
-                        metas[id(parameter)] = nn.Parameter(meta, requires_grad=parameter.requires_grad)
-                    submodule._parameters[name] = metas[id(parameter)]
-        if wrap:
-            classes = tuple(wrap)
-            units = [m for m in module.modules() if isinstance(m, classes) and m is not module]
-            for unit in reversed(units):  # post-order: an inner unit is sharded before the unit holding it
-                fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
-        fully_shard(module, mesh=mesh, **fully_shard_kwargs)
-    module.to_empty(device="cpu")  # the shards, as fake CPU tensors the accountant counts (FSDP2 re-reads them)
-
-
-def fsdp2_estimate(
-    module: nn.Module,
-    batch_size: int | None,
-    sharding: Sharding,
-    wrap: Any,
-    fully_shard_kwargs: dict[str, Any],
-    estimate_kwargs: dict[str, Any],
-) -> tuple[Any, dict[str, int], dict[str, int]]:
-    """FSDP2 run on fake tensors: the fake copy is sharded by torch's own ``fully_shard`` over a fake process
-    group of the world size, and two steps run as Lightning does. Rank 0's view (FSDP2 pads every rank's shard
-    to the same size, so every rank plays this role). Returns the estimate, its categories and the buffers."""
-    with (
-        _fake_process_group(sharding.shard_size) as mesh,
-        _sharded_step_copy(lambda copy_: _fully_shard_units(copy_, wrap, mesh, fully_shard_kwargs)),
-    ):
-        single = estimate_memory(module, batch_size, **estimate_kwargs)
-    # FSDP2 frees each unit's gathered (unsharded) parameters with resize_(0) after use; their records read 0
-    # bytes by the time the categories are taken, so what the peak holds beyond the categories is exactly them.
-    # Its flat all-gather / reduce-scatter buffers are ordinary allocations, counted under temporaries.
-    categories = dict(single.by_category)
-    gathered = single.peak_bytes - sum(categories.values())
-    buffers = {"fsdp2_gathered_parameters": gathered}
-    categories["strategy_buffers"] = gathered
-    return single, categories, buffers
+    def _materialize(self, module_copy: nn.Module) -> None:
+        materialized(module_copy)
+        convert_to_half(module_copy, self.half)  # the precision plugin's convert_module, after configure_model

@@ -1,15 +1,15 @@
-"""Per-rank memory under Lightning's multi-device strategies (DDP, FSDP, FSDP2, DeepSpeed ZeRO 1/2/3),
-estimated without the cluster: FSDP2 by running torch's ``fully_shard`` on the fake copy over a fake process
-group; the others by the ZeRO paper's sharding of the model states, the strategy's buffers, and one fake step.
+"""Per-rank memory under Lightning's multi-device strategies (DDP, FSDP, FSDP2, DeepSpeed ZeRO 1/2/3), estimated
+without the cluster: one fake step of one rank, set up as the strategy sets up a rank (the module's own
+``configure_model``, then FSDP and FSDP2 by their own code over a fake process group, DDP and DeepSpeed by event
+models written from their source), so the rank's peak, categories and CUDA allocator come from its own events.
 
-Every rank of a data-parallel strategy plays the same role (same model replica or same-sized shard, the
-same per-rank batch), so one fake step answers for all of them: world size 64 costs what world size 2 costs.
+Every rank of a data-parallel strategy plays the same role (same model replica or same-sized shard, the same
+per-rank batch), so one fake step answers for all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,12 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memkit.estimate import _torch_compat
 from lightning_memkit.estimate.api import estimate_memory
-from lightning_memkit.estimate.distributed.fsdp2 import fsdp2_estimate
-from lightning_memkit.estimate.distributed.sharding import (
-    Sharding,
-    sharding_of,
-)
+from lightning_memkit.estimate.cuda.caching_allocator import AllocatorView
+from lightning_memkit.estimate.distributed.ddp import DdpSetup
+from lightning_memkit.estimate.distributed.deepspeed_stage3 import Stage3Setup
+from lightning_memkit.estimate.distributed.deepspeed_zero import DeepSpeedSetup, wrapped_factory
+from lightning_memkit.estimate.distributed.fake_group import fake_process_group
+from lightning_memkit.estimate.distributed.fsdp1 import Fsdp1Setup
+from lightning_memkit.estimate.distributed.fsdp2 import Fsdp2Setup
+from lightning_memkit.estimate.distributed.rank_step import STRATEGY_BUFFERS, RankSetup, RankStep, run_rank_step
+from lightning_memkit.estimate.distributed.sharding import Sharding, sharding_of
+from lightning_memkit.estimate.distributed.strategy_options import StrategyOptions, options_of
+from lightning_memkit.estimate.distributed.user_model import has_configure_model, run_configure_model
+from lightning_memkit.estimate.step.settings import EstimateSettings
+from lightning_memkit.estimate.step.step_accountant import StepAccountant
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
@@ -36,15 +45,19 @@ class DistributedEstimate:
 
     Attributes:
         strategy: the canonical strategy name; world_size: ranks; shard_size: ranks the states are sharded over.
-        peak_bytes: the rank's peak of live tensor bytes (the single-process peak with the model states
-            replaced by this rank's shards, plus the strategy's buffers).
-        by_category: ``peak_bytes`` by category: the accountant's categories of the single-process step
-            (:class:`~lightning_memkit.estimate.MemoryEstimate`) with ``parameters``, ``gradients`` and
-            ``optimizer_state`` scaled to this rank's shards, plus ``strategy_buffers``.
-        buffers: the strategy buffers by name (``ddp_gradient_buckets``, ``fsdp_all_gather``, ``fsdp_reduce_scatter``).
-        single: the one-process :class:`~lightning_memkit.estimate.MemoryEstimate` it derives from (one fake step).
+        peak_bytes: the rank's peak of live tensor bytes, from the rank's own fake step.
+        by_category: ``peak_bytes`` by category: the accountant's categories of the rank's step
+            (:class:`~lightning_memkit.estimate.MemoryEstimate`: ``parameters``, ``gradients`` and
+            ``optimizer_state`` are this rank's, shards where sharded), and ``strategy_buffers``.
+        buffers: the strategy's buffers at the peak by name (``ddp_gradient_buckets``, ``fsdp_gathered_parameters``,
+            ``fsdp2_gathered_parameters``, DeepSpeed's ``deepspeed_*``); they sum to ``strategy_buffers``.
+        single: the :class:`~lightning_memkit.estimate.MemoryEstimate` of the rank's own fake step.
         rank_roles: how many distinct rank roles were stepped (1 for every data-parallel strategy).
         elapsed_s: wall time, seconds. notes: caveats.
+        cuda: on a CUDA target, the rank's caching-allocator view (:class:`AllocatorView`), replayed from the rank's
+            own allocations, resizes and frees (``single.cuda``); ``None`` elsewhere.
+        host_bytes: what the rank keeps in host memory beside its device (DeepSpeed's optimizer offloaded to CPU:
+            the fp32 master weights, the optimizer state and the fp32 gradient partition), not in ``peak_bytes``.
     """
 
     strategy: str
@@ -57,6 +70,8 @@ class DistributedEstimate:
     rank_roles: int = 1
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    cuda: AllocatorView | None = None
+    host_bytes: int = 0
 
     @property
     def mode(self) -> str:
@@ -65,25 +80,26 @@ class DistributedEstimate:
 
     @property
     def batch_shapes(self) -> str:
-        """The shapes of the per-rank batch the step ran on (the one-process estimate's)."""
+        """The shapes of the per-rank batch the step ran on."""
         return self.single.batch_shapes
 
     @property
     def batch_note(self) -> str:
-        """Which batch that is and what the answer holds for (the one-process estimate's)."""
+        """Which batch that is and what the answer holds for."""
         return self.single.batch_note
 
     @property
     def required_bytes(self) -> int:
-        """Bytes one rank's device must have: ``peak_bytes`` plus what the one-process estimate's allocator view
-        adds on top of its tensors (CUDA: rounding, reserved segments, context; elsewhere nothing). FSDP2's
-        estimate is the sharded step itself, so its view is the rank's own."""
-        return self.peak_bytes + self.single.required_bytes - self.single.peak_bytes
+        """Bytes one rank's device must have: on a CUDA target the rank's own allocator view's ``device_bytes``
+        (its reserved peak, the CUDA context), else ``peak_bytes``. What a planner compares with a GPU's memory."""
+        return self.cuda.device_bytes if self.cuda is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
+        """A JSON-ready dict (``required_bytes`` included)."""
         data = asdict(self)
         data["single"] = self.single.to_dict()
+        data["cuda"] = self.cuda.to_dict() if self.cuda is not None else None
+        data["required_bytes"] = self.required_bytes
         return data
 
     def summary(self) -> str:
@@ -91,35 +107,19 @@ class DistributedEstimate:
         rows = [(name, format_bytes(value)) for name, value in self.by_category.items() if value]
         rows += [(f"  {name}", format_bytes(value)) for name, value in self.buffers.items()]
         rows.append(("peak per rank (tensors)", format_bytes(self.peak_bytes)))
+        if self.cuda is not None:
+            rows += [
+                ("CUDA allocated peak per rank", format_bytes(self.cuda.peak_allocated_bytes)),
+                ("CUDA reserved peak per rank", format_bytes(self.cuda.peak_reserved_bytes)),
+                ("device needs per rank", format_bytes(self.cuda.device_bytes)),
+            ]
+        if self.host_bytes:
+            rows.append(("host memory per rank (offloaded optimizer)", format_bytes(self.host_bytes)))
         title = (
             f"memkit estimate: {self.strategy} on {self.world_size} ranks, batch {self.single.batch_size} "
             f"per rank, mode {self.single.mode}"
         )
         return title + "\n" + format_table(("", "bytes"), rows)
-
-
-def _units(module: nn.Module, wrap: Any) -> list[nn.Module]:
-    """FSDP's units: the modules whose class is in ``wrap`` (a set of classes), the root holding the rest."""
-    if not wrap:
-        return [module]
-    classes = tuple(wrap)
-    return [m for m in module.modules() if isinstance(m, classes) and m is not module] + [module]
-
-
-def _unit_bytes(module: nn.Module, units: list[nn.Module], dtype: torch.dtype | None = None) -> list[int]:
-    """Each unit's own trainable parameter bytes (a parameter belongs to the innermost unit holding it; in ``dtype``
-    under a true half precision)."""
-    owner: dict[int, int] = {}
-    for index, unit in enumerate(units[:-1]):
-        for parameter in unit.parameters():
-            owner.setdefault(id(parameter), index)
-    sizes = [0] * len(units)
-    seen: set[int] = set()
-    for parameter in module.parameters():
-        if parameter.requires_grad and id(parameter) not in seen:
-            seen.add(id(parameter))
-            sizes[owner.get(id(parameter), len(units) - 1)] += _parameter_bytes(parameter, dtype)
-    return sizes
 
 
 def estimate_distributed_memory(
@@ -129,64 +129,76 @@ def estimate_distributed_memory(
     strategy: Any = "ddp",
     world_size: int = 1,
     shard_size: int | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     gradient_as_bucket_view: bool = False,
     wrap: Any = None,
     prefetch: int = 1,
     fully_shard_kwargs: dict[str, Any] | None = None,
+    fsdp_kwargs: dict[str, Any] | None = None,
+    find_unused_parameters: bool = False,
+    offload_optimizer: bool = False,
+    deepspeed_config: dict[str, Any] | None = None,
     **estimate_kwargs: Any,
 ) -> DistributedEstimate:
     """Predict one rank's training-step memory under a multi-device strategy, without the cluster.
 
-    Runs :func:`~lightning_memkit.estimate.estimate_memory` once (one fake step at the per-rank
-    ``batch_size``: every data-parallel rank plays the same role, so world size 64 costs what 2 costs),
-    then replaces the model states it measured at the peak by this rank's shards and adds the strategy's buffers:
+    One fake step of one rank (every data-parallel rank plays the same role), its copy of the module set up as the
+    strategy sets up a rank, so the rank's peak, categories and (CUDA target) caching allocator are its own:
 
-    - ``ddp`` (``gradient_as_bucket_view=False``, torch's default): the reducer's gradient buckets, one flat
-      copy of every trainable gradient (``bucket_cap_mb`` splits it into buckets, it does not shrink it);
-      with ``gradient_as_bucket_view=True`` the gradients *are* the buckets: only the part of the buckets
-      the peak's gradients do not already cover is added.
-    - ``model_parallel`` (FSDP2, Lightning's ModelParallelStrategy): no arithmetic. The fake copy is sharded by
-      torch's own ``fully_shard`` (each module of a class in ``wrap``, then the root, with ``fully_shard_kwargs``:
-      ``reshard_after_forward``, ``mp_policy``...) over a fake process group of ``world_size`` ranks, and the two
-      steps run through FSDP2's real hooks: its shards, gathered parameters, all-gather and reduce-scatter
-      buffers and prefetching are what it allocates (checked within 0.01% of real 2- and 4-process CPU runs).
-      ``buffers["fsdp2_gathered_parameters"]`` (= ``strategy_buffers``) is the units' gathered parameters at the
-      peak; its flat all-gather and reduce-scatter buffers are under ``temporaries``. Needs no process group
-      initialised in this process (the fake one is the default group while it runs).
-    - ``fsdp*`` (FSDP1, arithmetic, not yet checked against real runs): the all-gathered parameters of the largest
-      unit in flight plus ``prefetch`` more units, and the reduce-scatter input of the largest unit's gradients.
-      Units are the modules whose class is in ``wrap`` (the auto-wrap policy's layer classes, as Lightning's
-      ``auto_wrap_policy={Block}``); without ``wrap`` the whole model is one unit (FSDP gathers all of it).
-    - ``deepspeed_stage_*``: the ZeRO sharding of the model states; DeepSpeed's own buckets are not modelled yet.
+    - the module's own ``configure_model`` runs first, as Lightning runs it (under ``model_parallel`` with
+      ``self.device_mesh``, the fake world's ``("data_parallel", "tensor_parallel")`` mesh); ``wrap=`` stands in
+      for a module that has none;
+    - ``ddp``: the reducer's gradient buckets, allocated when and as DDP allocates them (docs/distributed.md;
+      ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``find_unused_parameters``); one rank: no DDP;
+    - ``fsdp*`` (FSDP1): torch's ``FullyShardedDataParallel`` itself over a fake process group, with the
+      ``MixedPrecision`` Lightning derives from the precision (or ``fsdp_kwargs["mixed_precision"]``) and
+      ``auto_wrap_policy=ModuleWrapPolicy(wrap)``; ``fsdp_kwargs`` are more of its arguments;
+    - ``model_parallel`` (FSDP2): torch's ``fully_shard`` itself over a fake process group (``configure_model``'s,
+      or ``wrap=``'s stand-in with ``fully_shard_kwargs``);
+    - ``deepspeed_stage_*``: ZeRO's layout as DeepSpeedStrategy configures it (half-precision weights, fp32 master
+      weights and optimizer state partitioned in the optimizer, its gradient buckets), an event model written
+      from DeepSpeed's source; ``offload_optimizer=True`` keeps the optimizer on the host (``host_bytes``).
 
     Args:
         module, batch_size: as :func:`~lightning_memkit.estimate.estimate_memory`; ``batch_size`` is per rank.
-        strategy: a name from :data:`STRATEGIES` or a Lightning strategy object.
+        strategy: a name from :data:`~lightning_memkit.estimate.distributed.sharding.STRATEGIES` or a Lightning
+            strategy object (its own settings are read: FSDPStrategy's ``mixed_precision``, ``sharding_strategy``
+            and keyword arguments; DeepSpeedStrategy's ``config``; DDPStrategy's keyword arguments).
         world_size: the number of ranks (data-parallel degree).
         shard_size: HYBRID_SHARD's shard group (ranks of a node); default ``world_size``.
-        bucket_cap_mb, gradient_as_bucket_view: DDP's arguments.
-        wrap: FSDP's wrapped layer classes (a set of ``nn.Module`` subclasses): the auto-wrap policy, or the
-            classes ``configure_model`` calls ``fully_shard`` on.
-        prefetch: FSDP1 units gathered ahead of the one computing (FSDP's forward/backward prefetch: 1).
-        fully_shard_kwargs: FSDP2's ``fully_shard`` keyword arguments other than ``mesh`` (``model_parallel`` only).
+        bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters: DDP's arguments (``bucket_cap_mb=None``:
+            torch's default, 25 MiB buckets after a 1 MiB first one).
+        wrap: module classes: FSDP's ``auto_wrap_policy`` units, or the classes ``fully_shard`` goes on when the
+            module has no ``configure_model``.
+        prefetch: accepted for compatibility; FSDP's own prefetching runs (``fsdp_kwargs["backward_prefetch"]``...).
+        fully_shard_kwargs: FSDP2's ``fully_shard`` arguments other than ``mesh``, for ``wrap=``'s stand-in.
+        fsdp_kwargs: FSDP1's ``FullyShardedDataParallel`` arguments (``mixed_precision``, ``limit_all_gathers``...).
+        offload_optimizer: DeepSpeed's ``offload_optimizer`` to the CPU.
+        deepspeed_config: more of DeepSpeed's ``zero_optimization`` settings (``reduce_bucket_size``...).
         estimate_kwargs: ``mode=``, ``device=``, ``optimizer=``, ``loss_fn=``, ``batch=``, ``datamodule=``,
             ``trainer=``, ``gpu=`` of :func:`~lightning_memkit.estimate.estimate_memory` (``device`` defaults to
             ``"cuda"``).
 
     Returns:
-        a :class:`DistributedEstimate` (bytes per rank).
+        a :class:`DistributedEstimate` (bytes per rank); its ``required_bytes`` is what one rank's device must have.
     """
     started = time.perf_counter()
     sharding = sharding_of(strategy, world_size, shard_size)
-    buffer_options = _BufferOptions(bucket_cap_mb, gradient_as_bucket_view, wrap, prefetch)
-    if sharding.strategy == "model_parallel":
-        single, categories, buffers = fsdp2_estimate(
-            module, batch_size, sharding, wrap, dict(fully_shard_kwargs or {}), estimate_kwargs
-        )
-        rank = _RankStep(single, categories, buffers, single.peak_bytes, list(single.notes))
-    else:
-        rank = _state_sharded_step(module, batch_size, sharding, world_size, buffer_options, estimate_kwargs)
+    options = options_of(
+        strategy,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        find_unused_parameters=find_unused_parameters,
+        wrap=wrap,
+        fully_shard_kwargs=fully_shard_kwargs,
+        fsdp_kwargs=fsdp_kwargs,
+        offload_optimizer=offload_optimizer,
+        deepspeed_config=deepspeed_config,
+    )
+    rank = _memoised_rank_step(module, batch_size, sharding, world_size, options, estimate_kwargs)
+    notes = list(rank.notes)
+    if prefetch != 1:
+        notes.append(f"prefetch={prefetch} is not used: FSDP's own prefetching runs (fsdp_kwargs['backward_prefetch'])")
     return DistributedEstimate(
         strategy=sharding.strategy,
         world_size=world_size,
@@ -197,138 +209,164 @@ def estimate_distributed_memory(
         single=rank.single,
         rank_roles=1,
         elapsed_s=time.perf_counter() - started,
-        notes=rank.notes,
+        notes=notes,
+        cuda=rank.single.cuda,
+        host_bytes=rank.host_bytes,
     )
 
 
-@dataclass
-class _RankStep:
-    """One rank's step as the strategy makes it: the one-process estimate it derives from (``single``), the rank's
-    categories and strategy buffers, its peak and notes (what :class:`DistributedEstimate` reports)."""
-
-    single: Any
-    categories: dict[str, int]
-    buffers: dict[str, int]
-    peak_bytes: int
-    notes: list[str]
-
-
-def _state_sharded_step(
+def _memoised_rank_step(
     module: nn.Module,
     batch_size: int | None,
     sharding: Sharding,
     world_size: int,
-    options: _BufferOptions,
+    options: StrategyOptions,
     estimate_kwargs: dict[str, Any],
-) -> _RankStep:
-    """DDP, FSDP1 and DeepSpeed ZeRO: one fake step of the whole model, its model states at the peak replaced by
-    this rank's shards, and the strategy's buffers added."""
-    single = estimate_memory(module, batch_size, **estimate_kwargs)
-    notes = list(single.notes)
+) -> RankStep:
+    """The rank's step, once per question inside a ``reusing_fake_copies()`` block: DDP's rank is the same on every
+    world size above one, so a search over world sizes steps it once."""
+    cache = EstimateSettings.current().reuse
+    roles = min(world_size, 2) if sharding.strategy == "ddp" else world_size
+    key = _rank_key(module, batch_size, sharding, roles, options, estimate_kwargs)
+    if cache is not None and key is not None and key in cache.estimates:
+        return cache.estimates[key]
+    rank = _rank_step(module, batch_size, sharding, world_size, options, estimate_kwargs)
+    if cache is not None and key is not None:
+        cache.estimates[key] = rank
+    return rank
+
+
+def _rank_key(
+    module: nn.Module,
+    batch_size: int | None,
+    sharding: Sharding,
+    roles: int,
+    options: StrategyOptions,
+    estimate_kwargs: dict[str, Any],
+) -> tuple[Any, ...] | None:
+    """The memo key of a rank's question (objects by identity, as ``reusing_fake_copies`` promises they do not
+    change), or ``None`` when it cannot be hashed."""
+    kwargs = tuple(sorted((name, _by_value_or_identity(value)) for name, value in estimate_kwargs.items()))
+    key = ("rank", id(module), batch_size, sharding.strategy, sharding.shard_size, roles, repr(options), kwargs)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _by_value_or_identity(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else ("id", id(value))
+
+
+def _rank_step(
+    module: nn.Module,
+    batch_size: int | None,
+    sharding: Sharding,
+    world_size: int,
+    options: StrategyOptions,
+    estimate_kwargs: dict[str, Any],
+) -> RankStep:
+    """One rank's fake step under ``sharding``'s strategy, in a fake world where the strategy runs its own code."""
     mode = estimate_kwargs.get("mode")
-    half = parse_mode(mode).true_half_dtype() if mode is not None else None
-    if sharding.layout == "deepspeed" and single.mode != "baseline":
-        notes.append(DEEPSPEED_TRUE_HALF_NOTE if half is not None else DEEPSPEED_LAYOUT_NOTE)
-    categories = _sharded_categories(single.by_category, sharding)
-    # under a true half precision the strategy's buffers hold the converted module's half-precision tensors
-    options = dataclasses.replace(options, parameter_dtype=half)
-    buffers = _strategy_buffers(module, single.by_category, sharding, world_size, options)
-    categories["strategy_buffers"] = sum(buffers.values())
-    peak = single.peak_bytes - _model_state_bytes(single.by_category) + _model_state_bytes(categories)
-    peak += categories["strategy_buffers"]
-    return _RankStep(single, categories, buffers, peak, notes)
+    parsed = parse_mode(mode) if mode is not None else None
+    half = parsed.true_half_dtype() if parsed is not None else None
+    name = sharding.strategy
+    device = estimate_kwargs.get("device", "cuda")
+    precision = (parsed.precision_for(device) if parsed is not None else None) or "32-true"
+    if name == "model_parallel":
+        with fake_process_group(world_size) as mesh:
+            fsdp2 = Fsdp2Setup(mesh, options.wrap, dict(options.fully_shard_kwargs), half)
+            return run_rank_step(module, batch_size, fsdp2, estimate_kwargs)
+    if name.startswith("fsdp"):
+        with fake_process_group(world_size) as mesh, _torch_compat.fsdp1_storage_checks_on_fakes():
+            fsdp1 = _fsdp1_setup(name, sharding, world_size, options, precision, half, mesh)
+            return run_rank_step(module, batch_size, fsdp1, estimate_kwargs)
+    if name.startswith("deepspeed"):
+        return _deepspeed_rank_step(module, batch_size, int(name[-1]), sharding, options, parsed, estimate_kwargs)
+    if world_size == 1:  # one process: no reducer is modelled, the module's own step (shared with plain estimates)
+        if has_configure_model(module):
+            return run_rank_step(module, batch_size, _OneDevice(half), estimate_kwargs)
+        single = estimate_memory(module, batch_size, **estimate_kwargs)
+        categories = {**single.by_category, STRATEGY_BUFFERS: 0}
+        return RankStep(single, categories, {}, single.peak_bytes, list(single.notes))
+    ddp = DdpSetup(options.bucket_cap_mb, options.gradient_as_bucket_view, options.find_unused_parameters, half)
+    return run_rank_step(module, batch_size, ddp, estimate_kwargs)
 
 
-#: the note on a DeepSpeed estimate under a mixed precision
-DEEPSPEED_LAYOUT_NOTE = (
-    "DeepSpeed keeps half-precision weights and fp32 master weights in the optimizer; this "
-    "estimate keeps the fake step's autocast layout (fp32 weights, same 16 bytes per parameter "
-    "for Adam)"
-)
-#: the note on a DeepSpeed estimate under a true half precision (bf16-true, 16-true)
-DEEPSPEED_TRUE_HALF_NOTE = (
-    "DeepSpeed keeps fp32 master weights and fp32 optimizer state beside the half-precision weights (2 + 2 + 12 bytes "
-    "per trainable parameter for Adam); this estimate keeps the fake step's true half layout (2 + 2 + 4): its "
-    "optimizer state is low by 8 bytes per trainable parameter, before sharding"
-)
+def _deepspeed_rank_step(
+    module: nn.Module,
+    batch_size: int | None,
+    stage: int,
+    sharding: Sharding,
+    options: StrategyOptions,
+    mode: Any,
+    estimate_kwargs: dict[str, Any],
+) -> RankStep:
+    """ZeRO's rank: the step in DeepSpeed's compute layout (a mixed precision runs as its true half: the engine
+    converts the weights, Lightning's DeepSpeed precision runs no autocast), the optimizer ZeRO's around the user's."""
+    kwargs = dict(estimate_kwargs)
+    notes = []
+    half = None
+    if mode is not None:
+        device = kwargs.get("device", "cuda")
+        precision = mode.precision_for(device)
+        half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, mode.true_half_dtype())
+        if precision in ("bf16-mixed", "16-mixed"):
+            true_half = "bf16-true" if half is torch.bfloat16 else "16-true"
+            kwargs["mode"] = dataclasses.replace(mode, precision=true_half)
+            notes.append(
+                f"DeepSpeed runs {precision} as half-precision weights without autocast (its engine converts the "
+                f"module; fp32 master weights in the optimizer): the rank's step ran as {true_half}"
+            )
+    holder: list[DeepSpeedSetup] = []
+    if kwargs.get("optimizer") is not None:
+        kwargs["optimizer"] = wrapped_factory(kwargs["optimizer"], holder)
+    setup = (
+        Stage3Setup(sharding.shard_size, half, options)
+        if stage == 3
+        else DeepSpeedSetup(stage, sharding.shard_size, half, options)
+    )
+    holder.append(setup)
+    rank = run_rank_step(module, batch_size, setup, kwargs)
+    rank.notes[:0] = notes
+    return rank
 
 
-@dataclass(frozen=True)
-class _BufferOptions:
-    """The arguments that size a strategy's own buffers: DDP's ``bucket_cap_mb`` and ``gradient_as_bucket_view``,
-    FSDP's ``wrap`` (its units) and ``prefetch`` (units gathered ahead), and the dtype a true half precision converts
-    the floating-point parameters (and so their gradients) to (``None``: as built)."""
+def _fsdp1_setup(
+    name: str,
+    sharding: Sharding,
+    world_size: int,
+    options: StrategyOptions,
+    precision: str,
+    half: torch.dtype | None,
+    mesh: Any,
+) -> Fsdp1Setup:
+    """FSDP1's set-up: Lightning's MixedPrecision for ``precision`` unless the user gave one; HYBRID_SHARD over a
+    (replicas, shard group) mesh."""
+    from lightning_memkit._lightning_compat import fsdp_mixed_precision
 
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    wrap: Any = None
-    prefetch: int = 1
-    parameter_dtype: torch.dtype | None = None
+    kwargs = dict(options.fsdp_kwargs)
+    mixed_precision = kwargs.pop("mixed_precision", None) or fsdp_mixed_precision(precision)
+    hybrid = None
+    if name == "fsdp_hybrid_shard":
+        from torch.distributed.device_mesh import init_device_mesh  # inside the fake world, outside the fake step
 
-    def __post_init__(self) -> None:
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive (DDP's default is 25), not {self.bucket_cap_mb!r}")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative integer (FSDP prefetches 1 unit), not {self.prefetch!r}")
-
-
-def _strategy_buffers(
-    module: nn.Module, categories: dict[str, int], sharding: Sharding, world_size: int, options: _BufferOptions
-) -> dict[str, int]:
-    """The buffers the strategy allocates beside the model states, by name (none on one rank)."""
-    if sharding.strategy in ("ddp", "fsdp_no_shard") and world_size > 1:
-        buckets = _ddp_buckets(module, categories, options.gradient_as_bucket_view, options.parameter_dtype)
-        return {"ddp_gradient_buckets": buckets}
-    if sharding.strategy.startswith("fsdp") and (world_size > 1 or sharding.parameters):
-        return _fsdp_buffers(module, sharding, options)
-    return {}
+        shape = (world_size // sharding.shard_size, sharding.shard_size)
+        hybrid = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return Fsdp1Setup(name, options.wrap, mixed_precision, half, kwargs, hybrid)
 
 
-def _model_state_bytes(categories: dict[str, int]) -> int:
-    return sum(categories.get(name, 0) for name in ("parameters", "gradients", "optimizer_state"))
+class _OneDevice(RankSetup):
+    """One rank alone: the module's ``configure_model`` and the precision's conversion, no strategy."""
 
+    def __init__(self, half: torch.dtype | None) -> None:
+        super().__init__()
+        self.half = half
 
-def _sharded_categories(categories: dict[str, int], sharding: Sharding) -> dict[str, int]:
-    """The one-process step's categories with the model states replaced by this rank's shards."""
-    sharded = dict(categories)
+    def build(self, module_copy: nn.Module, acc: StepAccountant) -> None:
+        if has_configure_model(module_copy):
+            run_configure_model(module_copy, self.half)
 
-    def shard(name: str, is_sharded: bool) -> None:
-        nbytes = sharded.get(name, 0)
-        sharded[name] = int(math.ceil(nbytes / sharding.shard_size)) if is_sharded else nbytes
-
-    shard("parameters", sharding.parameters)
-    shard("gradients", sharding.gradients)
-    shard("optimizer_state", sharding.optimizer_state)
-    return sharded
-
-
-def _parameter_bytes(parameter: nn.Parameter, dtype: torch.dtype | None) -> int:
-    """``parameter``'s bytes in the step: in ``dtype`` (a true half precision's) when it is floating-point."""
-    if dtype is not None and parameter.is_floating_point():
-        return parameter.numel() * dtype.itemsize
-    return parameter.numel() * parameter.element_size()
-
-
-def _ddp_buckets(
-    module: nn.Module, categories: dict[str, int], gradient_as_bucket_view: bool, dtype: torch.dtype | None
-) -> int:
-    """DDP's gradient buckets: one flat copy of every trainable gradient (in ``dtype`` under a true half precision);
-    as the gradients' own storage (``gradient_as_bucket_view``), only what the peak's gradients do not already
-    cover."""
-    trainable = {id(p): p for p in module.parameters() if p.requires_grad}
-    gradient_bytes = sum(_parameter_bytes(p, dtype) for p in trainable.values())
-    if gradient_as_bucket_view:
-        return max(0, gradient_bytes - categories.get("gradients", 0))
-    return gradient_bytes
-
-
-def _fsdp_buffers(module: nn.Module, sharding: Sharding, options: _BufferOptions) -> dict[str, int]:
-    """FSDP1's buffers: the all-gathered parameters of the largest unit computing and of the ``prefetch`` units
-    gathered ahead (less the shard already counted), and the reduce-scatter input of the largest unit's gradients."""
-    n = sharding.shard_size
-    largest = sorted(_unit_bytes(module, _units(module, options.wrap), options.parameter_dtype), reverse=True)
-    gathered = sum(largest[: 1 + options.prefetch]) if sharding.parameters else 0
-    return {
-        "fsdp_all_gather": max(0, gathered - int(math.ceil(gathered / n))) if n > 1 else 0,
-        "fsdp_reduce_scatter": largest[0] if (sharding.gradients and n > 1) else 0,
-    }
+    def wrap(self, module_copy: nn.Module, acc: StepAccountant) -> None:
+        return None

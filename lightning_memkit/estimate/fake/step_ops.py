@@ -101,16 +101,24 @@ class FakeStepOps:
         return NOT_ANSWERED
 
     def _only_fakes(self, values: Any) -> bool:
-        """Whether every tensor in ``values`` (and in its lists) is a fake (a real tensor is really updated)."""
-        fake = self._fake_type
+        """Whether every tensor in ``values`` (and in its lists) is a fake, or a DTensor over a fake (FSDP2's
+        parameters and optimizer state: an in-place op on its shards allocates nothing); a real tensor is really
+        updated."""
         for value in values:
             if isinstance(value, (list, tuple)):
                 for item in value:
-                    if isinstance(item, torch.Tensor) and not isinstance(item, fake):
+                    if isinstance(item, torch.Tensor) and not self._is_fake_shard(item):
                         return False
-            elif isinstance(value, torch.Tensor) and not isinstance(value, fake):
+            elif isinstance(value, torch.Tensor) and not self._is_fake_shard(value):
                 return False
         return True
+
+    def _is_fake_shard(self, tensor: torch.Tensor) -> bool:
+        fake = self._fake_type
+        if isinstance(tensor, fake):
+            return True
+        local = _torch_compat.dtensor_local(tensor)
+        return local is not None and isinstance(local, fake)
 
     def adjust(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """``out`` as the real kernel would leave it (a reduced loss holding its unreduced buffer; a norm's saved

@@ -46,6 +46,7 @@ from lightning_memkit.estimate.step.offload_model import OffloadModel
 from lightning_memkit.estimate.step.settings import EstimateSettings
 from lightning_memkit.estimate.step.step_accountant import StepAccountant
 from lightning_memkit.estimate.step.trainer_stand_in import attach_trainer, is_lightning_module
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget, normalize_policy
 from lightning_memkit.modes.checkpointing import apply_checkpointing
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.modes.offload import OFFLOAD_ON_CPU, offload_suspended
@@ -290,7 +291,10 @@ def _run_once(request: StepRequest, settings: EstimateSettings) -> MemoryEstimat
         try:
             session, module_copy = _copy_of(request, settings.reuse, _true_half_dtype(mode))
             step_copy = _ready_for_step(request, resolved, session, module_copy, notes)
-            handle = _apply_checkpointing(step_copy, resolved, acc)
+            prepared = settings.prepare_copy is not None or settings.wrap_copy is not None
+            _prepare_copy(step_copy, settings.prepare_copy, acc)
+            handle = _apply_checkpointing(step_copy, resolved, acc, prepared)
+            _prepare_copy(step_copy, settings.wrap_copy, acc)
             _run_steps(request, resolved, settings, step_copy, acc, offload, kernels)
         except (EstimateError, NoBatchError):
             raise
@@ -410,8 +414,6 @@ def _run_steps(
         kernels.active() if kernels else contextlib.nullcontext(),
         offload.hooks() if offload is not None else contextlib.nullcontext(),
     ):
-        if settings.prepare_copy is not None:
-            settings.prepare_copy(module_copy, acc)
         if resolved.make_optimizer is None:  # manual optimization: training_step steps its optimizers itself
             run_manual_steps(loop, request.optimizer)
         else:
@@ -424,12 +426,26 @@ def _run_steps(
             )
 
 
-def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAccountant) -> Any:
+def _prepare_copy(step_copy: _StepCopy, prepare: Callable[[nn.Module, Any], None] | None, acc: StepAccountant) -> None:
+    """The settings' ``prepare_copy`` or ``wrap_copy`` (a strategy's set-up: ``configure_model``, sharding, its
+    buffers) on the step's copy, in the step's world and under the accountant."""
+    if prepare is not None:
+        with step_copy.context(), acc, offload_suspended():
+            prepare(step_copy.module, acc)
+
+
+def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAccountant, prepared: bool) -> Any:
     """Wrap the copy's blocks as the mode's checkpointing policy chooses; returns the handle to remove when the
-    estimate ends (``None`` without checkpointing)."""
+    estimate ends (``None`` without checkpointing). A ``prepared`` copy (sharded by a strategy's set-up) runs no
+    measuring forward: its first forward, outside the accountant, would be the strategy's lazy set-up, unseen."""
     mode = resolved.mode
     if mode is None or mode.checkpoint is None:
         return None
+    if prepared and isinstance(normalize_policy(mode.checkpoint), CheckpointBudget):
+        raise EstimateError(
+            f"mode {mode.name!r}: a checkpointing budget measures a forward of the whole model, which one rank "
+            "does not run; per rank, give the classes to checkpoint (e.g. checkpoint={MyBlock}) or 'auto'"
+        )
     module_copy, batch, session, autocast = step_copy.module, step_copy.batch, step_copy.session, step_copy.autocast
 
     def sample() -> Any:  # a budget policy measures the step's forward on the same (fake) batch
@@ -442,7 +458,8 @@ def _apply_checkpointing(step_copy: _StepCopy, resolved: _Resolved, acc: StepAcc
 
     try:
         # a manually optimized training_step also steps its optimizers: no measuring forward through it
-        return apply_checkpointing(module_copy, mode.checkpoint, sample=None if resolved.manual else sample)
+        measure = not (resolved.manual or prepared)
+        return apply_checkpointing(module_copy, mode.checkpoint, sample=sample if measure else None)
     except ValueError as error:
         raise EstimateError(f"mode {mode.name!r}: {error}") from None
 
@@ -473,7 +490,7 @@ def _estimate_of(
     mode = resolved.mode
     return MemoryEstimate(
         peak_bytes=acc.peak_bytes,
-        by_category=acc.attributor.breakdown_of(acc.peak_records, acc.peak_tick).bytes_by_category,
+        by_category=acc.peak_breakdown(),
         batch_size=batch_size_of(batch),
         mode=mode.name if mode is not None else "baseline",
         device=resolved.target.type,

@@ -26,6 +26,9 @@ _OP_LISTENER: contextvars.ContextVar[Callable[..., None] | None] = contextvars.C
 _PREPARE_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar(
     "memkit_prepare_copy", default=None
 )
+_WRAP_COPY: contextvars.ContextVar[Callable[[nn.Module, Any], None] | None] = contextvars.ContextVar(
+    "memkit_wrap_copy", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,11 @@ class EstimateSettings:
         op_listener: called as ``listener(func, args, kwargs, result, accountant)`` for every op of a fake step that
             runs a kernel (the accountant's ``step``, ``micro_batch`` and ``label`` say where it is); set by
             :func:`observing_ops`.
-        prepare_copy: called as ``prepare(module_copy, accountant)`` inside the accountant before the steps, to change
-            the step's copy (the distributed estimate shards it as a strategy's ``configure_model`` would); set by
+        prepare_copy: called as ``prepare(module_copy, accountant)`` inside the accountant before the mode's
+            checkpointing wraps the copy's blocks, to change the step's copy (the distributed estimate runs its
+            ``configure_model`` there, as the strategy would); set by :func:`preparing_copies`.
+        wrap_copy: called as ``wrap(module_copy, accountant)`` inside the accountant after the checkpointing and before
+            the steps (the distributed estimate wraps or shards the copy there, as the strategy would); set by
             :func:`preparing_copies`.
         reuse: the fake copies, batches and estimates shared inside :func:`reusing_fake_copies`, else ``None``.
     """
@@ -48,6 +54,7 @@ class EstimateSettings:
     micro_batches: int = 1
     op_listener: Callable[..., None] | None = None
     prepare_copy: Callable[[nn.Module, Any], None] | None = None
+    wrap_copy: Callable[[nn.Module, Any], None] | None = None
     reuse: ReuseCache | None = None
 
     @classmethod
@@ -57,6 +64,7 @@ class EstimateSettings:
             micro_batches=_MICRO_BATCHES.get(),
             op_listener=_OP_LISTENER.get(),
             prepare_copy=_PREPARE_COPY.get(),
+            wrap_copy=_WRAP_COPY.get(),
             reuse=_REUSE.get(),
         )
 
@@ -108,9 +116,12 @@ def reusing_fake_copies() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preparing_copies(prepare: Callable[[nn.Module, Any], None]) -> Iterator[None]:
+def preparing_copies(
+    prepare: Callable[[nn.Module, Any], None], wrap: Callable[[nn.Module, Any], None] | None = None
+) -> Iterator[None]:
     """Inside the block, every estimate calls ``prepare(module_copy, accountant)`` on the step's copy before the
-    steps, inside the accountant. The reuse of fake copies is off for the block: a prepared (sharded) copy must not
-    serve an estimate outside it."""
-    with _setting(_REUSE, None), _setting(_PREPARE_COPY, prepare):
+    mode's checkpointing, and ``wrap(module_copy, accountant)`` after it, before the steps, both inside the
+    accountant (a strategy builds the model in ``configure_model``, then wraps the checkpointed blocks). The reuse of
+    fake copies is off for the block: a prepared (sharded) copy must not serve an estimate outside it."""
+    with _setting(_REUSE, None), _setting(_PREPARE_COPY, prepare), _setting(_WRAP_COPY, wrap):
         yield

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_memkit.accounting.accountant import StorageRecord, TensorAccountant
-from lightning_memkit.accounting.categories import CategoryAttributor, is_parameter_cast
+from lightning_memkit.accounting.categories import CATEGORIES, CategoryAttributor, is_parameter_cast
 from lightning_memkit.estimate.fake.step_ops import FakeStepOps
 from lightning_memkit.estimate.fake.tensors import NOT_ANSWERED
 
@@ -26,7 +26,7 @@ OPTIMIZER_FLOAT_PLACEHOLDER = 0.5
 
 class StepAccountant(TensorAccountant):
     """The accountant plus what the estimate needs: the live records at each new peak, the phase
-    of the peak, and (for the CUDA model) the allocation/free events in order.
+    of the peak, and (for the CUDA model) the allocation, resize and free events in order.
 
     On a fake step it also does :class:`~lightning_memkit.estimate.fake.step_ops.FakeStepOps`' work (placeholder
     scalars, kept loss buffers, fake tensors' devices) in the same dispatch call: one Python mode layer
@@ -44,7 +44,13 @@ class StepAccountant(TensorAccountant):
             self.add_storage_listener(
                 lambda record: events.append(("alloc", record.sequence, record.nbytes)),
                 lambda record: events.append(("free", record.sequence, 0)),
+                lambda record: events.append(("resize", record.sequence, record.nbytes)),
             )
+        # storages resized in place (FSDP's gathered parameters), by id(record), and their sizes at the peak: a record
+        # reads its size now, and a gathered parameter is back at 0 bytes by the time the peak is read
+        self.resized: dict[int, StorageRecord] = {}
+        self.add_storage_listener(on_resize=self._note_resized)
+        self.peak_resized_bytes: dict[int, int] = {}
         self.peak_records: list[StorageRecord] = []
         self.peak_tick = 0
         self.attributor = CategoryAttributor(self)
@@ -57,6 +63,9 @@ class StepAccountant(TensorAccountant):
         # called as listener(func, args, kwargs, result, accountant) for each op of a fake step that runs a kernel
         self.op_listener = op_listener if fake_ops is not None else None
         self.host_copy = False  # inside offload's pack: the copy lives in host memory, not on the device counted here
+
+    def _note_resized(self, record: StorageRecord) -> None:
+        self.resized.setdefault(id(record), record)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         ops = self.fake_ops
@@ -93,9 +102,24 @@ class StepAccountant(TensorAccountant):
             self.attributor.assign(result, "autocast_weight_copies")
 
     def _is_parameter(self, tensor: torch.Tensor) -> bool:
-        return self.attributor.role_of(tensor) == "parameters"
+        # a parameter of the step, or one a strategy gathered for it (FSDP's unsharded parameters are parameters,
+        # their storage the strategy's)
+        return isinstance(tensor, torch.nn.Parameter) or self.attributor.role_of(tensor) == "parameters"
+
+    def size_at_peak(self, record: StorageRecord) -> int:
+        """The bytes ``record``'s storage held at the peak (a storage resized in place since reads its size now)."""
+        return self.peak_resized_bytes.get(id(record), record.nbytes)
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """The peak's bytes by category (:data:`~lightning_memkit.accounting.categories.CATEGORIES`), each storage at
+        its size at the peak: they sum to ``peak_bytes``."""
+        by_category = dict.fromkeys(CATEGORIES, 0)
+        for record in self.peak_records:
+            by_category[self.attributor.category_of(record, self.peak_tick)] += self.size_at_peak(record)
+        return by_category
 
     def _on_peak(self, _peak: int) -> None:
+        self.peak_resized_bytes = {key: record.nbytes for key, record in self.resized.items()}
         self.peak_records = self.live_records()
         self.peak_tick = self.attributor.tick
         self.peak_phase = self.label

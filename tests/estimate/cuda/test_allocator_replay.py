@@ -99,6 +99,21 @@ def test_max_split_size_keeps_large_blocks_whole():
     assert plain.reserved_bytes == 100 * MiB  # without the limit the cached block is split
 
 
+def test_a_storage_resized_in_place_frees_its_block_and_allocates_a_new_one():
+    """``resize_`` on CUDA allocates the new size, copies, then frees the old block; to 0 bytes it only frees: a
+    gathered parameter freed with ``resize_(0)`` leaves its block cached (reserved), not allocated."""
+    model = CudaAllocatorModel()
+    model.allocate("gathered", 30 * MiB)
+    model.resize("gathered", 0)
+    assert model.allocated_bytes == 0 and model.reserved_bytes == 30 * MiB
+    model.resize("gathered", 30 * MiB)  # grown back: the cached block serves it
+    assert model.allocated_bytes == 30 * MiB and model.reserved_bytes == 30 * MiB
+    model.resize("gathered", 40 * MiB)  # both blocks live while the data is copied
+    assert model.peak_allocated_bytes == 70 * MiB and model.allocated_bytes == 40 * MiB
+    model.replay([("resize", "gathered", 0), ("free", "gathered", 0)])
+    assert model.allocated_bytes == 0
+
+
 def test_allocator_config_parses_pytorch_cuda_alloc_conf(monkeypatch):
     config = AllocatorConfig.parse("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6")
     assert config.expandable_segments and config.max_split_size_bytes == 128 * MiB

@@ -1,6 +1,7 @@
-"""Per-rank memory under multi-device strategies: the ZeRO paper's model-state arithmetic, one fake
-step per rank role, FSDP2 run on a fake process group, and the estimate against real 2- and 4-process
-DDP and FSDP2 (Lightning's ModelParallelStrategy) runs on CPU (gloo); the largest batch per rank."""
+"""Per-rank memory under multi-device strategies: the ZeRO paper's model-state arithmetic, each rank's own fake step
+(DDP's buckets, FSDP and FSDP2 run on a fake process group, the module's own configure_model), the estimate against
+Lightning's 2- and 4-process DDP and FSDP2 runs on CPU (gloo) measured by MemoryTracker (make test-extended; the
+independent counts are tests/test_estimate_ranks_real.py's), and the largest batch per rank."""
 
 from __future__ import annotations
 
@@ -103,34 +104,42 @@ def test_lightning_strategy_objects_map_to_their_sharding():
 
 
 # ------------------------------------------------------------------ the per-rank estimate
-def test_one_fake_step_per_rank_role_and_sharded_categories():
+def test_ddp_rank_holds_the_reducers_buckets_beside_the_one_process_step():
+    """DDP: every rank a full replica plus the reducer's flat gradient buckets, allocated at wrap (one per dtype) and
+    rebuilt in the second step's forward (freed, then allocated again): the one-process step's peak plus the buckets,
+    on any world size (one rank role)."""
     model = DemoTransformer(dropout=0.0)
     single = estimate_memory(model, device="cpu")
     small = estimate_distributed_memory(model, strategy="ddp", world_size=2, device="cpu")
     large = estimate_distributed_memory(model, strategy="ddp", world_size=64, device="cpu")
     assert small.rank_roles == large.rank_roles == 1
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # DDP: every rank a full replica plus the reducer's flat gradient buckets
     assert small.buffers == large.buffers == {"ddp_gradient_buckets": param_bytes}
     assert small.peak_bytes == large.peak_bytes == single.peak_bytes + param_bytes
     assert small.by_category["activations"] == single.by_category["activations"]
-    # with gradient_as_bucket_view the gradients are the buckets; the peak (forward of step 2) already holds them
+    assert small.peak_bytes == sum(small.by_category.values()) and small.by_category["strategy_buffers"] == param_bytes
+    # with gradient_as_bucket_view the gradients are views of the buckets: no gradient storage of their own, and
+    # no rank holds both (its peak is at most the copying reducer's)
     view = estimate_distributed_memory(model, strategy="ddp", world_size=2, device="cpu", gradient_as_bucket_view=True)
-    assert view.peak_bytes == single.peak_bytes and single.by_category["gradients"] == param_bytes
-    # FULL_SHARD over 4: the states are quartered, a transformer block gathered and one prefetched
+    assert view.by_category["gradients"] == 0 and view.buffers == {"ddp_gradient_buckets": param_bytes}
+    assert view.peak_bytes <= small.peak_bytes and view.peak_bytes == sum(view.by_category.values())
+
+
+def test_fsdp_rank_holds_fsdps_own_flat_shards_and_gathers():
+    """FSDP (FSDP1) runs itself on the fake process group: each unit's parameters flattened and padded to a multiple
+    of the world size, this rank's shard of each; the gathered units at the peak are the strategy's buffers."""
+    model = DemoTransformer(dropout=0.0)
     fsdp = estimate_distributed_memory(
         model, strategy="fsdp", world_size=4, device="cpu", wrap={nn.TransformerEncoderLayer}
     )
-    for name in ("parameters", "gradients", "optimizer_state"):
-        assert fsdp.by_category[name] == -(-single.by_category[name] // 4)
-    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
-    root = param_bytes - 4 * block
-    assert sorted([block, root], reverse=True)[0] == fsdp.buffers["fsdp_reduce_scatter"]
-    assert (
-        fsdp.buffers["fsdp_all_gather"] == 2 * block - (2 * block + 3) // 4
-    )  # four blocks: the two largest units are blocks
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    shards = sum(-(-numel // 4) for numel in [*blocks, root])
+    assert fsdp.by_category["parameters"] == 4 * shards  # fp32
+    gathered = fsdp.buffers["fsdp_gathered_parameters"]
+    assert gathered % 4 == 0 and gathered >= 4 * 4 * -(-blocks[0] // 4)  # a unit gathered whole at the peak
     assert fsdp.peak_bytes == sum(fsdp.by_category.values())
-    assert "fsdp" in fsdp.summary() and fsdp.to_dict()["single"]["peak_bytes"] == single.peak_bytes
+    assert "fsdp" in fsdp.summary() and fsdp.to_dict()["single"]["peak_bytes"] == fsdp.peak_bytes
 
 
 # ------------------------------------------------------------------ FSDP2: torch's fully_shard on fake tensors
@@ -198,6 +207,32 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
         )
         assert estimate_memory(model, device="cpu").peak_bytes == plain.peak_bytes
     assert plain.peak_bytes == estimate_memory(model, device="cpu").peak_bytes
+
+
+def test_the_users_configure_model_shards_the_rank_as_lightnings_docs_write_it():
+    """A LightningModule written as Lightning's ModelParallelStrategy docs write it (``configure_model`` calls
+    ``fully_shard`` on each decoder layer, then on ``self.model``, over ``self.device_mesh["data_parallel"]``;
+    ``training_step`` calls ``self.model`` directly) is estimated as written: its own sharding, not ``wrap=``'s. The
+    same model without ``configure_model`` gets the same rank from ``wrap=``, which shards the inner model last. As
+    FSDP's docs write it (the model built in ``configure_model``), FSDP wraps what ``configure_model`` built."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tests.helpers.llama_shapes import LlamaFineTune, LlamaFSDP, LlamaModelParallel
+
+    def rank(cls, strategy, **kwargs):
+        module = cls(shape="tiny", seq_len=64, batch_size=2)
+        return estimate_distributed_memory(module, strategy=strategy, world_size=2, device="cpu", **kwargs)
+
+    documented = rank(LlamaModelParallel, "model_parallel")
+    stand_in = rank(LlamaFineTune, "model_parallel", wrap={LlamaDecoderLayer})
+    assert documented.peak_bytes == stand_in.peak_bytes and documented.by_category == stand_in.by_category
+    assert rank(LlamaModelParallel, "model_parallel", wrap={nn.Linear}).peak_bytes == documented.peak_bytes
+    model = LlamaFineTune(shape="tiny").model
+    shards = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * 4 for p in model.parameters())
+    assert documented.by_category["parameters"] == shards  # each parameter's dim-0 shard, fp32
+    assert documented.buffers["fsdp2_gathered_parameters"] > 0
+    fsdp_documented = rank(LlamaFSDP, "fsdp", wrap={LlamaDecoderLayer})
+    assert fsdp_documented.peak_bytes == rank(LlamaFineTune, "fsdp", wrap={LlamaDecoderLayer}).peak_bytes
 
 
 def test_fsdp2_estimate_refuses_inside_an_initialized_process_group():
@@ -283,6 +318,7 @@ def _check_lightning_run(tmp_path, strategy, devices, batch=16, **estimate_kwarg
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ddp_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_path):
     estimate, errors = _check_lightning_run(tmp_path, "ddp", 2)
     # without the reducer's bucket term the estimate would miss by the gradients' size (8% here)
@@ -291,6 +327,7 @@ def test_ddp_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp2_estimate_matches_each_ranks_measured_peak_on_two_cpu_processes(tmp_path):
     """Lightning's ModelParallelStrategy runs FSDP2 on CPU with gloo; each rank's peak against the estimate."""
     _check_lightning_run(tmp_path, "model_parallel", 2, wrap={nn.TransformerEncoderLayer})
