@@ -19,13 +19,12 @@ from tests.helpers.paths import REPO_ROOT
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` (the GPU lane, ``make test-gpu``) are collected everywhere and skipped
-    where torch sees no CUDA device. Tests marked ``extended`` (4-process runs: half a minute each on
-    2 cores, beyond what the 10-minute suite can hold) are skipped unless ``MEMKIT_EXTENDED=1``
-    (``make test-extended``)."""
+    """Tests marked ``cuda`` (the GPU lane, ``make test-gpu``) are collected everywhere and skipped where torch sees no
+    CUDA device. Tests marked ``extended`` (4-process runs, the 70B matrix, the 7B plan on 8 GPUs: beyond what the
+    10-minute suite can hold on 2 cores) are skipped unless ``MEMKIT_EXTENDED=1`` (``make test-extended``)."""
     extended = os.environ.get("MEMKIT_EXTENDED") == "1"
     skip_extended = pytest.mark.skip(
-        reason="a 4-process check beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)"
+        reason="beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)"
     )
     skip_cuda = pytest.mark.skip(
         reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one"

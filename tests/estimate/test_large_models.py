@@ -300,10 +300,14 @@ CASES = [
 ]
 
 
+#: the 70B case `make test` runs (full fine-tune, bf16-mixed, batch 1); `make test-extended` runs every case
+MAIN_LANE_70B = "70b-full-bf16-mixed-b1"
+
+
 def _marks(case: Case) -> list:
     marks = []
     if case.shape == "70b":  # 6-15 s an estimate on a quiet 2-core machine, 15-60 s when the cores are shared
-        marks.append(pytest.mark.slow)
+        marks.append(pytest.mark.slow if case.id == MAIN_LANE_70B else pytest.mark.extended)
     if case.precision == "bf16-true" and not _has_mode("bf16-true"):
         marks.append(pytest.mark.skip(reason=TRUE_HALF_MISSING))
     return marks
@@ -474,7 +478,7 @@ def test_the_7b_full_fine_tune_at_80gib_prints_its_breakdown_and_the_computed_su
     assert "none of them fits one device" not in out
 
 
-@pytest.mark.slow  # four 7B LoRA estimates at batch 1 and one at batch 2: 21 s on a quiet 2-core machine
+@pytest.mark.extended  # four 7B LoRA estimates at batch 1 and one at batch 2: 21 s quiet, 58 s on 2 shared cores
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lora_checkpointed_at_24gib_suggests_only_modes_that_need_less(tmp_path, capsys):
     """LoRA + bf16 + checkpointing does not fit 24 GiB. bf16 alone needs far more at batch 1 (every layer keeps its
