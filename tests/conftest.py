@@ -23,9 +23,7 @@ def pytest_collection_modifyitems(config, items):
     CUDA device. Tests marked ``extended`` (4-process runs, the 70B matrix, the 7B plan on 8 GPUs: beyond what the
     10-minute suite can hold on 2 cores) are skipped unless ``MEMKIT_EXTENDED=1`` (``make test-extended``)."""
     extended = os.environ.get("MEMKIT_EXTENDED") == "1"
-    skip_extended = pytest.mark.skip(
-        reason="beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)"
-    )
+    skip_extended = pytest.mark.skip(reason="beyond the 10-minute suite; run `make test-extended` (MEMKIT_EXTENDED=1)")
     skip_cuda = pytest.mark.skip(
         reason="needs a CUDA GPU (torch.cuda.is_available() is False); run `make test-gpu` on one"
     )
