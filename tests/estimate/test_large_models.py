@@ -300,14 +300,15 @@ CASES = [
 ]
 
 
-#: the 70B case `make test` runs (full fine-tune, bf16-mixed, batch 1); `make test-extended` runs every case
-MAIN_LANE_70B = "70b-full-bf16-mixed-b1"
+#: the batch-4 and 70B cases `make test` runs; `make test-extended` runs every case (a 70B estimate: 6-15 s on a quiet
+#: 2-core machine, 15-60 s when the cores are shared; how a category grows with the batch is checked apart, below)
+MAIN_LANE = {"7b-full-bf16-mixed+checkpoint-b4", "7b-lora-bf16-true+checkpoint-b4", "70b-full-bf16-mixed-b1"}
 
 
 def _marks(case: Case) -> list:
     marks = []
-    if case.shape == "70b":  # 6-15 s an estimate on a quiet 2-core machine, 15-60 s when the cores are shared
-        marks.append(pytest.mark.slow if case.id == MAIN_LANE_70B else pytest.mark.extended)
+    if case.shape == "70b" or case.batch == 4:
+        marks.append(pytest.mark.slow if case.id in MAIN_LANE else pytest.mark.extended)
     if case.precision == "bf16-true" and not _has_mode("bf16-true"):
         marks.append(pytest.mark.skip(reason=TRUE_HALF_MISSING))
     return marks
