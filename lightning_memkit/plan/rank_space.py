@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_memkit.modes.checkpoint_policy import CheckpointBudget
 from lightning_memkit.plan.space import Candidate, candidate_space
 
 __all__ = [
@@ -122,7 +123,8 @@ def rank_space(
 ) -> list[Candidate]:
     """Every candidate on ``world_size`` devices: the single-device space at the per-rank batch
     (:func:`~lightning_memkit.plan.space.candidate_space`), under each of ``strategies``; the first strategy's
-    baseline (the per-rank batch as is) first."""
+    baseline (the per-rank batch as is) first. Checkpointing is every block (``auto``): a checkpointing budget
+    measures a forward of the whole model, which a rank's estimate refuses."""
     per_rank = effective_batch // world_size
     base = candidate_space(
         per_rank,
@@ -132,7 +134,8 @@ def rank_space(
         can_checkpoint=can_checkpoint,
         can_accumulate=can_accumulate,
     )
-    return [dataclasses.replace(c, strategy=s, world_size=world_size) for s in strategies for c in base]
+    per_rank_modes = [c for c in base if not isinstance(c.checkpoint, CheckpointBudget)]
+    return [dataclasses.replace(c, strategy=s, world_size=world_size) for s in strategies for c in per_rank_modes]
 
 
 def _sizes(strategy: str, precision: str) -> tuple[int, int]:

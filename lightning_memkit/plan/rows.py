@@ -47,6 +47,7 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
     terms = None
     if model is not None:
         costs = _shared_costs(inputs, candidate, costs)
+    if model is not None and costs is not None:
         parameters = inputs.devices.parameters
         sent = comm_bytes(candidate, parameters) if parameters is not None else 0
         terms = model.step_terms(costs, candidate.accumulation, offload_bytes, sent, optimizer_share(candidate))
@@ -90,13 +91,14 @@ def _costs_key(candidate: Candidate) -> tuple:
     return c.micro_batch, min(c.accumulation, 2), c.precision, repr(c.checkpoint), c.offload
 
 
-def _shared_costs(inputs: PlanInputs, candidate: Candidate, costs: OpCosts | None) -> OpCosts:
+def _shared_costs(inputs: PlanInputs, candidate: Candidate, costs: OpCosts | None) -> OpCosts | None:
     """The ops of the candidate's per-rank step: those just observed (kept for the other strategies), or those
-    observed when another strategy ran the same step."""
+    observed when another strategy ran the same step; ``None`` when no op was seen (an estimate answered from its
+    memo runs no step): no step time is predicted then, rather than a step of no ops."""
     key = _costs_key(candidate)
-    if costs is not None:
+    if costs is not None and costs.micro.count:
         inputs.op_costs.setdefault(key, costs)
-    return inputs.op_costs[key]
+    return inputs.op_costs.get(key)
 
 
 def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel | None) -> int:

@@ -247,7 +247,7 @@ def _rank_key(
     """The memo key of a rank's question (objects by identity, as ``reusing_fake_copies`` promises they do not
     change), or ``None`` when it cannot be hashed."""
     kwargs = tuple(sorted((name, _by_value_or_identity(value)) for name, value in estimate_kwargs.items()))
-    key = ("rank", id(module), batch_size, sharding.strategy, sharding.shard_size, roles, repr(options), kwargs)
+    key = ("rank", _Identity(module), batch_size, sharding.strategy, sharding.shard_size, roles, repr(options), kwargs)
     try:
         hash(key)
     except TypeError:
@@ -256,7 +256,34 @@ def _rank_key(
 
 
 def _by_value_or_identity(value: Any) -> Any:
-    return value if isinstance(value, (str, int, float, bool, type(None))) else ("id", id(value))
+    """A memo key's part for ``value``: the value itself where it compares by value (plain values, frozen dataclasses
+    such as a ``Mode``), else the object by identity, held by the key: an id alone could be a freed object's, reused
+    by the next (a plan's candidates make a new ``Mode`` each)."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    params = getattr(type(value), "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        try:
+            hash(value)
+        except TypeError:
+            return _Identity(value)
+        return value
+    return _Identity(value)
+
+
+class _Identity:
+    """An object compared by identity in a memo key, kept alive by it (so its id is never another object's)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
 
 
 def _rank_step(

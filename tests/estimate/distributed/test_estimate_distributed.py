@@ -369,3 +369,23 @@ def test_predict_max_batch_size_per_rank_under_a_strategy():
         predict_max_batch_size(model, budget, device="cpu", world_size=4)
     with pytest.raises(ValueError, match="unknown strategy 'dpp'"):
         predict_max_batch_size(model, budget, device="cpu", strategy="dpp", world_size=4)
+
+
+def test_a_rank_memo_never_answers_a_mode_with_an_earlier_freed_modes_rank():
+    """Inside ``reusing_fake_copies`` a rank's estimate is kept for the same question; a plan makes a new ``Mode`` per
+    candidate and drops it, so a memo keyed on the mode object's id answered the next mode (allocated at the freed
+    one's address) with the first mode's rank. The checkpointed rank must be its own: fewer activations."""
+    from lightning_memkit.estimate.step.settings import reusing_fake_copies
+    from lightning_memkit.modes.mode import Mode
+
+    module = DemoTransformer(dropout=0.0)
+    with reusing_fake_copies():
+        plain = estimate_distributed_memory(module, 4, strategy="ddp", world_size=2, device="cpu", mode=Mode())
+        checkpointed = estimate_distributed_memory(
+            module, 4, strategy="ddp", world_size=2, device="cpu", mode=Mode(checkpoint="auto")
+        )
+        again = estimate_distributed_memory(module, 4, strategy="ddp", world_size=2, device="cpu", mode=Mode())
+    alone = estimate_distributed_memory(module, 4, strategy="ddp", world_size=2, device="cpu", mode="checkpoint")
+    assert checkpointed.by_category["activations"] < plain.by_category["activations"]
+    assert checkpointed.peak_bytes == alone.peak_bytes
+    assert again.peak_bytes == plain.peak_bytes
