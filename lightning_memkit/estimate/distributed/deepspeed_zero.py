@@ -230,10 +230,12 @@ class DeepSpeedSetup(RankSetup):
 
     def epilogue(self) -> None:
         """``independent_gradient_partition_epilogue``: the last bucket reduced, the buckets freed, every ``.grad``
-        dropped (the partition's gradients stay in ``grads_in_partition`` for the step)."""
+        dropped (the partition's gradients stay in ``grads_in_partition`` for the step). The next backward of an
+        accumulated step copies into the same places (DeepSpeed accumulates there), not after them."""
         if self.bucket_members:
             self._reduce_bucket()
         self.buckets, self.bucket_index = [], 0
+        self.partition_used = 0
         for parameter in self.parameters:
             parameter.grad = None
 

@@ -389,3 +389,24 @@ def test_a_rank_memo_never_answers_a_mode_with_an_earlier_freed_modes_rank():
     assert checkpointed.by_category["activations"] < plain.by_category["activations"]
     assert checkpointed.peak_bytes == alone.peak_bytes
     assert again.peak_bytes == plain.peak_bytes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_and_2_accumulate_into_the_same_gradient_partition(stage):
+    """With gradient accumulation each backward copies this rank's gradients into the same places of
+    ``grads_in_partition`` (DeepSpeed accumulates there): the second micro-batch's copies stay inside the partition
+    (they ran past its end: 'shape ... is invalid for input of size 0'), which is alive at the accumulated step's peak
+    (the second forward runs with the first's gradients kept), the whole parameters that overlap this rank's share."""
+    from lightning_memkit.estimate.step.settings import accumulating
+
+    module = DemoTransformer(dropout=0.0)
+    strategy = f"deepspeed_stage_{stage}"
+    once = estimate_distributed_memory(module, 4, strategy=strategy, world_size=2, device="cpu")
+    with accumulating(2):
+        twice = estimate_distributed_memory(module, 4, strategy=strategy, world_size=2, device="cpu")
+    partition = "deepspeed_gradient_partition"
+    share = -(-sum(p.numel() for p in module.parameters()) // 4) * 2 * 4  # this rank's half, padded, fp32 bytes
+    largest = max(p.numel() for p in module.parameters()) * 4  # the one parameter that may straddle its end
+    assert once.buffers.get(partition, 0) <= share + largest
+    assert share <= twice.buffers[partition] <= share + largest
+    assert twice.peak_bytes >= once.peak_bytes
