@@ -5,14 +5,15 @@ that fits, in the rule's order), one at a time, at most ``trials``: the first al
 fits; each other one only when the time budget affords what a trial has cost so far.
 
 **The choice** is the rule's first among the trials that fit (:func:`~lightning_memkit.plan.space.preference`),
-unless another trial is measured faster by more than :data:`MIN_GAIN`. A trial whose median step is below the rule's
-first is timed again side by side with it, in rounds of alternating order (a CPU's speed drifts by tens of percent
-over seconds: timings seconds apart share the machine's state, a trial's own timing minutes later does not), until
-the per-round ratios tell whether it is faster by more than :data:`MIN_GAIN` (after at least :data:`MIN_ROUNDS`
-rounds, by :func:`~lightning_memkit.timing.faster_by`, the package's one noise rule) or the time budget ends (at most
-:data:`MAX_ROUNDS` rounds). A trial's own timing only nominates it: trials run a minute apart, on a machine whose
-load may change in between, so no choice rests on them alone. What the side-by-side rounds cannot tell apart, or
-have no time for, the rule decides: the same choice in every run.
+unless another trial is measured faster by more than :data:`MIN_GAIN`. Every other trial that fits is timed again
+side by side with it, in rounds of alternating order (a CPU's speed drifts by tens of percent over seconds: timings
+seconds apart share the machine's state, a trial's own timing minutes later does not), until the per-round ratios
+tell whether it is faster by more than :data:`MIN_GAIN` (after at least :data:`MIN_ROUNDS` rounds, by
+:func:`~lightning_memkit.timing.faster_by`, the package's one noise rule) or the time budget ends (at most
+:data:`MAX_ROUNDS` rounds). A trial's own timing decides nothing, not even which trials the rounds time: a trial
+15% faster measured slower in its own trial on a quiet 2-core CPU, and a plan that left it out chose differently
+from the next. What the side-by-side rounds cannot tell apart, or have no time for, the rule decides: the same
+choice in every run.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ def choose(state: PlanState) -> None:
     if not ran:
         return
     first = min(ran, key=lambda row: preference(row.candidate))
-    challengers = [row for row in ran if row is not first and _median(row) < _median(first)]
+    challengers = [row for row in ran if row is not first]
     state.best = first
     state.reason = "the plan's rule ranks it first among the trials that fit" + (
-        "" if challengers else ", and no other trial ran faster"
+        "" if challengers else ", the only trial that fit"
     )
     if not challengers:
         return
@@ -106,8 +107,7 @@ def choose(state: PlanState) -> None:
         )
         return
     state.reason += (
-        f"; {', '.join(r.candidate.describe() for r in challengers)} ran faster in "
-        f"{'its trial' if len(challengers) == 1 else 'their trials'}, but not shown faster by more than "
+        f"; {', '.join(r.candidate.describe() for r in challengers)} not shown faster by more than "
         f"{MIN_GAIN:.0%} {_how(challengers[0], rounds)}, so the rule keeps the choice"
     )
 
