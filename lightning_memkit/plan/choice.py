@@ -35,7 +35,8 @@ __all__ = ["MAX_ROUNDS", "MIN_GAIN", "MIN_ROUNDS", "ROUND_STEPS", "choose", "run
 #: a smaller gain does not survive a change of machine load, and the rule's first then keeps the choice stable
 MIN_GAIN = 0.05
 #: side-by-side rounds timed before their per-round ratios can tell two trials apart (a middle half of fewer says
-#: nothing of the machine's noise)
+#: nothing of the machine's noise; five, with three members, ran out of the default time budget before a verdict in
+#: three of four held-out ConvMixer plans, benchmarks/README.md)
 MIN_ROUNDS = 3
 #: the most side-by-side rounds (a budget of ``inf`` seconds would otherwise time two equal configurations forever)
 MAX_ROUNDS = 10
