@@ -280,12 +280,14 @@ def _rounds(monkeypatch, ratio_of) -> list[str]:
 def test_the_rules_first_is_chosen_unless_another_trial_is_measured_faster_by_more_than_min_gain(monkeypatch):
     """The rule's first among the trials that fit is the choice; a trial the rule ranks after it that ran faster is
     timed side by side with it (rounds of alternating order) until the per-round ratios tell whether it is faster
-    by more than MIN_GAIN: 20% faster is chosen after MIN_ROUNDS rounds, 3% faster is not (the rule keeps a choice a
-    change of load could flip), a pair the rounds never tell apart stays with the rule after MAX_ROUNDS."""
+    by more than MIN_GAIN: 20% faster is chosen after MIN_ROUNDS rounds, 10% slower loses after MIN_ROUNDS, 3% faster
+    is timed while the budget pays (at most MAX_ROUNDS) and not chosen (the rule keeps a choice a change of load could
+    flip), and a pair the rounds never tell apart stays with the rule after MAX_ROUNDS."""
     first_candidate, other_candidate = Candidate(8, 4), Candidate(32, 1, checkpoint="auto")
     for ratio, chosen, rounds in (
         (0.8, other_candidate, choice.MIN_ROUNDS),
-        (0.97, first_candidate, choice.MIN_ROUNDS),
+        (1.1, first_candidate, choice.MIN_ROUNDS),
+        (0.97, first_candidate, choice.MAX_ROUNDS),
     ):
         first = _ran(first_candidate, [0.100, 0.101, 0.099])
         other = _ran(other_candidate, [0.096, 0.095, 0.097])  # faster in its trial, by less than MIN_GAIN
@@ -301,7 +303,7 @@ def test_the_rules_first_is_chosen_unless_another_trial_is_measured_faster_by_mo
         ]
         assert [(p.name, p.detail) for p in state.clock.phases] == [("rounds", f"{rounds} rounds")]
     assert state.reason.startswith("the plan's rule ranks it first among the trials that fit; micro 32 x 1")
-    assert "not shown faster by more than 5% over 3 side-by-side rounds, so the rule keeps" in state.reason
+    assert "not shown faster by more than 5% over 10 side-by-side rounds, so the rule keeps" in state.reason
     # a 20% gain is said as such
     first, other = _ran(first_candidate, [0.1] * 3), _ran(other_candidate, [0.09] * 3)
     _rounds(monkeypatch, lambda c, r: 0.8 if c == other_candidate else 1.0)
