@@ -109,7 +109,7 @@ def choose(state: PlanState) -> None:
         return
     state.reason += (
         f"; {', '.join(r.candidate.describe() for r in challengers)} not shown faster by more than "
-        f"{MIN_GAIN:.0%} {_how(challengers[0], rounds)}, so the rule keeps the choice"
+        f"{MIN_GAIN:.0%} {_how(_most_timed(challengers, rounds), rounds)}, so the rule keeps the choice"
     )
 
 
@@ -167,6 +167,11 @@ def _verdict(row: PlanRow, first: PlanRow, rounds: list[dict[int, float]]) -> tu
     if faster_by(ratios, [1.0], MIN_GAIN):
         return True, statistics.median(ratios)
     return (False if faster_by([1.0], ratios) else None), statistics.median(ratios)
+
+
+def _most_timed(rows: list[PlanRow], rounds: list[dict[int, float]]) -> PlanRow:
+    """The row timed in the most side-by-side rounds (a clearly slower one leaves the rounds early)."""
+    return max(rows, key=lambda row: sum(id(row) in each for each in rounds))
 
 
 def _how(row: PlanRow, rounds: list[dict[int, float]]) -> str:
