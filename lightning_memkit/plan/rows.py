@@ -45,8 +45,7 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
     single = getattr(estimate, "single", estimate)
     offload_bytes = int(getattr(single, "host_bytes", 0) or 0) if candidate.offload else 0
     terms = None
-    if model is not None:
-        costs = _shared_costs(inputs, candidate, costs)
+    costs = _shared_costs(inputs, candidate, costs) if model is not None else None
     if model is not None and costs is not None:
         parameters = inputs.devices.parameters
         sent = comm_bytes(candidate, parameters) if parameters is not None else 0
