@@ -235,8 +235,9 @@ def _plan(state: PlanState) -> Plan:
 
 
 def no_best_note(rows: list[PlanRow]) -> str:
-    """Why no candidate was chosen: every estimate failed (and why; then no trial ran), or none fit in a real trial."""
-    failed = [row for row in rows if row.predicted_peak_bytes is None]
+    """Why no candidate was chosen: every estimate failed (and why; then no trial ran), none was predicted to fit, or
+    none fit in a real trial."""
+    failed = [row for row in rows if row.note.startswith("not estimated: ")]
     if failed and len(failed) == len(rows):  # nothing was predicted, so nothing was tried: memory is not the answer
         reason = failed[0].note.removeprefix("not estimated: ")
         if not reason.endswith(".") and ". " in reason:  # a note cut short: up to its last whole sentence
@@ -246,4 +247,6 @@ def no_best_note(rows: list[PlanRow]) -> str:
             f"the estimate failed for every candidate, so no trial ran (more memory would not help): {reason} "
             "memkit estimate shows the whole error"
         )
+    if not any(row.fits for row in rows):
+        return "no candidate is predicted to fit: give more memory, or allow more modes (bf16, checkpoint)"
     return "no candidate fit in a real trial: give more memory, or allow more modes (bf16, checkpoint)"

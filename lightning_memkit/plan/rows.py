@@ -15,8 +15,18 @@ from lightning_memkit.plan.rank_space import comm_bytes, optimizer_share
 from lightning_memkit.plan.result import PlanRow, RowStatus
 from lightning_memkit.plan.space import Candidate, preference, recompute_level
 from lightning_memkit.plan.time_model import OpCosts, TimeModel
+from lightning_memkit.units import format_bytes
 
-__all__ = ["CUDA_MARGIN", "dominated_by", "estimate_families", "estimate_row", "ranked", "trial_order"]
+__all__ = [
+    "CUDA_MARGIN",
+    "dominated_by",
+    "estimate_families",
+    "estimate_row",
+    "model_states_floor",
+    "ranked",
+    "trial_order",
+    "usable_bytes",
+]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
 CUDA_MARGIN = 0.05
@@ -27,6 +37,11 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
     several devices one rank's, :func:`~lightning_memkit.estimate.distributed.per_rank.estimate_distributed_memory`)
     and whether it fits ``inputs.budget``; with a ``model`` (a CUDA plan) also its step time, by term, from the same
     fake step's ops. A row with a note when it cannot be estimated."""
+    return _estimated(inputs, candidate, model)[0]
+
+
+def _estimated(inputs: PlanInputs, candidate: Candidate, model: TimeModel | None) -> tuple[PlanRow, Any]:
+    """:func:`estimate_row`'s row, and the estimate it came from (``None`` when the estimate failed)."""
     # a step whose ops are known already runs unobserved, so the estimate may answer from the fake step another
     # strategy ran (an observed step always runs)
     costs = OpCosts() if model is not None and _costs_key(candidate) not in inputs.op_costs else None
@@ -39,9 +54,8 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
             estimate = _estimate(inputs, candidate, cuda)
     except (EstimateError, ValueError) as error:
         note = f"not estimated: {str(error).splitlines()[0][:160]}"
-        return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED)
+        return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED), None
     peak = int(estimate.required_bytes)
-    usable = inputs.budget * (1 - CUDA_MARGIN) if cuda else inputs.budget
     single = getattr(estimate, "single", estimate)
     offload_bytes = int(getattr(single, "host_bytes", 0) or 0) if candidate.offload else 0
     terms = None
@@ -51,16 +65,40 @@ def estimate_row(inputs: PlanInputs, candidate: Candidate, model: TimeModel | No
         sent = comm_bytes(candidate, parameters) if parameters is not None else 0
         terms = model.step_terms(costs, candidate.accumulation, offload_bytes, sent, optimizer_share(candidate))
     step_s = terms.total_s if terms is not None else None
-    return PlanRow(
+    row = PlanRow(
         candidate,
         peak,
         step_s,
         candidate.effective_batch / step_s if step_s else None,
-        peak <= usable,
+        peak <= usable_bytes(inputs),
         costs=costs,
         offload_bytes=offload_bytes,
         terms=terms,
     )
+    return row, estimate
+
+
+def usable_bytes(inputs: PlanInputs) -> float:
+    """What a candidate may need to fit: the budget, less :data:`CUDA_MARGIN` of it on a CUDA device."""
+    return inputs.budget * (1 - CUDA_MARGIN) if inputs.device_type == "cuda" else inputs.budget
+
+
+def model_states_floor(estimate: Any) -> tuple[int, str]:
+    """Bytes every configuration of ``estimate``'s strategy, precision and offload holds at the moment of its peak,
+    whatever its micro-batch, accumulation or checkpointing, and what they are: a lower bound of each of their peaks.
+
+    Always the parameters. In the optimizer's step, also the optimizer state and the gradients (every configuration
+    runs the same optimizer step on the same gradients). In the second step's forward, also the optimizer state (made
+    by the first step) and the first step's gradients (Lightning sets them to ``None`` after the forward). Elsewhere
+    in the second step, the optimizer state."""
+    single = getattr(estimate, "single", estimate)
+    categories = estimate.by_category
+    parts = ["parameters"]
+    if single.peak_step == 2 or single.peak_phase == "optimizer":
+        parts.append("optimizer_state")
+    if single.peak_phase == "optimizer" or (single.peak_step == 2 and single.peak_phase == "forward"):
+        parts.append("gradients")
+    return sum(int(categories.get(part, 0)) for part in parts), ", ".join(parts)
 
 
 def _estimate(inputs: PlanInputs, candidate: Candidate, cuda: bool) -> Any:
@@ -100,30 +138,66 @@ def _shared_costs(inputs: PlanInputs, candidate: Candidate, costs: OpCosts | Non
     return inputs.op_costs.get(key)
 
 
-def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel | None) -> int:
-    """Estimate the candidates not in ``rows`` yet, per mode (precision, checkpointing, offload) from the largest
-    micro-batch down, stopping two micro-batches after the first that fits (smaller ones fit too, and the rule ranks
-    them after); returns how many were left out."""
+def estimate_families(inputs: PlanInputs, rows: list[PlanRow], model: TimeModel | None, fits_per_mode: int = 2) -> int:
+    """Estimate the candidates not in ``rows`` yet, per mode (strategy, precision, checkpointing, offload) from the
+    largest micro-batch down, stopping after ``fits_per_mode`` that fit (smaller ones fit too, and the rule ranks
+    them after); returns how many were left out.
+
+    A candidate whose strategy, precision and offload already showed model states above the budget
+    (:func:`model_states_floor` of an estimated row) gets a row that says so, without a step: no micro-batch or
+    checkpointing can fit it (DDP's full copy of a 7B's states on every rank)."""
     families: dict[tuple, list[Candidate]] = {}
     for candidate in inputs.space:
         family = (candidate.strategy, candidate.precision, repr(candidate.checkpoint), candidate.offload)
         families.setdefault(family, []).append(candidate)
     done = {row.candidate: row for row in rows}
+    floors: dict[tuple, tuple[int, str]] = {}
     skipped = 0
     for members in families.values():
         fitting = 0
         for candidate in sorted(members, key=lambda c: -c.micro_batch):
-            if fitting >= 2:
+            if fitting >= fits_per_mode:
                 skipped += 1
                 continue
             row = done.get(candidate)
             if row is None:
-                row = estimate_row(inputs, candidate, model)
+                above = _row_above_floor(inputs, candidate, floors)
+                if above is not None:
+                    rows.append(above)
+                    continue
+                row = _estimate_with_floor(inputs, candidate, model, floors)
                 rows.append(row)
             if row.predicted_peak_bytes is None:  # this mode cannot be estimated (its note says why): nor its smaller
                 break
             fitting += row.fits
     return skipped
+
+
+def _states_key(candidate: Candidate) -> tuple:
+    """What makes two candidates' model states the same: strategy, world size, precision, offload."""
+    return candidate.strategy, candidate.world_size, candidate.precision, candidate.offload
+
+
+def _estimate_with_floor(
+    inputs: PlanInputs, candidate: Candidate, model: TimeModel | None, floors: dict[tuple, tuple[int, str]]
+) -> PlanRow:
+    """:func:`estimate_row`, keeping the estimate's :func:`model_states_floor` for its strategy and precision (the
+    highest seen), with where it was measured."""
+    row, estimate = _estimated(inputs, candidate, model)
+    if estimate is not None:
+        floor, parts = model_states_floor(estimate)
+        if floor > floors.get(_states_key(candidate), (0, ""))[0]:
+            floors[_states_key(candidate)] = (floor, f"{parts} in the step of {candidate.describe()}")
+    return row
+
+
+def _row_above_floor(inputs: PlanInputs, candidate: Candidate, floors: dict[tuple, tuple[int, str]]) -> PlanRow | None:
+    """A row for a candidate whose model states alone exceed the budget (no step run), else ``None``."""
+    floor, source = floors.get(_states_key(candidate), (0, ""))
+    if floor <= usable_bytes(inputs):
+        return None
+    note = f"does not fit: its model states alone need {format_bytes(floor)} whatever the micro-batch ({source})"
+    return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED)
 
 
 def ranked(rows: list[PlanRow], by_time: bool = False) -> list[PlanRow]:
