@@ -114,14 +114,32 @@ def _per_rank(question: _RankQuestion, strategy: str, mode: Any, world_size: int
 
 def _fewest_gpus(question: _RankQuestion, strategy: str, mode: Any) -> tuple[Any, tuple, int | None, dict[int, int]]:
     """``strategy`` in ``mode``: one rank's estimate and figures at ``--world-size``, the fewest GPUs that fit (``None``
-    when none of the sizes tried does) and each size's device needs up to it. Raises what the estimate raises."""
-    estimate, figures = _per_rank(question, strategy, mode, question.args.world_size)
-    needs_by_size = {}
-    for size in question.sizes:
-        needs_by_size[size] = _per_rank(question, strategy, mode, size)[1][2]
-        if needs_by_size[size] <= question.usable:
-            return estimate, figures, size, needs_by_size
-    return estimate, figures, None, needs_by_size
+    when none of the sizes tried does) and the device needs of each size estimated on the way. Raises what the
+    estimate raises.
+
+    A strategy that shards a model state needs no more per rank on more ranks, so the fewest is found by bisection
+    over the sizes tried, starting from ``--world-size``'s answer: a few rank steps, not one per size. DDP's rank is
+    the same on every size above one (one step answers them all), and one rank alone has no buckets: its sizes are
+    taken in order."""
+    world_size, sizes = question.args.world_size, question.sizes
+    estimate, figures = _per_rank(question, strategy, mode, world_size)
+    needs_by_size: dict[int, int] = {}
+
+    def fits(size: int) -> bool:
+        if size not in needs_by_size:
+            needs_by_size[size] = figures[2] if size == world_size else _per_rank(question, strategy, mode, size)[1][2]
+        return needs_by_size[size] <= question.usable
+
+    sharding = sharding_of(strategy, world_size)
+    if not (sharding.parameters or sharding.gradients or sharding.optimizer_state):
+        return estimate, figures, next((size for size in sizes if fits(size)), None), needs_by_size
+    low, high = 0, len(sizes)  # the answer's index lies in [low, high]; len(sizes): none fits
+    if world_size in sizes:
+        low, high = (0, sizes.index(world_size)) if fits(world_size) else (sizes.index(world_size) + 1, high)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(sizes[middle]) else (middle + 1, high)
+    return estimate, figures, sizes[low] if low < len(sizes) else None, dict(sorted(needs_by_size.items()))
 
 
 def _strategy_and_mode(question: _RankQuestion, strategy: str, mode: Any) -> tuple[tuple, dict, Any]:
@@ -219,6 +237,7 @@ def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict])
     answers: dict[tuple[str, str], dict | None] = {
         (r["strategy"], r["mode"]): _suggestion(r) for r in results if "error" not in r
     }
+    by_name = {mode.name: mode for mode in candidates}
     found = {}
     for result in results:
         if "error" in result or result["fits"]:
@@ -227,7 +246,7 @@ def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict])
         for mode in candidates:
             if (strategy, mode.name) not in answers:
                 try:
-                    _, figures, minimum, _ = _fewest_gpus(question, strategy, mode)
+                    figures = _per_rank(question, strategy, mode, question.args.world_size)[1]
                 except (NoBatchError, EstimateError, ValueError):  # a mode that cannot be estimated is no suggestion
                     answers[(strategy, mode.name)] = None
                     continue
@@ -235,12 +254,14 @@ def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict])
                     "mode": mode.name,
                     "device_bytes_per_rank": figures[2],
                     "fits": figures[2] <= question.usable,
-                    "min_world_size": minimum,
                 }
         known = [answer for m in candidates if (answer := answers[(strategy, m.name)]) is not None]
         less = sorted(
             (a for a in known if a["device_bytes_per_rank"] < needs), key=lambda a: a["device_bytes_per_rank"]
         )
+        for answer in less:  # the fewest GPUs only of the modes shown (a search of rank steps each)
+            if "min_world_size" not in answer:
+                answer["min_world_size"] = _fewest_gpus(question, strategy, by_name[answer["mode"]])[2]
         result["suggestions"] = found[(strategy, result["mode"])] = less
     return found
 
