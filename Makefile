@@ -67,8 +67,8 @@ test-newest:
 	$(NEWEST_VENV)/bin/python -c "import torch; print('test-newest: torch', torch.__version__)"
 	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist worksteal $(NEWEST_TESTS)
 
-# The 4-process checks, the 70B matrix and the 7B plan on 8 GPUs (`extended` marker) that `make test` skips to stay
-# within 10 minutes on 2 cores.
+# The 4-process checks, the 70B matrix, the 7B plan on 8 GPUs and a few slow variants (`extended` marker) that
+# `make test` skips to stay near 10 minutes on 2 cores.
 test-extended: setup
 	MEMKIT_EXTENDED=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m extended -rs
 

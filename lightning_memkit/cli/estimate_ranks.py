@@ -13,9 +13,11 @@ from lightning_memkit.cli.estimate_output import in_cli_terms, kernels_and_notes
 from lightning_memkit.estimate.data.batches import NoBatchError
 from lightning_memkit.estimate.distributed.per_rank import estimate_distributed_memory
 from lightning_memkit.estimate.distributed.sharding import sharding_of
+from lightning_memkit.estimate.distributed.user_model import has_configure_model
 from lightning_memkit.estimate.mode_needs import ALTERNATIVE_MODES
 from lightning_memkit.estimate.step.memory_estimate import EstimateError
 from lightning_memkit.estimate.step.settings import reusing_fake_copies
+from lightning_memkit.modes.checkpoint_policy import repeated_block_classes
 from lightning_memkit.modes.mode import parse_mode
 from lightning_memkit.summary_table import format_table
 from lightning_memkit.units import format_bytes
@@ -217,13 +219,25 @@ def _print_min_gpus(question: _RankQuestion, memory: int, batch_words: str, done
             print(f"  {result['strategy']} {result['mode']}: {size}")
         else:
             needs = result["device_bytes_by_world_size"][sizes[-1]]
+            strategy = result["strategy"]
+            unit, wrap = _one_unit(question, strategy)
             print(
-                f"  {result['strategy']} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
-                f"needs {format_bytes(needs)} on {sizes[-1]} (what {result['strategy']} does not divide: "
-                f"activations, {'unsharded model states, ' if not _fully_sharded(result['strategy']) else ''}"
-                "workspaces, the CUDA context); a smaller --batch-size, more memory per GPU"
-                f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(result['strategy']) else ''}"
+                f"  {strategy} {result['mode']}: none fits on up to {sizes[-1]} GPUs: one rank still "
+                f"needs {format_bytes(needs)} on {sizes[-1]} (what {strategy} does not divide: {unit}"
+                f"activations, {'unsharded model states, ' if not _fully_sharded(strategy) else ''}"
+                f"workspaces, the CUDA context); {wrap}a smaller --batch-size, more memory per GPU"
+                f"{', or a sharding --strategy (fsdp)' if not _fully_sharded(strategy) else ''}"
             )
+
+
+def _one_unit(question: _RankQuestion, strategy: str) -> tuple[str, str]:
+    """Where FSDP runs the whole model as one unit (no ``--wrap``, no ``configure_model``: every parameter gathered
+    at once), the words for it and the ``--wrap`` to try (the module's repeated blocks); else two empty strings."""
+    if not strategy.startswith("fsdp") or question.wrap or has_configure_model(question.module):
+        return "", ""
+    blocks = sorted(cls.__name__ for cls in repeated_block_classes(question.module))
+    try_wrap = f"--wrap {','.join(blocks)} (FSDP's units, its auto_wrap_policy), " if blocks else ""
+    return "the whole model gathered at once, one FSDP unit without --wrap; ", try_wrap
 
 
 def _suggestions(question: _RankQuestion, modes: list[Any], results: list[dict]) -> dict[tuple[str, str], list[dict]]:

@@ -23,6 +23,7 @@ __all__ = [
     "normalize_policy",
     "describe_policy",
     "find_repeated_blocks",
+    "repeated_block_classes",
     "BUDGET_UNITS_HINT",
 ]
 
@@ -268,6 +269,12 @@ def find_repeated_blocks(module: nn.Module) -> list[_BlockRun]:
         runs.append(_BlockRun(name, container, best, names))
         taken.extend(names)
     return runs
+
+
+def repeated_block_classes(module: nn.Module) -> frozenset[type]:
+    """The classes of ``module``'s repeated blocks (:func:`find_repeated_blocks`): what FSDP wraps as its units
+    (``auto_wrap_policy={LlamaDecoderLayer}``)."""
+    return frozenset(type(module.get_submodule(name)) for run in find_repeated_blocks(module) for name in run.names)
 
 
 def _plain_sequential_chains(module: nn.Module) -> list[_BlockRun]:

@@ -11,12 +11,11 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import nn
 
 from lightning_memkit._lightning_compat import attached_trainer
 from lightning_memkit.estimate.data.batches import NoBatchError, batch_size_of
 from lightning_memkit.estimate.data.worst_batch import WorstBatch, worst_batch_and_length
-from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks
+from lightning_memkit.modes.checkpoint_policy import find_repeated_blocks, repeated_block_classes
 from lightning_memkit.modes.mode import TRUE_HALF_PRECISIONS
 from lightning_memkit.plan.cuda_trial import cuda_device, device_budget_bytes, release
 from lightning_memkit.plan.rank_space import Devices, ParameterCounts, parse_strategies
@@ -233,17 +232,9 @@ def devices_of(
         raise PlanError(str(error)) from None
     speed = _bytes_per_second(interconnect)
     # FSDP's units: the module's repeated blocks (as an auto_wrap_policy of their classes)
-    blocks = {
-        type(run.container.get_submodule(str(index))) for run in find_repeated_blocks(module) for index in _indices(run)
-    }
+    blocks = repeated_block_classes(module)
     fewest = max_world_size is not None
-    return Devices(most, fewest, strategies, speed, frozenset(blocks) or None, ParameterCounts.of(module))
-
-
-def _indices(run: Any) -> list[Any]:
-    """The keys of a run of repeated blocks in its container (a ModuleDict's names, else positions)."""
-    children = list(run.container.named_children())
-    return [children[i][0] if isinstance(run.container, nn.ModuleDict) else i for i in run.indices]
+    return Devices(most, fewest, strategies, speed, blocks or None, ParameterCounts.of(module))
 
 
 def _bytes_per_second(interconnect: Any) -> float:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lightning_memkit.units import format_bytes
@@ -56,9 +57,15 @@ def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
     assert (tmp_path / "logs" / "demo-mlp-csv" / "version_0" / "metrics.csv").exists()
 
 
-def test_demo_rejects_bad_arguments_with_a_clear_message(tmp_path):
-    result = _memkit("demo", "--steps", "0", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "--steps and --batch-size must be positive integers" in result.stderr
-    result = _memkit("demo", "--model", "resnet", cwd=tmp_path)
-    assert result.returncode == 2 and "invalid choice: 'resnet'" in result.stderr
+def test_demo_rejects_bad_arguments_with_a_clear_message(tmp_path, monkeypatch, capsys):
+    """The command's own entry point, in this process (the test above runs the console's): status 2 and what to
+    change, before anything trains."""
+    from lightning_memkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--steps", "0"]) == 2
+    assert "--steps and --batch-size must be positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_status:  # argparse's own refusal of a choice it does not know
+        main(["demo", "--model", "resnet"])
+    assert exit_status.value.code == 2 and "invalid choice: 'resnet'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written

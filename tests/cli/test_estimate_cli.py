@@ -325,6 +325,26 @@ def test_strategy_table_per_strategy_and_mode_and_the_fewest_gpus_that_fit(tmp_p
     }
 
 
+def test_fsdp_without_wrap_that_fits_on_no_size_names_its_one_unit_and_the_blocks_to_wrap(tmp_path, capsys):
+    """FSDP without --wrap (and no configure_model) is one unit: every parameter is gathered at once on any number of
+    ranks. Where no size fits, the answer says so and names the module's repeated blocks to give as --wrap; with
+    --wrap that sentence is gone. The fewest GPUs took a bisection: the sizes estimated are fewer than those tried."""
+    two_blocks = json.dumps({**TINY, "layers": 2})
+    arguments = ["estimate", "lightning_memkit/zoo.py:DemoTransformer", "--init-args", two_blocks]
+    arguments += ["--device", "cpu", "--strategy", "fsdp", "--world-size", "2", "--max-world-size", "64"]
+    out_json = tmp_path / "ranks.json"
+    assert main([*arguments, "--device-memory", "64KiB", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp baseline: none fits on up to 64 GPUs" in out
+    assert "(what fsdp does not divide: the whole model gathered at once, one FSDP unit without --wrap; " in out
+    assert "--wrap TransformerEncoderLayer (FSDP's units, its auto_wrap_policy), a smaller --batch-size" in out
+    (result,) = json.loads(out_json.read_text())["results"]
+    estimated = sorted(int(n) for n in result["device_bytes_by_world_size"])
+    assert estimated[-1] == 64 and len(estimated) < 6, estimated  # 2 (the row), then 16 and 64 by bisection
+    assert main([*arguments, "--device-memory", "64KiB", "--wrap", "TransformerEncoderLayer"]) == 0
+    assert "one FSDP unit" not in capsys.readouterr().out
+
+
 def test_strategy_that_does_not_fit_gets_the_modes_that_need_less_per_rank_with_their_fewest_gpus(tmp_path, capsys):
     """DDP of a transformer whose activations dominate: the mode asked for does not fit on 2 GPUs; each other mode's
     rank is estimated, and those that need less are printed with their figures and fewest GPUs, least first."""

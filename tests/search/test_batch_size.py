@@ -459,7 +459,14 @@ class _SlowAbove(DemoMLP):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("fast_up_to", [8, 0], ids=["cliff-above-8", "slow-from-the-first"])
+@pytest.mark.parametrize(
+    "fast_up_to",
+    [
+        pytest.param(8, id="cliff-above-8"),
+        # the same deadline on the first trial: 20 s of sleeping steps, in make test-extended
+        pytest.param(0, id="slow-from-the-first", marks=pytest.mark.extended),
+    ],
+)
 def test_a_trial_whose_next_step_would_pass_its_limit_is_stopped_and_ends_the_search(
     fast_up_to, tmp_path, capsys, monkeypatch
 ):
