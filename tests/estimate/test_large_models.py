@@ -302,7 +302,7 @@ CASES = [
 
 #: the batch-4 and 70B cases `make test` runs; `make test-extended` runs every case (a 70B estimate: 6-15 s on a quiet
 #: 2-core machine, 15-60 s when the cores are shared; how a category grows with the batch is checked apart, below)
-MAIN_LANE = {"7b-full-bf16-mixed+checkpoint-b4", "7b-lora-bf16-true+checkpoint-b4", "70b-full-bf16-mixed-b1"}
+MAIN_LANE = {"7b-full-bf16-mixed+checkpoint-b4", "70b-full-bf16-mixed-b1"}
 
 
 def _marks(case: Case) -> list:

@@ -322,7 +322,20 @@ PRIMARY["cpu5"] = PRIMARY["sparse"] = PRIMARY["ddp"] = PRIMARY["cpu"]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["cpu", "cpu5", "sparse", "ddp", "compare", "h100_gl", "h100_gc"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "cpu",
+        # five steps of the same layout, and the 2-process run's per-rank charts (test_dashboard_ddp.py checks that
+        # layout without a browser): in make test-extended
+        pytest.param("cpu5", marks=pytest.mark.extended),
+        "sparse",
+        pytest.param("ddp", marks=pytest.mark.extended),
+        "compare",
+        "h100_gl",
+        "h100_gc",
+    ],
+)
 def test_every_chart_is_drawn_and_readable_in_chromium(kind, browser, tmp_path_factory):
     from lightning_memkit.tensorboard.axis import tensorboard_ticks, tick_label
     from lightning_memkit.tensorboard.layout import MAX_SERIES_PER_CHART

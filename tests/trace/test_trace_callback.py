@@ -23,7 +23,7 @@ from lightning_memkit import LayerTrace, MemoryTracker
 from lightning_memkit.trace._torch_compat import in_backward, in_checkpoint_recomputation, queue_backward_end_callback
 from lightning_memkit.trace.trace_records import TRACE_FORMAT, read_trace
 from tests.helpers.event_files import read_scalars
-from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, tensors_with_grad_fn
+from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, storage_bytes, tensors_with_grad_fn
 from tests.helpers.models import FLOAT32, LinearStack
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.trainers import make_trainer
@@ -528,7 +528,8 @@ def test_traced_steps_leave_the_next_steps_start_as_an_untraced_run_has_it(tmp_p
             self.readings: list[tuple[int, int]] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.readings.append((live_tensor_bytes(), len(tensors_with_grad_fn())))
+            tensors = live_tensors("cpu")  # one collection and scan for both readings
+            self.readings.append((storage_bytes(tensors), sum(t.grad_fn is not None for t in tensors)))
 
     def fit(*callbacks) -> list[tuple[int, int]]:
         seed_everything(0, verbose=False)
