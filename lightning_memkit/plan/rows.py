@@ -25,7 +25,6 @@ __all__ = [
     "model_states_floor",
     "ranked",
     "trial_order",
-    "usable_bytes",
 ]
 
 #: the share of a CUDA device's memory a candidate must leave free to count as fitting (the caching allocator's slack)
@@ -70,7 +69,7 @@ def _estimated(inputs: PlanInputs, candidate: Candidate, model: TimeModel | None
         peak,
         step_s,
         candidate.effective_batch / step_s if step_s else None,
-        peak <= usable_bytes(inputs),
+        peak <= _usable_bytes(inputs),
         costs=costs,
         offload_bytes=offload_bytes,
         terms=terms,
@@ -78,7 +77,7 @@ def _estimated(inputs: PlanInputs, candidate: Candidate, model: TimeModel | None
     return row, estimate
 
 
-def usable_bytes(inputs: PlanInputs) -> float:
+def _usable_bytes(inputs: PlanInputs) -> float:
     """What a candidate may need to fit: the budget, less :data:`CUDA_MARGIN` of it on a CUDA device."""
     return inputs.budget * (1 - CUDA_MARGIN) if inputs.device_type == "cuda" else inputs.budget
 
@@ -194,7 +193,7 @@ def _estimate_with_floor(
 def _row_above_floor(inputs: PlanInputs, candidate: Candidate, floors: dict[tuple, tuple[int, str]]) -> PlanRow | None:
     """A row for a candidate whose model states alone exceed the budget (no step run), else ``None``."""
     floor, source = floors.get(_states_key(candidate), (0, ""))
-    if floor <= usable_bytes(inputs):
+    if floor <= _usable_bytes(inputs):
         return None
     note = f"does not fit: its model states alone need {format_bytes(floor)} whatever the micro-batch ({source})"
     return PlanRow(candidate, None, None, None, False, note=note, status=RowStatus.NOT_ESTIMATED)
