@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import threading
 import warnings
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import SCRIPT_ENVIRONMENT, run_process
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,6 +32,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if item.get_closest_marker("extended") is not None and not extended:
             item.add_marker(skip_extended)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch gets its share of the cores (one thread each with one worker per core,
+    as `make test` runs): torch's OpenMP threads wait for each other by spinning, so two workers of two threads each on
+    two cores, beside a test's own processes, made a 4 s test of 100 real steps take 25-70 s."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // int(workers)))
+
+
+def pytest_collection_finish(session):
+    """Move what importing the suite made (torch, Lightning, transformers, the test modules: about a million objects)
+    out of the garbage collector's reach with ``gc.freeze()``, once per worker, so each full ``gc.collect()`` and each
+    ``gc.get_objects()`` walks what the tests make, not the libraries: memkit runs both at every fit's start and end,
+    and with that heap each cost 0.2-0.4 s here, which made a third of the main lane's time.
+
+    What tests count is unchanged: the tensors they measure are made after the freeze. A test whose claim is about the
+    whole process (``rerun_in_own_process``) runs unfrozen, as a user's process does; ``MEMKIT_NO_FREEZE=1`` turns the
+    freeze off for a whole run."""
+    if os.environ.get("MEMKIT_OWN_PROCESS") or os.environ.get("MEMKIT_NO_FREEZE") == "1":
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -79,35 +106,27 @@ def rerun_in_own_process(request, tmp_path) -> Callable[..., bool]:
     """Run the calling test again in a fresh Python process and assert it passes there; ``False`` inside that process.
 
     For a whole-process reading that what earlier tests leave in the process moves (caches of torch and the libraries,
-    the process's resident memory): the claim is checked as a user's run sees it, from a fresh process. Usage, first
-    line of the test: ``if rerun_in_own_process(): return``."""
+    the process's resident memory): the claim is checked as a user's run sees it, from a fresh process (forked from an
+    interpreter that has imported the libraries and run nothing: :func:`tests.helpers.processes.run_process`). Usage,
+    first line of the test: ``if rerun_in_own_process(): return``."""
 
     def rerun(timeout_s: int = 600) -> bool:
         nodeid = request.node.nodeid
         if os.environ.get("MEMKIT_OWN_PROCESS") == nodeid:
             return False
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-x",
-                nodeid,
-                "--basetemp",
-                str(tmp_path / "own-process"),
-            ],
-            cwd=str(request.config.rootpath),
-            env={**os.environ, "MEMKIT_OWN_PROCESS": nodeid},
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
+        arguments = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", nodeid]
+        status, output = run_process(
+            [*arguments, "--basetemp", str(tmp_path / "own-process")],
+            str(request.config.rootpath),
+            timeout_s,
+            # as this test runs here, not as a script: the warnings and the torch threads this process has
+            env={
+                **{name: os.environ.get(name) for name in SCRIPT_ENVIRONMENT},
+                "OMP_NUM_THREADS": str(torch.get_num_threads()),
+                "MEMKIT_OWN_PROCESS": nodeid,
+            },
         )
-        assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), (
-            result.stdout[-4000:] + result.stderr[-2000:]
-        )
+        assert status == 0 and re.search(r"\b1 passed", output), output[-6000:]
         return True
 
     return rerun

@@ -92,7 +92,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_two_cpu_ranks_log_the_cross_rank_max(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT.format(root=REPO_ROOT, extra=EXTRA_ELEMENTS))
-    run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)  # kills the process group on timeout
+    run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180, ranks=2)  # kills both ranks on timeout
 
     ranks = []
     for rank in (0, 1):

@@ -3,35 +3,24 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from lightning_memkit.units import format_bytes
 from tests.helpers.event_files import read_scalars
-
-# A hang guard, under the suite's 300 s per-test limit so a hang shows the output. On a loaded 2-core machine, niced,
-# this file's two tests took 177 s together, and 180 s / 60 s were passed in a whole-suite run there (torch and
-# Lightning imported in a process that gets a few % of a core).
-HANG_S = 280
+from tests.helpers.processes import run_process
 
 
-def _memkit(*args: str, cwd, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_memkit.cli", *args],
-        cwd=str(cwd),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _memkit(*args: str, cwd) -> tuple[int, str]:
+    """``python -m lightning_memkit.cli ARGS`` in a process of its own: its exit status and output. The hang guard is
+    under the suite's 300 s per-test limit, so a hang shows the output."""
+    return run_process(["-m", "lightning_memkit.cli", *args], str(cwd), timeout=280)
 
 
 def test_demo_trains_prints_the_summary_and_the_tensorboard_line(tmp_path):
-    result = _memkit("demo", "--model", "mlp", "--steps", "4", "--logdir", str(tmp_path / "logs"), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+    status, out = _memkit("demo", "--model", "mlp", "--steps", "4", "--logdir", str(tmp_path / "logs"), cwd=tmp_path)
+    assert status == 0, out[-3000:]
     assert f"tensorboard --logdir {tmp_path / 'logs'}" in out
     # the demo trains where a user's Trainer would (accelerator "auto"): the peak is the CUDA allocator's
     # on a GPU machine, the exact tensor accountant's on CPU

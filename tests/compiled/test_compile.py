@@ -7,10 +7,6 @@ graph calls are counted, so "compiled on every step" is read, not assumed.
 from __future__ import annotations
 
 import gc
-import os
-import re
-import subprocess
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -95,35 +91,11 @@ class _ProfiledSteps(pl.Callback):
 
 
 @pytest.mark.parametrize("make", [CompiledGPT2, CompiledCNN], ids=["CompiledGPT2", "CompiledCNN"])
-def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_path, make):
+def test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak(tmp_path, make, rerun_in_own_process):
     # Both readings count every live tensor of the process. After the rest of the suite, the process holds tensors
     # that earlier tests left to torch's and the libraries' caches (on GPT-2, 62 KB seen by the tracker's reading and
     # not by this test's gc walk), so the comparison runs in a fresh process of its own.
-    if os.environ.get("MEMKIT_COMPILE_ISOLATED") != "1":
-        test_id = (
-            f"{__file__}::test_tracker_keeps_the_model_compiled_and_reads_the_compiled_steps_peak[{make.__name__}]"
-        )
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-x",
-                test_id,
-                "--basetemp",
-                str(tmp_path / "isolated"),
-            ],
-            env={**os.environ, "MEMKIT_COMPILE_ISOLATED": "1"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0 and re.search(r"\b1 passed", result.stdout), (
-            result.stdout[-3000:] + result.stderr[-2000:]
-        )
+    if rerun_in_own_process():
         return
     from lightning_memkit import MemoryTracker
 

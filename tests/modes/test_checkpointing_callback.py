@@ -4,10 +4,6 @@ module, budgets, FSDP deferral and DDP with two CPU processes."""
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -22,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memkit import ActivationCheckpointing, parse_mode
 from tests.helpers.event_files import read_scalars
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 from tests.helpers.trainers import make_trainer
 
 
@@ -159,26 +156,8 @@ DDP_SCRIPT = textwrap.dedent(
 def test_ddp_two_cpu_processes_train_with_checkpointing(tmp_path):
     script = tmp_path / "ddp_ckpt.py"
     script.write_text(DDP_SCRIPT.format(root=REPO_ROOT))
-    env = dict(os.environ, PL_DISABLE_FORK="1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-    process = subprocess.Popen(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail("DDP run timed out:\n" + output[-3000:])
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, output[-3000:]
+    env = {"PL_DISABLE_FORK": "1"}
+    output = run_script([str(script)], str(tmp_path), timeout=150, env=env, ranks=2)  # kills both ranks on timeout
     for rank in (0, 1):
         assert f"rank{rank} done" in output, output[-3000:]
         assert f"rank{rank} wrapped=" in output

@@ -260,7 +260,7 @@ def test_a_two_rank_cpu_plan_is_proved_by_a_real_two_process_fit_of_its_own_conf
     config.write_text(plan.yaml())
     script = tmp_path / "fit.py"
     script.write_text(FIT)
-    run_script([str(script), str(tmp_path), str(config)], cwd=str(tmp_path), timeout=420)
+    run_script([str(script), str(tmp_path), str(config)], cwd=str(tmp_path), timeout=420, ranks=2)
     scalars = read_scalars(str(tmp_path / "lightning_logs" / "version_0"))
     for rank in range(2):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())

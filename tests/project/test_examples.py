@@ -1,14 +1,10 @@
 """Every example in examples/ runs to the end, from a clean directory, and prints what it is for.
 
 Each example runs as its own process (``python examples/X.py [quick options]`` with the working
-directory a fresh ``tmp_path``, so nothing is written into the repository), and its printed figures
-are read back and checked against what can be computed: bytes by hand, files it wrote, the search's
-own trials. ``examples/doctor.py`` is run by tests/doctor/test_doctor.py.
-
-Starting Python, torch and Lightning costs each process several seconds of CPU (about 6 s on a loaded
-2-core host: more than most examples' own work), so the processes are forked from one warm
-interpreter that has imported them once (``_ForkServer``): each example still runs in a process of its
-own, as ``__main__``, with its own argv, working directory and output, and exits with its status.
+directory a fresh ``tmp_path``, so nothing is written into the repository; forked from a warm
+interpreter, :func:`tests.helpers.processes.run_script`), and its printed figures are read back and
+checked against what can be computed: bytes by hand, files it wrote, the search's own trials.
+``examples/doctor.py`` is run by tests/doctor/test_doctor.py.
 """
 
 from __future__ import annotations
@@ -16,132 +12,26 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 
 import pytest
 
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 
 ROOT = REPO_ROOT
 EXAMPLES = os.path.join(ROOT, "examples")
 FLOAT32, INT64 = 4, 8
 MiB = 1024**2
 
-# The warm interpreter: imports what every example imports, then forks one child per request (a line
-# of JSON on stdin) and answers two lines: the child's pid, then its exit status.
-_SERVER = r"""
-import json, os, runpy, sys, traceback
-import torch, lightning.pytorch, lightning_memkit, lightning_memkit.zoo
-print("ready", flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.chdir(request["cwd"])
-            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            sys.argv = [request["script"], *request["args"]]
-            sys.path[0] = os.path.dirname(request["script"])  # as `python examples/X.py` has it
-            try:
-                runpy.run_path(request["script"], run_name="__main__")
-                code = 0
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
 
-
-class _ForkServer:
-    """A Python process that has imported torch, Lightning and memkit, forking one child per example."""
-
-    def __init__(self, start_timeout: float = 180) -> None:
-        env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-        env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env.pop("MASTER_PORT", None)
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _SERVER],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        first = self._next(start_timeout)
-        if first != "ready":
-            self.close()
-            pytest.fail(f"the example runner did not start: {first}")
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _next(self, timeout: float) -> str | None:
-        return self.lines.get(timeout=timeout)
-
-    def run(self, script: str, args: list[str], cwd: str, timeout: float) -> str:
-        """Run ``script`` with ``args`` in ``cwd``; fail the test unless it exits 0 within ``timeout`` s."""
-        log = os.path.join(cwd, ".example_output.txt")
-        self.process.stdin.write(json.dumps({"script": script, "args": args, "cwd": cwd, "log": log}) + "\n")
-        self.process.stdin.flush()
-        pid = json.loads(self._next(30))["pid"]
-        try:
-            status = json.loads(self._next(timeout))["status"]
-        except queue.Empty:
-            os.kill(pid, signal.SIGKILL)
-            self._next(30)
-            pytest.fail(f"{os.path.basename(script)} did not finish in {timeout} s:\n{_read_text(log)[-4000:]}")
-        output = _read_text(log)
-        os.remove(log)
-        assert status == 0, f"{os.path.basename(script)} exited with {status}:\n{output[-4000:]}"
-        return output
-
-    def close(self) -> None:
-        # idle between examples, it holds nothing to flush: its whole session goes at once (an orderly
-        # interpreter exit with torch loaded took 4 s)
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.process.stdin.close()
-        self.process.stdout.close()
+def run_example(name: str, args: list[str], cwd, timeout: float = 240) -> str:
+    return run_script([os.path.join(EXAMPLES, name), *args], str(cwd), timeout)
 
 
 def _read_text(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as handle:
         return handle.read()
-
-
-@pytest.fixture(scope="module")
-def runner():
-    if not hasattr(os, "fork"):
-        pytest.skip("the example runner forks (POSIX); run the examples by hand here")
-    server = _ForkServer()
-    yield server
-    server.close()
-
-
-def run_example(runner, name: str, args: list[str], cwd, timeout: float = 240) -> str:
-    return runner.run(os.path.join(EXAMPLES, name), args, str(cwd), timeout)
 
 
 def mib(text: str) -> float:
@@ -153,7 +43,7 @@ def mib(text: str) -> float:
 # ---- one test per example ---------------------------------------------------------------------------
 
 
-def test_plain_pytorch_meter(runner, tmp_path):
+def test_plain_pytorch_meter(tmp_path):
     # The meter reads every live tensor of the process, so the libraries' own module-level tensors are in it
     # (torchmetrics holds a 4-byte one): counted with gc in a process that imported what the example imports.
     (tmp_path / "base.py").write_text(
@@ -163,9 +53,9 @@ def test_plain_pytorch_meter(runner, tmp_path):
         encoding="utf-8",
     )
     base = int(
-        re.search(r"^base (\d+)$", runner.run(str(tmp_path / "base.py"), [], str(tmp_path), 60), flags=re.M).group(1)
+        re.search(r"^base (\d+)$", run_script([str(tmp_path / "base.py")], str(tmp_path), 60), flags=re.M).group(1)
     )
-    output = run_example(runner, "plain_pytorch_meter.py", [], tmp_path)
+    output = run_example("plain_pytorch_meter.py", [], tmp_path)
     steps = re.findall(r"step (\d): peak .* \((\d+) B\), live at end .* \((\d+) B\), host RSS", output)
     assert [int(s) for s, _, _ in steps] == [0, 1, 2], output[-3000:]
     # Live at the end of a step, by hand: Linear(256, 1024) and Linear(1024, 10), their gradients,
@@ -178,10 +68,10 @@ def test_plain_pytorch_meter(runner, tmp_path):
     assert all(peak > live for peak in peaks) and peaks[1] == peaks[2]
 
 
-def test_memory_tracker(runner, tmp_path):
+def test_memory_tracker(tmp_path):
     from tests.helpers.event_files import read_scalars
 
-    output = run_example(runner, "memory_tracker.py", ["--steps", "4", "--logdir", "logs"], tmp_path)
+    output = run_example("memory_tracker.py", ["--steps", "4", "--logdir", "logs"], tmp_path)
     run_peak = re.search(r"run peak: (\d+) bytes at step (\d+)", output)
     assert run_peak, output[-3000:]
     scalars = read_scalars(str(tmp_path / "logs" / "mlp"))
@@ -199,8 +89,8 @@ def test_memory_tracker(runner, tmp_path):
         assert "memory/train/peak_tensor_MiB" in handle.readline().split(",")
 
 
-def test_report(runner, tmp_path):
-    output = run_example(runner, "report.py", ["out"], tmp_path)
+def test_report(tmp_path):
+    output = run_example("report.py", ["out"], tmp_path)
     printed = re.search(r"run mlp/version_0: peak (\d+) bytes at step (\d+) \((\w+)\), (\d+) readings", output)
     assert printed, output[-3000:]
     with open(tmp_path / "out" / "logs" / "mlp" / "version_0" / "memkit_memory.json", encoding="utf-8") as handle:
@@ -223,8 +113,8 @@ def test_report(runner, tmp_path):
     assert "mlp/version_0" in _read_text(str(tmp_path / "out" / "report.html"))
 
 
-def test_checkpoint_budget(runner, tmp_path):
-    output = run_example(runner, "checkpoint_budget.py", ["--steps", "1"], tmp_path)
+def test_checkpoint_budget(tmp_path):
+    output = run_example("checkpoint_budget.py", ["--steps", "1"], tmp_path)
     plan = re.search(r"checkpointed (\d+) block\(s\): (.+)", output)
     memory = re.search(
         r"activation memory: ([\d.]+ \w+) -> ([\d.]+ \w+) \(budget ([\d.]+ \w+)\); "
@@ -240,10 +130,10 @@ def test_checkpoint_budget(runner, tmp_path):
     assert measuring_peak < baseline  # no_grad measuring forwards keep no activation
 
 
-def test_quickstart(runner, tmp_path):
+def test_quickstart(tmp_path):
     from lightning_memkit.zoo import DemoCNN
 
-    output = run_example(runner, "quickstart.py", ["--max-batch-size", "8"], tmp_path)
+    output = run_example("quickstart.py", ["--max-batch-size", "8"], tmp_path)
     found = re.search(
         r"memkit: batch size (\d+) (?:fits|ran its steps too slowly for a larger one) .*; using (\d+)", output
     )
@@ -258,8 +148,8 @@ def test_quickstart(runner, tmp_path):
     assert re.search(r"^activations\s", output, flags=re.M), output[-3000:]  # LayerTrace's category table at step 1
 
 
-def test_find_batch_size(runner, tmp_path):
-    output = run_example(runner, "find_batch_size.py", ["--budget", "24MiB"], tmp_path)
+def test_find_batch_size(tmp_path):
+    output = run_example("find_batch_size.py", ["--budget", "24MiB"], tmp_path)
     trained = re.search(r"trained with batch size (\d+) \(budget ([\d.]+ \w+)\)", output)
     assert trained and mib(trained.group(2)) == 24, output[-3000:]
     trials = [
@@ -279,8 +169,8 @@ def test_find_batch_size(runner, tmp_path):
     assert predicted.keys() == {"baseline", "bf16"} and predicted["bf16"] > predicted["baseline"], output[-3000:]
 
 
-def test_plan_fit(runner, tmp_path):
-    output = run_example(runner, "plan_fit.py", ["--steps", "2"], tmp_path, timeout=400)
+def test_plan_fit(tmp_path):
+    output = run_example("plan_fit.py", ["--steps", "2"], tmp_path, timeout=400)
     head = re.search(r"baseline: batch (\d+) needs ([\d.]+ \w+); budget ([\d.]+ \w+)", output)
     trained = re.search(r"trained (\d+) steps of (\d+) samples with micro (\d+) x (\d+)", output)
     best = re.search(r"^\* micro (\d+) x (\d+).*?\s([\d.]+ \w+)\s+[\d.]+\s+ran: (?:median )?step", output, flags=re.M)
@@ -296,8 +186,8 @@ def test_plan_fit(runner, tmp_path):
     assert ran and 1 <= int(ran.group(1)) <= min(3, int(ran.group(2))), output[-3000:]
 
 
-def test_auto_fit(runner, tmp_path):
-    output = run_example(runner, "auto_fit.py", ["--steps", "2"], tmp_path, timeout=400)
+def test_auto_fit(tmp_path):
+    output = run_example("auto_fit.py", ["--steps", "2"], tmp_path, timeout=400)
     head = re.search(r"^batch (\d+) needs ([\d.]+ \w+); budget ([\d.]+ \w+)$", output, flags=re.M)
     applied = re.search(
         r"^AutoFit applied: micro-batch (\d+) x accumulate_grad_batches (\d+), checkpointing (\S+), offload (\w+)$",
@@ -314,10 +204,10 @@ def test_auto_fit(runner, tmp_path):
     assert applied.group(4) == "False" and "ActivationOffload in the Trainer's callbacks: False (CUDA only)" in output
 
 
-def test_layer_trace(runner, tmp_path):
+def test_layer_trace(tmp_path):
     from lightning_memkit.zoo import DemoCNN
 
-    output = run_example(runner, "layer_trace.py", ["--out", "out", "--batch-size", "8"], tmp_path)
+    output = run_example("layer_trace.py", ["--out", "out", "--batch-size", "8"], tmp_path)
     count = re.search(r"Ψ = (\d+) parameters", output)
     assert count and int(count.group(1)) == sum(p.numel() for p in DemoCNN().parameters()), output[-3000:]
     rows = re.findall(r"^(parameters|optimizer_state|inputs)\s+[\d.]+\s+[\d.]+\s+(\d+)\s+(\d+)$", output, flags=re.M)
@@ -336,8 +226,8 @@ def test_layer_trace(runner, tmp_path):
     assert list((tmp_path / "out" / "layer_trace").glob("version_0/memkit_trace_step1.json"))
 
 
-def test_compare_modes(runner, tmp_path):
-    output = run_example(runner, "compare_modes.py", ["--steps", "2", "--modes", "baseline,checkpoint"], tmp_path)
+def test_compare_modes(tmp_path):
+    output = run_example("compare_modes.py", ["--steps", "2", "--modes", "baseline,checkpoint"], tmp_path)
     assert "restored: True" in output, output[-3000:]  # the plain-PyTorch part undid its checkpointing
     lowest = re.search(r"lowest peak: (\S+) \(([\d.]+)x of baseline", output)
     assert lowest, output[-3000:]
@@ -353,8 +243,8 @@ def test_compare_modes(runner, tmp_path):
     assert math.isclose(float(lowest.group(2)), ratio, abs_tol=0.005)
 
 
-def test_distributed_estimate(runner, tmp_path):
-    output = run_example(runner, "distributed_estimate.py", ["--layers", "2"], tmp_path)
+def test_distributed_estimate(tmp_path):
+    output = run_example("distributed_estimate.py", ["--layers", "2"], tmp_path)
     # GPTLike's parameters by hand: embedding and head (vocab x width each), and per pre-norm encoder block
     # in_proj 3W^2+3W, out_proj W^2+W, linear1 4W^2+4W, linear2 4W^2+W, two LayerNorms 4W
     vocab, width, layers = 32_000, 2048, 2
@@ -410,8 +300,8 @@ def test_distributed_estimate(runner, tmp_path):
     )
 
 
-def test_building_blocks(runner, tmp_path):
-    output = run_example(runner, "building_blocks.py", [], tmp_path)
+def test_building_blocks(tmp_path):
+    output = run_example("building_blocks.py", [], tmp_path)
     assert os.listdir(tmp_path) == []  # plain PyTorch steps: nothing written
 
     def numbers(pattern: str) -> list[int]:
@@ -466,10 +356,10 @@ def test_building_blocks(runner, tmp_path):
     assert mib(plan.group(3)) * MiB <= int(plan.group(4))
 
 
-def test_estimate_and_search(runner, tmp_path):
+def test_estimate_and_search(tmp_path):
     from lightning_memkit.zoo import DemoMLP
 
-    output = run_example(runner, "estimate_and_search.py", ["--budget", "3MiB"], tmp_path)
+    output = run_example("estimate_and_search.py", ["--budget", "3MiB"], tmp_path)
     parameters = sum(p.numel() * p.element_size() for p in DemoMLP().parameters())
     assert f"DemoMLP: {parameters} B of parameters" in output, output[-3000:]
     # on a CPU target the fake step's peak is the real step's, byte for byte; Adam: two moments and a step per tensor
@@ -524,8 +414,8 @@ def test_estimate_and_search(runner, tmp_path):
     assert os.listdir(tmp_path) == []  # no logger, no checkpoint, the search's trials leave nothing
 
 
-def test_worst_batch(runner, tmp_path):
-    output = run_example(runner, "worst_batch.py", ["--steps", "12"], tmp_path)
+def test_worst_batch(tmp_path):
+    output = run_example("worst_batch.py", ["--steps", "12"], tmp_path)
     found = dict(re.findall(r"^(padded text|bucketed text|images of varying size): (.*)$", output, flags=re.M))
     assert set(found) == {"padded text", "bucketed text", "images of varying size"}, output[-3000:]
     # the padded batch is the longest sample's length: the data's lengths are seeded, so this is computable here

@@ -242,7 +242,7 @@ def _examples_run_by_tests() -> set[str]:
     run: set[str] = set()
     for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
         text = _read(path)
-        run.update(re.findall(r"run_example\(\s*runner,\s*\"(\w+\.py)\"", text))
+        run.update(re.findall(r"run_example\(\s*\"(\w+\.py)\"", text))
         run.update(re.findall(r"os\.path\.join\(\s*\"examples\",\s*\"(\w+\.py)\"\s*\)", text))
     return run
 

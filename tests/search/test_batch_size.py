@@ -282,9 +282,9 @@ def test_ddp_two_processes_agree_on_the_smaller_rank_limit(tmp_path):
     script = tmp_path / "ddp_search.py"
     script.write_text(DDP_SCRIPT)
     small, large = _budget_for(60), _budget_for(200)
-    run_script(
-        [str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240
-    )  # kills both ranks on timeout
+    run_script(  # kills both ranks on timeout
+        [str(script), str(tmp_path), str(large), str(small)], cwd=str(tmp_path), timeout=240, ranks=2
+    )
     answers = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
     assert answers[0] == answers[1], answers
     assert answers[0][2] == answers[0][3], answers  # the search's own gloo group is destroyed after it

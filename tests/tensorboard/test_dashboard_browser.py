@@ -249,7 +249,7 @@ def make_logs(kind: str, tmp_path_factory) -> str:
     if kind == "ddp":
         script = root / "ddp_run.py"
         script.write_text(DDP_SCRIPT.format(root=REPO_ROOT))
-        run_script([str(script), str(root / "logs")], cwd=str(root), timeout=240)
+        run_script([str(script), str(root / "logs")], cwd=str(root), timeout=240, ranks=2)
         return str(root / "logs")
     if kind == "compare":
         compare_modes(

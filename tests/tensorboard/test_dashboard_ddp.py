@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_one_layout_with_per_rank_charts(tmp_path):
     script = tmp_path / "ddp_dashboard.py"
     script.write_text(SCRIPT.format(root=REPO_ROOT))
-    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180)
+    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=180, ranks=2)
     assert "rank 0 registered again: False" in output and "rank 1 registered again: False" in output
 
     log_dir = str(tmp_path / "tb" / "version_0")

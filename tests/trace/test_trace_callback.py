@@ -7,8 +7,6 @@ import glob
 import itertools
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -26,6 +24,7 @@ from tests.helpers.event_files import read_scalars
 from tests.helpers.live_tensors import describe, live_tensor_bytes, live_tensors, storage_bytes, tensors_with_grad_fn
 from tests.helpers.models import FLOAT32, LinearStack
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.processes import run_script
 from tests.helpers.trainers import make_trainer
 
 MiB = 2**20
@@ -178,25 +177,8 @@ def test_cli_trace_prints_the_table(tmp_path):
     """)
     )
     out_json = tmp_path / "trace.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_memkit.cli",
-            "trace",
-            f"{source}:Small",
-            "--batch-size",
-            "6",
-            "--json",
-            str(out_json),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(tmp_path),
-    )
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    out = completed.stdout
+    arguments = ["trace", f"{source}:Small", "--batch-size", "6", "--json", str(out_json)]
+    out = run_script(["-m", "lightning_memkit.cli", *arguments], str(tmp_path), timeout=120)
     assert "layer trace of Small, step 1" in out
     conv_line = next(line for line in out.splitlines() if line.startswith("    net.0 (Conv2d)") and " forward " in line)
     assert "(6, 8, 16, 16) float32" in conv_line and f"+{6 * 8 * 16 * 16 * 4 / MiB:.3f}" in conv_line

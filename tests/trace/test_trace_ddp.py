@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
 def test_ddp_each_rank_traces_its_own_step(tmp_path):
     script = tmp_path / "ddp_trace.py"
     script.write_text(SCRIPT.format(root=REPO_ROOT, extra=EXTRA_ELEMENTS))
-    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path))
+    output = run_script([str(script), str(tmp_path)], cwd=str(tmp_path), ranks=2)
     # the printed summary and the unreached-step warning come from global rank zero only
     assert output.count("memkit LayerTrace: step 1 on cpu") == 1, output[-3000:]
     assert "RANK 1 UNREACHED 0: []" in output and "RANK 0 UNREACHED 1:" in output, output[-3000:]

@@ -121,7 +121,7 @@ DDP_SCRIPT = textwrap.dedent(
 def test_ddp_ranks_size_the_same_samples_when_one_rank_loads_slowly(tmp_path):
     script = tmp_path / "ddp_worst.py"
     script.write_text(DDP_SCRIPT)
-    run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=240)  # kills both ranks on timeout
+    run_script([str(script), str(tmp_path)], cwd=str(tmp_path), timeout=240, ranks=2)  # kills both ranks on timeout
     answers = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
     assert answers[0] == answers[1], answers
     total = SAMPLED_COUNT + 100

@@ -154,16 +154,25 @@ def test_fsdp2_estimate_runs_fully_shard_itself_on_a_fake_process_group():
     from tests.helpers.live_tensors import live_tensor_bytes, tensors_with_grad_fn
 
     model = DemoTransformer(dropout=0.0)
+
+    def estimate_on_2_and_4_ranks():
+        return {
+            n: estimate_distributed_memory(
+                model, strategy="model_parallel", world_size=n, device="cpu", wrap={nn.TransformerEncoderLayer}
+            )
+            for n in (2, 4)
+        }
+
     before, excepthook = live_tensor_bytes(), sys.excepthook
-    estimates = {
-        n: estimate_distributed_memory(
-            model, strategy="model_parallel", world_size=n, device="cpu", wrap={nn.TransformerEncoderLayer}
-        )
-        for n in (2, 4)
-    }
+    estimates = estimate_on_2_and_4_ranks()
     assert not dist.is_initialized() and sys.excepthook is excepthook
-    # torch's DTensor sharding cache keeps each device mesh (its int32 rank tensor) alive: nothing else stays
-    assert live_tensor_bytes() - before == 4 * (2 + 4) and tensors_with_grad_fn() == []
+    # torch's DTensor sharding cache keeps each device mesh (its int32 rank tensor) alive, once per mesh shape (an
+    # earlier test in this process may have made one already); nothing else stays, however often it estimates
+    first = live_tensor_bytes() - before
+    assert first in (0, 4 * 2, 4 * 4, 4 * (2 + 4)) and tensors_with_grad_fn() == []
+    again = estimate_on_2_and_4_ranks()
+    assert {n: e.peak_bytes for n, e in again.items()} == {n: e.peak_bytes for n, e in estimates.items()}
+    assert live_tensor_bytes() - before == first
     for n, estimate in estimates.items():
         shard_bytes = sum(
             -(-p.shape[0] // n) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters()
@@ -292,7 +301,9 @@ def _check_lightning_run(tmp_path, strategy, devices, batch=16, **estimate_kwarg
     measured accountant peak at step 1 (optimizer state and last step's gradients exist) with the estimate."""
     script = tmp_path / "run.py"
     script.write_text(LIGHTNING_SCRIPT)
-    run_script([str(script), str(tmp_path), strategy, str(devices), str(batch)], cwd=str(tmp_path), timeout=420)
+    run_script(
+        [str(script), str(tmp_path), strategy, str(devices), str(batch)], cwd=str(tmp_path), timeout=420, ranks=devices
+    )
     estimate = estimate_distributed_memory(
         DemoTransformer(dropout=0.0, batch_size=batch),
         strategy=strategy,
