@@ -45,7 +45,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Move what importing the suite made (torch, Lightning, transformers, the test modules: about a million objects)
+    """Move what importing the suite made (torch, Lightning, transformers, the test modules: about 500,000 objects)
     out of the garbage collector's reach with ``gc.freeze()``, once per worker, so each full ``gc.collect()`` and each
     ``gc.get_objects()`` walks what the tests make, not the libraries: memkit runs both at every fit's start and end,
     and with that heap each cost 0.2-0.4 s here, which made a third of the main lane's time.

@@ -5,8 +5,8 @@ Starting Python and importing torch and Lightning costs a process about 6 s of C
 work, and the main lane runs dozens of them), so a script runs in a process forked from a warm interpreter that has
 imported them once and run nothing (:class:`ForkServer`, one per pytest process): each script still runs in a process
 of its own, as ``__main__``, with its own argv, working directory, environment and output, and exits with its status.
-A process a script starts (Lightning's launcher starting the other DDP ranks) is a fresh interpreter, as it is for a
-user.
+With ``ranks``, every rank is forked so (as ``torchrun`` starts them); a process a script starts itself (Lightning's
+launcher starting the other DDP ranks) is a fresh interpreter, as it is for a user.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 
 import pytest
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.helpers.paths import REPO_ROOT
 
@@ -111,7 +111,7 @@ def serve(request):
                     if pid not in statuses:
                         os.killpg(pid, signal.SIGKILL)
     os.close(read_end)
-    failed = [statuses[pid] for pid in pids if statuses[pid]]
+    failed = [status for status in statuses.values() if status]  # in the order they ended: the first failure first
     print(json.dumps({"status": failed[0] if failed else 0}), flush=True)
 
 
@@ -214,7 +214,7 @@ def run_process(
     Trainer with ``devices=RANKS`` runs as one of them. Returns ``(exit status, output)`` (stdout and stderr)."""
     changes: dict[str, str | None] = {**SCRIPT_ENVIRONMENT, "MASTER_PORT": None, **(env or {})}
     if ranks:
-        changes["MASTER_PORT"] = str(free_port())
+        changes["MASTER_PORT"] = str(find_free_network_port())  # the ranks' rendezvous, as Lightning finds one
     server = fork_server()
     if server is not None:
         return server.run(list(args), cwd, timeout, changes, ranks)
@@ -243,13 +243,6 @@ def run_process(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     return process.returncode, output
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the ranks' rendezvous; as Lightning's launcher finds one)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_script(
